@@ -1,0 +1,1 @@
+"""Syntax: grammar-driven parsing into an immutable syntax tree, and its canonical printer."""

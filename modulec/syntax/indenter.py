@@ -1,0 +1,126 @@
+"""Indentation postlexer: turns newlines into _NL / _INDENT / _DEDENT with Python's rules.
+
+Beyond Python's rules it knows the DSL's continuation lines, which the specification uses
+freely:
+
+- a line starting with `->` continues the previous statement, whatever its indentation;
+- a line ending with `->` continues on the next line;
+- a line starting with `@`, indented deeper than the statement, carries more annotations
+  for it (`-> out` then `@hook(...)` on the next line);
+- newlines inside brackets never count.
+
+It also turns a `-` that starts a line into DASH (a list item), and records the problems
+it can see better than the parser can: tabs in indentation, a dedent to a level never
+opened, brackets that never close.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lark import Token
+from lark.lark import PostLex
+
+OPENING = {"LPAR": ")", "LSQB": "]", "LBRACE": "}"}
+CLOSING = {"RPAR": "(", "RSQB": "[", "RBRACE": "{"}
+LINE_START = {None, "_NL", "_INDENT", "_DEDENT"}
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """Something wrong with the layout of the text, found while lexing."""
+
+    kind: str  # "tab" | "dedent" | "unclosed" | "unopened"
+    offset: int
+    end: int
+    detail: str = ""
+
+
+class DedentError(Exception):
+    """A dedent to a column that matches no enclosing block: parsing cannot continue."""
+
+    def __init__(self, problem: LayoutProblem):
+        super().__init__(problem.detail)
+        self.problem = problem
+
+
+class Indenter(PostLex):
+    always_accept = ("_NL",)
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.problems: list[LayoutProblem] = []
+        self.open_brackets: list[Token] = []
+
+    def start(self, text: str) -> None:
+        """Prepare for one parse of `text` (the postlexer needs to look ahead in it)."""
+        self.text = text
+        self.problems = []
+        self.open_brackets = []
+
+    def process(self, stream):
+        levels = [0]
+        previous = None
+        for token in stream:
+            kind = token.type
+            if kind == "_NL":
+                if self._continues(token, previous, levels[-1]):
+                    continue
+                yield token
+                yield from self._indentation(token, levels)
+                previous = "_NL"
+                continue
+            if kind == "ADD_OP" and token.value == "-" and previous in LINE_START:
+                token = Token.new_borrow_pos("DASH", "-", token)
+            self._track_bracket(token)
+            yield token
+            previous = token.type
+        while len(levels) > 1:
+            levels.pop()
+            yield Token("_DEDENT", "", start_pos=len(self.text), line=0, column=0)
+
+    # ------------------------------------------------------------ continuation lines
+    def _continues(self, newline: Token, previous: str | None, level: int) -> bool:
+        if self.open_brackets or previous == "_ARROW":
+            return True
+        rest = self.text[newline.end_pos:newline.end_pos + 2]
+        if rest.startswith("->"):
+            return True
+        return rest.startswith("@") and self._indent_width(newline) > level
+
+    # ------------------------------------------------------------ indentation
+    def _indentation(self, newline: Token, levels: list[int]):
+        width = self._indent_width(newline)
+        if width > levels[-1]:
+            levels.append(width)
+            yield Token.new_borrow_pos("_INDENT", "", newline)
+            return
+        while width < levels[-1]:
+            levels.pop()
+            yield Token.new_borrow_pos("_DEDENT", "", newline)
+        if width != levels[-1]:
+            start = newline.end_pos - width
+            detail = f"{width} (open blocks are at {', '.join(map(str, levels))})"
+            raise DedentError(LayoutProblem("dedent", start, newline.end_pos, detail))
+
+    def _indent_width(self, newline: Token) -> int:
+        if newline.end_pos >= len(self.text):
+            return 0  # end of file: close every block
+        last_line = newline.value.rsplit("\n", 1)[-1]
+        if "#" in last_line:
+            return 0
+        if "\t" in last_line:
+            start = newline.end_pos - len(last_line)
+            self.problems.append(LayoutProblem("tab", start, newline.end_pos))
+        return len(last_line.expandtabs(8))
+
+    # ------------------------------------------------------------ brackets
+    def _track_bracket(self, token: Token) -> None:
+        if token.type in OPENING:
+            self.open_brackets.append(token)
+        elif token.type in CLOSING:
+            if self.open_brackets:
+                self.open_brackets.pop()
+            else:
+                self.problems.append(
+                    LayoutProblem("unopened", token.start_pos, token.end_pos, token.value))

@@ -1,0 +1,105 @@
+"""Parsing: text -> syntax tree (modulec.syntax.ast) or E001 diagnostics.
+
+The LALR tables are built once and cached on disk, so `modulec check` starts fast. A file
+with errors is parsed again declaration by declaration, and a broken line is patched out
+and the declaration re-parsed, so that one mistake does not hide the next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lark import Lark
+from lark.exceptions import UnexpectedInput, VisitError
+
+from modulec.diagnostics import Diagnostic
+from modulec.paths import grammar_file
+from modulec.source import SourceFile
+from modulec.syntax import ast as A
+from modulec.syntax.builder import Builder
+from modulec.syntax.indenter import DedentError, Indenter
+from modulec.syntax.recovery import parse_with_recovery
+
+_PARSER: "Parser | None" = None
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    program: A.Program | None
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.is_error for d in self.diagnostics)
+
+
+def lark_options(strict: bool = False) -> dict:
+    return dict(parser="lalr", lexer="contextual", start="start",
+                maybe_placeholders=True, propagate_positions=False, strict=strict)
+
+
+class Parser:
+    """One LALR parser with its postlexer and builder (not thread-safe: one parse at a time)."""
+
+    def __init__(self) -> None:
+        text = grammar_file().read_text(encoding="utf-8")
+        self.indenter = Indenter()
+        self.builder = Builder()
+        self.lark = Lark(text, postlex=self.indenter, transformer=self.builder,
+                         cache=_cache_path(text), **lark_options())
+
+    def parse_raw(self, text: str, file: str) -> A.Program:
+        """Parse or raise (UnexpectedInput, DedentError); positions refer to `text`."""
+        self.indenter.start(text)
+        self.builder.file = file
+        try:
+            return self.lark.parse(text)
+        except VisitError as error:  # a builder callback failed: report the original
+            raise error.orig_exc from None
+
+
+def _cache_path(grammar_text: str) -> str:
+    import lark
+
+    key = hashlib.sha256((grammar_text + lark.__version__).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("MODULEC_CACHE_DIR", Path(tempfile.gettempdir()) / "modulec"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"grammar-{key}.lark-cache")
+
+
+def parser() -> Parser:
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = Parser()
+    return _PARSER
+
+
+def parse_source(source: SourceFile) -> ParseResult:
+    """Parse one file: its syntax tree, or the E001 diagnostics that explain why not."""
+    text = source.text if source.text.endswith("\n") else source.text + "\n"
+    p = parser()
+    try:
+        program = p.parse_raw(text, source.name)
+        layout = p.indenter.problems
+        if not layout:
+            return ParseResult(_with_comments(program, text), ())
+    except (UnexpectedInput, DedentError):
+        pass
+    program, diagnostics = parse_with_recovery(p, source, text)
+    return ParseResult(program, tuple(diagnostics))
+
+
+def parse_text(text: str, name: str = "<input>") -> ParseResult:
+    return parse_source(SourceFile(name, text))
+
+
+def parse_file(path: str | Path) -> ParseResult:
+    return parse_source(SourceFile.read(path))
+
+
+def _with_comments(program: A.Program, text: str) -> A.Program:
+    return program
