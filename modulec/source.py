@@ -67,6 +67,18 @@ class SourceFile:
         end = self.text.find("\n", start)
         return self.text[start:] if end < 0 else self.text[start:end]
 
+    def offset(self, line: int, column: int) -> int:
+        """Character offset of a 1-based (line, column), clipped to the text."""
+        line = max(1, min(line, len(self._line_starts)))
+        return min(self._line_starts[line - 1] + column - 1, len(self.text))
+
+    def respan(self, span: Span) -> Span:
+        """The same line/column region, with offsets recomputed for this file's text."""
+        start = self.offset(span.line, span.column)
+        end = self.offset(span.end_line, span.end_column)
+        return Span(span.file, start, max(start, end), span.line, span.column,
+                    span.end_line, span.end_column)
+
     def span(self, start: int, end: int | None = None) -> Span:
         """A span from character offsets (end defaults to start + 1, clipped to the text)."""
         end = start + 1 if end is None else end

@@ -230,12 +230,14 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Section:
-    """`key:` followed by an indented block (possibly empty)."""
+    """`key:` followed by an indented block (possibly empty); `key: value` + block when
+    the section has a value (`pattern: sequential_residual`)."""
 
     key: Expr
     body: tuple["Item", ...]
     annotations: tuple[Annotation, ...] = ()
     span: Span = _span()
+    value: Expr | None = None
 
     @property
     def name(self) -> str | None:

@@ -107,6 +107,11 @@ class Builder(Transformer):
         last = suite[-1] if suite else (annotations[-1] if annotations else key)
         return A.Section(key, tuple(suite), annotations, self.span(key, last))
 
+    def valued_section(self, children):
+        entry, suite = children
+        return A.Section(entry.key, tuple(suite), entry.annotations,
+                         self.span(entry, suite[-1]), entry.value)
+
     def entry(self, children):
         key, value, default = children[:3]
         annotations = _of(children[3:], A.Annotation)

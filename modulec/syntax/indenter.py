@@ -4,7 +4,6 @@ Beyond Python's rules it knows the DSL's continuation lines, which the specifica
 freely:
 
 - a line starting with `->` continues the previous statement, whatever its indentation;
-- a line ending with `->` continues on the next line;
 - a line starting with `@`, indented deeper than the statement, carries more annotations
   for it (`-> out` then `@hook(...)` on the next line);
 - newlines inside brackets never count.
@@ -51,12 +50,14 @@ class Indenter(PostLex):
         self.text = ""
         self.problems: list[LayoutProblem] = []
         self.open_brackets: list[Token] = []
+        self.recent: list[Token] = []  # the last tokens handed to the parser, for errors
 
     def start(self, text: str) -> None:
         """Prepare for one parse of `text` (the postlexer needs to look ahead in it)."""
         self.text = text
         self.problems = []
         self.open_brackets = []
+        self.recent = []
 
     def process(self, stream):
         levels = [0]
@@ -66,22 +67,23 @@ class Indenter(PostLex):
             if kind == "_NL":
                 if self._continues(token, previous, levels[-1]):
                     continue
-                yield token
-                yield from self._indentation(token, levels)
+                yield from self._newline(token, levels)
                 previous = "_NL"
                 continue
             if kind == "ADD_OP" and token.value == "-" and previous in LINE_START:
                 token = Token.new_borrow_pos("DASH", "-", token)
             self._track_bracket(token)
+            self._remember(token)
             yield token
             previous = token.type
         while len(levels) > 1:
             levels.pop()
-            yield Token("_DEDENT", "", start_pos=len(self.text), line=0, column=0)
+            end = len(self.text)
+            yield Token("_DEDENT", "", end, 0, 0, 0, 0, end)
 
     # ------------------------------------------------------------ continuation lines
     def _continues(self, newline: Token, previous: str | None, level: int) -> bool:
-        if self.open_brackets or previous == "_ARROW":
+        if self.open_brackets:
             return True
         rest = self.text[newline.end_pos:newline.end_pos + 2]
         if rest.startswith("->"):
@@ -89,19 +91,35 @@ class Indenter(PostLex):
         return rest.startswith("@") and self._indent_width(newline) > level
 
     # ------------------------------------------------------------ indentation
-    def _indentation(self, newline: Token, levels: list[int]):
+    def _newline(self, newline: Token, levels: list[int]):
         width = self._indent_width(newline)
         if width > levels[-1]:
             levels.append(width)
-            yield Token.new_borrow_pos("_INDENT", "", newline)
+            yield self._remembered(Token.new_borrow_pos("_BLOCK_NL", newline.value, newline))
+            yield self._layout_token("_INDENT", newline)
             return
+        yield self._remembered(newline)
         while width < levels[-1]:
             levels.pop()
-            yield Token.new_borrow_pos("_DEDENT", "", newline)
+            yield self._layout_token("_DEDENT", newline)
         if width != levels[-1]:
             start = newline.end_pos - width
             detail = f"{width} (open blocks are at {', '.join(map(str, levels))})"
             raise DedentError(LayoutProblem("dedent", start, newline.end_pos, detail))
+
+    def _layout_token(self, kind: str, newline: Token) -> Token:
+        """An INDENT/DEDENT placed at the first character of the line it starts."""
+        token = Token(kind, "", newline.end_pos, newline.end_line, newline.end_column,
+                      newline.end_line, newline.end_column, newline.end_pos)
+        self._remember(token)
+        return token
+
+    def _remember(self, token: Token) -> None:
+        self.recent = self.recent[-3:] + [token]
+
+    def _remembered(self, token: Token) -> Token:
+        self._remember(token)
+        return token
 
     def _indent_width(self, newline: Token) -> int:
         if newline.end_pos >= len(self.text):

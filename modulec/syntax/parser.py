@@ -22,6 +22,7 @@ from modulec.source import SourceFile
 from modulec.syntax import ast as A
 from modulec.syntax.builder import Builder
 from modulec.syntax.indenter import DedentError, Indenter
+from modulec.syntax.errors import layout_problem
 from modulec.syntax.recovery import parse_with_recovery
 
 _PARSER: "Parser | None" = None
@@ -84,13 +85,11 @@ def parse_source(source: SourceFile) -> ParseResult:
     p = parser()
     try:
         program = p.parse_raw(text, source.name)
-        layout = p.indenter.problems
-        if not layout:
-            return ParseResult(_with_comments(program, text), ())
     except (UnexpectedInput, DedentError):
-        pass
-    program, diagnostics = parse_with_recovery(p, source, text)
-    return ParseResult(program, tuple(diagnostics))
+        program, diagnostics = parse_with_recovery(p, source, text)
+        return ParseResult(program, tuple(diagnostics))
+    layout = [layout_problem(problem, source).diagnostic for problem in p.indenter.problems]
+    return ParseResult(program, tuple(layout))
 
 
 def parse_text(text: str, name: str = "<input>") -> ParseResult:
@@ -99,7 +98,3 @@ def parse_text(text: str, name: str = "<input>") -> ParseResult:
 
 def parse_file(path: str | Path) -> ParseResult:
     return parse_source(SourceFile.read(path))
-
-
-def _with_comments(program: A.Program, text: str) -> A.Program:
-    return program

@@ -96,7 +96,8 @@ def body_lines(items, depth: int) -> list[str]:
 def item_lines(item, depth: int) -> list[str]:
     pad = INDENT * depth
     if isinstance(item, A.Section):
-        return [pad + expr(item.key) + ":" + annotations_suffix(item.annotations)] + \
+        value = " " + value_text(item.value) if item.value is not None else ""
+        return [pad + expr(item.key) + ":" + value + annotations_suffix(item.annotations)] + \
             body_lines(item.body, depth + 1)
     if isinstance(item, A.IfBlock):
         return if_lines(item, depth)

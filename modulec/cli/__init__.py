@@ -1,0 +1,1 @@
+"""The `modulec` command line (entry point: `modulec.cli.main:main`)."""
