@@ -1,0 +1,109 @@
+"""Which sections a declaration may hold: one table, checked after parsing.
+
+The grammar gives every section body one item syntax, so a misspelled section (`forwrd:`)
+parses; this check reports it as E001 with the closest known names. Only section *names*
+and the kind of item at declaration level are checked here; what a section contains is
+the business of the checker (modulec check, issue 3).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from modulec.diagnostics import Diagnostic, error
+from modulec.syntax import ast as A
+
+MODULE_SECTIONS = frozenset({
+    "let", "constants", "params", "forward", "backward", "save", "recompute",
+    "hf_config", "hf_mapping", "hf_export",
+})
+DECLARATION_SECTIONS: dict[str, frozenset[str] | None] = {
+    "module": MODULE_SECTIONS,
+    "block": MODULE_SECTIONS | {"pattern"},
+    "model": MODULE_SECTIONS,
+    "primitive": frozenset({
+        "params", "forward", "backward", "save", "impl", "invariants", "memory", "fusion",
+        "precision", "constraints",
+    }),
+    "recipe": None,  # a recipe is a list of settings; any key is allowed
+}
+GRAPH_SECTIONS = frozenset({"in", "out", "inputs", "outputs", "graph", "save", "recompute",
+                            "impl"})
+NESTED_SECTIONS = {"forward": GRAPH_SECTIONS, "backward": GRAPH_SECTIONS}
+
+
+def check_sections(program: A.Program) -> list[Diagnostic]:
+    diagnostics: list[Diagnostic] = []
+    for decl in program.decls:
+        allowed = DECLARATION_SECTIONS[decl.kind]
+        if allowed is not None:
+            diagnostics += _check_body(decl.body, allowed, f"{decl.kind} `{decl.name}`",
+                                       decl.kind == "primitive")
+    return diagnostics
+
+
+def _check_body(items, allowed, where: str, primitive: bool) -> list[Diagnostic]:
+    diagnostics = []
+    for item in items:
+        diagnostics += _check_item(item, allowed, where, primitive)
+    return diagnostics
+
+
+def _check_item(item, allowed, where, primitive) -> list[Diagnostic]:
+    if isinstance(item, (A.Docstring, A.AnnotationLine)):
+        return []
+    if isinstance(item, A.ImplBlock):
+        return [] if "impl" in allowed else [_misplaced(item, "an `impl:` section", where)]
+    if not isinstance(item, (A.Section, A.Entry)):
+        return [_misplaced(item, _describe(item), where)]
+    name = _key_name(item.key)
+    if name is None or name in allowed:
+        return _check_nested(item, name, primitive)
+    return [_unknown(item.key, name, allowed, where)]
+
+
+def _check_nested(item, name, primitive) -> list[Diagnostic]:
+    nested = NESTED_SECTIONS.get(name)
+    if nested is None or not isinstance(item, A.Section):
+        return []
+    diagnostics = []
+    for child in item.body:
+        if isinstance(child, A.Section) and not _gradient_or_known(child, nested):
+            diagnostics.append(_unknown(child.key, _key_name(child.key), nested, f"`{name}:`"))
+    return diagnostics
+
+
+def _gradient_or_known(section: A.Section, nested) -> bool:
+    name = _key_name(section.key)
+    return name is None or name in nested or name.startswith("d_")
+
+
+def _key_name(key) -> str | None:
+    return key.id if isinstance(key, A.Name) else None
+
+
+def _unknown(key, name: str, allowed, where: str) -> Diagnostic:
+    guesses = difflib.get_close_matches(name, sorted(allowed), n=4, cutoff=0.6)
+    helps = [f"did you mean {_or_list(guesses)}?"] if guesses else []
+    return error("E001", f"unknown section `{name}` in {where}", key.span,
+                 "not a section here", help=helps,
+                 notes=[f"sections allowed here: {', '.join(sorted(allowed))}"])
+
+
+def _misplaced(item, what: str, where: str) -> Diagnostic:
+    return error("E001", f"{what} cannot stand directly in {where}", item.span,
+                 "belongs inside a section",
+                 help=["graph statements go in `forward:` or `backward:` under `graph:`; "
+                       "bindings go in `let:`"])
+
+
+def _describe(item) -> str:
+    names = {A.Flow: "a flow", A.Step: "an expression", A.Binding: "a binding",
+             A.Constraint: "a constraint", A.IfBlock: "an `if` block",
+             A.ListItem: "a list item", A.Prose: "a list item"}
+    return names.get(type(item), "this item")
+
+
+def _or_list(names: list[str]) -> str:
+    quoted = [f"`{n}`" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
