@@ -67,9 +67,23 @@ def _cache_path(grammar_text: str) -> str:
     import lark
 
     key = hashlib.sha256((grammar_text + lark.__version__).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("MODULEC_CACHE_DIR", Path(tempfile.gettempdir()) / "modulec"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _cache_folder()
     return str(folder / f"grammar-{key}.lark-cache")
+
+
+def _cache_folder() -> Path:
+    """A writable folder for the LALR tables; never named `modulec`, which would shadow the
+    package for `python -m modulec` run from the folder that holds it."""
+    candidates = [os.environ.get("MODULEC_CACHE_DIR"),
+                  Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "modulec-lalr",
+                  Path(tempfile.gettempdir()) / "modulec-lalr-cache"]
+    for candidate in filter(None, candidates):
+        try:
+            Path(candidate).mkdir(parents=True, exist_ok=True)
+            return Path(candidate)
+        except OSError:
+            continue
+    return Path(tempfile.mkdtemp(prefix="modulec-lalr-"))
 
 
 def parser() -> Parser:
