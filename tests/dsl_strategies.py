@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from hypothesis import strategies as st
 
@@ -29,12 +30,14 @@ string = st.sampled_from(('"abc"', '"x must be > 0"', '""', r'"a\"b"'))
 
 
 # ====================================================================== DSL expressions
+@lru_cache(maxsize=None)
 def _args(expr):
     positional = expr
     keyword = st.tuples(name, st.sampled_from(("=", ": ")), expr).map(lambda t: f"{t[0]}{t[1]}{t[2]}")
     return st.lists(st.one_of(positional, keyword), max_size=3).map(", ".join)
 
 
+@lru_cache(maxsize=None)
 def tensor_type() -> st.SearchStrategy[str]:
     dim = st.one_of(name, number, st.just("*"), st.sampled_from(DTYPES),
                     st.tuples(name, name).map(lambda t: f"{t[0]} * {t[1]}"))
@@ -57,29 +60,32 @@ def _extend(expr):
     )
 
 
+@lru_cache(maxsize=None)
 def expressions(max_leaves: int = 8) -> st.SearchStrategy[str]:
     atom = st.one_of(name, number, string, st.sampled_from(("true", "false", "None")),
                      tensor_type(), st.tuples(name, name).map(".".join))
     return st.recursive(atom, _extend, max_leaves=max_leaves)
 
 
+@lru_cache(maxsize=None)
 def type_expr() -> st.SearchStrategy[str]:
     base = st.one_of(tensor_type(), st.sampled_from(("int", "float", "bool", "Tensor")))
     return st.one_of(base, base.map(lambda t: t + "?"),
                      st.tuples(st.one_of(name, number), base).map(lambda t: f"[{t[0]}] x {t[1]}"))
 
 
-annotation = st.one_of(
-    st.sampled_from(("@hook", "@checkpoint", "@gradient(skip)", "@shard(dim=0)",
-                     '@hook(AfterQKV, mode: "replace")')))
+annotation = st.sampled_from(("@hook", "@checkpoint", "@gradient(skip)", "@shard(dim=0)",
+                              '@hook(AfterQKV, mode: "replace")'))
 annotations = st.lists(annotation, max_size=2).map(lambda a: "".join(" " + x for x in a))
 
 
 # ====================================================================== items
+@lru_cache(maxsize=None)
 def _tuple_of_names(low: int = 2) -> st.SearchStrategy[str]:
     return st.lists(name, min_size=low, max_size=3).map(lambda ns: "(" + ", ".join(ns) + ")")
 
 
+@lru_cache(maxsize=None)
 def flows() -> st.SearchStrategy[str]:
     endpoint = st.one_of(name, _tuple_of_names())
     op = st.tuples(st.sampled_from(OPS), _args(expressions(3)), annotations).map(
@@ -90,7 +96,7 @@ def flows() -> st.SearchStrategy[str]:
 
 @st.composite
 def graph_lines(draw, indent: str, depth: int = 1) -> list[str]:
-    lines = [indent + flow for flow in draw(st.lists(flows(), min_size=1, max_size=4))]
+    lines = [indent + flow for flow in draw(st.lists(flows(), min_size=1, max_size=3))]
     if depth > 0 and draw(st.booleans()):
         lines.append(f"{indent}if {draw(expressions(4))}:")
         lines += draw(graph_lines(indent + "  ", depth - 1))
@@ -124,6 +130,9 @@ def forward_section(draw) -> list[str]:
     return lines + draw(graph_lines("      "))
 
 
+SECTIONS = (params_section(), let_section(), forward_section())
+
+
 @st.composite
 def declaration(draw) -> str:
     head = f"{draw(st.sampled_from(KINDS))} {draw(decl_name)}"
@@ -134,15 +143,14 @@ def declaration(draw) -> str:
     lines = [head + ":" + draw(annotations)]
     if draw(st.booleans()):
         lines.append('  """Generated declaration."""')
-    sections = [params_section(), let_section(), forward_section()]
-    for chosen in draw(st.lists(st.sampled_from(sections), min_size=1, max_size=3)):
+    for chosen in draw(st.lists(st.sampled_from(SECTIONS), min_size=1, max_size=2)):
         lines += draw(chosen)
     return "\n".join(lines) + "\n"
 
 
 def programs() -> st.SearchStrategy[str]:
     imports = st.sampled_from(("", "import std.nn.Linear\n", "from std.nn import Linear, MLP as M\n"))
-    return st.tuples(imports, st.lists(declaration(), min_size=1, max_size=3)).map(
+    return st.tuples(imports, st.lists(declaration(), min_size=1, max_size=2)).map(
         lambda t: t[0] + "\n".join(t[1]))
 
 
@@ -160,14 +168,14 @@ def int_expressions(draw, budget: int = 12) -> str:
         return extra
 
     def chain(sub, ops):
+        operands = more(2) + 1  # decided before recursing, so every level gets a share
         text = sub()
-        for _ in range(more(2)):
+        for _ in range(operands - 1):
             text += f" {draw(st.sampled_from(ops))} {sub()}"
         return text
 
     def ifexp():
-        body = or_test()
-        return f"{body} if {or_test()} else {ifexp()}" if more(1) else body
+        return f"{or_test()} if {or_test()} else {ifexp()}" if more(1) else or_test()
 
     def or_test():
         return chain(and_test, ("or",))
@@ -188,8 +196,10 @@ def int_expressions(draw, budget: int = 12) -> str:
         return draw(st.sampled_from("-+")) + factor() if more(1) else power()
 
     def power():
+        if not more(1):
+            return atom()
         exponent = draw(st.sampled_from(("0", "1", "2", "3", "2 ** 2", "1 ** 3")))
-        return f"{atom()} ** {exponent}" if more(1) else atom()
+        return f"{atom()} ** {exponent}"
 
     def atom():
         return f"({ifexp()})" if more(1) else str(draw(st.integers(0, 12)))

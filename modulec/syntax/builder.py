@@ -30,17 +30,17 @@ class Builder(Transformer):
 
     # ------------------------------------------------------------ spans
     def span(self, first, last=None) -> Span:
-        last = first if last is None else last
-        if isinstance(first, Token):
+        if last is None:
+            last = first
+        if first.__class__ is Token:
             start, line, column = first.start_pos, first.line, first.column
         else:
-            start, line, column = first.span.start, first.span.line, first.span.column
-        if isinstance(last, Token):
-            end, end_line, end_column = last.end_pos, last.end_line, last.end_column
-        else:
-            s = last.span
-            end, end_line, end_column = s.end, s.end_line, s.end_column
-        return Span(self.file, start, end, line, column, end_line, end_column)
+            span = first.span
+            start, line, column = span.start, span.line, span.column
+        if last.__class__ is Token:
+            return Span(self.file, start, last.end_pos, line, column, last.end_line, last.end_column)
+        span = last.span
+        return Span(self.file, start, span.end, line, column, span.end_line, span.end_column)
 
     def spanned(self, children) -> Span:
         kept = _kept(children)

@@ -15,6 +15,7 @@ opened, brackets that never close.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from lark import Token
@@ -22,6 +23,7 @@ from lark.lark import PostLex
 
 OPENING = {"LPAR": ")", "LSQB": "]", "LBRACE": "}"}
 CLOSING = {"RPAR": "(", "RSQB": "[", "RBRACE": "{"}
+BRACKETS = {*OPENING, *CLOSING}
 LINE_START = {None, "_NL", "_INDENT", "_DEDENT"}
 
 
@@ -50,14 +52,14 @@ class Indenter(PostLex):
         self.text = ""
         self.problems: list[LayoutProblem] = []
         self.open_brackets: list[Token] = []
-        self.recent: list[Token] = []  # the last tokens handed to the parser, for errors
+        self.recent: deque[Token] = deque(maxlen=4)  # last tokens handed to the parser
 
     def start(self, text: str) -> None:
         """Prepare for one parse of `text` (the postlexer needs to look ahead in it)."""
         self.text = text
         self.problems = []
         self.open_brackets = []
-        self.recent = []
+        self.recent = deque(maxlen=4)
 
     def process(self, stream):
         levels = [0]
@@ -72,8 +74,9 @@ class Indenter(PostLex):
                 continue
             if kind == "ADD_OP" and token.value == "-" and previous in LINE_START:
                 token = Token.new_borrow_pos("DASH", "-", token)
-            self._track_bracket(token)
-            self._remember(token)
+            elif kind in BRACKETS:
+                self._track_bracket(token)
+            self.recent.append(token)
             yield token
             previous = token.type
         while len(levels) > 1:
@@ -115,7 +118,7 @@ class Indenter(PostLex):
         return token
 
     def _remember(self, token: Token) -> None:
-        self.recent = self.recent[-3:] + [token]
+        self.recent.append(token)
 
     def _remembered(self, token: Token) -> Token:
         self._remember(token)

@@ -7,6 +7,7 @@ and the declaration re-parsed, so that one mistake does not hide the next.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import tempfile
@@ -57,10 +58,15 @@ class Parser:
         """Parse or raise (UnexpectedInput, DedentError); positions refer to `text`."""
         self.indenter.start(text)
         self.builder.file = file
+        collecting = gc.isenabled()
+        gc.disable()  # the tree is acyclic: collections during a parse only cost time
         try:
             return self.lark.parse(text)
         except VisitError as error:  # a builder callback failed: report the original
             raise error.orig_exc from None
+        finally:
+            if collecting:
+                gc.enable()
 
 
 def _cache_path(grammar_text: str) -> str:
