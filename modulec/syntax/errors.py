@@ -122,10 +122,7 @@ def _bare_header(exc, source, open_brackets, recent):
     line_start = len(recent) < 3 or recent[-3].type in LINE_STARTS
     if name.type != "NAME" or not line_start:
         return None
-    span = source.span(name.end_pos, name.end_pos)
-    d = error("E001", f"expected `:` after `{name.value}`", span, "add `:` here",
-              help=["a line that opens a block (a declaration, a section, `if`, `else`) ends with `:`"])
-    return SyntaxProblem(d, span.line)
+    return _colon_after(name, source)
 
 
 def _missing_destination(exc, source, open_brackets, recent):
@@ -150,8 +147,12 @@ def _missing_colon(exc, source, open_brackets, recent):
     before = recent[-2] if len(recent) >= 2 else None
     if before is None or before.type in LINE_STARTS:
         return None
-    span = source.span(before.end_pos, before.end_pos)
-    d = error("E001", f"expected `:` after `{before.value}`", span, "add `:` here",
+    return _colon_after(before, source)
+
+
+def _colon_after(token: Token, source: SourceFile) -> SyntaxProblem:
+    span = source.span(token.end_pos, token.end_pos)
+    d = error("E001", f"expected `:` after `{token.value}`", span, "add `:` here",
               help=["a line that opens a block (a declaration, a section, `if`, `else`) ends with `:`"])
     return SyntaxProblem(d, span.line)
 
