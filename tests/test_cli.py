@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
@@ -240,15 +239,13 @@ def test_unreadable_file_is_an_error(tmp_path):
     assert f"cannot read {path}: not valid UTF-8" in result.stderr
 
 
-def test_section_checker_runs_when_present(tmp_path, monkeypatch):
-    def check_sections(program):
-        return [error("E008", "unknown section", None)]
-    fake = types.ModuleType("modulec.syntax.sections")
-    fake.check_sections = check_sections
-    monkeypatch.setitem(sys.modules, "modulec.syntax.sections", fake)
-    result = run("check", write(tmp_path, "m.module", VALID))
+def test_unknown_sections_and_syntax_errors_are_reported_together(tmp_path):
+    text = ("module M():\n  forwrd:\n    graph:\n      x -> y\n"
+            "module N():\n  forward:\n    graph:\n      x -> ->\n")
+    result = run("check", "--format", "json", write(tmp_path, "m.module", text))
     assert result.exit_code == 1
-    assert "error[E008]: unknown section" in result.stderr
+    messages = [json.loads(line)["message"] for line in result.stdout.splitlines()]
+    assert messages == ["unexpected `->`", "unknown section `forwrd` in module `M`"]
 
 
 # ====================================================================== internal errors

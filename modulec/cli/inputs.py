@@ -54,23 +54,14 @@ def parse_one(path: Path) -> FileResult:
 
 def check_one(path: Path, options: CheckOptions) -> FileResult:
     """Parse, then the passes that exist so far. `options.search_path` awaits the resolver."""
+    from modulec.syntax.sections import check_sections
+
     result = parse_one(path)
-    check_sections = section_checker()
-    # A recovered tree would only add follow-on errors, so later passes need a clean parse.
-    if check_sections is not None and result.ok and result.program is not None:
+    # Recovery removes broken lines from the tree, so checking what is left adds no
+    # follow-on errors, and the user sees every problem of the file in one run.
+    if result.program is not None:
         result.diagnostics.extend(check_sections(result.program))
     return result
-
-
-def section_checker():
-    """`modulec.syntax.sections.check_sections`, or None while that module does not exist."""
-    try:
-        from modulec.syntax.sections import check_sections
-    except ModuleNotFoundError as exc:
-        if exc.name != "modulec.syntax.sections":
-            raise  # the module exists but is broken: an internal error, not "absent"
-        return None
-    return check_sections
 
 
 def unreadable(path: Path, exc: Exception) -> FileResult:

@@ -419,7 +419,6 @@ TopItem = Union[Import, FromImport, Decl, Docstring]
 class Program:
     items: tuple[TopItem, ...]
     file: str = field(default="<input>", compare=False)
-    comments: tuple[tuple[int, str], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def decls(self) -> list[Decl]:
