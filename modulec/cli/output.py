@@ -27,10 +27,10 @@ class Output:
         self.wrote_stderr = False
 
     def show(self, result: FileResult) -> FileResult:
-        from modulec.diagnostics import render_human, render_json_lines
-
         if not result.diagnostics:
             return result
+        from modulec.diagnostics import render_human, render_json_lines
+
         sources = {result.source.name: result.source} if result.source else {}
         if self.json:
             click.echo(render_json_lines(result.diagnostics, sources), nl=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from modulec.source import Span
 
@@ -82,3 +83,16 @@ class DiagnosticBag:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+def summary_line(diagnostics: Iterable[Diagnostic]) -> str:
+    """`2 errors, 1 warning emitted`, or `no problems found`."""
+    items = list(diagnostics)
+    errors = sum(1 for d in items if d.is_error)
+    counts = [(errors, "error"), (len(items) - errors, "warning")]
+    parts = [_plural(n, noun) for n, noun in counts if n]
+    return ", ".join(parts) + " emitted" if parts else "no problems found"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")

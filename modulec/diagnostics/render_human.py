@@ -55,15 +55,6 @@ def render_human(diagnostics: Iterable[Diagnostic], sources: dict[str, SourceFil
     return _to_string(text, color, width)
 
 
-def summary_line(diagnostics: Iterable[Diagnostic]) -> str:
-    """`2 errors, 1 warning emitted`, or `no problems found`."""
-    items = list(diagnostics)
-    errors = sum(1 for d in items if d.is_error)
-    counts = [(errors, "error"), (len(items) - errors, "warning")]
-    parts = [_plural(n, noun) for n, noun in counts if n]
-    return ", ".join(parts) + " emitted" if parts else "no problems found"
-
-
 def _highlight_line(text: str) -> Text:
     """Hook for syntax highlighting an echoed source line (a Pygments lexer, later)."""
     return Text(text)

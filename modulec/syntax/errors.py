@@ -53,7 +53,7 @@ def describe(exc: Exception, source: SourceFile, open_brackets: list[Token],
         problem = recognize(exc, source, open_brackets, recent)
         if problem is not None:
             return problem
-    return _expected_one_of(exc, source)
+    return _expected_one_of(exc, source, inside_brackets=bool(open_brackets))
 
 
 def layout_problem(problem: LayoutProblem, source: SourceFile) -> SyntaxProblem:
@@ -214,11 +214,13 @@ def _bad_character(exc, source, open_brackets, recent):
     return SyntaxProblem(d, span.line)
 
 
-def _expected_one_of(exc, source):
+def _expected_one_of(exc, source, inside_brackets: bool):
     token = _token(exc)
     found = _found_text(token)
     span = _error_span(exc, source)
-    expected = getattr(exc, "expected", None) or set()
+    expected = set(getattr(exc, "expected", None) or ())
+    if inside_brackets:  # newlines are continuation inside brackets: never "expected"
+        expected -= {"_NL", "_BLOCK_NL"}
     d = error("E001", f"unexpected {found}", span, "unexpected here",
               notes=[_expected_note(expected)] if expected else [])
     return SyntaxProblem(d, span.line)
