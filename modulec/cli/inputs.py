@@ -61,6 +61,10 @@ def check_one(path: Path, options: CheckOptions) -> FileResult:
     # follow-on errors, and the user sees every problem of the file in one run.
     if result.program is not None:
         result.diagnostics.extend(check_sections(result.program))
+    if result.program is not None and result.ok:
+        from modulec.check.driver import check_program
+
+        result.diagnostics.extend(check_program(result.program))
     return result
 
 

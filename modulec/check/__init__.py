@@ -1,0 +1,1 @@
+"""Checking: names, operations, types and shapes, contracts, annotations, weight mapping."""

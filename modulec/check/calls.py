@@ -1,0 +1,256 @@
+"""One step of a flow: resolve what is called and compute what it returns.
+
+A step calls a primitive (`rmsnorm(eps)`), a primitive's backward (`swiglu_backward()`),
+a module or block (`SwiGLU_MLP(d, f)`), a submodule parameter (`attention`, with or
+without parentheses), a slice of a block array (`blocks[0:8]()`), or `StackedBlocks(blocks,
+n)`. Positional arguments that name tensors join the inputs after the flow's source;
+ConstExpr arguments bind parameters in order; keywords bind by name (§5, issue 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modulec.check.instance import Instance, Stack, Submodule, instantiate_call
+from modulec.check.scope import GraphScope, Tensor
+from modulec.check.unify import Matcher, ShapeError, pattern_of
+from modulec.check.world import did_you_mean
+from modulec.diagnostics import Label
+from modulec.ops.registry import BindError, OpCall, OpRule, bind_params
+from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, evaluate
+from modulec.semantic.decls import TensorSig
+from modulec.syntax import ast as A
+from modulec.types.tensor import FLOAT, TensorType
+
+UNKNOWN = TensorType((), FLOAT, variadic=True)
+
+
+@dataclass
+class StepContext:
+    instance: Instance
+    scope: GraphScope
+    resolve_tensor: callable  # (expr) -> Tensor | None, without reporting
+    dims: dict  # free dimension names of the signature (`B`, `T`) and their symbols
+
+    @property
+    def world(self):
+        return self.instance.world
+
+
+@dataclass(frozen=True)
+class Result:
+    types: list[TensorType]
+    accumulate: bool = False
+
+
+def apply_step(ctx: StepContext, step: A.Step, inputs: list[Tensor]) -> Result | None:
+    """Output types of `inputs -> step`, or None after reporting why not."""
+    expr = step.expr
+    func, args = (expr.func, expr.args) if isinstance(expr, A.Call) else (expr, ())
+    tensors, consts = _split_args(ctx, args)
+    if tensors is None:
+        return None
+    inputs = inputs + tensors
+    if isinstance(func, A.Name):
+        return _call_name(ctx, func, args, consts, inputs, expr)
+    if isinstance(func, A.Index) and isinstance(func.value, A.Name):
+        return _call_stack_slice(ctx, func, inputs)
+    if isinstance(func, A.Attribute) and func.attr == "backward":
+        return Result([UNKNOWN] * 8)  # checked by the backward contracts, not here
+    ctx.world.error("E014", "this is not an operation", func.span,
+                    help=["a step calls a primitive, a module, or a submodule parameter"])
+    return None
+
+
+# ====================================================================== arguments
+def _split_args(ctx: StepContext, args):
+    """(tensor inputs, const args) — a tensor argument is any name that is a tensor."""
+    tensors, consts = [], []
+    for arg in args:
+        tensor = ctx.resolve_tensor(arg.value) if arg.key is None else None
+        if tensor is not None:
+            tensors.append(tensor)
+        else:
+            consts.append(arg)
+    return tensors, consts
+
+
+def _const_values(ctx: StepContext, consts):
+    positional, keywords = [], []
+    for arg in consts:
+        value = _evaluate_arg(ctx, arg.value)
+        if value is _FAILED:
+            return None
+        if arg.key is None:
+            positional.append((value, arg.value.span))
+        else:
+            keywords.append((getattr(arg.key, "id", str(arg.key)), value, arg.span))
+    return positional, keywords
+
+
+_FAILED = object()
+
+
+def _evaluate_arg(ctx: StepContext, node):
+    values = {**ctx.dims, **ctx.instance.values}
+    env = ConstEnv(values, "ident", lambda name: ctx.scope.lookup(name) is not None)
+    try:
+        return evaluate(node, env)
+    except NotConst as exc:
+        ctx.world.error("E003", "this argument must be a tensor or a compile-time value",
+                        exc.node.span, exc.reason)
+    except Undefined as exc:
+        ctx.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span)
+    return _FAILED
+
+
+# ====================================================================== callees
+def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
+    name, world = func.id, ctx.world
+    param = ctx.instance.params.get(name)
+    if isinstance(param, Submodule):
+        return call_module(ctx, param.instance, inputs, expr)
+    if isinstance(param, Stack):
+        return _call_stack(ctx, param, inputs, expr)
+    if name == "StackedBlocks":
+        return _stacked_blocks(ctx, args, inputs, expr)
+    if name in world.ops:
+        return _call_primitive(ctx, world.ops[name], consts, inputs, expr, backward=False)
+    if name.endswith("_backward") and name[:-9] in world.ops:
+        return _call_primitive(ctx, world.ops[name[:-9]], consts, inputs, expr, backward=True)
+    decl = world.lookup_decl(name, func.span)
+    if decl is not None and decl.kind != "primitive":
+        child = instantiate_call(ctx.instance, decl, consts, expr.span)
+        return call_module(ctx, child, inputs, expr) if child else None
+    candidates = list(world.ops) + world.names.candidates() + list(ctx.instance.params)
+    world.error("E014", f"unknown operation `{name}`", func.span,
+                "not a primitive, module or submodule", help=did_you_mean(name, candidates))
+    return None
+
+
+def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> Result | None:
+    world = ctx.world
+    values = _const_values(ctx, consts)
+    if values is None:
+        return None
+    try:
+        params = bind_params(rule, *values)
+    except BindError as exc:
+        world.error("E003", exc.message, exc.span or expr.span, help=list(exc.help))
+        return None
+    phase = rule.definition.backward if backward else rule.definition.forward
+    label = f"{rule.name}_backward" if backward else rule.name
+    if phase is None:
+        world.error("E014", f"`{label}` is not an operation", expr.span)
+        return None
+    actual = _fit_arity(ctx, label, phase.inputs, inputs, expr)
+    if actual is None:
+        return None
+    call = OpCall(rule, [t.type if t else None for t in actual], params,
+                  ctx.instance.assumptions, [s.name for s in phase.inputs])
+    types = _shapes(ctx, rule, call, phase, actual, expr, backward)
+    accumulate = params.get("accumulate") is True
+    return Result(types, accumulate) if types is not None else None
+
+
+def _shapes(ctx, rule, call, phase, actual, expr, backward):
+    try:
+        if rule.shape is not None and not backward:
+            types = rule.shape(call)
+        else:
+            types = _by_signature(ctx, ConstEnv(call.params, "error"), phase, actual, expr,
+                                  rule.name)
+    except ShapeError as exc:
+        report_shape_error(ctx, exc, actual, expr, rule.name)
+        return None
+    return types
+
+
+def _fit_arity(ctx, label: str, sigs: tuple[TensorSig, ...], inputs, expr):
+    """Inputs in signature order; trailing optional inputs may be left out."""
+    required = sum(1 for s in sigs if not s.optional)
+    if not required <= len(inputs) <= len(sigs):
+        expected = f"{required}" if required == len(sigs) else f"{required} to {len(sigs)}"
+        names = ", ".join(s.name + ("?" if s.optional else "") for s in sigs)
+        ctx.world.error("E003", f"`{label}` takes {expected} input tensor(s), "
+                        f"{len(inputs)} given", expr.span, f"inputs: ({names})",
+                        help=["inputs are the flow's source tensors, then tensor arguments"])
+        return None
+    return list(inputs) + [None] * (len(sigs) - len(inputs))
+
+
+def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label) -> list[TensorType]:
+    matcher = Matcher(env, ctx.instance.assumptions)
+    dtype = FLOAT
+    for index, (sig, tensor) in enumerate(zip(phase.inputs, actual)):
+        if tensor is not None:
+            matcher.match(pattern_of(sig.type), tensor.type, f"`{sig.name}`", index)
+            dtype = tensor.type.dtype if dtype == FLOAT and tensor.type.is_float else dtype
+    matcher.finish()
+    return [matcher.build(pattern_of(sig.type), dtype, label) for sig in phase.outputs]
+
+
+def report_shape_error(ctx, exc: ShapeError, actual, expr, label: str) -> None:
+    tensor = actual[exc.argument] if exc.argument is not None and exc.argument < len(actual) else None
+    span = tensor.span if tensor is not None else expr.span
+    secondary = [Label(expr.span, f"in this call to `{label}`")] if tensor is not None else []
+    ctx.world.error(exc.code, exc.message, span, exc.label, help=list(exc.help),
+                    notes=list(exc.notes), secondary=secondary)
+
+
+# ====================================================================== modules
+def call_module(ctx: StepContext, callee: Instance, inputs, expr) -> Result | None:
+    forward = callee.definition.forward
+    if forward is None or not forward.inputs:
+        return Result([UNKNOWN] * max(1, len(forward.outputs) if forward else 1))
+    actual = _fit_arity(ctx, callee.name, forward.inputs, inputs, expr)
+    if actual is None:
+        return None
+    env = callee.env("symbol")
+    try:
+        types = _by_signature(ctx, env, forward, actual, expr, callee.name)
+    except ShapeError as exc:
+        report_shape_error(ctx, exc, actual, expr, callee.name)
+        return None
+    outputs = forward.outputs or (TensorSig("out", None, expr.span),)
+    return Result(types if forward.outputs else [UNKNOWN] * len(outputs))
+
+
+def _call_stack(ctx, stack: Stack, inputs, expr) -> Result | None:
+    return call_module(ctx, stack.instance, inputs, expr)
+
+
+def _call_stack_slice(ctx, func: A.Index, inputs) -> Result | None:
+    stack = ctx.instance.params.get(func.value.id)
+    if not isinstance(stack, Stack):
+        ctx.world.error("E014", f"`{func.value.id}` is not an array of blocks", func.value.span)
+        return None
+    return call_module(ctx, stack.instance, inputs, func)
+
+
+def _stacked_blocks(ctx, args, inputs, expr) -> Result | None:
+    target = args[0].value if args else None
+    stack = ctx.instance.params.get(getattr(target, "id", None))
+    if not isinstance(stack, Stack):
+        ctx.world.error("E003", "`StackedBlocks` takes an array parameter "
+                        "(`blocks: [n] x Block(...)`) and its length", (target or expr).span,
+                        help=did_you_mean(getattr(target, "id", ""), [
+                            n for n, p in ctx.instance.params.items() if isinstance(p, Stack)]))
+        return None
+    result = call_module(ctx, stack.instance, inputs, expr)
+    if result is not None:
+        _check_stackable(ctx, inputs, result, expr)
+    return result
+
+
+def _check_stackable(ctx, inputs, result: Result, expr) -> None:
+    """A stacked block's outputs feed the next block's inputs: they must match."""
+    assumptions = ctx.instance.assumptions
+    for tensor, output in zip(inputs, result.types):
+        if tensor is None or tensor.type.variadic or output.variadic:
+            continue
+        if len(tensor.type.dims) != len(output.dims) or any(
+                assumptions.same(a, b) is False for a, b in zip(tensor.type.dims, output.dims)):
+            ctx.world.error("E004", f"a stacked block must return what it takes: "
+                            f"input {tensor.type}, output {output}", expr.span)
+            return

@@ -1,0 +1,266 @@
+"""Checking one graph: names, order, operations, types, destinations.
+
+Statements run in dependency order, not in the order written (§5.11.5): the checker
+orders them topologically first (a cycle is E007, or E019 in a backward graph), then
+checks each flow: its source, each operation in turn, and the destination, whose arity
+must match (§5.4, `_` discards). `if` guards are ConstExpr (E016); a guard known at
+compile time selects its branch, an undecided one checks both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modulec.check.calls import UNKNOWN, StepContext, apply_step
+from modulec.check.instance import Instance, Submodule, TensorParamValue, tensor_type
+from modulec.check.order import order_statements
+from modulec.check.scope import GraphScope, Tensor
+from modulec.check.world import did_you_mean
+from modulec.diagnostics import Label
+from modulec.semantic.consteval import NotConst, Undefined, Unknown, evaluate, truth
+from modulec.syntax import ast as A
+from modulec.types.dims import Dim
+from modulec.types.tensor import TensorType
+
+
+@dataclass
+class GraphChecker:
+    instance: Instance
+    scope: GraphScope
+    backward: bool = False
+    saved: set[str] | None = None  # names `saved.x` may use (None: any forward tensor)
+    forward_types: dict[str, Tensor] = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)  # free dims of the signature (`B`, `T`)
+
+    def __post_init__(self) -> None:
+        for tensor in self.scope.names.values():
+            for dim in tensor.type.dims:
+                for symbol in dim.symbols() - set(self.instance.values):
+                    self.dims[symbol] = Dim.sym(symbol)
+
+    @property
+    def world(self):
+        return self.instance.world
+
+    def run(self, items) -> None:
+        statements = [i for i in items if isinstance(i, (A.Flow, A.Step, A.IfBlock, A.Section))]
+        cycle_code = "E019" if self.backward else "E007"
+        for statement in order_statements(statements, self.world, cycle_code):
+            self.statement(statement)
+
+    # ------------------------------------------------------------ statements
+    def statement(self, item) -> None:
+        if isinstance(item, A.Flow):
+            self.flow(item)
+        elif isinstance(item, A.IfBlock):
+            self.if_block(item)
+        elif isinstance(item, A.Section) and item.name == "recompute":
+            self.run(item.body)
+        elif isinstance(item, A.Step):
+            self.world.error("E003", "a statement must flow somewhere: `source -> op() -> dest`",
+                             item.span)
+
+    def flow(self, flow: A.Flow) -> None:
+        values = self.source(flow.source.expr)
+        for step in flow.operations:
+            values = self.operation(step, values)
+        self.destination(flow, flow.destination, values)
+
+    def if_block(self, block: A.IfBlock) -> None:
+        verdict = self.guard(block.test)
+        if verdict is True or verdict is False:
+            branch = block.body if verdict else (block.orelse or ())
+            self.run(branch)
+            return
+        self._both_branches(block)
+
+    def _both_branches(self, block: A.IfBlock) -> None:
+        outer, branches = self.scope, []
+        for body in (block.body, block.orelse or ()):
+            self.scope = GraphScope(outer)
+            self.run(body)
+            branches.append(self.scope.names)
+        self.scope = outer
+        for name in branches[0].keys() & branches[1].keys():
+            outer.names[name] = branches[0][name]
+        for name in branches[0].keys() ^ branches[1].keys():
+            tensor = branches[0].get(name) or branches[1].get(name)
+            outer.names[name] = Tensor(name, UNKNOWN, tensor.span, "conditional")
+
+    def guard(self, test: A.Expr):
+        env = self.instance.env(runtime=lambda name: self.scope.lookup(name) is not None)
+        try:
+            return truth(evaluate(test, env))
+        except NotConst as exc:
+            self.world.error("E016", "`if` guard must be a compile-time expression (ConstExpr)",
+                             exc.node.span, exc.reason,
+                             help=["guards select graphs at compile time; branch on module "
+                                   "parameters or `let` constants"])
+        except Undefined as exc:
+            self.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
+                             help=did_you_mean(exc.node.id, self.instance.values))
+        return Unknown("bool")
+
+    # ------------------------------------------------------------ flows
+    def source(self, expr) -> list[Tensor] | None:
+        if isinstance(expr, A.TupleExpr):
+            values = [self.tensor(element.value) for element in expr.items]
+            return None if any(v is None for v in values) else values
+        if isinstance(expr, A.Call):
+            return self.operation(A.Step(expr, (), expr.span), [])
+        tensor = self.tensor(expr)
+        return [tensor] if tensor is not None else None
+
+    def operation(self, step: A.Step, values):
+        if values is None:
+            return None
+        if isinstance(step.expr, A.ListExpr):
+            return self.type_annotation(step.expr, values)
+        context = StepContext(self.instance, self.scope, self.quiet_tensor, self.dims)
+        result = apply_step(context, step, values)
+        if result is None:
+            return None
+        self._accumulate = result.accumulate
+        return [Tensor("", t, step.span) for t in result.types]
+
+    def type_annotation(self, annotation: A.ListExpr, values):
+        expected = tensor_type(self.instance, annotation, free="symbol")
+        if expected is None or len(values) != 1 or values[0].type.variadic:
+            return values
+        actual = values[0].type
+        same = self.instance.assumptions.same
+        if len(actual.dims) != len(expected.dims) or any(
+                same(a, b) is False for a, b in zip(actual.dims, expected.dims)):
+            self.world.error("E004", f"shape mismatch: the value here is {actual}, "
+                             f"annotated {expected}", annotation.span, f"actual shape {actual}")
+        return [Tensor("", expected.with_dtype(actual.dtype), annotation.span)]
+
+    def destination(self, flow: A.Flow, step: A.Step, values) -> None:
+        targets = self.targets(step.expr)
+        if targets is None:
+            self.world.error("E003", "a flow must end in the name of its result", step.span,
+                             "not a name", help=["write `... -> result` (or `-> (a, b)`)"])
+            return
+        accumulate = getattr(self, "_accumulate", False) if len(flow.steps) > 2 else False
+        self._accumulate = False
+        if values is None:
+            for name, span in targets:
+                self._define(name, UNKNOWN, span, False)
+            return
+        if len(values) == 1 and len(targets) == 1 and len(flow.steps) == 2:
+            self._alias(targets[0], values[0])
+            return
+        if len(values) != len(targets):
+            self._arity(step, values, targets)
+            return
+        for (name, span), value in zip(targets, values):
+            self._define(name, value.type, span, accumulate)
+
+    def _alias(self, target, value: Tensor) -> None:
+        name, span = target
+        self._define(name, value.type, span, False)
+
+    def _arity(self, step, values, targets) -> None:
+        self.world.error("E003", f"this operation returns {len(values)} tensor(s), "
+                         f"the destination names {len(targets)}", step.span,
+                         f"expected {len(values)} name(s)",
+                         help=["name every output; discard one with `_`: `-> (y, _)`"])
+        for name, span in targets:
+            self._define(name, UNKNOWN, span, False)
+
+    def targets(self, expr) -> list[tuple[str, object]] | None:
+        if isinstance(expr, A.Name):
+            return [(expr.id, expr.span)]
+        if isinstance(expr, A.TupleExpr) and all(isinstance(e.value, A.Name) for e in expr.items):
+            return [(e.value.id, e.value.span) for e in expr.items]
+        return None
+
+    def _define(self, name: str, type_: TensorType, span, accumulate: bool) -> None:
+        if name == "_":
+            return
+        kind = "gradient" if self.backward and name.startswith("d_") else "local"
+        self.scope.define(Tensor(name, type_, span, kind, accumulate), self.world)
+
+    # ------------------------------------------------------------ names
+    def tensor(self, expr) -> Tensor | None:
+        """The tensor an expression names, reporting E002/E006 when it names none."""
+        found = self.quiet_tensor(expr)
+        if found is not None:
+            return found
+        self._report_missing(expr)
+        return None
+
+    def quiet_tensor(self, expr) -> Tensor | None:
+        if isinstance(expr, A.Name):
+            return self.scope.lookup(expr.id) or self._param(expr.id, expr)
+        if isinstance(expr, A.Attribute) and isinstance(expr.value, A.Name):
+            return self._attribute(expr)
+        if isinstance(expr, A.Index):
+            base = self.quiet_tensor(expr.value)
+            return Tensor("", UNKNOWN, expr.span) if base is not None else None
+        return None
+
+    def _param(self, name: str, node) -> Tensor | None:
+        value = self.instance.params.get(name)
+        if isinstance(value, TensorParamValue):
+            return Tensor(name, value.type, node.span, "param")
+        return None
+
+    def _attribute(self, expr: A.Attribute) -> Tensor | None:
+        base = expr.value.id
+        if base == "saved" and self.backward:
+            return self._saved(expr)
+        sub = self.instance.params.get(base)
+        if isinstance(sub, Submodule):
+            value = sub.instance.params.get(expr.attr)
+            if isinstance(value, TensorParamValue):
+                return Tensor(f"{base}.{expr.attr}", value.type, expr.span, "param")
+        return None
+
+    def _saved(self, expr: A.Attribute) -> Tensor | None:
+        original = self.forward_types.get(expr.attr)
+        if original is None or (self.saved is not None and expr.attr not in self.saved):
+            return None
+        return Tensor(f"saved.{expr.attr}", original.type, expr.span, "saved")
+
+    def _report_missing(self, expr) -> None:
+        if isinstance(expr, A.Attribute) and getattr(expr.value, "id", None) == "saved":
+            self._report_unsaved(expr)
+            return
+        name = expr.id if isinstance(expr, A.Name) else None
+        if name is None:
+            self.world.error("E003", "expected a tensor here", expr.span)
+            return
+        helps = did_you_mean(name, self.scope.visible() + list(self.instance.params))
+        if self.backward and name in self.forward_types:
+            helps = [f"forward tensors are reached through `saved.{name}` in a backward graph"]
+        self.world.error("E002", f"undefined name `{name}`", expr.span,
+                         "not defined in this graph", help=helps)
+
+    def _report_unsaved(self, expr: A.Attribute) -> None:
+        name = expr.attr
+        if name in self.forward_types:
+            self.world.error("E006", f"`saved.{name}` is not in the forward's save list",
+                             expr.span, "not saved",
+                             help=[f"add `{name}` to `save:` in the forward section"])
+        else:
+            self.world.error("E006", f"`saved.{name}`: the forward graph has no tensor `{name}`",
+                             expr.span, "no such forward tensor",
+                             help=did_you_mean(name, self.forward_types))
+
+
+def declared_type(instance: Instance, sig, span) -> TensorType:
+    """An input or output signature's type, `B`/`T` free (symbols), `*` one symbol."""
+    node = sig.type
+    if isinstance(node, A.OptionalType):
+        node = node.value
+    if not isinstance(node, A.ListExpr):
+        return UNKNOWN
+    items = tuple(A.Name("*") if isinstance(i, A.Star) and i.suffix is None else i
+                  for i in node.items)
+    resolved = tensor_type(instance, A.ListExpr(items, node.span), free="symbol")
+    return resolved or UNKNOWN
+
+
+def secondary(span, text: str) -> list[Label]:
+    return [Label(span, text)]

@@ -1,0 +1,353 @@
+"""A module instance: a declaration with its parameter values bound.
+
+Checking a declaration on its own binds each parameter to its default, or to a symbol
+(`d_model`) when it has none; instantiating a model binds concrete sizes. Either way the
+instance evaluates its `let:` constants, checks its constraints (§3.5.1; a constraint
+that cannot be decided yet becomes an assumption for the shape checker) and reads its
+`params:` into tensor types and submodule instances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modulec.check.world import World, did_you_mean
+from modulec.semantic.consteval import (
+    ConstEnv, Ident, NotConst, Undefined, Unknown, evaluate, truth,
+)
+from modulec.semantic.decls import ModuleDef, TensorParam
+from modulec.source import Span
+from modulec.syntax import ast as A
+from modulec.syntax.printer import expr as show
+from modulec.types.dims import Dim
+from modulec.types.sampling import Assumptions
+from modulec.types.tensor import DTYPES, FLOAT, TensorType
+
+
+@dataclass(frozen=True)
+class Submodule:
+    """A parameter that is a module instance (`attention: CausalSelfAttention(...)`)."""
+
+    instance: "Instance"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Stack:
+    """`blocks: [n] x Block(...)`: n instances of one block."""
+
+    count: object
+    instance: "Instance"
+    span: Span
+
+
+@dataclass(frozen=True)
+class TensorParamValue:
+    type: TensorType
+    span: Span
+    optional: bool = False
+    frozen: bool = False
+    tied_to: str | None = None
+
+
+@dataclass
+class Instance:
+    world: World
+    definition: ModuleDef
+    values: dict = field(default_factory=dict)
+    assumptions: Assumptions = field(default_factory=Assumptions)
+    params: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)  # constraint failures, for the caller
+    checked: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    def env(self, free: str = "error", runtime=lambda name: False) -> ConstEnv:
+        return ConstEnv(self.values, free, runtime)
+
+    def describe(self) -> str:
+        given = ", ".join(f"{p.name}={_short(self.values.get(p.name))}"
+                          for p in self.definition.decl.params or ())
+        return f"{self.name}({given})"
+
+
+def instantiate(world: World, definition: ModuleDef, args: dict | None = None) -> Instance:
+    """Bind parameters (given, default, or symbolic), then lets, constraints and params."""
+    key = (id(definition.decl), _freeze(args))
+    if key in world.instances:
+        return world.instances[key]
+    instance = Instance(world, definition)
+    world.instances[key] = instance
+    _bind_decl_params(instance, args or {})
+    _evaluate_lets(instance)
+    _check_constraints(instance)
+    _read_params(instance)
+    return instance
+
+
+# ====================================================================== declaration params
+def _bind_decl_params(instance: Instance, args: dict) -> None:
+    for param in instance.definition.decl.params or ():
+        if param.name in args:
+            instance.values[param.name] = args[param.name]
+        elif param.default is not None:
+            instance.values[param.name] = _const(instance, param.default, "a default value")
+        else:
+            instance.values[param.name] = _symbolic(param)
+
+
+def _symbolic(param: A.DeclParam):
+    kind = param.type.id if isinstance(param.type, A.Name) else None
+    if kind == "bool":
+        return Unknown("bool")
+    if kind == "float":
+        return Unknown("float")
+    return Dim.sym(param.name)
+
+
+def _const(instance: Instance, node, what: str, free: str = "error"):
+    world = instance.world
+    try:
+        return evaluate(node, instance.env(free))
+    except Undefined as exc:
+        world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
+                    "not a parameter or constant of this module",
+                    help=did_you_mean(exc.node.id, instance.values))
+    except NotConst as exc:
+        world.error("E003", f"{what} must be a compile-time value", exc.node.span, exc.reason)
+    return Unknown("float")
+
+
+# ====================================================================== let and constraints
+def _evaluate_lets(instance: Instance) -> None:
+    for binding in instance.definition.lets:
+        if not isinstance(binding.target, A.Name):
+            instance.world.error("E003", "a `let` binding needs a name on the left",
+                                 binding.target.span)
+            continue
+        instance.values[binding.target.id] = _const(instance, binding.value, "a `let` binding")
+
+
+def _check_constraints(instance: Instance) -> None:
+    for constraint in instance.definition.constraints:
+        _check_constraint(instance, constraint)
+
+
+def _check_constraint(instance: Instance, constraint: A.Constraint) -> None:
+    world = instance.world
+    try:
+        verdict = truth(evaluate(constraint.condition, instance.env()))
+    except Undefined as exc:
+        world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
+                    help=did_you_mean(exc.node.id, instance.values))
+        return
+    except NotConst as exc:
+        world.error("E026", "a constraint must be a compile-time expression",
+                    exc.node.span, exc.reason,
+                    help=["constraints may use parameters, `let` constants and "
+                          "sqrt/ceil_div/min/max/abs"])
+        return
+    if verdict is False:
+        instance.failures.append(constraint)
+        world.error("E027", f"constraint violated: {constraint.message.value}",
+                    constraint.condition.span, f"`{show(constraint.condition)}` is false",
+                    notes=[_values_note(instance, constraint.condition)])
+    elif isinstance(verdict, Unknown):
+        _assume(instance, constraint.condition)
+
+
+def _assume(instance: Instance, condition: A.Expr) -> None:
+    """An undecided constraint holds for the shape checker's sample sizes."""
+    symbols: set[str] = set()
+    for value in instance.values.values():
+        if isinstance(value, Dim):
+            symbols |= value.symbols()
+    values = dict(instance.values)
+
+    def fact(sample) -> bool:
+        concrete = {k: Dim.const(v.evaluate(sample)) if isinstance(v, Dim) else v
+                    for k, v in values.items()}
+        return truth(evaluate(condition, ConstEnv(concrete))) is True
+
+    instance.assumptions.add_fact(symbols, fact)
+
+
+def _values_note(instance: Instance, condition: A.Expr) -> str:
+    names = sorted({n.id for n in _names_in(condition) if n.id in instance.values})
+    shown = ", ".join(f"{n} = {_short(instance.values[n])}" for n in names)
+    return f"with {shown}" if shown else "the condition is false for every size"
+
+
+def _names_in(node) -> list[A.Name]:
+    found = []
+    if isinstance(node, A.Name):
+        return [node]
+    for value in getattr(node, "__dataclass_fields__", {}):
+        child = getattr(node, value)
+        children = child if isinstance(child, tuple) else (child,)
+        for c in children:
+            if isinstance(c, tuple):
+                for inner in c:
+                    found += _names_in(inner)
+            elif hasattr(c, "__dataclass_fields__") and not isinstance(c, Span):
+                found += _names_in(c)
+    return found
+
+
+# ====================================================================== params
+def _read_params(instance: Instance) -> None:
+    for param in instance.definition.params:
+        if _present(instance, param):
+            value = _param_value(instance, param)
+            if value is not None:
+                instance.params[param.name] = value
+
+
+def _present(instance: Instance, param: TensorParam) -> bool:
+    if param.condition is None:
+        return True
+    try:
+        verdict = truth(evaluate(param.condition, instance.env()))
+    except (NotConst, Undefined) as exc:
+        node = getattr(exc, "node", param.condition)
+        instance.world.error("E016", "a parameter's `if` guard must be a compile-time "
+                             "expression", node.span, getattr(exc, "reason", "not a constant"))
+        return True
+    return verdict is not False
+
+
+def _param_value(instance: Instance, param: TensorParam):
+    type_, optional = param.type, False
+    if isinstance(type_, A.OptionalType):
+        type_, optional = type_.value, True
+    frozen = any(a.name == "frozen" for a in param.annotations)
+    if isinstance(type_, A.ListExpr):
+        tensor = tensor_type(instance, type_)
+        return TensorParamValue(tensor, param.span, optional, frozen) if tensor else None
+    if isinstance(type_, A.ArrayType):
+        return _stack(instance, type_, param)
+    if _is_tied(type_):
+        return _tied(instance, type_, param)
+    return _submodule(instance, type_, param.span)
+
+
+def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> TensorType | None:
+    """`[B, T, d_model, bf16]` evaluated in the instance's constants (`free` for `B`, `T`)."""
+    items = list(node.items)
+    dtype = FLOAT
+    if items and isinstance(items[-1], A.Name) and items[-1].id in DTYPES:
+        dtype = items.pop().id
+    dims = []
+    for item in items:
+        value = _const(instance, item, "a dimension", free)
+        if isinstance(value, Unknown):
+            return None
+        if not isinstance(value, Dim):
+            instance.world.error("E003", "a dimension must be an integer", item.span,
+                                 f"this is {_short(value)}")
+            return None
+        dims.append(value)
+    return TensorType(tuple(dims), dtype)
+
+
+def _is_tied(node) -> bool:
+    return isinstance(node, A.Call) and isinstance(node.func, A.Name) and node.func.id == "tied_to"
+
+
+def _tied(instance: Instance, node: A.Call, param: TensorParam):
+    target = node.args[0].value if node.args else None
+    if not isinstance(target, A.Name) or target.id not in instance.params:
+        instance.world.error("E002", "`tied_to` must name a parameter declared above",
+                             (target or node).span, help=did_you_mean(
+                                 getattr(target, "id", ""), instance.params))
+        return None
+    source = instance.params[target.id]
+    if not isinstance(source, TensorParamValue):
+        return None
+    return TensorParamValue(source.type, param.span, tied_to=target.id)
+
+
+def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
+    count = _const(instance, node.count, "an array size")
+    element = _submodule(instance, node.element, param.span)
+    return Stack(count, element.instance, param.span) if element else None
+
+
+def _submodule(instance: Instance, node, span: Span):
+    func, args = (node.func, node.args) if isinstance(node, A.Call) else (node, ())
+    if not isinstance(func, A.Name):
+        instance.world.error("E003", "a parameter's type must be a shape `[...]` or a module",
+                             node.span)
+        return None
+    decl = instance.world.lookup_decl(func.id, func.span)
+    if decl is None or decl.kind == "primitive":
+        instance.world.error("E002", f"undefined module `{func.id}`", func.span,
+                             "not a module, block or model in scope",
+                             help=did_you_mean(func.id, instance.world.names.candidates()))
+        return None
+    child = instantiate_call(instance, decl, args, node.span)
+    return Submodule(child, span) if child else None
+
+
+def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Instance | None:
+    """Instantiate `decl` with ConstExpr arguments evaluated in `instance`; E012/E003."""
+    world = instance.world
+    definition = world.definition(decl)
+    bound = bind_arguments(instance, decl, args, span)
+    if bound is None:
+        return None
+    world.quiet += 1
+    try:
+        child = instantiate(world, definition, bound)
+    finally:
+        world.quiet -= 1
+    for failed in child.failures:
+        world.error("E027", f"constraint of `{decl.name}` violated: {failed.message.value}",
+                    span, f"`{show(failed.condition)}` is false for these arguments",
+                    notes=[_values_note(child, failed.condition)])
+    return child
+
+
+def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict | None:
+    params = list(decl.params or ())
+    world, bound = instance.world, {}
+    positional = [a for a in args if a.key is None]
+    if len(positional) > len(params):
+        world.error("E003", f"`{decl.name}` takes {len(params)} argument(s), "
+                    f"{len(positional)} given", positional[len(params)].value.span)
+        return None
+    for param, arg in zip(params, positional):
+        bound[param.name] = _const(instance, arg.value, "a module argument")
+    for arg in (a for a in args if a.key is not None):
+        key = getattr(arg.key, "id", None)
+        if key not in {p.name for p in params}:
+            world.error("E003", f"`{decl.name}` has no parameter `{key}`", arg.key.span,
+                        help=did_you_mean(key or "", [p.name for p in params]))
+            return None
+        bound[key] = _const(instance, arg.value, "a module argument")
+    missing = [p.name for p in params if p.name not in bound and p.default is None]
+    if missing:
+        world.error("E012", f"missing argument{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(f'`{m}`' for m in missing)} for `{decl.name}`", span,
+                    f"`{decl.name}` needs {', '.join(missing)}",
+                    notes=[f"`{decl.name}` is declared at {decl.span.file}:{decl.span.line}"])
+        return None
+    return bound
+
+
+def _freeze(args) -> tuple:
+    if not args:
+        return ()
+    return tuple(sorted((k, repr(v)) for k, v in args.items()))
+
+
+def _short(value) -> str:
+    if isinstance(value, Ident):
+        return value.name
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,94 @@
+"""Checking a module instance: its forward graph against its signature, then its backward
+graph against the contracts of §5.12 (modulec.check.contracts)."""
+
+from __future__ import annotations
+
+import fnmatch
+
+from modulec.check.contracts import check_backward
+from modulec.check.graph import GraphChecker, declared_type
+from modulec.check.instance import Instance
+from modulec.check.scope import GraphScope, Tensor
+from modulec.check.world import did_you_mean
+from modulec.syntax import ast as A
+from modulec.syntax.printer import expr as show
+
+
+def check_body(instance: Instance) -> None:
+    """Check the instance's graphs once (instances are shared, so this is memoized)."""
+    if instance.checked:
+        return
+    instance.checked = True
+    forward = instance.definition.forward
+    if forward is None:
+        return
+    scope = GraphScope()
+    for sig in forward.inputs:
+        scope.names[sig.name] = Tensor(sig.name, declared_type(instance, sig, sig.span),
+                                       sig.span, "input")
+    if forward.graph is not None:
+        GraphChecker(instance, scope).run(forward.graph.body)
+        _check_outputs(instance, forward, scope)
+    saved = saved_names(instance, forward, scope)
+    check_backward(instance, scope, saved)
+
+
+def _check_outputs(instance: Instance, forward, scope: GraphScope) -> None:
+    world = instance.world
+    for sig in forward.outputs:
+        tensor = scope.lookup(sig.name)
+        if tensor is None:
+            world.error("E002", f"the forward graph never computes its output `{sig.name}`",
+                        sig.span, "declared here",
+                        help=did_you_mean(sig.name, list(scope.names)) or
+                        [f"end a flow with `-> {sig.name}`"])
+            continue
+        _compare_output(instance, sig, tensor)
+
+
+def _compare_output(instance: Instance, sig, tensor: Tensor) -> None:
+    expected = declared_type(instance, sig, sig.span)
+    actual = tensor.type
+    if expected.variadic or actual.variadic:
+        return
+    same = instance.assumptions.same
+    if len(expected.dims) != len(actual.dims) or any(
+            same(a, b) is False for a, b in zip(expected.dims, actual.dims)):
+        instance.world.error("E004", f"output `{sig.name}` is declared {expected} but the "
+                             f"graph computes {actual}", tensor.span, f"shape {actual}",
+                             secondary=[_label(sig.span, f"declared {expected}")],
+                             notes=[f"checked as {instance.describe()}"])
+
+
+def saved_names(instance: Instance, forward, scope: GraphScope) -> set[str] | None:
+    """Names in the forward's `save:` list (wildcards expanded), or None when there is none."""
+    entry = forward.save
+    if entry is None or not isinstance(entry.value, A.ListExpr):
+        return None
+    available = list(scope.names)
+    names: set[str] = set()
+    for item in entry.value.items:
+        pattern = _pattern(item)
+        matched = fnmatch.filter(available, pattern)
+        if not matched and pattern == show(item):
+            instance.world.error("E002", f"`save:` names `{pattern}`, which the forward graph "
+                                 "does not define", item.span,
+                                 help=did_you_mean(pattern, available))
+        names |= set(matched)
+    return names
+
+
+def _pattern(item) -> str:
+    """`ln*_out` parses as a product and `*_rstd` as a starred name: both are wildcards."""
+    if isinstance(item, A.Star):
+        return "*" + (item.suffix or "")
+    if isinstance(item, A.Binary) and item.op == "*" and all(
+            isinstance(s, A.Name) for s in (item.left, item.right)):
+        return f"{item.left.id}*{item.right.id}"
+    return show(item)
+
+
+def _label(span, text):
+    from modulec.diagnostics import Label
+
+    return Label(span, text)

@@ -1,0 +1,87 @@
+"""What every part of the checker shares: where diagnostics go, how a name finds its
+declaration, the op table, and the cache of module instances."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from modulec.diagnostics import Diagnostic, error, warning
+from modulec.ops.registry import OpRule, op_table
+from modulec.semantic.decls import ModuleDef, module_def
+from modulec.source import Span
+from modulec.syntax import ast as A
+
+
+class Names(Protocol):
+    """Name resolution for one file (implemented by modulec.resolve)."""
+
+    def declaration(self, name: str, span: Span | None) -> A.Decl | None: ...
+
+    def candidates(self) -> list[str]: ...
+
+
+@dataclass
+class LocalNames:
+    """The declarations of one file plus the primitives: resolution without imports."""
+
+    decls: dict[str, A.Decl]
+
+    def declaration(self, name: str, span: Span | None) -> A.Decl | None:
+        return self.decls.get(name)
+
+    def candidates(self) -> list[str]:
+        return list(self.decls)
+
+
+@dataclass
+class World:
+    names: Names
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    instances: dict = field(default_factory=dict)
+    _defs: dict[int, ModuleDef] = field(default_factory=dict)
+    _seen: set = field(default_factory=set)
+    quiet: int = 0  # >0 while checking an instance for its types only
+
+    @property
+    def ops(self) -> dict[str, OpRule]:
+        return op_table()
+
+    def definition(self, decl: A.Decl) -> ModuleDef:
+        """The typed view of a declaration, with its base folded in when it `extends`."""
+        key = id(decl)
+        if key not in self._defs:
+            from modulec.check.declarations import merge_extends
+
+            self._defs[key] = module_def(decl)  # placed first: a cycle of `extends` stops here
+            self._defs[key] = merge_extends(self, decl, self._defs[key])
+        return self._defs[key]
+
+    def lookup_decl(self, name: str, span: Span | None) -> A.Decl | None:
+        return self.names.declaration(name, span)
+
+    # ------------------------------------------------------------ reporting
+    def report(self, diagnostic: Diagnostic) -> None:
+        if self.quiet:
+            return
+        key = (diagnostic.code, diagnostic.message, diagnostic.primary_span)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.diagnostics.append(diagnostic)
+
+    def error(self, code: str, message: str, span, label: str = "", **more) -> None:
+        self.report(error(code, message, span, label, **more))
+
+    def warn(self, code: str, message: str, span, label: str = "", **more) -> None:
+        self.report(warning(code, message, span, label, **more))
+
+
+def did_you_mean(name: str, candidates, n: int = 4) -> list[str]:
+    """`did you mean` help naming up to `n` close candidates by edit distance."""
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.6)
+    if not close:
+        return []
+    quoted = [f"`{c}`" for c in close]
+    joined = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+    return [f"did you mean {joined}?"]

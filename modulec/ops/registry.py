@@ -1,0 +1,202 @@
+"""The op table: one `OpRule` per primitive.
+
+A primitive's signature, parameters, backward and kernels are declared once, in the DSL
+(`std/primitives/<name>.module`); its shape rule is a Python function registered here by
+name (`modulec.ops.shapes_*`), or, for the many ops whose signature says it all, the
+generic signature matcher. Later layers add the gradient rule, the reference kernel and
+the CUDA kernel to the same entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from modulec.paths import data_dir
+from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, Unknown, evaluate
+from modulec.semantic.decls import ModuleDef, module_def
+from modulec.syntax import ast as A
+from modulec.types.dims import Dim
+from modulec.types.sampling import Assumptions
+from modulec.types.tensor import TensorType
+
+ShapeRule = Callable[["OpCall"], list[TensorType]]
+SHAPE_RULES: dict[str, ShapeRule] = {}
+
+
+def shape_rule(*names: str):
+    """Register a Python shape rule for the named primitives."""
+    def register(function: ShapeRule) -> ShapeRule:
+        for name in names:
+            SHAPE_RULES[name] = function
+        return function
+    return register
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    kind: str  # "int" | "float" | "bool" | "enum" | "dtype" | "ints" | "any"
+    default: object
+    has_default: bool
+    choices: tuple[str, ...] = ()
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class OpRule:
+    name: str
+    definition: ModuleDef
+    params: tuple[ParamSpec, ...]
+    file: Path
+
+    @property
+    def shape(self) -> ShapeRule | None:
+        return SHAPE_RULES.get(self.name)
+
+
+@dataclass
+class OpCall:
+    """What a shape rule sees: input types (None for an absent optional input) and bound
+    parameter values."""
+
+    rule: OpRule
+    inputs: list[TensorType | None]
+    params: dict[str, object]
+    assumptions: Assumptions
+    names: list[str] = field(default_factory=list)
+
+    def param(self, name: str):
+        return self.params.get(name)
+
+
+# ====================================================================== loading
+_TABLE: dict[str, OpRule] | None = None
+
+
+def op_table() -> dict[str, OpRule]:
+    global _TABLE
+    if _TABLE is None:
+        _import_shape_rules()
+        _TABLE = _load(data_dir("std") / "primitives")
+    return _TABLE
+
+
+def _import_shape_rules() -> None:
+    from modulec.ops import shapes_linalg, shapes_tensor  # noqa: F401  (they register)
+
+
+def _load(folder: Path) -> dict[str, OpRule]:
+    from modulec.syntax.parser import parse_file
+
+    table = {}
+    for path in sorted(folder.glob("*.module")):
+        result = parse_file(path)
+        for decl in result.program.decls if result.program else []:
+            if decl.kind == "primitive":
+                definition = module_def(decl)
+                table[decl.name] = OpRule(decl.name, definition, _param_specs(definition), path)
+    return table
+
+
+def _param_specs(definition: ModuleDef) -> tuple[ParamSpec, ...]:
+    section = definition.sections.get("params")
+    if not isinstance(section, A.Section):
+        return ()
+    return tuple(_param_spec(e) for e in section.body if isinstance(e, A.Entry))
+
+
+def _param_spec(entry: A.Entry) -> ParamSpec:
+    kind_expr, optional = entry.value, False
+    if isinstance(kind_expr, A.OptionalType):
+        kind_expr, optional = kind_expr.value, True
+    kind, choices = _kind(kind_expr)
+    has_default = entry.default is not None
+    default = _default(entry.default) if has_default else None
+    return ParamSpec(entry.key.id, kind, default, has_default, choices, optional)
+
+
+def _kind(expr) -> tuple[str, tuple[str, ...]]:
+    if isinstance(expr, A.Name) and expr.id in ("int", "float", "bool", "dtype", "string"):
+        return expr.id, ()
+    if isinstance(expr, A.Call) and isinstance(expr.func, A.Name) and expr.func.id == "enum":
+        return "enum", tuple(a.value.id for a in expr.args if isinstance(a.value, A.Name))
+    if isinstance(expr, A.ListExpr):
+        return "ints", ()
+    return "any", ()
+
+
+def _default(expr):
+    try:
+        return evaluate(expr, ConstEnv({}, "ident"))
+    except (NotConst, Undefined):
+        return None
+
+
+# ====================================================================== binding
+class BindError(Exception):
+    """A call's arguments do not fit the primitive's parameters (E003)."""
+
+    def __init__(self, message: str, span=None, help: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.message, self.span, self.help = message, span, help
+
+
+def bind_params(rule: OpRule, positional: list[tuple[object, object]],
+                keywords: list[tuple[str, object, object]]) -> dict[str, object]:
+    """Parameter values of a call: positional ConstExpr arguments in declaration order,
+    then keywords, then defaults. Each argument is (value, span)."""
+    values: dict[str, object] = {}
+    specs = {spec.name: spec for spec in rule.params}
+    if len(positional) > len(rule.params):
+        extra_span = positional[len(rule.params)][1]
+        raise BindError(f"`{rule.name}` takes {len(rule.params)} parameter(s), "
+                        f"{len(positional)} given", extra_span)
+    for spec, (value, span) in zip(rule.params, positional):
+        values[spec.name] = _checked(rule, spec, value, span)
+    for name, value, span in keywords:
+        if name not in specs:
+            raise BindError(f"`{rule.name}` has no parameter `{name}`", span,
+                            _did_you_mean(name, list(specs)))
+        if name in values:
+            raise BindError(f"parameter `{name}` of `{rule.name}` given twice", span)
+        values[name] = _checked(rule, specs[name], value, span)
+    for spec in rule.params:
+        if spec.name not in values:
+            if not spec.has_default:
+                raise BindError(f"`{rule.name}` needs its parameter `{spec.name}`", None)
+            values[spec.name] = spec.default
+    return values
+
+
+def _checked(rule: OpRule, spec: ParamSpec, value, span):
+    if value is None and (spec.optional or spec.default is None):
+        return value
+    if isinstance(value, Unknown):
+        return value
+    ok = {
+        "int": lambda v: isinstance(v, Dim),
+        "float": lambda v: isinstance(v, (float, Dim)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "enum": lambda v: isinstance(v, Ident) and v.name in spec.choices,
+        "dtype": lambda v: isinstance(v, Ident),
+        "ints": lambda v: isinstance(v, tuple) and all(isinstance(x, Dim) for x in v),
+        "string": lambda v: isinstance(v, str),
+    }.get(spec.kind, lambda v: True)
+    if not ok(value):
+        wanted = f"one of {', '.join(spec.choices)}" if spec.kind == "enum" else KIND_NAMES.get(spec.kind, spec.kind)
+        helps = _did_you_mean(value.name, spec.choices) if isinstance(value, Ident) else ()
+        raise BindError(f"parameter `{spec.name}` of `{rule.name}` must be {wanted}", span, helps)
+    return value
+
+
+KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean (true/false)",
+              "dtype": "a dtype", "ints": "a list of integers", "string": "a string"}
+
+
+def _did_you_mean(name: str, candidates) -> tuple[str, ...]:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return (f"did you mean `{close[0]}`?",) if close else ()

@@ -1,0 +1,189 @@
+"""Shape rules whose output depends on parameters or on broadcasting: views, transposes,
+splits and concatenations, elementwise ops, reductions, and the tensor constructors."""
+
+from __future__ import annotations
+
+from modulec.check.unify import ShapeError
+from modulec.ops.registry import OpCall, shape_rule
+from modulec.semantic.consteval import Ident
+from modulec.types.dims import Dim
+from modulec.types.tensor import FLOAT, TensorType
+
+
+def _axis(call: OpCall, value, rank: int, what: str = "dim") -> int:
+    if not isinstance(value, Dim) or not value.is_const:
+        raise ShapeError(f"`{what}` of `{call.rule.name}` must be a known integer")
+    axis = value.value
+    if not -rank <= axis < rank:
+        raise ShapeError(f"`{what}={axis}` is out of range for a tensor of rank {rank}",
+                         argument=0, label=f"rank {rank}")
+    return axis % rank
+
+
+def _known(t: TensorType | None) -> bool:
+    return t is not None and not t.variadic
+
+
+def _unknown_like(t: TensorType | None) -> list[TensorType]:
+    return [TensorType((), t.dtype if t else FLOAT, variadic=True)]
+
+
+@shape_rule("view")
+def view_shape(call: OpCall) -> list[TensorType]:
+    x, shape = call.inputs[0], call.param("shape")
+    if not isinstance(shape, tuple):
+        raise ShapeError("`view` needs `shape`, a list of dims")
+    dims = list(shape)
+    inferred = [i for i, d in enumerate(dims) if d.is_const and d.value == -1]
+    if len(inferred) > 1:
+        raise ShapeError("`view` can infer at most one dim (-1)")
+    if not _known(x):
+        return _unknown_like(x)
+    if inferred:
+        known = Dim.const(1)
+        for i, d in enumerate(dims):
+            if i != inferred[0]:
+                known = known * d
+        dims[inferred[0]] = x.numel() // known
+    target = TensorType(tuple(dims), x.dtype)
+    if call.assumptions.same(target.numel(), x.numel()) is False:
+        raise ShapeError(f"`view` to {target} changes the element count: {x} has "
+                         f"{x.numel()}, {target} has {target.numel()}", argument=0,
+                         label=f"shape {x}")
+    return [target]
+
+
+@shape_rule("transpose")
+def transpose_shape(call: OpCall) -> list[TensorType]:
+    x = call.inputs[0]
+    if not _known(x):
+        return _unknown_like(x)
+    a = _axis(call, call.param("dim0"), len(x.dims), "dim0")
+    b = _axis(call, call.param("dim1"), len(x.dims), "dim1")
+    dims = list(x.dims)
+    dims[a], dims[b] = dims[b], dims[a]
+    return [x.with_dims(dims)]
+
+
+@shape_rule("permute")
+def permute_shape(call: OpCall) -> list[TensorType]:
+    x, order = call.inputs[0], call.param("dims")
+    if not _known(x):
+        return _unknown_like(x)
+    axes = [_axis(call, d, len(x.dims), "dims") for d in order or ()]
+    if sorted(axes) != list(range(len(x.dims))):
+        raise ShapeError(f"`permute(dims=[{', '.join(map(str, axes))}])` is not a permutation "
+                         f"of the {len(x.dims)} dims of {x}", argument=0)
+    return [x.with_dims([x.dims[a] for a in axes])]
+
+
+@shape_rule("split")
+def split_shape(call: OpCall) -> list[TensorType]:
+    x, sizes = call.inputs[0], call.param("sizes")
+    if not isinstance(sizes, tuple) or not sizes:
+        raise ShapeError("`split` needs `sizes`, a list of dims")
+    if not _known(x):
+        return [TensorType((), x.dtype, variadic=True) for _ in sizes]
+    axis = _axis(call, call.param("dim"), len(x.dims))
+    total = sum(sizes, Dim.const(0))
+    if call.assumptions.same(total, x.dims[axis]) is False:
+        raise ShapeError(f"`split` sizes add up to {total}, but dim {axis} of {x} is "
+                         f"{x.dims[axis]}", argument=0, label=f"shape {x}")
+    return [x.with_dims(x.dims[:axis] + (s,) + x.dims[axis + 1:]) for s in sizes]
+
+
+@shape_rule("concat")
+def concat_shape(call: OpCall) -> list[TensorType]:
+    parts = [t for t in call.inputs if t is not None]
+    if not parts or not all(_known(t) for t in parts):
+        return _unknown_like(parts[0] if parts else None)
+    first = parts[0]
+    axis = _axis(call, call.param("dim"), len(first.dims))
+    for index, t in enumerate(parts[1:], start=1):
+        _same_except(call, first, t, axis, index)
+    total = sum((t.dims[axis] for t in parts), Dim.const(0))
+    return [first.with_dims(first.dims[:axis] + (total,) + first.dims[axis + 1:])]
+
+
+def _same_except(call: OpCall, first: TensorType, other: TensorType, axis: int, index: int):
+    if len(other.dims) != len(first.dims) or any(
+            i != axis and call.assumptions.same(a, b) is False
+            for i, (a, b) in enumerate(zip(first.dims, other.dims))):
+        raise ShapeError(f"`concat` along dim {axis}: {other} does not match {first} "
+                         f"in the other dims", argument=index)
+
+
+@shape_rule("add", "mul", "add3")
+def broadcast_shape(call: OpCall) -> list[TensorType]:
+    operands = [t for t in call.inputs if t is not None]
+    if not all(_known(t) for t in operands):
+        return _unknown_like(operands[0])
+    result = operands[0].dims
+    for index, t in enumerate(operands[1:], start=1):
+        result = _broadcast(call, result, t.dims, index)
+    return [TensorType(tuple(result), operands[0].dtype)]
+
+
+def _broadcast(call: OpCall, left, right, index: int):
+    width = max(len(left), len(right))
+    left = (Dim.const(1),) * (width - len(left)) + tuple(left)
+    right = (Dim.const(1),) * (width - len(right)) + tuple(right)
+    result = []
+    for a, b in zip(left, right):
+        if a == Dim.const(1):
+            result.append(b)
+        elif b == Dim.const(1) or call.assumptions.same(a, b) is not False:
+            result.append(a)
+        else:
+            raise ShapeError(f"shapes [{', '.join(map(str, left))}] and "
+                             f"[{', '.join(map(str, right))}] do not broadcast: {a} vs {b}",
+                             argument=index, label=f"{b} cannot broadcast with {a}")
+    return result
+
+
+@shape_rule("reduce_sum", "reduce_mean")
+def reduce_shape(call: OpCall) -> list[TensorType]:
+    x = call.inputs[0]
+    if not _known(x):
+        return _unknown_like(x)
+    axes = {_axis(call, d, len(x.dims), "dims") for d in call.param("dims") or ()}
+    return [x.with_dims(_reduced(x, axes, call.param("keepdim") is True))]
+
+
+@shape_rule("reduce_max")
+def reduce_max_shape(call: OpCall) -> list[TensorType]:
+    x = call.inputs[0]
+    if not _known(x):
+        return _unknown_like(x) * 2
+    axis = _axis(call, call.param("dim"), len(x.dims))
+    dims = _reduced(x, {axis}, call.param("keepdim") is True)
+    return [x.with_dims(dims), TensorType(tuple(dims), "int32")]
+
+
+def _reduced(x: TensorType, axes: set[int], keep: bool) -> list[Dim]:
+    return [Dim.const(1) if i in axes else d for i, d in enumerate(x.dims)
+            if keep or i not in axes]
+
+
+@shape_rule("zeros", "ones", "fill")
+def constructor_shape(call: OpCall) -> list[TensorType]:
+    shape = call.param("shape")
+    if not isinstance(shape, tuple):
+        raise ShapeError(f"`{call.rule.name}` needs `shape`, a list of dims")
+    dtype = call.param("dtype")
+    return [TensorType(tuple(shape), dtype.name if isinstance(dtype, Ident) else FLOAT)]
+
+
+@shape_rule("contiguous", "copy")
+def same_shape(call: OpCall) -> list[TensorType]:
+    return [call.inputs[0]]
+
+
+@shape_rule("scale", "silu", "relu", "relu2", "gelu", "sigmoid", "exp", "neg", "exp_neg",
+            "softmax")
+def float_elementwise_shape(call: OpCall) -> list[TensorType]:
+    x = call.inputs[0]
+    if x.is_int:
+        raise ShapeError(f"`{call.rule.name}` needs a floating tensor, found {x.dtype}",
+                         argument=0, code="E015", label=f"{x.dtype} tensor")
+    return [x]

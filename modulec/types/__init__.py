@@ -1,0 +1,1 @@
+"""Types of the checker: symbolic dimensions, dtypes and tensor types."""

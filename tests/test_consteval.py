@@ -1,0 +1,47 @@
+"""ConstExpr evaluation (spec §3.7)."""
+
+import pytest
+
+from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, Unknown, evaluate
+from modulec.syntax.parser import parse_text
+from modulec.types.dims import Dim
+
+
+def value(source: str, values=None, free="error"):
+    program = parse_text(f"module M():\n  let:\n    v = {source}\n").program
+    return evaluate(program.decls[0].body[0].body[0].value, ConstEnv(values or {}, free))
+
+
+def test_integer_and_float_semantics_follow_python():
+    assert value("7 // 2") == Dim.const(3)
+    assert value("7 / 2") == 3.5
+    assert value("2 ** 10") == Dim.const(1024)
+    assert value("1.0 / sqrt(64)") == 0.125
+    assert value("ceil_div(10, 4)") == Dim.const(3)
+
+
+def test_symbols_stay_symbolic():
+    d = Dim.sym("d")
+    assert value("d // 4 * 4 + d", {"d": d}) == 4 * (d // 4) + d
+    assert isinstance(value("d % 8 == 0", {"d": d}), Unknown)
+    assert value("d % 8 == 0", {"d": Dim.const(16)}) is True
+
+
+def test_booleans_and_conditionals():
+    assert value("not (1 < 2 < 3)") is False
+    assert value("x if c else y", {"c": True, "x": Dim.const(1), "y": Dim.const(2)}) == Dim.const(1)
+    assert value("true and false or true") is True
+
+
+def test_free_names():
+    assert value("[B, T, 4]", free="symbol") == (Dim.sym("B"), Dim.sym("T"), Dim.const(4))
+    assert value("NT", free="ident") == Ident("NT")
+    with pytest.raises(Undefined):
+        value("missing + 1")
+
+
+def test_runtime_values_are_not_const():
+    with pytest.raises(NotConst):
+        value("x.shape[0] > 32")
+    with pytest.raises(NotConst, match="division by zero"):
+        value("1 // 0")

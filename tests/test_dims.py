@@ -1,0 +1,48 @@
+"""Symbolic dimensions and deciding their equality."""
+
+from hypothesis import given, settings, strategies as st
+
+from modulec.types.dims import Dim, intrinsic
+from modulec.types.sampling import Assumptions
+
+d, h, kv, f = (Dim.sym(n) for n in ("d_model", "num_heads", "num_kv_heads", "d_ff"))
+
+
+def test_normal_forms_make_equal_expressions_equal():
+    assert d + d + d == 3 * d
+    assert (d + h) * 2 == 2 * h + 2 * d
+    assert (2 * d) // 2 == d
+    assert (4 * d) % 2 == Dim.const(0)
+    assert str((h + 2 * kv) * (d // h)) == "2*num_kv_heads*(d_model // num_heads) + num_heads*(d_model // num_heads)"
+
+
+def test_constants_fold():
+    assert (Dim.const(7) // 2).value == 3 and (Dim.const(7) % 2).value == 1
+    assert intrinsic("ceil_div", [Dim.const(7), Dim.const(2)]).value == 4
+    assert intrinsic("min", [Dim.const(3), Dim.const(9)]).value == 3
+
+
+def test_undecidable_equalities_are_settled_on_samples():
+    a = Assumptions()
+    assert a.same(h * (d // h), d) is True          # exact division intended
+    assert a.same(d, f) is False                     # different sizes
+    assert a.same((h + 2 * kv) * (d // h), 3 * d) is False  # GQA rows are not 3 * d_model
+
+
+def test_constraints_restrict_the_samples():
+    a = Assumptions()
+    a.add_fact({"num_heads", "num_kv_heads"}, lambda e: e["num_heads"] == e["num_kv_heads"])
+    assert a.same((h + 2 * kv) * (d // h), 3 * d) is True
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(st.tuples(st.integers(-5, 5), st.sampled_from(["a", "b", "c", ""])), max_size=6),
+       st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(1, 50), min_size=3))
+def test_evaluation_matches_arithmetic(terms, env):
+    dim = Dim.const(0)
+    expected = 0
+    for coefficient, name in terms:
+        atom = Dim.sym(name) if name else Dim.const(1)
+        dim = dim + coefficient * atom * atom
+        expected += coefficient * (env[name] if name else 1) ** 2
+    assert dim.evaluate(env) == expected
