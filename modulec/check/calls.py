@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modulec.check.instance import Instance, Stack, Submodule, instantiate_call
+from modulec.check.instance import Broken, Instance, Stack, Submodule, instantiate_call
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.unify import Matcher, ShapeError, pattern_of
 from modulec.check.world import did_you_mean
@@ -108,6 +108,8 @@ def _evaluate_arg(ctx: StepContext, node):
 def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
     name, world = func.id, ctx.world
     param = ctx.instance.params.get(name)
+    if isinstance(param, Broken):
+        return None
     if isinstance(param, Submodule):
         return call_module(ctx, param.instance, inputs, expr)
     if isinstance(param, Stack):
@@ -122,7 +124,7 @@ def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
     if decl is not None and decl.kind != "primitive":
         child = instantiate_call(ctx.instance, decl, consts, expr.span)
         return call_module(ctx, child, inputs, expr) if child else None
-    candidates = list(world.ops) + world.names.candidates() + list(ctx.instance.params)
+    candidates = list(world.ops) + world.candidates(func.span) + list(ctx.instance.params)
     world.error("E014", f"unknown operation `{name}`", func.span,
                 "not a primitive, module or submodule", help=did_you_mean(name, candidates))
     return None

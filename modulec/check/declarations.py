@@ -77,7 +77,7 @@ def _base(world: World, decl: A.Decl) -> A.Decl | None:
     if base is None or base.kind not in ("module", "block", "model") or base is decl:
         world.error("E011", f"`{decl.name}` extends `{name}`, which is not a module in scope",
                     decl.extends.span, "cannot extend this",
-                    help=did_you_mean(name, world.names.candidates()))
+                    help=did_you_mean(name, world.candidates(decl.extends.span)))
         return None
     return base
 

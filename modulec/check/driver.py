@@ -7,25 +7,51 @@ of the op table and are checked by the op table's loader.
 
 from __future__ import annotations
 
+from modulec.check.annotations import check_annotations
 from modulec.check.declarations import check_declarations
-from modulec.check.instance import instantiate
+from modulec.check.instance import Instance, Stack, Submodule, instantiate
 from modulec.check.module import check_body
 from modulec.check.world import LocalNames, Names, World
 from modulec.diagnostics import Diagnostic
 from modulec.syntax import ast as A
 
 
-def check_program(program: A.Program, names: Names | None = None) -> list[Diagnostic]:
-    world = World(names or LocalNames({d.name: d for d in program.decls}))
+def check_program(program: A.Program, names: Names | None = None,
+                  checked: list | None = None, scopes: dict | None = None) -> list[Diagnostic]:
+    """Diagnostics of every declaration; `checked` collects the instances (--emit resolved);
+    `scopes` maps the names of other loaded files to their names (see `scopes_of`)."""
+    world = World(names or LocalNames({d.name: d for d in program.decls}), scopes or {})
     check_declarations(world, program)
+    for diagnostic in check_annotations(program):
+        world.report(diagnostic)
     for decl in program.decls:
         if decl.kind in ("module", "block", "model") and not decl.abstract:
-            check_body(instantiate(world, world.definition(decl)))
+            instance = instantiate(world, world.definition(decl))
+            check_body(instance)
+            if decl.kind == "model":
+                check_tree(instance)
+            if checked is not None:
+                checked.append(instance)
     return world.diagnostics
 
 
-def check_instance(decl: A.Decl, names: Names, args: dict) -> list[Diagnostic]:
-    """Instantiate `decl` with concrete arguments (a model's real sizes) and check it."""
-    world = World(names)
-    check_body(instantiate(world, world.definition(decl), args))
+def check_tree(instance: Instance) -> None:
+    """Check every submodule's graphs at the sizes this instance gives them (a model's
+    real sizes reach every block); each distinct instance is checked once."""
+    check_body(instance)
+    for value in instance.params.values():
+        if isinstance(value, (Submodule, Stack)):
+            check_tree(value.instance)
+
+
+def scopes_of(resolver) -> dict:
+    """File name -> names, for every file a `modulec.resolve.Resolver` has loaded."""
+    return {f.source.name: f.scope for f in resolver.files() if f.source is not None}
+
+
+def check_instance(decl: A.Decl, names: Names, args: dict,
+                   scopes: dict | None = None) -> list[Diagnostic]:
+    """Instantiate `decl` with concrete arguments (a model's real sizes) and check it all."""
+    world = World(names, scopes or {})
+    check_tree(instantiate(world, world.definition(decl), args))
     return world.diagnostics

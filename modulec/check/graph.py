@@ -9,7 +9,7 @@ compile time selects its branch, an undecided one checks both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modulec.check.calls import UNKNOWN, StepContext, apply_step
 from modulec.check.instance import Instance, Submodule, TensorParamValue, tensor_type
@@ -45,7 +45,10 @@ class GraphChecker:
     def run(self, items) -> None:
         statements = [i for i in items if isinstance(i, (A.Flow, A.Step, A.IfBlock, A.Section))]
         cycle_code = "E019" if self.backward else "E007"
-        for statement in order_statements(statements, self.world, cycle_code):
+        ordered, cyclic = order_statements(statements, self.world, cycle_code)
+        for name in cyclic:  # reported once as a cycle: no "undefined" errors on top
+            self.scope.names.setdefault(name, Tensor(name, UNKNOWN, A.NO_SPAN, "pending"))
+        for statement in ordered:
             self.statement(statement)
 
     # ------------------------------------------------------------ statements
@@ -128,15 +131,19 @@ class GraphChecker:
         if expected is None or len(values) != 1 or values[0].type.variadic:
             return values
         actual = values[0].type
+        from modulec.check.module import warn_if_narrowing
+
+        warn_if_narrowing(self.instance, actual, expected, annotation.span, "this value")
         same = self.instance.assumptions.same
         if len(actual.dims) != len(expected.dims) or any(
                 same(a, b) is False for a, b in zip(actual.dims, expected.dims)):
             self.world.error("E004", f"shape mismatch: the value here is {actual}, "
                              f"annotated {expected}", annotation.span, f"actual shape {actual}")
-        return [Tensor("", expected.with_dtype(actual.dtype), annotation.span)]
+        dtype = expected.dtype if expected.dtype != "float" else actual.dtype
+        return [Tensor("", expected.with_dtype(dtype), annotation.span)]
 
     def destination(self, flow: A.Flow, step: A.Step, values) -> None:
-        targets = self.targets(step.expr)
+        targets = self.targets(step.expr, step.annotations)
         if targets is None:
             self.world.error("E003", "a flow must end in the name of its result", step.span,
                              "not a name", help=["write `... -> result` (or `-> (a, b)`)"])
@@ -144,7 +151,7 @@ class GraphChecker:
         accumulate = getattr(self, "_accumulate", False) if len(flow.steps) > 2 else False
         self._accumulate = False
         if values is None:
-            for name, span in targets:
+            for name, span, _ in targets:
                 self._define(name, UNKNOWN, span, False)
             return
         if len(values) == 1 and len(targets) == 1 and len(flow.steps) == 2:
@@ -153,26 +160,27 @@ class GraphChecker:
         if len(values) != len(targets):
             self._arity(step, values, targets)
             return
-        for (name, span), value in zip(targets, values):
-            self._define(name, value.type, span, accumulate)
+        for (name, span, cast), value in zip(targets, values):
+            self._define(name, _with_cast(value.type, cast), span, accumulate)
 
     def _alias(self, target, value: Tensor) -> None:
-        name, span = target
-        self._define(name, value.type, span, False)
+        name, span, cast = target
+        self._define(name, _with_cast(value.type, cast), span, False)
 
     def _arity(self, step, values, targets) -> None:
         self.world.error("E003", f"this operation returns {len(values)} tensor(s), "
                          f"the destination names {len(targets)}", step.span,
                          f"expected {len(values)} name(s)",
                          help=["name every output; discard one with `_`: `-> (y, _)`"])
-        for name, span in targets:
+        for name, span, _ in targets:
             self._define(name, UNKNOWN, span, False)
 
-    def targets(self, expr) -> list[tuple[str, object]] | None:
+    def targets(self, expr, annotations=()) -> list[tuple[str, object, str | None]] | None:
+        """(name, span, explicit dtype from `@dtype(...)`) for each destination name."""
         if isinstance(expr, A.Name):
-            return [(expr.id, expr.span)]
+            return [(expr.id, expr.span, _cast(annotations))]
         if isinstance(expr, A.TupleExpr) and all(isinstance(e.value, A.Name) for e in expr.items):
-            return [(e.value.id, e.value.span) for e in expr.items]
+            return [(e.value.id, e.value.span, _cast(e.annotations)) for e in expr.items]
         return None
 
     def _define(self, name: str, type_: TensorType, span, accumulate: bool) -> None:
@@ -180,6 +188,8 @@ class GraphChecker:
             return
         kind = "gradient" if self.backward and name.startswith("d_") else "local"
         self.scope.define(Tensor(name, type_, span, kind, accumulate), self.world)
+        phase = "backward" if self.backward else "forward"
+        self.instance.inferred.append((phase, name, type_, span))
 
     # ------------------------------------------------------------ names
     def tensor(self, expr) -> Tensor | None:
@@ -191,8 +201,12 @@ class GraphChecker:
         return None
 
     def quiet_tensor(self, expr) -> Tensor | None:
+        """The tensor `expr` names, carrying the span of this use (errors point here)."""
         if isinstance(expr, A.Name):
-            return self.scope.lookup(expr.id) or self._param(expr.id, expr)
+            found = self.scope.lookup(expr.id)
+            if found is not None:
+                return replace(found, span=expr.span)
+            return self._param(expr.id, expr)
         if isinstance(expr, A.Attribute) and isinstance(expr.value, A.Name):
             return self._attribute(expr)
         if isinstance(expr, A.Index):
@@ -247,6 +261,17 @@ class GraphChecker:
             self.world.error("E006", f"`saved.{name}`: the forward graph has no tensor `{name}`",
                              expr.span, "no such forward tensor",
                              help=did_you_mean(name, self.forward_types))
+
+
+def _cast(annotations) -> str | None:
+    for note in annotations:
+        if note.name == "dtype" and note.args and isinstance(note.args[0].value, A.Name):
+            return note.args[0].value.id
+    return None
+
+
+def _with_cast(type_: TensorType, cast: str | None) -> TensorType:
+    return type_.with_dtype(cast) if cast and not type_.variadic else type_
 
 
 def declared_type(instance: Instance, sig, span) -> TensorType:

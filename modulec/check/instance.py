@@ -42,6 +42,13 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class Broken:
+    """A parameter whose type could not be read (already reported): uses stay silent."""
+
+    span: Span
+
+
+@dataclass(frozen=True)
 class TensorParamValue:
     type: TensorType
     span: Span
@@ -57,8 +64,9 @@ class Instance:
     values: dict = field(default_factory=dict)
     assumptions: Assumptions = field(default_factory=Assumptions)
     params: dict = field(default_factory=dict)
-    failures: list = field(default_factory=list)  # constraint failures, for the caller
+    failures: list = field(default_factory=list)  # (instance, constraint) that failed
     checked: bool = False
+    inferred: list = field(default_factory=list)  # (phase, name, type, span), for --emit resolved
 
     @property
     def name(self) -> str:
@@ -150,7 +158,7 @@ def _check_constraint(instance: Instance, constraint: A.Constraint) -> None:
                           "sqrt/ceil_div/min/max/abs"])
         return
     if verdict is False:
-        instance.failures.append(constraint)
+        instance.failures.append((instance, constraint))
         world.error("E027", f"constraint violated: {constraint.message.value}",
                     constraint.condition.span, f"`{show(constraint.condition)}` is false",
                     notes=[_values_note(instance, constraint.condition)])
@@ -201,8 +209,7 @@ def _read_params(instance: Instance) -> None:
     for param in instance.definition.params:
         if _present(instance, param):
             value = _param_value(instance, param)
-            if value is not None:
-                instance.params[param.name] = value
+            instance.params[param.name] = value if value is not None else Broken(param.span)
 
 
 def _present(instance: Instance, param: TensorParam) -> bool:
@@ -285,7 +292,7 @@ def _submodule(instance: Instance, node, span: Span):
     if decl is None or decl.kind == "primitive":
         instance.world.error("E002", f"undefined module `{func.id}`", func.span,
                              "not a module, block or model in scope",
-                             help=did_you_mean(func.id, instance.world.names.candidates()))
+                             help=did_you_mean(func.id, instance.world.candidates(func.span)))
         return None
     child = instantiate_call(instance, decl, args, node.span)
     return Submodule(child, span) if child else None
@@ -303,10 +310,13 @@ def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Inst
         child = instantiate(world, definition, bound)
     finally:
         world.quiet -= 1
-    for failed in child.failures:
-        world.error("E027", f"constraint of `{decl.name}` violated: {failed.message.value}",
+    # Failures deep inside (a block's attention) rise to the outermost call written in a
+    # file being checked: that is where the sizes that break them come from.
+    instance.failures += [f for f in child.failures if f not in instance.failures]
+    for owner, failed in child.failures:
+        world.error("E027", f"constraint of `{owner.name}` violated: {failed.message.value}",
                     span, f"`{show(failed.condition)}` is false for these arguments",
-                    notes=[_values_note(child, failed.condition)])
+                    notes=[f"in {owner.describe()}", _values_note(owner, failed.condition)])
     return child
 
 

@@ -12,6 +12,7 @@ from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
+from modulec.types.tensor import narrower
 
 
 def check_body(instance: Instance) -> None:
@@ -49,6 +50,7 @@ def _check_outputs(instance: Instance, forward, scope: GraphScope) -> None:
 def _compare_output(instance: Instance, sig, tensor: Tensor) -> None:
     expected = declared_type(instance, sig, sig.span)
     actual = tensor.type
+    warn_if_narrowing(instance, actual, expected, tensor.span, f"output `{sig.name}`")
     if expected.variadic or actual.variadic:
         return
     same = instance.assumptions.same
@@ -58,6 +60,16 @@ def _compare_output(instance: Instance, sig, tensor: Tensor) -> None:
                              f"graph computes {actual}", tensor.span, f"shape {actual}",
                              secondary=[_label(sig.span, f"declared {expected}")],
                              notes=[f"checked as {instance.describe()}"])
+
+
+def warn_if_narrowing(instance: Instance, actual, expected, span, what: str) -> None:
+    """W005: a wider computed dtype stored as a narrower declared one, without a cast."""
+    if narrower(expected.dtype, actual.dtype):
+        instance.world.warn("W005", f"implicit narrowing: {what} is computed as {actual.dtype} "
+                            f"but declared {expected.dtype}", span,
+                            f"{actual.dtype} -> {expected.dtype}",
+                            help=[f"make the cast explicit with `@dtype({expected.dtype})` on "
+                                  "the destination, or declare the wider dtype"])
 
 
 def saved_names(instance: Instance, forward, scope: GraphScope) -> set[str] | None:

@@ -35,24 +35,26 @@ def used_names(statement) -> set[str]:
     return set()
 
 
-def order_statements(statements: list, world, cycle_code: str) -> list:
+def order_statements(statements: list, world, cycle_code: str) -> tuple[list, set[str]]:
+    """(statements in dependency order, names defined by statements caught in a cycle)."""
     definers: dict[str, list[int]] = {}
     for index, statement in enumerate(statements):
         for name in defined_names(statement):
             definers.setdefault(name, []).append(index)
     needs = [{d for name in used_names(s) for d in definers.get(name, []) if d != i}
              for i, s in enumerate(statements)]
-    order, placed = [], set()
+    order, placed, cyclic = [], set(), set()
     while len(order) < len(statements):
         ready = [i for i in range(len(statements)) if i not in placed and needs[i] <= placed]
         if not ready:
             stuck = _report_cycle(statements, needs, placed, world, cycle_code)
             order += stuck
             placed |= set(stuck)
+            cyclic |= {name for i in stuck for name in defined_names(statements[i])}
             continue
         order.append(ready[0])
         placed.add(ready[0])
-    return [statements[i] for i in order]
+    return [statements[i] for i in order], cyclic
 
 
 def _report_cycle(statements, needs, placed, world, code: str) -> list[int]:

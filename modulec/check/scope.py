@@ -52,8 +52,9 @@ class GraphScope:
 
 
 def _may_rewrite(previous: Tensor, tensor: Tensor) -> bool:
-    """Gradient buffers accumulate: `d_w` may be written again with accumulate=true."""
-    return previous.kind == "gradient" and tensor.accumulated
+    """Gradient buffers accumulate: `d_w` may be written again with accumulate=true; a
+    "pending" placeholder (a name inside a reported cycle) is replaced silently."""
+    return previous.kind == "pending" or previous.kind == "gradient" and tensor.accumulated
 
 
 def _ssa_help(tensor: Tensor) -> str:

@@ -37,7 +37,12 @@ class LocalNames:
 
 @dataclass
 class World:
+    """`names` resolves in the file being checked; `scopes` maps every other loaded file's
+    name to its own names, so that a block declared elsewhere resolves its references in
+    the file that wrote them."""
+
     names: Names
+    scopes: dict[str, Names] = field(default_factory=dict)
     diagnostics: list[Diagnostic] = field(default_factory=list)
     instances: dict = field(default_factory=dict)
     _defs: dict[int, ModuleDef] = field(default_factory=dict)
@@ -58,8 +63,17 @@ class World:
             self._defs[key] = merge_extends(self, decl, self._defs[key])
         return self._defs[key]
 
+    def names_at(self, span: Span | None) -> Names:
+        """The names visible where `span` is written."""
+        if span is None:
+            return self.names
+        return self.scopes.get(span.file, self.names)
+
     def lookup_decl(self, name: str, span: Span | None) -> A.Decl | None:
-        return self.names.declaration(name, span)
+        return self.names_at(span).declaration(name, span)
+
+    def candidates(self, span: Span | None) -> list[str]:
+        return self.names_at(span).candidates()
 
     # ------------------------------------------------------------ reporting
     def report(self, diagnostic: Diagnostic) -> None:

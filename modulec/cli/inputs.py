@@ -52,19 +52,29 @@ def parse_one(path: Path) -> FileResult:
     return FileResult(source.name, source, result.program, list(result.diagnostics))
 
 
-def check_one(path: Path, options: CheckOptions) -> FileResult:
-    """Parse, then the passes that exist so far. `options.search_path` awaits the resolver."""
+def check_one(path: Path, options: CheckOptions, resolver=None, checked=None) -> FileResult:
+    """Parse and resolve imports (modulec.resolve), then check sections and semantics."""
+    from modulec.check.driver import check_program, scopes_of
+    from modulec.resolve import Resolver
     from modulec.syntax.sections import check_sections
 
-    result = parse_one(path)
+    click.get_current_context().meta[CURRENT_FILE] = str(path)
+    resolver = resolver or Resolver(options.search_path)
+    try:
+        resolved = resolver.load(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        return unreadable(path, exc)
+    result = FileResult(str(path), resolved.source, resolved.program, list(resolved.diagnostics))
+    if result.program is None:
+        return result
     # Recovery removes broken lines from the tree, so checking what is left adds no
     # follow-on errors, and the user sees every problem of the file in one run.
-    if result.program is not None:
-        result.diagnostics.extend(check_sections(result.program))
-    if result.program is not None and result.ok:
-        from modulec.check.driver import check_program
-
-        result.diagnostics.extend(check_program(result.program))
+    result.diagnostics.extend(check_sections(result.program))
+    if result.ok:
+        before = len(resolved.scope.diagnostics)  # lookups report E023 ambiguities there
+        scopes = scopes_of(resolver)
+        result.diagnostics.extend(check_program(result.program, resolved.scope, checked, scopes))
+        result.diagnostics.extend(resolved.scope.diagnostics[before:])
     return result
 
 

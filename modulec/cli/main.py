@@ -19,6 +19,7 @@ from modulec.cli.guard import EXIT_ERRORS, EXIT_OK, guarded
 from modulec.cli.inputs import (
     CheckOptions, FileResult, check_one, collect_module_files, parse_one,
 )
+from modulec.cli.lock_cmd import lock_command
 from modulec.cli.output import Output, use_color
 
 EPILOG = """\b
@@ -85,20 +86,34 @@ def parse(files: tuple[Path, ...], emit: str | None, fmt: str, color: str) -> in
 @click.option("--path", "search_path", metavar="DIR", multiple=True,
               type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Add DIR to the import search path (repeatable; searched in order).")
+@click.option("--emit", type=click.Choice(["resolved"]),
+              help="Print the checked program with every inferred shape.")
 @output_options
 @guarded
-def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], fmt: str,
-          color: str) -> int:
+def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | None,
+          fmt: str, color: str) -> int:
     """Check FILE_OR_DIR... for errors.
 
     Folders are searched recursively for *.module files (in sorted order; hidden files
     and folders are skipped).
     """
+    from modulec.resolve import Resolver
+
     options = CheckOptions(search_path=search_path)
     out = Output(fmt, use_color(color))
-    results = [out.show(check_one(path, options)) for path in collect_module_files(inputs)]
-    out.summary(results, "check", "checked")
+    resolver = Resolver(options.search_path)  # one per run: each file is parsed once
+    checked: list | None = [] if emit else None
+    results = [out.show(check_one(path, options, resolver, checked))
+               for path in collect_module_files(inputs)]
+    if emit:
+        from modulec.check.resolved import print_resolved
+
+        click.echo(print_resolved(checked), nl=False)
+    out.summary(results, "check", "checked", success_to_stdout=not emit)
     return exit_status(results)
+
+
+modulec.add_command(lock_command(output_options), "lock")
 
 
 def emit_tree(result: FileResult, kind: str, *, header: bool, first: bool) -> None:

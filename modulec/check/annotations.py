@@ -1,0 +1,354 @@
+"""Annotation checks: every `@name(...)` against the table of `annotation_table`.
+
+E008: unknown annotation, wrong placement, unknown / duplicate / missing argument, too many
+positional arguments, a value of the wrong kind. E013: an unknown fusion pattern or `ops`
+entry, or a `@fuse` with nothing to fuse. E025: a checkpoint region spanning pipeline
+stages (`memory_policy.pipeline_problems`, driven by `StageRule`). All wording comes from
+the table; no code here names an annotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from functools import lru_cache
+from typing import Iterator
+
+from modulec.check import memory_policy as G
+from modulec.check.annotation_table import (
+    ANNOTATIONS, PLACEMENTS, Kind, Param, Spec, argument_values, key_text, usage,
+)
+from modulec.check.memory_policy import name_span, pipeline_problems
+from modulec.diagnostics import Diagnostic, Label, error
+from modulec.paths import data_dir
+from modulec.syntax import ast as A
+from modulec.syntax.printer import expr as expr_text
+
+INPUT_KEYS, OUTPUT_KEYS = frozenset({"in", "inputs"}), frozenset({"out", "outputs"})
+FOUND = {A.String: "the string ", A.Number: "the number ", A.Bool: "", A.NoneLit: "",
+         A.ListExpr: "the list ", A.TupleExpr: "the tuple ", A.Name: "the name "}
+
+
+@dataclass(frozen=True)
+class Site:
+    """An annotation and where it stands."""
+
+    annotation: A.Annotation
+    placement: str
+    decl: A.Decl
+    flow: A.Flow | None = None
+
+
+# ====================================================================== entry point
+def check_annotations(program: A.Program) -> list[Diagnostic]:
+    ops = primitive_names() | _program_names(program)
+    diagnostics = []
+    for site in annotation_sites(program):
+        diagnostics += check_site(site, ops)
+    for decl in program.decls:
+        diagnostics += pipeline_problems(decl)
+    return diagnostics
+
+
+def check_site(site: Site, ops: frozenset[str] = frozenset()) -> list[Diagnostic]:
+    note = site.annotation
+    spec = ANNOTATIONS.get(note.name)
+    if spec is None:
+        return [_unknown_annotation(note)]
+    bound, problems = _bind(spec, note)
+    known = ops | _called(site.flow)
+    problems += _values(spec, bound, note, known)
+    return _placement(spec, site) + problems + _one_of(spec, bound, note)
+
+
+# ====================================================================== sites
+def annotation_sites(program: A.Program) -> Iterator[Site]:
+    for decl in program.decls:
+        yield from _on(decl.annotations, "decl", decl)
+        yield from _items(decl.body, decl, None)
+
+
+def _on(annotations, placement, decl, flow=None) -> Iterator[Site]:
+    for note in annotations:
+        yield Site(note, placement, decl, flow)
+
+
+def _items(items, decl, section: str | None) -> Iterator[Site]:
+    for item in items:
+        yield from _item(item, decl, section)
+
+
+def _item(item, decl, section) -> Iterator[Site]:
+    if isinstance(item, A.Section):
+        yield from _on(item.annotations, "body_line", decl)
+        yield from _items(item.body, decl, item.name)
+    elif isinstance(item, A.AnnotationLine):
+        yield from _on(item.annotations, "body_line", decl)
+    elif isinstance(item, (A.Entry, A.Binding)):
+        placement = _entry_placement(item, section)
+        yield from _on(item.annotations, placement, decl)
+        yield from _elements(item.value, placement, decl, None)
+    elif isinstance(item, A.IfBlock):
+        yield from _items(item.body + (item.orelse or ()), decl, section)
+    elif isinstance(item, A.ListItem):
+        yield from _item(item.item, decl, section)
+    elif isinstance(item, (A.Flow, A.Step)):
+        yield from _flow(next(G.iter_flows([item])), decl)
+
+
+def _entry_placement(item, section) -> str:
+    """A binding makes a tensor; an entry is an input, an output or a parameter."""
+    if isinstance(item, A.Binding):
+        return "output"
+    for name in (G.name_of(item.key), section):
+        if name in INPUT_KEYS | OUTPUT_KEYS:
+            return "input" if name in INPUT_KEYS else "output"
+    return "param"
+
+
+def _flow(flow: A.Flow, decl) -> Iterator[Site]:
+    last = len(flow.steps) - 1
+    for index, step in enumerate(flow.steps):
+        placement = "output" if index == last else ("input" if index == 0 else "op")
+        yield from _on(step.annotations, placement, decl, flow)
+        yield from _elements(step.expr, placement, decl, flow)
+
+
+def _elements(node, placement, decl, flow) -> Iterator[Site]:
+    """Annotations on tuple elements anywhere inside an expression."""
+    if isinstance(node, tuple):
+        for child in node:
+            yield from _elements(child, placement, decl, flow)
+    elif is_dataclass(node) and not isinstance(node, A.Annotation):
+        if isinstance(node, A.Element):
+            yield from _on(node.annotations, placement, decl, flow)
+        for f in fields(node):
+            if f.name not in ("span", "annotations"):
+                yield from _elements(getattr(node, f.name), placement, decl, flow)
+
+
+# ====================================================================== arguments
+def _bind(spec: Spec, note: A.Annotation) -> tuple[dict[str, A.Arg], list[Diagnostic]]:
+    bound: dict[str, A.Arg] = {}
+    problems: list[Diagnostic] = []
+    slots = iter(spec.positional)
+    keyword_seen = False
+    for arg in note.args or ():
+        if arg.key is None:
+            problems += _positional(spec, arg, next(slots, None), bound, keyword_seen)
+        else:
+            keyword_seen = True
+            problems += _keyword(spec, arg, bound)
+    return bound, problems
+
+
+def _positional(spec, arg, param, bound, keyword_seen) -> list[Diagnostic]:
+    if param is None:
+        count = len(spec.positional)
+        takes = f"takes {count} positional argument{'s' * (count != 1)}" if count else \
+            "takes no positional arguments"
+        return [error("E008", f"`@{spec.name}` {takes}", arg.span,
+                      "unexpected positional argument", help=[_forms(spec)],
+                      notes=[f"signature: `{usage(spec)}`"])]
+    bound[param.name] = arg
+    if keyword_seen:
+        return [error("E008", f"positional argument after keyword argument in `@{spec.name}`",
+                      arg.span, "positional argument", help=[_forms(spec)])]
+    return []
+
+
+def _keyword(spec, arg, bound) -> list[Diagnostic]:
+    key = key_text(arg.key)
+    if spec.param(key) is None:
+        guess = closest(key, [p.name for p in spec.params])
+        return [error("E008", f"`@{spec.name}` has no argument `{key}`", arg.key.span,
+                      "unknown argument", help=_did_you_mean(guess),
+                      notes=[f"signature: `{usage(spec)}`"])]
+    if key in bound:
+        first = Label(bound[key].span, "first given here")
+        return [error("E008", f"argument `{key}` of `@{spec.name}` is given twice",
+                      arg.key.span, "given again here", secondary=[first],
+                      help=[f"give `{key}` once"])]
+    bound[key] = arg
+    return []
+
+
+def _values(spec, bound, note, ops) -> list[Diagnostic]:
+    problems = []
+    for param in spec.params:
+        arg = bound.get(param.name)
+        if arg is not None:
+            problems += check_value(spec, param, param.kind, arg.value, ops)
+        elif param.required:
+            problems.append(_missing(spec, param, note))
+    return problems
+
+
+def check_value(spec: Spec, param: Param, kind: Kind, node, ops) -> list[Diagnostic]:
+    if param.default is None and isinstance(node, A.NoneLit):
+        return []
+    if not isinstance(node, kind.nodes) or _wrong_number(kind, node):
+        return [_wrong_kind(spec, param, kind, node)]
+    value = node.id if isinstance(node, A.Name) else None
+    allowed = kind.choices or (ops if kind.registry else ())
+    if value is not None and allowed and value not in allowed:
+        return [_not_allowed(spec, param, kind, node, allowed)]
+    if value is not None and kind.hints and value not in kind.hints:
+        return _hint(spec, param, kind, node)
+    if kind.items is not None and isinstance(node, (A.ListExpr, A.TupleExpr)):
+        return _check_items(spec, param, kind, node, ops)
+    return []
+
+
+def _wrong_number(kind: Kind, node) -> bool:
+    return kind.number == "int" and isinstance(node, A.Number) and \
+        not isinstance(node.value, int)
+
+
+def _check_items(spec, param, kind, node, ops) -> list[Diagnostic]:
+    items = [e.value if isinstance(e, A.Element) else e for e in node.items]
+    if kind.length is not None and len(items) != kind.length:
+        return [_wrong_kind(spec, param, kind, node)]
+    return [d for item in items if item is not None
+            for d in check_value(spec, param, kind.items, item, ops)]
+
+
+def _one_of(spec, bound, note) -> list[Diagnostic]:
+    rule = spec.one_of
+    if rule is None or any(name in bound for name in rule.params):
+        return []
+    if rule.unless and G.name_of(argument_values(note).get(rule.unless[0])) == rule.unless[1]:
+        return []
+    notes = [_choices_note(p) for p in map(spec.param, rule.params) if p.kind.choices]
+    return [error(rule.code, rule.message, note.span, "nothing given", help=[_forms(spec)],
+                  notes=notes)]
+
+
+# ====================================================================== messages
+def _unknown_annotation(note: A.Annotation) -> Diagnostic:
+    guess = closest(note.name, ANNOTATIONS)
+    known = ", ".join(f"`@{name}`" for name in ANNOTATIONS)
+    return error("E008", f"unknown annotation `@{note.name}`", name_span(note),
+                 "unknown annotation", help=_did_you_mean(guess, "@"),
+                 notes=[] if guess else [f"known annotations: {known}"])
+
+
+def _placement(spec: Spec, site: Site) -> list[Diagnostic]:
+    if site.placement in spec.placements:
+        return []
+    places = " or ".join(PLACEMENTS[p] for p in PLACEMENTS if p in spec.placements)
+    return [error("E008", f"`@{spec.name}` cannot be used on {PLACEMENTS[site.placement]}",
+                  name_span(site.annotation), "not allowed here",
+                  notes=[f"`@{spec.name}` {spec.summary} ({spec.section}); "
+                         f"it goes on {places}"])]
+
+
+def _missing(spec, param, note) -> Diagnostic:
+    notes = [_choices_note(param)] if param.kind.choices else \
+        [f"`{param.name}`: {param.kind.describe} ({param.summary})"]
+    return error("E008", f"`@{spec.name}` is missing its `{param.name}` argument", note.span,
+                 f"`{param.name}` is required", help=[_forms(spec)], notes=notes)
+
+
+def _wrong_kind(spec, param, kind, node) -> Diagnostic:
+    text = expr_text(node)
+    found = FOUND.get(type(node), "the expression ") + f"`{_shorten(text)}`"
+    return error("E008", f"`{param.name}` of `@{spec.name}` must be {kind.describe}, "
+                         f"found {found}", node.span, f"expected {kind.describe}",
+                 help=_quick_fix(kind, node, text), notes=[f"`{param.name}`: {param.summary}"])
+
+
+def _quick_fix(kind: Kind, node, text: str) -> list[str]:
+    if isinstance(node, A.String) and _fits_unquoted(kind, node.value):
+        return [f"write `{node.value}` without quotes"]
+    if isinstance(node, A.Name) and A.String in kind.nodes:
+        return [f'write `"{node.id}"` (a string)']
+    return _did_you_mean(closest(text, kind.choices)) if kind.choices else []
+
+
+def _shorten(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _fits_unquoted(kind: Kind, text: str) -> bool:
+    if kind.choices:
+        return text in kind.choices
+    if kind.number == "int":
+        return text.lstrip("-").isdigit()
+    return A.Name not in kind.nodes and text.replace(".", "", 1).isdigit()
+
+
+def _not_allowed(spec, param, kind, node, allowed) -> Diagnostic:
+    message = kind.unknown.format(value=node.id, param=param.name, annotation=spec.name)
+    guess = closest(node.id, sorted(allowed))
+    notes = [_choices_note(param, kind)] if kind.choices else \
+        ["known operations: the primitives (std/primitives), the declarations and imports "
+         "of this file, and the operations this flow calls"]
+    return error(kind.code, message, node.span, kind.label.format(param=param.name),
+                 help=_did_you_mean(guess), notes=notes)
+
+
+def _hint(spec, param, kind, node) -> list[Diagnostic]:
+    """Any name goes, but one within two edits of a known value is taken for a typo (a
+    warning would need a W code, and Appendix D has none for this)."""
+    guess = closest(node.id, kind.hints, limit=2)
+    if guess is None:
+        return []
+    return [error("E008", kind.near.format(value=node.id, guess=guess), node.span,
+                  "misspelled?", help=_did_you_mean(guess),
+                  notes=[f"a custom `{param.name}` of `@{spec.name}` may have any name that "
+                         f"is not within two edits of a standard one ({spec.section})"])]
+
+
+def _choices_note(param: Param, kind: Kind | None = None) -> str:
+    kind = kind or param.kind
+    return f"`{param.name}` is one of: {', '.join(kind.choices)}"
+
+
+def _forms(spec: Spec) -> str:
+    return "usage: " + " or ".join(f"`{form}`" for form in spec.forms)
+
+
+def _did_you_mean(guess: str | None, prefix: str = "") -> list[str]:
+    return [f"did you mean `{prefix}{guess}`?"] if guess else []
+
+
+# ====================================================================== known names
+@lru_cache(maxsize=1)
+def primitive_names() -> frozenset[str]:
+    folder = data_dir("std") / "primitives"
+    return frozenset(path.stem for path in folder.glob("*.module"))
+
+
+def _program_names(program: A.Program) -> frozenset[str]:
+    names = {decl.name for decl in program.decls}
+    for item in program.items:
+        if isinstance(item, (A.Import, A.FromImport)):
+            names |= {i.alias or i.name for i in item.names or ()}
+        if isinstance(item, A.Import) and not item.names:
+            names.add(item.alias or item.path[-1])
+    return frozenset(names)
+
+
+def _called(flow: A.Flow | None) -> frozenset[str]:
+    if flow is None:
+        return frozenset()
+    calls = [step.expr.func for step in flow.operations if isinstance(step.expr, A.Call)]
+    return frozenset(f.id if isinstance(f, A.Name) else f.attr for f in calls
+                     if isinstance(f, (A.Name, A.Attribute)))
+
+
+def closest(word: str, candidates, limit: int | None = None) -> str | None:
+    """The candidate nearest `word` by edit distance (ties: alphabetical), if near enough."""
+    limit = max(2, len(word) // 3) if limit is None else limit
+    scored = sorted((_distance(word.lower(), c.lower()), c) for c in candidates if c != word)
+    return scored[0][1] if scored and scored[0][0] <= limit else None
+
+
+def _distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
