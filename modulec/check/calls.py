@@ -41,6 +41,8 @@ class StepContext:
 class Result:
     types: list[TensorType]
     accumulate: bool = False
+    rule: OpRule | None = None  # the primitive applied (forward), for the derived backward
+    inputs: tuple = ()
 
 
 def apply_step(ctx: StepContext, step: A.Step, inputs: list[Tensor]) -> Result | None:
@@ -152,7 +154,9 @@ def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> 
                   ctx.instance.assumptions, [s.name for s in phase.inputs])
     types = _shapes(ctx, rule, call, phase, actual, expr, backward)
     accumulate = params.get("accumulate") is True
-    return Result(types, accumulate) if types is not None else None
+    if types is None:
+        return None
+    return Result(types, accumulate, None if backward else rule, tuple(actual))
 
 
 def _shapes(ctx, rule, call, phase, actual, expr, backward):

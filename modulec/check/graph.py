@@ -31,6 +31,10 @@ class GraphChecker:
     saved: set[str] | None = None  # names `saved.x` may use (None: any forward tensor)
     forward_types: dict[str, Tensor] = field(default_factory=dict)
     dims: dict = field(default_factory=dict)  # free dims of the signature (`B`, `T`)
+    producers: dict = field(default_factory=dict)  # name -> the flow that defines it
+    uses: list = field(default_factory=list)  # (primitive rule, inputs, output names, span)
+    in_recompute: bool = False
+    _last_use: tuple | None = None
 
     def __post_init__(self) -> None:
         for tensor in self.scope.names.values():
@@ -42,9 +46,9 @@ class GraphChecker:
     def world(self):
         return self.instance.world
 
-    def run(self, items) -> None:
+    def run(self, items, cycle_code: str | None = None) -> None:
         statements = [i for i in items if isinstance(i, (A.Flow, A.Step, A.IfBlock, A.Section))]
-        cycle_code = "E019" if self.backward else "E007"
+        cycle_code = cycle_code or ("E019" if self.backward else "E007")
         ordered, cyclic = order_statements(statements, self.world, cycle_code)
         for name in cyclic:  # reported once as a cycle: no "undefined" errors on top
             self.scope.names.setdefault(name, Tensor(name, UNKNOWN, A.NO_SPAN, "pending"))
@@ -58,16 +62,25 @@ class GraphChecker:
         elif isinstance(item, A.IfBlock):
             self.if_block(item)
         elif isinstance(item, A.Section) and item.name == "recompute":
-            self.run(item.body)
+            outer, self.in_recompute = self.in_recompute, True
+            self.run(item.body, "E022")
+            self.in_recompute = outer
         elif isinstance(item, A.Step):
             self.world.error("E003", "a statement must flow somewhere: `source -> op() -> dest`",
                              item.span)
 
     def flow(self, flow: A.Flow) -> None:
         values = self.source(flow.source.expr)
+        self._last_use = None
         for step in flow.operations:
             values = self.operation(step, values)
         self.destination(flow, flow.destination, values)
+        names = [n for n, _, _ in self.targets(flow.destination.expr) or []]
+        for name in names:
+            self.producers.setdefault(name, flow)
+        if self._last_use is not None:
+            rule, inputs, span = self._last_use
+            self.uses.append((rule, inputs, names, span))
 
     def if_block(self, block: A.IfBlock) -> None:
         verdict = self.guard(block.test)
@@ -124,6 +137,11 @@ class GraphChecker:
         if result is None:
             return None
         self._accumulate = result.accumulate
+        if result.rule is not None:
+            if self._last_use is not None:
+                rule, inputs, span = self._last_use
+                self.uses.append((rule, inputs, [], span))
+            self._last_use = (result.rule, result.inputs, step.span)
         return [Tensor("", t, step.span) for t in result.types]
 
     def type_annotation(self, annotation: A.ListExpr, values):
@@ -246,6 +264,12 @@ class GraphChecker:
             self.world.error("E003", "expected a tensor here", expr.span)
             return
         helps = did_you_mean(name, self.scope.visible() + list(self.instance.params))
+        if self.in_recompute and name in self.forward_types:
+            self.world.error("E021", f"`{name}` is not derivable here: a `recompute:` block "
+                             "starts from saved tensors and parameters", expr.span,
+                             "not saved",
+                             help=[f"save `{name}` (add it to `save:`) and read `saved.{name}`"])
+            return
         if self.backward and name in self.forward_types:
             helps = [f"forward tensors are reached through `saved.{name}` in a backward graph"]
         self.world.error("E002", f"undefined name `{name}`", expr.span,

@@ -6,8 +6,10 @@ from __future__ import annotations
 import fnmatch
 
 from modulec.check.contracts import check_backward
+from modulec.check.recompute import check_recompute
 from modulec.check.graph import GraphChecker, declared_type
 from modulec.check.instance import Instance
+from modulec.check.order import defined_names
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
 from modulec.syntax import ast as A
@@ -28,8 +30,10 @@ def check_body(instance: Instance) -> None:
         scope.names[sig.name] = Tensor(sig.name, declared_type(instance, sig, sig.span),
                                        sig.span, "input")
     if forward.graph is not None:
-        GraphChecker(instance, scope).run(forward.graph.body)
+        checker = GraphChecker(instance, scope)
+        checker.run(forward.graph.body)
         _check_outputs(instance, forward, scope)
+        check_recompute(instance, checker.producers, checker.uses)
     saved = saved_names(instance, forward, scope)
     check_backward(instance, scope, saved)
 
@@ -78,11 +82,13 @@ def saved_names(instance: Instance, forward, scope: GraphScope) -> set[str] | No
     if entry is None or not isinstance(entry.value, A.ListExpr):
         return None
     available = list(scope.names)
+    written = defined_names(forward.graph) if forward.graph is not None else set()
     names: set[str] = set()
     for item in entry.value.items:
         pattern = _pattern(item)
         matched = fnmatch.filter(available, pattern)
-        if not matched and pattern == show(item):
+        # a name of a branch not taken for these parameters is fine; one defined nowhere is not
+        if not matched and pattern == show(item) and pattern not in written:
             instance.world.error("E002", f"`save:` names `{pattern}`, which the forward graph "
                                  "does not define", item.span,
                                  help=did_you_mean(pattern, available))

@@ -62,7 +62,7 @@ def _report_cycle(statements, needs, placed, world, code: str) -> list[int]:
     cycle = _find_cycle(remaining, needs)
     first = statements[cycle[0]]
     names = " -> ".join(min(defined_names(statements[i]) or {"?"}) for i in cycle + cycle[:1])
-    what = "gradient" if code == "E019" else "data"
+    what = {"E019": "gradient", "E022": "recompute"}.get(code, "data")
     world.error(code, f"circular {what} dependency: {names}", first.span,
                 "this statement depends on its own result",
                 secondary=[Label(statements[i].span, "part of the cycle") for i in cycle[1:]],
