@@ -100,7 +100,7 @@ def _needed_names(rule, inputs, outputs) -> list[str]:
         if tensor is not None and tensor.name:
             by_signature[sig.name] = tensor.name
     for sig, name in zip(forward.outputs, outputs):
-        if name:
+        if name and name != "_":  # a discarded output is the planner's, unnamed
             by_signature[sig.name] = name
     wanted = [item.id for item in save.value.items if isinstance(item, A.Name)]
     return [by_signature[w] for w in wanted if w in by_signature]
