@@ -42,7 +42,11 @@ class Result:
     types: list[TensorType]
     accumulate: bool = False
     rule: OpRule | None = None  # the primitive applied (forward), for the derived backward
-    inputs: tuple = ()
+    inputs: tuple = ()  # the actual inputs, in signature order (None: absent optional)
+    callee: object = None  # OpRule (a primitive, or its backward) or Instance (a module)
+    params: dict | None = None
+    repeat: object = 1
+    backward: bool = False
 
 
 def apply_step(ctx: StepContext, step: A.Step, inputs: list[Tensor]) -> Result | None:
@@ -94,7 +98,7 @@ _FAILED = object()
 
 
 def _evaluate_arg(ctx: StepContext, node):
-    values = {**ctx.dims, **ctx.instance.values}
+    values = {**ctx.dims, **ctx.world.dims, **ctx.instance.values}
     env = ConstEnv(values, "ident", lambda name: ctx.scope.lookup(name) is not None)
     try:
         return evaluate(node, env)
@@ -156,7 +160,8 @@ def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> 
     accumulate = params.get("accumulate") is True
     if types is None:
         return None
-    return Result(types, accumulate, None if backward else rule, tuple(actual))
+    return Result(types, accumulate, None if backward else rule, tuple(actual), rule, params,
+                  backward=backward)
 
 
 def _shapes(ctx, rule, call, phase, actual, expr, backward):
@@ -205,7 +210,7 @@ def report_shape_error(ctx, exc: ShapeError, actual, expr, label: str) -> None:
 
 
 # ====================================================================== modules
-def call_module(ctx: StepContext, callee: Instance, inputs, expr) -> Result | None:
+def call_module(ctx: StepContext, callee: Instance, inputs, expr, repeat=1) -> Result | None:
     forward = callee.definition.forward
     if forward is None or not forward.inputs:
         return Result([UNKNOWN] * max(1, len(forward.outputs) if forward else 1))
@@ -219,11 +224,12 @@ def call_module(ctx: StepContext, callee: Instance, inputs, expr) -> Result | No
         report_shape_error(ctx, exc, actual, expr, callee.name)
         return None
     outputs = forward.outputs or (TensorSig("out", None, expr.span),)
-    return Result(types if forward.outputs else [UNKNOWN] * len(outputs))
+    return Result(types if forward.outputs else [UNKNOWN] * len(outputs), inputs=tuple(actual),
+                  callee=callee, repeat=repeat)
 
 
 def _call_stack(ctx, stack: Stack, inputs, expr) -> Result | None:
-    return call_module(ctx, stack.instance, inputs, expr)
+    return call_module(ctx, stack.instance, inputs, expr, repeat=stack.count)
 
 
 def _call_stack_slice(ctx, func: A.Index, inputs) -> Result | None:
@@ -231,7 +237,21 @@ def _call_stack_slice(ctx, func: A.Index, inputs) -> Result | None:
     if not isinstance(stack, Stack):
         ctx.world.error("E014", f"`{func.value.id}` is not an array of blocks", func.value.span)
         return None
-    return call_module(ctx, stack.instance, inputs, func)
+    return call_module(ctx, stack.instance, inputs, func, repeat=_slice_length(ctx, func, stack))
+
+
+def _slice_length(ctx, func: A.Index, stack: Stack):
+    """`blocks[0:8]` applies 8 blocks; `blocks[3]` one."""
+    (sub,) = func.subscripts if len(func.subscripts) == 1 else (None,)
+    if not isinstance(sub, A.Slice):
+        return 1
+    env = ctx.instance.env()
+    try:
+        lower = evaluate(sub.lower, env) if sub.lower is not None else 0
+        upper = evaluate(sub.upper, env) if sub.upper is not None else stack.count
+        return upper - lower
+    except (NotConst, Undefined):
+        return stack.count
 
 
 def _stacked_blocks(ctx, args, inputs, expr) -> Result | None:
@@ -243,7 +263,7 @@ def _stacked_blocks(ctx, args, inputs, expr) -> Result | None:
                         help=did_you_mean(getattr(target, "id", ""), [
                             n for n, p in ctx.instance.params.items() if isinstance(p, Stack)]))
         return None
-    result = call_module(ctx, stack.instance, inputs, expr)
+    result = call_module(ctx, stack.instance, inputs, expr, repeat=stack.count)
     if result is not None:
         _check_stackable(ctx, inputs, result, expr)
     return result

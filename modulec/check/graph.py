@@ -35,6 +35,7 @@ class GraphChecker:
     uses: list = field(default_factory=list)  # (primitive rule, inputs, output names, span)
     in_recompute: bool = False
     _last_use: tuple | None = None
+    recorder: object = None  # a modulec.lower.recorder.Recorder while lowering
 
     def __post_init__(self) -> None:
         for tensor in self.scope.names.values():
@@ -142,7 +143,15 @@ class GraphChecker:
                 rule, inputs, span = self._last_use
                 self.uses.append((rule, inputs, [], span))
             self._last_use = (result.rule, result.inputs, step.span)
-        return [Tensor("", t, step.span) for t in result.types]
+        outputs = [Tensor("", t, step.span) for t in result.types]
+        if self.recorder is not None:
+            outputs = self._record(step, result, outputs)
+        return outputs
+
+    def _record(self, step: A.Step, result, outputs: list[Tensor]) -> list[Tensor]:
+        from modulec.lower.lowering import record_call
+
+        return record_call(self.recorder, self.instance, step, result, outputs)
 
     def type_annotation(self, annotation: A.ListExpr, values):
         expected = tensor_type(self.instance, annotation, free="symbol")
@@ -158,7 +167,7 @@ class GraphChecker:
             self.world.error("E004", f"shape mismatch: the value here is {actual}, "
                              f"annotated {expected}", annotation.span, f"actual shape {actual}")
         dtype = expected.dtype if expected.dtype != "float" else actual.dtype
-        return [Tensor("", expected.with_dtype(dtype), annotation.span)]
+        return [Tensor("", expected.with_dtype(dtype), annotation.span, value=values[0].value)]
 
     def destination(self, flow: A.Flow, step: A.Step, values) -> None:
         targets = self.targets(step.expr, step.annotations)
@@ -179,11 +188,11 @@ class GraphChecker:
             self._arity(step, values, targets)
             return
         for (name, span, cast), value in zip(targets, values):
-            self._define(name, _with_cast(value.type, cast), span, accumulate)
+            self._define(name, _with_cast(value.type, cast), span, accumulate, value.value)
 
     def _alias(self, target, value: Tensor) -> None:
         name, span, cast = target
-        self._define(name, _with_cast(value.type, cast), span, False)
+        self._define(name, _with_cast(value.type, cast), span, False, value.value)
 
     def _arity(self, step, values, targets) -> None:
         self.world.error("E003", f"this operation returns {len(values)} tensor(s), "
@@ -201,11 +210,14 @@ class GraphChecker:
             return [(e.value.id, e.value.span, _cast(e.annotations)) for e in expr.items]
         return None
 
-    def _define(self, name: str, type_: TensorType, span, accumulate: bool) -> None:
+    def _define(self, name: str, type_: TensorType, span, accumulate: bool,
+                value: str = "") -> None:
         if name == "_":
             return
         kind = "gradient" if self.backward and name.startswith("d_") else "local"
-        self.scope.define(Tensor(name, type_, span, kind, accumulate), self.world)
+        self.scope.define(Tensor(name, type_, span, kind, accumulate, value), self.world)
+        if self.recorder is not None and value:
+            self.recorder.bind(name, value)
         phase = "backward" if self.backward else "forward"
         self.instance.inferred.append((phase, name, type_, span))
 
@@ -235,7 +247,7 @@ class GraphChecker:
     def _param(self, name: str, node) -> Tensor | None:
         value = self.instance.params.get(name)
         if isinstance(value, TensorParamValue):
-            return Tensor(name, value.type, node.span, "param")
+            return Tensor(name, value.type, node.span, "param", value=f"param:{name}")
         return None
 
     def _attribute(self, expr: A.Attribute) -> Tensor | None:
@@ -246,14 +258,16 @@ class GraphChecker:
         if isinstance(sub, Submodule):
             value = sub.instance.params.get(expr.attr)
             if isinstance(value, TensorParamValue):
-                return Tensor(f"{base}.{expr.attr}", value.type, expr.span, "param")
+                return Tensor(f"{base}.{expr.attr}", value.type, expr.span, "param",
+                              value=f"param:{base}.{expr.attr}")
         return None
 
     def _saved(self, expr: A.Attribute) -> Tensor | None:
         original = self.forward_types.get(expr.attr)
         if original is None or (self.saved is not None and expr.attr not in self.saved):
             return None
-        return Tensor(f"saved.{expr.attr}", original.type, expr.span, "saved")
+        return Tensor(f"saved.{expr.attr}", original.type, expr.span, "saved",
+                      value=f"saved:{original.value or expr.attr}")
 
     def _report_missing(self, expr) -> None:
         if isinstance(expr, A.Attribute) and getattr(expr.value, "id", None) == "saved":

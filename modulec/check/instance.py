@@ -73,7 +73,8 @@ class Instance:
         return self.definition.name
 
     def env(self, free: str = "error", runtime=lambda name: False) -> ConstEnv:
-        return ConstEnv(self.values, free, runtime)
+        values = {**self.world.dims, **self.values} if self.world.dims else self.values
+        return ConstEnv(values, free, runtime)
 
     def describe(self) -> str:
         given = ", ".join(f"{p.name}={_short(self.values.get(p.name))}"

@@ -26,16 +26,30 @@ def check_body(instance: Instance) -> None:
     if forward is None:
         return
     scope = GraphScope()
+    recorder = _recorder(instance)
     for sig in forward.inputs:
-        scope.names[sig.name] = Tensor(sig.name, declared_type(instance, sig, sig.span),
-                                       sig.span, "input")
+        type_ = declared_type(instance, sig, sig.span)
+        scope.names[sig.name] = Tensor(sig.name, type_, sig.span, "input", value=sig.name)
+        if recorder is not None:
+            recorder.declare(sig.name, type_, sig.name)
     if forward.graph is not None:
-        checker = GraphChecker(instance, scope)
+        checker = GraphChecker(instance, scope, recorder=recorder)
         checker.run(forward.graph.body)
         _check_outputs(instance, forward, scope)
         check_recompute(instance, checker.producers, checker.uses)
     saved = saved_names(instance, forward, scope)
     check_backward(instance, scope, saved)
+
+
+def _recorder(instance: Instance):
+    """While lowering, each instance's forward graph is recorded as Graph IR."""
+    if not instance.world.recording:
+        return None
+    from modulec.lower.lowering import function_name
+    from modulec.lower.recorder import Recorder
+
+    instance.recorder = Recorder(function_name(instance.world, instance), instance.name)
+    return instance.recorder
 
 
 def _check_outputs(instance: Instance, forward, scope: GraphScope) -> None:

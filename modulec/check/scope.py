@@ -16,6 +16,7 @@ class Tensor:
     span: Span
     kind: str = "local"  # "input" | "param" | "local" | "saved" | "gradient"
     accumulated: bool = False  # written with accumulate=true (may be written again)
+    value: str = ""  # its Graph IR value id, when the graph is being recorded
 
 
 @dataclass

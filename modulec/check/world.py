@@ -48,6 +48,9 @@ class World:
     _defs: dict[int, ModuleDef] = field(default_factory=dict)
     _seen: set = field(default_factory=set)
     quiet: int = 0  # >0 while checking an instance for its types only
+    recording: bool = False  # lowering: record each instance's graph as Graph IR
+    dims: dict = field(default_factory=dict)  # sizes of free dims for a build (`--shape B=8`)
+    function_names: dict = field(default_factory=dict)
 
     @property
     def ops(self) -> dict[str, OpRule]:

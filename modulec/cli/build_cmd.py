@@ -1,0 +1,123 @@
+"""`modulec build` and `modulec ir verify`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+
+def _pairs(values, what: str, integer: bool) -> dict:
+    pairs = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"expected NAME=VALUE, got `{item}`", param_hint=what)
+        if integer:
+            try:
+                pairs[name.strip()] = int(value)
+            except ValueError:
+                raise click.BadParameter(f"`{item}`: the size must be an integer",
+                                         param_hint=what) from None
+        else:
+            pairs[name.strip()] = value.strip()
+    return pairs
+
+
+def build_command(output_options, guarded):
+    @click.command("build")
+    @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+    @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+                  help="Write the IR document (JSON) here.")
+    @click.option("--model", help="The model declaration to build (when the file has several).")
+    @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+                  help="Set a model parameter (repeatable).")
+    @click.option("--shape", "shapes", multiple=True, metavar="DIM=SIZE",
+                  help="Size a free dimension of the inputs, e.g. --shape B=8 --shape T=2048.")
+    @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                  help="A HuggingFace config.json, read through hf_config.param_mapping.")
+    @click.option("--path", "search_path", multiple=True, metavar="DIR",
+                  type=click.Path(exists=True, file_okay=False, path_type=Path))
+    @click.option("--emit", type=click.Choice(["graph"]), help="Print the Graph IR as text.")
+    @output_options
+    @guarded
+    def build(file, output, model, settings, shapes, config, search_path, emit, fmt, color):
+        """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
+        from modulec.cli.output import Output, use_color
+        from modulec.cli.inputs import FileResult
+        from modulec.ir.printer import print_graph
+        from modulec.ir.serialize import dumps
+        from modulec.lower.build import BuildRequest, build as run_build
+
+        request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
+                               _pairs(shapes, "--shape", True), config)
+        result = run_build(request)
+        out = Output(fmt, use_color(color))
+        for notice in result.notices:
+            click.echo(f"warning: {notice}", err=True)
+        out.show(FileResult(str(file), result.source, None, result.diagnostics))
+        if result.document is None:
+            return 1
+        if emit == "graph":
+            click.echo(print_graph(result.graph), nl=False)
+        if output is not None:
+            _write_atomically(output, dumps(result.document))
+        return 0
+    return build
+
+
+def ir_command(guarded):
+    @click.group("ir")
+    def ir():
+        """Work with IR documents written by `modulec build`."""
+
+    @ir.command("verify")
+    @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+    @guarded
+    def verify(file):
+        """Check an IR document (possibly hand-edited) and report what is wrong."""
+        problems = verify_document(file)
+        for problem in problems:
+            click.echo(f"error: {problem}", err=True)
+        if not problems:
+            click.echo(f"{file}: valid IR")
+        return 1 if problems else 0
+    return ir
+
+
+def verify_document(path: Path) -> list[str]:
+    import json
+
+    from modulec.ir.serialize import IR_VERSION, graph_from_data
+    from modulec.ir.verify import verify_graph
+
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return [f"{path} is not a JSON document: {exc}"]
+    if not isinstance(document, dict):
+        return [f"{path}: the top level must be an object"]
+    missing = [k for k in ("ir_version", "graph", "schedule", "weight_schema",
+                           "config_schema", "metadata") if k not in document]
+    if missing:
+        return [f"{path}: missing top-level keys: {', '.join(missing)}"]
+    if document["ir_version"] != IR_VERSION:
+        return [f"{path}: ir_version {document['ir_version']!r}, this modulec reads {IR_VERSION}"]
+    try:
+        graph = graph_from_data(document["graph"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        return [f"{path}: malformed graph: {type(exc).__name__}: {exc}"]
+    return verify_graph(graph)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
+    with os.fdopen(handle, "w", encoding="utf-8") as stream:
+        stream.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it private; an IR file is not
+    os.replace(temporary, path)

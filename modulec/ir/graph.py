@@ -1,0 +1,72 @@
+"""Graph IR (spec §9.7.1): the typed DAG of an instantiated model, forward and backward.
+
+Hierarchical: each distinct module instance is one `Function` (its parameters, inputs,
+outputs, and nodes in topological order); a node applies a primitive or calls another
+function, `repeat` times in a row for `StackedBlocks` (an 80-layer model holds one block
+function called 80 times). Values are function-local ids (`x`, `%3`); parameters are
+`param:<name>`. Everything is an immutable value with a canonical printer and a verifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    id: str
+    shape: tuple[str, ...]  # dims as canonical text ("4096", "B", "2*d_ff")
+    dtype: str
+    name: str = ""  # the source name it was bound to, if any
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    kind: str  # "op" (a primitive) | "call" (a function) | "alias"
+    target: str  # primitive name, or callee function name
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: tuple[tuple[str, object], ...] = ()
+    annotations: tuple[tuple[str, tuple], ...] = ()
+    repeat: int | str = 1
+    phase: str = "forward"  # "forward" | "backward" | "recompute"
+    span: tuple[str, int, int] = ("", 0, 0)
+    accumulate: tuple[str, ...] = ()  # outputs added into an existing gradient value
+
+    def attr(self, name: str, default=None):
+        return dict(self.attrs).get(name, default)
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str  # unique: `DenseTransformerBlock#1`
+    module: str  # the declaration's name
+    scope: str  # where it first appears: `blocks[*].attention`
+    args: tuple[tuple[str, str], ...]  # parameter values of the instance, as text
+    params: tuple[ValueInfo, ...]
+    inputs: tuple[ValueInfo, ...]
+    outputs: tuple[str, ...]  # value ids
+    values: tuple[ValueInfo, ...]
+    nodes: tuple[Node, ...]
+    saved: tuple[str, ...] = ()  # forward values the backward reads
+    gradient_of: str = ""  # for a backward function: its forward function
+    param_grads: tuple[tuple[str, str], ...] = ()  # (param, gradient value) of a backward
+
+    def value(self, value_id: str) -> ValueInfo | None:
+        return next((v for v in self.values + self.params + self.inputs if v.id == value_id),
+                    None)
+
+
+@dataclass(frozen=True)
+class Graph:
+    model: str
+    entry: str  # forward function of the model
+    backward: str  # its backward function ("" when not derived)
+    functions: tuple[Function, ...] = field(default_factory=tuple)
+
+    def function(self, name: str) -> Function:
+        for function in self.functions:
+            if function.name == name:
+                return function
+        raise KeyError(name)

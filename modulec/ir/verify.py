@@ -1,0 +1,98 @@
+"""The Graph IR verifier: what every pass may assume, checked (`modulec ir verify`).
+
+Each problem is reported with the function and node it is in and the IR text around it,
+in the manner of JAX's check_jaxpr: values are defined once before use, callees and
+primitives exist, arities fit the primitive signatures, repeat counts are positive, a
+backward function reads only values its forward function defines.
+"""
+
+from __future__ import annotations
+
+from modulec.ir.graph import Function, Graph, Node
+from modulec.ir.printer import node_text
+from modulec.ops.registry import op_table
+
+
+class IRError(Exception):
+    pass
+
+
+def verify_graph(graph: Graph) -> list[str]:
+    problems: list[str] = []
+    names = [f.name for f in graph.functions]
+    if len(set(names)) != len(names):
+        problems.append("duplicate function names: " + ", ".join(
+            sorted({n for n in names if names.count(n) > 1})))
+    functions = {f.name: f for f in graph.functions}
+    for required, label in ((graph.entry, "entry"), (graph.backward, "backward")):
+        if required and required not in functions:
+            problems.append(f"the graph's {label} function `{required}` does not exist")
+    for function in graph.functions:
+        problems += _verify_function(function, functions)
+    return problems
+
+
+def _verify_function(function: Function, functions: dict) -> list[str]:
+    problems = []
+    forward = functions.get(function.gradient_of) if function.gradient_of else None
+    defined = {v.id for v in function.params + function.inputs}
+    outside = {v.id for v in forward.values + forward.inputs} if forward else set()
+    for index, node in enumerate(function.nodes):
+        for message in _node_problems(node, defined, outside, functions):
+            problems.append(_located(function, index, message))
+        for output in node.outputs:
+            if output and output in defined:
+                problems.append(_located(function, index, f"`{output}` is defined twice"))
+            defined.add(output)
+    for output in function.outputs:
+        if output and output not in defined:
+            problems.append(f"in `{function.name}`: output `{output}` is never defined")
+    return problems
+
+
+def _node_problems(node: Node, defined: set, outside: set, functions: dict) -> list[str]:
+    problems = [f"input `{i}` is used before it is defined" for i in node.inputs
+                if i and i not in defined and i not in outside and not i.startswith("param:")]
+    if not isinstance(node.repeat, int) or node.repeat < 1:
+        problems.append(f"repeat must be a positive integer, not {node.repeat!r}")
+    if node.kind == "call" and node.target not in functions:
+        problems.append(f"calls `{node.target}`, which is not a function of this graph")
+    elif node.kind == "op":
+        problems += _op_problems(node)
+    elif node.kind not in ("op", "call"):
+        problems.append(f"unknown node kind `{node.kind}`")
+    return problems
+
+
+def _op_problems(node: Node) -> list[str]:
+    backward = node.target.endswith("_backward")
+    name = node.target[:-9] if backward else node.target
+    rule = op_table().get(name)
+    if rule is None:
+        return [f"`{node.target}` is not a primitive"]
+    phase = rule.definition.backward if backward else rule.definition.forward
+    if phase is None:
+        return [f"`{name}` has no {'backward' if backward else 'forward'}"]
+    problems = []
+    if len(node.inputs) > len(phase.inputs) and not _variadic(phase.inputs):
+        problems.append(f"`{node.target}` takes {len(phase.inputs)} inputs, node has "
+                        f"{len(node.inputs)}")
+    if len(node.outputs) != len(phase.outputs) and not _variadic(phase.outputs):
+        problems.append(f"`{node.target}` returns {len(phase.outputs)} values, node binds "
+                        f"{len(node.outputs)}")
+    return problems
+
+
+def _variadic(signature) -> bool:
+    """`parts: [n] x [*]` (split's outputs, concat's inputs): any number of tensors."""
+    from modulec.syntax import ast as A
+
+    return any(isinstance(s.type, A.ArrayType) for s in signature)
+
+
+def _located(function: Function, index: int, message: str) -> str:
+    lines = [f"in `{function.name}`, node {function.nodes[index].id}: {message}"]
+    for around in range(max(0, index - 2), min(len(function.nodes), index + 3)):
+        marker = ">" if around == index else " "
+        lines.append(f"  {marker} {node_text(function.nodes[around], function)}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Lowering: checked instances -> Graph IR (with the derived backward) -> Schedule IR."""

@@ -1,0 +1,155 @@
+"""Derived backward (§5.12.6, §9.4.1): reverse mode over Graph IR, from primitive rules.
+
+Each primitive declares its backward once (std/primitives): `backward: in:` names the
+gradients of its outputs (`d_y`) and the forward tensors it reads (`x`, `rstd`), `out:`
+the gradients of its inputs (`d_x`). A forward node becomes a `<primitive>_backward` node
+wired by those names; a call becomes a call of the callee's backward function (its saved
+tensors are the callee's own); contributions to one value (fan-out, tied weights) are
+summed with `add`. An absent input gradient ("") means zero. Integer inputs get none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modulec.ir.graph import Function, Graph, Node, ValueInfo
+from modulec.ops.registry import op_table
+
+
+def derive_backward(graph: Graph) -> Graph:
+    reachable = _reachable(graph)
+    forward = [f for f in graph.functions if f.name in reachable]
+    backward = [_backward(f) for f in forward]
+    entry_backward = f"{graph.entry}.backward"
+    return Graph(graph.model, graph.entry, entry_backward, tuple(forward + backward))
+
+
+def _reachable(graph: Graph) -> set[str]:
+    seen, todo = set(), [graph.entry]
+    by_name = {f.name: f for f in graph.functions}
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in by_name:
+            continue
+        seen.add(name)
+        todo += [n.target for n in by_name[name].nodes if n.kind == "call"]
+    return seen
+
+
+@dataclass
+class _Builder:
+    forward: Function
+    nodes: list[Node] = field(default_factory=list)
+    values: dict[str, ValueInfo] = field(default_factory=dict)
+    grads: dict[str, str] = field(default_factory=dict)  # forward value -> gradient value
+    saved: set[str] = field(default_factory=set)
+    counter: int = 0
+
+    def fresh(self, like: str) -> str:
+        self.counter += 1
+        gradient = f"%g{self.counter}"
+        info = self.forward.value(like)
+        if info is not None:
+            self.values[gradient] = ValueInfo(gradient, info.shape, _grad_dtype(info.dtype),
+                                              f"d_{info.name}" if info.name else "")
+        return gradient
+
+    def node(self, target: str, inputs, outputs, origin: Node, kind="op", attrs=(), repeat=1):
+        index = len(self.nodes)
+        self.nodes.append(Node(f"b{index}", kind, target, tuple(inputs), tuple(outputs),
+                               tuple(attrs), (), repeat, "backward", origin.span))
+
+    def contribute(self, value: str, gradient: str, origin: Node) -> None:
+        """Add `gradient` into the gradient of forward `value` (summing fan-out)."""
+        if value.startswith("saved:") or not gradient:
+            return
+        if value not in self.grads:
+            self.grads[value] = gradient
+            return
+        total = self.fresh(value)
+        self.node("add", [self.grads[value], gradient], [total], origin)
+        self.grads[value] = total
+
+
+def _backward(forward: Function) -> Function:
+    builder = _Builder(forward)
+    inputs = []
+    for output in forward.outputs:
+        gradient = f"d:{output}"
+        info = forward.value(output)
+        if info is not None:
+            inputs.append(ValueInfo(gradient, info.shape, _grad_dtype(info.dtype),
+                                    f"d_{info.name or output}"))
+        builder.grads[output] = gradient
+    for node in reversed(forward.nodes):
+        if any(o in builder.grads for o in node.outputs):
+            (_op_backward if node.kind == "op" else _call_backward)(builder, node)
+    outputs = tuple(builder.grads.get(i.id, "") for i in forward.inputs)  # "" for none (ints)
+    param_grads = tuple((p.id[len("param:"):], builder.grads[p.id]) for p in forward.params
+                        if p.id in builder.grads)
+    return Function(f"{forward.name}.backward", forward.module, forward.scope, forward.args,
+                    forward.params, tuple(inputs), outputs,
+                    tuple(builder.values[k] for k in sorted(builder.values, key=_order)),
+                    tuple(builder.nodes), tuple(sorted(builder.saved)), forward.name,
+                    param_grads)
+
+
+def _op_backward(builder: _Builder, node: Node) -> None:
+    rule = op_table().get(node.target)
+    if rule is None or rule.definition.backward is None:
+        return
+    forward_sig = rule.definition.forward
+    backward_sig = rule.definition.backward
+    by_name = _forward_values(forward_sig, node)
+    inputs = [_backward_input(builder, sig.name, by_name, node) for sig in backward_sig.inputs]
+    if not backward_sig.outputs:
+        return
+    outputs = []
+    for sig in backward_sig.outputs:
+        source = by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None
+        outputs.append(builder.fresh(source) if source else "")
+    builder.node(f"{rule.name}_backward", inputs, outputs, node, attrs=node.attrs)
+    for sig, gradient in zip(backward_sig.outputs, outputs):
+        source = by_name.get(sig.name[2:])
+        if source:
+            builder.contribute(source, gradient, node)
+
+
+def _forward_values(signature, node: Node) -> dict[str, str]:
+    values = {sig.name: v for sig, v in zip(signature.inputs, node.inputs) if v}
+    values.update({sig.name: v for sig, v in zip(signature.outputs, node.outputs) if v})
+    return values
+
+
+def _backward_input(builder: _Builder, name: str, by_name: dict, node: Node) -> str:
+    if name.startswith("d_") and name[2:] in by_name:
+        return builder.grads.get(by_name[name[2:]], "")
+    value = by_name.get(name, "")
+    if value and not value.startswith("param:"):
+        builder.saved.add(value)
+    return value
+
+
+def _call_backward(builder: _Builder, node: Node) -> None:
+    gradients = [builder.grads.get(o, "") for o in node.outputs]
+    outputs = [builder.fresh(i) if _differentiable(builder, i) else "" for i in node.inputs]
+    builder.node(f"{node.target}.backward", gradients, outputs, node, kind="call",
+                 attrs=(("forward_node", node.id),), repeat=node.repeat)
+    for value, gradient in zip(node.inputs, outputs):
+        builder.contribute(value, gradient, node)
+
+
+def _differentiable(builder: _Builder, value: str) -> bool:
+    info = builder.forward.value(value) if value else None
+    return bool(value) and not value.startswith("param:") and \
+        not (info is not None and info.dtype.startswith("int"))
+
+
+def _grad_dtype(dtype: str) -> str:
+    return "float" if dtype.startswith("int") else dtype
+
+
+def _order(key: str) -> tuple:
+    digits = key[2:] if key.startswith("%g") else ""
+    return (0, int(digits)) if digits.isdigit() else (1, key)
+

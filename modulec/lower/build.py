@@ -1,0 +1,208 @@
+"""`modulec build`: a checked model, instantiated, lowered to one IR document.
+
+Sizes come from the model's defaults, a HuggingFace `config.json` (through
+`hf_config.param_mapping`; a null or missing field keeps the default, with a warning),
+`--set name=value`, and `--shape B=8` for the free dims of its inputs. The document's
+top-level keys: `ir_version`, `graph`, `schedule`, `weight_schema`, `config_schema`,
+`metadata`; it is byte-identical across runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modulec.check.driver import check_program, scopes_of
+from modulec.check.instance import instantiate
+from modulec.diagnostics import Diagnostic, error
+from modulec.ir.serialize import IR_VERSION, graph_to_data
+from modulec.ir.verify import verify_graph
+from modulec.lower.lowering import lower_model, recording_world
+from modulec.lower.schedule import schedule_data
+from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
+from modulec.syntax import ast as A
+from modulec.types.dims import Dim
+
+MAX_SIZE = 2 ** 40  # no dimension of a real model comes near this
+
+
+@dataclass
+class BuildRequest:
+    path: Path
+    search_path: tuple[Path, ...] = ()
+    model: str | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # --set name=value (source text)
+    shapes: dict[str, int] = field(default_factory=dict)  # --shape B=8
+    config: Path | None = None
+
+
+@dataclass
+class BuildResult:
+    diagnostics: list[Diagnostic]
+    document: dict | None = None
+    graph: object = None
+    source: object = None
+    notices: list[str] = field(default_factory=list)  # config fields that kept defaults
+
+
+def build(request: BuildRequest) -> BuildResult:
+    from modulec.resolve import Resolver
+    from modulec.syntax.sections import check_sections
+
+    resolver = Resolver(request.search_path)
+    loaded = resolver.load(request.path)
+    diagnostics = list(loaded.diagnostics)
+    if loaded.program is None or any(d.is_error for d in diagnostics):
+        return BuildResult(diagnostics, source=loaded.source)
+    diagnostics += check_sections(loaded.program)
+    diagnostics += check_program(loaded.program, loaded.scope, None, scopes_of(resolver))
+    decl = _model(loaded.program, request.model, diagnostics)
+    if decl is None or any(d.is_error for d in diagnostics):
+        return BuildResult(diagnostics, source=loaded.source)
+    notices: list[str] = []
+    args = _arguments(decl, request, diagnostics, notices)
+    if args is None:
+        return BuildResult(diagnostics, source=loaded.source, notices=notices)
+    result = _lower(decl, loaded, resolver, args, request, diagnostics)
+    result.notices = notices
+    return result
+
+
+def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
+    world = recording_world(loaded.scope, scopes_of(resolver))
+    world.dims = {k: Dim.const(v) for k, v in request.shapes.items()}
+    instance = instantiate(world, world.definition(decl), args)
+    graph = lower_model(world, instance)
+    diagnostics += world.diagnostics
+    if any(d.is_error for d in diagnostics):
+        return BuildResult(diagnostics, source=loaded.source)
+    problems = verify_graph(graph)
+    if problems:
+        raise AssertionError("lowering produced invalid Graph IR:\n" + "\n".join(problems))
+    document = {
+        "ir_version": IR_VERSION,
+        "graph": graph_to_data(graph),
+        "schedule": schedule_data(graph),
+        "weight_schema": _weight_schema(instance),
+        "config_schema": _config_schema(decl),
+        "metadata": _metadata(decl, instance, graph, request),
+    }
+    return BuildResult(diagnostics, document, graph, loaded.source)
+
+
+# ====================================================================== the model and its sizes
+def _model(program: A.Program, name: str | None, diagnostics) -> A.Decl | None:
+    models = [d for d in program.decls if d.kind == "model"]
+    chosen = [d for d in models if name is None or d.name == name]
+    if len(chosen) == 1:
+        return chosen[0]
+    listed = ", ".join(d.name for d in models) or "none"
+    what = f"no model `{name}`" if name else ("no model" if not models else "several models")
+    diagnostics.append(error("E012", f"{what} to build in this file (models: {listed})", None,
+                             help=["name one with `--model NAME`"] if models else
+                             ["`modulec build` builds a `model` declaration"]))
+    return None
+
+
+def _arguments(decl: A.Decl, request: BuildRequest, diagnostics, notices) -> dict | None:
+    known = {p.name: p for p in decl.params or ()}
+    args: dict = {}
+    if request.config is not None:
+        args.update(_from_config(decl, request.config, diagnostics, notices))
+    for name, text in request.settings.items():
+        if name not in known:
+            import difflib
+            close = difflib.get_close_matches(name, list(known), n=1)
+            diagnostics.append(error("E012", f"`--set {name}`: `{decl.name}` has no parameter "
+                                     f"`{name}`", None, help=[f"did you mean `{close[0]}`?"]
+                                     if close else [f"parameters: {', '.join(known)}"]))
+            continue
+        args[name] = _value_of(text, name, diagnostics)
+    for name, value in args.items():
+        if isinstance(value, Dim) and value.is_const and not 0 < value.value <= MAX_SIZE:
+            diagnostics.append(error("E027", f"`{name} = {value.value}` is not a usable size",
+                                     None, help=["sizes are positive integers"]))
+    return None if any(d.is_error for d in diagnostics) else args
+
+
+def _value_of(text: str, name: str, diagnostics):
+    from modulec.syntax.parser import parse_text
+
+    result = parse_text(f"module M():\n  let:\n    v = {text}\n", f"--set {name}")
+    try:
+        binding = result.program.decls[0].body[0].body[0]
+        return evaluate(binding.value, ConstEnv({}, "ident"))
+    except (NotConst, Undefined, AttributeError, IndexError):
+        diagnostics.append(error("E003", f"`--set {name}={text}`: not a compile-time value",
+                                 None))
+        return None
+
+
+def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        diagnostics.append(error("E010", f"cannot read HuggingFace config {path}: {exc}", None))
+        return {}
+    values = {}
+    for param, field_name in _param_mapping(decl):
+        raw = config.get(field_name)
+        if raw is None:
+            how = "is null" if field_name in config else "is missing"
+            notices.append(f"{path}: `{field_name}` {how}; `{param}` keeps its default")
+            continue
+        values[param] = Dim.const(raw) if isinstance(raw, int) and not isinstance(raw, bool) \
+            else raw
+    return values
+
+
+def _param_mapping(decl: A.Decl):
+    for item in decl.body:
+        if isinstance(item, A.Section) and item.name == "hf_config":
+            for sub in item.body:
+                if isinstance(sub, A.Section) and sub.name == "param_mapping":
+                    for entry in sub.body:
+                        if isinstance(entry, A.Entry) and isinstance(entry.value, A.Name):
+                            yield entry.key.id, entry.value.id
+
+
+# ====================================================================== schemas
+def _weight_schema(instance) -> list:
+    try:
+        from modulec.check.weights import hf_plan
+    except ImportError:
+        return []
+    return hf_plan(instance)
+
+
+def _config_schema(decl: A.Decl) -> dict:
+    mapping = dict(_param_mapping(decl))
+    defaults = {p.name: _text(p.default) for p in decl.params or () if p.default is not None}
+    hf = next((i for i in decl.body if isinstance(i, A.Section) and i.name == "hf_config"), None)
+    fields = {e.key.id: e.value.value for e in hf.body if isinstance(e, A.Entry)
+              and isinstance(e.value, A.String)} if hf else {}
+    return {"hf": fields, "param_mapping": mapping, "defaults": defaults}
+
+
+def _metadata(decl, instance, graph, request) -> dict:
+    entry = graph.function(graph.entry)
+    hooks = sorted({args[0] for f in graph.functions for n in f.nodes
+                    for name, args in n.annotations if name == "hook" and args})
+    return {
+        "model": decl.name,
+        "source": str(request.path),
+        "parameters": {k: str(v) for k, v in sorted(instance.values.items())},
+        "inputs": [{"name": v.name or v.id, "shape": list(v.shape), "dtype": v.dtype}
+                   for v in entry.inputs],
+        "outputs": [{"value": o, "shape": list(entry.value(o).shape), "dtype":
+                     entry.value(o).dtype} for o in entry.outputs if entry.value(o)],
+        "hook_points": hooks,
+        "functions": len(graph.functions),
+    }
+
+
+def _text(node) -> str:
+    from modulec.syntax.printer import expr
+
+    return expr(node)

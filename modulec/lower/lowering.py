@@ -1,0 +1,113 @@
+"""Checked model instance -> Graph IR.
+
+Lowering re-runs the checker on the model with a `Recorder` attached to every instance's
+graph (the checker's walk knows each operation's typed inputs and outputs), then turns
+each distinct instance into one `Function`; calls to submodules and stacks of blocks
+stay calls (`repeat=n`), so the IR grows with the number of distinct modules, not layers.
+"""
+
+from __future__ import annotations
+
+from modulec.check.instance import Instance, Stack, Submodule, TensorParamValue, instantiate
+from modulec.check.module import check_body
+from modulec.check.world import World
+from modulec.ir.graph import Function, Graph
+from modulec.lower.recorder import Recorder, attr_value, value_info
+from modulec.ops.registry import OpRule
+
+
+def lower_model(world: World, model: Instance) -> Graph:
+    """Graph IR of `model` (an instance created in `world`, with `world.recording` set)."""
+    functions: list[Function] = []
+    _lower_tree(world, model, "", functions, set())
+    entry = function_name(world, model)
+    from modulec.lower.backward import derive_backward
+
+    graph = Graph(model.name, entry, "", tuple(functions))
+    return derive_backward(graph)
+
+
+def recording_world(names, scopes) -> World:
+    world = World(names, scopes)
+    world.recording = True
+    world.function_names = {}
+    return world
+
+
+def _lower_tree(world, instance: Instance, scope: str, out: list, seen: set) -> None:
+    if id(instance) in seen:
+        return
+    seen.add(id(instance))
+    check_body(instance)
+    for name, value in instance.params.items():
+        if isinstance(value, Submodule):
+            _lower_tree(world, value.instance, _join(scope, name), out, seen)
+        elif isinstance(value, Stack):
+            _lower_tree(world, value.instance, _join(scope, f"{name}[*]"), out, seen)
+    recorder = getattr(instance, "recorder", None)
+    if recorder is not None:
+        out.append(_function(world, instance, recorder, scope))
+
+
+def _join(scope: str, name: str) -> str:
+    return f"{scope}.{name}" if scope else name
+
+
+def _function(world, instance: Instance, recorder: Recorder, scope: str) -> Function:
+    forward = instance.definition.forward
+    params = tuple(value_info(f"param:{n}", v.type, n)
+                   for n, v in _tensor_params(instance, recorder))
+    inputs = tuple(recorder.values[s.name] for s in forward.inputs if s.name in recorder.values)
+    outputs = tuple(recorder.names.get(s.name, s.name) for s in forward.outputs)
+    args = tuple((p.name, str(attr_value(instance.values.get(p.name))))
+                 for p in instance.definition.decl.params or ())
+    values = tuple(v for k, v in sorted(recorder.values.items(), key=_value_order)
+                   if not any(k == i.id for i in inputs))
+    return Function(function_name(world, instance), instance.name, scope or instance.name, args,
+                    params, inputs, outputs, values, tuple(recorder.nodes))
+
+
+def _tensor_params(instance: Instance, recorder: Recorder):
+    """Tensor parameters: the instance's own, then submodules' read as `sub.name`
+    (`ln1.weight`) by this graph, whose gradients this function therefore computes."""
+    for name, value in instance.params.items():
+        if isinstance(value, TensorParamValue):
+            yield name, value
+    used = sorted({i[len("param:"):] for n in recorder.nodes for i in n.inputs
+                   if i.startswith("param:") and "." in i})
+    for path in used:
+        owner, name = path.split(".", 1)
+        sub = instance.params.get(owner)
+        value = sub.instance.params.get(name) if isinstance(sub, Submodule) else None
+        if isinstance(value, TensorParamValue):
+            yield path, value
+
+
+def _value_order(item) -> tuple:
+    key = item[0]
+    return (0, int(key[1:])) if key.startswith("%") and key[1:].isdigit() else (1, key)
+
+
+def function_name(world, instance: Instance) -> str:
+    names = world.function_names
+    if id(instance) not in names:
+        count = sum(1 for n in names.values() if n.split("#")[0] == instance.name)
+        names[id(instance)] = f"{instance.name}#{count + 1}"
+    return names[id(instance)]
+
+
+def record_call(recorder: Recorder, instance: Instance, step, result, outputs):
+    """Give the outputs of one operation value ids and write its node."""
+    ids = [recorder.fresh(t.type) for t in outputs]
+    inputs = [t.value if t is not None else "" for t in result.inputs]
+    callee = result.callee
+    if isinstance(callee, OpRule):
+        target = f"{callee.name}_backward" if result.backward else callee.name
+        attrs = tuple(sorted((k, attr_value(v)) for k, v in (result.params or {}).items()))
+        recorder.node("op", target, inputs, ids, step, attrs)
+    elif isinstance(callee, Instance):
+        world = instance.world
+        repeat = attr_value(result.repeat)
+        recorder.node("call", function_name(world, callee), inputs, ids, step, repeat=repeat)
+    return [type(t)(t.name, t.type, t.span, t.kind, t.accumulated, v)
+            for t, v in zip(outputs, ids)]

@@ -1,0 +1,37 @@
+"""Schedule IR (§9.7.2), first stage: each function's operations in execution order with
+the kernels they run (from each primitive's `impl:`). Buffers, offsets, streams and
+recompute/swap segments are added by the planning passes (issue 4, in progress)."""
+
+from __future__ import annotations
+
+from modulec.ir.graph import Graph, Node
+from modulec.ops.registry import op_table
+from modulec.syntax import ast as A
+
+
+def schedule_data(graph: Graph) -> dict:
+    return {"functions": {f.name: [_op(n) for n in f.nodes] for f in graph.functions},
+            "order": [graph.entry] + ([graph.backward] if graph.backward else [])}
+
+
+def _op(node: Node) -> dict:
+    return {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
+            "phase": node.phase}
+
+
+def kernel_of(node: Node) -> str:
+    if node.kind == "call":
+        return f"call:{node.target}"
+    backward = node.target.endswith("_backward")
+    rule = op_table().get(node.target[:-9] if backward else node.target)
+    impl = _impl(rule.definition.decl) if rule else None
+    if impl is None:
+        return node.target
+    if impl.text is not None:
+        return impl.text
+    wanted = "backward" if backward else "forward"
+    return next((e.text for e in impl.entries if e.name == wanted), node.target)
+
+
+def _impl(decl: A.Decl) -> A.ImplBlock | None:
+    return next((i for i in decl.body if isinstance(i, A.ImplBlock)), None)

@@ -1,0 +1,137 @@
+"""`modulec build`, the Graph IR with its derived backward, and `modulec ir verify`."""
+
+import copy
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from modulec.cli.build_cmd import verify_document
+from modulec.cli.main import modulec
+from modulec.ir.serialize import dumps
+from modulec.lower.build import BuildRequest, build
+from modulec.paths import REPO_DIR
+
+MODELS = ["llama", "qwen3", "mistral", "mixtral"]
+SHAPES = {"B": 2, "T": 16}
+
+
+def built(name: str, **settings):
+    request = BuildRequest(REPO_DIR / "std" / "models" / f"{name}.module", shapes=SHAPES,
+                           settings={k: str(v) for k, v in settings.items()})
+    result = build(request)
+    assert result.document is not None, [d.message for d in result.diagnostics]
+    return result
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_std_models_build_and_verify(name, tmp_path):
+    result = built(name)
+    path = tmp_path / f"{name}.ir"
+    path.write_text(dumps(result.document))
+    assert verify_document(path) == []
+    assert set(result.document) == {"ir_version", "graph", "schedule", "weight_schema",
+                                    "config_schema", "metadata"}
+
+
+def test_builds_are_byte_identical():
+    assert dumps(built("llama").document) == dumps(built("llama").document)
+
+
+def test_layers_do_not_multiply_the_ir():
+    small, large = built("llama", n_layers=2), built("llama", n_layers=80)
+    assert len(small.graph.functions) == len(large.graph.functions)
+    calls = [n for f in large.graph.functions for n in f.nodes if n.repeat == 80]
+    assert len(calls) == 2  # the stack, forward and backward
+
+
+def test_derived_backward_reaches_every_trainable_parameter():
+    graph = built("llama").graph
+    for function in graph.functions:
+        if function.gradient_of:
+            forward = graph.function(function.gradient_of)
+            own = {p.id[len("param:"):] for p in forward.params}
+            assert own == {name for name, _ in function.param_grads}, function.name
+
+
+def test_tied_embedding_gradient_accumulates():
+    graph = built("qwen3", tie_word_embeddings="true").graph
+    backward = graph.function(graph.backward)
+    (embedding,) = [g for p, g in backward.param_grads if p == "embedding"]
+    adds = [n for n in backward.nodes if n.target == "add" and embedding in n.outputs]
+    assert adds, "the head's and the lookup's gradients of a tied embedding are summed"
+
+
+def test_cli_build_set_shape_and_emit(tmp_path):
+    out = tmp_path / "m.ir"
+    result = CliRunner().invoke(modulec, ["build", str(REPO_DIR / "examples" / "llama.module"),
+                                          "-o", str(out), "--shape", "B=1", "--shape", "T=8",
+                                          "--set", "n_layers=2", "--emit", "graph"])
+    assert result.exit_code == 0, result.output
+    assert "call DenseTransformerBlock#1" in result.stdout and " x2" in result.stdout
+    assert json.loads(out.read_text())["metadata"]["inputs"][0]["shape"] == ["1", "8"]
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("d_modl=4096", "did you mean `d_model`"),
+    ("d_model=-4", "not a usable size"),
+])
+def test_bad_settings_fail_fast(argument, message):
+    result = CliRunner().invoke(modulec, ["build", str(REPO_DIR / "std/models/llama.module"),
+                                          "--set", argument])
+    assert result.exit_code == 1 and message in result.stderr
+
+
+def test_hf_config_null_field_keeps_the_default(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "intermediate_size": 512, "vocab_size": 1000,
+                                  "max_position_embeddings": None, "rms_norm_eps": 1e-6}))
+    result = build(BuildRequest(REPO_DIR / "std/models/llama.module", config=config,
+                                shapes=SHAPES))
+    assert result.document["metadata"]["parameters"]["d_model"] == "256"
+    assert any("max_position_embeddings` is null" in n for n in result.notices)
+
+
+# ====================================================================== hostile IR
+def broken_documents():
+    good = built("llama", n_layers=2).document
+    entry = good["graph"]["functions"][-1]
+
+    def edit(change):
+        document = copy.deepcopy(good)
+        change(document)
+        return document
+
+    def first_function(document):
+        return next(f for f in document["graph"]["functions"] if f["nodes"])
+
+    yield "missing key", edit(lambda d: d.pop("schedule")), "missing top-level keys"
+    yield "version", edit(lambda d: d.update(ir_version=99)), "ir_version"
+    yield "dangling input", edit(lambda d: first_function(d)["nodes"][0]["inputs"].__setitem__(0, "%999")), "used before it is defined"
+    yield "unknown op", edit(lambda d: first_function(d)["nodes"][0].update(target="warp")), "not a primitive"
+    yield "arity", edit(lambda d: first_function(d)["nodes"][0]["outputs"].append("%998")), "returns"
+    yield "defined twice", edit(lambda d: first_function(d)["nodes"][1]["outputs"].__setitem__(0, first_function(d)["nodes"][0]["outputs"][0])), "defined twice"
+    yield "repeat", edit(lambda d: [n.update(repeat=0) for f in d["graph"]["functions"] for n in f["nodes"] if n["kind"] == "call"]), "positive integer"
+    yield "callee", edit(lambda d: [n.update(target="Nope#1") for f in d["graph"]["functions"] for n in f["nodes"] if n["kind"] == "call"]), "not a function of this graph"
+    yield "malformed", edit(lambda d: d["graph"]["functions"][0].pop("nodes")), "malformed graph"
+    yield "entry", edit(lambda d: d["graph"].update(entry="Gone#1")), "does not exist"
+    assert entry  # the document is not empty
+
+
+@pytest.mark.parametrize("case, document, message", list(broken_documents()),
+                         ids=[c[0] for c in broken_documents()])
+def test_verify_rejects_broken_ir(tmp_path, case, document, message):
+    path = tmp_path / "broken.ir"
+    path.write_text(json.dumps(document))
+    problems = verify_document(path)
+    assert problems and any(message in p for p in problems), problems
+
+
+def test_verify_rejects_non_json(tmp_path):
+    path = tmp_path / "x.ir"
+    path.write_text("{not json")
+    result = CliRunner().invoke(modulec, ["ir", "verify", str(path)])
+    assert result.exit_code == 1 and "not a JSON document" in result.stderr
+    assert "Traceback" not in result.output
