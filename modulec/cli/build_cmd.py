@@ -26,6 +26,12 @@ def _pairs(values, what: str, integer: bool) -> dict:
     return pairs
 
 
+def _pass_names():
+    from modulec.lower.pass_names import PASS_NAMES
+
+    return PASS_NAMES
+
+
 def build_command(output_options, guarded):
     @click.command("build")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -41,9 +47,12 @@ def build_command(output_options, guarded):
     @click.option("--path", "search_path", multiple=True, metavar="DIR",
                   type=click.Path(exists=True, file_okay=False, path_type=Path))
     @click.option("--emit", type=click.Choice(["graph"]), help="Print the Graph IR as text.")
+    @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
+                  help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))
     @output_options
     @guarded
-    def build(file, output, model, settings, shapes, config, search_path, emit, fmt, color):
+    def build(file, output, model, settings, shapes, config, search_path, emit, dump_after, fmt,
+              color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
@@ -52,7 +61,9 @@ def build_command(output_options, guarded):
         from modulec.lower.build import BuildRequest, build as run_build
 
         request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
-                               _pairs(shapes, "--shape", True), config)
+                               _pairs(shapes, "--shape", True), config, dump_after,
+                               lambda name, graph: click.echo(f"# after {name}\n"
+                                                              + print_graph(graph), nl=False))
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:

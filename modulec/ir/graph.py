@@ -52,6 +52,7 @@ class Function:
     saved: tuple[str, ...] = ()  # forward values the backward reads
     gradient_of: str = ""  # for a backward function: its forward function
     param_grads: tuple[tuple[str, str], ...] = ()  # (param, gradient value) of a backward
+    no_gradient: tuple[str, ...] = ()  # frozen params, @gradient(skip) inputs: pruned
 
     def value(self, value_id: str) -> ValueInfo | None:
         return next((v for v in self.values + self.params + self.inputs if v.id == value_id),

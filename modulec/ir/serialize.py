@@ -21,6 +21,7 @@ def _function(f: Function) -> dict:
         "outputs": list(f.outputs), "values": [_value(v) for v in f.values],
         "nodes": [_node(n) for n in f.nodes], "saved": list(f.saved),
         "gradient_of": f.gradient_of, "param_grads": dict(f.param_grads),
+        "no_gradient": list(f.no_gradient),
     }
 
 
@@ -48,7 +49,7 @@ def _function_back(f: dict) -> Function:
                     tuple(map(_value_back, f["params"])), tuple(map(_value_back, f["inputs"])),
                     tuple(f["outputs"]), tuple(map(_value_back, f["values"])),
                     tuple(map(_node_back, f["nodes"])), tuple(f["saved"]), f["gradient_of"],
-                    tuple(f["param_grads"].items()))
+                    tuple(f["param_grads"].items()), tuple(f.get("no_gradient", ())))
 
 
 def _value_back(v: dict) -> ValueInfo:

@@ -17,6 +17,8 @@ from modulec.ops.registry import op_table
 
 
 def derive_backward(graph: Graph) -> Graph:
+    if graph.backward:
+        return graph
     reachable = _reachable(graph)
     forward = [f for f in graph.functions if f.name in reachable]
     backward = [_backward(f) for f in forward]
@@ -59,6 +61,10 @@ class _Builder:
         self.nodes.append(Node(f"b{index}", kind, target, tuple(inputs), tuple(outputs),
                                tuple(attrs), (), repeat, "backward", origin.span))
 
+    def wants(self, value: str | None) -> bool:
+        """Whether the gradient of forward `value` is needed (not frozen, not skipped)."""
+        return bool(value) and value not in self.forward.no_gradient
+
     def contribute(self, value: str, gradient: str, origin: Node) -> None:
         """Add `gradient` into the gradient of forward `value` (summing fan-out)."""
         if value.startswith("saved:") or not gradient:
@@ -84,14 +90,15 @@ def _backward(forward: Function) -> Function:
     for node in reversed(forward.nodes):
         if any(o in builder.grads for o in node.outputs):
             (_op_backward if node.kind == "op" else _call_backward)(builder, node)
-    outputs = tuple(builder.grads.get(i.id, "") for i in forward.inputs)  # "" for none (ints)
+    outputs = tuple(builder.grads.get(i.id, "") if builder.wants(i.id) else ""
+                    for i in forward.inputs)  # "" for none (ints, skipped)
     param_grads = tuple((p.id[len("param:"):], builder.grads[p.id]) for p in forward.params
                         if p.id in builder.grads)
     return Function(f"{forward.name}.backward", forward.module, forward.scope, forward.args,
                     forward.params, tuple(inputs), outputs,
                     tuple(builder.values[k] for k in sorted(builder.values, key=_order)),
                     tuple(builder.nodes), tuple(sorted(builder.saved)), forward.name,
-                    param_grads)
+                    param_grads, forward.no_gradient)
 
 
 def _op_backward(builder: _Builder, node: Node) -> None:
@@ -107,7 +114,7 @@ def _op_backward(builder: _Builder, node: Node) -> None:
     outputs = []
     for sig in backward_sig.outputs:
         source = by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None
-        outputs.append(builder.fresh(source) if source else "")
+        outputs.append(builder.fresh(source) if builder.wants(source) else "")
     builder.node(f"{rule.name}_backward", inputs, outputs, node, attrs=node.attrs)
     for sig, gradient in zip(backward_sig.outputs, outputs):
         source = by_name.get(sig.name[2:])
@@ -132,7 +139,8 @@ def _backward_input(builder: _Builder, name: str, by_name: dict, node: Node) -> 
 
 def _call_backward(builder: _Builder, node: Node) -> None:
     gradients = [builder.grads.get(o, "") for o in node.outputs]
-    outputs = [builder.fresh(i) if _differentiable(builder, i) else "" for i in node.inputs]
+    outputs = [builder.fresh(i) if _differentiable(builder, i) and builder.wants(i) else ""
+               for i in node.inputs]
     builder.node(f"{node.target}.backward", gradients, outputs, node, kind="call",
                  attrs=(("forward_node", node.id),), repeat=node.repeat)
     for value, gradient in zip(node.inputs, outputs):

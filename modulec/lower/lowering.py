@@ -17,14 +17,11 @@ from modulec.ops.registry import OpRule
 
 
 def lower_model(world: World, model: Instance) -> Graph:
-    """Graph IR of `model` (an instance created in `world`, with `world.recording` set)."""
+    """Forward Graph IR of `model` (an instance created in `world`, with `world.recording`
+    set); the passes of modulec.lower.passes take it from there."""
     functions: list[Function] = []
     _lower_tree(world, model, "", functions, set())
-    entry = function_name(world, model)
-    from modulec.lower.backward import derive_backward
-
-    graph = Graph(model.name, entry, "", tuple(functions))
-    return derive_backward(graph)
+    return Graph(model.name, function_name(world, model), "", tuple(functions))
 
 
 def recording_world(names, scopes) -> World:
@@ -63,8 +60,13 @@ def _function(world, instance: Instance, recorder: Recorder, scope: str) -> Func
                  for p in instance.definition.decl.params or ())
     values = tuple(v for k, v in sorted(recorder.values.items(), key=_value_order)
                    if not any(k == i.id for i in inputs))
+    frozen = tuple(sorted(f"param:{n}" for n, v in _tensor_params(instance, recorder)
+                          if v.frozen))
+    skipped = tuple(s.name for s in forward.inputs
+                    if any(a.name == "gradient" for a in s.annotations))
     return Function(function_name(world, instance), instance.name, scope or instance.name, args,
-                    params, inputs, outputs, values, tuple(recorder.nodes))
+                    params, inputs, outputs, values, tuple(recorder.nodes),
+                    no_gradient=frozen + skipped)
 
 
 def _tensor_params(instance: Instance, recorder: Recorder):
