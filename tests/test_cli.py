@@ -47,7 +47,7 @@ def write(folder: Path, name: str, text: str) -> Path:
 
 def fake_parser(monkeypatch, make):
     """Replace parse_source; `make(source)` returns the diagnostics of each file."""
-    def parse_source(source):
+    def parse_source(source, *rest):
         return ParseResult(None, tuple(make(source)))
     monkeypatch.setattr(parser, "parse_source", parse_source)
 
@@ -250,7 +250,7 @@ def test_unknown_sections_and_syntax_errors_are_reported_together(tmp_path):
 
 # ====================================================================== internal errors
 def crash(monkeypatch):
-    def parse_source(source):
+    def parse_source(source, *rest):
         raise RuntimeError("boom\nsecond line")
     monkeypatch.setattr(parser, "parse_source", parse_source)
 

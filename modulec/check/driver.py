@@ -10,6 +10,7 @@ from __future__ import annotations
 from modulec.check.annotations import check_annotations
 from modulec.check.declarations import check_declarations
 from modulec.check.instance import Instance, Stack, Submodule, instantiate
+from modulec.check.weights import check_weights
 from modulec.check.module import check_body
 from modulec.check.world import LocalNames, Names, World
 from modulec.diagnostics import Diagnostic
@@ -30,6 +31,7 @@ def check_program(program: A.Program, names: Names | None = None,
             check_body(instance)
             if decl.kind == "model":
                 check_tree(instance)
+                check_weights(instance)
             if checked is not None:
                 checked.append(instance)
     return world.diagnostics

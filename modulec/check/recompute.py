@@ -69,7 +69,7 @@ def _report_underivable(instance: Instance, name: str, decision, missing: set[st
     instance.world.error(
         "E021", f"`{name}` is marked recompute but cannot be derived from saved tensors",
         decision.span, f"needs {shown}, not saved",
-        notes=[f"decided by the {decision.reason}" if decision.reason else ""],
+        notes=[f"decided by: {decision.reason}"] if decision.reason else [],
         help=[f"add {shown} to `save:` (the recompute frontier), or save `{name}` itself"])
 
 

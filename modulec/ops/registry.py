@@ -84,15 +84,18 @@ def op_table() -> dict[str, OpRule]:
 
 
 def _import_shape_rules() -> None:
-    from modulec.ops import shapes_linalg, shapes_tensor  # noqa: F401  (they register)
+    from modulec.ops import shapes_linalg, shapes_special, shapes_tensor  # noqa: F401 (register)
 
 
 def _load(folder: Path) -> dict[str, OpRule]:
-    from modulec.syntax.parser import parse_file
+    from modulec.resolve.resolver import _display_name
+    from modulec.source import SourceFile
+    from modulec.syntax.parser import parse_source
 
     table = {}
     for path in sorted(folder.glob("*.module")):
-        result = parse_file(path)
+        # named as the import resolver names it, so both share one cached tree
+        result = parse_source(SourceFile(_display_name(path.resolve()), path.read_text()), True)
         for decl in result.program.decls if result.program else []:
             if decl.kind == "primitive":
                 definition = module_def(decl)

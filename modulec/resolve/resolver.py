@@ -194,7 +194,8 @@ class Resolver:
     def _parse(self, path: Path, shown: str | None = None) -> Parsed:
         """Parse once; diagnostics name the file as given, or relative to the working folder."""
         if path not in self._parsed:
-            self._parsed[path] = _read_and_parse(path, shown or _display_name(path))
+            in_std = path.is_relative_to(self.std_root)  # shipped, stable: cached trees
+            self._parsed[path] = _read_and_parse(path, shown or _display_name(path), in_std)
         return self._parsed[path]
 
     def _declarations(self, path: Path) -> frozenset[str] | None:
@@ -217,7 +218,7 @@ class Resolver:
         return base, version_name
 
 
-def _read_and_parse(path: Path, shown: str) -> Parsed:
+def _read_and_parse(path: Path, shown: str, cache: bool = False) -> Parsed:
     from modulec.syntax.parser import parse_source
 
     try:
@@ -226,7 +227,7 @@ def _read_and_parse(path: Path, shown: str) -> Parsed:
         reason = f"not valid UTF-8 (byte offset {exc.start})" \
             if isinstance(exc, UnicodeDecodeError) else (exc.strerror or str(exc))
         return Parsed(None, None, [error("", f"cannot read {shown}: {reason}", None)])
-    result = parse_source(source)
+    result = parse_source(source, cache)
     return Parsed(source, result.program, list(result.diagnostics))
 
 

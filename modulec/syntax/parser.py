@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,8 +100,58 @@ def parser() -> Parser:
     return _PARSER
 
 
-def parse_source(source: SourceFile) -> ParseResult:
-    """Parse one file: its syntax tree, or the E001 diagnostics that explain why not."""
+def parse_source(source: SourceFile, cache: bool = False) -> ParseResult:
+    """Parse one file: its syntax tree, or the E001 diagnostics that explain why not.
+
+    With `cache`, the result is kept on disk keyed by the file's name and text and by the
+    parser's own code (so a new modulec never reads an old tree): the standard library,
+    read on every `modulec check`, is parsed once per machine.
+    """
+    if not cache:
+        return _parse_source(source)
+    key = _tree_key(source)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = _cache_folder() / "trees" / f"{key}.pickle"
+    try:
+        result = pickle.loads(path.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):
+        result = _parse_source(source)
+        _store(path, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    _MEMO[key] = result
+    return result
+
+
+_MEMO: dict[str, ParseResult] = {}  # this process's cached trees (std read by several passes)
+
+
+def _tree_key(source: SourceFile) -> str:
+    global _CODE_DIGEST
+    if _CODE_DIGEST is None:
+        here = Path(__file__).resolve().parent
+        parts = [grammar_file().read_bytes()] + [
+            (here / n).read_bytes() for n in ("ast.py", "builder.py", "parser.py",
+                                              "precedence.py", "indenter.py", "recovery.py")]
+        _CODE_DIGEST = hashlib.sha256(b"\0".join(parts)).hexdigest()
+    text = f"{_CODE_DIGEST}\0{source.name}\0{source.text}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def _store(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tree-")
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a cache that cannot be written is only slower
+
+
+_CODE_DIGEST: str | None = None
+
+
+def _parse_source(source: SourceFile) -> ParseResult:
     text = source.text if source.text.endswith("\n") else source.text + "\n"
     p = parser()
     try:
@@ -116,5 +167,5 @@ def parse_text(text: str, name: str = "<input>") -> ParseResult:
     return parse_source(SourceFile(name, text))
 
 
-def parse_file(path: str | Path) -> ParseResult:
-    return parse_source(SourceFile.read(path))
+def parse_file(path: str | Path, cache: bool = False) -> ParseResult:
+    return parse_source(SourceFile.read(path), cache)
