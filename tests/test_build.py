@@ -135,3 +135,19 @@ def test_verify_rejects_non_json(tmp_path):
     result = CliRunner().invoke(modulec, ["ir", "verify", str(path)])
     assert result.exit_code == 1 and "not a JSON document" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_written_backward_is_kept_as_written(tmp_path):
+    source = tmp_path / "m.module"
+    source.write_text(
+        "module Lin(d: int, f: int):\n  params:\n    w: [f, d]\n  forward:\n    in: x: [B, d]\n"
+        "    out: [B, f]\n    graph:\n      (x, w) -> matmul(transpose=NT) -> out\n    save: [x]\n"
+        "  backward:\n    graph:\n      (d_out, w) -> matmul(transpose=NN) -> d_x\n"
+        "      (d_out, saved.x) -> matmul(transpose=TN) -> d_w\n\n"
+        "model M(d: int = 8, f: int = 16):\n  params:\n    lin: Lin(d, f)\n  forward:\n"
+        "    in: x: [B, d]\n    out: [B, f]\n    graph:\n      x -> lin -> out\n")
+    graph = build(BuildRequest(source, shapes={"B": 2})).graph
+    written = graph.function("Lin#1.backward")
+    assert [n.target for n in written.nodes] == ["matmul", "matmul"]  # not matmul_backward
+    assert written.saved == ("x",) and dict(written.param_grads) == {"w": "%b2"}
+    assert written.outputs == ("%b1",)

@@ -20,9 +20,10 @@ def check_backward(instance: Instance, forward_scope: GraphScope, saved: set[str
     backward = definition.backward
     if backward is None or backward.graph is None or definition.kind == "primitive":
         return
-    scope = _backward_scope(instance, forward_scope)
+    recorder = _backward_recorder(instance)
+    scope = _backward_scope(instance, forward_scope, recorder)
     checker = GraphChecker(instance, scope, backward=True, saved=saved,
-                           forward_types=dict(forward_scope.names))
+                           forward_types=dict(forward_scope.names), recorder=recorder)
     checker.run(backward.graph.body)
     covered = _covered_submodules(backward.graph.body)
     _required_gradients(instance, forward_scope, scope, covered, backward)
@@ -30,7 +31,20 @@ def check_backward(instance: Instance, forward_scope: GraphScope, saved: set[str
     _unused_saves(instance, backward, saved)
 
 
-def _backward_scope(instance: Instance, forward_scope: GraphScope) -> GraphScope:
+def _backward_recorder(instance: Instance):
+    """While lowering, a written backward graph is recorded as the instance's backward
+    function, kept as written (the derive pass leaves such functions alone)."""
+    forward_recorder = getattr(instance, "recorder", None)
+    if forward_recorder is None:
+        return None
+    from modulec.lower.recorder import Recorder
+
+    instance.backward_recorder = Recorder(f"{forward_recorder.function}.backward",
+                                          instance.name, phase="backward")
+    return instance.backward_recorder
+
+
+def _backward_scope(instance: Instance, forward_scope: GraphScope, recorder) -> GraphScope:
     """Gradients of the forward outputs (`d_out`) come in; parameters stay visible."""
     scope = GraphScope()
     forward = instance.definition.forward
@@ -38,7 +52,10 @@ def _backward_scope(instance: Instance, forward_scope: GraphScope) -> GraphScope
         tensor = forward_scope.lookup(sig.name)
         type_ = tensor.type if tensor else declared_type(instance, sig, sig.span)
         name = f"d_{sig.name}"
-        scope.names[name] = Tensor(name, type_, sig.span, "input")
+        value = f"d:{tensor.value}" if tensor is not None and tensor.value else ""
+        scope.names[name] = Tensor(name, type_, sig.span, "input", value=value)
+        if recorder is not None and value:
+            recorder.declare(value, type_, name)
     return scope
 
 

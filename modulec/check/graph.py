@@ -267,7 +267,7 @@ class GraphChecker:
         if original is None or (self.saved is not None and expr.attr not in self.saved):
             return None
         return Tensor(f"saved.{expr.attr}", original.type, expr.span, "saved",
-                      value=f"saved:{original.value or expr.attr}")
+                      value=original.value)
 
     def _report_missing(self, expr) -> None:
         if isinstance(expr, A.Attribute) and getattr(expr.value, "id", None) == "saved":

@@ -17,11 +17,14 @@ from modulec.ops.registry import op_table
 
 
 def derive_backward(graph: Graph) -> Graph:
+    """Add a backward function for every reachable forward function that has none (a
+    backward written in the source is kept as written)."""
     if graph.backward:
         return graph
     reachable = _reachable(graph)
-    forward = [f for f in graph.functions if f.name in reachable]
-    backward = [_backward(f) for f in forward]
+    written = {f.gradient_of: f for f in graph.functions if f.gradient_of}
+    forward = [f for f in graph.functions if f.name in reachable and not f.gradient_of]
+    backward = [written.get(f.name) or _backward(f) for f in forward]
     entry_backward = f"{graph.entry}.backward"
     return Graph(graph.model, graph.entry, entry_backward, tuple(forward + backward))
 

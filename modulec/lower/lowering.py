@@ -43,7 +43,27 @@ def _lower_tree(world, instance: Instance, scope: str, out: list, seen: set) -> 
             _lower_tree(world, value.instance, _join(scope, f"{name}[*]"), out, seen)
     recorder = getattr(instance, "recorder", None)
     if recorder is not None:
-        out.append(_function(world, instance, recorder, scope))
+        forward = _function(world, instance, recorder, scope)
+        out.append(forward)
+        written = getattr(instance, "backward_recorder", None)
+        if written is not None:
+            out.append(_written_backward(instance, forward, written))
+
+
+def _written_backward(instance: Instance, forward: Function, recorder: Recorder) -> Function:
+    """A backward graph written in the source, as a backward function."""
+    inputs = tuple(recorder.values[f"d:{o}"] for o in forward.outputs
+                   if f"d:{o}" in recorder.values)
+    outputs = tuple(recorder.names.get(f"d_{i.name or i.id}", "") for i in forward.inputs)
+    param_grads = tuple((p.id[len("param:"):], recorder.names[f"d_{p.id[len('param:'):]}"])
+                        for p in forward.params if f"d_{p.id[len('param:'):]}" in recorder.names)
+    forward_ids = {v.id for v in forward.values + forward.inputs}
+    saved = tuple(sorted({i for n in recorder.nodes for i in n.inputs if i in forward_ids}))
+    values = tuple(v for k, v in sorted(recorder.values.items(), key=_value_order)
+                   if not k.startswith("d:"))
+    return Function(f"{forward.name}.backward", forward.module, forward.scope, forward.args,
+                    forward.params, inputs, outputs, values, tuple(recorder.nodes), saved,
+                    forward.name, param_grads, forward.no_gradient)
 
 
 def _join(scope: str, name: str) -> str:
@@ -86,8 +106,8 @@ def _tensor_params(instance: Instance, recorder: Recorder):
 
 
 def _value_order(item) -> tuple:
-    key = item[0]
-    return (0, int(key[1:])) if key.startswith("%") and key[1:].isdigit() else (1, key)
+    key = item[0].lstrip("%b")
+    return (0, int(key)) if item[0].startswith("%") and key.isdigit() else (1, item[0])
 
 
 def function_name(world, instance: Instance) -> str:

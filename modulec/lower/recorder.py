@@ -27,7 +27,8 @@ class Recorder:
 
     def fresh(self, type_: TensorType) -> str:
         self._counter += 1
-        value = f"%{self._counter}"
+        # a backward reads forward values by their ids: its own ids must not collide
+        value = f"%{'b' if self.phase == 'backward' else ''}{self._counter}"
         self.values[value] = value_info(value, type_)
         return value
 
