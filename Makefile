@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+NPM    ?= npm
+VSCODE := editors/vscode
 
-.PHONY: setup test lint bench clean
+.PHONY: setup test lint bench clean grammar grammar-snapshots
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VSCODE)/node_modules/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +17,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[runtime,dev]"
 	touch $@
+
+# The TextMate grammar tests' tool (vscode-tmgrammar-test), pinned by editors/vscode/package-lock.json.
+# Without npm, setup goes on; tests/test_highlighting.py skips the grammar tests when node is missing.
+$(VSCODE)/node_modules/.installed: $(VSCODE)/package.json $(VSCODE)/package-lock.json
+	@if command -v $(NPM) >/dev/null 2>&1; then \
+	  $(NPM) ci --prefix $(VSCODE) --no-audit --no-fund && touch $@; \
+	else echo "npm not found: editors/vscode not installed (the TextMate grammar tests need it)"; fi
+
+grammar: setup
+	$(PY) grammar/generate_tmlanguage.py
+
+grammar-snapshots: setup
+	$(PY) tests/grammar/run_grammar_tests.py snap --update
 
 test: setup
 	$(PY) -m pytest tests
@@ -26,4 +41,4 @@ bench: setup
 	$(PY) benchmarks/parse_speed.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(VSCODE)/node_modules

@@ -47,7 +47,12 @@ class _Mark:
 def render_human(diagnostics: Iterable[Diagnostic], sources: dict[str, SourceFile], *,
                  color: bool = False, width: int = 100) -> str:
     """All diagnostics, separated by blank lines, ending in a newline ("" when there are none)."""
-    blocks = [_render_one(d, sources) for d in diagnostics]
+    global _HIGHLIGHT
+    _HIGHLIGHT = color  # echoed source lines get syntax colors only on a color terminal
+    try:
+        blocks = [_render_one(d, sources) for d in diagnostics]
+    finally:
+        _HIGHLIGHT = False
     if not blocks:
         return ""
     text = Text("\n\n").join(blocks)
@@ -55,9 +60,16 @@ def render_human(diagnostics: Iterable[Diagnostic], sources: dict[str, SourceFil
     return _to_string(text, color, width)
 
 
+_HIGHLIGHT = False
+
+
 def _highlight_line(text: str) -> Text:
-    """Hook for syntax highlighting an echoed source line (a Pygments lexer, later)."""
-    return Text(text)
+    """An echoed source line, syntax-colored (Pygments, loaded only when colors are on)."""
+    if not _HIGHLIGHT:
+        return Text(text)
+    from modulec.highlight.rich_line import highlight_line
+
+    return highlight_line(text)
 
 
 def _plural(count: int, noun: str) -> str:
