@@ -411,7 +411,6 @@ class _Analysis:
         else:
             ok = self.strings([parts[0].value], target) and ok
         fn = given.get("fn")
-        name = None
         if fn is None:
             self.error("`transform` needs `fn:`", call.func.span, "no function given",
                        help=[f"known transforms: {_names(TRANSFORMS)}"])
