@@ -1,0 +1,1 @@
+"""Planning: memory (lifetimes, sharing, offsets, ordering); recompute and swap come next."""

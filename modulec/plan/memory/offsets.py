@@ -1,0 +1,201 @@
+"""Offset assignment inside one region's arena, and the numbers to judge it by.
+
+Every strategy places blocks one at a time, in its own order, at a gap among the blocks
+already placed that are live at the same time (first fit: the lowest gap that fits; best
+fit: the smallest, then the lowest), or on top of them. Any such placement is valid:
+blocks live at the same time never overlap, and every offset is a multiple of the block's
+alignment. The strategies differ only in the order (planner notes; Pisarchyk & Lee 2020,
+"Efficient Memory Management for Deep Neural Net Inference"):
+
+- greedy_by_size: largest first, best fit (TFLite's ArenaPlanner: its baseline too);
+- greedy_by_size_first_fit: largest first, first fit;
+- greedy_by_breadth: ops by live bytes, largest first; each op's blocks largest first;
+- greedy_by_lifetime: longest-lived first, best fit (pinned and saved blocks settle at
+  the bottom, short transients fill the holes above);
+- greedy_by_area: size x lifetime, largest first, best fit;
+- first_fit_schedule / best_fit_schedule: in order of allocation, as a runtime would.
+
+`exact_size_reuse` is ONNX Runtime's baseline: in schedule order, a new block takes a
+freed block of exactly its size, or grows the arena.
+
+The lower bound is the largest sum of (aligned) block sizes live at one op: no placement
+can do better, and on interval lifetimes heuristics usually come within a few percent.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from modulec.plan.memory.lifetimes import Block
+from modulec.plan.memory.model import BufferId, PlanError, round_up
+
+Offsets = dict[BufferId, int]
+
+
+def lower_bound(blocks: Sequence[Block]) -> int:
+    delta: dict[int, int] = {}
+    for b in blocks:
+        delta[b.start] = delta.get(b.start, 0) + b.size
+        delta[b.end + 1] = delta.get(b.end + 1, 0) - b.size
+    live = peak = 0
+    for t in sorted(delta):
+        live += delta[t]
+        peak = max(peak, live)
+    return peak
+
+
+def arena_bytes(blocks: Sequence[Block], offsets: Offsets) -> int:
+    return max((offsets[b.id] + b.size for b in blocks), default=0)
+
+
+class _Placer:
+    """The blocks placed so far, as arrays, to find the ones live together with a new one."""
+
+    def __init__(self, n: int):
+        self.arrays = np.zeros((4, max(n, 1)), dtype=np.int64)   # start, end, offset, top
+        self.count = 0
+
+    def place(self, block: Block, fit: str) -> int:
+        start, end, offset, top = self.arrays[:, :self.count]
+        live = np.nonzero((start <= block.end) & (end >= block.start) & (top > offset))[0]
+        order = live[np.argsort(offset[live], kind="stable")]
+        chosen = _choose_gap(offset[order], top[order], block, fit)
+        self.arrays[:, self.count] = (block.start, block.end, chosen, chosen + block.size)
+        self.count += 1
+        return chosen
+
+
+def _choose_gap(offsets: np.ndarray, tops: np.ndarray, block: Block, fit: str) -> int:
+    """The gap below each live block (from the highest top under it, aligned up), by
+    `fit`; on top of everything when none is large enough."""
+    if not len(offsets):
+        return 0
+    reached = np.maximum.accumulate(tops)
+    below = np.concatenate(([0], reached[:-1]))
+    candidates = -(-below // block.alignment) * block.alignment
+    gaps = offsets - candidates
+    fits = np.nonzero(gaps >= block.size)[0]
+    if len(fits):
+        pick = fits[0] if fit == "first" else fits[np.argmin(gaps[fits])]
+        return int(candidates[pick])
+    return round_up(int(reached[-1]), block.alignment)
+
+
+def place_in_order(blocks: Sequence[Block], order: Sequence[Block], fit: str) -> Offsets:
+    placer = _Placer(len(blocks))
+    return {b.id: placer.place(b, fit) for b in order}
+
+
+def _sorted(blocks: Sequence[Block], key: Callable[[Block], tuple]) -> list[Block]:
+    return sorted(blocks, key=lambda b: (*key(b), b.key))
+
+
+def greedy_by_size(blocks: Sequence[Block]) -> Offsets:
+    return place_in_order(blocks, _sorted(blocks, lambda b: (-b.size, b.start)), "best")
+
+
+def greedy_by_size_first_fit(blocks: Sequence[Block]) -> Offsets:
+    return place_in_order(blocks, _sorted(blocks, lambda b: (-b.size, b.start)), "first")
+
+
+def greedy_by_lifetime(blocks: Sequence[Block]) -> Offsets:
+    key = lambda b: (b.start - b.end, -b.size)                            # noqa: E731
+    return place_in_order(blocks, _sorted(blocks, key), "best")
+
+
+def greedy_by_area(blocks: Sequence[Block]) -> Offsets:
+    key = lambda b: (-b.size * (b.end - b.start + 1), b.start)            # noqa: E731
+    return place_in_order(blocks, _sorted(blocks, key), "best")
+
+
+def first_fit_schedule(blocks: Sequence[Block]) -> Offsets:
+    return place_in_order(blocks, _sorted(blocks, lambda b: (b.start, -b.size)), "first")
+
+
+def best_fit_schedule(blocks: Sequence[Block]) -> Offsets:
+    return place_in_order(blocks, _sorted(blocks, lambda b: (b.start, -b.size)), "best")
+
+
+def greedy_by_breadth(blocks: Sequence[Block]) -> Offsets:
+    """Ops in order of live bytes (largest first); at each, its unplaced blocks by size."""
+    if not blocks:
+        return {}
+    starts = np.array([b.start for b in blocks], dtype=np.int64)
+    ends = np.array([b.end for b in blocks], dtype=np.int64)
+    sizes = np.array([b.size for b in blocks], dtype=np.int64)
+    times = np.unique(starts)
+    breadth = [int(sizes[(starts <= t) & (ends >= t)].sum()) for t in times.tolist()]
+    order: list[Block] = []
+    seen: set[int] = set()
+    for _, t in sorted(zip((-x for x in breadth), times.tolist())):
+        live = [blocks[i] for i in np.nonzero((starts <= t) & (ends >= t))[0].tolist()]
+        for b in _sorted([b for b in live if b.key not in seen], lambda b: (-b.size,)):
+            seen.add(b.key)
+            order.append(b)
+    return place_in_order(blocks, order, "best")
+
+
+def exact_size_reuse(blocks: Sequence[Block]) -> Offsets:
+    """ONNX Runtime-style: reuse a freed block only of exactly the same size."""
+    offsets: Offsets = {}
+    free: dict[int, list[int]] = {}
+    pending = sorted(blocks, key=lambda b: (b.end, b.key))    # not yet released, by death
+    top = released = 0
+    for b in sorted(blocks, key=lambda b: (b.start, b.key)):
+        while released < len(pending) and pending[released].end < b.start:
+            dead = pending[released]
+            if dead.id in offsets:
+                free.setdefault(dead.size, []).append(offsets[dead.id])
+            released += 1
+        slots = sorted(free.get(b.size, []))
+        slot = next((s for s in slots if s % b.alignment == 0), None)
+        if slot is None:
+            slot, top = round_up(top, b.alignment), round_up(top, b.alignment) + b.size
+        else:
+            free[b.size].remove(slot)
+        offsets[b.id] = slot
+    return offsets
+
+
+STRATEGIES: dict[str, Callable[[Sequence[Block]], Offsets]] = {
+    "greedy_by_size": greedy_by_size,
+    "greedy_by_size_first_fit": greedy_by_size_first_fit,
+    "greedy_by_breadth": greedy_by_breadth,
+    "greedy_by_lifetime": greedy_by_lifetime,
+    "greedy_by_area": greedy_by_area,
+    "first_fit_schedule": first_fit_schedule,
+    "best_fit_schedule": best_fit_schedule,
+}
+BASELINES: dict[str, Callable[[Sequence[Block]], Offsets]] = {
+    "greedy_by_size": greedy_by_size,
+    "exact_size_reuse": exact_size_reuse,
+}
+
+
+def check_offsets(blocks: Sequence[Block], offsets: Offsets, arena: int | None = None) -> None:
+    """Raises PlanError when a block is unplaced, misaligned, outside the arena, or overlaps
+    a block live at the same time."""
+    for b in blocks:
+        if b.id not in offsets:
+            raise PlanError(f"block {b.id!r} has no offset")
+        off = offsets[b.id]
+        if off < 0 or off % b.alignment:
+            raise PlanError(f"block {b.id!r} at offset {off}: not a multiple of {b.alignment}")
+        if arena is not None and off + b.size > arena:
+            raise PlanError(f"block {b.id!r} [{off}, {off + b.size}) exceeds the arena of {arena}")
+    active: list[Block] = []
+    for b in sorted(blocks, key=lambda b: (b.start, b.key)):
+        active = [a for a in active if a.end >= b.start]
+        for a in active:
+            if _overlap(offsets[a.id], a.size, offsets[b.id], b.size):
+                raise PlanError(
+                    f"blocks {a.id!r} (ops #{a.start}..#{a.end}, bytes [{offsets[a.id]}, "
+                    f"{offsets[a.id] + a.size})) and {b.id!r} (ops #{b.start}..#{b.end}, bytes "
+                    f"[{offsets[b.id]}, {offsets[b.id] + b.size})) overlap while both live")
+        active.append(b)
+
+
+def _overlap(a_off: int, a_size: int, b_off: int, b_size: int) -> bool:
+    return a_size > 0 and b_size > 0 and a_off < b_off + b_size and b_off < a_off + a_size
