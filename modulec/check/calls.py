@@ -98,7 +98,7 @@ _FAILED = object()
 
 
 def _evaluate_arg(ctx: StepContext, node):
-    values = {**ctx.dims, **ctx.world.dims, **ctx.instance.values}
+    values = {**ctx.dims, **ctx.world.dims, **ctx.instance.call_dims, **ctx.instance.values}
     env = ConstEnv(values, "ident", lambda name: ctx.scope.lookup(name) is not None)
     try:
         return evaluate(node, env)
@@ -190,7 +190,8 @@ def _fit_arity(ctx, label: str, sigs: tuple[TensorSig, ...], inputs, expr):
     return list(inputs) + [None] * (len(sigs) - len(inputs))
 
 
-def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label) -> list[TensorType]:
+def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label,
+                  callee: Instance | None = None) -> list[TensorType]:
     matcher = Matcher(env, ctx.instance.assumptions)
     dtype = FLOAT
     for index, (sig, tensor) in enumerate(zip(phase.inputs, actual)):
@@ -198,6 +199,9 @@ def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label) -> list[Tensor
             matcher.match(pattern_of(sig.type), tensor.type, f"`{sig.name}`", index)
             dtype = tensor.type.dtype if dtype == FLOAT and tensor.type.is_float else dtype
     matcher.finish()
+    if callee is not None and ctx.world.recording and not callee.call_dims:
+        # lowering: the callee's body takes the sizes this call binds (N = B*T, ...)
+        callee.call_dims = {k: v for k, v in matcher.bound.items() if k not in callee.values}
     return [matcher.build(pattern_of(sig.type), dtype, label) for sig in phase.outputs]
 
 
@@ -219,7 +223,7 @@ def call_module(ctx: StepContext, callee: Instance, inputs, expr, repeat=1) -> R
         return None
     env = callee.env("symbol")
     try:
-        types = _by_signature(ctx, env, forward, actual, expr, callee.name)
+        types = _by_signature(ctx, env, forward, actual, expr, callee.name, callee)
     except ShapeError as exc:
         report_shape_error(ctx, exc, actual, expr, callee.name)
         return None

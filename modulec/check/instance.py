@@ -67,14 +67,16 @@ class Instance:
     failures: list = field(default_factory=list)  # (instance, constraint) that failed
     checked: bool = False
     inferred: list = field(default_factory=list)  # (phase, name, type, span), for --emit resolved
+    call_dims: dict = field(default_factory=dict)  # lowering: free dims bound by the call site
 
     @property
     def name(self) -> str:
         return self.definition.name
 
     def env(self, free: str = "error", runtime=lambda name: False) -> ConstEnv:
-        values = {**self.world.dims, **self.values} if self.world.dims else self.values
-        return ConstEnv(values, free, runtime)
+        if self.world.dims or self.call_dims:
+            return ConstEnv({**self.world.dims, **self.call_dims, **self.values}, free, runtime)
+        return ConstEnv(self.values, free, runtime)
 
     def describe(self) -> str:
         given = ", ".join(f"{p.name}={_short(self.values.get(p.name))}"

@@ -1,0 +1,266 @@
+"""Memory plan of a training step from hierarchical Graph IR.
+
+The step runs the entry function's forward, then its backward. Each function is planned
+once, however often it runs (an 80-layer stack costs one block's work): its own
+intermediate values are buffers in the transient region, views alias their source,
+unary elementwise ops may work in place, and a call reserves its callee's planned arena
+for the duration of that op. Values a backward reads are saved activations, kept from
+the forward into the backward of every invocation; parameters, their gradients and the
+optimizer state (fp32 master + two AdamW moments) are counted per invocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+from modulec.ir.graph import Function, Graph, Node
+from modulec.plan.memory import (
+    GRADIENTS, OPTIMIZER_STATE, SAVED, TRANSIENT, WEIGHTS, Buffer, Op, plan_memory,
+)
+from modulec.plan.memory.model import round_up
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32": 4,
+         "int8": 1, "float": 2}  # "float": the compute dtype, bf16
+HALF_BYTE = ("fp4_e2m1", "int4")
+VIEWS = ("view", "transpose", "permute", "split")
+IN_PLACE = ("silu", "relu", "relu2", "gelu", "sigmoid", "exp", "neg", "exp_neg", "scale")
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weight, AdamW m and v
+
+
+class ShapeUnknown(ValueError):
+    """A value whose size is not a number: sizes of free dims are missing (`--shape`)."""
+
+
+@dataclass
+class RegionTotals:
+    arena: int = 0
+    lower_bound: int = 0
+    naive: int = 0
+    greedy_by_size: int = 0
+    exact_size_reuse: int = 0
+
+
+@dataclass
+class StepPlan:
+    regions: dict[str, RegionTotals] = field(default_factory=dict)
+    invocations: dict[str, int] = field(default_factory=dict)
+    functions: dict[str, dict] = field(default_factory=dict)  # per function: its plan summary
+
+    def summary(self) -> dict:
+        regions = [{"region": name, "arena_bytes": r.arena, "lower_bound_bytes": r.lower_bound,
+                    "naive_bytes": r.naive, "greedy_by_size_bytes": r.greedy_by_size,
+                    "exact_size_reuse_bytes": r.exact_size_reuse}
+                   for name, r in self.regions.items()]
+        total = lambda key: sum(r[key] for r in regions)  # noqa: E731
+        return {"regions": regions, "arena_bytes": total("arena_bytes"),
+                "lower_bound_bytes": total("lower_bound_bytes"),
+                "naive_bytes": total("naive_bytes"),
+                "greedy_by_size_bytes": total("greedy_by_size_bytes"),
+                "exact_size_reuse_bytes": total("exact_size_reuse_bytes"),
+                "invocations": dict(sorted(self.invocations.items()))}
+
+
+def plan_step(graph: Graph) -> StepPlan:
+    step = StepPlan()
+    step.invocations = _invocations(graph)
+    arenas: dict[str, tuple[int, ...]] = {}
+    for function in _callees_first(graph):
+        arenas[function.name] = _plan_function(graph, function, arenas, step)
+    entries = [graph.entry] + ([graph.backward] if graph.backward else [])
+    by_metric = {m: max(arenas[e][i] for e in entries) for i, m in enumerate(METRICS)}
+    by_metric["naive"] = sum(arenas[e][METRICS.index("naive")] for e in entries)
+    transient = RegionTotals(by_metric["arena"], by_metric["lower_bound"], by_metric["naive"],
+                             by_metric["greedy_by_size"], by_metric["exact_size_reuse"])
+    step.regions[TRANSIENT] = transient
+    _fixed_regions(graph, step)
+    return step
+
+
+# ====================================================================== one function
+METRICS = ("arena", "lower_bound", "naive", "greedy_by_size", "exact_size_reuse")
+
+
+def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
+    """The function's transient bytes by each metric: a call reserves its callee's bytes by
+    the same metric (naive: the callee's naive bytes, once per repetition)."""
+    results = []
+    for metric in METRICS:
+        plan = _planned(graph, function, arenas, metric)
+        region = plan.regions.get(TRANSIENT) if plan is not None else None
+        results.append(_metric(region, metric))
+        if metric == "arena" and plan is not None:
+            step.functions[function.name] = plan.summary()
+            _add_saved(step, plan.regions.get(SAVED),
+                       step.invocations.get(_forward_name(function), 1))
+    return tuple(results)
+
+
+def _planned(graph, function, arenas, metric: str):
+    saved = _saved_by_backward(graph, function)
+    own = {v.id: v for v in function.values}
+    ops, buffers = [], {}
+    for index, node in enumerate(function.nodes):
+        outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
+        for position, value in enumerate(outputs):
+            buffers[value] = _buffer(node, value, position, own, buffers, saved,
+                                     len(function.nodes))
+        inputs = [i for i in node.inputs if i in buffers]
+        if node.kind == "call":
+            outputs = outputs + [_call_block(node, arenas, metric, buffers)]
+        ops.append(Op(index, node.id, tuple(inputs), tuple(outputs), _kind(node),
+                      node.target in IN_PLACE))
+    _keep_outputs(function, buffers, len(function.nodes))
+    return plan_memory(ops, list(buffers.values())) if ops else None
+
+
+def _call_block(node: Node, arenas, metric: str, buffers: dict) -> str:
+    block = f"call:{node.id}"
+    size = arenas.get(node.target, (0,) * len(METRICS))[METRICS.index(metric)]
+    if metric == "naive":
+        size *= int(node.repeat)
+    buffers[block] = Buffer(block, size, TRANSIENT)
+    return block
+
+
+def _metric(region, metric: str) -> int:
+    if region is None:
+        return 0
+    if metric in ("arena", "lower_bound", "naive"):
+        return getattr(region, f"{metric}_bytes")
+    return region.baselines.get(metric, region.arena_bytes)
+
+
+def _buffer(node: Node, value: str, position: int, own, buffers, saved, end) -> Buffer:
+    size = _bytes(own[value])
+    source = node.inputs[0] if node.inputs else ""
+    if node.target in VIEWS and source in buffers:
+        offset = min(_part_offset(node, position, own), max(buffers[source].size_bytes - size, 0))
+        return Buffer(value, min(size, buffers[source].size_bytes), TRANSIENT,
+                      alias_of=source, offset_in_source=offset)
+    if value in saved:
+        return Buffer(value, size, SAVED, pinned_lifetime=(node_index(node), end - 1))
+    return Buffer(value, size, TRANSIENT)
+
+
+def node_index(node: Node) -> int:
+    return int(node.id[1:])
+
+
+def _part_offset(node: Node, position: int, own) -> int:
+    """Where the `position`-th part of a split starts, read as contiguous parts."""
+    if node.target != "split":
+        return 0
+    return sum(_bytes(own[o]) for o in node.outputs[:position] if o in own)
+
+
+def _keep_outputs(function: Function, buffers: dict, count: int) -> None:
+    """A function's outputs belong to its caller: they live to its end."""
+    for value in function.outputs:
+        buffer = buffers.get(value)
+        if buffer is not None and buffer.alias_of is None and buffer.region == TRANSIENT:
+            buffers[value] = Buffer(value, buffer.size_bytes, TRANSIENT,
+                                    pinned_lifetime=(0, count - 1))
+
+
+def _kind(node: Node) -> str:
+    if node.target in VIEWS:
+        return "view"
+    return "elementwise" if node.target in IN_PLACE else "other"
+
+
+def _is_param_grad(function: Function, value: str) -> bool:
+    return any(g == value for _, g in function.param_grads)
+
+
+def _saved_by_backward(graph: Graph, function: Function) -> set[str]:
+    backward = next((f for f in graph.functions if f.gradient_of == function.name), None)
+    return set(backward.saved) if backward is not None else set()
+
+
+def _forward_name(function: Function) -> str:
+    return function.gradient_of or function.name
+
+
+def _add_saved(step: StepPlan, region, invocations: int) -> None:
+    if region is None:
+        return
+    totals = step.regions.setdefault(SAVED, RegionTotals())
+    totals.arena += region.arena_bytes * invocations
+    totals.lower_bound += region.lower_bound_bytes * invocations
+    totals.naive += region.naive_bytes * invocations
+    totals.greedy_by_size += region.baselines.get("greedy_by_size", region.arena_bytes) * invocations
+    totals.exact_size_reuse += region.baselines.get("exact_size_reuse", region.arena_bytes) \
+        * invocations
+
+
+# ====================================================================== the step
+def _invocations(graph: Graph) -> dict[str, int]:
+    counts: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        counts[name] = counts.get(name, 0) + times
+        for node in graph.function(name).nodes:
+            if node.kind == "call":
+                visit(node.target, times * int(node.repeat))
+
+    visit(graph.entry, 1)
+    if graph.backward:
+        visit(graph.backward, 1)
+    return counts
+
+
+def _callees_first(graph: Graph) -> list[Function]:
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for node in graph.function(name).nodes:
+            if node.kind == "call":
+                visit(node.target)
+        order.append(graph.function(name))
+
+    for entry in (graph.entry, graph.backward):
+        if entry:
+            visit(entry)
+    return order
+
+
+def _fixed_regions(graph: Graph, step: StepPlan) -> None:
+    weights = gradients = elements = 0
+    for function in graph.functions:
+        if function.gradient_of:
+            continue
+        times = step.invocations.get(function.name, 0)
+        for param in function.params:
+            # a submodule's parameter read as `ln1.weight` is counted here: the submodule
+            # itself is not called, so no function of its own holds it
+            count = _elements(param)
+            weights += times * round_up(count * _dtype_bytes(param.dtype), 256)
+            if param.id not in function.no_gradient:
+                gradients += times * round_up(count * _dtype_bytes(param.dtype), 256)
+                elements += times * count
+    for name, total in ((WEIGHTS, weights), (GRADIENTS, gradients),
+                        (OPTIMIZER_STATE, elements * OPTIMIZER_BYTES_PER_PARAM)):
+        step.regions[name] = RegionTotals(total, total, total, total, total)
+
+
+def _elements(value) -> int:
+    try:
+        return prod(int(d) for d in value.shape)
+    except ValueError:
+        raise ShapeUnknown(f"`{value.name or value.id}` has shape [{', '.join(value.shape)}]; "
+                           "give the free dims sizes with --shape") from None
+
+
+def _bytes(value) -> int:
+    count = _elements(value)
+    if value.dtype in HALF_BYTE:
+        return -(-count // 2)
+    return count * _dtype_bytes(value.dtype)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return BYTES.get(dtype, 2)

@@ -1,0 +1,71 @@
+"""The memory plan of a training step, from the std models' Graph IR (`modulec plan`)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from modulec.cli.main import modulec
+from modulec.lower.build import BuildRequest, build
+from modulec.paths import REPO_DIR
+from modulec.plan.from_graph import plan_step
+
+LLAMA = REPO_DIR / "std" / "models" / "llama.module"
+SMALL = {"d_model": "256", "num_heads": "4", "num_kv_heads": "2", "d_ff": "512",
+         "vocab_size": "1000"}
+
+
+def summary(layers: int, name: str = "llama", **shapes):
+    request = BuildRequest(REPO_DIR / "std" / "models" / f"{name}.module",
+                           settings={**SMALL, "n_layers": str(layers)},
+                           shapes=shapes or {"B": 2, "T": 64})
+    return plan_step(build(request).graph).summary()
+
+
+def region(data, name):
+    return next(r for r in data["regions"] if r["region"] == name)
+
+
+def test_plan_is_ordered_and_valid():
+    data = summary(2)
+    for r in data["regions"]:
+        assert r["lower_bound_bytes"] <= r["arena_bytes"] <= r["naive_bytes"]
+        assert r["arena_bytes"] <= r["exact_size_reuse_bytes"]
+
+
+def test_parameters_count_their_bytes():
+    data = summary(2)
+    d, f, v, layers = 256, 512, 1000, 2
+    head = 64  # d_model // num_heads
+    attention = (4 + 2 * 2) * head * d + d * d
+    per_layer = attention + 3 * d * f + 2 * d
+    params = 2 * v * d + d + layers * per_layer  # embedding, head, final norm, layers
+    assert region(data, "weights")["arena_bytes"] >= 2 * params
+    assert region(data, "weights")["arena_bytes"] <= 2 * params + 256 * 40  # alignment
+    assert region(data, "optimizer_state")["arena_bytes"] == 12 * params
+
+
+def test_layers_scale_saved_and_weights_but_not_transients():
+    two, four = summary(2), summary(4)
+    for key in ("arena_bytes", "lower_bound_bytes"):  # naive has no reuse: it grows
+        assert region(four, "transient_activations")[key] == \
+            region(two, "transient_activations")[key]
+    grow = lambda name: region(four, name)["arena_bytes"] - region(two, name)["arena_bytes"]  # noqa
+    assert grow("saved_activations") > 0 and grow("weights") > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_models_with_polymorphic_submodules_plan(name):
+    data = summary(2, name)  # MoE routers are typed in their own token dim N = B*T
+    assert data["arena_bytes"] >= data["lower_bound_bytes"] > 0
+
+
+def test_cli_json_and_missing_shape():
+    runner = CliRunner()
+    ok = runner.invoke(modulec, ["plan", str(LLAMA), "--format", "json", "--shape", "B=1",
+                                 "--shape", "T=32", "--set", "n_layers=2"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    assert {"arena_bytes", "lower_bound_bytes", "naive_bytes"} <= set(data)
+    missing = runner.invoke(modulec, ["plan", str(LLAMA), "--set", "n_layers=2"])
+    assert missing.exit_code == 2 and "--shape" in missing.output
