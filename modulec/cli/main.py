@@ -20,6 +20,7 @@ from modulec.cli.inputs import (
     CheckOptions, FileResult, check_one, collect_module_files, parse_one,
 )
 from modulec.cli.build_cmd import build_command, ir_command
+from modulec.cli.fmt_cmd import fmt_command
 from modulec.cli.plan_cmd import plan_command
 from modulec.cli.explain_cmd import explain_command
 from modulec.cli.lock_cmd import lock_command
@@ -121,6 +122,7 @@ modulec.add_command(explain_command, "explain")
 modulec.add_command(build_command(output_options, guarded), "build")
 modulec.add_command(ir_command(guarded), "ir")
 modulec.add_command(plan_command(output_options, guarded), "plan")
+modulec.add_command(fmt_command(output_options, guarded), "fmt")
 
 
 def emit_tree(result: FileResult, kind: str, *, header: bool, first: bool) -> None:

@@ -1,0 +1,75 @@
+"""Line wrapping for `modulec fmt`: lines over WIDTH columns break where the language
+allows a line to continue (inside brackets, before `->`, before `@`), always so that the
+text parses to the same tree."""
+
+from __future__ import annotations
+
+from modulec.syntax import ast as A
+from modulec.syntax import printer as P
+
+WIDTH = 100
+
+
+def decl_header(decl: A.Decl) -> list[str]:
+    """`module M(` + one parameter per line + `):` when the header is too long."""
+    line = P.decl_header(decl)
+    if len(line) <= WIDTH or not decl.params:
+        return [line]
+    head = ("abstract " if decl.abstract else "") + f"{decl.kind} {decl.name}("
+    params = [P.INDENT + P.decl_param(p) + ("," if i < len(decl.params) - 1 else "")
+              for i, p in enumerate(decl.params)]
+    tail = ")" + (" extends " + P.expr(decl.extends) if decl.extends is not None else "")
+    return [head] + params + [tail + ":" + P.annotations_suffix(decl.annotations)]
+
+
+def item(node, depth: int, printed: list[str]) -> list[str]:
+    """The printed lines of an item, wrapped when its one line is too long."""
+    if len(printed) != 1 or len(printed[0]) <= WIDTH:
+        return printed
+    indent = P.INDENT * depth
+    if isinstance(node, A.Flow):
+        return _flow(node, indent)
+    if isinstance(node, A.Entry) and _call_of(node.value) is not None \
+            and node.default is None and not node.annotations:
+        return _call_entry(node, indent)
+    if isinstance(node, A.Entry) and isinstance(node.value, A.TupleExpr) and \
+            len(node.value.items) > 1 and node.default is None and not node.annotations:
+        return _tuple_entry(node, indent)
+    return printed
+
+
+def _flow(flow: A.Flow, indent: str) -> list[str]:
+    steps = list(flow.steps)
+    last = steps[-1]
+    body = " -> ".join(P.expr(s.expr) + P.annotations_suffix(s.annotations) for s in steps[:-1])
+    line = indent + body + " -> " + P.expr(last.expr)
+    notes = [indent + P.INDENT + P.annotation(a) for a in last.annotations]
+    if len(line) <= WIDTH:
+        return [line] + notes
+    first = indent + P.step_text(steps[0])
+    rest = [indent + P.INDENT + "-> " + P.step_text(s) for s in steps[1:-1]]
+    return [first] + rest + [indent + P.INDENT + "-> " + P.expr(last.expr)] + notes
+
+
+def _call_of(value) -> A.Call | None:
+    """The call an entry's value ends in: `Block(...)` or `[n] x Block(...)`."""
+    if isinstance(value, A.ArrayType):
+        value = value.element
+    return value if isinstance(value, A.Call) and value.args else None
+
+
+def _call_entry(entry: A.Entry, indent: str) -> list[str]:
+    call = _call_of(entry.value)
+    prefix = f"[{P.expr(entry.value.count)}] x " if isinstance(entry.value, A.ArrayType) else ""
+    head = indent + P.expr(entry.key) + ": " + prefix + P.expr(call.func, P.ATOM) + "("
+    args = [indent + P.INDENT + P.arg_text(a) + ("," if i < len(call.args) - 1 else "")
+            for i, a in enumerate(call.args)]
+    return [head] + args + [indent + ")"]
+
+
+def _tuple_entry(entry: A.Entry, indent: str) -> list[str]:
+    """`in: (` + one element per line + `)`, the layout the specification uses."""
+    items = entry.value.items
+    elements = [indent + P.INDENT + P.element(e) + ("," if i < len(items) - 1 else "")
+                for i, e in enumerate(items)]
+    return [indent + P.expr(entry.key) + ": ("] + elements + [indent + ")"]
