@@ -32,6 +32,9 @@ def item(node, depth: int, printed: list[str]) -> list[str]:
     if isinstance(node, A.Entry) and _call_of(node.value) is not None \
             and node.default is None and not node.annotations:
         return _call_entry(node, indent)
+    if isinstance(node, A.Entry) and isinstance(node.value, A.ListExpr) and \
+            len(node.value.items) > 1 and node.default is None and not node.annotations:
+        return _list_entry(node, indent)
     if isinstance(node, A.Entry) and isinstance(node.value, A.TupleExpr) and \
             len(node.value.items) > 1 and node.default is None and not node.annotations:
         return _tuple_entry(node, indent)
@@ -73,3 +76,18 @@ def _tuple_entry(entry: A.Entry, indent: str) -> list[str]:
     elements = [indent + P.INDENT + P.element(e) + ("," if i < len(items) - 1 else "")
                 for i, e in enumerate(items)]
     return [indent + P.expr(entry.key) + ": ("] + elements + [indent + ")"]
+
+
+def _list_entry(entry: A.Entry, indent: str) -> list[str]:
+    """`save: [` + the items packed into lines of at most WIDTH columns + `]`."""
+    inner, lines, current = indent + P.INDENT, [], ""
+    texts = [P.expr(item) for item in entry.value.items]
+    for index, text in enumerate(texts):
+        piece = text + ("," if index < len(texts) - 1 else "")
+        if current and len(inner + current + " " + piece) > WIDTH:
+            lines.append(inner + current)
+            current = piece
+        else:
+            current = f"{current} {piece}" if current else piece
+    lines.append(inner + current)
+    return [indent + P.expr(entry.key) + ": ["] + lines + [indent + "]"]
