@@ -116,6 +116,14 @@ def _broadcast_batch(call: OpCall, left, right) -> tuple:
 @shape_rule("grouped_gemm")
 def grouped_gemm_shape(call: OpCall) -> list[TensorType]:
     tokens, weights, offsets = call.inputs[:3]
+    for index, t in enumerate((tokens, weights)):
+        if t.is_int:
+            raise ShapeError(f"`grouped_gemm` multiplies floating tensors; "
+                             f"{call.names[index]} is {t.dtype}", argument=index, code="E015",
+                             label=f"{t.dtype} tensor")
+    if not offsets.is_int:
+        raise ShapeError(f"`offsets` must be int32, found {offsets.dtype}", argument=2,
+                         code="E015", label="expected int32")
     if tokens.variadic or weights.variadic:
         return [TensorType((), tokens.dtype, variadic=True)]
     if len(weights.dims) != 3 or len(tokens.dims) != 2:
@@ -128,8 +136,8 @@ def grouped_gemm_shape(call: OpCall) -> list[TensorType]:
                          argument=1, label=f"expected {tokens.dims[1]}",
                          help=("weights stored [groups, N, K] use transpose=NT, "
                                "[groups, K, N] use NN",))
-    if offsets is not None and not offsets.variadic and offsets.dims and \
-            call.assumptions.same(offsets.dims[0], groups + 1) is False:
+    if not offsets.variadic and (len(offsets.dims) != 1 or call.assumptions.same(
+            offsets.dims[0], groups + 1) is False):
         raise ShapeError(f"offsets must have groups + 1 = {groups + 1} entries, found {offsets}",
-                         argument=2)
+                         argument=2, label=f"expected [{groups + 1}, int32]")
     return [TensorType((tokens.dims[0], n), tokens.dtype)]

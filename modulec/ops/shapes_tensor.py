@@ -7,7 +7,7 @@ from modulec.check.unify import ShapeError
 from modulec.ops.registry import OpCall, shape_rule
 from modulec.semantic.consteval import Ident
 from modulec.types.dims import Dim
-from modulec.types.tensor import FLOAT, TensorType
+from modulec.types.tensor import DTYPES, FLOAT, TensorType
 
 
 def _axis(call: OpCall, value, rank: int, what: str = "dim") -> int:
@@ -37,6 +37,10 @@ def view_shape(call: OpCall) -> list[TensorType]:
     inferred = [i for i, d in enumerate(dims) if d.is_const and d.value == -1]
     if len(inferred) > 1:
         raise ShapeError("`view` can infer at most one dim (-1)")
+    negative = [d for d in dims if d.is_const and d.value < -1]
+    if negative:
+        raise ShapeError(f"`view` dims are sizes, or -1 for the one inferred; found {negative[0]}",
+                         argument=0)
     if not _known(x):
         return _unknown_like(x)
     if inferred:
@@ -44,6 +48,8 @@ def view_shape(call: OpCall) -> list[TensorType]:
         for i, d in enumerate(dims):
             if i != inferred[0]:
                 known = known * d
+        if known == Dim.const(0):
+            raise ShapeError("`view` cannot infer the -1 dim next to a 0 dim", argument=0)
         dims[inferred[0]] = x.numel() // known
     target = TensorType(tuple(dims), x.dtype)
     if call.assumptions.same(target.numel(), x.numel()) is False:
@@ -113,9 +119,22 @@ def _same_except(call: OpCall, first: TensorType, other: TensorType, axis: int, 
                          f"in the other dims", argument=index)
 
 
-@shape_rule("add", "mul", "add3")
+def _require_float(call: OpCall, tensors) -> None:
+    for index, t in enumerate(tensors):
+        if t is not None and t.is_int:
+            raise ShapeError(f"`{call.rule.name}` needs floating tensors; "
+                             f"{_input_name(call, index)} is {t.dtype}", argument=index,
+                             code="E015", label=f"{t.dtype} tensor")
+
+
+def _input_name(call: OpCall, index: int) -> str:
+    return f"`{call.names[index]}`" if index < len(call.names) else f"input {index}"
+
+
+@shape_rule("add", "mul")
 def broadcast_shape(call: OpCall) -> list[TensorType]:
     operands = [t for t in call.inputs if t is not None]
+    _require_float(call, operands)
     if not all(_known(t) for t in operands):
         return _unknown_like(operands[0])
     result = operands[0].dims
@@ -146,8 +165,11 @@ def reduce_shape(call: OpCall) -> list[TensorType]:
     x = call.inputs[0]
     if not _known(x):
         return _unknown_like(x)
-    axes = {_axis(call, d, len(x.dims), "dims") for d in call.param("dims") or ()}
-    return [x.with_dims(_reduced(x, axes, call.param("keepdim") is True))]
+    axes = [_axis(call, d, len(x.dims), "dims") for d in call.param("dims") or ()]
+    if len(set(axes)) != len(axes):
+        raise ShapeError(f"`{call.rule.name}(dims=[{', '.join(map(str, call.param('dims')))}])` "
+                         f"names a dim of {x} twice", argument=0, label=f"rank {len(x.dims)}")
+    return [x.with_dims(_reduced(x, set(axes), call.param("keepdim") is True))]
 
 
 @shape_rule("reduce_max")
@@ -170,8 +192,32 @@ def constructor_shape(call: OpCall) -> list[TensorType]:
     shape = call.param("shape")
     if not isinstance(shape, tuple):
         raise ShapeError(f"`{call.rule.name}` needs `shape`, a list of dims")
+    if any(d.is_const and d.value < 0 for d in shape):
+        raise ShapeError(f"`{call.rule.name}(shape=[{', '.join(map(str, shape))}])` has a "
+                         "negative dim", code="E003")
     dtype = call.param("dtype")
+    if isinstance(dtype, Ident) and dtype.name not in DTYPES:
+        raise ShapeError(f"`dtype={dtype.name}` of `{call.rule.name}` is not a dtype",
+                         code="E003", help=(f"dtypes: {', '.join(DTYPES)}",))
     return [TensorType(tuple(shape), dtype.name if isinstance(dtype, Ident) else FLOAT)]
+
+
+@shape_rule("add3")
+def add3_shape(call: OpCall) -> list[TensorType]:
+    """Three operands of one shape: add3 does not broadcast (its backward is d_y itself)."""
+    operands = list(call.inputs)
+    _require_float(call, operands)
+    if not all(_known(t) for t in operands):
+        return _unknown_like(operands[0])
+    first = operands[0]
+    for index, t in enumerate(operands[1:], start=1):
+        if len(t.dims) != len(first.dims) or any(
+                call.assumptions.same(a, b) is False for a, b in zip(first.dims, t.dims)):
+            raise ShapeError(f"`add3` adds tensors of one shape (no broadcasting): "
+                             f"{_input_name(call, index)} is {t}, `a` is {first}",
+                             argument=index, label=f"shape {t}",
+                             help=("broadcast with `add`, or add3 equal shapes",))
+    return [first]
 
 
 @shape_rule("contiguous", "copy")
@@ -186,4 +232,6 @@ def float_elementwise_shape(call: OpCall) -> list[TensorType]:
     if x.is_int:
         raise ShapeError(f"`{call.rule.name}` needs a floating tensor, found {x.dtype}",
                          argument=0, code="E015", label=f"{x.dtype} tensor")
+    if call.rule.name == "softmax" and _known(x):
+        _axis(call, call.param("dim"), len(x.dims))
     return [x]
