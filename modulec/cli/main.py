@@ -22,8 +22,10 @@ from modulec.cli.inputs import (
 from modulec.cli.build_cmd import build_command, ir_command
 from modulec.cli.fmt_cmd import fmt_command
 from modulec.cli.plan_cmd import plan_command
+from modulec.cli.graph_cmd import graph_command
 from modulec.cli.explain_cmd import explain_command
 from modulec.cli.lock_cmd import lock_command
+from modulec.lsp import lsp_command
 from modulec.cli.output import Output, use_color
 
 EPILOG = """\b
@@ -119,9 +121,11 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
 
 modulec.add_command(lock_command(output_options), "lock")
 modulec.add_command(explain_command, "explain")
+modulec.add_command(lsp_command, "lsp")
 modulec.add_command(build_command(output_options, guarded), "build")
 modulec.add_command(ir_command(guarded), "ir")
 modulec.add_command(plan_command(output_options, guarded), "plan")
+modulec.add_command(graph_command(guarded), "graph")
 modulec.add_command(fmt_command(output_options, guarded), "fmt")
 
 
