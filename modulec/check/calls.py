@@ -166,7 +166,9 @@ def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> 
 
 def _shapes(ctx, rule, call, phase, actual, expr, backward):
     try:
-        if rule.shape is not None and not backward:
+        if backward:
+            types = _backward_types(ctx, call, phase, actual, expr, rule.name)
+        elif rule.shape is not None:
             types = rule.shape(call)
         else:
             types = _by_signature(ctx, ConstEnv(call.params, "error"), phase, actual, expr,
@@ -177,8 +179,30 @@ def _shapes(ctx, rule, call, phase, actual, expr, backward):
     return types
 
 
+def _backward_types(ctx, call, phase, actual, expr, label) -> list[TensorType]:
+    """`d_x` has the type of `x`, when the backward reads `x`; the rest by signature (a
+    backward's signature is written for the default mode: `transpose=NT` changes which
+    operand is which, so the operands' own types are the reliable answer)."""
+    given = {sig.name: t.type for sig, t in zip(phase.inputs, actual) if t is not None}
+    known = [given.get(sig.name[2:]) if sig.name.startswith("d_") else None
+             for sig in phase.outputs]
+    if all(t is not None for t in known) and _mode_changed(call):
+        return known
+    matched = _by_signature(ctx, ConstEnv(call.params, "error"), phase, actual, expr, label)
+    return [k if k is not None else m for k, m in zip(known, matched)]
+
+
+def _mode_changed(call) -> bool:
+    """Whether a `transpose` parameter differs from the mode the signature is written in."""
+    spec = next((p for p in call.rule.params if p.name == "transpose"), None)
+    return spec is not None and call.params.get("transpose") != spec.default
+
+
 def _fit_arity(ctx, label: str, sigs: tuple[TensorSig, ...], inputs, expr):
-    """Inputs in signature order; trailing optional inputs may be left out."""
+    """Inputs in signature order; trailing optional inputs may be left out; a list input
+    (`xs: [n] x [*]`, concat's) takes any number of tensors."""
+    if len(sigs) == 1 and isinstance(sigs[0].type, A.ArrayType) and inputs:
+        return list(inputs)
     required = sum(1 for s in sigs if not s.optional)
     if not required <= len(inputs) <= len(sigs):
         expected = f"{required}" if required == len(sigs) else f"{required} to {len(sigs)}"
@@ -196,8 +220,10 @@ def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label,
     dtype = FLOAT
     for index, (sig, tensor) in enumerate(zip(phase.inputs, actual)):
         if tensor is not None:
-            matcher.match(pattern_of(sig.type), tensor.type, f"`{sig.name}`", index)
-            dtype = tensor.type.dtype if dtype == FLOAT and tensor.type.is_float else dtype
+            pattern = pattern_of(sig.type)
+            matcher.match(pattern, tensor.type, f"`{sig.name}`", index)
+            if dtype == FLOAT and tensor.type.is_float and pattern.dtype is None:
+                dtype = tensor.type.dtype  # statistics (rstd, lse: fp32) do not set it
     matcher.finish()
     if callee is not None and ctx.world.recording and not callee.call_dims:
         # lowering: the callee's body takes the sizes this call binds (N = B*T, ...)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from modulec.check.annotations import check_annotations
 from modulec.check.declarations import check_declarations
 from modulec.check.instance import Instance, Stack, Submodule, instantiate
-from modulec.check.weights import check_weights
 from modulec.check.module import check_body
 from modulec.check.world import LocalNames, Names, World
 from modulec.diagnostics import Diagnostic
@@ -30,6 +29,8 @@ def check_program(program: A.Program, names: Names | None = None,
             instance = instantiate(world, world.definition(decl))
             check_body(instance)
             if decl.kind == "model":
+                from modulec.check.weights import check_weights  # models only: import late
+
                 check_tree(instance)
                 check_weights(instance)
             if checked is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fnmatch
 
 from modulec.check.contracts import check_backward
-from modulec.check.recompute import check_recompute
 from modulec.check.graph import GraphChecker, declared_type
 from modulec.check.instance import Instance
 from modulec.check.order import defined_names
@@ -36,9 +35,25 @@ def check_body(instance: Instance) -> None:
         checker = GraphChecker(instance, scope, recorder=recorder)
         checker.run(forward.graph.body)
         _check_outputs(instance, forward, scope)
-        check_recompute(instance, checker.producers, checker.uses)
+        if _says_anything_about_memory(instance):
+            from modulec.check.recompute import check_recompute  # imported only when needed
+
+            check_recompute(instance, checker.producers, checker.uses)
     saved = saved_names(instance, forward, scope)
     check_backward(instance, scope, saved)
+
+
+def _says_anything_about_memory(instance: Instance) -> bool:
+    """Recompute legality (E021) and the derived backward's needs (W003) concern modules
+    with a save/recompute list or memory annotations; the others have nothing to check."""
+    forward = instance.definition.forward
+    if forward.save is not None or forward.recompute is not None:
+        return True
+    graph = forward.graph
+    return graph is not None and any(
+        note.name in ("memory", "checkpoint")
+        for item in graph.body if isinstance(item, A.Flow)
+        for step in item.steps for note in step.annotations)
 
 
 def _recorder(instance: Instance):
@@ -68,6 +83,12 @@ def _check_outputs(instance: Instance, forward, scope: GraphScope) -> None:
 def _compare_output(instance: Instance, sig, tensor: Tensor) -> None:
     expected = declared_type(instance, sig, sig.span)
     actual = tensor.type
+    if not expected.variadic and not actual.variadic and expected.dtype != "float" and \
+            expected.is_int != actual.is_int:
+        instance.world.error("E015", f"output `{sig.name}` is declared {expected.dtype} but the "
+                             f"graph computes a {actual.dtype} tensor", tensor.span,
+                             f"{actual.dtype} here", secondary=[_label(sig.span, "declared here")])
+        return
     warn_if_narrowing(instance, actual, expected, tensor.span, f"output `{sig.name}`")
     if expected.variadic or actual.variadic:
         return

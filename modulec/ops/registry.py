@@ -19,7 +19,7 @@ from modulec.semantic.decls import ModuleDef, module_def
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
 from modulec.types.sampling import Assumptions
-from modulec.types.tensor import TensorType
+from modulec.types.tensor import DTYPES, TensorType
 
 ShapeRule = Callable[["OpCall"], list[TensorType]]
 SHAPE_RULES: dict[str, ShapeRule] = {}
@@ -183,13 +183,16 @@ def _checked(rule: OpRule, spec: ParamSpec, value, span):
         "float": lambda v: isinstance(v, (float, Dim)) and not isinstance(v, bool),
         "bool": lambda v: isinstance(v, bool),
         "enum": lambda v: isinstance(v, Ident) and v.name in spec.choices,
-        "dtype": lambda v: isinstance(v, Ident),
+        "dtype": lambda v: isinstance(v, Ident) and v.name in DTYPES,
         "ints": lambda v: isinstance(v, tuple) and all(isinstance(x, Dim) for x in v),
         "string": lambda v: isinstance(v, str),
     }.get(spec.kind, lambda v: True)
     if not ok(value):
         wanted = f"one of {', '.join(spec.choices)}" if spec.kind == "enum" else KIND_NAMES.get(spec.kind, spec.kind)
         helps = _did_you_mean(value.name, spec.choices) if isinstance(value, Ident) else ()
+        if spec.kind == "dtype":
+            helps = _did_you_mean(getattr(value, "name", ""), DTYPES) + \
+                (f"dtypes: {', '.join(DTYPES)}",)
         raise BindError(f"parameter `{spec.name}` of `{rule.name}` must be {wanted}", span, helps)
     return value
 
