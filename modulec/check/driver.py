@@ -17,9 +17,12 @@ from modulec.syntax import ast as A
 
 
 def check_program(program: A.Program, names: Names | None = None,
-                  checked: list | None = None, scopes: dict | None = None) -> list[Diagnostic]:
+                  checked: list | None = None, scopes: dict | None = None,
+                  deep_models: bool = True) -> list[Diagnostic]:
     """Diagnostics of every declaration; `checked` collects the instances (--emit resolved);
-    `scopes` maps the names of other loaded files to their names (see `scopes_of`)."""
+    `scopes` maps the names of other loaded files to their names (see `scopes_of`).
+    `deep_models=False` leaves the model's submodule tree and weight mapping to the caller
+    (`modulec build` checks them while lowering, at the sizes it builds)."""
     world = World(names or LocalNames({d.name: d for d in program.decls}), scopes or {})
     check_declarations(world, program)
     for diagnostic in check_annotations(program):
@@ -28,7 +31,7 @@ def check_program(program: A.Program, names: Names | None = None,
         if decl.kind in ("module", "block", "model") and not decl.abstract:
             instance = instantiate(world, world.definition(decl))
             check_body(instance)
-            if decl.kind == "model":
+            if decl.kind == "model" and deep_models:
                 from modulec.check.weights import check_weights  # models only: import late
 
                 check_tree(instance)

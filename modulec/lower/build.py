@@ -58,7 +58,8 @@ def build(request: BuildRequest) -> BuildResult:
     if loaded.program is None or any(d.is_error for d in diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
     diagnostics += check_sections(loaded.program)
-    diagnostics += check_program(loaded.program, loaded.scope, None, scopes_of(resolver))
+    diagnostics += check_program(loaded.program, loaded.scope, None, scopes_of(resolver),
+                                 deep_models=False)
     decl = _model(loaded.program, request.model, diagnostics)
     if decl is None or any(d.is_error for d in diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
@@ -75,7 +76,10 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     world = recording_world(loaded.scope, scopes_of(resolver))
     world.dims = {k: Dim.const(v) for k, v in request.shapes.items()}
     instance = instantiate(world, world.definition(decl), args)
-    graph = lower_model(world, instance)
+    graph = lower_model(world, instance)  # checks every instance of the tree at these sizes
+    from modulec.check.weights import check_weights
+
+    check_weights(instance)
     diagnostics += world.diagnostics
     if any(d.is_error for d in diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
