@@ -6,16 +6,16 @@ PIP    := $(PY) -m pip
 NPM    ?= npm
 VSCODE := editors/vscode
 
-.PHONY: setup test lint bench clean grammar grammar-snapshots
+.PHONY: setup test lint bench clean grammar grammar-snapshots graphviz
 
-setup: $(VENV)/.installed $(VSCODE)/node_modules/.installed
+setup: $(VENV)/.installed $(VSCODE)/node_modules/.installed graphviz
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the local CPU wheel, never a resolve from the index
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[runtime,dev]"
+	$(PIP) install -q -e ".[runtime,dev,pictures]"
 	touch $@
 
 # The TextMate grammar tests' tool (vscode-tmgrammar-test), pinned by editors/vscode/package-lock.json.
@@ -24,6 +24,13 @@ $(VSCODE)/node_modules/.installed: $(VSCODE)/package.json $(VSCODE)/package-lock
 	@if command -v $(NPM) >/dev/null 2>&1; then \
 	  $(NPM) ci --prefix $(VSCODE) --no-audit --no-fund && touch $@; \
 	else echo "npm not found: editors/vscode not installed (the TextMate grammar tests need it)"; fi
+
+# `dot` draws `modulec graph --format svg|png` (tests/test_pictures.py needs it); as root
+# (CI) it is installed from Debian's packages, others are told what to install.
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || \
+	  echo "graphviz not found: install it (apt-get install graphviz) for modulec graph --format svg|png"; }
 
 grammar: setup
 	$(PY) grammar/generate_tmlanguage.py

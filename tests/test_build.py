@@ -151,3 +151,10 @@ def test_written_backward_is_kept_as_written(tmp_path):
     assert [n.target for n in written.nodes] == ["matmul", "matmul"]  # not matmul_backward
     assert written.saved == ("x",) and dict(written.param_grads) == {"w": "%b2"}
     assert written.outputs == ("%b1",)
+
+
+def test_split_backward_reads_the_gradients_of_every_part():
+    graph = built("llama").graph
+    attention = graph.function("CausalSelfAttention#1.backward")
+    (node,) = [n for n in attention.nodes if n.target == "split_backward"]
+    assert len(node.inputs) == 3 and all(node.inputs)  # q, k and v gradients

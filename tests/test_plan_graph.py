@@ -69,3 +69,12 @@ def test_cli_json_and_missing_shape():
     assert {"arena_bytes", "lower_bound_bytes", "naive_bytes"} <= set(data)
     missing = runner.invoke(modulec, ["plan", str(LLAMA), "--set", "n_layers=2"])
     assert missing.exit_code == 2 and "--shape" in missing.output
+
+
+@pytest.mark.parametrize("example", ["llama", "qwen3", "mistral", "mixtral", "gpt2", "mamba"])
+def test_every_example_builds_and_plans(example):
+    request = BuildRequest(REPO_DIR / "examples" / f"{example}.module", shapes={"B": 1, "T": 16})
+    result = build(request)
+    assert result.graph is not None, [d.message for d in result.diagnostics]
+    data = plan_step(result.graph).summary()
+    assert data["arena_bytes"] >= data["lower_bound_bytes"] > 0

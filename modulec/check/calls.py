@@ -225,9 +225,11 @@ def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label,
             if dtype == FLOAT and tensor.type.is_float and pattern.dtype is None:
                 dtype = tensor.type.dtype  # statistics (rstd, lse: fp32) do not set it
     matcher.finish()
-    if callee is not None and ctx.world.recording and not callee.call_dims:
-        # lowering: the callee's body takes the sizes this call binds (N = B*T, ...)
+    if callee is not None and ctx.world.recording and not callee.call_inputs:
+        # lowering: the callee's body takes the sizes this call binds (N = B*T, ...) and its
+        # inputs the types this call passes (`x: [*, d]` gets the real leading dims)
         callee.call_dims = {k: v for k, v in matcher.bound.items() if k not in callee.values}
+        callee.call_inputs = [t.type if t is not None else None for t in actual]
     return [matcher.build(pattern_of(sig.type), dtype, label) for sig in phase.outputs]
 
 

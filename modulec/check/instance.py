@@ -68,6 +68,7 @@ class Instance:
     checked: bool = False
     inferred: list = field(default_factory=list)  # (phase, name, type, span), for --emit resolved
     call_dims: dict = field(default_factory=dict)  # lowering: free dims bound by the call site
+    call_inputs: list = field(default_factory=list)  # lowering: the input types of that call
 
     @property
     def name(self) -> str:

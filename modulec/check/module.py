@@ -26,8 +26,8 @@ def check_body(instance: Instance) -> None:
         return
     scope = GraphScope()
     recorder = _recorder(instance)
-    for sig in forward.inputs:
-        type_ = declared_type(instance, sig, sig.span)
+    for index, sig in enumerate(forward.inputs):
+        type_ = _input_type(instance, sig, index)
         scope.names[sig.name] = Tensor(sig.name, type_, sig.span, "input", value=sig.name)
         if recorder is not None:
             recorder.declare(sig.name, type_, sig.name)
@@ -41,6 +41,20 @@ def check_body(instance: Instance) -> None:
             check_recompute(instance, checker.producers, checker.uses)
     saved = saved_names(instance, forward, scope)
     check_backward(instance, scope, saved)
+
+
+def _align_star(expected, actual):
+    """`[*, d]` declares any leading dims: compare only what follows the `*`."""
+    if expected and str(expected[0]) == "*" and len(actual) >= len(expected) - 1:
+        rest = len(expected) - 1
+        return tuple(expected[1:]), tuple(actual[len(actual) - rest:]) if rest else ()
+    return tuple(expected), tuple(actual)
+
+
+def _input_type(instance: Instance, sig, index: int):
+    """The declared type, or while lowering the type its call site passes."""
+    passed = instance.call_inputs[index] if index < len(instance.call_inputs) else None
+    return passed if passed is not None else declared_type(instance, sig, sig.span)
 
 
 def _says_anything_about_memory(instance: Instance) -> bool:
@@ -92,9 +106,10 @@ def _compare_output(instance: Instance, sig, tensor: Tensor) -> None:
     warn_if_narrowing(instance, actual, expected, tensor.span, f"output `{sig.name}`")
     if expected.variadic or actual.variadic:
         return
+    expected_dims, actual_dims = _align_star(expected.dims, actual.dims)
     same = instance.assumptions.same
-    if len(expected.dims) != len(actual.dims) or any(
-            same(a, b) is False for a, b in zip(expected.dims, actual.dims)):
+    if len(expected_dims) != len(actual_dims) or any(
+            same(a, b) is False for a, b in zip(expected_dims, actual_dims)):
         instance.world.error("E004", f"output `{sig.name}` is declared {expected} but the "
                              f"graph computes {actual}", tensor.span, f"shape {actual}",
                              secondary=[_label(sig.span, f"declared {expected}")],

@@ -111,18 +111,42 @@ def _op_backward(builder: _Builder, node: Node) -> None:
     forward_sig = rule.definition.forward
     backward_sig = rule.definition.backward
     by_name = _forward_values(forward_sig, node)
-    inputs = [_backward_input(builder, sig.name, by_name, node) for sig in backward_sig.inputs]
+    lists = _list_values(forward_sig, node)
+    inputs = []
+    for sig in backward_sig.inputs:
+        if _is_list(sig) and sig.name[2:] in lists:  # split: the gradients of all its parts
+            inputs += [builder.grads.get(v, "") for v in lists[sig.name[2:]]]
+        else:
+            inputs.append(_backward_input(builder, sig.name, by_name, node))
     if not backward_sig.outputs:
         return
-    outputs = []
+    targets = []  # the forward value each backward output is the gradient of
     for sig in backward_sig.outputs:
-        source = by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None
-        outputs.append(builder.fresh(source) if builder.wants(source) else "")
+        if _is_list(sig) and sig.name[2:] in lists:  # concat: one gradient per input
+            targets += lists[sig.name[2:]]
+        else:
+            targets.append(by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None)
+    outputs = [builder.fresh(t) if builder.wants(t) else "" for t in targets]
     builder.node(f"{rule.name}_backward", inputs, outputs, node, attrs=node.attrs)
-    for sig, gradient in zip(backward_sig.outputs, outputs):
-        source = by_name.get(sig.name[2:])
+    for source, gradient in zip(targets, outputs):
         if source:
             builder.contribute(source, gradient, node)
+
+
+def _is_list(sig) -> bool:
+    from modulec.syntax import ast as A
+
+    return isinstance(sig.type, A.ArrayType)
+
+
+def _list_values(signature, node: Node) -> dict[str, list[str]]:
+    """A list parameter (`parts: [n] x [*]`) takes all of the node's outputs (or inputs)."""
+    lists = {}
+    if len(signature.outputs) == 1 and _is_list(signature.outputs[0]):
+        lists[signature.outputs[0].name] = list(node.outputs)
+    if len(signature.inputs) == 1 and _is_list(signature.inputs[0]):
+        lists[signature.inputs[0].name] = list(node.inputs)
+    return lists
 
 
 def _forward_values(signature, node: Node) -> dict[str, str]:
