@@ -1,0 +1,132 @@
+"""flash_attention, rope, qk_norm (spec §6.4, decisions.md "Per-primitive fixes").
+
+flash_attention is exact softmax attention that materializes the [T, T] scores (the
+reference, not the tiled kernel): S = scale * q . k + alibi[h] * (j - i), masked to -inf
+where j > i (causal) or j <= i - window_size (the last window_size keys, the query's own
+included); P = softmax(S); out = P @ v; lse = logsumexp(S). GQA: query head h reads kv
+head h // (Hq / Hkv). The backward recomputes P = exp(S - lse) from the saved lse and
+uses D = rowsum(d_out * out), as FlashAttention-2 does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from runtime.kernels.base import register
+from runtime.kernels.norms import rms_backward, rms_forward
+
+
+# ---------------------------------------------------------------------- flash_attention
+def _scores(q, k, alibi_slopes, causal, softmax_scale, window_size):
+    """Masked scores S [B, Hq, T, T], k already expanded to Hq heads; and the scale."""
+    T, D = q.shape[-2], q.shape[-1]
+    scale = 1 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    S = scale * (q @ k.transpose(-1, -2))
+    i = torch.arange(T, device=q.device)[:, None]
+    j = torch.arange(T, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        S = S + alibi_slopes[None, :, None, None] * (j - i).to(S.dtype)
+    masked = torch.zeros(T, T, dtype=torch.bool, device=q.device)
+    if causal:
+        masked |= j > i
+    if window_size is not None:
+        masked |= j <= i - window_size
+    return S.masked_fill(masked, float("-inf")), scale
+
+
+def _expand_kv(t: Tensor, hq: int) -> Tensor:
+    hkv = t.shape[1]
+    if hq % hkv:
+        raise ValueError(f"flash_attention: Hq={hq} is not a multiple of Hkv={hkv}")
+    return t.repeat_interleave(hq // hkv, dim=1)
+
+
+def _reduce_kv(t: Tensor, hkv: int) -> Tensor:
+    """Sum the gradients of the query heads that share a kv head."""
+    B, hq, T, D = t.shape
+    return t.reshape(B, hkv, hq // hkv, T, D).sum(2)
+
+
+def _flash_attention_backward(d_out, q, k, v, out, lse, alibi_slopes=None, *, causal=True,
+                              softmax_scale=None, window_size=None, **_):
+    hq, hkv = q.shape[1], k.shape[1]
+    ke, ve = _expand_kv(k, hq), _expand_kv(v, hq)
+    S, scale = _scores(q, ke, alibi_slopes, causal, softmax_scale, window_size)
+    P = torch.exp(S - lse[..., None])
+    d_ve = P.transpose(-1, -2) @ d_out
+    dP = d_out @ ve.transpose(-1, -2)
+    Drow = (d_out * out).sum(-1, keepdim=True)
+    dS = P * (dP - Drow)
+    d_q = scale * (dS @ ke)
+    d_ke = scale * (dS.transpose(-1, -2) @ q)
+    return [d_q, _reduce_kv(d_ke, hkv), _reduce_kv(d_ve, hkv)]
+
+
+@register("flash_attention", ("q", "k", "v", "alibi_slopes"), ("out", "lse"),
+          ("d_out", "q", "k", "v", "out", "lse", "alibi_slopes"), ("d_q", "d_k", "d_v"),
+          backward=_flash_attention_backward, stats=("lse", "alibi_slopes"))
+def _flash_attention_forward(q, k, v, alibi_slopes=None, *, causal=True, softmax_scale=None,
+                             window_size=None, **_):
+    hq = q.shape[1]
+    S, _ = _scores(q, _expand_kv(k, hq), alibi_slopes, causal, softmax_scale, window_size)
+    m = S.amax(-1, keepdim=True)
+    e = torch.exp(S - m)
+    l = e.sum(-1, keepdim=True)
+    out = (e / l) @ _expand_kv(v, hq)
+    lse = (m + torch.log(l)).squeeze(-1)
+    return [out, lse]
+
+
+# --------------------------------------------------------------------------------- rope
+def rope_tables(position_ids, T: int, D: int, theta: float, dtype, device):
+    """cos, sin [B or 1, 1, T, D]: angle = pos * theta^(-2i/D), each half repeated."""
+    if D % 2:
+        raise ValueError(f"rope: head dim D={D} must be even")
+    if position_ids is None:
+        pos = torch.arange(T, device=device, dtype=dtype)[None, :]
+    else:
+        pos = position_ids.to(dtype)
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=device, dtype=dtype) / D)
+    angle = pos[..., None] * inv_freq           # [B, T, D/2]
+    angle = torch.cat([angle, angle], dim=-1)    # [B, T, D]
+    return torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def _rope_backward(d_q_rot, d_k_rot, position_ids=None, *, theta=10000.0, **_):
+    T, D = d_q_rot.shape[-2:]
+    cos, sin = rope_tables(position_ids, T, D, theta, d_q_rot.dtype, d_q_rot.device)
+    # the inverse rotation
+    return [d_q_rot * cos - rotate_half(d_q_rot) * sin, d_k_rot * cos - rotate_half(d_k_rot) * sin]
+
+
+@register("rope", ("q", "k", "position_ids"), ("q_rot", "k_rot"),
+          ("d_q_rot", "d_k_rot", "position_ids"), ("d_q", "d_k"), backward=_rope_backward)
+def _rope_forward(q, k, position_ids=None, *, theta=10000.0, **_):
+    T, D = q.shape[-2:]
+    cos, sin = rope_tables(position_ids, T, D, theta, q.dtype, q.device)
+    return [q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin]
+
+
+# ------------------------------------------------------------------------------ qk_norm
+def _qk_norm_backward(d_q_norm, d_k_norm, q, k, q_weight, k_weight, q_rstd, k_rstd, **_):
+    d_q, d_q_weight = rms_backward(d_q_norm, q, q_weight, q_rstd)
+    d_k, d_k_weight = rms_backward(d_k_norm, k, k_weight, k_rstd)
+    return [d_q, d_k, d_q_weight, d_k_weight]
+
+
+@register("qk_norm", ("q", "k", "q_weight", "k_weight"), ("q_norm", "k_norm", "q_rstd", "k_rstd"),
+          ("d_q_norm", "d_k_norm", "q", "k", "q_weight", "k_weight", "q_rstd", "k_rstd"),
+          ("d_q", "d_k", "d_q_weight", "d_k_weight"),
+          backward=_qk_norm_backward, stats=("q_rstd", "k_rstd"))
+def _qk_norm_forward(q, k, q_weight, k_weight, *, eps=1e-6, **_):
+    q_norm, q_rstd = rms_forward(q, q_weight, eps)
+    k_norm, k_rstd = rms_forward(k, k_weight, eps)
+    return [q_norm, k_norm, q_rstd, k_rstd]

@@ -1,0 +1,86 @@
+"""view, transpose, permute, split, concat, contiguous, copy (spec §6.5, §6.11.4).
+
+Views return torch views where torch can (the reference does not model buffers; layout
+is not part of the value). view reshapes (a copy when x is strided: the "x must be
+contiguous" constraint is the compiler's, not checked here). split's `parts` and
+`d_parts` and concat's `xs` / `d_xs` are Python lists of tensors; a None in split's
+`d_parts` (a part that got no gradient) counts as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.kernels.base import input_shape, register
+
+
+# ------------------------------------------------------------------------------- view
+def _view_backward(d_y, **attrs):
+    return [d_y.reshape(input_shape(attrs, "view", "x"))]
+
+
+@register("view", ("x",), ("y",), ("d_y",), ("d_x",), backward=_view_backward)
+def _view_forward(x, *, shape, **_):
+    return [x.reshape(list(shape))]
+
+
+# -------------------------------------------------------------------------- transpose
+@register("transpose", ("x",), ("y",), ("d_y",), ("d_x",),
+          backward=lambda d_y, *, dim0, dim1, **_: [d_y.transpose(dim0, dim1)])
+def _transpose_forward(x, *, dim0, dim1, **_):
+    return [x.transpose(dim0, dim1)]
+
+
+# ---------------------------------------------------------------------------- permute
+def _inverse(dims) -> list[int]:
+    n = len(dims)
+    inv = [0] * n
+    for i, d in enumerate(dims):
+        inv[d % n] = i
+    return inv
+
+
+@register("permute", ("x",), ("y",), ("d_y",), ("d_x",),
+          backward=lambda d_y, *, dims, **_: [d_y.permute(_inverse(dims))])
+def _permute_forward(x, *, dims, **_):
+    return [x.permute(list(dims))]
+
+
+# ------------------------------------------------------------------------------ split
+def _split_backward(d_parts, *, sizes, dim=-1, **attrs):
+    if any(d is None for d in d_parts):  # a part without gradient contributes zeros
+        ref = next(d for d in d_parts if d is not None)
+        shape = list(input_shape(attrs, "split", "x"))
+        d_parts = [d if d is not None else
+                   ref.new_zeros(shape[:dim % len(shape)] + [size] + shape[dim % len(shape) + 1:])
+                   for d, size in zip(d_parts, sizes)]
+    return [torch.cat(list(d_parts), dim=dim)]
+
+
+@register("split", ("x",), ("parts",), ("d_parts",), ("d_x",), backward=_split_backward)
+def _split_forward(x, *, sizes, dim=-1, **_):
+    if sum(sizes) != x.shape[dim]:
+        raise ValueError(f"split: sizes {list(sizes)} do not add up to {x.shape[dim]}")
+    return [list(torch.split(x, list(sizes), dim=dim))]
+
+
+# ----------------------------------------------------------------------------- concat
+def _concat_backward(d_y, *, dim=-1, **attrs):
+    sizes = [shape[dim] for shape in input_shape(attrs, "concat", "xs")]
+    return [list(torch.split(d_y, sizes, dim=dim))]
+
+
+@register("concat", ("xs",), ("y",), ("d_y",), ("d_xs",), backward=_concat_backward)
+def _concat_forward(xs, *, dim=-1, **_):
+    return [torch.cat(list(xs), dim=dim)]
+
+
+# ------------------------------------------------------------------ contiguous, copy
+@register("contiguous", ("x",), ("y",), ("d_y",), ("d_x",), backward=lambda d_y, **_: [d_y])
+def _contiguous_forward(x, **_):
+    return [x.contiguous()]
+
+
+@register("copy", ("x",), ("y",), ("d_y",), ("d_x",), backward=lambda d_y, **_: [d_y])
+def _copy_forward(x, **_):
+    return [x.clone(memory_format=torch.contiguous_format)]

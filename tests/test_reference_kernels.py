@@ -1,0 +1,830 @@
+"""The reference kernels (runtime/kernels) against the primitives' contract.
+
+- Every primitive of std/primitives has a kernel whose forward/backward input and output
+  names are the signature's, in order, and every kernel has cases in CASES.
+- For every case (random float64 inputs), the explicit backward equals torch.autograd's
+  vector-Jacobian product of the forward, for a random gradient of every output that the
+  backward takes a `d_` of, within 1e-10 relative.
+- Where an independent formula exists (ORACLES: torch.nn.functional, HuggingFace's code
+  written out, naive loops), the forward values equal it.
+- float32 and bfloat16 runs of every case are finite, have the contract's dtypes, and
+  are close to float64 runs on the same (rounded) inputs: 1e-4 / 2e-2 relative.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `runtime` is not installed
+
+from modulec.ops.registry import op_table  # noqa: E402
+from runtime.kernels import KERNELS, default_attrs  # noqa: E402
+from runtime.kernels.utility import torch_dtype  # noqa: E402
+
+F64 = torch.float64
+I32 = torch.int32
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Case:
+    id: str
+    make: Callable  # generator -> list of float64 / int32 inputs in signature order
+    attrs: dict = field(default_factory=dict)
+
+
+def randn(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=F64)
+
+
+def randint(g, high, *shape):
+    return torch.randint(0, high, shape, generator=g).to(I32)
+
+
+def topk_indices(g, n, experts, k):
+    """Distinct experts per token, as a router picks them."""
+    return torch.argsort(torch.rand(n, experts, generator=g), dim=-1)[:, :k].to(I32)
+
+
+def offsets_of(indices, experts):
+    counts = [int((indices == e).sum()) for e in range(experts)]
+    return torch.tensor([0] + [sum(counts[:e + 1]) for e in range(experts)], dtype=I32)
+
+
+# ======================================================================== the cases
+def _matmul_cases():
+    shapes = {"NN": ((5, 4), (4, 3)), "NT": ((5, 4), (3, 4)), "TN": ((4, 5), (4, 3)),
+              "TT": ((4, 5), (3, 4))}
+    cases = [Case(mode, lambda g, a=a, b=b: [randn(g, *a), randn(g, *b)], {"transpose": mode})
+             for mode, (a, b) in shapes.items()]
+    return cases + [
+        Case("NN-alpha", lambda g: [randn(g, 5, 4), randn(g, 4, 3)], {"alpha": 0.5}),
+        Case("NT-folded", lambda g: [randn(g, 2, 3, 4), randn(g, 5, 4)], {"transpose": "NT"}),
+        Case("TN-weight-grad", lambda g: [randn(g, 2, 3, 4), randn(g, 2, 3, 5)], {"transpose": "TN"}),
+        Case("TT-alpha", lambda g: [randn(g, 4, 5), randn(g, 3, 4)], {"transpose": "TT", "alpha": -2.0}),
+    ]
+
+
+def _batched_matmul_cases():
+    return [
+        Case("NN", lambda g: [randn(g, 2, 3, 4, 5), randn(g, 2, 3, 5, 6)]),
+        Case("NT", lambda g: [randn(g, 2, 3, 4, 5), randn(g, 2, 3, 6, 5)], {"transpose": "NT"}),
+        Case("TN", lambda g: [randn(g, 2, 5, 4), randn(g, 2, 5, 6)], {"transpose": "TN"}),
+        Case("TT", lambda g: [randn(g, 2, 5, 4), randn(g, 2, 6, 5)], {"transpose": "TT"}),
+        Case("NN-broadcast-B", lambda g: [randn(g, 2, 3, 4, 5), randn(g, 5, 6)]),
+    ]
+
+
+def _grouped_gemm_cases():
+    offsets = torch.tensor([0, 3, 3, 7, 10], dtype=I32)  # group 1 is empty
+    return [
+        Case("NT", lambda g: [randn(g, 10, 4), randn(g, 4, 5, 4), offsets]),
+        Case("NN", lambda g: [randn(g, 10, 4), randn(g, 4, 4, 5), offsets], {"transpose": "NN"}),
+    ]
+
+
+def _flash_cases():
+    def qkv(B, Hq, Hkv, T, D, alibi=False):
+        return lambda g: [randn(g, B, Hq, T, D), randn(g, B, Hkv, T, D), randn(g, B, Hkv, T, D),
+                          (torch.rand(Hq, generator=g, dtype=F64) if alibi else None)]
+    return [
+        Case("gqa-causal", qkv(2, 4, 2, 7, 8)),
+        Case("mha-full", qkv(2, 3, 3, 6, 4), {"causal": False}),
+        Case("gqa-causal-window", qkv(2, 4, 2, 9, 8), {"window_size": 3}),
+        Case("window-only", qkv(1, 2, 2, 8, 4), {"causal": False, "window_size": 2}),
+        Case("mqa-alibi-scale", qkv(1, 4, 1, 6, 8, alibi=True), {"softmax_scale": 0.3}),
+    ]
+
+
+def _moe_router_cases():
+    mk = lambda g: [randn(g, 12, 8), randn(g, 6, 8)]  # noqa: E731
+    return [
+        Case("softmax-top2-normalized", mk, {"top_k": 2}),
+        Case("softmax-top3-raw", mk, {"top_k": 3, "normalize": False, "aux_loss_coef": 0.1}),
+        Case("sigmoid-top2-normalized", mk, {"top_k": 2, "use_sigmoid": True}),
+        Case("sigmoid-top1-raw", mk, {"top_k": 1, "use_sigmoid": True, "normalize": False}),
+    ]
+
+
+def _moe_permute_case(g):
+    indices = topk_indices(g, 10, 5, 2)
+    return [randn(g, 10, 4), indices, offsets_of(indices, 5)]
+
+
+def _moe_unpermute_make(realistic):
+    def make(g):
+        N, K, C = 8, 3, 5
+        if realistic:  # the scatter indices of a real permutation by expert
+            flat = topk_indices(g, N, 6, K).reshape(-1)
+            scatter = torch.argsort(flat, stable=True).to(I32)
+        else:
+            scatter = torch.randperm(N * K, generator=g).to(I32)
+        return [randn(g, N * K, C), torch.rand(N, K, generator=g, dtype=F64), scatter]
+    return make
+
+
+def _scan_make(batch, channels, T, N, G, state):
+    def make(g):
+        return [randn(g, batch, channels, T), randn(g, batch, channels, T),
+                -torch.exp(randn(g, channels, N)), randn(g, batch, G, N, T),
+                randn(g, batch, G, N, T), randn(g, channels), randn(g, channels),
+                randn(g, batch, channels, N) if state else None]
+    return make
+
+
+def _conv_make(B, D, T, W, bias, state):
+    def make(g):
+        return [randn(g, B, D, T), randn(g, D, 1, W), randn(g, D) if bias else None,
+                randn(g, B, D, W - 1) if state else None]
+    return make
+
+
+def _unary(*shapes):
+    return [Case("x".join(map(str, s)), lambda g, s=s: [randn(g, *s)]) for s in shapes]
+
+
+def _binary(*shapes):
+    return [Case("x".join(map(str, s)), lambda g, s=s: [randn(g, *s), randn(g, *s)]) for s in shapes]
+
+
+CASES: dict[str, list[Case]] = {
+    "matmul": _matmul_cases(),
+    "batched_matmul": _batched_matmul_cases(),
+    "grouped_gemm": _grouped_gemm_cases(),
+    "rmsnorm": [Case("3d", lambda g: [randn(g, 2, 3, 8), randn(g, 8)]),
+                Case("2d-eps", lambda g: [randn(g, 5, 16), randn(g, 16)], {"eps": 1e-3})],
+    "fused_residual_rmsnorm": [
+        Case("3d", lambda g: [randn(g, 2, 3, 8), randn(g, 2, 3, 8), randn(g, 8)])],
+    "layernorm": [Case("bias", lambda g: [randn(g, 2, 3, 8), randn(g, 8), randn(g, 8)]),
+                  Case("no-bias", lambda g: [randn(g, 5, 6), randn(g, 6), None], {"eps": 1e-3})],
+    "group_rmsnorm": [
+        Case("groups1-no-gate", lambda g: [randn(g, 2, 3, 8), randn(g, 8), None]),
+        Case("groups4-gate", lambda g: [randn(g, 2, 3, 16), randn(g, 16), randn(g, 2, 3, 16)],
+             {"groups": 4}),
+    ],
+    "swiglu": _binary((2, 3, 8), (5,)),
+    "geglu": _binary((2, 3, 8)) + [Case("erf", lambda g: [randn(g, 4, 6), randn(g, 4, 6)],
+                                        {"approximate": False})],
+    "silu": _unary((2, 3, 8)),
+    "relu": _unary((2, 3, 8)),
+    "relu2": _unary((2, 3, 8)),
+    "gelu": _unary((2, 3, 8)) + [Case("erf", lambda g: [randn(g, 4, 6)], {"approximate": False})],
+    "sigmoid": _unary((2, 3, 8)),
+    "softmax": _unary((2, 3, 8)) + [Case("dim1", lambda g: [randn(g, 2, 5, 3)], {"dim": 1})],
+    "flash_attention": _flash_cases(),
+    "rope": [
+        Case("default-positions", lambda g: [randn(g, 2, 4, 6, 8), randn(g, 2, 2, 6, 8), None]),
+        Case("position-ids", lambda g: [randn(g, 2, 4, 6, 8), randn(g, 2, 2, 6, 8),
+                                        randint(g, 4096, 2, 6)], {"theta": 500000.0}),
+    ],
+    "qk_norm": [Case("gqa", lambda g: [randn(g, 2, 4, 5, 8), randn(g, 2, 2, 5, 8), randn(g, 8),
+                                       randn(g, 8)])],
+    "view": [Case("flatten", lambda g: [randn(g, 2, 3, 4)], {"shape": [6, 4]}),
+             Case("infer", lambda g: [randn(g, 2, 3, 4)], {"shape": [2, -1, 2]})],
+    "transpose": [Case("0-2", lambda g: [randn(g, 2, 3, 4)], {"dim0": 0, "dim1": 2}),
+                  Case("neg", lambda g: [randn(g, 2, 3, 4)], {"dim0": -1, "dim1": -2})],
+    "permute": [Case("201", lambda g: [randn(g, 2, 3, 4)], {"dims": [2, 0, 1]}),
+                Case("0321", lambda g: [randn(g, 2, 3, 4, 5)], {"dims": [0, 3, 2, 1]})],
+    "split": [Case("last", lambda g: [randn(g, 2, 9)], {"sizes": [2, 3, 4]}),
+              Case("dim0", lambda g: [randn(g, 6, 4)], {"sizes": [2, 4], "dim": 0})],
+    "concat": [Case("last", lambda g: [[randn(g, 2, 3), randn(g, 2, 5), randn(g, 2, 1)]]),
+               Case("dim0", lambda g: [[randn(g, 2, 4), randn(g, 3, 4)]], {"dim": 0})],
+    "contiguous": [Case("strided", lambda g: [randn(g, 3, 4).T]),
+                   Case("contiguous", lambda g: [randn(g, 3, 4)])],
+    "copy": _unary((3, 4)),
+    "add": _binary((2, 3, 4)) + [
+        Case("broadcast-bias", lambda g: [randn(g, 2, 3, 4), randn(g, 4)]),
+        Case("broadcast-both", lambda g: [randn(g, 3, 1), randn(g, 2, 1, 4)])],
+    "mul": _binary((2, 3, 4)) + [
+        Case("broadcast", lambda g: [randn(g, 2, 3, 4), randn(g, 3, 1)])],
+    "scale": [Case("half", lambda g: [randn(g, 2, 3)], {"factor": 0.5}),
+              Case("neg", lambda g: [randn(g, 4)], {"factor": -2.0})],
+    "add3": [Case("3d", lambda g: [randn(g, 2, 3, 4), randn(g, 2, 3, 4), randn(g, 2, 3, 4)])],
+    "neg": _unary((2, 3)),
+    "exp": _unary((2, 3)),
+    "exp_neg": _unary((2, 3)),
+    "reduce_sum": [Case("last", lambda g: [randn(g, 2, 3, 4)], {"dims": [-1]}),
+                   Case("0-2-keep", lambda g: [randn(g, 2, 3, 4)], {"dims": [0, 2], "keepdim": True}),
+                   Case("all", lambda g: [randn(g, 2, 3)], {"dims": [0, 1]})],
+    "reduce_mean": [Case("last-keep", lambda g: [randn(g, 2, 3, 4)], {"dims": [-1], "keepdim": True}),
+                    Case("0-1", lambda g: [randn(g, 2, 3, 4)], {"dims": [0, 1]}),
+                    Case("all", lambda g: [randn(g, 5)], {"dims": [0]})],
+    "reduce_max": [Case("last", lambda g: [randn(g, 2, 3, 5)], {"dim": -1}),
+                   Case("0-keep", lambda g: [randn(g, 4, 3)], {"dim": 0, "keepdim": True})],
+    "embedding": [Case("2d-ids", lambda g: [randint(g, 7, 2, 5), randn(g, 7, 4)]),
+                  Case("1d-ids", lambda g: [torch.tensor([3, 3, 0, 3], dtype=I32), randn(g, 5, 2)])],
+    "cross_entropy": [
+        Case("ignore", lambda g: [randn(g, 2, 5, 11),
+                                  torch.where(torch.rand(2, 5, generator=g) < 0.3, -100,
+                                              torch.randint(0, 11, (2, 5), generator=g)).to(I32)]),
+        Case("ignore-3", lambda g: [randn(g, 6, 9), torch.tensor([3, 0, 8, 3, 1, 2], dtype=I32)],
+             {"ignore_index": 3}),
+    ],
+    "moe_router": _moe_router_cases(),
+    "moe_compute_offsets": [Case("top2", lambda g: [topk_indices(g, 10, 5, 2)], {"num_experts": 5}),
+                            Case("unused-experts", lambda g: [randint(g, 3, 6, 1)],
+                                 {"num_experts": 8})],
+    "moe_permute": [Case("top2", _moe_permute_case)],
+    "moe_unpermute": [Case("random-permutation", _moe_unpermute_make(False)),
+                      Case("by-expert", _moe_unpermute_make(True))],
+    "mamba_conv1d": [
+        Case("silu-bias", _conv_make(2, 3, 7, 4, True, False)),
+        Case("silu-state", _conv_make(2, 3, 7, 4, True, True)),
+        Case("none-no-bias-k2", _conv_make(1, 2, 5, 2, False, True),
+             {"kernel_size": 2, "activation": "none"}),
+    ],
+    "mamba_selective_scan": [
+        Case("G2", _scan_make(2, 4, 6, 3, 2, False)),
+        Case("G1-state", _scan_make(1, 3, 5, 4, 1, True)),
+        Case("G4-state", _scan_make(2, 4, 4, 2, 4, True), {"chunk_size": 2}),
+    ],
+    "zeros": [Case("fp32", lambda g: [], {"shape": [2, 3], "dtype": "fp32"}),
+              Case("scalar-bf16", lambda g: [], {"shape": []})],
+    "ones": [Case("fp32", lambda g: [], {"shape": [2, 3], "dtype": "fp32"}),
+             Case("int32", lambda g: [], {"shape": [4], "dtype": "int32"})],
+    "fill": [Case("fp32", lambda g: [], {"shape": [2, 3], "value": -1.5, "dtype": "fp32"}),
+             Case("bf16-rounded", lambda g: [], {"shape": [3], "value": 1.0 + 2 ** -10})],
+}
+
+ALL_CASES = [(name, case) for name in sorted(CASES) for case in CASES[name]]
+CASE_IDS = [f"{name}-{case.id}" for name, case in ALL_CASES]
+
+
+# ======================================================================= oracles
+def _mode_einsum(mode):
+    a = "mk" if mode[0] == "N" else "km"
+    b = "kn" if mode[1] == "N" else "nk"
+    return f"...{a},...{b}->...mn"
+
+
+def _oracle_matmul(A, B, *, transpose, alpha, **_):
+    fold = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    C = alpha * torch.einsum(_mode_einsum(transpose), fold(A), fold(B))
+    return [C.reshape(*A.shape[:-1], -1) if transpose[0] == "N" else C]
+
+
+def _oracle_grouped_gemm(x, W, offsets, *, transpose, **_):
+    o = offsets.tolist()
+    parts = [F.linear(x[o[e]:o[e + 1]], W[e]) if transpose == "NT" else x[o[e]:o[e + 1]] @ W[e]
+             for e in range(W.shape[0])]
+    return [torch.cat(parts)]
+
+
+def _oracle_flash(q, k, v, alibi, *, causal, softmax_scale, window_size, **_):
+    B, Hq, T, D = q.shape
+    rep = Hq // k.shape[1]
+    keep = torch.tensor([[(not causal or j <= i) and (window_size is None or j > i - window_size)
+                          for j in range(T)] for i in range(T)])
+    bias = torch.zeros(Hq, T, T, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+    if alibi is not None:
+        rel = torch.tensor([[j - i for j in range(T)] for i in range(T)], dtype=q.dtype)
+        bias = bias + alibi[:, None, None] * rel
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=bias, scale=softmax_scale)
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    lse = torch.logsumexp(scale * q @ kk.transpose(-1, -2) + bias, dim=-1)
+    return [out, lse]
+
+
+def _hf_rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _oracle_rope(q, k, position_ids, *, theta, **_):
+    # transformers' LlamaRotaryEmbedding + apply_rotary_pos_emb (unsqueeze_dim=1), in float64
+    B, _, T, D = q.shape
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).to(F64) / D))
+    if position_ids is None:
+        position_ids = torch.arange(T)[None].expand(B, T)
+    freqs = (inv_freq[None, :, None] @ position_ids[:, None, :].to(F64)).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    return [q * cos + _hf_rotate_half(q) * sin, k * cos + _hf_rotate_half(k) * sin]
+
+
+def _rstd(x, eps):
+    return 1 / torch.sqrt(x.pow(2).mean(-1) + eps)
+
+
+def _oracle_group_rmsnorm(x, weight, gate, *, groups, eps, **_):
+    # transformers' MambaRMSNormGated (Mamba-2), group_size = C / groups
+    h = x * F.silu(gate) if gate is not None else x
+    hg = h.view(*h.shape[:-1], groups, -1)
+    variance = hg.pow(2).mean(-1, keepdim=True)
+    return [weight * (hg * torch.rsqrt(variance + eps)).view(x.shape), _rstd(hg, eps)]
+
+
+def _oracle_cross_entropy(logits, labels, *, ignore_index, **_):
+    V = logits.shape[-1]
+    loss = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1).long(), reduction="none",
+                           ignore_index=ignore_index)
+    return [loss.reshape(labels.shape), torch.logsumexp(logits, -1)]
+
+
+def _hf_load_balancing_loss(probs, top_k):
+    # transformers' load_balancing_loss_func (one layer, no attention mask), from probs
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    expert_mask = F.one_hot(selected, probs.shape[-1])
+    tokens_per_expert = torch.mean(expert_mask.to(probs.dtype), dim=0)
+    router_prob_per_expert = torch.mean(probs, dim=0)
+    return torch.sum(tokens_per_expert * router_prob_per_expert[None]) * probs.shape[-1]
+
+
+def _oracle_moe_router(x, gate, *, top_k, normalize, aux_loss_coef, use_sigmoid, **_):
+    logits = F.linear(x, gate)
+    probs = torch.sigmoid(logits) if use_sigmoid else torch.softmax(logits, -1)
+    p, idx = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        p = p / p.sum(-1, keepdim=True)
+    return [p, idx.to(I32), aux_loss_coef * _hf_load_balancing_loss(probs, top_k)]
+
+
+def _oracle_moe_permute(x, indices, offsets, **_):
+    N, K = indices.shape
+    scatter = [t * K + k for e in range(int(indices.max()) + 1) for t in range(N) for k in range(K)
+               if indices[t, k] == e]
+    s = torch.tensor(scatter)
+    return [x[s // K], s.to(I32)]
+
+
+def _oracle_moe_unpermute(eo, weights, scatter, **_):
+    N, K = weights.shape
+    out = torch.zeros(N, eo.shape[1], dtype=eo.dtype)
+    for j, a in enumerate(scatter.tolist()):
+        out[a // K] += weights[a // K, a % K] * eo[j]
+    return [out]
+
+
+def _oracle_conv1d(x, weight, bias, state, *, kernel_size, activation, **_):
+    W, T = weight.shape[-1], x.shape[-1]
+    if state is None:
+        y = F.conv1d(x, weight, bias, padding=W - 1, groups=x.shape[1])[..., :T]
+        tail = F.pad(x, (W - 1, 0))[..., -(W - 1):]
+    else:
+        xp = torch.cat([state, x], -1)
+        y = F.conv1d(xp, weight, bias, groups=x.shape[1])
+        tail = xp[..., -(W - 1):]
+    return [F.silu(y) if activation == "silu" else y, tail]
+
+
+def _oracle_scan(u, delta, A, B, C, D, dt_bias, state, **_):
+    """A naive sequential loop, one (batch, channel) at a time."""
+    batch, channels, T = u.shape
+    G, N = B.shape[1], A.shape[1]
+    y = torch.zeros_like(u)
+    last = torch.zeros(batch, channels, N, dtype=u.dtype)
+    for b in range(batch):
+        for d in range(channels):
+            grp = d // (channels // G)
+            h = state[b, d].clone() if state is not None else torch.zeros(N, dtype=u.dtype)
+            for t in range(T):
+                dt = F.softplus(delta[b, d, t] + dt_bias[d])
+                h = torch.exp(dt * A[d]) * h + dt * B[b, grp, :, t] * u[b, d, t]
+                y[b, d, t] = (C[b, grp, :, t] * h).sum() + D[d] * u[b, d, t]
+            last[b, d] = h
+    return [y, last]
+
+
+def _oracle_reduce(op):
+    def oracle(x, *, dims, keepdim, **_):
+        return [op(x, dim=tuple(dims), keepdim=keepdim)]
+    return oracle
+
+
+def _oracle_reduce_max(x, *, dim, keepdim, **_):
+    values, indices = torch.max(x, dim=dim, keepdim=keepdim)
+    return [values, indices.to(I32)]
+
+
+def _oracle_constant(value):
+    def oracle(*, shape, dtype, **attrs):
+        v = attrs.get("value", value)
+        return [torch.tensor(v, dtype=torch.float32).to(torch_dtype(dtype)).expand(shape)]
+    return oracle
+
+
+ORACLES: dict[str, Callable] = {
+    "matmul": _oracle_matmul,
+    "batched_matmul": lambda A, B, *, transpose, **_: [torch.einsum(_mode_einsum(transpose), A, B)],
+    "grouped_gemm": _oracle_grouped_gemm,
+    "rmsnorm": lambda x, w, *, eps, **_: [F.rms_norm(x, (x.shape[-1],), w, eps), _rstd(x, eps)],
+    "fused_residual_rmsnorm": lambda r, i, w, *, eps, **_: [
+        r + i, F.rms_norm(r + i, (r.shape[-1],), w, eps), _rstd(r + i, eps)],
+    "layernorm": lambda x, w, b, *, eps, **_: [
+        F.layer_norm(x, (x.shape[-1],), w, b, eps), x.mean(-1),
+        1 / torch.sqrt(x.var(-1, unbiased=False) + eps)],
+    "group_rmsnorm": _oracle_group_rmsnorm,
+    "swiglu": lambda g, u, **_: [F.silu(g) * u],
+    "geglu": lambda g, u, *, approximate, **_: [
+        F.gelu(g, approximate="tanh" if approximate else "none") * u],
+    "silu": lambda x, **_: [F.silu(x)],
+    "relu": lambda x, **_: [F.relu(x)],
+    "relu2": lambda x, **_: [F.relu(x) ** 2],
+    "gelu": lambda x, *, approximate, **_: [F.gelu(x, approximate="tanh" if approximate else "none")],
+    "sigmoid": lambda x, **_: [torch.sigmoid(x)],
+    "softmax": lambda x, *, dim, **_: [torch.softmax(x, dim)],
+    "flash_attention": _oracle_flash,
+    "rope": _oracle_rope,
+    "qk_norm": lambda q, k, qw, kw, *, eps, **_: [
+        F.rms_norm(q, (q.shape[-1],), qw, eps), F.rms_norm(k, (k.shape[-1],), kw, eps),
+        _rstd(q, eps), _rstd(k, eps)],
+    "view": lambda x, *, shape, **_: [x.reshape(shape)],
+    "transpose": lambda x, *, dim0, dim1, **_: [torch.transpose(x, dim0, dim1)],
+    "permute": lambda x, *, dims, **_: [torch.permute(x, dims)],
+    "split": lambda x, *, sizes, dim, **_: [list(torch.split(x, sizes, dim))],
+    "concat": lambda xs, *, dim, **_: [torch.cat(xs, dim)],
+    "contiguous": lambda x, **_: [x],
+    "copy": lambda x, **_: [x],
+    "add": lambda a, b, **_: [torch.add(a, b)],
+    "mul": lambda a, b, **_: [torch.mul(a, b)],
+    "scale": lambda x, *, factor, **_: [torch.mul(x, factor)],
+    "add3": lambda a, b, c, **_: [a + b + c],
+    "neg": lambda x, **_: [torch.neg(x)],
+    "exp": lambda x, **_: [torch.exp(x)],
+    "exp_neg": lambda x, **_: [-torch.exp(x)],
+    "reduce_sum": _oracle_reduce(torch.sum),
+    "reduce_mean": _oracle_reduce(torch.mean),
+    "reduce_max": _oracle_reduce_max,
+    "embedding": lambda ids, w, **_: [F.embedding(ids.long(), w)],
+    "cross_entropy": _oracle_cross_entropy,
+    "moe_router": _oracle_moe_router,
+    "moe_compute_offsets": lambda ids, *, num_experts, **_: [offsets_of(ids, num_experts)],
+    "moe_permute": _oracle_moe_permute,
+    "moe_unpermute": _oracle_moe_unpermute,
+    "mamba_conv1d": _oracle_conv1d,
+    "mamba_selective_scan": _oracle_scan,
+    "zeros": _oracle_constant(0.0),
+    "ones": _oracle_constant(1.0),
+    "fill": _oracle_constant(None),
+}
+
+
+# ======================================================================= harness
+def _attrs(name, case):
+    return default_attrs(name, **case.attrs)
+
+
+def _inputs(name, case):
+    return case.make(torch.Generator().manual_seed(zlib.crc32(f"{name}-{case.id}".encode())))
+
+
+def _map(f, x):
+    if isinstance(x, (list, tuple)):
+        return [_map(f, t) for t in x]
+    return f(x) if isinstance(x, torch.Tensor) else x
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _flat(item)]
+    return [x] if isinstance(x, torch.Tensor) else []
+
+
+def _shape(x):
+    if isinstance(x, (list, tuple)):
+        return [_shape(t) for t in x]
+    return list(x.shape) if x is not None else None
+
+
+def _rel(a, b) -> float:
+    a, b = a.to(F64), b.to(F64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.numel() == 0:
+        return 0.0
+    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _assert_close(got, want, tol, what):
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, tol, f"{what}[{i}]")
+        return
+    assert isinstance(got, torch.Tensor), f"{what}: got {type(got).__name__}"
+    if not want.is_floating_point():
+        assert torch.equal(got.to(torch.int64), want.to(torch.int64)), f"{what}: {got} != {want}"
+        return
+    assert torch.isfinite(got).all(), f"{what}: not finite"
+    err = _rel(got, want)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.0e}"
+
+
+def _cotangent(g, out, dtype):
+    return _map(lambda t: torch.randn(t.shape, generator=g, dtype=F64).to(dtype), out)
+
+
+def _backward_env(kernel, inputs, outputs, grads):
+    env = dict(zip(kernel.forward_inputs, inputs))
+    env.update({n: v for n, v in zip(kernel.forward_outputs, outputs) if n not in env})
+    env.update(grads)
+    return [env[n] for n in kernel.backward_inputs]
+
+
+def _grad_names(kernel):
+    """Forward outputs whose gradient the backward takes."""
+    return [n for n in kernel.forward_outputs if f"d_{n}" in kernel.backward_inputs]
+
+
+def _detached(x):
+    return _map(lambda t: t.detach(), x)
+
+
+# ========================================================================= tests
+def test_every_primitive_has_a_kernel_and_cases():
+    table = op_table()
+    assert sorted(KERNELS) == sorted(table), "kernels and std/primitives differ"
+    assert sorted(CASES) == sorted(KERNELS), "a kernel without cases (or cases for no kernel)"
+    assert all(CASES[name] for name in CASES)
+    assert sorted(ORACLES) == sorted(KERNELS), "a kernel without an oracle"
+
+
+@pytest.mark.parametrize("name", sorted(op_table()))
+def test_kernel_signature_is_the_primitives(name):
+    definition, kernel = op_table()[name].definition, KERNELS[name]
+    names = lambda sigs: tuple(s.name for s in sigs)  # noqa: E731
+    assert kernel.forward_inputs == names(definition.forward.inputs)
+    assert kernel.forward_outputs == names(definition.forward.outputs)
+    assert kernel.backward_inputs == names(definition.backward.inputs)
+    assert kernel.backward_outputs == names(definition.backward.outputs)
+    assert (kernel.backward_fn is None) == (not definition.backward.outputs)
+
+
+def test_kernels_use_no_autograd():
+    """The backwards are explicit formulas: no name or attribute of torch's autodiff occurs
+    in the kernels' code (docstrings aside)."""
+    import ast
+
+    import runtime.kernels as package
+    banned = {"autograd", "requires_grad", "requires_grad_", "backward", "grad", "func",
+              "enable_grad", "vjp"}
+    for path in Path(package.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in banned, f"{path.name}:{node.lineno} uses .{node.attr}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not any("autograd" in m or "torch.func" in m for m in modules), path.name
+
+
+@pytest.mark.parametrize("name,case", ALL_CASES, ids=CASE_IDS)
+def test_forward_matches_oracle(name, case):
+    kernel, attrs, inputs = KERNELS[name], _attrs(name, case), _inputs(name, case)
+    got = kernel.forward(inputs, attrs)
+    want = ORACLES[name](*inputs, **attrs)
+    assert len(got) == len(kernel.forward_outputs)
+    for out_name, g, w in zip(kernel.forward_outputs, got, want):
+        _assert_close(g, w, 1e-12, f"{name}.{out_name}")
+
+
+BACKWARD_CASES = [(n, c) for n, c in ALL_CASES if KERNELS[n].backward_outputs]
+
+
+@pytest.mark.parametrize("name,case", BACKWARD_CASES,
+                         ids=[f"{n}-{c.id}" for n, c in BACKWARD_CASES])
+def test_backward_matches_autograd(name, case):
+    kernel, attrs, inputs = KERNELS[name], _attrs(name, case), _inputs(name, case)
+    wanted = {n[2:] for n in kernel.backward_outputs}
+    leaves = [_map(lambda t: t.clone().requires_grad_(), x)
+              if n in wanted and x is not None else x
+              for n, x in zip(kernel.forward_inputs, inputs)]
+    outputs = kernel.forward(leaves, attrs)
+    g = torch.Generator().manual_seed(1)
+    grads = {f"d_{n}": _cotangent(g, outputs[kernel.forward_outputs.index(n)], F64)
+             for n in _grad_names(kernel)}
+    loss = sum((o * d).sum() for n in _grad_names(kernel)
+               for o, d in zip(_flat(outputs[kernel.forward_outputs.index(n)]), _flat(grads[f"d_{n}"])))
+    differentiable = [(n, x) for n, x in zip(kernel.forward_inputs, leaves)
+                      if n in wanted and x is not None]
+    flat_leaves = [t for _, x in differentiable for t in _flat(x)]
+    auto = list(torch.autograd.grad(loss, flat_leaves, allow_unused=True))
+    auto = [a if a is not None else torch.zeros_like(t) for a, t in zip(auto, flat_leaves)]
+
+    backward_attrs = dict(attrs, input_shapes={n: _shape(x) for n, x in zip(kernel.forward_inputs, inputs)})
+    result = kernel.backward(_backward_env(kernel, inputs, _detached(outputs), grads), backward_attrs)
+    assert len(result) == len(kernel.backward_outputs)
+    got = dict(zip(kernel.backward_outputs, result))
+    for n, x in zip(kernel.forward_inputs, inputs):
+        if x is None and f"d_{n}" in got:
+            assert got[f"d_{n}"] is None, f"{name}: d_{n} of an absent input"
+    for n, x in differentiable:
+        count = len(_flat(x))
+        want, auto = auto[:count], auto[count:]
+        g_flat = _flat(got[f"d_{n}"])
+        assert len(g_flat) == count, f"{name}: d_{n} missing"
+        for i, (gv, wv) in enumerate(zip(g_flat, want)):
+            _assert_close(gv, wv, 1e-10, f"{name}.d_{n}[{i}]")
+
+
+LOW_CASES = [(n, c, dt) for n, c in ALL_CASES for dt in (torch.float32, torch.bfloat16)
+             if any(t.is_floating_point() for t in _flat(_inputs(n, c)))]  # not the constants
+
+
+@pytest.mark.parametrize("name,case,dtype", LOW_CASES,
+                         ids=[f"{n}-{c.id}-{str(dt)[6:]}" for n, c, dt in LOW_CASES])
+def test_low_precision_close_to_float64(name, case, dtype):
+    kernel, attrs, inputs = KERNELS[name], _attrs(name, case), _inputs(name, case)
+    tol = TOLERANCE[dtype]
+    low = _map(lambda t: t.to(dtype) if t.is_floating_point() else t, inputs)
+    ref_in = _map(lambda t: t.to(F64) if t.is_floating_point() else t, low)
+    out_low, out_ref = kernel.forward(low, attrs), kernel.forward(ref_in, attrs)
+    for n, got, want in zip(kernel.forward_outputs, out_low, out_ref):
+        for t in _flat(got):
+            if t.is_floating_point():
+                assert t.dtype == (torch.float32 if n in kernel.stats else dtype), f"{n}: {t.dtype}"
+        _assert_close(got, want, tol, f"{name}.{n}")
+    if not kernel.backward_outputs:
+        return
+    g = torch.Generator().manual_seed(2)
+    grads_low, grads_ref = {}, {}
+    for n in _grad_names(kernel):
+        d = _cotangent(g, out_ref[kernel.forward_outputs.index(n)],
+                       torch.float32 if n in kernel.stats else dtype)
+        grads_low[f"d_{n}"], grads_ref[f"d_{n}"] = d, _map(lambda t: t.to(F64), d)
+    shapes = {n: _shape(x) for n, x in zip(kernel.forward_inputs, inputs)}
+    got = kernel.backward(_backward_env(kernel, low, out_low, grads_low), dict(attrs, input_shapes=shapes))
+    want = kernel.backward(_backward_env(kernel, ref_in, out_ref, grads_ref), dict(attrs, input_shapes=shapes))
+    for n, gv, wv in zip(kernel.backward_outputs, got, want):
+        if wv is None:
+            continue
+        for t in _flat(gv):
+            assert t.dtype == dtype, f"{n}: {t.dtype}"
+        _assert_close(gv, wv, tol, f"{name}.{n}")
+
+
+# ======================================================================= special cases
+def _run(name, inputs, **params):
+    return KERNELS[name].forward(inputs, default_attrs(name, **params))
+
+
+def test_flash_attention_gqa_is_attention_with_repeated_kv():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = randn(g, 2, 4, 6, 8), randn(g, 2, 2, 6, 8), randn(g, 2, 2, 6, 8)
+    out, lse = _run("flash_attention", [q, k, v, None], window_size=4)
+    rep_out, rep_lse = _run("flash_attention", [q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                None], window_size=4)
+    _assert_close(out, rep_out, 1e-14, "out")
+    _assert_close(lse, rep_lse, 1e-14, "lse")
+    # heads 0 and 1 read kv head 0, heads 2 and 3 kv head 1 (h // (Hq / Hkv))
+    single, _ = _run("flash_attention", [q[:, 1:2], k[:, 0:1], v[:, 0:1], None], window_size=4)
+    _assert_close(out[:, 1:2], single, 1e-14, "head 1")
+
+
+def test_flash_attention_window_keeps_the_last_window_keys():
+    """With v = one-hot of the key position, out[i] is the attention distribution: query i
+    attends to exactly keys max(0, i - w + 1) .. i."""
+    T, w = 7, 3
+    q = torch.zeros(1, 1, T, T, dtype=F64)
+    k = torch.zeros(1, 1, T, T, dtype=F64)
+    v = torch.eye(T, dtype=F64)[None, None]
+    out, lse = _run("flash_attention", [q, k, v, None], window_size=w)
+    for i in range(T):
+        seen = [j for j in range(T) if out[0, 0, i, j] > 0]
+        assert seen == list(range(max(0, i - w + 1), i + 1))
+        assert math.isclose(lse[0, 0, i].item(), math.log(len(seen)), rel_tol=1e-12)
+
+
+def test_rope_is_a_rotation_and_relative():
+    g = torch.Generator().manual_seed(4)
+    q, k = randn(g, 1, 2, 5, 8), randn(g, 1, 2, 5, 8)
+    q_rot, k_rot = _run("rope", [q, k, None])
+    _assert_close(q_rot.norm(dim=-1), q.norm(dim=-1), 1e-13, "norm")
+    # q_i . k_j depends on i - j only: shift all positions by 11
+    shifted = torch.arange(5, dtype=I32)[None] + 11
+    q_s, k_s = _run("rope", [q, k, shifted])
+    _assert_close(q_s @ k_s.transpose(-1, -2), q_rot @ k_rot.transpose(-1, -2), 1e-12, "scores")
+
+
+def test_moe_permute_unpermute_round_trip():
+    g = torch.Generator().manual_seed(5)
+    N, E, K, C = 9, 4, 2, 3
+    x, indices = randn(g, N, C), topk_indices(g, N, E, K)
+    offsets, = _run("moe_compute_offsets", [indices], num_experts=E)
+    permuted, scatter = _run("moe_permute", [x, indices, offsets])
+    assert scatter.dtype == I32 and sorted(scatter.tolist()) == list(range(N * K))
+    flat = indices.reshape(-1)
+    for e in range(E):  # rows offsets[e] .. offsets[e+1]-1 are expert e's, in token order
+        rows = scatter[offsets[e]:offsets[e + 1]].long()
+        assert (flat[rows] == e).all() and rows.tolist() == sorted(rows.tolist())
+    _assert_close(permuted, x[scatter.long() // K], 0, "permuted")
+    weights = torch.rand(N, K, generator=g, dtype=F64)
+    weights = weights / weights.sum(-1, keepdim=True)
+    combined, = _run("moe_unpermute", [permuted, weights, scatter])
+    _assert_close(combined, x, 1e-14, "round trip (weights sum to 1)")
+    ones, = _run("moe_unpermute", [permuted, torch.ones(N, K, dtype=F64), scatter])
+    _assert_close(ones, K * x, 1e-14, "round trip (unit weights)")
+    # moe_permute's backward is moe_unpermute with unit weights
+    d_x, = KERNELS["moe_permute"].backward([permuted, scatter], {"input_shapes": {"x": [N, C]}})
+    _assert_close(d_x, ones, 1e-14, "moe_permute backward")
+
+
+def test_grouped_gemm_is_per_group_matmul():
+    g = torch.Generator().manual_seed(6)
+    offsets = torch.tensor([0, 2, 2, 5], dtype=I32)
+    x, w = randn(g, 5, 4), randn(g, 3, 6, 4)
+    out, = _run("grouped_gemm", [x, w, offsets])
+    for e, (lo, hi) in enumerate([(0, 2), (2, 2), (2, 5)]):
+        _assert_close(out[lo:hi], x[lo:hi] @ w[e].T, 1e-14, f"group {e}")
+    out_nn, = _run("grouped_gemm", [x, w.transpose(1, 2).contiguous(), offsets], transpose="NN")
+    _assert_close(out_nn, out, 1e-14, "NN with W^T")
+
+
+def test_moe_router_aux_loss_and_normalization():
+    g = torch.Generator().manual_seed(7)
+    x, gate = randn(g, 16, 8), randn(g, 5, 8)
+    weights, indices, aux = _run("moe_router", [x, gate], top_k=2, aux_loss_coef=0.25)
+    _assert_close(weights.sum(-1), torch.ones(16, dtype=F64), 1e-14, "normalized")
+    probs = torch.softmax(x @ gate.T, -1)
+    f = torch.stack([(indices == e).sum() for e in range(5)]).to(F64) / 16
+    want = 0.25 * 5 * (f * probs.mean(0)).sum()  # decisions.md: coef * E * sum_e f_e * P_e
+    assert aux.dim() == 0 and math.isclose(aux.item(), want.item(), rel_tol=1e-13)
+    assert (torch.gather(probs, 1, indices.long()) >= probs.topk(2, -1).values[:, -1:]).all()
+
+
+def test_fused_residual_rmsnorm_writes_one_gradient():
+    g = torch.Generator().manual_seed(8)
+    kernel = KERNELS["fused_residual_rmsnorm"]
+    r, i, w = randn(g, 3, 8), randn(g, 3, 8), randn(g, 8)
+    residual_out, y, rstd = kernel.forward([r, i, w], default_attrs(kernel.name))
+    d_residual, d_input, _ = kernel.backward([randn(g, 3, 8), randn(g, 3, 8), residual_out, w, rstd],
+                                             default_attrs(kernel.name))
+    assert d_residual is d_input
+
+
+def test_dtype_policy_in_bfloat16():
+    g = torch.Generator().manual_seed(9)
+    logits = randn(g, 4, 10).to(torch.bfloat16)
+    labels = torch.tensor([1, -100, 3, 9], dtype=I32)
+    loss, lse = _run("cross_entropy", [logits, labels])
+    assert loss.dtype == lse.dtype == torch.float32 and loss[1] == 0
+    y, rstd = _run("rmsnorm", [randn(g, 4, 8).to(torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)])
+    assert y.dtype == torch.bfloat16 and rstd.dtype == torch.float32
+    values, indices = _run("reduce_max", [randn(g, 3, 4).to(torch.bfloat16)], dim=-1)
+    assert values.dtype == torch.bfloat16 and indices.dtype == I32
+
+
+def test_reduce_max_points_at_the_first_maximum():
+    x = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]], dtype=F64)
+    values, indices = _run("reduce_max", [x], dim=-1)
+    assert indices.tolist() == [1, 0] and values.tolist() == [3.0, 2.0]
+
+
+def test_default_attrs():
+    assert default_attrs("matmul") == {"transpose": "NN", "accumulate": False, "alpha": 1.0, "beta": 0.0}
+    assert default_attrs("grouped_gemm")["transpose"] == "NT"
+    assert default_attrs("concat") == {"dim": -1}
+    with pytest.raises(KeyError):
+        default_attrs("moe_router")  # top_k has no default
+    with pytest.raises(KeyError):
+        default_attrs("rmsnorm", epsilon=1.0)
+
+
+def test_signature_names_match_the_kernel_functions():
+    """The kernel functions take the signature's inputs positionally, in order."""
+    def positional(fn):
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind == p.POSITIONAL_OR_KEYWORD]
+    for name, kernel in KERNELS.items():
+        assert len(positional(kernel.forward_fn)) == len(kernel.forward_inputs), name
+        if kernel.backward_fn is not None:
+            assert len(positional(kernel.backward_fn)) == len(kernel.backward_inputs), name
+
+
+def test_gradients_that_are_not_there():
+    g = torch.Generator().manual_seed(10)
+    # split: a part without gradient counts as zeros
+    d_x, = KERNELS["split"].backward([[randn(g, 2, 2), None, randn(g, 2, 4)]],
+                                     {"sizes": [2, 3, 4], "dim": -1, "input_shapes": {"x": [2, 9]}})
+    assert d_x.shape == (2, 9) and (d_x[:, 2:5] == 0).all()
+    # moe_router: an unused aux_loss (or weights) has no gradient
+    x, gate = randn(g, 6, 4), randn(g, 3, 4)
+    attrs = default_attrs("moe_router", top_k=2)
+    weights, indices, aux = KERNELS["moe_router"].forward([x, gate], attrs)
+    d_w = randn(g, 6, 2)
+    only_w = KERNELS["moe_router"].backward([d_w, None, x, gate, indices], attrs)
+    both = KERNELS["moe_router"].backward([d_w, torch.zeros((), dtype=F64), x, gate, indices], attrs)
+    for a, b in zip(only_w, both):
+        _assert_close(a, b, 1e-15, "d_aux_loss None is zero")
+
+
+def test_gradient_has_its_inputs_dtype():
+    """bf16 activations with an fp32 weight: d_x is bf16, d_weight fp32."""
+    g = torch.Generator().manual_seed(11)
+    x, w = randn(g, 3, 8).to(torch.bfloat16), randn(g, 8).to(torch.float32)
+    kernel = KERNELS["rmsnorm"]
+    y, rstd = kernel.forward([x, w], default_attrs("rmsnorm"))
+    d_x, d_w = kernel.backward([y, x, w, rstd], default_attrs("rmsnorm"))
+    assert y.dtype == d_x.dtype == torch.bfloat16 and d_w.dtype == torch.float32
