@@ -1,4 +1,5 @@
-"""`modulec plan`: the memory plan of a training step, per region."""
+"""`modulec plan`: the memory plan of a training step, per region; with `--memory-budget`,
+keep / recompute / swap per activation to fit the budget (modulec.plan.budget)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from modulec.cli.build_cmd import _pairs
 REGION_TITLES = {"weights": "weights", "gradients": "gradients",
                  "optimizer_state": "optimizer state", "saved_activations": "saved activations",
                  "transient_activations": "transient activations", "workspace": "workspace"}
+GIB = 2 ** 30
 
 
 def plan_command(output_options, guarded):
@@ -24,15 +26,32 @@ def plan_command(output_options, guarded):
     @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @click.option("--path", "search_path", multiple=True, metavar="DIR",
                   type=click.Path(exists=True, file_okay=False, path_type=Path))
+    @click.option("--memory-budget", "budget", metavar="SIZE",
+                  help="Plan keep / recompute / swap per activation to fit SIZE "
+                       "(20GiB, 512MiB, 80GB); exit status 1 when it cannot be met.")
+    @click.option("--training", type=click.Choice(["full", "lora"]), default="full",
+                  show_default=True, help="With --memory-budget: full fine-tuning, or LoRA "
+                  "(base weights frozen; recompute policy `lora_only` applies).")
+    @click.option("--device", type=click.Choice(["h100", "h200"]), default="h100",
+                  show_default=True, help="With --memory-budget: the device profile.")
+    @click.option("--recompute-policy", "policies", multiple=True, metavar="PATTERN=POLICY",
+                  help="With --memory-budget: always | lora_only | never for activations "
+                       "matching PATTERN (Module.tensor, tensor, or a primitive such as "
+                       "flash_attention); `doc` applies the recompute design doc's table.")
+    @click.option("--honor-lists", is_flag=True,
+                  help="With --memory-budget: the modules' save: / recompute: lists are "
+                       "fixed decisions (by default only annotations are).")
     @output_options
     @guarded
-    def plan(file, model, settings, shapes, config, search_path, fmt, color):
+    def plan(file, model, settings, shapes, config, search_path, budget, training, device,
+             policies, honor_lists, fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
         from modulec.lower.build import BuildRequest, build
         from modulec.plan.from_graph import ShapeUnknown, plan_step
 
+        budget_bytes = _budget(budget)
         request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
                                _pairs(shapes, "--shape", True), config)
         result = build(request)
@@ -41,6 +60,9 @@ def plan_command(output_options, guarded):
         if result.graph is None:
             return 1
         try:
+            if budget_bytes is not None:
+                return _budget_plan(result.graph, file, search_path, budget_bytes, training,
+                                    device, _policies(policies), honor_lists, fmt)
             summary = plan_step(result.graph).summary()
         except ShapeUnknown as exc:
             raise click.UsageError(str(exc)) from None
@@ -50,6 +72,105 @@ def plan_command(output_options, guarded):
             _table(summary, result.graph.model)
         return 0
     return plan
+
+
+def _budget(text: str | None) -> int | None:
+    from modulec.plan.budget import parse_size
+
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--memory-budget") from None
+
+
+def _policies(items) -> dict:
+    from modulec.plan.recompute import DOC_POLICIES, POLICIES
+
+    found: dict = {}
+    for item in items:
+        if item == "doc":
+            found.update(DOC_POLICIES)
+            continue
+        pattern, sep, policy = item.partition("=")
+        if not sep or policy not in POLICIES:
+            raise click.BadParameter(f"`{item}`: expected PATTERN=POLICY with POLICY one of "
+                                     f"{', '.join(POLICIES)}, or `doc`",
+                                     param_hint="--recompute-policy")
+        found[pattern.strip()] = policy
+    return found
+
+
+def _budget_plan(graph, file, search_path, budget: int, training: str, device: str,
+                 policies: dict, honor_lists: bool, fmt: str) -> int:
+    from modulec.plan.budget import make_problem, plan_budget, summary
+    from modulec.plan.devices import device as device_named
+    from modulec.plan.recompute import declarations
+
+    problem = make_problem(graph, declarations(file, tuple(search_path)), training,
+                           device_named(device), policies, binding=5 if honor_lists else 3)
+    data = summary(problem, plan_budget(problem, budget))
+    if fmt == "json":
+        click.echo(json.dumps(data, sort_keys=True))
+    else:
+        _budget_table(data, graph.model)
+    if not data["feasible"]:
+        click.echo(_infeasible(data), err=True)
+        return 1
+    return 0
+
+
+def _infeasible(data: dict) -> str:
+    fixed = sum(data["fixed_bytes"].values())
+    hint = ", or train with --training lora" if data["training"] == "full" else ""
+    return (f"error: the memory budget {_gib(data['budget_bytes'])} cannot be met: the lowest "
+            f"predicted peak is {_gib(data['minimum_peak_bytes'])} (weights, gradients and "
+            f"optimizer state alone: {_gib(fixed)}); raise the budget to at least "
+            f"{_gib(data['minimum_peak_bytes'])}{hint}")
+
+
+def _budget_table(data: dict, model: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"keep / recompute / swap per activation: {model} "
+                        f"({data['device']['name']}, {data['training']} training)")
+    for column in ("function", "tensor", "each", "keep", "recompute", "swap"):
+        table.add_column(column, justify="left" if column in ("function", "tensor")
+                         else "right")
+    for row in data["decisions"]["by_tensor"]:
+        views = f" (+{len(row['views'])} views)" if row["views"] else ""
+        table.add_row(row["function"], row["tensor"] + views, _mib(row["bytes_each"]),
+                      *(str(row[k]) for k in ("keep", "recompute", "swap")))
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    for line in _budget_lines(data):
+        console.print(line, highlight=False)
+
+
+def _budget_lines(data: dict) -> list[str]:
+    d, peak = data["decisions"], data["peak"]
+    verdict = "<=" if data["feasible"] else ">"
+    lines = [f"decisions: keep {d['keep']['count']} ({_gib(d['keep']['bytes'])}), recompute "
+             f"{d['recompute']['count']} ({_gib(d['recompute']['bytes'])} freed), swap "
+             f"{d['swap']['count']} ({_gib(d['swap']['bytes'])} offloaded); implicit "
+             f"checkpoints {d['implicit_checkpoints']['count']} "
+             f"({_gib(d['implicit_checkpoints']['bytes'])}); {d['fixed_by_intent']['count']} "
+             f"fixed by annotations",
+             f"predicted peak: {_gib(data['predicted_peak_bytes'])} {verdict} budget "
+             f"{_gib(data['budget_bytes'])} (fixed {_gib(sum(data['fixed_bytes'].values()))} + "
+             f"activations {_gib(peak['activations'])} + transient {_gib(peak['transient'])}, "
+             f"in the {peak['phase']}); without recompute: "
+             f"{_gib(data['no_recompute_peak_bytes'])}",
+             f"predicted overhead: {data['predicted_overhead_s'] * 1e3:.2f} ms (recompute "
+             f"{data['recompute_s'] * 1e3:.2f} ms + swap stalls {data['swap_stall_s'] * 1e3:.2f}"
+             f" ms) = {data['overhead_percent']:.1f} % of the step's predicted compute "
+             f"({data['compute_s'] * 1e3:.1f} ms)",
+             f"the modules' own save: / recompute: lists would give: peak "
+             f"{_gib(data['ladder']['peak_bytes'])}, overhead "
+             f"{data['ladder']['overhead_s'] * 1e3:.2f} ms"]
+    return lines + [f"note: {n}" for n in data["notes"]]
 
 
 def _table(summary: dict, model: str) -> None:
@@ -69,3 +190,7 @@ def _table(summary: dict, model: str) -> None:
 
 def _mib(count: int) -> str:
     return f"{count / 2**20:,.1f} MiB"
+
+
+def _gib(count: int) -> str:
+    return f"{count / GIB:,.2f} GiB"

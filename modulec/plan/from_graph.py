@@ -5,8 +5,11 @@ once, however often it runs (an 80-layer stack costs one block's work): its own
 intermediate values are buffers in the transient region, views alias their source,
 unary elementwise ops may work in place, and a call reserves its callee's planned arena
 for the duration of that op. Values a backward reads are saved activations, kept from
-the forward into the backward of every invocation; parameters, their gradients and the
-optimizer state (fp32 master + two AdamW moments) are counted per invocation.
+the forward into the backward of every invocation: a saved view keeps its source's
+storage, and an argument a callee's backward reads (the callee's saved input) is saved
+by the caller (by the callee, as the output feeding the next repetition, when the call
+repeats). Parameters, their gradients and the optimizer state (fp32 master + two AdamW
+moments) are counted per invocation.
 """
 
 from __future__ import annotations
@@ -97,21 +100,35 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
 
 
 def _planned(graph, function, arenas, metric: str):
-    saved = _saved_by_backward(graph, function)
+    saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
-    ops, buffers = [], {}
+    ops, buffers, made = [], {}, {}
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
         for position, value in enumerate(outputs):
             buffers[value] = _buffer(node, value, position, own, buffers, saved,
                                      len(function.nodes))
+            made[value] = index
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
             outputs = outputs + [_call_block(node, arenas, metric, buffers)]
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs), _kind(node),
                       node.target in IN_PLACE))
+    _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes))
     return plan_memory(ops, list(buffers.values())) if ops else None
+
+
+def _save_view_sources(buffers: dict, saved: set[str], made: dict, count: int) -> None:
+    """A saved view keeps the storage it views: its source (the root of a chain of views)
+    is saved from where it is made to the end."""
+    for value in sorted(saved & set(buffers)):
+        root = buffers[value]
+        while root.alias_of is not None and root.alias_of in buffers:
+            root = buffers[root.alias_of]
+        if root.id != value and root.region == TRANSIENT and root.id in made:
+            buffers[root.id] = Buffer(root.id, root.size_bytes, SAVED,
+                                      pinned_lifetime=(made[root.id], count - 1))
 
 
 def _call_block(node: Node, arenas, metric: str, buffers: dict) -> str:
@@ -176,6 +193,38 @@ def _is_param_grad(function: Function, value: str) -> bool:
 def _saved_by_backward(graph: Graph, function: Function) -> set[str]:
     backward = next((f for f in graph.functions if f.gradient_of == function.name), None)
     return set(backward.saved) if backward is not None else set()
+
+
+def saved_values(graph: Graph, function: Function) -> set[str]:
+    """The values of `function` (its own, not its inputs) some backward reads: its own
+    backward's, arguments of calls whose callee saves that input, and, for a function
+    called repeatedly, outputs that feed the next repetition's saved inputs."""
+    own = {v.id for v in function.values}
+    saved = _saved_by_backward(graph, function) & own
+    for node in function.nodes:
+        if node.kind == "call" and int(node.repeat) == 1:
+            kept = saved_input_positions(graph, node.target)
+            saved |= {a for i, a in enumerate(node.inputs) if i in kept and a in own}
+    if _called_repeatedly(graph, function.name):
+        kept = saved_input_positions(graph, function.name)
+        saved |= {o for i, o in enumerate(function.outputs) if i in kept and o in own}
+    return saved
+
+
+def saved_input_positions(graph: Graph, name: str) -> set[int]:
+    """Positions of the inputs of function `name` its backward (or a callee's) reads."""
+    function = graph.function(name)
+    needed = _saved_by_backward(graph, function)
+    for node in function.nodes:
+        if node.kind == "call":
+            kept = saved_input_positions(graph, node.target)
+            needed |= {a for i, a in enumerate(node.inputs) if i in kept}
+    return {i for i, value in enumerate(function.inputs) if value.id in needed}
+
+
+def _called_repeatedly(graph: Graph, name: str) -> bool:
+    return any(n.kind == "call" and n.target == name and int(n.repeat) > 1
+               for f in graph.functions for n in f.nodes)
 
 
 def _forward_name(function: Function) -> str:
