@@ -280,3 +280,20 @@ def test_memory_png_without_pillow_is_a_picture_error(graph, tmp_path, monkeypat
     with pytest.raises(PictureError, match="needs Pillow"):
         draw_memory_plan(graph, tmp_path / "mem.png")
     assert not (tmp_path / "mem.png").exists()
+
+
+def test_plan_picture_option_writes_a_png(tmp_path):
+    from click.testing import CliRunner
+
+    from modulec.cli.main import modulec
+    from modulec.paths import REPO_DIR
+
+    out = tmp_path / "m.png"
+    result = CliRunner().invoke(modulec, ["plan", str(REPO_DIR / "std/models/llama.module"),
+                                          "--set", "n_layers=2", "--set", "d_model=256",
+                                          "--set", "num_heads=4", "--set", "num_kv_heads=2",
+                                          "--set", "d_ff=512", "--set", "vocab_size=1000",
+                                          "--shape", "B=2", "--shape", "T=64",
+                                          "--picture", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -41,10 +41,12 @@ def plan_command(output_options, guarded):
     @click.option("--honor-lists", is_flag=True,
                   help="With --memory-budget: the modules' save: / recompute: lists are "
                        "fixed decisions (by default only annotations are).")
+    @click.option("--picture", type=click.Path(dir_okay=False, path_type=Path),
+                  help="Also draw the plan to FILE (PNG; SVG for *.svg): offset per step.")
     @output_options
     @guarded
     def plan(file, model, settings, shapes, config, search_path, budget, training, device,
-             policies, honor_lists, fmt, color):
+             policies, honor_lists, picture, fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
@@ -60,6 +62,10 @@ def plan_command(output_options, guarded):
         if result.graph is None:
             return 1
         try:
+            if picture is not None:  # modulec.pictures.memory: offset against schedule step
+                from modulec.pictures.memory import draw_memory_plan
+
+                draw_memory_plan(result.graph, picture)
             if budget_bytes is not None:
                 return _budget_plan(result.graph, file, search_path, budget_bytes, training,
                                     device, _policies(policies), honor_lists, fmt)
