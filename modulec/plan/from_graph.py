@@ -115,7 +115,7 @@ def _planned(graph, function, arenas, metric: str):
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs), _kind(node),
                       node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
-    _keep_outputs(function, buffers, len(function.nodes))
+    _keep_outputs(function, buffers, len(function.nodes), ops)
     return plan_memory(ops, list(buffers.values())) if ops else None
 
 
@@ -171,13 +171,16 @@ def _part_offset(node: Node, position: int, own) -> int:
     return sum(_bytes(own[o]) for o in node.outputs[:position] if o in own)
 
 
-def _keep_outputs(function: Function, buffers: dict, count: int) -> None:
-    """A function's outputs belong to its caller: they live to its end."""
+def _keep_outputs(function: Function, buffers: dict, count: int, ops) -> None:
+    """A function's outputs belong to its caller: they live from the op that makes them to
+    the function's end."""
+    produced = {value: op.index for op in ops for value in op.outputs}
     for value in function.outputs:
         buffer = buffers.get(value)
         if buffer is not None and buffer.alias_of is None and buffer.region == TRANSIENT:
+            start = produced.get(value, 0)
             buffers[value] = Buffer(value, buffer.size_bytes, TRANSIENT,
-                                    pinned_lifetime=(0, count - 1))
+                                    pinned_lifetime=(start, count - 1))
 
 
 def _kind(node: Node) -> str:
