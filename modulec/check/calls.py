@@ -130,6 +130,8 @@ def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
     if decl is not None and decl.kind != "primitive":
         child = instantiate_call(ctx.instance, decl, consts, expr.span)
         return call_module(ctx, child, inputs, expr) if child else None
+    if world.already_reported(name, func.span):
+        return None
     candidates = list(world.ops) + world.candidates(func.span) + list(ctx.instance.params)
     world.error("E014", f"unknown operation `{name}`", func.span,
                 "not a primitive, module or submodule", help=did_you_mean(name, candidates))

@@ -293,6 +293,8 @@ def _submodule(instance: Instance, node, span: Span):
                              node.span)
         return None
     decl = instance.world.lookup_decl(func.id, func.span)
+    if decl is None and instance.world.already_reported(func.id, func.span):
+        return None
     if decl is None or decl.kind == "primitive":
         instance.world.error("E002", f"undefined module `{func.id}`", func.span,
                              "not a module, block or model in scope",

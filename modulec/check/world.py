@@ -78,6 +78,11 @@ class World:
     def candidates(self, span: Span | None) -> list[str]:
         return self.names_at(span).candidates()
 
+    def already_reported(self, name: str, span: Span | None) -> bool:
+        """A failed lookup the resolver has explained (ambiguous, failed import)."""
+        check = getattr(self.names_at(span), "already_reported", None)
+        return bool(check and check(name))
+
     # ------------------------------------------------------------ reporting
     def report(self, diagnostic: Diagnostic) -> None:
         if self.quiet:

@@ -104,6 +104,12 @@ class Scope:
     def candidates(self) -> list[str]:
         return self.visible_names()
 
+    def already_reported(self, name: str) -> bool:
+        """Whether a failed lookup of `name` was explained already (E023 ambiguity, or an
+        import that failed): the checker must not add "undefined" on top."""
+        return any(reported == name for reported, _ in self._reported) or \
+            self.unresolved_import((name,))
+
     def _unique(self, name: str, entries: list[Entry], span: Span) -> Binding | None:
         first_of_each: dict[tuple, Entry] = {}
         for entry in entries:
