@@ -78,11 +78,18 @@ class SourceFile:
         return min(self._line_starts[line - 1] + column - 1, len(self.text))
 
     def respan(self, span: Span) -> Span:
-        """The same line/column region, with offsets recomputed for this file's text."""
-        start = self.offset(span.line, span.column)
-        end = self.offset(span.end_line, span.end_column)
-        return Span(span.file, start, max(start, end), span.line, span.column,
-                    span.end_line, span.end_column)
+        """The same line/column region, with offsets recomputed for this file's text
+        (columns past a line's end, possible on a patched copy of it, are clipped)."""
+        line, column = self._clip(span.line, span.column)
+        end_line, end_column = self._clip(span.end_line, span.end_column)
+        start = self.offset(line, column)
+        end = max(start, self.offset(end_line, end_column))
+        end_line, end_column = self.position(end)
+        return Span(span.file, start, end, line, column, end_line, end_column)
+
+    def _clip(self, line: int, column: int) -> tuple[int, int]:
+        line = max(1, min(line, len(self._line_starts)))
+        return line, max(1, min(column, len(self.line_text(line)) + 1))
 
     def span(self, start: int, end: int | None = None) -> Span:
         """A span from character offsets (end defaults to start + 1, clipped to the text)."""

@@ -67,7 +67,8 @@ def _parse_chunk(parser, source, text, start, end):
         else:
             problems += [_respan(layout_problem(p, seen), source) for p in parser.indenter.problems]
             return _without_placeholders(program.items), problems
-        problems.append(_respan(problem, source))
+        if PLACEHOLDER not in problem.diagnostic.message:  # about our own patch: not the user's
+            problems.append(_respan(problem, source))
         line = problem.patch_line
         if line == 0 or line in patched_lines:
             break
