@@ -46,7 +46,7 @@ CODE = re.compile(r"[EW]\d{3}")
 PROPERTY = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
-EXAMPLES_PER_KIND = 100   # x 10 kinds
+EXAMPLES_PER_KIND = 110   # x 10 kinds
 EXAMPLES_STACKED = 400    # several edits at once
 
 
@@ -333,7 +333,7 @@ def run_check(mutant: Mutant, path: Path) -> int:
     assert result.exit_code in (0, 1), (
         f"`modulec check` exited with status {result.exit_code}"
         f"{' (internal compiler error)' if result.exit_code == 101 else ''}\n{where}"
-        f"--- stderr ---\n{result.stderr}")
+        f"--- stderr ---\n{_shorten(result.stderr)}")
     diagnostics = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     errors = [d for d in diagnostics if d.get("level") == "error"]
     assert result.exit_code == (1 if errors else 0), \
@@ -341,6 +341,13 @@ def run_check(mutant: Mutant, path: Path) -> int:
     for d in diagnostics:
         check_diagnostic(d, str(path), mutant.text, where)
     return result.exit_code
+
+
+def _shorten(text: str, head: int = 1500, tail: int = 3000) -> str:
+    """A long backtrace (a RecursionError's) cut in the middle."""
+    if len(text) <= head + tail:
+        return text
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters ...]\n{text[-tail:]}"
 
 
 def check_diagnostic(d: dict, file_name: str, text: str, where: str) -> None:

@@ -92,10 +92,14 @@ def instantiate(world: World, definition: ModuleDef, args: dict | None = None) -
         return world.instances[key]
     instance = Instance(world, definition)
     world.instances[key] = instance
-    _bind_decl_params(instance, args or {})
-    _evaluate_lets(instance)
-    _check_constraints(instance)
-    _read_params(instance)
+    world.instantiating.append(definition.decl)
+    try:
+        _bind_decl_params(instance, args or {})
+        _evaluate_lets(instance)
+        _check_constraints(instance)
+        _read_params(instance)
+    finally:
+        world.instantiating.pop()
     return instance
 
 
@@ -307,6 +311,13 @@ def _submodule(instance: Instance, node, span: Span):
 def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Instance | None:
     """Instantiate `decl` with ConstExpr arguments evaluated in `instance`; E012/E003."""
     world = instance.world
+    if decl in world.instantiating:
+        chain = " -> ".join(d.name for d in world.instantiating[world.instantiating.index(decl):])
+        world.error("E007", f"`{decl.name}` contains itself: {chain} -> {decl.name}", span,
+                    "a module cannot be one of its own parameters",
+                    help=["a module's parameters form a tree; if a name was meant to refer "
+                          "to an imported module, rename the local declaration"])
+        return None
     definition = world.definition(decl)
     bound = bind_arguments(instance, decl, args, span)
     if bound is None:

@@ -49,6 +49,7 @@ class World:
     _seen: set = field(default_factory=set)
     quiet: int = 0  # >0 while checking an instance for its types only
     recording: bool = False  # lowering: record each instance's graph as Graph IR
+    instantiating: list = field(default_factory=list)  # declarations being instantiated
     dims: dict = field(default_factory=dict)  # sizes of free dims for a build (`--shape B=8`)
     function_names: dict = field(default_factory=dict)
 

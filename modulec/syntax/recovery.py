@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from lark.exceptions import UnexpectedInput
 
-from modulec.source import SourceFile
+from modulec.source import SourceFile, Span
 from modulec.syntax import ast as A
 from modulec.syntax.errors import SyntaxProblem, describe, layout_problem
 from modulec.syntax.indenter import DedentError
@@ -66,7 +66,10 @@ def _parse_chunk(parser, source, text, start, end):
             problem = describe(exc, seen, ind.open_brackets, ind.recent)
         else:
             problems += [_respan(layout_problem(p, seen), source) for p in parser.indenter.problems]
-            return _without_placeholders(program.items), problems
+            items = _without_placeholders(program.items)
+            if patched_lines:  # offsets after a patched line are the patched text's
+                items = [respan_tree(item, source) for item in items]
+            return items, problems
         if PLACEHOLDER not in problem.diagnostic.message:  # about our own patch: not the user's
             problems.append(_respan(problem, source))
         line = problem.patch_line
@@ -130,6 +133,22 @@ def _respan(problem: SyntaxProblem, source: SourceFile) -> SyntaxProblem:
     d = problem.diagnostic
     labels = tuple(replace(label, span=source.respan(label.span)) for label in d.labels)
     return replace(problem, diagnostic=replace(d, labels=labels))
+
+
+def respan_tree(node, source: SourceFile):
+    """A copy of a syntax-tree node with every span's offsets recomputed for `source`."""
+    if isinstance(node, tuple) and not isinstance(node, Span):
+        return tuple(respan_tree(child, source) for child in node)
+    if not hasattr(node, "__dataclass_fields__"):
+        return node
+    changes = {}
+    for name in node.__dataclass_fields__:
+        value = getattr(node, name)
+        if isinstance(value, Span):
+            changes[name] = source.respan(value) if value.file == source.name else value
+        elif isinstance(value, tuple) or hasattr(value, "__dataclass_fields__"):
+            changes[name] = respan_tree(value, source)
+    return replace(node, **changes)
 
 
 # ====================================================================== cleanup
