@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from modulec.check.calls import UNKNOWN, StepContext, apply_step
-from modulec.check.instance import Instance, Submodule, TensorParamValue, tensor_type
+from modulec.check.instance import Instance, Submodule, TensorParamValue, guard, tensor_type
 from modulec.check.order import order_statements
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
 from modulec.diagnostics import Label
-from modulec.semantic.consteval import NotConst, Undefined, Unknown, evaluate, truth
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
 from modulec.types.tensor import TensorType
@@ -105,18 +104,9 @@ class GraphChecker:
             outer.names[name] = Tensor(name, UNKNOWN, tensor.span, "conditional")
 
     def guard(self, test: A.Expr):
-        env = self.instance.env(runtime=lambda name: self.scope.lookup(name) is not None)
-        try:
-            return truth(evaluate(test, env))
-        except NotConst as exc:
-            self.world.error("E016", "`if` guard must be a compile-time expression (ConstExpr)",
-                             exc.node.span, exc.reason,
-                             help=["guards select graphs at compile time; branch on module "
-                                   "parameters or `let` constants"])
-        except Undefined as exc:
-            self.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
-                             help=did_you_mean(exc.node.id, self.instance.values))
-        return Unknown("bool")
+        return guard(self.instance, test, "guards select graphs at compile time; branch on "
+                     "module parameters or `let` constants",
+                     runtime=lambda name: self.scope.lookup(name) is not None)
 
     # ------------------------------------------------------------ flows
     def source(self, expr) -> list[Tensor] | None:

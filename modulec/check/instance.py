@@ -220,6 +220,20 @@ def _read_params(instance: Instance) -> None:
             instance.params[param.name] = value if value is not None else Broken(param.span)
 
 
+def guard(instance: Instance, test: A.Expr, hint: str, runtime=lambda name: False):
+    """An `if` guard's value: True/False, or Unknown (reported: E016 when it reads a
+    runtime value, E002 for an undefined name)."""
+    try:
+        return truth(evaluate(test, instance.env(runtime=runtime)))
+    except NotConst as exc:
+        instance.world.error("E016", "`if` guard must be a compile-time expression (ConstExpr)",
+                             exc.node.span, exc.reason, help=[hint])
+    except Undefined as exc:
+        instance.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
+                             help=did_you_mean(exc.node.id, instance.values))
+    return Unknown("bool")
+
+
 def _present(instance: Instance, param: TensorParam) -> bool:
     if param.condition is None:
         return True

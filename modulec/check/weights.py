@@ -21,10 +21,10 @@ import difflib
 import re
 from dataclasses import dataclass, field
 
-from modulec.check.instance import Broken, Instance, Stack, Submodule, TensorParamValue
+from modulec.check.instance import Broken, Instance, Stack, Submodule, TensorParamValue, guard
 from modulec.check.world import did_you_mean
 from modulec.diagnostics import Label
-from modulec.semantic.consteval import NotConst, Undefined, Unknown, evaluate, truth
+from modulec.semantic.consteval import NotConst, Undefined, evaluate
 from modulec.source import Span
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
@@ -792,17 +792,8 @@ class _Analysis:
         return items
 
     def guard(self, test):
-        try:
-            return truth(evaluate(test, self.instance.env()))
-        except NotConst as exc:
-            self.world.error("E016", "`if` guard must be a compile-time expression (ConstExpr)",
-                             exc.node.span, exc.reason,
-                             help=["a mapping entry is selected at compile time; branch on "
-                                   "the model's parameters"])
-        except Undefined as exc:
-            self.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
-                             help=did_you_mean(exc.node.id, self.instance.values))
-        return Unknown("bool")
+        return guard(self.instance, test, "a mapping entry is selected at compile time; "
+                     "branch on the model's parameters")
 
 
 # ====================================================================== helpers

@@ -32,20 +32,31 @@ def _pass_names():
     return PASS_NAMES
 
 
+def model_options(command):
+    """The options that choose and size a model: shared by build, plan and graph."""
+    options = [
+        click.option("--model", help="The model declaration (when the file has several)."),
+        click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+                     help="Set a model parameter (repeatable)."),
+        click.option("--shape", "shapes", multiple=True, metavar="DIM=SIZE",
+                     help="Size a free dimension of the inputs, e.g. --shape B=8 --shape T=2048."),
+        click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="A HuggingFace config.json, read through hf_config.param_mapping."),
+        click.option("--path", "search_path", multiple=True, metavar="DIR",
+                     type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     help="Add DIR to the import search path (repeatable)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def build_command(output_options, guarded):
     @click.command("build")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
                   help="Write the IR document (JSON) here.")
-    @click.option("--model", help="The model declaration to build (when the file has several).")
-    @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
-                  help="Set a model parameter (repeatable).")
-    @click.option("--shape", "shapes", multiple=True, metavar="DIM=SIZE",
-                  help="Size a free dimension of the inputs, e.g. --shape B=8 --shape T=2048.")
-    @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                  help="A HuggingFace config.json, read through hf_config.param_mapping.")
-    @click.option("--path", "search_path", multiple=True, metavar="DIR",
-                  type=click.Path(exists=True, file_okay=False, path_type=Path))
+    @model_options
     @click.option("--emit", type=click.Choice(["graph"]), help="Print the Graph IR as text.")
     @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
                   help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))

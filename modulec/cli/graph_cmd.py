@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from modulec.cli.build_cmd import _pairs
+from modulec.cli.build_cmd import _pairs, model_options
 
 FORMATS = ("dot", "svg", "png")
 
@@ -26,14 +26,7 @@ def graph_command(guarded):
                        "Default: from the suffix of -o, else dot.")
     @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
                   help="Write the picture here (default: stdout, for dot and svg).")
-    @click.option("--model", help="The model declaration (when the file has several).")
-    @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
-                  help="Set a model parameter (repeatable).")
-    @click.option("--shape", "shapes", multiple=True, metavar="DIM=SIZE",
-                  help="Size a free dimension of the inputs, e.g. --shape B=8 --shape T=2048.")
-    @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-    @click.option("--path", "search_path", multiple=True, metavar="DIR",
-                  type=click.Path(exists=True, file_okay=False, path_type=Path))
+    @model_options
     @click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto",
                   show_default=True, help="Color the diagnostics (on stderr).")
     @guarded

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from modulec.cli.build_cmd import _pairs
+from modulec.cli.build_cmd import _pairs, model_options
 
 REGION_TITLES = {"weights": "weights", "gradients": "gradients",
                  "optimizer_state": "optimizer state", "saved_activations": "saved activations",
@@ -19,13 +19,7 @@ GIB = 2 ** 30
 def plan_command(output_options, guarded):
     @click.command("plan")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-    @click.option("--model", help="The model declaration (when the file has several).")
-    @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE")
-    @click.option("--shape", "shapes", multiple=True, metavar="DIM=SIZE",
-                  help="Sizes of the free dims of the inputs (e.g. B=8, T=2048): required.")
-    @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-    @click.option("--path", "search_path", multiple=True, metavar="DIR",
-                  type=click.Path(exists=True, file_okay=False, path_type=Path))
+    @model_options
     @click.option("--memory-budget", "budget", metavar="SIZE",
                   help="Plan keep / recompute / swap per activation to fit SIZE "
                        "(20GiB, 512MiB, 80GB); exit status 1 when it cannot be met.")
