@@ -7,7 +7,6 @@ of the op table and are checked by the op table's loader.
 
 from __future__ import annotations
 
-from modulec.check.annotations import check_annotations
 from modulec.check.declarations import check_declarations
 from modulec.check.instance import Instance, Stack, Submodule, instantiate
 from modulec.check.module import check_body
@@ -25,8 +24,10 @@ def check_program(program: A.Program, names: Names | None = None,
     (`modulec build` checks them while lowering, at the sizes it builds)."""
     world = World(names or LocalNames({d.name: d for d in program.decls}), scopes or {})
     check_declarations(world, program)
-    for diagnostic in check_annotations(program):
-        world.report(diagnostic)
+    if _has_annotations(program):  # the annotation table is imported only when needed
+        
+        for diagnostic in check_annotations(program):
+            world.report(diagnostic)
     for decl in program.decls:
         if decl.kind in ("module", "block", "model") and not decl.abstract:
             instance = instantiate(world, world.definition(decl))
@@ -48,6 +49,16 @@ def check_tree(instance: Instance) -> None:
     for value in instance.params.values():
         if isinstance(value, (Submodule, Stack)):
             check_tree(value.instance)
+
+
+def _has_annotations(node) -> bool:
+    if isinstance(node, A.Annotation):
+        return True
+    if isinstance(node, tuple):
+        return any(_has_annotations(child) for child in node)
+    fields = getattr(node, "__dataclass_fields__", None)
+    return bool(fields) and any(_has_annotations(getattr(node, name)) for name in fields
+                                if name not in ("span", "name_span", "file"))
 
 
 def scopes_of(resolver) -> dict:

@@ -19,13 +19,6 @@ from modulec.cli.guard import EXIT_ERRORS, EXIT_OK, guarded
 from modulec.cli.inputs import (
     CheckOptions, FileResult, check_one, collect_module_files, parse_one,
 )
-from modulec.cli.build_cmd import build_command, ir_command
-from modulec.cli.fmt_cmd import fmt_command
-from modulec.cli.plan_cmd import plan_command
-from modulec.cli.graph_cmd import graph_command
-from modulec.cli.explain_cmd import explain_command
-from modulec.cli.lock_cmd import lock_command
-from modulec.lsp import lsp_command
 from modulec.cli.output import Output, use_color
 
 EPILOG = """\b
@@ -40,7 +33,20 @@ Exit status: 0 success (warnings allowed), 1 errors found, 2 usage error,
 """
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+class LazyGroup(click.Group):
+    """Subcommands are imported when used, so `modulec check` loads none of the others."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name in LAZY_COMMANDS and name not in self.commands:
+            self.add_command(LAZY_COMMANDS[name](), name)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EPILOG)
 @click.version_option(__version__, "-V", "--version", prog_name="modulec",
                       message="%(prog)s %(version)s")
 def modulec() -> None:
@@ -119,14 +125,25 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
     return exit_status(results)
 
 
-modulec.add_command(lock_command(output_options), "lock")
-modulec.add_command(explain_command, "explain")
-modulec.add_command(lsp_command, "lsp")
-modulec.add_command(build_command(output_options, guarded), "build")
-modulec.add_command(ir_command(guarded), "ir")
-modulec.add_command(plan_command(output_options, guarded), "plan")
-modulec.add_command(graph_command(guarded), "graph")
-modulec.add_command(fmt_command(output_options, guarded), "fmt")
+def _factory(module: str, name: str, *args):
+    def make():
+        from importlib import import_module
+
+        command = getattr(import_module(module), name)
+        return command(*args) if args else command
+    return make
+
+
+LAZY_COMMANDS = {
+    "lock": _factory("modulec.cli.lock_cmd", "lock_command", output_options),
+    "explain": _factory("modulec.cli.explain_cmd", "explain_command"),
+    "lsp": _factory("modulec.lsp", "lsp_command"),
+    "build": _factory("modulec.cli.build_cmd", "build_command", output_options, guarded),
+    "ir": _factory("modulec.cli.build_cmd", "ir_command", guarded),
+    "plan": _factory("modulec.cli.plan_cmd", "plan_command", output_options, guarded),
+    "graph": _factory("modulec.cli.graph_cmd", "graph_command", guarded),
+    "fmt": _factory("modulec.cli.fmt_cmd", "fmt_command", output_options, guarded),
+}
 
 
 def emit_tree(result: FileResult, kind: str, *, header: bool, first: bool) -> None:
