@@ -25,7 +25,8 @@ def check_program(program: A.Program, names: Names | None = None,
     world = World(names or LocalNames({d.name: d for d in program.decls}), scopes or {})
     check_declarations(world, program)
     if _has_annotations(program):  # the annotation table is imported only when needed
-        
+        from modulec.check.annotations import check_annotations
+
         for diagnostic in check_annotations(program):
             world.report(diagnostic)
     for decl in program.decls:
