@@ -87,19 +87,26 @@ def _import_shape_rules() -> None:
     from modulec.ops import shapes_linalg, shapes_special, shapes_tensor  # noqa: F401 (register)
 
 
-def _load(folder: Path) -> dict[str, OpRule]:
+def _load(folder: Path):
+    """The table, each primitive read on first use (`std/primitives/<name>.module`)."""
+    from modulec.lazymap import LazyMapping
+
+    paths = {p.name.split(".")[0]: p for p in sorted(folder.glob("*.module"))}
+    return LazyMapping(paths, lambda name: _load_file(paths[name]))
+
+
+def _load_file(path: Path) -> dict[str, OpRule]:
     from modulec.resolve.resolver import _display_name
     from modulec.source import SourceFile
     from modulec.syntax.parser import parse_source
 
+    # named as the import resolver names it, so both share one cached tree
+    result = parse_source(SourceFile(_display_name(path.resolve()), path.read_text()), True)
     table = {}
-    for path in sorted(folder.glob("*.module")):
-        # named as the import resolver names it, so both share one cached tree
-        result = parse_source(SourceFile(_display_name(path.resolve()), path.read_text()), True)
-        for decl in result.program.decls if result.program else []:
-            if decl.kind == "primitive":
-                definition = module_def(decl)
-                table[decl.name] = OpRule(decl.name, definition, _param_specs(definition), path)
+    for decl in result.program.decls if result.program else []:
+        if decl.kind == "primitive":
+            definition = module_def(decl)
+            table[decl.name] = OpRule(decl.name, definition, _param_specs(definition), path)
     return table
 
 

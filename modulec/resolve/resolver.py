@@ -10,6 +10,7 @@ from modulec.diagnostics import Diagnostic, error
 from modulec.paths import data_dir
 from modulec.resolve import messages
 from modulec.resolve.imports import Request, ScopeBuilder, requests, segment_span
+from modulec.lazymap import LazyMapping
 from modulec.resolve.locate import Locator, Miss, ModuleFile, Root, Target, split_file_name
 from modulec.resolve.scope import Binding, Scope
 from modulec.source import SourceFile
@@ -82,9 +83,15 @@ class Resolver:
             folder = self.std_root / "primitives"
             root = Root(self.std_root, "standard library", ("std",))
             modules = self.locator.folder_modules(root, folder, ("primitives",))
-            self._prelude = {b.name: b for m in modules if self._parse(m.path).ok
-                             for b in self._bindings(m, "prelude")}
+            by_name = {m.path.name.split(".")[0]: m for m in modules}
+            self._prelude = LazyMapping(by_name, lambda name: self._prelude_file(by_name[name]))
         return self._prelude
+
+    def _prelude_file(self, module) -> dict[str, Binding]:
+        """The bindings of one primitives file, read when one of its names is first used."""
+        if not self._parse(module.path).ok:
+            return {}
+        return {b.name: b for b in self._bindings(module, "prelude")}
 
     def roots(self, parts: tuple[str, ...], importing: Path) -> list[Root]:
         """Where `parts` is looked up from a file in `importing`'s folder."""
