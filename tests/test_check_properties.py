@@ -1,10 +1,13 @@
 """Mutation robustness of the whole checker (hypothesis; deterministic: derandomize=True).
 
-Every file of std/, examples/ and tests/ui/clean/ is mutated at random (small edits that
-usually keep the syntax valid: rename an identifier, change a number, swap or delete a
-call argument or a shape dim, swap or delete or duplicate a line, change a transpose mode
-or a section name) and checked with `modulec check --format json`, in-process. Whatever
-the mutant says, the checker must answer with diagnostics, never crash:
+Every file of std/, examples/ and tests/ui/clean/ is mutated at random (small edits in code,
+not in comments or docstrings, that usually keep the syntax valid: rename an identifier to
+another of the file or misspell it, change an integer, put a value of another kind (`None`,
+a string, a float, a list) in place of a number or a name, swap, delete or duplicate an
+item of a call, tuple or shape list, swap two lines of a block, delete a line, duplicate a
+flow line, change a transpose mode or a section name) and checked with
+`modulec check --format json`, in-process. Whatever the mutant says, the checker must
+answer with diagnostics, never crash:
 
 - exit status 0 or 1 (never 101, an internal compiler error, nor 2, a usage error), and 1
   exactly when an error is reported;
@@ -46,7 +49,7 @@ CODE = re.compile(r"[EW]\d{3}")
 PROPERTY = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
-EXAMPLES_PER_KIND = 110   # x 10 kinds
+EXAMPLES_PER_KIND = 100   # x 11 kinds
 EXAMPLES_STACKED = 400    # several edits at once
 
 
@@ -61,6 +64,10 @@ SECTION_NAMES = ("params", "forward", "backward", "graph", "in", "out", "inputs"
 INTEGERS = ("0", "1", "2", "3", "4", "7", "8", "64", "4096", "1000003", "2147483648",
             "18446744073709551617")
 MODES = ("NN", "NT", "TN", "TT", "XT", "nt", "T")
+VALUES = ("None", "true", "false", "0.5", "-1", "0", '"x"', "[]", "[1, 2]", "1e-5", "(1, 2)")
+VALUE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?(?:e-?\d+)?|[A-Za-z_]\w*)(?![\w.(])")
+KEYWORDS = frozenset({"module", "block", "model", "primitive", "recipe", "abstract", "import",
+                      "from", "as", "if", "else", "and", "or", "not", "in", "x", "extends"})
 
 
 @dataclass
@@ -143,6 +150,18 @@ def change_integer(text: str, data) -> tuple[str, str] | None:
     new = data.draw(st.sampled_from([*INTEGERS, str(int(old) + 1), str(max(int(old) - 1, 0))]),
                     label="value")
     return text[:m.start()] + new + text[m.end():], f"integer {old} at {m.start()} -> {new}"
+
+
+def change_value_kind(text: str, data) -> tuple[str, str] | None:
+    """A number or a name in code becomes a value of another kind (`None`, a bool, a
+    float, a negative number, a string, a list)."""
+    code = masks(text)[0]
+    found = [m for m in VALUE.finditer(code) if m.group() not in KEYWORDS]
+    if not found:
+        return None
+    m = _pick(data, found, "value")
+    new = data.draw(st.sampled_from(VALUES), label="new value")
+    return text[:m.start()] + new + text[m.end():], f"value `{m.group()}` at {m.start()} -> {new}"
 
 
 def _bracket_lists(code: str, opener: str) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -268,6 +287,7 @@ MUTATIONS = {
     "rename_identifier": rename_identifier,
     "near_miss_identifier": near_miss_identifier,
     "change_integer": change_integer,
+    "change_value_kind": change_value_kind,
     "edit_call_arguments": edit_call_arguments,
     "edit_shape": edit_shape,
     "swap_lines": swap_lines,
@@ -433,6 +453,18 @@ module Rec(d: int):
     graph:
       x -> inner -> y
 """
+WRONG_KIND_IN_CONSTRAINT = """\
+model Top(d: int = {value}):
+  let:
+    constraint:
+      d > 0, "d must be positive"
+
+  forward:
+    in: x: [B, 8]
+    out: y: [B, 8]
+    graph:
+      x -> relu() -> y
+"""
 RECOVERED_SECTION = """\
 block B(d: int):
   forward:
@@ -454,6 +486,17 @@ FOUND = {
         "ln1: DenseTransformerBlock(d_model, num_heads, num_kv_heads, d_ff + 1, max_seq)"),
     "self_containing_module_other_size": lambda: Mutant(
         "(minimal)", SELF_CONTAINING_MODULE_OTHER_SIZE, []),
+    # TypeError in semantic/consteval.py: a constraint orders `None`, a string or a tuple
+    # (given for an `int` parameter, which nothing rejects)
+    "none_for_num_heads": lambda: _edited(
+        "std/models/llama.module", "      d_model, num_heads, num_kv_heads, d_ff, max_seq, eps,",
+        "      d_model, None, num_kv_heads, d_ff, max_seq, eps,"),
+    "none_in_constraint": lambda: Mutant(
+        "(minimal)", WRONG_KIND_IN_CONSTRAINT.format(value="None"), []),
+    "string_in_constraint": lambda: Mutant(
+        "(minimal)", WRONG_KIND_IN_CONSTRAINT.format(value='"x"'), []),
+    "tuple_in_constraint": lambda: Mutant(
+        "(minimal)", WRONG_KIND_IN_CONSTRAINT.format(value="(1, 2)"), []),
     # A tree node's span after error recovery: offsets of the patched text, not the file's
     "span_after_recovery": lambda: Mutant("(minimal)", RECOVERED_SECTION, []),
 }

@@ -368,6 +368,12 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
                         help=did_you_mean(key or "", [p.name for p in params]))
             return None
         bound[key] = _const(instance, arg.value, "a module argument")
+    for param in params:
+        if param.name in bound and not _fits(param.type, bound[param.name]):
+            world.error("E003", f"`{decl.name}` parameter `{param.name}` is declared "
+                        f"{show(param.type)}, given {_short(bound[param.name])}", span,
+                        "argument of the wrong kind")
+            return None
     missing = [p.name for p in params if p.name not in bound and p.default is None]
     if missing:
         world.error("E012", f"missing argument{'s' if len(missing) > 1 else ''} "
@@ -376,6 +382,21 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
                     notes=[f"`{decl.name}` is declared at {decl.span.file}:{decl.span.line}"])
         return None
     return bound
+
+
+def _fits(declared, value) -> bool:
+    """Whether a module argument suits its parameter's declared type (untyped: anything)."""
+    optional = isinstance(declared, A.OptionalType)
+    kind = (declared.value if optional else declared)
+    kind = kind.id if isinstance(kind, A.Name) else None
+    if isinstance(value, Unknown):
+        return True
+    if value is None:
+        return kind is None or optional
+    checks = {"int": lambda v: isinstance(v, Dim),
+              "float": lambda v: isinstance(v, (float, Dim)) and not isinstance(v, bool),
+              "bool": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str)}
+    return checks.get(kind, lambda v: True)(value)
 
 
 def _freeze(args) -> tuple:

@@ -197,6 +197,9 @@ def _compare(node: A.Compare, env: ConstEnv) -> Value:
     left = evaluate(node.first, env)
     for op, operand in node.rest:
         right = evaluate(operand, env)
+        if op not in ("==", "!=") and not (_orderable(left) and _orderable(right)):
+            raise NotConst(node, f"`{op}` compares numbers; this compares {_kind(left)} "
+                                 f"with {_kind(right)}")
         verdict = _compare_pair(op, left, right)
         if verdict is False:
             return False
@@ -204,6 +207,10 @@ def _compare(node: A.Compare, env: ConstEnv) -> Value:
             result = verdict
         left = right
     return result
+
+
+def _orderable(value) -> bool:
+    return isinstance(value, (Dim, float, Unknown)) and not isinstance(value, bool)
 
 
 def _compare_pair(op: str, left, right) -> bool | Unknown:
@@ -279,6 +286,8 @@ def _kind(value) -> str:
         return "None"
     if isinstance(value, Ident):
         return f"the name `{value.name}`"
+    if isinstance(value, (Dim, float)):
+        return "a number"
     return "a list" if isinstance(value, tuple) else type(value).__name__
 
 
