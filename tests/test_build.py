@@ -72,6 +72,18 @@ def test_cli_build_set_shape_and_emit(tmp_path):
     assert json.loads(out.read_text())["metadata"]["inputs"][0]["shape"] == ["1", "8"]
 
 
+def test_cli_build_emit_schedule_lists_every_op_with_its_kernel():
+    result = CliRunner().invoke(modulec, ["build", str(REPO_DIR / "examples" / "llama.module"),
+                                          "--set", "n_layers=3", "--emit", "schedule"])
+    assert result.exit_code == 0, result.output
+    document = build(BuildRequest(REPO_DIR / "examples" / "llama.module",
+                                  settings={"n_layers": "3"})).document
+    for name, ops in document["schedule"]["functions"].items():
+        assert f"schedule @{name} ({len(ops)} ops) {{" in result.stdout
+    assert "call:DenseTransformerBlock#1  ×3" in result.stdout
+    assert result.stdout.index("@TinyLlama#1 ") < result.stdout.index("@TinyLlama#1.backward")
+
+
 @pytest.mark.parametrize("argument, message", [
     ("d_modl=4096", "did you mean `d_model`"),
     ("d_model=-4", "not a usable size"),

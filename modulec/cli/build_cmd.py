@@ -57,7 +57,8 @@ def build_command(output_options, guarded):
     @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
                   help="Write the IR document (JSON) here.")
     @model_options
-    @click.option("--emit", type=click.Choice(["graph"]), help="Print the Graph IR as text.")
+    @click.option("--emit", type=click.Choice(["graph", "schedule"]),
+                  help="Print the Graph IR or the Schedule IR as text.")
     @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
                   help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))
     @output_options
@@ -69,6 +70,7 @@ def build_command(output_options, guarded):
         from modulec.cli.inputs import FileResult
         from modulec.ir.printer import print_graph
         from modulec.ir.serialize import dumps
+        from modulec.lower.schedule import print_schedule
         from modulec.lower.build import BuildRequest, build as run_build
 
         request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
@@ -84,6 +86,8 @@ def build_command(output_options, guarded):
             return 1
         if emit == "graph":
             click.echo(print_graph(result.graph), nl=False)
+        if emit == "schedule":
+            click.echo(print_schedule(result.document["schedule"]), nl=False)
         if output is not None:
             _write_atomically(output, dumps(result.document))
         return 0

@@ -35,3 +35,22 @@ def kernel_of(node: Node) -> str:
 
 def _impl(decl: A.Decl) -> A.ImplBlock | None:
     return next((i for i in decl.body if isinstance(i, A.ImplBlock)), None)
+
+
+def print_schedule(data: dict) -> str:
+    """The canonical text form of a schedule: functions in execution order first, then the
+    rest by name; one line per op (`%id  phase  kernel  ×repeat`)."""
+    functions = data["functions"]
+    names = list(data["order"]) + sorted(set(functions) - set(data["order"]))
+    return "".join(_print_function(name, functions[name]) for name in names)
+
+
+def _print_function(name: str, ops: list[dict]) -> str:
+    lines = [f"schedule @{name} ({len(ops)} ops) {{"]
+    lines += [f"  %{op['node'][1:]:<5} {op['phase']:<9} {op['kernel']}{_times(op['repeat'])}"
+              for op in ops]
+    return "\n".join(lines + ["}", ""]) + "\n"
+
+
+def _times(repeat) -> str:
+    return "" if str(repeat) == "1" else f"  ×{repeat}"
