@@ -18,25 +18,24 @@ Mapping values: a checkpoint name (`"model.layers.{i}.mlp.down_proj.weight"`),
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass, field
 
 from modulec.check.instance import Broken, Instance, Stack, Submodule, TensorParamValue, guard
+from modulec.check.weight_messages import (describe_plan, head_span, listed, show_value,
+                                           value_head, values_note)
+from modulec.check.weight_paths import (PLACEHOLDER, WeightPath, dim_value, join_path,
+                                        level_name, levels_in, path_segments, shape_of,
+                                        stacks_of, strip_optional, weight_paths)
 from modulec.check.world import did_you_mean
 from modulec.diagnostics import Label
 from modulec.semantic.consteval import NotConst, Undefined, evaluate
-from modulec.source import Span
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
-from modulec.types.tensor import TensorType
 
-LEVELS = ("i", "j", "k", "l", "m", "n")
 EXPERT = "e"  # canonical name of stack_experts' placeholder in `hf_plan`
-PLACEHOLDER = re.compile(r"\{(\w+)\}")
 MAPPERS = ("fuse", "transform", "tied_to", "stack_experts")
 CONFIG_FIELDS = ("architecture", "config_class", "model_type")
-MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -58,55 +57,6 @@ TRANSFORMS: dict[str, Transform] = {
     "transpose": Transform("swap the last two dims (Conv1D [in, out] -> [out, in])",
                            "transpose", min_rank=2),
 }
-
-
-@dataclass(frozen=True)
-class WeightPath:
-    """One tensor parameter of a model. `path` uses the canonical placeholders; `stacks`
-    holds (placeholder, count) for each stack level on the way, outermost first; `tied_to`
-    is the canonical path of the parameter it shares storage with (`lm_head: tied_to(wte)`);
-    `optional` is a declared `T?` (may be None)."""
-
-    path: str
-    type: TensorType
-    tied_to: str | None = None
-    optional: bool = False
-    frozen: bool = False
-    stacks: tuple = ()
-    span: Span | None = None
-
-
-def weight_paths(instance: Instance) -> list[WeightPath]:
-    """Every tensor parameter present in this instance, in declaration order (parameters
-    whose `if` guard is false are absent; Broken parameters are left out)."""
-    found: list[WeightPath] = []
-    _walk(instance, "", (), found, 0)
-    return found
-
-
-def _walk(instance: Instance, prefix: str, stacks: tuple, out: list, depth: int) -> None:
-    if depth > MAX_DEPTH:
-        return
-    for name, value in instance.params.items():
-        path = _join(prefix, name)
-        if isinstance(value, TensorParamValue):
-            tied = _join(prefix, value.tied_to) if value.tied_to else None
-            out.append(WeightPath(path, value.type, tied, value.optional, value.frozen,
-                                  stacks, value.span))
-        elif isinstance(value, Submodule):
-            _walk(value.instance, path, stacks, out, depth + 1)
-        elif isinstance(value, Stack):
-            level = _level(len(stacks))
-            _walk(value.instance, f"{path}[{{{level}}}]", stacks + ((level, value.count),),
-                  out, depth + 1)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _level(depth: int) -> str:
-    return LEVELS[depth] if depth < len(LEVELS) else f"i{depth}"
 
 
 # ====================================================================== entry points
@@ -208,15 +158,15 @@ class _Analysis:
                     item.key.id in CONFIG_FIELDS:
                 if not isinstance(item.value, A.String):
                     self.error(f"`{item.key.id}` must be a string", item.value.span,
-                               f"this is `{_show_value(item.value)}`",
-                               help=[f'write `{item.key.id}: "{_show_value(item.value)}"`'])
+                               f"this is `{show_value(item.value)}`",
+                               help=[f'write `{item.key.id}: "{show_value(item.value)}"`'])
             else:
                 self.config_param(item, params, seen, top=True)
 
     def config_param(self, item, params: list[str], seen: dict, top: bool) -> None:
         """`dsl_param: hf_field` (in `param_mapping:`, or at the top of `hf_config:`)."""
         if not isinstance(item, A.Entry) or not isinstance(item.key, A.Name):
-            self.error("expected `parameter: hf_config_field`", _head(item),
+            self.error("expected `parameter: hf_config_field`", head_span(item),
                        help=["`param_mapping:` maps each model parameter to the field of the "
                              "HF config that sets it: `d_model: hidden_size`"])
             return
@@ -231,7 +181,7 @@ class _Analysis:
             self.error(f"`{name}` is not a parameter of `{self.model}`", item.key.span,
                        "not in the model's parameter list",
                        help=did_you_mean(name, params + extra) or
-                       [f"`{self.model}` takes {_names(params)}"])
+                       [f"`{self.model}` takes {listed(params)}"])
         elif name in seen:
             self.error(f"`{name}` is mapped twice in `hf_config`", item.key.span,
                        secondary=[Label(seen[name].span, "first mapped here")])
@@ -239,7 +189,7 @@ class _Analysis:
             seen[name] = item.key
         if not isinstance(item.value, (A.Name, A.String)):
             self.error("an HF config field is a name", item.value.span,
-                       f"this is `{_show_value(item.value)}`",
+                       f"this is `{show_value(item.value)}`",
                        help=["write the field of config.json: `d_model: hidden_size`"])
 
     # ------------------------------------------------------------ hf_mapping
@@ -256,9 +206,9 @@ class _Analysis:
         for item, branch in self.flatten(section.body):
             if not isinstance(item, A.Entry):
                 self.error("expected a weight mapping `parameter: \"checkpoint.name\"`",
-                           _head(item), help=self._entry_help())
+                           head_span(item), help=self._entry_help())
                 continue
-            key, optional = _strip_optional(item.key)
+            key, optional = strip_optional(item.key)
             target = self.resolve(key, optional)
             if target is None:
                 continue
@@ -319,10 +269,10 @@ class _Analysis:
                 sources = [m.plan for m in mapped.get(weight.tied_to, []) if m.plan]
                 if any(_same_source(plan, s) for s in sources):
                     continue
-                label = (f"`{target}` loads {_describe_plan(sources[0])}" if sources
+                label = (f"`{target}` loads {describe_plan(sources[0])}" if sources
                          else f"it shares the storage of `{target}`")
                 self.error(f"`{show(mapping.key)}` is tied to `{target}` and cannot load a "
-                           "checkpoint tensor of its own", _value_head(mapping.entry.value),
+                           "checkpoint tensor of its own", value_head(mapping.entry.value),
                            label, help=[f"map it with `tied_to({target})`, or leave the entry "
                                         "out: a tied weight needs no mapping"])
 
@@ -330,14 +280,14 @@ class _Analysis:
         for weight in self.paths:
             if weight.tied_to and weight.path not in mapped:
                 self.plan.append({
-                    "param": weight.path, "shape": _shape(weight.type),
-                    "stacks": _stacks(weight), "kind": "tied", "target": weight.tied_to,
+                    "param": weight.path, "shape": shape_of(weight.type),
+                    "stacks": stacks_of(weight), "kind": "tied", "target": weight.tied_to,
                     "hf": [], "dim": None, "fn": None, "optional": weight.optional,
                 })
 
     def plan_entry(self, target: _Target, plan: dict, optional: bool, branch: tuple) -> dict:
-        entry = {"param": target.weight.path, "shape": _shape(target.weight.type),
-                 "stacks": _stacks(target.weight), "optional": optional}
+        entry = {"param": target.weight.path, "shape": shape_of(target.weight.type),
+                 "stacks": stacks_of(target.weight), "optional": optional}
         entry.update(plan)
         entry.setdefault("dim", None)
         entry.setdefault("fn", None)
@@ -362,7 +312,7 @@ class _Analysis:
                        help=did_you_mean(node.func.id, MAPPERS) or self._entry_help())
             return None
         self.error("a weight mapping must be a checkpoint name or a mapping call",
-                   _value_head(node), f"this is `{_show_value(node)}`", help=self._entry_help())
+                   value_head(node), f"this is `{show_value(node)}`", help=self._entry_help())
         return None
 
     def fuse(self, call: A.Call, target: _Target, rank: int | None = None,
@@ -384,7 +334,7 @@ class _Analysis:
                 strings.append(part.value)
             else:
                 self.error("a `fuse` part must be a checkpoint name (a string)",
-                           _value_head(part.value), f"this is `{_show_value(part.value)}`")
+                           value_head(part.value), f"this is `{show_value(part.value)}`")
                 ok = False
         ok = self.strings(strings, target, extra) and ok
         dim = self.dim(call, dim_arg.get("dim"), rank, target, "fuse", where, required=True)
@@ -406,21 +356,21 @@ class _Analysis:
             ok = False
         elif not isinstance(parts[0].value, A.String):
             self.error("`transform` applies to a checkpoint name (a string)",
-                       _value_head(parts[0].value), f"this is `{_show_value(parts[0].value)}`")
+                       value_head(parts[0].value), f"this is `{show_value(parts[0].value)}`")
             ok = False
         else:
             ok = self.strings([parts[0].value], target) and ok
         fn = given.get("fn")
         if fn is None:
             self.error("`transform` needs `fn:`", call.func.span, "no function given",
-                       help=[f"known transforms: {_names(TRANSFORMS)}"])
+                       help=[f"known transforms: {listed(TRANSFORMS)}"])
             return None
         name = fn.id if isinstance(fn, A.Name) else fn.value if isinstance(fn, A.String) else None
         if name not in TRANSFORMS:
-            shown = name if name is not None else _show_value(fn)
+            shown = name if name is not None else show_value(fn)
             self.error(f"unknown transform `{shown}`", fn.span, "not a known transform",
                        help=did_you_mean(shown, TRANSFORMS) +
-                       [f"known transforms: {_names(TRANSFORMS)}"])
+                       [f"known transforms: {listed(TRANSFORMS)}"])
             return None
         rank = len(target.weight.type.dims)
         if rank < TRANSFORMS[name].min_rank:
@@ -477,7 +427,7 @@ class _Analysis:
         strings = _source_strings(source)
         if strings is None:
             self.error("the source of `stack_experts` must be a checkpoint name or a `fuse(...)`",
-                       _value_head(source), f"this is `{_show_value(source)}`")
+                       value_head(source), f"this is `{show_value(source)}`")
             return None
         if rank < 2:
             self.error("`stack_experts` needs a parameter with an expert dimension",
@@ -500,7 +450,7 @@ class _Analysis:
             return None
         if len(experts) > 1:
             self.error(f"`stack_experts` takes one expert placeholder, found "
-                       f"{_names([f'{{{e}}}' for e in experts])}", call.func.span,
+                       f"{listed([f'{{{e}}}' for e in experts])}", call.func.span,
                        help=self._placeholder_help(target) +
                        ["the one placeholder that the key does not bind is the expert index"])
             return None
@@ -519,7 +469,7 @@ class _Analysis:
             if inner is None:
                 return None
         return {"kind": "stack", "hf": inner["hf"], "dim": dim, "expert": EXPERT,
-                "count": _dim_value(shape.dims[dim]), "inner": inner}
+                "count": dim_value(shape.dims[dim]), "inner": inner}
 
     def num_experts(self, node, size: Dim, target: _Target, dim: int) -> None:
         try:
@@ -550,7 +500,7 @@ class _Analysis:
             isinstance(node.operand, A.Number) else None
         if not isinstance(value, int):
             self.error("`dim` must be an integer", node.span,
-                       f"this is `{_show_value(node)}`")
+                       f"this is `{show_value(node)}`")
             return None
         if not -rank <= value < rank:
             self.error(f"`dim={value}` is out of range for `{self.show_key(target)}`{where}",
@@ -602,7 +552,7 @@ class _Analysis:
 
     def _placeholder_help(self, target: _Target) -> list[str]:
         if target.bound:
-            return [f"the key binds {_names([f'{{{n}}}' for n in target.bound])}"]
+            return [f"the key binds {listed([f'{{{n}}}' for n in target.bound])}"]
         return ["the key names a parameter outside any layer stack: it has no placeholder"]
 
     def canonical(self, text: str, target: _Target, extra: frozenset = frozenset()) -> str:
@@ -615,10 +565,10 @@ class _Analysis:
         """The tensor parameter a path names, or None (reported, except an absent
         conditional parameter under an optional key). For a mapping key (`key`), a path
         that names no tensor marks the closest tensor path as meant (see `mark`)."""
-        segments = _segments(node)
+        segments = path_segments(node)
         if segments is None:
-            self.error("a mapping key must be a parameter path", _value_head(node),
-                       f"this is `{_show_value(node)}`",
+            self.error("a mapping key must be a parameter path", value_head(node),
+                       f"this is `{show_value(node)}`",
                        help=["write the path through the parameters: "
                              "`blocks[{i}].attention.qkv_weight`"])
             if key and isinstance(node, A.String):
@@ -628,7 +578,7 @@ class _Analysis:
                        if s[0] == "index" and isinstance(s[1], A.Placeholder)]
         if key:
             for depth, name in enumerate(user_levels):
-                self.shown_levels.setdefault(_level(depth), name)
+                self.shown_levels.setdefault(level_name(depth), name)
         outcome = self._walk_key(node, segments, optional, user_levels)
         if isinstance(outcome, _Target):
             return outcome
@@ -652,7 +602,7 @@ class _Analysis:
                 if payload not in instance.params:
                     return self.missing(node, instance, payload, optional, user_levels)
                 value = instance.params[payload]
-                prefix = _join(prefix, payload)
+                prefix = join_path(prefix, payload)
                 if isinstance(value, Broken):
                     return None
                 if isinstance(value, Submodule):
@@ -674,7 +624,7 @@ class _Analysis:
                     self.error(f"placeholder `{{{payload.name}}}` is used twice in this key",
                                payload.span, "each stack level needs a placeholder of its own")
                     return []
-                bound[payload.name] = _level(len(bound))
+                bound[payload.name] = level_name(len(bound))
                 prefix += f"[{{{bound[payload.name]}}}]"
                 instance, value, stack = stack.instance, None, None
         if stack is not None:
@@ -686,13 +636,13 @@ class _Analysis:
             self.error(f"`{show(node)}` is {what}, not a tensor", node.span,
                        f"`{_module_name(value, instance)}` holds "
                        f"{len(inner)} tensor{'s' if len(inner) != 1 else ''}",
-                       help=[f"did you mean {_names(shown[:4], 'or')}?"] if shown else [])
+                       help=[f"did you mean {listed(shown[:4], 'or')}?"] if shown else [])
             return inner
         return _Target(self.by_path[prefix], bound, node)
 
     def not_indexed(self, node, prefix: str, stack: Stack, user_levels: list) -> list:
-        depth = len(_levels_in(prefix))
-        level = user_levels[depth] if len(user_levels) > depth else _level(depth)
+        depth = len(levels_in(prefix))
+        level = user_levels[depth] if len(user_levels) > depth else level_name(depth)
         shown = self.show_user(prefix, user_levels)
         self.error(f"`{shown}` is a stack of {stack.count} layers: index it with a placeholder",
                    node.span, "one entry maps the weight of every layer",
@@ -713,7 +663,7 @@ class _Analysis:
                        f"`{owner.name}` declares `{name}` only `if {condition}`",
                        help=[f"mark the key optional (`{path}?: ...`) or put the entry under "
                              f"`if ...:`"],
-                       notes=[_values_note(owner, declared.condition)])
+                       notes=[values_note(owner, declared.condition)])
             return None
         where = f"`{owner.name}` has no parameter `{name}`"
         self.error(f"unknown parameter `{path}`", node.span, where,
@@ -733,7 +683,7 @@ class _Analysis:
 
     def show_user(self, path: str, user_levels: list) -> str:
         """A canonical path with the placeholders a key used at each level."""
-        rename = {_level(d): name for d, name in enumerate(user_levels)}
+        rename = {level_name(d): name for d, name in enumerate(user_levels)}
         return PLACEHOLDER.sub(lambda m: "{" + rename.get(m[1], m[1]) + "}", path)
 
     def show_path(self, path: str) -> str:
@@ -758,9 +708,9 @@ class _Analysis:
                 key, value = item.source.expr, [s.expr for s in item.steps[1:]]
             else:
                 self.error("expected an export mapping `parameter: \"checkpoint.name\"` or "
-                           "`parameter -> split(...)`", _head(item))
+                           "`parameter -> split(...)`", head_span(item))
                 continue
-            key, optional = _strip_optional(key)
+            key, optional = strip_optional(key)
             target = self.resolve(key, optional, key=False)
             if target is None:
                 continue
@@ -797,26 +747,6 @@ class _Analysis:
 
 
 # ====================================================================== helpers
-def _segments(node) -> list | None:
-    """`blocks[{i}].attention.qkv_weight` -> [("name", "blocks", node), ("index", Placeholder,
-    node), ("name", "attention", node), ...]; None when it is not a path."""
-    if isinstance(node, A.Name):
-        return [("name", node.id, node)]
-    if isinstance(node, A.Attribute):
-        inner = _segments(node.value)
-        return None if inner is None else inner + [("name", node.attr, node)]
-    if isinstance(node, A.Index):
-        inner = _segments(node.value)
-        if inner is None or any(isinstance(s, A.Slice) for s in node.subscripts):
-            return None
-        return inner + [("index", s, node) for s in node.subscripts]
-    return None
-
-
-def _strip_optional(key):
-    return (key.value, True) if isinstance(key, A.OptionalType) else (key, False)
-
-
 def _exclusive(a: tuple, b: tuple) -> bool:
     """Whether two entries sit in different branches of one undecided `if`."""
     taken = {ident: side for ident, side, _ in a}
@@ -854,93 +784,9 @@ def _same_source(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
-def _describe_plan(plan: dict) -> str:
-    if plan["kind"] == "direct":
-        return f'"{plan["hf"][0]}"'
-    return f"{plan['kind']}({', '.join(repr(h) for h in plan['hf'])})"
-
-
-def _levels_in(path: str) -> list[str]:
-    return PLACEHOLDER.findall(path)
-
-
 def _module_name(value, instance: Instance) -> str:
     if isinstance(value, Submodule):
         return value.instance.name
     return instance.name
 
 
-def _shape(type_: TensorType) -> list:
-    return [_dim_value(d) for d in type_.dims]
-
-
-def _dim_value(dim) -> int | str:
-    if isinstance(dim, Dim):
-        return dim.value if dim.is_const else str(dim)
-    return str(dim)
-
-
-def _stacks(weight: WeightPath) -> list[dict]:
-    return [{"placeholder": level, "count": _dim_value(count)} for level, count in weight.stacks]
-
-
-def _names(items, last: str = "and") -> str:
-    quoted = [f"`{i}`" for i in items]
-    if len(quoted) <= 1:
-        return "".join(quoted) or "nothing"
-    return ", ".join(quoted[:-1]) + f" {last} " + quoted[-1]
-
-
-def _show_value(node) -> str:
-    try:
-        return show(node)
-    except Exception:  # noqa: BLE001 - a value the printer does not know (NamedValue)
-        return type(node).__name__
-
-
-def _head(item) -> Span:
-    """The smallest span that names an item: a section's or entry's key, else the item."""
-    key = getattr(item, "key", None)
-    if key is not None and hasattr(key, "span"):
-        return key.span
-    if isinstance(item, A.Flow):
-        return item.source.span
-    return item.span
-
-
-def _value_head(node) -> Span:
-    """A call's function name, else the node."""
-    if isinstance(node, A.Call):
-        return node.func.span
-    return node.span
-
-
-def _values_note(instance: Instance, condition) -> str:
-    names = sorted({n.id for n in _names_in(condition) if n.id in instance.values})
-    shown = ", ".join(f"{n} = {_short(instance.values[n])}" for n in names)
-    return f"in `{instance.name}`, with {shown}" if shown else \
-        f"in `{instance.name}`, the guard is false"
-
-
-def _names_in(node) -> list:
-    if isinstance(node, A.Name):
-        return [node]
-    found = []
-    for name in getattr(node, "__dataclass_fields__", {}):
-        child = getattr(node, name)
-        for c in child if isinstance(child, tuple) else (child,):
-            if hasattr(c, "__dataclass_fields__"):
-                found += _names_in(c)
-            elif isinstance(c, tuple):
-                for inner in c:
-                    if hasattr(inner, "__dataclass_fields__"):
-                        found += _names_in(inner)
-    return found
-
-
-def _short(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "None"
-    return str(value)
