@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import inspect
-import math
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -32,8 +30,9 @@ from modulec.ops.registry import op_table  # noqa: E402
 from runtime.kernels import KERNELS, default_attrs  # noqa: E402
 from runtime.kernels.utility import torch_dtype  # noqa: E402
 
-F64 = torch.float64
-I32 = torch.int32
+from kernel_testing import (F64, I32, assert_close, offsets_of, randint, randn,  # noqa: E402
+                            topk_indices)
+
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -42,24 +41,6 @@ class Case:
     id: str
     make: Callable  # generator -> list of float64 / int32 inputs in signature order
     attrs: dict = field(default_factory=dict)
-
-
-def randn(g, *shape):
-    return torch.randn(*shape, generator=g, dtype=F64)
-
-
-def randint(g, high, *shape):
-    return torch.randint(0, high, shape, generator=g).to(I32)
-
-
-def topk_indices(g, n, experts, k):
-    """Distinct experts per token, as a router picks them."""
-    return torch.argsort(torch.rand(n, experts, generator=g), dim=-1)[:, :k].to(I32)
-
-
-def offsets_of(indices, experts):
-    counts = [int((indices == e).sum()) for e in range(experts)]
-    return torch.tensor([0] + [sum(counts[:e + 1]) for e in range(experts)], dtype=I32)
 
 
 # ======================================================================== the cases
@@ -499,30 +480,6 @@ def _shape(x):
     return list(x.shape) if x is not None else None
 
 
-def _rel(a, b) -> float:
-    a, b = a.to(F64), b.to(F64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if a.numel() == 0:
-        return 0.0
-    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
-    return diff / scale if scale > 0 else diff
-
-
-def _assert_close(got, want, tol, what):
-    if isinstance(want, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(want), what
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_close(g, w, tol, f"{what}[{i}]")
-        return
-    assert isinstance(got, torch.Tensor), f"{what}: got {type(got).__name__}"
-    if not want.is_floating_point():
-        assert torch.equal(got.to(torch.int64), want.to(torch.int64)), f"{what}: {got} != {want}"
-        return
-    assert torch.isfinite(got).all(), f"{what}: not finite"
-    err = _rel(got, want)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.0e}"
-
-
 def _cotangent(g, out, dtype):
     return _map(lambda t: torch.randn(t.shape, generator=g, dtype=F64).to(dtype), out)
 
@@ -587,7 +544,7 @@ def test_forward_matches_oracle(name, case):
     want = ORACLES[name](*inputs, **attrs)
     assert len(got) == len(kernel.forward_outputs)
     for out_name, g, w in zip(kernel.forward_outputs, got, want):
-        _assert_close(g, w, 1e-12, f"{name}.{out_name}")
+        assert_close(g, w, 1e-12, f"{name}.{out_name}")
 
 
 BACKWARD_CASES = [(n, c) for n, c in ALL_CASES if KERNELS[n].backward_outputs]
@@ -626,7 +583,7 @@ def test_backward_matches_autograd(name, case):
         g_flat = _flat(got[f"d_{n}"])
         assert len(g_flat) == count, f"{name}: d_{n} missing"
         for i, (gv, wv) in enumerate(zip(g_flat, want)):
-            _assert_close(gv, wv, 1e-10, f"{name}.d_{n}[{i}]")
+            assert_close(gv, wv, 1e-10, f"{name}.d_{n}[{i}]")
 
 
 LOW_CASES = [(n, c, dt) for n, c in ALL_CASES for dt in (torch.float32, torch.bfloat16)
@@ -645,7 +602,7 @@ def test_low_precision_close_to_float64(name, case, dtype):
         for t in _flat(got):
             if t.is_floating_point():
                 assert t.dtype == (torch.float32 if n in kernel.stats else dtype), f"{n}: {t.dtype}"
-        _assert_close(got, want, tol, f"{name}.{n}")
+        assert_close(got, want, tol, f"{name}.{n}")
     if not kernel.backward_outputs:
         return
     g = torch.Generator().manual_seed(2)
@@ -662,169 +619,4 @@ def test_low_precision_close_to_float64(name, case, dtype):
             continue
         for t in _flat(gv):
             assert t.dtype == dtype, f"{n}: {t.dtype}"
-        _assert_close(gv, wv, tol, f"{name}.{n}")
-
-
-# ======================================================================= special cases
-def _run(name, inputs, **params):
-    return KERNELS[name].forward(inputs, default_attrs(name, **params))
-
-
-def test_flash_attention_gqa_is_attention_with_repeated_kv():
-    g = torch.Generator().manual_seed(3)
-    q, k, v = randn(g, 2, 4, 6, 8), randn(g, 2, 2, 6, 8), randn(g, 2, 2, 6, 8)
-    out, lse = _run("flash_attention", [q, k, v, None], window_size=4)
-    rep_out, rep_lse = _run("flash_attention", [q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                None], window_size=4)
-    _assert_close(out, rep_out, 1e-14, "out")
-    _assert_close(lse, rep_lse, 1e-14, "lse")
-    # heads 0 and 1 read kv head 0, heads 2 and 3 kv head 1 (h // (Hq / Hkv))
-    single, _ = _run("flash_attention", [q[:, 1:2], k[:, 0:1], v[:, 0:1], None], window_size=4)
-    _assert_close(out[:, 1:2], single, 1e-14, "head 1")
-
-
-def test_flash_attention_window_keeps_the_last_window_keys():
-    """With v = one-hot of the key position, out[i] is the attention distribution: query i
-    attends to exactly keys max(0, i - w + 1) .. i."""
-    T, w = 7, 3
-    q = torch.zeros(1, 1, T, T, dtype=F64)
-    k = torch.zeros(1, 1, T, T, dtype=F64)
-    v = torch.eye(T, dtype=F64)[None, None]
-    out, lse = _run("flash_attention", [q, k, v, None], window_size=w)
-    for i in range(T):
-        seen = [j for j in range(T) if out[0, 0, i, j] > 0]
-        assert seen == list(range(max(0, i - w + 1), i + 1))
-        assert math.isclose(lse[0, 0, i].item(), math.log(len(seen)), rel_tol=1e-12)
-
-
-def test_rope_is_a_rotation_and_relative():
-    g = torch.Generator().manual_seed(4)
-    q, k = randn(g, 1, 2, 5, 8), randn(g, 1, 2, 5, 8)
-    q_rot, k_rot = _run("rope", [q, k, None])
-    _assert_close(q_rot.norm(dim=-1), q.norm(dim=-1), 1e-13, "norm")
-    # q_i . k_j depends on i - j only: shift all positions by 11
-    shifted = torch.arange(5, dtype=I32)[None] + 11
-    q_s, k_s = _run("rope", [q, k, shifted])
-    _assert_close(q_s @ k_s.transpose(-1, -2), q_rot @ k_rot.transpose(-1, -2), 1e-12, "scores")
-
-
-def test_moe_permute_unpermute_round_trip():
-    g = torch.Generator().manual_seed(5)
-    N, E, K, C = 9, 4, 2, 3
-    x, indices = randn(g, N, C), topk_indices(g, N, E, K)
-    offsets, = _run("moe_compute_offsets", [indices], num_experts=E)
-    permuted, scatter = _run("moe_permute", [x, indices, offsets])
-    assert scatter.dtype == I32 and sorted(scatter.tolist()) == list(range(N * K))
-    flat = indices.reshape(-1)
-    for e in range(E):  # rows offsets[e] .. offsets[e+1]-1 are expert e's, in token order
-        rows = scatter[offsets[e]:offsets[e + 1]].long()
-        assert (flat[rows] == e).all() and rows.tolist() == sorted(rows.tolist())
-    _assert_close(permuted, x[scatter.long() // K], 0, "permuted")
-    weights = torch.rand(N, K, generator=g, dtype=F64)
-    weights = weights / weights.sum(-1, keepdim=True)
-    combined, = _run("moe_unpermute", [permuted, weights, scatter])
-    _assert_close(combined, x, 1e-14, "round trip (weights sum to 1)")
-    ones, = _run("moe_unpermute", [permuted, torch.ones(N, K, dtype=F64), scatter])
-    _assert_close(ones, K * x, 1e-14, "round trip (unit weights)")
-    # moe_permute's backward is moe_unpermute with unit weights
-    d_x, = KERNELS["moe_permute"].backward([permuted, scatter], {"input_shapes": {"x": [N, C]}})
-    _assert_close(d_x, ones, 1e-14, "moe_permute backward")
-
-
-def test_grouped_gemm_is_per_group_matmul():
-    g = torch.Generator().manual_seed(6)
-    offsets = torch.tensor([0, 2, 2, 5], dtype=I32)
-    x, w = randn(g, 5, 4), randn(g, 3, 6, 4)
-    out, = _run("grouped_gemm", [x, w, offsets])
-    for e, (lo, hi) in enumerate([(0, 2), (2, 2), (2, 5)]):
-        _assert_close(out[lo:hi], x[lo:hi] @ w[e].T, 1e-14, f"group {e}")
-    out_nn, = _run("grouped_gemm", [x, w.transpose(1, 2).contiguous(), offsets], transpose="NN")
-    _assert_close(out_nn, out, 1e-14, "NN with W^T")
-
-
-def test_moe_router_aux_loss_and_normalization():
-    g = torch.Generator().manual_seed(7)
-    x, gate = randn(g, 16, 8), randn(g, 5, 8)
-    weights, indices, aux = _run("moe_router", [x, gate], top_k=2, aux_loss_coef=0.25)
-    _assert_close(weights.sum(-1), torch.ones(16, dtype=F64), 1e-14, "normalized")
-    probs = torch.softmax(x @ gate.T, -1)
-    f = torch.stack([(indices == e).sum() for e in range(5)]).to(F64) / 16
-    want = 0.25 * 5 * (f * probs.mean(0)).sum()  # decisions.md: coef * E * sum_e f_e * P_e
-    assert aux.dim() == 0 and math.isclose(aux.item(), want.item(), rel_tol=1e-13)
-    assert (torch.gather(probs, 1, indices.long()) >= probs.topk(2, -1).values[:, -1:]).all()
-
-
-def test_fused_residual_rmsnorm_writes_one_gradient():
-    g = torch.Generator().manual_seed(8)
-    kernel = KERNELS["fused_residual_rmsnorm"]
-    r, i, w = randn(g, 3, 8), randn(g, 3, 8), randn(g, 8)
-    residual_out, y, rstd = kernel.forward([r, i, w], default_attrs(kernel.name))
-    d_residual, d_input, _ = kernel.backward([randn(g, 3, 8), randn(g, 3, 8), residual_out, w, rstd],
-                                             default_attrs(kernel.name))
-    assert d_residual is d_input
-
-
-def test_dtype_policy_in_bfloat16():
-    g = torch.Generator().manual_seed(9)
-    logits = randn(g, 4, 10).to(torch.bfloat16)
-    labels = torch.tensor([1, -100, 3, 9], dtype=I32)
-    loss, lse = _run("cross_entropy", [logits, labels])
-    assert loss.dtype == lse.dtype == torch.float32 and loss[1] == 0
-    y, rstd = _run("rmsnorm", [randn(g, 4, 8).to(torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)])
-    assert y.dtype == torch.bfloat16 and rstd.dtype == torch.float32
-    values, indices = _run("reduce_max", [randn(g, 3, 4).to(torch.bfloat16)], dim=-1)
-    assert values.dtype == torch.bfloat16 and indices.dtype == I32
-
-
-def test_reduce_max_points_at_the_first_maximum():
-    x = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]], dtype=F64)
-    values, indices = _run("reduce_max", [x], dim=-1)
-    assert indices.tolist() == [1, 0] and values.tolist() == [3.0, 2.0]
-
-
-def test_default_attrs():
-    assert default_attrs("matmul") == {"transpose": "NN", "accumulate": False, "alpha": 1.0, "beta": 0.0}
-    assert default_attrs("grouped_gemm")["transpose"] == "NT"
-    assert default_attrs("concat") == {"dim": -1}
-    with pytest.raises(KeyError):
-        default_attrs("moe_router")  # top_k has no default
-    with pytest.raises(KeyError):
-        default_attrs("rmsnorm", epsilon=1.0)
-
-
-def test_signature_names_match_the_kernel_functions():
-    """The kernel functions take the signature's inputs positionally, in order."""
-    def positional(fn):
-        return [p.name for p in inspect.signature(fn).parameters.values()
-                if p.kind == p.POSITIONAL_OR_KEYWORD]
-    for name, kernel in KERNELS.items():
-        assert len(positional(kernel.forward_fn)) == len(kernel.forward_inputs), name
-        if kernel.backward_fn is not None:
-            assert len(positional(kernel.backward_fn)) == len(kernel.backward_inputs), name
-
-
-def test_gradients_that_are_not_there():
-    g = torch.Generator().manual_seed(10)
-    # split: a part without gradient counts as zeros
-    d_x, = KERNELS["split"].backward([[randn(g, 2, 2), None, randn(g, 2, 4)]],
-                                     {"sizes": [2, 3, 4], "dim": -1, "input_shapes": {"x": [2, 9]}})
-    assert d_x.shape == (2, 9) and (d_x[:, 2:5] == 0).all()
-    # moe_router: an unused aux_loss (or weights) has no gradient
-    x, gate = randn(g, 6, 4), randn(g, 3, 4)
-    attrs = default_attrs("moe_router", top_k=2)
-    weights, indices, aux = KERNELS["moe_router"].forward([x, gate], attrs)
-    d_w = randn(g, 6, 2)
-    only_w = KERNELS["moe_router"].backward([d_w, None, x, gate, indices], attrs)
-    both = KERNELS["moe_router"].backward([d_w, torch.zeros((), dtype=F64), x, gate, indices], attrs)
-    for a, b in zip(only_w, both):
-        _assert_close(a, b, 1e-15, "d_aux_loss None is zero")
-
-
-def test_gradient_has_its_inputs_dtype():
-    """bf16 activations with an fp32 weight: d_x is bf16, d_weight fp32."""
-    g = torch.Generator().manual_seed(11)
-    x, w = randn(g, 3, 8).to(torch.bfloat16), randn(g, 8).to(torch.float32)
-    kernel = KERNELS["rmsnorm"]
-    y, rstd = kernel.forward([x, w], default_attrs("rmsnorm"))
-    d_x, d_w = kernel.backward([y, x, w, rstd], default_attrs("rmsnorm"))
-    assert y.dtype == d_x.dtype == torch.bfloat16 and d_w.dtype == torch.float32
+        assert_close(gv, wv, tol, f"{name}.{n}")
