@@ -65,6 +65,7 @@ class Instance:
     assumptions: Assumptions = field(default_factory=Assumptions)
     params: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)  # (instance, constraint) that failed
+    cycles: list = field(default_factory=list)  # containment chains found below this instance
     checked: bool = False
     inferred: list = field(default_factory=list)  # (phase, name, type, span), for --emit resolved
     call_dims: dict = field(default_factory=dict)  # lowering: free dims bound by the call site
@@ -109,9 +110,18 @@ def _bind_decl_params(instance: Instance, args: dict) -> None:
         if param.name in args:
             instance.values[param.name] = args[param.name]
         elif param.default is not None:
-            instance.values[param.name] = _const(instance, param.default, "a default value")
+            instance.values[param.name] = _default(instance, param)
         else:
             instance.values[param.name] = _symbolic(param)
+
+
+def _default(instance: Instance, param: A.DeclParam):
+    value = _const(instance, param.default, "a default value")
+    if not _fits(param.type, value):
+        instance.world.error("E003", f"the default of `{param.name}` is {_short(value)}, but "
+                             f"`{param.name}` is declared {show(param.type)}",
+                             param.default.span, "default of the wrong kind")
+    return value
 
 
 def _symbolic(param: A.DeclParam):
@@ -326,11 +336,9 @@ def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Inst
     """Instantiate `decl` with ConstExpr arguments evaluated in `instance`; E012/E003."""
     world = instance.world
     if decl in world.instantiating:
-        chain = " -> ".join(d.name for d in world.instantiating[world.instantiating.index(decl):])
-        world.error("E007", f"`{decl.name}` contains itself: {chain} -> {decl.name}", span,
-                    "a module cannot be one of its own parameters",
-                    help=["a module's parameters form a tree; if a name was meant to refer "
-                          "to an imported module, rename the local declaration"])
+        names = [d.name for d in world.instantiating[world.instantiating.index(decl):]]
+        instance.cycles.append(" -> ".join(names + [decl.name]))
+        _contains_itself(world, instance.cycles[-1], span)
         return None
     definition = world.definition(decl)
     bound = bind_arguments(instance, decl, args, span)
@@ -344,11 +352,23 @@ def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Inst
     # Failures deep inside (a block's attention) rise to the outermost call written in a
     # file being checked: that is where the sizes that break them come from.
     instance.failures += [f for f in child.failures if f not in instance.failures]
+    # A cycle found while instantiating quietly (A -> B -> A) is reported here, at a call
+    # that may be written in the file being checked.
+    instance.cycles += [c for c in child.cycles if c not in instance.cycles]
+    for chain in child.cycles:
+        _contains_itself(world, chain, span)
     for owner, failed in child.failures:
         world.error("E027", f"constraint of `{owner.name}` violated: {failed.message.value}",
                     span, f"`{show(failed.condition)}` is false for these arguments",
                     notes=[f"in {owner.describe()}", _values_note(owner, failed.condition)])
     return child
+
+
+def _contains_itself(world, chain: str, span: Span) -> None:
+    world.error("E007", f"`{chain.split(' -> ')[0]}` contains itself: {chain}", span,
+                "a module cannot be one of its own parameters",
+                help=["a module's parameters form a tree; if a name was meant to refer "
+                      "to an imported module, rename the local declaration"])
 
 
 def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict | None:
