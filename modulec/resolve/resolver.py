@@ -64,6 +64,7 @@ class Resolver:
         self._parsed: dict[Path, Parsed] = {}
         self._files: dict[Path, ResolvedFile] = {}
         self._loading: list[Path] = []
+        self._cycles: list[list[Path]] = []  # import chains found closed, a -> b -> a
         self._prelude: dict[str, Binding] | None = None
 
     # ------------------------------------------------------------ public
@@ -147,6 +148,16 @@ class Resolver:
             ".".join(request.parts)
         builder.add(request, target.kind, bindings, module)
 
+    def _load_reporting_cycles(self, resolved: ResolvedFile, request: Request,
+                               module: ModuleFile) -> None:
+        """Load an imported file; a cycle it closes back to this file is reported here too,
+        so that checking either file alone shows it."""
+        known = len(self._cycles)
+        self._load(module.path, module)
+        for chain in self._cycles[known:]:
+            if chain[0] == resolved.path:
+                resolved.diagnostics.append(messages.circular(request.span, chain))
+
     def _target(self, resolved: ResolvedFile, request: Request,
                 failed_statements: set[int]) -> Target | None:
         """Locate the request's path; report why not (once per statement path)."""
@@ -190,9 +201,10 @@ class Resolver:
             resolved.dependencies.append(module)
             if module.path in self._loading:
                 chain = self._loading[self._loading.index(module.path):] + [module.path]
+                self._cycles.append(chain)
                 resolved.diagnostics.append(messages.circular(request.span, chain))
             else:
-                self._load(module.path, module)
+                self._load_reporting_cycles(resolved, request, module)
             if self._parse(module.path).ok:
                 usable.append(module)
         return usable
