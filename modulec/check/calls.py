@@ -63,6 +63,8 @@ def apply_step(ctx: StepContext, step: A.Step, inputs: list[Tensor]) -> Result |
         return _call_stack_slice(ctx, func, inputs)
     if isinstance(func, A.Attribute) and func.attr == "backward":
         return Result([UNKNOWN] * 8)  # checked by the backward contracts, not here
+    if A.qualified_name(func) is not None:
+        return _call_qualified(ctx, func, consts, inputs, expr)
     ctx.world.error("E014", "this is not an operation", func.span,
                     help=["a step calls a primitive, a module, or a submodule parameter"])
     return None
@@ -135,6 +137,23 @@ def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
     candidates = list(world.ops) + world.candidates(func.span) + list(ctx.instance.params)
     world.error("E014", f"unknown operation `{name}`", func.span,
                 "not a primitive, module or submodule", help=did_you_mean(name, candidates))
+    return None
+
+
+def _call_qualified(ctx, func: A.Attribute, consts, inputs, expr) -> Result | None:
+    """`x -> F.Proj(d, d)`: a module named through an imported module prefix."""
+    name, world = A.qualified_name(func), ctx.world
+    decl = world.lookup_decl(name, func.span)
+    if decl is not None and decl.kind != "primitive":
+        child = instantiate_call(ctx.instance, decl, consts, expr.span)
+        return call_module(ctx, child, inputs, expr) if child else None
+    if not world.already_reported(name, func.span):
+        prefix, last = name.rsplit(".", 1)
+        world.error("E014", f"unknown operation `{name}`", func.span,
+                    f"no module `{last}` under `{prefix}`",
+                    help=["a qualified name is an imported module (or its alias) and one of "
+                          "its declarations: `import std.modules.linear as L`, then "
+                          "`L.Linear(d, d)`"])
     return None
 
 

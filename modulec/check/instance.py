@@ -316,17 +316,18 @@ def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
 
 def _submodule(instance: Instance, node, span: Span):
     func, args = (node.func, node.args) if isinstance(node, A.Call) else (node, ())
-    if not isinstance(func, A.Name):
+    name = A.qualified_name(func)
+    if name is None:
         instance.world.error("E003", "a parameter's type must be a shape `[...]` or a module",
                              node.span)
         return None
-    decl = instance.world.lookup_decl(func.id, func.span)
-    if decl is None and instance.world.already_reported(func.id, func.span):
+    decl = instance.world.lookup_decl(name, func.span)
+    if decl is None and instance.world.already_reported(name, func.span):
         return None
     if decl is None or decl.kind == "primitive":
-        instance.world.error("E002", f"undefined module `{func.id}`", func.span,
+        instance.world.error("E002", f"undefined module `{name}`", func.span,
                              "not a module, block or model in scope",
-                             help=did_you_mean(func.id, instance.world.candidates(func.span)))
+                             help=did_you_mean(name, instance.world.candidates(func.span)))
         return None
     child = instantiate_call(instance, decl, args, node.span)
     return Submodule(child, span) if child else None

@@ -46,7 +46,7 @@ def print_schedule(data: dict) -> str:
 
 
 def _print_function(name: str, ops: list[dict]) -> str:
-    lines = [f"schedule @{name} ({len(ops)} ops) {{"]
+    lines = [f"schedule @{name} ({len(ops)} op{'s' if len(ops) != 1 else ''}) {{"]
     lines += [f"  %{op['node'][1:]:<5} {op['phase']:<9} {op['kernel']}{_times(op['repeat'])}"
               for op in ops]
     return "\n".join(lines + ["}", ""]) + "\n"

@@ -98,7 +98,7 @@ class Scope:
 
     # The checker's `Names` protocol (modulec.check.world), so a Scope can stand in for it.
     def declaration(self, name: str, span: Span | None) -> A.Decl | None:
-        binding = self.lookup(name, span)
+        binding = self.lookup_qualified(tuple(name.split(".")), span)
         return binding.decl if binding is not None else None
 
     def candidates(self) -> list[str]:
@@ -108,7 +108,7 @@ class Scope:
         """Whether a failed lookup of `name` was explained already (E023 ambiguity, or an
         import that failed): the checker must not add "undefined" on top."""
         return any(reported == name for reported, _ in self._reported) or \
-            self.unresolved_import((name,))
+            self.unresolved_import(tuple(name.split(".")))
 
     def _unique(self, name: str, entries: list[Entry], span: Span) -> Binding | None:
         first_of_each: dict[tuple, Entry] = {}

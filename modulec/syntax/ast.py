@@ -423,3 +423,14 @@ class Program:
     @property
     def decls(self) -> list[Decl]:
         return [item for item in self.items if isinstance(item, Decl)]
+
+
+def qualified_name(node) -> str | None:
+    """`F.Proj` or `std.modules.linear.Linear` as a dotted string; `Proj` as itself; None
+    for anything that is not a (dotted) name."""
+    if isinstance(node, Name):
+        return node.id
+    if isinstance(node, Attribute):
+        prefix = qualified_name(node.value)
+        return None if prefix is None else f"{prefix}.{node.attr}"
+    return None
