@@ -122,7 +122,7 @@ class ScopeBuilder:
             what = f"the declaration `{name}` of this file"
             return self._report(messages.alias_shadows(name, entry.alias_span,
                                                        local.decl.name_span, what))
-        if local is not None:
+        if local is not None and entry.binding.decl is not local.decl:  # not a self-import
             self.diagnostics.append(messages.local_shadows_import(
                 name, local.decl.name_span, entry.span, entry.module))
         existing = self.scope.explicit.get(name) or self.scope.prefixes.get(name)
@@ -151,8 +151,8 @@ class ScopeBuilder:
                 what = f"`{name}` imported from `{others[0].module}`"
                 self._report(messages.alias_shadows(name, entry.alias_span, others[0].span, what))
         for name, local in self.scope.locals.items():
-            if name in self.scope.wildcard and name not in self.scope.explicit:
-                entry = self.scope.wildcard[name][0]
+            entry = self.scope.wildcard.get(name, [None])[0]
+            if entry and name not in self.scope.explicit and entry.binding.decl is not local.decl:
                 self.diagnostics.append(messages.local_shadows_import(
                     name, local.decl.name_span, entry.span, entry.module))
             primitive = self.scope.prelude.get(name)
