@@ -19,6 +19,7 @@ from modulec.check.annotation_table import (
 )
 from modulec.check.memory_policy import name_span, pipeline_problems
 from modulec.diagnostics import Diagnostic, Label, error
+from modulec.diagnostics.spelling import edit_distance
 from modulec.paths import data_dir
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as expr_text
@@ -340,15 +341,5 @@ def _called(flow: A.Flow | None) -> frozenset[str]:
 def closest(word: str, candidates, limit: int | None = None) -> str | None:
     """The candidate nearest `word` by edit distance (ties: alphabetical), if near enough."""
     limit = max(2, len(word) // 3) if limit is None else limit
-    scored = sorted((_distance(word.lower(), c.lower()), c) for c in candidates if c != word)
+    scored = sorted((edit_distance(word.lower(), c.lower()), c) for c in candidates if c != word)
     return scored[0][1] if scored and scored[0][0] <= limit else None
-
-
-def _distance(a: str, b: str) -> int:
-    previous = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        current = [i]
-        for j, y in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
-        previous = current
-    return previous[-1]

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from modulec.diagnostics import Diagnostic, Label, error, warning
+from modulec.diagnostics.spelling import edit_distance
 from modulec.resolve.locate import Miss, Root
 from modulec.source import Span
 
@@ -106,18 +107,6 @@ def closest(name: str, candidates, limit: int = MAX_GUESSES) -> list[str]:
     threshold = max(1, len(name) // 3)
     scored = sorted((edit_distance(name.lower(), c.lower()), c) for c in set(candidates))
     return [c for d, c in scored if d <= threshold and d < len(name) and c != name][:limit]
-
-
-def edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance."""
-    previous = list(range(len(b) + 1))
-    for i, char_a in enumerate(a, 1):
-        current = [i]
-        for j, char_b in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1,
-                               previous[j - 1] + (char_a != char_b)))
-        previous = current
-    return previous[-1]
 
 
 def or_list(names: list[str]) -> str:

@@ -1,0 +1,19 @@
+"""How far apart two names are, for "did you mean" help."""
+
+from __future__ import annotations
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Edit distance where swapping two neighbouring letters counts as one edit (optimal
+    string alignment): `frist` is one typo away from `first`, as a person sees it."""
+    before, previous = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i]
+        for j in range(1, len(b) + 1):
+            substitute = previous[j - 1] + (a[i - 1] != b[j - 1])
+            cost = min(previous[j] + 1, current[j - 1] + 1, substitute)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        before, previous = previous, current
+    return previous[-1]
