@@ -215,13 +215,18 @@ def _check_items(spec, param, kind, node, ops) -> list[Diagnostic]:
 
 def _one_of(spec, bound, note) -> list[Diagnostic]:
     rule = spec.one_of
-    if rule is None or any(name in bound for name in rule.params):
+    if rule is None or any(_given(bound.get(name)) for name in rule.params):
         return []
     if rule.unless and G.name_of(argument_values(note).get(rule.unless[0])) == rule.unless[1]:
         return []
     notes = [_choices_note(p) for p in map(spec.param, rule.params) if p.kind.choices]
     return [error(rule.code, rule.message, note.span, "nothing given", help=[_forms(spec)],
                   notes=notes)]
+
+
+def _given(arg: A.Arg | None) -> bool:
+    """An argument that says something: `ops=[]` lists nothing to fuse."""
+    return arg is not None and not (isinstance(arg.value, A.ListExpr) and not arg.value.items)
 
 
 # ====================================================================== messages
