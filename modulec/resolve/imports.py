@@ -40,7 +40,8 @@ def requests(program: A.Program, source: SourceFile) -> tuple[list[Request], lis
         if isinstance(statement, A.Import) and statement.names is None:
             alias_span = _tail(source, statement.span, statement.alias)
             found.append(Request(statement.path, len(statement.path), statement,
-                                 statement.span, None, statement.alias, alias_span))
+                                 _path_span(source, statement), None, statement.alias,
+                                 alias_span))
         elif isinstance(statement, (A.Import, A.FromImport)):
             if getattr(statement, "alias", None):
                 problems.append(messages.alias_with_braces(statement.span))
@@ -52,6 +53,15 @@ def _item_request(statement, item: A.ImportItem, source: SourceFile) -> Request:
     name_span = source.span(item.span.start, item.span.start + len(item.name))
     return Request(statement.path + (item.name,), len(statement.path), statement,
                    name_span, item.name, item.alias, _tail(source, item.span, item.alias))
+
+
+def _path_span(source: SourceFile, statement: A.Import) -> Span:
+    """The dotted path alone (`a.b` of `import a.b as X`), when written without spaces."""
+    dotted = ".".join(statement.path)
+    start = statement.span.start
+    if statement.alias and source.text[start:start + len(dotted)] == dotted:
+        return source.span(start, start + len(dotted))
+    return statement.span
 
 
 def _tail(source: SourceFile, span: Span, alias: str | None) -> Span | None:
