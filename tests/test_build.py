@@ -85,6 +85,27 @@ def test_cli_build_emit_schedule_lists_every_op_with_its_kernel():
     assert result.stdout.index("@TinyLlama#1 ") < result.stdout.index("@TinyLlama#1.backward")
 
 
+def test_schedule_ops_carry_their_planned_buffers():
+    from modulec.plan.from_graph import plan_step
+
+    result = built("llama", n_layers="2")
+    step = plan_step(result.graph)
+    placed = 0
+    for name, ops in result.document["schedule"]["functions"].items():
+        arenas = {r["region"]: r["arena_bytes"] for r in step.functions[name]["regions"]}
+        for op in ops:
+            for value, region, offset, size in op.get("buffers", ()):
+                assert 0 <= offset and offset + size <= arenas[region], (name, op, value)
+                placed += 1
+    assert placed > 50
+
+
+def test_schedule_without_sizes_has_no_buffers():
+    document = build(BuildRequest(REPO_DIR / "examples" / "llama.module")).document
+    assert not any("buffers" in op for ops in document["schedule"]["functions"].values()
+                   for op in ops)
+
+
 @pytest.mark.parametrize("argument, message", [
     ("d_modl=4096", "did you mean `d_model`"),
     ("d_model=-4", "not a usable size"),

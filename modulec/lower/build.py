@@ -87,12 +87,22 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     document = {
         "ir_version": IR_VERSION,
         "graph": graph_to_data(graph),
-        "schedule": schedule_data(graph),
+        "schedule": schedule_data(graph, _placements(graph)),
         "weight_schema": _weight_schema(instance),
         "config_schema": _config_schema(decl),
         "metadata": _metadata(decl, instance, graph, request),
     }
     return BuildResult(diagnostics, document, graph, loaded.source)
+
+
+def _placements(graph) -> dict:
+    """Each function's buffers placed by the memory plan; none while a dim has no size."""
+    from modulec.plan.from_graph import ShapeUnknown, plan_step
+
+    try:
+        return plan_step(graph).placements
+    except ShapeUnknown:
+        return {}
 
 
 # ====================================================================== the model and its sizes

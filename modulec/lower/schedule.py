@@ -1,6 +1,7 @@
-"""Schedule IR (§9.7.2), first stage: each function's operations in execution order with
-the kernels they run (from each primitive's `impl:`). Buffers, offsets, streams and
-recompute/swap segments are added by the planning passes (issue 4, in progress)."""
+"""Schedule IR (§9.7.2): each function's operations in execution order with the kernels they
+run (from each primitive's `impl:`) and, when every dim has a size, the buffers their
+outputs live in (region, offset, bytes: the memory plan of modulec.plan). Streams, sync
+points and recompute/swap segments are not placed yet (issue 4)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,25 @@ from modulec.ops.registry import op_table
 from modulec.syntax import ast as A
 
 
-def schedule_data(graph: Graph) -> dict:
-    return {"functions": {f.name: [_op(n) for n in f.nodes] for f in graph.functions},
+def schedule_data(graph: Graph, placements: dict | None = None) -> dict:
+    """`placements` (function -> value -> Placement, from the memory plan) adds each op's
+    output buffers as [value, region, offset, bytes]; without sizes for every dim there is
+    no plan, and ops carry no buffers."""
+    placements = placements or {}
+    return {"functions": {f.name: [_op(n, placements.get(f.name, {})) for n in f.nodes]
+                          for f in graph.functions},
             "order": [graph.entry] + ([graph.backward] if graph.backward else [])}
 
 
-def _op(node: Node) -> dict:
-    return {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
-            "phase": node.phase}
+def _op(node: Node, placed: dict) -> dict:
+    op = {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
+          "phase": node.phase}
+    buffers = [_buffer_ref(value, placed[value]) for value in node.outputs if value in placed]
+    return op | ({"buffers": buffers} if buffers else {})
+
+
+def _buffer_ref(value: str, placement) -> list:
+    return [value, placement.region, placement.offset, placement.size_bytes]
 
 
 def kernel_of(node: Node) -> str:
@@ -48,9 +60,13 @@ def print_schedule(data: dict) -> str:
 def _print_function(name: str, ops: list[dict]) -> str:
     lines = [f"schedule @{name} ({len(ops)} op{'s' if len(ops) != 1 else ''}) {{"]
     lines += [f"  %{op['node'][1:]:<5} {op['phase']:<9} {op['kernel']}{_times(op['repeat'])}"
-              for op in ops]
+              + _buffers_text(op.get("buffers", ())) for op in ops]
     return "\n".join(lines + ["}", ""]) + "\n"
 
 
 def _times(repeat) -> str:
     return "" if str(repeat) == "1" else f"  ×{repeat}"
+
+
+def _buffers_text(buffers) -> str:
+    return "".join(f"  {value}@{region}+{offset}:{size}" for value, region, offset, size in buffers)

@@ -49,6 +49,7 @@ class StepPlan:
     regions: dict[str, RegionTotals] = field(default_factory=dict)
     invocations: dict[str, int] = field(default_factory=dict)
     functions: dict[str, dict] = field(default_factory=dict)  # per function: its plan summary
+    placements: dict[str, dict] = field(default_factory=dict)  # function -> value -> Placement
 
     def summary(self) -> dict:
         regions = [{"region": name, "arena_bytes": r.arena, "lower_bound_bytes": r.lower_bound,
@@ -94,6 +95,7 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
         results.append(_metric(region, metric))
         if metric == "arena" and plan is not None:
             step.functions[function.name] = plan.summary()
+            step.placements[function.name] = plan.placements
             _add_saved(step, plan.regions.get(SAVED),
                        step.invocations.get(_forward_name(function), 1))
     return tuple(results)
