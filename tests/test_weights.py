@@ -382,49 +382,39 @@ def test_key_placeholder_missing_from_the_name(tmp_path):
     assert found.labels[0].message == "every layer would load this same tensor"
 
 
-def test_placeholder_used_twice_in_a_key(tmp_path):
-    extra = '''
-    model Nested(n: int = 2):
-      params:
-        outer: [n] x Inner(n)
-      hf_mapping:
-        outer[{i}].inner[{i}].w: "x.{i}"
+NESTED = """
+model Nested(n: int = 2):
+  params:
+    outer: [n] x Inner(n)
+  hf_mapping:
+    MAPPING
 
-    module Inner(n: int):
-      params:
-        inner: [n] x Leaf()
+module Inner(n: int):
+  params:
+    inner: [n] x Leaf()
 
-    module Leaf():
-      params:
-        w: [4]
-    '''
+module Leaf():
+  params:
+    w: [4]
+"""
+
+
+def nested(tmp_path, mapping: str) -> "Checked":
+    """A model with a stack inside a stack, and one `hf_mapping` entry."""
     path = tmp_path / "nested.module"
-    path.write_text(textwrap.dedent(extra), encoding="utf-8")
-    checked = Checked(path)
+    path.write_text(NESTED.replace("MAPPING", mapping), encoding="utf-8")
+    return Checked(path)
+
+
+def test_placeholder_used_twice_in_a_key(tmp_path):
+    checked = nested(tmp_path, 'outer[{i}].inner[{i}].w: "x.{i}"')
     found = checked.one("placeholder `{i}` is used twice in this key")
-    assert checked.spanned(found) == "i" and found.primary_span.column == 23
+    assert checked.spanned(found) == "i" and found.primary_span.column == 23  # the second
     assert [w.path for w in weight_paths(checked.instance)] == ["outer[{i}].inner[{j}].w"]
 
 
 def test_nested_stacks(tmp_path):
-    text = '''
-    model Nested(n: int = 2):
-      params:
-        outer: [n] x Inner(n)
-      hf_mapping:
-        outer[{layer}].inner[{sub}].w: "x.{layer}.y.{sub}"
-
-    module Inner(n: int):
-      params:
-        inner: [n] x Leaf()
-
-    module Leaf():
-      params:
-        w: [4]
-    '''
-    path = tmp_path / "nested.module"
-    path.write_text(textwrap.dedent(text), encoding="utf-8")
-    checked = Checked(path)
+    checked = nested(tmp_path, 'outer[{layer}].inner[{sub}].w: "x.{layer}.y.{sub}"')
     assert checked.diagnostics == []
     assert hf_plan(checked.instance)[0]["hf"] == ["x.{i}.y.{j}"]
 

@@ -17,7 +17,7 @@ from modulec.check.unify import Matcher, ShapeError, pattern_of
 from modulec.check.world import did_you_mean
 from modulec.diagnostics import Label
 from modulec.ops.registry import BindError, OpCall, OpRule, bind_params
-from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, evaluate
+from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.semantic.decls import TensorSig
 from modulec.syntax import ast as A
 from modulec.types.tensor import FLOAT, TensorType
@@ -130,8 +130,7 @@ def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
         return _call_primitive(ctx, world.ops[name[:-9]], consts, inputs, expr, backward=True)
     decl = world.lookup_decl(name, func.span)
     if decl is not None and decl.kind != "primitive":
-        child = instantiate_call(ctx.instance, decl, consts, expr.span)
-        return call_module(ctx, child, inputs, expr) if child else None
+        return _call_declared(ctx, decl, consts, inputs, expr)
     if world.already_reported(name, func.span):
         return None
     candidates = list(world.ops) + world.candidates(func.span) + list(ctx.instance.params)
@@ -145,8 +144,7 @@ def _call_qualified(ctx, func: A.Attribute, consts, inputs, expr) -> Result | No
     name, world = A.qualified_name(func), ctx.world
     decl = world.lookup_decl(name, func.span)
     if decl is not None and decl.kind != "primitive":
-        child = instantiate_call(ctx.instance, decl, consts, expr.span)
-        return call_module(ctx, child, inputs, expr) if child else None
+        return _call_declared(ctx, decl, consts, inputs, expr)
     if not world.already_reported(name, func.span):
         prefix, last = name.rsplit(".", 1)
         world.error("E014", f"unknown operation `{name}`", func.span,
@@ -155,6 +153,12 @@ def _call_qualified(ctx, func: A.Attribute, consts, inputs, expr) -> Result | No
                           "its declarations: `import std.modules.linear as L`, then "
                           "`L.Linear(d, d)`"])
     return None
+
+
+def _call_declared(ctx, decl: A.Decl, consts, inputs, expr) -> Result | None:
+    """A module, block or model called inline: instantiated with the step's arguments."""
+    child = instantiate_call(ctx.instance, decl, consts, expr.span)
+    return call_module(ctx, child, inputs, expr) if child else None
 
 
 def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> Result | None:
