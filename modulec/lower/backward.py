@@ -127,7 +127,9 @@ def _op_backward(builder: _Builder, node: Node) -> None:
         else:
             targets.append(by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None)
     outputs = [builder.fresh(t) if builder.wants(t) else "" for t in targets]
-    builder.node(f"{rule.name}_backward", inputs, outputs, node, attrs=node.attrs)
+    # forward_node: the runtime reads the forward op's input shapes and outputs from it
+    builder.node(f"{rule.name}_backward", inputs, outputs, node,
+                 attrs=node.attrs + (("forward_node", node.id),))
     for source, gradient in zip(targets, outputs):
         if source:
             builder.contribute(source, gradient, node)

@@ -1,0 +1,269 @@
+"""The reference interpreter: runs a Graph IR (forward and backward) with the torch
+reference kernels of `runtime.kernels`.
+
+The IR is hierarchical (modulec.ir.graph): a `call` node runs another function, `repeat`
+times in a row for a stack of layers (layer i's outputs are layer i+1's inputs). Every run
+of a function leaves a `Frame` (its values by id, and the frames of the calls it made), so
+the backward of a call finds the forward values its function saved: the backward of layer
+i reads frame `(forward node, i)`. Parameters live in one dict keyed by their full path
+(`blocks[3].attention.qkv_weight`), the path of a function being its scope with each `[*]`
+replaced by the layer index of the enclosing stack.
+
+Absent gradients (`""` in a backward node's inputs) are zeros shaped like the forward value
+they differentiate; a backward op reads its forward op (attr `forward_node`) for those
+shapes and for the forward input shapes some kernels need (`input_shapes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+from torch import Tensor
+
+from modulec.ir.graph import Function, Graph, Node
+from runtime.errors import NonFiniteError, RuntimeUserError
+from runtime.kernels import KERNELS
+
+EXACT_DTYPES = {torch.float64: "fp64", torch.float32: "fp32"}
+FLOAT_NAMES = {"fp64", "fp32", "bf16", "fp16", "float"}
+
+
+@dataclass
+class Frame:
+    """One run of one function: its values and the frames of the calls it made."""
+
+    function: Function
+    path: str  # the parameter prefix of this instance ("" for the model)
+    indices: tuple[int, ...]  # layer indices of the enclosing stacks
+    env: dict[str, Tensor] = field(default_factory=dict)
+    children: dict[tuple[str, int], "Frame"] = field(default_factory=dict)
+
+
+@dataclass
+class Interpreter:
+    """Runs `graph` on `params` (path -> tensor). In float64/float32 mode (`dtype`), every
+    floating tensor the program creates is made in that dtype too, so a run is exact."""
+
+    graph: Graph
+    params: dict[str, Tensor]
+    dtype: torch.dtype | None = None
+    hooks: object = None  # runtime.hooks.Hooks: observe / modify / replace, probes
+    check_finite: bool = True
+    kernels: dict = field(default_factory=lambda: KERNELS)
+    grads: dict[str, Tensor] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ entry points
+    def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
+        entry = self.graph.function(self.graph.entry)
+        frame = Frame(entry, "", ())
+        return self._run(frame, inputs, None), frame
+
+    def backward(self, frame: Frame, d_outputs: list[Tensor | None]):
+        """Gradients of the entry's inputs (None where there is none) and of every trainable
+        parameter by path, for output seeds `d_outputs` (None: zero)."""
+        if not self.graph.backward:
+            raise RuntimeUserError("this program has no backward (it was built without one)")
+        self.grads = {}
+        backward = self.graph.function(self.graph.backward)
+        seeds = [d if d is not None else torch.zeros_like(frame.env[o])
+                 for d, o in zip(d_outputs, frame.function.outputs)]
+        own = Frame(backward, frame.path, frame.indices)
+        d_inputs = self._run(own, seeds, frame)
+        return d_inputs, self.grads
+
+    # ------------------------------------------------------------------ functions
+    def _run(self, frame: Frame, args: list, forward: Frame | None) -> list:
+        function = frame.function
+        frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
+        for node in function.nodes:
+            if node.kind == "call":
+                self._call(node, frame, forward)
+            elif node.kind == "op":
+                self._op(node, frame, forward)
+            else:  # an alias names an existing value
+                frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
+        if function.gradient_of:
+            self._collect_param_grads(frame)
+        return [frame.env.get(o) if o else None for o in function.outputs]
+
+    def _call(self, node: Node, frame: Frame, forward: Frame | None) -> None:
+        callee = self.graph.function(node.target)
+        values = [self._read(v, frame, forward) if v else None for v in node.inputs]
+        count = int(node.repeat)
+        if callee.gradient_of:
+            origin = node.attr("forward_node")
+            for layer in reversed(range(count)):
+                child = forward.children[(origin, layer)]
+                own = Frame(callee, child.path, child.indices)
+                values = self._zeros_for_absent(values, child)
+                values = self._run(own, values, child)
+        else:
+            for layer in range(count):
+                child = self._child_frame(callee, frame, layer)
+                frame.children[(node.id, layer)] = child
+                values = self._run(child, values, None)
+        frame.env.update({o: v for o, v in zip(node.outputs, values) if o})
+
+    def _zeros_for_absent(self, grads: list, child: Frame) -> list:
+        outputs = child.function.outputs
+        return [g if g is not None else torch.zeros_like(child.env[o])
+                for g, o in zip(grads, outputs)]
+
+    def _child_frame(self, callee: Function, frame: Frame, layer: int) -> Frame:
+        indices = frame.indices
+        if callee.scope.count("[*]") > len(indices):
+            indices = indices + (layer,)
+        return Frame(callee, _fill_scope(callee.scope, indices), indices)
+
+    def _collect_param_grads(self, frame: Frame) -> None:
+        for name, value in frame.function.param_grads:
+            gradient = frame.env.get(value)
+            if gradient is None:
+                continue
+            path = _join(frame.path, name)
+            self.grads[path] = self.grads[path] + gradient if path in self.grads else gradient
+
+    # ------------------------------------------------------------------ ops
+    def _op(self, node: Node, frame: Frame, forward: Frame | None) -> None:
+        if node.outputs and not any(node.outputs):
+            return  # a backward op none of whose gradients is wanted
+        inputs = [self._read(v, frame, forward) if v else None for v in node.inputs]
+        attrs = self._attrs(node)
+        if node.target.endswith("_backward"):
+            kernel = self._kernel(node.target[: -len("_backward")], node, frame)
+            inputs, attrs = self._backward_context(kernel, node, inputs, attrs, forward)
+            outputs = kernel.backward(inputs, attrs)
+        else:
+            kernel = self._kernel(node.target, node, frame)
+            outputs = kernel.forward(_group_lists(kernel.forward_inputs, inputs), attrs)
+            outputs = _flatten(outputs)
+        for value, tensor in zip(node.outputs, _flatten(outputs)):
+            if value:
+                frame.env[value] = self._after(node, frame, value, tensor)
+
+    def _kernel(self, name: str, node: Node, frame: Frame):
+        kernel = self.kernels.get(name)
+        if kernel is None:
+            raise RuntimeUserError(f"no kernel for `{name}` ({_where(node, frame)})")
+        return kernel
+
+    def _attrs(self, node: Node) -> dict:
+        attrs = {k: v for k, v in node.attrs if k != "forward_node"}
+        exact = EXACT_DTYPES.get(self.dtype)
+        if exact and attrs.get("dtype") in FLOAT_NAMES:
+            attrs["dtype"] = exact
+        return attrs
+
+    def _backward_context(self, kernel, node: Node, inputs: list, attrs: dict, forward):
+        """Zeros for absent output gradients and the forward input shapes, from the
+        forward op this backward op differentiates."""
+        origin = node.attr("forward_node")
+        if forward is None or origin is None:
+            return _group_lists(kernel.backward_inputs, inputs), attrs
+        op = next(n for n in forward.function.nodes if n.id == origin)
+        by_name = _forward_names(kernel, op)
+        filled = []
+        for name, value in zip(_expand(kernel.backward_inputs, inputs), inputs):
+            source = by_name.get(name[2:]) if name.startswith("d_") else None
+            if value is None and isinstance(source, str) and source in forward.env:
+                value = torch.zeros_like(forward.env[source])
+            filled.append(value)
+        attrs["input_shapes"] = _input_shapes(kernel, op, forward, self)
+        return _group_lists(kernel.backward_inputs, filled), attrs
+
+    def _after(self, node: Node, frame: Frame, value: str, tensor: Tensor) -> Tensor:
+        if self.check_finite and isinstance(tensor, Tensor) and tensor.is_floating_point() \
+                and not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteError(f"`{value}` = {node.target}(...) is not finite "
+                                 f"({_where(node, frame)})")
+        if self.hooks is not None:
+            tensor = self.hooks.apply(node, frame, value, tensor)
+        return tensor
+
+    # ------------------------------------------------------------------ values
+    def _read(self, value: str, frame: Frame, forward: Frame | None):
+        if value in frame.env:
+            return frame.env[value]
+        if forward is not None and value in forward.env:
+            return forward.env[value]
+        if value.startswith("param:"):
+            return self._param(value[len("param:"):], frame)
+        raise RuntimeUserError(f"value `{value}` is read before it is computed "
+                               f"(in `{frame.function.name}`)")
+
+    def _param(self, name: str, frame: Frame) -> Tensor:
+        path = _join(frame.path, name)
+        if path not in self.params:
+            raise RuntimeUserError(f"parameter `{path}` has no value",
+                                   help=["load weights (e.g. --hf-weights DIR) or pass "
+                                         "every parameter by its path"])
+        return self.params[path]
+
+
+# ====================================================================== helpers
+def _fill_scope(scope: str, indices: tuple[int, ...]) -> str:
+    for index in indices:
+        scope = scope.replace("[*]", f"[{index}]", 1)
+    return scope
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _where(node: Node, frame: Frame) -> str:
+    file, line, column = node.span
+    place = f"{file}:{line}:{column}" if file else "no source"
+    scope = frame.path or frame.function.module
+    return f"node {node.id} of `{frame.function.name}` at {scope}, {place}"
+
+
+# the tensor-list inputs of std/primitives (`xs: [n] x [*]`): concat's and split_backward's
+LIST_INPUTS = frozenset({"xs", "d_parts"})
+
+
+def _group_lists(names: tuple, values: list) -> list:
+    """A signature whose single input is a list takes all the node's values as one list."""
+    if len(names) == 1 and names[0] in LIST_INPUTS:
+        return [list(values)]
+    return values
+
+
+def _expand(names: tuple, values: list) -> list[str]:
+    if len(names) == 1 and names[0] in LIST_INPUTS:
+        return [names[0]] * len(values)
+    return list(names)
+
+
+def _flatten(outputs: list) -> list:
+    flat = []
+    for out in outputs:
+        flat += list(out) if isinstance(out, (list, tuple)) else [out]
+    return flat
+
+
+def _forward_names(kernel, op: Node) -> dict:
+    names = dict(zip(kernel.forward_inputs, op.inputs))
+    names.update(zip(kernel.forward_outputs, op.outputs))
+    if len(kernel.forward_outputs) == 1 and len(op.outputs) != 1:
+        names[kernel.forward_outputs[0]] = list(op.outputs)
+    return names
+
+
+def _input_shapes(kernel, op: Node, forward: Frame, interpreter: Interpreter) -> dict:
+    shapes: dict = {}
+    if len(kernel.forward_inputs) == 1 and kernel.forward_inputs[0] in LIST_INPUTS:
+        shapes[kernel.forward_inputs[0]] = [_shape(v, forward, interpreter) for v in op.inputs]
+        return shapes
+    for name, value in zip(kernel.forward_inputs, op.inputs):
+        shapes[name] = _shape(value, forward, interpreter) if value else None
+    return shapes
+
+
+def _shape(value: str, forward: Frame, interpreter: Interpreter):
+    if value in forward.env:
+        return tuple(forward.env[value].shape)
+    if value.startswith("param:"):
+        return tuple(interpreter._param(value[len("param:"):], forward).shape)
+    return None
+

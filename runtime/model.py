@@ -1,0 +1,139 @@
+"""The Python API of the reference runtime.
+
+    from runtime import Model
+    model = Model.from_module("std/models/llama.module", hf_weights="ckpt/", dtype=torch.float64)
+    out = model.forward(token_ids=ids)              # {"logits": tensor}
+    grads = model.backward(logits=d_logits)        # parameter gradients by path
+    model.hf_gradients()                           # the same under HF checkpoint names
+
+A model holds its parameters by path (`blocks[3].attention.qkv_weight`) and builds its
+program for the shapes of the inputs it is given (see runtime.program).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from modulec.ir.graph import Graph
+from runtime.errors import RuntimeUserError
+from runtime.interpreter import Frame, Interpreter, _fill_scope, _join
+from runtime.program import ModuleSource, Program
+
+
+@dataclass
+class Gradients:
+    inputs: dict[str, Tensor]  # by input name (floating inputs only)
+    params: dict[str, Tensor]  # by parameter path
+
+
+@dataclass
+class Model:
+    source: ModuleSource
+    params: dict[str, Tensor] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float64
+    device: str = "cpu"
+    hooks: object = None
+    check_finite: bool = True
+    program: Program | None = None
+    _frame: Frame | None = None
+
+    @classmethod
+    def from_module(cls, path, *, settings: dict | None = None, config=None, hf_weights=None,
+                    dtype=torch.float64, device="cpu", model: str | None = None,
+                    search_path=(), progress: bool = False) -> "Model":
+        """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
+        config.json sizes the model (unless `config` names another) and its safetensors
+        are loaded."""
+        if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
+            config = Path(hf_weights) / "config.json"
+        source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
+                              Path(config) if config else None, model,
+                              tuple(Path(p) for p in search_path))
+        instance = cls(source, dtype=dtype, device=device)
+        if hf_weights is not None:
+            instance.load_hf(hf_weights, progress=progress)
+        return instance
+
+    # ------------------------------------------------------------------ parameters
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return parameter_shapes(self.source.program().graph)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "Model":
+        """Random parameters (normal(0, std); norm weights near 1) for tests and tutorials."""
+        generator = torch.Generator().manual_seed(seed)
+        for path, shape in self.parameter_shapes().items():
+            value = torch.randn(shape, generator=generator, dtype=torch.float64) * std
+            if len(shape) == 1 and path.endswith("weight"):
+                value += 1.0
+            self.params[path] = value.to(self.dtype).to(self.device)
+        return self
+
+    def load_hf(self, directory, progress: bool = False) -> "Model":
+        from runtime.hf_weights import load_hf_weights
+
+        schema = self.source.program().weight_schema
+        loaded = load_hf_weights(schema, Path(directory), dtype=self.dtype, device=self.device,
+                                 progress=progress)
+        self.params.update(loaded)
+        return self
+
+    # ------------------------------------------------------------------ running
+    def forward(self, **inputs: Tensor) -> dict[str, Tensor]:
+        self.program = self.source.program_for(inputs)
+        names = self.program.input_names()
+        values = [self._input(inputs[n]) for n in names]
+        outputs, self._frame = self._interpreter().forward(values)
+        return dict(zip(self.program.output_names(), outputs))
+
+    def backward(self, **d_outputs: Tensor) -> Gradients:
+        """Gradients for output seeds by output name (`logits=d_logits`); an output not
+        given is seeded with zeros."""
+        if self._frame is None:
+            raise RuntimeUserError("backward before forward", help=["call forward first"])
+        names = self.program.output_names()
+        unknown = set(d_outputs) - set(names)
+        if unknown:
+            raise RuntimeUserError(f"no output named {', '.join(sorted(unknown))}",
+                                   help=[f"outputs: {', '.join(names)}"])
+        seeds = [self._input(d_outputs[n]) if n in d_outputs else None for n in names]
+        d_inputs, grads = self._interpreter().backward(self._frame, seeds)
+        inputs = dict(zip(self.program.input_names(), d_inputs))
+        return Gradients({k: v for k, v in inputs.items() if v is not None}, grads)
+
+    def hf_tensors(self, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """Parameters (or gradients, if given) under HF checkpoint names."""
+        from runtime.hf_weights import export_hf_tensors
+
+        return export_hf_tensors(self.source.program().weight_schema,
+                                 self.params if tensors is None else tensors)
+
+    def _interpreter(self) -> Interpreter:
+        return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
+                           self.check_finite)
+
+    def _input(self, tensor: Tensor) -> Tensor:
+        tensor = torch.as_tensor(tensor).to(self.device)
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+
+def parameter_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model by path, with its shape, walking the calls."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    _walk(graph, graph.function(graph.entry), "", (), shapes)
+    return shapes
+
+
+def _walk(graph: Graph, function, path: str, indices: tuple, shapes: dict) -> None:
+    for param in function.params:
+        shapes[_join(path, param.id[len("param:"):])] = tuple(int(d) for d in param.shape)
+    for node in function.nodes:
+        if node.kind != "call":
+            continue
+        callee = graph.function(node.target)
+        for layer in range(int(node.repeat)):
+            inner = indices + (layer,) if callee.scope.count("[*]") > len(indices) else indices
+            _walk(graph, callee, _fill_scope(callee.scope, inner), inner, shapes)

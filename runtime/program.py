@@ -1,0 +1,137 @@
+"""A compiled program for the runtime: the Graph IR, weight schema and metadata of one model
+at concrete sizes, from a `.module` file (compiled on the fly) or an IR document written by
+`modulec build -o`.
+
+Kernels need every dim sized (a `view` carries its target shape), so a program is built for
+the shapes of the inputs it runs on: `ModuleSource.program(inputs)` binds the symbolic dims
+of the model's declared inputs (`token_ids: [B, T, int32]`) to the given tensors' sizes and
+builds once per distinct binding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modulec.ir.graph import Graph
+from modulec.ir.serialize import IR_VERSION, graph_from_data
+from runtime.errors import RuntimeUserError
+
+
+@dataclass(frozen=True)
+class Program:
+    graph: Graph
+    document: dict
+
+    @property
+    def weight_schema(self) -> list:
+        return self.document.get("weight_schema", [])
+
+    @property
+    def metadata(self) -> dict:
+        return self.document["metadata"]
+
+    def input_names(self) -> list[str]:
+        return [i["name"] for i in self.metadata["inputs"]]
+
+    def output_names(self) -> list[str]:
+        entry = self.graph.function(self.graph.entry)
+        return [(entry.value(o).name if entry.value(o) else "") or o for o in entry.outputs]
+
+
+def program_from_document(document: dict) -> Program:
+    """A program from a `modulec build -o` document (already parsed JSON)."""
+    if document.get("ir_version") != IR_VERSION:
+        raise RuntimeUserError(f"IR version {document.get('ir_version')!r} is not "
+                               f"{IR_VERSION}", help=["rebuild it with this modulec"])
+    try:
+        return Program(graph_from_data(document["graph"]), document)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RuntimeUserError(f"malformed IR document ({exc})",
+                               help=["`modulec ir verify FILE` says what is wrong"]) from None
+
+
+def load_ir(path: Path) -> Program:
+    try:
+        return program_from_document(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:
+        raise RuntimeUserError(f"cannot read IR {path}: {exc}") from None
+
+
+@dataclass
+class ModuleSource:
+    """A `.module` model and how to size it; builds programs per input shapes."""
+
+    path: Path
+    settings: dict[str, str] = field(default_factory=dict)  # --set name=value
+    config: Path | None = None  # a HuggingFace config.json
+    model: str | None = None
+    search_path: tuple[Path, ...] = ()
+    _built: dict = field(default_factory=dict)
+
+    def program(self, shapes: dict[str, int] | None = None) -> Program:
+        key = tuple(sorted((shapes or {}).items()))
+        if key not in self._built:
+            self._built[key] = self._build(dict(key))
+        return self._built[key]
+
+    def program_for(self, inputs: dict) -> Program:
+        """The program for these input tensors (by declared input name)."""
+        declared = self.program().metadata["inputs"]
+        return self.program(bind_dims(declared, inputs))
+
+    def _build(self, shapes: dict[str, int]) -> Program:
+        from modulec.lower.build import BuildRequest, build
+
+        request = BuildRequest(Path(self.path), tuple(self.search_path), self.model,
+                               dict(self.settings), shapes, self.config)
+        result = build(request)
+        errors = [d for d in result.diagnostics if d.is_error]
+        if errors or result.document is None:
+            raise RuntimeUserError(f"{self.path} does not build", help=[_render(result)])
+        return Program(result.graph, result.document)
+
+
+def bind_dims(declared: list[dict], inputs: dict) -> dict[str, int]:
+    """Sizes of the symbolic dims of the declared inputs, read off the given tensors;
+    a tensor of the wrong rank, or two sizes for one dim, is an error."""
+    sizes: dict[str, int] = {}
+    for spec in declared:
+        name = spec["name"]
+        if name not in inputs:
+            raise RuntimeUserError(f"input `{name}` is missing",
+                                   help=[f"the model's inputs: {_names(declared)}"])
+        _bind_one(spec, tuple(inputs[name].shape), sizes)
+    extra = set(inputs) - {s["name"] for s in declared}
+    if extra:
+        raise RuntimeUserError(f"unknown input(s) {', '.join(sorted(extra))}",
+                               help=[f"the model's inputs: {_names(declared)}"])
+    return sizes
+
+
+def _bind_one(spec: dict, shape: tuple, sizes: dict) -> None:
+    dims = spec["shape"]
+    if len(dims) != len(shape):
+        raise RuntimeUserError(f"input `{spec['name']}` has shape {list(shape)}, the model "
+                               f"declares [{', '.join(dims)}]")
+    for dim, size in zip(dims, shape):
+        if dim.isdigit():
+            if int(dim) != size:
+                raise RuntimeUserError(f"input `{spec['name']}`: dim of size {size} where "
+                                       f"the model declares {dim}")
+        elif dim.isidentifier():
+            if sizes.setdefault(dim, size) != size:
+                raise RuntimeUserError(f"input `{spec['name']}`: `{dim}` is {size} here "
+                                       f"but {sizes[dim]} in another input")
+
+
+def _names(declared: list[dict]) -> str:
+    return ", ".join(f"{s['name']}: [{', '.join(s['shape'])}, {s['dtype']}]" for s in declared)
+
+
+def _render(result) -> str:
+    from modulec.diagnostics import render_human
+
+    sources = {result.source.name: result.source} if result.source else {}
+    return render_human([d for d in result.diagnostics if d.is_error], sources, color=False)

@@ -1,0 +1,32 @@
+"""Tiny instantiations of every std model and example, shared by the runtime tests."""
+
+from __future__ import annotations
+
+import torch
+
+DENSE = dict(n_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48, vocab_size=64,
+             max_seq=64)
+
+TINY = {
+    "llama": ("std/models/llama.module", DENSE),
+    "llama_tied": ("std/models/llama.module", DENSE | {"tie_word_embeddings": "true"}),
+    "qwen3": ("std/models/qwen3.module", DENSE | {"head_dim": 8}),
+    "mistral": ("std/models/mistral.module", DENSE | {"window_size": 3}),
+    "mixtral": ("std/models/mixtral.module", DENSE | {"num_experts": 4, "top_k": 2}),
+    "example_llama": ("examples/llama.module", DENSE),
+    "example_gpt2": ("examples/gpt2.module", dict(n_layers=2, d_model=32, num_heads=4,
+                                                  vocab_size=64, max_seq=64)),
+    "example_mamba": ("examples/mamba.module", dict(n_layers=2, d_model=32, vocab_size=64,
+                                                    d_state=8, head_dim=8)),
+}
+
+
+def token_inputs(model, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
+    """Random token ids (and position ids where the model takes them)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = int(model.source.settings.get("vocab_size", 64))
+    inputs = {"token_ids": torch.randint(0, vocab, (batch, seq), generator=generator,
+                                         dtype=torch.int32)}
+    if "position_ids" in model.source.program().input_names():
+        inputs["position_ids"] = torch.arange(seq, dtype=torch.int32).repeat(batch, 1)
+    return inputs
