@@ -1,0 +1,45 @@
+// The host-side entry points of the modulec CUDA kernels: raw device pointers, sizes and a
+// stream. csrc/bindings.cpp wraps them on torch tensors; nothing here needs torch.
+// Every launcher returns the launch's cudaError_t (cudaSuccess when there is no work).
+// Dtype policy: bf16 or fp32 I/O, fp32 arithmetic; rstd is always fp32.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace modulec {
+
+enum class DType : int { F32 = 0, BF16 = 1 };
+
+// ---- norms.cu: rmsnorm and fused_residual_rmsnorm over the last dim (rows x C)
+// y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps). With `input` non-null the
+// kernel is fused_residual_rmsnorm: x = residual + input (fp32), written to residual_out.
+cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
+                                   void* residual_out, void* y, float* rstd, int64_t rows,
+                                   int64_t C, float eps, cudaStream_t stream);
+
+// fp32 workspace (in floats) that launch_rmsnorm_backward needs for its d_weight partials.
+int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C);
+
+// d_x = rstd * (g - n * mean(g * n)) (+ d_residual_out when non-null: the fused backward),
+// g = d_y * weight, n = x * rstd; d_weight = sum over rows of d_y * n, reduced in two
+// passes through `workspace` (per-block fp32 partials, then a column sum).
+cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
+                                    const float* rstd, const void* d_residual_out, void* d_x,
+                                    void* d_weight, float* workspace, int64_t rows, int64_t C,
+                                    cudaStream_t stream);
+
+// ---- swiglu.cu: y = silu(gate) * up over n elements
+cudaError_t launch_swiglu_forward(DType dt, const void* gate, const void* up, void* y, int64_t n,
+                                  cudaStream_t stream);
+cudaError_t launch_swiglu_backward(DType dt, const void* d_y, const void* gate, const void* up,
+                                   void* d_gate, void* d_up, int64_t n, cudaStream_t stream);
+
+// ---- rope.cu: rotate-half RoPE of x [B, H, T, D] into out (may alias x).
+// position_ids: int32 [B or 1, T] or null (0 .. T-1); pos_batch_stride is T, or 0 when
+// one row of positions serves every batch. inverse: the backward (rotation by -angle).
+cudaError_t launch_rope(DType dt, const void* x, void* out, const int32_t* position_ids,
+                        int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
+                        float theta, bool inverse, cudaStream_t stream);
+
+}  // namespace modulec

@@ -1,0 +1,377 @@
+// rmsnorm and fused_residual_rmsnorm, forward and backward (std/primitives/rmsnorm.module,
+// fused_residual_rmsnorm.module). A row is normalized by a "group" of threads: the whole
+// block for long rows, a power-of-two slice of a warp for rows of at most 32 vectors
+// (qk_norm's head dim: a block per 128-element row would leave most threads idle). The
+// forward gives each group one row; the backward runs a persistent grid whose groups
+// stride over rows, so that each thread keeps the d_weight partials of its own columns in
+// registers, then a second kernel sums the per-group partials per column. fp32
+// arithmetic throughout; bf16 or fp32 I/O.
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace modulec {
+namespace {
+
+constexpr int kMaxThreads = 512;   // __launch_bounds__: leaves 128 registers a thread
+constexpr int kFwdCache = 4;       // row vectors a thread keeps in registers (forward)
+constexpr int kBwdCache = 2;       // likewise for x and d_y in the backward (twice the data)
+constexpr int kSmallRowThreads = 256;  // block size when a warp holds several rows
+
+// Threads per row ("group") and per block: rows of at most 32 vectors get a power-of-two
+// slice of a warp, one thread a vector; longer rows get the block.
+struct RowConfig {
+  int group, threads;
+  int rows_per_block() const { return threads / group; }
+};
+
+// Threads for a row of `nvec` vectors when each thread caches `per_thread` of them.
+int row_threads(int64_t nvec, int per_thread) {
+  int64_t t = (nvec + per_thread - 1) / per_thread;
+  t = (t + 31) / 32 * 32;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(t, 64), kMaxThreads));
+}
+
+RowConfig row_config(int64_t nvec, int per_thread) {
+  if (nvec > 32) {
+    const int t = row_threads(nvec, per_thread);
+    return {t, t};
+  }
+  int group = 1;
+  while (group < nvec) group <<= 1;
+  return {group, kSmallRowThreads};
+}
+
+// Sum over the row's group: the block, or `group` consecutive lanes of a warp (the xor
+// shuffle stays inside aligned power-of-two slices). Uniform across the block.
+__device__ __forceinline__ float group_sum(float v, int group) {
+  if (group >= static_cast<int>(blockDim.x)) return block_sum(v);
+  for (int off = group >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+template <int VEC>
+__device__ __forceinline__ float sum_squares(const float (&a)[VEC]) {
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s += a[j] * a[j];
+  return s;
+}
+
+// The row's value to normalize: x, or residual + input in fp32 for the fused kernel (the
+// reference normalizes the fp32 sum, not residual_out rounded to the I/O dtype).
+template <typename T, int VEC, bool FUSED>
+__device__ __forceinline__ void load_x(const T* x, const T* input, int64_t i, float (&a)[VEC]) {
+  load_vec<T, VEC>(x, i, a);
+  if constexpr (FUSED) {
+    float b[VEC];
+    load_vec<T, VEC>(input, i, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[j] += b[j];
+  }
+}
+
+template <typename T, int VEC, bool FUSED>
+__device__ __forceinline__ void store_y(const float (&a)[VEC], const T* weight, T* residual_out,
+                                        T* y, int64_t i, float r) {
+  if constexpr (FUSED) store_vec<T, VEC>(residual_out, i, a);
+  float w[VEC], o[VEC];
+  load_vec<T, VEC>(weight, i, w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) o[j] = a[j] * r * w[j];  // (x * rstd) * weight, as the reference
+  store_vec<T, VEC>(y, i, o);
+}
+
+template <typename T, int VEC, bool FUSED>
+__global__ void __launch_bounds__(kMaxThreads)
+rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
+                   const T* __restrict__ weight, T* __restrict__ residual_out,
+                   T* __restrict__ y, float* __restrict__ rstd, int64_t rows, int64_t C,
+                   float eps, int group) {
+  const int lane = threadIdx.x % group;
+  const int64_t row =
+      static_cast<int64_t>(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  // a group past the last row moves no data but still joins the reductions
+  const int64_t nvec = row < rows ? C / VEC : 0;
+  const int64_t off = row < rows ? row * C : 0;
+  x += off;
+  y += off;
+  if constexpr (FUSED) {
+    input += off;
+    residual_out += off;
+  }
+  // the first kFwdCache vectors of each thread stay in registers: one read from memory
+  float cache[kFwdCache][VEC];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kFwdCache; ++k) {
+    const int64_t i = lane + static_cast<int64_t>(k) * group;
+    if (i < nvec) {
+      load_x<T, VEC, FUSED>(x, input, i, cache[k]);
+      ss += sum_squares(cache[k]);
+    }
+  }
+  // rows longer than the cache are read twice (the second read mostly hits L2)
+  for (int64_t i = lane + kFwdCache * static_cast<int64_t>(group); i < nvec; i += group) {
+    float a[VEC];
+    load_x<T, VEC, FUSED>(x, input, i, a);
+    ss += sum_squares(a);
+  }
+  const float r = rsqrtf(group_sum(ss, group) / static_cast<float>(C) + eps);
+  if (lane == 0 && row < rows) rstd[row] = r;
+#pragma unroll
+  for (int k = 0; k < kFwdCache; ++k) {
+    const int64_t i = lane + static_cast<int64_t>(k) * group;
+    if (i < nvec) store_y<T, VEC, FUSED>(cache[k], weight, residual_out, y, i, r);
+  }
+  for (int64_t i = lane + kFwdCache * static_cast<int64_t>(group); i < nvec; i += group) {
+    float a[VEC];
+    load_x<T, VEC, FUSED>(x, input, i, a);
+    store_y<T, VEC, FUSED>(a, weight, residual_out, y, i, r);
+  }
+}
+
+// sum over the row of g * n, g = d_y * weight, n = x * r (one vector's share)
+template <int VEC>
+__device__ __forceinline__ float dot_gn(const float (&dy)[VEC], const float (&x)[VEC],
+                                        const float (&w)[VEC], float r) {
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s += (dy[j] * w[j]) * (x[j] * r);
+  return s;
+}
+
+// d_x of one vector (plus d_residual_out when fused); adds d_y * n into dw.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x)[VEC],
+                                         const T* weight, const T* d_res, T* d_x, int64_t i,
+                                         float r, float mean_gn, float (&dw)[VEC]) {
+  float w[VEC], o[VEC];
+  load_vec<T, VEC>(weight, i, w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const float n = x[j] * r;
+    o[j] = r * (dy[j] * w[j] - n * mean_gn);
+    dw[j] += dy[j] * n;
+  }
+  if (d_res) {
+    float d[VEC];
+    load_vec<T, VEC>(d_res, i, d);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] += d[j];
+  }
+  store_vec<T, VEC>(d_x, i, o);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const T* weight,
+                                                 float r, const T* d_res, T* d_x, float* part,
+                                                 int64_t nvec, int64_t C, int group, int lane,
+                                                 float (&dw)[kBwdCache][VEC]) {
+  const int64_t first_uncached = kBwdCache * static_cast<int64_t>(group);
+  float xs[kBwdCache][VEC], gs[kBwdCache][VEC];
+  float dot = 0.f;
+#pragma unroll
+  for (int k = 0; k < kBwdCache; ++k) {
+    const int64_t i = lane + static_cast<int64_t>(k) * group;
+    if (i < nvec) {
+      float w[VEC];
+      load_vec<T, VEC>(x, i, xs[k]);
+      load_vec<T, VEC>(d_y, i, gs[k]);
+      load_vec<T, VEC>(weight, i, w);
+      dot += dot_gn(gs[k], xs[k], w, r);
+    }
+  }
+  for (int64_t i = lane + first_uncached; i < nvec; i += group) {
+    float a[VEC], g[VEC], w[VEC];
+    load_vec<T, VEC>(x, i, a);
+    load_vec<T, VEC>(d_y, i, g);
+    load_vec<T, VEC>(weight, i, w);
+    dot += dot_gn(g, a, w, r);
+  }
+  const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
+#pragma unroll
+  for (int k = 0; k < kBwdCache; ++k) {
+    const int64_t i = lane + static_cast<int64_t>(k) * group;
+    if (i < nvec) store_dx<T, VEC>(gs[k], xs[k], weight, d_res, d_x, i, r, mean_gn, dw[k]);
+  }
+  // uncached columns accumulate d_weight straight into this block's partial row
+  for (int64_t i = lane + first_uncached; i < nvec; i += group) {
+    float a[VEC], g[VEC], acc[VEC] = {};
+    load_vec<T, VEC>(x, i, a);
+    load_vec<T, VEC>(d_y, i, g);
+    store_dx<T, VEC>(g, a, weight, d_res, d_x, i, r, mean_gn, acc);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) part[i * VEC + j] += acc[j];
+  }
+}
+
+// Persistent grid: group g handles rows g, g + groups, ...; each thread owns the same
+// columns in every row, so its d_weight partials (one row of `partial` per group) need
+// neither atomics nor barriers.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kMaxThreads)
+rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
+                    const T* __restrict__ weight, const float* __restrict__ rstd,
+                    const T* __restrict__ d_res, T* __restrict__ d_x,
+                    float* __restrict__ partial, int64_t rows, int64_t C, int group) {
+  const int64_t nvec = C / VEC;
+  const int lane = threadIdx.x % group;
+  const int64_t per_block = blockDim.x / group;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / group;
+  float* part = partial + first * C;
+  float dw[kBwdCache][VEC] = {};
+  for (int64_t i = lane + kBwdCache * static_cast<int64_t>(group); i < nvec; i += group)
+    for (int j = 0; j < VEC; ++j) part[i * VEC + j] = 0.f;
+  // the loop bound is uniform across the block: every group reaches every reduction
+  for (int64_t base = first - threadIdx.x / group; base < rows; base += gridDim.x * per_block) {
+    const int64_t row = base + threadIdx.x / group;
+    const bool valid = row < rows;
+    const int64_t off = valid ? row * C : 0;
+    rms_backward_row<T, VEC>(d_y + off, x + off, weight, valid ? rstd[row] : 0.f,
+                             d_res ? d_res + off : nullptr, d_x + off, part, valid ? nvec : 0,
+                             C, group, lane, dw);
+  }
+#pragma unroll
+  for (int k = 0; k < kBwdCache; ++k) {
+    const int64_t i = lane + static_cast<int64_t>(k) * group;
+    if (i < nvec)
+      for (int j = 0; j < VEC; ++j) part[i * VEC + j] = dw[k][j];
+  }
+}
+
+// d_weight[c] = sum over the parts of partial[part][c]; a block sums 32 columns with 8
+// warps striding over the parts (coalesced 128-byte rows), then adds the 8 sums.
+template <typename T>
+__global__ void column_sum_kernel(const float* __restrict__ partial, int64_t parts, int64_t C,
+                                  T* __restrict__ out) {
+  __shared__ float acc[8][33];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (col < C)
+    for (int64_t p = threadIdx.y; p < parts; p += 8) s += partial[p * C + col];
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < C) {
+    float t = 0.f;
+    for (int k = 0; k < 8; ++k) t += acc[k][threadIdx.x];
+    out[col] = from_float<T>(t);
+  }
+}
+
+// ------------------------------------------------------------------- host dispatch
+template <typename T, int VEC>
+cudaError_t forward_vec(const void* x, const void* input, const void* weight,
+                        void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
+                        float eps, cudaStream_t stream) {
+  const RowConfig cfg = row_config(C / VEC, kFwdCache);
+  const int64_t blocks = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
+  auto args = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(blocks), cfg.threads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(input), static_cast<const T*>(weight),
+        static_cast<T*>(residual_out), static_cast<T*>(y), rstd, rows, C, eps, cfg.group);
+  };
+  if (input)
+    args(rms_forward_kernel<T, VEC, true>);
+  else
+    args(rms_forward_kernel<T, VEC, false>);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t forward_typed(const void* x, const void* input, const void* weight,
+                          void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
+                          float eps, cudaStream_t stream) {
+  constexpr int wide = 16 / sizeof(T);
+  if (pick_vec<T>(C, {x, input, weight, residual_out, y}) == wide)
+    return forward_vec<T, wide>(x, input, weight, residual_out, y, rstd, rows, C, eps, stream);
+  return forward_vec<T, 1>(x, input, weight, residual_out, y, rstd, rows, C, eps, stream);
+}
+
+// The backward's launch shape, from the sizes alone: the workspace is sized before the
+// launch, which may then fall back to scalar access (unaligned pointers) on the same
+// shape, since a group handles rows of any length. The grid holds as many blocks as fit
+// on the GPU at once: more would only add d_weight partials.
+struct BackwardPlan {
+  RowConfig cfg;
+  int grid;
+  int64_t parts() const { return static_cast<int64_t>(grid) * cfg.rows_per_block(); }
+};
+
+template <typename T>
+BackwardPlan backward_plan(int64_t rows, int64_t C) {
+  constexpr int wide = 16 / sizeof(T);
+  const bool vector = C % wide == 0;
+  const RowConfig cfg = row_config(vector ? C / wide : C, kBwdCache);
+  int per_sm = 0;
+  if (vector)
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rms_backward_kernel<T, wide>,
+                                                  cfg.threads, 0);
+  else
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rms_backward_kernel<T, 1>, cfg.threads,
+                                                  0);
+  const int64_t needed = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
+  const int64_t resident = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
+  return {cfg, static_cast<int>(std::min(needed, resident))};
+}
+
+template <typename T, int VEC>
+cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, const float* rstd,
+                         const void* d_res, void* d_x, void* d_weight, float* workspace,
+                         int64_t rows, int64_t C, const BackwardPlan& plan, cudaStream_t stream) {
+  rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
+      static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), rstd,
+      static_cast<const T*>(d_res), static_cast<T*>(d_x), workspace, rows, C, plan.cfg.group);
+  const unsigned col_blocks = static_cast<unsigned>((C + 31) / 32);
+  column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(workspace, plan.parts(), C,
+                                                                static_cast<T*>(d_weight));
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t backward_typed(const void* d_y, const void* x, const void* weight, const float* rstd,
+                           const void* d_res, void* d_x, void* d_weight, float* workspace,
+                           int64_t rows, int64_t C, cudaStream_t stream) {
+  constexpr int wide = 16 / sizeof(T);
+  const BackwardPlan plan = backward_plan<T>(rows, C);
+  if (pick_vec<T>(C, {d_y, x, weight, d_res, d_x}) == wide)
+    return backward_vec<T, wide>(d_y, x, weight, rstd, d_res, d_x, d_weight, workspace, rows, C,
+                                 plan, stream);
+  return backward_vec<T, 1>(d_y, x, weight, rstd, d_res, d_x, d_weight, workspace, rows, C, plan,
+                            stream);
+}
+
+}  // namespace
+
+cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
+                                   void* residual_out, void* y, float* rstd, int64_t rows,
+                                   int64_t C, float eps, cudaStream_t stream) {
+  if (rows == 0 || C == 0) return cudaSuccess;
+  if (dt == DType::BF16)
+    return forward_typed<__nv_bfloat16>(x, input, weight, residual_out, y, rstd, rows, C, eps,
+                                        stream);
+  return forward_typed<float>(x, input, weight, residual_out, y, rstd, rows, C, eps, stream);
+}
+
+int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C) {
+  if (rows == 0 || C == 0) return 0;
+  const int64_t parts = dt == DType::BF16 ? backward_plan<__nv_bfloat16>(rows, C).parts()
+                                           : backward_plan<float>(rows, C).parts();
+  return parts * C;
+}
+
+cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
+                                    const float* rstd, const void* d_residual_out, void* d_x,
+                                    void* d_weight, float* workspace, int64_t rows, int64_t C,
+                                    cudaStream_t stream) {
+  if (C == 0) return cudaSuccess;
+  if (rows == 0)  // no rows: d_weight is a sum over nothing
+    return cudaMemsetAsync(d_weight, 0, C * (dt == DType::BF16 ? 2 : 4), stream);
+  if (dt == DType::BF16)
+    return backward_typed<__nv_bfloat16>(d_y, x, weight, rstd, d_residual_out, d_x, d_weight,
+                                         workspace, rows, C, stream);
+  return backward_typed<float>(d_y, x, weight, rstd, d_residual_out, d_x, d_weight, workspace,
+                               rows, C, stream);
+}
+
+}  // namespace modulec

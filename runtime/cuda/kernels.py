@@ -1,0 +1,149 @@
+"""`CUDA_KERNELS`: a GPU implementation of every primitive, keyed by primitive name, with
+the reference calling convention (`forward(inputs, attrs)`, `backward(inputs, attrs)`,
+runtime/kernels/base.py).
+
+rmsnorm, fused_residual_rmsnorm, swiglu, rope and qk_norm have custom CUDA kernels
+(csrc/kernels). A call they do not cover (tensors not on the GPU or not contiguous, a
+dtype other than bf16/fp32, inputs of mixed dtypes, position_ids not int32) goes to the
+reference kernel, and so does every other primitive: the reference kernels are torch ops,
+which run on CUDA tensors as they are. Each custom kernel keeps the reference's dtype
+policy: fp32 arithmetic, outputs in the I/O dtype, rstd in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from runtime.kernels import KERNELS
+from runtime.kernels.base import ReferenceKernel
+
+CUSTOM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _extension():
+    from runtime.cuda.build import load
+
+    return load()
+
+
+def covered(inputs: list, names, stats) -> bool:
+    """Whether the custom kernels take these inputs: CUDA and contiguous, the floating
+    tensors other than the statistics all of one dtype in CUSTOM_DTYPES, statistics fp32,
+    integer tensors (position_ids) int32; None (an absent optional input) passes."""
+    io = set()
+    for name, x in zip(names, inputs):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or not x.is_cuda or not x.is_contiguous():
+            return False
+        if name in stats:
+            ok = x.dtype == torch.float32
+        elif x.is_floating_point():
+            io.add(x.dtype)
+            ok = x.dtype in CUSTOM_DTYPES
+        else:
+            ok = x.dtype == torch.int32
+        if not ok:
+            return False
+    return len(io) == 1
+
+
+class CudaKernel:
+    """A primitive with custom CUDA kernels, falling back to `reference` where they do not
+    cover the call. `forward_fn` / `backward_fn` take (extension, inputs, attrs)."""
+
+    def __init__(self, reference: ReferenceKernel, forward_fn: Callable, backward_fn: Callable):
+        self.reference = reference
+        self.forward_fn = forward_fn
+        self.backward_fn = backward_fn
+
+    def __getattr__(self, attr):  # name, forward_inputs, ... as the reference has them
+        return getattr(self.reference, attr)
+
+    def covers_forward(self, inputs: list) -> bool:
+        return covered(inputs, self.reference.forward_inputs, self.reference.stats)
+
+    def covers_backward(self, inputs: list) -> bool:
+        return covered(inputs, self.reference.backward_inputs, self.reference.stats)
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        if self.covers_forward(inputs):
+            return list(self.forward_fn(_extension(), inputs, attrs))
+        return self.reference.forward(inputs, attrs)
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        if self.covers_backward(inputs):
+            return list(self.backward_fn(_extension(), inputs, attrs))
+        return self.reference.backward(inputs, attrs)
+
+
+# ------------------------------------------------------------------- the custom kernels
+def _eps(attrs) -> float:
+    return float(attrs.get("eps", 1e-6))
+
+
+def _rmsnorm_fwd(ext, inputs, attrs):
+    x, weight = inputs
+    return ext.rmsnorm_forward(x, weight, _eps(attrs))
+
+
+def _rmsnorm_bwd(ext, inputs, attrs):
+    d_y, x, weight, rstd = inputs
+    return ext.rmsnorm_backward(d_y, x, weight, rstd, None)
+
+
+def _fused_fwd(ext, inputs, attrs):
+    residual, input, weight = inputs
+    return ext.fused_residual_rmsnorm_forward(residual, input, weight, _eps(attrs))
+
+
+def _fused_bwd(ext, inputs, attrs):
+    d_residual_out, d_y, residual_out, weight, rstd = inputs
+    g, d_weight = ext.rmsnorm_backward(d_y, residual_out, weight, rstd, d_residual_out)
+    return [g, g, d_weight]  # d_residual and d_input are one tensor, as the reference's
+
+
+def _swiglu_fwd(ext, inputs, attrs):
+    return [ext.swiglu_forward(*inputs)]
+
+
+def _swiglu_bwd(ext, inputs, attrs):
+    return ext.swiglu_backward(*inputs)
+
+
+def _rope(inverse: bool):
+    def run(ext, inputs, attrs):
+        q, k, position_ids = inputs
+        theta = float(attrs.get("theta", 10000.0))
+        return [ext.rope(q, position_ids, theta, inverse), ext.rope(k, position_ids, theta, inverse)]
+    return run
+
+
+def _qk_norm_fwd(ext, inputs, attrs):
+    q, k, q_weight, k_weight = inputs
+    q_norm, q_rstd = ext.rmsnorm_forward(q, q_weight, _eps(attrs))
+    k_norm, k_rstd = ext.rmsnorm_forward(k, k_weight, _eps(attrs))
+    return [q_norm, k_norm, q_rstd, k_rstd]
+
+
+def _qk_norm_bwd(ext, inputs, attrs):
+    d_q_norm, d_k_norm, q, k, q_weight, k_weight, q_rstd, k_rstd = inputs
+    d_q, d_q_weight = ext.rmsnorm_backward(d_q_norm, q, q_weight, q_rstd, None)
+    d_k, d_k_weight = ext.rmsnorm_backward(d_k_norm, k, k_weight, k_rstd, None)
+    return [d_q, d_k, d_q_weight, d_k_weight]
+
+
+CUSTOM = {
+    "rmsnorm": (_rmsnorm_fwd, _rmsnorm_bwd),
+    "fused_residual_rmsnorm": (_fused_fwd, _fused_bwd),
+    "swiglu": (_swiglu_fwd, _swiglu_bwd),
+    "rope": (_rope(False), _rope(True)),
+    "qk_norm": (_qk_norm_fwd, _qk_norm_bwd),
+}
+
+CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
+    name: CudaKernel(ref, *CUSTOM[name]) if name in CUSTOM else ref
+    for name, ref in KERNELS.items()
+}
