@@ -131,7 +131,8 @@ class Interpreter:
         attrs = self._attrs(node)
         if node.target.endswith("_backward"):
             kernel = self._kernel(node.target[: -len("_backward")], node, frame)
-            inputs, attrs = self._backward_context(kernel, node, inputs, attrs, forward)
+            inputs, attrs = self._backward_context(kernel, node, inputs, attrs, forward,
+                                                   frame.function)
             outputs = kernel.backward(inputs, attrs)
         else:
             kernel = self._kernel(node.target, node, frame)
@@ -154,11 +155,13 @@ class Interpreter:
             attrs["dtype"] = exact
         return attrs
 
-    def _backward_context(self, kernel, node: Node, inputs: list, attrs: dict, forward):
+    def _backward_context(self, kernel, node: Node, inputs: list, attrs: dict, forward,
+                          frame_function: Function):
         """Zeros for absent output gradients and the forward input shapes, from the
         forward op this backward op differentiates."""
         origin = node.attr("forward_node")
-        if forward is None or origin is None:
+        if forward is None or origin is None:  # written in the source: shapes from the IR
+            attrs["input_shapes"] = _shapes_from_gradients(kernel, node, frame_function)
             return _group_lists(kernel.backward_inputs, inputs), attrs
         op = next(n for n in forward.function.nodes if n.id == origin)
         by_name = _forward_names(kernel, op)
@@ -257,6 +260,17 @@ def _input_shapes(kernel, op: Node, forward: Frame, interpreter: Interpreter) ->
         return shapes
     for name, value in zip(kernel.forward_inputs, op.inputs):
         shapes[name] = _shape(value, forward, interpreter) if value else None
+    return shapes
+
+
+def _shapes_from_gradients(kernel, node: Node, function: Function) -> dict:
+    """A forward input's shape is its gradient's (`d_bias: [C]` for `bias`), as the IR
+    sizes it; a backward op written in the source has no forward op to read it from."""
+    shapes = {}
+    for name, value in zip(kernel.backward_outputs, node.outputs):
+        info = function.value(value) if value else None
+        if name.startswith("d_") and info is not None and all(d.isdigit() for d in info.shape):
+            shapes[name[2:]] = tuple(int(d) for d in info.shape)
     return shapes
 
 

@@ -127,9 +127,13 @@ def parameter_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _size(dim: str) -> int | str:
+    return int(dim) if dim.isdigit() else dim  # a name: a parameter without a value
+
+
 def _walk(graph: Graph, function, path: str, indices: tuple, shapes: dict) -> None:
     for param in function.params:
-        shapes[_join(path, param.id[len("param:"):])] = tuple(int(d) for d in param.shape)
+        shapes[_join(path, param.id[len("param:"):])] = tuple(_size(d) for d in param.shape)
     for node in function.nodes:
         if node.kind != "call":
             continue

@@ -68,7 +68,9 @@ class ModuleSource:
     config: Path | None = None  # a HuggingFace config.json
     model: str | None = None
     search_path: tuple[Path, ...] = ()
+    derive_written: bool = False  # ignore backward sections written in the source
     _built: dict = field(default_factory=dict)
+    _declared: list | None = None  # the inputs as declared (dims by name)
 
     def program(self, shapes: dict[str, int] | None = None) -> Program:
         key = tuple(sorted((shapes or {}).items()))
@@ -78,14 +80,16 @@ class ModuleSource:
 
     def program_for(self, inputs: dict) -> Program:
         """The program for these input tensors (by declared input name)."""
-        declared = self.program().metadata["inputs"]
-        return self.program(bind_dims(declared, inputs))
+        if self._declared is None:
+            self._declared = self.program().metadata["inputs"]
+        return self.program(bind_dims(self._declared, inputs))
 
     def _build(self, shapes: dict[str, int]) -> Program:
         from modulec.lower.build import BuildRequest, build
 
         request = BuildRequest(Path(self.path), tuple(self.search_path), self.model,
-                               dict(self.settings), shapes, self.config)
+                               dict(self.settings), shapes, self.config,
+                               derive_written=self.derive_written)
         result = build(request)
         errors = [d for d in result.diagnostics if d.is_error]
         if errors or result.document is None:
@@ -112,9 +116,13 @@ def bind_dims(declared: list[dict], inputs: dict) -> dict[str, int]:
 
 def _bind_one(spec: dict, shape: tuple, sizes: dict) -> None:
     dims = spec["shape"]
-    if len(dims) != len(shape):
+    if len(dims) != len(shape) and not ("*" in dims and len(shape) >= len(dims) - 1):
         raise RuntimeUserError(f"input `{spec['name']}` has shape {list(shape)}, the model "
                                f"declares [{', '.join(dims)}]")
+    if "*" in dims:  # `[*, d]`: any leading dims; the rest align from the end
+        star = dims.index("*")
+        dims = dims[:star] + dims[star + 1:]
+        shape = shape[:star] + shape[len(shape) - len(dims) + star:]
     for dim, size in zip(dims, shape):
         if dim.isdigit():
             if int(dim) != size:

@@ -207,7 +207,7 @@ class GraphChecker:
         kind = "gradient" if self.backward and name.startswith("d_") else "local"
         self.scope.define(Tensor(name, type_, span, kind, accumulate, value), self.world)
         if self.recorder is not None and value:
-            self.recorder.bind(name, value)
+            self.recorder.bind(name, value, accumulate)
         phase = "backward" if self.backward else "forward"
         self.instance.inferred.append((phase, name, type_, span))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 
-def _pairs(values, what: str, integer: bool) -> dict:
+def pairs(values, what: str, integer: bool) -> dict:
     pairs = {}
     for item in values:
         name, sep, value = item.partition("=")
@@ -73,8 +73,8 @@ def build_command(output_options, guarded):
         from modulec.lower.schedule import print_schedule
         from modulec.lower.build import BuildRequest, build as run_build
 
-        request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
-                               _pairs(shapes, "--shape", True), config, dump_after,
+        request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
+                               pairs(shapes, "--shape", True), config, dump_after,
                                lambda name, graph: click.echo(f"# after {name}\n"
                                                               + print_graph(graph), nl=False))
         result = run_build(request)

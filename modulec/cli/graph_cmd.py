@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from modulec.cli.build_cmd import _pairs, model_options
+from modulec.cli.build_cmd import pairs, model_options
 
 FORMATS = ("dot", "svg", "png")
 
@@ -55,8 +55,8 @@ def graph_command(guarded):
         if output is not None and not output.parent.is_dir():
             raise click.BadParameter(f"folder `{output.parent}` does not exist",
                                      param_hint="-o")
-        request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
-                               _pairs(shapes, "--shape", True), config)
+        request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
+                               pairs(shapes, "--shape", True), config)
         result = build(request)
         out = Output("human", use_color(color))  # --format names the picture's format
         out.show(FileResult(str(file), result.source, None, result.diagnostics))

@@ -100,14 +100,26 @@ def parse(files: tuple[Path, ...], emit: str | None, fmt: str, color: str) -> in
               help="Add DIR to the import search path (repeatable; searched in order).")
 @click.option("--emit", type=click.Choice(["resolved"]),
               help="Print the checked program with every inferred shape.")
+@click.option("--verify-backward", is_flag=True,
+              help="Check every backward by finite differences (float64, needs torch).")
+@click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+              help="With --verify-backward: set a parameter of each declaration.")
+@click.option("--shape", "shapes", multiple=True, metavar="DIM=SIZE",
+              help="With --verify-backward: size a free dim (default B=2, T=4, others 3).")
+@click.option("--epsilon", type=float, help="With --verify-backward: the step (default 1e-6).")
+@click.option("--tolerance", type=float,
+              help="With --verify-backward: the max relative error (default 1e-6).")
 @output_options
 @guarded
 def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | None,
+          verify_backward: bool, settings, shapes, epsilon, tolerance,
           fmt: str, color: str) -> int:
     """Check FILE_OR_DIR... for errors.
 
     Folders are searched recursively for *.module files (in sorted order; hidden files
-    and folders are skipped).
+    and folders are skipped). With --verify-backward, every module, block and model that
+    checks cleanly is also run forward and backward on random inputs in float64, and each
+    gradient is compared with central finite differences.
     """
     from modulec.resolve import Resolver
 
@@ -122,7 +134,17 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
 
         click.echo(print_resolved(checked), nl=False)
     out.summary(results, "check", "checked", success_to_stdout=not emit)
-    return exit_status(results)
+    status = exit_status(results)
+    if verify_backward:
+        from modulec.cli.build_cmd import pairs
+        from modulec.cli.verify_cmd import verify_files
+
+        options = {"settings": pairs(settings, "--set", False),
+                   "shapes": pairs(shapes, "--shape", True), "epsilon": epsilon,
+                   "tolerance": tolerance, "search_path": tuple(search_path)}
+        if not verify_files(results, options, fmt, use_color(color)):
+            status = EXIT_ERRORS
+    return status
 
 
 def _factory(module: str, name: str, *args):

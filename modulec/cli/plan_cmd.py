@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from modulec.cli.build_cmd import _pairs, model_options
+from modulec.cli.build_cmd import pairs, model_options
 
 REGION_TITLES = {"weights": "weights", "gradients": "gradients",
                  "optimizer_state": "optimizer state", "saved_activations": "saved activations",
@@ -48,8 +48,8 @@ def plan_command(output_options, guarded):
         from modulec.plan.from_graph import ShapeUnknown, plan_step
 
         budget_bytes = _budget(budget)
-        request = BuildRequest(file, tuple(search_path), model, _pairs(settings, "--set", False),
-                               _pairs(shapes, "--shape", True), config)
+        request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
+                               pairs(shapes, "--shape", True), config)
         result = build(request)
         Output(fmt, use_color(color)).show(FileResult(str(file), result.source, None,
                                                       result.diagnostics))

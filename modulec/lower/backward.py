@@ -29,6 +29,13 @@ def derive_backward(graph: Graph) -> Graph:
     return Graph(graph.model, graph.entry, entry_backward, tuple(forward + backward))
 
 
+def without_written_backward(graph: Graph) -> Graph:
+    """The graph with the backward functions written in the source dropped, so that
+    derive_backward derives them all (`--verify-backward` checks both against each other)."""
+    return Graph(graph.model, graph.entry, graph.backward,
+                 tuple(f for f in graph.functions if not f.gradient_of))
+
+
 def _reachable(graph: Graph) -> set[str]:
     seen, todo = set(), [graph.entry]
     by_name = {f.name: f for f in graph.functions}

@@ -17,6 +17,7 @@ from modulec.check.driver import check_program, scopes_of
 from modulec.check.instance import instantiate
 from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
+from modulec.lower.backward import without_written_backward
 from modulec.lower.lowering import lower_model, recording_world
 from modulec.lower.passes import run_pipeline
 from modulec.lower.schedule import schedule_data
@@ -37,6 +38,7 @@ class BuildRequest:
     config: Path | None = None
     dump_after: str | None = None  # print the IR after this pass (modulec.lower.passes)
     dump: object = None  # (pass name, graph) -> None
+    derive_written: bool = False  # derive every backward, also where the source writes one
 
 
 @dataclass
@@ -83,6 +85,8 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     diagnostics += world.diagnostics
     if any(d.is_error for d in diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
+    if request.derive_written:
+        graph = without_written_backward(graph)
     graph = run_pipeline(graph, request.dump_after, request.dump)
     document = {
         "ir_version": IR_VERSION,
@@ -106,9 +110,13 @@ def _placements(graph) -> dict:
 
 
 # ====================================================================== the model and its sizes
+BUILDABLE = ("model", "block", "module")  # a module or block builds only when named
+
+
 def _model(program: A.Program, name: str | None, diagnostics) -> A.Decl | None:
     models = [d for d in program.decls if d.kind == "model"]
-    chosen = [d for d in models if name is None or d.name == name]
+    chosen = [d for d in program.decls if d.kind in BUILDABLE and d.name == name] if name \
+        else models
     if len(chosen) == 1:
         return chosen[0]
     listed = ", ".join(d.name for d in models) or "none"

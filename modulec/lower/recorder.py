@@ -35,12 +35,30 @@ class Recorder:
     def declare(self, value: str, type_: TensorType, name: str = "") -> None:
         self.values.setdefault(value, value_info(value, type_, name))
 
-    def bind(self, name: str, value: str) -> None:
-        if name != "_":
+    def bind(self, name: str, value: str, accumulate: bool = False) -> None:
+        """Name `value`; a gradient written again with accumulate=true (`-> d_w` twice)
+        names the sum of its writes, recorded as an `add` node."""
+        if name == "_":
+            return
+        previous = self.names.get(name)
+        if accumulate and previous is not None and previous != value:
+            self.names[name] = self._sum(previous, value)
+        else:
             self.names.setdefault(name, value)
-            info = self.values.get(value)
-            if info is not None and not info.name:
-                self.values[value] = ValueInfo(info.id, info.shape, info.dtype, name)
+        info = self.values.get(value)
+        if info is not None and not info.name:
+            self.values[value] = ValueInfo(info.id, info.shape, info.dtype, name)
+
+    def _sum(self, previous: str, value: str) -> str:
+        self._counter += 1
+        total = f"%{'b' if self.phase == 'backward' else ''}{self._counter}"
+        info = self.values[value]
+        self.values[total] = ValueInfo(total, info.shape, info.dtype, info.name)
+        span = self.nodes[-1].span if self.nodes else ("", 0, 0)
+        self.nodes.append(Node(f"{self.phase[0]}{len(self.nodes)}", "op", "add",
+                               (previous, value), (total,), (), (), 1, self.phase, span,
+                               (total,)))
+        return total
 
     def node(self, kind: str, target: str, inputs, outputs, step, attrs=(), repeat=1,
              accumulate=()) -> None:

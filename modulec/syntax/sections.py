@@ -15,7 +15,7 @@ from modulec.syntax import ast as A
 
 MODULE_SECTIONS = frozenset({
     "let", "constants", "params", "forward", "backward", "save", "recompute",
-    "hf_config", "hf_mapping", "hf_export",
+    "hf_config", "hf_mapping", "hf_export", "verify_backward",
 })
 DECLARATION_SECTIONS: dict[str, frozenset[str] | None] = {
     "module": MODULE_SECTIONS,

@@ -1,0 +1,95 @@
+"""`modulec check --verify-backward`: the finite-difference check of runtime.verify, run
+on every module, block and model of the files that check cleanly, and its report (a rich
+table for people, one JSON object per gradient with `--format json`).
+
+The runtime (torch) is imported only here, so plain `modulec check` stays fast."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+VERIFIABLE = ("module", "block", "model")
+
+
+def verify_files(results, options: dict, fmt: str, color: bool) -> bool:
+    """Verify every declaration with a forward in the files of `results` that checked
+    without errors; print the report; True when every gradient passed."""
+    try:
+        from runtime.verify import VerifyOptions
+    except ImportError as exc:
+        click.echo(f"error: --verify-backward needs the runtime (torch): {exc}", err=True)
+        return False
+    verify = VerifyOptions(**options)
+    rows, failures = [], []
+    for result in results:
+        if result.ok and result.program is not None:
+            for decl in _declarations(result.program):
+                rows += _verify_one(Path(result.name), decl, verify, failures, fmt)
+    _report(rows, failures, fmt, color)
+    return not failures and all(r.ok for r in rows)
+
+
+def _declarations(program):
+    return [d for d in program.decls if d.kind in VERIFIABLE and _has_forward(d)]
+
+
+def _has_forward(decl) -> bool:
+    from modulec.syntax import ast as A
+
+    return any(isinstance(i, A.Section) and getattr(i.key, "id", "") == "forward"
+               for i in decl.body)
+
+
+def _verify_one(path: Path, decl, verify, failures: list, fmt: str) -> list:
+    from runtime.errors import RuntimeUserError
+    from runtime.verify import verify_declaration
+
+    from modulec.cli.guard import CURRENT_FILE
+
+    click.get_current_context().meta[CURRENT_FILE] = f"{path} ({decl.name})"
+    if fmt != "json" and sys.stderr.isatty():
+        click.echo(f"verifying {decl.name} ({path}) ...", err=True)
+    try:
+        return verify_declaration(path, decl, verify)
+    except RuntimeUserError as exc:
+        failures.append((decl.name, exc))
+        return []
+
+
+def _report(rows, failures, fmt: str, color: bool) -> None:
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps({"declaration": row.declaration, "backward": row.backward,
+                                   "gradient": row.gradient, "max_rel_error": row.error,
+                                   "ok": row.ok, "note": row.note}))
+        for name, exc in failures:
+            click.echo(json.dumps({"declaration": name, "ok": False, "error": exc.message,
+                                   "help": exc.help}))
+        return
+    _table(rows, color)
+    for name, exc in failures:
+        click.echo(f"error: cannot verify `{name}`: {exc.message}", err=True)
+        for line in exc.help:
+            click.echo(f"  = help: {line}", err=True)
+    bad = sum(1 for r in rows if not r.ok) + len(failures)
+    verdict = "all gradients match" if not bad else f"{bad} failed"
+    click.echo(f"verified {len(rows)} gradients of "
+               f"{len({r.declaration for r in rows})} declarations: {verdict}")
+
+
+def _table(rows, color: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("declaration", "backward", "gradient", "max rel error", "verdict",
+                  box=None, pad_edge=False)
+    for row in rows:
+        error = "-" if row.error is None else f"{row.error:.1e}"
+        verdict = "ok" if row.ok else "FAIL" + (f" ({row.note})" if row.note else "")
+        style = None if row.ok else "bold red"
+        table.add_row(row.declaration, row.backward, row.gradient, error, verdict, style=style)
+    Console(no_color=not color, highlight=False, width=120).print(table)

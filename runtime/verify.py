@@ -1,0 +1,210 @@
+"""`modulec check --verify-backward` (spec §9.8.1): prove each backward right by finite
+differences.
+
+For every module, block and model of a file: instantiate it (defaults, then its
+`verify_backward:` section, then `--set`/`--shape`), give the dims still free small sizes,
+run the forward in float64 on random inputs and parameters, draw a random seed for every
+output, run the backward, and compare each input and trainable-parameter gradient g with
+central differences of f(theta) = sum <seed, output(theta)>, along random directions v:
+
+    (f(theta + eps v) - f(theta - eps v)) / 2 eps   vs   <g, v>
+
+Directional checks cost two forwards per direction and tensor instead of two per element,
+so whole models are checked; a wrong gradient (swapped outputs, a wrong scale, a missing
+accumulate) differs from the true one in some direction, which a random v finds with
+probability one. A declaration whose source writes a backward is checked twice: as written,
+and with the backward derived from the primitives' rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.errors import RuntimeUserError
+from runtime.model import Model, parameter_shapes
+from runtime.program import ModuleSource
+from runtime.verify_config import VerifyConfig, declaration_config
+
+FREE_DIM_SIZES = {"B": 2, "T": 4}  # other free dims get OTHER_DIM_SIZE
+OTHER_DIM_SIZE = 3
+STAR_SHAPE = (2, 3)  # the leading dims given to a `[*, d]` input
+MAX_ELEMENTS = 20_000_000
+EPS64 = 2.0 ** -52
+ROUNDING_FACTOR = 4  # f(theta + eps v) and f(theta - eps v), each rounded, and their sum  # parameters: beyond this, finite differences take too long
+
+
+@dataclass
+class GradientCheck:
+    declaration: str
+    backward: str  # "derived" | "written" | "derived (rewritten)"
+    gradient: str  # `d_x` for an input, `d_<param path>` for a parameter
+    error: float | None  # max relative error over the directions (None: not run)
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class VerifyOptions:
+    settings: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, int] = field(default_factory=dict)
+    epsilon: float | None = None  # None: the declaration's, else 1e-6
+    tolerance: float | None = None
+    directions: int = 2
+    seed: int = 0
+    search_path: tuple[Path, ...] = ()
+
+
+def verify_declaration(path: Path, decl, options: VerifyOptions) -> list[GradientCheck]:
+    # the tensors are tiny: threads cost more than they give (and spin on a busy machine)
+    torch.set_num_threads(1)
+    config = declaration_config(decl).merged(options)
+    checks = []
+    for source, label in _variants(path, decl.name, config, options):
+        checks += _verify_variant(source, decl.name, config, options, label)
+    return checks
+
+
+def _variants(path, name, config, options) -> list[tuple[ModuleSource, str]]:
+    """The program as built, plus the one with every backward derived when that differs
+    (the source writes a backward somewhere in the tree)."""
+    built = _source(path, name, config, options, False)
+    derived = _source(path, name, config, options, True)
+    if built.program(config.shapes).document["graph"] == \
+            derived.program(config.shapes).document["graph"]:
+        return [(built, "derived")]
+    return [(built, "written"), (derived, "derived")]
+
+
+def _source(path, name, config: VerifyConfig, options, derive: bool) -> ModuleSource:
+    return ModuleSource(Path(path), dict(config.settings), None, name,
+                        tuple(options.search_path), derive_written=derive)
+
+
+def _verify_variant(source: ModuleSource, name, config, options, label: str):
+    probe = source.program(config.shapes)
+    shapes = dict(config.shapes) | _free_dims(probe.metadata["inputs"], config.shapes)
+    model = Model(source, dtype=torch.float64)
+    model.program = source.program(shapes)
+    sizes = parameter_shapes(model.program.graph)
+    _check_size(sizes, name)
+    generator = torch.Generator().manual_seed(options.seed)
+    model.params = _random_params(sizes, generator)
+    inputs = _random_inputs(model.program.metadata["inputs"], shapes, generator)
+    return _Checker(model, inputs, config, options, generator, name, label).run()
+
+
+def _free_dims(declared: list[dict], given: dict) -> dict[str, int]:
+    free = {}
+    for spec in declared:
+        for dim in spec["shape"]:
+            if dim.isidentifier() and dim not in given:
+                free[dim] = FREE_DIM_SIZES.get(dim, OTHER_DIM_SIZE)
+    return free
+
+
+def _check_size(shapes: dict, name: str) -> None:
+    for path, shape in shapes.items():
+        unsized = [d for d in shape if not isinstance(d, int)]
+        if unsized:
+            raise RuntimeUserError(f"parameter `{path}` of `{name}` has no size for "
+                                   f"{', '.join(map(str, unsized))}",
+                                   help=["give the declaration's parameters values in a "
+                                         "`verify_backward:` section or with --set"])
+    elements = sum(torch.Size(s).numel() for s in shapes.values())
+    if elements > MAX_ELEMENTS:
+        raise RuntimeUserError(
+            f"`{name}` has {elements:,} parameters at these sizes: too many to check by "
+            "finite differences", help=["give it small sizes in a `verify_backward:` section "
+                                        "(`shapes:` sets parameters and dims) or with --set"])
+
+
+def _random_params(shapes: dict, generator) -> dict:
+    params = {}
+    for path, shape in shapes.items():
+        value = torch.randn(shape, generator=generator, dtype=torch.float64) * 0.5
+        if len(shape) == 1 and path.endswith("weight"):
+            value = value * 0.2 + 1.0  # norm scales near one, as trained ones are
+        params[path] = value
+    return params
+
+
+def _random_inputs(declared: list[dict], shapes: dict, generator) -> dict:
+    inputs = {}
+    for spec in declared:
+        shape = []
+        for dim in spec["shape"]:
+            shape += list(STAR_SHAPE) if dim == "*" else [int(shapes.get(dim, dim))]
+        if spec["dtype"].startswith("int"):  # ids: 0 and 1 are valid for any table
+            inputs[spec["name"]] = torch.randint(0, 2, shape, generator=generator,
+                                                 dtype=torch.int32)
+        else:
+            inputs[spec["name"]] = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return inputs
+
+
+@dataclass
+class _Checker:
+    model: Model
+    inputs: dict
+    config: VerifyConfig
+    options: VerifyOptions
+    generator: torch.Generator
+    name: str
+    label: str
+
+    def run(self) -> list[GradientCheck]:
+        outputs = self._forward(self.inputs, self.model.params)
+        self.seeds = {k: torch.randn(v.shape, generator=self.generator, dtype=torch.float64)
+                      for k, v in outputs.items() if v.is_floating_point()}
+        # rounding of f(theta +- eps v) in float64: the finite difference cannot resolve
+        # less than this (absolute), whatever the gradient
+        magnitude = sum(float((self.seeds[k] * outputs[k]).abs().sum()) for k in self.seeds)
+        self.noise = ROUNDING_FACTOR * EPS64 * magnitude / self.config.epsilon
+        self._forward(self.inputs, self.model.params)
+        grads = self.model.backward(**self.seeds)
+        checks = [self._check(f"d_{n}", grads.inputs.get(n), n, None)
+                  for n, x in self.inputs.items() if x.is_floating_point()]
+        checks += [self._check(f"d_{p}", grads.params.get(p), None, p)
+                   for p in self.model.params]
+        return checks
+
+    def _forward(self, inputs, params) -> dict:
+        self.model.params = params
+        return self.model.forward(**inputs)
+
+    def _objective(self, inputs, params) -> float:
+        outputs = self._forward(inputs, params)
+        return sum(float((self.seeds[k] * outputs[k]).sum()) for k in self.seeds)
+
+    def _check(self, gradient: str, analytic, input_name, param) -> GradientCheck:
+        base = self.inputs[input_name] if input_name else self.model.params[param]
+        worst, ok = 0.0, True
+        params = dict(self.model.params)
+        for _ in range(self.options.directions):
+            direction = torch.randn(base.shape, generator=self.generator, dtype=torch.float64)
+            direction /= direction.norm().clamp_min(1e-300)
+            numeric = self._directional(input_name, param, params, base, direction)
+            exact = float((analytic * direction).sum()) if analytic is not None else 0.0
+            worst = max(worst, _relative(numeric, exact))
+            scale = max(abs(numeric), abs(exact))
+            ok &= abs(numeric - exact) <= self.config.tolerance * scale + self.noise
+        self.model.params = params
+        note = "" if analytic is not None else "no gradient computed"
+        return GradientCheck(self.name, self.label, gradient, worst, ok, note)
+
+    def _directional(self, input_name, param, params, base, direction) -> float:
+        eps = self.config.epsilon
+        values = []
+        for sign in (1.0, -1.0):
+            moved = base + sign * eps * direction
+            inputs = self.inputs | ({input_name: moved} if input_name else {})
+            values.append(self._objective(inputs, params | ({param: moved} if param else {})))
+        return (values[0] - values[1]) / (2 * eps)
+
+
+def _relative(numeric: float, exact: float) -> float:
+    scale = max(abs(numeric), abs(exact))
+    return 0.0 if scale < 1e-12 else abs(numeric - exact) / scale

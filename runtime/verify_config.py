@@ -1,0 +1,84 @@
+"""The sizes and tolerances of `--verify-backward` for one declaration: its
+`verify_backward:` section (spec §9.8.1), then the command line.
+
+    verify_backward:
+      epsilon: 1e-6         # central-difference step
+      tolerance: 1e-6       # max relative error
+      shapes:               # parameters (d_model: 32) and free dims (B: 2) alike
+        d_model: 32
+        T: 8
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modulec.syntax import ast as A
+from runtime.errors import RuntimeUserError
+
+EPSILON, TOLERANCE = 1e-6, 1e-6
+REQUIRED_INT_SIZE = "4"  # an `int` parameter without default, unless the section says
+KEYS = ("epsilon", "tolerance", "shapes")
+
+
+@dataclass
+class VerifyConfig:
+    params: frozenset[str]  # the declaration's parameter names
+    epsilon: float = EPSILON
+    tolerance: float = TOLERANCE
+    settings: dict[str, str] = field(default_factory=dict)  # parameters, as source text
+    shapes: dict[str, int] = field(default_factory=dict)  # free dims
+
+    def set(self, name: str, text: str) -> None:
+        if name in self.params:
+            self.settings[name] = text
+        elif text.lstrip("-").isdigit():
+            self.shapes[name] = int(text)
+        else:
+            raise RuntimeUserError(f"`{name}: {text}`: a dim size must be an integer")
+
+    def merged(self, options) -> "VerifyConfig":
+        """The command line over the section: --set, --shape, --epsilon, --tolerance."""
+        merged = VerifyConfig(self.params, self.epsilon, self.tolerance, dict(self.settings),
+                              dict(self.shapes))
+        for name, text in options.settings.items():
+            if name in self.params or str(text).lstrip("-").isdigit():
+                merged.set(name, str(text))  # else: another declaration's parameter
+        merged.shapes.update(options.shapes)
+        merged.epsilon = options.epsilon or merged.epsilon
+        merged.tolerance = options.tolerance or merged.tolerance
+        return merged
+
+
+def declaration_config(decl: A.Decl) -> VerifyConfig:
+    config = VerifyConfig(frozenset(p.name for p in decl.params or ()))
+    for param in decl.params or ():  # `Linear(in_dim: int, ...)`: a size to choose
+        if param.default is None and isinstance(param.type, A.Name) and param.type.id == "int":
+            config.settings[param.name] = REQUIRED_INT_SIZE
+    for item in decl.body:
+        if isinstance(item, A.Section) and _key(item) == "verify_backward":
+            for entry in item.body:
+                _read(entry, config, decl.name)
+    return config
+
+
+def _read(item, config: VerifyConfig, where: str) -> None:
+    key = _key(item)
+    if key not in KEYS:
+        raise RuntimeUserError(f"`verify_backward:` of `{where}` has no setting `{key}`",
+                               help=[f"settings: {', '.join(KEYS)}"])
+    if isinstance(item, A.Section):
+        for entry in item.body:
+            config.set(_key(entry), _text(entry.value))
+    else:
+        setattr(config, key, float(_text(item.value)))
+
+
+def _key(item) -> str:
+    return item.key.id if isinstance(item.key, A.Name) else str(item.key)
+
+
+def _text(expr) -> str:
+    from modulec.syntax.printer import expr as show
+
+    return show(expr)

@@ -1,0 +1,104 @@
+"""`modulec check --verify-backward`: every std declaration passes, written and derived
+backward alike, and backward graphs that are well typed but numerically wrong fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.test_cli import run as run_cli  # noqa: E402
+
+SWIGLU = Path("std/modules/mlp.module").read_text(encoding="utf-8")
+
+
+def _verify(*args):
+    return run_cli("check", "--verify-backward", *args)
+
+
+def _rows(result) -> list[dict]:
+    return [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+
+
+def test_std_modules_pass_written_and_derived():
+    result = _verify("--format", "json", "std/modules/mlp.module", "std/modules/norm.module")
+    rows = _rows(result)
+    assert result.exit_code == 0, result.output
+    assert {(r["declaration"], r["backward"]) for r in rows} >= {
+        ("SwiGLU_MLP", "written"), ("SwiGLU_MLP", "derived"),
+        ("RMSNormParams", "written"), ("LayerNormParams", "derived")}
+    assert all(r["ok"] and r["max_rel_error"] < 1e-6 for r in rows)
+
+
+def test_a_model_is_checked_at_its_verify_sizes():
+    result = _verify("--format", "json", "std/models/llama.module")
+    rows = _rows(result)
+    assert result.exit_code == 0, result.output
+    names = {r["gradient"] for r in rows}
+    assert {"d_embedding", "d_blocks[1].attention.qkv_weight", "d_lm_head"} <= names
+
+
+def _mutant(tmp_path, old: str, new: str) -> Path:
+    assert old in SWIGLU
+    path = tmp_path / "mlp.module"
+    path.write_text(SWIGLU.replace(old, new, 1), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("old, new, wrong", [
+    ("(d_gate, d_up) -> concat", "(d_up, d_gate) -> concat", "d_up_weight"),  # swapped
+    ("(d_out, hidden) -> matmul(transpose=TN)",
+     "(d_out, hidden) -> matmul(transpose=TN, alpha=0.5)", "d_down_weight"),  # a wrong scale
+])
+def test_numerically_wrong_backward_fails_and_names_the_gradient(tmp_path, old, new, wrong):
+    result = _verify("--format", "json", str(_mutant(tmp_path, old, new)))
+    failed = {(r["declaration"], r["gradient"]) for r in _rows(result) if not r["ok"]}
+    assert result.exit_code == 1
+    assert ("SwiGLU_MLP", wrong) in failed
+    derived = [r for r in _rows(result) if r.get("backward") == "derived"]
+    assert derived and all(r["ok"] for r in derived)  # the derived one still passes
+
+
+def test_a_missing_accumulate_fails(tmp_path):
+    source = tmp_path / "tied.module"
+    source.write_text(
+        "module Tied(d: int = 4):\n  params:\n    w: [d, d]\n  forward:\n    in: x: [B, d]\n"
+        "    out: y: [B, d]\n    graph:\n      x -> matmul(w, transpose=NT) -> h\n"
+        "      h -> matmul(w, transpose=NT) -> y\n    save: [x, h]\n"
+        "  backward:\n    graph:\n"
+        "      (d_y, w) -> matmul(transpose=NN) -> d_h\n"
+        "      (d_y, saved.h) -> matmul(transpose=TN, accumulate=true) -> d_w\n"
+        "      (d_h, w) -> matmul(transpose=NN) -> d_x\n"
+        "      (d_h, saved.x) -> matmul(transpose=TN{second}) -> d_w\n", encoding="utf-8")
+    right = source.read_text().replace("{second}", ", accumulate=true")
+    source.write_text(right, encoding="utf-8")
+    assert _verify(str(source)).exit_code == 0
+    source.write_text(right.replace("TN, accumulate=true) -> d_w\n      (d_h, w)",
+                                    "TN) -> d_w0\n      (d_h, w)"), encoding="utf-8")
+    result = _verify("--format", "json", str(source))
+    assert result.exit_code == 1, result.output
+    assert any(r["gradient"] == "d_w" and not r["ok"] for r in _rows(result))
+
+
+def test_too_large_declarations_are_refused_with_a_hint(tmp_path):
+    source = tmp_path / "big.module"
+    source.write_text("module Big(d: int = 8192):\n  params:\n    w: [d, d]\n  forward:\n"
+                      "    in: x: [B, d]\n    out: y: [B, d]\n    graph:\n"
+                      "      x -> matmul(w, transpose=NT) -> y\n", encoding="utf-8")
+    result = _verify(str(source))
+    assert result.exit_code == 1
+    assert "67,108,864 parameters" in result.output and "verify_backward:" in result.output
+    assert _verify(str(source), "--set", "d=8").exit_code == 0
+
+
+def test_unknown_verify_setting_is_reported(tmp_path):
+    source = tmp_path / "m.module"
+    source.write_text("module M(d: int = 4):\n  params:\n    w: [d, d]\n  forward:\n"
+                      "    in: x: [B, d]\n    out: y: [B, d]\n    graph:\n"
+                      "      x -> matmul(w, transpose=NT) -> y\n"
+                      "  verify_backward:\n    epsilom: 1e-6\n", encoding="utf-8")
+    result = _verify(str(source))
+    assert result.exit_code == 1 and "no setting `epsilom`" in result.output
