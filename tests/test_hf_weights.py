@@ -4,10 +4,11 @@ std models and the examples, and against transformers' own models.
 - Round trip: random checkpoint tensors, named and shaped as each model's schema says,
   saved with safetensors (one file, or shards with an index) -> load_hf_weights ->
   export_hf_tensors gives back exactly the same names and values.
-- transformers (skipped without it): a tiny Llama / Qwen3 / Mistral / Mixtral saved by
-  save_pretrained loads into our std model built from its config.json (fused qkv is
-  cat(q, k, v); Mixtral's stacked experts equal transformers' own fused expert tensor),
-  and save_hf_weights writes a directory from_pretrained reads back to the same state_dict.
+- transformers (skipped without it): a tiny Llama / Qwen3 (untied and tied) / Mistral /
+  Mixtral / GPT-2 saved by save_pretrained loads into our model built from its config.json
+  (fused qkv is cat(q, k, v); Mixtral's stacked experts equal transformers' own fused
+  expert tensors; GPT-2's Conv1D weights are transposed, its head tied), and
+  save_hf_weights writes a directory from_pretrained reads back to the same state_dict.
 - Gradients: tied gradients add up; transforms apply their chain rule (checked against
   autograd).
 - Mistakes are one WeightLoadError naming every problem: missing tensors (with did you
@@ -194,6 +195,31 @@ def test_dtype_and_save_hf_weights(tmp_path):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]
 
 
+
+def test_nested_stacks_and_optional_entries(tmp_path):
+    """Two stack levels take every (i, j); an optional entry loads when its tensors are
+    there, is left out when none are, and is missing when only some are."""
+    stacks = [{"placeholder": "i", "count": 2}, {"placeholder": "j", "count": 3}]
+    schema = [
+        {"param": "g[{i}].l[{j}].w", "shape": [4, 2], "stacks": stacks, "optional": False,
+         "kind": "fuse", "hf": ["g.{i}.l.{j}.a", "g.{i}.l.{j}.b"], "dim": 0, "fn": None},
+        {"param": "g[{i}].bias", "shape": [2], "stacks": stacks[:1], "optional": True,
+         "kind": "direct", "hf": ["g.{i}.bias"], "dim": None, "fn": None},
+    ]
+    hf = fake_checkpoint(schema)
+    assert len(hf) == 2 * 3 * 2 + 2
+    bias = {k: hf.pop(k) for k in ("g.0.bias", "g.1.bias")}
+    w = load_hf_weights(schema, save(hf, tmp_path / "a"), progress=False)
+    assert set(w) == {f"g[{i}].l[{j}].w" for i in range(2) for j in range(3)}
+    assert torch.equal(w["g[1].l[2].w"], torch.cat([hf["g.1.l.2.a"], hf["g.1.l.2.b"]]))
+    assert export_hf_tensors(schema, w).keys() == hf.keys()
+    w = load_hf_weights(schema, save({**hf, **bias}, tmp_path / "b"), progress=False)
+    assert torch.equal(w["g[1].bias"], bias["g.1.bias"])
+    message = raises(load_hf_weights, schema, save({**hf, "g.0.bias": bias["g.0.bias"]},
+                                                    tmp_path / "c"), progress=False)
+    assert "`g.1.bias` (for `g[1].bias`)" in message and "g.0.bias" not in message
+
+
 # ============================================================================ tied, gradients
 def test_tied_parameter_shares_its_target_and_exports_nothing(tmp_path):
     schema = schema_of("examples/gpt2.module")
@@ -320,40 +346,63 @@ def test_export_mistakes(llama):
     layout = {"blocks[{i}].attention.qkv_weight": [32, 16, 16],
               "blocks[{i}].mlp.up_weight": [48, 48]}
     assert export_hf_tensors(schema, plain, layout=layout).keys() == hf.keys()
+    message = raises(export_hf_tensors, schema, dict(w, embedding=torch.zeros(3, 3)),
+                     layout=layout)
+    assert "`embedding` is [3, 3], the model's is [64, 32]" in message
 
 
 # ============================================================================ transformers
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4,
-                                                        "num_experts_per_tok": 2}),
+DECODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=48, vocab_size=64,
+               max_position_embeddings=64)
+ARCHITECTURES = {  # name: (module, config class, model class, config)
+    "llama": ("std/models/llama.module", "LlamaConfig", "LlamaForCausalLM", DECODER),
+    "qwen3": ("std/models/qwen3.module", "Qwen3Config", "Qwen3ForCausalLM",
+              {**DECODER, "head_dim": 8}),
+    "qwen3-tied": ("std/models/qwen3.module", "Qwen3Config", "Qwen3ForCausalLM",
+                   {**DECODER, "head_dim": 8, "tie_word_embeddings": True}),
+    "mistral": ("std/models/mistral.module", "MistralConfig", "MistralForCausalLM", DECODER),
+    "mixtral": ("std/models/mixtral.module", "MixtralConfig", "MixtralForCausalLM",
+                {**DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt2": ("examples/gpt2.module", "GPT2Config", "GPT2LMHeadModel",
+             dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=64)),
 }
+
+
+def _check_layout(model: str, original, weights) -> None:
+    """Our parameters hold what transformers' modules hold, assembled as the std mappings
+    say: fused q/k/v, Mixtral's experts as transformers (>= 5) fuses them itself, GPT-2's
+    Conv1D weights transposed and its head tied."""
+    if model == "gpt2":
+        block = original.transformer.h[1]
+        c_attn = block.attn.c_attn.weight  # Conv1D: [in, out]
+        assert torch.equal(weights["blocks[1].attn.qkv_weight"], c_attn.T.double())
+        assert weights["lm_head"] is weights["wte"]
+        return
+    layer = original.model.layers[1]
+    attention = layer.self_attn
+    qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+    assert torch.equal(weights["blocks[1].attention.qkv_weight"], qkv.double())
+    assert ("lm_head" in weights) == (model != "qwen3-tied")
+    experts = getattr(layer.mlp, "experts", None)
+    if model == "mixtral" and hasattr(experts, "gate_up_proj"):
+        assert torch.equal(weights["blocks[1].experts.gate_up_weights"],
+                           experts.gate_up_proj.double())
+        assert torch.equal(weights["blocks[1].experts.down_weights"],
+                           experts.down_proj.double())
 
 
 @pytest.mark.parametrize("model", sorted(ARCHITECTURES))
 def test_transformers_checkpoints_load_and_save(model, tmp_path):
     transformers = pytest.importorskip("transformers")
-    config_class, model_class, extra = ARCHITECTURES[model]
+    module, config_class, model_class, settings = ARCHITECTURES[model]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=64, max_position_embeddings=64, **extra)
-    original = getattr(transformers, model_class)(config)
+    original = getattr(transformers, model_class)(
+        getattr(transformers, config_class)(**settings))
     original.save_pretrained(tmp_path / "hf")
-    schema = schema_of(f"std/models/{model}.module", config=tmp_path / "hf" / "config.json")
+    schema = schema_of(module, config=tmp_path / "hf" / "config.json")
     weights = load_hf_weights(schema, tmp_path / "hf", progress=False)
-
-    attention = original.model.layers[1].self_attn
-    qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
-    assert torch.equal(weights["blocks[1].attention.qkv_weight"], qkv.double())
-    experts = getattr(getattr(original.model.layers[1], "mlp", None), "experts", None)
-    if model == "mixtral" and hasattr(experts, "gate_up_proj"):  # transformers >= 5 layout
-        assert torch.equal(weights["blocks[1].experts.gate_up_weights"],
-                           experts.gate_up_proj.double())
-        assert torch.equal(weights["blocks[1].experts.down_weights"],
-                           experts.down_proj.double())
+    _check_layout(model, original, weights)
 
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
     save_hf_weights(schema, weights, tmp_path / "ours", config=hf_config, dtype=torch.float32)

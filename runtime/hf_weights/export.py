@@ -107,12 +107,18 @@ class _Export:
             if path not in self.items:
                 self.problem("unknown", f"`{path}`{did_you_mean(path, self.items)}")
         for path, item in self.items.items():
-            if path not in values:
+            value = values.get(path)
+            if value is None:
                 if not (self.gradients or item.kind == "tied" or item.may_be_absent):
                     self.problem("missing", f"`{path}`")
-            elif not fits(list(values[path].shape), item.shape):
-                self.problem("shape", f"`{path}` is {shape_text(values[path].shape)}, the "
+            elif not isinstance(value, torch.Tensor):
+                self.problem("shape", f"`{path}` is a {type(value).__name__}, not a tensor")
+            elif not fits(list(value.shape), item.shape):
+                self.problem("shape", f"`{path}` is {shape_text(value.shape)}, the "
                                       f"model's is {shape_text(item.shape)}")
+            else:
+                continue
+            values.pop(path, None)  # reported: not exported (nor folded into a tied target)
         for path, item in self.items.items():
             if item.kind == "tied" and path in values:
                 self.tied(values, item)

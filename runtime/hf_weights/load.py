@@ -43,7 +43,8 @@ def load_hf_weights(schema: list[dict], directory, dtype: torch.dtype | None = t
     checkpoint = Checkpoint.open(directory)
     items = expand(schema)
     check = _Check(checkpoint)
-    loadable = [item for item in items if check.item(item)]
+    absent = _absent(items, checkpoint)
+    loadable = [item for item in items if id(item.entry) not in absent and check.item(item)]
     check.report(allow_extra)
     weights = HFWeights()
     weights.layout, weights.unused = check.layout, check.unused
@@ -57,6 +58,18 @@ def load_hf_weights(schema: list[dict], directory, dtype: torch.dtype | None = t
 
 
 # ====================================================================== checks (headers only)
+def _absent(items: list[Item], checkpoint: Checkpoint) -> set[int]:
+    """The entries (by id) that may be absent and have none of their tensors, in any layer:
+    left out. One that has some is loaded, and what it lacks is missing (a checkpoint whose
+    layer 0 has a bias and layer 1 none is broken, not optional)."""
+    found: dict[int, bool] = {}
+    for item in items:
+        if item.may_be_absent and item.kind != "tied":
+            found[id(item.entry)] = found.get(id(item.entry), False) or any(
+                n in checkpoint.shapes for n in item.sources())
+    return {entry for entry, any_found in found.items() if not any_found}
+
+
 class _Check:
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
@@ -74,8 +87,7 @@ class _Check:
         present = [n for n in names if n in self.checkpoint.shapes]
         self.used.update(present)
         if len(present) < len(names):
-            if not (present == [] and item.may_be_absent):
-                self.missing += [(n, item.path) for n in names if n not in present]
+            self.missing += [(n, item.path) for n in names if n not in present]
             return False
         before = len(self.wrong)
         if item.kind == "stack":

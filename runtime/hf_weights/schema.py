@@ -45,8 +45,8 @@ class Item:
 
     @property
     def may_be_absent(self) -> bool:
-        """Optional (`key?:`), or under an `if` the build could not decide: such a
-        parameter is loaded when its tensors are there and left out when none are."""
+        """Optional (`key?:`), or under an `if` the build could not decide: such an entry
+        is left out when the checkpoint has none of its tensors (in any layer)."""
         return bool(self.entry.get("optional") or self.entry.get("condition"))
 
     @property
