@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
+from modulec.lower.fusion_patterns import FUSION_ATTRS
 from modulec.ops.registry import op_table
 
 
@@ -127,7 +128,8 @@ def _op_backward(builder: _Builder, node: Node) -> None:
         else:
             targets.append(by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None)
     outputs = [builder.fresh(t) if builder.wants(t) else "" for t in targets]
-    builder.node(f"{rule.name}_backward", inputs, outputs, node, attrs=node.attrs)
+    attrs = tuple(a for a in node.attrs if a[0] not in FUSION_ATTRS)  # params only
+    builder.node(f"{rule.name}_backward", inputs, outputs, node, attrs=attrs)
     for source, gradient in zip(targets, outputs):
         if source:
             builder.contribute(source, gradient, node)
