@@ -21,9 +21,12 @@ import torch
 from torch import Tensor
 
 from modulec.ir.graph import Function, Graph, Node
+from modulec.lower.fusion_patterns import FUSION_ATTRS
 from runtime.errors import NonFiniteError, RuntimeUserError
 from runtime.kernels import KERNELS
 
+# attrs the compiler adds for itself, not params of the primitive
+IR_ATTRS = frozenset(("forward_node",) + FUSION_ATTRS)
 EXACT_DTYPES = {torch.float64: "fp64", torch.float32: "fp32"}
 FLOAT_NAMES = {"fp64", "fp32", "bf16", "fp16", "float"}
 
@@ -149,7 +152,7 @@ class Interpreter:
         return kernel
 
     def _attrs(self, node: Node) -> dict:
-        attrs = {k: v for k, v in node.attrs if k != "forward_node"}
+        attrs = {k: v for k, v in node.attrs if k not in IR_ATTRS}
         exact = EXACT_DTYPES.get(self.dtype)
         if exact and attrs.get("dtype") in FLOAT_NAMES:
             attrs["dtype"] = exact

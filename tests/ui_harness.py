@@ -82,9 +82,12 @@ class TestFile:
 
     def cli_args(self) -> list[str]:
         """Options from the header: `path: DIR` (relative to the file), `args: ...` (split
-        like a shell), any other `key: value` as `--key value`."""
+        like a shell), any other `key: value` as `--key value` (`command:` is not an
+        option: it picks the command, see `command`)."""
         args: list[str] = []
         for key, value in self.header:
+            if key == "command":
+                continue
             if key == "args":
                 args += shlex.split(value)
             elif key == "path":
@@ -92,6 +95,12 @@ class TestFile:
             else:
                 args += [f"--{key}", value]
         return args
+
+    @property
+    def command(self) -> str:
+        """`check`, or `build` for diagnostics that only a build reports (`# command:
+        build`: the fuse pass's E013 needs the model lowered at concrete sizes)."""
+        return next((v for k, v in self.header if k == "command"), "check")
 
 
 @dataclass
@@ -179,13 +188,15 @@ def parse_header(lines: list[str]) -> list[tuple[str, str]]:
 
 
 # ============================================================================ running
-def run_check(path: Path, extra_args: list[str]) -> tuple[int, str, str]:
-    """`modulec check --format json [ARGS] FILE` in-process: (exit code, stdout, stderr)."""
+def run_check(path: Path, extra_args: list[str], command: str = "check"
+              ) -> tuple[int, str, str]:
+    """`modulec check --format json [ARGS] FILE` (or `build`) in-process: (exit code,
+    stdout, stderr)."""
     from click.testing import CliRunner
 
     from modulec.cli.main import modulec
 
-    result = CliRunner().invoke(modulec, ["check", "--format", "json", *extra_args, str(path)])
+    result = CliRunner().invoke(modulec, [command, "--format", "json", *extra_args, str(path)])
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.stdout, result.stderr
@@ -219,10 +230,10 @@ def to_actual(d: dict, test: TestFile) -> Actual:
 
 def check_file(path: Path) -> Outcome:
     test = parse_test_file(path)
-    exit_code, stdout, stderr = run_check(test.path, test.cli_args())
+    exit_code, stdout, stderr = run_check(test.path, test.cli_args(), test.command)
     if exit_code not in (0, 1):
         return Outcome(test, exit_code, [], problem=(
-            f"`modulec check` exited with status {exit_code}\n{stderr}{stdout}"))
+            f"`modulec {test.command}` exited with status {exit_code}\n{stderr}{stdout}"))
     try:
         actual = actual_diagnostics(test, stdout)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:

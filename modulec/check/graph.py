@@ -70,11 +70,14 @@ class GraphChecker:
                              item.span)
 
     def flow(self, flow: A.Flow) -> None:
+        start = len(self.recorder.nodes) if self.recorder is not None else 0
         values = self.source(flow.source.expr)
         self._last_use = None
         for step in flow.operations:
             values = self.operation(step, values)
         self.destination(flow, flow.destination, values)
+        if self.recorder is not None:
+            self.recorder.flow_annotations(start, flow.destination)
         names = [n for n, _, _ in self.targets(flow.destination.expr) or []]
         for name in names:
             self.producers.setdefault(name, flow)

@@ -111,7 +111,10 @@ _TABLE: tuple[CodeInfo, ...] = (
     _e("E013", "Invalid fusion pattern", """
         A `@fuse(...)` annotation or `fusion:` entry names a pattern that is not known, or
         the operations it covers do not form that pattern (they are not adjacent in the
-        graph, or an intermediate result is also used elsewhere). Use one of the known
+        graph, or an intermediate result is also used elsewhere). `modulec build` reports
+        a request its `fuse` pass cannot apply: the flow lacks the pattern's operations, one
+        of them is `@nofuse`, a value between them has a `modify` or `replace` hook, or the
+        shapes do not fit (a broadcasting add is no residual add). Use one of the known
         patterns, list the operations in graph order, or remove the annotation and let the
         compiler decide.""", "§7.5"),
     _e("E014", "Unsupported primitive", """

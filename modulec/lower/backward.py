@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
+from modulec.lower.fusion_patterns import FUSION_ATTRS
 from modulec.ops.registry import op_table
 
 
@@ -134,9 +135,10 @@ def _op_backward(builder: _Builder, node: Node) -> None:
         else:
             targets.append(by_name.get(sig.name[2:]) if sig.name.startswith("d_") else None)
     outputs = [builder.fresh(t) if builder.wants(t) else "" for t in targets]
+    attrs = tuple(a for a in node.attrs if a[0] not in FUSION_ATTRS)  # params only
     # forward_node: the runtime reads the forward op's input shapes and outputs from it
     builder.node(f"{rule.name}_backward", inputs, outputs, node,
-                 attrs=node.attrs + (("forward_node", node.id),))
+                 attrs=attrs + (("forward_node", node.id),))
     for source, gradient in zip(targets, outputs):
         if source:
             builder.contribute(source, gradient, node)

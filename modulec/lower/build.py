@@ -19,7 +19,7 @@ from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
 from modulec.lower.backward import without_written_backward
 from modulec.lower.lowering import lower_model, recording_world
-from modulec.lower.passes import run_pipeline
+from modulec.lower.passes import PassContext, run_pipeline
 from modulec.lower.schedule import schedule_data
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
@@ -87,7 +87,11 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
         return BuildResult(diagnostics, source=loaded.source)
     if request.derive_written:
         graph = without_written_backward(graph)
-    graph = run_pipeline(graph, request.dump_after, request.dump)
+    context = PassContext(sources={loaded.source.name: loaded.source} if loaded.source else {})
+    graph = run_pipeline(graph, request.dump_after, request.dump, context)
+    diagnostics += context.diagnostics
+    if any(d.is_error for d in context.diagnostics):
+        return BuildResult(diagnostics, source=loaded.source)
     document = {
         "ir_version": IR_VERSION,
         "graph": graph_to_data(graph),

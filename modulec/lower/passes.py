@@ -1,39 +1,90 @@
 """The pass pipeline: a flat, named list. Each pass maps Graph IR to Graph IR; the verifier
 runs after every pass (a pass that breaks the IR is a compiler bug, caught where it
-happens), and `--dump-after NAME` prints the IR a pass produced."""
+happens), and `--dump-after NAME` prints the IR a pass produced. A pass reports problems
+with the source (E013 for a `@fuse` that cannot apply) into its `PassContext`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from modulec.ir.graph import Graph
 from modulec.ir.verify import verify_graph
 from modulec.lower import pass_names
 from modulec.lower.backward import derive_backward
+from modulec.lower.fusion import fuse
+from modulec.source import SourceFile, Span
+
+
+@dataclass
+class PassContext:
+    """What passes share besides the graph: the diagnostics they report, and the source
+    files (read on demand) their nodes' spans point into."""
+    diagnostics: list = field(default_factory=list)
+    sources: dict = field(default_factory=dict)  # file name -> SourceFile
+
+    def annotation_span(self, at: tuple, name: str) -> Span | None:
+        """The span of the first `@name(...)` at or after a node's (file, line, column),
+        on that line or the next few (a flow's annotations follow its last step)."""
+        file, line, column = at
+        source = self._source(file)
+        if source is None or line < 1:
+            return None
+        start = source.text.find(f"@{name}", source.offset(line, column))
+        if start < 0 or source.position(start)[0] > line + 3:
+            return source.span(source.offset(line, column))
+        return source.span(start, _annotation_end(source.text, start))
+
+    def _source(self, file: str) -> SourceFile | None:
+        if file not in self.sources:
+            try:
+                self.sources[file] = SourceFile.read(file)
+            except OSError:
+                self.sources[file] = None
+        return self.sources[file]
+
+
+def _annotation_end(text: str, start: int) -> int:
+    """The end of `@name(...)` (its closing parenthesis), or of `@name`."""
+    end = start + 1
+    while end < len(text) and (text[end].isalnum() or text[end] == "_"):
+        end += 1
+    if end < len(text) and text[end] == "(":
+        depth = 0
+        for index in range(end, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[index], 0)
+            if depth == 0:
+                return index + 1
+    return end
 
 
 @dataclass(frozen=True)
 class Pass:
     name: str
     summary: str
-    run: Callable[[Graph], Graph]
+    run: Callable[[Graph, PassContext], Graph]
 
 
 PIPELINE: tuple[Pass, ...] = (
     Pass("lower", "checked model instance -> forward Graph IR, one function per instance",
-         lambda graph: graph),
-    Pass("derive_backward", "reverse mode from the primitives' backward rules; frozen "
-         "parameters and @gradient(skip) inputs pruned", derive_backward),
+         lambda graph, context: graph),
+    Pass("fuse", "chains of ops -> fused ops (fusion_patterns.py): `@fuse` requests (E013 "
+         "when one cannot apply), then the patterns the runtime has kernels for; `@nofuse`, "
+         "modify/replace hooks and intermediates read elsewhere are barriers", fuse),
+    Pass("derive_backward", "reverse mode from the primitives' backward rules (a fused "
+         "op's from its fused primitive's); frozen parameters and @gradient(skip) inputs "
+         "pruned", lambda graph, context: derive_backward(graph)),
 )
 PASS_NAMES = tuple(p.name for p in PIPELINE)
 assert PASS_NAMES == pass_names.PASS_NAMES, "update modulec/lower/pass_names.py"
 
 
 def run_pipeline(graph: Graph, dump_after: str | None = None,
-                 dump: Callable[[str, Graph], None] | None = None) -> Graph:
+                 dump: Callable[[str, Graph], None] | None = None,
+                 context: PassContext | None = None) -> Graph:
+    context = context if context is not None else PassContext()
     for step in PIPELINE:
-        graph = step.run(graph)
+        graph = step.run(graph, context)
         problems = verify_graph(graph)
         if problems:
             raise AssertionError(f"pass `{step.name}` produced invalid Graph IR:\n"

@@ -7,7 +7,7 @@ value ids for unnamed results (`%3`), and the source names bound to values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modulec.ir.graph import Node, ValueInfo
 from modulec.semantic.consteval import Ident, Unknown
@@ -63,12 +63,55 @@ class Recorder:
     def node(self, kind: str, target: str, inputs, outputs, step, attrs=(), repeat=1,
              accumulate=()) -> None:
         span = (step.span.file, step.span.line, step.span.column)
-        annotations = tuple((a.name, tuple(_arg_text(x) for x in a.args or ()))
-                            for a in getattr(step, "annotations", ()))
+        annotations = tuple(map(_annotation, getattr(step, "annotations", ())))
         index = len(self.nodes)
         self.nodes.append(Node(f"{self.phase[0]}{index}", kind, target, tuple(inputs),
                                tuple(outputs), tuple(attrs), annotations, repeat, self.phase,
                                span, tuple(accumulate)))
+
+
+    def flow_annotations(self, start: int, destination) -> None:
+        """Carry a flow's destination annotations to its nodes: `@fuse`/`@nofuse` written
+        after the destination concern every operation of the flow (spec §7.5), `@hook`
+        concerns the node that produces the hooked value (a fusion barrier when it may
+        write, §5.11.3), also when the flow only renames that value."""
+        wide = tuple(_annotation(a) for a in destination.annotations if a.name in FLOW_WIDE)
+        for index in range(start, len(self.nodes)):
+            if wide and self.nodes[index].kind == "op":
+                self._annotate(index, wide)
+        for name, notes in _hooked_names(destination):
+            value = self.names.get(name)
+            producer = next((i for i in range(len(self.nodes) - 1, -1, -1)
+                             if value and value in self.nodes[i].outputs), None)
+            if producer is not None:
+                self._annotate(producer, tuple(map(_annotation, notes)))
+
+    def _annotate(self, index: int, notes: tuple) -> None:
+        node = self.nodes[index]
+        added = tuple(n for n in notes if n not in node.annotations)
+        self.nodes[index] = replace(node, annotations=node.annotations + added)
+
+
+FLOW_WIDE = ("fuse", "nofuse")
+
+
+def _hooked_names(destination):
+    """(destination name, its `@hook` annotations) for a `-> name` or `-> (a, b)` flow."""
+    from modulec.syntax import ast as A
+
+    expr = destination.expr
+    shared = [a for a in destination.annotations if a.name == "hook"]
+    if isinstance(expr, A.Name):
+        return [(expr.id, shared)] if shared else []
+    if isinstance(expr, A.TupleExpr):
+        pairs = [(e.value.id, shared + [a for a in e.annotations if a.name == "hook"])
+                 for e in expr.items if isinstance(e.value, A.Name)]
+        return [(name, notes) for name, notes in pairs if notes]
+    return []
+
+
+def _annotation(annotation) -> tuple[str, tuple[str, ...]]:
+    return annotation.name, tuple(_arg_text(x) for x in annotation.args or ())
 
 
 def value_info(value: str, type_: TensorType, name: str = "") -> ValueInfo:

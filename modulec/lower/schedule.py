@@ -24,7 +24,9 @@ def _op(node: Node, placed: dict) -> dict:
     op = {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
           "phase": node.phase}
     buffers = [_buffer_ref(value, placed[value]) for value in node.outputs if value in placed]
-    return op | ({"buffers": buffers} if buffers else {})
+    group = node.attr("fusion_group")  # one kernel launch for the group (modulec.lower.fusion)
+    return op | ({"buffers": buffers} if buffers else {}) | ({"fusion_group": group}
+                                                             if group else {})
 
 
 def _buffer_ref(value: str, placement) -> list:
@@ -60,7 +62,8 @@ def print_schedule(data: dict) -> str:
 def _print_function(name: str, ops: list[dict]) -> str:
     lines = [f"schedule @{name} ({len(ops)} op{'s' if len(ops) != 1 else ''}) {{"]
     lines += [f"  %{op['node'][1:]:<5} {op['phase']:<9} {op['kernel']}{_times(op['repeat'])}"
-              + _buffers_text(op.get("buffers", ())) for op in ops]
+              + _buffers_text(op.get("buffers", ()))
+              + (f"  [{op['fusion_group']}]" if "fusion_group" in op else "") for op in ops]
     return "\n".join(lines + ["}", ""]) + "\n"
 
 

@@ -108,7 +108,7 @@ def _planned(graph, function, arenas, metric: str):
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
         for position, value in enumerate(outputs):
-            buffers[value] = _buffer(node, value, position, own, buffers, saved,
+            buffers[value] = _buffer(node, index, value, position, own, buffers, saved,
                                      len(function.nodes))
             made[value] = index
         inputs = [i for i in node.inputs if i in buffers]
@@ -150,7 +150,10 @@ def _metric(region, metric: str) -> int:
     return region.baselines.get(metric, region.arena_bytes)
 
 
-def _buffer(node: Node, value: str, position: int, own, buffers, saved, end) -> Buffer:
+def _buffer(node: Node, index: int, value: str, position: int, own, buffers, saved,
+            end) -> Buffer:
+    """`index`: the node's position in its function (ids need not be positions: the fuse
+    pass removes nodes)."""
     size = _bytes(own[value])
     source = node.inputs[0] if node.inputs else ""
     if node.target in VIEWS and source in buffers:
@@ -158,12 +161,8 @@ def _buffer(node: Node, value: str, position: int, own, buffers, saved, end) -> 
         return Buffer(value, min(size, buffers[source].size_bytes), TRANSIENT,
                       alias_of=source, offset_in_source=offset)
     if value in saved:
-        return Buffer(value, size, SAVED, pinned_lifetime=(node_index(node), end - 1))
+        return Buffer(value, size, SAVED, pinned_lifetime=(index, end - 1))
     return Buffer(value, size, TRANSIENT)
-
-
-def node_index(node: Node) -> int:
-    return int(node.id[1:])
 
 
 def _part_offset(node: Node, position: int, own) -> int:
