@@ -51,6 +51,39 @@ def model_options(command):
     return command
 
 
+def planning_options(command):
+    """The options of keep / recompute / swap planning: shared by build and plan."""
+    options = [
+        click.option("--memory-budget", "budget", metavar="SIZE",
+                     help="Plan keep / recompute / swap per activation to fit SIZE "
+                          "(20GiB, 512MiB, 80GB); exit status 1 when it cannot be met."),
+        click.option("--training", type=click.Choice(["full", "lora"]), default="full",
+                     show_default=True, help="With --memory-budget: full fine-tuning, or "
+                     "LoRA (base weights frozen; recompute policy `lora_only` applies)."),
+        click.option("--device", type=click.Choice(["h100", "h200"]), default="h100",
+                     show_default=True, help="With --memory-budget: the device profile."),
+        click.option("--recompute-policy", "policies", multiple=True,
+                     metavar="PATTERN=POLICY",
+                     help="With --memory-budget: always | lora_only | never for activations "
+                          "matching PATTERN (Module.tensor, tensor, or a primitive such as "
+                          "flash_attention); `doc` applies the recompute design doc's table."),
+        click.option("--honor-lists", is_flag=True,
+                     help="The modules' save: / recompute: lists are fixed decisions (by "
+                          "default only annotations are)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _planning(budget, training, device, policies, honor_lists):
+    from modulec.cli.plan_cmd import _budget, _policies
+    from modulec.lower.build_plan import PlanOptions
+
+    return PlanOptions(_budget(budget) if budget is not None else None, training, device,
+                       _policies(policies) if policies else {}, honor_lists)
+
+
 def build_command(output_options, guarded):
     @click.command("build")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -61,10 +94,11 @@ def build_command(output_options, guarded):
                   help="Print the Graph IR or the Schedule IR as text.")
     @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
                   help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))
+    @planning_options
     @output_options
     @guarded
-    def build(file, output, model, settings, shapes, config, search_path, emit, dump_after, fmt,
-              color):
+    def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
+              budget, training, device, policies, honor_lists, fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
@@ -77,11 +111,14 @@ def build_command(output_options, guarded):
                                pairs(shapes, "--shape", True), config, dump_after,
                                lambda name, graph: click.echo(f"# after {name}\n"
                                                               + print_graph(graph), nl=False))
+        request.planning = _planning(budget, training, device, policies, honor_lists)
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:
             click.echo(f"warning: {notice}", err=True)
         out.show(FileResult(str(file), result.source, None, result.diagnostics))
+        if result.failure is not None:
+            click.echo(f"error: {result.failure}", err=True)
         if result.document is None:
             return 1
         if emit == "graph":
@@ -118,6 +155,7 @@ def verify_document(path: Path) -> list[str]:
 
     from modulec.ir.serialize import IR_VERSION, graph_from_data
     from modulec.ir.verify import verify_graph
+    from modulec.ir.verify_schedule import verify_schedule
 
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -135,7 +173,12 @@ def verify_document(path: Path) -> list[str]:
         graph = graph_from_data(document["graph"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         return [f"{path}: malformed graph: {type(exc).__name__}: {exc}"]
-    return verify_graph(graph)
+    problems = verify_graph(graph)
+    try:
+        problems += verify_schedule(document["schedule"], graph)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        problems.append(f"{path}: malformed schedule: {type(exc).__name__}: {exc}")
+    return problems
 
 
 def _write_atomically(path: Path, text: str) -> None:

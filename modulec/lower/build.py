@@ -39,6 +39,7 @@ class BuildRequest:
     dump_after: str | None = None  # print the IR after this pass (modulec.lower.passes)
     dump: object = None  # (pass name, graph) -> None
     derive_written: bool = False  # derive every backward, also where the source writes one
+    planning: object = None  # modulec.lower.build_plan.PlanOptions (None: the defaults)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class BuildResult:
     graph: object = None
     source: object = None
     notices: list[str] = field(default_factory=list)  # config fields that kept defaults
+    failure: str | None = None  # the memory budget cannot be met (no source location)
 
 
 def build(request: BuildRequest) -> BuildResult:
@@ -69,7 +71,12 @@ def build(request: BuildRequest) -> BuildResult:
     args = _arguments(decl, request, diagnostics, notices)
     if args is None:
         return BuildResult(diagnostics, source=loaded.source, notices=notices)
-    result = _lower(decl, loaded, resolver, args, request, diagnostics)
+    from modulec.lower.build_plan import PlanFailure
+
+    try:
+        result = _lower(decl, loaded, resolver, args, request, diagnostics)
+    except PlanFailure as exc:
+        result = BuildResult(diagnostics, source=loaded.source, failure=str(exc))
     result.notices = notices
     return result
 
@@ -92,25 +99,18 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     diagnostics += context.diagnostics
     if any(d.is_error for d in context.diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
+    from modulec.lower.build_plan import PlanOptions, plan_for_build
+
+    plan, decided = plan_for_build(graph, resolver, request.planning or PlanOptions())
     document = {
         "ir_version": IR_VERSION,
         "graph": graph_to_data(graph),
-        "schedule": schedule_data(graph, _placements(graph)),
+        "schedule": schedule_data(graph, plan, decided),
         "weight_schema": _weight_schema(instance),
         "config_schema": _config_schema(decl),
         "metadata": _metadata(decl, instance, graph, request),
     }
     return BuildResult(diagnostics, document, graph, loaded.source)
-
-
-def _placements(graph) -> dict:
-    """Each function's buffers placed by the memory plan; none while a dim has no size."""
-    from modulec.plan.from_graph import ShapeUnknown, plan_step
-
-    try:
-        return plan_step(graph).placements
-    except ShapeUnknown:
-        return {}
 
 
 # ====================================================================== the model and its sizes

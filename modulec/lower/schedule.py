@@ -1,7 +1,9 @@
 """Schedule IR (§9.7.2): each function's operations in execution order with the kernels they
-run (from each primitive's `impl:`) and, when every dim has a size, the buffers their
-outputs live in (region, offset, bytes: the memory plan of modulec.plan). Streams, sync
-points and recompute/swap segments are not placed yet (issue 4)."""
+run (from each primitive's `impl:`), the stream each runs on, and, when every dim has a
+size, the buffers their outputs live in (region, offset, bytes: the memory plan of
+modulec.plan) and the activation layout (modulec.lower.layout). With planner decisions
+(modulec.lower.decided) the backward carries recompute segments and the swap ops with
+their sync points; docs/build-output.md describes the format."""
 
 from __future__ import annotations
 
@@ -9,20 +11,38 @@ from modulec.ir.graph import Graph, Node
 from modulec.ops.registry import op_table
 from modulec.syntax import ast as A
 
+COMPUTE_STREAM = 0
 
-def schedule_data(graph: Graph, placements: dict | None = None) -> dict:
-    """`placements` (function -> value -> Placement, from the memory plan) adds each op's
-    output buffers as [value, region, offset, bytes]; without sizes for every dim there is
-    no plan, and ops carry no buffers."""
-    placements = placements or {}
-    return {"functions": {f.name: [_op(n, placements.get(f.name, {})) for n in f.nodes]
+
+def schedule_data(graph: Graph, plan=None, decided=None) -> dict:
+    """`plan` (the memory plan, modulec.plan.from_graph.StepPlan) adds each op's output
+    buffers as [value, region, offset, bytes] and the layout; without sizes for every dim
+    there is no plan, and ops carry no buffers. `decided` inserts the planner's ops."""
+    from modulec.lower.decided import inserted_ops
+    from modulec.lower.layout import activation_layout, host_offsets
+
+    placements = plan.placements if plan is not None else {}
+    layout = activation_layout(graph, plan, decided) if plan is not None else None
+    extra = inserted_ops(decided, placements, host_offsets(layout)) \
+        if decided is not None and layout is not None else {}
+    data = {"functions": {f.name: _ops(f, placements.get(f.name, {}), extra)
                           for f in graph.functions},
             "order": [graph.entry] + ([graph.backward] if graph.backward else [])}
+    return data | ({"layout": layout} if layout is not None else {})
+
+
+def _ops(function, placed: dict, extra: dict) -> list[dict]:
+    ops = []
+    for node in function.nodes:
+        ops += extra.get((function.name, node.id, "before"), [])
+        ops.append(_op(node, placed))
+        ops += extra.get((function.name, node.id, "after"), [])
+    return ops
 
 
 def _op(node: Node, placed: dict) -> dict:
     op = {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
-          "phase": node.phase}
+          "phase": node.phase, "stream": COMPUTE_STREAM}
     buffers = [_buffer_ref(value, placed[value]) for value in node.outputs if value in placed]
     group = node.attr("fusion_group")  # one kernel launch for the group (modulec.lower.fusion)
     return op | ({"buffers": buffers} if buffers else {}) | ({"fusion_group": group}
@@ -52,24 +72,7 @@ def _impl(decl: A.Decl) -> A.ImplBlock | None:
 
 
 def print_schedule(data: dict) -> str:
-    """The canonical text form of a schedule: functions in execution order first, then the
-    rest by name; one line per op (`%id  phase  kernel  ×repeat`)."""
-    functions = data["functions"]
-    names = list(data["order"]) + sorted(set(functions) - set(data["order"]))
-    return "".join(_print_function(name, functions[name]) for name in names)
+    """The canonical text form (modulec.lower.schedule_text)."""
+    from modulec.lower.schedule_text import print_schedule as text
 
-
-def _print_function(name: str, ops: list[dict]) -> str:
-    lines = [f"schedule @{name} ({len(ops)} op{'s' if len(ops) != 1 else ''}) {{"]
-    lines += [f"  %{op['node'][1:]:<5} {op['phase']:<9} {op['kernel']}{_times(op['repeat'])}"
-              + _buffers_text(op.get("buffers", ()))
-              + (f"  [{op['fusion_group']}]" if "fusion_group" in op else "") for op in ops]
-    return "\n".join(lines + ["}", ""]) + "\n"
-
-
-def _times(repeat) -> str:
-    return "" if str(repeat) == "1" else f"  ×{repeat}"
-
-
-def _buffers_text(buffers) -> str:
-    return "".join(f"  {value}@{region}+{offset}:{size}" for value, region, offset, size in buffers)
+    return text(data)

@@ -76,6 +76,11 @@ def declarations(path: Path, search_path=()) -> dict:
 
     resolver = Resolver(search_path)
     resolver.load(path)
+    return declarations_of(resolver)
+
+
+def declarations_of(resolver) -> dict:
+    """Declarations by name of every file a resolver loaded (`build` reuses its own)."""
     found: dict = {}
     for loaded in resolver.files():
         for decl in (loaded.program.decls if loaded.program else ()):

@@ -1,0 +1,93 @@
+"""What `modulec build` asks of the planners: the memory plan (buffers and the activation
+layout), and keep / recompute / swap decisions for the Schedule IR.
+
+Decisions come from the budget planner with `--memory-budget` (modulec.plan.budget,
+MuTWO's scheduler, as `modulec plan --memory-budget` reports them), and otherwise from
+user intent alone: the binding rungs of the §7.2.0 ladder (`@memory`, `@checkpoint`;
+with `--honor-lists` the modules' `save:` / `recompute:` lists too). A model with no such
+intent keeps everything and costs no planning (the flattened step is never built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+
+from modulec.syntax import ast as A
+
+MEMORY_ANNOTATIONS = ("memory", "checkpoint")
+
+
+@dataclass
+class PlanOptions:
+    budget: int | None = None          # bytes; None: no budget
+    training: str = "full"             # full | lora
+    device: str = "h100"
+    policies: dict = field(default_factory=dict)  # pattern -> always | lora_only | never
+    honor_lists: bool = False
+
+
+class PlanFailure(Exception):
+    """The budget cannot be met, or cannot be planned (unsized dims): the message says."""
+
+
+def plan_for_build(graph, resolver, options: PlanOptions):
+    """(memory plan or None, decisions or None); PlanFailure when a budget fails."""
+    from modulec.plan.from_graph import ShapeUnknown, plan_step
+
+    try:
+        plan = plan_step(graph)
+    except ShapeUnknown as exc:
+        if options.budget is not None:
+            raise PlanFailure(f"--memory-budget needs every size: {exc}") from None
+        return None, None
+    from modulec.plan.recompute import declarations_of
+
+    decls = declarations_of(resolver)
+    if options.budget is None and not options.honor_lists and \
+            not _memory_intent(graph, decls):
+        return plan, None
+    return plan, _decided(graph, decls, options)
+
+
+def _decided(graph, decls: dict, options: PlanOptions):
+    from modulec.lower.decided import decide
+    from modulec.plan.budget import make_problem, plan_budget
+    from modulec.plan.devices import device
+    from modulec.plan.mutwo import fixed_decisions
+    from modulec.plan.simulate import evaluate
+
+    problem = make_problem(graph, decls, options.training, device(options.device),
+                           options.policies, binding=5 if options.honor_lists else 3)
+    if options.budget is None:
+        recompute, swap = fixed_decisions(problem)
+        return decide(problem, recompute, swap, evaluate(problem, recompute, swap))
+    result = plan_budget(problem, options.budget)
+    if not result.feasible:
+        raise PlanFailure(_infeasible(options.budget, result.minimum_peak, problem))
+    return decide(problem, result.recompute, result.swap, result.outcome)
+
+
+def _infeasible(budget: int, lowest: int, problem) -> str:
+    gib = lambda n: f"{n / 2 ** 30:.2f} GiB"  # noqa: E731
+    fixed = sum(problem.fixed_bytes.values())
+    hint = ", or train with --training lora" if problem.training == "full" else ""
+    return (f"the memory budget {gib(budget)} cannot be met: the lowest predicted peak is "
+            f"{gib(lowest)} (weights, gradients and optimizer state alone: {gib(fixed)}); "
+            f"raise the budget to at least {gib(lowest)}{hint}")
+
+
+def _memory_intent(graph, decls: dict) -> bool:
+    """Whether a module the graph instantiates carries `@memory` or `@checkpoint`: only
+    then can user intent change a decision without a budget."""
+    modules = {f.module for f in graph.functions}
+    return any(_has_annotation(decls[m]) for m in sorted(modules) if m in decls)
+
+
+def _has_annotation(node) -> bool:
+    if isinstance(node, A.Annotation):
+        return node.name in MEMORY_ANNOTATIONS
+    if isinstance(node, (tuple, list)):
+        return any(_has_annotation(item) for item in node)
+    if is_dataclass(node):
+        return any(_has_annotation(getattr(node, f.name)) for f in fields(node))
+    return False
