@@ -39,6 +39,7 @@ class Model:
     hooks: object = None
     check_finite: bool = True
     program: Program | None = None
+    hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
     _frame: Frame | None = None
 
     @classmethod
@@ -79,6 +80,7 @@ class Model:
         loaded = load_hf_weights(schema, Path(directory), dtype=self.dtype, device=self.device,
                                  progress=progress)
         self.params.update(loaded)
+        self.hf_layout.update(loaded.layout)
         return self
 
     # ------------------------------------------------------------------ running
@@ -104,12 +106,28 @@ class Model:
         inputs = dict(zip(self.program.input_names(), d_inputs))
         return Gradients({k: v for k, v in inputs.items() if v is not None}, grads)
 
-    def hf_tensors(self, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """Parameters (or gradients, if given) under HF checkpoint names."""
+    def hf_tensors(self) -> dict[str, Tensor]:
+        """The parameters under HF checkpoint names (fused tensors split, transforms
+        inverted)."""
         from runtime.hf_weights import export_hf_tensors
 
-        return export_hf_tensors(self.source.program().weight_schema,
-                                 self.params if tensors is None else tensors)
+        return export_hf_tensors(self._schema(), self.params, layout=self.hf_layout)
+
+    def hf_gradients(self, grads: Gradients) -> dict[str, Tensor]:
+        """Parameter gradients under HF checkpoint names (tied gradients summed)."""
+        from runtime.hf_weights import export_hf_tensors
+
+        return export_hf_tensors(self._schema(), grads.params, gradients=True,
+                                 layout=self.hf_layout, weights=self.params)
+
+    def save_hf(self, directory, config: dict | None = None):
+        from runtime.hf_weights import save_hf_weights
+
+        return save_hf_weights(self._schema(), self.params, directory, config,
+                               layout=self.hf_layout)
+
+    def _schema(self) -> list:
+        return (self.program or self.source.program()).weight_schema
 
     def _interpreter(self) -> Interpreter:
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,

@@ -172,8 +172,9 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
         diagnostics.append(error("E010", f"cannot read HuggingFace config {path}: {exc}", None))
         return {}
     values = {}
+    _check_rope_type(config, path, diagnostics)
     for param, field_name in _param_mapping(decl):
-        raw = config.get(field_name)
+        raw = _config_field(config, field_name)
         if raw is None:
             how = "is null" if field_name in config else "is missing"
             notices.append(f"{path}: `{field_name}` {how}; `{param}` keeps its default")
@@ -181,6 +182,34 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
         values[param] = Dim.const(raw) if isinstance(raw, int) and not isinstance(raw, bool) \
             else raw
     return values
+
+
+# transformers 5 moved the RoPE fields (`rope_theta`, ...) into `rope_parameters`
+NESTED_CONFIG = ("rope_parameters", "rope_scaling")
+
+
+def _config_field(config: dict, name: str):
+    if config.get(name) is not None:
+        return config[name]
+    for section in NESTED_CONFIG:
+        nested = config.get(section)
+        if isinstance(nested, dict) and nested.get(name) is not None:
+            return nested[name]
+    return None
+
+
+def _check_rope_type(config: dict, path: Path, diagnostics) -> None:
+    """Scaled RoPE (llama3, yarn, linear, ...) changes the frequencies, which the rope
+    primitive does not do: building it as plain RoPE would be silently wrong."""
+    for section in NESTED_CONFIG:
+        nested = config.get(section)
+        kind = nested.get("rope_type", nested.get("type")) if isinstance(nested, dict) else None
+        if kind not in (None, "default"):
+            diagnostics.append(error(
+                "E010", f"{path}: `{section}.rope_type` is `{kind}`; the rope primitive "
+                "computes plain RoPE frequencies only", None,
+                help=["scaled RoPE variants are not supported yet (docs/decisions.md, "
+                      "\"RoPE scaling\")"]))
 
 
 def _param_mapping(decl: A.Decl):
