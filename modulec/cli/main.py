@@ -165,6 +165,7 @@ LAZY_COMMANDS = {
     "plan": _factory("modulec.cli.plan_cmd", "plan_command", output_options, guarded),
     "graph": _factory("modulec.cli.graph_cmd", "graph_command", guarded),
     "fmt": _factory("modulec.cli.fmt_cmd", "fmt_command", output_options, guarded),
+    "run": _factory("modulec.cli.run_cmd", "run_command", guarded),
 }
 
 

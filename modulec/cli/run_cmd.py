@@ -1,0 +1,77 @@
+"""`modulec run`: run a model on the reference runtime (forward, and with --backward its
+gradients), inputs and outputs in safetensors files.
+
+    modulec run std/models/llama.module --hf-weights ckpt/ --inputs in.safetensors \\
+        --outputs out.safetensors --backward
+
+IN holds the forward inputs by their declared names (`token_ids`, ...) and, with
+--backward, a seed `d_<output>` for each output (`d_logits`). OUT gets every output by
+name and, with --backward, `grad.<HF name>` for each tensor of the checkpoint. The runtime
+(torch) is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+DTYPES = ("float64", "float32", "bfloat16")
+
+
+def run_command(guarded):
+    @click.command("run")
+    @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+    @click.option("--hf-weights", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                  help="A HuggingFace checkpoint directory (config.json + safetensors).")
+    @click.option("--random-weights", type=int, metavar="SEED",
+                  help="Random parameters instead of a checkpoint (for trying a model).")
+    @click.option("--inputs", "inputs_path", required=True,
+                  type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                  help="safetensors with the inputs by name (and d_<output> seeds).")
+    @click.option("--outputs", "outputs_path", required=True,
+                  type=click.Path(dir_okay=False, path_type=Path),
+                  help="Write the outputs (and grad.<HF name> gradients) here.")
+    @click.option("--backward", is_flag=True, help="Also run the backward.")
+    @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu",
+                  show_default=True)
+    @click.option("--dtype", type=click.Choice(DTYPES), default="float64", show_default=True)
+    @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+                  help="Set a model parameter (repeatable).")
+    @click.option("--model", help="The model declaration (when the file has several).")
+    @click.option("--path", "search_path", multiple=True, metavar="DIR",
+                  type=click.Path(exists=True, file_okay=False, path_type=Path),
+                  help="Add DIR to the import search path (repeatable).")
+    @guarded
+    def run(file, hf_weights, random_weights, inputs_path, outputs_path, backward, device,
+            dtype, settings, model, search_path):
+        """Run FILE's model forward (and backward) on the reference runtime."""
+        from modulec.cli.build_cmd import pairs
+
+        request = dict(file=file, hf_weights=hf_weights, random_weights=random_weights,
+                       inputs=inputs_path, outputs=outputs_path, backward=backward,
+                       device=device, dtype=dtype, settings=pairs(settings, "--set", False),
+                       model=model, search_path=search_path)
+        return _run(request)
+
+    return run
+
+
+def _run(request: dict) -> int:
+    try:
+        from runtime.cli_run import run_model
+        from runtime.errors import RuntimeUserError
+        from runtime.hf_weights import WeightLoadError
+    except ImportError as exc:
+        click.echo(f"error: `modulec run` needs the runtime (torch, safetensors): {exc}",
+                   err=True)
+        return 1
+    try:
+        summary = run_model(**request)
+    except (RuntimeUserError, WeightLoadError) as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        for line in exc.help:
+            click.echo(f"  = help: {line}", err=True)
+        return 1
+    click.echo(summary)
+    return 0

@@ -1,0 +1,98 @@
+"""What `modulec run` does, on torch: load the model and its weights, read the inputs,
+run forward (and backward), write the outputs. Every user mistake is a RuntimeUserError."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from runtime.errors import RuntimeUserError
+from runtime.model import Model
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run_model(*, file, hf_weights, random_weights, inputs, outputs, backward, device, dtype,
+              settings, model, search_path) -> str:
+    _check_device(device)
+    if (hf_weights is None) == (random_weights is None):
+        raise RuntimeUserError("give the weights: --hf-weights DIR or --random-weights SEED")
+    instance = Model.from_module(file, settings=settings, hf_weights=hf_weights,
+                                 dtype=DTYPES[dtype], device=device, model=model,
+                                 search_path=search_path, progress=sys.stderr.isatty())
+    if random_weights is not None:
+        instance.init_random(random_weights)
+    tensors = _read(inputs)
+    names = instance.source.program().input_names()
+    forward_inputs = {n: tensors.pop(n) for n in names if n in tensors}
+    results = instance.forward(**forward_inputs)
+    written = {name: value for name, value in results.items()}
+    if backward:
+        written |= _gradients(instance, tensors, results, hf_weights is not None)
+    else:
+        _refuse_unknown(inputs, tensors, names, {f"d_{name}" for name in results})
+    _write(outputs, written)
+    return f"wrote {len(written)} tensors to {outputs}"
+
+
+def _gradients(instance: Model, seeds: dict, results: dict, hf_names: bool) -> dict:
+    wanted = {f"d_{name}" for name in results}
+    missing = sorted(wanted - set(seeds))
+    if missing:
+        raise RuntimeUserError(f"--backward needs a seed for every output: missing "
+                               f"{', '.join(missing)}")
+    extra = sorted(set(seeds) - wanted)
+    if extra:
+        raise RuntimeUserError(f"unknown tensors in the inputs: {', '.join(extra)}",
+                               help=[f"seeds: {', '.join(sorted(wanted))}"])
+    grads = instance.backward(**{name[2:]: seed for name, seed in seeds.items()})
+    named = instance.hf_gradients(grads) if hf_names else grads.params
+    out = {f"grad.{name}": value for name, value in named.items()}
+    return out | {f"grad.{name}": value for name, value in grads.inputs.items()}
+
+
+def _refuse_unknown(path, tensors: dict, names, seeds: set) -> None:
+    """Without --backward, seeds are ignored (with a note); anything else is a mistake."""
+    unknown = sorted(set(tensors) - seeds)
+    if unknown:
+        raise RuntimeUserError(f"{path} has tensors that are not inputs: {', '.join(unknown)}",
+                               help=[f"the inputs: {', '.join(names)}; seeds d_<output> "
+                                     "are read with --backward"])
+    if tensors:
+        print(f"note: ignoring {', '.join(sorted(tensors))} (seeds are read with --backward)",
+              file=sys.stderr)
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeUserError("--device cuda: no CUDA device is available here")
+
+
+def _read(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RuntimeUserError(f"cannot read {path}: {exc}") from None
+
+
+def _write(path: Path, tensors: dict) -> None:
+    """Atomically: a temp file in the same folder, then rename."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(handle)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, temp)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)

@@ -1,0 +1,66 @@
+"""`modulec run`: inputs and seeds by name in, outputs and HF-named gradients out, and a
+clear error (exit 1, no traceback) for each user mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from tests.runtime_models import DENSE  # noqa: E402
+from tests.test_cli import run  # noqa: E402
+
+LLAMA = "std/models/llama.module"
+SETTINGS = [a for k, v in DENSE.items() for a in ("--set", f"{k}={v}")]
+
+
+def _inputs(tmp_path, **tensors):
+    path = tmp_path / "in.safetensors"
+    safetensors_torch.save_file(tensors, str(path))
+    return path
+
+
+def _ids():
+    return torch.randint(0, 64, (2, 5), dtype=torch.int32)
+
+
+def test_forward_and_backward_with_random_weights(tmp_path):
+    inputs = _inputs(tmp_path, token_ids=_ids(), d_logits=torch.randn(2, 5, 64,
+                                                                      dtype=torch.float64))
+    out = tmp_path / "out.safetensors"
+    result = run("run", LLAMA, *SETTINGS, "--random-weights", "0", "--inputs", inputs,
+                 "--outputs", out, "--backward")
+    assert result.exit_code == 0, result.output
+    written = safetensors_torch.load_file(str(out))
+    assert written["logits"].shape == (2, 5, 64) and written["logits"].dtype == torch.float64
+    assert "grad.blocks[1].attention.qkv_weight" in written  # no checkpoint: by path
+
+
+def test_dtype_float32(tmp_path):
+    out = tmp_path / "out.safetensors"
+    result = run("run", LLAMA, *SETTINGS, "--random-weights", "0", "--dtype", "float32",
+                 "--inputs", _inputs(tmp_path, token_ids=_ids()), "--outputs", out)
+    assert result.exit_code == 0, result.output
+    assert safetensors_torch.load_file(str(out))["logits"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("tensors, extra, message", [
+    ({}, [], "input `token_ids` is missing"),
+    ({"token_ids": None, "ids": None}, [], "not inputs: ids"),
+    ({"token_ids": None}, ["--backward"], "missing d_logits"),
+])
+def test_mistakes_are_reported_without_traceback(tmp_path, tensors, extra, message):
+    values = {k: _ids() for k in tensors} or {"other": _ids()}
+    if not tensors:
+        values = {"unrelated": _ids()}
+    result = run("run", LLAMA, *SETTINGS, "--random-weights", "0", "--outputs",
+                 tmp_path / "o.safetensors", "--inputs", _inputs(tmp_path, **values), *extra)
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_weights_are_required(tmp_path):
+    result = run("run", LLAMA, "--inputs", _inputs(tmp_path, token_ids=_ids()),
+                 "--outputs", tmp_path / "o.safetensors")
+    assert result.exit_code == 1 and "--hf-weights DIR or --random-weights" in result.output
