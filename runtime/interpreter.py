@@ -40,6 +40,8 @@ class Frame:
     indices: tuple[int, ...]  # layer indices of the enclosing stacks
     env: dict[str, Tensor] = field(default_factory=dict)
     children: dict[tuple[str, int], "Frame"] = field(default_factory=dict)
+    transient_base: int = 0  # where this run's transient values start (runtime.arena)
+    instance: int = 0  # which run of its function this is, in the forward (runtime.arena)
 
 
 @dataclass
@@ -53,13 +55,23 @@ class Interpreter:
     hooks: object = None  # runtime.hooks.Hooks: observe / modify / replace, probes
     check_finite: bool = True
     kernels: dict = field(default_factory=lambda: KERNELS)
+    arena: object = None  # runtime.arena.Arena: run on the memory plan
     grads: dict[str, Tensor] = field(default_factory=dict)
+    # drop what no backward reads as each forward function returns (a shape-only stand-in
+    # stays), and each layer's forward frame once its backward ran: one backward per forward
+    keep_only_saved: bool = False
 
     # ------------------------------------------------------------------ entry points
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
         entry = self.graph.function(self.graph.entry)
         frame = Frame(entry, "", ())
-        return self._run(frame, inputs, None), frame
+        if self.arena is not None:
+            self.arena.start_forward()
+            self.arena.enter(frame)
+        outputs = self._run(frame, inputs, None)
+        if self.arena is not None:  # the backward reuses the transient bytes
+            outputs = [o.clone() if isinstance(o, Tensor) else o for o in outputs]
+        return outputs, frame
 
     def backward(self, frame: Frame, d_outputs: list[Tensor | None]):
         """Gradients of the entry's inputs (None where there is none) and of every trainable
@@ -71,6 +83,8 @@ class Interpreter:
         seeds = [d if d is not None else torch.zeros_like(frame.env[o])
                  for d, o in zip(d_outputs, frame.function.outputs)]
         own = Frame(backward, frame.path, frame.indices)
+        if self.arena is not None:
+            self.arena.enter(own)
         d_inputs = self._run(own, seeds, frame)
         return d_inputs, self.grads
 
@@ -87,7 +101,10 @@ class Interpreter:
                 frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
         if function.gradient_of:
             self._collect_param_grads(frame)
-        return [frame.env.get(o) if o else None for o in function.outputs]
+        outputs = [frame.env.get(o) if o else None for o in function.outputs]
+        if self.keep_only_saved and not function.gradient_of:
+            _keep_only_saved(frame, _saved_by_backward(self.graph, function.name))
+        return outputs
 
     def _call(self, node: Node, frame: Frame, forward: Frame | None) -> None:
         callee = self.graph.function(node.target)
@@ -97,15 +114,26 @@ class Interpreter:
             origin = node.attr("forward_node")
             for layer in reversed(range(count)):
                 child = forward.children[(origin, layer)]
+                if self.keep_only_saved:  # its backward is the last reader
+                    del forward.children[(origin, layer)]
                 own = Frame(callee, child.path, child.indices)
+                self._enter(own, frame, node)
                 values = self._zeros_for_absent(values, child)
                 values = self._run(own, values, child)
         else:
             for layer in range(count):
                 child = self._child_frame(callee, frame, layer)
+                self._enter(child, frame, node)
                 frame.children[(node.id, layer)] = child
                 values = self._run(child, values, None)
+        if self.arena is not None:
+            values = [self.arena.place(frame, node, o, v) if o else v
+                      for o, v in zip(node.outputs, values)]
         frame.env.update({o: v for o, v in zip(node.outputs, values) if o})
+
+    def _enter(self, frame: Frame, parent: Frame, node: Node) -> None:
+        if self.arena is not None:
+            self.arena.enter(frame, parent, node.id)
 
     def _zeros_for_absent(self, grads: list, child: Frame) -> list:
         outputs = child.function.outputs
@@ -178,6 +206,8 @@ class Interpreter:
         return _group_lists(kernel.backward_inputs, filled), attrs
 
     def _after(self, node: Node, frame: Frame, value: str, tensor: Tensor) -> Tensor:
+        if self.arena is not None:
+            tensor = self.arena.place(frame, node, value, tensor)
         if self.check_finite and isinstance(tensor, Tensor) and tensor.is_floating_point() \
                 and not bool(torch.isfinite(tensor).all()):
             raise NonFiniteError(f"`{value}` = {node.target}(...) is not finite "
@@ -207,6 +237,23 @@ class Interpreter:
 
 
 # ====================================================================== helpers
+def _saved_by_backward(graph: Graph, name: str) -> frozenset:
+    return frozenset(v for f in graph.functions if f.gradient_of == name for v in f.saved)
+
+
+def _keep_only_saved(frame: Frame, saved: frozenset) -> None:
+    """Replace each tensor no backward reads by a one-element stand-in of its shape, dtype
+    and device (an expanded scalar: zeros_like and .shape still work, no memory kept)."""
+    scalars: dict = {}
+    for value, tensor in frame.env.items():
+        if value in saved or not isinstance(tensor, Tensor) or tensor.numel() <= 1:
+            continue
+        key = (tensor.dtype, tensor.device)
+        if key not in scalars:
+            scalars[key] = torch.empty((), dtype=tensor.dtype, device=tensor.device)
+        frame.env[value] = scalars[key].expand(tensor.shape)
+
+
 def _fill_scope(scope: str, indices: tuple[int, ...]) -> str:
     for index in indices:
         scope = scope.replace("[*]", f"[{index}]", 1)

@@ -1,0 +1,64 @@
+"""Where the GPU training step's time goes: torch.profiler over eager steps of
+runtime/cuda/step.py (the same kernels the CUDA graph replays), kernels grouped by name,
+and the host time of one eager step against one graph replay.
+
+    python benchmarks/gpu/profile_step.py [--layers 22 --batch 4 --seq 2048 --top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from runtime.cuda.step import TrainStep  # noqa: E402
+from train_step import tiny_llama  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--derive-written", action="store_true")
+    args = parser.parse_args()
+    step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(args.layers),
+                                 batch=args.batch, seq=args.seq,
+                                 derive_written=args.derive_written).init_random()
+    tokens = torch.randint(0, 32000, (args.batch, args.seq), dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        step(tokens)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step(tokens)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    eager = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(tokens)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top,
+                                    max_name_column_width=70))
+    step.capture(warmup=1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step(tokens)
+    replay_host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    replay = time.perf_counter() - start
+    print(f"eager step: host {host * 1e3:.1f} ms, wall {eager * 1e3:.1f} ms; "
+          f"graph replay: host {replay_host * 1e3:.2f} ms, wall {replay * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

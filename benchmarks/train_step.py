@@ -1,0 +1,252 @@
+"""One training step (forward + backward + AdamW, bf16 compute, fp32 master weights) of the
+TinyLlama-1.1B shape, side by side in one run on one GPU (issue 6, item 6):
+
+    modulec      runtime/cuda/step.py: the interpreter with TRAIN_KERNELS, fused chunked
+                 LM head + CE, keep_only_saved, the whole step in one CUDA graph
+    modulec_norecompute  the same with the derived backward (the SwiGLU MLP saves its
+                 up projection instead of recomputing it: faster, more memory)
+    hf_eager     transformers LlamaForCausalLM, sdpa attention, fp32 weights + autocast bf16
+    hf_compile   the same under torch.compile
+    hf_ckpt      the same with gradient checkpointing
+
+All start from the same random weights (an HF checkpoint written once, loaded by each) and
+train on the same random batch with fused AdamW. Each variant runs in its own process
+(clean peak-memory counters). Prints a table and writes JSON:
+
+    python benchmarks/train_step.py [--batch 4 --seq 2048 --layers 22 --steps 10]
+                                    [--variants modulec,hf_eager,...] [--json out.json]
+
+MFU: tokens/s x (6 N + 12 L d T) FLOP per token against 989 TFLOP/s (H100/H200 dense bf16)
+and against a bf16 GEMM (8192^3) measured in the same run; N counts every weight matrix
+that is multiplied (the LM head included, the embedding table, a gather, not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("modulec", "modulec_norecompute", "hf_eager", "hf_compile", "hf_ckpt")
+PEAK = 989e12
+
+
+def tiny_llama(layers: int) -> dict:
+    return dict(vocab_size=32000, d_model=2048, n_layers=layers, num_heads=32, num_kv_heads=4,
+                d_ff=5632, max_seq=2048, eps=1e-5)
+
+
+def hf_config(shape: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["d_model"],
+                       num_hidden_layers=shape["n_layers"], num_attention_heads=shape["num_heads"],
+                       num_key_value_heads=shape["num_kv_heads"], intermediate_size=shape["d_ff"],
+                       max_position_embeddings=shape["max_seq"], rms_norm_eps=shape["eps"],
+                       attn_implementation="sdpa", torch_dtype="float32")
+
+
+def flops_per_token(shape: dict, seq: int) -> float:
+    d, ff, L, V = shape["d_model"], shape["d_ff"], shape["n_layers"], shape["vocab_size"]
+    head = d // shape["num_heads"]
+    attn = d * (shape["num_heads"] + 2 * shape["num_kv_heads"]) * head + d * d
+    n = L * (attn + 3 * d * ff) + V * d
+    return 6 * n + 12 * L * d * seq
+
+
+# ------------------------------------------------------------------ one variant (child)
+def _timed(step, warmup: int, steps: int) -> dict:
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    starts[0].record()
+    for i in range(steps):
+        step()
+        starts[i + 1].record()
+    torch.cuda.synchronize()
+    times = sorted(starts[i].elapsed_time(starts[i + 1]) / 1e3 for i in range(steps))
+    return {"step_s": times[len(times) // 2], "step_s_min": times[0], "step_s_max": times[-1]}
+
+
+def _batch(args, vocab):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (args.batch, args.seq), generator=g, dtype=torch.int32).cuda()
+
+
+def run_modulec(args, shape, ckpt, derive_written=False):
+    import torch
+    from runtime.cuda.step import TrainStep
+    from runtime.hf_weights import load_hf_weights
+
+    step = TrainStep.from_module(ROOT / "std/models/llama.module", shape, batch=args.batch,
+                                 seq=args.seq, derive_written=derive_written)
+    weights = load_hf_weights(step.program.weight_schema, ckpt, dtype=torch.float32, device="cuda")
+    step.load(weights)
+    del weights
+    tokens = _batch(args, shape["vocab_size"])
+    step.set_batch(tokens)
+    torch.cuda.reset_peak_memory_stats()
+    step.capture(warmup=2)
+    result = _timed(lambda: step(tokens), args.warmup, args.steps)
+    result["loss"] = float(step.loss)
+    return result
+
+
+def run_hf(args, shape, ckpt, variant):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32,
+                                             attn_implementation="sdpa").cuda()
+    model.config.use_cache = False
+    if variant == "hf_ckpt":
+        model.gradient_checkpointing_enable()
+    model.train()
+    forward = torch.compile(model) if variant == "hf_compile" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    tokens = _batch(args, shape["vocab_size"]).long()
+    box = {}
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        box["loss"] = loss.detach()
+
+    torch.cuda.reset_peak_memory_stats()
+    result = _timed(step, args.warmup, args.steps)
+    result["loss"] = float(box["loss"])
+    return result
+
+
+def child(args) -> None:
+    import torch
+
+    shape = tiny_llama(args.layers)
+    try:
+        if args.only.startswith("modulec"):
+            result = run_modulec(args, shape, args.ckpt, args.only == "modulec_norecompute")
+        else:
+            result = run_hf(args, shape, args.ckpt, args.only)
+        result["peak_bytes"] = torch.cuda.max_memory_allocated()
+    except torch.cuda.OutOfMemoryError as exc:
+        result = {"error": f"out of memory: {str(exc)[:200]}"}
+    Path(args.result).write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------ the run (parent)
+def gemm_ceiling() -> float:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    times = []
+    for _ in range(20):
+        events[0].record()
+        a @ b
+        events[1].record()
+        torch.cuda.synchronize()
+        times.append(events[0].elapsed_time(events[1]) / 1e3)
+    return 2 * n ** 3 / sorted(times)[len(times) // 2]
+
+
+def write_checkpoint(shape: dict, directory: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf_config(shape)).save_pretrained(directory)
+
+
+def run_variant(args, variant: str, ckpt: Path, out: Path) -> dict:
+    cmd = [sys.executable, __file__, "--only", variant, "--ckpt", str(ckpt), "--result", str(out),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers),
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        return {"error": (done.stderr or done.stdout)[-1500:]}
+    return json.loads(out.read_text())
+
+
+def table(rows: dict, args, flops: float, gemm: float) -> str:
+    tokens = args.batch * args.seq
+    lines = [f"TinyLlama shape, {args.layers} layers, B={args.batch} T={args.seq}, bf16 "
+             f"(fp32 master), fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
+             f"{'variant':<20}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
+             f"{'MFUgemm':>9}{'loss':>8}"]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"{name:<20}  failed: {r['error'].splitlines()[-1][:90]}")
+            continue
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["mfu_989"] = r["tokens_per_s"] * flops / PEAK
+        r["mfu_gemm"] = r["tokens_per_s"] * flops / gemm
+        lines.append(f"{name:<20}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}"
+                     f"{r['peak_bytes'] / 2**30:>10.2f}{r['mfu_989']:>8.1%}{r['mfu_gemm']:>9.1%}"
+                     f"{r['loss']:>8.3f}")
+    return "\n".join(lines)
+
+
+def parent(args) -> None:
+    shape = tiny_llama(args.layers)
+    gemm = gemm_ceiling()
+    flops = flops_per_token(shape, args.seq)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        write_checkpoint(shape, ckpt)
+        for variant in args.variants.split(","):
+            rows[variant] = run_variant(args, variant, ckpt, Path(tmp) / f"{variant}.json")
+            print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+    print(table(rows, args, flops, gemm))
+    summary = {"batch": args.batch, "seq": args.seq, "layers": args.layers,
+               "flops_per_token": flops, "gemm_flops": gemm, "peak_flops": PEAK,
+               "device": _device(), "variants": rows}
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json")
+    parser.add_argument("--only", help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    child(args) if args.only else parent(args)
+
+
+if __name__ == "__main__":
+    main()

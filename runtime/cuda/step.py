@@ -1,0 +1,166 @@
+"""`TrainStep`: one training step of a `.module` language model on the GPU (forward,
+backward, AdamW), captured in one CUDA graph and replayed.
+
+    step = TrainStep.from_module("std/models/llama.module", settings, batch=4, seq=2048)
+    step.load(params_fp32_by_path)          # or step.init_random(seed)
+    loss = step(token_ids, labels)          # a [] fp32 CUDA tensor; no host sync
+
+- Weights: fp32 master copies (AdamW updates them, `torch.optim.AdamW(fused=True,
+  capturable=True)`) and bf16 compute copies the interpreter reads, refreshed from the
+  masters after each update; gradients come out of the backward in bf16 and are copied
+  into fp32 `.grad` buffers of the masters.
+- Forward and backward: the reference interpreter over the program's Graph IR with
+  `TRAIN_KERNELS` (runtime/cuda/train_kernels.py) and `keep_only_saved` (only what a
+  backward reads outlives its function); no finiteness checks (they sync).
+- Loss: mean next-token cross-entropy; when the graph ends in the LM-head matmul, that
+  node is cut off and LM head + cross-entropy run fused in chunks (runtime/cuda/lm_head.py).
+- CUDA graph: after `warmup` eager steps on a side stream, one step is captured; each call
+  copies the batch into the static input buffers and replays it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
+from runtime.cuda.train_kernels import TRAIN_KERNELS
+from runtime.interpreter import Interpreter
+from runtime.model import parameter_shapes
+from runtime.program import ModuleSource, Program
+
+
+@dataclass
+class AdamWConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainStep:
+    program: Program
+    batch: int
+    seq: int
+    dtype: torch.dtype = torch.bfloat16
+    adamw: AdamWConfig = field(default_factory=AdamWConfig)
+    fused_head: bool = True
+    chunk_rows: int = 2048
+    keep_only_saved: bool = True
+
+    @classmethod
+    def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
+                    derive_written: bool = False, **options) -> "TrainStep":
+        """`derive_written`: ignore the source's written backward sections (the SwiGLU
+        MLP's recomputes its up projection; the derived one saves it instead)."""
+        source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
+                              derive_written=derive_written)
+        tokens = torch.zeros(batch, seq, dtype=torch.int32)
+        return cls(source.program_for({"token_ids": tokens}), batch, seq, **options)
+
+    def __post_init__(self):
+        self.split = split_head(self.program.graph) if self.fused_head else None
+        self.graph = self.split.graph if self.split else self.program.graph
+        self.tokens = torch.zeros(self.batch, self.seq, dtype=torch.int32, device="cuda")
+        self.labels = torch.full((self.batch, self.seq), -100, dtype=torch.int64, device="cuda")
+        self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
+        self.cuda_graph: torch.cuda.CUDAGraph | None = None
+        self.masters: dict[str, Tensor] = {}
+
+    # ------------------------------------------------------------------ weights
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return parameter_shapes(self.program.graph)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "TrainStep":
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        params = {}
+        for path, shape in self.shapes().items():
+            value = torch.randn(shape, generator=generator, device="cuda") * std
+            params[path] = value + 1.0 if len(shape) == 1 and path.endswith("weight") else value
+        return self.load(params)
+
+    def load(self, params: dict[str, Tensor]) -> "TrainStep":
+        """Take the weights (by path, any dtype/device): fp32 masters, bf16 compute copies,
+        fp32 gradient buffers, a fresh optimizer; a captured graph is dropped."""
+        missing = set(self.shapes()) - set(params)
+        if missing:
+            raise KeyError(f"no value for {sorted(missing)[:5]}")
+        self.names = sorted(self.shapes())
+        self.masters = {p: params[p].detach().to("cuda", torch.float32).clone() for p in self.names}
+        self.compute = {p: m.to(self.dtype) for p, m in self.masters.items()}
+        for master in self.masters.values():
+            master.grad = torch.zeros_like(master)
+        a = self.adamw
+        self.optimizer = torch.optim.AdamW(list(self.masters.values()), lr=a.lr, betas=a.betas,
+                                           eps=a.eps, weight_decay=a.weight_decay,
+                                           fused=True, capturable=True)
+        self.cuda_graph = None
+        return self
+
+    # ------------------------------------------------------------------ one step
+    def interpreter(self) -> Interpreter:
+        return Interpreter(self.graph, self.compute, self.dtype, check_finite=False,
+                           kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved)
+
+    def loss_and_gradients(self) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward, loss and backward on the static inputs: (loss, gradients by path)."""
+        run = self.interpreter()
+        (out,), frame = run.forward([self.tokens])
+        if self.split is not None:
+            head = self.split.head_param
+            loss, seed, d_head = lm_head_cross_entropy(out, self.compute[head], self.labels,
+                                                       self.chunk_rows)
+        else:
+            loss, seed = logits_cross_entropy(out, self.labels, self.chunk_rows)
+        del out
+        _, grads = run.backward(frame, [seed])
+        if self.split is not None:
+            grads[head] = grads[head] + d_head if head in grads else d_head
+        return loss, grads
+
+    def _step(self) -> None:
+        loss, grads = self.loss_and_gradients()
+        names = [p for p in self.names if p in grads]
+        torch._foreach_copy_([self.masters[p].grad for p in names], [grads[p] for p in names])
+        del grads
+        self.optimizer.step()
+        torch._foreach_copy_([self.compute[p] for p in self.names],
+                             [self.masters[p] for p in self.names])
+        self.loss.copy_(loss)
+
+    def set_batch(self, token_ids: Tensor, labels: Tensor | None = None) -> None:
+        """Copy a batch into the static buffers; labels default to the next tokens."""
+        self.tokens.copy_(token_ids)
+        if labels is None:
+            labels = next_token_labels(token_ids)
+        self.labels.copy_(labels)
+
+    def capture(self, warmup: int = 2) -> None:
+        """`warmup` eager steps on a side stream (they update the weights), then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.cuda_graph):
+            self._step()
+
+    def __call__(self, token_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        self.set_batch(token_ids, labels)
+        if self.cuda_graph is None:
+            self._step()
+        else:
+            self.cuda_graph.replay()
+        return self.loss
+
+
+def next_token_labels(token_ids: Tensor, ignore_index: int = -100) -> Tensor:
+    labels = torch.full(token_ids.shape, ignore_index, dtype=torch.int64, device=token_ids.device)
+    labels[:, :-1] = token_ids[:, 1:]
+    return labels

@@ -1,0 +1,133 @@
+"""The GPU training step's parts that run anywhere (CPU, float64): the interpreter's
+keep_only_saved, the LM-head split and the chunked fused LM head + cross-entropy, the
+no-cast kernel registry. Their GPU runs are in tests/test_cuda_train.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime.cuda.lm_head import (lm_head_cross_entropy, logits_cross_entropy,  # noqa: E402
+                                  reference_loss, split_head)
+from runtime.cuda.train_kernels import train_kernels  # noqa: E402
+from runtime.interpreter import Interpreter  # noqa: E402
+from runtime.model import Model  # noqa: E402
+from runtime_models import TINY, token_inputs  # noqa: E402
+
+F64 = torch.float64
+DENSE_MODELS = ["llama", "llama_tied", "qwen3", "mistral", "example_llama"]
+
+
+def _model(name: str) -> Model:
+    path, settings = TINY[name]
+    return Model.from_module(path, settings=settings, dtype=F64).init_random(seed=1)
+
+
+def _grads(model, inputs, keep_only_saved=False, kernels=None):
+    program = model.source.program_for(inputs)
+    values = [model._input(inputs[n]) for n in program.input_names()]
+    options = {"kernels": kernels} if kernels else {}
+    run = Interpreter(program.graph, model.params, F64, keep_only_saved=keep_only_saved,
+                      **options)
+    outputs, frame = run.forward(values)
+    seeds = [torch.randn(o.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+             for o in outputs]
+    return outputs, run.backward(frame, seeds)[1], frame
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_keep_only_saved_gives_the_same_gradients(name):
+    model = _model(name)
+    inputs = token_inputs(model)
+    out_a, grads_a, _ = _grads(model, inputs)
+    out_b, grads_b, frame = _grads(model, inputs, keep_only_saved=True)
+    assert torch.equal(out_a[0], out_b[0])
+    assert grads_a.keys() == grads_b.keys()
+    for path in grads_a:
+        assert torch.equal(grads_a[path], grads_b[path]), path
+    assert not frame.children  # each layer's frame went with its backward
+
+
+def test_keep_only_saved_drops_unsaved_values():
+    model = _model("llama")
+    program = model.source.program_for(token_inputs(model))
+    run = Interpreter(program.graph, model.params, F64, keep_only_saved=True)
+    _, frame = run.forward([token_inputs(model)["token_ids"]])
+    block = next(iter(frame.children.values()))
+    attention = next(iter(block.children.values()))
+    kept = {v for v, t in attention.env.items() if t.stride() != (0,) * t.dim()}
+    saved = {v for f in program.graph.functions
+             if f.gradient_of == attention.function.name for v in f.saved}
+    assert kept and kept <= saved | {"%12"}  # lse is one of the saved too
+    assert len(attention.env) > len(kept)  # the rest are stand-ins
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_train_kernels_match_the_reference_in_float64(name):
+    model = _model(name)
+    inputs = token_inputs(model)
+    out_a, grads_a, _ = _grads(model, inputs)
+    out_b, grads_b, _ = _grads(model, inputs, kernels=train_kernels("cpu"))
+    assert torch.allclose(out_a[0], out_b[0], rtol=1e-12, atol=1e-12)
+    for path in grads_a:
+        assert torch.allclose(grads_a[path], grads_b[path], rtol=1e-10, atol=1e-12), path
+
+
+def test_split_head_cuts_the_lm_head_matmul():
+    graph = _model("llama").source.program_for(token_inputs(_model("llama"))).graph
+    split = split_head(graph)
+    assert split is not None and split.head_param == "lm_head"
+    entry = split.graph.function(split.graph.entry)
+    assert entry.nodes[-1].target == "fused_residual_rmsnorm"
+    backward = split.graph.function(split.graph.backward)
+    assert "lm_head" not in dict(backward.param_grads)
+    assert backward.nodes[0].target != "matmul_backward"
+
+
+@pytest.mark.parametrize("rows,chunk", [(12, 5), (16, 16), (7, 100)])
+def test_fused_lm_head_cross_entropy_matches_autograd(rows, chunk):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 8, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(11, 8, dtype=F64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (rows,), generator=g)
+    labels[::3] = -100
+    loss, d_x, d_w = lm_head_cross_entropy(x.detach(), w.detach(), labels, chunk)
+    expected = reference_loss(x @ w.t(), labels)
+    expected.backward()
+    assert torch.allclose(loss, expected.float(), rtol=1e-6)
+    assert torch.allclose(d_x, x.grad, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(d_w.double(), w.grad, rtol=1e-6, atol=1e-7)
+    loss2, d_logits = logits_cross_entropy((x @ w.t()).detach(), labels, chunk)
+    assert torch.allclose(loss2, expected.float(), rtol=1e-6)
+    assert torch.allclose(d_logits @ w.detach(), x.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_split_program_gives_the_full_programs_gradients():
+    """Cut head + fused CE == full logits + CE seed, on every parameter (float64)."""
+    model = _model("llama")
+    inputs = token_inputs(model, batch=2, seq=8)
+    tokens = inputs["token_ids"]
+    labels = torch.full(tokens.shape, -100, dtype=torch.int64)
+    labels[:, :-1] = tokens[:, 1:]
+    graph = model.source.program_for(inputs).graph
+    full = Interpreter(graph, model.params, F64)
+    (logits,), frame = full.forward([tokens])
+    loss, d_logits = logits_cross_entropy(logits, labels, 5)
+    _, expected = full.backward(frame, [d_logits.to(F64)])
+    split = split_head(graph)
+    cut = Interpreter(split.graph, model.params, F64)
+    (xF,), frame = cut.forward([tokens])
+    loss2, d_xF, d_head = lm_head_cross_entropy(xF, model.params["lm_head"], labels, 5)
+    _, grads = cut.backward(frame, [d_xF])
+    grads["lm_head"] = d_head.to(F64)
+    assert torch.allclose(loss, loss2)
+    assert expected.keys() == grads.keys()
+    for path in expected:
+        assert torch.allclose(expected[path], grads[path], rtol=1e-5, atol=1e-9), path
+
+
+def test_tied_head_is_left_unfused_or_cut_correctly():
+    graph = _model("llama_tied").source.program_for(token_inputs(_model("llama_tied"))).graph
+    split = split_head(graph)
+    assert split is None or split.head_param == "embedding"
