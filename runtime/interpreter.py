@@ -119,17 +119,25 @@ class Interpreter:
                 own = Frame(callee, child.path, child.indices)
                 self._enter(own, frame, node)
                 values = self._zeros_for_absent(values, child)
-                values = self._run(own, values, child)
+                values = self._hand_over(frame, node, own, self._run(own, values, child))
         else:
             for layer in range(count):
                 child = self._child_frame(callee, frame, layer)
                 self._enter(child, frame, node)
                 frame.children[(node.id, layer)] = child
-                values = self._run(child, values, None)
-        if self.arena is not None:
-            values = [self.arena.place(frame, node, o, v) if o else v
-                      for o, v in zip(node.outputs, values)]
-        frame.env.update({o: v for o, v in zip(node.outputs, values) if o})
+                values = self._hand_over(frame, node, child, self._run(child, values, None))
+        frame.env.update({o: v for o, v in zip(node.outputs, self._placed) if o})
+
+    def _hand_over(self, frame: Frame, node: Node, child: Frame, values: list) -> list:
+        """A call's results, copied into the caller's planned bytes (kept in `_placed`);
+        the next repetition reads them there, or where the callee saved them."""
+        self._placed = values
+        if self.arena is None:
+            return values
+        self._placed = [self.arena.place(frame, node, o, v) if o else v
+                        for o, v in zip(node.outputs, values)]
+        return [v if self.arena.is_saved(child, o) else p
+                for o, v, p in zip(child.function.outputs, values, self._placed)]
 
     def _enter(self, frame: Frame, parent: Frame, node: Node) -> None:
         if self.arena is not None:

@@ -38,6 +38,7 @@ class Model:
     device: str = "cpu"
     hooks: object = None
     check_finite: bool = True
+    arena: bool = False  # run on the memory plan (runtime.arena), in the IR's dtypes
     program: Program | None = None
     hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
     _frame: Frame | None = None
@@ -131,7 +132,19 @@ class Model:
 
     def _interpreter(self) -> Interpreter:
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
-                           self.check_finite)
+                           self.check_finite, arena=self._arena())
+
+    def _arena(self):
+        if not self.arena:
+            return None
+        if getattr(self, "_arenas", None) is None:
+            self._arenas = {}
+        if id(self.program) not in self._arenas:
+            from runtime.arena import Arena
+
+            layout = self.program.document["schedule"].get("layout", {})
+            self._arenas[id(self.program)] = Arena(self.program.graph, layout, self.device)
+        return self._arenas[id(self.program)]
 
     def _input(self, tensor: Tensor) -> Tensor:
         tensor = torch.as_tensor(tensor).to(self.device)

@@ -1,0 +1,96 @@
+"""Running on the memory plan: each activation region is one buffer, every value a view at
+its planned offset (issue 5 item 1; the plan is modulec.plan.from_graph's, the layout
+modulec.lower.layout's).
+
+Addresses: a function's transient values sit at its frame's base plus their planned
+offset; a call's callee frame starts where the caller's plan reserved it (`call:<node>`).
+Saved values of the i-th run of forward function F sit in F's record i of the saved region:
+`base(F) + i * stride(F) + offset`. A kernel computes out of place and its result is
+copied into the planned bytes (an in-place decision shares the input's bytes, which is
+dead by then); a view op (view, transpose, permute, split) keeps torch's view of its
+source, which is in the arena already. A plan that lets two live values share bytes
+therefore changes the results, which is what the arena tests look for.
+
+Sizes are the plan's, computed from the IR dtypes (bf16 activations, fp32 statistics): an
+arena run uses those dtypes (`dtype=torch.bfloat16`); a value that does not fit its
+planned bytes is an error, never a silent overrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from modulec.plan.from_graph import VIEWS, plan_step
+from modulec.plan.memory import SAVED, TRANSIENT
+from runtime.errors import RuntimeUserError
+
+
+@dataclass
+class Arena:
+    graph: object
+    layout: dict  # the `layout` of the document's schedule
+    device: str = "cpu"
+    regions: dict[str, Tensor] = field(default_factory=dict)
+    placements: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)  # forward function -> (base, stride)
+    runs: dict[str, int] = field(default_factory=dict)  # forward function -> runs so far
+
+    def __post_init__(self):
+        plan = plan_step(self.graph)
+        self.placements = plan.placements
+        sizes = {TRANSIENT: plan.regions[TRANSIENT].arena,
+                 SAVED: self.layout.get("regions", {}).get(SAVED, 0)}
+        self.regions = {name: torch.empty(size, dtype=torch.uint8, device=self.device)
+                        for name, size in sizes.items()}
+        self.records = {f["function"]: (f["saved"]["base"], f["saved"]["stride"])
+                        for f in self.layout.get("functions", [])}
+
+    def bytes_of(self) -> dict[str, int]:
+        return {name: region.numel() for name, region in self.regions.items()}
+
+    def start_forward(self) -> None:
+        self.runs = {}
+
+    # ------------------------------------------------------------------ frames
+    def enter(self, frame, parent=None, call_node: str = "") -> None:
+        """Give `frame` its transient base and, for a forward run, its saved record."""
+        if parent is not None:
+            reserved = self.placements.get(parent.function.name, {}).get(f"call:{call_node}")
+            frame.transient_base = parent.transient_base + (reserved.offset if reserved else 0)
+        if not frame.function.gradient_of:
+            name = frame.function.name
+            frame.instance = self.runs.get(name, 0)
+            self.runs[name] = frame.instance + 1
+
+    def is_saved(self, frame, value: str) -> bool:
+        placement = self.placements.get(frame.function.name, {}).get(value)
+        return placement is not None and placement.region == SAVED
+
+    def place(self, frame, node, value: str, tensor: Tensor) -> Tensor:
+        """The value's tensor in its planned bytes (views stay torch views)."""
+        placement = self.placements.get(frame.function.name, {}).get(value)
+        if placement is None or not isinstance(tensor, Tensor) or \
+                (node is not None and node.kind == "op" and node.target in VIEWS):
+            return tensor
+        target = self._view(frame, placement, tensor, value)
+        target.copy_(tensor)
+        return target
+
+    def _view(self, frame, placement, tensor: Tensor, value: str) -> Tensor:
+        if tensor.nbytes > placement.size_bytes:
+            raise RuntimeUserError(
+                f"`{value}` of `{frame.function.name}` needs {tensor.nbytes} bytes, the plan "
+                f"gives it {placement.size_bytes}", help=["run on the plan in the IR's "
+                                                          "dtypes (dtype=torch.bfloat16)"])
+        start = self._start(frame, placement)
+        raw = self.regions[placement.region][start:start + tensor.nbytes]
+        return raw.view(tensor.dtype).view(tensor.shape)
+
+    def _start(self, frame, placement) -> int:
+        if placement.region == TRANSIENT:
+            return frame.transient_base + placement.offset
+        base, stride = self.records[frame.function.name]
+        return base + frame.instance * stride + placement.offset
