@@ -24,6 +24,7 @@ from modulec.ir.graph import Function, Graph, Node
 from modulec.lower.fusion_patterns import FUSION_ATTRS
 from runtime.errors import NonFiniteError, RuntimeUserError
 from runtime.kernels import KERNELS
+from runtime.probes import describe
 
 # attrs the compiler adds for itself, not params of the primitive
 IR_ATTRS = frozenset(("forward_node",) + FUSION_ATTRS)
@@ -59,6 +60,8 @@ class Interpreter:
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
         entry = self.graph.function(self.graph.entry)
         frame = Frame(entry, "", ())
+        if self.hooks is not None:
+            self.hooks.begin("forward")
         return self._run(frame, inputs, None), frame
 
     def backward(self, frame: Frame, d_outputs: list[Tensor | None]):
@@ -71,6 +74,8 @@ class Interpreter:
         seeds = [d if d is not None else torch.zeros_like(frame.env[o])
                  for d, o in zip(d_outputs, frame.function.outputs)]
         own = Frame(backward, frame.path, frame.indices)
+        if self.hooks is not None:
+            self.hooks.begin("backward")
         d_inputs = self._run(own, seeds, frame)
         return d_inputs, self.grads
 
@@ -105,6 +110,9 @@ class Interpreter:
                 child = self._child_frame(callee, frame, layer)
                 frame.children[(node.id, layer)] = child
                 values = self._run(child, values, None)
+        if self.hooks is not None and any(node.outputs):
+            values = [self.hooks.apply(node, frame, o, v) if o else v
+                      for o, v in zip(node.outputs, values)]
         frame.env.update({o: v for o, v in zip(node.outputs, values) if o})
 
     def _zeros_for_absent(self, grads: list, child: Frame) -> list:
@@ -178,13 +186,24 @@ class Interpreter:
         return _group_lists(kernel.backward_inputs, filled), attrs
 
     def _after(self, node: Node, frame: Frame, value: str, tensor: Tensor) -> Tensor:
+        self._finite(node, frame, value, tensor, "")
+        if self.hooks is not None:
+            version = getattr(tensor, "_version", None)
+            hooked = self.hooks.apply(node, frame, value, tensor)
+            if hooked is not tensor or getattr(tensor, "_version", None) != version:
+                self._finite(node, frame, value, hooked, " after its hooks")
+            tensor = hooked
+        return tensor
+
+    def _finite(self, node: Node, frame: Frame, value: str, tensor, when: str) -> None:
         if self.check_finite and isinstance(tensor, Tensor) and tensor.is_floating_point() \
                 and not bool(torch.isfinite(tensor).all()):
-            raise NonFiniteError(f"`{value}` = {node.target}(...) is not finite "
-                                 f"({_where(node, frame)})")
-        if self.hooks is not None:
-            tensor = self.hooks.apply(node, frame, value, tensor)
-        return tensor
+            info = frame.function.value(value)
+            named = info is not None and info.name
+            name = f"`{info.name}` ({value})" if named else f"`{value}`"
+            notes = describe(node.annotations)
+            raise NonFiniteError(f"{name} = {node.target}(...) is not finite{when} "
+                                 f"({_where(node, frame)}{'; ' + notes if notes else ''})")
 
     # ------------------------------------------------------------------ values
     def _read(self, value: str, frame: Frame, forward: Frame | None):
