@@ -24,6 +24,7 @@ from modulec.ir.graph import Function, Graph, Node
 from modulec.lower.fusion_patterns import FUSION_ATTRS
 from runtime.errors import NonFiniteError, RuntimeUserError
 from runtime.kernels import KERNELS
+from runtime.probes import describe
 
 # attrs the compiler adds for itself, not params of the primitive
 IR_ATTRS = frozenset(("forward_node",) + FUSION_ATTRS)
@@ -68,6 +69,8 @@ class Interpreter:
         if self.arena is not None:
             self.arena.start_forward()
             self.arena.enter(frame)
+        if self.hooks is not None:
+            self.hooks.begin("forward")
         outputs = self._run(frame, inputs, None)
         if self.arena is not None:  # the backward reuses the transient bytes
             outputs = [o.clone() if isinstance(o, Tensor) else o for o in outputs]
@@ -85,6 +88,8 @@ class Interpreter:
         own = Frame(backward, frame.path, frame.indices)
         if self.arena is not None:
             self.arena.enter(own)
+        if self.hooks is not None:
+            self.hooks.begin("backward")
         d_inputs = self._run(own, seeds, frame)
         return d_inputs, self.grads
 
@@ -126,7 +131,11 @@ class Interpreter:
                 self._enter(child, frame, node)
                 frame.children[(node.id, layer)] = child
                 values = self._hand_over(frame, node, child, self._run(child, values, None))
-        frame.env.update({o: v for o, v in zip(node.outputs, self._placed) if o})
+        placed = self._placed
+        if self.hooks is not None and any(node.outputs):
+            placed = [self.hooks.apply(node, frame, o, v) if o else v
+                      for o, v in zip(node.outputs, placed)]
+        frame.env.update({o: v for o, v in zip(node.outputs, placed) if o})
 
     def _hand_over(self, frame: Frame, node: Node, child: Frame, values: list) -> list:
         """A call's results, copied into the caller's planned bytes (kept in `_placed`);
@@ -216,13 +225,24 @@ class Interpreter:
     def _after(self, node: Node, frame: Frame, value: str, tensor: Tensor) -> Tensor:
         if self.arena is not None:
             tensor = self.arena.place(frame, node, value, tensor)
+        self._finite(node, frame, value, tensor, "")
+        if self.hooks is not None:
+            version = getattr(tensor, "_version", None)
+            hooked = self.hooks.apply(node, frame, value, tensor)
+            if hooked is not tensor or getattr(tensor, "_version", None) != version:
+                self._finite(node, frame, value, hooked, " after its hooks")
+            tensor = hooked
+        return tensor
+
+    def _finite(self, node: Node, frame: Frame, value: str, tensor, when: str) -> None:
         if self.check_finite and isinstance(tensor, Tensor) and tensor.is_floating_point() \
                 and not bool(torch.isfinite(tensor).all()):
-            raise NonFiniteError(f"`{value}` = {node.target}(...) is not finite "
-                                 f"({_where(node, frame)})")
-        if self.hooks is not None:
-            tensor = self.hooks.apply(node, frame, value, tensor)
-        return tensor
+            info = frame.function.value(value)
+            named = info is not None and info.name
+            name = f"`{info.name}` ({value})" if named else f"`{value}`"
+            notes = describe(node.annotations)
+            raise NonFiniteError(f"{name} = {node.target}(...) is not finite{when} "
+                                 f"({_where(node, frame)}{'; ' + notes if notes else ''})")
 
     # ------------------------------------------------------------------ values
     def _read(self, value: str, frame: Frame, forward: Frame | None):

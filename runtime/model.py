@@ -20,6 +20,7 @@ from torch import Tensor
 
 from modulec.ir.graph import Graph
 from runtime.errors import RuntimeUserError
+from runtime.hooks import Hooks
 from runtime.interpreter import Frame, Interpreter, _fill_scope, _join
 from runtime.program import ModuleSource, Program
 
@@ -36,12 +37,21 @@ class Model:
     params: dict[str, Tensor] = field(default_factory=dict)
     dtype: torch.dtype = torch.float64
     device: str = "cpu"
-    hooks: object = None
+    hooks: object = None  # runtime.hooks.Hooks (made by default): hooks, probes, trace
     check_finite: bool = True
     arena: bool = False  # run on the memory plan (runtime.arena), in the IR's dtypes
     program: Program | None = None
     hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
     _frame: Frame | None = None
+
+    def __post_init__(self):
+        if self.hooks is None:
+            self.hooks = Hooks(points=lambda: self.source.program().metadata["hook_points"])
+
+    @property
+    def probes(self) -> dict:
+        """What `@probe`s captured, by (probe name, layer); see `hooks.enable_probes()`."""
+        return self.hooks.probes
 
     @classmethod
     def from_module(cls, path, *, settings: dict | None = None, config=None, hf_weights=None,
@@ -87,6 +97,7 @@ class Model:
     # ------------------------------------------------------------------ running
     def forward(self, **inputs: Tensor) -> dict[str, Tensor]:
         self.program = self.source.program_for(inputs)
+        self.hooks.set_points(self.program.metadata.get("hook_points", ()))
         names = self.program.input_names()
         values = [self._input(inputs[n]) for n in names]
         outputs, self._frame = self._interpreter().forward(values)

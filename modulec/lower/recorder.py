@@ -84,7 +84,7 @@ class Recorder:
             producer = next((i for i in range(len(self.nodes) - 1, -1, -1)
                              if value and value in self.nodes[i].outputs), None)
             if producer is not None:
-                self._annotate(producer, tuple(map(_annotation, notes)))
+                self._annotate(producer, tuple(_on_value(a, name, value) for a in notes))
 
     def _annotate(self, index: int, notes: tuple) -> None:
         node = self.nodes[index]
@@ -93,21 +93,32 @@ class Recorder:
 
 
 FLOW_WIDE = ("fuse", "nofuse")
+# annotations of a destination value that go to the node producing it; all but `@hook`
+# also record which output they concern (`on=name`, `value=id`) for the runtime (probes,
+# trace lines and assertions name the value; a node may have several outputs)
+VALUE_NOTES = ("hook", "probe", "assert", "trace")
 
 
 def _hooked_names(destination):
-    """(destination name, its `@hook` annotations) for a `-> name` or `-> (a, b)` flow."""
+    """(destination name, its value annotations) for a `-> name` or `-> (a, b)` flow."""
     from modulec.syntax import ast as A
 
     expr = destination.expr
-    shared = [a for a in destination.annotations if a.name == "hook"]
+    shared = [a for a in destination.annotations if a.name in VALUE_NOTES]
     if isinstance(expr, A.Name):
         return [(expr.id, shared)] if shared else []
     if isinstance(expr, A.TupleExpr):
-        pairs = [(e.value.id, shared + [a for a in e.annotations if a.name == "hook"])
+        pairs = [(e.value.id, shared + [a for a in e.annotations if a.name in VALUE_NOTES])
                  for e in expr.items if isinstance(e.value, A.Name)]
         return [(name, notes) for name, notes in pairs if notes]
     return []
+
+
+def _on_value(annotation, name: str, value: str) -> tuple[str, tuple[str, ...]]:
+    name_, args = _annotation(annotation)
+    if name_ == "hook":
+        return name_, args
+    return name_, args + (f"on={name}", f"value={value}")
 
 
 def _annotation(annotation) -> tuple[str, tuple[str, ...]]:
