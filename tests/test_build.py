@@ -188,7 +188,16 @@ def test_written_backward_is_kept_as_written(tmp_path):
 
 
 def test_split_backward_reads_the_gradients_of_every_part():
-    graph = built("llama").graph
-    attention = graph.function("CausalSelfAttention#1.backward")
+    # the derived backward (the source writes CausalSelfAttention's, with a concat)
+    request = BuildRequest(REPO_DIR / "std" / "models" / "llama.module", shapes=SHAPES,
+                           derive_written=True)
+    attention = build(request).graph.function("CausalSelfAttention#1.backward")
     (node,) = [n for n in attention.nodes if n.target == "split_backward"]
     assert len(node.inputs) == 3 and all(node.inputs)  # q, k and v gradients
+
+
+def test_the_written_attention_backward_concatenates_the_head_gradients():
+    attention = built("llama").graph.function("CausalSelfAttention#1.backward")
+    (node,) = [n for n in attention.nodes if n.target == "concat"]
+    assert len(node.inputs) == 3 and not any(n.target.endswith("_backward") and
+                                             n.target.startswith("split") for n in attention.nodes)

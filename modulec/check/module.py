@@ -31,6 +31,7 @@ def check_body(instance: Instance) -> None:
         scope.names[sig.name] = Tensor(sig.name, type_, sig.span, "input", value=sig.name)
         if recorder is not None:
             recorder.declare(sig.name, type_, sig.name)
+    errors = _error_count(instance)
     if forward.graph is not None:
         checker = GraphChecker(instance, scope, recorder=recorder)
         checker.run(forward.graph.body)
@@ -40,7 +41,12 @@ def check_body(instance: Instance) -> None:
 
             check_recompute(instance, checker.producers, checker.uses)
     saved = saved_names(instance, forward, scope)
-    check_backward(instance, scope, saved)
+    if _error_count(instance) == errors:  # else the backward's errors would echo the forward's
+        check_backward(instance, scope, saved)
+
+
+def _error_count(instance: Instance) -> int:
+    return sum(1 for d in instance.world.diagnostics if d.is_error)
 
 
 def _align_star(expected, actual):
