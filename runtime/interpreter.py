@@ -127,7 +127,7 @@ class Interpreter:
                 values = self._hand_over(frame, node, own, self._run(own, values, child))
         else:
             for layer in range(count):
-                child = self._child_frame(callee, frame, layer)
+                child = self._child_frame(callee, frame, node, layer)
                 self._enter(child, frame, node)
                 frame.children[(node.id, layer)] = child
                 values = self._hand_over(frame, node, child, self._run(child, values, None))
@@ -157,11 +157,9 @@ class Interpreter:
         return [g if g is not None else torch.zeros_like(child.env[o])
                 for g, o in zip(grads, outputs)]
 
-    def _child_frame(self, callee: Function, frame: Frame, layer: int) -> Frame:
-        indices = frame.indices
-        if callee.scope.count("[*]") > len(indices):
-            indices = indices + (layer,)
-        return Frame(callee, _fill_scope(callee.scope, indices), indices)
+    def _child_frame(self, callee: Function, frame: Frame, node: Node, layer: int) -> Frame:
+        path, indices = child_path(callee, frame.path, frame.indices, node, layer)
+        return Frame(callee, path, indices)
 
     def _collect_param_grads(self, frame: Frame) -> None:
         for name, value in frame.function.param_grads:
@@ -280,6 +278,21 @@ def _keep_only_saved(frame: Frame, saved: frozenset) -> None:
         if key not in scalars:
             scalars[key] = torch.empty((), dtype=tensor.dtype, device=tensor.device)
         frame.env[value] = scalars[key].expand(tensor.shape)
+
+
+def child_path(callee: Function, path: str, indices: tuple, node: Node, layer: int):
+    """The callee's parameter path and stack indices for repetition `layer` of call `node`
+    made at `path`: from the call's `instance` (and `first` for an array of blocks);
+    IR without them falls back to the callee's scope."""
+    name, first = node.attr("instance"), node.attr("first")
+    if name is None:
+        if callee.scope.count("[*]") > len(indices):
+            indices = indices + (layer,)
+        return _fill_scope(callee.scope, indices), indices
+    if first is None:
+        return _join(path, name), indices
+    index = int(first) + layer
+    return f"{_join(path, name)}[{index}]", indices + (index,)
 
 
 def _fill_scope(scope: str, indices: tuple[int, ...]) -> str:

@@ -21,7 +21,7 @@ from torch import Tensor
 from modulec.ir.graph import Graph
 from runtime.errors import RuntimeUserError
 from runtime.hooks import Hooks
-from runtime.interpreter import Frame, Interpreter, _fill_scope, _join
+from runtime.interpreter import Frame, Interpreter, _join, child_path
 from runtime.program import ModuleSource, Program
 
 
@@ -181,5 +181,5 @@ def _walk(graph: Graph, function, path: str, indices: tuple, shapes: dict) -> No
             continue
         callee = graph.function(node.target)
         for layer in range(int(node.repeat)):
-            inner = indices + (layer,) if callee.scope.count("[*]") > len(indices) else indices
-            _walk(graph, callee, _fill_scope(callee.scope, inner), inner, shapes)
+            inner_path, inner = child_path(callee, path, indices, node, layer)
+            _walk(graph, callee, inner_path, inner, shapes)

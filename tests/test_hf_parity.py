@@ -26,6 +26,8 @@ MODELS = {
     "mixtral": ("std/models/mixtral.module", "MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0)),
 }
+GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            activation_function="gelu_new")
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
@@ -129,5 +131,33 @@ def test_logits_and_every_gradient_match_transformers(name, dtype, tmp_path):
         torch.autograd.grad(logits, list(hf.parameters()), seed))))
     grads = ours.hf_gradients(ours.backward(logits=seed))
     assert set(grads) == set(expected)
+    worst = {n: _relative(grads[n], expected[n]) for n in expected}
+    assert max(worst.values()) < TOLERANCE[dtype], sorted(worst.items(), key=lambda x: -x[1])[:3]
+
+
+def test_gpt2_logits_and_every_gradient_match_transformers(dtype, tmp_path):
+    """examples/gpt2.module (LayerNorms with biases, Conv1D weights transposed on load,
+    the LM head tied to wte) against GPT2LMHeadModel."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**GPT2)
+    config._attn_implementation = "sdpa"
+    hf = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    hf.save_pretrained(tmp_path)
+    hf = hf.to(dtype).eval()
+    ours = Model.from_module("examples/gpt2.module", hf_weights=tmp_path, dtype=dtype)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, GPT2["vocab_size"], (2, 7), generator=generator)
+    positions = torch.arange(7).repeat(2, 1)
+    logits = hf(input_ids=ids, position_ids=positions).logits
+    out = ours.forward(token_ids=ids.to(torch.int32), position_ids=positions.to(torch.int32))
+    assert _relative(out["logits"], logits.detach()) < TOLERANCE[dtype]
+    seed = torch.randn(logits.shape, generator=generator, dtype=torch.float64).to(dtype)
+    names = [n for n, _ in hf.named_parameters()]
+    expected = dict(zip(names, torch.autograd.grad(logits, list(hf.parameters()), seed)))
+    grads = ours.hf_gradients(ours.backward(logits=seed))
+    assert set(expected) <= set(grads)
     worst = {n: _relative(grads[n], expected[n]) for n in expected}
     assert max(worst.values()) < TOLERANCE[dtype], sorted(worst.items(), key=lambda x: -x[1])[:3]

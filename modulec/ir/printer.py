@@ -46,8 +46,8 @@ def _value(info: ValueInfo) -> str:
 
 
 def _type(info: ValueInfo) -> str:
-    dtype = "" if info.dtype == "float" else f", {info.dtype}"
-    return f"[{', '.join(info.shape)}{dtype}]"
+    dtype = [] if info.dtype == "float" else [info.dtype]
+    return f"[{', '.join(list(info.shape) + dtype)}]"
 
 
 def _attr(value) -> str:

@@ -130,6 +130,31 @@ def record_call(recorder: Recorder, instance: Instance, step, result, outputs):
     elif isinstance(callee, Instance):
         world = instance.world
         repeat = attr_value(result.repeat)
-        recorder.node("call", function_name(world, callee), inputs, ids, step, repeat=repeat)
+        recorder.node("call", function_name(world, callee), inputs, ids, step,
+                      attrs=call_path(instance, step.expr), repeat=repeat)
     return [type(t)(t.name, t.type, t.span, t.kind, t.accumulated, v)
             for t, v in zip(outputs, ids)]
+
+
+def call_path(instance: Instance, expr) -> tuple:
+    """Where the callee's parameters live, relative to the caller: `instance` names the
+    submodule (`ln_2`) or the array of blocks (`blocks`), and for an array `first` the
+    index of the first block applied (`blocks[2:4]` starts at 2). Identical submodules
+    share one function, so the call, not the function, says whose parameters it uses."""
+    from modulec.semantic.consteval import NotConst, Undefined, evaluate
+    from modulec.syntax import ast as A
+
+    if isinstance(expr, A.Call) and getattr(expr.func, "id", "") == "StackedBlocks":
+        name = getattr(expr.args[0].value, "id", "") if expr.args else ""
+        return (("first", 0), ("instance", name)) if name else ()
+    if isinstance(expr, A.Index) and isinstance(expr.value, A.Name):
+        sub = expr.subscripts[0] if len(expr.subscripts) == 1 else None
+        start = sub.lower if isinstance(sub, A.Slice) else sub
+        try:
+            first = evaluate(start, instance.env()) if start is not None else 0
+        except (NotConst, Undefined):
+            return ()
+        return (("first", int(first)), ("instance", expr.value.id))
+    if isinstance(expr, A.Name) and isinstance(instance.params.get(expr.id), Submodule):
+        return (("instance", expr.id),)
+    return ()

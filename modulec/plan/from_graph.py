@@ -206,7 +206,8 @@ def saved_values(graph: Graph, function: Function) -> set[str]:
     own = {v.id for v in function.values}
     saved = _saved_by_backward(graph, function) & own
     for node in function.nodes:
-        if node.kind == "call" and int(node.repeat) == 1:
+        # a repeated call too: its first repetition reads the caller's argument
+        if node.kind == "call":
             kept = saved_input_positions(graph, node.target)
             saved |= {a for i, a in enumerate(node.inputs) if i in kept and a in own}
     if _called_repeatedly(graph, function.name):

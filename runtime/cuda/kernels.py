@@ -6,7 +6,9 @@ rmsnorm, fused_residual_rmsnorm, swiglu, rope and qk_norm have custom CUDA kerne
 (csrc/kernels). A call they do not cover (tensors not on the GPU or not contiguous, a
 dtype other than bf16/fp32, inputs of mixed dtypes, position_ids not int32) goes to the
 reference kernel, and so does every other primitive: the reference kernels are torch ops,
-which run on CUDA tensors as they are. Each custom kernel keeps the reference's dtype
+which run on CUDA tensors as they are. swiglu and rope take strided tensors too (`LAYOUTS`):
+swiglu rows with one row stride each (the halves of the fused up projection), rope any
+[B, H, T, D] strides with D contiguous (the transposed heads of the fused QKV projection). Each custom kernel keeps the reference's dtype
 policy: fp32 arithmetic, outputs in the I/O dtype, rstd in fp32.
 """
 
@@ -28,15 +30,34 @@ def _extension():
     return load()
 
 
-def covered(inputs: list, names, stats) -> bool:
-    """Whether the custom kernels take these inputs: CUDA and contiguous, the floating
+def rows_layout(x: torch.Tensor) -> bool:
+    """x seen as rows x C with one row stride (csrc/bindings.cpp `as_rows`)."""
+    if x.dim() == 0 or x.stride(-1) != 1:
+        return False
+    return all(x.size(i) <= 1 or x.stride(i) == x.stride(i + 1) * x.size(i + 1)
+               for i in range(x.dim() - 2))
+
+
+def heads_layout(x: torch.Tensor) -> bool:
+    """[B, H, T, D] with the last dim contiguous (rope's strided layout); position_ids and
+    other non-floating tensors must be contiguous."""
+    if not x.is_floating_point():
+        return x.is_contiguous()
+    return x.dim() == 4 and (x.stride(3) == 1 or x.size(3) <= 1)
+
+
+def covered(inputs: list, names, stats, layout=None) -> bool:
+    """Whether the custom kernels take these inputs: CUDA and contiguous (or, with
+    `layout`, in the strided layout the kernel reads), the floating
     tensors other than the statistics all of one dtype in CUSTOM_DTYPES, statistics fp32,
     integer tensors (position_ids) int32; None (an absent optional input) passes."""
     io = set()
     for name, x in zip(names, inputs):
         if x is None:
             continue
-        if not isinstance(x, torch.Tensor) or not x.is_cuda or not x.is_contiguous():
+        if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            return False
+        if not (layout(x) if layout else x.is_contiguous()):
             return False
         if name in stats:
             ok = x.dtype == torch.float32
@@ -54,19 +75,21 @@ class CudaKernel:
     """A primitive with custom CUDA kernels, falling back to `reference` where they do not
     cover the call. `forward_fn` / `backward_fn` take (extension, inputs, attrs)."""
 
-    def __init__(self, reference: ReferenceKernel, forward_fn: Callable, backward_fn: Callable):
+    def __init__(self, reference: ReferenceKernel, forward_fn: Callable, backward_fn: Callable,
+                 layout: Callable | None = None):
         self.reference = reference
         self.forward_fn = forward_fn
         self.backward_fn = backward_fn
+        self.layout = layout
 
     def __getattr__(self, attr):  # name, forward_inputs, ... as the reference has them
         return getattr(self.reference, attr)
 
     def covers_forward(self, inputs: list) -> bool:
-        return covered(inputs, self.reference.forward_inputs, self.reference.stats)
+        return covered(inputs, self.reference.forward_inputs, self.reference.stats, self.layout)
 
     def covers_backward(self, inputs: list) -> bool:
-        return covered(inputs, self.reference.backward_inputs, self.reference.stats)
+        return covered(inputs, self.reference.backward_inputs, self.reference.stats, self.layout)
 
     def forward(self, inputs: list, attrs: dict) -> list:
         if self.covers_forward(inputs):
@@ -143,7 +166,10 @@ CUSTOM = {
     "qk_norm": (_qk_norm_fwd, _qk_norm_bwd),
 }
 
+# the custom kernels that read strided inputs (default: contiguous only)
+LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout}
+
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
-    name: CudaKernel(ref, *CUSTOM[name]) if name in CUSTOM else ref
+    name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
     for name, ref in KERNELS.items()
 }

@@ -5,10 +5,13 @@ backward, AdamW), captured in one CUDA graph and replayed.
     step.load(params_fp32_by_path)          # or step.init_random(seed)
     loss = step(token_ids, labels)          # a [] fp32 CUDA tensor; no host sync
 
-- Weights: fp32 master copies (AdamW updates them, `torch.optim.AdamW(fused=True,
-  capturable=True)`) and bf16 compute copies the interpreter reads, refreshed from the
-  masters after each update; gradients come out of the backward in bf16 and are copied
-  into fp32 `.grad` buffers of the masters.
+- Weights: fp32 master copies with fp32 AdamW moments, and bf16 compute copies the
+  interpreter reads. `optimizer="fused"` (default): one kernel per tensor
+  (csrc/kernels/adamw.cu) reads the backward's bf16 gradient, updates master and moments
+  and writes the bf16 compute copy, so no fp32 gradient buffer exists;
+  `optimizer="torch"`: `torch.optim.AdamW(fused=True, capturable=True)` on fp32 `.grad`
+  buffers the bf16 gradients are copied into, then the masters copied to the compute
+  copies (4 more bytes per parameter).
 - Forward and backward: the reference interpreter over the program's Graph IR with
   `TRAIN_KERNELS` (runtime/cuda/train_kernels.py) and `keep_only_saved` (only what a
   backward reads outlives its function); no finiteness checks (they sync).
@@ -51,6 +54,7 @@ class TrainStep:
     fused_head: bool = True
     chunk_rows: int = 2048
     keep_only_saved: bool = True
+    optimizer: str = "auto"  # "fused" (bf16 compute), "torch"; auto: fused for bf16
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -92,12 +96,24 @@ class TrainStep:
         self.names = sorted(self.shapes())
         self.masters = {p: params[p].detach().to("cuda", torch.float32).clone() for p in self.names}
         self.compute = {p: m.to(self.dtype) for p, m in self.masters.items()}
-        for master in self.masters.values():
-            master.grad = torch.zeros_like(master)
         a = self.adamw
-        self.optimizer = torch.optim.AdamW(list(self.masters.values()), lr=a.lr, betas=a.betas,
-                                           eps=a.eps, weight_decay=a.weight_decay,
-                                           fused=True, capturable=True)
+        if self.optimizer == "auto":
+            self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
+        if self.optimizer == "torch":
+            for master in self.masters.values():
+                master.grad = torch.zeros_like(master)
+            self.torch_optimizer = torch.optim.AdamW(
+                list(self.masters.values()), lr=a.lr, betas=a.betas, eps=a.eps,
+                weight_decay=a.weight_decay, fused=True, capturable=True)
+        elif self.optimizer == "fused":
+            if self.dtype != torch.bfloat16:
+                raise ValueError("optimizer='fused' writes bf16 compute copies: use "
+                                 "optimizer='torch' for other compute dtypes")
+            self.exp_avg = {p: torch.zeros_like(m) for p, m in self.masters.items()}
+            self.exp_avg_sq = {p: torch.zeros_like(m) for p, m in self.masters.items()}
+            self.step_count = torch.zeros((), dtype=torch.float32, device="cuda")
+        else:
+            raise ValueError(f"optimizer must be 'fused' or 'torch', not {self.optimizer!r}")
         self.cuda_graph = None
         return self
 
@@ -125,11 +141,23 @@ class TrainStep:
     def _step(self) -> None:
         loss, grads = self.loss_and_gradients()
         names = [p for p in self.names if p in grads]
-        torch._foreach_copy_([self.masters[p].grad for p in names], [grads[p] for p in names])
-        del grads
-        self.optimizer.step()
-        torch._foreach_copy_([self.compute[p] for p in self.names],
-                             [self.masters[p] for p in self.names])
+        if self.optimizer == "torch":
+            torch._foreach_copy_([self.masters[p].grad for p in names], [grads[p] for p in names])
+            del grads
+            self.torch_optimizer.step()
+            torch._foreach_copy_([self.compute[p] for p in self.names],
+                                 [self.masters[p] for p in self.names])
+        else:
+            from runtime.cuda.kernels import _extension
+
+            ext, a = _extension(), self.adamw
+            self.step_count.add_(1)
+            for p in names:  # a parameter without a gradient is not updated (as torch's)
+                grad = grads.pop(p)
+                ext.adamw_step(self.masters[p], grad.contiguous(), self.exp_avg[p],
+                               self.exp_avg_sq[p], self.compute[p], self.step_count, a.lr,
+                               a.betas[0], a.betas[1], a.eps, a.weight_decay)
+                del grad
         self.loss.copy_(loss)
 
     def set_batch(self, token_ids: Tensor, labels: Tensor | None = None) -> None:

@@ -11,15 +11,23 @@ transpose cast to fp32 and back is two copies where none is needed. So:
 - matmul runs as cuBLAS in the I/O dtype (bf16 operands, fp32 accumulation); transposes
   are strides, not copies;
 - flash_attention runs through FlashAttention-2 (runtime/cuda/attention.py);
-- the custom kernels (rmsnorm, fused_residual_rmsnorm, swiglu, rope, qk_norm) get
-  contiguous inputs (the attention's q/k and the MLP's gate/up are strided views, which
-  the custom kernels would otherwise hand to the fp32 reference);
+- rmsnorm, fused_residual_rmsnorm and qk_norm get contiguous inputs (a copy only where
+  one is strided); swiglu and rope read their strided inputs as they are (the MLP's
+  gate/up are the halves of the fused up projection, the attention's q/k transposed heads
+  of the fused QKV projection), rope writes [B, T, H, D] (FlashAttention's layout);
+- no concat copy where the parts already lie side by side in one buffer: swiglu's
+  backward writes d_gate / d_up into the halves of one [.., 2 * d_ff] buffer, so the
+  concat (written backward) or the split's backward (derived) is a view of it; rope's
+  backward writes d_q / d_k into the q and k head slots of a [B, T, Hq + 2 Hk, D] buffer
+  and the concat of (d_q, d_k, d_v) copies only d_v into the slots left for it;
 - zeros are made on the GPU.
 
 Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -30,7 +38,7 @@ from runtime.kernels.base import ReferenceKernel
 from runtime.kernels.utility import torch_dtype
 
 NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul")
-CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "swiglu", "rope", "qk_norm")
+CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm")
 
 
 class NoCast:
@@ -88,10 +96,124 @@ class Zeros(NoCast):
         return [torch.zeros(shape, dtype=dtype, device=self.device)]
 
 
+# ------------------------------------------------------------- concat without a copy
+# buffers made with room for a later concat's last part: storage pointer -> the storage
+# offset where that part goes. Weak: the entry lives as long as the tensor it is
+# attached to (a view of the buffer that the concat will read).
+_SLACK: "weakref.WeakValueDictionary[int, _Slack]" = weakref.WeakValueDictionary()
+
+
+class _Slack:
+    def __init__(self, offset: int):
+        self.offset = offset
+
+
+def reserve_slack(owner: torch.Tensor, offset: int) -> None:
+    """`owner`'s storage has unwritten room from storage offset `offset` on for the last
+    part of a concat whose other parts are views of it (`join`); the note lives as long
+    as `owner`."""
+    slack = _Slack(offset)
+    owner._modulec_slack = slack
+    _SLACK[owner.untyped_storage().data_ptr()] = slack
+
+
+def _side_by_side(parts: list, dim: int) -> bool:
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for p in parts:
+        if (p.dtype != first.dtype or p.device != first.device or p.dim() != first.dim()
+                or p.stride() != first.stride()
+                or p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset
+                or any(p.shape[d] != first.shape[d] for d in range(p.dim()) if d != dim)):
+            return False
+        offset += p.shape[dim] * p.stride(dim)
+    return True
+
+
+def _joined_shape(parts: list, dim: int) -> list:
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return shape
+
+
+def join(parts: list, dim: int) -> torch.Tensor | None:
+    """The concat of `parts` along `dim` as a view, when they already lie side by side in
+    one buffer (equal strides, each starting where the last ends), or when all but the
+    last do and the buffer reserved room for the last (which is copied there); None
+    otherwise."""
+    if len(parts) < 2 or not all(isinstance(p, torch.Tensor) for p in parts):
+        return None
+    dim = dim % parts[0].dim()
+    first = parts[0]
+    if _side_by_side(parts, dim):
+        return first.as_strided(_joined_shape(parts, dim), first.stride(), first.storage_offset())
+    head, last = parts[:-1], parts[-1]
+    if not _side_by_side(head, dim) or last.dtype != first.dtype:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    slack = _SLACK.get(storage)
+    at = first.storage_offset() + sum(p.shape[dim] for p in head) * first.stride(dim)
+    if slack is None or slack.offset != at or list(last.shape) != list(first.shape[:dim]) + [
+            last.shape[dim]] + list(first.shape[dim + 1:]):
+        return None
+    first.as_strided(last.shape, first.stride(), at).copy_(last)
+    _SLACK.pop(storage, None)  # the room is used
+    return first.as_strided(_joined_shape(parts, dim), first.stride(), first.storage_offset())
+
+
+class Concat(NoCast):
+    def forward(self, inputs: list, attrs: dict) -> list:
+        joined = join(list(inputs[0]), int(attrs.get("dim", -1)))
+        return [joined] if joined is not None else super().forward(inputs, attrs)
+
+
+class Split(NoCast):
+    """split; its backward (a concat of the parts' gradients) a view where it can be."""
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        d_parts = list(inputs[0])
+        if all(d is not None for d in d_parts):
+            joined = join(d_parts, int(attrs.get("dim", -1)))
+            if joined is not None:
+                return [joined]
+        return super().backward(inputs, attrs)
+
+
+class Rope:
+    """rope through CUDA_KERNELS; the backward writes d_q / d_k into the head slots of a
+    fused [B, T, Hq + 2 Hk, D] buffer with room left for d_v (the attention module's
+    backward concatenates (d_q, d_k, d_v) over heads next: `join` then copies d_v alone)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getattr__(self, attr):
+        return getattr(self.kernel, attr)
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        return self.kernel.forward(inputs, attrs)
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        if not self.kernel.covers_backward(inputs):
+            return self.kernel.backward(inputs, attrs)
+        from runtime.cuda.kernels import _extension
+
+        d_q, d_k, position_ids = inputs
+        Hq, Hk, D = d_q.shape[1], d_k.shape[1], d_q.shape[3]
+        _, g_q, g_k = _extension().rope_qk_into_heads(
+            d_q, d_k, position_ids, float(attrs.get("theta", 10000.0)), True, Hk)
+        reserve_slack(g_q, (Hq + Hk) * D)
+        return [g_q, g_k]
+
+
 def train_kernels(device: str = "cuda") -> dict:
     kernels = dict(CUDA_KERNELS)
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
     kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
+    kernels["concat"] = Concat(KERNELS["concat"])
+    kernels["split"] = Split(KERNELS["split"])
+    kernels["rope"] = Rope(CUDA_KERNELS["rope"])
     kernels["embedding"] = Embedding(KERNELS["embedding"])
     kernels["zeros"] = Zeros(KERNELS["zeros"], device)
     kernels["flash_attention"] = FlashAttention()

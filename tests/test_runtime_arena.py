@@ -1,0 +1,69 @@
+"""Running on the memory plan (runtime.arena): every std model and example gives bitwise
+the results of the plain run (bf16, the plan's dtypes) with each activation region one
+buffer and every value at its planned offset; the backward reads nothing of the forward's
+transient bytes; and a plan that lets two live values share bytes is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from modulec.plan.memory import SAVED, TRANSIENT  # noqa: E402
+from runtime.model import Model  # noqa: E402
+from tests.runtime_models import TINY, token_inputs  # noqa: E402
+
+
+def _run(name: str, arena: bool, poison: bool = False, tamper=None):
+    path, settings = TINY[name]
+    model = Model.from_module(path, settings=settings, dtype=torch.bfloat16)
+    model.init_random(0, std=0.3)
+    model.arena = arena
+    inputs = token_inputs(model)
+    program = model.source.program_for(inputs)
+    model.program = program
+    if tamper is not None:
+        tamper(model._arena())
+    outputs = model.forward(**inputs)
+    if poison:  # NaN everywhere in the transient bytes: the backward must not read them
+        model._arena().regions[TRANSIENT].fill_(255)
+    seeds = {k: torch.full_like(v, 0.01) for k, v in outputs.items() if v.is_floating_point()}
+    return outputs, model.backward(**seeds).params, model
+
+
+def _same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_the_arena_run_is_the_plain_run_bit_for_bit(name):
+    plain_out, plain_grads, _ = _run(name, arena=False)
+    out, grads, model = _run(name, arena=True, poison=True)
+    assert _same(plain_out, out) and _same(plain_grads, grads)
+    sizes = model._arena().bytes_of()
+    assert sizes[SAVED] > 0 and sizes[TRANSIENT] > 0
+
+
+def test_a_plan_that_overlaps_live_values_changes_the_results():
+    def overlap(arena):  # the attention's saved q_rot onto its saved lse
+        placed = arena.placements["CausalSelfAttention#1"]
+        rot = next(v for v, p in placed.items() if p.region == SAVED and p.size_bytes > 256)
+        lse = max((v for v, p in placed.items() if p.region == SAVED), key=lambda v:
+                  placed[v].offset)
+        placed[rot] = type(placed[rot])(SAVED, placed[lse].offset, placed[rot].size_bytes,
+                                        placed[rot].block, placed[rot].first_use,
+                                        placed[rot].last_use)
+    _, plain_grads, _ = _run("llama", arena=False)
+    _, grads, _ = _run("llama", arena=True, tamper=overlap)
+    assert not _same(plain_grads, grads)
+
+
+def test_a_value_larger_than_its_bytes_is_refused():
+    from runtime.errors import RuntimeUserError
+
+    path, settings = TINY["llama"]
+    model = Model.from_module(path, settings=settings, dtype=torch.float64)
+    model.init_random(0)
+    model.arena = True
+    with pytest.raises(RuntimeUserError, match="the plan gives it"):
+        model.forward(**token_inputs(model))
