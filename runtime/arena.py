@@ -36,7 +36,6 @@ class Arena:
     regions: dict[str, Tensor] = field(default_factory=dict)
     placements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # forward function -> (base, stride)
-    runs: dict[str, int] = field(default_factory=dict)  # forward function -> runs so far
 
     def __post_init__(self):
         plan = plan_step(self.graph)
@@ -51,19 +50,21 @@ class Arena:
     def bytes_of(self) -> dict[str, int]:
         return {name: region.numel() for name, region in self.regions.items()}
 
-    def start_forward(self) -> None:
-        self.runs = {}
-
     # ------------------------------------------------------------------ frames
     def enter(self, frame, parent=None, call_node: str = "") -> None:
-        """Give `frame` its transient base and, for a forward run, its saved record."""
+        """Give `frame` its transient base (its saved record is its `instance`)."""
         if parent is not None:
             reserved = self.placements.get(parent.function.name, {}).get(f"call:{call_node}")
             frame.transient_base = parent.transient_base + (reserved.offset if reserved else 0)
-        if not frame.function.gradient_of:
-            name = frame.function.name
-            frame.instance = self.runs.get(name, 0)
-            self.runs[name] = frame.instance + 1
+
+    def is_transient(self, frame, value: str) -> bool:
+        placement = self.placements.get(frame.function.name, {}).get(value)
+        return placement is not None and placement.region == TRANSIENT
+
+    def poison_transient(self) -> None:
+        """NaN over the transient bytes between forward and backward: nothing the
+        backward reads may come from there."""
+        self.regions[TRANSIENT].fill_(255)
 
     def is_saved(self, frame, value: str) -> bool:
         placement = self.placements.get(frame.function.name, {}).get(value)

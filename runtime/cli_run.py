@@ -27,7 +27,7 @@ def run_model(*, file, hf_weights, random_weights, inputs, outputs, backward, de
     if random_weights is not None:
         instance.init_random(random_weights)
     tensors = _read(inputs)
-    names = instance.source.program().input_names()
+    names = instance.source.program(planned=False).input_names()
     forward_inputs = {n: tensors.pop(n) for n in names if n in tensors}
     results = instance.forward(**forward_inputs)
     written = {name: value for name, value in results.items()}

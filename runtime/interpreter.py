@@ -42,6 +42,9 @@ class Frame:
     env: dict[str, Tensor] = field(default_factory=dict)
     children: dict[tuple[str, int], "Frame"] = field(default_factory=dict)
     transient_base: int = 0  # where this run's transient values start (runtime.arena)
+    dropped: set = field(default_factory=set)  # released to be recomputed (runtime.decisions)
+    host: dict = field(default_factory=dict)  # swapped out (runtime.decisions)
+    forgotten: dict = field(default_factory=dict)  # argument -> (caller run, its value)
     instance: int = 0  # which run of its function this is, in the forward (runtime.arena)
 
 
@@ -57,6 +60,10 @@ class Interpreter:
     check_finite: bool = True
     kernels: dict = field(default_factory=lambda: KERNELS)
     arena: object = None  # runtime.arena.Arena: run on the memory plan
+    decisions: object = None  # runtime.decisions.Decisions: recompute / swap as planned
+    _runs: dict = field(default_factory=dict)  # forward function -> runs so far
+    _sinks: dict = field(default_factory=dict)  # (id(run), value) -> [(callee run, input)]
+    _replaying: bool = False
     grads: dict[str, Tensor] = field(default_factory=dict)
     # drop what no backward reads as each forward function returns (a shape-only stand-in
     # stays), and each layer's forward frame once its backward ran: one backward per forward
@@ -66,14 +73,15 @@ class Interpreter:
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
         entry = self.graph.function(self.graph.entry)
         frame = Frame(entry, "", ())
-        if self.arena is not None:
-            self.arena.start_forward()
-            self.arena.enter(frame)
+        self._runs, self._sinks = {}, {}
+        self._enter(frame, None, None)
         if self.hooks is not None:
             self.hooks.begin("forward")
         outputs = self._run(frame, inputs, None)
         if self.arena is not None:  # the backward reuses the transient bytes
             outputs = [o.clone() if isinstance(o, Tensor) else o for o in outputs]
+        if self.decisions is not None:
+            self.decisions.release(frame, self._sinks, self.arena)
         return outputs, frame
 
     def backward(self, frame: Frame, d_outputs: list[Tensor | None]):
@@ -126,10 +134,13 @@ class Interpreter:
                 values = self._zeros_for_absent(values, child)
                 values = self._hand_over(frame, node, own, self._run(own, values, child))
         else:
+            source = (frame, node.inputs)
             for layer in range(count):
                 child = self._child_frame(callee, frame, node, layer)
                 self._enter(child, frame, node)
                 frame.children[(node.id, layer)] = child
+                self._sink(source, child)
+                source = (child, child.function.outputs)
                 values = self._hand_over(frame, node, child, self._run(child, values, None))
         placed = self._placed
         if self.hooks is not None and any(node.outputs):
@@ -148,9 +159,39 @@ class Interpreter:
         return [v if self.arena.is_saved(child, o) else p
                 for o, v, p in zip(child.function.outputs, values, self._placed)]
 
-    def _enter(self, frame: Frame, parent: Frame, node: Node) -> None:
+    def _enter(self, frame: Frame, parent: Frame | None, node: Node | None) -> None:
+        """Number a forward run (its instance) and place it in the arena."""
+        if not frame.function.gradient_of:
+            name = frame.function.name
+            frame.instance = self._runs.get(name, 0)
+            self._runs[name] = frame.instance + 1
         if self.arena is not None:
-            self.arena.enter(frame, parent, node.id)
+            self.arena.enter(frame, parent, node.id if node is not None else "")
+
+    def _sink(self, source: tuple, child: Frame) -> None:
+        """Remember where each argument of `child` came from (runtime.decisions)."""
+        owner, values = source
+        for argument, value in zip(child.function.inputs, values):
+            if value:
+                self._sinks.setdefault((id(owner), value), []).append((child, argument.id))
+
+    def read_forward(self, frame: Frame, value: str):
+        return self._read(value, frame, None)
+
+    def place(self, frame: Frame, node, value: str, tensor):
+        """Into the value's planned bytes; a replayed transient value stays out of the
+        arena (the backward owns the transient bytes by then)."""
+        if self.arena is None or self._replaying and self.arena.is_transient(frame, value):
+            return tensor
+        return self.arena.place(frame, node, value, tensor)
+
+    def replay(self, node: Node, frame: Frame) -> None:
+        """Run forward op `node` of finished run `frame` again (a planned recompute)."""
+        replaying, self._replaying = self._replaying, True
+        try:
+            self._op(node, frame, None)
+        finally:
+            self._replaying = replaying
 
     def _zeros_for_absent(self, grads: list, child: Frame) -> list:
         outputs = child.function.outputs
@@ -221,10 +262,9 @@ class Interpreter:
         return _group_lists(kernel.backward_inputs, filled), attrs
 
     def _after(self, node: Node, frame: Frame, value: str, tensor: Tensor) -> Tensor:
-        if self.arena is not None:
-            tensor = self.arena.place(frame, node, value, tensor)
+        tensor = self.place(frame, node, value, tensor)
         self._finite(node, frame, value, tensor, "")
-        if self.hooks is not None:
+        if self.hooks is not None and not self._replaying:
             version = getattr(tensor, "_version", None)
             hooked = self.hooks.apply(node, frame, value, tensor)
             if hooked is not tensor or getattr(tensor, "_version", None) != version:
@@ -244,14 +284,16 @@ class Interpreter:
 
     # ------------------------------------------------------------------ values
     def _read(self, value: str, frame: Frame, forward: Frame | None):
-        if value in frame.env:
-            return frame.env[value]
-        if forward is not None and value in forward.env:
-            return forward.env[value]
+        for owner in (frame, forward):
+            if owner is not None and (value in owner.env or self._restore(owner, value)):
+                return owner.env[value]
         if value.startswith("param:"):
             return self._param(value[len("param:"):], frame)
         raise RuntimeUserError(f"value `{value}` is read before it is computed "
                                f"(in `{frame.function.name}`)")
+
+    def _restore(self, frame: Frame, value: str) -> bool:
+        return self.decisions is not None and self.decisions.restore(self, frame, value)
 
     def _param(self, name: str, frame: Frame) -> Tensor:
         path = _join(frame.path, name)
@@ -370,5 +412,8 @@ def _shape(value: str, forward: Frame, interpreter: Interpreter):
         return tuple(forward.env[value].shape)
     if value.startswith("param:"):
         return tuple(interpreter._param(value[len("param:"):], forward).shape)
-    return None
+    info = forward.function.value(value)  # released (runtime.decisions): the IR's shape
+    if info is not None and all(d.isdigit() for d in info.shape):
+        return tuple(int(d) for d in info.shape)
+    return tuple(interpreter.read_forward(forward, value).shape)
 

@@ -46,7 +46,7 @@ class Model:
 
     def __post_init__(self):
         if self.hooks is None:
-            self.hooks = Hooks(points=lambda: self.source.program().metadata["hook_points"])
+            self.hooks = Hooks(points=lambda: self.source.program(planned=False).metadata["hook_points"])
 
     @property
     def probes(self) -> dict:
@@ -56,7 +56,8 @@ class Model:
     @classmethod
     def from_module(cls, path, *, settings: dict | None = None, config=None, hf_weights=None,
                     dtype=torch.float64, device="cpu", model: str | None = None,
-                    search_path=(), progress: bool = False) -> "Model":
+                    search_path=(), progress: bool = False,
+                    memory_budget: int | None = None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
         are loaded."""
@@ -65,6 +66,10 @@ class Model:
         source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
                               Path(config) if config else None, model,
                               tuple(Path(p) for p in search_path))
+        if memory_budget is not None:  # keep / recompute / swap as the planner decides
+            from modulec.lower.build_plan import PlanOptions
+
+            source.planning = PlanOptions(budget=int(memory_budget))
         instance = cls(source, dtype=dtype, device=device)
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)
@@ -72,7 +77,7 @@ class Model:
 
     # ------------------------------------------------------------------ parameters
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        return parameter_shapes(self.source.program().graph)
+        return parameter_shapes(self.source.program(planned=False).graph)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "Model":
         """Random parameters (normal(0, std); norm weights near 1) for tests and tutorials."""
@@ -87,7 +92,7 @@ class Model:
     def load_hf(self, directory, progress: bool = False) -> "Model":
         from runtime.hf_weights import load_hf_weights
 
-        schema = self.source.program().weight_schema
+        schema = self.source.program(planned=False).weight_schema
         loaded = load_hf_weights(schema, Path(directory), dtype=self.dtype, device=self.device,
                                  progress=progress)
         self.params.update(loaded)
@@ -139,11 +144,22 @@ class Model:
                                layout=self.hf_layout)
 
     def _schema(self) -> list:
-        return (self.program or self.source.program()).weight_schema
+        return (self.program or self.source.program(planned=False)).weight_schema
 
     def _interpreter(self) -> Interpreter:
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
-                           self.check_finite, arena=self._arena())
+                           self.check_finite, arena=self._arena(),
+                           decisions=self._decisions())
+
+    def _decisions(self):
+        """The planner's recompute / swap decisions of this program, executed."""
+        from runtime.decisions import Decisions
+
+        cache = self.__dict__.setdefault("_decision_cache", {})
+        if id(self.program) not in cache:
+            schedule = self.program.document.get("schedule", {})
+            cache[id(self.program)] = Decisions.from_schedule(schedule)
+        return cache[id(self.program)]
 
     def _arena(self):
         if not self.arena:

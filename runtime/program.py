@@ -69,28 +69,37 @@ class ModuleSource:
     model: str | None = None
     search_path: tuple[Path, ...] = ()
     derive_written: bool = False  # ignore backward sections written in the source
+    planning: object = None  # modulec.lower.build_plan.PlanOptions (e.g. a memory budget)
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
-    def program(self, shapes: dict[str, int] | None = None) -> Program:
-        key = tuple(sorted((shapes or {}).items()))
+    def program(self, shapes: dict[str, int] | None = None, planned: bool = True) -> Program:
+        """The program at these dim sizes; `planned=False` skips the memory planner (a
+        budget needs every size; reading the declared inputs does not)."""
+        key = (tuple(sorted((shapes or {}).items())), planned and self.planning is not None)
         if key not in self._built:
-            self._built[key] = self._build(dict(key))
+            self._built[key] = self._build(dict(key[0]), self.planning if key[1] else None)
         return self._built[key]
 
     def program_for(self, inputs: dict) -> Program:
         """The program for these input tensors (by declared input name)."""
         if self._declared is None:
-            self._declared = self.program().metadata["inputs"]
+            self._declared = self.program(planned=False).metadata["inputs"]
         return self.program(bind_dims(self._declared, inputs))
 
-    def _build(self, shapes: dict[str, int]) -> Program:
+    def _build(self, shapes: dict[str, int], planning) -> Program:
         from modulec.lower.build import BuildRequest, build
+        from modulec.lower.build_plan import PlanFailure
 
         request = BuildRequest(Path(self.path), tuple(self.search_path), self.model,
                                dict(self.settings), shapes, self.config,
-                               derive_written=self.derive_written)
-        result = build(request)
+                               derive_written=self.derive_written, planning=planning)
+        try:
+            result = build(request)
+        except PlanFailure as exc:
+            raise RuntimeUserError(str(exc)) from None
+        if getattr(result, "failure", None):  # the memory budget cannot be met
+            raise RuntimeUserError(result.failure)
         errors = [d for d in result.diagnostics if d.is_error]
         if errors or result.document is None:
             raise RuntimeUserError(f"{self.path} does not build", help=[_render(result)])

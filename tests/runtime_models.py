@@ -27,6 +27,6 @@ def token_inputs(model, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
     vocab = int(model.source.settings.get("vocab_size", 64))
     inputs = {"token_ids": torch.randint(0, vocab, (batch, seq), generator=generator,
                                          dtype=torch.int32)}
-    if "position_ids" in model.source.program().input_names():
+    if "position_ids" in model.source.program(planned=False).input_names():
         inputs["position_ids"] = torch.arange(seq, dtype=torch.int32).repeat(batch, 1)
     return inputs

@@ -370,5 +370,7 @@ def test_a_non_finite_gradient_names_the_backward_op():
 # ====================================================================== the docs
 def test_the_runtime_page_example_runs():
     page = (ROOT / "docs" / "runtime.md").read_text(encoding="utf-8")
-    example = re.search(r"```python\n(.*?)```", page, re.S).group(1)
-    exec(compile(example, "docs/runtime.md", "exec"), {})
+    examples = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(examples) >= 2
+    for example in examples:
+        exec(compile(example, "docs/runtime.md", "exec"), {})

@@ -193,4 +193,6 @@ def _mib(count: int) -> str:
 
 
 def _gib(count: int) -> str:
-    return f"{count / GIB:,.2f} GiB"
+    from modulec.plan.units import gib_text
+
+    return gib_text(count)

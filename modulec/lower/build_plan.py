@@ -68,7 +68,7 @@ def _decided(graph, decls: dict, options: PlanOptions):
 
 
 def _infeasible(budget: int, lowest: int, problem) -> str:
-    gib = lambda n: f"{n / 2 ** 30:.2f} GiB"  # noqa: E731
+    from modulec.plan.units import gib_text as gib
     fixed = sum(problem.fixed_bytes.values())
     hint = ", or train with --training lora" if problem.training == "full" else ""
     return (f"the memory budget {gib(budget)} cannot be met: the lowest predicted peak is "

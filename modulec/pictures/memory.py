@@ -16,6 +16,8 @@ region the activation planner places; a function of choice with `scope`.
 
 from __future__ import annotations
 
+from modulec.plan.units import byte_unit, size_text
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,17 +368,3 @@ def nice_step(raw: float) -> float:
             if factor * power >= raw:
                 return round(factor * power, 6)
         power *= 10
-
-
-def byte_unit(count: int) -> tuple[str, int]:
-    for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if count >= size:
-            return name, size
-    return "B", 1
-
-
-def size_text(count: int) -> str:
-    """Bytes in a short unit: `512 B`, `64 KiB`, `1.5 MiB`."""
-    name, size = byte_unit(count)
-    value = count / size
-    return f"{value:.0f} {name}" if value == int(value) or value >= 100 else f"{value:.1f} {name}"
