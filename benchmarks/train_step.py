@@ -2,9 +2,15 @@
 TinyLlama-1.1B shape, side by side in one run on one GPU (issue 6, item 6):
 
     modulec      runtime/cuda/step.py: the interpreter with TRAIN_KERNELS, fused chunked
-                 LM head + CE, keep_only_saved, the whole step in one CUDA graph
+                 LM head + CE, keep_only_saved, the whole step in one CUDA graph; the
+                 written backward (the SwiGLU MLP recomputes its up projection); fused
+                 AdamW on bf16 gradients, each layer updated inside the backward
     modulec_norecompute  the same with the derived backward (the SwiGLU MLP saves its
                  up projection instead of recomputing it: faster, more memory)
+    ..._keepgrads   suffix: fused AdamW after the whole backward (every bf16 gradient
+                 alive at once)
+    ..._torchadam   suffix: torch.optim.AdamW(fused, capturable) on fp32 .grad buffers
+                 (the bf16 gradients copied in), masters copied to the compute weights
     hf_eager     transformers LlamaForCausalLM, sdpa attention, fp32 weights + autocast bf16
     hf_compile   the same under torch.compile
     hf_ckpt      the same with gradient checkpointing
@@ -35,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("modulec", "modulec_norecompute", "hf_eager", "hf_compile", "hf_ckpt")
+# the memory/speed sweep of modulec's own options (benchmarks/gpu/run_all.sh SWEEP)
+SWEEP = ("modulec", "modulec_keepgrads", "modulec_torchadam", "modulec_norecompute",
+         "modulec_norecompute_keepgrads", "modulec_norecompute_torchadam")
 PEAK = 989e12
 
 
@@ -85,13 +94,23 @@ def _batch(args, vocab):
     return torch.randint(0, vocab, (args.batch, args.seq), generator=g, dtype=torch.int32).cuda()
 
 
-def run_modulec(args, shape, ckpt, derive_written=False):
+def modulec_options(variant: str) -> dict:
+    parts = set(variant.split("_")[1:])
+    unknown = parts - {"norecompute", "keepgrads", "torchadam"}
+    if unknown:
+        raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
+    return {"derive_written": "norecompute" in parts,
+            "optimizer": "torch" if "torchadam" in parts else "fused",
+            "update_in_backward": not parts & {"keepgrads", "torchadam"}}
+
+
+def run_modulec(args, shape, ckpt, variant="modulec"):
     import torch
     from runtime.cuda.step import TrainStep
     from runtime.hf_weights import load_hf_weights
 
     step = TrainStep.from_module(ROOT / "std/models/llama.module", shape, batch=args.batch,
-                                 seq=args.seq, derive_written=derive_written)
+                                 seq=args.seq, **modulec_options(variant))
     weights = load_hf_weights(step.program.weight_schema, ckpt, dtype=torch.float32, device="cuda")
     step.load(weights)
     del weights
@@ -139,7 +158,7 @@ def child(args) -> None:
     shape = tiny_llama(args.layers)
     try:
         if args.only.startswith("modulec"):
-            result = run_modulec(args, shape, args.ckpt, args.only == "modulec_norecompute")
+            result = run_modulec(args, shape, args.ckpt, args.only)
         else:
             result = run_hf(args, shape, args.ckpt, args.only)
         result["peak_bytes"] = torch.cuda.max_memory_allocated()

@@ -2,6 +2,7 @@
 // allocates the outputs with torch's caching allocator and launches on the current stream.
 // runtime/cuda/build.py compiles it; runtime/cuda/kernels.py calls it (and decides when a
 // call falls back to the reference kernel, so a check failing here is a caller's bug).
+#include <array>
 #include <optional>
 #include <vector>
 
@@ -109,56 +110,194 @@ std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const T
   return {d_x, d_weight};
 }
 
+// A tensor seen as rows x C with one row stride (elements): the last dim contiguous and
+// the leading dims collapsible into one (each a whole number of the next). False if not.
+bool as_rows(const Tensor& t, int64_t& rows, int64_t& ld) {
+  const int64_t n = t.dim();
+  if (n == 0 || t.stride(n - 1) != 1) return false;
+  rows = 1;
+  for (int64_t i = 0; i + 1 < n; ++i) rows *= t.size(i);
+  ld = n >= 2 ? t.stride(n - 2) : t.size(0);
+  for (int64_t i = 0; i + 2 < n; ++i)
+    if (t.size(i) > 1 && t.stride(i) != t.stride(i + 1) * t.size(i + 1)) return false;
+  if (rows <= 1) ld = t.size(n - 1);
+  return true;
+}
+
+void check_rows(const Tensor& t, const char* name, at::ScalarType dtype, const Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", not ", like.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  int64_t rows, ld;
+  TORCH_CHECK(as_rows(t, rows, ld), name, " must be rows with one stride (last dim contiguous)");
+}
+
+struct RowArgs {
+  int64_t rows, C;
+  std::vector<int64_t> ld;
+};
+
+// rows x C and each tensor's row stride; all contiguous: one row of numel elements
+RowArgs row_args(std::initializer_list<const Tensor*> ts) {
+  const Tensor& first = **ts.begin();
+  RowArgs a{1, first.numel(), {}};
+  bool contiguous = true;
+  for (const Tensor* t : ts) contiguous = contiguous && t->is_contiguous();
+  for (const Tensor* t : ts) {
+    int64_t rows, ld;
+    as_rows(*t, rows, ld);
+    if (contiguous) {
+      a.ld.push_back(first.numel());
+    } else {
+      a.rows = rows;
+      a.C = t->size(-1);
+      a.ld.push_back(ld);
+    }
+  }
+  return a;
+}
+
+// gate, up: [*, C] each with a row stride of its own (e.g. the halves of [*, 2C])
 Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
-  check(gate, "gate", gate.scalar_type(), gate);
-  check(up, "up", gate.scalar_type(), gate);
+  check_rows(gate, "gate", gate.scalar_type(), gate);
+  check_rows(up, "up", gate.scalar_type(), gate);
+  dtype_of(gate);
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up differ in shape");
   const c10::cuda::CUDAGuard guard(gate.device());
-  Tensor y = at::empty_like(gate);
-  check_launch(modulec::launch_swiglu_forward(dtype_of(gate), gate.data_ptr(), up.data_ptr(),
-                                              y.data_ptr(), gate.numel(), stream()),
+  Tensor y = at::empty(gate.sizes(), gate.options());
+  const RowArgs a = row_args({&gate, &up, &y});
+  check_launch(modulec::launch_swiglu_forward(dtype_of(gate), gate.data_ptr(), a.ld[0],
+                                              up.data_ptr(), a.ld[1], y.data_ptr(), a.ld[2],
+                                              a.rows, a.C, stream()),
                "swiglu forward");
   return y;
 }
 
+// (d_gate, d_up): the two halves of one [*, 2C] buffer (so the concat that usually
+// follows is a view: runtime/cuda/train_kernels.py)
 std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const Tensor& up) {
-  check(gate, "gate", gate.scalar_type(), gate);
-  check(up, "up", gate.scalar_type(), gate);
-  check(d_y, "d_y", gate.scalar_type(), gate);
+  check_rows(gate, "gate", gate.scalar_type(), gate);
+  check_rows(up, "up", gate.scalar_type(), gate);
+  check_rows(d_y, "d_y", gate.scalar_type(), gate);
+  dtype_of(gate);
   TORCH_CHECK(gate.sizes() == up.sizes() && d_y.sizes() == gate.sizes(),
               "d_y, gate and up differ in shape");
+  TORCH_CHECK(gate.dim() >= 1, "swiglu takes at least one dim");
   const c10::cuda::CUDAGuard guard(gate.device());
-  Tensor d_gate = at::empty_like(gate), d_up = at::empty_like(gate);
-  check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), gate.data_ptr(),
-                                               up.data_ptr(), d_gate.data_ptr(), d_up.data_ptr(),
-                                               gate.numel(), stream()),
+  const int64_t C = gate.size(-1);
+  std::vector<int64_t> fused(gate.sizes().begin(), gate.sizes().end());
+  fused.back() = 2 * C;
+  Tensor both = at::empty(fused, gate.options());
+  Tensor d_gate = both.narrow(-1, 0, C), d_up = both.narrow(-1, C, C);
+  const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up});
+  check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), a.ld[0],
+                                               gate.data_ptr(), a.ld[1], up.data_ptr(), a.ld[2],
+                                               d_gate.data_ptr(), a.ld[3], d_up.data_ptr(),
+                                               a.ld[4], a.rows, a.C, stream()),
                "swiglu backward");
   return {d_gate, d_up};
 }
 
-// x [B, H, T, D] rotated (inverse: the backward); position_ids int32 [B or 1, T] or None
-Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, double theta,
-            bool inverse) {
-  check(x, "x", x.scalar_type(), x);
-  TORCH_CHECK(x.dim() == 4, "rope takes [B, H, T, D]");
+// strides of a [B, H, T, D] tensor over b, h, t (the last dim must be contiguous)
+std::array<int64_t, 3> bht_strides(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, name, ": rope takes [B, H, T, D]");
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, name, ": the last dim must be contiguous");
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+int64_t positions(const std::optional<Tensor>& position_ids, const Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(2);
+  if (!position_ids) return 0;
+  check(*position_ids, "position_ids", at::kInt, x);
+  const auto& p = *position_ids;
+  TORCH_CHECK(p.dim() == 2 && p.size(1) == T && (p.size(0) == B || p.size(0) == 1),
+              "position_ids must be [B, T] or [1, T]");
+  return p.size(0) == 1 ? 0 : T;
+}
+
+void rope_into(const Tensor& x, const Tensor& out, const std::optional<Tensor>& position_ids,
+               double theta, bool inverse) {
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   TORCH_CHECK(D % 2 == 0, "rope: head dim D=", D, " must be even");
-  int64_t pos_stride = 0;
-  if (position_ids) {
-    check(*position_ids, "position_ids", at::kInt, x);
-    const auto& p = *position_ids;
-    TORCH_CHECK(p.dim() == 2 && p.size(1) == T && (p.size(0) == B || p.size(0) == 1),
-                "position_ids must be [B, T] or [1, T]");
-    pos_stride = p.size(0) == 1 ? 0 : T;
-  }
-  const c10::cuda::CUDAGuard guard(x.device());
-  Tensor out = at::empty_like(x);
-  check_launch(modulec::launch_rope(dtype_of(x), x.data_ptr(), out.data_ptr(),
+  const auto xs = bht_strides(x, "x"), os = bht_strides(out, "out");
+  const int64_t pos_stride = positions(position_ids, x);
+  check_launch(modulec::launch_rope(dtype_of(x), x.data_ptr(), xs.data(), out.data_ptr(),
+                                    os.data(),
                                     position_ids ? position_ids->data_ptr<int32_t>() : nullptr,
                                     pos_stride, B, H, T, D, static_cast<float>(theta), inverse,
                                     stream()),
                "rope");
+}
+
+void check_x(const Tensor& x, const char* name, const Tensor& like) {
+  TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(x.device() == like.device(), name, " is on ", x.device(), ", not ", like.device());
+  TORCH_CHECK(x.scalar_type() == like.scalar_type(), name, " must be ", like.scalar_type());
+  dtype_of(x);
+  bht_strides(x, name);
+}
+
+// x [B, H, T, D] (any strides over b, h, t) rotated (inverse: the backward) into a new
+// tensor laid out [B, T, H, D] (returned as its [B, H, T, D] transpose: the layout
+// FlashAttention reads); position_ids int32 [B or 1, T] or None
+Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, double theta,
+            bool inverse) {
+  check_x(x, "x", x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+  rope_into(x, out, position_ids, theta, inverse);
   return out;
+}
+
+// The rope backward of q [B, Hq, T, D] and k [B, Hk, T, D] written into the head slots of
+// one [B, T, Hq + Hk + extra_heads, D] buffer (q heads, then k heads, then extra_heads
+// left unwritten): the fused QKV gradient, whose v slots the caller fills.
+// Returns (buffer, d_q, d_k), d_q and d_k as [B, H, T, D] views of it.
+std::vector<Tensor> rope_qk_into_heads(const Tensor& q, const Tensor& k,
+                                       const std::optional<Tensor>& position_ids, double theta,
+                                       bool inverse, int64_t extra_heads) {
+  check_x(q, "q", q);
+  check_x(k, "k", q);
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D, "q and k differ in B, T or D");
+  TORCH_CHECK(extra_heads >= 0, "extra_heads must be >= 0");
+  const c10::cuda::CUDAGuard guard(q.device());
+  Tensor buffer = at::empty({B, T, Hq + Hk + extra_heads, D}, q.options());
+  Tensor d_q = buffer.narrow(2, 0, Hq).transpose(1, 2);
+  Tensor d_k = buffer.narrow(2, Hq, Hk).transpose(1, 2);
+  rope_into(q, d_q, position_ids, theta, inverse);
+  rope_into(k, d_k, position_ids, theta, inverse);
+  return {buffer, d_q, d_k};
+}
+
+// One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
+// gradient; writes the bf16 compute copy when given. step: a fp32 [] or [1] device tensor.
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                const Tensor& exp_avg_sq, const std::optional<Tensor>& compute,
+                const Tensor& step, double lr, double beta1, double beta2, double eps,
+                double weight_decay) {
+  check(param, "param", at::kFloat, param);
+  check(exp_avg, "exp_avg", at::kFloat, param);
+  check(exp_avg_sq, "exp_avg_sq", at::kFloat, param);
+  check(grad, "grad", grad.scalar_type(), param);
+  check(step, "step", at::kFloat, param);
+  TORCH_CHECK(step.numel() == 1, "step must have one element");
+  const int64_t n = param.numel();
+  TORCH_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
+              "param, grad and moments differ in size");
+  if (compute) {
+    check(*compute, "compute", at::kBFloat16, param);
+    TORCH_CHECK(compute->numel() == n, "compute differs in size");
+  }
+  const c10::cuda::CUDAGuard guard(param.device());
+  check_launch(modulec::launch_adamw(dtype_of(grad), param.data_ptr<float>(), grad.data_ptr(),
+                                     exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                                     compute ? compute->data_ptr() : nullptr,
+                                     step.data_ptr<float>(), n, static_cast<float>(lr),
+                                     static_cast<float>(beta1), static_cast<float>(beta2),
+                                     static_cast<float>(eps), static_cast<float>(weight_decay),
+                                     stream()),
+               "adamw");
 }
 
 }  // namespace
@@ -170,7 +309,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(residual, input, weight, eps) -> [residual_out, y, rstd]");
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "(d_y, x, weight, rstd, d_residual_out or None) -> [d_x, d_weight]");
-  m.def("swiglu_forward", &swiglu_forward, "(gate, up) -> y");
-  m.def("swiglu_backward", &swiglu_backward, "(d_y, gate, up) -> [d_gate, d_up]");
-  m.def("rope", &rope, "(x [B, H, T, D], position_ids or None, theta, inverse) -> rotated x");
+  m.def("swiglu_forward", &swiglu_forward, "(gate, up) -> y  (row-strided inputs)");
+  m.def("swiglu_backward", &swiglu_backward,
+        "(d_y, gate, up) -> [d_gate, d_up]  (the halves of one [*, 2C] buffer)");
+  m.def("rope", &rope,
+        "(x [B, H, T, D] strided, position_ids or None, theta, inverse) -> rotated x, laid "
+        "out [B, T, H, D]");
+  m.def("rope_qk_into_heads", &rope_qk_into_heads,
+        "(q, k, position_ids or None, theta, inverse, extra_heads) -> [buffer [B, T, Hq + Hk + "
+        "extra, D], q', k']");
+  m.def("adamw_step", &adamw_step,
+        "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
+        "beta1, beta2, eps, weight_decay)");
 }

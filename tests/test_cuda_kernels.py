@@ -163,3 +163,99 @@ def test_mixed_dtypes_fall_back():
     kernel = CUDA_KERNELS["rmsnorm"]
     assert not kernel.covers_forward([x, w])
     assert_close(kernel.forward([x, w], {}), KERNELS["rmsnorm"].forward([x, w], {}), 0, "fallback")
+
+
+# ----------------------------------------------------------- strided calls (no copies)
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 64), (5, 37), (4, 7, 1024), (3, 8)])
+def test_swiglu_on_the_halves_of_a_fused_projection(shape, dtype):
+    """gate / up as the two halves of [.., 2C] (row stride 2C; C odd: the scalar path),
+    d_gate / d_up come back as the halves of one [.., 2C] buffer."""
+    torch.manual_seed(5)
+    C = shape[-1]
+    gate_up = rand(*shape[:-1], 2 * C, dtype=dtype, scale=3.0)
+    gate, up = gate_up.split([C, C], dim=-1)
+    assert not gate.is_contiguous()
+    check("swiglu", "forward", [gate, up], {}, dtype)
+    d_y = rand(*shape, dtype=dtype)
+    got = CUDA_KERNELS["swiglu"].backward([d_y, gate, up], {})
+    want = KERNELS["swiglu"].backward([d_y, gate, up], {})
+    assert_close(got, want, TOL[dtype], f"swiglu backward strided {dtype}")
+    d_gate, d_up = got
+    assert d_gate.data_ptr() + C * d_gate.element_size() == d_up.data_ptr()
+    from runtime.cuda.train_kernels import join
+    both = join([d_gate, d_up], -1)
+    assert both is not None and both.is_contiguous()
+    assert_close([both], [torch.cat(want, dim=-1)], TOL[dtype], "joined d_gate_up")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 8, 2, 16, 64), (1, 3, 1, 7, 6), (2, 5, 5, 9, 80),
+                                  (1, 32, 4, 33, 64)])
+def test_rope_on_the_heads_of_a_fused_qkv(case, dtype):
+    """q / k as the transposed head views of [B, T, Hq + 2 Hk, D]; outputs laid out
+    [B, T, H, D]; the training registry's backward writes the fused QKV gradient and
+    the concat over heads copies only d_v."""
+    from runtime.cuda.train_kernels import TRAIN_KERNELS
+
+    torch.manual_seed(6)
+    B, Hq, Hk, T, D = case
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
+    pos = torch.randint(0, 64, (B, T), device="cuda", dtype=torch.int32)
+    attrs = {"theta": 10000.0}
+    q_rot, k_rot = check("rope", "forward", [q, k, None], attrs, dtype)
+    got = CUDA_KERNELS["rope"].forward([q, k, pos], attrs)
+    assert got[0].transpose(1, 2).is_contiguous()
+    assert_close(got, KERNELS["rope"].forward([q, k, pos], attrs), TOL[dtype], "rope pos")
+    d_out = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    d_q, d_k, d_v = (x.transpose(1, 2) for x in d_out.split([Hq, Hk, Hk], dim=2))
+    want = KERNELS["rope"].backward([d_q, d_k, pos], attrs)
+    got = TRAIN_KERNELS["rope"].backward([d_q, d_k, pos], attrs)
+    assert_close(got, want, TOL[dtype], f"rope backward into heads {dtype}")
+    parts = [g.transpose(1, 2) for g in (*got, d_v)]
+    fused = TRAIN_KERNELS["concat"].forward([parts], {"dim": 2})[0]
+    assert fused.data_ptr() == got[0].data_ptr() and fused.is_contiguous()
+    ref = torch.cat([w.transpose(1, 2).to(dtype) for w in want] + [d_v.transpose(1, 2)], dim=2)
+    assert_close([fused], [ref], TOL[dtype], "fused qkv gradient")
+
+
+def test_join_refuses_parts_that_are_not_side_by_side():
+    from runtime.cuda.train_kernels import join
+
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    assert join([a, b], -1) is None
+    x = torch.randn(4, 12)
+    left, right = x.split([6, 6], dim=-1)
+    assert torch.equal(join([left, right], -1), x)
+    assert join([right, left], -1) is None  # out of order
+    assert join([left[:, :5], right], -1) is None  # a gap
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("n", [1, 7, 4096, 100003])
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+def test_adamw_matches_torch(n, grad_dtype):
+    """csrc/kernels/adamw.cu against torch.optim.AdamW (on the fp32 value of the same
+    gradients), three steps, weight decay on; the bf16 copy is the master rounded."""
+    from runtime.cuda.build import load
+
+    torch.manual_seed(7)
+    p = torch.randn(n, device="cuda")
+    ref = p.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device="cuda")
+    compute = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        g = torch.randn(n, device="cuda").to(grad_dtype)
+        step.add_(1)
+        load().adamw_step(p, g, m, v, compute, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        ref.grad = g.float()
+        opt.step()
+    assert float((p - ref.detach()).abs().max()) < 1e-5
+    assert torch.equal(compute, p.to(torch.bfloat16))

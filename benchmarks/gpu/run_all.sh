@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, check and time the GPU training step in one device call (issue 6):
-#   STAGES="build tests bench" VARIANTS=modulec,hf_eager,hf_compile,hf_ckpt \
+#   STAGES="build tests bench sweep" VARIANTS=modulec,hf_eager,hf_compile,hf_ckpt \
 #     bash benchmarks/gpu/run_all.sh
 # Logs go to $OUT (or ./gpu-logs). Needs lark: carried as .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -30,5 +30,10 @@ for stage in $STAGES; do
         --batch "${BATCH:-4}" --seq "${SEQ:-2048}" --layers "${LAYERS:-22}" \
         --steps "${STEPS:-10}" --json "$OUT/train_step.json" 2> "$OUT/bench.err" | tee "$OUT/bench.log"
       tail -5 "$OUT/bench.err" ;;
+    sweep)  # modulec's memory/speed options (benchmarks/train_step.py SWEEP)
+      python3 benchmarks/train_step.py --variants "${SWEEP:-modulec,modulec_keepgrads,modulec_torchadam,modulec_norecompute,modulec_norecompute_keepgrads,modulec_norecompute_torchadam}" \
+        --batch "${BATCH:-4}" --seq "${SEQ:-2048}" --layers "${LAYERS:-22}" \
+        --steps "${STEPS:-10}" --json "$OUT/sweep.json" 2> "$OUT/sweep.err" | tee "$OUT/sweep.log"
+      tail -5 "$OUT/sweep.err" ;;
   esac
 done

@@ -29,17 +29,32 @@ cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, co
                                     void* d_weight, float* workspace, int64_t rows, int64_t C,
                                     cudaStream_t stream);
 
-// ---- swiglu.cu: y = silu(gate) * up over n elements
-cudaError_t launch_swiglu_forward(DType dt, const void* gate, const void* up, void* y, int64_t n,
+// ---- swiglu.cu: y = silu(gate) * up over rows x C elements; every tensor has its own row
+// stride ld (elements; the last dim contiguous). Contiguous tensors: rows = 1, C = n.
+cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,
+                                  int64_t ld_up, void* y, int64_t ld_y, int64_t rows, int64_t C,
                                   cudaStream_t stream);
-cudaError_t launch_swiglu_backward(DType dt, const void* d_y, const void* gate, const void* up,
-                                   void* d_gate, void* d_up, int64_t n, cudaStream_t stream);
+cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
+                                   int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
+                                   int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
+                                   int64_t C, cudaStream_t stream);
 
-// ---- rope.cu: rotate-half RoPE of x [B, H, T, D] into out (may alias x).
+// ---- rope.cu: rotate-half RoPE of x [B, H, T, D] into out (may alias x); x_strides and
+// out_strides: 3 strides (elements) over b, h, t each, the last dim contiguous.
 // position_ids: int32 [B or 1, T] or null (0 .. T-1); pos_batch_stride is T, or 0 when
 // one row of positions serves every batch. inverse: the backward (rotation by -angle).
-cudaError_t launch_rope(DType dt, const void* x, void* out, const int32_t* position_ids,
+cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void* out,
+                        const int64_t* out_strides, const int32_t* position_ids,
                         int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
                         float theta, bool inverse, cudaStream_t stream);
+
+// ---- adamw.cu: one AdamW step (torch.optim.AdamW's arithmetic) over n fp32 master
+// weights with fp32 moments, reading the gradient in bf16 or fp32 (grad_dt) and writing
+// the bf16 compute copy (when non-null). step: a device float, the step number (>= 1)
+// after this update, so that a captured graph replays with the right bias corrections.
+cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* exp_avg,
+                         float* exp_avg_sq, void* compute_bf16, const float* step, int64_t n,
+                         float lr, float beta1, float beta2, float eps, float weight_decay,
+                         cudaStream_t stream);
 
 }  // namespace modulec

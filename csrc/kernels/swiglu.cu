@@ -1,6 +1,11 @@
 // swiglu forward and backward (std/primitives/swiglu.module): y = silu(gate) * up,
-// elementwise over two tensors of one shape. One thread per 16-byte vector; the last
-// n % VEC elements are done one by one by the first threads.
+// elementwise over tensors of one shape seen as rows x C, each with its own row stride
+// (ld, in elements; the last dim is contiguous). So gate and up may be the two halves of
+// the fused up projection [.., 2 * d_ff] (row stride 2 * d_ff) and the backward may write
+// d_gate / d_up into the two halves of one [.., 2 * d_ff] buffer: no copy, no concat.
+// A contiguous call passes rows = 1, C = n. One thread per VEC elements of a row; the
+// 16-byte path needs aligned bases and row strides that are multiples of VEC; the last
+// C % VEC elements of a row are done one by one by the thread that owns them.
 #include "common.cuh"
 
 namespace modulec {
@@ -23,77 +28,113 @@ __device__ __forceinline__ void swiglu_grad(float dy, float g, float u, float& d
   d_up = dy * silu;
 }
 
+struct Rows {
+  int64_t rows, C, cv;  // cv: vectors per row (the last one maybe partial)
+};
+
 template <typename T, int VEC>
-__global__ void swiglu_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up,
-                                      T* __restrict__ y, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  if (i < nvec) {
-    float g[VEC], u[VEC], o[VEC];
-    load_vec<T, VEC>(gate, i, g);
-    load_vec<T, VEC>(up, i, u);
+__global__ void swiglu_forward_kernel(const T* __restrict__ gate, int64_t ld_g,
+                                      const T* __restrict__ up, int64_t ld_u,
+                                      T* __restrict__ y, int64_t ld_y, Rows s) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= s.rows * s.cv) return;
+  const int64_t r = idx / s.cv, c = (idx - r * s.cv) * VEC;
+  const T* g = gate + r * ld_g + c;
+  const T* u = up + r * ld_u + c;
+  T* o = y + r * ld_y + c;
+  if (c + VEC <= s.C) {
+    float gv[VEC], uv[VEC], ov[VEC];
+    load_vec<T, VEC>(g, 0, gv);
+    load_vec<T, VEC>(u, 0, uv);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) o[j] = swiglu_y(g[j], u[j]);
-    store_vec<T, VEC>(y, i, o);
+    for (int j = 0; j < VEC; ++j) ov[j] = swiglu_y(gv[j], uv[j]);
+    store_vec<T, VEC>(o, 0, ov);
+  } else {
+    for (int64_t j = 0; c + j < s.C; ++j)
+      o[j] = from_float<T>(swiglu_y(to_float(g[j]), to_float(u[j])));
   }
-  const int64_t t = nvec * VEC + i;  // the scalar tail
-  if (VEC > 1 && t < n) y[t] = from_float<T>(swiglu_y(to_float(gate[t]), to_float(up[t])));
 }
 
 template <typename T, int VEC>
-__global__ void swiglu_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ gate,
-                                       const T* __restrict__ up, T* __restrict__ d_gate,
-                                       T* __restrict__ d_up, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  if (i < nvec) {
-    float dy[VEC], g[VEC], u[VEC], dg[VEC], du[VEC];
-    load_vec<T, VEC>(d_y, i, dy);
-    load_vec<T, VEC>(gate, i, g);
-    load_vec<T, VEC>(up, i, u);
+__global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
+                                       const T* __restrict__ gate, int64_t ld_g,
+                                       const T* __restrict__ up, int64_t ld_u,
+                                       T* __restrict__ d_gate, int64_t ld_dg,
+                                       T* __restrict__ d_up, int64_t ld_du, Rows s) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= s.rows * s.cv) return;
+  const int64_t r = idx / s.cv, c = (idx - r * s.cv) * VEC;
+  const T* dyp = d_y + r * ld_dy + c;
+  const T* g = gate + r * ld_g + c;
+  const T* u = up + r * ld_u + c;
+  T* dgp = d_gate + r * ld_dg + c;
+  T* dup = d_up + r * ld_du + c;
+  if (c + VEC <= s.C) {
+    float dy[VEC], gv[VEC], uv[VEC], dg[VEC], du[VEC];
+    load_vec<T, VEC>(dyp, 0, dy);
+    load_vec<T, VEC>(g, 0, gv);
+    load_vec<T, VEC>(u, 0, uv);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) swiglu_grad(dy[j], g[j], u[j], dg[j], du[j]);
-    store_vec<T, VEC>(d_gate, i, dg);
-    store_vec<T, VEC>(d_up, i, du);
+    for (int j = 0; j < VEC; ++j) swiglu_grad(dy[j], gv[j], uv[j], dg[j], du[j]);
+    store_vec<T, VEC>(dgp, 0, dg);
+    store_vec<T, VEC>(dup, 0, du);
+  } else {
+    for (int64_t j = 0; c + j < s.C; ++j) {
+      float dg, du;
+      swiglu_grad(to_float(dyp[j]), to_float(g[j]), to_float(u[j]), dg, du);
+      dgp[j] = from_float<T>(dg);
+      dup[j] = from_float<T>(du);
+    }
   }
-  const int64_t t = nvec * VEC + i;
-  if (VEC > 1 && t < n) {
-    float dg, du;
-    swiglu_grad(to_float(d_y[t]), to_float(gate[t]), to_float(up[t]), dg, du);
-    d_gate[t] = from_float<T>(dg);
-    d_up[t] = from_float<T>(du);
-  }
-}
-
-// enough threads for the vectors and for the tail
-unsigned blocks_for(int64_t n, int vec) {
-  const int64_t work = std::max<int64_t>(n / vec, n % vec);
-  return static_cast<unsigned>((work + kThreads - 1) / kThreads);
 }
 
 template <typename T>
-cudaError_t forward_typed(const void* gate, const void* up, void* y, int64_t n, cudaStream_t s) {
+bool wide_ok(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> lds,
+             int64_t rows) {
+  constexpr int wide = 16 / sizeof(T);
+  if (pick_vec<T>(0, ptrs) != wide) return false;
+  if (rows > 1)
+    for (int64_t ld : lds)
+      if (ld % wide) return false;
+  return true;
+}
+
+Rows rows_of(int64_t rows, int64_t C, int vec) { return Rows{rows, C, (C + vec - 1) / vec}; }
+
+unsigned blocks_for(const Rows& s) {
+  return static_cast<unsigned>((s.rows * s.cv + kThreads - 1) / kThreads);
+}
+
+template <typename T>
+cudaError_t forward_typed(const void* gate, int64_t ld_g, const void* up, int64_t ld_u, void* y,
+                          int64_t ld_y, int64_t rows, int64_t C, cudaStream_t st) {
   constexpr int wide = 16 / sizeof(T);
   const T *g = static_cast<const T*>(gate), *u = static_cast<const T*>(up);
   T* o = static_cast<T*>(y);
-  // a vector path needs aligned bases only: the tail covers n % VEC
-  if (pick_vec<T>(0, {gate, up, y}) == wide)
-    swiglu_forward_kernel<T, wide><<<blocks_for(n, wide), kThreads, 0, s>>>(g, u, o, n);
-  else
-    swiglu_forward_kernel<T, 1><<<blocks_for(n, 1), kThreads, 0, s>>>(g, u, o, n);
+  if (wide_ok<T>({gate, up, y}, {ld_g, ld_u, ld_y}, rows)) {
+    const Rows s = rows_of(rows, C, wide);
+    swiglu_forward_kernel<T, wide><<<blocks_for(s), kThreads, 0, st>>>(g, ld_g, u, ld_u, o, ld_y, s);
+  } else {
+    const Rows s = rows_of(rows, C, 1);
+    swiglu_forward_kernel<T, 1><<<blocks_for(s), kThreads, 0, st>>>(g, ld_g, u, ld_u, o, ld_y, s);
+  }
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t backward_typed(const void* d_y, const void* gate, const void* up, void* d_gate,
-                           void* d_up, int64_t n, cudaStream_t s) {
+cudaError_t backward_typed(const void* d_y, int64_t ld_dy, const void* gate, int64_t ld_g,
+                           const void* up, int64_t ld_u, void* d_gate, int64_t ld_dg,
+                           void* d_up, int64_t ld_du, int64_t rows, int64_t C,
+                           cudaStream_t st) {
   constexpr int wide = 16 / sizeof(T);
   auto args = [&](auto kernel, int vec) {
-    kernel<<<blocks_for(n, vec), kThreads, 0, s>>>(
-        static_cast<const T*>(d_y), static_cast<const T*>(gate), static_cast<const T*>(up),
-        static_cast<T*>(d_gate), static_cast<T*>(d_up), n);
+    const Rows s = rows_of(rows, C, vec);
+    kernel<<<blocks_for(s), kThreads, 0, st>>>(
+        static_cast<const T*>(d_y), ld_dy, static_cast<const T*>(gate), ld_g,
+        static_cast<const T*>(up), ld_u, static_cast<T*>(d_gate), ld_dg, static_cast<T*>(d_up),
+        ld_du, s);
   };
-  if (pick_vec<T>(0, {d_y, gate, up, d_gate, d_up}) == wide)
+  if (wide_ok<T>({d_y, gate, up, d_gate, d_up}, {ld_dy, ld_g, ld_u, ld_dg, ld_du}, rows))
     args(swiglu_backward_kernel<T, wide>, wide);
   else
     args(swiglu_backward_kernel<T, 1>, 1);
@@ -102,19 +143,25 @@ cudaError_t backward_typed(const void* d_y, const void* gate, const void* up, vo
 
 }  // namespace
 
-cudaError_t launch_swiglu_forward(DType dt, const void* gate, const void* up, void* y, int64_t n,
+cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,
+                                  int64_t ld_up, void* y, int64_t ld_y, int64_t rows, int64_t C,
                                   cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  if (dt == DType::BF16) return forward_typed<__nv_bfloat16>(gate, up, y, n, stream);
-  return forward_typed<float>(gate, up, y, n, stream);
+  if (rows * C == 0) return cudaSuccess;
+  if (dt == DType::BF16)
+    return forward_typed<__nv_bfloat16>(gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+  return forward_typed<float>(gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
 }
 
-cudaError_t launch_swiglu_backward(DType dt, const void* d_y, const void* gate, const void* up,
-                                   void* d_gate, void* d_up, int64_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
+cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
+                                   int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
+                                   int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
+                                   int64_t C, cudaStream_t stream) {
+  if (rows * C == 0) return cudaSuccess;
   if (dt == DType::BF16)
-    return backward_typed<__nv_bfloat16>(d_y, gate, up, d_gate, d_up, n, stream);
-  return backward_typed<float>(d_y, gate, up, d_gate, d_up, n, stream);
+    return backward_typed<__nv_bfloat16>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
+                                         d_up, ld_dup, rows, C, stream);
+  return backward_typed<float>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate, d_up,
+                               ld_dup, rows, C, stream);
 }
 
 }  // namespace modulec

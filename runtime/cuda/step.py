@@ -12,6 +12,10 @@ backward, AdamW), captured in one CUDA graph and replayed.
   `optimizer="torch"`: `torch.optim.AdamW(fused=True, capturable=True)` on fp32 `.grad`
   buffers the bf16 gradients are copied into, then the masters copied to the compute
   copies (4 more bytes per parameter).
+- `update_in_backward` (fused optimizer only, default on): the parameters of a repeated
+  layer are updated as soon as that layer's backward has produced their gradients, which
+  are then dropped, so at most one layer's gradients exist at a time (the entry's own
+  parameters, embedding / final norm / LM head, are updated after the backward).
 - Forward and backward: the reference interpreter over the program's Graph IR with
   `TRAIN_KERNELS` (runtime/cuda/train_kernels.py) and `keep_only_saved` (only what a
   backward reads outlives its function); no finiteness checks (they sync).
@@ -31,7 +35,7 @@ from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
 from runtime.cuda.train_kernels import TRAIN_KERNELS
-from runtime.interpreter import Interpreter
+from runtime.interpreter import Interpreter, _join
 from runtime.model import parameter_shapes
 from runtime.program import ModuleSource, Program
 
@@ -55,6 +59,7 @@ class TrainStep:
     chunk_rows: int = 2048
     keep_only_saved: bool = True
     optimizer: str = "auto"  # "fused" (bf16 compute), "torch"; auto: fused for bf16
+    update_in_backward: bool = True  # with the fused optimizer
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -118,13 +123,16 @@ class TrainStep:
         return self
 
     # ------------------------------------------------------------------ one step
-    def interpreter(self) -> Interpreter:
-        return Interpreter(self.graph, self.compute, self.dtype, check_finite=False,
-                           kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved)
+    def interpreter(self, on_gradient=None) -> Interpreter:
+        return _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
+                                kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved,
+                                on_gradient=on_gradient)
 
-    def loss_and_gradients(self) -> tuple[Tensor, dict[str, Tensor]]:
-        """Forward, loss and backward on the static inputs: (loss, gradients by path)."""
-        run = self.interpreter()
+    def loss_and_gradients(self, on_gradient=None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward, loss and backward on the static inputs: (loss, gradients by path).
+        `on_gradient(path, grad)`: called with each repeated layer's parameter gradients
+        as soon as they are final; those are not in the returned dict."""
+        run = self.interpreter(on_gradient)
         (out,), frame = run.forward([self.tokens])
         if self.split is not None:
             head = self.split.head_param
@@ -139,26 +147,32 @@ class TrainStep:
         return loss, grads
 
     def _step(self) -> None:
+        if self.optimizer == "fused":
+            return self._fused_step()
         loss, grads = self.loss_and_gradients()
         names = [p for p in self.names if p in grads]
-        if self.optimizer == "torch":
-            torch._foreach_copy_([self.masters[p].grad for p in names], [grads[p] for p in names])
-            del grads
-            self.torch_optimizer.step()
-            torch._foreach_copy_([self.compute[p] for p in self.names],
-                                 [self.masters[p] for p in self.names])
-        else:
-            from runtime.cuda.kernels import _extension
-
-            ext, a = _extension(), self.adamw
-            self.step_count.add_(1)
-            for p in names:  # a parameter without a gradient is not updated (as torch's)
-                grad = grads.pop(p)
-                ext.adamw_step(self.masters[p], grad.contiguous(), self.exp_avg[p],
-                               self.exp_avg_sq[p], self.compute[p], self.step_count, a.lr,
-                               a.betas[0], a.betas[1], a.eps, a.weight_decay)
-                del grad
+        torch._foreach_copy_([self.masters[p].grad for p in names], [grads[p] for p in names])
+        del grads
+        self.torch_optimizer.step()
+        torch._foreach_copy_([self.compute[p] for p in self.names],
+                             [self.masters[p] for p in self.names])
         self.loss.copy_(loss)
+
+    def _fused_step(self) -> None:
+        self.step_count.add_(1)  # before the backward: updates may run inside it
+        update = self._update if self.update_in_backward else None
+        loss, grads = self.loss_and_gradients(update)
+        for p in [p for p in self.names if p in grads]:  # no gradient: no update (as torch)
+            self._update(p, grads.pop(p))
+        self.loss.copy_(loss)
+
+    def _update(self, path: str, grad: Tensor) -> None:
+        from runtime.cuda.kernels import _extension
+
+        a = self.adamw
+        _extension().adamw_step(self.masters[path], grad.contiguous(), self.exp_avg[path],
+                                self.exp_avg_sq[path], self.compute[path], self.step_count,
+                                a.lr, a.betas[0], a.betas[1], a.eps, a.weight_decay)
 
     def set_batch(self, token_ids: Tensor, labels: Tensor | None = None) -> None:
         """Copy a batch into the static buffers; labels default to the next tokens."""
@@ -186,6 +200,29 @@ class TrainStep:
         else:
             self.cuda_graph.replay()
         return self.loss
+
+
+class _StepInterpreter(Interpreter):
+    """The interpreter, handing each repeated layer's parameter gradients to
+    `on_gradient(path, grad)` once its backward frame has collected them (a layer's
+    parameters get their gradient from that layer alone); the entry's stay in `grads`."""
+
+    def __init__(self, *args, on_gradient=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_gradient = on_gradient
+        self.handed: set[str] = set()
+
+    def _collect_param_grads(self, frame) -> None:
+        super()._collect_param_grads(frame)
+        if self.on_gradient is None or not frame.indices:
+            return
+        for name, _ in frame.function.param_grads:
+            path = _join(frame.path, name)
+            if path in self.handed:
+                raise RuntimeError(f"{path}: a second gradient after the update")
+            if path in self.grads:
+                self.handed.add(path)
+                self.on_gradient(path, self.grads.pop(path))
 
 
 def next_token_labels(token_ids: Tensor, ignore_index: int = -100) -> Tensor:
