@@ -21,9 +21,13 @@ def run_model(*, file, hf_weights, random_weights, inputs, outputs, backward, de
     _check_device(device)
     if (hf_weights is None) == (random_weights is None):
         raise RuntimeUserError("give the weights: --hf-weights DIR or --random-weights SEED")
-    instance = Model.from_module(file, settings=settings, hf_weights=hf_weights,
-                                 dtype=DTYPES[dtype], device=device, model=model,
-                                 search_path=search_path, progress=sys.stderr.isatty())
+    if Path(file).suffix != ".module":  # an IR document from `modulec build -o`
+        instance = Model.from_ir(file, hf_weights=hf_weights, dtype=DTYPES[dtype],
+                                 device=device, progress=sys.stderr.isatty())
+    else:
+        instance = Model.from_module(file, settings=settings, hf_weights=hf_weights,
+                                     dtype=DTYPES[dtype], device=device, model=model,
+                                     search_path=search_path, progress=sys.stderr.isatty())
     if random_weights is not None:
         instance.init_random(random_weights)
     tensors = _read(inputs)

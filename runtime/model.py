@@ -75,6 +75,17 @@ class Model:
             instance.load_hf(hf_weights, progress=progress)
         return instance
 
+    @classmethod
+    def from_ir(cls, path, *, hf_weights=None, dtype=torch.float64, device="cpu",
+                progress: bool = False) -> "Model":
+        """A model from an IR document written by `modulec build -o` (fixed sizes)."""
+        from runtime.program import IRSource
+
+        instance = cls(IRSource(Path(path)), dtype=dtype, device=device)
+        if hf_weights is not None:
+            instance.load_hf(hf_weights, progress=progress)
+        return instance
+
     # ------------------------------------------------------------------ parameters
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         return parameter_shapes(self.source.program(planned=False).graph)

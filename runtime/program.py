@@ -152,3 +152,33 @@ def _render(result) -> str:
 
     sources = {result.source.name: result.source} if result.source else {}
     return render_human([d for d in result.diagnostics if d.is_error], sources, color=False)
+
+
+@dataclass
+class IRSource:
+    """A program read from an IR document (`modulec build -o`): built for fixed sizes, so
+    inputs must have exactly the shapes it was built for."""
+
+    path: Path
+    settings: dict = field(default_factory=dict)
+    _program: Program | None = None
+
+    def program(self, shapes: dict | None = None, planned: bool = True) -> Program:
+        if self._program is None:
+            self._program = load_ir(self.path)
+        return self._program
+
+    def program_for(self, inputs: dict) -> Program:
+        program = self.program()
+        declared = program.metadata["inputs"]
+        for spec in declared:
+            want = [int(d) for d in spec["shape"]] if all(
+                d.isdigit() for d in spec["shape"]) else None
+            given = inputs.get(spec["name"])
+            got = list(given.shape) if given is not None else None
+            if want is not None and got is not None and want != got:
+                raise RuntimeUserError(
+                    f"input `{spec['name']}` has shape {got}; {self.path} was built for "
+                    f"{want}", help=["rebuild with other --shape sizes, or run the .module"])
+        bind_dims(declared, inputs)  # missing and unknown inputs
+        return program

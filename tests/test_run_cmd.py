@@ -64,3 +64,27 @@ def test_weights_are_required(tmp_path):
     result = run("run", LLAMA, "--inputs", _inputs(tmp_path, token_ids=_ids()),
                  "--outputs", tmp_path / "o.safetensors")
     assert result.exit_code == 1 and "--hf-weights DIR or --random-weights" in result.output
+
+
+def test_an_ir_document_runs_like_its_module(tmp_path):
+    ir = tmp_path / "llama.ir"
+    assert run("build", LLAMA, *SETTINGS, "--shape", "B=2", "--shape", "T=5",
+               "-o", ir).exit_code == 0
+    inputs = _inputs(tmp_path, token_ids=_ids())
+    outs = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for source, out in zip([LLAMA, ir], outs):
+        extra = SETTINGS if source == LLAMA else []
+        result = run("run", source, *extra, "--random-weights", "3", "--inputs", inputs,
+                     "--outputs", out)
+        assert result.exit_code == 0, result.output
+    a, b = (safetensors_torch.load_file(str(o))["logits"] for o in outs)
+    assert torch.equal(a, b)
+
+
+def test_an_ir_document_refuses_other_sizes(tmp_path):
+    ir = tmp_path / "llama.ir"
+    run("build", LLAMA, *SETTINGS, "--shape", "B=2", "--shape", "T=5", "-o", ir)
+    inputs = _inputs(tmp_path, token_ids=torch.zeros(2, 6, dtype=torch.int32))
+    result = run("run", ir, "--random-weights", "0", "--inputs", inputs, "--outputs",
+                 tmp_path / "o.safetensors")
+    assert result.exit_code == 1 and "was built for [2, 5]" in result.output

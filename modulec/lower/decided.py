@@ -26,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from modulec.plan.memory import SAVED
 from modulec.plan.recompute import KEEP, RECOMPUTE, SWAP
 from modulec.plan.replay import APPLY, FULL, region_of, unit_reads, unit_seconds, unit_writes
 
@@ -231,8 +232,10 @@ def _recompute_op(template, where, placements, decided) -> dict:
     placed = placements.get(function, {})
     outputs = node.outputs if how == FULL else \
         tuple(key[1] for key in unit_writes(decided.step, (index, APPLY)))
+    # only saved slots: a replayed transient value's forward bytes belong to the backward
+    # by then, so it has no planned place (runtimes use scratch space; decisions.md)
     buffers = [[v, placed[v].region, placed[v].offset, placed[v].size_bytes]
-               for v in outputs if v in placed]
+               for v in outputs if v in placed and placed[v].region == SAVED]
     op = {"kind": "recompute", "node": node_id, "function": function,
           "kernel": kernel_of(node), "replay": "apply_saved" if how == APPLY else "op",
           "repeat": 1, "phase": "recompute", "stream": COMPUTE} | where
