@@ -11,6 +11,9 @@ TinyLlama-1.1B shape, side by side in one run on one GPU (issue 6, item 6):
                  alive at once)
     ..._torchadam   suffix: torch.optim.AdamW(fused, capturable) on fp32 .grad buffers
                  (the bf16 gradients copied in), masters copied to the compute weights
+    ..._budget<GiB> suffix: a memory budget for the whole step; the budget planner
+                 decides what to recompute (modulec_norecompute_budget20: the derived
+                 backward under 20 GiB); BUDGETS is the sweep
     hf_eager     transformers LlamaForCausalLM, sdpa attention, fp32 weights + autocast bf16
     hf_compile   the same under torch.compile
     hf_ckpt      the same with gradient checkpointing
@@ -44,6 +47,9 @@ VARIANTS = ("modulec", "modulec_norecompute", "hf_eager", "hf_compile", "hf_ckpt
 # the memory/speed sweep of modulec's own options (benchmarks/gpu/run_all.sh SWEEP)
 SWEEP = ("modulec", "modulec_keepgrads", "modulec_torchadam", "modulec_norecompute",
          "modulec_norecompute_keepgrads", "modulec_norecompute_torchadam")
+# the budget sweep (benchmarks/gpu/run_all.sh STAGES=budget): derived backward, planner decides
+BUDGETS = tuple(f"modulec_norecompute_budget{b}" for b in ("26", "24", "22", "21", "20", "19",
+                                                           "18.3"))
 PEAK = 989e12
 
 
@@ -95,13 +101,20 @@ def _batch(args, vocab):
 
 
 def modulec_options(variant: str) -> dict:
+    """`budget<GiB>` (e.g. modulec_norecompute_budget20): build with that memory budget
+    for the whole step (TrainStep.from_module(memory_budget=...)), the planner deciding
+    what to recompute."""
     parts = set(variant.split("_")[1:])
-    unknown = parts - {"norecompute", "keepgrads", "torchadam"}
+    budgets = {p for p in parts if p.startswith("budget")}
+    unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
-    return {"derive_written": "norecompute" in parts,
-            "optimizer": "torch" if "torchadam" in parts else "fused",
-            "update_in_backward": not parts & {"keepgrads", "torchadam"}}
+    options = {"derive_written": "norecompute" in parts,
+               "optimizer": "torch" if "torchadam" in parts else "fused",
+               "update_in_backward": not parts & {"keepgrads", "torchadam"}}
+    if budgets:
+        options["memory_budget"] = int(float(budgets.pop()[len("budget"):]) * 2**30)
+    return options
 
 
 def run_modulec(args, shape, ckpt, variant="modulec"):
@@ -120,6 +133,14 @@ def run_modulec(args, shape, ckpt, variant="modulec"):
     step.capture(warmup=2)
     result = _timed(lambda: step(tokens), args.warmup, args.steps)
     result["loss"] = float(step.loss)
+    if step.decisions is not None:
+        result["budget_bytes"] = step.memory_budget
+        result["predicted_peak_bytes"] = step.predicted_peak()
+        result["recomputed_per_step"] = step.decisions.counts["recomputed"] // 3
+        result["dropped_per_step"] = step.decisions.counts["dropped"] // 3
+        result["swaps_kept"] = step.swaps_kept
+        result["recompute"] = sorted({f"{f}/{v}" for (f, v), runs in step.decisions.table.items()
+                                      if any(k == "recompute" for k, _, _ in runs)})
     return result
 
 
@@ -209,18 +230,20 @@ def table(rows: dict, args, flops: float, gemm: float) -> str:
     tokens = args.batch * args.seq
     lines = [f"TinyLlama shape, {args.layers} layers, B={args.batch} T={args.seq}, bf16 "
              f"(fp32 master), fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
-             f"{'variant':<20}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
-             f"{'MFUgemm':>9}{'loss':>8}"]
+             f"{'variant':<34}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
+             f"{'MFUgemm':>9}{'loss':>8}{'predicted':>10}"]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"{name:<20}  failed: {r['error'].splitlines()[-1][:90]}")
+            lines.append(f"{name:<34}  failed: {r['error'].splitlines()[-1][:90]}")
             continue
         r["tokens_per_s"] = tokens / r["step_s"]
         r["mfu_989"] = r["tokens_per_s"] * flops / PEAK
         r["mfu_gemm"] = r["tokens_per_s"] * flops / gemm
-        lines.append(f"{name:<20}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}"
+        lines.append(f"{name:<34}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}"
                      f"{r['peak_bytes'] / 2**30:>10.2f}{r['mfu_989']:>8.1%}{r['mfu_gemm']:>9.1%}"
-                     f"{r['loss']:>8.3f}")
+                     f"{r['loss']:>8.3f}"
+                     + (f"{r['predicted_peak_bytes'] / 2**30:>10.2f}"
+                        if r.get("predicted_peak_bytes") else ""))
     return "\n".join(lines)
 
 

@@ -131,3 +131,85 @@ def test_tied_head_is_left_unfused_or_cut_correctly():
     graph = _model("llama_tied").source.program_for(token_inputs(_model("llama_tied"))).graph
     split = split_head(graph)
     assert split is None or split.head_param == "embedding"
+
+
+# ---------------------------------------------------------------- memory budget (planner)
+def _budgeted(name: str, derive_written: bool, share: float):
+    """The tiny model's program built with a budget between the planner's keep-all peak
+    and the lowest it reaches (`share` of the way up), on the no-swap profile."""
+    from pathlib import Path
+
+    from modulec.lower.build_plan import PlanOptions
+    from modulec.plan.budget import make_problem, no_recompute, plan_budget
+    from modulec.plan.devices import device
+    from runtime.program import ModuleSource
+
+    path, settings = TINY[name]
+    model = _model(name)
+    inputs = token_inputs(model, batch=2, seq=16)
+    plain = ModuleSource(Path(path), dict(settings), derive_written=derive_written)
+    program = plain.program_for(inputs)
+    problem = make_problem(program.graph, None, "full", device("h200-noswap"))
+    lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
+    budget = int(lowest + share * (peak - lowest))
+    planned = ModuleSource(Path(path), dict(settings), derive_written=derive_written,
+                           planning=PlanOptions(budget=budget, device="h200-noswap"))
+    return model, inputs, program, planned.program_for(inputs)
+
+
+def test_noswap_profile_plans_recompute_only():
+    from modulec.plan.budget import make_problem, no_recompute, plan_budget
+    from modulec.plan.devices import device
+
+    model = _model("llama")
+    graph = model.source.program_for(token_inputs(model, batch=2, seq=16)).graph
+    for name in ("h200", "h200-noswap"):
+        problem = make_problem(graph, None, "full", device(name))
+        high = no_recompute(problem).peak_bytes
+        result = plan_budget(problem, int(high * 0.97))
+        if name == "h200-noswap":
+            assert result.feasible and not result.swap and result.recompute
+    assert device("h200-noswap").peak_flops == device("h200").peak_flops
+    assert device("h200-noswap").host_bytes_per_s == 0
+
+
+@pytest.mark.parametrize("derive_written", [True, False])
+def test_budgeted_step_releases_early_and_gives_the_same_gradients(derive_written):
+    """The GPU step's interpreter (early release of `recompute` values as each forward
+    run returns, keep_only_saved, TRAIN_KERNELS) on a budgeted build, float64 on the CPU:
+    the same outputs and gradients as the unbudgeted program, bit for bit."""
+    from runtime.cuda.step import _StepInterpreter
+    from runtime.decisions import Decisions
+
+    model, inputs, program, planned = _budgeted("llama", derive_written, 0.3)
+    decisions = Decisions.from_schedule(planned.document["schedule"])
+    assert decisions is not None and not any(
+        kind == "swap" for runs in decisions.table.values() for kind, _, _ in runs)
+    tokens = inputs["token_ids"]
+    seed = None
+    results = []
+    released_early = []
+    for graph, decided in ((program.graph, None), (planned.graph, decisions)):
+        run = _StepInterpreter(graph, model.params, F64, check_finite=False,
+                               kernels=train_kernels("cpu"), keep_only_saved=True,
+                               decisions=decided)
+        if decided is not None:  # layer 0's values are gone before layer 1 runs
+            original = run._run
+
+            def spy(frame, args, forward, original=original):
+                if frame.instance == 1 and frame.function.name.startswith("DenseTransformer"):
+                    released_early.append(decided.counts["dropped"])
+                return original(frame, args, forward)
+            run._run = spy
+        (out,), frame = run.forward([tokens])
+        if seed is None:
+            seed = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+        _, grads = run.backward(frame, [seed])
+        results.append((out, grads))
+    assert released_early and released_early[0] > 0
+    assert decisions.counts["recomputed"] > 0
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b)
+    assert grads_a.keys() == grads_b.keys()
+    for path in grads_a:
+        assert torch.allclose(grads_a[path], grads_b[path], rtol=1e-12, atol=1e-14), path

@@ -174,3 +174,54 @@ def test_fused_adamw_step_matches_torch_adamw(tmp_path, derive_written, update_i
     for p in fused.names:
         assert _rel(fused.masters[p], ref.masters[p]) < 1e-3, p
         assert torch.equal(fused.compute[p], fused.masters[p].to(torch.bfloat16)), p
+
+
+def _budget_between(derive_written: bool, share: float) -> int:
+    """A GPU budget for SMALL: `share` of the way from the planner's lowest peak to its
+    keep-all peak (both in this step's terms)."""
+    from modulec.plan.budget import make_problem, no_recompute, plan_budget
+    from modulec.plan.devices import device
+    from runtime.cuda.step import TrainStep, planner_budget
+
+    program = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T,
+                                    derive_written=derive_written).program
+    problem = make_problem(program.graph, None, "full", device("h200-noswap"))
+    lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
+    return int(lowest + share * (peak - lowest)) - planner_budget(program, 0)
+
+
+@pytest.mark.parametrize("derive_written", [True, False])
+def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
+    """A step built with a memory budget (planner's recompute decisions, early release,
+    replays: apply_saved norms, RoPE, SwiGLU, matmuls) gives the unbudgeted step's loss and
+    gradients within bf16 noise, eagerly and as CUDA-graph replays."""
+    from runtime.cuda.step import TrainStep
+    from runtime.hf_weights import load_hf_weights
+
+    _hf_checkpoint(tmp_path)
+    tokens = _tokens().cuda()
+    budget = _budget_between(derive_written, 0.2)
+    steps = [TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, derive_written=derive_written,
+                                   **options) for options in ({}, {"memory_budget": budget})]
+    plain, budgeted = steps
+    assert plain.decisions is None and budgeted.decisions is not None
+    for s in steps:
+        s.load(load_hf_weights(s.program.weight_schema, tmp_path, dtype=torch.float32,
+                               device="cuda"))
+        s.adamw.lr = 1e-3
+        s.set_batch(tokens)
+    (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
+    assert budgeted.decisions.counts["dropped"] > 0
+    assert budgeted.decisions.counts["recomputed"] > 0 and budgeted.swaps_kept == 0
+    assert abs(float(loss_a) - float(loss_b)) / float(loss_a) < 1e-3
+    assert grads_a.keys() == grads_b.keys()
+    worst = min((_cos(grads_b[p], grads_a[p]), p) for p in grads_a)
+    assert worst[0] >= 0.999, worst
+    assert max(_rel(grads_b[p], grads_a[p]) for p in grads_a) < 3e-2
+    predicted = budgeted.predicted_peak()
+    assert predicted is not None and predicted <= budget
+    for s in steps:
+        s.capture(warmup=2)
+    losses = [[float(s(tokens)) for _ in range(4)] for s in steps]
+    for a, b in zip(*losses):
+        assert abs(a - b) / abs(a) < 5e-3, losses

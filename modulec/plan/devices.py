@@ -15,11 +15,16 @@ each way. The H100 shares the H200's compute and host link; its fractions are th
 | ------- | --------------- | -------------- | ---------------------- | ------ |
 | h100    | 989 TFLOP/s     | 3.35 TB/s HBM3 | PCIe 5 x16, 55 GB/s    | 80 GB  |
 | h200    | 989 TFLOP/s     | 4.8 TB/s HBM3e | PCIe 5 x16, 55 GB/s    | 141 GB |
+
+`<name>-noswap` (h100-noswap, h200-noswap): the same device for an executor that does not
+swap (the CUDA training step, runtime/cuda/step.py, runs recompute only): no host link,
+so the scheduler never picks a swap (modulec.plan.mutwo._swap_candidate) and meets the
+budget with recompute alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TERA = 1e12
 GIGA = 1e9
@@ -59,6 +64,8 @@ class Device:
 H100 = Device("h100", 989 * TERA, 3.35 * TERA, 55 * GIGA, 80 * GIGA)
 H200 = Device("h200", 989 * TERA, 4.8 * TERA, 55 * GIGA, 141 * GIGA)
 DEVICES = {d.name: d for d in (H100, H200)}
+DEVICES.update({f"{d.name}-noswap": replace(d, name=f"{d.name}-noswap", host_bytes_per_s=0.0)
+                for d in (H100, H200)})
 
 
 def device(name: str) -> Device:

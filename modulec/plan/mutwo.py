@@ -159,6 +159,8 @@ def _recompute_helps(problem, outcome: Outcome, key) -> bool:
 def _swap_candidate(problem, outcome: Outcome, remaining, swap, stored, tries: int = 6):
     """The free activation inactive longest whose swap frees it at the peak (offloaded
     before, prefetched after), and the stall swapping it adds."""
+    if not problem.device.host_bytes_per_s:  # a `-noswap` profile: no host link
+        return None, None
     peak = outcome.peak_at["time_s"]
     found = []
     for key in remaining:

@@ -23,6 +23,15 @@ backward, AdamW), captured in one CUDA graph and replayed.
   node is cut off and LM head + cross-entropy run fused in chunks (runtime/cuda/lm_head.py).
 - CUDA graph: after `warmup` eager steps on a side stream, one step is captured; each call
   copies the batch into the static input buffers and replays it.
+- Memory budget (`from_module(..., memory_budget=bytes)`): the program is built with the
+  budget planner (`PlanOptions(budget=..., device="h200-noswap")`; the budget handed to the
+  planner is this step's budget plus what the planner counts as fixed beyond this step's
+  fixed state, see `planner_budget`), and its keep / recompute decisions
+  (runtime.decisions) run here with early release: when a forward function run returns,
+  each value decided `recompute` in that run is dropped at once (not at the end of the
+  forward as the reference runtime does); the backward that first reads it replays it
+  (the op, or `apply_saved` for a norm's output). Swap decisions are kept on the GPU
+  (counted in `swaps_kept`): the `-noswap` device profile makes the planner choose none.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
 from runtime.cuda.train_kernels import TRAIN_KERNELS
-from runtime.interpreter import Interpreter, _join
+from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions
+from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.model import parameter_shapes
 from runtime.program import ModuleSource, Program
 
@@ -60,20 +70,41 @@ class TrainStep:
     keep_only_saved: bool = True
     optimizer: str = "auto"  # "fused" (bf16 compute), "torch"; auto: fused for bf16
     update_in_backward: bool = True  # with the fused optimizer
+    # keep / recompute decisions to run: "auto" (the program's schedule, if it has any:
+    # a build with a memory budget), None (keep everything), or a runtime Decisions
+    decisions: object = "auto"
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
-                    derive_written: bool = False, **options) -> "TrainStep":
+                    derive_written: bool = False, memory_budget: int | None = None,
+                    plan_device: str = "h200-noswap", **options) -> "TrainStep":
         """`derive_written`: ignore the source's written backward sections (the SwiGLU
-        MLP's recomputes its up projection; the derived one saves it instead)."""
-        source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
-                              derive_written=derive_written)
-        tokens = torch.zeros(batch, seq, dtype=torch.int32)
-        return cls(source.program_for({"token_ids": tokens}), batch, seq, **options)
+        MLP's recomputes its up projection; the derived one saves it instead).
+        `memory_budget` (bytes of GPU memory for the whole step): build with the budget
+        planner on `plan_device`'s cost model and run its recompute decisions."""
+        from modulec.lower.build_plan import PlanOptions
+
+        settings = {k: str(v) for k, v in (settings or {}).items()}
+        tokens = {"token_ids": torch.zeros(batch, seq, dtype=torch.int32)}
+        source = ModuleSource(Path(path), settings, derive_written=derive_written)
+        program = source.program_for(tokens)
+        if memory_budget is None:
+            return cls(program, batch, seq, **options)
+        offset = planner_budget(program, 0, options.get("optimizer", "auto"))
+        planned = ModuleSource(Path(path), settings, derive_written=derive_written,
+                               planning=PlanOptions(budget=int(memory_budget) + offset,
+                                                    device=plan_device))
+        step = cls(planned.program_for(tokens), batch, seq, **options)
+        step.memory_budget, step.budget_offset = int(memory_budget), offset
+        step.unplanned, step.plan_device = program, plan_device
+        return step
 
     def __post_init__(self):
         self.split = split_head(self.program.graph) if self.fused_head else None
         self.graph = self.split.graph if self.split else self.program.graph
+        if isinstance(self.decisions, str) and self.decisions == "auto":
+            self.decisions = Decisions.from_schedule(self.program.document.get("schedule", {}))
+        self.swaps_kept = 0
         self.tokens = torch.zeros(self.batch, self.seq, dtype=torch.int32, device="cuda")
         self.labels = torch.full((self.batch, self.seq), -100, dtype=torch.int64, device="cuda")
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
@@ -124,9 +155,26 @@ class TrainStep:
 
     # ------------------------------------------------------------------ one step
     def interpreter(self, on_gradient=None) -> Interpreter:
-        return _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
-                                kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved,
-                                on_gradient=on_gradient)
+        run = _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
+                               kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved,
+                               decisions=self.decisions, on_gradient=on_gradient)
+        run.step = self
+        return run
+
+    def predicted_peak(self) -> int | None:
+        """The planner's predicted peak of this step's memory (its fixed state replaced
+        by this step's, `budget_offset`), when built with `memory_budget`: re-planned
+        from the unbudgeted graph (the same problem when no module carries memory
+        annotations, as in std's models)."""
+        offset = getattr(self, "budget_offset", None)
+        if offset is None:
+            return None
+        from modulec.plan.budget import make_problem, plan_budget
+        from modulec.plan.devices import device
+
+        base = getattr(self, "unplanned", self.program)
+        problem = make_problem(base.graph, None, "full", device(self.plan_device))
+        return plan_budget(problem, self.memory_budget + offset).outcome.peak_bytes - offset
 
     def loss_and_gradients(self, on_gradient=None) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward, loss and backward on the static inputs: (loss, gradients by path).
@@ -205,12 +253,59 @@ class TrainStep:
 class _StepInterpreter(Interpreter):
     """The interpreter, handing each repeated layer's parameter gradients to
     `on_gradient(path, grad)` once its backward frame has collected them (a layer's
-    parameters get their gradient from that layer alone); the entry's stay in `grads`."""
+    parameters get their gradient from that layer alone); the entry's stay in `grads`.
+    With `decisions`, a forward function run drops the values decided `recompute` in it
+    as soon as it returns (early release; the backward replays them when it reads them)."""
 
     def __init__(self, *args, on_gradient=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.on_gradient = on_gradient
         self.handed: set[str] = set()
+        self.step = None
+
+    def _run(self, frame, args: list, forward) -> list:
+        if self.decisions is None or frame.function.gradient_of:
+            return super()._run(frame, args, forward)
+        keep_only_saved, self.keep_only_saved = self.keep_only_saved, False
+        try:
+            outputs = super()._run(frame, args, forward)
+        finally:
+            self.keep_only_saved = keep_only_saved
+        if keep_only_saved:  # what a replay reads stays too (a kept storage's other views)
+            _keep_only_saved(frame, self._kept(frame.function.name))
+        self._release_run(frame)
+        return outputs
+
+    def _kept(self, name: str) -> frozenset:
+        """The values of forward function `name` its backward saves, and every input and
+        output of a node the decisions may replay there."""
+        if not hasattr(self, "_kept_by"):
+            self._kept_by = {}
+        if name not in self._kept_by:
+            from modulec.plan.replay import APPLY_SAVED as RULES
+
+            extra = set()
+            for node in self.graph.function(name).nodes:
+                modes = {mode for mode, _ in self.decisions.replays.get((name, node.id), ())}
+                if "op" in modes:
+                    extra.update(node.inputs)
+                if APPLY_SAVED in modes:  # the saved (residual) input / output and stats
+                    _, sources = RULES[node.target]
+                    extra.update(node.outputs[i] if kind == "out" else node.inputs[i]
+                                 for kind, i in sources)
+            self._kept_by[name] = _saved_by_backward(self.graph, name) | (extra - {""})
+        return self._kept_by[name]
+
+    def _release_run(self, frame) -> None:
+        """Drop this run's values decided `recompute` (and forget them where a callee
+        received them); `swap` ones stay on the GPU (no swaps are executed here)."""
+        decisions, name = self.decisions, frame.function.name
+        for value in list(frame.env):
+            kind = decisions.of(name, value, frame.instance)
+            if kind == RECOMPUTE:
+                decisions._release(frame, value, kind, self._sinks)
+            elif kind == SWAP and self.step is not None:
+                self.step.swaps_kept += 1
 
     def _collect_param_grads(self, frame) -> None:
         super()._collect_param_grads(frame)
@@ -223,6 +318,36 @@ class _StepInterpreter(Interpreter):
             if path in self.grads:
                 self.handed.add(path)
                 self.on_gradient(path, self.grads.pop(path))
+
+
+def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
+    """This step's fixed state: fp32 masters + two fp32 moments + bf16 compute copies
+    (14 bytes per parameter), plus an fp32 `.grad` per parameter with optimizer='torch'."""
+    params = sum(_numel(s) for s in parameter_shapes(program.graph).values())
+    return params * (18 if optimizer == "torch" else 14)
+
+
+def planner_fixed_bytes(program: Program) -> int:
+    """What the budget planner counts as fixed for full training: its weights, gradients
+    and optimizer-state regions (modulec.plan.budget._fixed)."""
+    from modulec.plan.budget import _fixed
+    from modulec.plan.from_graph import plan_step
+
+    return sum(_fixed(program.graph, plan_step(program.graph), "full", 0).values())
+
+
+def planner_budget(program: Program, budget: int, optimizer: str = "auto") -> int:
+    """The planner budget that stands for `budget` bytes on this step: the planner's fixed
+    state (fp32 weights and gradients, AdamW moments) differs from this step's (no fp32
+    gradients; bf16 compute copies), so the difference is added."""
+    return budget + planner_fixed_bytes(program) - runtime_fixed_bytes(program, optimizer)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def next_token_labels(token_ids: Tensor, ignore_index: int = -100) -> Tensor:
