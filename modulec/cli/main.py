@@ -166,6 +166,7 @@ LAZY_COMMANDS = {
     "graph": _factory("modulec.cli.graph_cmd", "graph_command", guarded),
     "fmt": _factory("modulec.cli.fmt_cmd", "fmt_command", output_options, guarded),
     "run": _factory("modulec.cli.run_cmd", "run_command", guarded),
+    "train": _factory("modulec.cli.train_cmd", "train_command", guarded),
 }
 
 

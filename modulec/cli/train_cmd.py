@@ -1,0 +1,106 @@
+"""`modulec train`: train a `.module` language model from a HuggingFace checkpoint on a
+flat token file, with progress and resumable HF checkpoints (docs/training.md).
+
+    modulec train std/models/llama.module --hf-weights ckpt/ --data tokens.bin \\
+        --seq 2048 --batch 4 --steps 1000 --save runs/a --save-every 200
+    modulec train std/models/llama.module --data tokens.bin --seq 2048 --batch 4 \\
+        --steps 2000 --resume runs/a --save runs/a
+
+The runtime (torch) is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+TOKEN_DTYPES = ("uint16", "uint32")
+SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _options(command):
+    folder = click.Path(file_okay=False, path_type=Path)
+    options = [
+        click.option("--hf-weights", type=click.Path(exists=True, file_okay=False,
+                                                     path_type=Path),
+                     help="The HuggingFace checkpoint to start from (config.json + "
+                          "safetensors)."),
+        click.option("--data", required=True, type=click.Path(path_type=Path),
+                     help="Token ids, a flat little-endian uint16/uint32 file."),
+        click.option("--seq", required=True, type=int, metavar="T", help="Tokens per sample."),
+        click.option("--batch", required=True, type=int, metavar="B", help="Samples per step."),
+        click.option("--steps", required=True, type=int, metavar="N",
+                     help="Total optimizer steps (a resumed run continues up to N)."),
+        click.option("--dtype-tokens", type=click.Choice(TOKEN_DTYPES),
+                     help="How ids are stored (default: uint16 if vocab_size <= 65536)."),
+        click.option("--lr", type=float, default=1e-4, show_default=True),
+        click.option("--weight-decay", type=float, default=0.0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seeds the order of the samples."),
+        click.option("--repeat-batch", is_flag=True,
+                     help="Train on the first batch at every step (an overfitting check)."),
+        click.option("--save", type=folder, help="Write checkpoints under DIR "
+                     "(DIR/checkpoint-<step>, DIR/latest)."),
+        click.option("--save-every", type=int, metavar="K",
+                     help="Also save every K steps (the last step is always saved)."),
+        click.option("--save-dtype", type=click.Choice(SAVE_DTYPES), default="auto",
+                     show_default=True,
+                     help="model.safetensors dtype (auto: the source config's)."),
+        click.option("--resume", type=click.Path(path_type=Path), metavar="DIR",
+                     help="Continue from a checkpoint (or a --save folder's latest)."),
+        click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda",
+                     show_default=True,
+                     help="cuda: bf16 compute, one CUDA graph; cpu: float32 reference."),
+        click.option("--memory-budget", "budget", metavar="SIZE",
+                     help="Plan keep/recompute/swap to fit SIZE (20GiB, 512MiB, ...)."),
+        click.option("--format", "fmt", type=click.Choice(["human", "json"]),
+                     default="human", show_default=True,
+                     help="json: a JSON object per step and at the end, on stdout."),
+        click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+                     help="Set a model parameter (repeatable)."),
+        click.option("--model", help="The model declaration (when the file has several)."),
+        click.option("--path", "search_path", multiple=True, metavar="DIR",
+                     type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     help="Add DIR to the import search path (repeatable)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def train_command(guarded):
+    @click.command("train")
+    @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+    @_options
+    @guarded
+    def train(file, budget, settings, **options):
+        """Train FILE's language model on a token file (next-token cross-entropy, AdamW)."""
+        from modulec.cli.build_cmd import pairs
+        from modulec.cli.plan_cmd import _budget
+
+        request = dict(options, file=file, memory_budget=_budget(budget),
+                       settings=pairs(settings, "--set", False))
+        return _run(request)
+
+    return train
+
+
+def _run(request: dict) -> int:
+    try:
+        from runtime.errors import RuntimeUserError
+        from runtime.hf_weights import WeightLoadError
+        from runtime.train.run import train_model
+    except ImportError as exc:
+        click.echo(f"error: `modulec train` needs the runtime (torch, safetensors, numpy): "
+                   f"{exc}", err=True)
+        return 1
+    try:
+        summary = train_model(**request)
+    except (RuntimeUserError, WeightLoadError) as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        for line in exc.help:
+            click.echo(f"  = help: {line}", err=True)
+        return 1
+    click.echo(summary)
+    return 0

@@ -1,0 +1,141 @@
+"""Where a training step runs: `CPUTrainer` (the reference interpreter in float32, the
+planner's recompute/swap decisions executed, AdamW in runtime.train.optim) and
+`CUDATrainer` (runtime.cuda.step.TrainStep: bf16 compute, fp32 masters, fused AdamW, one
+CUDA graph). Both take windows of T+1 tokens and hold their state as fp32 tensors by
+parameter path: `masters`, `exp_avg`, `exp_avg_sq`, and `step` (optimizer steps taken).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+from torch import Tensor
+
+from runtime.errors import RuntimeUserError
+from runtime.model import Model
+from runtime.train.optim import AdamW
+
+
+class CPUTrainer:
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW):
+        self.model, self.batch, self.seq, self.adamw = model, batch, seq, adamw
+        self.names = unique_paths(model.params)
+        self.output = model.source.program(planned=False).output_names()[0]
+
+    def train_step(self, window: Tensor) -> float:
+        tokens, labels = split_window(window)
+        from runtime.cuda.lm_head import logits_cross_entropy
+
+        logits = self.model.forward(token_ids=tokens)[self.output]
+        loss, d_logits = logits_cross_entropy(logits, labels)
+        grads = self.model.backward(**{self.output: d_logits.to(logits.dtype)}).params
+        self.adamw.update(self.model.params, tied_sums(self.model.params, grads, self.names))
+        return float(loss)
+
+    def state(self) -> dict:
+        return {"masters": {p: self.model.params[p] for p in self.names},
+                "exp_avg": self.adamw.exp_avg, "exp_avg_sq": self.adamw.exp_avg_sq,
+                "step": self.adamw.step}
+
+    def load_state(self, state: dict) -> None:
+        with torch.no_grad():
+            for path in self.names:
+                self.model.params[path].copy_(state["masters"][path])
+        self.adamw.exp_avg = {p: t.clone() for p, t in state["exp_avg"].items()}
+        self.adamw.exp_avg_sq = {p: t.clone() for p, t in state["exp_avg_sq"].items()}
+        self.adamw.step = int(state["step"])
+
+    def memory(self) -> dict:
+        """Peak resident memory of the process (Linux: ru_maxrss is in KiB)."""
+        return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "what": "host RSS"}
+
+
+class CUDATrainer:
+    """TrainStep through its public API: the first step eager, then capture (its one
+    warm-up step is the second step) and a graph replay per step."""
+
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW):
+        from runtime.cuda.step import AdamWConfig, TrainStep
+
+        self.names = unique_paths(model.params)
+        if len(self.names) != len(model.params):
+            raise RuntimeUserError("--device cuda does not train tied parameters yet",
+                                   help=["train this model with --device cpu"])
+        program = model.source.program_for({"token_ids": torch.zeros(batch, seq,
+                                                                     dtype=torch.int32)})
+        config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
+        self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused")
+        self.step.load(model.params)
+        model.params.clear()  # the step holds the fp32 masters now
+        self.steps_run = 0
+
+    def train_step(self, window: Tensor) -> float:
+        tokens, labels = (t.cuda(non_blocking=True) for t in split_window(window))
+        if self.step.cuda_graph is not None or self.steps_run == 0:
+            self.step(tokens, labels)  # a replay; the first step eager
+        else:
+            self.step.set_batch(tokens, labels)
+            self.step.capture(warmup=1)  # its one warm-up is this step
+        self.steps_run += 1
+        return float(self.step.loss)
+
+    def state(self) -> dict:
+        s = self.step
+        return {"masters": s.masters, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq,
+                "step": int(s.step_count.item())}
+
+    def load_state(self, state: dict) -> None:
+        s = self.step
+        s.load({p: state["masters"][p] for p in self.names})
+        for path in self.names:
+            s.exp_avg[path].copy_(state["exp_avg"][path])
+            s.exp_avg_sq[path].copy_(state["exp_avg_sq"][path])
+        s.step_count.fill_(float(state["step"]))
+        self.steps_run = 0
+
+    def memory(self) -> dict:
+        return {"peak_bytes": torch.cuda.max_memory_allocated(),
+                "now_bytes": torch.cuda.memory_allocated(), "what": "GPU (torch allocator)"}
+
+
+def split_window(window: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, T+1] ids -> (inputs [B, T] int32, labels [B, T] int64)."""
+    return window[:, :-1].to(torch.int32).contiguous(), window[:, 1:].to(torch.int64).contiguous()
+
+
+def unique_paths(params: dict[str, Tensor]) -> list[str]:
+    """The parameter paths that own their tensor (a tied one shares its target's)."""
+    seen: set[int] = set()
+    names = []
+    for path in sorted(params):
+        if id(params[path]) not in seen:
+            seen.add(id(params[path]))
+            names.append(path)
+    return names
+
+
+def tied_sums(params: dict, grads: dict, names: list[str]) -> dict[str, Tensor]:
+    """Gradients by owning path: a tied parameter's gradient is added to its owner's."""
+    owner = {id(params[p]): p for p in names}
+    out: dict[str, Tensor] = {}
+    for path, grad in grads.items():
+        key = owner[id(params[path])]
+        out[key] = out[key] + grad if key in out else grad
+    return out
+
+
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeUserError("--device cuda: no CUDA device is available here",
+                               help=["train on the CPU with --device cpu (slow: for small "
+                                     "models and tests)"])
+
+
+def now() -> float:
+    if "torch" in sys.modules and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()

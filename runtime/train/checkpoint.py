@@ -1,0 +1,165 @@
+"""Training checkpoints: `SAVE/checkpoint-<step>/`, each a HuggingFace checkpoint
+directory (`model.safetensors`, `config.json`) plus what resuming needs:
+
+- `optimizer.safetensors`: fp32 `master.<path>`, `exp_avg.<path>`, `exp_avg_sq.<path>` by
+  parameter path (tied parameters: their owner only), the optimizer step in the metadata;
+- `trainer_state.json`, written last: the step, the data position, the run's settings, the
+  losses so far, and the size of every other file (checked on resume).
+
+A checkpoint is written into a temporary folder next to it (`.checkpoint-<step>.*.tmp`),
+each file through a temp file + os.replace and fsynced, then the folder is renamed into
+place and `SAVE/latest` (the name of the newest) is replaced atomically. A crash mid-save
+leaves only the temporary folder, which nothing reads: never a half checkpoint that looks
+complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from runtime.errors import RuntimeUserError
+
+STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.safetensors"
+LATEST = "latest"
+FORMAT = "modulec-train/1"
+PARTS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: dict,
+                    config: dict | None, dtype: torch.dtype) -> Path:
+    """Write checkpoint-<step> under `root` from the trainer's `state` (masters, exp_avg,
+    exp_avg_sq, step) and `trainer` (the JSON state); returns its folder."""
+    from runtime.hf_weights import save_hf_weights
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"checkpoint-{trainer['step']}"
+    temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
+    try:
+        masters = {p: t.detach().float().cpu() for p, t in state["masters"].items()}
+        save_hf_weights(schema, masters, temp, config, dtype=dtype, layout=layout)
+        write_optimizer(temp / OPTIMIZER, state, masters)
+        files = {f.name: f.stat().st_size for f in sorted(temp.iterdir())}
+        text = json.dumps(trainer | {"format": FORMAT, "files": files}, indent=2) + "\n"
+        atomic_write(temp / STATE, lambda tmp: Path(tmp).write_text(text, "utf-8"))
+        _publish(temp)
+        _replace_folder(temp, final)
+        atomic_write(root / LATEST, lambda tmp: Path(tmp).write_text(final.name + "\n"))
+    finally:
+        if temp.exists():
+            shutil.rmtree(temp, ignore_errors=True)
+    return final
+
+
+def write_optimizer(path: Path, state: dict, masters: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"master.{p}": t for p, t in masters.items()}
+    for part in PARTS[1:]:
+        tensors |= {f"{part}.{p}": t.detach().float().cpu().contiguous()
+                    for p, t in state[part].items()}
+    metadata = {"step": str(int(state["step"])), "format": FORMAT}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def find_checkpoint(path) -> Path:
+    """A checkpoint folder, or a save folder (its `latest`)."""
+    path = Path(path)
+    if (path / STATE).is_file():
+        return path
+    if (path / LATEST).is_file():
+        named = path / (path / LATEST).read_text(encoding="utf-8").strip()
+        if (named / STATE).is_file():
+            return named
+    found = sorted(path.glob("checkpoint-*/" + STATE), key=lambda p: _step_of(p.parent))
+    if found:
+        return found[-1].parent
+    where = "does not exist" if not path.exists() else "holds no complete checkpoint"
+    raise RuntimeUserError(f"--resume {path} {where}",
+                           help=[f"pass a checkpoint folder (with {STATE}) or the --save "
+                                 "folder of an earlier run"])
+
+
+def read_checkpoint(folder: Path) -> tuple[dict, dict]:
+    """(trainer JSON state, optimizer state by part) of a complete checkpoint."""
+    from safetensors import safe_open
+
+    trainer = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    for name, size in trainer.get("files", {}).items():
+        if not (folder / name).is_file() or (folder / name).stat().st_size != size:
+            raise RuntimeUserError(f"checkpoint {folder} is damaged: {name} is missing or "
+                                   "not the size that was written")
+    state: dict = {part: {} for part in PARTS}
+    with safe_open(str(folder / OPTIMIZER), framework="pt") as handle:
+        state["step"] = int(handle.metadata()["step"])
+        for key in handle.keys():
+            part, _, path = key.partition(".")
+            state[part][path] = handle.get_tensor(key)
+    state["masters"] = state.pop("master")
+    return trainer, state
+
+
+def atomic_write(path: Path, write) -> None:
+    """`write(temp_path)` into a temp file in the same folder, fsync, os.replace."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _replace_folder(temp: Path, final: Path) -> None:
+    """Rename `temp` to `final`; an existing `final` (a re-run to the same step) is moved
+    aside first and deleted after."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(temp, final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(folder: Path) -> None:
+    """Flush every file to disk and give the folder and files the umask's permissions
+    (temp files and folders are made private)."""
+    umask = _umask()
+    for file in folder.iterdir():
+        os.chmod(file, 0o666 & ~umask)
+        _fsync(file)
+    os.chmod(folder, 0o777 & ~umask)
+    _fsync(folder)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _step_of(folder: Path) -> int:
+    tail = folder.name.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1

@@ -1,0 +1,63 @@
+"""Progress of a training run: a rich progress bar when stderr is a terminal, otherwise a
+plain line per step on stderr; `--format json`: one JSON object per step on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def line(record: dict) -> str:
+    return (f"step {record['step']}/{record['steps']}  loss {record['loss']:.4f}  "
+            f"tokens/s {record['tokens_per_s']:,.0f}  peak {gib(record['peak_bytes'])}")
+
+
+class Progress:
+    def __init__(self, fmt: str, first: int, steps: int):
+        self.fmt, self.first, self.steps = fmt, first, steps
+        self.rich = None
+        if fmt == "human" and sys.stderr.isatty():
+            self.rich = _rich_bar(first, steps)
+
+    def __enter__(self) -> "Progress":
+        if self.rich is not None:
+            self.rich[0].start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.rich is not None:
+            self.rich[0].stop()
+
+    def step(self, record: dict) -> None:
+        if self.fmt == "json":
+            print(json.dumps({"event": "step"} | record), flush=True)
+        elif self.rich is not None:
+            bar, task = self.rich
+            bar.update(task, completed=record["step"] - self.first,
+                       info=f"loss {record['loss']:.4f} · {record['tokens_per_s']:,.0f} tok/s"
+                            f" · {gib(record['peak_bytes'])}")
+        else:
+            print(line(record), file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        if self.fmt == "json":
+            print(json.dumps({"event": "note", "text": text}), flush=True)
+        elif self.rich is not None:
+            self.rich[0].console.print(text, highlight=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _rich_bar(first: int, steps: int):
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
+                               TimeRemainingColumn)
+
+    bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+              TextColumn("{task.fields[info]}"), console=Console(stderr=True))
+    task = bar.add_task("train", total=steps - first, info="")
+    return bar, task

@@ -1,0 +1,232 @@
+"""What `modulec train` does: load the model and its HF weights (or a checkpoint to
+resume), read batches from a token file, run the steps with progress, save checkpoints.
+Every user mistake is a RuntimeUserError (the CLI prints it; no traceback)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.errors import RuntimeUserError
+from runtime.model import Model
+from runtime.train.backends import CPUTrainer, CUDATrainer, check_device, now
+from runtime.train.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
+from runtime.train.data import TokenData, default_token_dtype
+from runtime.train.optim import AdamW
+from runtime.train.progress import Progress, gib
+
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RESUME_KEYS = ("batch", "seq", "seed", "repeat_batch")
+
+
+@dataclass
+class Request:
+    file: Path
+    data: Path
+    seq: int
+    batch: int
+    steps: int
+    hf_weights: Path | None = None
+    dtype_tokens: str | None = None
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    seed: int = 0
+    save: Path | None = None
+    save_every: int | None = None
+    save_dtype: str = "auto"
+    resume: Path | None = None
+    device: str = "cuda"
+    memory_budget: int | None = None
+    repeat_batch: bool = False
+    fmt: str = "human"
+    settings: dict = field(default_factory=dict)
+    model: str | None = None
+    search_path: tuple = ()
+
+
+def train_model(**kwargs) -> str:
+    request = Request(**kwargs)
+    check_device(request.device)
+    _check_numbers(request)
+    resumed = _resumed(request.resume)
+    weights = resumed[0] if resumed else request.hf_weights
+    if weights is None:
+        raise RuntimeUserError("give the weights to start from: --hf-weights DIR (or "
+                               "--resume DIR)")
+    model = _model(request, weights)
+    sizes = _sizes(model, request)
+    data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
+                     request.seq, request.batch, request.seed, sizes[0], request.repeat_batch)
+    run = Run(request, model, data, weights)
+    if resumed:
+        run.resume(*resumed)
+    return run.train()
+
+
+def _check_numbers(request: Request) -> None:
+    for name in ("seq", "batch", "steps"):
+        if getattr(request, name) < 1:
+            raise RuntimeUserError(f"--{name} must be at least 1")
+    if request.save_every is not None and request.save is None:
+        raise RuntimeUserError("--save-every needs --save DIR")
+
+
+def _resumed(path):
+    if path is None:
+        return None
+    folder = find_checkpoint(path)
+    trainer, state = read_checkpoint(folder)
+    return folder, trainer, state
+
+
+def _model(request: Request, weights: Path) -> Model:
+    model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
+                              dtype=torch.float32, device=request.device,
+                              model=request.model, search_path=request.search_path,
+                              progress=request.fmt == "human" and sys.stderr.isatty(),
+                              memory_budget=request.memory_budget)
+    names = model.source.program(planned=False).input_names()
+    if names != ["token_ids"]:
+        raise RuntimeUserError(f"`modulec train` feeds token_ids only; {request.file}'s "
+                               f"model takes {', '.join(names)}")
+    # build the program at the run's sizes now: an unmeetable --memory-budget fails here
+    model.source.program_for({"token_ids": torch.zeros(request.batch, request.seq,
+                                                       dtype=torch.int32)})
+    return model
+
+
+def _sizes(model: Model, request: Request) -> tuple[int | None, int | None]:
+    """(vocab_size, max_seq) of the model, where it has them; T checked against max_seq."""
+    params = model.source.program(planned=False).metadata.get("parameters", {})
+    vocab, max_seq = (int(params[k]) if str(params.get(k, "")).isdigit() else None
+                      for k in ("vocab_size", "max_seq"))
+    if max_seq is not None and request.seq > max_seq:
+        raise RuntimeUserError(f"--seq {request.seq} is longer than the model's max_seq "
+                               f"({max_seq})", help=[f"use --seq {max_seq} or less"])
+    return vocab, max_seq
+
+
+class Run:
+    def __init__(self, request: Request, model: Model, data: TokenData, weights: Path):
+        self.request, self.model, self.data = request, model, data
+        self.schema = model.source.program(planned=False).weight_schema
+        self.layout = dict(model.hf_layout)
+        self.config = _config(Path(weights))
+        self.save_dtype = _save_dtype(request.save_dtype, self.config)
+        adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
+        backend = CUDATrainer if request.device == "cuda" else CPUTrainer
+        self.trainer = backend(model, request.batch, request.seq, adamw)
+        self.start, self.losses, self.saved = 0, [], None
+
+    def resume(self, folder: Path, trainer: dict, state: dict) -> None:
+        for key in RESUME_KEYS:
+            if trainer.get(key) != getattr(self.request, key):
+                flag = "--" + key.replace("_", "-")
+                raise RuntimeUserError(f"{flag} is {getattr(self.request, key)}, but "
+                                       f"{folder} was trained with {trainer.get(key)}",
+                                       help=["resume with the settings of the run that "
+                                             "saved the checkpoint"])
+        self.start, self.losses = int(trainer["step"]), list(trainer.get("losses", []))
+        if self.start >= self.request.steps:
+            raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
+                                   f"{self.request.steps} leaves nothing to run",
+                                   help=["--steps is the total step count; give more"])
+        self.trainer.load_state(state)
+
+    def train(self) -> str:
+        r = self.request
+        times = []
+        with Progress(r.fmt, self.start, r.steps) as progress:
+            self._notes(progress)
+            for step in range(self.start, r.steps):
+                window = self.data.batch_at(step)
+                began = now()
+                loss = self.trainer.train_step(window)
+                times.append(now() - began)
+                self._record(progress, step + 1, loss, times[-1])
+                if r.save_every and (step + 1) % r.save_every == 0 and step + 1 < r.steps:
+                    self._save(step + 1, progress)
+            if r.save is not None:
+                self._save(r.steps, progress)
+        return self._summary(times)
+
+    def _notes(self, progress: Progress) -> None:
+        r = self.request
+        if self.start:
+            progress.note(f"resumed at step {self.start}")
+        if r.memory_budget is not None and r.device == "cuda":
+            progress.note("note: the GPU step does not execute the plan's recompute/swap "
+                          "decisions yet: the budget was checked against the plan, and the "
+                          "measured peak is reported against it")
+
+    def _record(self, progress: Progress, step: int, loss: float, seconds: float) -> None:
+        if not math.isfinite(loss):
+            raise RuntimeUserError(f"the loss is {loss} at step {step}: training diverged",
+                                   help=["lower --lr; nothing was saved for this step"])
+        self.losses.append(loss)
+        memory = self.trainer.memory()
+        progress.step({"step": step, "steps": self.request.steps, "loss": loss,
+                       "seconds": seconds,
+                       "tokens_per_s": self.request.batch * self.request.seq / seconds,
+                       "peak_bytes": memory["peak_bytes"]})
+
+    def _save(self, step: int, progress: Progress) -> None:
+        r = self.request
+        trainer = {"step": step, "samples": step * r.batch, "losses": self.losses,
+                   "model": str(r.file), "settings": r.settings,
+                   "data": {"path": str(r.data), "dtype": self.data.dtype,
+                            "tokens": len(self.data.tokens)},
+                   "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
+        trainer |= {key: getattr(r, key) for key in RESUME_KEYS}
+        try:
+            self.saved = save_checkpoint(r.save, self.trainer.state(), trainer,
+                                         schema=self.schema, layout=self.layout,
+                                         config=self.config, dtype=self.save_dtype)
+        except OSError as exc:
+            raise RuntimeUserError(f"cannot write the checkpoint of step {step} under "
+                                   f"{r.save}: {exc}",
+                                   help=["no partial checkpoint was left behind"]) from None
+        progress.note(f"saved {self.saved}")
+
+    def _summary(self, times: list[float]) -> str:
+        r = self.request
+        steady = times[2:] or times
+        tokens_per_s = r.batch * r.seq / statistics.median(steady)
+        memory = self.trainer.memory()
+        ran = self.losses[self.start:]
+        data = {"event": "done", "first_step": self.start + 1, "last_step": r.steps,
+                "loss_first": ran[0], "loss_last": ran[-1], "tokens_per_s": tokens_per_s,
+                "peak_bytes": memory["peak_bytes"], "memory": memory["what"],
+                "saved": str(self.saved) if self.saved else None}
+        if r.fmt == "json":
+            return json.dumps(data)
+        text = (f"trained steps {data['first_step']}..{r.steps}: loss {ran[0]:.4f} -> "
+                f"{ran[-1]:.4f}, {tokens_per_s:,.0f} tokens/s (median), peak "
+                f"{gib(memory['peak_bytes'])} ({memory['what']})")
+        if r.device == "cuda" and r.memory_budget is not None and \
+                memory["peak_bytes"] > r.memory_budget:
+            text += f"; over the --memory-budget {gib(r.memory_budget)}"
+        return text + (f"; saved {self.saved}" if self.saved else "")
+
+
+def _config(weights: Path) -> dict | None:
+    path = weights / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _save_dtype(choice: str, config: dict | None) -> torch.dtype:
+    """`auto`: the dtype the source checkpoint's config declares, else float32."""
+    if choice == "auto":
+        declared = (config or {}).get("torch_dtype") or (config or {}).get("dtype")
+        choice = declared if declared in SAVE_DTYPES else "float32"
+    if config is not None:
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = choice
+    return SAVE_DTYPES[choice]

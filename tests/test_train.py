@@ -1,0 +1,228 @@
+"""`modulec train` on the CPU (`--device cpu`, float32 reference): the loss falls on a
+repeated batch, N steps + resume + M steps equals N + M steps, the saved checkpoint loads
+in transformers with our logits, a failed save leaves no checkpoint, and each user mistake
+is one clear error (exit 1, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+transformers = pytest.importorskip("transformers")
+
+from tests.test_cli import run  # noqa: E402
+
+LLAMA = "std/models/llama.module"
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny HF Llama checkpoint (vocab 64, d 32, 2 layers, 4/2 heads) and 5000 tokens."""
+    folder = tmp_path_factory.mktemp("train")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+        rms_norm_eps=1e-5)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder / "hf")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 5000).astype("<u2")
+    tokens.tofile(folder / "tokens.bin")
+    return folder
+
+
+def train(ckpt, *args, weights=True):
+    base = ["train", LLAMA, "--data", ckpt / "tokens.bin", "--seq", "16", "--batch", "2",
+            "--device", "cpu", "--lr", "1e-2", "--format", "json"]
+    return run(*base, *(["--hf-weights", ckpt / "hf"] if weights else []), *args)
+
+
+def events(result, kind="step") -> list[dict]:
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return [r for r in rows if r["event"] == kind]
+
+
+def losses(result) -> list[float]:
+    return [r["loss"] for r in events(result)]
+
+
+def test_loss_falls_on_a_repeated_batch(ckpt):
+    got = losses(train(ckpt, "--steps", "20", "--repeat-batch"))
+    assert len(got) == 20
+    assert got[-1] < 0.5 * got[0] and got[9] < got[0]
+
+
+def test_resume_continues_exactly_as_one_run(ckpt, tmp_path):
+    whole = train(ckpt, "--steps", "8", "--save", tmp_path / "a")
+    first = train(ckpt, "--steps", "5", "--save", tmp_path / "b")
+    rest = train(ckpt, "--steps", "8", "--resume", tmp_path / "b", "--save", tmp_path / "b",
+                 weights=False)
+    assert losses(first) + losses(rest) == losses(whole)  # float32 on the CPU: bit for bit
+    assert [r["step"] for r in events(rest)] == [6, 7, 8]
+    a = _tensors(tmp_path / "a" / "checkpoint-8")
+    b = _tensors(tmp_path / "b" / "checkpoint-8")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((tmp_path / "b" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["samples"] == 16 and len(state["losses"]) == 8
+    assert (tmp_path / "b" / "latest").read_text().strip() == "checkpoint-8"
+
+
+def _tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors")) | {
+        f"opt.{k}": v for k, v in load_file(str(folder / "optimizer.safetensors")).items()}
+
+
+def test_saved_checkpoint_loads_in_transformers_with_our_logits(ckpt, tmp_path):
+    from runtime.model import Model
+
+    events(train(ckpt, "--steps", "6", "--save", tmp_path / "s"))
+    folder = tmp_path / "s" / "checkpoint-6"
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours = Model.from_module(LLAMA, hf_weights=folder, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    theirs = hf(input_ids=ids.long()).logits
+    mine = ours.forward(token_ids=ids.to(torch.int32))["logits"]
+    assert torch.allclose(mine, theirs, atol=1e-4, rtol=1e-4)
+    start = transformers.LlamaForCausalLM.from_pretrained(ckpt / "hf", dtype=torch.float32)
+    assert not torch.allclose(start(input_ids=ids.long()).logits, theirs)  # it trained
+
+
+def test_a_failed_save_leaves_no_checkpoint(ckpt, tmp_path, monkeypatch):
+    import runtime.train.checkpoint as checkpoint
+
+    events(train(ckpt, "--steps", "2", "--save", tmp_path / "s"))
+    before = _tensors(tmp_path / "s" / "checkpoint-2")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_optimizer", disk_full)
+    result = train(ckpt, "--steps", "4", "--resume", tmp_path / "s", "--save", tmp_path / "s",
+                   weights=False)
+    assert result.exit_code == 1 and "No space left on device" in result.output
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["checkpoint-2", "latest"]
+    assert (tmp_path / "s" / "latest").read_text().strip() == "checkpoint-2"
+    after = _tensors(tmp_path / "s" / "checkpoint-2")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_unfinished_checkpoint_is_not_resumed(ckpt, tmp_path):
+    events(train(ckpt, "--steps", "2", "--save", tmp_path / "s"))
+    (tmp_path / "s" / "checkpoint-2" / "trainer_state.json").unlink()  # as if never written
+    (tmp_path / "s" / "latest").unlink()
+    result = train(ckpt, "--steps", "4", "--resume", tmp_path / "s", weights=False)
+    assert result.exit_code == 1 and "holds no complete checkpoint" in result.output
+
+
+def test_save_every_and_human_lines(ckpt, tmp_path):
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", ckpt / "tokens.bin",
+                 "--seq", "8", "--batch", "1", "--steps", "4", "--device", "cpu",
+                 "--save", tmp_path / "s", "--save-every", "2")
+    assert result.exit_code == 0, result.output
+    assert "step 3/4  loss" in result.stderr and "tokens/s" in result.stderr
+    assert "trained steps 1..4" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == \
+        ["checkpoint-2", "checkpoint-4", "latest"]
+
+
+def test_batches_are_windows_in_a_seeded_order(ckpt):
+    from runtime.train.data import TokenData
+
+    tokens = np.fromfile(ckpt / "tokens.bin", dtype="<u2")
+    data = TokenData(ckpt / "tokens.bin", "uint16", seq=16, batch=4, seed=3)
+    starts = []
+    for step in range(data.windows // 4 + 1):  # past one epoch
+        for row in data.batch_at(step):
+            start = int(np.flatnonzero((np.lib.stride_tricks.sliding_window_view(
+                tokens, 17) == row.numpy()).all(1))[0])
+            assert start % 16 == 0
+            starts.append(start)
+    epoch = starts[:data.windows]
+    assert sorted(epoch) == list(range(0, data.windows * 16, 16))
+    assert epoch != sorted(epoch)
+    again = TokenData(ckpt / "tokens.bin", "uint16", seq=16, batch=4, seed=3)
+    assert torch.equal(again.batch_at(5), data.batch_at(5))
+    other = TokenData(ckpt / "tokens.bin", "uint16", seq=16, batch=4, seed=4)
+    assert not torch.equal(other.batch_at(0), data.batch_at(0))
+
+
+def test_adamw_matches_torch():
+    from runtime.train.optim import AdamW
+
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(5, 7, generator=g)
+    reference = start.clone().requires_grad_(False)
+    torch_opt = torch.optim.AdamW([reference], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.1, foreach=False)
+    ours, params = AdamW(lr=1e-2, weight_decay=0.1), {"w": start.clone()}
+    for _ in range(4):
+        grad = torch.randn(5, 7, generator=g)
+        reference.grad = grad.clone()
+        torch_opt.step()
+        ours.update(params, {"w": grad})
+    assert torch.allclose(params["w"], reference, atol=1e-6, rtol=1e-6) and ours.step == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "missing.bin"], "missing.bin does not exist"),
+    (["--seq", "4096"], "longer than the model's max_seq (64)"),
+    (["--batch", "400", "--seq", "16"], "too few for one batch of 400 x 16"),
+    (["--dtype-tokens", "uint32"], "vocab_size is 64"),
+    (["--memory-budget", "1KiB"], "budget"),
+    (["--save-every", "2"], "--save-every needs --save DIR"),
+])
+def test_mistakes_are_one_clear_error(ckpt, tmp_path, args, message):
+    base = {"--data": str(ckpt / "tokens.bin"), "--seq": "8", "--batch": "2"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = str(tmp_path / value) if value.endswith(".bin") else value
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--steps", "2", "--device",
+                 "cpu", *[x for pair in base.items() for x in pair])
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_odd_sized_data_file(ckpt, tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", tmp_path / "odd.bin",
+                 "--seq", "8", "--batch", "1", "--steps", "1", "--device", "cpu")
+    assert result.exit_code == 1 and "not a whole number of uint16 tokens" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_gpu(ckpt):
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", ckpt / "tokens.bin",
+                 "--seq", "8", "--batch", "1", "--steps", "1")
+    assert result.exit_code == 1 and "no CUDA device is available" in result.output
+
+
+def test_resume_refuses_other_settings_and_finished_runs(ckpt, tmp_path):
+    events(train(ckpt, "--steps", "2", "--save", tmp_path / "s"))
+    other = train(ckpt, "--steps", "4", "--batch", "1", "--resume", tmp_path / "s",
+                  weights=False)
+    assert other.exit_code == 1 and "--batch is 1" in other.output
+    done = train(ckpt, "--steps", "2", "--resume", tmp_path / "s", weights=False)
+    assert done.exit_code == 1 and "leaves nothing to run" in done.output
+    none = train(ckpt, "--steps", "2", weights=False)
+    assert none.exit_code == 1 and "--hf-weights DIR" in none.output
+
+
+def test_cpu_memory_budget_executes_the_plan_with_the_same_losses(ckpt):
+    """335 KiB is under this run's no-recompute peak (344 KiB): the planner recomputes
+    and swaps, the CPU trainer executes it, and float32 losses do not move."""
+    from runtime.decisions import Decisions
+    from runtime.model import Model
+
+    model = Model.from_module(LLAMA, hf_weights=ckpt / "hf", memory_budget=335 * 1024)
+    program = model.source.program_for({"token_ids": torch.zeros(2, 8, dtype=torch.int32)})
+    table = Decisions.from_schedule(program.document["schedule"]).table
+    assert any(kind != "keep" for rows in table.values() for kind, *_ in rows)
+    plain = losses(train(ckpt, "--steps", "3", "--seq", "8"))
+    planned = losses(train(ckpt, "--steps", "3", "--seq", "8", "--memory-budget", "335KiB"))
+    assert planned == pytest.approx(plain, rel=1e-6)

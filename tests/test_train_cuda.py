@@ -1,0 +1,61 @@
+"""`modulec train --device cuda` on a GPU (`-m cuda`; skipped without CUDA): a small Llama
+from an HF checkpoint lowers the loss on a repeated batch through the CUDA graph, resumes
+where it stopped, and its checkpoint gives transformers (bf16) our loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+transformers = pytest.importorskip("transformers")
+
+from tests.test_cli import run  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+LLAMA = "std/models/llama.module"
+VOCAB, B, T = 512, 2, 128
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train_cuda")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=512, max_position_embeddings=T,
+        rms_norm_eps=1e-5)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder / "hf")
+    np.random.default_rng(0).integers(0, VOCAB, 20000).astype("<u2").tofile(
+        folder / "tokens.bin")
+    return folder
+
+
+def train(ckpt, *args):
+    result = run("train", LLAMA, "--data", ckpt / "tokens.bin", "--seq", T, "--batch", B,
+                 "--lr", "1e-3", "--format", "json", "--repeat-batch", *args)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return [r["loss"] for r in rows if r["event"] == "step"]
+
+
+def test_train_resume_and_load_in_transformers(ckpt, tmp_path):
+    whole = train(ckpt, "--hf-weights", ckpt / "hf", "--steps", "8")
+    assert whole[-1] < 0.8 * whole[0]
+    first = train(ckpt, "--hf-weights", ckpt / "hf", "--steps", "5", "--save", tmp_path / "s")
+    rest = train(ckpt, "--steps", "8", "--resume", tmp_path / "s")
+    assert first == pytest.approx(whole[:5], rel=5e-3)  # FlashAttention's backward is
+    assert rest == pytest.approx(whole[5:], rel=5e-3)   # not deterministic: bf16 noise
+    folder = tmp_path / "s" / "checkpoint-5"
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
+    from runtime.train.data import TokenData
+
+    window = TokenData(ckpt / "tokens.bin", "uint16", T, B).batch_at(0).cuda()
+    with torch.no_grad():
+        logits = hf(input_ids=window[:, :-1]).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
+    assert float(loss) == pytest.approx(rest[0], rel=1e-2)  # step 6 starts from checkpoint-5
