@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from modulec.plan.from_graph import VIEWS, plan_step
-from modulec.plan.memory import SAVED, TRANSIENT
+from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
 from runtime.errors import RuntimeUserError
 
 
@@ -95,3 +95,57 @@ class Arena:
             return frame.transient_base + placement.offset
         base, stride = self.records[frame.function.name]
         return base + frame.instance * stride + placement.offset
+
+
+# ====================================================================== parameters
+ALIGNMENT = 256
+
+
+@dataclass
+class ParameterRegions:
+    """The weights and gradients regions: one buffer each, every parameter (and its
+    gradient) a view at the same offset in its region, in path order."""
+
+    offsets: dict[str, tuple[int, int]]  # path -> (offset, bytes)
+    weights: Tensor
+    gradients: Tensor
+
+    @classmethod
+    def for_params(cls, params: dict, device="cpu") -> "ParameterRegions":
+        offsets, end = {}, 0
+        for path in sorted(params):
+            offsets[path] = (end, params[path].nbytes)
+            end += -(-params[path].nbytes // ALIGNMENT) * ALIGNMENT
+        make = lambda: torch.zeros(end, dtype=torch.uint8, device=device)  # noqa: E731
+        return cls(offsets, make(), make())
+
+    def bind(self, params: dict) -> dict:
+        """The parameters copied into the weights region, as views there."""
+        return {path: self._copy(self.weights, path, tensor) for path, tensor in params.items()}
+
+    def gradient(self, path: str, tensor: Tensor) -> Tensor:
+        """A parameter's gradient, summed into its place in the gradients region."""
+        view = self._view(self.gradients, path, tensor)
+        view.add_(tensor) if path in self._written else view.copy_(tensor)
+        self._written.add(path)
+        return view
+
+    def start_backward(self) -> None:
+        self._written = set()
+
+    def _copy(self, region: Tensor, path: str, tensor: Tensor) -> Tensor:
+        view = self._view(region, path, tensor)
+        view.copy_(tensor)
+        return view
+
+    def _view(self, region: Tensor, path: str, tensor: Tensor) -> Tensor:
+        if path not in self.offsets:
+            raise RuntimeUserError(f"parameter `{path}` has no place in the weights region")
+        offset, size = self.offsets[path]
+        if tensor.nbytes != size:
+            raise RuntimeUserError(f"`{path}` has {tensor.nbytes} bytes, its region slot "
+                                   f"{size}")
+        return region[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+
+    def bytes_of(self) -> dict[str, int]:
+        return {WEIGHTS: self.weights.numel(), GRADIENTS: self.gradients.numel()}

@@ -61,6 +61,7 @@ class Interpreter:
     kernels: dict = field(default_factory=lambda: KERNELS)
     arena: object = None  # runtime.arena.Arena: run on the memory plan
     decisions: object = None  # runtime.decisions.Decisions: recompute / swap as planned
+    param_regions: object = None  # runtime.arena.ParameterRegions: weights, gradients
     _runs: dict = field(default_factory=dict)  # forward function -> runs so far
     _sinks: dict = field(default_factory=dict)  # (id(run), value) -> [(callee run, input)]
     _replaying: bool = False
@@ -90,6 +91,8 @@ class Interpreter:
         if not self.graph.backward:
             raise RuntimeUserError("this program has no backward (it was built without one)")
         self.grads = {}
+        if self.param_regions is not None:
+            self.param_regions.start_backward()
         backward = self.graph.function(self.graph.backward)
         seeds = [d if d is not None else torch.zeros_like(frame.env[o])
                  for d, o in zip(d_outputs, frame.function.outputs)]
@@ -208,6 +211,9 @@ class Interpreter:
             if gradient is None:
                 continue
             path = _join(frame.path, name)
+            if self.param_regions is not None:  # summed in place in the gradients region
+                self.grads[path] = self.param_regions.gradient(path, gradient)
+                continue
             self.grads[path] = self.grads[path] + gradient if path in self.grads else gradient
 
     # ------------------------------------------------------------------ ops

@@ -158,9 +158,25 @@ class Model:
         return (self.program or self.source.program(planned=False)).weight_schema
 
     def _interpreter(self) -> Interpreter:
+        arena = self._arena()
+        regions = self._param_regions() if arena is not None else None
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
-                           self.check_finite, arena=self._arena(),
-                           decisions=self._decisions())
+                           self.check_finite, arena=arena, decisions=self._decisions(),
+                           param_regions=regions)
+
+    def _param_regions(self):
+        """On the arena, the parameters live in one weights buffer (rebound when the dict
+        of parameters changes) and their gradients in one gradients buffer."""
+        from runtime.arena import ParameterRegions
+
+        regions = self.__dict__.get("_regions")
+        if regions is None or set(regions.offsets) != set(self.params) or any(
+                self.params[p].data_ptr() != regions.weights.data_ptr() + o
+                for p, (o, _) in regions.offsets.items()):
+            regions = ParameterRegions.for_params(self.params, self.device)
+            self.params.update(regions.bind(self.params))
+            self.__dict__["_regions"] = regions
+        return regions
 
     def _decisions(self):
         """The planner's recompute / swap decisions of this program, executed."""

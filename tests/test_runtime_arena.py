@@ -42,6 +42,10 @@ def test_the_arena_run_is_the_plain_run_bit_for_bit(name):
     assert _same(plain_out, out) and _same(plain_grads, grads)
     sizes = model._arena().bytes_of()
     assert sizes[SAVED] > 0 and sizes[TRANSIENT] > 0
+    regions = model._param_regions()  # weights and gradients: one buffer each
+    for tensors, region in ((model.params, regions.weights), (grads, regions.gradients)):
+        low, high = region.data_ptr(), region.data_ptr() + region.numel()
+        assert all(low <= t.data_ptr() < high for t in tensors.values())
 
 
 def test_a_plan_that_overlaps_live_values_changes_the_results():
