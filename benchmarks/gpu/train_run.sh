@@ -3,7 +3,8 @@
 # a random-weight HF checkpoint (bf16), 20 steps on a repeated batch, save, resume for 5
 # more, then transformers loads the checkpoint and computes the loss of the batch.
 #   bash benchmarks/gpu/train_run.sh        (lark carried as .whl/, see docs/gpu.md)
-# Env: BATCH (4) SEQ (2048) LR (2e-4) TESTS (1: also the -m cuda train test first).
+# Env: BATCH (4) SEQ (2048) LR (2e-4) STAGES ("tests main"; "budget" adds a 10-step run
+# per --memory-budget in $BUDGET, default 18GiB).
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/train_run}; mkdir -p "$WORK"
@@ -17,7 +18,8 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 /usr/bin/time -f "extension build %e s" python3 -c 'from runtime.cuda.build import load; load()' 2>&1 | tail -2
-if [ "${TESTS:-1}" = 1 ]; then
+STAGES=${STAGES:-"tests main"}
+if [[ " $STAGES " == *" tests "* ]]; then
   python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_train_cuda.py 2>&1 | tail -5
 fi
 python3 - "$WORK" <<'PY'
@@ -36,6 +38,7 @@ np.random.default_rng(0).integers(0, 32000, 1 << 20).astype("<u2").tofile(f"{wor
 print(f"checkpoint + tokens in {time.time() - t:.1f} s")
 PY
 TRAIN="python3 -m modulec train std/models/llama.module --data $WORK/tokens.bin --seq $T --batch $B --lr $LR --repeat-batch"
+if [[ " $STAGES " == *" main "* ]]; then
 echo "+ $TRAIN --hf-weights $WORK/hf --steps 20 --save $WORK/run"
 /usr/bin/time -f "train+save %e s" $TRAIN --hf-weights $WORK/hf --steps 20 --save $WORK/run 2>&1 | tee "$OUT/train.log"
 du -sh $WORK/run/checkpoint-20; ls -l $WORK/run/checkpoint-20
@@ -56,3 +59,10 @@ for name in ("hf", "run/checkpoint-20"):
     print(f"transformers bf16 loss of the batch, {name}: {float(loss):.4f}")
     del model, logits
 PY
+fi
+if [[ " $STAGES " == *" budget "* ]]; then
+  for budget in ${BUDGET:-18GiB}; do  # several: "18GiB 17GiB"
+    echo "+ $TRAIN --hf-weights $WORK/hf --steps 10 --memory-budget $budget"
+    $TRAIN --hf-weights $WORK/hf --steps 10 --memory-budget $budget 2>&1 | tee -a "$OUT/budget.log"
+  done
+fi

@@ -58,16 +58,17 @@ class CUDATrainer:
     """TrainStep through its public API: the first step eager, then capture (its one
     warm-up step is the second step) and a graph replay per step."""
 
-    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW):
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
+                 memory_budget: int | None = None):
         from runtime.cuda.step import AdamWConfig, TrainStep
 
         self.names = unique_paths(model.params)
         if len(self.names) != len(model.params):
             raise RuntimeUserError("--device cuda does not train tied parameters yet",
                                    help=["train this model with --device cpu"])
-        program = model.source.program_for({"token_ids": torch.zeros(batch, seq,
-                                                                     dtype=torch.int32)})
+        program = gpu_program(model, batch, seq, memory_budget)
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
+        # decisions="auto": a budgeted program's recompute decisions run in the step
         self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused")
         self.step.load(model.params)
         model.params.clear()  # the step holds the fp32 masters now
@@ -100,6 +101,34 @@ class CUDATrainer:
     def memory(self) -> dict:
         return {"peak_bytes": torch.cuda.max_memory_allocated(),
                 "now_bytes": torch.cuda.memory_allocated(), "what": "GPU (torch allocator)"}
+
+
+def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None):
+    """The program for the GPU step; with a budget, planned as TrainStep.from_module
+    does: the planner's budget offset by the step's own fixed state (`planner_budget`),
+    on the device's no-swap profile (the step recomputes, it does not swap)."""
+    from dataclasses import replace
+
+    from runtime.cuda.step import planner_budget
+
+    tokens = {"token_ids": torch.zeros(batch, seq, dtype=torch.int32)}
+    program = model.source.program_for(tokens)
+    if memory_budget is None:
+        return program
+    from modulec.lower.build_plan import PlanOptions
+
+    offset = planner_budget(program, 0, "fused")
+    profile = "h100-noswap" if "H100" in torch.cuda.get_device_name() else "h200-noswap"
+    planning = PlanOptions(budget=memory_budget + offset, device=profile)
+    source = replace(model.source, planning=planning, _built={}, _declared=None)
+    try:
+        return source.program_for(tokens)
+    except RuntimeUserError as exc:
+        from modulec.plan.units import size_text
+
+        raise RuntimeUserError(exc.message, exc.help + [
+            f"the planner's sizes include {size_text(offset)} more fixed state (fp32 "
+            "gradients) than the GPU step holds: subtract it"]) from None
 
 
 def split_window(window: Tensor) -> tuple[Tensor, Tensor]:

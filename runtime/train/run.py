@@ -90,12 +90,14 @@ def _model(request: Request, weights: Path) -> Model:
                               dtype=torch.float32, device=request.device,
                               model=request.model, search_path=request.search_path,
                               progress=request.fmt == "human" and sys.stderr.isatty(),
-                              memory_budget=request.memory_budget)
+                              memory_budget=request.memory_budget
+                              if request.device == "cpu" else None)
     names = model.source.program(planned=False).input_names()
     if names != ["token_ids"]:
         raise RuntimeUserError(f"`modulec train` feeds token_ids only; {request.file}'s "
                                f"model takes {', '.join(names)}")
     # build the program at the run's sizes now: an unmeetable --memory-budget fails here
+    # (on the GPU, the trainer plans its own: runtime.train.backends.gpu_program)
     model.source.program_for({"token_ids": torch.zeros(request.batch, request.seq,
                                                        dtype=torch.int32)})
     return model
@@ -120,8 +122,11 @@ class Run:
         self.config = _config(Path(weights))
         self.save_dtype = _save_dtype(request.save_dtype, self.config)
         adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
-        backend = CUDATrainer if request.device == "cuda" else CPUTrainer
-        self.trainer = backend(model, request.batch, request.seq, adamw)
+        if request.device == "cuda":
+            self.trainer = CUDATrainer(model, request.batch, request.seq, adamw,
+                                       request.memory_budget)
+        else:
+            self.trainer = CPUTrainer(model, request.batch, request.seq, adamw)
         self.start, self.losses, self.saved = 0, [], None
 
     def resume(self, folder: Path, trainer: dict, state: dict) -> None:
@@ -161,9 +166,10 @@ class Run:
         if self.start:
             progress.note(f"resumed at step {self.start}")
         if r.memory_budget is not None and r.device == "cuda":
-            progress.note("note: the GPU step does not execute the plan's recompute/swap "
-                          "decisions yet: the budget was checked against the plan, and the "
-                          "measured peak is reported against it")
+            counts = _decision_counts(self.trainer.step.decisions)
+            progress.note(f"--memory-budget {gib(r.memory_budget)}: the plan recomputes "
+                          f"{counts['recompute']} and keeps {counts['keep']} activation "
+                          "decisions (no swaps on the GPU)")
 
     def _record(self, progress: Progress, step: int, loss: float, seconds: float) -> None:
         if not math.isfinite(loss):
@@ -213,6 +219,14 @@ class Run:
                 memory["peak_bytes"] > r.memory_budget:
             text += f"; over the --memory-budget {gib(r.memory_budget)}"
         return text + (f"; saved {self.saved}" if self.saved else "")
+
+
+def _decision_counts(decisions) -> dict:
+    counts = {"keep": 0, "recompute": 0, "swap": 0}
+    for rows in getattr(decisions, "table", {}).values():
+        for kind, *_ in rows:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def _config(weights: Path) -> dict | None:
