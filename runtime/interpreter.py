@@ -62,6 +62,7 @@ class Interpreter:
     arena: object = None  # runtime.arena.Arena: run on the memory plan
     decisions: object = None  # runtime.decisions.Decisions: recompute / swap as planned
     param_regions: object = None  # runtime.arena.ParameterRegions: weights, gradients
+    profiler: object = None  # runtime.profiling.Profiler: `@profile` regions (None: off)
     _runs: dict = field(default_factory=dict)  # forward function -> runs so far
     _sinks: dict = field(default_factory=dict)  # (id(run), value) -> [(callee run, input)]
     _replaying: bool = False
@@ -109,18 +110,37 @@ class Interpreter:
         function = frame.function
         frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
         for node in function.nodes:
-            if node.kind == "call":
-                self._call(node, frame, forward)
-            elif node.kind == "op":
-                self._op(node, frame, forward)
-            else:  # an alias names an existing value
-                frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
+            spec = self.profiler.spec_of(node, frame, self.graph) \
+                if self.profiler is not None else None
+            if spec is None:
+                self._dispatch(node, frame, forward)
+            else:
+                self._profiled(spec, node, frame, forward)
         if function.gradient_of:
             self._collect_param_grads(frame)
         outputs = [frame.env.get(o) if o else None for o in function.outputs]
         if self.keep_only_saved and not function.gradient_of:
             _keep_only_saved(frame, _saved_by_backward(self.graph, function.name))
         return outputs
+
+    def _dispatch(self, node: Node, frame: Frame, forward: Frame | None) -> None:
+        if node.kind == "call":
+            self._call(node, frame, forward)
+        elif node.kind == "op":
+            self._op(node, frame, forward)
+        else:  # an alias names an existing value
+            frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
+
+    def _profiled(self, spec: dict, node: Node, frame: Frame, forward) -> None:
+        """A `@profile` region (runtime.profiling) around one node."""
+        phase = "backward" if frame.function.gradient_of else "forward"
+        cuda = any(isinstance(t, Tensor) and t.is_cuda for t in self.params.values())
+        with self.profiler.region(spec, frame, phase, cuda) as region:
+            self._dispatch(node, frame, forward)
+        if spec.get("memory") and not cuda:  # on the CPU: the bytes of its results
+            made = sum(frame.env[o].nbytes for o in node.outputs
+                       if isinstance(frame.env.get(o), Tensor))
+            region.bytes = max(region.bytes, made)
 
     def _call(self, node: Node, frame: Frame, forward: Frame | None) -> None:
         callee = self.graph.function(node.target)

@@ -40,6 +40,7 @@ class Model:
     hooks: object = None  # runtime.hooks.Hooks (made by default): hooks, probes, trace
     check_finite: bool = True
     arena: bool = False  # run on the memory plan (runtime.arena), in the IR's dtypes
+    profiler: object = None  # runtime.profiling.Profiler while profiling is on
     program: Program | None = None
     hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
     _frame: Frame | None = None
@@ -162,7 +163,23 @@ class Model:
         regions = self._param_regions() if arena is not None else None
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
                            self.check_finite, arena=arena, decisions=self._decisions(),
-                           param_regions=regions)
+                           param_regions=regions, profiler=self.profiler)
+
+    # ------------------------------------------------------------------ profiling
+    def enable_profiling(self) -> "Model":
+        """Time the `@profile` regions of the model (runtime.profiling); off by default."""
+        from runtime.profiling import Profiler
+
+        self.profiler = Profiler()
+        return self
+
+    def disable_profiling(self) -> None:
+        self.profiler = None
+
+    def profile_report(self) -> list[dict]:
+        if self.profiler is None:
+            raise RuntimeUserError("profiling is off", help=["call enable_profiling() first"])
+        return self.profiler.report()
 
     def _param_regions(self):
         """On the arena, the parameters live in one weights buffer (rebound when the dict

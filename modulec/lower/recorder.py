@@ -96,7 +96,7 @@ FLOW_WIDE = ("fuse", "nofuse")
 # annotations of a destination value that go to the node producing it; all but `@hook`
 # also record which output they concern (`on=name`, `value=id`) for the runtime (probes,
 # trace lines and assertions name the value; a node may have several outputs)
-VALUE_NOTES = ("hook", "probe", "assert", "trace")
+VALUE_NOTES = ("hook", "probe", "assert", "trace", "profile")
 
 
 def _hooked_names(destination):
