@@ -19,6 +19,14 @@ import click
 DTYPES = ("float64", "float32", "bfloat16")
 
 
+def _model_choice(command):
+    from modulec.cli.runtime_call import model_choice_options
+
+    for option in reversed(model_choice_options()):
+        command = option(command)
+    return command
+
+
 def run_command(guarded):
     @click.command("run")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -36,12 +44,7 @@ def run_command(guarded):
     @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu",
                   show_default=True)
     @click.option("--dtype", type=click.Choice(DTYPES), default="float64", show_default=True)
-    @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
-                  help="Set a model parameter (repeatable).")
-    @click.option("--model", help="The model declaration (when the file has several).")
-    @click.option("--path", "search_path", multiple=True, metavar="DIR",
-                  type=click.Path(exists=True, file_okay=False, path_type=Path),
-                  help="Add DIR to the import search path (repeatable).")
+    @_model_choice
     @guarded
     def run(file, hf_weights, random_weights, inputs_path, outputs_path, backward, device,
             dtype, settings, model, search_path):
@@ -58,20 +61,6 @@ def run_command(guarded):
 
 
 def _run(request: dict) -> int:
-    try:
-        from runtime.cli_run import run_model
-        from runtime.errors import RuntimeUserError
-        from runtime.hf_weights import WeightLoadError
-    except ImportError as exc:
-        click.echo(f"error: `modulec run` needs the runtime (torch, safetensors): {exc}",
-                   err=True)
-        return 1
-    try:
-        summary = run_model(**request)
-    except (RuntimeUserError, WeightLoadError) as exc:
-        click.echo(f"error: {exc.message}", err=True)
-        for line in exc.help:
-            click.echo(f"  = help: {line}", err=True)
-        return 1
-    click.echo(summary)
-    return 0
+    from modulec.cli.runtime_call import call_runtime
+
+    return call_runtime("run", "runtime.cli_run:run_model", request)

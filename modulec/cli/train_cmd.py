@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from modulec.cli.runtime_call import call_runtime, model_choice_options
+
 TOKEN_DTYPES = ("uint16", "uint32")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -57,13 +59,7 @@ def _options(command):
         click.option("--format", "fmt", type=click.Choice(["human", "json"]),
                      default="human", show_default=True,
                      help="json: a JSON object per step and at the end, on stdout."),
-        click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
-                     help="Set a model parameter (repeatable)."),
-        click.option("--model", help="The model declaration (when the file has several)."),
-        click.option("--path", "search_path", multiple=True, metavar="DIR",
-                     type=click.Path(exists=True, file_okay=False, path_type=Path),
-                     help="Add DIR to the import search path (repeatable)."),
-    ]
+    ] + model_choice_options()
     for option in reversed(options):
         command = option(command)
     return command
@@ -87,20 +83,4 @@ def train_command(guarded):
 
 
 def _run(request: dict) -> int:
-    try:
-        from runtime.errors import RuntimeUserError
-        from runtime.hf_weights import WeightLoadError
-        from runtime.train.run import train_model
-    except ImportError as exc:
-        click.echo(f"error: `modulec train` needs the runtime (torch, safetensors, numpy): "
-                   f"{exc}", err=True)
-        return 1
-    try:
-        summary = train_model(**request)
-    except (RuntimeUserError, WeightLoadError) as exc:
-        click.echo(f"error: {exc.message}", err=True)
-        for line in exc.help:
-            click.echo(f"  = help: {line}", err=True)
-        return 1
-    click.echo(summary)
-    return 0
+    return call_runtime("train", "runtime.train.run:train_model", request)
