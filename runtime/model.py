@@ -58,19 +58,29 @@ class Model:
     def from_module(cls, path, *, settings: dict | None = None, config=None, hf_weights=None,
                     dtype=torch.float64, device="cpu", model: str | None = None,
                     search_path=(), progress: bool = False,
-                    memory_budget: int | None = None) -> "Model":
+                    memory_budget: int | None = None, lora=None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
-        are loaded."""
+        are loaded. `lora` (a dict `rank=8, alpha=16, targets=["q", "v"]`, `{}` for the
+        annotations' values, or modulec.lower.lora.LoraOptions) adapts the model's
+        `@adapter(lora)` matmuls and freezes its base weights (docs/training.md, "LoRA")."""
         if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
             config = Path(hf_weights) / "config.json"
         source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
                               Path(config) if config else None, model,
                               tuple(Path(p) for p in search_path))
+        if lora is not None:
+            from modulec.lower.lora import LoraOptions
+
+            try:
+                source.lora = LoraOptions.of(lora)
+            except ValueError as exc:
+                raise RuntimeUserError(f"lora: {exc}") from None
         if memory_budget is not None:  # keep / recompute / swap as the planner decides
             from modulec.lower.build_plan import PlanOptions
 
-            source.planning = PlanOptions(budget=int(memory_budget))
+            source.planning = PlanOptions(budget=int(memory_budget),
+                                          training="lora" if lora is not None else "full")
         instance = cls(source, dtype=dtype, device=device)
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)
@@ -92,13 +102,21 @@ class Model:
         return parameter_shapes(self.source.program(planned=False).graph)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "Model":
-        """Random parameters (normal(0, std); norm weights near 1) for tests and tutorials."""
+        """Random parameters (normal(0, std); norm weights near 1) for tests and tutorials;
+        LoRA adapters as PEFT does (B = 0: the adapted model is the base model), drawn
+        after the base weights, which are the same as without LoRA."""
+        from modulec.lower.lora import is_adapter
+        from runtime.lora import init_adapters
+
         generator = torch.Generator().manual_seed(seed)
         for path, shape in self.parameter_shapes().items():
+            if is_adapter(path):
+                continue
             value = torch.randn(shape, generator=generator, dtype=torch.float64) * std
             if len(shape) == 1 and path.endswith("weight"):
                 value += 1.0
             self.params[path] = value.to(self.dtype).to(self.device)
+        init_adapters(self, generator)
         return self
 
     def load_hf(self, directory, progress: bool = False) -> "Model":
@@ -109,6 +127,9 @@ class Model:
                                  progress=progress)
         self.params.update(loaded)
         self.hf_layout.update(loaded.layout)
+        from runtime.lora import init_adapters
+
+        init_adapters(self, only_missing=True)  # a LoRA build: fresh adapters (B = 0)
         return self
 
     # ------------------------------------------------------------------ running

@@ -70,6 +70,7 @@ class ModuleSource:
     search_path: tuple[Path, ...] = ()
     derive_written: bool = False  # ignore backward sections written in the source
     planning: object = None  # modulec.lower.build_plan.PlanOptions (e.g. a memory budget)
+    lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
@@ -93,7 +94,8 @@ class ModuleSource:
 
         request = BuildRequest(Path(self.path), tuple(self.search_path), self.model,
                                dict(self.settings), shapes, self.config,
-                               derive_written=self.derive_written, planning=planning)
+                               derive_written=self.derive_written, planning=planning,
+                               lora=self.lora)
         try:
             result = build(request)
         except PlanFailure as exc:

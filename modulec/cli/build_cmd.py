@@ -84,6 +84,17 @@ def _planning(budget, training, device, policies, honor_lists):
                        _policies(policies) if policies else {}, honor_lists)
 
 
+def _lora(text):
+    from modulec.lower.lora import parse_lora
+
+    if text is None:
+        return None
+    try:
+        return parse_lora(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--lora") from None
+
+
 def build_command(output_options, guarded):
     @click.command("build")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -94,11 +105,16 @@ def build_command(output_options, guarded):
                   help="Print the Graph IR or the Schedule IR as text.")
     @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
                   help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))
+    @click.option("--lora", "lora", metavar="rank=R,alpha=A,targets=[q,v]", is_flag=False,
+                  flag_value="", default=None,
+                  help="LoRA on: adapt the `@adapter(lora)` matmuls (base weights frozen); "
+                       "rank / alpha / targets override the annotations' "
+                       "(docs/training.md, LoRA).")
     @planning_options
     @output_options
     @guarded
     def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
-              budget, training, device, policies, honor_lists, fmt, color):
+              lora, budget, training, device, policies, honor_lists, fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
@@ -111,6 +127,9 @@ def build_command(output_options, guarded):
                                pairs(shapes, "--shape", True), config, dump_after,
                                lambda name, graph: click.echo(f"# after {name}\n"
                                                               + print_graph(graph), nl=False))
+        request.lora = _lora(lora)
+        if request.lora is not None and budget is not None:
+            training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
         result = run_build(request)
         out = Output(fmt, use_color(color))

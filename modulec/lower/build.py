@@ -40,6 +40,7 @@ class BuildRequest:
     dump: object = None  # (pass name, graph) -> None
     derive_written: bool = False  # derive every backward, also where the source writes one
     planning: object = None  # modulec.lower.build_plan.PlanOptions (None: the defaults)
+    lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on (docs/training.md, "LoRA")
 
 
 @dataclass
@@ -94,7 +95,10 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
         return BuildResult(diagnostics, source=loaded.source)
     if request.derive_written:
         graph = without_written_backward(graph)
-    context = PassContext(sources={loaded.source.name: loaded.source} if loaded.source else {})
+    context = PassContext(sources={loaded.source.name: loaded.source} if loaded.source else {},
+                          lora=request.lora)
+    if request.lora is not None:
+        context.weight_schema = _weight_schema(instance)
     graph = run_pipeline(graph, request.dump_after, request.dump, context)
     diagnostics += context.diagnostics
     if any(d.is_error for d in context.diagnostics):
@@ -110,6 +114,8 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
         "config_schema": _config_schema(decl),
         "metadata": _metadata(decl, instance, graph, request),
     }
+    if context.lora_report is not None:
+        document["metadata"]["lora"] = _lora_metadata(request.lora, context.lora_report)
     return BuildResult(diagnostics, document, graph, loaded.source)
 
 
@@ -255,6 +261,11 @@ def _metadata(decl, instance, graph, request) -> dict:
         "hook_points": hooks,
         "functions": len(graph.functions),
     }
+
+
+def _lora_metadata(options, report) -> dict:
+    return {"rank": options.rank, "alpha": options.alpha, "targets": list(options.targets),
+            "adapters": report.adapters}
 
 
 def _text(node) -> str:

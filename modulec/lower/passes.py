@@ -13,6 +13,7 @@ from modulec.ir.verify import verify_graph
 from modulec.lower import pass_names
 from modulec.lower.backward import derive_backward
 from modulec.lower.fusion import fuse
+from modulec.lower.lora import apply_lora
 from modulec.source import SourceFile, Span
 
 
@@ -22,6 +23,9 @@ class PassContext:
     files (read on demand) their nodes' spans point into."""
     diagnostics: list = field(default_factory=list)
     sources: dict = field(default_factory=dict)  # file name -> SourceFile
+    lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on (None: the pass is off)
+    weight_schema: list = field(default_factory=list)  # HF names (the lora pass's targets)
+    lora_report: object = None  # what the lora pass adapted (modulec.lower.lora.LoraReport)
 
     def annotation_span(self, at: tuple, name: str) -> Span | None:
         """The span of the first `@name(...)` at or after a node's (file, line, column),
@@ -68,6 +72,9 @@ class Pass:
 PIPELINE: tuple[Pass, ...] = (
     Pass("lower", "checked model instance -> forward Graph IR, one function per instance",
          lambda graph, context: graph),
+    Pass("lora", "with LoRA on (`--lora`): each `@adapter(lora)` matmul y = x @ W^T gets "
+         "y += (alpha/rank) (x @ A^T) @ B^T per selected part of a fused weight; base "
+         "parameters frozen, written backwards dropped (E008 when misplaced)", apply_lora),
     Pass("fuse", "chains of ops -> fused ops (fusion_patterns.py): `@fuse` requests (E013 "
          "when one cannot apply), then the patterns the runtime has kernels for; `@nofuse`, "
          "modify/replace hooks and intermediates read elsewhere are barriers", fuse),

@@ -95,8 +95,9 @@ class Recorder:
 FLOW_WIDE = ("fuse", "nofuse")
 # annotations of a destination value that go to the node producing it; all but `@hook`
 # also record which output they concern (`on=name`, `value=id`) for the runtime (probes,
-# trace lines and assertions name the value; a node may have several outputs)
-VALUE_NOTES = ("hook", "probe", "assert", "trace", "profile")
+# trace lines, assertions and profile regions name the value; a node may have several
+# outputs); `@adapter` marks an injection point of the `lora` pass (modulec.lower.lora)
+VALUE_NOTES = ("hook", "probe", "assert", "trace", "profile", "adapter")
 
 
 def _hooked_names(destination):
@@ -116,7 +117,7 @@ def _hooked_names(destination):
 
 def _on_value(annotation, name: str, value: str) -> tuple[str, tuple[str, ...]]:
     name_, args = _annotation(annotation)
-    if name_ == "hook":
+    if name_ in ("hook", "adapter"):
         return name_, args
     return name_, args + (f"on={name}", f"value={value}")
 

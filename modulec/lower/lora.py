@@ -1,0 +1,267 @@
+"""The `lora` pass (issue 6, spec §7.3.2 `@adapter`): low-rank adapters on annotated matmuls.
+
+`@adapter(lora, ...)` marks an injection point; a build with LoRA on (`modulec build
+--lora rank=8,alpha=16,targets=[q,v]`, `BuildRequest.lora`) rewrites each one. The
+annotation sits on a matmul `y = x @ W^T` (NT, W a parameter) or on a module call whose
+output is such a matmul (optionally plus a bias parameter); anything else is E008.
+
+    y = x @ W^T                  becomes      y0 = x @ W^T
+                                              y  = y0 + (alpha/rank) * (x @ A^T) @ B^T
+
+with parameters `W.lora_A: [rank, in]` and `W.lora_B: [out, rank]` next to W. A fused
+projection (qkv_weight: q, k, v rows; up_weight: gate, up rows) has one part per fused
+tensor, named after its HF tensor (`q_proj` -> `q`) or the annotation's `targets`, sized by
+the split that follows it; each selected part gets its own A and B (`qkv_weight.q.lora_A`),
+so the adapters are PEFT's per-module ones: y0 is split, the selected parts get their
+delta, the parts are concatenated again. Only existing primitives (matmul with alpha,
+split, add, concat), so the derived backward differentiates it; every base parameter is
+frozen (`no_gradient`) and the backward functions written in the source are dropped (the
+forward changed; all backward is derived). rank/alpha/targets come from the annotation;
+the build option overrides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from modulec.diagnostics import error
+from modulec.ir.graph import Function, Graph, Node, ValueInfo
+from modulec.lower.backward import without_written_backward
+
+DEFAULT_RANK = 16  # spec §7.3.2
+DEFAULT_ALPHA = 32.0
+ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA on: what the build option sets (None / () keep the annotation's values)."""
+    rank: int | None = None
+    alpha: float | None = None
+    targets: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, value) -> "LoraOptions | None":
+        """From a LoraOptions, a dict (`rank=8, alpha=16, targets=[q, v]`), text, or None."""
+        if value is None or isinstance(value, LoraOptions):
+            return value
+        if isinstance(value, str):
+            return parse_lora(value)
+        unknown = set(value) - {"rank", "alpha", "targets"}
+        if unknown:
+            raise ValueError(f"unknown LoRA option(s): {', '.join(sorted(unknown))}")
+        targets = value.get("targets") or ()
+        rank = value.get("rank")
+        alpha = value.get("alpha")
+        return _checked(cls(int(rank) if rank is not None else None,
+                            float(alpha) if alpha is not None else None,
+                            (targets,) if isinstance(targets, str) else tuple(targets)))
+
+
+def parse_lora(text: str) -> LoraOptions:
+    """`rank=8,alpha=16,targets=[q,v]` (targets also `q+v`); an empty text: all defaults."""
+    fields: dict = {}
+    for item in _top_level_items(text):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"`{item}`: expected name=value")
+        key, value = key.strip(), value.strip()
+        if key == "targets":
+            fields[key] = [t.strip() for t in value.strip("[]").replace("+", ",").split(",")
+                           if t.strip()]
+        else:
+            fields[key] = value
+    return LoraOptions.of(fields)
+
+
+def _top_level_items(text: str) -> list[str]:
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    return [i.strip() for i in items + [current] if i.strip()]
+
+
+def _checked(options: LoraOptions) -> LoraOptions:
+    if options.rank is not None and options.rank < 1:
+        raise ValueError(f"LoRA rank must be positive, not {options.rank}")
+    return options
+
+
+def is_adapter(param: str) -> bool:
+    """Whether a parameter name or path is a LoRA adapter matrix (`...lora_A`)."""
+    return param.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES
+
+
+# ====================================================================== sites
+@dataclass(frozen=True)
+class Part:
+    """Rows [start, start + rows) of a (possibly fused) weight, adapted on their own."""
+    name: str  # q, k, v, o, gate, up, down; or the weight's name
+    start: int
+    rows: int | str  # text when the weight's rows are not a number (an unset size)
+    hf_module: str = ""  # `model.layers.{i}.self_attn.q_proj` (from the weight schema)
+    placeholders: tuple[str, ...] = ()  # the stack indices in hf_module, outermost first
+
+
+@dataclass
+class Site:
+    function: str
+    node: str  # the matmul's id
+    weight: str  # param id (`param:qkv_weight`)
+    parts: tuple[Part, ...]
+    rank: int
+    alpha: float
+    annotation_targets: tuple[str, ...] = ()
+    prefix: str = ""  # the function's parameter path prefix (`blocks[*].attention`)
+    selected: tuple[Part, ...] = ()
+
+
+@dataclass
+class LoraReport:
+    """What the pass did, for the IR document's metadata (the runtime exports from it)."""
+    adapters: list = field(default_factory=list)
+    matched: set = field(default_factory=set)  # option targets some part answered to
+
+
+def apply_lora(graph: Graph, context) -> Graph:
+    options = getattr(context, "lora", None)
+    if options is None:
+        return graph
+    from modulec.lower.lora_sites import find_sites
+
+    graph = without_written_backward(graph)
+    sites = find_sites(graph, context)
+    report = LoraReport()
+    for site in sites:
+        site.selected = _selected(site, options, report)
+        site.rank = options.rank or site.rank
+        site.alpha = options.alpha if options.alpha is not None else site.alpha
+    _unmatched_targets(options, sites, report, context)
+    functions = tuple(_rewrite(f, [s for s in sites if s.function == f.name and s.selected],
+                               report) for f in graph.functions)
+    context.lora_report = report
+    return Graph(graph.model, graph.entry, graph.backward, functions)
+
+
+def _names(part: Part, site: Site) -> set[str]:
+    weight = site.weight[len("param:"):]
+    names = {part.name, weight}
+    if part.hf_module:
+        names.add(part.hf_module.rsplit(".", 1)[-1])
+    return names
+
+
+def _selected(site: Site, options: LoraOptions, report: LoraReport) -> tuple[Part, ...]:
+    wanted = set(options.targets or site.annotation_targets)
+    if not wanted:
+        return site.parts
+    chosen = []
+    for part in site.parts:
+        hits = _names(part, site) & wanted
+        report.matched |= hits
+        if hits:
+            chosen.append(part)
+    return tuple(chosen)
+
+
+def _unmatched_targets(options, sites, report, context) -> None:
+    missing = [t for t in options.targets if t not in report.matched]
+    if not missing:
+        return
+    known = sorted({p.name for s in sites for p in s.parts})
+    context.diagnostics.append(error(
+        "E008", f"LoRA target(s) {', '.join(f'`{t}`' for t in missing)} match no "
+        "`@adapter(lora)` injection point", None,
+        help=[f"targets here: {', '.join(known) or 'none (no @adapter(lora) in the model)'}"]))
+
+
+# ====================================================================== rewriting
+def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> Function:
+    base = tuple(p.id for p in function.params)
+    frozen = tuple(dict.fromkeys(function.no_gradient + base))
+    if not sites:
+        return replace(function, no_gradient=frozen)
+    builder = _Rewriter(function)
+    by_node = {s.node: s for s in sites}
+    for node in function.nodes:
+        if node.id in by_node:
+            builder.adapt(node, by_node[node.id], report)
+        else:
+            builder.nodes.append(node)
+    nodes = tuple(replace(n, id=f"f{i}") for i, n in enumerate(builder.nodes))
+    return replace(function, params=function.params + tuple(builder.params),
+                   values=function.values + tuple(builder.values), nodes=nodes,
+                   no_gradient=frozen)
+
+
+@dataclass
+class _Rewriter:
+    function: Function
+    nodes: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    counter: int = 0
+
+    def value(self, like: ValueInfo, last: str) -> str:
+        self.counter += 1
+        value_id = f"%lora{self.counter}"
+        self.values.append(ValueInfo(value_id, like.shape[:-1] + (last,), like.dtype))
+        return value_id
+
+    def op(self, origin: Node, target: str, inputs, outputs, attrs=(), notes=()) -> None:
+        self.nodes.append(Node(origin.id, "op", target, tuple(inputs), tuple(outputs),
+                               tuple(attrs), tuple(notes), 1, origin.phase, origin.span))
+
+    def adapt(self, node: Node, site: Site, report: LoraReport) -> None:
+        """y = matmul(x, W) -> y0 = matmul(x, W); y = y0 + delta (per part when fused)."""
+        x = node.inputs[0]
+        y = self.function.value(node.outputs[0])
+        base = self.value(y, y.shape[-1])
+        adapter = tuple(a for a in node.annotations if a[0] == "adapter")
+        self.nodes.append(replace(node, outputs=(base,), annotations=adapter))
+        keep = tuple(a for a in node.annotations if a[0] != "adapter")
+        if len(site.parts) == 1:
+            delta = self.delta(node, site, site.parts[0], x, y, report)
+            self.op(node, "add", (base, delta), (y.id,), notes=keep)
+            return
+        pieces = [self.value(y, str(p.rows)) for p in site.parts]
+        self.op(node, "split", (base,), pieces,
+                (("dim", -1), ("sizes", [p.rows for p in site.parts])))
+        for index, part in enumerate(site.parts):
+            if part in site.selected:
+                delta = self.delta(node, site, part, x, y, report)
+                total = self.value(y, str(part.rows))
+                self.op(node, "add", (pieces[index], delta), (total,))
+                pieces[index] = total
+        self.op(node, "concat", pieces, (y.id,), (("dim", -1),), notes=keep)
+
+    def delta(self, node, site: Site, part: Part, x: str, y: ValueInfo, report) -> str:
+        """(alpha / rank) * (x @ A^T) @ B^T, with A: [rank, in], B: [rows, rank]."""
+        weight = self.function.value(site.weight)
+        stem = site.weight if len(site.parts) == 1 else f"{site.weight}.{part.name}"
+        a, b = f"{stem}.lora_A", f"{stem}.lora_B"
+        rank = str(site.rank)
+        self.params += [ValueInfo(a, (rank, weight.shape[1]), weight.dtype, a[6:]),
+                        ValueInfo(b, (str(part.rows), rank), weight.dtype, b[6:])]
+        low = self.value(y, rank)
+        delta = self.value(y, str(part.rows))
+        attrs = dict(node.attrs)
+        self.op(node, "matmul", (x, a), (low,), tuple(attrs.items()))
+        attrs["alpha"] = site.alpha / site.rank
+        self.op(node, "matmul", (low, b), (delta,), tuple(attrs.items()))
+        report.adapters.append(_entry(site, part, a[6:], b[6:]))
+        return delta
+
+
+def _entry(site: Site, part: Part, a: str, b: str) -> dict:
+    prefix = site.prefix
+    join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    return {"weight": join(site.weight[len("param:"):]), "target": part.name,
+            "rows": [part.start, part.start + part.rows], "rank": site.rank,
+            "alpha": site.alpha, "lora_A": join(a), "lora_B": join(b),
+            "hf_module": part.hf_module, "placeholders": list(part.placeholders)}

@@ -1,0 +1,255 @@
+"""LoRA (issue 6): the `lora` pass adapts the `@adapter(lora)` matmuls, the reference runtime
+trains only the adapters, and they export under PEFT's names (docs/training.md, "LoRA")."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from modulec.lower.build import BuildRequest, build
+from modulec.lower.lora import LoraOptions, parse_lora
+
+torch = pytest.importorskip("torch")
+
+from runtime.model import Model  # noqa: E402
+from tests.runtime_models import TINY, token_inputs  # noqa: E402
+
+LLAMA, DENSE = TINY["llama"]
+SHAPES = {"B": 2, "T": 6}
+
+
+def _model(lora=None, std=0.3) -> Model:
+    return Model.from_module(LLAMA, settings=DENSE, lora=lora).init_random(0, std=std)
+
+
+def _randomize_b(model: Model, seed: int = 1) -> None:
+    """Trained-looking adapters: B = 0 at init makes every delta vanish."""
+    generator = torch.Generator().manual_seed(seed)
+    for path, value in model.params.items():
+        if path.endswith("lora_B"):
+            model.params[path] = torch.randn(value.shape, generator=generator,
+                                             dtype=value.dtype) * 0.2
+
+
+def _build(path=LLAMA, lora=None, settings=None, model=None, shapes=SHAPES):
+    settings = {k: str(v) for k, v in (DENSE if settings is None else settings).items()}
+    return build(BuildRequest(Path(path), model=model, settings=settings, shapes=shapes,
+                              lora=lora))
+
+
+# ====================================================================== options
+def test_the_option_text_parses():
+    assert parse_lora("rank=8,alpha=16,targets=[q,v]") == LoraOptions(8, 16.0, ("q", "v"))
+    assert parse_lora("targets=q+o") == LoraOptions(None, None, ("q", "o"))
+    assert parse_lora("") == LoraOptions()
+    with pytest.raises(ValueError):
+        parse_lora("rank=0")
+    with pytest.raises(ValueError):
+        LoraOptions.of({"ranks": 4})
+
+
+# ====================================================================== the pass
+def test_lora_off_leaves_the_graph_alone():
+    plain = _build()
+    entry = plain.graph.function("CausalSelfAttention#1")
+    assert not any(p.id.endswith("lora_A") for p in entry.params)
+    assert "lora" not in plain.document["metadata"]
+
+
+def test_an_adapted_matmul_gets_a_low_rank_delta_and_the_base_is_frozen():
+    result = _build(lora=LoraOptions(4, 8.0, ("o",)))
+    attention = result.graph.function("CausalSelfAttention#1")
+    ops = [(n.target, n.inputs) for n in attention.nodes][-4:]
+    assert [o[0] for o in ops] == ["matmul", "matmul", "matmul", "add"]
+    assert ops[1][1][1] == "param:out_weight.lora_A" and ops[2][1][1] == "param:out_weight.lora_B"
+    scaled = attention.nodes[-2]
+    assert scaled.attr("alpha") == 2.0  # alpha / rank
+    shapes = {p.id: p.shape for p in attention.params}
+    assert shapes["param:out_weight.lora_A"] == ("4", "32")
+    assert shapes["param:out_weight.lora_B"] == ("32", "4")
+    assert "param:out_weight" in attention.no_gradient
+    assert "param:qkv_weight" in attention.no_gradient
+    grads = dict(result.graph.function("CausalSelfAttention#1.backward").param_grads)
+    assert set(grads) == {"out_weight.lora_A", "out_weight.lora_B"}
+    assert not any(f.param_grads for f in result.graph.functions
+                   if f.name.startswith(("Llama", "Dense", "SwiGLU")))
+
+
+def test_a_fused_projection_gets_one_adapter_per_selected_part():
+    result = _build(lora=LoraOptions(4, 8.0, ("q", "v")))
+    attention = result.graph.function("CausalSelfAttention#1")
+    shapes = {p.id: p.shape for p in attention.params if "lora" in p.id}
+    assert shapes == {"param:qkv_weight.q.lora_A": ("4", "32"),
+                      "param:qkv_weight.q.lora_B": ("32", "4"),   # 4 heads x 8
+                      "param:qkv_weight.v.lora_A": ("4", "32"),
+                      "param:qkv_weight.v.lora_B": ("16", "4")}  # 2 kv heads x 8
+    split = next(n for n in attention.nodes if n.target == "split")
+    assert split.attr("sizes") == [32, 16, 16]
+    adapters = result.document["metadata"]["lora"]["adapters"]
+    assert {(a["target"], tuple(a["rows"]), a["hf_module"]) for a in adapters} == {
+        ("q", (0, 32), "model.layers.{i}.self_attn.q_proj"),
+        ("v", (48, 64), "model.layers.{i}.self_attn.v_proj")}
+
+
+def test_the_build_is_verified_and_deterministic(tmp_path):
+    from modulec.cli.build_cmd import verify_document
+    from modulec.ir.serialize import dumps
+
+    first = dumps(_build(lora=LoraOptions(4, 8.0, ("q", "v", "up"))).document)
+    second = dumps(_build(lora=LoraOptions(4, 8.0, ("q", "v", "up"))).document)
+    assert first == second
+    path = tmp_path / "lora.ir"
+    path.write_text(first)
+    assert verify_document(path) == []
+
+
+def test_an_unknown_target_is_an_error():
+    result = _build(lora=LoraOptions(targets=("q", "x_proj")))
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E008"]
+    assert "`x_proj`" in errors[0].message and "gate" in " ".join(errors[0].help)
+
+
+TOY = """
+module Toy(d: int, r: int = 2):
+  params:
+    w: [d, d]
+    v: [d, d]
+  forward:
+    in: x: [B, d]
+    out: [B, d]
+    graph:
+      x -> matmul(w, transpose=NT) -> h @adapter(lora, rank=r, alpha=6.0)
+      h -> MARK -> out
+"""
+
+
+def _toy(tmp_path, last: str, lora=LoraOptions()):
+    path = tmp_path / "toy.module"
+    path.write_text(textwrap.dedent(TOY).replace("MARK", last))
+    return path, _build(path, lora, {"d": 8}, "Toy", {"B": 3})
+
+
+def test_rank_and_alpha_come_from_the_annotation_and_the_option_overrides(tmp_path):
+    _, result = _toy(tmp_path, "matmul(v, transpose=NT)")
+    adapters = result.document["metadata"]["lora"]["adapters"]
+    assert [(a["weight"], a["rank"], a["alpha"]) for a in adapters] == [("w", 2, 6.0)]
+    _, result = _toy(tmp_path, "matmul(v, transpose=NT)", LoraOptions(rank=3))
+    assert [(a["rank"], a["alpha"]) for a in result.document["metadata"]["lora"]["adapters"]] \
+        == [(3, 6.0)]
+
+
+def test_a_misplaced_adapter_is_reported_at_the_annotation(tmp_path):
+    path, result = _toy(tmp_path, "gelu() @adapter(lora)")
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E008"]
+    assert "`gelu`" in errors[0].message
+    text = path.read_text()
+    span = errors[0].primary_span
+    assert text[span.start:span.end] == "@adapter(lora)"
+    assert span.line == 11
+
+
+def test_a_misplaced_adapter_is_harmless_without_lora(tmp_path):
+    _, result = _toy(tmp_path, "gelu() @adapter(lora)", lora=None)
+    assert result.document is not None
+
+
+# ====================================================================== the runtime
+def test_at_init_the_adapted_model_is_the_base_model_exactly():
+    base = _model()
+    adapted = _model(dict(rank=4, alpha=8))
+    inputs = token_inputs(base)
+    assert set(base.params) < set(adapted.params)
+    assert all(torch.equal(base.params[p], adapted.params[p]) for p in base.params)
+    assert torch.equal(base.forward(**inputs)["logits"], adapted.forward(**inputs)["logits"])
+    b = adapted.params["blocks[0].attention.qkv_weight.q.lora_B"]
+    a = adapted.params["blocks[0].attention.qkv_weight.q.lora_A"]
+    assert not b.any() and a.abs().max() <= 1 / 32 ** 0.5 and a.std() > 0
+
+
+def test_gradients_are_the_adapters_only_and_match_autograd():
+    model = _model(dict(rank=4, alpha=8))
+    _randomize_b(model)
+    inputs = token_inputs(model)
+    adapters = [p for p in model.params if "lora" in p]
+    for path in adapters:
+        model.params[path].requires_grad_(True)
+    logits = model.forward(**inputs)["logits"]
+    seed = torch.randn_like(logits)
+    expected = torch.autograd.grad(logits, [model.params[p] for p in adapters], seed)
+    with torch.no_grad():
+        model.forward(**inputs)
+        grads = model.backward(logits=seed).params
+    assert set(grads) == set(adapters)
+    for path, want in zip(adapters, expected):
+        error = (grads[path] - want).abs().max() / want.abs().max()
+        assert error < 1e-10, (path, float(error))
+
+
+def test_directional_finite_difference_agrees_with_the_backward():
+    model = _model(dict(rank=2, alpha=4, targets=["q", "v", "down"]))
+    _randomize_b(model)
+    inputs = token_inputs(model)
+    logits = model.forward(**inputs)["logits"]
+    seed = torch.randn_like(logits)
+    grads = model.backward(logits=seed).params
+    generator = torch.Generator().manual_seed(3)
+    direction = {p: torch.randn(g.shape, generator=generator, dtype=g.dtype)
+                 for p, g in grads.items()}
+    analytic = sum((grads[p] * d).sum() for p, d in direction.items())
+    eps, base = 1e-6, {p: model.params[p].clone() for p in direction}
+
+    def loss(sign):
+        for p, d in direction.items():
+            model.params[p] = base[p] + sign * eps * d
+        return (model.forward(**inputs)["logits"] * seed).sum()
+
+    numeric = (loss(1) - loss(-1)) / (2 * eps)
+    assert abs(float(numeric - analytic)) <= 1e-7 * max(1.0, abs(float(analytic)))
+
+
+def test_targets_restrict_the_rows_that_change():
+    """Adapters on q and v equal the base model with W += (alpha/r) B A merged into the
+    q and v rows of qkv_weight only (k rows and every other weight unchanged)."""
+    adapted = _model(dict(rank=4, alpha=8, targets=["q", "v"]))
+    _randomize_b(adapted)
+    merged = _model()
+    for layer in range(2):
+        prefix = f"blocks[{layer}].attention.qkv_weight"
+        weight = merged.params[prefix].clone()
+        for part, rows in (("q", slice(0, 32)), ("v", slice(48, 64))):
+            a, b = (adapted.params[f"{prefix}.{part}.lora_{m}"] for m in "AB")
+            weight[rows] += 2.0 * b @ a
+        merged.params[prefix] = weight
+    inputs = token_inputs(adapted)
+    want = merged.forward(**inputs)["logits"]
+    got = adapted.forward(**inputs)["logits"]
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert sorted({p.split(".")[-2] for p in adapted.params if "lora" in p}) == ["q", "v"]
+
+
+def test_adapters_export_under_peft_names_and_load_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from runtime.lora import load_lora, save_lora
+
+    model = _model(dict(rank=4, alpha=8, targets=["q", "o", "gate"]))
+    _randomize_b(model)
+    path = save_lora(model, tmp_path / "adapter")
+    tensors = load_file(str(path))
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    assert torch.equal(tensors[name], model.params["blocks[1].attention.qkv_weight.q.lora_B"])
+    assert tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors["base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight"].shape \
+        == (32, 4)
+    assert len(tensors) == 2 * 3 * 2
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    assert config["target_modules"] == ["gate_proj", "o_proj", "q_proj"]
+    fresh = _model(dict(rank=4, alpha=8, targets=["q", "o", "gate"]))
+    load_lora(fresh, tmp_path / "adapter")
+    assert all(torch.equal(fresh.params[p], model.params[p]) for p in model.params)
