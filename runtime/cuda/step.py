@@ -263,16 +263,39 @@ class _StepInterpreter(Interpreter):
         self.handed: set[str] = set()
         self.step = None
 
+    def forward(self, inputs: list):
+        outputs, frame = super().forward(inputs)
+        if self.keep_only_saved:  # the sinks (runs by argument) would keep every run alive
+            self._sinks = {}
+        return outputs, frame
+
     def _run(self, frame, args: list, forward) -> list:
-        if self.decisions is None or frame.function.gradient_of:
-            return super()._run(frame, args, forward)
-        keep_only_saved, self.keep_only_saved = self.keep_only_saved, False
-        try:
+        """Interpreter._run for a forward function, but keep_only_saved keeps what a
+        replay reads too (`_kept`), and the run's `recompute` values are dropped. After a
+        backward function ran, its forward run is emptied (values, callees, where its
+        arguments came from): nothing (no reference cycle either) keeps its saved or
+        replayed values past its backward."""
+        function = frame.function
+        if function.gradient_of:
             outputs = super()._run(frame, args, forward)
-        finally:
-            self.keep_only_saved = keep_only_saved
-        if keep_only_saved:  # what a replay reads stays too (a kept storage's other views)
-            _keep_only_saved(frame, self._kept(frame.function.name))
+            if self.keep_only_saved and forward is not None:
+                forward.env.clear()
+                forward.children.clear()
+                forward.forgotten.clear()
+            return outputs
+        if self.decisions is None:
+            return super()._run(frame, args, forward)
+        frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
+        for node in function.nodes:
+            if node.kind == "call":
+                self._call(node, frame, forward)
+            elif node.kind == "op":
+                self._op(node, frame, forward)
+            else:  # an alias names an existing value
+                frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
+        outputs = [frame.env.get(o) if o else None for o in function.outputs]
+        if self.keep_only_saved:
+            _keep_only_saved(frame, self._kept(function.name))
         self._release_run(frame)
         return outputs
 
