@@ -226,3 +226,43 @@ def test_cpu_memory_budget_executes_the_plan_with_the_same_losses(ckpt):
     plain = losses(train(ckpt, "--steps", "3", "--seq", "8"))
     planned = losses(train(ckpt, "--steps", "3", "--seq", "8", "--memory-budget", "335KiB"))
     assert planned == pytest.approx(plain, rel=1e-6)
+
+
+# ====================================================================== LoRA (CPU)
+def test_lora_trains_only_the_adapters_and_saves_them(ckpt, tmp_path):
+    result = train(ckpt, "--steps", "12", "--repeat-batch", "--lora", "rank=4,alpha=8",
+                   "--save", tmp_path / "lora")
+    got = losses(result)
+    assert got[-1] < got[0]
+    folder = tmp_path / "lora" / "checkpoint-12"
+    base = _tensors_file(folder / "model.safetensors")
+    start = _tensors_file(ckpt / "hf" / "model.safetensors")
+    assert base.keys() == start.keys()  # the base checkpoint, no adapter tensors in it
+    assert all(torch.equal(base[k], start[k].to(base[k].dtype)) for k in base)  # frozen
+    adapters = _tensors_file(folder / "adapter_model.safetensors")
+    assert any(k.endswith("q_proj.lora_A.weight") for k in adapters)
+    assert any(k.endswith("down_proj.lora_B.weight") for k in adapters)
+    assert any(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)  # trained
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+
+
+def test_lora_resume_continues_exactly(ckpt, tmp_path):
+    args = ("--lora", "rank=4,alpha=8")
+    whole = train(ckpt, "--steps", "6", *args, "--save", tmp_path / "a")
+    first = train(ckpt, "--steps", "4", *args, "--save", tmp_path / "b")
+    rest = train(ckpt, "--steps", "6", *args, "--resume", tmp_path / "b", weights=False)
+    assert losses(first) + losses(rest) == losses(whole)
+
+
+def test_lora_on_the_gpu_is_refused_for_now(ckpt):
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", ckpt / "tokens.bin",
+                 "--seq", "16", "--batch", "2", "--steps", "1", "--lora", "--device", "cuda")
+    assert result.exit_code == 1
+    assert "--lora trains on --device cpu" in result.output or "no CUDA" in result.output
+
+
+def _tensors_file(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

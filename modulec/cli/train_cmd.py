@@ -54,6 +54,10 @@ def _options(command):
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda",
                      show_default=True,
                      help="cuda: bf16 compute, one CUDA graph; cpu: float32 reference."),
+        click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v]",
+                     is_flag=False, flag_value="", default=None,
+                     help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "
+                          "weights frozen (--device cpu for now)."),
         click.option("--memory-budget", "budget", metavar="SIZE",
                      help="Plan keep/recompute/swap to fit SIZE (20GiB, 512MiB, ...)."),
         click.option("--format", "fmt", type=click.Choice(["human", "json"]),
@@ -70,13 +74,13 @@ def train_command(guarded):
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @_options
     @guarded
-    def train(file, budget, settings, **options):
+    def train(file, budget, settings, lora_text, **options):
         """Train FILE's language model on a token file (next-token cross-entropy, AdamW)."""
-        from modulec.cli.build_cmd import pairs
+        from modulec.cli.build_cmd import _lora, pairs
         from modulec.cli.plan_cmd import _budget
 
         request = dict(options, file=file, memory_budget=_budget(budget),
-                       settings=pairs(settings, "--set", False))
+                       settings=pairs(settings, "--set", False), lora=_lora(lora_text))
         return _run(request)
 
     return train

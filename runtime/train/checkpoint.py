@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from modulec.lower.lora import is_adapter
 from runtime.errors import RuntimeUserError
 
 STATE = "trainer_state.json"
@@ -33,9 +34,10 @@ PARTS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: dict,
-                    config: dict | None, dtype: torch.dtype) -> Path:
+                    config: dict | None, dtype: torch.dtype, adapters=None) -> Path:
     """Write checkpoint-<step> under `root` from the trainer's `state` (masters, exp_avg,
-    exp_avg_sq, step) and `trainer` (the JSON state); returns its folder."""
+    exp_avg_sq, step) and `trainer` (the JSON state); returns its folder. `adapters` (a
+    LoRA model): its adapters go to PEFT's adapter files beside the (frozen) base."""
     from runtime.hf_weights import save_hf_weights
 
     root = Path(root)
@@ -44,7 +46,12 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
     temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
         masters = {p: t.detach().float().cpu() for p, t in state["masters"].items()}
-        save_hf_weights(schema, masters, temp, config, dtype=dtype, layout=layout)
+        base = {p: t for p, t in masters.items() if not is_adapter(p)}
+        save_hf_weights(schema, base, temp, config, dtype=dtype, layout=layout)
+        if adapters is not None:
+            from runtime.lora import save_lora
+
+            save_lora(adapters, temp)
         write_optimizer(temp / OPTIMIZER, state, masters)
         files = {f.name: f.stat().st_size for f in sorted(temp.iterdir())}
         text = json.dumps(trainer | {"format": FORMAT, "files": files}, indent=2) + "\n"

@@ -48,6 +48,7 @@ class Request:
     settings: dict = field(default_factory=dict)
     model: str | None = None
     search_path: tuple = ()
+    lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
 
 
 def train_model(**kwargs) -> str:
@@ -86,12 +87,15 @@ def _resumed(path):
 
 
 def _model(request: Request, weights: Path) -> Model:
+    if request.lora is not None and request.device != "cpu":
+        raise RuntimeUserError("--lora trains on --device cpu for now: the GPU step has no "
+                               "adapters yet", help=["add --device cpu"])
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
                               dtype=torch.float32, device=request.device,
                               model=request.model, search_path=request.search_path,
                               progress=request.fmt == "human" and sys.stderr.isatty(),
                               memory_budget=request.memory_budget
-                              if request.device == "cpu" else None)
+                              if request.device == "cpu" else None, lora=request.lora)
     names = model.source.program(planned=False).input_names()
     if names != ["token_ids"]:
         raise RuntimeUserError(f"`modulec train` feeds token_ids only; {request.file}'s "
@@ -193,7 +197,8 @@ class Run:
         try:
             self.saved = save_checkpoint(r.save, self.trainer.state(), trainer,
                                          schema=self.schema, layout=self.layout,
-                                         config=self.config, dtype=self.save_dtype)
+                                         config=self.config, dtype=self.save_dtype,
+                                         adapters=self.model if r.lora is not None else None)
         except OSError as exc:
             raise RuntimeUserError(f"cannot write the checkpoint of step {step} under "
                                    f"{r.save}: {exc}",
