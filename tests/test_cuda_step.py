@@ -202,6 +202,18 @@ def test_budgeted_step_releases_early_and_gives_the_same_gradients(derive_writte
                 return original(frame, args, forward)
             run._run = spy
         (out,), frame = run.forward([tokens])
+        if decided is not None:  # every run of the tree kept only its saved / replay inputs
+            stack = [frame]
+            while stack:
+                run_frame = stack.pop()
+                stack += run_frame.children.values()
+                if run_frame is frame:
+                    continue
+                kept = run._kept(run_frame.function.name)
+                real = {v for v, t in run_frame.env.items()
+                        if t.numel() > 1 and t.stride() != (0,) * t.dim()}
+                assert real <= kept, (run_frame.function.name, real - kept)
+                assert not real & run_frame.dropped
         if seed is None:
             seed = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
         _, grads = run.backward(frame, [seed])
