@@ -287,12 +287,7 @@ class _StepInterpreter(Interpreter):
             return super()._run(frame, args, forward)
         frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
         for node in function.nodes:
-            if node.kind == "call":
-                self._call(node, frame, forward)
-            elif node.kind == "op":
-                self._op(node, frame, forward)
-            else:  # an alias names an existing value
-                frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
+            self._dispatch(node, frame, forward)
         outputs = [frame.env.get(o) if o else None for o in function.outputs]
         if self.keep_only_saved:
             _keep_only_saved(frame, self._kept(function.name))
