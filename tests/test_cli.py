@@ -281,3 +281,10 @@ def test_console_script_entry_point():
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
+
+
+def test_a_submodule_called_like_a_method_gets_a_submodule_hint():
+    result = run("check", "tests/ui/check/e014_submodule_attribute_call.module")
+    assert result.exit_code == 1
+    assert "`ln` is a parameter of `Block`, not an imported module" in result.output
+    assert "import std.modules.linear as L" not in result.output

@@ -149,10 +149,19 @@ def _call_qualified(ctx, func: A.Attribute, consts, inputs, expr) -> Result | No
         prefix, last = name.rsplit(".", 1)
         world.error("E014", f"unknown operation `{name}`", func.span,
                     f"no module `{last}` under `{prefix}`",
-                    help=["a qualified name is an imported module (or its alias) and one of "
-                          "its declarations: `import std.modules.linear as L`, then "
-                          "`L.Linear(d, d)`"])
+                    help=[_qualified_help(ctx, prefix)])
     return None
+
+
+def _qualified_help(ctx, prefix: str) -> str:
+    """A prefix that is one of this module's own parameters is no import: say so."""
+    head = prefix.split(".", 1)[0]
+    if head in ctx.instance.params:
+        return (f"`{head}` is a parameter of `{ctx.instance.name}`, not an imported module: "
+                f"call a submodule by its name (`x -> {head}`), or pass its tensors to an "
+                f"op (`({head}.weight, x) -> ...`)")
+    return ("a qualified name is an imported module (or its alias) and one of its "
+            "declarations: `import std.modules.linear as L`, then `L.Linear(d, d)`")
 
 
 def _call_declared(ctx, decl: A.Decl, consts, inputs, expr) -> Result | None:
