@@ -155,8 +155,9 @@ class Resolver:
         known = len(self._cycles)
         self._load(module.path, module)
         for chain in self._cycles[known:]:
-            if chain[0] == resolved.path:
-                resolved.diagnostics.append(messages.circular(request.span, chain))
+            if _has_edge(chain, resolved.path, module.path):  # every file on the loop
+                rotated = _starting_at(chain, resolved.path)
+                resolved.diagnostics.append(messages.circular(request.span, rotated))
 
     def _target(self, resolved: ResolvedFile, request: Request,
                 failed_statements: set[int]) -> Target | None:
@@ -202,7 +203,8 @@ class Resolver:
             if module.path in self._loading:
                 chain = self._loading[self._loading.index(module.path):] + [module.path]
                 self._cycles.append(chain)
-                resolved.diagnostics.append(messages.circular(request.span, chain))
+                told = _starting_at(chain, resolved.path)
+                resolved.diagnostics.append(messages.circular(request.span, told))
             else:
                 self._load_reporting_cycles(resolved, request, module)
             if self._parse(module.path).ok:
@@ -259,3 +261,15 @@ def _display_name(path: Path) -> str:
 
 def _version_number(version: str | None) -> int | None:
     return None if version is None else int(version[1:])
+
+
+def _has_edge(chain: list[Path], source: Path, target: Path) -> bool:
+    """Whether the import loop `chain` (a -> b -> c -> a) goes from `source` to `target`."""
+    return any(a == source and b == target for a, b in zip(chain, chain[1:]))
+
+
+def _starting_at(chain: list[Path], path: Path) -> list[Path]:
+    """The loop told from `path`: a -> b -> c -> a seen from b is b -> c -> a -> b."""
+    loop = chain[:-1]
+    start = loop.index(path)
+    return loop[start:] + loop[:start] + [path]
