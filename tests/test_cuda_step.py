@@ -225,3 +225,160 @@ def test_budgeted_step_releases_early_and_gives_the_same_gradients(derive_writte
     assert grads_a.keys() == grads_b.keys()
     for path in grads_a:
         assert torch.allclose(grads_a[path], grads_b[path], rtol=1e-12, atol=1e-14), path
+
+
+@pytest.mark.parametrize("share", [0.05, 0.3])
+def test_budgeted_step_holds_no_released_storage(share):
+    """What the planner counts as released is released: after the forward of a budgeted
+    step (the GPU step's interpreter, float64 on the CPU), no tensor the decisions dropped
+    shares storage with anything the frame tree still holds. (A block's norm output is a
+    callee's `x`: keep_only_saved used to replace the block's own reference by a stand-in
+    before the release, so the callee's copy was not forgotten and stayed to the
+    backward.) Its gradients stay the unbudgeted program's."""
+    from runtime.cuda.step import _StepInterpreter
+    from runtime.decisions import Decisions
+
+    model, inputs, program, planned = _budgeted("llama", True, share)
+    decisions = Decisions.from_schedule(planned.document["schedule"])
+    run = _StepInterpreter(planned.graph, model.params, F64, check_finite=False,
+                           kernels=train_kernels("cpu"), keep_only_saved=True,
+                           decisions=decisions)
+    made = []  # every value decided `recompute`, as its forward op made it
+    dispatch = run._dispatch
+
+    def spy(node, frame, forward):
+        dispatch(node, frame, forward)
+        if node.kind == "op" and not frame.function.gradient_of:
+            for value in node.outputs:
+                tensor = frame.env.get(value)
+                if (value and decisions.of(frame.function.name, value, frame.instance)
+                        == "recompute" and isinstance(tensor, torch.Tensor)):
+                    made.append((frame.function.name, value, tensor))
+    run._dispatch = spy
+    (out,), frame = run.forward([inputs["token_ids"]])
+    run._dispatch = dispatch
+    held, stack = {}, [frame]
+    while stack:
+        run_frame = stack.pop()
+        stack += run_frame.children.values()
+        for value, tensor in run_frame.env.items():
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > 1 and any(tensor.stride()):
+                held[tensor.untyped_storage().data_ptr()] = (run_frame.function.name, value)
+    assert made
+    still = [(name, value, held[t.untyped_storage().data_ptr()]) for name, value, t in made
+             if t.untyped_storage().data_ptr() in held]
+    del made
+    assert not still, still[:4]
+    seed = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+    _, grads = run.backward(frame, [seed])
+    reference = Interpreter(program.graph, model.params, F64, keep_only_saved=True)
+    (out_ref,), frame_ref = reference.forward([inputs["token_ids"]])
+    _, grads_ref = reference.backward(frame_ref, [seed])
+    assert torch.allclose(out, out_ref, rtol=1e-12, atol=1e-14)
+    for path in grads_ref:
+        assert torch.allclose(grads[path], grads_ref[path], rtol=1e-10, atol=1e-12), path
+
+
+# ------------------------------------------------------------------ LoRA (frozen base)
+ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def _lora_model(name: str = "llama") -> Model:
+    path, settings = TINY[name]
+    model = Model.from_module(path, settings=settings, dtype=F64,
+                              lora=dict(rank=4, alpha=8, targets=ALL_TARGETS)).init_random(1)
+    g = torch.Generator().manual_seed(2)
+    for p, t in model.params.items():  # B != 0, so that A's gradients mean something
+        if p.endswith("lora_B"):
+            t.copy_(0.1 * torch.randn(t.shape, generator=g, dtype=F64))
+    return model
+
+
+@pytest.mark.parametrize("mode", ["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_matmul_grads_computes_only_the_wanted_gradient(mode, batched):
+    from runtime.cuda.train_kernels import matmul_grads
+    from runtime.kernels import KERNELS
+
+    g = torch.Generator().manual_seed(0)
+    lead = (2,) if batched else (3,)
+    a_shape = (*lead, 5, 4) if mode[0] == "N" else (*lead, 4, 5)
+    b_shape = (4, 6) if mode[1] == "N" else (6, 4)
+    if not batched:
+        a_shape = a_shape[1:] if mode[0] == "T" else a_shape
+    A = torch.randn(a_shape, generator=g, dtype=F64)
+    B = torch.randn(b_shape, generator=g, dtype=F64)
+    name = "batched_matmul" if batched else "matmul"
+    attrs = {"transpose": mode} | ({} if batched else {"alpha": 0.5})
+    (C,) = KERNELS[name].forward_fn(A, B, **attrs)
+    d_C = torch.randn(C.shape, generator=g, dtype=F64)
+    ref = KERNELS[name].backward_fn(d_C, A, B, **attrs)
+    d_A, none = matmul_grads(d_C, A, B, wanted=(True, False), batched=batched, **attrs)
+    assert none is None and torch.allclose(d_A, ref[0])
+    none, d_B = matmul_grads(d_C, A, B, wanted=(False, True), batched=batched, **attrs)
+    assert none is None and torch.allclose(d_B, ref[1])
+
+
+def test_lora_step_interpreter_skips_frozen_weight_gradients():
+    """The GPU step's interpreter with the train kernels (on the CPU, float64): a frozen
+    base weight's matmul backward is told its d_B is unwanted and computes d_A alone; the
+    gradients are the reference's, the adapters' only."""
+    from runtime.cuda.step import _StepInterpreter, frozen_paths
+    from runtime.lora import adapter_params
+
+    model = _lora_model()
+    inputs = token_inputs(model)
+    program = model.source.program_for(inputs)
+    _, ref, _ = _grads(model, inputs)
+    kernels = train_kernels("cpu")
+    matmul, wanted = kernels["matmul"], []
+    original = matmul.backward
+
+    def recording(inputs, attrs):
+        asked = attrs.get("wanted_outputs")
+        outputs = original(inputs, attrs)
+        wanted.append((asked, tuple(o is not None for o in outputs)))
+        return outputs
+
+    matmul.backward = recording
+    run = _StepInterpreter(program.graph, model.params, F64, check_finite=False,
+                           kernels=kernels, keep_only_saved=True, decisions=None)
+    outputs, frame = run.forward([model._input(inputs["token_ids"])])
+    seeds = [torch.randn(o.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+             for o in outputs]
+    _, grads = run.backward(frame, seeds)
+    assert set(grads) == set(ref) == set(adapter_params(model))
+    assert frozen_paths(program) == set(model.params) - set(grads)
+    for path in ref:
+        assert torch.allclose(grads[path], ref[path], rtol=1e-10, atol=1e-12), path
+    skipped = [w for w in wanted if w == ((True, False), (True, False))]
+    # 4 frozen layer matmuls (qkv, out, up, down) x 2 layers + the LM head, each asked
+    # with d_B unwanted and answering without it; every other one computes both
+    assert len(skipped) == 4 * 2 + 1, wanted
+    assert all(w == (None, (True, True)) for w in wanted if w not in skipped), wanted
+
+
+def test_lora_fixed_state_counts_frozen_weights_at_their_compute_copy():
+    from runtime.cuda.step import frozen_paths, runtime_fixed_bytes
+    from runtime.model import parameter_shapes
+
+    model = _lora_model()
+    program = model.source.program_for(token_inputs(model))
+    shapes = parameter_shapes(program.graph)
+    frozen = frozen_paths(program)
+    count = lambda paths: sum(torch.Size(shapes[p]).numel() for p in paths)  # noqa: E731
+    adapters = set(shapes) - frozen
+    assert adapters and all(p.endswith(("lora_A", "lora_B")) for p in adapters)
+    assert runtime_fixed_bytes(program) == 14 * count(adapters) + 2 * count(frozen)
+    plain = _model("llama").source.program_for(token_inputs(model))
+    assert frozen_paths(plain) == set()
+
+
+def test_fused_lm_head_without_the_head_gradient():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 8, generator=g, dtype=F64)
+    w = torch.randn(16, 8, generator=g, dtype=F64)
+    labels = torch.randint(0, 16, (2, 9), generator=g)
+    loss, d_x, d_w = lm_head_cross_entropy(x, w, labels, chunk_rows=4)
+    frozen = lm_head_cross_entropy(x, w, labels, chunk_rows=4, head_grad=False)
+    assert frozen[2] is None and torch.equal(frozen[0], loss) and torch.equal(frozen[1], d_x)

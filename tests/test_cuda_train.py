@@ -225,3 +225,74 @@ def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
     losses = [[float(s(tokens)) for _ in range(4)] for s in steps]
     for a, b in zip(*losses):
         assert abs(a - b) / abs(a) < 5e-3, losses
+
+
+# ------------------------------------------------------------------ LoRA
+LORA = dict(rank=8, alpha=16, targets=["q", "k", "v", "o", "gate", "up", "down"])
+
+
+def _lora_step(tmp_path):
+    """A LoRA step on the small Llama from an HF checkpoint, and the fp32 CPU model with
+    the same weights (adapters' B made nonzero, so that A's gradients mean something)."""
+    from runtime.cuda.step import TrainStep
+    from runtime.model import Model
+
+    _hf_checkpoint(tmp_path)
+    model = Model.from_module(LLAMA, settings=SMALL, hf_weights=tmp_path, lora=LORA,
+                              dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    for p, t in model.params.items():
+        if p.endswith("lora_B"):
+            t.copy_(0.02 * torch.randn(t.shape, generator=g))
+    step = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, lora=LORA)
+    return step.load(model.params), model
+
+
+def test_lora_step_matches_the_cpu_reference_and_keeps_the_base_frozen(tmp_path):
+    from runtime.cuda.lm_head import logits_cross_entropy
+    from runtime.cuda.step import next_token_labels
+    from runtime.interpreter import Interpreter
+    from runtime.lora import adapter_params
+
+    step, model = _lora_step(tmp_path)
+    adapters = set(adapter_params(model))
+    frozen = set(model.params) - adapters
+    assert set(step.masters) == set(step.exp_avg) == set(step.names) == adapters
+    assert set(step.compute) == set(model.params)
+    tokens = _tokens()
+    step.set_batch(tokens.cuda())
+    loss, grads = step.loss_and_gradients()
+    run = Interpreter(step.program.graph, model.params, torch.float32)
+    (logits,), frame = run.forward([tokens])
+    ref_loss, d_logits = logits_cross_entropy(logits, next_token_labels(tokens))
+    _, ref = run.backward(frame, [d_logits])
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-2
+    assert set(grads) == set(ref) == adapters
+    worst = min((_cos(grads[p].float().cpu(), ref[p]), p) for p in ref)
+    assert worst[0] >= 0.999, worst
+    base = {p: step.compute[p].clone() for p in frozen}
+    step.adamw.lr = 1e-3
+    losses = [float(step(tokens.cuda())) for _ in range(3)]
+    step.capture(warmup=1)
+    losses += [float(step(tokens.cuda())) for _ in range(6)]
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert all(torch.equal(step.compute[p], base[p]) for p in frozen)  # bit-identical
+    assert int(step.step_count.item()) == 10
+
+
+def test_lora_step_holds_less_than_full_training(tmp_path):
+    """Peak GPU memory of steps with and without LoRA on the same small model."""
+    from runtime.cuda.step import TrainStep
+
+    peaks = {}
+    for lora in (None, LORA):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, lora=lora).init_random(0)
+        for _ in range(2):
+            step(_tokens().cuda())
+        torch.cuda.synchronize()
+        peaks[lora is not None] = torch.cuda.max_memory_allocated() - before
+        del step
+    assert peaks[True] < peaks[False], peaks

@@ -59,3 +59,24 @@ def test_train_resume_and_load_in_transformers(ckpt, tmp_path):
         logits = hf(input_ids=window[:, :-1]).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
     assert float(loss) == pytest.approx(rest[0], rel=1e-2)  # step 6 starts from checkpoint-5
+
+
+def test_lora_trains_on_the_gpu_saves_adapters_and_resumes(ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    args = ("--lora", "rank=4,alpha=8")
+    whole = train(ckpt, "--hf-weights", ckpt / "hf", "--steps", "8", *args)
+    assert whole[-1] < whole[0]
+    first = train(ckpt, "--hf-weights", ckpt / "hf", "--steps", "5", *args,
+                  "--save", tmp_path / "s")
+    rest = train(ckpt, "--steps", "8", *args, "--resume", tmp_path / "s")
+    assert first == pytest.approx(whole[:5], rel=5e-3)
+    assert rest == pytest.approx(whole[5:], rel=5e-3)
+    folder = tmp_path / "s" / "checkpoint-5"
+    base = load_file(str(folder / "model.safetensors"))
+    start = load_file(str(ckpt / "hf" / "model.safetensors"))
+    assert base.keys() == start.keys()
+    assert all(torch.equal(base[k], start[k].to(base[k].dtype)) for k in base)  # frozen
+    adapters = load_file(str(folder / "adapter_model.safetensors"))
+    assert any(k.endswith("q_proj.lora_A.weight") for k in adapters)
+    assert any(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)

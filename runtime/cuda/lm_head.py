@@ -61,23 +61,26 @@ def _backward_from(backward: Function, entry: Function, x_id: str, first) -> Fun
 
 
 def lm_head_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int = 2048,
-                          ignore_index: int = -100):
+                          ignore_index: int = -100, head_grad: bool = True):
     """(loss [] fp32, d_x like x, d_weight fp32 like weight) of mean cross-entropy of
-    logits = x @ weight^T against labels, in chunks of `chunk_rows` rows."""
+    logits = x @ weight^T against labels, in chunks of `chunk_rows` rows. `head_grad=False`
+    (a frozen head, LoRA): d_weight is None, neither computed nor allocated."""
     d = x.shape[-1]
     rows, flat_labels = x.reshape(-1, d), labels.reshape(-1)
     keep = flat_labels != ignore_index
     inv_n = 1.0 / keep.sum().clamp(min=1).to(torch.float32)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     d_rows = torch.empty_like(rows)
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) \
+        if head_grad else None
     for start in range(0, rows.shape[0], chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])
         part = slice(start, stop)
         logits = (rows[part] @ weight.t()).float()
         grad = _chunk(logits, flat_labels[part], keep[part], inv_n, loss).to(x.dtype)
         torch.mm(grad, weight, out=d_rows[part])
-        d_weight.add_(grad.t() @ rows[part])
+        if head_grad:
+            d_weight.add_(grad.t() @ rows[part])
     return loss * inv_n, d_rows.reshape(x.shape), d_weight
 
 

@@ -21,6 +21,12 @@ backward, AdamW), captured in one CUDA graph and replayed.
   backward reads outlives its function); no finiteness checks (they sync).
 - Loss: mean next-token cross-entropy; when the graph ends in the LM-head matmul, that
   node is cut off and LM head + cross-entropy run fused in chunks (runtime/cuda/lm_head.py).
+- LoRA (`from_module(..., lora=dict(rank=16, alpha=32, targets=[...]))`, or a program
+  built with LoRA): the base weights are frozen (`frozen`): each has only its bf16 compute
+  copy (no fp32 master, no moments, no gradient, no optimizer work); the adapters
+  (`W.lora_A`, `W.lora_B`) are trained as above. The backward computes no frozen
+  weight's gradient (the derived backward leaves their d_B unwanted, `train_kernels.Matmul`
+  skips it; the fused LM head skips d_head).
 - CUDA graph: after `warmup` eager steps on a side stream, one step is captured; each call
   copies the batch into the static input buffers and replays it.
 - Memory budget (`from_module(..., memory_budget=bytes)`): the program is built with the
@@ -77,23 +83,28 @@ class TrainStep:
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
                     derive_written: bool = False, memory_budget: int | None = None,
-                    plan_device: str = "h200-noswap", **options) -> "TrainStep":
-        """`derive_written`: ignore the source's written backward sections (the SwiGLU
-        MLP's recomputes its up projection; the derived one saves it instead).
+                    plan_device: str = "h200-noswap", lora=None, **options) -> "TrainStep":
+        """`lora`: LoRA on (a dict `rank=16, alpha=32, targets=[...]` or
+        modulec.lower.lora.LoraOptions; base weights frozen). `derive_written`: ignore the
+        source's written backward sections (the SwiGLU MLP's recomputes its up projection; the derived one saves it instead).
         `memory_budget` (bytes of GPU memory for the whole step): build with the budget
         planner on `plan_device`'s cost model and run its recompute decisions."""
         from modulec.lower.build_plan import PlanOptions
 
         settings = {k: str(v) for k, v in (settings or {}).items()}
         tokens = {"token_ids": torch.zeros(batch, seq, dtype=torch.int32)}
-        source = ModuleSource(Path(path), settings, derive_written=derive_written)
+        if lora is not None:
+            from modulec.lower.lora import LoraOptions
+
+            lora = LoraOptions.of(lora)
+        source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora)
         program = source.program_for(tokens)
         if memory_budget is None:
             return cls(program, batch, seq, **options)
         offset = planner_budget(program, 0, options.get("optimizer", "auto"))
         planned = ModuleSource(Path(path), settings, derive_written=derive_written,
                                planning=PlanOptions(budget=int(memory_budget) + offset,
-                                                    device=plan_device))
+                                                    device=plan_device), lora=lora)
         step = cls(planned.program_for(tokens), batch, seq, **options)
         step.memory_budget, step.budget_offset = int(memory_budget), offset
         step.unplanned, step.plan_device = program, plan_device
@@ -115,6 +126,12 @@ class TrainStep:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return parameter_shapes(self.program.graph)
 
+    def frozen(self) -> set[str]:
+        """The parameters not trained: with LoRA, every one but the adapters."""
+        if not hasattr(self, "_frozen"):
+            self._frozen = frozen_paths(self.program)
+        return self._frozen
+
     def init_random(self, seed: int = 0, std: float = 0.02) -> "TrainStep":
         generator = torch.Generator(device="cuda").manual_seed(seed)
         params = {}
@@ -125,13 +142,17 @@ class TrainStep:
 
     def load(self, params: dict[str, Tensor]) -> "TrainStep":
         """Take the weights (by path, any dtype/device): fp32 masters, bf16 compute copies,
-        fp32 gradient buffers, a fresh optimizer; a captured graph is dropped."""
+        fp32 gradient buffers, a fresh optimizer; a captured graph is dropped. Frozen
+        weights (LoRA's base) get their compute copy only; `names` are the trained ones."""
         missing = set(self.shapes()) - set(params)
         if missing:
             raise KeyError(f"no value for {sorted(missing)[:5]}")
-        self.names = sorted(self.shapes())
+        frozen = self.frozen()
+        self.names = sorted(p for p in self.shapes() if p not in frozen)
         self.masters = {p: params[p].detach().to("cuda", torch.float32).clone() for p in self.names}
-        self.compute = {p: m.to(self.dtype) for p, m in self.masters.items()}
+        self.compute = {p: params[p].detach().to("cuda", self.dtype, copy=True)
+                        for p in sorted(frozen)}
+        self.compute.update({p: m.to(self.dtype) for p, m in self.masters.items()})
         a = self.adamw
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
@@ -184,13 +205,14 @@ class TrainStep:
         (out,), frame = run.forward([self.tokens])
         if self.split is not None:
             head = self.split.head_param
+            trained = head not in self.frozen()
             loss, seed, d_head = lm_head_cross_entropy(out, self.compute[head], self.labels,
-                                                       self.chunk_rows)
+                                                       self.chunk_rows, head_grad=trained)
         else:
             loss, seed = logits_cross_entropy(out, self.labels, self.chunk_rows)
         del out
         _, grads = run.backward(frame, [seed])
-        if self.split is not None:
+        if self.split is not None and trained:
             grads[head] = grads[head] + d_head if head in grads else d_head
         return loss, grads
 
@@ -325,6 +347,14 @@ class _StepInterpreter(Interpreter):
             elif kind == SWAP and self.step is not None:
                 self.step.swaps_kept += 1
 
+    def _attrs(self, node):
+        """A matmul backward with an unwanted gradient (a frozen weight's d_B) is told so
+        (`train_kernels.Matmul` then computes only the wanted one)."""
+        attrs = super()._attrs(node)
+        if node.target in MATMUL_BACKWARDS and not all(node.outputs):
+            attrs["wanted_outputs"] = tuple(bool(o) for o in node.outputs)
+        return attrs
+
     def _collect_param_grads(self, frame) -> None:
         super()._collect_param_grads(frame)
         if self.on_gradient is None or not frame.indices:
@@ -338,11 +368,28 @@ class _StepInterpreter(Interpreter):
                 self.on_gradient(path, self.grads.pop(path))
 
 
+MATMUL_BACKWARDS = ("matmul_backward", "batched_matmul_backward")
+
+
+def frozen_paths(program: Program) -> set[str]:
+    """The parameters a step does not train: with LoRA (the program's `metadata.lora`),
+    all but the adapters; otherwise none."""
+    if not program.metadata.get("lora"):
+        return set()
+    from modulec.lower.lora import is_adapter
+
+    return {p for p in parameter_shapes(program.graph) if not is_adapter(p)}
+
+
 def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
     """This step's fixed state: fp32 masters + two fp32 moments + bf16 compute copies
-    (14 bytes per parameter), plus an fp32 `.grad` per parameter with optimizer='torch'."""
-    params = sum(_numel(s) for s in parameter_shapes(program.graph).values())
-    return params * (18 if optimizer == "torch" else 14)
+    (14 bytes per trained parameter), plus an fp32 `.grad` per trained parameter with
+    optimizer='torch'; a frozen one (LoRA's base) holds its bf16 compute copy alone (2)."""
+    frozen = frozen_paths(program)
+    shapes = parameter_shapes(program.graph)
+    trained = sum(_numel(s) for p, s in shapes.items() if p not in frozen)
+    fixed = sum(_numel(s) for p, s in shapes.items() if p in frozen)
+    return trained * (18 if optimizer == "torch" else 14) + fixed * 2
 
 
 def planner_fixed_bytes(program: Program) -> int:

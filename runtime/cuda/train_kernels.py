@@ -20,7 +20,9 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   concat (written backward) or the split's backward (derived) is a view of it; rope's
   backward writes d_q / d_k into the q and k head slots of a [B, T, Hq + 2 Hk, D] buffer
   and the concat of (d_q, d_k, d_v) copies only d_v into the slots left for it;
-- zeros are made on the GPU.
+- zeros are made on the GPU;
+- a matmul backward computes only the gradients its node wants (`Matmul`): a frozen
+  weight's (LoRA's base) d_B is neither computed nor allocated, only d_A.
 
 Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry.
 """
@@ -207,9 +209,50 @@ class Rope:
         return [g_q, g_k]
 
 
+class Matmul(NoCast):
+    """matmul / batched_matmul with no cast; its backward reads `wanted_outputs` (a
+    (d_A, d_B) pair of bools the GPU step's interpreter adds when one of the node's
+    gradients is unwanted) and computes only the wanted ones (None for the other)."""
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        wanted = attrs.pop("wanted_outputs", None)
+        if wanted is None or all(wanted):
+            return list(self.reference.backward_fn(*inputs, **attrs))
+        return matmul_grads(*inputs, wanted=wanted, batched=self.name == "batched_matmul",
+                            **attrs)
+
+
+def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0, **_):
+    """The wanted ones of (d_A, d_B) of C = alpha * op(A) @ op(B) (runtime/kernels/linalg.py's
+    formulas), None for the others."""
+    from runtime.kernels.base import sum_to_shape
+    from runtime.kernels.linalg import _fold, _mm
+
+    if batched:
+        g, a, b = d_C, A, B
+    else:
+        g, a, b = _fold(d_C), _fold(A), _fold(B)
+    formulas = {
+        "NN": (lambda: _mm(g, b, "NT", alpha), lambda: _mm(a, g, "TN", alpha)),
+        "NT": (lambda: _mm(g, b, "NN", alpha), lambda: _mm(g, a, "TN", alpha)),
+        "TN": (lambda: _mm(b, g, "NT", alpha), lambda: _mm(a, g, "NN", alpha)),
+        "TT": (lambda: _mm(b, g, "TT", alpha), lambda: _mm(g, a, "TT", alpha)),
+    }[transpose]
+    out = []
+    for want, formula, like in zip(wanted, formulas, (A, B)):
+        if not want:
+            out.append(None)
+        elif batched:
+            out.append(sum_to_shape(formula(), like.shape))
+        else:
+            out.append(formula().reshape(like.shape))
+    return out
+
+
 def train_kernels(device: str = "cuda") -> dict:
     kernels = dict(CUDA_KERNELS)
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
+    kernels.update({name: Matmul(KERNELS[name]) for name in ("matmul", "batched_matmul")})
     kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
     kernels["concat"] = Concat(KERNELS["concat"])
     kernels["split"] = Split(KERNELS["split"])

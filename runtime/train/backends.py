@@ -56,7 +56,9 @@ class CPUTrainer:
 
 class CUDATrainer:
     """TrainStep through its public API: the first step eager, then capture (its one
-    warm-up step is the second step) and a graph replay per step."""
+    warm-up step is the second step) and a graph replay per step. With LoRA the step
+    trains the adapters only; the frozen base weights' fp32 values stay here on the host
+    (the checkpoint's base), the GPU holding their bf16 compute copies alone."""
 
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
                  memory_budget: int | None = None):
@@ -71,6 +73,10 @@ class CUDATrainer:
         # decisions="auto": a budgeted program's recompute decisions run in the step
         self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused")
         self.step.load(model.params)
+        frozen = self.step.frozen()
+        self.frozen = {p: model.params[p].detach().to("cpu", torch.float32)
+                       for p in self.names if p in frozen}
+        self.model = model
         model.params.clear()  # the step holds the fp32 masters now
         self.steps_run = 0
 
@@ -86,13 +92,17 @@ class CUDATrainer:
 
     def state(self) -> dict:
         s = self.step
-        return {"masters": s.masters, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq,
-                "step": int(s.step_count.item())}
+        if self.frozen:  # LoRA: the model's adapters are the step's masters (save_lora)
+            self.model.params.update(s.masters)
+        return {"masters": s.masters | self.frozen, "exp_avg": s.exp_avg,
+                "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())}
 
     def load_state(self, state: dict) -> None:
         s = self.step
         s.load({p: state["masters"][p] for p in self.names})
-        for path in self.names:
+        self.frozen = {p: state["masters"][p].detach().to("cpu", torch.float32)
+                       for p in self.frozen}
+        for path in s.names:  # the trained ones
             s.exp_avg[path].copy_(state["exp_avg"][path])
             s.exp_avg_sq[path].copy_(state["exp_avg_sq"][path])
         s.step_count.fill_(float(state["step"]))

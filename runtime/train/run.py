@@ -87,9 +87,6 @@ def _resumed(path):
 
 
 def _model(request: Request, weights: Path) -> Model:
-    if request.lora is not None and request.device != "cpu":
-        raise RuntimeUserError("--lora trains on --device cpu for now: the GPU step has no "
-                               "adapters yet", help=["add --device cpu"])
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
                               dtype=torch.float32, device=request.device,
                               model=request.model, search_path=request.search_path,
