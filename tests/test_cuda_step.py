@@ -382,3 +382,55 @@ def test_fused_lm_head_without_the_head_gradient():
     loss, d_x, d_w = lm_head_cross_entropy(x, w, labels, chunk_rows=4)
     frozen = lm_head_cross_entropy(x, w, labels, chunk_rows=4, head_grad=False)
     assert frozen[2] is None and torch.equal(frozen[0], loss) and torch.equal(frozen[1], d_x)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.3])
+def test_budgeted_step_holds_no_released_storage(share):
+    """What the planner counts as released is released: after the forward of a budgeted
+    step (the GPU step's interpreter, float64 on the CPU), no tensor the decisions dropped
+    shares storage with anything the frame tree still holds. (A block's norm output is a
+    callee's `x`: keep_only_saved used to replace the block's own reference by a stand-in
+    before the release, so the callee's copy was not forgotten and stayed to the
+    backward.) Its gradients stay the unbudgeted program's."""
+    from runtime.cuda.step import _StepInterpreter
+    from runtime.decisions import Decisions
+
+    model, inputs, program, planned = _budgeted("llama", True, share)
+    decisions = Decisions.from_schedule(planned.document["schedule"])
+    run = _StepInterpreter(planned.graph, model.params, F64, check_finite=False,
+                           kernels=train_kernels("cpu"), keep_only_saved=True,
+                           decisions=decisions)
+    made = []  # every value decided `recompute`, as its forward op made it
+    dispatch = run._dispatch
+
+    def spy(node, frame, forward):
+        dispatch(node, frame, forward)
+        if node.kind == "op" and not frame.function.gradient_of:
+            for value in node.outputs:
+                tensor = frame.env.get(value)
+                if (value and decisions.of(frame.function.name, value, frame.instance)
+                        == "recompute" and isinstance(tensor, torch.Tensor)):
+                    made.append((frame.function.name, value, tensor))
+    run._dispatch = spy
+    (out,), frame = run.forward([inputs["token_ids"]])
+    run._dispatch = dispatch
+    held, stack = {}, [frame]
+    while stack:
+        run_frame = stack.pop()
+        stack += run_frame.children.values()
+        for value, tensor in run_frame.env.items():
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > 1 and any(tensor.stride()):
+                held[tensor.untyped_storage().data_ptr()] = (run_frame.function.name, value)
+    assert made
+    still = [(name, value, held[t.untyped_storage().data_ptr()]) for name, value, t in made
+             if t.untyped_storage().data_ptr() in held]
+    del made
+    assert not still, still[:4]
+    seed = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+    _, grads = run.backward(frame, [seed])
+    reference = Interpreter(program.graph, model.params, F64, keep_only_saved=True)
+    (out_ref,), frame_ref = reference.forward([inputs["token_ids"]])
+    _, grads_ref = reference.backward(frame_ref, [seed])
+    assert torch.allclose(out, out_ref, rtol=1e-12, atol=1e-14)
+    for path in grads_ref:
+        assert torch.allclose(grads[path], grads_ref[path], rtol=1e-10, atol=1e-12), path

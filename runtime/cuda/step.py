@@ -311,9 +311,13 @@ class _StepInterpreter(Interpreter):
         for node in function.nodes:
             self._dispatch(node, frame, forward)
         outputs = [frame.env.get(o) if o else None for o in function.outputs]
+        # release first: keep_only_saved would put a stand-in in place of a released value
+        # a callee saved (a block's norm output, the attention's / MLP's `x`), and the
+        # callee's copy of the tensor would no longer be found and forgotten (it was held
+        # to the backward: 2 x 32 MiB a layer on the TinyLlama shape)
+        self._release_run(frame)
         if self.keep_only_saved:
             _keep_only_saved(frame, self._kept(function.name))
-        self._release_run(frame)
         return outputs
 
     def _kept(self, name: str) -> frozenset:
