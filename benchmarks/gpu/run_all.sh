@@ -6,13 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests bench"}
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
 for stage in $STAGES; do

@@ -9,13 +9,7 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/train_run}; mkdir -p "$WORK"
 B=${BATCH:-4}; T=${SEQ:-2048}; LR=${LR:-2e-4}
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 /usr/bin/time -f "extension build %e s" python3 -c 'from runtime.cuda.build import load; load()' 2>&1 | tail -2
 STAGES=${STAGES:-"tests main"}
