@@ -8,7 +8,7 @@ stay calls (`repeat=n`), so the IR grows with the number of distinct modules, no
 
 from __future__ import annotations
 
-from modulec.check.instance import Instance, Stack, Submodule, TensorParamValue, instantiate
+from modulec.check.instance import Instance, Stack, Submodule, TensorParamValue
 from modulec.check.module import check_body
 from modulec.check.world import World
 from modulec.ir.graph import Function, Graph
