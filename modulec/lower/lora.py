@@ -196,7 +196,7 @@ def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> Funct
     nodes = tuple(replace(n, id=f"f{i}") for i, n in enumerate(builder.nodes))
     return replace(function, params=function.params + tuple(builder.params),
                    values=function.values + tuple(builder.values), nodes=nodes,
-                   no_gradient=frozen)
+                   no_gradient=frozen + tuple(builder.frozen))
 
 
 @dataclass
@@ -206,6 +206,7 @@ class _Rewriter:
     params: list = field(default_factory=list)
     values: list = field(default_factory=list)
     counter: int = 0
+    frozen: list = field(default_factory=list)  # zero blocks (no gradient wanted)
 
     def value(self, like: ValueInfo, last: str) -> str:
         self.counter += 1
@@ -229,6 +230,10 @@ class _Rewriter:
             delta = self.delta(node, site, site.parts[0], x, y, report)
             self.op(node, "add", (base, delta), (y.id,), notes=keep)
             return
+        if all(isinstance(p.rows, int) for p in site.parts):
+            delta = self.fused_delta(node, site, x, y, report)
+            self.op(node, "add", (base, delta), (y.id,), notes=keep)
+            return
         pieces = [self.value(y, str(p.rows)) for p in site.parts]
         self.op(node, "split", (base,), pieces,
                 (("dim", -1), ("sizes", [p.rows for p in site.parts])))
@@ -239,6 +244,72 @@ class _Rewriter:
                 self.op(node, "add", (pieces[index], delta), (total,))
                 pieces[index] = total
         self.op(node, "concat", pieces, (y.id,), (("dim", -1),), notes=keep)
+
+    def fused_delta(self, node, site: Site, x: str, y: ValueInfo, report) -> str:
+        """The delta of a fused weight's whole output in one pass: the selected parts' A
+        stacked ([k*rank, in], k selected parts), B block-diagonal ([out, k*rank]: part i's
+        rows hold its B in columns [i*rank, (i+1)*rank), zeros elsewhere), so
+        delta = (alpha / rank) * (x @ A_cat^T) @ B_blk^T equals the per-part deltas laid out
+        side by side (the zero blocks add exact zeros). The parameters stay PEFT's per-part
+        A and B; A_cat and B_blk are built from them each step (tiny), and each part's
+        gradient is its block of the stacked ones."""
+        weight = self.function.value(site.weight)
+        # the zero blocks in the activations' dtype (bf16): the runtime's concat promotes
+        # them to the parameters' dtype (a parameter's IR dtype, `float`, names none)
+        zdtype = y.dtype
+        rank, selected = site.rank, [p for p in site.parts if p in site.selected]
+        width = str(rank * len(selected))
+        a_parts, b_rows = [], []
+        for part in site.parts:
+            if part in site.selected:
+                stem = f"{site.weight}.{part.name}"
+                a, b = f"{stem}.lora_A", f"{stem}.lora_B"
+                self.params += [ValueInfo(a, (str(rank), weight.shape[1]), weight.dtype, a[6:]),
+                                ValueInfo(b, (str(part.rows), str(rank)), weight.dtype, b[6:])]
+                report.adapters.append(_entry(site, part, a[6:], b[6:]))
+                a_parts.append(a)
+                index = selected.index(part)
+                blocks = [self.zeros(node, part.rows, rank * index, zdtype), b,
+                          self.zeros(node, part.rows, rank * (len(selected) - index - 1),
+                                     zdtype)]
+            else:
+                blocks = [self.zeros(node, part.rows, rank * len(selected), zdtype)]
+            blocks = [blk for blk in blocks if blk]
+            if len(blocks) == 1:
+                b_rows.append(blocks[0])
+                continue
+            row = self.matrix(part.rows, width, weight.dtype)
+            self.op(node, "concat", blocks, (row,), (("dim", -1),))
+            b_rows.append(row)
+        a_cat = self.matrix(width, weight.shape[1], weight.dtype)
+        b_blk = self.matrix(weight.shape[0], width, weight.dtype)
+        if len(a_parts) == 1:
+            a_cat = a_parts[0]
+        else:
+            self.op(node, "concat", a_parts, (a_cat,), (("dim", 0),))
+        self.op(node, "concat", b_rows, (b_blk,), (("dim", 0),))
+        low = self.value(y, width)
+        delta = self.value(y, y.shape[-1])
+        attrs = dict(node.attrs)
+        self.op(node, "matmul", (x, a_cat), (low,), tuple(attrs.items()))
+        attrs["alpha"] = site.alpha / site.rank
+        self.op(node, "matmul", (low, b_blk), (delta,), tuple(attrs.items()))
+        return delta
+
+    def matrix(self, rows, cols, dtype: str) -> str:
+        self.counter += 1
+        value_id = f"%lora{self.counter}"
+        self.values.append(ValueInfo(value_id, (str(rows), str(cols)), dtype))
+        return value_id
+
+    def zeros(self, origin: Node, rows: int, cols: int, dtype: str) -> str:
+        """A [rows, cols] block of zeros ("" when empty); frozen (no gradient)."""
+        if cols == 0:
+            return ""
+        value_id = self.matrix(rows, cols, dtype)
+        self.op(origin, "zeros", (), (value_id,), (("shape", [rows, cols]), ("dtype", dtype)))
+        self.frozen.append(value_id)
+        return value_id
 
     def delta(self, node, site: Site, part: Part, x: str, y: ValueInfo, report) -> str:
         """(alpha / rank) * (x @ A^T) @ B^T, with A: [rank, in], B: [rows, rank]."""
