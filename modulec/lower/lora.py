@@ -12,9 +12,11 @@ with parameters `W.lora_A: [rank, in]` and `W.lora_B: [out, rank]` next to W. A 
 projection (qkv_weight: q, k, v rows; up_weight: gate, up rows) has one part per fused
 tensor, named after its HF tensor (`q_proj` -> `q`) or the annotation's `targets`, sized by
 the split that follows it; each selected part gets its own A and B (`qkv_weight.q.lora_A`),
-so the adapters are PEFT's per-module ones: y0 is split, the selected parts get their
-delta, the parts are concatenated again. Only existing primitives (matmul with alpha,
-split, add, concat), so the derived backward differentiates it; every base parameter is
+so the adapters are PEFT's per-module ones. The delta of a fused weight is taken for its
+whole output at once (`fused_delta`: the selected parts' A stacked, their B laid
+block-diagonally with zero blocks, one add into y0); where a part's size is not a number,
+y0 is split, the selected parts get their delta, the parts are concatenated again. Only
+existing primitives (matmul with alpha, zeros, split, add, concat), so the derived backward differentiates it; every base parameter is
 frozen (`no_gradient`) and the backward functions written in the source are dropped (the
 forward changed; all backward is derived). rank/alpha/targets come from the annotation;
 the build option overrides them.
