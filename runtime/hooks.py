@@ -190,6 +190,11 @@ class Hooks:
                                help=help + [f"hook points: {', '.join(points) or '(none)'}"])
 
     # ------------------------------------------------------------------ switches
+    def active(self) -> bool:
+        """Whether any Python runs per op: hooks, probes or trace lines. (Assertions
+        are on by default but only where `@assert` is written.)"""
+        return bool(self._registered) or self.probes_enabled or self._trace is not None
+
     def enable_probes(self) -> None:
         self.probes_enabled = True
 

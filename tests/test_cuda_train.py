@@ -296,3 +296,30 @@ def test_lora_step_holds_less_than_full_training(tmp_path):
         peaks[lora is not None] = torch.cuda.max_memory_allocated() - before
         del step
     assert peaks[True] < peaks[False], peaks
+
+
+# ====================================================================== hooks on the GPU
+def test_hooks_run_in_eager_gpu_steps_and_refuse_capture(tmp_path):
+    """observe sees every layer's value on the GPU; a modify hook that zeroes layer 1's MLP
+    activation changes the loss; capturing a step with hooks is refused."""
+    from runtime.cuda.step import TrainStep
+    from runtime.errors import RuntimeUserError
+
+    def fresh():
+        return TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T).init_random(0)
+
+    tokens = _tokens().cuda()
+    plain = float(fresh()(tokens))
+    step, seen = fresh(), []
+    step.use_hooks().observe("AfterMLPActivation",
+                             lambda t, ctx: seen.append((ctx.layer, t.is_cuda, tuple(t.shape))))
+    observed = float(step(tokens))
+    assert observed == pytest.approx(plain, rel=1e-6)  # observing changes nothing
+    assert [layer for layer, *_ in seen] == [0, 1] and all(cuda for _, cuda, _ in seen)
+    with pytest.raises(RuntimeUserError, match="captured CUDA graph"):
+        step.capture()
+    zeroed = fresh()
+    zeroed.use_hooks().modify("AfterMLPActivation", lambda t, ctx: t.zero_(), layers=1)
+    assert abs(float(zeroed(tokens)) - plain) > 1e-4
+    with pytest.raises(RuntimeUserError, match="no hook point"):
+        fresh().use_hooks().observe("AfterMLPActivaton", lambda t, ctx: None)

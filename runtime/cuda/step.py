@@ -51,6 +51,7 @@ from torch import Tensor
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
 from runtime.cuda.train_kernels import TRAIN_KERNELS
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions
+from runtime.errors import RuntimeUserError
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.model import parameter_shapes
 from runtime.program import ModuleSource, Program
@@ -79,6 +80,9 @@ class TrainStep:
     # keep / recompute decisions to run: "auto" (the program's schedule, if it has any:
     # a build with a memory budget), None (keep everything), or a runtime Decisions
     decisions: object = "auto"
+    # runtime.hooks.Hooks: observe / modify / replace hooks, probes and trace lines on the
+    # GPU; they are Python per op, so a step with any of them runs eagerly (never captured)
+    hooks: object = None
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -178,7 +182,8 @@ class TrainStep:
     def interpreter(self, on_gradient=None) -> Interpreter:
         run = _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
                                kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved,
-                               decisions=self.decisions, on_gradient=on_gradient)
+                               decisions=self.decisions, on_gradient=on_gradient,
+                               hooks=self.hooks)
         run.step = self
         return run
 
@@ -244,6 +249,15 @@ class TrainStep:
                                 self.exp_avg_sq[path], self.compute[path], self.step_count,
                                 a.lr, a.betas[0], a.betas[1], a.eps, a.weight_decay)
 
+    def use_hooks(self):
+        """The step's hook registry (made on first use, checked against the model's hook
+        points): `step.use_hooks().observe("AfterAttention", fn)`; eager steps only."""
+        if self.hooks is None:
+            from runtime.hooks import Hooks
+
+            self.hooks = Hooks(points=list(self.program.metadata.get("hook_points", [])))
+        return self.hooks
+
     def set_batch(self, token_ids: Tensor, labels: Tensor | None = None) -> None:
         """Copy a batch into the static buffers; labels default to the next tokens."""
         self.tokens.copy_(token_ids)
@@ -253,6 +267,12 @@ class TrainStep:
 
     def capture(self, warmup: int = 2) -> None:
         """`warmup` eager steps on a side stream (they update the weights), then capture."""
+        if self.hooks is not None and self.hooks.active():
+            raise RuntimeUserError(
+                "hooks, probes or trace lines are registered: they are Python run per op, "
+                "which a captured CUDA graph replays without",
+                help=["run the step eagerly (step(tokens) without capture()), or clear "
+                      "the hooks and disable probes and trace before capturing"])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
