@@ -382,3 +382,41 @@ def test_fused_lm_head_without_the_head_gradient():
     loss, d_x, d_w = lm_head_cross_entropy(x, w, labels, chunk_rows=4)
     frozen = lm_head_cross_entropy(x, w, labels, chunk_rows=4, head_grad=False)
     assert frozen[2] is None and torch.equal(frozen[0], loss) and torch.equal(frozen[1], d_x)
+
+
+@pytest.mark.parametrize("keep_only_saved", [False, True])
+def test_lora_delta_runs_as_one_addmm_with_the_same_gradients(keep_only_saved, monkeypatch):
+    """The GPU step's interpreter runs each LoRA `d = matmul(t, B, alpha)` + `y = add(base,
+    d)` as one addmm into base (d never materialized): 4 adapted matmuls (qkv, out, up,
+    down) x 2 layers; outputs and adapter gradients match the unfused run (float64)."""
+    import runtime.cuda.step as step_module
+    from runtime.cuda.step import LoraPairs, _StepInterpreter, lora_addmm_pairs
+
+    model = _lora_model()
+    inputs = token_inputs(model)
+    program = model.source.program_for(inputs)
+    pairs = [lora_addmm_pairs(f) for f in program.graph.functions]
+    assert sum(len(p.adds) for p in pairs) == 4  # per block function: qkv, out, up, down
+    assert all(inplace for p in pairs for _, inplace in p.adds.values())
+
+    def run(fused: bool):
+        if not fused:
+            monkeypatch.setattr(step_module, "lora_addmm_pairs", lambda *a: LoraPairs())
+        interp = _StepInterpreter(program.graph, model.params, F64, check_finite=False,
+                                  kernels=train_kernels("cpu"),
+                                  keep_only_saved=keep_only_saved, decisions=None)
+        outputs, frame = interp.forward([model._input(inputs["token_ids"])])
+        seeds = [torch.randn(o.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+                 for o in outputs]
+        _, grads = interp.backward(frame, seeds)
+        monkeypatch.undo()
+        return interp.lora_fused, outputs, grads
+
+    count, outputs, grads = run(True)
+    none, ref_outputs, ref = run(False)
+    assert (count, none) == (4 * 2, 0)
+    assert set(grads) == set(ref) and ref
+    for a, b in zip(outputs, ref_outputs):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    for path in ref:
+        assert torch.allclose(grads[path], ref[path], rtol=0, atol=1e-12), path

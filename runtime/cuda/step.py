@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
-from runtime.cuda.train_kernels import TRAIN_KERNELS
+from runtime.cuda.train_kernels import TRAIN_KERNELS, lora_addmm
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions
 from runtime.errors import RuntimeUserError
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
@@ -304,6 +304,9 @@ class _StepInterpreter(Interpreter):
         self.on_gradient = on_gradient
         self.handed: set[str] = set()
         self.step = None
+        self._pairs: dict = {}  # function name -> LoraPairs
+        self._scalars: dict = {}
+        self.lora_fused = 0  # (matmul, add) pairs run as one addmm
 
     def forward(self, inputs: list):
         outputs, frame = super().forward(inputs)
@@ -371,6 +374,50 @@ class _StepInterpreter(Interpreter):
             elif kind == SWAP and self.step is not None:
                 self.step.swaps_kept += 1
 
+    def _op(self, node, frame, forward) -> None:
+        """LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` (`lora_addmm_pairs`)
+        as one addmm: the matmul is deferred to the add, which writes y = base + s t B^T
+        (into base where nothing else reads it); d gets a shape-only stand-in (the add's
+        derived backward reads its shape; d's matmul backward reads t and B, not d)."""
+        function = frame.function
+        if function.gradient_of or self._replaying or self.hooks is not None \
+                or self.profiler is not None:
+            return super()._op(node, frame, forward)
+        pairs = self._lora_pairs(function)
+        if node.id in pairs.deferred:
+            return  # run by its add
+        pair = pairs.adds.get(node.id)
+        if pair is None:
+            return super()._op(node, frame, forward)
+        matmul, inplace = pair
+        base = self._read(node.inputs[0], frame, forward)
+        t = self._read(matmul.inputs[0], frame, forward)
+        b = self._read(matmul.inputs[1], frame, forward)
+        if inplace and self.arena is not None:
+            inplace = False
+        if inplace and self.decisions is not None and self.decisions.of(
+                function.name, node.inputs[0], frame.instance) in (RECOMPUTE, SWAP):
+            inplace = False
+        y = lora_addmm(base, t, b, float(matmul.attr("alpha") or 1.0), inplace)
+        if y is None:  # operands that do not fit: the two ops as written
+            super()._op(matmul, frame, forward)
+            return super()._op(node, frame, forward)
+        self.lora_fused += 1
+        key = (y.dtype, y.device)
+        if key not in self._scalars:
+            self._scalars[key] = torch.empty((), dtype=y.dtype, device=y.device)
+        frame.env[matmul.outputs[0]] = self._scalars[key].expand(y.shape)
+        frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+
+    def _lora_pairs(self, function) -> "LoraPairs":
+        if function.name not in self._pairs:
+            saved = _saved_by_backward(self.graph, function.name)
+            replayed = set() if self.decisions is None else {
+                n for (f, n), modes in self.decisions.replays.items()
+                if f == function.name and modes}
+            self._pairs[function.name] = lora_addmm_pairs(function, saved, replayed)
+        return self._pairs[function.name]
+
     def _attrs(self, node):
         """A matmul backward with an unwanted gradient (a frozen weight's d_B) is told so
         (`train_kernels.Matmul` then computes only the wanted one)."""
@@ -393,6 +440,49 @@ class _StepInterpreter(Interpreter):
 
 
 MATMUL_BACKWARDS = ("matmul_backward", "batched_matmul_backward")
+
+
+@dataclass
+class LoraPairs:
+    adds: dict = field(default_factory=dict)  # add node id -> (its delta's matmul, inplace)
+    deferred: set = field(default_factory=set)  # those matmuls' node ids
+
+
+def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraPairs:
+    """The `lora` pass's delta additions in `function` (modulec/lower/lora.py: values
+    `%lora<n>`): `y = add(base, d)` whose `d = matmul(t, B, NT, alpha)` (B 2-D) is read by
+    that add alone, is no output and no backward's saved value. `inplace` where `base` (a
+    matmul's `%lora` output) has no other reader either. Nodes a planned replay runs again
+    (`replayed`) are left as they are."""
+    readers: dict = {}
+    for node in function.nodes:
+        for value in node.inputs:
+            if value:
+                readers[value] = readers.get(value, 0) + 1
+    producer = {o: n for n in function.nodes for o in n.outputs if o}
+    outputs = set(function.outputs)
+    pairs = LoraPairs()
+
+    def private(value: str) -> bool:
+        return (value.startswith("%lora") and readers.get(value) == 1
+                and value not in outputs and value not in saved)
+
+    for node in function.nodes:
+        if node.kind != "op" or node.target != "add" or len(node.inputs) != 2 \
+                or len(node.outputs) != 1 or node.id in replayed:
+            continue
+        base, d = node.inputs
+        matmul = producer.get(d)
+        if matmul is None or matmul.kind != "op" or matmul.target != "matmul" \
+                or matmul.attr("transpose") != "NT" or matmul.id in replayed \
+                or not private(d) or not base.startswith("%lora"):
+            continue
+        source = producer.get(base)
+        inplace = private(base) and source is not None and source.kind == "op" \
+            and source.target == "matmul"
+        pairs.adds[node.id] = (matmul, inplace)
+        pairs.deferred.add(matmul.id)
+    return pairs
 
 
 def frozen_paths(program: Program) -> set[str]:

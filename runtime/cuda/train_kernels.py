@@ -22,7 +22,11 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   and the concat of (d_q, d_k, d_v) copies only d_v into the slots left for it;
 - zeros are made on the GPU;
 - a matmul backward computes only the gradients its node wants (`Matmul`): a frozen
-  weight's (LoRA's base) d_B is neither computed nor allocated, only d_A.
+  weight's (LoRA's base) d_B is neither computed nor allocated, only d_A;
+- LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` run as one
+  `addmm(base, t, B^T, alpha=s)` (`lora_addmm`; the step's interpreter finds the pairs,
+  runtime/cuda/step.py `lora_addmm_pairs`), into `base` itself where nothing else reads
+  it: d is never materialized.
 
 Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry.
 """
@@ -247,6 +251,25 @@ def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0,
         else:
             out.append(formula().reshape(like.shape))
     return out
+
+
+def lora_addmm(base: torch.Tensor, t: torch.Tensor, B: torch.Tensor, alpha: float,
+               inplace: bool) -> torch.Tensor | None:
+    """base + alpha * t @ B^T (t: [.., r], B: [n, r], base: [.., n]) as one GEMM with
+    beta = 1 (cuBLAS reads base in its epilogue), into base when `inplace` (base must be
+    contiguous then); None where the operands do not fit (the caller runs matmul + add)."""
+    if not all(isinstance(v, torch.Tensor) for v in (base, t, B)) or B.dim() != 2 \
+            or t.dim() < 2 or t.shape[-1] != B.shape[1] \
+            or tuple(base.shape) != (*t.shape[:-1], B.shape[0]) \
+            or not (base.dtype == t.dtype == B.dtype) \
+            or not (base.device == t.device == B.device) or base.numel() == 0:
+        return None
+    t2 = t.reshape(-1, t.shape[-1])
+    if inplace and base.is_contiguous():
+        base.view(-1, base.shape[-1]).addmm_(t2, B.t(), alpha=alpha)
+        return base
+    out = torch.addmm(base.reshape(-1, base.shape[-1]), t2, B.t(), alpha=alpha)
+    return out.view(base.shape)
 
 
 def train_kernels(device: str = "cuda") -> dict:
