@@ -16,6 +16,8 @@ shapes and for the forward input shapes some kernels need (`input_shapes`).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 import torch
 from torch import Tensor
@@ -380,19 +382,28 @@ def _where(node: Node, frame: Frame) -> str:
     return f"node {node.id} of `{frame.function.name}` at {scope}, {place}"
 
 
-# the tensor-list inputs of std/primitives (`xs: [n] x [*]`): concat's and split_backward's
-LIST_INPUTS = frozenset({"xs", "d_parts"})
+@functools.cache
+def list_inputs() -> frozenset[str]:
+    """The tensor-list inputs (`xs: [n] x [*]`) of the primitives' signatures, as declared
+    in std/primitives (concat's `xs`, split_backward's `d_parts`)."""
+    from modulec.ops.registry import op_table
+    from modulec.syntax import ast as A
+
+    return frozenset(sig.name for rule in op_table().values()
+                     for phase in (rule.definition.forward, rule.definition.backward)
+                     if phase is not None for sig in phase.inputs
+                     if isinstance(sig.type, A.ArrayType))
 
 
 def _group_lists(names: tuple, values: list) -> list:
     """A signature whose single input is a list takes all the node's values as one list."""
-    if len(names) == 1 and names[0] in LIST_INPUTS:
+    if len(names) == 1 and names[0] in list_inputs():
         return [list(values)]
     return values
 
 
 def _expand(names: tuple, values: list) -> list[str]:
-    if len(names) == 1 and names[0] in LIST_INPUTS:
+    if len(names) == 1 and names[0] in list_inputs():
         return [names[0]] * len(values)
     return list(names)
 
@@ -414,7 +425,7 @@ def _forward_names(kernel, op: Node) -> dict:
 
 def _input_shapes(kernel, op: Node, forward: Frame, interpreter: Interpreter) -> dict:
     shapes: dict = {}
-    if len(kernel.forward_inputs) == 1 and kernel.forward_inputs[0] in LIST_INPUTS:
+    if len(kernel.forward_inputs) == 1 and kernel.forward_inputs[0] in list_inputs():
         shapes[kernel.forward_inputs[0]] = [_shape(v, forward, interpreter) for v in op.inputs]
         return shapes
     for name, value in zip(kernel.forward_inputs, op.inputs):

@@ -137,24 +137,13 @@ def test_tied_head_is_left_unfused_or_cut_correctly():
 def _budgeted(name: str, derive_written: bool, share: float):
     """The tiny model's program built with a budget between the planner's keep-all peak
     and the lowest it reaches (`share` of the way up), on the no-swap profile."""
-    from pathlib import Path
-
-    from modulec.lower.build_plan import PlanOptions
-    from modulec.plan.budget import make_problem, no_recompute, plan_budget
-    from modulec.plan.devices import device
-    from runtime.program import ModuleSource
+    from runtime.cuda.step import budget_programs
 
     path, settings = TINY[name]
     model = _model(name)
     inputs = token_inputs(model, batch=2, seq=16)
-    plain = ModuleSource(Path(path), dict(settings), derive_written=derive_written)
-    program = plain.program_for(inputs)
-    problem = make_problem(program.graph, None, "full", device("h200-noswap"))
-    lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
-    budget = int(lowest + share * (peak - lowest))
-    planned = ModuleSource(Path(path), dict(settings), derive_written=derive_written,
-                           planning=PlanOptions(budget=budget, device="h200-noswap"))
-    return model, inputs, program, planned.program_for(inputs)
+    program, planned, _ = budget_programs(path, settings, inputs, share, derive_written)
+    return model, inputs, program, planned
 
 
 def test_noswap_profile_plans_recompute_only():
@@ -267,7 +256,7 @@ def test_budgeted_step_holds_no_released_storage(share):
     assert made
     still = [(name, value, held[t.untyped_storage().data_ptr()]) for name, value, t in made
              if t.untyped_storage().data_ptr() in held]
-    del made
+    made.clear()  # release the tensors before the backward below
     assert not still, still[:4]
     seed = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
     _, grads = run.backward(frame, [seed])

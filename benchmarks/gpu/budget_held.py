@@ -17,29 +17,18 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def held_vs_planned(share: float, name: str = "llama"):
-    from modulec.plan.budget import make_problem, no_recompute, plan_budget
-    from modulec.plan.devices import device
     from modulec.plan.simulate import _events, _replay_uses, _timeline
-    from modulec.lower.build_plan import PlanOptions
-    from runtime.cuda.step import _StepInterpreter
+    from runtime.cuda.step import _StepInterpreter, budget_programs
     from runtime.cuda.train_kernels import train_kernels
     from runtime.decisions import Decisions
     from runtime.model import Model
-    from runtime.program import ModuleSource
     from runtime_models import TINY, token_inputs
 
     path, settings = TINY[name]
     model = Model.from_module(path, settings=settings, dtype=torch.float64).init_random(seed=1)
     inputs = token_inputs(model, batch=2, seq=16)
-    plain = ModuleSource(Path(path), dict(settings), derive_written=True)
-    program = plain.program_for(inputs)
-    problem = make_problem(program.graph, None, "full", device("h200-noswap"))
-    lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
-    budget = int(lowest + share * (peak - lowest))
-    result = plan_budget(problem, budget)
-    planned = ModuleSource(Path(path), dict(settings), derive_written=True,
-                           planning=PlanOptions(budget=budget, device="h200-noswap"))
-    planned = planned.program_for(inputs)
+    program, planned, (problem, result) = budget_programs(path, settings, inputs, share,
+                                                          derive_written=True)
     decisions = Decisions.from_schedule(planned.document["schedule"])
 
     # planner: storages alive as the backward starts

@@ -37,12 +37,7 @@ def main() -> None:
     tokens = torch.randint(0, 32000, (args.batch, args.seq), dtype=torch.int32, device="cuda")
     for _ in range(2):
         step(tokens)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    step(tokens)
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    eager = time.perf_counter() - start
+    host, eager = _timed(step, tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             step(tokens)
@@ -50,15 +45,21 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top,
                                     max_name_column_width=70))
     step.capture(warmup=1)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    step(tokens)
-    replay_host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    replay = time.perf_counter() - start
+    replay_host, replay = _timed(step, tokens)
     print(f"eager step: host {host * 1e3:.1f} ms, wall {eager * 1e3:.1f} ms; "
           f"graph replay: host {replay_host * 1e3:.2f} ms, wall {replay * 1e3:.1f} ms")
 
 
+def _timed(step, tokens) -> tuple[float, float]:
+    """(host seconds to launch one step, wall seconds until it has run)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step(tokens)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host, time.perf_counter() - start
+
+
 if __name__ == "__main__":
     main()
+

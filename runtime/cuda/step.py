@@ -522,6 +522,24 @@ def planner_budget(program: Program, budget: int, optimizer: str = "auto") -> in
     return budget + planner_fixed_bytes(program) - runtime_fixed_bytes(program, optimizer)
 
 
+def budget_programs(path, settings: dict, inputs: dict, share: float,
+                    derive_written: bool = False, device_name: str = "h200-noswap"):
+    """(program, budgeted program, planner result) for a budget `share` of the way from
+    the planner's lowest reachable peak up to its keep-all peak (tests and diagnostics)."""
+    from modulec.lower.build_plan import PlanOptions
+    from modulec.plan.budget import make_problem, no_recompute, plan_budget
+    from modulec.plan.devices import device
+
+    plain = ModuleSource(Path(path), dict(settings), derive_written=derive_written)
+    program = plain.program_for(inputs)
+    problem = make_problem(program.graph, None, "full", device(device_name))
+    lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
+    budget = int(lowest + share * (peak - lowest))
+    planned = ModuleSource(Path(path), dict(settings), derive_written=derive_written,
+                           planning=PlanOptions(budget=budget, device=device_name))
+    return program, planned.program_for(inputs), (problem, plan_budget(problem, budget))
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
