@@ -84,15 +84,21 @@ def _planning(budget, training, device, policies, honor_lists):
                        _policies(policies) if policies else {}, honor_lists)
 
 
-def _lora(text):
-    from modulec.lower.lora import parse_lora
-
+def parsed_option(text, parse, hint: str):
+    """`parse(text)` for an option's value (None stays None); a ValueError is click's
+    usage error, naming the option."""
     if text is None:
         return None
     try:
-        return parse_lora(text)
+        return parse(text)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--lora") from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
+def _lora(text):
+    from modulec.lower.lora import parse_lora
+
+    return parsed_option(text, parse_lora, "--lora")
 
 
 def build_command(output_options, guarded):

@@ -75,14 +75,10 @@ def plan_command(output_options, guarded):
 
 
 def _budget(text: str | None) -> int | None:
+    from modulec.cli.build_cmd import parsed_option
     from modulec.plan.budget import parse_size
 
-    if text is None:
-        return None
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--memory-budget") from None
+    return parsed_option(text, parse_size, "--memory-budget")
 
 
 def _policies(items) -> dict:
