@@ -106,12 +106,13 @@ def modulec_options(variant: str) -> dict:
     what to recompute."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
-    unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam"}
+    unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
                "optimizer": "torch" if "torchadam" in parts else "fused",
-               "update_in_backward": not parts & {"keepgrads", "torchadam"}}
+               "update_in_backward": not parts & {"keepgrads", "torchadam"},
+               "attention": ("flash",) if "flash" in parts else ("cudnn", "flash")}
     if budgets:
         options["memory_budget"] = int(float(budgets.pop()[len("budget"):]) * 2**30)
     return options

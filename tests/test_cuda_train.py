@@ -29,9 +29,11 @@ def _cos(a, b) -> float:
 
 
 # ------------------------------------------------------------------ flash attention
+@pytest.mark.parametrize("order", [("flash",), ("cudnn", "flash"), ("cudnn_expand", "flash")])
 @pytest.mark.parametrize("hq,hkv,t,d,window", [(8, 2, 128, 64, None), (4, 4, 77, 32, None),
                                                (8, 1, 200, 128, None), (4, 2, 96, 64, 16)])
-def test_flash_attention_matches_the_reference(hq, hkv, t, d, window):
+def test_flash_attention_matches_the_reference(hq, hkv, t, d, window, order):
+    """Every backend order (cuDNN falls back to FlashAttention for the sliding window)."""
     from runtime.cuda.attention import FlashAttention
     from runtime.kernels import KERNELS
 
@@ -39,13 +41,13 @@ def test_flash_attention_matches_the_reference(hq, hkv, t, d, window):
     qkv = torch.randn(2, t, hq + 2 * hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
     q, k, v = (x.transpose(1, 2) for x in qkv.split([hq, hkv, hkv], dim=2))  # strided views
     attrs = {"causal": True, "softmax_scale": None, "window_size": window}
-    out, lse = FlashAttention().forward([q, k, v, None], attrs)
+    out, lse = FlashAttention(order).forward([q, k, v, None], attrs)
     ref_in = [x.float() for x in (q, k, v)]
     ref_out, ref_lse = KERNELS["flash_attention"].forward(ref_in + [None], attrs)
     assert out.shape == ref_out.shape and lse.dtype == torch.float32
     assert _rel(out, ref_out) < 1e-2 and _rel(lse, ref_lse) < 1e-3
     d_out = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.bfloat16)
-    grads = FlashAttention().backward([d_out, q, k, v, out, lse, None], attrs)
+    grads = FlashAttention(order).backward([d_out, q, k, v, out, lse, None], attrs)
     ref = KERNELS["flash_attention"].backward([d_out.float()] + ref_in + [ref_out, ref_lse, None],
                                               attrs)
     for got, want in zip(grads, ref):

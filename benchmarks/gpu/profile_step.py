@@ -30,10 +30,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--derive-written", action="store_true")
+    parser.add_argument("--attention", default="flash", help="backends in order, e.g. cudnn,flash")
     args = parser.parse_args()
     step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(args.layers),
                                  batch=args.batch, seq=args.seq,
-                                 derive_written=args.derive_written).init_random()
+                                 derive_written=args.derive_written,
+                                 attention=tuple(args.attention.split(","))).init_random()
     tokens = torch.randint(0, 32000, (args.batch, args.seq), dtype=torch.int32, device="cuda")
     for _ in range(2):
         step(tokens)

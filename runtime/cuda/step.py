@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
-from runtime.cuda.train_kernels import TRAIN_KERNELS, lora_addmm
+from runtime.cuda.train_kernels import lora_addmm, train_kernels
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions
 from runtime.errors import RuntimeUserError
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
@@ -83,6 +83,10 @@ class TrainStep:
     # runtime.hooks.Hooks: observe / modify / replace hooks, probes and trace lines on the
     # GPU; they are Python per op, so a step with any of them runs eagerly (never captured)
     hooks: object = None
+    # attention backends tried in order (runtime/cuda/attention.py BACKENDS): cuDNN's
+    # fused attention is 1.5x FlashAttention-2's speed on an H200 (benchmarks/kernels/
+    # bench_attention.py); FlashAttention-2 takes what cuDNN does not cover (windows)
+    attention: tuple = ("cudnn", "flash")
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -125,6 +129,7 @@ class TrainStep:
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.masters: dict[str, Tensor] = {}
+        self.kernels = train_kernels(attention=self.attention)
 
     # ------------------------------------------------------------------ weights
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -181,7 +186,7 @@ class TrainStep:
     # ------------------------------------------------------------------ one step
     def interpreter(self, on_gradient=None) -> Interpreter:
         run = _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
-                               kernels=TRAIN_KERNELS, keep_only_saved=self.keep_only_saved,
+                               kernels=self.kernels, keep_only_saved=self.keep_only_saved,
                                decisions=self.decisions, on_gradient=on_gradient,
                                hooks=self.hooks)
         run.step = self

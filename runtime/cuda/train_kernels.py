@@ -272,7 +272,9 @@ def lora_addmm(base: torch.Tensor, t: torch.Tensor, B: torch.Tensor, alpha: floa
     return out.view(base.shape)
 
 
-def train_kernels(device: str = "cuda") -> dict:
+def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
+    """The registry; `attention`: the attention backends to try in order
+    (runtime/cuda/attention.py BACKENDS)."""
     kernels = dict(CUDA_KERNELS)
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
     kernels.update({name: Matmul(KERNELS[name]) for name in ("matmul", "batched_matmul")})
@@ -282,7 +284,7 @@ def train_kernels(device: str = "cuda") -> dict:
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
     kernels["embedding"] = Embedding(KERNELS["embedding"])
     kernels["zeros"] = Zeros(KERNELS["zeros"], device)
-    kernels["flash_attention"] = FlashAttention()
+    kernels["flash_attention"] = FlashAttention(tuple(attention))
     return kernels
 
 
