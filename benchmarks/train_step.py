@@ -101,9 +101,11 @@ def _batch(args, vocab):
 
 
 def modulec_options(variant: str) -> dict:
-    """`budget<GiB>` (e.g. modulec_norecompute_budget20): build with that memory budget
-    for the whole step (TrainStep.from_module(memory_budget=...)), the planner deciding
-    what to recompute."""
+    """Options joined by `_` after `modulec`: `norecompute` (the derived backward),
+    `keepgrads`, `torchadam`, `flash` (FlashAttention-2 instead of cuDNN first),
+    `budget<GiB>` (e.g.
+    modulec_norecompute_budget20: build with that memory budget for the whole step,
+    TrainStep.from_module(memory_budget=...), the planner deciding what to recompute)."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
     unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash"}

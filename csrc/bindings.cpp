@@ -249,6 +249,16 @@ Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, double t
   return out;
 }
 
+// x [B, H, T, D] (any strides over b, h, t) rotated in place: each element is read
+// before it is written, by the same thread (RoPE inside the fused QKV projection output,
+// modulec/plan/in_place.py)
+void rope_inplace(const Tensor& x, const std::optional<Tensor>& position_ids, double theta,
+                  bool inverse) {
+  check_x(x, "x", x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  rope_into(x, x, position_ids, theta, inverse);
+}
+
 // The rope backward of q [B, Hq, T, D] and k [B, Hk, T, D] written into the head slots of
 // one [B, T, Hq + Hk + extra_heads, D] buffer (q heads, then k heads, then extra_heads
 // left unwritten): the fused QKV gradient, whose v slots the caller fills.
@@ -315,6 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope,
         "(x [B, H, T, D] strided, position_ids or None, theta, inverse) -> rotated x, laid "
         "out [B, T, H, D]");
+  m.def("rope_inplace", &rope_inplace,
+        "(x [B, H, T, D] strided, position_ids or None, theta, inverse): x rotated in place");
   m.def("rope_qk_into_heads", &rope_qk_into_heads,
         "(q, k, position_ids or None, theta, inverse, extra_heads) -> [buffer [B, T, Hq + Hk + "
         "extra, D], q', k']");

@@ -110,6 +110,28 @@ def test_bf16_loss_and_gradients_match_hf_bf16(tmp_path):
     assert worst[0] >= 0.999, worst
 
 
+def test_rope_runs_in_place_inside_the_qkv_projection(tmp_path):
+    """Each layer's RoPE rotates q and k inside the QKV projection output
+    (modulec/plan/in_place.py): q_rot, k_rot and v are views of one buffer."""
+    _hf_checkpoint(tmp_path)
+    step, _ = _step(tmp_path, torch.bfloat16)
+    step.set_batch(_tokens().cuda())
+    run = step.interpreter()
+    run.keep_only_saved = False
+    (out,), frame = run.forward([step.tokens])
+    assert run.in_place_runs == SMALL["n_layers"]
+    stack, seen = [frame], 0
+    while stack:
+        f = stack.pop()
+        stack += f.children.values()
+        names = {v.name: v.id for v in f.function.values if v.name}
+        if {"q_rot", "k_rot", "v"} <= names.keys():
+            ptrs = {f.env[names[n]].untyped_storage().data_ptr() for n in ("q_rot", "k_rot", "v")}
+            assert len(ptrs) == 1
+            seen += 1
+    assert seen == SMALL["n_layers"]
+
+
 def test_fp32_on_the_gpu_matches_the_cpu_reference(tmp_path):
     from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.cuda.step import next_token_labels

@@ -73,6 +73,17 @@ def main():
         sizes = sorted(storages.values(), reverse=True)
         print(f"    kept by {name}: {sum(sizes) / MiB:9.1f} MiB in {len(sizes)} storages "
               f"(largest {[round(s / MiB, 1) for s in sizes[:8]]})")
+    shown = set()
+    for f in frames(frame):  # one instance of each function: its values' storages
+        if f.function.name in shown or not f.env:
+            continue
+        shown.add(f.function.name)
+        print(f"    one {f.function.name}:")
+        for value, t in f.env.items():
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                print(f"      {value}: {tuple(t.shape)} strides {t.stride()} storage "
+                      f"{t.untyped_storage().data_ptr() % 10**6} "
+                      f"{t.untyped_storage().nbytes() / MiB:.1f} MiB")
     head = step.split.head_param
     loss, seed, d_head = lm_head_cross_entropy(out, step.compute[head], step.labels,
                                                step.chunk_rows)

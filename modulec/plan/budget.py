@@ -16,7 +16,7 @@ adapters on every matmul weight below the entry function, bf16 weights and gradi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modulec.ir.graph import Graph
 from modulec.plan.devices import H100, Device
@@ -69,6 +69,9 @@ def make_problem(graph: Graph, decls: dict | None = None, training: str = "full"
     saved = step.saved()
     found = intents(step, graph, decls, training, policies, binding) if decls is not None \
         else Intents({k: Intent(None, 7, "") for k in saved})
+    for key in saved:  # a replay of its producer would not redo the op that wrote over it
+        if step.storages[key].in_place:
+            found.by_storage[key] = replace(found.by_storage[key], recomputable=False)
     forward, backward = step.seconds()
     problem = Problem(graph, step, device, training, found, _fixed(graph, plan, training,
                                                                    lora_rank),
@@ -130,8 +133,9 @@ def ladder(problem: Problem) -> tuple[set, set]:
 def baseline(problem: Problem, name: str) -> set:
     """Recomputed storages of a classic strategy: `full_layer` (every activation of a
     block, so only the blocks' inputs stay) or `attention_core` (the attention's
-    post-projection activations: q/k after RoPE (and QK-norm), the attention output and
-    its log-sum-exp, its contiguous copy; replayed from the kept QKV projection)."""
+    post-projection activations: q/k after RoPE (and QK-norm) where RoPE does not run in
+    place (modulec.plan.in_place), the attention output and its log-sum-exp, its
+    contiguous copy; replayed from the kept QKV projection)."""
     step = problem.step
     if name == "full_layer":
         return {k for k in problem.candidates if k[0]}

@@ -22,6 +22,7 @@ from modulec.plan.memory import (
     GRADIENTS, OPTIMIZER_STATE, SAVED, TRANSIENT, WEIGHTS, Buffer, Op, plan_memory,
 )
 from modulec.plan.memory.model import round_up
+from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32": 4,
          "int8": 1, "float": 2}  # "float": the compute dtype, bf16
@@ -104,12 +105,18 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
 def _planned(graph, function, arenas, metric: str):
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
+    over = written_over(graph, function)
     ops, buffers, made = [], {}, {}
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
         for position, value in enumerate(outputs):
-            buffers[value] = _buffer(node, index, value, position, own, buffers, saved,
-                                     len(function.nodes))
+            if over.get(value) in buffers:  # written in place: a view of its input
+                source = buffers[over[value]]
+                buffers[value] = Buffer(value, source.size_bytes, TRANSIENT,
+                                        alias_of=source.id)
+            else:
+                buffers[value] = _buffer(node, index, value, position, own, buffers, saved,
+                                         len(function.nodes))
             made[value] = index
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
@@ -119,6 +126,14 @@ def _planned(graph, function, arenas, metric: str):
     _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes), ops)
     return plan_memory(ops, list(buffers.values())) if ops else None
+
+
+def written_over(graph: Graph, function: Function) -> dict:
+    """{output: the input it is written over} of `function`'s in-place nodes
+    (modulec.plan.in_place)."""
+    nodes = in_place_nodes(graph, function)
+    return {node.outputs[o]: node.inputs[i] for node in function.nodes if node.id in nodes
+            for o, i in IN_PLACE_OUTPUTS[node.target]}
 
 
 def _save_view_sources(buffers: dict, saved: set[str], made: dict, count: int) -> None:

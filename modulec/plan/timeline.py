@@ -6,7 +6,9 @@ An instance is named by its path from the entry: `(("f2", 3), ("f1", 0))` is the
 call `f1` inside the fourth repetition of call `f2` (block 3's attention). A storage is
 keyed `(path, value id)` of the instance that writes it; a callee's input is the caller's
 storage (no copy), a view (view, transpose, permute, split) is its source's storage, and
-a repeated call feeds each repetition's outputs to the next one's inputs. A backward
+a repeated call feeds each repetition's outputs to the next one's inputs, and an op
+that runs in place (modulec.plan.in_place: RoPE inside the fused QKV output) writes
+its outputs into its inputs' storages. A backward
 instance reads the storages of the forward instance it differentiates (its `forward_node`
 call, repetitions in reverse). Saved storages are those a backward op reads.
 
@@ -22,6 +24,7 @@ from modulec.ir.graph import Graph, Node
 from modulec.plan.cost import VIEW_OPS, node_cost, value_table
 from modulec.plan.devices import Device
 from modulec.plan.from_graph import _bytes
+from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory.model import round_up
 
 Key = tuple  # (instance path, value id)
@@ -48,6 +51,7 @@ class Storage:
     producer: int | None = None                 # forward op writing it (None: step input)
     names: list = field(default_factory=list)   # source names of the values viewing it
     readers: list = field(default_factory=list)  # op indices reading it, in order
+    in_place: bool = False                        # an op wrote over it (modulec.plan.in_place)
 
     last_read_forward: int = 0                   # its last forward use (or producer)
     reads_backward: list = field(default_factory=list)  # backward ops reading it
@@ -104,6 +108,7 @@ class _Walker:
         self.envs: dict[tuple, dict] = {}
         self._tables: dict[str, object] = {}
         self._times: dict[tuple, float] = {}
+        self._in_place: dict[str, frozenset] = {}
 
     def storage(self, key: Key, function: str, value, producer) -> None:
         self.storages[key] = Storage(key, round_up(_bytes(value), ALIGNMENT), function,
@@ -154,8 +159,11 @@ class _Walker:
     def _op(self, function, node: Node, path: tuple, env: dict, own: dict) -> None:
         index = len(self.ops)
         writes = []
-        for value_id in node.outputs:
-            if value_id in own:
+        over = self._over_inputs(function, node)
+        for position, value_id in enumerate(node.outputs):
+            if position in over and node.inputs[over[position]] in env:
+                self._write_over(env, node.inputs[over[position]], value_id, own)
+            elif value_id in own:
                 key = (path, value_id)
                 self.storage(key, function.name, own[value_id], index)
                 env[value_id] = key
@@ -163,6 +171,22 @@ class _Walker:
         reads = tuple(dict.fromkeys(env[i] for i in node.inputs if i in env))
         self.ops.append(OpRun(index, function.name, path, node, reads, tuple(writes),
                               self.seconds(function, node), False))
+
+    def _over_inputs(self, function, node: Node) -> dict:
+        """{output position: input position} the node writes over (in place), or {}."""
+        if function.name not in self._in_place:
+            self._in_place[function.name] = in_place_nodes(self.graph, function)
+        if node.id not in self._in_place[function.name]:
+            return {}
+        return dict(IN_PLACE_OUTPUTS[node.target])
+
+    def _write_over(self, env: dict, source: str, value_id: str, own: dict) -> None:
+        storage = self.storages[env[source]]
+        storage.in_place = True
+        env[value_id] = storage.key
+        value = own.get(value_id)
+        if value is not None and value.name:
+            storage.names.append(value.name)
 
     # ------------------------------------------------------------------ backward
     def backward(self, name: str, path: tuple) -> None:

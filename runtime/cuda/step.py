@@ -312,6 +312,8 @@ class _StepInterpreter(Interpreter):
         self._pairs: dict = {}  # function name -> LoraPairs
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
+        self._in_place: dict = {}  # function name -> node ids run in place
+        self.in_place_runs = 0
 
     def forward(self, inputs: list):
         outputs, frame = super().forward(inputs)
@@ -388,6 +390,8 @@ class _StepInterpreter(Interpreter):
         if function.gradient_of or self._replaying or self.hooks is not None \
                 or self.profiler is not None:
             return super()._op(node, frame, forward)
+        if node.id in self._in_place_of(function) and self._rope_in_place(node, frame, forward):
+            return
         pairs = self._lora_pairs(function)
         if node.id in pairs.deferred:
             return  # run by its add
@@ -413,6 +417,36 @@ class _StepInterpreter(Interpreter):
             self._scalars[key] = torch.empty((), dtype=y.dtype, device=y.device)
         frame.env[matmul.outputs[0]] = self._scalars[key].expand(y.shape)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+
+    def _in_place_of(self, function) -> frozenset:
+        """The nodes of `function` the planner counts in place (modulec.plan.in_place),
+        less those a planned replay runs again (it would read the overwritten inputs)."""
+        if function.name not in self._in_place:
+            from modulec.plan.in_place import in_place_nodes
+
+            replayed = set() if self.decisions is None else {
+                n for (f, n), modes in self.decisions.replays.items()
+                if f == function.name and modes}
+            self._in_place[function.name] = in_place_nodes(self.graph, function) - replayed
+        return self._in_place[function.name]
+
+    def _rope_in_place(self, node, frame, forward) -> bool:
+        """rope over its q and k (views of the fused QKV projection output); False where
+        the kernel does not cover the inputs (the op then runs as written)."""
+        from runtime.cuda.kernels import _extension
+
+        q, k = (self._read(v, frame, forward) for v in node.inputs[:2])
+        position_ids = self._read(node.inputs[2], frame, forward) if node.inputs[2] else None
+        if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4
+                   and t.stride(-1) == 1 and t.dtype in (torch.bfloat16, torch.float32)
+                   and t.dtype == q.dtype for t in (q, k)):
+            return False
+        theta = float(node.attr("theta", 10000.0))
+        for x, out in zip((q, k), node.outputs):
+            _extension().rope_inplace(x, position_ids, theta, False)
+            frame.env[out] = self._after(node, frame, out, x)
+        self.in_place_runs += 1
+        return True
 
     def _lora_pairs(self, function) -> "LoraPairs":
         if function.name not in self._pairs:
