@@ -310,6 +310,29 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                "adamw");
 }
 
+// Cross-entropy in place: logits [rows, V] (bf16, fp16 or fp32) become d_logits =
+// (softmax - onehot(label)) * scale, 0 on rows whose label is ignore_index; returns the
+// per-row losses (fp32 [rows]: lse - logit[label], 0 where ignored). scale: a fp32 device
+// scalar (the caller's 1 / n), read by the kernel, so nothing syncs with the host.
+Tensor cross_entropy_(const Tensor& logits, const Tensor& labels, const Tensor& scale,
+                      int64_t ignore_index) {
+  check(logits, "logits", logits.scalar_type(), logits);
+  const DType dt = logits.scalar_type() == at::kHalf ? DType::F16 : dtype_of(logits);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, V], V > 0");
+  check(labels, "labels", at::kLong, logits);
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0), "labels must be [rows]");
+  check(scale, "scale", at::kFloat, logits);
+  TORCH_CHECK(scale.numel() == 1, "scale must have one element");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  Tensor losses = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  check_launch(modulec::launch_cross_entropy(dt, logits.data_ptr(), labels.data_ptr<int64_t>(),
+                                             scale.data_ptr<float>(), losses.data_ptr<float>(),
+                                             logits.size(0), logits.size(1), ignore_index,
+                                             stream()),
+               "cross_entropy");
+  return losses;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -333,4 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step,
         "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
         "beta1, beta2, eps, weight_decay)");
+  m.def("cross_entropy_", &cross_entropy_,
+        "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
+        "scale fp32 [], ignore_index) -> losses fp32 [rows]");
 }

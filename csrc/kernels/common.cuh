@@ -7,22 +7,27 @@
 #include <cstdint>
 #include <initializer_list>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels.h"
 
 namespace modulec {
 
-// Explicit conversions: torch builds .cu files with __CUDA_NO_BFLOAT16_CONVERSIONS__,
-// so no implicit bf16 <-> float conversion may be relied on.
+// Explicit conversions: torch builds .cu files with __CUDA_NO_BFLOAT16_CONVERSIONS__ (and
+// the half one), so no implicit bf16/fp16 <-> float conversion may be relied on.
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 // round-to-nearest-even, as torch's .to(torch.bfloat16)
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
 }
 
 // VEC elements moved as one access; VEC * sizeof(T) == 16 gives 16-byte loads/stores.

@@ -1,7 +1,8 @@
 // The host-side entry points of the modulec CUDA kernels: raw device pointers, sizes and a
 // stream. csrc/bindings.cpp wraps them on torch tensors; nothing here needs torch.
 // Every launcher returns the launch's cudaError_t (cudaSuccess when there is no work).
-// Dtype policy: bf16 or fp32 I/O, fp32 arithmetic; rstd is always fp32.
+// Dtype policy: bf16 or fp32 I/O (cross_entropy also fp16), fp32 arithmetic; rstd is
+// always fp32.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@
 
 namespace modulec {
 
-enum class DType : int { F32 = 0, BF16 = 1 };
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };  // F16: cross_entropy only
 
 // ---- norms.cu: rmsnorm and fused_residual_rmsnorm over the last dim (rows x C)
 // y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps). With `input` non-null the
@@ -56,5 +57,15 @@ cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* e
                          float* exp_avg_sq, void* compute_bf16, const float* step, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          cudaStream_t stream);
+
+// ---- cross_entropy.cu: cross-entropy loss and its gradient, in place on logits [rows, V]
+// (row-contiguous; bf16, fp16 or fp32). Per row, lse = log(sum_j exp(x_j)) in fp32;
+// losses[row] = lse - x[label] (fp32; NaN for a label outside [0, V)) and the row becomes
+// (exp(x_j - lse) - [j == label]) * scale in the logits' dtype. A row whose label is
+// ignore_index gets loss 0 and gradient 0. scale: a device float (the caller's 1 / n),
+// read by the kernel so that a captured CUDA graph needs no host value.
+cudaError_t launch_cross_entropy(DType dt, void* logits, const int64_t* labels,
+                                 const float* scale, float* losses, int64_t rows, int64_t V,
+                                 int64_t ignore_index, cudaStream_t stream);
 
 }  // namespace modulec

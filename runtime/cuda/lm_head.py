@@ -1,19 +1,30 @@
-"""LM head + cross-entropy, fused and in chunks of rows: never the full fp32 logits.
+"""LM head + cross-entropy, fused and in chunks of rows: never the full logits.
 
 A language model's graph ends in `xF -> matmul(W, transpose=NT) -> logits` (W the LM head,
 or the embedding when tied). For training, `split_head` cuts that node off: the entry
 function returns xF instead, and the backward function starts from d_xF (its first node,
 the matmul's backward, goes too, with the head's parameter gradient). Then
-`lm_head_cross_entropy` computes, chunk by chunk of rows, the logits (bf16 GEMM), their
-fp32 log-sum-exp, the loss and at once the gradient (softmax - onehot) / n, and from it
-d_xF and d_W, so only one chunk of fp32 logits ever exists (chunk_rows x vocab).
+`lm_head_cross_entropy` computes, chunk by chunk of rows, the logits (one GEMM in the
+model's dtype), the loss and at once the gradient (softmax - onehot) / n, and from it d_xF
+and d_W, so only one chunk of logits ever exists (chunk_rows x vocab).
+
+On CUDA the loss and gradient of a chunk are one custom kernel (csrc/kernels/
+cross_entropy.cu, `_kernel_for`): per row it reads the logits, computes their log-sum-exp
+in fp32, writes the row's loss to a [rows] fp32 buffer and overwrites the logits, in place
+and in their dtype (bf16), with the gradient, so no fp32 copy of the chunk exists. The
+chunk's loss is the torch sum of that buffer (deterministic: no atomics). Elsewhere (CPU,
+fp64, the extension not built) `_chunk` does the same with torch ops on a fp32 copy of the
+chunk; it is also the kernel's reference in the tests.
 
 The loss is the mean token cross-entropy over labels != ignore_index (next-token labels
-are the caller's: labels[t] = token_ids[t + 1]). Nothing syncs with the host.
+are the caller's: labels[t] = token_ids[t + 1]). 1 / n stays a device scalar, which the
+kernel reads: nothing syncs with the host, so the step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -76,28 +87,70 @@ def lm_head_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, chunk_rows:
     for start in range(0, rows.shape[0], chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])
         part = slice(start, stop)
-        logits = (rows[part] @ weight.t()).float()
-        grad = _chunk(logits, flat_labels[part], keep[part], inv_n, loss).to(x.dtype)
+        grad = _logits_grad(rows[part] @ weight.t(), flat_labels[part], keep[part], inv_n, loss,
+                            ignore_index)
         torch.mm(grad, weight, out=d_rows[part])
         if head_grad:
-            d_weight.add_(grad.t() @ rows[part])
+            _add_head_grad(d_weight, grad, rows[part])
+        del grad  # else the next chunk's logits are allocated while this chunk is still held
     return loss * inv_n, d_rows.reshape(x.shape), d_weight
 
 
 def logits_cross_entropy(logits: Tensor, labels: Tensor, chunk_rows: int = 2048,
                          ignore_index: int = -100):
     """(loss [] fp32, d_logits like logits): the unfused path, for graphs that do not end
-    in a head matmul; fp32 only one chunk at a time."""
+    in a head matmul. On CUDA the kernel runs once over a copy of all the logits, which
+    becomes d_logits (the output's own memory: nothing else is allocated but the [rows]
+    losses); elsewhere the torch path holds fp32 only one chunk of `chunk_rows` at a time."""
     V = logits.shape[-1]
     rows, flat_labels = logits.reshape(-1, V), labels.reshape(-1)
     keep = flat_labels != ignore_index
     inv_n = 1.0 / keep.sum().clamp(min=1).to(torch.float32)
+    ext = _kernel_for(rows)
+    if ext is not None:
+        d_rows = rows.clone(memory_format=torch.contiguous_format)
+        losses = ext.cross_entropy_(d_rows, flat_labels.long(), inv_n, ignore_index)
+        return losses.sum() * inv_n, d_rows.reshape(logits.shape)
     loss = torch.zeros((), dtype=torch.float32, device=logits.device)
     d_rows = torch.empty_like(rows)
     for start in range(0, rows.shape[0], chunk_rows):
         part = slice(start, min(start + chunk_rows, rows.shape[0]))
         d_rows[part] = _chunk(rows[part].to(torch.float32, copy=True), flat_labels[part], keep[part], inv_n, loss)
     return loss * inv_n, d_rows.reshape(logits.shape)
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kernel_for(logits: Tensor):
+    """The CUDA extension when its cross-entropy kernel takes these logits (CUDA,
+    contiguous, bf16/fp16/fp32, the extension built), else None (the torch path)."""
+    if not (logits.is_cuda and logits.dtype in KERNEL_DTYPES and logits.is_contiguous()):
+        return None
+    return _extension()
+
+
+@functools.cache
+def _extension():
+    try:
+        from runtime.cuda.kernels import _extension as load
+
+        return load()
+    except Exception as err:  # no compiler, a failed build: the torch path still works
+        warnings.warn(f"cross-entropy runs on torch ops: the CUDA extension is unavailable ({err})")
+        return None
+
+
+def _logits_grad(logits: Tensor, labels: Tensor, keep: Tensor, inv_n: Tensor, loss: Tensor,
+                 ignore_index: int) -> Tensor:
+    """This chunk's d_logits in the logits' dtype; adds its summed loss to `loss`. The
+    kernel overwrites `logits` (a fresh GEMM output) with it; the torch path works on a
+    fp32 copy (or in place, for fp32 logits) and casts back."""
+    ext = _kernel_for(logits)
+    if ext is None:
+        return _chunk(logits.float(), labels, keep, inv_n, loss).to(logits.dtype)
+    loss.add_(ext.cross_entropy_(logits, labels.long(), inv_n, ignore_index).sum())
+    return logits
 
 
 def _chunk(logits: Tensor, labels: Tensor, keep: Tensor, inv_n: Tensor, loss: Tensor) -> Tensor:
@@ -111,6 +164,29 @@ def _chunk(logits: Tensor, labels: Tensor, keep: Tensor, inv_n: Tensor, loss: Te
     probs = logits.sub_(lse[:, None]).exp_()
     probs.scatter_add_(1, target, -keep_f[:, None])
     return probs.mul_((keep_f * inv_n)[:, None])
+
+
+_fp32_addmm = True  # False once this torch refused addmm(out_dtype=fp32) on a fp32 self
+
+
+def _add_head_grad(d_weight: Tensor, grad: Tensor, rows: Tensor) -> None:
+    """d_weight += grad^T @ rows, without the [V, d] product as a temporary where torch
+    can: addmm in place when the dtypes match; for bf16/fp16 operands and a fp32 d_weight,
+    CUDA's addmm with out_dtype=fp32 (the GEMM accumulates into d_weight in fp32), which
+    torch versions before it took a fp32 `self` refuse (checked before any launch): then,
+    and on CPU, the product in the operands' dtype, added."""
+    global _fp32_addmm
+    if grad.dtype == d_weight.dtype:
+        d_weight.addmm_(grad.t(), rows)
+        return
+    if (_fp32_addmm and grad.is_cuda and d_weight.dtype == torch.float32
+            and grad.dtype in (torch.bfloat16, torch.float16)):
+        try:
+            torch.addmm(d_weight, grad.t(), rows, out_dtype=torch.float32, out=d_weight)
+            return
+        except (RuntimeError, TypeError):
+            _fp32_addmm = False
+    d_weight.add_(grad.t() @ rows)
 
 
 def reference_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
