@@ -78,6 +78,25 @@ std::vector<Tensor> fused_residual_rmsnorm_forward(const Tensor& residual, const
   return norm_forward(residual, input, weight, eps);
 }
 
+// y = x * rstd * weight: a norm's output from its saved input (or residual_out) and rstd
+Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight) {
+  const auto dt = x.scalar_type();
+  check(x, "x", dt, x);
+  check(weight, "weight", dt, x);
+  check(rstd, "rstd", at::kFloat, x);
+  const int64_t C = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == C, "weight must be [", C, "]");
+  TORCH_CHECK(rstd.sizes() == at::IntArrayRef(leading(x)), "rstd must have x's leading dims");
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor y = at::empty_like(x);
+  const int64_t rows = C ? x.numel() / C : 0;
+  check_launch(modulec::launch_rmsnorm_apply(dtype_of(x), x.data_ptr(), rstd.data_ptr<float>(),
+                                             weight.data_ptr(), y.data_ptr(), rows, C,
+                                             stream()),
+               "rmsnorm apply");
+  return y;
+}
+
 // (d_x, d_weight); with d_residual_out, d_x is the fused backward's g = d_residual_out + d_x
 std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& weight,
                                      const Tensor& rstd,
@@ -340,6 +359,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm_forward", &rmsnorm_forward, "(x, weight, eps) -> [y, rstd]");
   m.def("fused_residual_rmsnorm_forward", &fused_residual_rmsnorm_forward,
         "(residual, input, weight, eps) -> [residual_out, y, rstd]");
+  m.def("rmsnorm_apply", &rmsnorm_apply,
+        "(x, rstd, weight) -> x * rstd * weight  (a norm's output from its saved statistics)");
   m.def("rmsnorm_backward", &rmsnorm_backward,
         "(d_y, x, weight, rstd, d_residual_out or None) -> [d_x, d_weight]");
   m.def("swiglu_forward", &swiglu_forward, "(gate, up) -> y  (row-strided inputs)");

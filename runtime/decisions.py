@@ -179,16 +179,27 @@ def _poison(tensor, kept: list) -> None:
 def _apply_saved(interpreter, frame, node) -> None:
     """A norm's output from its saved statistics (the planner's `apply_saved` replay,
     modulec.plan.replay.APPLY_SAVED): y = x_hat * weight (+ bias), x_hat from the saved
-    (residual) input and rstd (and mean), without the norm's other inputs."""
+    (residual) input and rstd (and mean), without the norm's other inputs. A kernel in
+    the interpreter's `apply_saved_kernels` (by op; the GPU step's: one fused launch)
+    goes first; None from it means it does not cover the tensors."""
     from modulec.plan.replay import APPLY_SAVED as RULES
-    from runtime.kernels.base import compute_dtype
 
     replayed, sources = RULES[node.target]
     read = [interpreter.read_forward(frame, node.outputs[i] if kind == "out" else node.inputs[i])
             for kind, i in sources]
-    x, stats = read[0], read[1:]
     weight = interpreter.read_forward(frame, node.inputs[1 if node.target != "fused_residual_rmsnorm" else 2])
-    work = compute_dtype(x.dtype)
+    value = node.outputs[replayed]
+    kernel = getattr(interpreter, "apply_saved_kernels", {}).get(node.target)
+    y = kernel(read[0], read[1:], weight) if kernel is not None else None
+    if y is None:
+        y = _apply_saved_reference(interpreter, frame, node, read[0], read[1:], weight)
+    frame.env[value] = interpreter.place(frame, node, value, y)
+
+
+def _apply_saved_reference(interpreter, frame, node, x, stats, weight):
+    from runtime.kernels.base import compute_dtype
+
+    io, work = x.dtype, compute_dtype(x.dtype)
     x, weight = x.to(work), weight.to(work)
     if node.target == "layernorm":
         mean, rstd = (t.to(work)[..., None] for t in stats)
@@ -197,5 +208,4 @@ def _apply_saved(interpreter, frame, node) -> None:
         y = y + interpreter.read_forward(frame, bias).to(work) if bias else y
     else:
         y = x * stats[0].to(work)[..., None] * weight
-    value = node.outputs[replayed]
-    frame.env[value] = interpreter.place(frame, node, value, y.to(read[0].dtype))
+    return y.to(io)

@@ -110,6 +110,26 @@ def test_fused_residual_rmsnorm(shape, dtype):
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rmsnorm_apply_saved_gives_the_forward_output(shape, dtype):
+    """The replayed norm output (x * rstd * weight from the saved x and rstd) is the
+    forward kernel's output bit for bit; from fused_residual_rmsnorm's residual_out it is
+    within the I/O dtype's rounding (the forward normalizes the fp32 sum)."""
+    from runtime.cuda.kernels import APPLY_SAVED_KERNELS
+
+    torch.manual_seed(2)
+    x, w = rand(*shape, dtype=dtype), rand(shape[-1], dtype=dtype)
+    y, rstd = CUDA_KERNELS["rmsnorm"].forward([x, w], {"eps": 1e-6})
+    assert torch.equal(APPLY_SAVED_KERNELS["rmsnorm"](x, [rstd], w), y)
+    res, inp = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
+    res_out, y, rstd = CUDA_KERNELS["fused_residual_rmsnorm"].forward([res, inp, w], {"eps": 1e-5})
+    got = APPLY_SAVED_KERNELS["fused_residual_rmsnorm"](res_out, [rstd], w)
+    assert_close([got], [y], TOL[dtype], "apply_saved from residual_out")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7,), (3, 1001), (64, 4096), (2, 3, 37), (5,)])
 def test_swiglu(shape, dtype):
     torch.manual_seed(2)

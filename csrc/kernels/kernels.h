@@ -19,6 +19,10 @@ cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, c
                                    void* residual_out, void* y, float* rstd, int64_t rows,
                                    int64_t C, float eps, cudaStream_t stream);
 
+// y = x * rstd * weight from a saved x and rstd (a norm's output replayed, `apply_saved`).
+cudaError_t launch_rmsnorm_apply(DType dt, const void* x, const float* rstd, const void* weight,
+                                 void* y, int64_t rows, int64_t C, cudaStream_t stream);
+
 // fp32 workspace (in floats) that launch_rmsnorm_backward needs for its d_weight partials.
 int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C);
 

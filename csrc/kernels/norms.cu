@@ -259,6 +259,43 @@ __global__ void column_sum_kernel(const float* __restrict__ partial, int64_t par
   }
 }
 
+// y = x * rstd[row] * weight: a norm's output from its saved input and statistics (the
+// planner's `apply_saved` replay). The same fp32 products in the same order as store_y, so
+// from the same x it gives the forward's y bit for bit. One thread: VEC elements.
+template <typename T, int VEC>
+__global__ void rms_apply_kernel(const T* __restrict__ x, const float* __restrict__ rstd,
+                                 const T* __restrict__ weight, T* __restrict__ y, int64_t rows,
+                                 int64_t C) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t per_row = C / VEC;
+  if (i >= rows * per_row) return;
+  const int64_t row = i / per_row, col = i - row * per_row;
+  float a[VEC], w[VEC], o[VEC];
+  load_vec<T, VEC>(x + row * C, col, a);
+  load_vec<T, VEC>(weight, col, w);
+  const float r = rstd[row];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) o[j] = a[j] * r * w[j];
+  store_vec<T, VEC>(y + row * C, col, o);
+}
+
+template <typename T>
+cudaError_t apply_typed(const void* x, const float* rstd, const void* weight, void* y,
+                        int64_t rows, int64_t C, cudaStream_t stream) {
+  constexpr int wide = 16 / sizeof(T), threads = 256;
+  auto launch = [&](auto kernel, int vec) {
+    const int64_t items = rows * (C / vec);
+    kernel<<<static_cast<unsigned>((items + threads - 1) / threads), threads, 0, stream>>>(
+        static_cast<const T*>(x), rstd, static_cast<const T*>(weight), static_cast<T*>(y),
+        rows, C);
+  };
+  if (pick_vec<T>(C, {x, weight, y}) == wide)
+    launch(rms_apply_kernel<T, wide>, wide);
+  else
+    launch(rms_apply_kernel<T, 1>, 1);
+  return cudaGetLastError();
+}
+
 // ------------------------------------------------------------------- host dispatch
 template <typename T, int VEC>
 cudaError_t forward_vec(const void* x, const void* input, const void* weight,
@@ -372,6 +409,14 @@ cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, co
                                          workspace, rows, C, stream);
   return backward_typed<float>(d_y, x, weight, rstd, d_residual_out, d_x, d_weight, workspace,
                                rows, C, stream);
+}
+
+cudaError_t launch_rmsnorm_apply(DType dt, const void* x, const float* rstd, const void* weight,
+                                 void* y, int64_t rows, int64_t C, cudaStream_t stream) {
+  if (rows == 0 || C == 0) return cudaSuccess;
+  if (dt == DType::BF16)
+    return apply_typed<__nv_bfloat16>(x, rstd, weight, y, rows, C, stream);
+  return apply_typed<float>(x, rstd, weight, y, rows, C, stream);
 }
 
 }  // namespace modulec

@@ -173,3 +173,18 @@ CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
     for name, ref in KERNELS.items()
 }
+
+
+def _rms_apply(x, stats, weight):
+    """A replayed RMSNorm output, x * rstd * weight, in one launch (the forward kernel's
+    arithmetic); None where the kernel does not take the tensors."""
+    rstd = stats[0]
+    tensors = (x, rstd, weight)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) \
+            or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
+        return None
+    return _extension().rmsnorm_apply(x.contiguous(), rstd.contiguous(), weight.contiguous())
+
+
+# per norm: its output from the saved statistics (runtime/decisions.py `_apply_saved`)
+APPLY_SAVED_KERNELS = {"rmsnorm": _rms_apply, "fused_residual_rmsnorm": _rms_apply}

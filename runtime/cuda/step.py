@@ -313,6 +313,9 @@ class _StepInterpreter(Interpreter):
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self._in_place: dict = {}  # function name -> node ids run in place
+        from runtime.cuda.kernels import APPLY_SAVED_KERNELS
+
+        self.apply_saved_kernels = APPLY_SAVED_KERNELS
         self.in_place_runs = 0
 
     def forward(self, inputs: list):
