@@ -77,6 +77,8 @@ class Arena:
                 (node is not None and node.kind == "op" and node.target in VIEWS):
             return tensor
         target = self._view(frame, placement, tensor, value)
+        if target.data_ptr() == tensor.data_ptr() and target.stride() == tensor.stride():
+            return tensor  # already there: a view the plan counts as one (layouts)
         target.copy_(tensor)
         return target
 
@@ -87,14 +89,27 @@ class Arena:
                 f"gives it {placement.size_bytes}", help=["run on the plan in the IR's "
                                                           "dtypes (dtype=torch.bfloat16)"])
         start = self._start(frame, placement)
-        raw = self.regions[placement.region][start:start + tensor.nbytes]
-        return raw.view(tensor.dtype).view(tensor.shape)
+        raw = self.regions[placement.region][start:start + tensor.nbytes].view(tensor.dtype)
+        if not tensor.is_contiguous() and _dense(tensor):  # keep its memory order
+            return raw.as_strided(tensor.shape, tensor.stride())
+        return raw.view(tensor.shape)
 
     def _start(self, frame, placement) -> int:
         if placement.region == TRANSIENT:
             return frame.transient_base + placement.offset
         base, stride = self.records[frame.function.name]
         return base + frame.instance * stride + placement.offset
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Its elements fill numel() slots with no gap or overlap (a permuted contiguous
+    tensor), so its strides fit a buffer of its own size."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 # ====================================================================== parameters

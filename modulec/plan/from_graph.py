@@ -23,6 +23,7 @@ from modulec.plan.memory import (
 )
 from modulec.plan.memory.model import round_up
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
+from modulec.plan.layouts import free_contiguous
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32": 4,
          "int8": 1, "float": 2}  # "float": the compute dtype, bf16
@@ -106,10 +107,13 @@ def _planned(graph, function, arenas, metric: str):
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
     over = written_over(graph, function)
+    free = free_contiguous(function)
     ops, buffers, made = [], {}, {}
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
         for position, value in enumerate(outputs):
+            if node.id in free and node.inputs[0] in buffers:
+                over[value] = node.inputs[0]  # contiguous already: a view
             if over.get(value) in buffers:  # written in place: a view of its input
                 source = buffers[over[value]]
                 buffers[value] = Buffer(value, source.size_bytes, TRANSIENT,
@@ -121,8 +125,8 @@ def _planned(graph, function, arenas, metric: str):
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
             outputs = outputs + [_call_block(node, arenas, metric, buffers)]
-        ops.append(Op(index, node.id, tuple(inputs), tuple(outputs), _kind(node),
-                      node.target in IN_PLACE))
+        ops.append(Op(index, node.id, tuple(inputs), tuple(outputs),
+                      "view" if node.id in free else _kind(node), node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes), ops)
     return plan_memory(ops, list(buffers.values())) if ops else None

@@ -8,7 +8,8 @@ keyed `(path, value id)` of the instance that writes it; a callee's input is the
 storage (no copy), a view (view, transpose, permute, split) is its source's storage, and
 a repeated call feeds each repetition's outputs to the next one's inputs, and an op
 that runs in place (modulec.plan.in_place: RoPE inside the fused QKV output) writes
-its outputs into its inputs' storages. A backward
+its outputs into its inputs' storages, and a `contiguous` of a value already laid out
+contiguously (modulec.plan.layouts) is a view. A backward
 instance reads the storages of the forward instance it differentiates (its `forward_node`
 call, repetitions in reverse). Saved storages are those a backward op reads.
 
@@ -25,6 +26,7 @@ from modulec.plan.cost import VIEW_OPS, node_cost, value_table
 from modulec.plan.devices import Device
 from modulec.plan.from_graph import _bytes
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
+from modulec.plan.layouts import free_contiguous
 from modulec.plan.memory.model import round_up
 
 Key = tuple  # (instance path, value id)
@@ -109,6 +111,7 @@ class _Walker:
         self._tables: dict[str, object] = {}
         self._times: dict[tuple, float] = {}
         self._in_place: dict[str, frozenset] = {}
+        self._free: dict[str, frozenset] = {}
 
     def storage(self, key: Key, function: str, value, producer) -> None:
         self.storages[key] = Storage(key, round_up(_bytes(value), ALIGNMENT), function,
@@ -130,7 +133,8 @@ class _Walker:
         for node in function.nodes:
             if node.kind == "call":
                 self._call(node, path, env)
-            elif node.kind == "alias" or node.target in VIEW_OPS:
+            elif node.kind == "alias" or node.target in VIEW_OPS \
+                    or node.id in self._free_contiguous(function):
                 self._view(node, env, own)
             else:
                 self._op(function, node, path, env, own)
@@ -171,6 +175,11 @@ class _Walker:
         reads = tuple(dict.fromkeys(env[i] for i in node.inputs if i in env))
         self.ops.append(OpRun(index, function.name, path, node, reads, tuple(writes),
                               self.seconds(function, node), False))
+
+    def _free_contiguous(self, function) -> frozenset:
+        if function.name not in self._free:
+            self._free[function.name] = free_contiguous(function)
+        return self._free[function.name]
 
     def _over_inputs(self, function, node: Node) -> dict:
         """{output position: input position} the node writes over (in place), or {}."""

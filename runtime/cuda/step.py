@@ -210,21 +210,32 @@ class TrainStep:
     def loss_and_gradients(self, on_gradient=None) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward, loss and backward on the static inputs: (loss, gradients by path).
         `on_gradient(path, grad)`: called with each repeated layer's parameter gradients
-        as soon as they are final; those are not in the returned dict."""
+        as soon as they are final, and with an untied LM head's before the backward runs
+        (its fp32 gradient would otherwise be held through the backward's peak); those are
+        not in the returned dict."""
         run = self.interpreter(on_gradient)
         (out,), frame = run.forward([self.tokens])
+        d_head = None
         if self.split is not None:
             head = self.split.head_param
             trained = head not in self.frozen()
             loss, seed, d_head = lm_head_cross_entropy(out, self.compute[head], self.labels,
                                                        self.chunk_rows, head_grad=trained)
+            if d_head is not None and on_gradient is not None and not self._head_tied():
+                on_gradient(head, d_head)
+                d_head = None
         else:
             loss, seed = logits_cross_entropy(out, self.labels, self.chunk_rows)
         del out
         _, grads = run.backward(frame, [seed])
-        if self.split is not None and trained:
+        if d_head is not None:
             grads[head] = grads[head] + d_head if head in grads else d_head
         return loss, grads
+
+    def _head_tied(self) -> bool:
+        """The LM head's parameter gets gradient in the backward too (tied embeddings)."""
+        backward = self.graph.function(self.graph.backward)
+        return self.split.head_param in {p for p, _ in backward.param_grads}
 
     def _step(self) -> None:
         if self.optimizer == "fused":

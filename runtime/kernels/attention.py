@@ -77,7 +77,8 @@ def _flash_attention_forward(q, k, v, alibi_slopes=None, *, causal=True, softmax
     l = e.sum(-1, keepdim=True)
     out = (e / l) @ _expand_kv(v, hq)
     lse = (m + torch.log(l)).squeeze(-1)
-    return [out, lse]
+    # laid out [B, T, H, D] in memory, as the GPU kernels write it (modulec.plan.layouts)
+    return [out.transpose(1, 2).contiguous().transpose(1, 2), lse]
 
 
 # --------------------------------------------------------------------------------- rope
