@@ -103,12 +103,14 @@ def _batch(args, vocab):
 def modulec_options(variant: str) -> dict:
     """Options joined by `_` after `modulec`: `norecompute` (the derived backward),
     `keepgrads`, `torchadam`, `flash` (FlashAttention-2 instead of cuDNN first),
+    `swap` (with a budget: planned on the h200 profile, so swaps to host memory too),
     `budget<GiB>` (e.g.
     modulec_norecompute_budget20: build with that memory budget for the whole step,
     TrainStep.from_module(memory_budget=...), the planner deciding what to recompute)."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
-    unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash"}
+    unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash",
+                                  "swap"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
@@ -117,6 +119,7 @@ def modulec_options(variant: str) -> dict:
                "attention": ("flash",) if "flash" in parts else ("cudnn", "flash")}
     if budgets:
         options["memory_budget"] = int(float(budgets.pop()[len("budget"):]) * 2**30)
+        options["plan_device"] = "h200" if "swap" in parts else "h200-noswap"
     return options
 
 
@@ -142,6 +145,10 @@ def run_modulec(args, shape, ckpt, variant="modulec"):
         result["recomputed_per_step"] = step.decisions.counts["recomputed"] // 3
         result["dropped_per_step"] = step.decisions.counts["dropped"] // 3
         result["swaps_kept"] = step.swaps_kept
+        result["swapped_out_per_step"] = step.decisions.counts["swapped_out"] // 3
+        swaps = getattr(step, "swaps", None)
+        result["swapped_bytes_per_step"] = sum(b.numel() for b in swaps.buffers.values()) \
+            if swaps is not None else 0
         result["recompute"] = sorted({f"{f}/{v}" for (f, v), runs in step.decisions.table.items()
                                       if any(k == "recompute" for k, _, _ in runs)})
     return result

@@ -200,7 +200,7 @@ def test_fused_adamw_step_matches_torch_adamw(tmp_path, derive_written, update_i
         assert torch.equal(fused.compute[p], fused.masters[p].to(torch.bfloat16)), p
 
 
-def _budget_between(derive_written: bool, share: float) -> int:
+def _budget_between(derive_written: bool, share: float, plan_device="h200-noswap") -> int:
     """A GPU budget for SMALL: `share` of the way from the planner's lowest peak to its
     keep-all peak (both in this step's terms)."""
     from modulec.plan.budget import make_problem, no_recompute, plan_budget
@@ -209,7 +209,7 @@ def _budget_between(derive_written: bool, share: float) -> int:
 
     program = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T,
                                     derive_written=derive_written).program
-    problem = make_problem(program.graph, None, "full", device("h200-noswap"))
+    problem = make_problem(program.graph, None, "full", device(plan_device))
     lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
     return int(lowest + share * (peak - lowest)) - planner_budget(program, 0)
 
@@ -244,6 +244,40 @@ def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
     assert max(_rel(grads_b[p], grads_a[p]) for p in grads_a) < 3e-2
     predicted = budgeted.predicted_peak()
     assert predicted is not None and predicted <= budget
+    for s in steps:
+        s.capture(warmup=2)
+    losses = [[float(s(tokens)) for _ in range(4)] for s in steps]
+    for a, b in zip(*losses):
+        assert abs(a - b) / abs(a) < 5e-3, losses
+
+
+@pytest.mark.parametrize("share", [0.2, 0.9])
+def test_swapped_step_matches_the_unbudgeted_step(tmp_path, share):
+    """A budget planned on the h200 profile (swaps allowed): the planned swaps run on the
+    copy stream through pinned host buffers (runtime/cuda/swaps.py), and the loss and
+    gradients are the unbudgeted step's, eagerly and as CUDA-graph replays."""
+    from runtime.cuda.step import TrainStep
+    from runtime.hf_weights import load_hf_weights
+
+    _hf_checkpoint(tmp_path)
+    tokens = _tokens().cuda()
+    budget = _budget_between(True, share, "h200")
+    steps = [TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, derive_written=True,
+                                   **options)
+             for options in ({}, {"memory_budget": budget, "plan_device": "h200"})]
+    for s in steps:
+        s.load(load_hf_weights(s.program.weight_schema, tmp_path, dtype=torch.float32,
+                               device="cuda"))
+        s.adamw.lr = 1e-3
+        s.set_batch(tokens)
+    (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
+    counts = steps[1].decisions.counts
+    # a swapped value the backward reads through another view of its storage stays out
+    assert 0 < counts["swapped_in"] <= counts["swapped_out"], counts
+    assert steps[1].swaps_kept == 0
+    assert abs(float(loss_a) - float(loss_b)) / float(loss_a) < 1e-3
+    worst = min((_cos(grads_b[p], grads_a[p]), p) for p in grads_a)
+    assert worst[0] >= 0.999, worst
     for s in steps:
         s.capture(warmup=2)
     losses = [[float(s(tokens)) for _ in range(4)] for s in steps]

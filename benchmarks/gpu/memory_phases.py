@@ -50,12 +50,32 @@ def phase(name, base):
     torch.cuda.reset_peak_memory_stats()
 
 
+def pcie():
+    """GB/s of one 1 GiB pinned copy each way (the swaps' link)."""
+    device = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    for name, dst, src in (("device -> host", host, device), ("host -> device", device, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        print(f"pinned copy {name}: {GiB / start.elapsed_time(end) / 1e6:.1f} GB/s")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--budget", type=float)
     p.add_argument("--attention", default="cudnn,flash")
+    p.add_argument("--plan-device", default="h200-noswap")
+    p.add_argument("--pcie", action="store_true", help="time pinned host copies first")
     args = p.parse_args()
-    options = {} if args.budget is None else {"memory_budget": int(args.budget * GiB)}
+    if args.pcie:
+        pcie()
+    options = {} if args.budget is None else {"memory_budget": int(args.budget * GiB),
+                                              "plan_device": args.plan_device}
     step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(22), batch=4,
                                  seq=2048, derive_written=True,
                                  attention=tuple(args.attention.split(",")), **options)
@@ -69,6 +89,19 @@ def main():
     run = step.interpreter(step._update)
     (out,), frame = run.forward([step.tokens])
     phase("forward", base)
+    swaps = getattr(run, "swaps", None)
+    if swaps is not None:
+        live = {}
+        for f in frames(frame):
+            for v, t in f.env.items():
+                if isinstance(t, torch.Tensor) and t.is_cuda and any(t.stride()):
+                    live.setdefault(t.untyped_storage().data_ptr(), []).append((f.function.name, v))
+        held = [(s.frame.function.name, list(s.views), live[s.pointer][:3])
+                for s in swaps.stored if s.pointer in live]
+        print(f"    swapped {len(swaps.stored)} storages ({swaps.bytes_out / GiB:.2f} GiB); "
+              f"still held by the forward's frames: {len(held)}")
+        for h in held[:10]:
+            print("      ", h)
     for name, storages in sorted(kept_storages(frame).items()):
         sizes = sorted(storages.values(), reverse=True)
         print(f"    kept by {name}: {sum(sizes) / MiB:9.1f} MiB in {len(sizes)} storages "

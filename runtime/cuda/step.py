@@ -50,7 +50,8 @@ from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
 from runtime.cuda.train_kernels import lora_addmm, train_kernels
-from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions
+from runtime.cuda.swaps import GpuSwaps, Stored
+from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions, _forget
 from runtime.errors import RuntimeUserError
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.model import parameter_shapes
@@ -83,6 +84,8 @@ class TrainStep:
     # runtime.hooks.Hooks: observe / modify / replace hooks, probes and trace lines on the
     # GPU; they are Python per op, so a step with any of them runs eagerly (never captured)
     hooks: object = None
+    # execute the planner's swap decisions (runtime/cuda/swaps.py); False keeps them on the GPU
+    execute_swaps: bool = True
     # attention backends tried in order (runtime/cuda/attention.py BACKENDS): cuDNN's
     # fused attention is 1.5x FlashAttention-2's speed on an H200 (benchmarks/kernels/
     # bench_attention.py); FlashAttention-2 takes what cuDNN does not cover (windows)
@@ -190,6 +193,10 @@ class TrainStep:
                                decisions=self.decisions, on_gradient=on_gradient,
                                hooks=self.hooks)
         run.step = self
+        if self.decisions is not None and self.execute_swaps:
+            if getattr(self, "swaps", None) is None:
+                self.swaps = GpuSwaps()
+            run.swaps = self.swaps
         return run
 
     def predicted_peak(self) -> int | None:
@@ -215,6 +222,8 @@ class TrainStep:
         not in the returned dict."""
         run = self.interpreter(on_gradient)
         (out,), frame = run.forward([self.tokens])
+        if run.swaps is not None:
+            run.swaps.forward_done()
         d_head = None
         if self.split is not None:
             head = self.split.head_param
@@ -228,6 +237,8 @@ class TrainStep:
             loss, seed = logits_cross_entropy(out, self.labels, self.chunk_rows)
         del out
         _, grads = run.backward(frame, [seed])
+        if run.swaps is not None:
+            run.swaps.finish()
         if d_head is not None:
             grads[head] = grads[head] + d_head if head in grads else d_head
         return loss, grads
@@ -324,6 +335,8 @@ class _StepInterpreter(Interpreter):
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self._in_place: dict = {}  # function name -> node ids run in place
+        self.swaps = None  # runtime.cuda.swaps.GpuSwaps: the step's, when it executes swaps
+        self._released_at: dict = {}  # id(forward run) -> its release number (swaps)
         from runtime.cuda.kernels import APPLY_SAVED_KERNELS
 
         self.apply_saved_kernels = APPLY_SAVED_KERNELS
@@ -343,6 +356,8 @@ class _StepInterpreter(Interpreter):
         replayed values past its backward."""
         function = frame.function
         if function.gradient_of:
+            if self.swaps is not None and id(forward) in self._released_at:
+                self.swaps.prefetch_for(self._released_at[id(forward)])
             outputs = super()._run(frame, args, forward)
             if self.keep_only_saved and forward is not None:
                 forward.env.clear()
@@ -386,14 +401,38 @@ class _StepInterpreter(Interpreter):
 
     def _release_run(self, frame) -> None:
         """Drop this run's values decided `recompute` (and forget them where a callee
-        received them); `swap` ones stay on the GPU (no swaps are executed here)."""
+        received them); copy out those decided `swap` (runtime/cuda/swaps.py; kept on the
+        GPU when the step does not execute swaps, counted in `swaps_kept`)."""
         decisions, name = self.decisions, frame.function.name
+        swapped = {}
         for value in list(frame.env):
             kind = decisions.of(name, value, frame.instance)
             if kind == RECOMPUTE:
                 decisions._release(frame, value, kind, self._sinks)
             elif kind == SWAP and self.step is not None:
-                self.step.swaps_kept += 1
+                tensor = frame.env[value]
+                if self.swaps is not None and isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    swapped[value] = tensor
+                else:
+                    self.step.swaps_kept += 1
+        if self.swaps is None:
+            return
+        for stored in self.swaps.swap_out(frame, swapped) if swapped else ():
+            for value in stored.views:
+                _forget(frame, value, frame.env.pop(value), self._sinks)
+                frame.host[value] = stored
+                decisions.counts["swapped_out"] += 1
+        self._released_at[id(frame)] = self.swaps.releases
+        self.swaps.released()
+
+    def _restore(self, frame, value: str) -> bool:
+        stored = frame.host.get(value)
+        if isinstance(stored, Stored):
+            del frame.host[value]
+            frame.env[value] = self.swaps.restore(stored, value)
+            self.decisions.counts["swapped_in"] += 1
+            return True
+        return super()._restore(frame, value)
 
     def _op(self, node, frame, forward) -> None:
         """LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` (`lora_addmm_pairs`)
