@@ -30,12 +30,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--derive-written", action="store_true")
-    parser.add_argument("--attention", default="flash", help="backends in order, e.g. cudnn,flash")
+    parser.add_argument("--attention", default="cudnn,flash", help="backends in order")
+    parser.add_argument("--budget", type=float, help="memory budget in GiB (planner decides)")
     args = parser.parse_args()
     step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(args.layers),
                                  batch=args.batch, seq=args.seq,
                                  derive_written=args.derive_written,
-                                 attention=tuple(args.attention.split(","))).init_random()
+                                 attention=tuple(args.attention.split(",")),
+                                 **({"memory_budget": int(args.budget * 2**30)}
+                                    if args.budget else {})).init_random()
     tokens = torch.randint(0, 32000, (args.batch, args.seq), dtype=torch.int32, device="cuda")
     for _ in range(2):
         step(tokens)
