@@ -96,7 +96,7 @@ def main():
             for v, t in f.env.items():
                 if isinstance(t, torch.Tensor) and t.is_cuda and any(t.stride()):
                     live.setdefault(t.untyped_storage().data_ptr(), []).append((f.function.name, v))
-        held = [(s.frame.function.name, list(s.views), live[s.pointer][:3])
+        held = [(s.function, list(s.views), live[s.pointer][:3])
                 for s in swaps.stored if s.pointer in live]
         print(f"    swapped {len(swaps.stored)} storages ({swaps.bytes_out / GiB:.2f} GiB); "
               f"still held by the forward's frames: {len(held)}")

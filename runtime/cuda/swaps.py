@@ -33,14 +33,22 @@ class Stored:
     """One swapped storage: its pinned host copy and the views that lived on it."""
     host: torch.Tensor  # uint8, pinned
     views: dict = field(default_factory=dict)  # value -> (dtype, size, stride, offset)
-    frame: object = None
+    function: str = ""  # the forward function whose run swapped it (not the frame:
+    # frame.host refers to this object, and a cycle would keep the device copy alive
+    # until the garbage collector ran, 0.7 GiB a step at the TinyLlama shape)
     release: int = 0  # the forward release it was swapped out at
     pointer: int = 0  # the device storage it came from (diagnostics)
     incoming: tuple | None = None  # (event, device uint8 tensor) once a swap-in started
 
 
 class GpuSwaps:
-    def __init__(self, lag: int = 12, lead: int = 30):
+    def __init__(self, lag: int = 48, lead: int = 36):
+        """`lag`: forward releases between a copy-out and the main stream's wait for it.
+        The copies run one after another on one link (55 GB/s: 8 ms for a TinyLlama
+        layer's 450 MB, five layers of forward), so a short lag stalls the forward on
+        them: at budget 21.2, 12 releases cost 14 ms a step, 36 about 5, 48 none. The
+        freed bytes only have to be back before the forward's end, where the peak is.
+        `lead`: how many releases ahead of its use a swap-in starts."""
         self.lag, self.lead = lag, lead
         self.stream: torch.cuda.Stream | None = None
         self.buffers: dict = {}  # (function, value, instance) -> pinned uint8 host tensor
@@ -78,7 +86,7 @@ class GpuSwaps:
                 done.record(self.stream)
             self.leaving.append((self.releases, done, device))
             stored = Stored(host, {v: (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-                                   for v, t in members}, frame, self.releases,
+                                   for v, t in members}, frame.function.name, self.releases,
                             first.untyped_storage().data_ptr())
             self.stored.append(stored)
             self.bytes_out += device.numel()
