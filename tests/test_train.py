@@ -71,6 +71,22 @@ def test_resume_continues_exactly_as_one_run(ckpt, tmp_path):
     assert (tmp_path / "b" / "latest").read_text().strip() == "checkpoint-8"
 
 
+def test_gradient_accumulation_equals_the_whole_batch(ckpt, tmp_path):
+    """--batch 1 --grad-accum 2 reads the same windows as --batch 2 and averages the two
+    micro-batches' gradients: the same losses and weights up to float32 rounding."""
+    whole = train(ckpt, "--steps", "3", "--save", tmp_path / "whole")
+    micro = run("train", LLAMA, "--data", ckpt / "tokens.bin", "--seq", "16", "--batch", "1",
+                "--grad-accum", "2", "--device", "cpu", "--lr", "1e-2", "--format", "json",
+                "--hf-weights", ckpt / "hf", "--steps", "3", "--save", tmp_path / "micro")
+    assert losses(micro) == pytest.approx(losses(whole), rel=1e-5)
+    a = _tensors(tmp_path / "whole" / "checkpoint-3")
+    b = _tensors(tmp_path / "micro" / "checkpoint-3")
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    state = json.loads((tmp_path / "micro" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["samples"] == 6 and state["grad_accum"] == 2
+
+
 def _tensors(folder) -> dict:
     from safetensors.torch import load_file
 
@@ -177,6 +193,7 @@ def test_adamw_matches_torch():
     (["--dtype-tokens", "uint32"], "vocab_size is 64"),
     (["--memory-budget", "1KiB"], "budget"),
     (["--save-every", "2"], "--save-every needs --save DIR"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
 ])
 def test_mistakes_are_one_clear_error(ckpt, tmp_path, args, message):
     base = {"--data": str(ckpt / "tokens.bin"), "--seq": "8", "--batch": "2"}

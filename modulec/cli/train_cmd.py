@@ -31,7 +31,11 @@ def _options(command):
         click.option("--data", required=True, type=click.Path(path_type=Path),
                      help="Token ids, a flat little-endian uint16/uint32 file."),
         click.option("--seq", required=True, type=int, metavar="T", help="Tokens per sample."),
-        click.option("--batch", required=True, type=int, metavar="B", help="Samples per step."),
+        click.option("--batch", required=True, type=int, metavar="B",
+                     help="Samples per micro-batch (per step without --grad-accum)."),
+        click.option("--grad-accum", type=int, default=1, show_default=True, metavar="K",
+                     help="Micro-batches per optimizer step: gradients are averaged over "
+                          "K x B samples."),
         click.option("--steps", required=True, type=int, metavar="N",
                      help="Total optimizer steps (a resumed run continues up to N)."),
         click.option("--dtype-tokens", type=click.Choice(TOKEN_DTYPES),

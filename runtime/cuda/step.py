@@ -84,6 +84,9 @@ class TrainStep:
     # runtime.hooks.Hooks: observe / modify / replace hooks, probes and trace lines on the
     # GPU; they are Python per op, so a step with any of them runs eagerly (never captured)
     hooks: object = None
+    # micro-batches of `batch` samples per optimizer step (gradient accumulation): the
+    # static inputs hold accumulation x batch rows; gradients are summed in fp32
+    accumulation: int = 1
     # execute the planner's swap decisions (runtime/cuda/swaps.py); False keeps them on the GPU
     execute_swaps: bool = True
     # attention backends tried in order (runtime/cuda/attention.py BACKENDS): cuDNN's
@@ -127,8 +130,11 @@ class TrainStep:
         if isinstance(self.decisions, str) and self.decisions == "auto":
             self.decisions = Decisions.from_schedule(self.program.document.get("schedule", {}))
         self.swaps_kept = 0
-        self.tokens = torch.zeros(self.batch, self.seq, dtype=torch.int32, device="cuda")
-        self.labels = torch.full((self.batch, self.seq), -100, dtype=torch.int64, device="cuda")
+        if self.accumulation < 1:
+            raise ValueError(f"accumulation must be at least 1, not {self.accumulation}")
+        rows = self.accumulation * self.batch
+        self.tokens = torch.zeros(rows, self.seq, dtype=torch.int32, device="cuda")
+        self.labels = torch.full((rows, self.seq), -100, dtype=torch.int64, device="cuda")
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.masters: dict[str, Tensor] = {}
@@ -181,6 +187,9 @@ class TrainStep:
             self.exp_avg = {p: torch.zeros_like(m) for p, m in self.masters.items()}
             self.exp_avg_sq = {p: torch.zeros_like(m) for p, m in self.masters.items()}
             self.step_count = torch.zeros((), dtype=torch.float32, device="cuda")
+            # the running sum of the micro-batches' gradients (fp32), when accumulating
+            self.grad_sum = {p: torch.zeros_like(m) for p, m in self.masters.items()} \
+                if self.accumulation > 1 else {}
         else:
             raise ValueError(f"optimizer must be 'fused' or 'torch', not {self.optimizer!r}")
         self.cuda_graph = None
@@ -214,27 +223,30 @@ class TrainStep:
         problem = make_problem(base.graph, None, "full", device(self.plan_device))
         return plan_budget(problem, self.memory_budget + offset).outcome.peak_bytes - offset
 
-    def loss_and_gradients(self, on_gradient=None) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_and_gradients(self, on_gradient=None, micro: int = 0
+                           ) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward, loss and backward on the static inputs: (loss, gradients by path).
         `on_gradient(path, grad)`: called with each repeated layer's parameter gradients
         as soon as they are final, and with an untied LM head's before the backward runs
         (its fp32 gradient would otherwise be held through the backward's peak); those are
-        not in the returned dict."""
+        not in the returned dict. `micro`: which micro-batch of the static inputs."""
         run = self.interpreter(on_gradient)
-        (out,), frame = run.forward([self.tokens])
+        rows = slice(micro * self.batch, (micro + 1) * self.batch)
+        tokens, labels = self.tokens[rows], self.labels[rows]
+        (out,), frame = run.forward([tokens])
         if run.swaps is not None:
             run.swaps.forward_done()
         d_head = None
         if self.split is not None:
             head = self.split.head_param
             trained = head not in self.frozen()
-            loss, seed, d_head = lm_head_cross_entropy(out, self.compute[head], self.labels,
+            loss, seed, d_head = lm_head_cross_entropy(out, self.compute[head], labels,
                                                        self.chunk_rows, head_grad=trained)
             if d_head is not None and on_gradient is not None and not self._head_tied():
                 on_gradient(head, d_head)
                 d_head = None
         else:
-            loss, seed = logits_cross_entropy(out, self.labels, self.chunk_rows)
+            loss, seed = logits_cross_entropy(out, labels, self.chunk_rows)
         del out
         _, grads = run.backward(frame, [seed])
         if run.swaps is not None:
@@ -251,22 +263,52 @@ class TrainStep:
     def _step(self) -> None:
         if self.optimizer == "fused":
             return self._fused_step()
-        loss, grads = self.loss_and_gradients()
-        names = [p for p in self.names if p in grads]
-        torch._foreach_copy_([self.masters[p].grad for p in names], [grads[p] for p in names])
-        del grads
+        losses = []
+        for micro in range(self.accumulation):
+            loss, grads = self.loss_and_gradients(micro=micro)
+            names = [p for p in self.names if p in grads]
+            into = [self.masters[p].grad for p in names]
+            if micro == 0:
+                torch._foreach_copy_(into, [grads[p] for p in names])
+            else:
+                torch._foreach_add_(into, [grads[p].float() for p in names])
+            del grads
+            losses.append(loss)
+        if self.accumulation > 1:
+            torch._foreach_div_([m.grad for m in self.masters.values()], self.accumulation)
         self.torch_optimizer.step()
         torch._foreach_copy_([self.compute[p] for p in self.names],
                              [self.masters[p] for p in self.names])
-        self.loss.copy_(loss)
+        self.loss.copy_(sum(losses) / len(losses))
 
     def _fused_step(self) -> None:
+        """One optimizer step over `accumulation` micro-batches: all but the last add
+        their gradients to `grad_sum` (a layer's as soon as it is final); the last one's
+        complete the sum, and each parameter is updated from the mean at once."""
         self.step_count.add_(1)  # before the backward: updates may run inside it
-        update = self._update if self.update_in_backward else None
-        loss, grads = self.loss_and_gradients(update)
-        for p in [p for p in self.names if p in grads]:  # no gradient: no update (as torch)
-            self._update(p, grads.pop(p))
-        self.loss.copy_(loss)
+        losses = []
+        for micro in range(self.accumulation):
+            last = micro == self.accumulation - 1
+            handle = self._update_from_sum if last and self.accumulation > 1 else \
+                self._update if last else self._accumulator(micro)
+            loss, grads = self.loss_and_gradients(
+                handle if self.update_in_backward else None, micro)
+            for p in [p for p in self.names if p in grads]:  # no gradient: no update
+                handle(p, grads.pop(p))
+            losses.append(loss)
+        self.loss.copy_(losses[0] if len(losses) == 1 else sum(losses) / len(losses))
+
+    def _accumulator(self, micro: int):
+        def add(path: str, grad: Tensor) -> None:
+            if micro == 0:
+                self.grad_sum[path].copy_(grad)
+            else:
+                self.grad_sum[path].add_(grad)
+        return add
+
+    def _update_from_sum(self, path: str, grad: Tensor) -> None:
+        total = self.grad_sum[path].add_(grad)
+        self._update(path, total.div_(self.accumulation))
 
     def _update(self, path: str, grad: Tensor) -> None:
         from runtime.cuda.kernels import _extension

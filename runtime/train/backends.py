@@ -20,20 +20,35 @@ from runtime.train.optim import AdamW
 
 
 class CPUTrainer:
-    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW):
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
+                 accumulation: int = 1):
         self.model, self.batch, self.seq, self.adamw = model, batch, seq, adamw
+        self.accumulation = accumulation
         self.names = unique_paths(model.params)
         self.output = model.source.program(planned=False).output_names()[0]
 
     def train_step(self, window: Tensor) -> float:
-        tokens, labels = split_window(window)
+        """One optimizer step on `window` (accumulation x batch rows): the mean of the
+        micro-batches' losses and gradients."""
+        losses, total = [], {}
+        for part in window.split(self.batch):
+            loss, grads = self._loss_and_gradients(part)
+            losses.append(float(loss))
+            for path, grad in grads.items():
+                total[path] = total[path] + grad if path in total else grad.clone()
+        if len(losses) > 1:
+            total = {p: g / len(losses) for p, g in total.items()}
+        self.adamw.update(self.model.params, total)
+        return sum(losses) / len(losses)
+
+    def _loss_and_gradients(self, window: Tensor):
         from runtime.cuda.lm_head import logits_cross_entropy
 
+        tokens, labels = split_window(window)
         logits = self.model.forward(token_ids=tokens)[self.output]
         loss, d_logits = logits_cross_entropy(logits, labels)
         grads = self.model.backward(**{self.output: d_logits.to(logits.dtype)}).params
-        self.adamw.update(self.model.params, tied_sums(self.model.params, grads, self.names))
-        return float(loss)
+        return loss, tied_sums(self.model.params, grads, self.names)
 
     def state(self) -> dict:
         return {"masters": {p: self.model.params[p] for p in self.names},
@@ -61,7 +76,7 @@ class CUDATrainer:
     (the checkpoint's base), the GPU holding their bf16 compute copies alone."""
 
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, accumulation: int = 1):
         from runtime.cuda.step import AdamWConfig, TrainStep
 
         self.names = unique_paths(model.params)
@@ -71,7 +86,8 @@ class CUDATrainer:
         program = gpu_program(model, batch, seq, memory_budget)
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
         # decisions="auto": a budgeted program's recompute decisions run in the step
-        self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused")
+        self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused",
+                              accumulation=accumulation)
         self.step.load(model.params)
         frozen = self.step.frozen()
         self.frozen = {p: model.params[p].detach().to("cpu", torch.float32)

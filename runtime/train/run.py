@@ -22,7 +22,8 @@ from runtime.train.optim import AdamW
 from runtime.train.progress import Progress, gib
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RESUME_KEYS = ("batch", "seq", "seed", "repeat_batch")
+RESUME_KEYS = ("batch", "seq", "seed", "repeat_batch", "grad_accum")
+RESUME_DEFAULTS = {"grad_accum": 1}  # checkpoints saved before the key existed
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Request:
     seq: int
     batch: int
     steps: int
+    grad_accum: int = 1  # micro-batches of `batch` samples per optimizer step
     hf_weights: Path | None = None
     dtype_tokens: str | None = None
     lr: float = 1e-4
@@ -63,7 +65,8 @@ def train_model(**kwargs) -> str:
     model = _model(request, weights)
     sizes = _sizes(model, request)
     data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
-                     request.seq, request.batch, request.seed, sizes[0], request.repeat_batch)
+                     request.seq, request.batch * request.grad_accum, request.seed, sizes[0],
+                     request.repeat_batch)
     run = Run(request, model, data, weights)
     if resumed:
         run.resume(*resumed)
@@ -71,9 +74,9 @@ def train_model(**kwargs) -> str:
 
 
 def _check_numbers(request: Request) -> None:
-    for name in ("seq", "batch", "steps"):
+    for name in ("seq", "batch", "steps", "grad_accum"):
         if getattr(request, name) < 1:
-            raise RuntimeUserError(f"--{name} must be at least 1")
+            raise RuntimeUserError(f"--{name.replace('_', '-')} must be at least 1")
     if request.save_every is not None and request.save is None:
         raise RuntimeUserError("--save-every needs --save DIR")
 
@@ -125,14 +128,19 @@ class Run:
         adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
         if request.device == "cuda":
             self.trainer = CUDATrainer(model, request.batch, request.seq, adamw,
-                                       request.memory_budget)
+                                       request.memory_budget, request.grad_accum)
         else:
-            self.trainer = CPUTrainer(model, request.batch, request.seq, adamw)
+            self.trainer = CPUTrainer(model, request.batch, request.seq, adamw,
+                                      request.grad_accum)
         self.start, self.losses, self.saved = 0, [], None
+
+    def _tokens_per_step(self) -> int:
+        r = self.request
+        return r.batch * r.grad_accum * r.seq
 
     def resume(self, folder: Path, trainer: dict, state: dict) -> None:
         for key in RESUME_KEYS:
-            if trainer.get(key) != getattr(self.request, key):
+            if trainer.get(key, RESUME_DEFAULTS.get(key)) != getattr(self.request, key):
                 flag = "--" + key.replace("_", "-")
                 raise RuntimeUserError(f"{flag} is {getattr(self.request, key)}, but "
                                        f"{folder} was trained with {trainer.get(key)}",
@@ -180,12 +188,13 @@ class Run:
         memory = self.trainer.memory()
         progress.step({"step": step, "steps": self.request.steps, "loss": loss,
                        "seconds": seconds,
-                       "tokens_per_s": self.request.batch * self.request.seq / seconds,
+                       "tokens_per_s": self._tokens_per_step() / seconds,
                        "peak_bytes": memory["peak_bytes"]})
 
     def _save(self, step: int, progress: Progress) -> None:
         r = self.request
-        trainer = {"step": step, "samples": step * r.batch, "losses": self.losses,
+        trainer = {"step": step, "samples": step * r.batch * r.grad_accum,
+                   "losses": self.losses,
                    "model": str(r.file), "settings": r.settings,
                    "data": {"path": str(r.data), "dtype": self.data.dtype,
                             "tokens": len(self.data.tokens)},
@@ -205,7 +214,7 @@ class Run:
     def _summary(self, times: list[float]) -> str:
         r = self.request
         steady = times[2:] or times
-        tokens_per_s = r.batch * r.seq / statistics.median(steady)
+        tokens_per_s = self._tokens_per_step() / statistics.median(steady)
         memory = self.trainer.memory()
         ran = self.losses[self.start:]
         data = {"event": "done", "first_step": self.start + 1, "last_step": r.steps,
