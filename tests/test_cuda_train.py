@@ -219,10 +219,13 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path, optimizer):
     for _ in range(3):
         a, b = float(whole(tokens)), float(micro(tokens))
         assert abs(a - b) / abs(a) < 2e-3, (a, b)
+    # bf16 gradients rounded per micro-batch, and Adam turns near-zero gradient noise
+    # into steps of up to lr (as in the fused-vs-torch test): 5e-3
     for p in whole.names:
-        assert _rel(micro.masters[p], whole.masters[p]) < 1e-3, p
+        assert _rel(micro.masters[p], whole.masters[p]) < 5e-3, p
     micro.set_batch(tokens)
-    micro.capture(warmup=1)
+    micro.capture(warmup=1)  # its warm-up is a step: the whole-batch step takes one too
+    whole(tokens)
     for _ in range(3):
         a, b = float(whole(tokens)), float(micro(tokens))
         assert abs(a - b) / abs(a) < 5e-3, (a, b)
