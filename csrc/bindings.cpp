@@ -299,6 +299,27 @@ std::vector<Tensor> rope_qk_into_heads(const Tensor& q, const Tensor& k,
   return {buffer, d_q, d_k};
 }
 
+// d_weight [V, D] of embedding from d_y [n, D] and the stable sort of the ids
+// (sorted_ids, order: int64 [n]); deterministic, every row written
+Tensor embedding_backward(const Tensor& d_y, const Tensor& sorted_ids, const Tensor& order,
+                          int64_t V) {
+  const auto dt = d_y.scalar_type();
+  check(d_y, "d_y", dt, d_y);
+  check(sorted_ids, "sorted_ids", at::kLong, d_y);
+  check(order, "order", at::kLong, d_y);
+  TORCH_CHECK(d_y.dim() == 2, "d_y must be [n, D]");
+  const int64_t n = d_y.size(0), D = d_y.size(1);
+  TORCH_CHECK(sorted_ids.numel() == n && order.numel() == n, "one id and one row index per row");
+  const c10::cuda::CUDAGuard guard(d_y.device());
+  Tensor d_weight = at::empty({V, D}, d_y.options());
+  check_launch(modulec::launch_embedding_backward(dtype_of(d_y), d_y.data_ptr(),
+                                                  sorted_ids.data_ptr<int64_t>(),
+                                                  order.data_ptr<int64_t>(), d_weight.data_ptr(),
+                                                  n, V, D, stream()),
+               "embedding backward");
+  return d_weight;
+}
+
 // One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
 // gradient; writes the bf16 compute copy when given. step: a fp32 [] or [1] device tensor.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
@@ -374,6 +395,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_into_heads", &rope_qk_into_heads,
         "(q, k, position_ids or None, theta, inverse, extra_heads) -> [buffer [B, T, Hq + Hk + "
         "extra, D], q', k']");
+  m.def("embedding_backward", &embedding_backward,
+        "(d_y [n, D], sorted_ids int64 [n], order int64 [n], V) -> d_weight [V, D]");
   m.def("adamw_step", &adamw_step,
         "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
         "beta1, beta2, eps, weight_decay)");

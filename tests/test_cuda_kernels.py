@@ -130,6 +130,27 @@ def test_rmsnorm_apply_saved_gives_the_forward_output(shape, dtype):
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, V, D", [(2, 64, 100, 256), (4, 33, 7, 37), (1, 5, 50000, 64)])
+def test_embedding_backward_is_deterministic_and_matches_the_reference(B, T, V, D, dtype):
+    """Repeated ids (V=7), unused rows (V=50000: zeros), the scalar path (D=37)."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, V, (B, T), device="cuda", dtype=torch.int32)
+    d_y = rand(B, T, D, dtype=dtype)
+    attrs = {"input_shapes": {"weight": (V, D)}}
+    kernel = CUDA_KERNELS["embedding"]
+    assert kernel.covers_backward([d_y, ids])
+    got = kernel.backward([d_y, ids], attrs)
+    assert_close(got, KERNELS["embedding"].backward([d_y, ids], attrs), TOL[dtype],
+                 "embedding backward")
+    assert torch.equal(kernel.backward([d_y, ids], attrs)[0], got[0])
+    unused = torch.ones(V, dtype=torch.bool, device="cuda")
+    unused[ids.reshape(-1).long()] = False
+    assert not got[0][unused].any()
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7,), (3, 1001), (64, 4096), (2, 3, 37), (5,)])
 def test_swiglu(shape, dtype):
     torch.manual_seed(2)

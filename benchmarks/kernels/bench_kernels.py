@@ -135,6 +135,19 @@ def qk_norm_cases(tokens, d, head_dim=128, batch=4):
            3 * nbytes(q, k) + nbytes(qr, kr), grad_fn(eager, [q, k, qw, kw]))
 
 
+def embedding_cases(tokens, d, vocab=32000):
+    """The backward only (the forward is torch's gather); eager: torch's index_add_ into
+    a zeroed bf16 table, as autograd's embedding backward does."""
+    ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=torch.int32)
+    dy = rand(tokens, d)
+    attrs = {"input_shapes": {"weight": (vocab, d)}}
+    moved = nbytes(dy) + vocab * d * 2  # read d_y, write the table
+
+    def eager():
+        return torch.zeros(vocab, d, dtype=BF16, device="cuda").index_add_(0, ids.long(), dy)
+    yield ("embedding", "backward", f"{tokens}x{d} V{vocab}", [dy, ids], attrs, moved, eager)
+
+
 # ------------------------------------------------------------------------------- main
 def copy_bandwidth(iters) -> float:
     src = rand(8192, 8192)
@@ -148,7 +161,8 @@ def run(args) -> dict:
     rows = []
     for d in args.dims:
         for case in (*norm_cases(args.tokens, d), *swiglu_cases(args.tokens, d),
-                     *rope_cases(args.tokens, d), *qk_norm_cases(args.tokens, d)):
+                     *rope_cases(args.tokens, d), *qk_norm_cases(args.tokens, d),
+                     *embedding_cases(args.tokens, d)):
             prim, phase, label, inputs, attrs, moved, eager = case
             fn = getattr(CUDA_KERNELS[prim], phase)
             ref = getattr(KERNELS[prim], phase)

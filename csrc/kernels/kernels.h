@@ -34,6 +34,12 @@ cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, co
                                     void* d_weight, float* workspace, int64_t rows, int64_t C,
                                     cudaStream_t stream);
 
+// ---- embedding.cu: d_weight [V, D] = per id, the sum of the d_y rows [n, D] with that id;
+// sorted_ids / order: a stable sort of the n ids and the rows in that order (int64).
+cudaError_t launch_embedding_backward(DType dt, const void* d_y, const int64_t* sorted_ids,
+                                      const int64_t* order, void* d_weight, int64_t n,
+                                      int64_t V, int64_t D, cudaStream_t stream);
+
 // ---- swiglu.cu: y = silu(gate) * up over rows x C elements; every tensor has its own row
 // stride ld (elements; the last dim contiguous). Contiguous tensors: rows = 1, C = n.
 cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,

@@ -2,8 +2,8 @@
 the reference calling convention (`forward(inputs, attrs)`, `backward(inputs, attrs)`,
 runtime/kernels/base.py).
 
-rmsnorm, fused_residual_rmsnorm, swiglu, rope and qk_norm have custom CUDA kernels
-(csrc/kernels). A call they do not cover (tensors not on the GPU or not contiguous, a
+rmsnorm, fused_residual_rmsnorm, swiglu, rope, qk_norm and embedding's backward have
+custom CUDA kernels (csrc/kernels). A call they do not cover (tensors not on the GPU or not contiguous, a
 dtype other than bf16/fp32, inputs of mixed dtypes, position_ids not int32) goes to the
 reference kernel, and so does every other primitive: the reference kernels are torch ops,
 which run on CUDA tensors as they are. swiglu and rope take strided tensors too (`LAYOUTS`):
@@ -158,12 +158,30 @@ def _qk_norm_bwd(ext, inputs, attrs):
     return [d_q, d_k, d_q_weight, d_k_weight]
 
 
+def _embedding_fwd(ext, inputs, attrs):
+    indices, weight = inputs  # a gather: torch's (no arithmetic, no cast)
+    rows = weight.index_select(0, indices.reshape(-1).long())
+    return [rows.reshape(*indices.shape, weight.shape[1])]
+
+
+def _embedding_bwd(ext, inputs, attrs):
+    """Deterministic: the ids sorted (stable) on the device, then one block per vocabulary
+    row sums its rows in order (csrc/kernels/embedding.cu)."""
+    from runtime.kernels.base import input_shape
+
+    d_y, indices = inputs
+    V, D = input_shape(attrs, "embedding", "weight")
+    sorted_ids, order = torch.sort(indices.reshape(-1).long(), stable=True)
+    return [ext.embedding_backward(d_y.reshape(-1, D), sorted_ids, order, V)]
+
+
 CUSTOM = {
     "rmsnorm": (_rmsnorm_fwd, _rmsnorm_bwd),
     "fused_residual_rmsnorm": (_fused_fwd, _fused_bwd),
     "swiglu": (_swiglu_fwd, _swiglu_bwd),
     "rope": (_rope(False), _rope(True)),
     "qk_norm": (_qk_norm_fwd, _qk_norm_bwd),
+    "embedding": (_embedding_fwd, _embedding_bwd),
 }
 
 # the custom kernels that read strided inputs (default: contiguous only)

@@ -28,7 +28,8 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   runtime/cuda/step.py `lora_addmm_pairs`), into `base` itself where nothing else reads
   it: d is never materialized.
 
-Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry.
+Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry; the
+embedding backward is a deterministic custom kernel there.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ def _contiguous(inputs: list) -> list:
 
 
 class Embedding(NoCast):
-    """The gather without a cast; the backward (a scatter-add) keeps the fp32 reference."""
+    """The gather without a cast; the backward through CUDA_KERNELS' deterministic
+    scatter-add kernel (the fp32 reference where it does not cover the inputs)."""
 
     def backward(self, inputs: list, attrs: dict) -> list:
-        return self.reference.backward(inputs, attrs)
+        return CUDA_KERNELS["embedding"].backward(inputs, attrs)
 
 
 class Zeros(NoCast):
