@@ -132,6 +132,25 @@ def test_rope_runs_in_place_inside_the_qkv_projection(tmp_path):
     assert seen == SMALL["n_layers"]
 
 
+def test_fixed_state_lives_in_the_plans_regions(tmp_path):
+    """Compute copies in one `weights` allocation, masters and moments in one
+    `optimizer_state` allocation, each the plan's region size up to 256-byte alignment,
+    every tensor a view of its region."""
+    from modulec.plan.from_graph import plan_step
+
+    _hf_checkpoint(tmp_path)
+    step, _ = _step(tmp_path, torch.bfloat16)
+    plan = plan_step(step.program.graph)
+    padding = 256 * len(step.shapes())
+    for name, groups in (("weights", [step.compute]),
+                         ("optimizer_state", [step.masters, step.exp_avg, step.exp_avg_sq])):
+        region = step.regions[name]
+        planned = plan.regions[name].arena
+        assert planned <= region.numel() <= planned + len(groups) * padding, name
+        base = region.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for g in groups for t in g.values())
+
+
 def test_fp32_on_the_gpu_matches_the_cpu_reference(tmp_path):
     from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.cuda.step import next_token_labels

@@ -160,20 +160,25 @@ class TrainStep:
 
     def load(self, params: dict[str, Tensor]) -> "TrainStep":
         """Take the weights (by path, any dtype/device): fp32 masters, bf16 compute copies,
-        fp32 gradient buffers, a fresh optimizer; a captured graph is dropped. Frozen
-        weights (LoRA's base) get their compute copy only; `names` are the trained ones."""
+        a fresh optimizer; a captured graph is dropped. Frozen weights (LoRA's base) get
+        their compute copy only; `names` are the trained ones. With the fused optimizer
+        the state lives in the plan's regions (`regions`, runtime/cuda/state.py)."""
         missing = set(self.shapes()) - set(params)
         if missing:
             raise KeyError(f"no value for {sorted(missing)[:5]}")
         frozen = self.frozen()
         self.names = sorted(p for p in self.shapes() if p not in frozen)
-        self.masters = {p: params[p].detach().to("cuda", torch.float32).clone() for p in self.names}
-        self.compute = {p: params[p].detach().to("cuda", self.dtype, copy=True)
-                        for p in sorted(frozen)}
-        self.compute.update({p: m.to(self.dtype) for p, m in self.masters.items()})
         a = self.adamw
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
+        if self.optimizer == "fused":
+            self._load_regions(params, frozen)
+        else:  # torch.optim needs leaf tensors of their own: no regions
+            self.masters = {p: params[p].detach().to("cuda", torch.float32).clone()
+                            for p in self.names}
+            self.compute = {p: params[p].detach().to("cuda", self.dtype, copy=True)
+                            for p in sorted(frozen)}
+            self.compute.update({p: m.to(self.dtype) for p, m in self.masters.items()})
         if self.optimizer == "torch":
             for master in self.masters.values():
                 master.grad = torch.zeros_like(master)
@@ -184,16 +189,31 @@ class TrainStep:
             if self.dtype != torch.bfloat16:
                 raise ValueError("optimizer='fused' writes bf16 compute copies: use "
                                  "optimizer='torch' for other compute dtypes")
-            self.exp_avg = {p: torch.zeros_like(m) for p, m in self.masters.items()}
-            self.exp_avg_sq = {p: torch.zeros_like(m) for p, m in self.masters.items()}
             self.step_count = torch.zeros((), dtype=torch.float32, device="cuda")
-            # the running sum of the micro-batches' gradients (fp32), when accumulating
-            self.grad_sum = {p: torch.zeros_like(m) for p, m in self.masters.items()} \
-                if self.accumulation > 1 else {}
         else:
             raise ValueError(f"optimizer must be 'fused' or 'torch', not {self.optimizer!r}")
         self.cuda_graph = None
         return self
+
+    def _load_regions(self, params: dict, frozen: set) -> None:
+        """The fixed state in the plan's regions (runtime/cuda/state.py): bf16 compute
+        copies in `weights`; fp32 masters and moments in `optimizer_state`; with
+        accumulation, fp32 gradient sums in `gradient_sums`."""
+        from runtime.cuda.state import region
+
+        shapes = self.shapes()
+        weights, (self.compute,) = region(shapes, sorted(shapes), self.dtype)
+        state, (self.masters, self.exp_avg, self.exp_avg_sq) = region(
+            shapes, self.names, torch.float32, blocks=3)
+        self.regions = {"weights": weights, "optimizer_state": state}
+        for path, view in self.masters.items():
+            view.copy_(params[path].detach())
+        for path, view in self.compute.items():
+            view.copy_(self.masters[path] if path in self.masters else params[path].detach())
+        self.grad_sum = {}  # the running sum of the micro-batches' gradients (fp32)
+        if self.accumulation > 1:
+            self.regions["gradient_sums"], (self.grad_sum,) = region(
+                shapes, self.names, torch.float32)
 
     # ------------------------------------------------------------------ one step
     def interpreter(self, on_gradient=None) -> Interpreter:
