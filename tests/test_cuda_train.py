@@ -250,6 +250,17 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path, optimizer):
         assert abs(a - b) / abs(a) < 5e-3, (a, b)
 
 
+def _load_all(steps, tmp_path, tokens) -> None:
+    """The checkpoint's weights into each step, lr 1e-3, `tokens` as the batch."""
+    from runtime.hf_weights import load_hf_weights
+
+    for s in steps:
+        s.load(load_hf_weights(s.program.weight_schema, tmp_path, dtype=torch.float32,
+                               device="cuda"))
+        s.adamw.lr = 1e-3
+        s.set_batch(tokens)
+
+
 def _budget_between(derive_written: bool, share: float, plan_device="h200-noswap") -> int:
     """A GPU budget for SMALL: `share` of the way from the planner's lowest peak to its
     keep-all peak (both in this step's terms)."""
@@ -270,7 +281,6 @@ def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
     replays: apply_saved norms, RoPE, SwiGLU, matmuls) gives the unbudgeted step's loss and
     gradients within bf16 noise, eagerly and as CUDA-graph replays."""
     from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import load_hf_weights
 
     _hf_checkpoint(tmp_path)
     tokens = _tokens().cuda()
@@ -279,11 +289,7 @@ def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
                                    **options) for options in ({}, {"memory_budget": budget})]
     plain, budgeted = steps
     assert plain.decisions is None and budgeted.decisions is not None
-    for s in steps:
-        s.load(load_hf_weights(s.program.weight_schema, tmp_path, dtype=torch.float32,
-                               device="cuda"))
-        s.adamw.lr = 1e-3
-        s.set_batch(tokens)
+    _load_all(steps, tmp_path, tokens)
     (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
     assert budgeted.decisions.counts["dropped"] > 0
     assert budgeted.decisions.counts["recomputed"] > 0 and budgeted.swaps_kept == 0
@@ -307,7 +313,6 @@ def test_swapped_step_matches_the_unbudgeted_step(tmp_path, share):
     copy stream through pinned host buffers (runtime/cuda/swaps.py), and the loss and
     gradients are the unbudgeted step's, eagerly and as CUDA-graph replays."""
     from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import load_hf_weights
 
     _hf_checkpoint(tmp_path)
     tokens = _tokens().cuda()
@@ -315,11 +320,7 @@ def test_swapped_step_matches_the_unbudgeted_step(tmp_path, share):
     steps = [TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, derive_written=True,
                                    **options)
              for options in ({}, {"memory_budget": budget, "plan_device": "h200"})]
-    for s in steps:
-        s.load(load_hf_weights(s.program.weight_schema, tmp_path, dtype=torch.float32,
-                               device="cuda"))
-        s.adamw.lr = 1e-3
-        s.set_batch(tokens)
+    _load_all(steps, tmp_path, tokens)
     (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
     counts = steps[1].decisions.counts
     # a swapped value the backward reads through another view of its storage stays out

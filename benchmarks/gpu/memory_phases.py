@@ -14,19 +14,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.gpu.budget_memory import frames  # noqa: E402
 from benchmarks.train_step import tiny_llama  # noqa: E402
 from runtime.cuda.lm_head import lm_head_cross_entropy  # noqa: E402
 from runtime.cuda.step import TrainStep  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
-
-
-def frames(root):
-    stack = [root]
-    while stack:
-        f = stack.pop()
-        stack += f.children.values()
-        yield f
 
 
 def kept_storages(root) -> dict:

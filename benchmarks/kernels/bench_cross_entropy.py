@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,29 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.bench_kernels import flush_l2  # noqa: E402
+from benchmarks.kernels.bench_kernels import time_ms  # noqa: E402
 from runtime.cuda import lm_head  # noqa: E402
 
 BF16 = torch.bfloat16
 IGNORE = -100
-
-
-def time_ms(fn, iters: int, setup=lambda: None, warmup: int = 3) -> float:
-    """bench_kernels.time_ms with `setup()` run before each call, outside the events."""
-    for _ in range(warmup):
-        setup()
-        fn()
-    times = []
-    for _ in range(iters):
-        setup()
-        flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def extra_mib(fn, setup=lambda: None) -> float:
@@ -84,8 +65,8 @@ def chunk_row(rows, V, iters) -> dict:
     got = fused().float()
     err = float((got - want).abs().max() / want.abs().max())
     row = {"rows": rows, "vocab": V, "max_rel_diff": err,
-           "kernel_ms": time_ms(fused, iters, restore),
-           "torch_ms": time_ms(torch_path, iters, restore),
+           "kernel_ms": time_ms(fused, iters, setup=restore),
+           "torch_ms": time_ms(torch_path, iters, setup=restore),
            "kernel_extra_MiB": extra_mib(fused, restore),
            "torch_extra_MiB": extra_mib(torch_path, restore)}
     row["kernel_GBs"] = 2 * pristine.numel() * pristine.element_size() / row["kernel_ms"] / 1e6

@@ -39,11 +39,15 @@ def flush_l2():
     _flush.zero_()
 
 
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
+def time_ms(fn, iters: int, warmup: int = 3, setup=lambda: None) -> float:
+    """Median ms of `fn()`; `setup()` runs before each call, outside the events (an
+    in-place kernel's input restored, say)."""
     for _ in range(warmup):
+        setup()
         fn()
     times = []
     for _ in range(iters):
+        setup()
         flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
