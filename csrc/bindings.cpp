@@ -320,6 +320,56 @@ Tensor embedding_backward(const Tensor& d_y, const Tensor& sorted_ids, const Ten
   return d_weight;
 }
 
+// MoE routing gathers (csrc/kernels/moe.cu): rows [*, C] contiguous, scatter / pos int32
+Tensor moe_gather_rows(const Tensor& x, const Tensor& scatter, int64_t top_k) {
+  check(x, "x", x.scalar_type(), x);
+  check(scatter, "scatter_indices", at::kInt, x);
+  const int64_t M = scatter.numel(), C = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = at::empty({M, C}, x.options());
+  check_launch(modulec::launch_moe_gather_rows(dtype_of(x), x.data_ptr(),
+                                               scatter.data_ptr<int32_t>(),
+                                               static_cast<int>(top_k), out.data_ptr(), M, C,
+                                               stream()),
+               "moe gather rows");
+  return out;
+}
+
+Tensor moe_combine(const Tensor& rows, const std::optional<Tensor>& weights, const Tensor& pos,
+                   int64_t top_k) {
+  check(rows, "rows", rows.scalar_type(), rows);
+  check(pos, "pos", at::kInt, rows);
+  if (weights) check(*weights, "weights", at::kFloat, rows);
+  const int64_t N = pos.numel() / top_k, C = rows.size(1);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  Tensor out = at::empty({N, C}, rows.options());
+  check_launch(modulec::launch_moe_combine(dtype_of(rows), rows.data_ptr(),
+                                           weights ? weights->data_ptr<float>() : nullptr,
+                                           pos.data_ptr<int32_t>(), static_cast<int>(top_k),
+                                           out.data_ptr(), N, C, stream()),
+               "moe combine");
+  return out;
+}
+
+std::vector<Tensor> moe_combine_backward(const Tensor& d_out, const Tensor& rows,
+                                         const Tensor& weights, const Tensor& scatter,
+                                         int64_t top_k) {
+  check(rows, "rows", rows.scalar_type(), rows);
+  check(d_out, "d_combined", rows.scalar_type(), rows);
+  check(weights, "weights", at::kFloat, rows);
+  check(scatter, "scatter_indices", at::kInt, rows);
+  const int64_t M = scatter.numel(), C = rows.size(1);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  Tensor d_rows = at::empty({M, C}, rows.options());
+  Tensor d_weights = at::empty({M}, weights.options());
+  check_launch(modulec::launch_moe_combine_backward(
+                   dtype_of(rows), d_out.data_ptr(), rows.data_ptr(), weights.data_ptr<float>(),
+                   scatter.data_ptr<int32_t>(), static_cast<int>(top_k), d_rows.data_ptr(),
+                   d_weights.data_ptr<float>(), M, C, stream()),
+               "moe combine backward");
+  return {d_rows, d_weights};
+}
+
 // One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
 // gradient; writes the bf16 compute copy when given. step: a fp32 [] or [1] device tensor.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
@@ -397,6 +447,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "extra, D], q', k']");
   m.def("embedding_backward", &embedding_backward,
         "(d_y [n, D], sorted_ids int64 [n], order int64 [n], V) -> d_weight [V, D]");
+  m.def("moe_gather_rows", &moe_gather_rows,
+        "(x [N, C], scatter_indices int32 [N * top_k], top_k) -> permuted [N * top_k, C]");
+  m.def("moe_combine", &moe_combine,
+        "(rows [N * top_k, C], weights fp32 [N * top_k] or None, pos int32, top_k) -> [N, C]");
+  m.def("moe_combine_backward", &moe_combine_backward,
+        "(d_combined [N, C], rows, weights fp32, scatter_indices int32, top_k) -> [d_rows, "
+        "d_weights fp32]");
   m.def("adamw_step", &adamw_step,
         "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
         "beta1, beta2, eps, weight_decay)");

@@ -151,6 +151,43 @@ def test_embedding_backward_is_deterministic_and_matches_the_reference(B, T, V, 
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, top_k, E, C", [(64, 2, 8, 128), (37, 1, 4, 37), (5, 3, 3, 2048)])
+def test_moe_permute_and_unpermute_match_the_reference(N, top_k, E, C, dtype):
+    """The routing gathers (runtime/cuda/moe.py) against the reference, forward and
+    backward, and bitwise repeatable."""
+    from runtime.cuda.moe import MOE_KERNELS
+
+    torch.manual_seed(4)
+    x = rand(N, C, dtype=dtype)
+    indices = torch.stack([torch.randperm(E, device="cuda")[:top_k] for _ in range(N)]).int()
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.bincount(indices.reshape(-1).long(), minlength=E).cumsum(0)
+    attrs = {"input_shapes": {"x": (N, C)}}
+    permute, unpermute = MOE_KERNELS["moe_permute"], MOE_KERNELS["moe_unpermute"]
+    got = permute.forward([x, indices, offsets], attrs)
+    want = KERNELS["moe_permute"].forward([x, indices, offsets], attrs)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    scatter = got[1]
+    d_perm = rand(N * top_k, C, dtype=dtype)
+    assert_close(permute.backward([d_perm, scatter], attrs),
+                 KERNELS["moe_permute"].backward([d_perm, scatter], attrs), TOL[dtype],
+                 "moe_permute backward")
+    rows = rand(N * top_k, C, dtype=dtype)
+    weights = torch.rand(N, top_k, device="cuda")
+    assert_close(unpermute.forward([rows, weights, scatter], {}),
+                 KERNELS["moe_unpermute"].forward([rows, weights, scatter], {}), TOL[dtype],
+                 "moe_unpermute forward")
+    d_comb = rand(N, C, dtype=dtype)
+    got = unpermute.backward([d_comb, rows, weights, scatter], {})
+    assert_close(got, KERNELS["moe_unpermute"].backward([d_comb, rows, weights, scatter], {}),
+                 TOL[dtype], "moe_unpermute backward")
+    again = unpermute.backward([d_comb, rows, weights, scatter], {})
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7,), (3, 1001), (64, 4096), (2, 3, 37), (5,)])
 def test_swiglu(shape, dtype):
     torch.manual_seed(2)

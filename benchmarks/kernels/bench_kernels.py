@@ -152,6 +152,33 @@ def embedding_cases(tokens, d, vocab=32000):
     yield ("embedding", "backward", f"{tokens}x{d} V{vocab}", [dy, ids], attrs, moved, eager)
 
 
+def moe_cases(tokens, d, experts=8, top_k=2):
+    """The routing's row movement (Mixtral-like: 8 experts, top 2); eager: torch's
+    gathers and index_add_ (what the reference kernels run, without the fp32 casts)."""
+    indices = torch.stack([torch.randperm(experts, device="cuda")[:top_k]
+                           for _ in range(tokens)]).int()
+    offsets = torch.zeros(experts + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.bincount(indices.reshape(-1).long(), minlength=experts).cumsum(0)
+    x, rows = rand(tokens, d), rand(tokens * top_k, d)
+    weights = torch.rand(tokens, top_k, device="cuda")
+    scatter = torch.argsort(indices.reshape(-1), stable=True).int()
+    token = scatter.long() // top_k
+    label = f"{tokens}x{d} top{top_k}/{experts}"
+    attrs = {"input_shapes": {"x": (tokens, d)}}
+    moved = nbytes(x) + nbytes(rows)  # read one side, write the other
+
+    def combine(r, w):
+        return torch.zeros(tokens, d, dtype=BF16, device="cuda").index_add_(0, token, r * w)
+    w_rows = weights.reshape(-1)[scatter.long()][:, None].to(BF16)
+    yield ("moe_permute", "forward", label, [x, indices, offsets], {}, moved, lambda: x[token])
+    yield ("moe_permute", "backward", label, [rows, scatter], attrs, moved,
+           lambda: combine(rows, 1))
+    yield ("moe_unpermute", "forward", label, [rows, weights, scatter], {}, moved,
+           lambda: combine(rows, w_rows))
+    yield ("moe_unpermute", "backward", label, [x, rows, weights, scatter], {}, 2 * moved,
+           None)
+
+
 # ------------------------------------------------------------------------------- main
 def copy_bandwidth(iters) -> float:
     src = rand(8192, 8192)
@@ -166,7 +193,7 @@ def run(args) -> dict:
     for d in args.dims:
         for case in (*norm_cases(args.tokens, d), *swiglu_cases(args.tokens, d),
                      *rope_cases(args.tokens, d), *qk_norm_cases(args.tokens, d),
-                     *embedding_cases(args.tokens, d)):
+                     *embedding_cases(args.tokens, d), *moe_cases(args.tokens, d)):
             prim, phase, label, inputs, attrs, moved, eager = case
             fn = getattr(CUDA_KERNELS[prim], phase)
             ref = getattr(KERNELS[prim], phase)

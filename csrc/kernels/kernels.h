@@ -40,6 +40,21 @@ cudaError_t launch_embedding_backward(DType dt, const void* d_y, const int64_t* 
                                       const int64_t* order, void* d_weight, int64_t n,
                                       int64_t V, int64_t D, cudaStream_t stream);
 
+// ---- moe.cu: gathers over an MoE routing. scatter [M] (M = N * top_k): the assignment
+// t * top_k + k of permuted row j; pos: its inverse. weights: fp32 [N * top_k] or null (1).
+// out[j] = x[scatter[j] / top_k]
+cudaError_t launch_moe_gather_rows(DType dt, const void* x, const int32_t* scatter, int top_k,
+                                   void* out, int64_t M, int64_t C, cudaStream_t stream);
+// out[t] = sum over k of weights[t * top_k + k] * rows[pos[t * top_k + k]]
+cudaError_t launch_moe_combine(DType dt, const void* rows, const float* weights,
+                               const int32_t* pos, int top_k, void* out, int64_t N, int64_t C,
+                               cudaStream_t stream);
+// d_rows[j] = weights[a] * d_out[a / top_k]; d_weights[a] = d_out[a / top_k] . rows[j]
+cudaError_t launch_moe_combine_backward(DType dt, const void* d_out, const void* rows,
+                                        const float* weights, const int32_t* scatter, int top_k,
+                                        void* d_rows, float* d_weights, int64_t M, int64_t C,
+                                        cudaStream_t stream);
+
 // ---- swiglu.cu: y = silu(gate) * up over rows x C elements; every tensor has its own row
 // stride ld (elements; the last dim contiguous). Contiguous tensors: rows = 1, C = n.
 cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,

@@ -193,6 +193,15 @@ CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
 }
 
 
+def _moe_kernels() -> dict:
+    from runtime.cuda.moe import MOE_KERNELS
+
+    return MOE_KERNELS
+
+
+CUDA_KERNELS.update(_moe_kernels())  # their own classes: mixed dtypes (fp32 router weights)
+
+
 def _rms_apply(x, stats, weight):
     """A replayed RMSNorm output, x * rstd * weight, in one launch (the forward kernel's
     arithmetic); None where the kernel does not take the tensors."""
