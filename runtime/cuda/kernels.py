@@ -192,14 +192,8 @@ CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     for name, ref in KERNELS.items()
 }
 
-
-def _moe_kernels() -> dict:
-    from runtime.cuda.moe import MOE_KERNELS
-
-    return MOE_KERNELS
-
-
-CUDA_KERNELS.update(_moe_kernels())  # their own classes: mixed dtypes (fp32 router weights)
+# runtime/cuda/moe.py's MOE_KERNELS (moe_permute / moe_unpermute) are not registered here
+# yet: they compile, but their cuda tests have not run on a GPU (docs/gpu.md "Left")
 
 
 def _rms_apply(x, stats, weight):
