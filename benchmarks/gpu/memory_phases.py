@@ -82,23 +82,6 @@ def main():
     run = step.interpreter(step._update)
     (out,), frame = run.forward([step.tokens])
     phase("forward", base)
-    swaps = getattr(run, "swaps", None)
-    if swaps is not None:
-        live = {}
-        for f in frames(frame):
-            for v, t in f.env.items():
-                if isinstance(t, torch.Tensor) and t.is_cuda and any(t.stride()):
-                    live.setdefault(t.untyped_storage().data_ptr(), []).append((f.function.name, v))
-        held = [(s.function, list(s.views), live[s.pointer][:3])
-                for s in swaps.stored if s.pointer in live]
-        print(f"    swapped {len(swaps.stored)} storages ({swaps.bytes_out / GiB:.2f} GiB); "
-              f"still held by the forward's frames: {len(held)}")
-        for h in held[:10]:
-            print("      ", h)
-    for name, storages in sorted(kept_storages(frame).items()):
-        sizes = sorted(storages.values(), reverse=True)
-        print(f"    kept by {name}: {sum(sizes) / MiB:9.1f} MiB in {len(sizes)} storages "
-              f"(largest {[round(s / MiB, 1) for s in sizes[:8]]})")
     shown = set()
     for f in frames(frame):  # one instance of each function: its values' storages
         if f.function.name in shown or not f.env:

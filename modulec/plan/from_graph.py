@@ -106,15 +106,15 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
 def _planned(graph, function, arenas, metric: str):
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
-    over = written_over(graph, function)
     free = free_contiguous(function)
+    # outputs that take their input's bytes: written in place, or contiguous already
+    over = written_over(graph, function) | {
+        n.outputs[0]: n.inputs[0] for n in function.nodes if n.id in free}
     ops, buffers, made = [], {}, {}
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
         for position, value in enumerate(outputs):
-            if node.id in free and node.inputs[0] in buffers:
-                over[value] = node.inputs[0]  # contiguous already: a view
-            if over.get(value) in buffers:  # written in place: a view of its input
+            if over.get(value) in buffers:  # a view of its input
                 source = buffers[over[value]]
                 buffers[value] = Buffer(value, source.size_bytes, TRANSIENT,
                                         alias_of=source.id)

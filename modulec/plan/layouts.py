@@ -19,6 +19,7 @@ from __future__ import annotations
 from modulec.ir.graph import Function
 
 OUTPUT_ORDER = {"flash_attention": {0: (0, 2, 1, 3)}}  # op -> {output: memory order}
+UNKNOWN = ("split",)  # views whose outputs are strided parts of their input
 
 
 def free_contiguous(function: Function) -> frozenset:
@@ -32,12 +33,14 @@ def free_contiguous(function: Function) -> frozenset:
         if node.target == "contiguous":
             if source is not None and _identity(source):
                 free.add(node.id)
-            order[node.outputs[0]] = tuple(range(len(source))) if source else None
+            order[node.outputs[0]] = _rank(function, node.outputs[0])
         elif node.target in ("transpose", "permute"):
             order[node.outputs[0]] = _carry(node, source)
         elif node.target == "view":
             order[node.outputs[0]] = _rank(function, node.outputs[0]) \
                 if source is not None and _identity(source) else None
+        elif node.target in UNKNOWN:
+            order.update({value: None for value in node.outputs})
         else:
             declared = OUTPUT_ORDER.get(node.target, {})
             for i, value in enumerate(node.outputs):

@@ -299,7 +299,7 @@ class TrainStep:
         self.torch_optimizer.step()
         torch._foreach_copy_([self.compute[p] for p in self.names],
                              [self.masters[p] for p in self.names])
-        self.loss.copy_(sum(losses) / len(losses))
+        self.loss.copy_(torch.stack(losses).mean())
 
     def _fused_step(self) -> None:
         """One optimizer step over `accumulation` micro-batches: all but the last add
@@ -308,22 +308,24 @@ class TrainStep:
         self.step_count.add_(1)  # before the backward: updates may run inside it
         losses = []
         for micro in range(self.accumulation):
-            last = micro == self.accumulation - 1
-            handle = self._update_from_sum if last and self.accumulation > 1 else \
-                self._update if last else self._accumulator(micro)
+            handle = self._gradient_handler(micro)
             loss, grads = self.loss_and_gradients(
                 handle if self.update_in_backward else None, micro)
             for p in [p for p in self.names if p in grads]:  # no gradient: no update
                 handle(p, grads.pop(p))
             losses.append(loss)
-        self.loss.copy_(losses[0] if len(losses) == 1 else sum(losses) / len(losses))
+        self.loss.copy_(torch.stack(losses).mean())
 
-    def _accumulator(self, micro: int):
+    def _gradient_handler(self, micro: int):
+        """What micro-batch `micro` does with a final gradient: update (a single
+        micro-batch), start or add to the sum, or complete it and update (the last)."""
+        if self.accumulation == 1:
+            return self._update
+        if micro == self.accumulation - 1:
+            return self._update_from_sum
+
         def add(path: str, grad: Tensor) -> None:
-            if micro == 0:
-                self.grad_sum[path].copy_(grad)
-            else:
-                self.grad_sum[path].add_(grad)
+            (self.grad_sum[path].copy_ if micro == 0 else self.grad_sum[path].add_)(grad)
         return add
 
     def _update_from_sum(self, path: str, grad: Tensor) -> None:
@@ -539,11 +541,16 @@ class _StepInterpreter(Interpreter):
         if function.name not in self._in_place:
             from modulec.plan.in_place import in_place_nodes
 
-            replayed = set() if self.decisions is None else {
-                n for (f, n), modes in self.decisions.replays.items()
-                if f == function.name and modes}
-            self._in_place[function.name] = in_place_nodes(self.graph, function) - replayed
+            self._in_place[function.name] = in_place_nodes(self.graph, function) \
+                - self._replayed(function)
         return self._in_place[function.name]
+
+    def _replayed(self, function) -> set:
+        """Ids of `function`'s nodes a planned replay runs again."""
+        if self.decisions is None:
+            return set()
+        return {n for (f, n), modes in self.decisions.replays.items()
+                if f == function.name and modes}
 
     def _rope_in_place(self, node, frame, forward) -> bool:
         """rope over its q and k (views of the fused QKV projection output); False where
@@ -566,10 +573,8 @@ class _StepInterpreter(Interpreter):
     def _lora_pairs(self, function) -> "LoraPairs":
         if function.name not in self._pairs:
             saved = _saved_by_backward(self.graph, function.name)
-            replayed = set() if self.decisions is None else {
-                n for (f, n), modes in self.decisions.replays.items()
-                if f == function.name and modes}
-            self._pairs[function.name] = lora_addmm_pairs(function, saved, replayed)
+            self._pairs[function.name] = lora_addmm_pairs(function, saved,
+                                                          self._replayed(function))
         return self._pairs[function.name]
 
     def _attrs(self, node):

@@ -37,7 +37,6 @@ class Stored:
     # frame.host refers to this object, and a cycle would keep the device copy alive
     # until the garbage collector ran, 0.7 GiB a step at the TinyLlama shape)
     release: int = 0  # the forward release it was swapped out at
-    pointer: int = 0  # the device storage it came from (diagnostics)
     incoming: tuple | None = None  # (event, device uint8 tensor) once a swap-in started
 
 
@@ -58,7 +57,6 @@ class GpuSwaps:
         self.releases = 0
         self.leaving: deque = deque()  # (release, event, device storage tensor)
         self.stored: list[Stored] = []  # in swap-out order
-        self.bytes_out = 0
 
     # ------------------------------------------------------------------ forward
     def swap_out(self, frame, values: dict) -> list[Stored]:
@@ -86,10 +84,8 @@ class GpuSwaps:
                 done.record(self.stream)
             self.leaving.append((self.releases, done, device))
             stored = Stored(host, {v: (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-                                   for v, t in members}, frame.function.name, self.releases,
-                            first.untyped_storage().data_ptr())
+                                   for v, t in members}, frame.function.name, self.releases)
             self.stored.append(stored)
-            self.bytes_out += device.numel()
             out.append(stored)
         return out
 

@@ -35,7 +35,7 @@ class CPUTrainer:
             loss, grads = self._loss_and_gradients(part)
             losses.append(float(loss))
             for path, grad in grads.items():
-                total[path] = total[path] + grad if path in total else grad.clone()
+                total[path] = total[path] + grad if path in total else grad
         if len(losses) > 1:
             total = {p: g / len(losses) for p, g in total.items()}
         self.adamw.update(self.model.params, total)
