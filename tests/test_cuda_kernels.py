@@ -51,6 +51,9 @@ def test_every_primitive_has_a_gpu_kernel():
     for name in CUSTOM:
         assert isinstance(CUDA_KERNELS[name], CudaKernel)
         assert CUDA_KERNELS[name].forward_inputs == KERNELS[name].forward_inputs
+    for name in ("moe_permute", "moe_unpermute"):  # the routing gathers (runtime/cuda/moe.py)
+        assert CUDA_KERNELS[name].reference is KERNELS[name]
+        assert CUDA_KERNELS[name].backward_inputs == KERNELS[name].backward_inputs
 
 
 def test_uncovered_calls_fall_back_to_the_reference():
@@ -155,15 +158,13 @@ def test_embedding_backward_is_deterministic_and_matches_the_reference(B, T, V, 
 def test_moe_permute_and_unpermute_match_the_reference(N, top_k, E, C, dtype):
     """The routing gathers (runtime/cuda/moe.py) against the reference, forward and
     backward, and bitwise repeatable."""
-    from runtime.cuda.moe import MOE_KERNELS
-
     torch.manual_seed(4)
     x = rand(N, C, dtype=dtype)
     indices = torch.stack([torch.randperm(E, device="cuda")[:top_k] for _ in range(N)]).int()
     offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.bincount(indices.reshape(-1).long(), minlength=E).cumsum(0)
     attrs = {"input_shapes": {"x": (N, C)}}
-    permute, unpermute = MOE_KERNELS["moe_permute"], MOE_KERNELS["moe_unpermute"]
+    permute, unpermute = CUDA_KERNELS["moe_permute"], CUDA_KERNELS["moe_unpermute"]
     got = permute.forward([x, indices, offsets], attrs)
     want = KERNELS["moe_permute"].forward([x, indices, offsets], attrs)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

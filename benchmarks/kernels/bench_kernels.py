@@ -25,10 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from runtime.cuda.kernels import CUDA_KERNELS  # noqa: E402
-from runtime.cuda.moe import MOE_KERNELS  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
-
-UNDER_TEST = dict(MOE_KERNELS)  # written, not yet registered in CUDA_KERNELS
 
 PEAK_TBS = {"H100": 3.35, "H200": 4.8}  # HBM spec bandwidth (SXM), TB/s
 BF16 = torch.bfloat16
@@ -198,7 +195,7 @@ def run(args) -> dict:
                      *rope_cases(args.tokens, d), *qk_norm_cases(args.tokens, d),
                      *embedding_cases(args.tokens, d), *moe_cases(args.tokens, d)):
             prim, phase, label, inputs, attrs, moved, eager = case
-            fn = getattr(UNDER_TEST.get(prim) or CUDA_KERNELS[prim], phase)
+            fn = getattr(CUDA_KERNELS[prim], phase)
             ref = getattr(KERNELS[prim], phase)
             row = {"primitive": prim, "phase": phase, "shape": label, "bytes": moved,
                    "custom_ms": time_ms(lambda: fn(inputs, attrs), args.iters),

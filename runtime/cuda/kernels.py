@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from runtime.cuda.moe import MOE_KERNELS
 from runtime.kernels import KERNELS
 from runtime.kernels.base import ReferenceKernel
 
@@ -190,10 +191,7 @@ LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout}
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
     for name, ref in KERNELS.items()
-}
-
-# runtime/cuda/moe.py's MOE_KERNELS (moe_permute / moe_unpermute) are not registered here
-# yet: they compile, but their cuda tests have not run on a GPU (docs/gpu.md "Left")
+} | MOE_KERNELS  # the routing gathers wrap the reference themselves (runtime/cuda/moe.py)
 
 
 def _rms_apply(x, stats, weight):

@@ -10,10 +10,6 @@ as the reference does: that comparison would sync with the host inside the captu
 
 Calls the kernels do not cover (tensors not on CUDA or not contiguous, dtypes other than
 bf16/fp32, indices not int32) go to the reference kernels.
-
-Not in CUDA_KERNELS yet: the kernels compile (make test), but their cuda test
-(tests/test_cuda_kernels.py::test_moe_permute_and_unpermute_match_the_reference) has not
-run on a GPU; registering them is one line in runtime/cuda/kernels.py once it passes.
 """
 
 from __future__ import annotations
