@@ -283,3 +283,25 @@ def _tensors_file(path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def test_gpt2_trains_with_position_ids_fed(ckpt, tmp_path):
+    """examples/gpt2.module takes position_ids: the trainer feeds 0 .. T-1 in each row."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                     n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    result = run("train", "examples/gpt2.module", "--hf-weights", tmp_path / "hf", "--data",
+                 ckpt / "tokens.bin", "--seq", "16", "--batch", "2", "--device", "cpu",
+                 "--lr", "1e-2", "--format", "json", "--steps", "12", "--repeat-batch")
+    got = losses(result)
+    assert len(got) == 12 and got[-1] < 0.7 * got[0]
+
+
+def test_training_feeds_tokens_and_positions_only():
+    from runtime.inputs import fed_inputs, positions_like, unfed
+
+    assert unfed(["token_ids"]) == [] and unfed(["token_ids", "position_ids"]) == []
+    assert unfed(["token_ids", "mask"]) == ["mask"] and unfed(["x"]) == ["x", "token_ids"]
+    tokens = torch.zeros(3, 5, dtype=torch.int32)
+    assert torch.equal(positions_like(tokens), torch.arange(5, dtype=torch.int32).repeat(3, 1))
+    assert fed_inputs(["token_ids"], tokens).keys() == {"token_ids"}

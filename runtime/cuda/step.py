@@ -53,6 +53,7 @@ from runtime.cuda.train_kernels import lora_addmm, train_kernels
 from runtime.cuda.swaps import GpuSwaps, Stored
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions, _forget
 from runtime.errors import RuntimeUserError
+from runtime.inputs import fed_inputs, positions_like, sized_inputs, unfed
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.model import parameter_shapes
 from runtime.program import ModuleSource, Program
@@ -106,12 +107,12 @@ class TrainStep:
         from modulec.lower.build_plan import PlanOptions
 
         settings = {k: str(v) for k, v in (settings or {}).items()}
-        tokens = {"token_ids": torch.zeros(batch, seq, dtype=torch.int32)}
         if lora is not None:
             from modulec.lower.lora import LoraOptions
 
             lora = LoraOptions.of(lora)
         source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora)
+        tokens = sized_inputs(source.program(planned=False).input_names(), batch, seq)
         program = source.program_for(tokens)
         if memory_budget is None:
             return cls(program, batch, seq, **options)
@@ -134,6 +135,11 @@ class TrainStep:
             raise ValueError(f"accumulation must be at least 1, not {self.accumulation}")
         rows = self.accumulation * self.batch
         self.tokens = torch.zeros(rows, self.seq, dtype=torch.int32, device="cuda")
+        self.input_names = self.program.input_names()
+        if unfed(self.input_names):
+            raise ValueError(f"the training step feeds token_ids and position_ids only; the "
+                             f"model takes {', '.join(self.input_names)}")
+        self.positions = positions_like(self.tokens)
         self.labels = torch.full((rows, self.seq), -100, dtype=torch.int64, device="cuda")
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
@@ -253,7 +259,8 @@ class TrainStep:
         run = self.interpreter(on_gradient)
         rows = slice(micro * self.batch, (micro + 1) * self.batch)
         tokens, labels = self.tokens[rows], self.labels[rows]
-        (out,), frame = run.forward([tokens])
+        inputs = fed_inputs(self.input_names, tokens, self.positions[rows])
+        (out,), frame = run.forward([inputs[n] for n in self.input_names])
         if run.swaps is not None:
             run.swaps.forward_done()
         d_head = None

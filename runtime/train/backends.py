@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from runtime.errors import RuntimeUserError
+from runtime.inputs import fed_inputs, sized_inputs
 from runtime.model import Model
 from runtime.train.optim import AdamW
 
@@ -45,7 +46,8 @@ class CPUTrainer:
         from runtime.cuda.lm_head import logits_cross_entropy
 
         tokens, labels = split_window(window)
-        logits = self.model.forward(token_ids=tokens)[self.output]
+        names = self.model.source.program(planned=False).input_names()
+        logits = self.model.forward(**fed_inputs(names, tokens))[self.output]
         loss, d_logits = logits_cross_entropy(logits, labels)
         grads = self.model.backward(**{self.output: d_logits.to(logits.dtype)}).params
         return loss, tied_sums(self.model.params, grads, self.names)
@@ -137,7 +139,8 @@ def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None):
 
     from runtime.cuda.step import planner_budget
 
-    tokens = {"token_ids": torch.zeros(batch, seq, dtype=torch.int32)}
+    names = model.source.program(planned=False).input_names()
+    tokens = sized_inputs(names, batch, seq)
     program = model.source.program_for(tokens)
     if memory_budget is None:
         return program

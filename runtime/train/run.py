@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import RuntimeUserError
+from runtime.inputs import sized_inputs, unfed
 from runtime.model import Model
 from runtime.train.backends import CPUTrainer, CUDATrainer, check_device, now
 from runtime.train.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
@@ -97,13 +98,12 @@ def _model(request: Request, weights: Path) -> Model:
                               memory_budget=request.memory_budget
                               if request.device == "cpu" else None, lora=request.lora)
     names = model.source.program(planned=False).input_names()
-    if names != ["token_ids"]:
-        raise RuntimeUserError(f"`modulec train` feeds token_ids only; {request.file}'s "
-                               f"model takes {', '.join(names)}")
+    if unfed(names):
+        raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
+                               f"only; {request.file}'s model takes {', '.join(names)}")
     # build the program at the run's sizes now: an unmeetable --memory-budget fails here
     # (on the GPU, the trainer plans its own: runtime.train.backends.gpu_program)
-    model.source.program_for({"token_ids": torch.zeros(request.batch, request.seq,
-                                                       dtype=torch.int32)})
+    model.source.program_for(sized_inputs(names, request.batch, request.seq))
     return model
 
 
