@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from modulec.plan.from_graph import VIEWS, plan_step
+from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
 from runtime.errors import RuntimeUserError
 
@@ -36,6 +37,7 @@ class Arena:
     regions: dict[str, Tensor] = field(default_factory=dict)
     placements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # forward function -> (base, stride)
+    _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
 
     def __post_init__(self):
         plan = plan_step(self.graph)
@@ -73,14 +75,42 @@ class Arena:
     def place(self, frame, node, value: str, tensor: Tensor) -> Tensor:
         """The value's tensor in its planned bytes (views stay torch views)."""
         placement = self.placements.get(frame.function.name, {}).get(value)
+        if placement is None and self._in_arena(tensor):
+            return tensor.clone()  # no planned bytes (a parameter's gradient): its own
         if placement is None or not isinstance(tensor, Tensor) or \
                 (node is not None and node.kind == "op" and node.target in VIEWS):
             return tensor
-        target = self._view(frame, placement, tensor, value)
+        target = self._in_place_target(frame, node, value)
+        if target is None:
+            target = self._view(frame, placement, tensor, value)
         if target.data_ptr() == tensor.data_ptr() and target.stride() == tensor.stride():
             return tensor  # already there: a view the plan counts as one (layouts)
         target.copy_(tensor)
         return target
+
+    def _in_arena(self, tensor) -> bool:
+        """A view of the activation regions' bytes (a kernel that returns a view of its
+        input, as the training kernels' view_backward does)."""
+        if not isinstance(tensor, Tensor):
+            return False
+        storage = tensor.untyped_storage().data_ptr()
+        return any(storage == r.untyped_storage().data_ptr() for r in self.regions.values())
+
+    def _in_place_target(self, frame, node, value: str) -> Tensor | None:
+        """An output the plan writes over its input (modulec.plan.in_place): the input's
+        tensor itself. Its planned bytes are the input's, which a split part on an inner
+        dim holds strided, not as the dense range its placement reads as."""
+        if node is None or node.kind != "op" or node.target not in IN_PLACE_OUTPUTS:
+            return None
+        name = frame.function.name
+        if name not in self._in_place:
+            self._in_place[name] = in_place_nodes(self.graph, frame.function)
+        if node.id not in self._in_place[name]:
+            return None
+        for output, source in IN_PLACE_OUTPUTS[node.target]:
+            if node.outputs[output] == value:
+                return frame.env.get(node.inputs[source])
+        return None
 
     def _view(self, frame, placement, tensor: Tensor, value: str) -> Tensor:
         if tensor.nbytes > placement.size_bytes:

@@ -71,3 +71,42 @@ def test_a_value_larger_than_its_bytes_is_refused():
     model.arena = True
     with pytest.raises(RuntimeUserError, match="the plan gives it"):
         model.forward(**token_inputs(model))
+
+
+def _train_kernel_run(name: str, arena: bool):
+    """The GPU step's interpreter and kernels (their CPU paths: views stay views, RoPE is
+    planned in place) with the LM head cut off, on the arena or not."""
+    from runtime.arena import Arena, ParameterRegions
+    from runtime.cuda.lm_head import split_head
+    from runtime.cuda.step import _StepInterpreter
+    from runtime.cuda.train_kernels import train_kernels
+
+    path, settings = TINY[name]
+    model = Model.from_module(path, settings=settings, dtype=torch.bfloat16)
+    model.init_random(0, std=0.3)
+    inputs = token_inputs(model)
+    program = model.source.program_for(inputs)
+    split = split_head(program.graph)
+    graph = split.graph if split else program.graph
+    options = {}
+    if arena:
+        layout = program.document.get("schedule", {}).get("layout", {})
+        regions = ParameterRegions.for_params(model.params)
+        options = {"arena": Arena(graph, layout), "param_regions": regions}
+    params = options["param_regions"].bind(model.params) if arena else model.params
+    run = _StepInterpreter(graph, params, torch.bfloat16, check_finite=False,
+                           kernels=train_kernels("cpu"), keep_only_saved=True, **options)
+    outputs, frame = run.forward([inputs[n] for n in program.input_names()])
+    seeds = [torch.full_like(o, 0.01) if o.is_floating_point() else None for o in outputs]
+    return outputs, run.backward(frame, seeds)[1]
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_the_training_kernels_on_the_arena_give_the_plain_run(name):
+    """Views (q, k, v of the fused projection) stay views of the arena's bytes, and an
+    in-place RoPE writes into them where they are, strided (a split part on the head dim
+    is not the dense range its placement reads as)."""
+    plain_out, plain_grads = _train_kernel_run(name, arena=False)
+    out, grads = _train_kernel_run(name, arena=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_out, out))
+    assert _same(plain_grads, grads)

@@ -193,11 +193,13 @@ def _part_offset(node: Node, position: int, own) -> int:
 
 def _keep_outputs(function: Function, buffers: dict, count: int, ops) -> None:
     """A function's outputs belong to its caller: they live from the op that makes them to
-    the function's end."""
+    the function's end (an output that is a view keeps the buffer it views)."""
     produced = {value: op.index for op in ops for value in op.outputs}
     for value in function.outputs:
         buffer = buffers.get(value)
-        if buffer is not None and buffer.alias_of is None and buffer.region == TRANSIENT:
+        while buffer is not None and buffer.alias_of is not None:
+            value, buffer = buffer.alias_of, buffers.get(buffer.alias_of)
+        if buffer is not None and buffer.region == TRANSIENT:
             start = produced.get(value, 0)
             buffers[value] = Buffer(value, buffer.size_bytes, TRANSIENT,
                                     pinned_lifetime=(start, count - 1))
