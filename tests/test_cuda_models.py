@@ -1,7 +1,8 @@
 """Every std model and example trains on the GPU (`-m cuda`; skipped without CUDA): one
 fp32 step's loss and gradients against the CPU reference on the same weights and batch.
 The ops without a custom kernel run through the torch fallbacks (runtime/cuda/kernels.py);
-Mixtral's routing runs the MoE gathers, GPT-2 gets position ids 0 .. T-1."""
+Mixtral's routing runs the MoE gathers (its aux_loss output gets no seed, as in
+`modulec train`), GPT-2 gets position ids 0 .. T-1."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def _reference(step, params: dict, tokens):
 
     run = Interpreter(step.program.graph, params, torch.float32)
     inputs = fed_inputs(step.input_names, tokens)
-    (logits,), frame = run.forward([inputs[n] for n in step.input_names])
+    (logits, *others), frame = run.forward([inputs[n] for n in step.input_names])
     loss, d_logits = logits_cross_entropy(logits, next_token_labels(tokens))
-    return loss, run.backward(frame, [d_logits])[1]
+    return loss, run.backward(frame, [d_logits] + [None] * len(others))[1]
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

@@ -172,6 +172,29 @@ def test_fp32_on_the_gpu_matches_the_cpu_reference(tmp_path):
         assert _rel(grads[path].float().cpu(), ref) < 1e-4, path
 
 
+def test_arena_step_matches_the_plain_step(tmp_path):
+    """TrainStep(arena=True): activations at the plan's offsets in two allocations (the
+    transient and saved regions), the same loss and gradients as the plain step."""
+    from runtime.cuda.step import TrainStep
+
+    _hf_checkpoint(tmp_path)
+    plain, weights = _step(tmp_path, torch.bfloat16)
+    placed = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, dtype=torch.bfloat16,
+                                   arena=True).load(weights)
+    tokens = _tokens().cuda()
+    results = []
+    for step in (plain, placed):
+        step.set_batch(tokens)
+        results.append(step.loss_and_gradients())
+    (loss, grads), (arena_loss, arena_grads) = results
+    assert abs(float(arena_loss) - float(loss)) <= 1e-3 * abs(float(loss))
+    assert grads.keys() == arena_grads.keys()
+    worst = min((_cos(arena_grads[p].float(), g.float()), p) for p, g in grads.items())
+    assert worst[0] >= 0.9999, worst
+    regions = placed.activations.regions
+    assert all(r.is_cuda and r.numel() > 0 for r in regions.values())
+
+
 def test_cuda_graph_replay_matches_eager_steps_and_lowers_the_loss(tmp_path):
     _hf_checkpoint(tmp_path)
     tokens = _tokens().cuda()

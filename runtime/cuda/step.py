@@ -94,6 +94,11 @@ class TrainStep:
     # fused attention is 1.5x FlashAttention-2's speed on an H200 (benchmarks/kernels/
     # bench_attention.py); FlashAttention-2 takes what cuDNN does not cover (windows)
     attention: tuple = ("cudnn", "flash")
+    # activations at the plan's offsets (runtime/arena.py): the transient and saved regions
+    # one allocation each; kernels compute out of place and their results are copied in
+    # (no out= variants yet). Without a memory budget only: a budget's decisions are not
+    # in the arena's placements
+    arena: bool = False
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -145,6 +150,16 @@ class TrainStep:
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.masters: dict[str, Tensor] = {}
         self.kernels = train_kernels(attention=self.attention)
+        self.activations = self._arena() if self.arena else None
+
+    def _arena(self):
+        from runtime.arena import Arena
+
+        if self.decisions is not None or self.accumulation != 1:
+            raise ValueError("arena=True runs the unbudgeted plan, one micro-batch: build "
+                             "without a memory budget and gradient accumulation")
+        layout = self.program.document.get("schedule", {}).get("layout", {})
+        return Arena(self.graph, layout, device="cuda")
 
     # ------------------------------------------------------------------ weights
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -226,7 +241,7 @@ class TrainStep:
         run = _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
                                kernels=self.kernels, keep_only_saved=self.keep_only_saved,
                                decisions=self.decisions, on_gradient=on_gradient,
-                               hooks=self.hooks)
+                               hooks=self.hooks, arena=self.activations)
         run.step = self
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:
@@ -260,7 +275,7 @@ class TrainStep:
         rows = slice(micro * self.batch, (micro + 1) * self.batch)
         tokens, labels = self.tokens[rows], self.labels[rows]
         inputs = fed_inputs(self.input_names, tokens, self.positions[rows])
-        (out,), frame = run.forward([inputs[n] for n in self.input_names])
+        (out, *others), frame = run.forward([inputs[n] for n in self.input_names])
         if run.swaps is not None:
             run.swaps.forward_done()
         d_head = None
@@ -275,7 +290,8 @@ class TrainStep:
         else:
             loss, seed = logits_cross_entropy(out, labels, self.chunk_rows)
         del out
-        _, grads = run.backward(frame, [seed])
+        # the logits' seed alone: other outputs (Mixtral's aux_loss) get none, as on the CPU
+        _, grads = run.backward(frame, [seed] + [None] * len(others))
         if run.swaps is not None:
             run.swaps.finish()
         if d_head is not None:

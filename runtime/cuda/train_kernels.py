@@ -20,7 +20,7 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   concat (written backward) or the split's backward (derived) is a view of it; rope's
   backward writes d_q / d_k into the q and k head slots of a [B, T, Hq + 2 Hk, D] buffer
   and the concat of (d_q, d_k, d_v) copies only d_v into the slots left for it;
-- zeros are made on the GPU;
+- zeros, ones and fills are made on the GPU;
 - a matmul backward computes only the gradients its node wants (`Matmul`): a frozen
   weight's (LoRA's base) d_B is neither computed nor allocated, only d_A;
 - LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` run as one
@@ -46,6 +46,7 @@ from runtime.kernels.utility import torch_dtype
 
 NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul")
 CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm")
+CREATED = ("zeros", "ones", "fill")
 
 
 class NoCast:
@@ -92,16 +93,15 @@ class Embedding(NoCast):
         return CUDA_KERNELS["embedding"].backward(inputs, attrs)
 
 
-class Zeros(NoCast):
-    """zeros on `device` (the reference makes them on the CPU)."""
+class Created(NoCast):
+    """zeros / ones / fill on `device` (the reference makes them on the CPU by default)."""
 
     def __init__(self, reference: ReferenceKernel, device: str):
         super().__init__(reference)
         self.device = device
 
     def forward(self, inputs: list, attrs: dict) -> list:
-        shape, dtype = list(attrs["shape"]), torch_dtype(attrs.get("dtype", "bf16"))
-        return [torch.zeros(shape, dtype=dtype, device=self.device)]
+        return super().forward(inputs, attrs | {"device": self.device})
 
 
 # ------------------------------------------------------------- concat without a copy
@@ -285,7 +285,7 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels["split"] = Split(KERNELS["split"])
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
     kernels["embedding"] = Embedding(KERNELS["embedding"])
-    kernels["zeros"] = Zeros(KERNELS["zeros"], device)
+    kernels.update({name: Created(KERNELS[name], device) for name in CREATED})
     kernels["flash_attention"] = FlashAttention(tuple(attention))
     return kernels
 
