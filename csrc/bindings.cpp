@@ -299,6 +299,111 @@ std::vector<Tensor> rope_qk_into_heads(const Tensor& q, const Tensor& k,
   return {buffer, d_q, d_k};
 }
 
+// ---- qk_norm_rope (csrc/kernels/qk_norm_rope.cu): q [B, Hq, T, D], k [B, Hk, T, D] with
+// any strides over b, h, t (the transposed heads of the fused QKV projection), weights [D]
+void check_qk_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                   const Tensor& k_weight) {
+  check_x(q, "q", q);
+  check_x(k, "k", q);
+  const int64_t D = q.size(3);
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == D,
+              "q and k differ in B, T or D");
+  TORCH_CHECK(D % 2 == 0 && D <= 256, "qk_norm_rope: head dim D=", D, " must be even and <= 256");
+  check(q_weight, "q_weight", q.scalar_type(), q);
+  check(k_weight, "k_weight", q.scalar_type(), q);
+  TORCH_CHECK(q_weight.dim() == 1 && q_weight.size(0) == D && k_weight.dim() == 1 &&
+                  k_weight.size(0) == D,
+              "q_weight and k_weight must be [", D, "]");
+}
+
+void set_strides(const Tensor& t, int64_t (&out)[3]) {
+  const auto st = bht_strides(t, "tensor");
+  for (int i = 0; i < 3; ++i) out[i] = st[i];
+}
+
+modulec::QkRopeTensor qk_rope_side(const Tensor& x, const Tensor& out, const Tensor& weight,
+                                   const Tensor& rstd, const Tensor* d_rot) {
+  modulec::QkRopeTensor a;
+  a.x = x.data_ptr();
+  set_strides(x, a.x_strides);
+  a.out = out.data_ptr();
+  set_strides(out, a.out_strides);
+  if (d_rot) {
+    a.d_rot = d_rot->data_ptr();
+    set_strides(*d_rot, a.d_strides);
+  }
+  a.weight = weight.data_ptr();
+  a.rstd = rstd.data_ptr<float>();
+  a.H = x.size(1);
+  return a;
+}
+
+// [B, H, T, D] as the transpose of a new [B, T, H, D] tensor (FlashAttention's layout, as
+// rope writes it)
+Tensor heads_bthd(const Tensor& like, int64_t H) {
+  return at::empty({like.size(0), like.size(2), H, like.size(3)}, like.options()).transpose(1, 2);
+}
+
+// (q_rot, k_rot, q_rstd, k_rstd): q_rot and k_rot laid out [B, T, H, D], rstd fp32 [B, H, T]
+std::vector<Tensor> qk_norm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                                         const Tensor& k_weight,
+                                         const std::optional<Tensor>& position_ids, double eps,
+                                         double theta) {
+  check_qk_rope(q, k, q_weight, k_weight);
+  const int64_t pos_stride = positions(position_ids, q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
+  Tensor q_rot = heads_bthd(q, q.size(1)), k_rot = heads_bthd(q, k.size(1));
+  Tensor q_rstd = at::empty({B, q.size(1), T}, q.options().dtype(at::kFloat));
+  Tensor k_rstd = at::empty({B, k.size(1), T}, q.options().dtype(at::kFloat));
+  check_launch(modulec::launch_qk_norm_rope_forward(
+                   dtype_of(q), qk_rope_side(q, q_rot, q_weight, q_rstd, nullptr),
+                   qk_rope_side(k, k_rot, k_weight, k_rstd, nullptr),
+                   position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B, T,
+                   D, static_cast<float>(eps), static_cast<float>(theta), stream()),
+               "qk_norm_rope forward");
+  return {q_rot, k_rot, q_rstd, k_rstd};
+}
+
+// (buffer, d_q, d_k, d_q_weight, d_k_weight): d_q and d_k written into the head slots of one
+// [B, T, Hq + Hk + extra_heads, D] buffer (q heads, then k heads, then extra_heads left
+// unwritten: the fused QKV gradient, whose v slots the caller fills), as [B, H, T, D] views
+std::vector<Tensor> qk_norm_rope_backward(const Tensor& d_q_rot, const Tensor& d_k_rot,
+                                          const Tensor& q, const Tensor& k, const Tensor& q_weight,
+                                          const Tensor& k_weight, const Tensor& q_rstd,
+                                          const Tensor& k_rstd,
+                                          const std::optional<Tensor>& position_ids, double theta,
+                                          int64_t extra_heads) {
+  check_qk_rope(q, k, q_weight, k_weight);
+  check_x(d_q_rot, "d_q_rot", q);
+  check_x(d_k_rot, "d_k_rot", q);
+  TORCH_CHECK(d_q_rot.sizes() == q.sizes() && d_k_rot.sizes() == k.sizes(),
+              "d_q_rot / d_k_rot differ from q / k in shape");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
+  check(q_rstd, "q_rstd", at::kFloat, q);
+  check(k_rstd, "k_rstd", at::kFloat, q);
+  TORCH_CHECK(q_rstd.sizes() == at::IntArrayRef({B, Hq, T}) &&
+                  k_rstd.sizes() == at::IntArrayRef({B, Hk, T}),
+              "q_rstd / k_rstd must be [B, H, T]");
+  TORCH_CHECK(extra_heads >= 0, "extra_heads must be >= 0");
+  const int64_t pos_stride = positions(position_ids, q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  Tensor buffer = at::empty({B, T, Hq + Hk + extra_heads, D}, q.options());
+  Tensor d_q = buffer.narrow(2, 0, Hq).transpose(1, 2);
+  Tensor d_k = buffer.narrow(2, Hq, Hk).transpose(1, 2);
+  Tensor d_q_weight = at::empty_like(q_weight), d_k_weight = at::empty_like(k_weight);
+  Tensor work = at::empty({modulec::qk_norm_rope_backward_workspace(dtype_of(q), B, T, Hq, Hk, D)},
+                          q.options().dtype(at::kFloat));
+  check_launch(modulec::launch_qk_norm_rope_backward(
+                   dtype_of(q), qk_rope_side(q, d_q, q_weight, q_rstd, &d_q_rot),
+                   qk_rope_side(k, d_k, k_weight, k_rstd, &d_k_rot),
+                   position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B, T,
+                   D, static_cast<float>(theta), d_q_weight.data_ptr(), d_k_weight.data_ptr(),
+                   work.data_ptr<float>(), stream()),
+               "qk_norm_rope backward");
+  return {buffer, d_q, d_k, d_q_weight, d_k_weight};
+}
+
 // d_weight [V, D] of embedding from d_y [n, D] and the stable sort of the ids
 // (sorted_ids, order: int64 [n]); deterministic, every row written
 Tensor embedding_backward(const Tensor& d_y, const Tensor& sorted_ids, const Tensor& order,
@@ -445,6 +550,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_into_heads", &rope_qk_into_heads,
         "(q, k, position_ids or None, theta, inverse, extra_heads) -> [buffer [B, T, Hq + Hk + "
         "extra, D], q', k']");
+  m.def("qk_norm_rope_forward", &qk_norm_rope_forward,
+        "(q, k [B, H, T, D] strided, q_weight, k_weight, position_ids or None, eps, theta) -> "
+        "[q_rot, k_rot (laid out [B, T, H, D]), q_rstd, k_rstd]");
+  m.def("qk_norm_rope_backward", &qk_norm_rope_backward,
+        "(d_q_rot, d_k_rot, q, k, q_weight, k_weight, q_rstd, k_rstd, position_ids or None, "
+        "theta, extra_heads) -> [buffer [B, T, Hq + Hk + extra, D], d_q, d_k, d_q_weight, "
+        "d_k_weight]");
   m.def("embedding_backward", &embedding_backward,
         "(d_y [n, D], sorted_ids int64 [n], order int64 [n], V) -> d_weight [V, D]");
   m.def("moe_gather_rows", &moe_gather_rows,

@@ -303,6 +303,94 @@ def test_rope_on_the_heads_of_a_fused_qkv(case, dtype):
     assert_close([fused], [ref], TOL[dtype], "fused qkv gradient")
 
 
+# (B, Hq, Hkv, T, D, positions) as ROPE_CASES. D=128 and 64 take the vector path; D=72
+# (bf16: 36 is not whole vectors), 4, 6 and 20 the scalar path with 2 to 8 elements a lane
+# (fp32 D=72: the vector path, 9 vectors a half); Hq=5 and Hkv=1 partial head groups;
+# 4x512 rows x 20 heads more tasks than the backward's persistent grid holds; D=256 the
+# largest head dim. Positions stay below 64: the angles' fp32 rounding (powf here, torch's
+# pow in the reference) grows with the position.
+QK_ROPE_CASES = [(2, 4, 2, 16, 128, None), (2, 8, 8, 9, 64, "batch"), (1, 5, 1, 7, 64, "shared"),
+                 (1, 3, 1, 5, 72, None), (2, 2, 1, 33, 6, "batch"), (1, 8, 2, 17, 20, "shared"),
+                 (1, 2, 1, 3, 4, None), (4, 16, 4, 512, 128, "batch"), (2, 4, 2, 8, 256, "batch")]
+
+
+def _positions(kind, B, T):
+    if kind is None:
+        return None
+    return torch.randint(0, 64, (B if kind == "batch" else 1, T), device="cuda", dtype=torch.int32)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", QK_ROPE_CASES)
+def test_qk_norm_rope(case, dtype):
+    """Contiguous q / k; the backward is bitwise repeatable (the weight gradients are
+    reduced without atomics)."""
+    torch.manual_seed(8)
+    B, Hq, Hkv, T, D, positions = case
+    q, k = rand(B, Hq, T, D, dtype=dtype), rand(B, Hkv, T, D, dtype=dtype, scale=3.0)
+    qw, kw = rand(D, dtype=dtype), rand(D, dtype=dtype)
+    pos = _positions(positions, B, T)
+    attrs = {"eps": 1e-6, "theta": 10000.0}
+    _, _, q_rstd, k_rstd = check("qk_norm_rope", "forward", [q, k, qw, kw, pos], attrs, dtype)
+    d_q, d_k = rand(B, Hq, T, D, dtype=dtype), rand(B, Hkv, T, D, dtype=dtype)
+    inputs = [d_q, d_k, q, k, qw, kw, q_rstd, k_rstd, pos]
+    want = check("qk_norm_rope", "backward", inputs, attrs, dtype)
+    kernel = CUDA_KERNELS["qk_norm_rope"]
+    first, again = kernel.backward(inputs, attrs), kernel.backward(inputs, attrs)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert_close(first, want, TOL[dtype], "qk_norm_rope backward (second call)")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 4, 2, 16, 128), (1, 6, 3, 9, 64), (2, 3, 1, 5, 72)])
+def test_qk_norm_rope_on_the_heads_of_a_fused_qkv(case, dtype):
+    """q / k as the transposed head views of [B, T, Hq + 2 Hk, D] (no copy); outputs laid
+    out [B, T, H, D]; the training registry's backward reads d_q_rot / d_k_rot as
+    transposed views too and writes the fused QKV gradient, and the concat over heads
+    copies only d_v. fp32 D=72 takes the vector path on these strides, bf16 the scalar."""
+    from runtime.cuda.train_kernels import TRAIN_KERNELS
+
+    torch.manual_seed(9)
+    B, Hq, Hk, T, D = case
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
+    qw, kw = rand(D, dtype=dtype), rand(D, dtype=dtype)
+    pos = torch.randint(0, 64, (B, T), device="cuda", dtype=torch.int32)
+    attrs = {"eps": 1e-6, "theta": 1000000.0}
+    fwd = [q, k, qw, kw, pos]
+    _, _, q_rstd, k_rstd = check("qk_norm_rope", "forward", fwd, attrs, dtype)
+    got = TRAIN_KERNELS["qk_norm_rope"].forward(fwd, attrs)
+    assert got[0].transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous()
+    d_out = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    d_q, d_k, d_v = (x.transpose(1, 2) for x in d_out.split([Hq, Hk, Hk], dim=2))
+    bwd = [d_q, d_k, q, k, qw, kw, q_rstd, k_rstd, pos]
+    want = KERNELS["qk_norm_rope"].backward(bwd, attrs)
+    assert CUDA_KERNELS["qk_norm_rope"].covers_backward(bwd)
+    got = TRAIN_KERNELS["qk_norm_rope"].backward(bwd, attrs)
+    assert_close(got, want, TOL[dtype], f"qk_norm_rope backward into heads {dtype}")
+    parts = [g.transpose(1, 2) for g in (*got[:2], d_v)]
+    fused = TRAIN_KERNELS["concat"].forward([parts], {"dim": 2})[0]
+    assert fused.data_ptr() == got[0].data_ptr() and fused.is_contiguous()
+    ref = torch.cat([w.transpose(1, 2).to(dtype) for w in want[:2]] + [d_v.transpose(1, 2)], dim=2)
+    assert_close([fused], [ref], TOL[dtype], "fused qkv gradient")
+
+
+@cuda
+@needs_gpu
+def test_qk_norm_rope_head_dims_it_does_not_take_fall_back():
+    """A head dim over 256 is not the kernel's: the reference runs it."""
+    q, k = rand(1, 2, 3, 258, dtype=torch.bfloat16), rand(1, 1, 3, 258, dtype=torch.bfloat16)
+    w = rand(258, dtype=torch.bfloat16)
+    kernel = CUDA_KERNELS["qk_norm_rope"]
+    assert not kernel.covers_forward([q, k, w, w, None])
+    assert_close(kernel.forward([q, k, w, w, None], {}),
+                 KERNELS["qk_norm_rope"].forward([q, k, w, w, None], {}), 0, "fallback")
+
+
 def test_join_refuses_parts_that_are_not_side_by_side():
     from runtime.cuda.train_kernels import join
 

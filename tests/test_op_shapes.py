@@ -135,6 +135,20 @@ CASES: list[Case] = [
          "qn: [2, 8, 16, 32], kn: [2, 2, 16, 32], q_rstd: [2, 8, 16, fp32], "
          "k_rstd: [2, 2, 16, fp32]",
          (B("qw: [32]", "qw: [16]", "E004", "`q_weight` has shape [16]"),)),
+    Case("qk_norm_rope", f"{Q}, qw: [32], kw: [32], pos: [2, 16, int32]",
+         "(q, k, qw, kw, pos) -> qk_norm_rope(eps=1e-6, theta=1e6) -> (qr, kr, q_rstd, k_rstd)",
+         "qr: [2, 8, 16, 32], kr: [2, 2, 16, 32], q_rstd: [2, 8, 16, fp32], "
+         "k_rstd: [2, 2, 16, fp32]",
+         (B("kw: [32]", "kw: [16]", "E004", "`k_weight` has shape [16]"),
+          B("pos: [2, 16, int32]", "pos: [2, 16]", "E015", "`position_ids` must be int32"),
+          B("q: [2, 8, 16, 32], k: [2, 2, 16, 32], qw: [32], kw: [32]",
+            "q: [2, 8, 16, 5], k: [2, 2, 16, 5], qw: [5], kw: [5]", "E004",
+            "`qk_norm_rope` rotates pairs of the head dim"))),
+    Case("qk_norm_rope", "q: [2, 8, 16, 32, bf16], k: [2, 2, 16, 32, bf16], qw: [32, bf16], "
+         "kw: [32, bf16]",
+         "(q, k, qw, kw) -> qk_norm_rope() -> (qr, kr, q_rstd, k_rstd)",
+         "qr: [2, 8, 16, 32, bf16], kr: [2, 2, 16, 32, bf16], q_rstd: [2, 8, 16, fp32], "
+         "k_rstd: [2, 2, 16, fp32]"),
     # ------------------------------------------------------------------ norms
     Case("rmsnorm", "x: [2, 3, 8], w: [8]", "(x, w) -> rmsnorm(eps=1e-5) -> (y, rstd)",
          "y: [2, 3, 8], rstd: [2, 3, fp32]",
@@ -325,6 +339,12 @@ CASES: list[Case] = [
     Case("matmul_backward", "d_y: [2, 3, 16], x: [2, 3, 8], w: [8, 16]",
          "(d_y, x, w) -> matmul_backward() -> (d_x, d_w)", "d_x: [2, 3, 8], d_w: [8, 16]",
          (B("w: [8, 16]", "w: [8, 15]", "E004", "`B` has shape [8, 15]"),)),
+    Case("qk_norm_rope_backward",
+         "d_qr: [2, 8, 16, 32], d_kr: [2, 2, 16, 32], q: [2, 8, 16, 32], k: [2, 2, 16, 32], "
+         "qw: [32], kw: [32], q_rstd: [2, 8, 16, fp32], k_rstd: [2, 2, 16, fp32]",
+         "(d_qr, d_kr, q, k, qw, kw, q_rstd, k_rstd) -> qk_norm_rope_backward(theta=1e6) "
+         "-> (d_q, d_k, d_qw, d_kw)",
+         "d_q: [2, 8, 16, 32], d_k: [2, 2, 16, 32], d_qw: [32], d_kw: [32]"),
     Case("flash_attention_backward",
          "d_o: [2, 8, 16, 32, bf16], q: [2, 8, 16, 32, bf16], k: [2, 2, 16, 32, bf16], "
          "v: [2, 2, 16, 32, bf16], o: [2, 8, 16, 32, bf16], lse: [2, 8, 16, fp32]",

@@ -61,6 +61,55 @@ def test_rope_is_a_rotation_and_relative():
     assert_close(q_s @ k_s.transpose(-1, -2), q_rot @ k_rot.transpose(-1, -2), 1e-12, "scores")
 
 
+
+def _qk_norm_rope_inputs(g):
+    """GQA (4 query heads, 2 kv heads), positions per batch row."""
+    return [randn(g, 2, 4, 5, 8), randn(g, 2, 2, 5, 8), randn(g, 8), randn(g, 8),
+            torch.randint(0, 100, (2, 5), generator=g).to(I32)]
+
+
+def test_qk_norm_rope_is_qk_norm_then_rope():
+    """The fused op's forward and backward are the unfused pair's (float64: exact up to
+    rounding), the attention module's two branches."""
+    g = torch.Generator().manual_seed(9)
+    q, k, qw, kw, pos = _qk_norm_rope_inputs(g)
+    attrs = default_attrs("qk_norm_rope", eps=1e-5, theta=500.0)
+    fused = KERNELS["qk_norm_rope"].forward([q, k, qw, kw, pos], attrs)
+    q_n, k_n, q_rstd, k_rstd = _run("qk_norm", [q, k, qw, kw], eps=1e-5)
+    pair = [*_run("rope", [q_n, k_n, pos], theta=500.0), q_rstd, k_rstd]
+    assert_close(fused, pair, 1e-14, "forward")
+    d_rot = [randn(g, *q.shape), randn(g, *k.shape)]
+    got = KERNELS["qk_norm_rope"].backward([*d_rot, q, k, qw, kw, q_rstd, k_rstd, pos], attrs)
+    d_n = KERNELS["rope"].backward([*d_rot, pos], default_attrs("rope", theta=500.0))
+    want = KERNELS["qk_norm"].backward([*d_n, q, k, qw, kw, q_rstd, k_rstd],
+                                       default_attrs("qk_norm", eps=1e-5))
+    assert_close(got, want, 1e-14, "backward")
+
+
+def test_qk_norm_rope_backward_by_finite_differences():
+    """<d_out, f(x + h e) - f(x - h e)> / 2h against <d_in, e> for random directions e of
+    every differentiable input (central differences, float64)."""
+    g = torch.Generator().manual_seed(10)
+    kernel = KERNELS["qk_norm_rope"]
+    inputs = _qk_norm_rope_inputs(g)
+    attrs = default_attrs("qk_norm_rope", theta=10000.0)
+    q_rot, k_rot, q_rstd, k_rstd = kernel.forward(inputs, attrs)
+    d_out = [randn(g, *q_rot.shape), randn(g, *k_rot.shape)]
+    grads = kernel.backward([*d_out, *inputs[:4], q_rstd, k_rstd, inputs[4]], attrs)
+
+    def loss(xs):
+        a, b, _, _ = kernel.forward(xs + inputs[4:], attrs)
+        return float((a * d_out[0]).sum() + (b * d_out[1]).sum())
+
+    h = 1e-6
+    for i, grad in enumerate(grads):
+        e = randn(g, *inputs[i].shape)
+        plus = [x + h * e if j == i else x for j, x in enumerate(inputs[:4])]
+        minus = [x - h * e if j == i else x for j, x in enumerate(inputs[:4])]
+        numeric = (loss(plus) - loss(minus)) / (2 * h)
+        analytic = float((grad * e).sum())
+        assert math.isclose(numeric, analytic, rel_tol=1e-6, abs_tol=1e-8), (i, numeric, analytic)
+
 def test_moe_permute_unpermute_round_trip():
     g = torch.Generator().manual_seed(5)
     N, E, K, C = 9, 4, 2, 3

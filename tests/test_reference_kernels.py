@@ -171,6 +171,13 @@ CASES: dict[str, list[Case]] = {
     ],
     "qk_norm": [Case("gqa", lambda g: [randn(g, 2, 4, 5, 8), randn(g, 2, 2, 5, 8), randn(g, 8),
                                        randn(g, 8)])],
+    "qk_norm_rope": [
+        Case("gqa-default-positions", lambda g: [randn(g, 2, 4, 5, 8), randn(g, 2, 2, 5, 8),
+                                                 randn(g, 8), randn(g, 8), None]),
+        Case("position-ids", lambda g: [randn(g, 2, 2, 6, 8), randn(g, 2, 1, 6, 8), randn(g, 8),
+                                        randn(g, 8), randint(g, 4096, 2, 6)],
+             {"theta": 1000000.0, "eps": 1e-5}),
+    ],
     "view": [Case("flatten", lambda g: [randn(g, 2, 3, 4)], {"shape": [6, 4]}),
              Case("infer", lambda g: [randn(g, 2, 3, 4)], {"shape": [2, -1, 2]})],
     "transpose": [Case("0-2", lambda g: [randn(g, 2, 3, 4)], {"dim0": 0, "dim1": 2}),
@@ -300,6 +307,12 @@ def _rstd(x, eps):
     return 1 / torch.sqrt(x.pow(2).mean(-1) + eps)
 
 
+def _oracle_qk_norm_rope(q, k, qw, kw, position_ids, *, eps, theta, **_):
+    """Qwen3's attention: q_norm / k_norm (F.rms_norm), then HF's rotary embedding."""
+    q_n, k_n = F.rms_norm(q, (q.shape[-1],), qw, eps), F.rms_norm(k, (k.shape[-1],), kw, eps)
+    return [*_oracle_rope(q_n, k_n, position_ids, theta=theta), _rstd(q, eps), _rstd(k, eps)]
+
+
 def _oracle_group_rmsnorm(x, weight, gate, *, groups, eps, **_):
     # transformers' MambaRMSNormGated (Mamba-2), group_size = C / groups
     h = x * F.silu(gate) if gate is not None else x
@@ -422,6 +435,7 @@ ORACLES: dict[str, Callable] = {
     "qk_norm": lambda q, k, qw, kw, *, eps, **_: [
         F.rms_norm(q, (q.shape[-1],), qw, eps), F.rms_norm(k, (k.shape[-1],), kw, eps),
         _rstd(q, eps), _rstd(k, eps)],
+    "qk_norm_rope": _oracle_qk_norm_rope,
     "view": lambda x, *, shape, **_: [x.reshape(shape)],
     "transpose": lambda x, *, dim0, dim1, **_: [torch.transpose(x, dim0, dim1)],
     "permute": lambda x, *, dims, **_: [torch.permute(x, dims)],

@@ -139,6 +139,27 @@ def qk_norm_cases(tokens, d, head_dim=128, batch=4):
            3 * nbytes(q, k) + nbytes(qr, kr), grad_fn(eager, [q, k, qw, kw]))
 
 
+def qk_norm_rope_cases(tokens, d, head_dim=128, batch=4):
+    """The fused pair at qk_norm's and rope's shapes (compare with the sum of their rows);
+    eager: F.rms_norm then HF rope."""
+    T, Hq = tokens // batch, d // head_dim
+    Hkv = max(1, Hq // 4)
+    q, k = rand(batch, Hq, T, head_dim), rand(batch, Hkv, T, head_dim)
+    qw, kw = rand(head_dim), rand(head_dim)
+    _, _, qr, kr = KERNELS["qk_norm_rope"].forward([q, k, qw, kw, None], {})
+    label = f"B{batch} T{T} Hq{Hq} Hkv{Hkv} D{head_dim}"
+
+    def eager(q, k, qw, kw):
+        return hf_rope(F.rms_norm(q, (head_dim,), qw, 1e-6), F.rms_norm(k, (head_dim,), kw, 1e-6),
+                       T, head_dim)
+    # forward: read q, k once, write q_rot, k_rot and the rstds; backward: read d_rot, q, k
+    # and the rstds, write d_q, d_k (the weights, D elements each, not counted)
+    yield ("qk_norm_rope", "forward", label, [q, k, qw, kw, None], {},
+           2 * nbytes(q, k) + nbytes(qr, kr), lambda: eager(q, k, qw, kw))
+    yield ("qk_norm_rope", "backward", label, [q, k, q, k, qw, kw, qr, kr, None], {},
+           3 * nbytes(q, k) + nbytes(qr, kr), grad_fn(eager, [q, k, qw, kw]))
+
+
 def embedding_cases(tokens, d, vocab=32000):
     """The backward only (the forward is torch's gather); eager: torch's index_add_ into
     a zeroed bf16 table, as autograd's embedding backward does."""
@@ -193,6 +214,7 @@ def run(args) -> dict:
     for d in args.dims:
         for case in (*norm_cases(args.tokens, d), *swiglu_cases(args.tokens, d),
                      *rope_cases(args.tokens, d), *qk_norm_cases(args.tokens, d),
+                     *qk_norm_rope_cases(args.tokens, d),
                      *embedding_cases(args.tokens, d), *moe_cases(args.tokens, d)):
             prim, phase, label, inputs, attrs, moved, eager = case
             fn = getattr(CUDA_KERNELS[prim], phase)

@@ -74,6 +74,41 @@ cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void*
                         int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
                         float theta, bool inverse, cudaStream_t stream);
 
+// ---- qk_norm_rope.cu: qk_norm then rope (std/primitives/qk_norm_rope.module) over q [B, Hq,
+// T, D] and k [B, Hk, T, D] in one launch each way. A QkRopeTensor is one of q, k: strides
+// (elements) over b, h, t, the last dim contiguous; position_ids and pos_batch_stride as
+// launch_rope's. D even and at most 256 (cudaErrorInvalidValue otherwise).
+struct QkRopeTensor {
+  const void* x = nullptr;      // q or k (the backward: the saved pre-norm one)
+  int64_t x_strides[3] = {};
+  void* out = nullptr;          // forward: x_rot; backward: d_x
+  int64_t out_strides[3] = {};
+  const void* d_rot = nullptr;  // backward: the gradient of x_rot (forward: null)
+  int64_t d_strides[3] = {};
+  const void* weight = nullptr; // [D]
+  float* rstd = nullptr;        // fp32 [B, H, T] contiguous: written forward, read backward
+  int64_t H = 0;
+};
+
+// x_rot = rope(x * rstd * weight), rstd = 1 / sqrt(mean(x^2) + eps), for q and k.
+cudaError_t launch_qk_norm_rope_forward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
+                                        const int32_t* position_ids, int64_t pos_batch_stride,
+                                        int64_t B, int64_t T, int64_t D, float eps, float theta,
+                                        cudaStream_t stream);
+
+// fp32 workspace (in floats) that launch_qk_norm_rope_backward needs for its partials.
+int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t Hq, int64_t Hk,
+                                        int64_t D);
+
+// g = the inverse rotation of d_rot; d_x = rstd * (g w - n mean(g w n)), n = x * rstd;
+// d_weight = sum over rows of g * n, for q and k (two passes through `workspace`, as
+// launch_rmsnorm_backward's: deterministic).
+cudaError_t launch_qk_norm_rope_backward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
+                                         const int32_t* position_ids, int64_t pos_batch_stride,
+                                         int64_t B, int64_t T, int64_t D, float theta,
+                                         void* d_q_weight, void* d_k_weight, float* workspace,
+                                         cudaStream_t stream);
+
 // ---- adamw.cu: one AdamW step (torch.optim.AdamW's arithmetic) over n fp32 master
 // weights with fp32 moments, reading the gradient in bf16 or fp32 (grad_dt) and writing
 // the bf16 compute copy (when non-null). step: a device float, the step number (>= 1)

@@ -1,7 +1,7 @@
 """Shape rules for primitives whose signature gives the shapes but not every constraint:
 the generic signature match, then what only the docstrings of std/primitives say: GQA
-head counts (Hkv divides Hq), groups dividing channels, rope's even head dim, `top_k` at
-most the experts.
+head counts (Hkv divides Hq), groups dividing channels, rope's (and qk_norm_rope's) even
+head dim, `top_k` at most the experts.
 
 These rules also take the outputs' default dtype from the activations only: an input whose
 signature fixes its dtype (`alibi_slopes: [Hq, fp32]`) says nothing of the activations'.
@@ -60,14 +60,14 @@ def flash_attention_shape(call: OpCall) -> list[TensorType]:
     return outputs
 
 
-@shape_rule("rope")
+@shape_rule("rope", "qk_norm_rope")
 def rope_shape(call: OpCall) -> list[TensorType]:
     """Rotate-half pairs channel i with i + D/2: D must be even."""
     matcher, outputs = by_signature(call)
     d = matcher.bound.get("D")
     if not _divides(call, Dim.const(2), d):
-        raise ShapeError(f"`rope` rotates pairs of the head dim (i, i + D/2); D = {d} is odd",
-                         argument=0, label=f"head dim {d}")
+        raise ShapeError(f"`{call.rule.name}` rotates pairs of the head dim (i, i + D/2); "
+                         f"D = {d} is odd", argument=0, label=f"head dim {d}")
     return outputs
 
 

@@ -29,7 +29,7 @@ from modulec.plan.timeline import Step, flatten
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-ATTENTION_CORE = ("rope", "qk_norm", "flash_attention", "contiguous")
+ATTENTION_CORE = ("rope", "qk_norm", "qk_norm_rope", "flash_attention", "contiguous")
 
 
 @dataclass
@@ -133,9 +133,9 @@ def ladder(problem: Problem) -> tuple[set, set]:
 def baseline(problem: Problem, name: str) -> set:
     """Recomputed storages of a classic strategy: `full_layer` (every activation of a
     block, so only the blocks' inputs stay) or `attention_core` (the attention's
-    post-projection activations: q/k after RoPE (and QK-norm) where RoPE does not run in
-    place (modulec.plan.in_place), the attention output and its log-sum-exp, its
-    contiguous copy; replayed from the kept QKV projection)."""
+    post-projection activations: q/k after RoPE (and QK-norm, or the fused qk_norm_rope)
+    where RoPE does not run in place (modulec.plan.in_place), the attention output and its
+    log-sum-exp, its contiguous copy; replayed from the kept QKV projection)."""
     step = problem.step
     if name == "full_layer":
         return {k for k in problem.candidates if k[0]}

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from modulec.ir.graph import Function, Graph
 
-IN_PLACE_OUTPUTS = {"rope": ((0, 0), (1, 1))}  # op -> ((output, input), ...)
+# op -> ((output, input), ...). Not qk_norm_rope: its backward reads the pre-norm q and k,
+# so they are saved and never dead after it.
+IN_PLACE_OUTPUTS = {"rope": ((0, 0), (1, 1))}
 VIEWS = ("view", "transpose", "permute", "split")
 
 

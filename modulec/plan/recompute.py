@@ -42,7 +42,7 @@ MODES = {"save": KEEP, "pin": KEEP, "recompute": RECOMPUTE, "temporary": RECOMPU
 PREFERENCE = {KEEP: 0, SWAP: 1, RECOMPUTE: 2}
 POLICIES = ("always", "lora_only", "never")
 DOC_POLICIES = {p: "lora_only" for p in ("matmul", "flash_attention", "rope", "qk_norm",
-                                         "swiglu", "geglu")}
+                                         "qk_norm_rope", "swiglu", "geglu")}
 NO_SAY = 7  # no rung decided
 
 

@@ -2,14 +2,16 @@
 the reference calling convention (`forward(inputs, attrs)`, `backward(inputs, attrs)`,
 runtime/kernels/base.py).
 
-rmsnorm, fused_residual_rmsnorm, swiglu, rope, qk_norm and embedding's backward have
-custom CUDA kernels (csrc/kernels). A call they do not cover (tensors not on the GPU or not contiguous, a
-dtype other than bf16/fp32, inputs of mixed dtypes, position_ids not int32) goes to the
-reference kernel, and so does every other primitive: the reference kernels are torch ops,
-which run on CUDA tensors as they are. swiglu and rope take strided tensors too (`LAYOUTS`):
-swiglu rows with one row stride each (the halves of the fused up projection), rope any
-[B, H, T, D] strides with D contiguous (the transposed heads of the fused QKV projection). Each custom kernel keeps the reference's dtype
-policy: fp32 arithmetic, outputs in the I/O dtype, rstd in fp32.
+rmsnorm, fused_residual_rmsnorm, swiglu, rope, qk_norm, qk_norm_rope and embedding's
+backward have custom CUDA kernels (csrc/kernels). A call they do not cover (tensors not on
+the GPU or not contiguous, a dtype other than bf16/fp32, inputs of mixed dtypes,
+position_ids not int32) goes to the reference kernel, and so does every other primitive:
+the reference kernels are torch ops, which run on CUDA tensors as they are. swiglu, rope
+and qk_norm_rope take strided tensors too (`LAYOUTS`): swiglu rows with one row stride each
+(the halves of the fused up projection), rope and qk_norm_rope any [B, H, T, D] strides
+with D contiguous (the transposed heads of the fused QKV projection). Each custom kernel
+keeps the reference's dtype policy: fp32 arithmetic, outputs in the I/O dtype, rstd in
+fp32.
 """
 
 from __future__ import annotations
@@ -159,6 +161,34 @@ def _qk_norm_bwd(ext, inputs, attrs):
     return [d_q, d_k, d_q_weight, d_k_weight]
 
 
+def _theta(attrs) -> float:
+    return float(attrs.get("theta", 10000.0))
+
+
+def qk_rope_layout(x: torch.Tensor) -> bool:
+    """q, k and their gradients in rope's strided layout (`heads_layout`) with an even head
+    dim up to 256 (the kernel keeps a lane's share of a row in registers); the weights, the
+    rstds and position_ids contiguous."""
+    if x.is_floating_point() and x.dim() == 4:
+        return heads_layout(x) and x.size(3) % 2 == 0 and x.size(3) <= 256
+    return x.is_contiguous()
+
+
+def _qk_norm_rope_fwd(ext, inputs, attrs):
+    q, k, q_weight, k_weight, position_ids = inputs
+    return ext.qk_norm_rope_forward(q, k, q_weight, k_weight, position_ids, _eps(attrs),
+                                    _theta(attrs))
+
+
+def _qk_norm_rope_bwd(ext, inputs, attrs, extra_heads: int = 0):
+    """(d_q, d_k, d_q_weight, d_k_weight); d_q and d_k are head views of one buffer with
+    `extra_heads` unwritten slots after them (runtime/cuda/train_kernels.py fills d_v in)."""
+    *tensors, position_ids = inputs
+    _, d_q, d_k, d_qw, d_kw = ext.qk_norm_rope_backward(*tensors, position_ids, _theta(attrs),
+                                                       extra_heads)
+    return [d_q, d_k, d_qw, d_kw]
+
+
 def _embedding_fwd(ext, inputs, attrs):
     indices, weight = inputs  # a gather: torch's (no arithmetic, no cast)
     rows = weight.index_select(0, indices.reshape(-1).long())
@@ -182,11 +212,12 @@ CUSTOM = {
     "swiglu": (_swiglu_fwd, _swiglu_bwd),
     "rope": (_rope(False), _rope(True)),
     "qk_norm": (_qk_norm_fwd, _qk_norm_bwd),
+    "qk_norm_rope": (_qk_norm_rope_fwd, _qk_norm_rope_bwd),
     "embedding": (_embedding_fwd, _embedding_bwd),
 }
 
 # the custom kernels that read strided inputs (default: contiguous only)
-LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout}
+LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout, "qk_norm_rope": qk_rope_layout}
 
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref

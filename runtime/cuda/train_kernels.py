@@ -12,14 +12,16 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   are strides, not copies;
 - flash_attention runs through FlashAttention-2 (runtime/cuda/attention.py);
 - rmsnorm, fused_residual_rmsnorm and qk_norm get contiguous inputs (a copy only where
-  one is strided); swiglu and rope read their strided inputs as they are (the MLP's
-  gate/up are the halves of the fused up projection, the attention's q/k transposed heads
-  of the fused QKV projection), rope writes [B, T, H, D] (FlashAttention's layout);
+  one is strided); swiglu, rope and qk_norm_rope read their strided inputs as they are
+  (the MLP's gate/up are the halves of the fused up projection, the attention's q/k
+  transposed heads of the fused QKV projection), rope and qk_norm_rope write [B, T, H, D]
+  (FlashAttention's layout);
 - no concat copy where the parts already lie side by side in one buffer: swiglu's
   backward writes d_gate / d_up into the halves of one [.., 2 * d_ff] buffer, so the
   concat (written backward) or the split's backward (derived) is a view of it; rope's
-  backward writes d_q / d_k into the q and k head slots of a [B, T, Hq + 2 Hk, D] buffer
-  and the concat of (d_q, d_k, d_v) copies only d_v into the slots left for it;
+  backward and qk_norm_rope's backwards write d_q / d_k into the q and k head slots of a
+  [B, T, Hq + 2 Hk, D] buffer and the concat of (d_q, d_k, d_v) copies only d_v into the
+  slots left for it;
 - zeros, ones and fills are made on the GPU;
 - a matmul backward computes only the gradients its node wants (`Matmul`): a frozen
   weight's (LoRA's base) d_B is neither computed nor allocated, only d_A;
@@ -215,6 +217,23 @@ class Rope:
         return [g_q, g_k]
 
 
+class QkNormRope(Rope):
+    """qk_norm_rope through CUDA_KERNELS: one launch each way, reading q / k as the strided
+    head views of the fused QKV projection (no contiguous copies, unlike qk_norm's); the
+    backward writes d_q / d_k into the head slots of a fused [B, T, Hq + 2 Hk, D] buffer
+    with room left for d_v, as Rope's does."""
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        if not self.kernel.covers_backward(inputs):
+            return self.kernel.backward(inputs, attrs)
+        from runtime.cuda.kernels import _extension, _qk_norm_rope_bwd
+
+        Hq, Hk, D = inputs[2].shape[1], inputs[3].shape[1], inputs[2].shape[3]
+        grads = _qk_norm_rope_bwd(_extension(), inputs, attrs, extra_heads=Hk)
+        reserve_slack(grads[0], (Hq + Hk) * D)
+        return grads
+
+
 class Matmul(NoCast):
     """matmul / batched_matmul with no cast; its backward reads `wanted_outputs` (a
     (d_A, d_B) pair of bools the GPU step's interpreter adds when one of the node's
@@ -284,6 +303,7 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels["concat"] = Concat(KERNELS["concat"])
     kernels["split"] = Split(KERNELS["split"])
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
+    kernels["qk_norm_rope"] = QkNormRope(CUDA_KERNELS["qk_norm_rope"])
     kernels["embedding"] = Embedding(KERNELS["embedding"])
     kernels.update({name: Created(KERNELS[name], device) for name in CREATED})
     kernels["flash_attention"] = FlashAttention(tuple(attention))

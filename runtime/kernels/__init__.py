@@ -9,7 +9,7 @@ std/primitives/*.module and docs/decisions.md; none uses torch.autograd (the bac
 formulas are the point), so autograd of a forward is an independent check of its backward.
 
 Families: linalg (matmul, batched_matmul, grouped_gemm), norms, activations, attention
-(flash_attention, rope, qk_norm), tensor (views and copies), elementwise, reductions,
+(flash_attention, rope, qk_norm, qk_norm_rope), tensor (views and copies), elementwise, reductions,
 embedding, moe, mamba, utility (zeros, ones, fill), loss (cross_entropy).
 """
 

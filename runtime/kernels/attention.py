@@ -1,4 +1,5 @@
-"""flash_attention, rope, qk_norm (spec §6.4, decisions.md "Per-primitive fixes").
+"""flash_attention, rope, qk_norm (spec §6.4, decisions.md "Per-primitive fixes"), and
+qk_norm_rope, the two in one op (decisions.md "Fused QK-norm + RoPE").
 
 flash_attention is exact softmax attention that materializes the [T, T] scores (the
 reference, not the tiled kernel): S = scale * q . k + alibi[h] * (j - i), masked to -inf
@@ -131,3 +132,26 @@ def _qk_norm_forward(q, k, q_weight, k_weight, *, eps=1e-6, **_):
     q_norm, q_rstd = rms_forward(q, q_weight, eps)
     k_norm, k_rstd = rms_forward(k, k_weight, eps)
     return [q_norm, k_norm, q_rstd, k_rstd]
+
+
+# ------------------------------------------------------------------------- qk_norm_rope
+# qk_norm then rope with the normalized q, k kept in the compute dtype between them (the
+# fused kernel does not round them to the I/O dtype either); the backward undoes the
+# rotation, then runs rmsnorm's backward
+def _qk_norm_rope_backward(d_q_rot, d_k_rot, q, k, q_weight, k_weight, q_rstd, k_rstd,
+                           position_ids=None, *, theta=10000.0, **_):
+    d_q_n, d_k_n = _rope_backward(d_q_rot, d_k_rot, position_ids, theta=theta)
+    return _qk_norm_backward(d_q_n, d_k_n, q, k, q_weight, k_weight, q_rstd, k_rstd)
+
+
+@register("qk_norm_rope", ("q", "k", "q_weight", "k_weight", "position_ids"),
+          ("q_rot", "k_rot", "q_rstd", "k_rstd"),
+          ("d_q_rot", "d_k_rot", "q", "k", "q_weight", "k_weight", "q_rstd", "k_rstd",
+           "position_ids"),
+          ("d_q", "d_k", "d_q_weight", "d_k_weight"),
+          backward=_qk_norm_rope_backward, stats=("q_rstd", "k_rstd"))
+def _qk_norm_rope_forward(q, k, q_weight, k_weight, position_ids=None, *, eps=1e-6,
+                          theta=10000.0, **_):
+    q_n, k_n, q_rstd, k_rstd = _qk_norm_forward(q, k, q_weight, k_weight, eps=eps)
+    q_rot, k_rot = _rope_forward(q_n, k_n, position_ids, theta=theta)
+    return [q_rot, k_rot, q_rstd, k_rstd]
