@@ -70,6 +70,27 @@ __device__ __forceinline__ float block_sum(float v) {
   return warp_sum(lane < warps ? partial[lane] : 0.f);
 }
 
+// out[col] = sum over parts [first, end) of partial[p * C + col], for the 32 columns of
+// blockIdx.x: 8 warps stride over the parts (coalesced 128-byte rows), then add the 8
+// sums in a fixed order (deterministic). Launch with dim3(32, 8) threads.
+template <typename T>
+__device__ __forceinline__ void column_sum_block(const float* __restrict__ partial,
+                                                 int64_t first, int64_t end, int64_t C,
+                                                 T* __restrict__ out) {
+  __shared__ float acc[8][33];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (col < C)
+    for (int64_t p = first + threadIdx.y; p < end; p += 8) s += partial[p * C + col];
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < C) {
+    float t = 0.f;
+    for (int k = 0; k < 8; ++k) t += acc[k][threadIdx.x];
+    out[col] = from_float<T>(t);
+  }
+}
+
 // The widest vector (16 bytes) when every pointer is 16-byte aligned and `n` is a
 // multiple of it, else 1 (scalar).
 template <typename T>

@@ -245,18 +245,7 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
 template <typename T>
 __global__ void column_sum_kernel(const float* __restrict__ partial, int64_t parts, int64_t C,
                                   T* __restrict__ out) {
-  __shared__ float acc[8][33];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (col < C)
-    for (int64_t p = threadIdx.y; p < parts; p += 8) s += partial[p * C + col];
-  acc[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < C) {
-    float t = 0.f;
-    for (int k = 0; k < 8; ++k) t += acc[k][threadIdx.x];
-    out[col] = from_float<T>(t);
-  }
+  column_sum_block<T>(partial, 0, parts, C, out);
 }
 
 // y = x * rstd[row] * weight: a norm's output from its saved input and statistics (the

@@ -280,26 +280,15 @@ qk_rope_backward_kernel(Shape s, int grid_q, float* __restrict__ partial) {
 }
 
 // d_weight[c] = sum over the side's parts of partial[part][c] (blockIdx.y: 0 q's parts
-// [0, parts_q), 1 k's [parts_q, parts)); a block sums 32 columns with 8 warps striding
-// over the parts, then adds the 8 sums (as norms.cu's column_sum_kernel).
+// [0, parts_q), 1 k's [parts_q, parts)); common.cuh's column_sum_block.
 template <typename T>
 __global__ void weight_sum_kernel(const float* __restrict__ partial, int64_t parts_q,
                                   int64_t parts, int64_t D, T* __restrict__ d_q_weight,
                                   T* __restrict__ d_k_weight) {
-  __shared__ float acc[8][33];
-  const int64_t first = blockIdx.y ? parts_q : 0, end = blockIdx.y ? parts : parts_q;
-  T* out = blockIdx.y ? d_k_weight : d_q_weight;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (col < D)
-    for (int64_t p = first + threadIdx.y; p < end; p += 8) s += partial[p * D + col];
-  acc[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < D) {
-    float t = 0.f;
-    for (int k = 0; k < 8; ++k) t += acc[k][threadIdx.x];
-    out[col] = from_float<T>(t);
-  }
+  if (blockIdx.y)
+    column_sum_block<T>(partial, parts_q, parts, D, d_k_weight);
+  else
+    column_sum_block<T>(partial, 0, parts_q, D, d_q_weight);
 }
 
 // ------------------------------------------------------------------- host dispatch
