@@ -282,32 +282,40 @@ void rope_inplace(const Tensor& x, const std::optional<Tensor>& position_ids, do
 // one [B, T, Hq + Hk + extra_heads, D] buffer (q heads, then k heads, then extra_heads
 // left unwritten): the fused QKV gradient, whose v slots the caller fills.
 // Returns (buffer, d_q, d_k), d_q and d_k as [B, H, T, D] views of it.
+void check_qk(const Tensor& q, const Tensor& k) {
+  check_x(q, "q", q);
+  check_x(k, "k", q);
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
+              "q and k differ in B, T or D");
+}
+
+// (buffer [B, T, Hq + Hk + extra_heads, D], d_q, d_k): the fused QKV gradient, d_q and d_k
+// [B, H, T, D] views of its q and k head slots; the extra (v) slots are left unwritten
+std::vector<Tensor> qkv_gradient_slots(const Tensor& q, int64_t Hk, int64_t extra_heads) {
+  TORCH_CHECK(extra_heads >= 0, "extra_heads must be >= 0");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  Tensor buffer = at::empty({B, T, Hq + Hk + extra_heads, D}, q.options());
+  return {buffer, buffer.narrow(2, 0, Hq).transpose(1, 2),
+          buffer.narrow(2, Hq, Hk).transpose(1, 2)};
+}
+
 std::vector<Tensor> rope_qk_into_heads(const Tensor& q, const Tensor& k,
                                        const std::optional<Tensor>& position_ids, double theta,
                                        bool inverse, int64_t extra_heads) {
-  check_x(q, "q", q);
-  check_x(k, "k", q);
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1);
-  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D, "q and k differ in B, T or D");
-  TORCH_CHECK(extra_heads >= 0, "extra_heads must be >= 0");
+  check_qk(q, k);
   const c10::cuda::CUDAGuard guard(q.device());
-  Tensor buffer = at::empty({B, T, Hq + Hk + extra_heads, D}, q.options());
-  Tensor d_q = buffer.narrow(2, 0, Hq).transpose(1, 2);
-  Tensor d_k = buffer.narrow(2, Hq, Hk).transpose(1, 2);
-  rope_into(q, d_q, position_ids, theta, inverse);
-  rope_into(k, d_k, position_ids, theta, inverse);
-  return {buffer, d_q, d_k};
+  auto slots = qkv_gradient_slots(q, k.size(1), extra_heads);
+  rope_into(q, slots[1], position_ids, theta, inverse);
+  rope_into(k, slots[2], position_ids, theta, inverse);
+  return slots;
 }
 
 // ---- qk_norm_rope (csrc/kernels/qk_norm_rope.cu): q [B, Hq, T, D], k [B, Hk, T, D] with
 // any strides over b, h, t (the transposed heads of the fused QKV projection), weights [D]
 void check_qk_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight,
                    const Tensor& k_weight) {
-  check_x(q, "q", q);
-  check_x(k, "k", q);
+  check_qk(q, k);
   const int64_t D = q.size(3);
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == D,
-              "q and k differ in B, T or D");
   TORCH_CHECK(D % 2 == 0 && D <= 256, "qk_norm_rope: head dim D=", D, " must be even and <= 256");
   check(q_weight, "q_weight", q.scalar_type(), q);
   check(k_weight, "k_weight", q.scalar_type(), q);
@@ -385,12 +393,10 @@ std::vector<Tensor> qk_norm_rope_backward(const Tensor& d_q_rot, const Tensor& d
   TORCH_CHECK(q_rstd.sizes() == at::IntArrayRef({B, Hq, T}) &&
                   k_rstd.sizes() == at::IntArrayRef({B, Hk, T}),
               "q_rstd / k_rstd must be [B, H, T]");
-  TORCH_CHECK(extra_heads >= 0, "extra_heads must be >= 0");
   const int64_t pos_stride = positions(position_ids, q);
   const c10::cuda::CUDAGuard guard(q.device());
-  Tensor buffer = at::empty({B, T, Hq + Hk + extra_heads, D}, q.options());
-  Tensor d_q = buffer.narrow(2, 0, Hq).transpose(1, 2);
-  Tensor d_k = buffer.narrow(2, Hq, Hk).transpose(1, 2);
+  auto slots = qkv_gradient_slots(q, Hk, extra_heads);
+  const Tensor &buffer = slots[0], &d_q = slots[1], &d_k = slots[2];
   Tensor d_q_weight = at::empty_like(q_weight), d_k_weight = at::empty_like(k_weight);
   Tensor work = at::empty({modulec::qk_norm_rope_backward_workspace(dtype_of(q), B, T, Hq, Hk, D)},
                           q.options().dtype(at::kFloat));

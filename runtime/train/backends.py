@@ -26,7 +26,8 @@ class CPUTrainer:
         self.model, self.batch, self.seq, self.adamw = model, batch, seq, adamw
         self.accumulation = accumulation
         self.names = unique_paths(model.params)
-        self.output = model.source.program(planned=False).output_names()[0]
+        program = model.source.program(planned=False)
+        self.output, self.inputs = program.output_names()[0], program.input_names()
 
     def train_step(self, window: Tensor) -> float:
         """One optimizer step on `window` (accumulation x batch rows): the mean of the
@@ -46,8 +47,7 @@ class CPUTrainer:
         from runtime.cuda.lm_head import logits_cross_entropy
 
         tokens, labels = split_window(window)
-        names = self.model.source.program(planned=False).input_names()
-        logits = self.model.forward(**fed_inputs(names, tokens))[self.output]
+        logits = self.model.forward(**fed_inputs(self.inputs, tokens))[self.output]
         loss, d_logits = logits_cross_entropy(logits, labels)
         grads = self.model.backward(**{self.output: d_logits.to(logits.dtype)}).params
         return loss, tied_sums(self.model.params, grads, self.names)
