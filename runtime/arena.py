@@ -88,6 +88,16 @@ class Arena:
         target.copy_(tensor)
         return target
 
+    def out_bytes(self, frame, node, value: str) -> Tensor | None:
+        """The planned bytes (uint8) a kernel may write `value` into, or None: no
+        placement, or bytes that are another value's (a view, an in-place output)."""
+        placement = self.placements.get(frame.function.name, {}).get(value)
+        if placement is None or node.target in VIEWS or \
+                self._in_place_target(frame, node, value) is not None:
+            return None
+        start = self._start(frame, placement)
+        return self.regions[placement.region][start:start + placement.size_bytes]
+
     def _in_arena(self, tensor) -> bool:
         """A view of the activation regions' bytes (a kernel that returns a view of its
         input, as the training kernels' view_backward does)."""

@@ -248,14 +248,24 @@ class Interpreter:
             kernel = self._kernel(node.target[: -len("_backward")], node, frame)
             inputs, attrs = self._backward_context(kernel, node, inputs, attrs, forward,
                                                    frame.function)
+            self._out_bytes(kernel, node, frame, attrs)
             outputs = kernel.backward(inputs, attrs)
         else:
             kernel = self._kernel(node.target, node, frame)
+            self._out_bytes(kernel, node, frame, attrs)
             outputs = kernel.forward(_group_lists(kernel.forward_inputs, inputs), attrs)
             outputs = _flatten(outputs)
         for value, tensor in zip(node.outputs, _flatten(outputs)):
             if value:
                 frame.env[value] = self._after(node, frame, value, tensor)
+
+    def _out_bytes(self, kernel, node: Node, frame: Frame, attrs: dict) -> None:
+        """On the arena, a kernel that writes into given bytes (`takes_out`) gets each
+        output's planned bytes in attrs["out"] (place() then finds them there)."""
+        if self.arena is None or self._replaying or not getattr(kernel, "takes_out", False):
+            return
+        attrs["out"] = [self.arena.out_bytes(frame, node, o) if o else None
+                        for o in node.outputs]
 
     def _kernel(self, name: str, node: Node, frame: Frame):
         kernel = self.kernels.get(name)

@@ -110,3 +110,25 @@ def test_the_training_kernels_on_the_arena_give_the_plain_run(name):
     out, grads = _train_kernel_run(name, arena=True)
     assert all(torch.equal(a, b) for a, b in zip(plain_out, out))
     assert _same(plain_grads, grads)
+
+
+def test_matmuls_write_into_their_planned_bytes(monkeypatch):
+    """On the arena, each matmul output and input gradient is computed into its planned
+    bytes (cuBLAS / torch `mm(out=)`), so place() finds it there and copies nothing."""
+    import runtime.cuda.train_kernels as train
+
+    written, copied = [], []
+    product_into = train.product_into
+    monkeypatch.setattr(train, "product_into",
+                        lambda *a: written.append(product_into(*a)) or written[-1])
+    monkeypatch.setattr(torch.Tensor, "copy_", _recording(torch.Tensor.copy_, copied))
+    _train_kernel_run("llama", arena=True)
+    assert written and all(t is not None for t in written)
+    assert not any(src is w for src in copied for w in written)
+
+
+def _recording(copy, into: list):
+    def recorded(self, src, *args, **kwargs):
+        into.append(src)
+        return copy(self, src, *args, **kwargs)
+    return recorded

@@ -32,11 +32,15 @@ def main() -> None:
     parser.add_argument("--derive-written", action="store_true")
     parser.add_argument("--attention", default="cudnn,flash", help="backends in order")
     parser.add_argument("--budget", type=float, help="memory budget in GiB (planner decides)")
+    parser.add_argument("--arena", action="store_true",
+                        help="activations at the plan's offsets (TrainStep(arena=True)); "
+                             "also lists the copies by shape")
     args = parser.parse_args()
     step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(args.layers),
                                  batch=args.batch, seq=args.seq,
                                  derive_written=args.derive_written,
                                  attention=tuple(args.attention.split(",")),
+                                 arena=args.arena,
                                  **({"memory_budget": int(args.budget * 2**30)}
                                     if args.budget else {})).init_random()
     tokens = torch.randint(0, 32000, (args.batch, args.seq), dtype=torch.int32, device="cuda")
@@ -49,10 +53,28 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top,
                                     max_name_column_width=70))
+    if args.arena:
+        _copies(step, tokens, args.top)
     step.capture(warmup=1)
     replay_host, replay = _timed(step, tokens)
     print(f"eager step: host {host * 1e3:.1f} ms, wall {eager * 1e3:.1f} ms; "
           f"graph replay: host {replay_host * 1e3:.2f} ms, wall {replay * 1e3:.1f} ms")
+
+
+def _copies(step, tokens, top: int) -> None:
+    """The copies of one eager step by shape (the arena copies each result it did not get
+    written into its planned bytes)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
+        step(tokens)
+        torch.cuda.synchronize()
+    averages = prof.key_averages(group_by_input_shape=True)
+    copies = sorted((a for a in averages if a.key == "aten::copy_"),
+                    key=lambda a: -a.device_time_total)
+    total = sum(a.device_time_total for a in copies)
+    print(f"copies: {sum(a.count for a in copies)} calls, {total / 1e3:.1f} ms on the GPU")
+    for a in copies[:top]:
+        print(f"{a.count:6d} x {a.device_time_total / 1e3:8.2f} ms  {a.input_shapes}")
 
 
 def _timed(step, tokens) -> tuple[float, float]:

@@ -43,6 +43,7 @@ import torch
 from runtime.cuda.attention import FlashAttention
 from runtime.cuda.kernels import CUDA_KERNELS
 from runtime.kernels import KERNELS
+from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
 from runtime.kernels.utility import torch_dtype
 
@@ -237,41 +238,80 @@ class QkNormRope(Rope):
 class Matmul(NoCast):
     """matmul / batched_matmul with no cast; its backward reads `wanted_outputs` (a
     (d_A, d_B) pair of bools the GPU step's interpreter adds when one of the node's
-    gradients is unwanted) and computes only the wanted ones (None for the other)."""
+    gradients is unwanted) and computes only the wanted ones (None for the other).
+    `takes_out`: on the arena, attrs["out"] holds each output's planned bytes (uint8, or
+    None) and a 2-D product is written there by cuBLAS (`mm(out=)`), not copied in."""
+
+    takes_out = True
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        out = attrs.pop("out", None) or [None]
+        A, B = inputs
+        if self.name == "matmul" and out[0] is not None:
+            mode, alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
+            C = product_into(_fold(A), _fold(B), mode, alpha, out[0])
+            if C is not None:
+                keep = mode[0] == "N" and A.dim() > 2
+                return [C.view(*A.shape[:-1], C.shape[-1]) if keep else C]
+        return super().forward(inputs, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
+        out = attrs.pop("out", None)
         wanted = attrs.pop("wanted_outputs", None)
-        if wanted is None or all(wanted):
+        if (wanted is None or all(wanted)) and not (out and any(o is not None for o in out)):
             return list(self.reference.backward_fn(*inputs, **attrs))
-        return matmul_grads(*inputs, wanted=wanted, batched=self.name == "batched_matmul",
-                            **attrs)
+        return matmul_grads(*inputs, wanted=wanted or (True, True), out=out,
+                            batched=self.name == "batched_matmul", **attrs)
 
 
-def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0, **_):
-    """The wanted ones of (d_A, d_B) of C = alpha * op(A) @ op(B) (runtime/kernels/linalg.py's
-    formulas), None for the others."""
+# the operands of (d_A, d_B) by mode: (x, y, mode) with d = alpha * op(x) @ op(y), over
+# (g, a, b) = (d_C, A, B) (runtime/kernels/linalg.py's formulas)
+GRADIENT_PRODUCTS = {
+    "NN": ((0, 2, "NT"), (1, 0, "TN")),
+    "NT": ((0, 2, "NN"), (0, 1, "TN")),
+    "TN": ((2, 0, "NT"), (1, 0, "NN")),
+    "TT": ((2, 0, "TT"), (0, 1, "TT")),
+}
+
+
+def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0, out=None,
+                 **_):
+    """The wanted ones of (d_A, d_B) of C = alpha * op(A) @ op(B), None for the others;
+    `out`: planned bytes per gradient (or None), written in place where the product is 2-D."""
     from runtime.kernels.base import sum_to_shape
-    from runtime.kernels.linalg import _fold, _mm
 
-    if batched:
-        g, a, b = d_C, A, B
-    else:
-        g, a, b = _fold(d_C), _fold(A), _fold(B)
-    formulas = {
-        "NN": (lambda: _mm(g, b, "NT", alpha), lambda: _mm(a, g, "TN", alpha)),
-        "NT": (lambda: _mm(g, b, "NN", alpha), lambda: _mm(g, a, "TN", alpha)),
-        "TN": (lambda: _mm(b, g, "NT", alpha), lambda: _mm(a, g, "NN", alpha)),
-        "TT": (lambda: _mm(b, g, "TT", alpha), lambda: _mm(g, a, "TT", alpha)),
-    }[transpose]
-    out = []
-    for want, formula, like in zip(wanted, formulas, (A, B)):
+    operands = (d_C, A, B) if batched else (_fold(d_C), _fold(A), _fold(B))
+    grads = []
+    for want, (x, y, mode), like, raw in zip(wanted, GRADIENT_PRODUCTS[transpose], (A, B),
+                                              out or (None, None)):
         if not want:
-            out.append(None)
-        elif batched:
-            out.append(sum_to_shape(formula(), like.shape))
-        else:
-            out.append(formula().reshape(like.shape))
-    return out
+            grads.append(None)
+            continue
+        x, y = operands[x], operands[y]
+        if batched:
+            grads.append(sum_to_shape(_mm(x, y, mode, alpha), like.shape))
+            continue
+        grad = product_into(x, y, mode, alpha, raw) if raw is not None else None
+        grads.append((grad if grad is not None else _mm(x, y, mode, alpha)).reshape(like.shape))
+    return grads
+
+
+def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
+                 raw: torch.Tensor) -> torch.Tensor | None:
+    """alpha * op(x) @ op(y) of 2-D operands written into the bytes `raw` (uint8), or None
+    where it does not fit them (other dtypes, too few bytes): the caller computes it."""
+    a, b = _op(x, mode[0]), _op(y, mode[1])
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or not a.is_floating_point():
+        return None
+    shape = (a.shape[0], b.shape[1])
+    nbytes = shape[0] * shape[1] * a.element_size()
+    if raw.numel() < nbytes or raw.device != a.device:
+        return None
+    C = raw[:nbytes].view(a.dtype).view(shape)
+    torch.mm(a, b, out=C)
+    if alpha != 1.0:
+        C.mul_(alpha)
+    return C
 
 
 def lora_addmm(base: torch.Tensor, t: torch.Tensor, B: torch.Tensor, alpha: float,
