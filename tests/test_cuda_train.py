@@ -151,6 +151,20 @@ def test_fixed_state_lives_in_the_plans_regions(tmp_path):
         assert all(t.untyped_storage().data_ptr() == base for g in groups for t in g.values())
 
 
+def test_loading_again_does_not_hold_the_old_state(tmp_path):
+    """A resume loads the checkpoint over the step's first load: the old weights and
+    optimizer state go before the new ones are allocated (not both at once)."""
+    _hf_checkpoint(tmp_path)
+    step, weights = _step(tmp_path, torch.bfloat16)
+    held = sum(r.numel() for r in step.regions.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step.load(weights)
+    assert torch.cuda.max_memory_allocated() - before < held // 4
+    assert torch.cuda.memory_allocated() <= before
+
+
 def test_fp32_on_the_gpu_matches_the_cpu_reference(tmp_path):
     from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.cuda.step import next_token_labels
