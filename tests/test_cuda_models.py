@@ -2,7 +2,7 @@
 fp32 step's loss and gradients against the CPU reference on the same weights and batch.
 The ops without a custom kernel run through the torch fallbacks (runtime/cuda/kernels.py);
 Mixtral's routing runs the MoE gathers (its aux_loss output gets no seed, as in
-`modulec train`), GPT-2 gets position ids 0 .. T-1."""
+`modulec train`), GPT-2 gets position ids 0 .. T-1 and its head tied to the embedding."""
 
 from __future__ import annotations
 
@@ -46,10 +46,14 @@ def test_fp32_step_matches_the_cpu_reference(name):
     model = Model.from_module(path, settings=settings, dtype=torch.float32).init_random(seed=1)
     tokens = token_inputs(model, batch=B, seq=T)["token_ids"]
     step = TrainStep.from_module(path, settings, batch=B, seq=T, dtype=torch.float32)
+    for tied, target in step.ties().items():  # GPT-2's head: one tensor, as HF loads it
+        model.params[tied] = model.params[target]
     step.load(model.params)
     step.set_batch(tokens.cuda())
     loss, grads = step.loss_and_gradients()
     ref_loss, ref_grads = _reference(step, dict(model.params), tokens)
+    for tied, target in step.ties().items():  # the step adds a tied gradient to its target's
+        ref_grads[target] = ref_grads[target] + ref_grads.pop(tied)
     assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-4
     assert grads.keys() == ref_grads.keys()
     worst = max((_rel(grads[p].float().cpu(), g), p) for p, g in ref_grads.items())

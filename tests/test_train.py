@@ -292,9 +292,15 @@ def test_gpt2_trains_with_position_ids_fed(ckpt, tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
     result = run("train", "examples/gpt2.module", "--hf-weights", tmp_path / "hf", "--data",
                  ckpt / "tokens.bin", "--seq", "16", "--batch", "2", "--device", "cpu",
-                 "--lr", "1e-2", "--format", "json", "--steps", "12", "--repeat-batch")
+                 "--lr", "1e-2", "--format", "json", "--steps", "12", "--repeat-batch",
+                 "--save", tmp_path / "run")
     got = losses(result)
     assert len(got) == 12 and got[-1] < 0.7 * got[0]
+    # the checkpoint holds wte (the head's tie target, which owns the trained value)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "run" / "checkpoint-12"))
+    assert not torch.equal(saved.transformer.wte.weight,
+                           transformers.GPT2LMHeadModel.from_pretrained(
+                               str(tmp_path / "hf")).transformer.wte.weight)
 
 
 def test_training_feeds_tokens_and_positions_only():

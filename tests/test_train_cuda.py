@@ -80,3 +80,26 @@ def test_lora_trains_on_the_gpu_saves_adapters_and_resumes(ckpt, tmp_path):
     adapters = load_file(str(folder / "adapter_model.safetensors"))
     assert any(k.endswith("q_proj.lora_A.weight") for k in adapters)
     assert any(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)
+
+
+def test_gpt2_trains_on_the_gpu_with_its_head_tied(ckpt, tmp_path):
+    """examples/gpt2.module: position ids fed, the LM head tied to wte (one master, the two
+    gradients summed); the checkpoint loads in transformers with the loss we reached."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=8,
+                                     n_positions=T)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    result = run("train", "examples/gpt2.module", "--data", ckpt / "tokens.bin", "--seq", T,
+                 "--batch", B, "--lr", "1e-3", "--format", "json", "--repeat-batch",
+                 "--hf-weights", tmp_path / "hf", "--steps", "8", "--save", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    losses = [r["loss"] for r in rows if r["event"] == "step"]
+    assert losses[-1] < 0.8 * losses[0]
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "run" / "checkpoint-8"))
+    from runtime.train.data import TokenData
+
+    window = TokenData(ckpt / "tokens.bin", "uint16", T, B).batch_at(0)
+    with torch.no_grad():
+        loss = hf(input_ids=window[:, :-1].long(), labels=window[:, :-1].long()).loss
+    assert float(loss) < 0.9 * losses[0]  # trained: below the first step's loss

@@ -53,6 +53,7 @@ from runtime.cuda.train_kernels import lora_addmm, train_kernels
 from runtime.cuda.swaps import GpuSwaps, Stored
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, Decisions, _forget
 from runtime.errors import RuntimeUserError
+from runtime.hf_weights.schema import tied_targets
 from runtime.inputs import fed_inputs, positions_like, sized_inputs, unfed
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.model import parameter_shapes
@@ -171,6 +172,18 @@ class TrainStep:
             self._frozen = frozen_paths(self.program)
         return self._frozen
 
+    def ties(self) -> dict[str, str]:
+        """Tied parameters (`tied_to`) -> their targets. The target owns the master, the
+        moments and the update; a tied path's compute copy is its target's, and its
+        gradient is added to the target's before the update."""
+        if not hasattr(self, "_ties"):
+            self._ties = tied_targets(self.program.weight_schema)
+            layered = sorted(p for p in self._ties if "[" in p)
+            if layered:  # their gradients would reach the per-layer update alone
+                raise ValueError(f"the GPU step ties parameters outside repeated layers only: "
+                                 f"{', '.join(layered[:3])}")
+        return self._ties
+
     def init_random(self, seed: int = 0, std: float = 0.02) -> "TrainStep":
         generator = torch.Generator(device="cuda").manual_seed(seed)
         params = {}
@@ -184,12 +197,13 @@ class TrainStep:
         a fresh optimizer; a captured graph is dropped. Frozen weights (LoRA's base) get
         their compute copy only; `names` are the trained ones. With the fused optimizer
         the state lives in the plan's regions (`regions`, runtime/cuda/state.py)."""
-        missing = set(self.shapes()) - set(params)
+        ties = self.ties()
+        missing = set(self.shapes()) - set(params) - set(ties)
         if missing:
             raise KeyError(f"no value for {sorted(missing)[:5]}")
         frozen = self.frozen()
         self._drop_state()
-        self.names = sorted(p for p in self.shapes() if p not in frozen)
+        self.names = sorted(p for p in self.shapes() if p not in frozen and p not in ties)
         a = self.adamw
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
@@ -201,6 +215,7 @@ class TrainStep:
             self.compute = {p: params[p].detach().to("cuda", self.dtype, copy=True)
                             for p in sorted(frozen)}
             self.compute.update({p: m.to(self.dtype) for p, m in self.masters.items()})
+        self.compute.update({p: self.compute[t] for p, t in ties.items()})
         if self.optimizer == "torch":
             for master in self.masters.values():
                 master.grad = torch.zeros_like(master)
@@ -233,7 +248,8 @@ class TrainStep:
         from runtime.cuda.state import region
 
         shapes = self.shapes()
-        weights, (self.compute,) = region(shapes, sorted(shapes), self.dtype)
+        owned = sorted(p for p in shapes if p not in self.ties())
+        weights, (self.compute,) = region(shapes, owned, self.dtype)
         state, (self.masters, self.exp_avg, self.exp_avg_sq) = region(
             shapes, self.names, torch.float32, blocks=3)
         self.regions = {"weights": weights, "optimizer_state": state}
@@ -306,12 +322,18 @@ class TrainStep:
             run.swaps.finish()
         if d_head is not None:
             grads[head] = grads[head] + d_head if head in grads else d_head
+        for path, target in self.ties().items():  # a tied parameter's gradient: its target's
+            if path in grads:
+                grad = grads.pop(path)
+                grads[target] = grads[target] + grad if target in grads else grad
         return loss, grads
 
     def _head_tied(self) -> bool:
-        """The LM head's parameter gets gradient in the backward too (tied embeddings)."""
+        """The LM head's parameter gets gradient in the backward too (tied embeddings), or
+        is tied to a parameter that does (`tied_to`)."""
         backward = self.graph.function(self.graph.backward)
-        return self.split.head_param in {p for p, _ in backward.param_grads}
+        head = self.split.head_param
+        return head in self.ties() or head in {p for p, _ in backward.param_grads}
 
     def _step(self) -> None:
         if self.optimizer == "fused":

@@ -93,6 +93,12 @@ def expand(schema: list[dict]) -> list[Item]:
     return items
 
 
+def tied_targets(schema: list[dict]) -> dict[str, str]:
+    """Each tied parameter's path -> the path of the parameter whose tensor it shares
+    (`tied_to`): the target owns the value, its gradient and its optimizer state."""
+    return {item.path: item.target for item in expand(schema) if item.kind == "tied"}
+
+
 def known(shape) -> bool:
     return all(isinstance(d, int) for d in shape)
 

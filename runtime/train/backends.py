@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from runtime.errors import RuntimeUserError
+from runtime.hf_weights.schema import tied_targets
 from runtime.inputs import fed_inputs, sized_inputs
 from runtime.model import Model
 from runtime.train.optim import AdamW
@@ -25,7 +26,7 @@ class CPUTrainer:
                  accumulation: int = 1):
         self.model, self.batch, self.seq, self.adamw = model, batch, seq, adamw
         self.accumulation = accumulation
-        self.names = unique_paths(model.params)
+        self.names = owned_paths(model)
         program = model.source.program(planned=False)
         self.output, self.inputs = program.output_names()[0], program.input_names()
 
@@ -81,10 +82,7 @@ class CUDATrainer:
                  memory_budget: int | None = None, accumulation: int = 1):
         from runtime.cuda.step import AdamWConfig, TrainStep
 
-        self.names = unique_paths(model.params)
-        if len(self.names) != len(model.params):
-            raise RuntimeUserError("--device cuda does not train tied parameters yet",
-                                   help=["train this model with --device cpu"])
+        self.names = owned_paths(model)
         program = gpu_program(model, batch, seq, memory_budget)
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
         # decisions="auto": a budgeted program's recompute decisions run in the step
@@ -117,7 +115,7 @@ class CUDATrainer:
 
     def load_state(self, state: dict) -> None:
         s = self.step
-        s.load({p: state["masters"][p] for p in self.names})
+        s.load({p: state["masters"][p] for p in self.names})  # the step ties the rest
         self.frozen = {p: state["masters"][p].detach().to("cpu", torch.float32)
                        for p in self.frozen}
         for path in s.names:  # the trained ones
@@ -165,15 +163,11 @@ def split_window(window: Tensor) -> tuple[Tensor, Tensor]:
     return window[:, :-1].to(torch.int32).contiguous(), window[:, 1:].to(torch.int64).contiguous()
 
 
-def unique_paths(params: dict[str, Tensor]) -> list[str]:
-    """The parameter paths that own their tensor (a tied one shares its target's)."""
-    seen: set[int] = set()
-    names = []
-    for path in sorted(params):
-        if id(params[path]) not in seen:
-            seen.add(id(params[path]))
-            names.append(path)
-    return names
+def owned_paths(model: Model) -> list[str]:
+    """The parameter paths that own their tensor: all but the tied ones (`tied_to`), which
+    share their target's."""
+    ties = tied_targets(model.source.program(planned=False).weight_schema)
+    return [p for p in sorted(model.params) if p not in ties]
 
 
 def tied_sums(params: dict, grads: dict, names: list[str]) -> dict[str, Tensor]:
