@@ -16,6 +16,7 @@ namespace {
 
 using at::Tensor;
 using modulec::DType;
+namespace py = pybind11;
 
 DType dtype_of(const Tensor& t) {
   if (t.scalar_type() == at::kBFloat16) return DType::BF16;
@@ -37,6 +38,21 @@ void check_launch(cudaError_t err, const char* what) {
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Where a kernel writes its outputs: out[i] (the arena's planned bytes, typed and shaped
+// by the caller) or, absent, a new tensor. A given one that does not match is a bug.
+using Outputs = std::vector<std::optional<Tensor>>;
+
+Tensor output(const Outputs& out, size_t i, at::IntArrayRef sizes,
+              const at::TensorOptions& options) {
+  if (i >= out.size() || !out[i]) return at::empty(sizes, options);
+  const Tensor& t = *out[i];
+  TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == options.dtype().toScalarType() &&
+                  t.device() == options.device() && t.is_contiguous(),
+              "out[", i, "] is ", t.sizes(), " ", t.scalar_type(), ", the kernel writes ", sizes,
+              " ", options.dtype());
+  return t;
+}
+
 // x [*, C] as rows x C; rstd has the leading dims
 std::vector<int64_t> leading(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1, "expected at least one dim");
@@ -44,7 +60,7 @@ std::vector<int64_t> leading(const Tensor& x) {
 }
 
 std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& input,
-                                 const Tensor& weight, double eps) {
+                                 const Tensor& weight, double eps, const Outputs& out) {
   const auto dt = x.scalar_type();
   check(x, "x", dt, x);
   check(weight, "weight", dt, x);
@@ -55,9 +71,11 @@ std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& i
     TORCH_CHECK(input->sizes() == x.sizes(), "residual and input differ in shape");
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  Tensor y = at::empty_like(x);
-  Tensor residual_out = input ? at::empty_like(x) : Tensor();
-  Tensor rstd = at::empty(leading(x), x.options().dtype(at::kFloat));
+  // outputs in the primitive's order: (residual_out,) y, rstd
+  const size_t first = input ? 1 : 0;
+  Tensor residual_out = input ? output(out, 0, x.sizes(), x.options()) : Tensor();
+  Tensor y = output(out, first, x.sizes(), x.options());
+  Tensor rstd = output(out, first + 1, leading(x), x.options().dtype(at::kFloat));
   const int64_t rows = C ? x.numel() / C : 0;
   check_launch(modulec::launch_rmsnorm_forward(
                    dtype_of(x), x.data_ptr(), input ? input->data_ptr() : nullptr,
@@ -68,14 +86,16 @@ std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& i
   return {y, rstd};
 }
 
-std::vector<Tensor> rmsnorm_forward(const Tensor& x, const Tensor& weight, double eps) {
-  return norm_forward(x, std::nullopt, weight, eps);
+std::vector<Tensor> rmsnorm_forward(const Tensor& x, const Tensor& weight, double eps,
+                                    const Outputs& out) {
+  return norm_forward(x, std::nullopt, weight, eps, out);
 }
 
 // residual_out = residual + input, then rmsnorm of it: (residual_out, y, rstd)
 std::vector<Tensor> fused_residual_rmsnorm_forward(const Tensor& residual, const Tensor& input,
-                                                   const Tensor& weight, double eps) {
-  return norm_forward(residual, input, weight, eps);
+                                                   const Tensor& weight, double eps,
+                                                   const Outputs& out) {
+  return norm_forward(residual, input, weight, eps, out);
 }
 
 // y = x * rstd * weight: a norm's output from its saved input (or residual_out) and rstd
@@ -100,7 +120,8 @@ Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight) 
 // (d_x, d_weight); with d_residual_out, d_x is the fused backward's g = d_residual_out + d_x
 std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& weight,
                                      const Tensor& rstd,
-                                     const std::optional<Tensor>& d_residual_out) {
+                                     const std::optional<Tensor>& d_residual_out,
+                                     const Outputs& out) {
   const auto dt = x.scalar_type();
   check(x, "x", dt, x);
   check(d_y, "d_y", dt, x);
@@ -116,7 +137,7 @@ std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const T
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = C ? x.numel() / C : 0;
-  Tensor d_x = at::empty_like(x);
+  Tensor d_x = output(out, 0, x.sizes(), x.options());
   Tensor d_weight = at::empty_like(weight);
   Tensor work = at::empty({modulec::rmsnorm_backward_workspace(dtype_of(x), rows, C)},
                           x.options().dtype(at::kFloat));
@@ -177,13 +198,13 @@ RowArgs row_args(std::initializer_list<const Tensor*> ts) {
 }
 
 // gate, up: [*, C] each with a row stride of its own (e.g. the halves of [*, 2C])
-Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
+Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out) {
   check_rows(gate, "gate", gate.scalar_type(), gate);
   check_rows(up, "up", gate.scalar_type(), gate);
   dtype_of(gate);
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up differ in shape");
   const c10::cuda::CUDAGuard guard(gate.device());
-  Tensor y = at::empty(gate.sizes(), gate.options());
+  Tensor y = output(out, 0, gate.sizes(), gate.options());
   const RowArgs a = row_args({&gate, &up, &y});
   check_launch(modulec::launch_swiglu_forward(dtype_of(gate), gate.data_ptr(), a.ld[0],
                                               up.data_ptr(), a.ld[1], y.data_ptr(), a.ld[2],
@@ -193,8 +214,10 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
 }
 
 // (d_gate, d_up): the two halves of one [*, 2C] buffer (so the concat that usually
-// follows is a view: runtime/cuda/train_kernels.py)
-std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const Tensor& up) {
+// follows is a view: runtime/cuda/train_kernels.py), or out[0] and out[1] when both are
+// given (the arena's planned bytes)
+std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const Tensor& up,
+                                    const Outputs& out) {
   check_rows(gate, "gate", gate.scalar_type(), gate);
   check_rows(up, "up", gate.scalar_type(), gate);
   check_rows(d_y, "d_y", gate.scalar_type(), gate);
@@ -204,10 +227,17 @@ std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const
   TORCH_CHECK(gate.dim() >= 1, "swiglu takes at least one dim");
   const c10::cuda::CUDAGuard guard(gate.device());
   const int64_t C = gate.size(-1);
-  std::vector<int64_t> fused(gate.sizes().begin(), gate.sizes().end());
-  fused.back() = 2 * C;
-  Tensor both = at::empty(fused, gate.options());
-  Tensor d_gate = both.narrow(-1, 0, C), d_up = both.narrow(-1, C, C);
+  Tensor d_gate, d_up;
+  if (out.size() >= 2 && out[0] && out[1]) {
+    d_gate = output(out, 0, gate.sizes(), gate.options());
+    d_up = output(out, 1, gate.sizes(), gate.options());
+  } else {
+    std::vector<int64_t> fused(gate.sizes().begin(), gate.sizes().end());
+    fused.back() = 2 * C;
+    Tensor both = at::empty(fused, gate.options());
+    d_gate = both.narrow(-1, 0, C);
+    d_up = both.narrow(-1, C, C);
+  }
   const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up});
   check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), a.ld[0],
                                                gate.data_ptr(), a.ld[1], up.data_ptr(), a.ld[2],
@@ -538,16 +568,24 @@ Tensor cross_entropy_(const Tensor& logits, const Tensor& labels, const Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "modulec CUDA kernels (csrc/kernels)";
-  m.def("rmsnorm_forward", &rmsnorm_forward, "(x, weight, eps) -> [y, rstd]");
+  m.def("rmsnorm_forward", &rmsnorm_forward, "(x, weight, eps, out=[]) -> [y, rstd]",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = Outputs());
   m.def("fused_residual_rmsnorm_forward", &fused_residual_rmsnorm_forward,
-        "(residual, input, weight, eps) -> [residual_out, y, rstd]");
+        "(residual, input, weight, eps, out=[]) -> [residual_out, y, rstd]",
+        py::arg("residual"), py::arg("input"), py::arg("weight"), py::arg("eps"),
+        py::arg("out") = Outputs());
   m.def("rmsnorm_apply", &rmsnorm_apply,
         "(x, rstd, weight) -> x * rstd * weight  (a norm's output from its saved statistics)");
   m.def("rmsnorm_backward", &rmsnorm_backward,
-        "(d_y, x, weight, rstd, d_residual_out or None) -> [d_x, d_weight]");
-  m.def("swiglu_forward", &swiglu_forward, "(gate, up) -> y  (row-strided inputs)");
+        "(d_y, x, weight, rstd, d_residual_out or None, out=[]) -> [d_x, d_weight]",
+        py::arg("d_y"), py::arg("x"), py::arg("weight"), py::arg("rstd"),
+        py::arg("d_residual_out"), py::arg("out") = Outputs());
+  m.def("swiglu_forward", &swiglu_forward, "(gate, up, out=[]) -> y  (row-strided inputs)",
+        py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
   m.def("swiglu_backward", &swiglu_backward,
-        "(d_y, gate, up) -> [d_gate, d_up]  (the halves of one [*, 2C] buffer)");
+        "(d_y, gate, up, out=[]) -> [d_gate, d_up]  (the halves of one [*, 2C] buffer, or "
+        "out[0] and out[1])",
+        py::arg("d_y"), py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
   m.def("rope", &rope,
         "(x [B, H, T, D] strided, position_ids or None, theta, inverse) -> rotated x, laid "
         "out [B, T, H, D]");

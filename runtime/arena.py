@@ -92,7 +92,7 @@ class Arena:
         """The planned bytes (uint8) a kernel may write `value` into, or None: no
         placement, or bytes that are another value's (a view, an in-place output)."""
         placement = self.placements.get(frame.function.name, {}).get(value)
-        if placement is None or node.target in VIEWS or \
+        if placement is None or placement.block != value or node.target in VIEWS or \
                 self._in_place_target(frame, node, value) is not None:
             return None
         start = self._start(frame, placement)

@@ -100,6 +100,38 @@ def test_rmsnorm(shape, dtype):
 
 @cuda
 @needs_gpu
+@pytest.mark.parametrize("name", ["rmsnorm", "fused_residual_rmsnorm", "swiglu"])
+def test_kernels_write_into_the_bytes_they_are_given(name):
+    """`out` (the arena's planned bytes, uint8, with room to spare): the outputs are views
+    of them with the values the kernels give without; bytes too few: a new tensor."""
+    torch.manual_seed(5)
+    bf16 = lambda *size: rand(*size, dtype=torch.bfloat16)  # noqa: E731
+    shape, kernel = (6, 256), CUDA_KERNELS[name]
+    inputs = {"rmsnorm": lambda: [bf16(*shape), bf16(shape[1])],
+              "fused_residual_rmsnorm": lambda: [bf16(*shape), bf16(*shape), bf16(shape[1])],
+              "swiglu": lambda: [bf16(*shape), bf16(*shape)]}[name]()
+    want = kernel.forward(inputs, {"eps": 1e-6})
+    out = [torch.empty(t.nbytes + 512, dtype=torch.uint8, device="cuda") for t in want]
+    got = kernel.forward(inputs, {"eps": 1e-6, "out": out})
+    for g, w, raw in zip(got, want, out):
+        assert g.data_ptr() == raw.data_ptr() and torch.equal(g, w)
+    short = kernel.forward(inputs, {"eps": 1e-6, "out": [o[:8] for o in out]})
+    assert all(s.data_ptr() != raw.data_ptr() for s, raw in zip(short, out))
+    d_y = bf16(*shape)  # the backward: d_x of the norms, d_gate and d_up of swiglu
+    backward_inputs = {"rmsnorm": lambda: [d_y, inputs[0], inputs[1], want[1]],
+                       "fused_residual_rmsnorm": lambda: [bf16(*shape), d_y, want[0],
+                                                          inputs[2], want[2]],
+                       "swiglu": lambda: [d_y, *inputs]}[name]()
+    d_want = kernel.backward(backward_inputs, {})
+    written = 2 if name == "swiglu" else 1
+    raw = [torch.empty(d.nbytes, dtype=torch.uint8, device="cuda") for d in d_want[:written]]
+    d_got = kernel.backward(backward_inputs, {"out": raw})
+    for g, w, r in zip(d_got, d_want, raw):
+        assert g.data_ptr() == r.data_ptr() and torch.equal(g, w)
+
+
+@cuda
+@needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 def test_fused_residual_rmsnorm(shape, dtype):

@@ -76,7 +76,9 @@ def covered(inputs: list, names, stats, layout=None) -> bool:
 
 class CudaKernel:
     """A primitive with custom CUDA kernels, falling back to `reference` where they do not
-    cover the call. `forward_fn` / `backward_fn` take (extension, inputs, attrs)."""
+    cover the call. `forward_fn` / `backward_fn` take (extension, inputs, attrs); one
+    marked `writes_out` also takes `out`: each output's planned bytes (uint8) or None, on
+    the arena (runtime/arena.py out_bytes)."""
 
     def __init__(self, reference: ReferenceKernel, forward_fn: Callable, backward_fn: Callable,
                  layout: Callable | None = None):
@@ -94,15 +96,45 @@ class CudaKernel:
     def covers_backward(self, inputs: list) -> bool:
         return covered(inputs, self.reference.backward_inputs, self.reference.stats, self.layout)
 
+    @property
+    def takes_out(self) -> bool:
+        return any(getattr(f, "writes_out", False) for f in (self.forward_fn, self.backward_fn))
+
     def forward(self, inputs: list, attrs: dict) -> list:
+        out = attrs.pop("out", None)
         if self.covers_forward(inputs):
-            return list(self.forward_fn(_extension(), inputs, attrs))
+            return list(_call(self.forward_fn, inputs, attrs, out))
         return self.reference.forward(inputs, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
+        out = attrs.pop("out", None)
         if self.covers_backward(inputs):
-            return list(self.backward_fn(_extension(), inputs, attrs))
+            return list(_call(self.backward_fn, inputs, attrs, out))
         return self.reference.backward(inputs, attrs)
+
+
+def _call(fn: Callable, inputs: list, attrs: dict, out: list | None):
+    if out and getattr(fn, "writes_out", False):
+        return fn(_extension(), inputs, attrs, out=out)
+    return fn(_extension(), inputs, attrs)
+
+
+def writes_out(fn: Callable) -> Callable:
+    """Mark a custom kernel function that writes into given bytes (`out=`)."""
+    fn.writes_out = True
+    return fn
+
+
+def typed(out: list | None, i: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
+    """out[i] (uint8 bytes) as a contiguous `shape` tensor of `dtype`, or None where there
+    are none or too few."""
+    raw = out[i] if out and i < len(out) else None
+    if raw is None:
+        return None
+    n = dtype.itemsize
+    for d in shape:
+        n *= int(d)
+    return raw[:n].view(dtype).view(tuple(shape)) if raw.numel() >= n else None
 
 
 # ------------------------------------------------------------------- the custom kernels
@@ -110,33 +142,50 @@ def _eps(attrs) -> float:
     return float(attrs.get("eps", 1e-6))
 
 
-def _rmsnorm_fwd(ext, inputs, attrs):
+@writes_out
+def _rmsnorm_fwd(ext, inputs, attrs, out=None):
     x, weight = inputs
-    return ext.rmsnorm_forward(x, weight, _eps(attrs))
+    return ext.rmsnorm_forward(x, weight, _eps(attrs), _norm_outs(out, x, 0))
 
 
-def _rmsnorm_bwd(ext, inputs, attrs):
+@writes_out
+def _rmsnorm_bwd(ext, inputs, attrs, out=None):
     d_y, x, weight, rstd = inputs
-    return ext.rmsnorm_backward(d_y, x, weight, rstd, None)
+    return ext.rmsnorm_backward(d_y, x, weight, rstd, None, [typed(out, 0, x.shape, x.dtype)])
 
 
-def _fused_fwd(ext, inputs, attrs):
+def _norm_outs(out, x, first: int) -> list:
+    """(residual_out,) y like x, then rstd fp32 over x's leading dims."""
+    like = [typed(out, i, x.shape, x.dtype) for i in range(first + 1)]
+    return like + [typed(out, first + 1, x.shape[:-1], torch.float32)]
+
+
+@writes_out
+def _fused_fwd(ext, inputs, attrs, out=None):
     residual, input, weight = inputs
-    return ext.fused_residual_rmsnorm_forward(residual, input, weight, _eps(attrs))
+    return ext.fused_residual_rmsnorm_forward(residual, input, weight, _eps(attrs),
+                                              _norm_outs(out, residual, 1))
 
 
-def _fused_bwd(ext, inputs, attrs):
+@writes_out
+def _fused_bwd(ext, inputs, attrs, out=None):
     d_residual_out, d_y, residual_out, weight, rstd = inputs
-    g, d_weight = ext.rmsnorm_backward(d_y, residual_out, weight, rstd, d_residual_out)
+    g, d_weight = ext.rmsnorm_backward(d_y, residual_out, weight, rstd, d_residual_out,
+                                       [typed(out, 0, d_y.shape, d_y.dtype)])
     return [g, g, d_weight]  # d_residual and d_input are one tensor, as the reference's
 
 
-def _swiglu_fwd(ext, inputs, attrs):
-    return [ext.swiglu_forward(*inputs)]
+@writes_out
+def _swiglu_fwd(ext, inputs, attrs, out=None):
+    gate, up = inputs
+    return [ext.swiglu_forward(gate, up, [typed(out, 0, gate.shape, gate.dtype)])]
 
 
-def _swiglu_bwd(ext, inputs, attrs):
-    return ext.swiglu_backward(*inputs)
+@writes_out
+def _swiglu_bwd(ext, inputs, attrs, out=None):
+    d_y, gate, up = inputs
+    return ext.swiglu_backward(d_y, gate, up, [typed(out, i, gate.shape, gate.dtype)
+                                               for i in range(2)])
 
 
 def _rope(inverse: bool):
