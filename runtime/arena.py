@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modulec.plan.from_graph import VIEWS, plan_step
+from modulec.plan.from_graph import ALIASES, plan_step
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
 from runtime.errors import RuntimeUserError
@@ -78,7 +78,7 @@ class Arena:
         if placement is None and self._in_arena(tensor):
             return tensor.clone()  # no planned bytes (a parameter's gradient): its own
         if placement is None or not isinstance(tensor, Tensor) or \
-                (node is not None and node.kind == "op" and node.target in VIEWS):
+                (node is not None and node.kind == "op" and node.target in ALIASES):
             return tensor
         target = self._in_place_target(frame, node, value)
         if target is None:
@@ -92,7 +92,7 @@ class Arena:
         """The planned bytes (uint8) a kernel may write `value` into, or None: no
         placement, or bytes that are another value's (a view, an in-place output)."""
         placement = self.placements.get(frame.function.name, {}).get(value)
-        if placement is None or placement.block != value or node.target in VIEWS or \
+        if placement is None or placement.block != value or node.target in ALIASES or \
                 self._in_place_target(frame, node, value) is not None:
             return None
         start = self._start(frame, placement)

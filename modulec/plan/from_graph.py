@@ -29,6 +29,11 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32":
          "int8": 1, "float": 2}  # "float": the compute dtype, bf16
 HALF_BYTE = ("fp4_e2m1", "int4")
 VIEWS = ("view", "transpose", "permute", "split")
+# backward ops whose result is a view of their input gradient (a reshape, a transpose, the
+# identity of contiguous): they alias it, as the forward views alias their source
+BACKWARD_VIEWS = ("view_backward", "transpose_backward", "permute_backward",
+                  "contiguous_backward")
+ALIASES = VIEWS + BACKWARD_VIEWS
 IN_PLACE = ("silu", "relu", "relu2", "gelu", "sigmoid", "exp", "neg", "exp_neg", "scale")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weight, AdamW m and v
 
@@ -175,7 +180,7 @@ def _buffer(node: Node, index: int, value: str, position: int, own, buffers, sav
     pass removes nodes)."""
     size = _bytes(own[value])
     source = node.inputs[0] if node.inputs else ""
-    if node.target in VIEWS and source in buffers:
+    if node.target in ALIASES and source in buffers:
         offset = min(_part_offset(node, position, own), max(buffers[source].size_bytes - size, 0))
         return Buffer(value, min(size, buffers[source].size_bytes), TRANSIENT,
                       alias_of=source, offset_in_source=offset)
@@ -206,7 +211,7 @@ def _keep_outputs(function: Function, buffers: dict, count: int, ops) -> None:
 
 
 def _kind(node: Node) -> str:
-    if node.target in VIEWS:
+    if node.target in ALIASES:
         return "view"
     return "elementwise" if node.target in IN_PLACE else "other"
 
