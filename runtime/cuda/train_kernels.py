@@ -41,11 +41,10 @@ import weakref
 import torch
 
 from runtime.cuda.attention import FlashAttention
-from runtime.cuda.kernels import CUDA_KERNELS
+from runtime.cuda.kernels import CUDA_KERNELS, typed
 from runtime.kernels import KERNELS
 from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
-from runtime.kernels.utility import torch_dtype
 
 NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul")
 CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm")
@@ -301,13 +300,12 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
     """alpha * op(x) @ op(y) of 2-D operands written into the bytes `raw` (uint8), or None
     where it does not fit them (other dtypes, too few bytes): the caller computes it."""
     a, b = _op(x, mode[0]), _op(y, mode[1])
-    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or not a.is_floating_point():
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or not a.is_floating_point() \
+            or raw.device != a.device:
         return None
-    shape = (a.shape[0], b.shape[1])
-    nbytes = shape[0] * shape[1] * a.element_size()
-    if raw.numel() < nbytes or raw.device != a.device:
+    C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype)
+    if C is None:
         return None
-    C = raw[:nbytes].view(a.dtype).view(shape)
     torch.mm(a, b, out=C)
     if alpha != 1.0:
         C.mul_(alpha)
