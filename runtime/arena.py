@@ -4,6 +4,10 @@ modulec.lower.layout's).
 
 Addresses: a function's transient values sit at its frame's base plus their planned
 offset; a call's callee frame starts where the caller's plan reserved it (`call:<node>`).
+A callee's results the plan hands over (`StepPlan.handed`) are written where the caller's
+plan put the call's outputs (a frame's `destinations`), by a repeated call alternately into
+the output and its second buffer (`call:<node>:turn<k>`), the last repetition into the
+output.
 Saved values of the i-th run of forward function F sit in F's record i of the saved region:
 `base(F) + i * stride(F) + offset`. A kernel computes out of place and its result is
 copied into the planned bytes (an in-place decision shares the input's bytes, which is
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modulec.plan.from_graph import ALIASES, plan_step
+from modulec.plan.from_graph import ALIASES, plan_step, turn_of, unnamed_of
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
 from runtime.errors import RuntimeUserError
@@ -37,11 +41,13 @@ class Arena:
     regions: dict[str, Tensor] = field(default_factory=dict)
     placements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # forward function -> (base, stride)
+    handed: dict = field(default_factory=dict)  # function -> {result: position}
     _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
 
     def __post_init__(self):
         plan = plan_step(self.graph)
         self.placements = plan.placements
+        self.handed = plan.handed
         sizes = {TRANSIENT: plan.regions[TRANSIENT].arena,
                  SAVED: self.layout.get("regions", {}).get(SAVED, 0)}
         self.regions = {name: torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -53,13 +59,58 @@ class Arena:
         return {name: region.numel() for name, region in self.regions.items()}
 
     # ------------------------------------------------------------------ frames
-    def enter(self, frame, parent=None, call_node: str = "") -> None:
-        """Give `frame` its transient base (its saved record is its `instance`)."""
-        if parent is not None:
-            reserved = self.placements.get(parent.function.name, {}).get(f"call:{call_node}")
-            frame.transient_base = parent.transient_base + (reserved.offset if reserved else 0)
+    def enter(self, frame, parent=None, node=None, remaining: int = 0) -> None:
+        """Give `frame` its transient base (its saved record is its `instance`) and the
+        caller's bytes of the results it hands over (`remaining`: the call's repetitions
+        after this one)."""
+        if parent is None:
+            return
+        reserved = self.placements.get(parent.function.name, {}).get(f"call:{node.id}")
+        frame.transient_base = parent.transient_base + (reserved.offset if reserved else 0)
+        frame.destinations = {
+            value: where for value, k in self.handed.get(frame.function.name, {}).items()
+            if (where := self._result_bytes(parent, node, k, remaining)) is not None}
+
+    def hand_over(self, parent, node, child, values: list, remaining: int) -> list:
+        """A call's results after one repetition, in the caller's bytes for them (copied
+        there unless the callee wrote them there); a result the callee saves stays in its
+        record while repetitions remain (the next one reads it there)."""
+        handed = []
+        for k, (value, tensor) in enumerate(zip(child.function.outputs, values)):
+            if not value or not isinstance(tensor, Tensor) or \
+                    (remaining and self.is_saved(child, value)):
+                handed.append(tensor)
+                continue
+            where = self._result_bytes(parent, node, k, remaining)
+            handed.append(self._into(where[1], tensor) if where is not None else
+                          tensor.clone() if self._in_arena(tensor) else tensor)
+        return handed
+
+    def _result_bytes(self, parent, node, k: int, remaining: int):
+        """(region, bytes) the caller holds for result `k` of call `node` in the
+        repetition with `remaining` after it, or None."""
+        key = turn_of(node.id, k) if remaining % 2 else node.outputs[k] or unnamed_of(node.id, k)
+        if key in parent.destinations:
+            return parent.destinations[key]
+        placement = self.placements.get(parent.function.name, {}).get(key)
+        if placement is None or placement.block != key:
+            return None
+        start = self._start(parent, placement)
+        return placement.region, self.regions[placement.region][start:start + placement.size_bytes]
+
+    def _into(self, where: Tensor, tensor: Tensor) -> Tensor:
+        """`tensor` in bytes `where` (copied unless it is there already)."""
+        if tensor.nbytes > where.numel():
+            raise RuntimeUserError(f"a call's result needs {tensor.nbytes} bytes, the plan "
+                                   f"gives it {where.numel()}")
+        target = _typed(where[:tensor.nbytes], tensor)
+        if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
+            target.copy_(tensor)
+        return target
 
     def is_transient(self, frame, value: str) -> bool:
+        if value in frame.destinations:
+            return frame.destinations[value][0] == TRANSIENT
         placement = self.placements.get(frame.function.name, {}).get(value)
         return placement is not None and placement.region == TRANSIENT
 
@@ -74,6 +125,8 @@ class Arena:
 
     def place(self, frame, node, value: str, tensor: Tensor) -> Tensor:
         """The value's tensor in its planned bytes (views stay torch views)."""
+        if value in frame.destinations and isinstance(tensor, Tensor):
+            return self._into(frame.destinations[value][1], tensor)
         placement = self.placements.get(frame.function.name, {}).get(value)
         if placement is None and self._in_arena(tensor):
             return tensor.clone()  # no planned bytes (a parameter's gradient): its own
@@ -91,6 +144,8 @@ class Arena:
     def out_bytes(self, frame, node, value: str) -> Tensor | None:
         """The planned bytes (uint8) a kernel may write `value` into, or None: no
         placement, or bytes that are another value's (a view, an in-place output)."""
+        if value in frame.destinations:
+            return frame.destinations[value][1]
         placement = self.placements.get(frame.function.name, {}).get(value)
         if placement is None or placement.block != value or node.target in ALIASES or \
                 self._in_place_target(frame, node, value) is not None:
@@ -129,16 +184,21 @@ class Arena:
                 f"gives it {placement.size_bytes}", help=["run on the plan in the IR's "
                                                           "dtypes (dtype=torch.bfloat16)"])
         start = self._start(frame, placement)
-        raw = self.regions[placement.region][start:start + tensor.nbytes].view(tensor.dtype)
-        if not tensor.is_contiguous() and _dense(tensor):  # keep its memory order
-            return raw.as_strided(tensor.shape, tensor.stride())
-        return raw.view(tensor.shape)
+        return _typed(self.regions[placement.region][start:start + tensor.nbytes], tensor)
 
     def _start(self, frame, placement) -> int:
         if placement.region == TRANSIENT:
             return frame.transient_base + placement.offset
         base, stride = self.records[frame.function.name]
         return base + frame.instance * stride + placement.offset
+
+
+def _typed(raw: Tensor, tensor: Tensor) -> Tensor:
+    """Bytes `raw` (uint8, `tensor.nbytes` of them) as a tensor like `tensor`."""
+    raw = raw.view(tensor.dtype)
+    if not tensor.is_contiguous() and _dense(tensor):  # keep its memory order
+        return raw.as_strided(tensor.shape, tensor.stride())
+    return raw.view(tensor.shape)
 
 
 def _dense(tensor: Tensor) -> bool:

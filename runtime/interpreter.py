@@ -48,6 +48,7 @@ class Frame:
     host: dict = field(default_factory=dict)  # swapped out (runtime.decisions)
     forgotten: dict = field(default_factory=dict)  # argument -> (caller run, its value)
     instance: int = 0  # which run of its function this is, in the forward (runtime.arena)
+    destinations: dict = field(default_factory=dict)  # result -> caller's bytes (runtime.arena)
 
 
 @dataclass
@@ -155,43 +156,45 @@ class Interpreter:
                 if self.keep_only_saved:  # its backward is the last reader
                     del forward.children[(origin, layer)]
                 own = Frame(callee, child.path, child.indices)
-                self._enter(own, frame, node)
+                self._enter(own, frame, node, layer)
                 values = self._zeros_for_absent(values, child)
-                values = self._hand_over(frame, node, own, self._run(own, values, child))
+                values = self._hand_over(frame, node, own, self._run(own, values, child), layer)
         else:
             source = (frame, node.inputs)
             for layer in range(count):
                 child = self._child_frame(callee, frame, node, layer)
-                self._enter(child, frame, node)
+                remaining = count - 1 - layer
+                self._enter(child, frame, node, remaining)
                 frame.children[(node.id, layer)] = child
                 self._sink(source, child)
                 source = (child, child.function.outputs)
-                values = self._hand_over(frame, node, child, self._run(child, values, None))
+                values = self._hand_over(frame, node, child, self._run(child, values, None),
+                                         remaining)
         placed = self._placed
         if self.hooks is not None and any(node.outputs):
             placed = [self.hooks.apply(node, frame, o, v) if o else v
                       for o, v in zip(node.outputs, placed)]
         frame.env.update({o: v for o, v in zip(node.outputs, placed) if o})
 
-    def _hand_over(self, frame: Frame, node: Node, child: Frame, values: list) -> list:
-        """A call's results, copied into the caller's planned bytes (kept in `_placed`);
-        the next repetition reads them there, or where the callee saved them."""
+    def _hand_over(self, frame: Frame, node: Node, child: Frame, values: list,
+                   remaining: int) -> list:
+        """A call's results after one repetition (`remaining` after it), in the caller's
+        bytes on the arena (runtime.arena); the next repetition reads them, the call's
+        outputs are the last one's (kept in `_placed`)."""
+        if self.arena is not None:
+            values = self.arena.hand_over(frame, node, child, values, remaining)
         self._placed = values
-        if self.arena is None:
-            return values
-        self._placed = [self.arena.place(frame, node, o, v) if o else v
-                        for o, v in zip(node.outputs, values)]
-        return [v if self.arena.is_saved(child, o) else p
-                for o, v, p in zip(child.function.outputs, values, self._placed)]
+        return values
 
-    def _enter(self, frame: Frame, parent: Frame | None, node: Node | None) -> None:
+    def _enter(self, frame: Frame, parent: Frame | None, node: Node | None,
+               remaining: int = 0) -> None:
         """Number a forward run (its instance) and place it in the arena."""
         if not frame.function.gradient_of:
             name = frame.function.name
             frame.instance = self._runs.get(name, 0)
             self._runs[name] = frame.instance + 1
         if self.arena is not None:
-            self.arena.enter(frame, parent, node.id if node is not None else "")
+            self.arena.enter(frame, parent, node, remaining)
 
     def _sink(self, source: tuple, child: Frame) -> None:
         """Remember where each argument of `child` came from (runtime.decisions)."""

@@ -95,6 +95,9 @@ def test_schedule_ops_carry_their_planned_buffers():
         arenas = {r["region"]: r["arena_bytes"] for r in step.functions[name]["regions"]}
         for op in ops:
             for value, region, offset, size in op.get("buffers", ()):
+                if region == "result":  # in the caller's bytes: its position there
+                    assert step.handed[name][value] == offset
+                    continue
                 assert 0 <= offset and offset + size <= arenas[region], (name, op, value)
                 placed += 1
     assert placed > 50

@@ -78,3 +78,41 @@ def test_every_example_builds_and_plans(example):
     assert result.graph is not None, [d.message for d in result.diagnostics]
     data = plan_step(result.graph).summary()
     assert data["arena_bytes"] >= data["lower_bound_bytes"] > 0
+
+
+def _llama_plan(layers: int = 2):
+    request = BuildRequest(LLAMA, settings={**SMALL, "n_layers": str(layers)},
+                           shapes={"B": 2, "T": 64})
+    graph = build(request).graph
+    return graph, plan_step(graph)
+
+
+def test_a_callees_results_live_in_its_callers_bytes():
+    """The MLP's and attention's results (their own buffers) are handed: no bytes of the
+    callee's frame; the entries hand nothing (their results are the step's)."""
+    graph, plan = _llama_plan()
+    mlp = next(f for f in graph.functions if f.name.startswith("SwiGLU_MLP") and
+               not f.gradient_of)
+    assert set(plan.handed[mlp.name]) == set(mlp.outputs)
+    assert not set(mlp.outputs) & set(plan.placements[mlp.name])
+    assert plan.handed[graph.entry] == {} and plan.handed[graph.backward] == {}
+
+
+def test_a_repeated_call_holds_a_second_buffer_for_each_result_its_callee_does_not_save():
+    """Each repetition of the block stack reads the previous one's results: the caller
+    holds two buffers for each (the turn), the repetitions writing them in turn, except
+    for a result the block saves (the next layer's saved input: it stays in the record)."""
+    from modulec.plan.from_graph import saved_values, turn_of
+
+    graph, plan = _llama_plan()
+    turns = 0
+    for name in (graph.entry, graph.backward):
+        for node in graph.function(name).nodes:
+            if node.kind != "call" or int(node.repeat) < 2:
+                continue
+            callee = graph.function(node.target)
+            kept = saved_values(graph, callee)
+            for k, value in enumerate(callee.outputs):
+                assert (turn_of(node.id, k) in plan.placements[name]) == (value not in kept)
+                turns += value not in kept
+    assert turns >= 2

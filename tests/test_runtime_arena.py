@@ -132,3 +132,26 @@ def _recording(copy, into: list):
         into.append(src)
         return copy(self, src, *args, **kwargs)
     return recorded
+
+
+def test_call_results_are_written_into_the_callers_bytes(monkeypatch):
+    """The attention's and MLP's results (matmuls, forward and backward) are computed
+    straight into the bytes the caller's plan holds for the call's outputs: handing them
+    over moves nothing."""
+    from runtime.arena import Arena
+
+    moved = {}
+    hand_over = Arena.hand_over
+
+    def recording(self, parent, node, child, values, remaining):
+        results = hand_over(self, parent, node, child, values, remaining)
+        for value, before, after in zip(child.function.outputs, values, results):
+            if value in self.handed.get(child.function.name, {}):
+                moved.setdefault(child.function.name, []).append(
+                    before.data_ptr() != after.data_ptr())
+        return results
+    monkeypatch.setattr(Arena, "hand_over", recording)
+    _train_kernel_run("llama", arena=True)
+    callees = [name for name in moved if name.startswith(("SwiGLU_MLP", "CausalSelfAttention"))]
+    assert len(callees) == 4
+    assert not any(any(moved[name]) for name in callees)

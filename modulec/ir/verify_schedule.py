@@ -188,7 +188,8 @@ def _overlaps(name: str, ops: list, function) -> list[str]:
         if node_index is None or function.nodes[node_index].target in SHARED:
             continue
         for value, region, offset, size in op.get("buffers", ()):
-            if value in spans and size > 0:
+            # a `result` lives in the caller's bytes (its offset is its position there)
+            if value in spans and size > 0 and region != "result":
                 placed.append((region, offset, offset + size, spans[value], value))
     problems = []
     placed.sort()

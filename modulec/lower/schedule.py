@@ -22,13 +22,30 @@ def schedule_data(graph: Graph, plan=None, decided=None) -> dict:
     from modulec.lower.layout import activation_layout, host_offsets
 
     placements = plan.placements if plan is not None else {}
+    handed = plan.handed if plan is not None else {}
     layout = activation_layout(graph, plan, decided) if plan is not None else None
     extra = inserted_ops(decided, placements, host_offsets(layout)) \
         if decided is not None and layout is not None else {}
-    data = {"functions": {f.name: _ops(f, placements.get(f.name, {}), extra)
-                          for f in graph.functions},
+    data = {"functions": {f.name: _ops(f, placements.get(f.name, {}) | _results(
+                              f, handed.get(f.name, {})), extra) for f in graph.functions},
             "order": [graph.entry] + ([graph.backward] if graph.backward else [])}
     return data | ({"layout": layout} if layout is not None else {})
+
+
+class _Result:
+    """A result the callee writes into its caller's bytes for the call's output `offset`
+    (modulec.plan.from_graph `handed`): region `result`."""
+
+    region = "result"
+
+    def __init__(self, position: int, size_bytes: int):
+        self.offset, self.size_bytes = position, size_bytes
+
+
+def _results(function, handed: dict) -> dict:
+    from modulec.plan.from_graph import _bytes
+
+    return {value: _Result(k, _bytes(function.value(value))) for value, k in handed.items()}
 
 
 def _ops(function, placed: dict, extra: dict) -> list[dict]:

@@ -8,13 +8,17 @@ for the duration of that op. Values a backward reads are saved activations, kept
 the forward into the backward of every invocation: a saved view keeps its source's
 storage, and an argument a callee's backward reads (the callee's saved input) is saved
 by the caller (by the callee, as the output feeding the next repetition, when the call
-repeats). Parameters, their gradients and the optimizer state (fp32 master + two AdamW
+repeats). A called function's results that are buffers of its own (not views, not saved)
+are written straight into its caller's bytes for the call's outputs (`handed`): they take
+no bytes of its frame and need no copy; a repeated call's caller holds a second buffer
+per such result, the repetitions writing the two in turn (the last one: the call's
+output), since each reads the previous one's result. Parameters, their gradients and the optimizer state (fp32 master + two AdamW
 moments) are counted per invocation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from modulec.ir.graph import Function, Graph, Node
@@ -57,6 +61,8 @@ class StepPlan:
     invocations: dict[str, int] = field(default_factory=dict)
     functions: dict[str, dict] = field(default_factory=dict)  # per function: its plan summary
     placements: dict[str, dict] = field(default_factory=dict)  # function -> value -> Placement
+    # function -> {its output value: position}: results written into the caller's bytes
+    handed: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> dict:
         regions = [{"region": name, "arena_bytes": r.arena, "lower_bound_bytes": r.lower_bound,
@@ -78,6 +84,7 @@ def plan_step(graph: Graph) -> StepPlan:
     arenas: dict[str, tuple[int, ...]] = {}
     for function in _callees_first(graph):
         arenas[function.name] = _plan_function(graph, function, arenas, step)
+        step.handed.setdefault(function.name, {})
     entries = [graph.entry] + ([graph.backward] if graph.backward else [])
     by_metric = {m: max(arenas[e][i] for e in entries) for i, m in enumerate(METRICS)}
     by_metric["naive"] = sum(arenas[e][METRICS.index("naive")] for e in entries)
@@ -97,7 +104,7 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     the same metric (naive: the callee's naive bytes, once per repetition)."""
     results = []
     for metric in METRICS:
-        plan = _planned(graph, function, arenas, metric)
+        plan = _planned(graph, function, arenas, metric, step.handed)
         region = plan.regions.get(TRANSIENT) if plan is not None else None
         results.append(_metric(region, metric))
         if metric == "arena" and plan is not None:
@@ -108,7 +115,9 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     return tuple(results)
 
 
-def _planned(graph, function, arenas, metric: str):
+def _planned(graph, function, arenas, metric: str, handed: dict):
+    """`handed` (function -> its results written into the caller's bytes) has every
+    callee's already; `function`'s own is added."""
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
     free = free_contiguous(function)
@@ -129,12 +138,64 @@ def _planned(graph, function, arenas, metric: str):
             made[value] = index
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
-            outputs = outputs + [_call_block(node, arenas, metric, buffers)]
+            outputs = outputs + [_call_block(node, arenas, metric, buffers)] + \
+                _destinations(graph, node, own, handed, buffers)
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs),
                       "view" if node.id in free else _kind(node), node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes), ops)
-    return plan_memory(ops, list(buffers.values())) if ops else None
+    handed[function.name] = _handed(graph, function, buffers)
+    ops = _without(ops, handed[function.name])
+    buffers = [b for b in buffers.values() if b.id not in handed[function.name]]
+    return plan_memory(ops, buffers) if ops else None
+
+
+def _handed(graph: Graph, function: Function, buffers: dict) -> dict[str, int]:
+    """{output: position} of `function`'s results its caller's bytes hold: buffers of its
+    own (not a view, not written over an input, not saved, no view's source), each one
+    output once, of a function some call runs (the entries' results are the step's)."""
+    if function.name in (graph.entry, graph.backward):
+        return {}
+    sources = {b.alias_of for b in buffers.values() if b.alias_of is not None}
+    named = [o for o in function.outputs if o]
+    return {value: k for k, value in enumerate(function.outputs)
+            if value and named.count(value) == 1 and value in buffers
+            and buffers[value].alias_of is None and buffers[value].region == TRANSIENT
+            and value not in sources}
+
+
+def _without(ops: list, handed: dict) -> list:
+    """The ops, reading and writing nothing of the values that live in the caller's bytes."""
+    keep = lambda values: tuple(v for v in values if v not in handed)  # noqa: E731
+    return [replace(op, inputs=keep(op.inputs), outputs=keep(op.outputs)) for op in ops]
+
+
+def _destinations(graph: Graph, node: Node, own, handed: dict, buffers: dict) -> list[str]:
+    """The caller's extra buffers a call writes its results into: a result the callee
+    hands over for an output the call does not name (`call:<node>:out<k>`), and, when the
+    call repeats, the second buffer of each result the callee does not save
+    (`call:<node>:turn<k>`; the repetitions alternate, the last writes the output)."""
+    callee = graph.function(node.target)
+    given, kept = handed.get(node.target, {}), saved_values(graph, callee)
+    extra = []
+    for k, value in enumerate(callee.outputs):
+        size = _bytes(callee.value(value)) if value else 0
+        if value in given and not node.outputs[k]:
+            extra.append(Buffer(unnamed_of(node.id, k), size, TRANSIENT))
+        if int(node.repeat) > 1 and value and value not in kept:
+            extra.append(Buffer(turn_of(node.id, k), size, TRANSIENT))
+    buffers.update({b.id: b for b in extra})
+    return [b.id for b in extra]
+
+
+def turn_of(node_id: str, position: int) -> str:
+    """The caller's second buffer for result `position` of repeated call `node_id`."""
+    return f"call:{node_id}:turn{position}"
+
+
+def unnamed_of(node_id: str, position: int) -> str:
+    """The caller's buffer for handed result `position` the call does not name."""
+    return f"call:{node_id}:out{position}"
 
 
 def written_over(graph: Graph, function: Function) -> dict:
