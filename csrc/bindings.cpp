@@ -197,6 +197,20 @@ RowArgs row_args(std::initializer_list<const Tensor*> ts) {
   return a;
 }
 
+// out[i] as output() takes it, or rows with one stride (a part of a concat over the last
+// dim that the memory plan puts in the concat's bytes: runtime/arena.py)
+Tensor output_rows(const Outputs& out, size_t i, at::IntArrayRef sizes,
+                   const at::TensorOptions& options) {
+  if (i >= out.size() || !out[i] || out[i]->is_contiguous()) return output(out, i, sizes, options);
+  const Tensor& t = *out[i];
+  int64_t rows, ld;
+  TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == options.dtype().toScalarType() &&
+                  t.device() == options.device() && as_rows(t, rows, ld),
+              "out[", i, "] is ", t.sizes(), " ", t.scalar_type(), " with strides ", t.strides(),
+              ", the kernel writes rows of ", sizes, " ", options.dtype());
+  return t;
+}
+
 // gate, up: [*, C] each with a row stride of its own (e.g. the halves of [*, 2C])
 Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out) {
   check_rows(gate, "gate", gate.scalar_type(), gate);
@@ -204,7 +218,7 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out) 
   dtype_of(gate);
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up differ in shape");
   const c10::cuda::CUDAGuard guard(gate.device());
-  Tensor y = output(out, 0, gate.sizes(), gate.options());
+  Tensor y = output_rows(out, 0, gate.sizes(), gate.options());
   const RowArgs a = row_args({&gate, &up, &y});
   check_launch(modulec::launch_swiglu_forward(dtype_of(gate), gate.data_ptr(), a.ld[0],
                                               up.data_ptr(), a.ld[1], y.data_ptr(), a.ld[2],
@@ -229,8 +243,8 @@ std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const
   const int64_t C = gate.size(-1);
   Tensor d_gate, d_up;
   if (out.size() >= 2 && out[0] && out[1]) {
-    d_gate = output(out, 0, gate.sizes(), gate.options());
-    d_up = output(out, 1, gate.sizes(), gate.options());
+    d_gate = output_rows(out, 0, gate.sizes(), gate.options());
+    d_up = output_rows(out, 1, gate.sizes(), gate.options());
   } else {
     std::vector<int64_t> fused(gate.sizes().begin(), gate.sizes().end());
     fused.back() = 2 * C;
@@ -290,12 +304,19 @@ void check_x(const Tensor& x, const char* name, const Tensor& like) {
 // tensor laid out [B, T, H, D] (returned as its [B, H, T, D] transpose: the layout
 // FlashAttention reads); position_ids int32 [B or 1, T] or None
 Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, double theta,
-            bool inverse) {
+            bool inverse, const Outputs& out) {
   check_x(x, "x", x);
   const c10::cuda::CUDAGuard guard(x.device());
-  Tensor out = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
-  rope_into(x, out, position_ids, theta, inverse);
-  return out;
+  Tensor y;
+  if (!out.empty() && out[0]) {  // given (the arena's planned bytes): any strides over b, h, t
+    y = *out[0];
+    check_x(y, "out[0]", x);
+    TORCH_CHECK(y.sizes() == x.sizes(), "out[0] is ", y.sizes(), ", rope writes ", x.sizes());
+  } else {
+    y = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+  }
+  rope_into(x, y, position_ids, theta, inverse);
+  return y;
 }
 
 // x [B, H, T, D] (any strides over b, h, t) rotated in place: each element is read
@@ -587,8 +608,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[0] and out[1])",
         py::arg("d_y"), py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
   m.def("rope", &rope,
-        "(x [B, H, T, D] strided, position_ids or None, theta, inverse) -> rotated x, laid "
-        "out [B, T, H, D]");
+        "(x [B, H, T, D] strided, position_ids or None, theta, inverse, out=[]) -> rotated x, "
+        "laid out [B, T, H, D], or into out[0] (any strides over b, h, t)",
+        py::arg("x"), py::arg("position_ids"), py::arg("theta"), py::arg("inverse"),
+        py::arg("out") = Outputs());
   m.def("rope_inplace", &rope_inplace,
         "(x [B, H, T, D] strided, position_ids or None, theta, inverse): x rotated in place");
   m.def("rope_qk_into_heads", &rope_qk_into_heads,

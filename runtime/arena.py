@@ -32,6 +32,10 @@ from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
 from runtime.errors import RuntimeUserError
 
+# the IR's dtypes as an arena run holds them ("float": the compute dtype, bf16 there)
+IR_DTYPES = {"bf16": torch.bfloat16, "float": torch.bfloat16, "fp16": torch.float16,
+             "fp32": torch.float32, "int32": torch.int32}
+
 
 @dataclass
 class Arena:
@@ -42,12 +46,14 @@ class Arena:
     placements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # forward function -> (base, stride)
     handed: dict = field(default_factory=dict)  # function -> {result: position}
+    joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
     _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
 
     def __post_init__(self):
         plan = plan_step(self.graph)
         self.placements = plan.placements
         self.handed = plan.handed
+        self.joins = plan.joins
         sizes = {TRANSIENT: plan.regions[TRANSIENT].arena,
                  SAVED: self.layout.get("regions", {}).get(SAVED, 0)}
         self.regions = {name: torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -98,15 +104,31 @@ class Arena:
         start = self._start(parent, placement)
         return placement.region, self.regions[placement.region][start:start + placement.size_bytes]
 
+    def _part(self, frame, value: str) -> Tensor | None:
+        """A part of a concat planned in place (modulec.plan.joins): its slice of the
+        concat's planned bytes, typed (strided on an inner dim), or None."""
+        part = self.joins.get(frame.function.name, {}).get(value)
+        if part is None:
+            return None
+        info = frame.function.value(part.concat)
+        dtype = IR_DTYPES.get(info.dtype)
+        placement = self.placements[frame.function.name][part.concat]
+        if dtype is None or placement.block != part.concat:
+            return None
+        shape = tuple(int(d) for d in info.shape)
+        start = self._start(frame, placement)
+        whole = self.regions[placement.region][start:start + placement.size_bytes]
+        view = whole.view(dtype).view(shape).narrow(part.dim, part.start, part.length)
+        for dim0, dim1 in part.swaps:
+            view = view.transpose(dim0, dim1)
+        return view
+
     def _into(self, where: Tensor, tensor: Tensor) -> Tensor:
         """`tensor` in bytes `where` (copied unless it is there already)."""
         if tensor.nbytes > where.numel():
             raise RuntimeUserError(f"a call's result needs {tensor.nbytes} bytes, the plan "
                                    f"gives it {where.numel()}")
-        target = _typed(where[:tensor.nbytes], tensor)
-        if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
-            target.copy_(tensor)
-        return target
+        return _moved(_typed(where[:tensor.nbytes], tensor), tensor)
 
     def is_transient(self, frame, value: str) -> bool:
         if value in frame.destinations:
@@ -127,6 +149,9 @@ class Arena:
         """The value's tensor in its planned bytes (views stay torch views)."""
         if value in frame.destinations and isinstance(tensor, Tensor):
             return self._into(frame.destinations[value][1], tensor)
+        part = self._part(frame, value)
+        if part is not None and isinstance(tensor, Tensor):
+            return _moved(part, tensor)
         placement = self.placements.get(frame.function.name, {}).get(value)
         if placement is None and self._in_arena(tensor):
             return tensor.clone()  # no planned bytes (a parameter's gradient): its own
@@ -146,6 +171,9 @@ class Arena:
         placement, or bytes that are another value's (a view, an in-place output)."""
         if value in frame.destinations:
             return frame.destinations[value][1]
+        part = self._part(frame, value)
+        if part is not None:
+            return part
         placement = self.placements.get(frame.function.name, {}).get(value)
         if placement is None or placement.block != value or node.target in ALIASES or \
                 self._in_place_target(frame, node, value) is not None:
@@ -191,6 +219,18 @@ class Arena:
             return frame.transient_base + placement.offset
         base, stride = self.records[frame.function.name]
         return base + frame.instance * stride + placement.offset
+
+
+def _moved(target: Tensor, tensor: Tensor) -> Tensor:
+    """`target` holding `tensor`'s values (copied unless `tensor` is `target` already)."""
+    if target.shape != tensor.shape or target.dtype != tensor.dtype:
+        raise RuntimeUserError(f"a {list(tensor.shape)} {tensor.dtype} value for planned "
+                               f"bytes of {list(target.shape)} {target.dtype}",
+                               help=["run on the plan in the IR's dtypes "
+                                     "(dtype=torch.bfloat16)"])
+    if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
+        target.copy_(tensor)
+    return target
 
 
 def _typed(raw: Tensor, tensor: Tensor) -> Tensor:

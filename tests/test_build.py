@@ -94,7 +94,7 @@ def test_schedule_ops_carry_their_planned_buffers():
     for name, ops in result.document["schedule"]["functions"].items():
         arenas = {r["region"]: r["arena_bytes"] for r in step.functions[name]["regions"]}
         for op in ops:
-            for value, region, offset, size in op.get("buffers", ()):
+            for value, region, offset, size, *_ in op.get("buffers", ()):
                 if region == "result":  # in the caller's bytes: its position there
                     assert step.handed[name][value] == offset
                     continue

@@ -458,3 +458,44 @@ def test_adamw_matches_torch(n, grad_dtype):
         opt.step()
     assert float((p - ref.detach()).abs().max()) < 1e-5
     assert torch.equal(compute, p.to(torch.bfloat16))
+
+
+@cuda
+@needs_gpu
+def test_swiglu_writes_the_halves_of_a_planned_concat():
+    """A concat planned in place (modulec.plan.joins) gives swiglu's backward d_gate and
+    d_up as the strided halves of each row of one [.., 2C] buffer (and the forward a
+    strided y): the kernel writes them there, values as without."""
+    torch.manual_seed(6)
+    kernel, (rows, C) = CUDA_KERNELS["swiglu"], (6, 256)
+    gate, up, d_y = (rand(2, rows // 2, C, dtype=torch.bfloat16) for _ in range(3))
+    joined = torch.full((2, rows // 2, 2 * C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    halves = [joined.narrow(-1, 0, C), joined.narrow(-1, C, C)]
+    want = kernel.backward([d_y, gate, up], {})
+    got = kernel.backward([d_y, gate, up], {"out": halves})
+    for g, w, half in zip(got, want, halves):
+        assert g.data_ptr() == half.data_ptr() and g.stride() == half.stride()
+        assert torch.equal(g, w)
+    y = kernel.forward([gate, up], {"out": [halves[0]]})[0]
+    assert y.data_ptr() == halves[0].data_ptr() and torch.equal(y, kernel.forward([gate, up], {})[0])
+
+
+@cuda
+@needs_gpu
+def test_rope_backward_writes_the_head_slots_of_a_planned_d_qkv():
+    """On the arena the attention's (d_q, d_k, d_v) concat is planned in place: rope's
+    backward gets the q and k head slots of the [B, T, Hq + 2 Hk, D] gradient as
+    [B, H, T, D] strided targets and writes them there, values as without."""
+    from runtime.cuda.train_kernels import train_kernels
+
+    torch.manual_seed(7)
+    B, T, Hq, Hk, D = 2, 16, 4, 2, 32
+    rope = train_kernels("cuda")["rope"]
+    d_q, d_k = rand(B, Hq, T, D, dtype=torch.bfloat16), rand(B, Hk, T, D, dtype=torch.bfloat16)
+    qkv = torch.full((B, T, Hq + 2 * Hk, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    slots = [qkv.narrow(2, 0, Hq).transpose(1, 2), qkv.narrow(2, Hq, Hk).transpose(1, 2)]
+    want = rope.backward([d_q, d_k, None], {"theta": 10000.0})
+    got = rope.backward([d_q, d_k, None], {"theta": 10000.0, "out": slots})
+    for g, w, slot in zip(got, want, slots):
+        assert g.data_ptr() == slot.data_ptr() and torch.equal(g, w)
+    assert qkv[:, :, Hq + Hk:].isnan().all()  # d_v's slots: left for it

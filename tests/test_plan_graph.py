@@ -116,3 +116,19 @@ def test_a_repeated_call_holds_a_second_buffer_for_each_result_its_callee_does_n
                 assert (turn_of(node.id, k) in plan.placements[name]) == (value not in kept)
                 turns += value not in kept
     assert turns >= 2
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_concats_are_planned_in_place(derived):
+    """The parts of the MLP's and the attention's gradient concats (split's derived
+    backward too) are views of the concat's output: one storage, no second buffer."""
+    request = BuildRequest(LLAMA, settings={**SMALL, "n_layers": "2"},
+                           shapes={"B": 2, "T": 64}, derive_written=derived)
+    plan = plan_step(build(request).graph)
+    joined = {name: parts for name, parts in plan.joins.items() if parts}
+    assert sorted(n.split("#")[0] for n in joined) == ["CausalSelfAttention", "SwiGLU_MLP"]
+    for name, parts in joined.items():
+        placed = plan.placements[name]
+        assert {len(parts)} <= {2, 3}
+        for value, part in parts.items():
+            assert placed[value].block == placed[part.concat].block == part.concat

@@ -73,9 +73,10 @@ def test_a_value_larger_than_its_bytes_is_refused():
         model.forward(**token_inputs(model))
 
 
-def _train_kernel_run(name: str, arena: bool):
+def _train_kernel_run(name: str, arena: bool, derive_written: bool = False):
     """The GPU step's interpreter and kernels (their CPU paths: views stay views, RoPE is
-    planned in place) with the LM head cut off, on the arena or not."""
+    planned in place) with the LM head cut off, on the arena or not (`derive_written`:
+    the backward derived, not the source's)."""
     from runtime.arena import Arena, ParameterRegions
     from runtime.cuda.lm_head import split_head
     from runtime.cuda.step import _StepInterpreter
@@ -84,6 +85,7 @@ def _train_kernel_run(name: str, arena: bool):
     path, settings = TINY[name]
     model = Model.from_module(path, settings=settings, dtype=torch.bfloat16)
     model.init_random(0, std=0.3)
+    model.source.derive_written = derive_written
     inputs = token_inputs(model)
     program = model.source.program_for(inputs)
     split = split_head(program.graph)
@@ -155,3 +157,24 @@ def test_call_results_are_written_into_the_callers_bytes(monkeypatch):
     callees = [name for name in moved if name.startswith(("SwiGLU_MLP", "CausalSelfAttention"))]
     assert len(callees) == 4
     assert not any(any(moved[name]) for name in callees)
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_concats_planned_in_place_move_nothing(monkeypatch, derived):
+    """The MLP's (d_gate, d_up) and the attention's (d_q, d_k, d_v) are made in the bytes
+    of the concat (written backward) or split backward (derived) that joins them
+    (modulec.plan.joins): the join is a view of them, nothing is copied there."""
+    from modulec.plan.joins import CONCATS
+    from runtime.arena import Arena
+
+    joined = []
+    place = Arena.place
+
+    def recording(self, frame, node, value, tensor):
+        placed = place(self, frame, node, value, tensor)
+        if node is not None and node.target in CONCATS:
+            joined.append(placed.data_ptr() == tensor.data_ptr())
+        return placed
+    monkeypatch.setattr(Arena, "place", recording)
+    _train_kernel_run("llama", arena=True, derive_written=derived)
+    assert len(joined) == 4 and all(joined)  # two layers, MLP and attention

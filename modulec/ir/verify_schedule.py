@@ -97,8 +97,9 @@ def _op_shape(op) -> list[str]:
         problems += _inserted_shape(op)
     buffers = op.get("buffers", [])
     if not isinstance(buffers, list) or not all(_is_buffer(b) for b in buffers):
-        problems.append("`buffers` must be a list of [value, region, offset, bytes] with "
-                        "offset, bytes non-negative integers")
+        problems.append("`buffers` must be a list of [value, region, offset, bytes] (and "
+                        "the value whose storage it shares) with offset, bytes non-negative "
+                        "integers")
     return problems
 
 
@@ -127,8 +128,10 @@ def _is_int(value) -> bool:
 
 
 def _is_buffer(item) -> bool:
-    return isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and \
-        isinstance(item[1], str) and all(_is_int(x) and x >= 0 for x in item[2:])
+    """[value, region, offset, bytes] and, for a value in another's storage, that value."""
+    return isinstance(item, list) and len(item) in (4, 5) and isinstance(item[0], str) and \
+        isinstance(item[1], str) and all(_is_int(x) and x >= 0 for x in item[2:4]) and \
+        (len(item) == 4 or isinstance(item[4], str))
 
 
 # ====================================================================== one function
@@ -187,17 +190,18 @@ def _overlaps(name: str, ops: list, function) -> list[str]:
         node_index = index.get(op.get("node")) if op.get("kind") is None else None
         if node_index is None or function.nodes[node_index].target in SHARED:
             continue
-        for value, region, offset, size in op.get("buffers", ()):
+        for value, region, offset, size, *storage in op.get("buffers", ()):
             # a `result` lives in the caller's bytes (its offset is its position there)
             if value in spans and size > 0 and region != "result":
-                placed.append((region, offset, offset + size, spans[value], value))
+                placed.append((region, offset, offset + size, spans[value], value,
+                               storage[0] if storage else value))
     problems = []
     placed.sort()
-    for i, (region, start, end, live, value) in enumerate(placed):
+    for i, (region, start, end, live, value, storage) in enumerate(placed):
         for other in placed[i + 1:]:
             if other[0] != region or other[1] >= end:
                 break
-            if live[0] < other[3][1] and other[3][0] < live[1] and value != other[4]:
+            if live[0] < other[3][1] and other[3][0] < live[1] and storage != other[5]:
                 problems.append(f"schedule @{name}: `{value}` and `{other[4]}` overlap in "
                                 f"{region} (+{start}:{end - start} and +{other[1]}:"
                                 f"{other[2] - other[1]}) while both are live")

@@ -67,7 +67,11 @@ def _op(node: Node, placed: dict) -> dict:
 
 
 def _buffer_ref(value: str, placement) -> list:
-    return [value, placement.region, placement.offset, placement.size_bytes]
+    """[value, region, offset, bytes], and the value owning the storage where that is
+    another (a view, an output written over an input, a part of a concat planned in place)."""
+    ref = [value, placement.region, placement.offset, placement.size_bytes]
+    block = getattr(placement, "block", value)
+    return ref + [block] if block != value else ref
 
 
 def kernel_of(node: Node) -> str:

@@ -53,7 +53,9 @@ def _times(repeat) -> str:
 
 
 def _buffers_text(buffers) -> str:
-    return "".join(f"  {value}@{region}+{offset}:{size}" for value, region, offset, size in buffers)
+    """`value@region+offset:bytes`, `(in owner)` where another value owns the storage."""
+    return "".join(f"  {value}@{region}+{offset}:{size}" + (f" (in {rest[0]})" if rest else "")
+                   for value, region, offset, size, *rest in buffers)
 
 
 def _print_layout(layout: dict) -> str:

@@ -27,6 +27,7 @@ from modulec.plan.memory import (
 )
 from modulec.plan.memory.model import round_up
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
+from modulec.plan.joins import joined_parts
 from modulec.plan.layouts import free_contiguous
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32": 4,
@@ -38,6 +39,8 @@ VIEWS = ("view", "transpose", "permute", "split")
 BACKWARD_VIEWS = ("view_backward", "transpose_backward", "permute_backward",
                   "contiguous_backward")
 ALIASES = VIEWS + BACKWARD_VIEWS
+# ops whose kernel returns one tensor for two of its outputs: (output, the output it is)
+ONE_TENSOR = {"fused_residual_rmsnorm_backward": ((1, 0),)}  # d_input is d_residual
 IN_PLACE = ("silu", "relu", "relu2", "gelu", "sigmoid", "exp", "neg", "exp_neg", "scale")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weight, AdamW m and v
 
@@ -61,6 +64,7 @@ class StepPlan:
     invocations: dict[str, int] = field(default_factory=dict)
     functions: dict[str, dict] = field(default_factory=dict)  # per function: its plan summary
     placements: dict[str, dict] = field(default_factory=dict)  # function -> value -> Placement
+    joins: dict[str, dict] = field(default_factory=dict)  # function -> part -> joins.Part
     # function -> {its output value: position}: results written into the caller's bytes
     handed: dict[str, dict] = field(default_factory=dict)
 
@@ -104,7 +108,7 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     the same metric (naive: the callee's naive bytes, once per repetition)."""
     results = []
     for metric in METRICS:
-        plan = _planned(graph, function, arenas, metric, step.handed)
+        plan = _planned(graph, function, arenas, metric, step.handed, step.joins)
         region = plan.regions.get(TRANSIENT) if plan is not None else None
         results.append(_metric(region, metric))
         if metric == "arena" and plan is not None:
@@ -115,15 +119,18 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     return tuple(results)
 
 
-def _planned(graph, function, arenas, metric: str, handed: dict):
+def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | None = None):
     """`handed` (function -> its results written into the caller's bytes) has every
-    callee's already; `function`'s own is added."""
+    callee's already; `function`'s own is added, and its concats planned in place to
+    `joins` (function -> part -> modulec.plan.joins.Part)."""
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
     free = free_contiguous(function)
     # outputs that take their input's bytes: written in place, or contiguous already
     over = written_over(graph, function) | {
-        n.outputs[0]: n.inputs[0] for n in function.nodes if n.id in free}
+        n.outputs[0]: n.inputs[0] for n in function.nodes if n.id in free} | {
+        n.outputs[o]: n.outputs[i] for n in function.nodes if n.kind == "op"
+        for o, i in ONE_TENSOR.get(n.target, ()) if n.outputs[o] and n.outputs[i]}
     ops, buffers, made = [], {}, {}
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
@@ -144,10 +151,24 @@ def _planned(graph, function, arenas, metric: str, handed: dict):
                       "view" if node.id in free else _kind(node), node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes), ops)
+    _join_concats(function, buffers, made, joins)
     handed[function.name] = _handed(graph, function, buffers)
     ops = _without(ops, handed[function.name])
     buffers = [b for b in buffers.values() if b.id not in handed[function.name]]
     return plan_memory(ops, buffers) if ops else None
+
+
+def _join_concats(function: Function, buffers: dict, made: dict, joins: dict | None) -> None:
+    """The parts of a concat planned in place (modulec.plan.joins) as views of its output."""
+    ops_made = {v for v, i in made.items() if function.nodes[i].kind == "op"}
+    own = {v for v, b in buffers.items() if v in ops_made and b.alias_of is None
+           and b.region == TRANSIENT and b.pinned_lifetime is None}
+    parts = joined_parts(function, own, lambda v: buffers[v].size_bytes)
+    for value, part in parts.items():
+        buffers[value] = Buffer(value, buffers[value].size_bytes, TRANSIENT,
+                                alias_of=part.concat, offset_in_source=part.byte_offset)
+    if joins is not None:
+        joins[function.name] = parts
 
 
 def _handed(graph: Graph, function: Function, buffers: dict) -> dict[str, int]:

@@ -115,6 +115,8 @@ class CudaKernel:
 
 def _call(fn: Callable, inputs: list, attrs: dict, out: list | None):
     if out and getattr(fn, "writes_out", False):
+        if not getattr(fn, "writes_rows", False):  # strided parts: the kernel allocates
+            out = [o if o is None or o.is_contiguous() else None for o in out]
         return fn(_extension(), inputs, attrs, out=out)
     return fn(_extension(), inputs, attrs)
 
@@ -125,16 +127,36 @@ def writes_out(fn: Callable) -> Callable:
     return fn
 
 
+def writes_rows(fn: Callable) -> Callable:
+    """Mark a `writes_out` function that also writes rows with one stride (a part of a
+    planned concat over the last dim, given typed: runtime/arena.py)."""
+    fn.writes_rows = True
+    return writes_out(fn)
+
+
 def typed(out: list | None, i: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
     """out[i] (uint8 bytes) as a contiguous `shape` tensor of `dtype`, or None where there
-    are none or too few."""
+    are none or too few; a typed out[i] (a strided part of a planned concat,
+    runtime/arena.py) as it is, where it is that shape and dtype."""
     raw = out[i] if out and i < len(out) else None
     if raw is None:
         return None
+    if raw.dtype != torch.uint8 or raw.dtype == dtype:
+        return _as_shape(raw, shape) if raw.dtype == dtype else None
     n = dtype.itemsize
     for d in shape:
         n *= int(d)
     return raw[:n].view(dtype).view(tuple(shape)) if raw.numel() >= n else None
+
+
+def _as_shape(t: torch.Tensor, shape) -> torch.Tensor | None:
+    """`t` as `shape`: itself, or a view of it when it is contiguous with as many elements."""
+    if tuple(t.shape) == tuple(int(d) for d in shape):
+        return t
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return t.view(tuple(shape)) if t.is_contiguous() and t.numel() == n else None
 
 
 # ------------------------------------------------------------------- the custom kernels
@@ -175,13 +197,13 @@ def _fused_bwd(ext, inputs, attrs, out=None):
     return [g, g, d_weight]  # d_residual and d_input are one tensor, as the reference's
 
 
-@writes_out
+@writes_rows
 def _swiglu_fwd(ext, inputs, attrs, out=None):
     gate, up = inputs
     return [ext.swiglu_forward(gate, up, [typed(out, 0, gate.shape, gate.dtype)])]
 
 
-@writes_out
+@writes_rows
 def _swiglu_bwd(ext, inputs, attrs, out=None):
     d_y, gate, up = inputs
     return ext.swiglu_backward(d_y, gate, up, [typed(out, i, gate.shape, gate.dtype)

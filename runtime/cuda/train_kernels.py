@@ -193,7 +193,8 @@ class Split(NoCast):
 class Rope:
     """rope through CUDA_KERNELS; the backward writes d_q / d_k into the head slots of a
     fused [B, T, Hq + 2 Hk, D] buffer with room left for d_v (the attention module's
-    backward concatenates (d_q, d_k, d_v) over heads next: `join` then copies d_v alone)."""
+    backward concatenates (d_q, d_k, d_v) over heads next: `join` then copies d_v alone),
+    or, on the arena, into the head slots of the planned d_qkv (modulec.plan.joins)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -201,15 +202,23 @@ class Rope:
     def __getattr__(self, attr):
         return getattr(self.kernel, attr)
 
+    takes_out = True  # the backward: typed strided targets (a concat planned in place)
+
     def forward(self, inputs: list, attrs: dict) -> list:
+        attrs.pop("out", None)
         return self.kernel.forward(inputs, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
+        out = attrs.pop("out", None)
         if not self.kernel.covers_backward(inputs):
             return self.kernel.backward(inputs, attrs)
         from runtime.cuda.kernels import _extension
 
         d_q, d_k, position_ids = inputs
+        theta = float(attrs.get("theta", 10000.0))
+        if _typed_targets(out, (d_q, d_k)):  # the head slots of the planned d_qkv
+            return [_extension().rope(d, position_ids, theta, True, [o])
+                    for d, o in zip((d_q, d_k), out)]
         Hq, Hk, D = d_q.shape[1], d_k.shape[1], d_q.shape[3]
         _, g_q, g_k = _extension().rope_qk_into_heads(
             d_q, d_k, position_ids, float(attrs.get("theta", 10000.0)), True, Hk)
@@ -217,11 +226,20 @@ class Rope:
         return [g_q, g_k]
 
 
+def _typed_targets(out, like) -> bool:
+    """`out` holds a tensor shaped and typed as each of `like` (not planned bytes)."""
+    return bool(out) and len(out) == len(like) and all(
+        isinstance(o, torch.Tensor) and o.dtype == t.dtype and o.shape == t.shape
+        and o.stride(-1) == 1 for o, t in zip(out, like))
+
+
 class QkNormRope(Rope):
     """qk_norm_rope through CUDA_KERNELS: one launch each way, reading q / k as the strided
     head views of the fused QKV projection (no contiguous copies, unlike qk_norm's); the
     backward writes d_q / d_k into the head slots of a fused [B, T, Hq + 2 Hk, D] buffer
     with room left for d_v, as Rope's does."""
+
+    takes_out = False
 
     def backward(self, inputs: list, attrs: dict) -> list:
         if not self.kernel.covers_backward(inputs):
@@ -304,7 +322,7 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
             or raw.device != a.device:
         return None
     C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype)
-    if C is None:
+    if C is None or not C.is_contiguous():
         return None
     torch.mm(a, b, out=C)
     if alpha != 1.0:
