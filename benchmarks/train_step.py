@@ -103,21 +103,22 @@ def modulec_options(variant: str) -> dict:
     """Options joined by `_` after `modulec`: `norecompute` (the derived backward),
     `keepgrads`, `torchadam`, `flash` (FlashAttention-2 instead of cuDNN first),
     `swap` (with a budget: planned on the h200 profile, so swaps to host memory too),
-    `arena` (activations at the plan's offsets, copied in: TrainStep(arena=True)),
+    `noarena` (activations from torch's caching allocator, not at the plan's offsets:
+    TrainStep(arena=False); the arena is the default),
     `budget<GiB>` (e.g.
     modulec_norecompute_budget20: build with that memory budget for the whole step,
     TrainStep.from_module(memory_budget=...), the planner deciding what to recompute)."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
     unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash",
-                                  "swap", "arena"}
+                                  "swap", "noarena"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
                "optimizer": "torch" if "torchadam" in parts else "fused",
                "update_in_backward": not parts & {"keepgrads", "torchadam"},
                "attention": ("flash",) if "flash" in parts else ("cudnn", "flash"),
-               "arena": "arena" in parts}
+               "arena": "noarena" not in parts}
     if budgets:
         options["memory_budget"] = int(float(budgets.pop()[len("budget"):]) * 2**30)
         options["plan_device"] = "h200" if "swap" in parts else "h200-noswap"
@@ -142,6 +143,7 @@ def run_modulec(args, shape, ckpt, variant="modulec"):
     result["loss"] = float(step.loss)
     if step.activations is not None:  # the arena's regions, as the plan sizes them
         result["arena_bytes"] = step.activations.bytes_of()
+        result["predicted_peak_bytes"] = step.predicted_peak()
     if step.decisions is not None:
         result["budget_bytes"] = step.memory_budget
         result["predicted_peak_bytes"] = step.predicted_peak()

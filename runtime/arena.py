@@ -8,8 +8,11 @@ A callee's results the plan hands over (`StepPlan.handed`) are written where the
 plan put the call's outputs (a frame's `destinations`), by a repeated call alternately into
 the output and its second buffer (`call:<node>:turn<k>`), the last repetition into the
 output.
-Saved values of the i-th run of forward function F sit in F's record i of the saved region:
-`base(F) + i * stride(F) + offset`. A kernel computes out of place and its result is
+Saved values of the i-th run of forward function F sit in F's record i of the saved region
+(`saved_records`): each record holds the storages that run keeps, packed in the plan's
+order, so a run whose values the planner decided to recompute or swap (the layout's
+`decisions`) takes no bytes for them; such a value lives outside the arena until it is
+released, as a replay or a swap's copy back does. A kernel computes out of place and its result is
 copied into the planned bytes (an in-place decision shares the input's bytes, which is
 dead by then); a view op (view, transpose, permute, split) keeps torch's view of its
 source, which is in the arena already. A plan that lets two live values share bytes
@@ -44,8 +47,10 @@ class Arena:
     device: str = "cpu"
     regions: dict[str, Tensor] = field(default_factory=dict)
     placements: dict = field(default_factory=dict)
-    records: dict = field(default_factory=dict)  # forward function -> (base, stride)
+    records: dict = field(default_factory=dict)  # forward function -> per run: its record
     handed: dict = field(default_factory=dict)  # function -> {result: position}
+    # NaN over the transient bytes after the forward and over released values (tests)
+    poison: bool = True
     joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
     _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
 
@@ -54,12 +59,10 @@ class Arena:
         self.placements = plan.placements
         self.handed = plan.handed
         self.joins = plan.joins
-        sizes = {TRANSIENT: plan.regions[TRANSIENT].arena,
-                 SAVED: self.layout.get("regions", {}).get(SAVED, 0)}
-        self.regions = {name: torch.empty(size, dtype=torch.uint8, device=self.device)
-                        for name, size in sizes.items()}
-        self.records = {f["function"]: (f["saved"]["base"], f["saved"]["stride"])
-                        for f in self.layout.get("functions", [])}
+        self.regions = {TRANSIENT: torch.empty(plan.regions[TRANSIENT].arena,
+                                               dtype=torch.uint8, device=self.device)}
+        self.records, saved = saved_records(self.layout, self.placements)
+        self.regions[SAVED] = torch.empty(saved, dtype=torch.uint8, device=self.device)
 
     def bytes_of(self) -> dict[str, int]:
         return {name: region.numel() for name, region in self.regions.items()}
@@ -102,6 +105,8 @@ class Arena:
         if placement is None or placement.block != key:
             return None
         start = self._start(parent, placement)
+        if start is None:
+            return None
         return placement.region, self.regions[placement.region][start:start + placement.size_bytes]
 
     def _part(self, frame, value: str) -> Tensor | None:
@@ -117,6 +122,8 @@ class Arena:
             return None
         shape = tuple(int(d) for d in info.shape)
         start = self._start(frame, placement)
+        if start is None:
+            return None
         whole = self.regions[placement.region][start:start + placement.size_bytes]
         view = whole.view(dtype).view(shape).narrow(part.dim, part.start, part.length)
         for dim0, dim1 in part.swaps:
@@ -141,9 +148,19 @@ class Arena:
         backward reads may come from there."""
         self.regions[TRANSIENT].fill_(255)
 
+    def in_transient(self, tensor) -> bool:
+        """`tensor` lies in the transient region's bytes (whatever value it stands for)."""
+        if not isinstance(tensor, Tensor) or tensor.device != self.regions[TRANSIENT].device:
+            return False
+        region = self.regions[TRANSIENT]
+        start = region.data_ptr()
+        return start <= tensor.data_ptr() < start + region.numel()
+
     def is_saved(self, frame, value: str) -> bool:
+        """`value` of this run has bytes in its saved record (the run keeps it)."""
         placement = self.placements.get(frame.function.name, {}).get(value)
-        return placement is not None and placement.region == SAVED
+        return placement is not None and placement.region == SAVED and \
+            self._start(frame, placement) is not None
 
     def place(self, frame, node, value: str, tensor: Tensor) -> Tensor:
         """The value's tensor in its planned bytes (views stay torch views)."""
@@ -161,6 +178,8 @@ class Arena:
         target = self._in_place_target(frame, node, value)
         if target is None:
             target = self._view(frame, placement, tensor, value)
+        if target is None:  # no bytes in this run's record: the run does not keep it
+            return tensor
         if target.data_ptr() == tensor.data_ptr() and target.stride() == tensor.stride():
             return tensor  # already there: a view the plan counts as one (layouts)
         target.copy_(tensor)
@@ -179,7 +198,8 @@ class Arena:
                 self._in_place_target(frame, node, value) is not None:
             return None
         start = self._start(frame, placement)
-        return self.regions[placement.region][start:start + placement.size_bytes]
+        return None if start is None else \
+            self.regions[placement.region][start:start + placement.size_bytes]
 
     def _in_arena(self, tensor) -> bool:
         """A view of the activation regions' bytes (a kernel that returns a view of its
@@ -212,13 +232,53 @@ class Arena:
                 f"gives it {placement.size_bytes}", help=["run on the plan in the IR's "
                                                           "dtypes (dtype=torch.bfloat16)"])
         start = self._start(frame, placement)
+        if start is None:
+            return None
         return _typed(self.regions[placement.region][start:start + tensor.nbytes], tensor)
 
-    def _start(self, frame, placement) -> int:
+    def _start(self, frame, placement) -> int | None:
+        """Where the placement's bytes start in its region; None for a saved value this
+        run does not keep."""
         if placement.region == TRANSIENT:
             return frame.transient_base + placement.offset
-        base, stride = self.records[frame.function.name]
-        return base + frame.instance * stride + placement.offset
+        base, blocks = self.records[frame.function.name][frame.instance]
+        if placement.block not in blocks:
+            return None
+        block = self.placements[frame.function.name][placement.block]
+        return base + blocks[placement.block] + placement.offset - block.offset
+
+
+def saved_records(layout: dict, placements: dict) -> tuple[dict, int]:
+    """({forward function: per run, (base, {storage: offset in the record})}, the saved
+    region's bytes). A run's record holds the storages (a value and its views) it keeps
+    (the layout's decisions; none: keep), in the plan's order, aligned."""
+    records, end = {}, 0
+    for entry in layout.get("functions", []):
+        name, runs = entry["function"], []
+        order = sorted((p.offset, value) for value, p in placements.get(name, {}).items()
+                       if p.region == SAVED and p.block == value)
+        for instance in range(entry["instances"]):
+            kept = _kept_storages(entry["values"], instance)
+            blocks, size = {}, 0
+            for _, block in order:
+                if block in kept:
+                    blocks[block] = size
+                    size += -(-placements[name][block].size_bytes // ALIGNMENT) * ALIGNMENT
+            runs.append((end, blocks))
+            end += size
+        records[name] = runs
+    return records, end
+
+
+def _kept_storages(values: list, instance: int) -> set:
+    """The storages of a record's values (a view's is its source's) kept in `instance`."""
+    kept = set()
+    for row in values:
+        kind = next((k for k, first, last in row.get("decisions", ())
+                     if first <= instance <= last), "keep")
+        if kind == "keep":
+            kept.add(row.get("view_of", row["value"]))
+    return kept
 
 
 def _moved(target: Tensor, tensor: Tensor) -> Tensor:

@@ -61,16 +61,23 @@ class Decisions:
         frame tree under `root`, and forget the same tensor where a callee (or the next
         repetition) received it as an input (`sinks`), so the backward must restore it."""
         released = []
+        given = _arguments(root, sinks)
         for frame in _frames(root):
             for value in list(frame.env):
                 kind = self.of(frame.function.name, value, frame.instance)
                 if kind in (RECOMPUTE, SWAP):
                     released.append((frame, value, self._release(frame, value, kind, sinks)))
-                elif arena is not None and arena.is_transient(frame, value):
+                elif arena is not None and (arena.is_transient(frame, value)
+                                            or arena.in_transient(frame.env[value])):
                     # the backward reuses these bytes: a read replays the value instead
-                    frame.dropped.add(value)
-                    _forget(frame, value, frame.env.pop(value), sinks)
-        if arena is not None:
+                    # (an argument in them: its caller's, asked for again)
+                    tensor = frame.env.pop(value)
+                    if (id(frame), value) in given:
+                        frame.forgotten[value] = given[(id(frame), value)]
+                    else:
+                        frame.dropped.add(value)
+                    _forget(frame, value, tensor, sinks)
+        if arena is not None and arena.poison:
             kept = _kept_ranges(root)
             for _, _, tensor in released:
                 _poison(tensor, kept)
@@ -153,6 +160,15 @@ def _forget(frame, value: str, tensor, sinks: dict) -> None:
             del sink.env[argument]
             sink.forgotten[argument] = (frame, value)
             _forget(sink, argument, tensor, sinks)
+
+
+def _arguments(root, sinks: dict) -> dict:
+    """(id(run), argument) -> (the run it came from, its value there), for the runs under
+    `root` (`sinks` maps the other way)."""
+    runs = {id(frame): frame for frame in _frames(root)}
+    return {(id(sink), argument): (runs[owner], value)
+            for (owner, value), places in sinks.items() if owner in runs
+            for sink, argument in places}
 
 
 def _kept_ranges(root) -> list[tuple[int, int]]:

@@ -69,6 +69,7 @@ class Interpreter:
     _runs: dict = field(default_factory=dict)  # forward function -> runs so far
     _sinks: dict = field(default_factory=dict)  # (id(run), value) -> [(callee run, input)]
     _replaying: bool = False
+    _backward_started: bool = False
     grads: dict[str, Tensor] = field(default_factory=dict)
     # drop what no backward reads as each forward function returns (a shape-only stand-in
     # stays), and each layer's forward frame once its backward ran: one backward per forward
@@ -78,7 +79,7 @@ class Interpreter:
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
         entry = self.graph.function(self.graph.entry)
         frame = Frame(entry, "", ())
-        self._runs, self._sinks = {}, {}
+        self._runs, self._sinks, self._backward_started = {}, {}, False
         self._enter(frame, None, None)
         if self.hooks is not None:
             self.hooks.begin("forward")
@@ -95,6 +96,7 @@ class Interpreter:
         if not self.graph.backward:
             raise RuntimeUserError("this program has no backward (it was built without one)")
         self.grads = {}
+        self._backward_started = True
         if self.param_regions is not None:
             self.param_regions.start_backward()
         backward = self.graph.function(self.graph.backward)
@@ -207,9 +209,12 @@ class Interpreter:
         return self._read(value, frame, None)
 
     def place(self, frame: Frame, node, value: str, tensor):
-        """Into the value's planned bytes; a replayed transient value stays out of the
-        arena (the backward owns the transient bytes by then)."""
-        if self.arena is None or self._replaying and self.arena.is_transient(frame, value):
+        """Into the value's planned bytes; a transient value of a forward run made again
+        (replayed, recomputed from saved statistics, taken from a callee) stays out of the
+        arena once the backward runs: the backward owns the transient bytes by then."""
+        late = self._replaying or self._backward_started
+        if self.arena is None or late and not frame.function.gradient_of and \
+                self.arena.is_transient(frame, value):
             return tensor
         return self.arena.place(frame, node, value, tensor)
 

@@ -76,11 +76,11 @@ def _hf_checkpoint(tmp_path):
     return model
 
 
-def _step(tmp_path, dtype):
+def _step(tmp_path, dtype, **options):
     from runtime.cuda.step import TrainStep
     from runtime.hf_weights import load_hf_weights
 
-    step = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, dtype=dtype)
+    step = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, dtype=dtype, **options)
     weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
                               device="cuda")
     return step.load(weights), weights
@@ -187,12 +187,13 @@ def test_fp32_on_the_gpu_matches_the_cpu_reference(tmp_path):
 
 
 def test_arena_step_matches_the_plain_step(tmp_path):
-    """TrainStep(arena=True): activations at the plan's offsets in two allocations (the
-    transient and saved regions), the same loss and gradients as the plain step."""
+    """TrainStep(arena=True), the default: activations at the plan's offsets in two
+    allocations (the transient and saved regions), the same loss and gradients as the step
+    on torch's allocator (arena=False)."""
     from runtime.cuda.step import TrainStep
 
     _hf_checkpoint(tmp_path)
-    plain, weights = _step(tmp_path, torch.bfloat16)
+    plain, weights = _step(tmp_path, torch.bfloat16, arena=False)
     placed = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, dtype=torch.bfloat16,
                                    arena=True).load(weights)
     tokens = _tokens().cuda()
@@ -256,10 +257,12 @@ def test_fused_adamw_step_matches_torch_adamw(tmp_path, derive_written, update_i
         assert torch.equal(fused.compute[p], fused.masters[p].to(torch.bfloat16)), p
 
 
-@pytest.mark.parametrize("optimizer", ["fused", "torch"])
-def test_gradient_accumulation_matches_the_whole_batch(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer,arena", [("fused", False), ("torch", False),
+                                            ("fused", True)])
+def test_gradient_accumulation_matches_the_whole_batch(tmp_path, optimizer, arena):
     """accumulation=2 micro-batches of 1 sample: the same losses and weights as one
-    batch of 2, eagerly and as CUDA-graph replays (fp32 gradient sums)."""
+    batch of 2, eagerly and as CUDA-graph replays (fp32 gradient sums); on the arena, each
+    micro-batch reuses its regions."""
     from runtime.cuda.step import TrainStep
     from runtime.hf_weights import load_hf_weights
 
@@ -267,7 +270,7 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path, optimizer):
     tokens = _tokens().cuda()
     whole = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, optimizer=optimizer)
     micro = TrainStep.from_module(LLAMA, SMALL, batch=1, seq=T, accumulation=B,
-                                  optimizer=optimizer)
+                                  optimizer=optimizer, arena=arena)
     for s in (whole, micro):
         s.load(load_hf_weights(s.program.weight_schema, tmp_path, dtype=torch.float32,
                                device="cuda"))
@@ -312,18 +315,21 @@ def _budget_between(derive_written: bool, share: float, plan_device="h200-noswap
     return int(lowest + share * (peak - lowest)) - planner_budget(program, 0)
 
 
-@pytest.mark.parametrize("derive_written", [True, False])
-def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
+@pytest.mark.parametrize("derive_written,arena", [(True, False), (False, False),
+                                                  (True, True), (False, True)])
+def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written, arena):
     """A step built with a memory budget (planner's recompute decisions, early release,
     replays: apply_saved norms, RoPE, SwiGLU, matmuls) gives the unbudgeted step's loss and
-    gradients within bf16 noise, eagerly and as CUDA-graph replays."""
+    gradients within bf16 noise, eagerly and as CUDA-graph replays; on the arena too, whose
+    saved records then hold only what each run keeps."""
     from runtime.cuda.step import TrainStep
 
     _hf_checkpoint(tmp_path)
     tokens = _tokens().cuda()
     budget = _budget_between(derive_written, 0.2)
     steps = [TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, derive_written=derive_written,
-                                   **options) for options in ({}, {"memory_budget": budget})]
+                                   **options)
+             for options in ({"arena": False}, {"memory_budget": budget, "arena": arena})]
     plain, budgeted = steps
     assert plain.decisions is None and budgeted.decisions is not None
     _load_all(steps, tmp_path, tokens)
@@ -344,11 +350,12 @@ def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written):
         assert abs(a - b) / abs(a) < 5e-3, losses
 
 
-@pytest.mark.parametrize("share", [0.2, 0.9])
-def test_swapped_step_matches_the_unbudgeted_step(tmp_path, share):
+@pytest.mark.parametrize("share,arena", [(0.2, False), (0.9, False), (0.2, True)])
+def test_swapped_step_matches_the_unbudgeted_step(tmp_path, share, arena):
     """A budget planned on the h200 profile (swaps allowed): the planned swaps run on the
     copy stream through pinned host buffers (runtime/cuda/swaps.py), and the loss and
-    gradients are the unbudgeted step's, eagerly and as CUDA-graph replays."""
+    gradients are the unbudgeted step's, eagerly and as CUDA-graph replays (on the arena
+    too)."""
     from runtime.cuda.step import TrainStep
 
     _hf_checkpoint(tmp_path)
@@ -356,7 +363,8 @@ def test_swapped_step_matches_the_unbudgeted_step(tmp_path, share):
     budget = _budget_between(True, share, "h200")
     steps = [TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, derive_written=True,
                                    **options)
-             for options in ({}, {"memory_budget": budget, "plan_device": "h200"})]
+             for options in ({"arena": False}, {"memory_budget": budget, "plan_device": "h200",
+                                                "arena": arena})]
     _load_all(steps, tmp_path, tokens)
     (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
     counts = steps[1].decisions.counts

@@ -61,3 +61,19 @@ def test_released_values_are_really_gone(monkeypatch):
 def test_an_unmeetable_budget_is_a_user_error():
     with pytest.raises(RuntimeUserError, match="cannot be met"):
         _run("llama", 1000)
+
+
+def test_on_the_arena_a_run_holds_saved_bytes_only_for_what_it_keeps():
+    """The saved region packs each run's record with the storages it keeps: the values
+    the planner decided to recompute or swap take no bytes there."""
+    from modulec.plan.memory import SAVED
+
+    sizes = {}
+    for budget in (None, BUDGETS["llama"]):
+        path, settings = TINY["llama"]
+        model = Model.from_module(path, settings=settings, dtype=torch.bfloat16,
+                                  memory_budget=budget)
+        model.arena = True
+        model.program = model.source.program_for(token_inputs(model))
+        sizes[budget] = model._arena().bytes_of()[SAVED]
+    assert 0 < sizes[BUDGETS["llama"]] < sizes[None]

@@ -32,9 +32,9 @@ def main() -> None:
     parser.add_argument("--derive-written", action="store_true")
     parser.add_argument("--attention", default="cudnn,flash", help="backends in order")
     parser.add_argument("--budget", type=float, help="memory budget in GiB (planner decides)")
-    parser.add_argument("--arena", action="store_true",
-                        help="activations at the plan's offsets (TrainStep(arena=True)); "
-                             "also lists the copies by shape")
+    parser.add_argument("--no-arena", dest="arena", action="store_false",
+                        help="activations from torch's allocator (TrainStep(arena=False)); "
+                             "on the arena (the default) the copies are listed by shape")
     args = parser.parse_args()
     step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(args.layers),
                                  batch=args.batch, seq=args.seq,

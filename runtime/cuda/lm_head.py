@@ -72,28 +72,59 @@ def _backward_from(backward: Function, entry: Function, x_id: str, first) -> Fun
 
 
 def lm_head_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int = 2048,
-                          ignore_index: int = -100, head_grad: bool = True):
+                          ignore_index: int = -100, head_grad: bool = True,
+                          scratch: Tensor | None = None):
     """(loss [] fp32, d_x like x, d_weight fp32 like weight) of mean cross-entropy of
     logits = x @ weight^T against labels, in chunks of `chunk_rows` rows. `head_grad=False`
-    (a frozen head, LoRA): d_weight is None, neither computed nor allocated."""
+    (a frozen head, LoRA): d_weight is None, neither computed nor allocated. `scratch`
+    (uint8 bytes free until the caller is done with d_weight: the arena's transient region
+    between forward and backward) holds d_weight and the chunk's logits where they fit."""
     d = x.shape[-1]
     rows, flat_labels = x.reshape(-1, d), labels.reshape(-1)
     keep = flat_labels != ignore_index
     inv_n = 1.0 / keep.sum().clamp(min=1).to(torch.float32)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     d_rows = torch.empty_like(rows)
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) \
-        if head_grad else None
+    room = _Scratch(scratch)
+    d_weight = room.zeros(weight.shape, torch.float32, x.device) if head_grad else None
+    chunk = min(chunk_rows, rows.shape[0])
+    logits = room.empty((chunk, weight.shape[0]), x.dtype, x.device)
     for start in range(0, rows.shape[0], chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])
         part = slice(start, stop)
-        grad = _logits_grad(rows[part] @ weight.t(), flat_labels[part], keep[part], inv_n, loss,
-                            ignore_index)
+        grad = _logits_grad(torch.mm(rows[part], weight.t(), out=logits[:stop - start])
+                            if logits is not None else rows[part] @ weight.t(),
+                            flat_labels[part], keep[part], inv_n, loss, ignore_index)
         torch.mm(grad, weight, out=d_rows[part])
         if head_grad:
             _add_head_grad(d_weight, grad, rows[part])
         del grad  # else the next chunk's logits are allocated while this chunk is still held
     return loss * inv_n, d_rows.reshape(x.shape), d_weight
+
+
+class _Scratch:
+    """Tensors carved one after another from given bytes (uint8), or made as usual where
+    none are given; None for a tensor that would not fit (`empty`)."""
+
+    def __init__(self, raw: Tensor | None):
+        self.raw, self.used = raw, 0
+
+    def zeros(self, shape, dtype, device) -> Tensor:
+        carved = self.empty(shape, dtype, device)
+        return carved.zero_() if carved is not None else \
+            torch.zeros(shape, dtype=dtype, device=device)
+
+    def empty(self, shape, dtype, device) -> Tensor | None:
+        n = dtype.itemsize
+        for size in shape:
+            n *= int(size)
+        if self.raw is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        start = -(-self.used // 256) * 256
+        if start + n > self.raw.numel() or self.raw.device != torch.device(device):
+            return None
+        self.used = start + n
+        return self.raw[start:start + n].view(dtype).view(tuple(shape))
 
 
 def logits_cross_entropy(logits: Tensor, labels: Tensor, chunk_rows: int = 2048,

@@ -27,6 +27,9 @@ backward, AdamW), captured in one CUDA graph and replayed.
   (`W.lora_A`, `W.lora_B`) are trained as above. The backward computes no frozen
   weight's gradient (the derived backward leaves their d_B unwanted, `train_kernels.Matmul`
   skips it; the fused LM head skips d_head).
+- Activations (`arena`, default on for bf16): the transient and saved regions are one
+  allocation each, sized by the memory plan (runtime/arena.py); every planned value is a
+  view at its offset (kernels with `out` write there, other results are copied in).
 - CUDA graph: after `warmup` eager steps on a side stream, one step is captured; each call
   copies the batch into the static input buffers and replays it.
 - Memory budget (`from_module(..., memory_budget=bytes)`): the program is built with the
@@ -96,10 +99,11 @@ class TrainStep:
     # bench_attention.py); FlashAttention-2 takes what cuDNN does not cover (windows)
     attention: tuple = ("cudnn", "flash")
     # activations at the plan's offsets (runtime/arena.py): the transient and saved regions
-    # one allocation each; kernels compute out of place and their results are copied in
-    # (no out= variants yet). Without a memory budget only: a budget's decisions are not
-    # in the arena's placements
-    arena: bool = False
+    # one allocation each, the saved records holding what each run keeps (a budget's
+    # recompute / swap decisions take no bytes there); kernels with `out` write into their
+    # planned bytes, the others' results are copied in. False (and any compute dtype but
+    # bf16, the plan's): torch's caching allocator
+    arena: bool = True
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -151,16 +155,17 @@ class TrainStep:
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.masters: dict[str, Tensor] = {}
         self.kernels = train_kernels(attention=self.attention)
+        # the plan sizes activations in its dtypes (bf16 compute): another compute dtype
+        # (fp32 for the CPU comparisons) runs on torch's allocator
+        self.arena = self.arena and self.dtype == torch.bfloat16
         self.activations = self._arena() if self.arena else None
 
     def _arena(self):
         from runtime.arena import Arena
 
-        if self.decisions is not None or self.accumulation != 1:
-            raise ValueError("arena=True runs the unbudgeted plan, one micro-batch: build "
-                             "without a memory budget and gradient accumulation")
         layout = self.program.document.get("schedule", {}).get("layout", {})
-        return Arena(self.graph, layout, device="cuda")
+        # no NaN over released and transient bytes (the CPU tests' check): a memset a step
+        return Arena(self.graph, layout, device="cuda", poison=False)
 
     # ------------------------------------------------------------------ weights
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -275,19 +280,21 @@ class TrainStep:
             run.swaps = self.swaps
         return run
 
-    def predicted_peak(self) -> int | None:
+    def predicted_peak(self) -> int:
         """The planner's predicted peak of this step's memory (its fixed state replaced
-        by this step's, `budget_offset`), when built with `memory_budget`: re-planned
-        from the unbudgeted graph (the same problem when no module carries memory
-        annotations, as in std's models)."""
-        offset = getattr(self, "budget_offset", None)
-        if offset is None:
-            return None
-        from modulec.plan.budget import make_problem, plan_budget
+        by this step's, `budget_offset`): with `memory_budget`, re-planned from the
+        unbudgeted graph (the same problem when no module carries memory annotations, as
+        in std's models); without, everything kept."""
+        from modulec.plan.budget import make_problem, no_recompute, plan_budget
         from modulec.plan.devices import device
 
         base = getattr(self, "unplanned", self.program)
-        problem = make_problem(base.graph, None, "full", device(self.plan_device))
+        problem = make_problem(base.graph, None, "full",
+                               device(getattr(self, "plan_device", "h200-noswap")))
+        offset = getattr(self, "budget_offset", None)
+        if offset is None:
+            return no_recompute(problem).peak_bytes - planner_budget(self.program, 0,
+                                                                      self.optimizer)
         return plan_budget(problem, self.memory_budget + offset).outcome.peak_bytes - offset
 
     def loss_and_gradients(self, on_gradient=None, micro: int = 0
@@ -308,8 +315,9 @@ class TrainStep:
         if self.split is not None:
             head = self.split.head_param
             trained = head not in self.frozen()
-            loss, seed, d_head = lm_head_cross_entropy(out, self.compute[head], labels,
-                                                       self.chunk_rows, head_grad=trained)
+            loss, seed, d_head = lm_head_cross_entropy(
+                out, self.compute[head], labels, self.chunk_rows, head_grad=trained,
+                scratch=self._head_scratch(on_gradient))
             if d_head is not None and on_gradient is not None and not self._head_tied():
                 on_gradient(head, d_head)
                 d_head = None
@@ -327,6 +335,16 @@ class TrainStep:
                 grad = grads.pop(path)
                 grads[target] = grads[target] + grad if target in grads else grad
         return loss, grads
+
+    def _head_scratch(self, on_gradient) -> Tensor | None:
+        """On the arena, the transient region: free between the forward and the backward,
+        it holds the LM head's logits chunk and gradient, which `on_gradient` takes before
+        the backward starts (an untied head only)."""
+        if self.activations is None or on_gradient is None or self._head_tied():
+            return None
+        from modulec.plan.memory import TRANSIENT
+
+        return self.activations.regions[TRANSIENT]
 
     def _head_tied(self) -> bool:
         """The LM head's parameter gets gradient in the backward too (tied embeddings), or
