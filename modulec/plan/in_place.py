@@ -35,7 +35,7 @@ def in_place_nodes(graph: Graph, function: Function) -> frozenset:
         return frozenset()
     pinned = saved_values(graph, function) | set(function.outputs)
     pinned |= {v.id for v in function.inputs}
-    readers = _readers(function)
+    readers = readers_of(function)
     producers = {o: n for n in function.nodes for o in n.outputs if o}
     return frozenset(
         node.id for node in function.nodes
@@ -44,7 +44,8 @@ def in_place_nodes(graph: Graph, function: Function) -> frozenset:
                 for _, i in IN_PLACE_OUTPUTS[node.target]))
 
 
-def _readers(function: Function) -> dict:
+def readers_of(function: Function) -> dict:
+    """value -> ids of the nodes that read it, in order (each node once)."""
     readers: dict = {}
     for node in function.nodes:
         for value in dict.fromkeys(v for v in node.inputs if v):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modulec.ir.graph import Function
+from modulec.plan.in_place import readers_of
 
 
 CONCATS = ("concat", "split_backward")  # split's derived backward concatenates d_parts
@@ -41,7 +42,7 @@ def joined_parts(function: Function, own: set[str], size_of) -> dict[str, Part]:
     transient buffers of their own an op made (not views, not written over an input, not
     saved, not results); `size_of(value)`: its bytes. A part that is a transpose of such a
     buffer (read by that transpose alone) puts the buffer there, transposed back."""
-    readers = _readers(function)
+    readers = readers_of(function)
     producers = {o: n for n in function.nodes for o in n.outputs if o}
     joined: dict[str, Part] = {}
     for node in function.nodes:
@@ -81,11 +82,3 @@ def _parts(function: Function, node, parts: list, buffers: list, size_of) -> dic
         start += length
         offset += size_of(buffer)
     return joined
-
-
-def _readers(function: Function) -> dict:
-    readers: dict = {}
-    for node in function.nodes:
-        for value in dict.fromkeys(v for v in node.inputs if v):
-            readers.setdefault(value, []).append(node.id)
-    return readers
