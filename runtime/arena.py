@@ -12,7 +12,9 @@ Saved values of the i-th run of forward function F sit in F's record i of the sa
 (`saved_records`): each record holds the storages that run keeps, packed in the plan's
 order, so a run whose values the planner decided to recompute or swap (the layout's
 `decisions`) takes no bytes for them; such a value lives outside the arena until it is
-released, as a replay or a swap's copy back does. A kernel computes out of place and its result is
+released. Made again in the backward (a replay whose kernel writes into given bytes), it
+goes to the records of its function's later runs, whose backward has run by then
+(`replay_bytes`); other replays and swaps' copies back live outside the arena. A kernel computes out of place and its result is
 copied into the planned bytes (an in-place decision shares the input's bytes, which is
 dead by then); a view op (view, transpose, permute, split) keeps torch's view of its
 source, which is in the arena already. A plan that lets two live values share bytes
@@ -51,6 +53,9 @@ class Arena:
     handed: dict = field(default_factory=dict)  # function -> {result: position}
     # NaN over the transient bytes after the forward and over released values (tests)
     poison: bool = True
+    ends: dict = field(default_factory=dict)  # forward function -> end of its last record
+    _replays: dict = field(default_factory=dict)  # (id(run), value) -> bytes this step
+    _cursor: dict = field(default_factory=dict)  # forward function -> (run, next free byte)
     joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
     _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
 
@@ -62,6 +67,8 @@ class Arena:
         self.regions = {TRANSIENT: torch.empty(plan.regions[TRANSIENT].arena,
                                                dtype=torch.uint8, device=self.device)}
         self.records, saved = saved_records(self.layout, self.placements)
+        self.ends = {name: base + _record_bytes(self.placements[name], blocks)
+                     for name, runs in self.records.items() for base, blocks in runs[-1:]}
         self.regions[SAVED] = torch.empty(saved, dtype=torch.uint8, device=self.device)
 
     def bytes_of(self) -> dict[str, int]:
@@ -73,12 +80,37 @@ class Arena:
         caller's bytes of the results it hands over (`remaining`: the call's repetitions
         after this one)."""
         if parent is None:
+            if not frame.function.gradient_of:  # a new step: its replays start afresh
+                self._replays, self._cursor = {}, {}
             return
         reserved = self.placements.get(parent.function.name, {}).get(f"call:{node.id}")
         frame.transient_base = parent.transient_base + (reserved.offset if reserved else 0)
         frame.destinations = {
             value: where for value, k in self.handed.get(frame.function.name, {}).items()
             if (where := self._result_bytes(parent, node, k, remaining)) is not None}
+
+    def replay_bytes(self, frame, value: str) -> Tensor | None:
+        """Bytes (uint8) for saved `value` of forward run i made again in the backward
+        when run i's record does not keep it: the next free ones in the records of the
+        function's runs after i (their backward is done), or None where none are left."""
+        key = (id(frame), value)
+        if key in self._replays:
+            return self._replays[key]
+        name, placement = frame.function.name, self.placements.get(
+            frame.function.name, {}).get(value)
+        runs = self.records.get(name, [])
+        if placement is None or placement.region != SAVED or placement.block != value or \
+                self._start(frame, placement) is not None or frame.instance + 1 >= len(runs):
+            return None
+        run, free = self._cursor.get(name, (None, 0))
+        if run != frame.instance:
+            free = runs[frame.instance + 1][0]
+        at = -(-free // ALIGNMENT) * ALIGNMENT
+        if at + placement.size_bytes > self.ends[name]:
+            return None
+        self._cursor[name] = (frame.instance, at + placement.size_bytes)
+        self._replays[key] = self.regions[SAVED][at:at + placement.size_bytes]
+        return self._replays[key]
 
     def hand_over(self, parent, node, child, values: list, remaining: int) -> list:
         """A call's results after one repetition, in the caller's bytes for them (copied
@@ -166,6 +198,8 @@ class Arena:
         """The value's tensor in its planned bytes (views stay torch views)."""
         if value in frame.destinations and isinstance(tensor, Tensor):
             return self._into(frame.destinations[value][1], tensor)
+        if (id(frame), value) in self._replays and isinstance(tensor, Tensor):
+            return self._into(self._replays[(id(frame), value)], tensor)
         part = self._part(frame, value)
         if part is not None and isinstance(tensor, Tensor):
             return _moved(part, tensor)
@@ -268,6 +302,12 @@ def saved_records(layout: dict, placements: dict) -> tuple[dict, int]:
             end += size
         records[name] = runs
     return records, end
+
+
+def _record_bytes(placed: dict, blocks: dict) -> int:
+    """The bytes of a record holding `blocks` (storage -> offset), aligned."""
+    return max((offset + -(-placed[b].size_bytes // ALIGNMENT) * ALIGNMENT
+                for b, offset in blocks.items()), default=0)
 
 
 def _kept_storages(values: list, instance: int) -> set:

@@ -269,11 +269,14 @@ class Interpreter:
 
     def _out_bytes(self, kernel, node: Node, frame: Frame, attrs: dict) -> None:
         """On the arena, a kernel that writes into given bytes (`takes_out`) gets each
-        output's planned bytes in attrs["out"] (place() then finds them there)."""
-        if self.arena is None or self._replaying or not getattr(kernel, "takes_out", False):
+        output's planned bytes in attrs["out"] (place() then finds them there); replayed
+        in the backward, a saved value its record does not keep gets spare saved bytes
+        (runtime.arena `replay_bytes`)."""
+        if self.arena is None or not getattr(kernel, "takes_out", False):
             return
-        attrs["out"] = [self.arena.out_bytes(frame, node, o) if o else None
-                        for o in node.outputs]
+        bytes_of = self.arena.replay_bytes if self._replaying else \
+            (lambda f, o: self.arena.out_bytes(f, node, o))
+        attrs["out"] = [bytes_of(frame, o) if o else None for o in node.outputs]
 
     def _kernel(self, name: str, node: Node, frame: Frame):
         kernel = self.kernels.get(name)

@@ -177,3 +177,68 @@ def test_concats_planned_in_place_move_nothing(monkeypatch, derived):
     monkeypatch.setattr(Arena, "place", recording)
     _train_kernel_run("llama", arena=True, derive_written=derived)
     assert len(joined) == 4 and all(joined)  # two layers, MLP and attention
+
+
+def _budgeted_run(program, params, arena: bool):
+    """The GPU step's interpreter (CPU kernels) on a budgeted program's decisions."""
+    from runtime.arena import Arena, ParameterRegions
+    from runtime.cuda.lm_head import split_head
+    from runtime.cuda.step import _StepInterpreter
+    from runtime.cuda.train_kernels import train_kernels
+    from runtime.decisions import Decisions
+
+    graph = split_head(program.graph).graph
+    options = {}
+    if arena:
+        layout = program.document["schedule"]["layout"]
+        options = {"arena": Arena(graph, layout), "param_regions": ParameterRegions.for_params(params)}
+        params = options["param_regions"].bind(params)
+    run = _StepInterpreter(graph, params, torch.bfloat16, check_finite=False,
+                           kernels=train_kernels("cpu"), keep_only_saved=True,
+                           decisions=Decisions.from_schedule(program.document["schedule"]),
+                           **options)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0),
+                           dtype=torch.int32)
+    outputs, frame = run.forward([tokens])
+    seeds = [torch.full_like(o, 0.01) for o in outputs]
+    return run.backward(frame, seeds)[1], options.get("arena")
+
+
+def test_budgeted_replays_write_into_the_saved_bytes_of_later_runs(monkeypatch):
+    """With a memory budget (h200-noswap: recompute only), a replayed matmul of layer i
+    writes into the records of layers > i (their backward is done) when its own record
+    does not keep it: the same gradients as the step on torch's allocator, bit for bit."""
+    from pathlib import Path
+
+    from modulec.lower.build_plan import PlanOptions
+    from modulec.plan.budget import make_problem, no_recompute, plan_budget
+    from modulec.plan.devices import device
+    from runtime.arena import Arena
+    from runtime.inputs import sized_inputs
+    from runtime.model import parameter_shapes
+    from runtime.program import ModuleSource
+
+    settings = {"n_layers": "3", "d_model": "64", "num_heads": "4", "num_kv_heads": "2",
+                "d_ff": "128", "vocab_size": "128", "max_seq": "64"}
+    path = Path(__file__).resolve().parents[1] / "std" / "models" / "llama.module"
+    plain = ModuleSource(path, settings, derive_written=True)
+    tokens = sized_inputs(plain.program(planned=False).input_names(), 2, 32)
+    problem = make_problem(plain.program_for(tokens).graph, None, "full", device("h200-noswap"))
+    lowest = plan_budget(problem, 0).minimum_peak
+    budget = int(lowest + 0.05 * (no_recompute(problem).peak_bytes - lowest))
+    program = ModuleSource(path, settings, derive_written=True, planning=PlanOptions(
+        budget=budget, device="h200-noswap")).program_for(tokens)
+    g = torch.Generator().manual_seed(1)
+    params = {p: (0.3 * torch.randn(s, generator=g)).to(torch.bfloat16)
+              for p, s in parameter_shapes(program.graph).items()}
+    given = []
+    replay_bytes = Arena.replay_bytes
+    monkeypatch.setattr(Arena, "replay_bytes",
+                        lambda *a: given.append(replay_bytes(*a)) or given[-1])
+    want, _ = _budgeted_run(program, dict(params), arena=False)
+    got, arena = _budgeted_run(program, dict(params), arena=True)
+    assert any(b is not None for b in given)
+    saved = arena.regions[SAVED]
+    assert all(saved.data_ptr() <= b.data_ptr() < saved.data_ptr() + saved.numel()
+               for b in given if b is not None)
+    assert _same(want, got)

@@ -158,7 +158,14 @@ class TrainStep:
         # the plan sizes activations in its dtypes (bf16 compute): another compute dtype
         # (fp32 for the CPU comparisons) runs on torch's allocator
         self.arena = self.arena and self.dtype == torch.bfloat16
-        self.activations = self._arena() if self.arena else None
+        self.activations = None  # the arena's regions, made when the step first runs (a
+        # load's temporary fp32 weights are gone by then)
+
+    def _activations(self):
+        """The arena (runtime/arena.py), made on first use; None off the arena."""
+        if self.arena and self.activations is None:
+            self.activations = self._arena()
+        return self.activations
 
     def _arena(self):
         from runtime.arena import Arena
@@ -272,7 +279,7 @@ class TrainStep:
         run = _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
                                kernels=self.kernels, keep_only_saved=self.keep_only_saved,
                                decisions=self.decisions, on_gradient=on_gradient,
-                               hooks=self.hooks, arena=self.activations)
+                               hooks=self.hooks, arena=self._activations())
         run.step = self
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:

@@ -125,8 +125,11 @@ class CUDATrainer:
         self.steps_run = 0
 
     def memory(self) -> dict:
+        arena = self.step.arena  # its regions are torch allocations too
         return {"peak_bytes": torch.cuda.max_memory_allocated(),
-                "now_bytes": torch.cuda.memory_allocated(), "what": "GPU (torch allocator)"}
+                "now_bytes": torch.cuda.memory_allocated(),
+                "what": "GPU (activations in the plan's arena)" if arena else
+                "GPU (torch allocator)"}
 
 
 def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None):
