@@ -378,8 +378,8 @@ def test_lora_delta_runs_as_one_addmm_with_the_same_gradients(keep_only_saved, m
     """The GPU step's interpreter runs each LoRA `d = matmul(t, B, alpha)` + `y = add(base,
     d)` as one addmm into base (d never materialized): 4 adapted matmuls (qkv, out, up,
     down) x 2 layers; outputs and adapter gradients match the unfused run (float64)."""
-    import runtime.cuda.step as step_module
-    from runtime.cuda.step import LoraPairs, _StepInterpreter, lora_addmm_pairs
+    import runtime.cuda.step_interpreter as step_module
+    from runtime.cuda.step_interpreter import LoraPairs, _StepInterpreter, lora_addmm_pairs
 
     model = _lora_model()
     inputs = token_inputs(model)

@@ -27,7 +27,7 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   weight's (LoRA's base) d_B is neither computed nor allocated, only d_A;
 - LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` run as one
   `addmm(base, t, B^T, alpha=s)` (`lora_addmm`; the step's interpreter finds the pairs,
-  runtime/cuda/step.py `lora_addmm_pairs`), into `base` itself where nothing else reads
+  runtime/cuda/step_interpreter.py `lora_addmm_pairs`), into `base` itself where nothing else reads
   it: d is never materialized.
 
 Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry; the

@@ -1,0 +1,276 @@
+"""The GPU step's interpreter (runtime/cuda/step.py): the reference interpreter with the
+training step's early release of planned recomputes and swaps, in-place RoPE, LoRA's
+matmul + add as one addmm, and each repeated layer's parameter gradients handed on as soon
+as they are final."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.cuda.swaps import Stored
+from runtime.cuda.train_kernels import lora_addmm
+from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
+from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
+
+
+class _StepInterpreter(Interpreter):
+    """The interpreter, handing each repeated layer's parameter gradients to
+    `on_gradient(path, grad)` once its backward frame has collected them (a layer's
+    parameters get their gradient from that layer alone); the entry's stay in `grads`.
+    With `decisions`, a forward function run drops the values decided `recompute` in it
+    as soon as it returns (early release; the backward replays them when it reads them)."""
+
+    def __init__(self, *args, on_gradient=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_gradient = on_gradient
+        self.handed: set[str] = set()
+        self.step = None
+        self._pairs: dict = {}  # function name -> LoraPairs
+        self._scalars: dict = {}
+        self.lora_fused = 0  # (matmul, add) pairs run as one addmm
+        self._in_place: dict = {}  # function name -> node ids run in place
+        self.swaps = None  # runtime.cuda.swaps.GpuSwaps: the step's, when it executes swaps
+        self._released_at: dict = {}  # id(forward run) -> its release number (swaps)
+        from runtime.cuda.kernels import APPLY_SAVED_KERNELS
+
+        self.apply_saved_kernels = APPLY_SAVED_KERNELS
+        self.in_place_runs = 0
+
+    def forward(self, inputs: list):
+        outputs, frame = super().forward(inputs)
+        if self.keep_only_saved:  # the sinks (runs by argument) would keep every run alive
+            self._sinks = {}
+        return outputs, frame
+
+    def _run(self, frame, args: list, forward) -> list:
+        """Interpreter._run for a forward function, but keep_only_saved keeps what a
+        replay reads too (`_kept`), and the run's `recompute` values are dropped. After a
+        backward function ran, its forward run is emptied (values, callees, where its
+        arguments came from): nothing (no reference cycle either) keeps its saved or
+        replayed values past its backward."""
+        function = frame.function
+        if function.gradient_of:
+            if self.swaps is not None and id(forward) in self._released_at:
+                self.swaps.prefetch_for(self._released_at[id(forward)])
+            outputs = super()._run(frame, args, forward)
+            if self.keep_only_saved and forward is not None:
+                forward.env.clear()
+                forward.children.clear()
+                forward.forgotten.clear()
+            return outputs
+        if self.decisions is None:
+            return super()._run(frame, args, forward)
+        frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
+        for node in function.nodes:
+            self._dispatch(node, frame, forward)
+        outputs = [frame.env.get(o) if o else None for o in function.outputs]
+        # release first: keep_only_saved would put a stand-in in place of a released value
+        # a callee saved (a block's norm output, the attention's / MLP's `x`), and the
+        # callee's copy of the tensor would no longer be found and forgotten (it was held
+        # to the backward: 2 x 32 MiB a layer on the TinyLlama shape)
+        self._release_run(frame)
+        if self.keep_only_saved:
+            _keep_only_saved(frame, self._kept(function.name))
+        return outputs
+
+    def _kept(self, name: str) -> frozenset:
+        """The values of forward function `name` its backward saves, and every input and
+        output of a node the decisions may replay there."""
+        if not hasattr(self, "_kept_by"):
+            self._kept_by = {}
+        if name not in self._kept_by:
+            from modulec.plan.replay import APPLY_SAVED as RULES
+
+            extra = set()
+            for node in self.graph.function(name).nodes:
+                modes = {mode for mode, _ in self.decisions.replays.get((name, node.id), ())}
+                if "op" in modes:
+                    extra.update(node.inputs)
+                if APPLY_SAVED in modes:  # the saved (residual) input / output and stats
+                    _, sources = RULES[node.target]
+                    extra.update(node.outputs[i] if kind == "out" else node.inputs[i]
+                                 for kind, i in sources)
+            self._kept_by[name] = _saved_by_backward(self.graph, name) | (extra - {""})
+        return self._kept_by[name]
+
+    def _release_run(self, frame) -> None:
+        """Drop this run's values decided `recompute` (and forget them where a callee
+        received them); copy out those decided `swap` (runtime/cuda/swaps.py; kept on the
+        GPU when the step does not execute swaps, counted in `swaps_kept`)."""
+        decisions, name = self.decisions, frame.function.name
+        swapped = {}
+        for value in list(frame.env):
+            kind = decisions.of(name, value, frame.instance)
+            if kind == RECOMPUTE:
+                decisions._release(frame, value, kind, self._sinks)
+            elif kind == SWAP and self.step is not None:
+                tensor = frame.env[value]
+                if self.swaps is not None and isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    swapped[value] = tensor
+                else:
+                    self.step.swaps_kept += 1
+        if self.swaps is None:
+            return
+        for stored in self.swaps.swap_out(frame, swapped) if swapped else ():
+            for value in stored.views:
+                _forget(frame, value, frame.env.pop(value), self._sinks)
+                frame.host[value] = stored
+                decisions.counts["swapped_out"] += 1
+        self._released_at[id(frame)] = self.swaps.releases
+        self.swaps.released()
+
+    def _restore(self, frame, value: str) -> bool:
+        stored = frame.host.get(value)
+        if isinstance(stored, Stored):
+            del frame.host[value]
+            frame.env[value] = self.swaps.restore(stored, value)
+            self.decisions.counts["swapped_in"] += 1
+            return True
+        return super()._restore(frame, value)
+
+    def _op(self, node, frame, forward) -> None:
+        """LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` (`lora_addmm_pairs`)
+        as one addmm: the matmul is deferred to the add, which writes y = base + s t B^T
+        (into base where nothing else reads it); d gets a shape-only stand-in (the add's
+        derived backward reads its shape; d's matmul backward reads t and B, not d)."""
+        function = frame.function
+        if function.gradient_of or self._replaying or self.hooks is not None \
+                or self.profiler is not None:
+            return super()._op(node, frame, forward)
+        if node.id in self._in_place_of(function) and self._rope_in_place(node, frame, forward):
+            return
+        pairs = self._lora_pairs(function)
+        if node.id in pairs.deferred:
+            return  # run by its add
+        pair = pairs.adds.get(node.id)
+        if pair is None:
+            return super()._op(node, frame, forward)
+        matmul, inplace = pair
+        base = self._read(node.inputs[0], frame, forward)
+        t = self._read(matmul.inputs[0], frame, forward)
+        b = self._read(matmul.inputs[1], frame, forward)
+        if inplace and self.arena is not None:
+            inplace = False
+        if inplace and self.decisions is not None and self.decisions.of(
+                function.name, node.inputs[0], frame.instance) in (RECOMPUTE, SWAP):
+            inplace = False
+        y = lora_addmm(base, t, b, float(matmul.attr("alpha") or 1.0), inplace)
+        if y is None:  # operands that do not fit: the two ops as written
+            super()._op(matmul, frame, forward)
+            return super()._op(node, frame, forward)
+        self.lora_fused += 1
+        key = (y.dtype, y.device)
+        if key not in self._scalars:
+            self._scalars[key] = torch.empty((), dtype=y.dtype, device=y.device)
+        frame.env[matmul.outputs[0]] = self._scalars[key].expand(y.shape)
+        frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+
+    def _in_place_of(self, function) -> frozenset:
+        """The nodes of `function` the planner counts in place (modulec.plan.in_place),
+        less those a planned replay runs again (it would read the overwritten inputs)."""
+        if function.name not in self._in_place:
+            from modulec.plan.in_place import in_place_nodes
+
+            self._in_place[function.name] = in_place_nodes(self.graph, function) \
+                - self._replayed(function)
+        return self._in_place[function.name]
+
+    def _replayed(self, function) -> set:
+        """Ids of `function`'s nodes a planned replay runs again."""
+        if self.decisions is None:
+            return set()
+        return {n for (f, n), modes in self.decisions.replays.items()
+                if f == function.name and modes}
+
+    def _rope_in_place(self, node, frame, forward) -> bool:
+        """rope over its q and k (views of the fused QKV projection output); False where
+        the kernel does not cover the inputs (the op then runs as written)."""
+        from runtime.cuda.kernels import _extension
+
+        q, k = (self._read(v, frame, forward) for v in node.inputs[:2])
+        position_ids = self._read(node.inputs[2], frame, forward) if node.inputs[2] else None
+        if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4
+                   and t.stride(-1) == 1 and t.dtype in (torch.bfloat16, torch.float32)
+                   and t.dtype == q.dtype for t in (q, k)):
+            return False
+        theta = float(node.attr("theta", 10000.0))
+        for x, out in zip((q, k), node.outputs):
+            _extension().rope_inplace(x, position_ids, theta, False)
+            frame.env[out] = self._after(node, frame, out, x)
+        self.in_place_runs += 1
+        return True
+
+    def _lora_pairs(self, function) -> "LoraPairs":
+        if function.name not in self._pairs:
+            saved = _saved_by_backward(self.graph, function.name)
+            self._pairs[function.name] = lora_addmm_pairs(function, saved,
+                                                          self._replayed(function))
+        return self._pairs[function.name]
+
+    def _attrs(self, node):
+        """A matmul backward with an unwanted gradient (a frozen weight's d_B) is told so
+        (`train_kernels.Matmul` then computes only the wanted one)."""
+        attrs = super()._attrs(node)
+        if node.target in MATMUL_BACKWARDS and not all(node.outputs):
+            attrs["wanted_outputs"] = tuple(bool(o) for o in node.outputs)
+        return attrs
+
+    def _collect_param_grads(self, frame) -> None:
+        super()._collect_param_grads(frame)
+        if self.on_gradient is None or not frame.indices:
+            return
+        for name, _ in frame.function.param_grads:
+            path = _join(frame.path, name)
+            if path in self.handed:
+                raise RuntimeError(f"{path}: a second gradient after the update")
+            if path in self.grads:
+                self.handed.add(path)
+                self.on_gradient(path, self.grads.pop(path))
+
+
+MATMUL_BACKWARDS = ("matmul_backward", "batched_matmul_backward")
+
+
+@dataclass
+class LoraPairs:
+    adds: dict = field(default_factory=dict)  # add node id -> (its delta's matmul, inplace)
+    deferred: set = field(default_factory=set)  # those matmuls' node ids
+
+
+def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraPairs:
+    """The `lora` pass's delta additions in `function` (modulec/lower/lora.py: values
+    `%lora<n>`): `y = add(base, d)` whose `d = matmul(t, B, NT, alpha)` (B 2-D) is read by
+    that add alone, is no output and no backward's saved value. `inplace` where `base` (a
+    matmul's `%lora` output) has no other reader either. Nodes a planned replay runs again
+    (`replayed`) are left as they are."""
+    readers: dict = {}
+    for node in function.nodes:
+        for value in node.inputs:
+            if value:
+                readers[value] = readers.get(value, 0) + 1
+    producer = {o: n for n in function.nodes for o in n.outputs if o}
+    outputs = set(function.outputs)
+    pairs = LoraPairs()
+
+    def private(value: str) -> bool:
+        return (value.startswith("%lora") and readers.get(value) == 1
+                and value not in outputs and value not in saved)
+
+    for node in function.nodes:
+        if node.kind != "op" or node.target != "add" or len(node.inputs) != 2 \
+                or len(node.outputs) != 1 or node.id in replayed:
+            continue
+        base, d = node.inputs
+        matmul = producer.get(d)
+        if matmul is None or matmul.kind != "op" or matmul.target != "matmul" \
+                or matmul.attr("transpose") != "NT" or matmul.id in replayed \
+                or not private(d) or not base.startswith("%lora"):
+            continue
+        source = producer.get(base)
+        inplace = private(base) and source is not None and source.kind == "op" \
+            and source.target == "matmul"
+        pairs.adds[node.id] = (matmul, inplace)
+        pairs.deferred.add(matmul.id)
+    return pairs
