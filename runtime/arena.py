@@ -12,9 +12,10 @@ Saved values of the i-th run of forward function F sit in F's record i of the sa
 (`saved_records`): each record holds the storages that run keeps, packed in the plan's
 order, so a run whose values the planner decided to recompute or swap (the layout's
 `decisions`) takes no bytes for them; such a value lives outside the arena until it is
-released. Made again in the backward (a replay whose kernel writes into given bytes), it
-goes to the records of its function's later runs, whose backward has run by then
-(`replay_bytes`); other replays and swaps' copies back live outside the arena. A kernel computes out of place and its result is
+released. Made by a kernel that writes into given bytes, in the forward or again in the
+backward, it goes to the records of its function's later runs (`replay_bytes`): not
+written yet in the forward, their backward done in the backward; other such values and
+swaps' copies back live outside the arena. A kernel computes out of place and its result is
 copied into the planned bytes (an in-place decision shares the input's bytes, which is
 dead by then); a view op (view, transpose, permute, split) keeps torch's view of its
 source, which is in the arena already. A plan that lets two live values share bytes
@@ -54,6 +55,7 @@ class Arena:
     # NaN over the transient bytes after the forward and over released values (tests)
     poison: bool = True
     ends: dict = field(default_factory=dict)  # forward function -> end of its last record
+    swapped: dict = field(default_factory=dict)  # (function, value) -> runs decided swap
     _replays: dict = field(default_factory=dict)  # (id(run), value) -> bytes this step
     _cursor: dict = field(default_factory=dict)  # forward function -> (run, next free byte)
     joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
@@ -69,6 +71,11 @@ class Arena:
         self.records, saved = saved_records(self.layout, self.placements)
         self.ends = {name: base + _record_bytes(self.placements[name], blocks)
                      for name, runs in self.records.items() for base, blocks in runs[-1:]}
+        # (function, value) -> [(first, last) runs decided swap]: those are copied out on
+        # a side stream as they are released, so they never take spare bytes
+        self.swapped = {(f["function"], v["value"]): [(a, b) for kind, a, b in
+                                                      v.get("decisions", ()) if kind == "swap"]
+                        for f in self.layout.get("functions", []) for v in f["values"]}
         self.regions[SAVED] = torch.empty(saved, dtype=torch.uint8, device=self.device)
 
     def bytes_of(self) -> dict[str, int]:
@@ -79,9 +86,8 @@ class Arena:
         """Give `frame` its transient base (its saved record is its `instance`) and the
         caller's bytes of the results it hands over (`remaining`: the call's repetitions
         after this one)."""
-        if parent is None:
-            if not frame.function.gradient_of:  # a new step: its replays start afresh
-                self._replays, self._cursor = {}, {}
+        if parent is None:  # the forward or the backward begins: spare bytes afresh
+            self._replays, self._cursor = {}, {}
             return
         reserved = self.placements.get(parent.function.name, {}).get(f"call:{node.id}")
         frame.transient_base = parent.transient_base + (reserved.offset if reserved else 0)
@@ -90,9 +96,10 @@ class Arena:
             if (where := self._result_bytes(parent, node, k, remaining)) is not None}
 
     def replay_bytes(self, frame, value: str) -> Tensor | None:
-        """Bytes (uint8) for saved `value` of forward run i made again in the backward
-        when run i's record does not keep it: the next free ones in the records of the
-        function's runs after i (their backward is done), or None where none are left."""
+        """Bytes (uint8) for saved `value` of forward run i that run i's record does not
+        keep: the next free ones in the records of the function's runs after i, or None
+        where none are left. In the forward those records are not written yet (the value
+        is released when run i returns); in the backward their runs' backward is done."""
         key = (id(frame), value)
         if key in self._replays:
             return self._replays[key]
@@ -100,7 +107,8 @@ class Arena:
             frame.function.name, {}).get(value)
         runs = self.records.get(name, [])
         if placement is None or placement.region != SAVED or placement.block != value or \
-                self._start(frame, placement) is not None or frame.instance + 1 >= len(runs):
+                self._start(frame, placement) is not None or frame.instance + 1 >= len(runs) \
+                or any(a <= frame.instance <= b for a, b in self.swapped.get((name, value), ())):
             return None
         run, free = self._cursor.get(name, (None, 0))
         if run != frame.instance:
@@ -232,8 +240,9 @@ class Arena:
                 self._in_place_target(frame, node, value) is not None:
             return None
         start = self._start(frame, placement)
-        return None if start is None else \
-            self.regions[placement.region][start:start + placement.size_bytes]
+        if start is None:  # a saved value this run does not keep: spare bytes
+            return self.replay_bytes(frame, value)
+        return self.regions[placement.region][start:start + placement.size_bytes]
 
     def _in_arena(self, tensor) -> bool:
         """A view of the activation regions' bytes (a kernel that returns a view of its

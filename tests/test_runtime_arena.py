@@ -205,9 +205,11 @@ def _budgeted_run(program, params, arena: bool):
 
 
 def test_budgeted_replays_write_into_the_saved_bytes_of_later_runs(monkeypatch):
-    """With a memory budget (h200-noswap: recompute only), a replayed matmul of layer i
-    writes into the records of layers > i (their backward is done) when its own record
-    does not keep it: the same gradients as the step on torch's allocator, bit for bit."""
+    """With a memory budget (h200-noswap: recompute only), a matmul of layer i whose
+    result its own record does not keep writes into the records of layers > i: in the
+    forward (not written yet; released when layer i returns) and replayed in the backward
+    (their backward is done). The same gradients as the step on torch's allocator, bit
+    for bit."""
     from pathlib import Path
 
     from modulec.lower.build_plan import PlanOptions

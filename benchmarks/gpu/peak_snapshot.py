@@ -37,13 +37,12 @@ def live_at_peak(events: list) -> tuple[int, dict]:
     return best, at_best
 
 
-def where(event) -> str:
-    """The innermost frame in this repository that allocated it."""
-    for frame in event.get("frames", []):
-        name = frame.get("filename", "")
-        if str(ROOT) in name and "peak_snapshot" not in name:
-            return f"{Path(name).relative_to(ROOT)}:{frame.get('line')} {frame.get('name')}"
-    return "(outside the repository)"
+def where(event, depth: int = 1) -> str:
+    """The `depth` innermost frames in this repository that allocated it."""
+    found = [f"{Path(f['filename']).relative_to(ROOT)}:{f.get('line')} {f.get('name')}"
+             for f in event.get("frames", []) if str(ROOT) in f.get("filename", "")
+             and "peak_snapshot" not in f.get("filename", "")]
+    return " < ".join(found[:depth]) or "(outside the repository)"
 
 
 def main() -> None:
@@ -52,6 +51,7 @@ def main() -> None:
     parser.add_argument("--no-arena", dest="arena", action="store_false")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--written", action="store_true")
+    parser.add_argument("--depth", type=int, default=1, help="repository frames per place")
     args = parser.parse_args()
     options = {"memory_budget": int(args.budget * GiB)} if args.budget else {}
     step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(22), batch=4,
@@ -78,8 +78,8 @@ def main() -> None:
                                  step.activations.bytes_of().items()})
     groups = defaultdict(lambda: [0, 0])
     for event in alive.values():
-        groups[where(event)][0] += event["size"]
-        groups[where(event)][1] += 1
+        groups[where(event, args.depth)][0] += event["size"]
+        groups[where(event, args.depth)][1] += 1
     for place, (size, count) in sorted(groups.items(), key=lambda g: -g[1][0])[:args.top]:
         print(f"{size / MiB:10.1f} MiB {count:5d}  {place}")
 
