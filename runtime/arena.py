@@ -36,11 +36,12 @@ from torch import Tensor
 from modulec.plan.from_graph import ALIASES, plan_step, turn_of, unnamed_of
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
+from modulec.plan.memory.model import round_up
 from runtime.errors import RuntimeUserError
+from runtime.kernels.utility import TORCH_DTYPES
 
 # the IR's dtypes as an arena run holds them ("float": the compute dtype, bf16 there)
-IR_DTYPES = {"bf16": torch.bfloat16, "float": torch.bfloat16, "fp16": torch.float16,
-             "fp32": torch.float32, "int32": torch.int32}
+IR_DTYPES = TORCH_DTYPES | {"float": torch.bfloat16}
 
 
 @dataclass
@@ -52,13 +53,13 @@ class Arena:
     placements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # forward function -> per run: its record
     handed: dict = field(default_factory=dict)  # function -> {result: position}
+    joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
     # NaN over the transient bytes after the forward and over released values (tests)
     poison: bool = True
     ends: dict = field(default_factory=dict)  # forward function -> end of its last record
-    swapped: dict = field(default_factory=dict)  # (function, value) -> runs decided swap
+    rows: dict = field(default_factory=dict)  # (function, value) -> its layout row
     _replays: dict = field(default_factory=dict)  # (id(run), value) -> bytes this step
     _cursor: dict = field(default_factory=dict)  # forward function -> (run, next free byte)
-    joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
     _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
 
     def __post_init__(self):
@@ -68,15 +69,11 @@ class Arena:
         self.joins = plan.joins
         self.regions = {TRANSIENT: torch.empty(plan.regions[TRANSIENT].arena,
                                                dtype=torch.uint8, device=self.device)}
-        self.records, saved = saved_records(self.layout, self.placements)
-        self.ends = {name: base + _record_bytes(self.placements[name], blocks)
-                     for name, runs in self.records.items() for base, blocks in runs[-1:]}
-        # (function, value) -> [(first, last) runs decided swap]: those are copied out on
-        # a side stream as they are released, so they never take spare bytes
-        self.swapped = {(f["function"], v["value"]): [(a, b) for kind, a, b in
-                                                      v.get("decisions", ()) if kind == "swap"]
-                        for f in self.layout.get("functions", []) for v in f["values"]}
-        self.regions[SAVED] = torch.empty(saved, dtype=torch.uint8, device=self.device)
+        self.records, self.ends = saved_records(self.layout, self.placements)
+        self.rows = {(f["function"], row["value"]): row
+                     for f in self.layout.get("functions", []) for row in f["values"]}
+        self.regions[SAVED] = torch.empty(max(self.ends.values(), default=0),
+                                          dtype=torch.uint8, device=self.device)
 
     def bytes_of(self) -> dict[str, int]:
         return {name: region.numel() for name, region in self.regions.items()}
@@ -108,12 +105,12 @@ class Arena:
         runs = self.records.get(name, [])
         if placement is None or placement.region != SAVED or placement.block != value or \
                 self._start(frame, placement) is not None or frame.instance + 1 >= len(runs) \
-                or any(a <= frame.instance <= b for a, b in self.swapped.get((name, value), ())):
-            return None
+                or _kind(self.rows.get((name, value), {}), frame.instance) == "swap":
+            return None  # a swapped one is copied out on a side stream after its release
         run, free = self._cursor.get(name, (None, 0))
         if run != frame.instance:
             free = runs[frame.instance + 1][0]
-        at = -(-free // ALIGNMENT) * ALIGNMENT
+        at = round_up(free, ALIGNMENT)
         if at + placement.size_bytes > self.ends[name]:
             return None
         self._cursor[name] = (frame.instance, at + placement.size_bytes)
@@ -222,10 +219,7 @@ class Arena:
             target = self._view(frame, placement, tensor, value)
         if target is None:  # no bytes in this run's record: the run does not keep it
             return tensor
-        if target.data_ptr() == tensor.data_ptr() and target.stride() == tensor.stride():
-            return tensor  # already there: a view the plan counts as one (layouts)
-        target.copy_(tensor)
-        return target
+        return _moved(target, tensor)  # nothing moves where it is there (layouts' views)
 
     def out_bytes(self, frame, node, value: str) -> Tensor | None:
         """The planned bytes (uint8) a kernel may write `value` into, or None: no
@@ -291,43 +285,34 @@ class Arena:
         return base + blocks[placement.block] + placement.offset - block.offset
 
 
-def saved_records(layout: dict, placements: dict) -> tuple[dict, int]:
-    """({forward function: per run, (base, {storage: offset in the record})}, the saved
-    region's bytes). A run's record holds the storages (a value and its views) it keeps
-    (the layout's decisions; none: keep), in the plan's order, aligned."""
-    records, end = {}, 0
+def saved_records(layout: dict, placements: dict) -> tuple[dict, dict]:
+    """({forward function: per run, (base, {storage: offset in the record})}, {forward
+    function: where its last record ends}; the last end is the saved region's bytes). A
+    run's record holds the storages (a value and its views) it keeps (the layout's
+    decisions; none: keep), in the plan's order, aligned."""
+    records, ends, end = {}, {}, 0
     for entry in layout.get("functions", []):
         name, runs = entry["function"], []
         order = sorted((p.offset, value) for value, p in placements.get(name, {}).items()
                        if p.region == SAVED and p.block == value)
         for instance in range(entry["instances"]):
-            kept = _kept_storages(entry["values"], instance)
+            kept = {row.get("view_of", row["value"]) for row in entry["values"]
+                    if _kind(row, instance) == "keep"}
             blocks, size = {}, 0
             for _, block in order:
                 if block in kept:
                     blocks[block] = size
-                    size += -(-placements[name][block].size_bytes // ALIGNMENT) * ALIGNMENT
+                    size += round_up(placements[name][block].size_bytes, ALIGNMENT)
             runs.append((end, blocks))
             end += size
-        records[name] = runs
-    return records, end
+        records[name], ends[name] = runs, end
+    return records, ends
 
 
-def _record_bytes(placed: dict, blocks: dict) -> int:
-    """The bytes of a record holding `blocks` (storage -> offset), aligned."""
-    return max((offset + -(-placed[b].size_bytes // ALIGNMENT) * ALIGNMENT
-                for b, offset in blocks.items()), default=0)
-
-
-def _kept_storages(values: list, instance: int) -> set:
-    """The storages of a record's values (a view's is its source's) kept in `instance`."""
-    kept = set()
-    for row in values:
-        kind = next((k for k, first, last in row.get("decisions", ())
-                     if first <= instance <= last), "keep")
-        if kind == "keep":
-            kept.add(row.get("view_of", row["value"]))
-    return kept
+def _kind(row: dict, instance: int) -> str:
+    """A layout row's decision for `instance`: keep, recompute or swap."""
+    return next((k for k, first, last in row.get("decisions", ()) if first <= instance <= last),
+                "keep")
 
 
 def _moved(target: Tensor, tensor: Tensor) -> Tensor:
@@ -379,7 +364,7 @@ class ParameterRegions:
         offsets, end = {}, 0
         for path in sorted(params):
             offsets[path] = (end, params[path].nbytes)
-            end += -(-params[path].nbytes // ALIGNMENT) * ALIGNMENT
+            end += round_up(params[path].nbytes, ALIGNMENT)
         make = lambda: torch.zeros(end, dtype=torch.uint8, device=device)  # noqa: E731
         return cls(offsets, make(), make())
 

@@ -129,6 +129,6 @@ def test_concats_are_planned_in_place(derived):
     assert sorted(n.split("#")[0] for n in joined) == ["CausalSelfAttention", "SwiGLU_MLP"]
     for name, parts in joined.items():
         placed = plan.placements[name]
-        assert {len(parts)} <= {2, 3}
+        assert len(parts) in (2, 3)  # (d_gate, d_up); (d_q, d_k, d_v)
         for value, part in parts.items():
             assert placed[value].block == placed[part.concat].block == part.concat

@@ -12,8 +12,9 @@ repeats). A called function's results that are buffers of its own (not views, no
 are written straight into its caller's bytes for the call's outputs (`handed`): they take
 no bytes of its frame and need no copy; a repeated call's caller holds a second buffer
 per such result, the repetitions writing the two in turn (the last one: the call's
-output), since each reads the previous one's result. Parameters, their gradients and the optimizer state (fp32 master + two AdamW
-moments) are counted per invocation.
+output), since each reads the previous one's result. A concat's parts are planned in its
+output (modulec.plan.joins). Parameters, their gradients and the optimizer state (fp32
+master + two AdamW moments) are counted per invocation.
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ def plan_step(graph: Graph) -> StepPlan:
     arenas: dict[str, tuple[int, ...]] = {}
     for function in _callees_first(graph):
         arenas[function.name] = _plan_function(graph, function, arenas, step)
-        step.handed.setdefault(function.name, {})
     entries = [graph.entry] + ([graph.backward] if graph.backward else [])
     by_metric = {m: max(arenas[e][i] for e in entries) for i, m in enumerate(METRICS)}
     by_metric["naive"] = sum(arenas[e][METRICS.index("naive")] for e in entries)
@@ -126,7 +126,8 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
     free = free_contiguous(function)
-    # outputs that take their input's bytes: written in place, or contiguous already
+    # outputs in another value's bytes: written over their input, contiguous already, or
+    # one tensor for two outputs (ONE_TENSOR)
     over = written_over(graph, function) | {
         n.outputs[0]: n.inputs[0] for n in function.nodes if n.id in free} | {
         n.outputs[o]: n.outputs[i] for n in function.nodes if n.kind == "op"
@@ -146,7 +147,7 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
             outputs = outputs + [_call_block(node, arenas, metric, buffers)] + \
-                _destinations(graph, node, own, handed, buffers)
+                _destinations(graph, node, handed, buffers)
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs),
                       "view" if node.id in free else _kind(node), node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
@@ -191,7 +192,7 @@ def _without(ops: list, handed: dict) -> list:
     return [replace(op, inputs=keep(op.inputs), outputs=keep(op.outputs)) for op in ops]
 
 
-def _destinations(graph: Graph, node: Node, own, handed: dict, buffers: dict) -> list[str]:
+def _destinations(graph: Graph, node: Node, handed: dict, buffers: dict) -> list[str]:
     """The caller's extra buffers a call writes its results into: a result the callee
     hands over for an output the call does not name (`call:<node>:out<k>`), and, when the
     call repeats, the second buffer of each result the callee does not save

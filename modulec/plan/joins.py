@@ -1,9 +1,9 @@
 """Concats planned in place: each part is made where the concat's output will hold it.
 
 A concat (or split's derived backward, which is one) whose parts are buffers an op of the
-same function made for it alone (or transposes of such buffers) (read by
-the concat only, not saved, not a result of the function, not a view or written over an
-input) gets its parts as views of its output, as a split's parts are views of its input:
+same function made for it alone (read by the concat only, not saved, not a result of the
+function, not a view or written over an input), or transposes of such buffers, gets its
+parts as views of its output, as a split's parts are views of its input:
 the ops that make the parts write into the output's bytes, and the concat itself moves
 nothing. A part on an inner dim (SwiGLU's d_gate and d_up, halves of each row of the fused
 up projection's gradient) is strided there; a kernel that cannot write strided rows

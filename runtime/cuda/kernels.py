@@ -16,6 +16,7 @@ fp32.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -141,7 +142,7 @@ def typed(out: list | None, i: int, shape, dtype: torch.dtype) -> torch.Tensor |
     raw = out[i] if out and i < len(out) else None
     if raw is None:
         return None
-    if raw.dtype != torch.uint8 or raw.dtype == dtype:
+    if raw.dtype != torch.uint8:  # typed already
         return _as_shape(raw, shape) if raw.dtype == dtype else None
     n = dtype.itemsize
     for d in shape:
@@ -151,12 +152,10 @@ def typed(out: list | None, i: int, shape, dtype: torch.dtype) -> torch.Tensor |
 
 def _as_shape(t: torch.Tensor, shape) -> torch.Tensor | None:
     """`t` as `shape`: itself, or a view of it when it is contiguous with as many elements."""
-    if tuple(t.shape) == tuple(int(d) for d in shape):
+    shape = tuple(int(d) for d in shape)
+    if tuple(t.shape) == shape:
         return t
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return t.view(tuple(shape)) if t.is_contiguous() and t.numel() == n else None
+    return t.view(shape) if t.is_contiguous() and t.numel() == math.prod(shape) else None
 
 
 # ------------------------------------------------------------------- the custom kernels

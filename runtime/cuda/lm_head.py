@@ -24,6 +24,7 @@ kernel reads: nothing syncs with the host, so the step can be captured in a CUDA
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass, replace
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from modulec.ir.graph import Function, Graph, ValueInfo
+from modulec.plan.memory.model import round_up
 
 
 @dataclass(frozen=True)
@@ -115,12 +117,9 @@ class _Scratch:
             torch.zeros(shape, dtype=dtype, device=device)
 
     def empty(self, shape, dtype, device) -> Tensor | None:
-        n = dtype.itemsize
-        for size in shape:
-            n *= int(size)
         if self.raw is None:
             return torch.empty(shape, dtype=dtype, device=device)
-        start = -(-self.used // 256) * 256
+        n, start = dtype.itemsize * math.prod(shape), round_up(self.used, 256)
         if start + n > self.raw.numel() or self.raw.device != torch.device(device):
             return None
         self.used = start + n

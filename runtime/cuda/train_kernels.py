@@ -220,8 +220,7 @@ class Rope:
             return [_extension().rope(d, position_ids, theta, True, [o])
                     for d, o in zip((d_q, d_k), out)]
         Hq, Hk, D = d_q.shape[1], d_k.shape[1], d_q.shape[3]
-        _, g_q, g_k = _extension().rope_qk_into_heads(
-            d_q, d_k, position_ids, float(attrs.get("theta", 10000.0)), True, Hk)
+        _, g_q, g_k = _extension().rope_qk_into_heads(d_q, d_k, position_ids, theta, True, Hk)
         reserve_slack(g_q, (Hq + Hk) * D)
         return [g_q, g_k]
 
