@@ -562,6 +562,32 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                "adamw");
 }
 
+// The same step on a master split in halves: hi (bf16, the compute copy) and lo (int16),
+// bits(master) = bits(hi) * 2^16 + lo (csrc/kernels/adamw.cu), both updated in place.
+void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
+                      const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& step,
+                      double lr, double beta1, double beta2, double eps, double weight_decay) {
+  check(hi, "hi", at::kBFloat16, hi);
+  check(lo, "lo", at::kShort, hi);
+  check(exp_avg, "exp_avg", at::kFloat, hi);
+  check(exp_avg_sq, "exp_avg_sq", at::kFloat, hi);
+  check(grad, "grad", grad.scalar_type(), hi);
+  check(step, "step", at::kFloat, hi);
+  TORCH_CHECK(step.numel() == 1, "step must have one element");
+  const int64_t n = hi.numel();
+  TORCH_CHECK(lo.numel() == n && grad.numel() == n && exp_avg.numel() == n &&
+                  exp_avg_sq.numel() == n,
+              "hi, lo, grad and moments differ in size");
+  const c10::cuda::CUDAGuard guard(hi.device());
+  check_launch(modulec::launch_adamw_split(
+                   dtype_of(grad), hi.data_ptr(), lo.data_ptr<int16_t>(), grad.data_ptr(),
+                   exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                   step.data_ptr<float>(), n, static_cast<float>(lr), static_cast<float>(beta1),
+                   static_cast<float>(beta2), static_cast<float>(eps),
+                   static_cast<float>(weight_decay), stream()),
+               "adamw split");
+}
+
 // Cross-entropy in place: logits [rows, V] (bf16, fp16 or fp32) become d_logits =
 // (softmax - onehot(label)) * scale, 0 on rows whose label is ignore_index; returns the
 // per-row losses (fp32 [rows]: lse - logit[label], 0 where ignored). scale: a fp32 device
@@ -636,6 +662,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step,
         "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
         "beta1, beta2, eps, weight_decay)");
+  m.def("adamw_split_step", &adamw_split_step,
+        "(hi bf16 compute copy, lo int16, grad bf16/fp32, exp_avg, exp_avg_sq, step, lr, "
+        "beta1, beta2, eps, weight_decay): the master is bits(hi) * 2^16 + lo");
   m.def("cross_entropy_", &cross_entropy_,
         "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
         "scale fp32 [], ignore_index) -> losses fp32 [rows]");

@@ -462,6 +462,35 @@ def test_adamw_matches_torch(n, grad_dtype):
 
 @cuda
 @needs_gpu
+@pytest.mark.parametrize("n", [1, 7, 4096, 100003])
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+def test_adamw_on_a_split_master_matches_the_fp32_master(n, grad_dtype):
+    """adamw_split_step (the master as bf16 top half + int16 low half, runtime/cuda/state.py)
+    gives the fp32-master kernel's values bit for bit, three steps; its top half is the
+    master rounded to nearest but for exact ties."""
+    from runtime.cuda.build import load
+    from runtime.cuda.state import joined_master, split_master
+
+    torch.manual_seed(7)
+    p = torch.randn(n, device="cuda")
+    hi, lo = torch.empty(n, device="cuda", dtype=torch.bfloat16), torch.empty(
+        n, device="cuda", dtype=torch.int16)
+    split_master(p, hi, lo)
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device="cuda")
+    m2, v2 = m.clone(), v.clone()
+    for _ in range(3):
+        g = torch.randn(n, device="cuda").to(grad_dtype)
+        step.add_(1)
+        load().adamw_step(p, g, m, v, None, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        load().adamw_split_step(hi, lo, g, m2, v2, step, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    assert torch.equal(joined_master(hi, lo), p)
+    assert torch.equal(m2, m) and torch.equal(v2, v)
+    differs = hi != p.to(torch.bfloat16)
+    assert bool((lo[differs] == -2**15).all())
+
+
+@cuda
+@needs_gpu
 def test_swiglu_writes_the_halves_of_a_planned_concat():
     """A concat planned in place (modulec.plan.joins) gives swiglu's backward d_gate and
     d_up as the strided halves of each row of one [.., 2C] buffer (and the forward a

@@ -358,7 +358,7 @@ def test_lora_fixed_state_counts_frozen_weights_at_their_compute_copy():
     count = lambda paths: sum(torch.Size(shapes[p]).numel() for p in paths)  # noqa: E731
     adapters = set(shapes) - frozen
     assert adapters and all(p.endswith(("lora_A", "lora_B")) for p in adapters)
-    assert runtime_fixed_bytes(program) == 14 * count(adapters) + 2 * count(frozen)
+    assert runtime_fixed_bytes(program) == 12 * count(adapters) + 2 * count(frozen)
     plain = _model("llama").source.program_for(token_inputs(model))
     assert frozen_paths(plain) == set()
 
@@ -409,3 +409,44 @@ def test_lora_delta_runs_as_one_addmm_with_the_same_gradients(keep_only_saved, m
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
     for path in ref:
         assert torch.allclose(grads[path], ref[path], rtol=0, atol=1e-12), path
+
+
+def _float_bits(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def test_split_master_is_exact_and_its_top_half_is_the_rounded_value():
+    """runtime/cuda/state.py: a master as bf16 top half + int16 low half joins back to the
+    same fp32 bits (every exponent, signs, zeros, infinities, subnormals, the largest
+    finite); the top half is round-to-nearest-even but for exact ties, which it rounds
+    away from zero (low half -2^15)."""
+    from runtime.cuda.state import joined_master, split_master
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.float_power(10.0, torch.randint(-40, 39, (50_000,), generator=g)).float()
+    edges = [0.0, -0.0, 1.0, -1.0, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1e-39,
+             float("inf"), float("-inf")]
+    ties = torch.randint(0, 0x7F7F, (2_000,), generator=g) << 16 | 0x8000  # finite
+    values = torch.cat([torch.randn(50_000, generator=g) * scale, torch.tensor(edges),
+                        _float_bits(ties.tolist()), -_float_bits(ties.tolist())])
+    hi = torch.empty(values.shape, dtype=torch.bfloat16)
+    lo = torch.empty(values.shape, dtype=torch.int16)
+    split_master(values, hi, lo)
+    assert torch.equal(joined_master(hi, lo).view(torch.int32), values.view(torch.int32))
+    differs = hi.view(torch.int16) != values.to(torch.bfloat16).view(torch.int16)
+    assert differs.any() and bool((lo[differs] == -2**15).all())
+    away = hi[differs].float().abs() > values[differs].abs()
+    assert bool(away.all())
+
+
+def test_split_masters_join_one_path_at_a_time():
+    from runtime.cuda.state import SplitMasters, split_master
+
+    values = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    compute = {p: torch.empty(v.shape, dtype=torch.bfloat16) for p, v in values.items()}
+    lows = {p: torch.empty(v.shape, dtype=torch.int16) for p, v in values.items()}
+    for p, v in values.items():
+        split_master(v, compute[p], lows[p])
+    masters = SplitMasters(compute, lows)
+    assert sorted(masters) == ["a", "b"] and len(masters) == 2
+    assert all(torch.equal(masters[p], v) for p, v in values.items())

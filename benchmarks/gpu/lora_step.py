@@ -38,7 +38,7 @@ for i in range(10):
     ev[i + 1].record()
 torch.cuda.synchronize()
 times = sorted(ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(10))
-trained = sum(m.numel() for m in step.masters.values())
+trained = sum(m.numel() for m in step.lows.values())
 print(json.dumps({"variant": variant, "step_s": times[5], "tokens_per_s": B * T / times[5],
                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                   "state_after_load_gib": after_load / 2**30,

@@ -5,6 +5,16 @@
 //   p *= 1 - lr * wd;  m = lerp(m, g, 1 - b1);  v = b2 * v + (1 - b2) * g * g
 //   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 // The step t is read from device memory, so a captured CUDA graph stays right on replay.
+//
+// Two ways to hold the master (the kernel is one template over them):
+// - FloatMaster: an fp32 array, plus the bf16 compute copy written when given (2 bytes a
+//   parameter more than the master's 4);
+// - SplitMaster: the fp32 value as two 16-bit halves, so the compute copy *is* part of
+//   the master (4 bytes a parameter in all): `hi`, the bf16 compute copy, is the value's
+//   top 16 bits rounded half away from zero, and `lo` (int16) what rounding took off:
+//   bits(p) = bits(hi) * 2^16 + lo, exactly. Rounding up the magnitude is adding one to
+//   its top 16 bits, which carries into the exponent as bf16 rounding does, and keeps
+//   lo in [-2^15, 2^15). hi differs from round-to-nearest-even only on exact ties.
 #include "common.cuh"
 
 namespace modulec {
@@ -16,71 +26,127 @@ struct AdamW {
   float lr, beta1, beta2, eps, wd;
 };
 
-template <typename G, int VEC>
-__global__ void adamw_kernel(float* __restrict__ p, const G* __restrict__ g,
-                             float* __restrict__ m, float* __restrict__ v,
-                             __nv_bfloat16* __restrict__ c, const float* __restrict__ step,
-                             int64_t n, AdamW h) {
+struct FloatMaster {
+  float* p;
+  __nv_bfloat16* c;  // the compute copy, or null
+
+  template <int VEC>
+  __device__ void load(int64_t i, float (&out)[VEC]) const { load_vec<float, VEC>(p, i, out); }
+  template <int VEC>
+  __device__ void store(int64_t i, const float (&in)[VEC]) const {
+    store_vec<float, VEC>(p, i, in);
+    if (c) store_vec<__nv_bfloat16, VEC>(c, i, in);
+  }
+  bool aligned(int vec) const {
+    return reinterpret_cast<uintptr_t>(p) % (4 * vec) == 0 &&
+           (!c || reinterpret_cast<uintptr_t>(c) % (2 * vec) == 0);
+  }
+};
+
+struct SplitMaster {
+  uint16_t* hi;
+  int16_t* lo;
+
+  __device__ static float join(uint16_t h, int16_t l) {
+    return __uint_as_float((static_cast<uint32_t>(h) << 16) + static_cast<uint32_t>(
+                                                                   static_cast<int32_t>(l)));
+  }
+  __device__ static void split(float value, uint16_t& h, int16_t& l) {
+    const uint32_t bits = __float_as_uint(value);
+    const uint32_t low = bits & 0xFFFFu, up = low >= 0x8000u;
+    h = static_cast<uint16_t>((bits >> 16) + up);
+    l = static_cast<int16_t>(static_cast<int32_t>(low) - static_cast<int32_t>(up << 16));
+  }
+  template <int VEC>
+  __device__ void load(int64_t i, float (&out)[VEC]) const {
+    const Vec<uint16_t, VEC> h = reinterpret_cast<const Vec<uint16_t, VEC>*>(hi)[i];
+    const Vec<int16_t, VEC> l = reinterpret_cast<const Vec<int16_t, VEC>*>(lo)[i];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = join(h.v[j], l.v[j]);
+  }
+  template <int VEC>
+  __device__ void store(int64_t i, const float (&in)[VEC]) const {
+    Vec<uint16_t, VEC> h;
+    Vec<int16_t, VEC> l;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) split(in[j], h.v[j], l.v[j]);
+    reinterpret_cast<Vec<uint16_t, VEC>*>(hi)[i] = h;
+    reinterpret_cast<Vec<int16_t, VEC>*>(lo)[i] = l;
+  }
+  bool aligned(int vec) const {
+    return reinterpret_cast<uintptr_t>(hi) % (2 * vec) == 0 &&
+           reinterpret_cast<uintptr_t>(lo) % (2 * vec) == 0;
+  }
+};
+
+template <typename Master, typename G, int VEC>
+__device__ void adamw_update(const Master& master, const G* __restrict__ g,
+                             float* __restrict__ m, float* __restrict__ v, int64_t i,
+                             const AdamW& h, float step_size, float bc2_sqrt, float decay) {
+  float pv[VEC], gv[VEC], mv[VEC], vv[VEC];
+  master.template load<VEC>(i, pv);
+  load_vec<G, VEC>(g, i, gv);
+  load_vec<float, VEC>(m, i, mv);
+  load_vec<float, VEC>(v, i, vv);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    pv[j] *= decay;
+    mv[j] += (1.f - h.beta1) * (gv[j] - mv[j]);
+    vv[j] = h.beta2 * vv[j] + (1.f - h.beta2) * gv[j] * gv[j];
+    const float denom = sqrtf(vv[j]) / bc2_sqrt + h.eps;
+    pv[j] -= step_size * mv[j] / denom;
+  }
+  master.template store<VEC>(i, pv);
+  store_vec<float, VEC>(m, i, mv);
+  store_vec<float, VEC>(v, i, vv);
+}
+
+// VEC elements a thread a time, then the scalar tail (n % VEC elements) by the first
+// threads, as VEC = 1 updates.
+template <typename Master, typename G, int VEC>
+__global__ void adamw_kernel(Master master, const G* __restrict__ g, float* __restrict__ m,
+                             float* __restrict__ v, const float* __restrict__ step, int64_t n,
+                             AdamW h) {
   const float t = *step;
   const float bc1 = 1.f - powf(h.beta1, t), bc2 = 1.f - powf(h.beta2, t);
   const float step_size = h.lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.f - h.lr * h.wd;
   const int64_t nvec = n / VEC;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nvec;
-       i += stride) {
-    float pv[VEC], gv[VEC], mv[VEC], vv[VEC];
-    load_vec<float, VEC>(p, i, pv);
-    load_vec<G, VEC>(g, i, gv);
-    load_vec<float, VEC>(m, i, mv);
-    load_vec<float, VEC>(v, i, vv);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      pv[j] *= decay;
-      mv[j] += (1.f - h.beta1) * (gv[j] - mv[j]);
-      vv[j] = h.beta2 * vv[j] + (1.f - h.beta2) * gv[j] * gv[j];
-      const float denom = sqrtf(vv[j]) / bc2_sqrt + h.eps;
-      pv[j] -= step_size * mv[j] / denom;
-    }
-    store_vec<float, VEC>(p, i, pv);
-    store_vec<float, VEC>(m, i, mv);
-    store_vec<float, VEC>(v, i, vv);
-    if (c) store_vec<__nv_bfloat16, VEC>(c, i, pv);
-  }
-  // the scalar tail (n % VEC elements), by the first threads
-  const int64_t tail = nvec * VEC + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (VEC > 1 && tail < n) {
-    float pv = p[tail] * decay, gv = to_float(g[tail]), mv = m[tail], vv = v[tail];
-    mv += (1.f - h.beta1) * (gv - mv);
-    vv = h.beta2 * vv + (1.f - h.beta2) * gv * gv;
-    pv -= step_size * mv / (sqrtf(vv) / bc2_sqrt + h.eps);
-    p[tail] = pv;
-    m[tail] = mv;
-    v[tail] = vv;
-    if (c) c[tail] = __float2bfloat16_rn(pv);
-  }
+  for (int64_t i = first; i < nvec; i += stride)
+    adamw_update<Master, G, VEC>(master, g, m, v, i, h, step_size, bc2_sqrt, decay);
+  if (VEC > 1 && nvec * VEC + first < n)
+    adamw_update<Master, G, 1>(master, g, m, v, nvec * VEC + first, h, step_size, bc2_sqrt,
+                               decay);
 }
 
-template <typename G>
-cudaError_t adamw_typed(float* p, const void* g, float* m, float* v, void* c, const float* step,
-                        int64_t n, const AdamW& h, cudaStream_t s) {
+template <typename Master, typename G>
+cudaError_t adamw_typed(const Master& master, const void* g, float* m, float* v,
+                        const float* step, int64_t n, const AdamW& h, cudaStream_t s) {
   const G* gp = static_cast<const G*>(g);
-  auto* cp = static_cast<__nv_bfloat16*>(c);
   const int64_t max_blocks = static_cast<int64_t>(sm_count()) * 8;
   auto blocks = [&](int vec) {
     const int64_t work = std::max<int64_t>(n / vec, n % vec);
     return static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, max_blocks));
   };
-  // 4 elements a thread: 16-byte fp32 accesses (8 bytes of a bf16 gradient / copy)
-  bool vec = true;
-  for (const void* ptr : {static_cast<const void*>(p), g, static_cast<const void*>(m),
-                          static_cast<const void*>(v)})
-    vec = vec && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-  vec = vec && (!c || reinterpret_cast<uintptr_t>(c) % 8 == 0);
+  // 4 elements a thread: 16-byte fp32 accesses (8 bytes of a bf16 gradient or half)
+  bool vec = master.aligned(4) && reinterpret_cast<uintptr_t>(g) % (4 * sizeof(G)) == 0;
+  for (const float* ptr : {m, v}) vec = vec && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
   if (vec)
-    adamw_kernel<G, 4><<<blocks(4), kThreads, 0, s>>>(p, gp, m, v, cp, step, n, h);
+    adamw_kernel<Master, G, 4><<<blocks(4), kThreads, 0, s>>>(master, gp, m, v, step, n, h);
   else
-    adamw_kernel<G, 1><<<blocks(1), kThreads, 0, s>>>(p, gp, m, v, cp, step, n, h);
+    adamw_kernel<Master, G, 1><<<blocks(1), kThreads, 0, s>>>(master, gp, m, v, step, n, h);
   return cudaGetLastError();
+}
+
+template <typename Master>
+cudaError_t adamw_dispatch(DType grad_dt, const Master& master, const void* grad, float* m,
+                           float* v, const float* step, int64_t n, const AdamW& h,
+                           cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  if (grad_dt == DType::BF16)
+    return adamw_typed<Master, __nv_bfloat16>(master, grad, m, v, step, n, h, s);
+  return adamw_typed<Master, float>(master, grad, m, v, step, n, h, s);
 }
 
 }  // namespace
@@ -89,12 +155,18 @@ cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* e
                          float* exp_avg_sq, void* compute_bf16, const float* step, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  const AdamW h{lr, beta1, beta2, eps, weight_decay};
-  if (grad_dt == DType::BF16)
-    return adamw_typed<__nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, compute_bf16, step, n,
-                                      h, stream);
-  return adamw_typed<float>(param, grad, exp_avg, exp_avg_sq, compute_bf16, step, n, h, stream);
+  const FloatMaster master{param, static_cast<__nv_bfloat16*>(compute_bf16)};
+  return adamw_dispatch(grad_dt, master, grad, exp_avg, exp_avg_sq, step, n,
+                        AdamW{lr, beta1, beta2, eps, weight_decay}, stream);
+}
+
+cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const void* grad,
+                               float* exp_avg, float* exp_avg_sq, const float* step, int64_t n,
+                               float lr, float beta1, float beta2, float eps,
+                               float weight_decay, cudaStream_t stream) {
+  const SplitMaster master{static_cast<uint16_t*>(hi_bf16), lo};
+  return adamw_dispatch(grad_dt, master, grad, exp_avg, exp_avg_sq, step, n,
+                        AdamW{lr, beta1, beta2, eps, weight_decay}, stream);
 }
 
 }  // namespace modulec

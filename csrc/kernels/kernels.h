@@ -118,6 +118,15 @@ cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* e
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          cudaStream_t stream);
 
+// The same update on a master held as two 16-bit halves (adamw.cu, SplitMaster): hi, the
+// bf16 compute copy (the value rounded half away from zero), and lo (int16), the bits
+// rounding took off: bits(master) = bits(hi) * 2^16 + lo. 4 bytes a parameter for master
+// and compute copy together.
+cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const void* grad,
+                               float* exp_avg, float* exp_avg_sq, const float* step, int64_t n,
+                               float lr, float beta1, float beta2, float eps,
+                               float weight_decay, cudaStream_t stream);
+
 // ---- cross_entropy.cu: cross-entropy loss and its gradient, in place on logits [rows, V]
 // (row-contiguous; bf16, fp16 or fp32). Per row, lse = log(sum_j exp(x_j)) in fp32;
 // losses[row] = lse - x[label] (fp32; NaN for a label outside [0, V)) and the row becomes

@@ -3,8 +3,13 @@ every tensor a view at its offset (issue 6 item 1, for the fixed regions).
 
 - `weights`: the compute copies (bf16) of every parameter, frozen ones included: the
   plan's weights region.
-- `optimizer_state`: the fp32 masters, then the two AdamW moments, of every trained
-  parameter: the plan's optimizer-state region (12 bytes a parameter).
+- `optimizer_state`: per trained parameter, the low half of its fp32 master (int16), then
+  the two AdamW moments (fp32): 10 bytes a parameter, within the plan's optimizer-state
+  region (12: an fp32 master and the moments). A master is held split (`split_master`):
+  its bf16 compute copy in `weights` is its top 16 bits rounded half away from zero, its
+  low half what that rounding took off, so bits(master) = bits(hi) * 2^16 + lo exactly;
+  master and compute copy take 4 bytes a parameter instead of 6 (csrc/kernels/adamw.cu
+  updates both halves in place; `joined_master` gives the fp32 value).
 - `gradient_sums` (with gradient accumulation): an fp32 sum per trained parameter.
 
 Parameters are placed in path order, each at a 256-byte boundary, as the reference
@@ -14,23 +19,27 @@ of the step have no region: each lives from its layer's backward to that layer's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 ALIGNMENT = 256
 
 
-def region(shapes: dict, paths: list, dtype: torch.dtype, blocks: int = 1,
-           device: str = "cuda") -> tuple[torch.Tensor, list[dict]]:
-    """One zeroed allocation holding `blocks` copies of the parameters `paths` in `dtype`;
-    returns it and, per block, {path: view}."""
-    size = torch.empty((), dtype=dtype).element_size()
-    offsets, end = {}, 0
-    for path in paths:
-        offsets[path] = end
-        end += -(-_numel(shapes[path]) * size // ALIGNMENT) * ALIGNMENT
-    buffer = torch.zeros(end * blocks, dtype=torch.uint8, device=device)
-    views = [{p: _view(buffer, b * end + offsets[p], shapes[p], dtype) for p in paths}
-             for b in range(blocks)]
+def region(shapes: dict, paths: list, dtypes: tuple, device: str = "cuda"
+           ) -> tuple[torch.Tensor, list[dict]]:
+    """One zeroed allocation holding a block per dtype of `dtypes`, each the parameters
+    `paths` in that dtype; returns it and, per block, {path: view}."""
+    blocks, end = [], 0
+    for dtype in dtypes:
+        size, offsets = torch.empty((), dtype=dtype).element_size(), {}
+        for path in paths:
+            offsets[path] = end
+            end += -(-_numel(shapes[path]) * size // ALIGNMENT) * ALIGNMENT
+        blocks.append((dtype, offsets))
+    buffer = torch.zeros(end, dtype=torch.uint8, device=device)
+    views = [{p: _view(buffer, offsets[p], shapes[p], dtype) for p in paths}
+             for dtype, offsets in blocks]
     return buffer, views
 
 
@@ -44,3 +53,48 @@ def _numel(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
+
+
+# ====================================================================== split masters
+def split_master(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Write fp32 `value` as its halves: `hi` (bf16) its top 16 bits rounded half away
+    from zero (adding one to them carries into the exponent as rounding does), `lo`
+    (int16) the rest: its low 16 bits read as a signed number, which is what rounding
+    took off (16 bits >= 0x8000, which round up, read as their value minus 2^16), so
+    bits(value) = bits(hi) * 2^16 + lo. Works on the int16 halves of each fp32
+    (little-endian: low half first), so it needs 3 bytes an element besides `value`."""
+    halves = _halves(value.detach().to(hi.device, torch.float32).contiguous())
+    lo.view(-1).copy_(halves[:, 0])
+    torch.add(halves[:, 1], halves[:, 0] < 0, out=hi.view(torch.int16).view(-1))
+
+
+def joined_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of a split master (a new tensor): bits(hi) * 2^16 + lo, that is low
+    half lo and top half hi, less one where lo is negative (lo >> 15 is -1 there, else 0)."""
+    value = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
+    halves = _halves(value)
+    halves[:, 0] = lo.reshape(-1)
+    torch.add(hi.view(torch.int16).reshape(-1), lo.reshape(-1) >> 15, out=halves[:, 1])
+    return value
+
+
+def _halves(value: torch.Tensor) -> torch.Tensor:
+    """fp32 `value` as [numel, 2] int16: each element's low and top 16 bits."""
+    return value.view(torch.int16).view(-1, 2)
+
+
+class SplitMasters(Mapping):
+    """The fp32 masters of split parameters by path, joined on each lookup (one at a
+    time: a checkpoint writes them without holding every fp32 copy at once)."""
+
+    def __init__(self, compute: dict, lows: dict):
+        self.compute, self.lows = compute, lows
+
+    def __getitem__(self, path: str) -> torch.Tensor:
+        return joined_master(self.compute[path], self.lows[path])
+
+    def __iter__(self):
+        return iter(self.lows)
+
+    def __len__(self) -> int:
+        return len(self.lows)

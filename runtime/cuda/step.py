@@ -7,8 +7,10 @@ backward, AdamW), captured in one CUDA graph and replayed.
 
 - Weights: fp32 master copies with fp32 AdamW moments, and bf16 compute copies the
   interpreter reads. `optimizer="fused"` (default): one kernel per tensor
-  (csrc/kernels/adamw.cu) reads the backward's bf16 gradient, updates master and moments
-  and writes the bf16 compute copy, so no fp32 gradient buffer exists;
+  (csrc/kernels/adamw.cu) reads the backward's bf16 gradient and updates master, moments
+  and compute copy, so no fp32 gradient buffer exists; the master is held split, its
+  top half the compute copy and its low half an int16 (runtime/cuda/state.py), so master
+  and compute copy take 4 bytes a parameter, not 6 (`masters` joins them on lookup);
   `optimizer="torch"`: `torch.optim.AdamW(fused=True, capturable=True)` on fp32 `.grad`
   buffers the bf16 gradients are copied into, then the masters copied to the compute
   copies (4 more bytes per parameter).
@@ -154,7 +156,9 @@ class TrainStep:
         self.labels = torch.full((rows, self.seq), -100, dtype=torch.int64, device="cuda")
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
+        # fp32 masters by path: a dict (optimizer="torch") or SplitMasters (fused)
         self.masters: dict[str, Tensor] = {}
+        self.lows: dict[str, Tensor] = {}  # the split masters' low halves (fused)
         self.kernels = train_kernels(attention=self.attention)
         # the plan sizes activations in its dtypes (bf16 compute): another compute dtype
         # (fp32 for the CPU comparisons) runs on torch's allocator
@@ -250,30 +254,33 @@ class TrainStep:
         allocating the new ones: a resume (load, then the checkpoint's load) would hold
         both (28.7 GiB against 19.5 at the TinyLlama shape). Views of them that `params`
         still holds keep their storage until the copy is done."""
-        self.regions, self.compute, self.masters = {}, {}, {}
+        self.regions, self.compute, self.masters, self.lows = {}, {}, {}, {}
         self.exp_avg, self.exp_avg_sq, self.grad_sum = {}, {}, {}
         self.torch_optimizer, self.cuda_graph = None, None
 
     def _load_regions(self, params: dict, frozen: set) -> None:
         """The fixed state in the plan's regions (runtime/cuda/state.py): bf16 compute
-        copies in `weights`; fp32 masters and moments in `optimizer_state`; with
-        accumulation, fp32 gradient sums in `gradient_sums`."""
-        from runtime.cuda.state import region
+        copies in `weights`; each trained parameter's fp32 master split between its compute
+        copy and its low half, then the moments, in `optimizer_state`; with accumulation,
+        fp32 gradient sums in `gradient_sums`."""
+        from runtime.cuda.state import SplitMasters, region, split_master
 
         shapes = self.shapes()
         owned = sorted(p for p in shapes if p not in self.ties())
-        weights, (self.compute,) = region(shapes, owned, self.dtype)
-        state, (self.masters, self.exp_avg, self.exp_avg_sq) = region(
-            shapes, self.names, torch.float32, blocks=3)
+        weights, (self.compute,) = region(shapes, owned, (self.dtype,))
+        state, (self.lows, self.exp_avg, self.exp_avg_sq) = region(
+            shapes, self.names, (torch.int16, torch.float32, torch.float32))
         self.regions = {"weights": weights, "optimizer_state": state}
-        for path, view in self.masters.items():
-            view.copy_(params[path].detach())
         for path, view in self.compute.items():
-            view.copy_(self.masters[path] if path in self.masters else params[path].detach())
+            if path in self.lows:
+                split_master(params[path], view, self.lows[path])
+            else:
+                view.copy_(params[path].detach())
+        self.masters = SplitMasters(self.compute, self.lows)
         self.grad_sum = {}  # the running sum of the micro-batches' gradients (fp32)
         if self.accumulation > 1:
             self.regions["gradient_sums"], (self.grad_sum,) = region(
-                shapes, self.names, torch.float32)
+                shapes, self.names, (torch.float32,))
 
     # ------------------------------------------------------------------ one step
     def interpreter(self, on_gradient=None) -> Interpreter:
@@ -417,9 +424,10 @@ class TrainStep:
         from runtime.cuda.kernels import _extension
 
         a = self.adamw
-        _extension().adamw_step(self.masters[path], grad.contiguous(), self.exp_avg[path],
-                                self.exp_avg_sq[path], self.compute[path], self.step_count,
-                                a.lr, a.betas[0], a.betas[1], a.eps, a.weight_decay)
+        _extension().adamw_split_step(self.compute[path], self.lows[path], grad.contiguous(),
+                                      self.exp_avg[path], self.exp_avg_sq[path],
+                                      self.step_count, a.lr, a.betas[0], a.betas[1], a.eps,
+                                      a.weight_decay)
 
     def use_hooks(self):
         """The step's hook registry (made on first use, checked against the model's hook
@@ -475,14 +483,15 @@ def frozen_paths(program: Program) -> set[str]:
 
 
 def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
-    """This step's fixed state: fp32 masters + two fp32 moments + bf16 compute copies
-    (14 bytes per trained parameter), plus an fp32 `.grad` per trained parameter with
-    optimizer='torch'; a frozen one (LoRA's base) holds its bf16 compute copy alone (2)."""
+    """This step's fixed state: with the fused optimizer, the fp32 master split into the
+    bf16 compute copy and its int16 low half, plus two fp32 moments (12 bytes per trained
+    parameter); optimizer='torch': fp32 master, `.grad` and moments plus the compute copy
+    (18); a frozen one (LoRA's base) holds its bf16 compute copy alone (2)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
     trained = sum(_numel(s) for p, s in shapes.items() if p not in frozen)
     fixed = sum(_numel(s) for p, s in shapes.items() if p in frozen)
-    return trained * (18 if optimizer == "torch" else 14) + fixed * 2
+    return trained * (18 if optimizer == "torch" else 12) + fixed * 2
 
 
 def planner_fixed_bytes(program: Program) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections import ChainMap
 
 import torch
 from torch import Tensor
@@ -110,7 +111,8 @@ class CUDATrainer:
         s = self.step
         if self.frozen:  # LoRA: the model's adapters are the step's masters (save_lora)
             self.model.params.update(s.masters)
-        return {"masters": s.masters | self.frozen, "exp_avg": s.exp_avg,
+        # joined one by one as the checkpoint writes them (never all fp32 copies at once)
+        return {"masters": ChainMap(s.masters, self.frozen), "exp_avg": s.exp_avg,
                 "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())}
 
     def load_state(self, state: dict) -> None:
