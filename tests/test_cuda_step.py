@@ -450,3 +450,4 @@ def test_split_masters_join_one_path_at_a_time():
     masters = SplitMasters(compute, lows)
     assert sorted(masters) == ["a", "b"] and len(masters) == 2
     assert all(torch.equal(masters[p], v) for p, v in values.items())
+    assert all(torch.equal(masters.on("cpu")[p], v) for p, v in values.items())

@@ -85,13 +85,22 @@ def _halves(value: torch.Tensor) -> torch.Tensor:
 
 class SplitMasters(Mapping):
     """The fp32 masters of split parameters by path, joined on each lookup (one at a
-    time: a checkpoint writes them without holding every fp32 copy at once)."""
+    time: a checkpoint writes them without holding every fp32 copy at once), on `device`
+    (None: where the halves are)."""
 
-    def __init__(self, compute: dict, lows: dict):
-        self.compute, self.lows = compute, lows
+    def __init__(self, compute: dict, lows: dict, device=None):
+        self.compute, self.lows, self.device = compute, lows, device
+
+    def on(self, device) -> "SplitMasters":
+        """The same masters joined on `device` (the halves are copied there first: "cpu"
+        joins a checkpoint's masters without GPU memory)."""
+        return SplitMasters(self.compute, self.lows, device)
 
     def __getitem__(self, path: str) -> torch.Tensor:
-        return joined_master(self.compute[path], self.lows[path])
+        hi, lo = self.compute[path], self.lows[path]
+        if self.device is not None:
+            hi, lo = hi.to(self.device), lo.to(self.device)
+        return joined_master(hi, lo)
 
     def __iter__(self):
         return iter(self.lows)

@@ -111,8 +111,8 @@ class CUDATrainer:
         s = self.step
         if self.frozen:  # LoRA: the model's adapters are the step's masters (save_lora)
             self.model.params.update(s.masters)
-        # joined one by one as the checkpoint writes them (never all fp32 copies at once)
-        return {"masters": ChainMap(s.masters, self.frozen), "exp_avg": s.exp_avg,
+        # joined one by one on the host as the checkpoint writes them (no GPU memory)
+        return {"masters": ChainMap(s.masters.on("cpu"), self.frozen), "exp_avg": s.exp_avg,
                 "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())}
 
     def load_state(self, state: dict) -> None:
