@@ -53,6 +53,7 @@ class Arena:
     placements: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)  # forward function -> per run: its record
     handed: dict = field(default_factory=dict)  # function -> {result: position}
+    twins: dict = field(default_factory=dict)  # function -> {position: its source's}
     joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
     # NaN over the transient bytes after the forward and over released values (tests)
     poison: bool = True
@@ -66,6 +67,7 @@ class Arena:
         plan = plan_step(self.graph)
         self.placements = plan.placements
         self.handed = plan.handed
+        self.twins = plan.twins
         self.joins = plan.joins
         self.regions = {TRANSIENT: torch.empty(plan.regions[TRANSIENT].arena,
                                                dtype=torch.uint8, device=self.device)}
@@ -134,7 +136,11 @@ class Arena:
 
     def _result_bytes(self, parent, node, k: int, remaining: int):
         """(region, bytes) the caller holds for result `k` of call `node` in the
-        repetition with `remaining` after it, or None."""
+        repetition with `remaining` after it, or None. A twin result the call names with
+        its source is in the source's bytes (`StepPlan.twins`)."""
+        source = self.twins.get(node.target, {}).get(k)
+        if source is not None and node.outputs[k] and node.outputs[source]:
+            k = source
         key = turn_of(node.id, k) if remaining % 2 else node.outputs[k] or unnamed_of(node.id, k)
         if key in parent.destinations:
             return parent.destinations[key]
@@ -192,6 +198,14 @@ class Arena:
         region = self.regions[TRANSIENT]
         start = region.data_ptr()
         return start <= tensor.data_ptr() < start + region.numel()
+
+    def may_keep(self, frame, value: str) -> bool:
+        """`value` may live outside the arena: transient, in bytes of its own frame (not a
+        result its caller's bytes hold, not a part of a concat planned in place)."""
+        if value in frame.destinations or value in self.joins.get(frame.function.name, {}):
+            return False
+        placement = self.placements.get(frame.function.name, {}).get(value)
+        return placement is not None and placement.region == TRANSIENT
 
     def is_saved(self, frame, value: str) -> bool:
         """`value` of this run has bytes in its saved record (the run keeps it)."""

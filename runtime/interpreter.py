@@ -211,12 +211,22 @@ class Interpreter:
     def place(self, frame: Frame, node, value: str, tensor):
         """Into the value's planned bytes; a transient value of a forward run made again
         (replayed, recomputed from saved statistics, taken from a callee) stays out of the
-        arena once the backward runs: the backward owns the transient bytes by then."""
+        arena once the backward runs: the backward owns the transient bytes by then. A
+        transient value of bytes of its own (`Arena.may_keep`) whose kernel allocated it
+        (`allocates_outputs`) stays where it is: copying it in would only move it."""
         late = self._replaying or self._backward_started
         if self.arena is None or late and not frame.function.gradient_of and \
                 self.arena.is_transient(frame, value):
             return tensor
+        if self._allocated(node) and self.arena.may_keep(frame, value):
+            return tensor
         return self.arena.place(frame, node, value, tensor)
+
+    def _allocated(self, node) -> bool:
+        if node is None or node.kind != "op":
+            return False
+        kernel = self.kernels.get(node.target.removesuffix("_backward"))
+        return getattr(kernel, "allocates_outputs", False)
 
     def replay(self, node: Node, frame: Frame) -> None:
         """Run forward op `node` of finished run `frame` again (a planned recompute)."""

@@ -101,21 +101,28 @@ def test_a_callees_results_live_in_its_callers_bytes():
 def test_a_repeated_call_holds_a_second_buffer_for_each_result_its_callee_does_not_save():
     """Each repetition of the block stack reads the previous one's results: the caller
     holds two buffers for each (the turn), the repetitions writing them in turn, except
-    for a result the block saves (the next layer's saved input: it stays in the record)."""
+    for a result the block saves (the next layer's saved input: it stays in the record)
+    and for a twin (the block's backward returns one tensor for d_x and d_residual: the
+    caller holds one buffer, and one turn, for both)."""
     from modulec.plan.from_graph import saved_values, turn_of
 
     graph, plan = _llama_plan()
-    turns = 0
+    turns, twins = 0, 0
     for name in (graph.entry, graph.backward):
         for node in graph.function(name).nodes:
             if node.kind != "call" or int(node.repeat) < 2:
                 continue
             callee = graph.function(node.target)
-            kept = saved_values(graph, callee)
+            kept, twin = saved_values(graph, callee), plan.twins.get(node.target, {})
             for k, value in enumerate(callee.outputs):
-                assert (turn_of(node.id, k) in plan.placements[name]) == (value not in kept)
-                turns += value not in kept
-    assert turns >= 2
+                own = value not in kept and k not in twin
+                assert (turn_of(node.id, k) in plan.placements[name]) == own
+                turns += own
+            for k, source in twin.items():
+                placed = plan.placements[name]
+                assert placed[node.outputs[k]].block == placed[node.outputs[source]].block
+                twins += 1
+    assert turns >= 2 and twins == 1
 
 
 @pytest.mark.parametrize("derived", [False, True])

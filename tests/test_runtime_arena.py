@@ -136,9 +136,9 @@ def _recording(copy, into: list):
 
 
 def test_call_results_are_written_into_the_callers_bytes(monkeypatch):
-    """The attention's and MLP's results (matmuls, forward and backward) are computed
-    straight into the bytes the caller's plan holds for the call's outputs: handing them
-    over moves nothing."""
+    """The attention's and MLP's results (matmuls, forward and backward) and the block
+    backward's are computed straight into the bytes the caller's plan holds for the
+    call's outputs: handing them over moves nothing."""
     from runtime.arena import Arena
 
     moved = {}
@@ -156,6 +156,9 @@ def test_call_results_are_written_into_the_callers_bytes(monkeypatch):
     callees = [name for name in moved if name.startswith(("SwiGLU_MLP", "CausalSelfAttention"))]
     assert len(callees) == 4
     assert not any(any(moved[name]) for name in callees)
+    # the block's backward returns one tensor for d_x and d_residual (twins): one buffer
+    # of the caller holds both, handing them over moves neither
+    assert moved["DenseTransformerBlock#1.backward"] == [False] * 4
 
 
 @pytest.mark.parametrize("derived", [False, True])
@@ -177,6 +180,26 @@ def test_concats_planned_in_place_move_nothing(monkeypatch, derived):
     monkeypatch.setattr(Arena, "place", recording)
     _train_kernel_run("llama", arena=True, derive_written=derived)
     assert len(joined) == 4 and all(joined)  # two layers, MLP and attention
+
+
+def test_transient_outputs_of_an_allocating_kernel_stay_where_it_made_them(monkeypatch):
+    """The GPU attention allocates its outputs (`allocates_outputs`): on the arena its
+    backward's transient d_q and d_k are read where the kernel made them (nothing copied
+    into their planned bytes), while d_v, a part of the planned d_qkv, is moved there; the
+    forward's saved output and log-sum-exp go to their records."""
+    from runtime.arena import Arena
+
+    placed = []
+    place = Arena.place
+
+    def recording(self, frame, node, value, tensor):
+        placed.append((node.target if node is not None else None, value))
+        return place(self, frame, node, value, tensor)
+    monkeypatch.setattr(Arena, "place", recording)
+    _train_kernel_run("llama", arena=True, derive_written=True)
+    backward = [v for target, v in placed if target == "flash_attention_backward"]
+    forward = [v for target, v in placed if target == "flash_attention"]
+    assert len(backward) == 2 and len(forward) == 4  # two layers: d_v; out and lse
 
 
 def _budgeted_run(program, params, arena: bool):

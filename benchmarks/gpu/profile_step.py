@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +76,36 @@ def _copies(step, tokens, top: int) -> None:
     print(f"copies: {sum(a.count for a in copies)} calls, {total / 1e3:.1f} ms on the GPU")
     for a in copies[:top]:
         print(f"{a.count:6d} x {a.device_time_total / 1e3:8.2f} ms  {a.input_shapes}")
+    print("copied into the arena, by value (function, value, op, shape):")
+    for key, count in sorted(_copied_values(step, tokens).items(), key=lambda kv: -kv[1]):
+        print(f"{count:6d} x  {' '.join(map(str, key))}")
+
+
+def _copied_values(step, tokens) -> Counter:
+    """One eager step with the arena's placing and handing over watched: each result that
+    ended in other bytes than the kernel wrote it to."""
+    from runtime.arena import Arena
+
+    seen, place, into = Counter(), Arena.place, Arena._into
+
+    def placing(self, frame, node, value, tensor):
+        placed = place(self, frame, node, value, tensor)
+        if isinstance(tensor, torch.Tensor) and placed.data_ptr() != tensor.data_ptr():
+            seen[(frame.function.name, value, node.target if node else "-",
+                  tuple(tensor.shape))] += 1
+        return placed
+
+    def handing(self, where, tensor):
+        if where.data_ptr() != tensor.data_ptr():
+            seen[("into given bytes", tuple(tensor.shape))] += 1
+        return into(self, where, tensor)
+    Arena.place, Arena._into = placing, handing
+    try:
+        step(tokens)
+        torch.cuda.synchronize()
+    finally:
+        Arena.place, Arena._into = place, into
+    return seen
 
 
 def _timed(step, tokens) -> tuple[float, float]:

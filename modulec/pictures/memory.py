@@ -59,8 +59,9 @@ def function_plans(graph: Graph) -> dict[str, MemoryPlan | None]:
     arenas: dict[str, tuple[int, ...]] = {}
     plans: dict[str, MemoryPlan | None] = {}
     handed: dict[str, dict] = {}
+    twins: dict[str, dict] = {}
     for function in _callees_first(graph):
-        plan = _planned(graph, function, arenas, "arena", handed)
+        plan = _planned(graph, function, arenas, "arena", handed, twins=twins)
         plans[function.name] = plan
         region = plan.regions.get(TRANSIENT) if plan is not None else None
         arenas[function.name] = (region.arena_bytes if region else 0,) * len(METRICS)

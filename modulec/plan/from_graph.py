@@ -68,6 +68,9 @@ class StepPlan:
     joins: dict[str, dict] = field(default_factory=dict)  # function -> part -> joins.Part
     # function -> {its output value: position}: results written into the caller's bytes
     handed: dict[str, dict] = field(default_factory=dict)
+    # function -> {position: position}: a handed result that is another one (one tensor
+    # for two results, ONE_TENSOR): a call naming both holds one buffer for the two
+    twins: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> dict:
         regions = [{"region": name, "arena_bytes": r.arena, "lower_bound_bytes": r.lower_bound,
@@ -108,7 +111,7 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     the same metric (naive: the callee's naive bytes, once per repetition)."""
     results = []
     for metric in METRICS:
-        plan = _planned(graph, function, arenas, metric, step.handed, step.joins)
+        plan = _planned(graph, function, arenas, metric, step.handed, step.joins, step.twins)
         region = plan.regions.get(TRANSIENT) if plan is not None else None
         results.append(_metric(region, metric))
         if metric == "arena" and plan is not None:
@@ -119,10 +122,13 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     return tuple(results)
 
 
-def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | None = None):
-    """`handed` (function -> its results written into the caller's bytes) has every
-    callee's already; `function`'s own is added, and its concats planned in place to
-    `joins` (function -> part -> modulec.plan.joins.Part)."""
+def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | None = None,
+             twins: dict | None = None):
+    """`handed` (function -> its results written into the caller's bytes) and `twins`
+    (function -> its handed results that are another one) have every callee's already;
+    `function`'s own are added, and its concats planned in place to `joins` (function ->
+    part -> modulec.plan.joins.Part)."""
+    twins = {} if twins is None else twins
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
     free = free_contiguous(function)
@@ -131,11 +137,12 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
     over = written_over(graph, function) | {
         n.outputs[0]: n.inputs[0] for n in function.nodes if n.id in free} | {
         n.outputs[o]: n.outputs[i] for n in function.nodes if n.kind == "op"
-        for o, i in ONE_TENSOR.get(n.target, ()) if n.outputs[o] and n.outputs[i]}
+        for o, i in ONE_TENSOR.get(n.target, ()) if n.outputs[o] and n.outputs[i]} | \
+        _call_twins(function, twins)
     ops, buffers, made = [], {}, {}
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
-        for position, value in enumerate(outputs):
+        for position, value in _sources_first(outputs, over):
             if over.get(value) in buffers:  # a view of its input
                 source = buffers[over[value]]
                 buffers[value] = Buffer(value, source.size_bytes, TRANSIENT,
@@ -147,13 +154,13 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
             outputs = outputs + [_call_block(node, arenas, metric, buffers)] + \
-                _destinations(graph, node, handed, buffers)
+                _destinations(graph, node, handed, buffers, twins.get(node.target, {}))
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs),
                       "view" if node.id in free else _kind(node), node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes), ops)
     _join_concats(function, buffers, made, joins)
-    handed[function.name] = _handed(graph, function, buffers)
+    handed[function.name], twins[function.name] = _handed(graph, function, buffers)
     ops = _without(ops, handed[function.name])
     buffers = [b for b in buffers.values() if b.id not in handed[function.name]]
     return plan_memory(ops, buffers) if ops else None
@@ -172,18 +179,42 @@ def _join_concats(function: Function, buffers: dict, made: dict, joins: dict | N
         joins[function.name] = parts
 
 
-def _handed(graph: Graph, function: Function, buffers: dict) -> dict[str, int]:
-    """{output: position} of `function`'s results its caller's bytes hold: buffers of its
-    own (not a view, not written over an input, not saved, no view's source), each one
-    output once, of a function some call runs (the entries' results are the step's)."""
+def _handed(graph: Graph, function: Function, buffers: dict) -> tuple[dict, dict]:
+    """({output: position} of `function`'s results its caller's bytes hold, {position:
+    position} of those that are another one). Handed: buffers of its own (not a view,
+    not written over an input, not saved, no view's source but its twins), each one output
+    once, of a function some call runs (the entries' results are the step's). A twin: an
+    output that is a whole-buffer view of a handed output (ONE_TENSOR's second output)."""
     if function.name in (graph.entry, graph.backward):
-        return {}
-    sources = {b.alias_of for b in buffers.values() if b.alias_of is not None}
+        return {}, {}
     named = [o for o in function.outputs if o]
-    return {value: k for k, value in enumerate(function.outputs)
-            if value and named.count(value) == 1 and value in buffers
-            and buffers[value].alias_of is None and buffers[value].region == TRANSIENT
-            and value not in sources}
+    position = {value: k for k, value in enumerate(function.outputs)
+                if value and named.count(value) == 1 and value in buffers}
+    twin_of = {v: buffers[v].alias_of for v in position if buffers[v].alias_of in position
+               and buffers[buffers[v].alias_of].alias_of is None
+               and not buffers[v].offset_in_source
+               and buffers[v].size_bytes == buffers[buffers[v].alias_of].size_bytes}
+    viewed = {b.alias_of for b in buffers.values() if b.alias_of is not None
+              and b.id not in twin_of}
+    handed = {value: k for value, k in position.items() if buffers[value].alias_of is None
+              and buffers[value].region == TRANSIENT and value not in viewed}
+    twins = {v: u for v, u in twin_of.items() if u in handed and v not in viewed}
+    handed |= {v: position[v] for v in twins}
+    return handed, {position[v]: position[u] for v, u in twins.items()}
+
+
+def _call_twins(function: Function, twins: dict) -> dict:
+    """{call output: the call output it is}: a callee's twin results the call names both
+    of share one buffer."""
+    return {node.outputs[k]: node.outputs[u] for node in function.nodes
+            if node.kind == "call" for k, u in twins.get(node.target, {}).items()
+            if node.outputs[k] and node.outputs[u]}
+
+
+def _sources_first(outputs: list, over: dict) -> list:
+    """(position, output) with an output that is another output of the same node after it
+    (its buffer is made first)."""
+    return sorted(enumerate(outputs), key=lambda item: over.get(item[1]) in outputs)
 
 
 def _without(ops: list, handed: dict) -> list:
@@ -192,19 +223,22 @@ def _without(ops: list, handed: dict) -> list:
     return [replace(op, inputs=keep(op.inputs), outputs=keep(op.outputs)) for op in ops]
 
 
-def _destinations(graph: Graph, node: Node, handed: dict, buffers: dict) -> list[str]:
+def _destinations(graph: Graph, node: Node, handed: dict, buffers: dict,
+                  twins: dict) -> list[str]:
     """The caller's extra buffers a call writes its results into: a result the callee
     hands over for an output the call does not name (`call:<node>:out<k>`), and, when the
     call repeats, the second buffer of each result the callee does not save
-    (`call:<node>:turn<k>`; the repetitions alternate, the last writes the output)."""
+    (`call:<node>:turn<k>`; the repetitions alternate, the last writes the output), but
+    for a twin the call names with its source (`twins`: it is in the source's)."""
     callee = graph.function(node.target)
     given, kept = handed.get(node.target, {}), saved_values(graph, callee)
+    shared = {k for k, u in twins.items() if node.outputs[k] and node.outputs[u]}
     extra = []
     for k, value in enumerate(callee.outputs):
         size = _bytes(callee.value(value)) if value else 0
         if value in given and not node.outputs[k]:
             extra.append(Buffer(unnamed_of(node.id, k), size, TRANSIENT))
-        if int(node.repeat) > 1 and value and value not in kept:
+        if int(node.repeat) > 1 and value and value not in kept and k not in shared:
             extra.append(Buffer(turn_of(node.id, k), size, TRANSIENT))
     buffers.update({b.id: b for b in extra})
     return [b.id for b in extra]

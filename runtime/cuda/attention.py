@@ -144,7 +144,14 @@ BACKENDS = {b.name: b for b in (Cudnn(), Cudnn(expand_kv=True), Flash())}
 
 class FlashAttention:
     """The `flash_attention` entry of the GPU registries (reference calling convention):
-    the first of `order` that covers the call."""
+    the first of `order` that covers the call.
+
+    `allocates_outputs`: the fused kernels allocate their outputs (no `out=`), so on the
+    arena a transient one (the backward's d_q and d_k, which RoPE's backward reads at
+    once) stays where the kernel put it instead of being copied into its planned bytes
+    (runtime.interpreter `place`)."""
+
+    allocates_outputs = True
 
     def __init__(self, order=("flash",)):
         self.order = [BACKENDS[name] for name in order]
