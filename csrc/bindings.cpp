@@ -532,33 +532,41 @@ std::vector<Tensor> moe_combine_backward(const Tensor& d_out, const Tensor& rows
   return {d_rows, d_weights};
 }
 
+// What an AdamW step reads beside its master, checked against `master` (the fp32 master,
+// or the split master's top half): the gradient (bf16 or fp32), both fp32 moments and the
+// step count (a fp32 [] or [1] device tensor), each of the master's size.
+void check_adamw_inputs(const Tensor& master, const Tensor& grad, const Tensor& exp_avg,
+                        const Tensor& exp_avg_sq, const Tensor& step) {
+  check(exp_avg, "exp_avg", at::kFloat, master);
+  check(exp_avg_sq, "exp_avg_sq", at::kFloat, master);
+  check(grad, "grad", grad.scalar_type(), master);
+  check(step, "step", at::kFloat, master);
+  TORCH_CHECK(step.numel() == 1, "step must have one element");
+  const int64_t n = master.numel();
+  TORCH_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
+              "the master, grad and moments differ in size");
+}
+
 // One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
-// gradient; writes the bf16 compute copy when given. step: a fp32 [] or [1] device tensor.
+// gradient; writes the bf16 compute copy when given.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const std::optional<Tensor>& compute,
                 const Tensor& step, double lr, double beta1, double beta2, double eps,
                 double weight_decay) {
   check(param, "param", at::kFloat, param);
-  check(exp_avg, "exp_avg", at::kFloat, param);
-  check(exp_avg_sq, "exp_avg_sq", at::kFloat, param);
-  check(grad, "grad", grad.scalar_type(), param);
-  check(step, "step", at::kFloat, param);
-  TORCH_CHECK(step.numel() == 1, "step must have one element");
-  const int64_t n = param.numel();
-  TORCH_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
-              "param, grad and moments differ in size");
+  check_adamw_inputs(param, grad, exp_avg, exp_avg_sq, step);
   if (compute) {
     check(*compute, "compute", at::kBFloat16, param);
-    TORCH_CHECK(compute->numel() == n, "compute differs in size");
+    TORCH_CHECK(compute->numel() == param.numel(), "compute differs in size");
   }
   const c10::cuda::CUDAGuard guard(param.device());
   check_launch(modulec::launch_adamw(dtype_of(grad), param.data_ptr<float>(), grad.data_ptr(),
                                      exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
                                      compute ? compute->data_ptr() : nullptr,
-                                     step.data_ptr<float>(), n, static_cast<float>(lr),
-                                     static_cast<float>(beta1), static_cast<float>(beta2),
-                                     static_cast<float>(eps), static_cast<float>(weight_decay),
-                                     stream()),
+                                     step.data_ptr<float>(), param.numel(),
+                                     static_cast<float>(lr), static_cast<float>(beta1),
+                                     static_cast<float>(beta2), static_cast<float>(eps),
+                                     static_cast<float>(weight_decay), stream()),
                "adamw");
 }
 
@@ -569,22 +577,15 @@ void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
                       double lr, double beta1, double beta2, double eps, double weight_decay) {
   check(hi, "hi", at::kBFloat16, hi);
   check(lo, "lo", at::kShort, hi);
-  check(exp_avg, "exp_avg", at::kFloat, hi);
-  check(exp_avg_sq, "exp_avg_sq", at::kFloat, hi);
-  check(grad, "grad", grad.scalar_type(), hi);
-  check(step, "step", at::kFloat, hi);
-  TORCH_CHECK(step.numel() == 1, "step must have one element");
-  const int64_t n = hi.numel();
-  TORCH_CHECK(lo.numel() == n && grad.numel() == n && exp_avg.numel() == n &&
-                  exp_avg_sq.numel() == n,
-              "hi, lo, grad and moments differ in size");
+  TORCH_CHECK(lo.numel() == hi.numel(), "hi and lo differ in size");
+  check_adamw_inputs(hi, grad, exp_avg, exp_avg_sq, step);
   const c10::cuda::CUDAGuard guard(hi.device());
   check_launch(modulec::launch_adamw_split(
                    dtype_of(grad), hi.data_ptr(), lo.data_ptr<int16_t>(), grad.data_ptr(),
                    exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                   step.data_ptr<float>(), n, static_cast<float>(lr), static_cast<float>(beta1),
-                   static_cast<float>(beta2), static_cast<float>(eps),
-                   static_cast<float>(weight_decay), stream()),
+                   step.data_ptr<float>(), hi.numel(), static_cast<float>(lr),
+                   static_cast<float>(beta1), static_cast<float>(beta2),
+                   static_cast<float>(eps), static_cast<float>(weight_decay), stream()),
                "adamw split");
 }
 

@@ -9,8 +9,9 @@
   (the bf16 gradient cast in first, as optimizer="torch" does), then the compute copy cast
   (not counted in its bytes: 4 + 4 + 8 read, 4 + 8 written, 28).
 
-Each timing is the median of `--iters` calls with CUDA events; before timing, the two
-kernels are checked to agree bit for bit (the split master joined) over three steps.
+Each timing is the median of `--iters` calls with CUDA events, L2 flushed before each
+(bench_kernels.time_ms); before timing, the two kernels are checked to agree bit for bit
+(the split master joined) over three steps.
 
     python benchmarks/kernels/bench_adamw.py [--n 67108864 268435456] [--json out.json]
 """
@@ -19,32 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).parent)]
 
+from bench_kernels import time_ms  # noqa: E402
 from runtime.cuda.build import load  # noqa: E402
 from runtime.cuda.state import joined_master, split_master  # noqa: E402
 
 HYPER = (1e-4, 0.9, 0.95, 1e-8, 0.1)  # lr, beta1, beta2, eps, weight decay
-
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def state(n: int) -> dict:
