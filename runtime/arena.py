@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modulec.plan.from_graph import ALIASES, plan_step, turn_of, unnamed_of
+from modulec.plan.from_graph import ALIASES, plan_step, shared_twins, turn_of, unnamed_of
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.memory import GRADIENTS, SAVED, TRANSIENT, WEIGHTS
 from modulec.plan.memory.model import round_up
@@ -138,9 +138,7 @@ class Arena:
         """(region, bytes) the caller holds for result `k` of call `node` in the
         repetition with `remaining` after it, or None. A twin result the call names with
         its source is in the source's bytes (`StepPlan.twins`)."""
-        source = self.twins.get(node.target, {}).get(k)
-        if source is not None and node.outputs[k] and node.outputs[source]:
-            k = source
+        k = shared_twins(node, self.twins).get(k, k)
         key = turn_of(node.id, k) if remaining % 2 else node.outputs[k] or unnamed_of(node.id, k)
         if key in parent.destinations:
             return parent.destinations[key]

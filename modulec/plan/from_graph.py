@@ -154,7 +154,7 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
         inputs = [i for i in node.inputs if i in buffers]
         if node.kind == "call":
             outputs = outputs + [_call_block(node, arenas, metric, buffers)] + \
-                _destinations(graph, node, handed, buffers, twins.get(node.target, {}))
+                _destinations(graph, node, handed, buffers, twins)
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs),
                       "view" if node.id in free else _kind(node), node.target in IN_PLACE))
     _save_view_sources(buffers, saved, made, len(function.nodes))
@@ -203,12 +203,17 @@ def _handed(graph: Graph, function: Function, buffers: dict) -> tuple[dict, dict
     return handed, {position[v]: position[u] for v, u in twins.items()}
 
 
-def _call_twins(function: Function, twins: dict) -> dict:
-    """{call output: the call output it is}: a callee's twin results the call names both
-    of share one buffer."""
-    return {node.outputs[k]: node.outputs[u] for node in function.nodes
-            if node.kind == "call" for k, u in twins.get(node.target, {}).items()
+def shared_twins(node: Node, twins: dict) -> dict[int, int]:
+    """{position: its source's position} of call `node`'s twin results (`StepPlan.twins`)
+    it names both of: one buffer of the caller holds the two."""
+    return {k: u for k, u in twins.get(node.target, {}).items()
             if node.outputs[k] and node.outputs[u]}
+
+
+def _call_twins(function: Function, twins: dict) -> dict:
+    """{call output: the call output it is} for the shared twins of `function`'s calls."""
+    return {node.outputs[k]: node.outputs[u] for node in function.nodes
+            if node.kind == "call" for k, u in shared_twins(node, twins).items()}
 
 
 def _sources_first(outputs: list, over: dict) -> list:
@@ -229,10 +234,10 @@ def _destinations(graph: Graph, node: Node, handed: dict, buffers: dict,
     hands over for an output the call does not name (`call:<node>:out<k>`), and, when the
     call repeats, the second buffer of each result the callee does not save
     (`call:<node>:turn<k>`; the repetitions alternate, the last writes the output), but
-    for a twin the call names with its source (`twins`: it is in the source's)."""
+    for a twin the call names with its source (`shared_twins`: it is in the source's)."""
     callee = graph.function(node.target)
     given, kept = handed.get(node.target, {}), saved_values(graph, callee)
-    shared = {k for k, u in twins.items() if node.outputs[k] and node.outputs[u]}
+    shared = shared_twins(node, twins)
     extra = []
     for k, value in enumerate(callee.outputs):
         size = _bytes(callee.value(value)) if value else 0
