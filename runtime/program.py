@@ -71,6 +71,7 @@ class ModuleSource:
     derive_written: bool = False  # ignore backward sections written in the source
     planning: object = None  # modulec.lower.build_plan.PlanOptions (e.g. a memory budget)
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on
+    distributed: object = None  # modulec.plan.distributed.DataParallel: data parallel
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
@@ -95,7 +96,7 @@ class ModuleSource:
         request = BuildRequest(Path(self.path), tuple(self.search_path), self.model,
                                dict(self.settings), shapes, self.config,
                                derive_written=self.derive_written, planning=planning,
-                               lora=self.lora)
+                               lora=self.lora, distributed=self.distributed)
         try:
             result = build(request)
         except PlanFailure as exc:

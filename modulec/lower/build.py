@@ -41,6 +41,8 @@ class BuildRequest:
     derive_written: bool = False  # derive every backward, also where the source writes one
     planning: object = None  # modulec.lower.build_plan.PlanOptions (None: the defaults)
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on (docs/training.md, "LoRA")
+    # modulec.plan.distributed.DataParallel: the schedule's `distributed` section
+    distributed: object = None
 
 
 @dataclass
@@ -116,7 +118,22 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     }
     if context.lora_report is not None:
         document["metadata"]["lora"] = _lora_metadata(request.lora, context.lora_report)
+    if request.distributed is not None:
+        document["schedule"]["distributed"] = _distributed(graph, document, request)
     return BuildResult(diagnostics, document, graph, loaded.source)
+
+
+def _distributed(graph, document: dict, request: BuildRequest) -> dict:
+    """The data-parallel section over the parameters the step trains: not a tied one
+    (its target owns the update), with LoRA only the adapters."""
+    from modulec.lower.lora import is_adapter
+    from modulec.plan.distributed import data_parallel_section, parameter_paths
+
+    tied = {e["param"] for e in document["weight_schema"]
+            if e.get("kind") == "tied" and not e.get("stacks")}
+    trained = {p for p in parameter_paths(graph) if p not in tied and
+               (request.lora is None or is_adapter(p))}
+    return data_parallel_section(graph, request.distributed, trained)
 
 
 # ====================================================================== the model and its sizes

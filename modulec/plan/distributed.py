@@ -1,0 +1,229 @@
+"""Data parallel with ZeRO sharding as Schedule IR data: the `schedule["distributed"]`
+section a runtime executes as written (spec §7.6, §9.7.2; docs/distributed.md).
+
+Every rank runs the whole graph on its own micro-batch. A trained parameter belongs to
+one *bucket instance*: all parameters of one repetition of a repeated call (`blocks[3]`)
+form one, and each parameter of the entry (embedding, final norm, LM head) is one of its
+own, since their gradients become final at different times. A bucket instance is one flat
+vector: each parameter at an offset aligned to `ALIGN` elements, the whole padded to a
+multiple of `dp * ALIGN` so that rank r's *shard* is the contiguous slice
+`[r * shard, (r + 1) * shard)`. Every instance of a bucket shares its layout.
+
+What each ZeRO stage holds per rank (4 bytes of split master + compute copy, 8 of moments):
+
+| zero | compute weights | master low half + moments | gradients reduced by |
+| --- | --- | --- | --- |
+| 0 | whole | whole | all_reduce, every rank updates everything |
+| 1 | whole | its shard | all_reduce, each rank updates its shard, all_gather |
+| 2 | whole | its shard | reduce_scatter, update the shard, all_gather |
+| 3 | its shard; a repeated layer's whole weights gathered into one of two slots just before use (forward and backward) | its shard | reduce_scatter, update the shard |
+
+No stage holds more than two bucket instances' gradients at a time: a layer's gradients
+are reduced as soon as its backward made them (the runtime's update-in-backward), so
+stages 1 and 2 differ in traffic, not memory.
+
+The ops (`ops`) run at *triggers* of a bucket instance i (`gradients_ready`: all its
+gradients are final; `forward_begin` / `backward_begin`: its function's run starts;
+`step_begin` / `step_end`), each on its stream (0 compute, 2 communication) in list
+order. `instance` is relative to i (an op for i + offset outside the bucket's instances
+is skipped); an event is named with its bucket instance (`grads:blocks[3]`). `step_begin`
+and `step_end` run once per bucket, with i its first instance. Ops marked
+`only: layered` apply to the buckets of repeated layers alone (ZeRO-3 gathers them into
+slots; an entry parameter's bucket stays whole on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGN = 128  # elements: each parameter and shard starts at a 256-byte boundary in bf16
+COMPUTE, COMM = 0, 2  # streams (1 is the copy stream of swaps)
+ZERO_STAGES = (0, 1, 2, 3)
+# bytes per element of what a rank holds (split fp32 master = bf16 compute copy + int16
+# low half; fp32 moments) and of a gradient in flight (bf16)
+COMPUTE_BYTES, LOW_BYTES, MOMENT_BYTES, GRAD_BYTES = 2, 2, 8, 2
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    dp: int
+    zero: int = 2
+
+    def __post_init__(self):
+        if self.dp < 1:
+            raise ValueError(f"the data-parallel size must be at least 1, not {self.dp}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"the ZeRO stage must be 0, 1, 2 or 3, not {self.zero}")
+
+
+def data_parallel_section(graph, options: DataParallel, trained=None) -> dict:
+    """The `distributed` section for `graph` on `options.dp` ranks. `trained`: the paths
+    of the parameters the step trains (None: every one); the others (frozen, tied) are in
+    no bucket and stay whole on every rank."""
+    buckets = [b for b in _buckets(graph, options.dp, trained) if b["params"]]
+    return {"mesh": {"dp": options.dp, "tp": 1, "pp": 1}, "zero": options.zero,
+            "streams": {"compute": COMPUTE, "comm": COMM}, "align": ALIGN,
+            "buckets": buckets, "ops": stage_ops(options.zero)}
+
+
+# ---------------------------------------------------------------------- buckets
+def _buckets(graph, dp: int, trained) -> list[dict]:
+    entry = graph.function(graph.entry)
+    buckets = [_bucket(p.id[len("param:"):], "", 1, 0, [(p.id[len("param:"):], _shape(p))],
+                       dp, trained) for p in entry.params]
+    for node in entry.nodes:
+        if node.kind != "call":
+            continue
+        name, first = node.attr("instance"), node.attr("first")
+        callee = graph.function(node.target)
+        params = list(_params(graph, callee, ""))
+        if first is None:  # called once, by name: its parameters are one bucket
+            buckets.append(_bucket(name, name, 1, 0, params, dp, trained))
+        else:
+            buckets.append(_bucket(name, name + "[{i}]", int(node.repeat), int(first),
+                                   params, dp, trained))
+    return buckets
+
+
+def _bucket(name: str, path: str, count: int, first: int, params: list, dp: int,
+            trained) -> dict:
+    """Parameters of one bucket (paths relative to `path`, `{i}` the instance), laid out
+    flat; only those trained in every instance."""
+    kept = [(n, s) for n, s in params
+            if trained is None or all(_path(path, first + i, n) in trained
+                                      for i in range(count))]
+    rows, offset = [], 0
+    for pname, shape in kept:
+        numel = _numel(shape)
+        rows.append({"name": pname, "shape": list(shape), "offset": offset, "numel": numel})
+        offset += _round_up(numel, ALIGN)
+    numel = _round_up(max(offset, 1), dp * ALIGN)
+    return {"name": name, "path": path, "first": first, "instances": count,
+            "params": rows, "numel": numel, "shard": numel // dp}
+
+
+def _params(graph, function, prefix: str):
+    """(relative path, shape) of every parameter of `function` and what it calls."""
+    for p in function.params:
+        yield _join(prefix, p.id[len("param:"):]), _shape(p)
+    for node in function.nodes:
+        if node.kind != "call":
+            continue
+        callee = graph.function(node.target)
+        name, first = node.attr("instance"), node.attr("first")
+        for layer in range(int(node.repeat)):
+            inner = name if first is None else f"{name}[{int(first) + layer}]"
+            yield from _params(graph, callee, _join(prefix, inner))
+
+
+def parameter_paths(graph) -> list[str]:
+    """Every parameter path of the model (`blocks[3].attention.qkv_weight`)."""
+    return [path for path, _ in _params(graph, graph.function(graph.entry), "")]
+
+
+def bucket_paths(bucket: dict, instance: int) -> list[str]:
+    """The parameter paths of one instance (0-based) of `bucket`."""
+    return [_path(bucket["path"], bucket["first"] + instance, p["name"])
+            for p in bucket["params"]]
+
+
+def _path(template: str, index: int, name: str) -> str:
+    return _join(template.replace("{i}", str(index)), name)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _shape(value) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in value.shape)
+    except ValueError:
+        raise ValueError(f"data parallel needs every parameter size: {value.id} has shape "
+                         f"[{', '.join(value.shape)}]") from None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# ---------------------------------------------------------------------- ops
+def _op(on: str, kind: str, stream: int, **more) -> dict:
+    return {"on": on, "kind": kind, "stream": stream, **more}
+
+
+def stage_ops(zero: int) -> list[dict]:
+    """The collective ops of a ZeRO stage, per trigger (the module docstring's table).
+    Gradient slots alternate between instances (i and i + 2 share one: the backward runs
+    the layers last first), so a copy in waits for the reduction two instances back."""
+    reduce = "all_reduce" if zero in (0, 1) else "reduce_scatter"
+    ready = [_op("gradients_ready", "wait_event", COMPUTE, event="reduced", instance=2),
+             _op("gradients_ready", "copy_in", COMPUTE, what="gradients"),
+             _op("gradients_ready", "record_event", COMPUTE, event="grads"),
+             _op("gradients_ready", "wait_event", COMM, event="grads"),
+             _op("gradients_ready", reduce, COMM, what="gradients"),
+             _op("gradients_ready", "adamw_shard", COMM, whole=zero == 0),
+             _op("gradients_ready", "record_event", COMM, event="reduced")]
+    if zero in (1, 2):
+        ready.insert(-1, _op("gradients_ready", "all_gather", COMM, what="weights"))
+    start = [_op("step_begin", "record_event", COMPUTE, event="step_start", instance=0),
+             _op("step_begin", "wait_event", COMM, event="step_start", instance=0)]
+    ops = start + ready + [_op("step_end", "record_event", COMM, event="step_done"),
+                   _op("step_end", "wait_event", COMPUTE, event="step_done")]
+    if zero == 3:
+        ops = start + _gather_ops() + ops[len(start):]
+    return ops
+
+
+def _gather_ops() -> list[dict]:
+    """ZeRO-3: a repeated layer's weights, gathered into slot i % 2 before its forward and
+    its backward, the next one's prefetched as it starts (once the compute stream is past
+    the instance that last used that slot)."""
+    def layered(on: str, kind: str, stream: int, **more) -> dict:
+        return _op(on, kind, stream, only="layered", **more)
+
+    def prefetch(on: str, step: int) -> list[dict]:
+        return [layered(on, "record_event", COMPUTE, event="released", instance=-step),
+                layered(on, "wait_event", COMM, event="released", instance=-step),
+                layered(on, "all_gather", COMM, what="weights", instance=step, into="slot"),
+                layered(on, "record_event", COMM, event="gathered", instance=step)]
+
+    begin = [layered("step_begin", "all_gather", COMM, what="weights", instance=0,
+                     into="slot"),
+             layered("step_begin", "record_event", COMM, event="gathered", instance=0)]
+    forward = [layered("forward_begin", "wait_event", COMPUTE, event="gathered")] + \
+        prefetch("forward_begin", 1)
+    backward = [layered("backward_begin", "wait_event", COMPUTE, event="gathered")] + \
+        prefetch("backward_begin", -1)
+    return begin + forward + backward
+
+
+# ---------------------------------------------------------------------- memory
+def rank_fixed_bytes(section: dict) -> dict[str, int]:
+    """What one rank holds for the trained parameters of `section` (bytes, by part):
+    compute weights (whole, or with ZeRO-3 the shards of repeated layers plus two gather
+    slots), the split masters' low halves and moments (sharded from ZeRO-1), and the
+    communication buffers (two gradient slots per bucket and, when sharded, a shard)."""
+    dp, zero = section["mesh"]["dp"], section["zero"]
+    parts = {"weights": 0, "optimizer_state": 0, "gradient_buffers": 0, "gather_slots": 0}
+    for b in section["buckets"]:
+        n, shard, count = b["numel"], b["shard"], b["instances"]
+        layered = zero == 3 and b["path"].endswith("[{i}]")
+        held = shard if layered else n
+        parts["weights"] += COMPUTE_BYTES * held * count
+        parts["optimizer_state"] += (LOW_BYTES + MOMENT_BYTES) * (n if zero == 0 else shard) \
+            * count
+        slots = min(2, count)  # instances i and i + 2 share one
+        parts["gradient_buffers"] += GRAD_BYTES * (slots * n + (shard if zero >= 2 else 0))
+        if layered:
+            parts["gather_slots"] += COMPUTE_BYTES * 2 * n
+    parts["total"] = sum(parts.values())
+    parts["dp"] = dp
+    return parts
