@@ -66,6 +66,9 @@ class Interpreter:
     decisions: object = None  # runtime.decisions.Decisions: recompute / swap as planned
     param_regions: object = None  # runtime.arena.ParameterRegions: weights, gradients
     profiler: object = None  # runtime.profiling.Profiler: `@profile` regions (None: off)
+    # runtime.dist.zero.ZeroRun: told when a layer's function run starts (ZeRO-3 gathers
+    # that layer's weights just before use)
+    frame_events: object = None
     _runs: dict = field(default_factory=dict)  # forward function -> runs so far
     _sinks: dict = field(default_factory=dict)  # (id(run), value) -> [(callee run, input)]
     _replaying: bool = False
@@ -113,6 +116,8 @@ class Interpreter:
     # ------------------------------------------------------------------ functions
     def _run(self, frame: Frame, args: list, forward: Frame | None) -> list:
         function = frame.function
+        if self.frame_events is not None and frame.indices:
+            self.frame_events.frame_begin(frame.path, bool(function.gradient_of))
         frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
         for node in function.nodes:
             spec = self.profiler.spec_of(node, frame, self.graph) \

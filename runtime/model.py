@@ -43,6 +43,7 @@ class Model:
     profiler: object = None  # runtime.profiling.Profiler while profiling is on
     program: Program | None = None
     hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
+    frame_events: object = None  # runtime.dist.zero.ZeroRun under data parallel (ZeRO-3)
     _frame: Frame | None = None
 
     def __post_init__(self):
@@ -184,7 +185,8 @@ class Model:
         regions = self._param_regions() if arena is not None else None
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
                            self.check_finite, arena=arena, decisions=self._decisions(),
-                           param_regions=regions, profiler=self.profiler)
+                           param_regions=regions, profiler=self.profiler,
+                           frame_events=self.frame_events)
 
     # ------------------------------------------------------------------ profiling
     def enable_profiling(self) -> "Model":

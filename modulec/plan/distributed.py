@@ -29,7 +29,8 @@ order. `instance` is relative to i (an op for i + offset outside the bucket's in
 is skipped); an event is named with its bucket instance (`grads:blocks[3]`). `step_begin`
 and `step_end` run once per bucket, with i its first instance. Ops marked
 `only: layered` apply to the buckets of repeated layers alone (ZeRO-3 gathers them into
-slots; an entry parameter's bucket stays whole on every rank).
+slots), `only: whole` to the others (an entry parameter's bucket stays whole on every
+rank).
 """
 
 from __future__ import annotations
@@ -171,7 +172,10 @@ def stage_ops(zero: int) -> list[dict]:
              _op("gradients_ready", reduce, COMM, what="gradients"),
              _op("gradients_ready", "adamw_shard", COMM, whole=zero == 0),
              _op("gradients_ready", "record_event", COMM, event="reduced")]
-    if zero in (1, 2):
+    if zero == 3:  # an entry parameter's bucket stays whole: gathered after its update
+        ready.insert(-1, _op("gradients_ready", "all_gather", COMM, what="weights",
+                             only="whole"))
+    elif zero in (1, 2):
         ready.insert(-1, _op("gradients_ready", "all_gather", COMM, what="weights"))
     start = [_op("step_begin", "record_event", COMPUTE, event="step_start", instance=0),
              _op("step_begin", "wait_event", COMM, event="step_start", instance=0)]

@@ -23,15 +23,24 @@ class AdamW:
     def update(self, params: dict[str, Tensor], grads: dict[str, Tensor]) -> None:
         """One step on every parameter with a gradient (in place); counts the step."""
         self.step += 1
-        beta1, beta2 = self.betas
-        bias1 = 1 - beta1 ** self.step
-        bias2_sqrt = (1 - beta2 ** self.step) ** 0.5
         for path, grad in grads.items():
             param = params[path]
             m = self.exp_avg.setdefault(path, torch.zeros_like(param))
             v = self.exp_avg_sq.setdefault(path, torch.zeros_like(param))
-            param.mul_(1 - self.lr * self.weight_decay)
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
-            param.addcdiv_(m, denom, value=-self.lr / bias1)
+            adamw_step_(param, grad, m, v, self.step, self.lr, self.betas, self.eps,
+                        self.weight_decay)
+
+
+@torch.no_grad()
+def adamw_step_(param: Tensor, grad: Tensor, m: Tensor, v: Tensor, step: int, lr: float,
+                betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """One AdamW step of `param` in place (step counts from 1): torch.optim.AdamW's
+    arithmetic, shared by the CPU trainer and its data-parallel shards."""
+    beta1, beta2 = betas
+    bias1 = 1 - beta1 ** step
+    bias2_sqrt = (1 - beta2 ** step) ** 0.5
+    param.mul_(1 - lr * weight_decay)
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (v.sqrt() / bias2_sqrt).add_(eps)
+    param.addcdiv_(m, denom, value=-lr / bias1)

@@ -1,0 +1,118 @@
+"""The process group a distributed run uses, taken from the environment `torchrun` sets
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT, or its rendezvous): NCCL for
+CUDA, gloo for the CPU. Nothing here launches processes or moves bytes itself.
+
+    ctx = DistContext.from_env(device="cuda")        # one process: world 1, no group
+    step = TrainStep.from_module(..., dist=ctx.data_parallel(zero=2))
+
+A collective that does not finish within `timeout` (a rank that died, a hang) ends the
+process with NCCL's or gloo's error instead of waiting for ever; torchrun then ends the
+other ranks and names the one that failed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from runtime.errors import RuntimeUserError
+
+DEFAULT_TIMEOUT_S = 600
+# NVLink multicast (NVLS) can take the host's shared GPUs down: never on
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    backend: str | None = None  # None: a single process, no process group
+
+    @classmethod
+    def from_env(cls, device: str = "cuda", timeout_s: int = DEFAULT_TIMEOUT_S
+                 ) -> "DistContext":
+        """The run's context: a single process when torchrun set no WORLD_SIZE (or 1);
+        otherwise joins (or reuses) the default process group."""
+        world = _env_int("WORLD_SIZE", 1)
+        if world == 1:
+            return cls(device=device)
+        rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            if not torch.cuda.is_available() or local >= torch.cuda.device_count():
+                raise RuntimeUserError(
+                    f"rank {rank}: LOCAL_RANK {local} has no GPU (this host has "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})",
+                    help=["start at most one process per GPU: torchrun --nproc-per-node "
+                          "<GPUs on this host>"])
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world, local, device, backend)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints progress and writes consolidated files."""
+        return self.rank == 0
+
+    def data_parallel(self, zero: int = 2) -> "DataParallelRun":
+        return DataParallelRun(self, zero)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def same_everywhere(self, what: str, value: str) -> None:
+        """Every rank must hold the same `value` (an IR digest, a setting): a clear error
+        at start instead of a hang or a wrong result later."""
+        if not self.distributed:
+            return
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        differing = [r for r, v in enumerate(values) if v != values[0]]
+        if differing:
+            raise RuntimeUserError(f"{what} differs between ranks: rank {differing[0]} has "
+                                   f"{values[differing[0]]!r}, rank 0 {values[0]!r}",
+                                   help=["start every rank with the same command and files"])
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class DataParallelRun:
+    """Data parallel over the context's ranks with ZeRO stage `zero` (0-3)."""
+
+    context: DistContext
+    zero: int = 2
+
+    def options(self):
+        from modulec.plan.distributed import DataParallel
+
+        try:
+            return DataParallel(self.context.world, self.zero)
+        except ValueError as exc:
+            raise RuntimeUserError(str(exc)) from None
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeUserError(f"the environment variable {name}={text!r} is not a "
+                               "number", help=["launch with torchrun, which sets it"]) from None

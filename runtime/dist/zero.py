@@ -1,0 +1,353 @@
+"""Data parallel with ZeRO sharding, executed from the Schedule IR's `distributed` section
+(modulec/plan/distributed.py says what the section holds and what each stage keeps).
+
+`ZeroRun` owns the trained parameters' state per bucket instance (a layer, or one entry
+parameter), laid out flat as the section says: the compute weights (whole, or with
+ZeRO-3 a shard plus two gather slots per repeated bucket), this rank's shard of the
+master and the AdamW moments, and the gradient slots. The training step calls it at the
+section's triggers:
+
+    run.step_begin()                      # before the forward
+    run.frame_begin(path, backward)       # a layer's function run starts (ZeRO-3 gathers)
+    run.gradient(path, grad)              # a final gradient; a complete bucket reduces,
+                                          # updates its shard and gathers the weights
+    run.step_end()                        # the compute stream waits for the collectives
+
+and each trigger runs the section's ops for it, in order, on their streams. The same code
+runs on CUDA with NCCL (the split bf16/int16 masters and the fused AdamW kernel) and on
+the CPU with gloo (fp32 masters, torch's AdamW arithmetic): `Precision` says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.dist.collectives import all_gather_into, all_reduce_, reduce_scatter_into
+from runtime.errors import RuntimeUserError
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a rank holds the state: `split` (the GPU) keeps the fp32 master as the bf16
+    compute copy plus an int16 low half (runtime/cuda/state.py); otherwise the compute
+    copy is the fp32 master. `update(hi, lo, grad, m, v)` is one AdamW step on flat
+    tensors (lo None when not split)."""
+
+    compute: torch.dtype
+    gradient: torch.dtype
+    split: bool
+    update: Callable
+
+    @property
+    def master(self) -> torch.dtype:
+        """The master's and the moments' dtype: fp32 when split, else the compute dtype
+        (the CPU's float32 or float64)."""
+        return torch.float32 if self.split else self.compute
+
+
+@dataclass
+class Bucket:
+    spec: dict
+    layered: bool  # ZeRO-3 and a repeated layer: weights sharded, gathered into slots
+    weights: list = field(default_factory=list)  # per instance: the whole flat compute copy
+    hi: list = field(default_factory=list)  # per instance: this rank's part of the master
+    lo: list = field(default_factory=list)  # per instance: its low half (split) or None
+    exp_avg: list = field(default_factory=list)
+    exp_avg_sq: list = field(default_factory=list)
+    grad_slots: list = field(default_factory=list)  # min(2, instances) whole flat gradients
+    grad_shard: Tensor | None = None  # reduce_scatter's output (ZeRO-2, 3)
+    slots: list = field(default_factory=list)  # ZeRO-3: two whole flat weight slots
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+    @property
+    def count(self) -> int:
+        return self.spec["instances"]
+
+    def key(self, instance: int) -> str:
+        template = self.spec["path"]
+        return template.replace("{i}", str(self.spec["first"] + instance)) if template \
+            else self.name
+
+    def whole(self, instance: int) -> Tensor:
+        """The flat compute weights instance `instance` reads."""
+        return self.slots[instance % 2] if self.layered else self.weights[instance]
+
+
+class ZeroRun:
+    def __init__(self, section: dict, rank: int, precision: Precision, device: str,
+                 streams, group=None):
+        self.section, self.rank, self.precision, self.device = section, rank, precision, device
+        self.dp, self.zero = section["mesh"]["dp"], section["zero"]
+        self.streams, self.group = streams, group
+        self.buckets = [Bucket(b, self.zero == 3 and "{i}" in b["path"])
+                        for b in section["buckets"]]
+        self.ops = _ops_by_trigger(section["ops"])
+        # path -> (bucket, instance, offset, numel, shape)
+        self.index: dict[str, tuple] = {}
+        self.frames: dict[str, tuple] = {}  # "blocks[3]" -> (bucket, instance), layered
+        for bucket in self.buckets:
+            for i in range(bucket.count):
+                prefix = bucket.key(i) if bucket.spec["path"] else ""
+                for p in bucket.spec["params"]:
+                    path = f"{prefix}.{p['name']}" if prefix else p["name"]
+                    self.index[path] = (bucket, i, p["offset"], p["numel"], tuple(p["shape"]))
+                if bucket.layered:
+                    self.frames[bucket.key(i)] = (bucket, i)
+        self.arrived: dict[tuple, dict] = {}
+        self.scale = 1.0 / self.dp
+
+    @property
+    def paths(self) -> set[str]:
+        return set(self.index)
+
+    # ------------------------------------------------------------------ state
+    def load(self, params: dict) -> dict[str, Tensor]:
+        """Take the whole fp32 value of every bucket parameter (the same on every rank);
+        returns the compute copies by path, views of the flat weights (ZeRO-3: of the
+        slot its layer is gathered into)."""
+        missing = sorted(set(self.index) - set(params))
+        if missing:
+            raise KeyError(f"no value for {missing[:5]}")
+        for bucket in self.buckets:
+            self._allocate(bucket)
+            for i in range(bucket.count):
+                self._load_instance(bucket, i, params)
+        return self.compute_views()
+
+    def compute_views(self) -> dict[str, Tensor]:
+        return {path: b.whole(i)[o:o + n].view(shape)
+                for path, (b, i, o, n, shape) in self.index.items()}
+
+    def _allocate(self, bucket: Bucket) -> None:
+        n, shard = bucket.spec["numel"], bucket.spec["shard"]
+        prec, kw = self.precision, dict(device=self.device)
+        bucket.grad_slots = [torch.zeros(n, dtype=prec.gradient, **kw)
+                             for _ in range(min(2, bucket.count))]
+        bucket.grad_shard = torch.zeros(shard, dtype=prec.gradient, **kw) \
+            if self.zero >= 2 else None
+        bucket.slots = [torch.zeros(n, dtype=prec.compute, **kw) for _ in range(2)] \
+            if bucket.layered else []
+        for name in ("weights", "hi", "lo", "exp_avg", "exp_avg_sq"):
+            setattr(bucket, name, [])
+
+    def _load_instance(self, bucket: Bucket, i: int, params: dict) -> None:
+        n, kw = bucket.spec["numel"], dict(device=self.device)
+        flat = torch.zeros(n, dtype=self.precision.master, **kw)
+        for p in bucket.spec["params"]:
+            path = self._path(bucket, i, p["name"])
+            flat[p["offset"]:p["offset"] + p["numel"]].copy_(params[path].reshape(-1))
+        part = self.own(bucket)
+        if bucket.layered:  # only the shard stays
+            flat = flat[part].clone()
+            part = slice(0, bucket.spec["shard"])
+        hi, lo = self._held(flat)
+        bucket.weights.append(None if bucket.layered else hi)
+        bucket.hi.append(hi[part])
+        bucket.lo.append(None if lo is None else lo[part].clone())
+        size = bucket.hi[-1].numel()
+        bucket.exp_avg.append(torch.zeros(size, dtype=self.precision.master, **kw))
+        bucket.exp_avg_sq.append(torch.zeros(size, dtype=self.precision.master, **kw))
+
+    def _held(self, flat: Tensor) -> tuple[Tensor, Tensor | None]:
+        """fp32 `flat` as this rank holds it: (compute copy, low half or None)."""
+        if not self.precision.split:
+            return flat, None
+        from runtime.cuda.state import split_master
+
+        hi = torch.empty(flat.shape, dtype=self.precision.compute, device=self.device)
+        lo = torch.empty(flat.shape, dtype=torch.int16, device=self.device)
+        split_master(flat, hi, lo)
+        return hi, lo
+
+    def own(self, bucket: Bucket) -> slice:
+        """This rank's part of a bucket's flat vector: its shard, or all with ZeRO-0."""
+        if self.zero == 0:
+            return slice(0, bucket.spec["numel"])
+        shard = bucket.spec["shard"]
+        return slice(self.rank * shard, (self.rank + 1) * shard)
+
+    def _path(self, bucket: Bucket, i: int, name: str) -> str:
+        return f"{bucket.key(i)}.{name}" if bucket.spec["path"] else name
+
+    # ------------------------------------------------------------------ triggers
+    def step_begin(self) -> None:
+        self.streams.begin_step()
+        self.arrived.clear()
+        for bucket in self.buckets:
+            self._run("step_begin", bucket, 0)
+
+    def step_end(self) -> None:
+        self._complete_with_zeros()
+        for bucket in self.buckets:
+            self._run("step_end", bucket, 0)
+
+    def frame_begin(self, path: str, backward: bool) -> None:
+        """A function run starts at `path`: a repeated layer's forward or backward."""
+        hit = self.frames.get(path)
+        if hit is not None:
+            self._run("backward_begin" if backward else "forward_begin", *hit)
+
+    def gradient(self, path: str, grad: Tensor) -> None:
+        bucket, i, *_ = self.index[path]
+        got = self.arrived.setdefault((bucket.name, i), {})
+        if path in got:
+            raise RuntimeError(f"{path}: a second gradient in one step")
+        got[path] = grad
+        if len(got) == len(bucket.spec["params"]):
+            self._run("gradients_ready", bucket, i)
+            del self.arrived[(bucket.name, i)]
+
+    def _complete_with_zeros(self) -> None:
+        """A bucket some of whose parameters got no gradient this step (the same on every
+        rank: one graph) is reduced with zeros for them, in bucket order, so that every
+        rank issues the same collectives in the same order."""
+        for bucket in self.buckets:
+            for i in reversed(range(bucket.count)):
+                got = self.arrived.get((bucket.name, i))
+                if got is None:
+                    continue
+                for path, (_, _, _, _, shape) in self.index.items():
+                    if self.index[path][:2] == (bucket, i) and path not in got:
+                        got[path] = torch.zeros(shape, dtype=self.precision.gradient,
+                                                device=self.device)
+                self._run("gradients_ready", bucket, i)
+                del self.arrived[(bucket.name, i)]
+
+    # ------------------------------------------------------------------ ops
+    def _run(self, trigger: str, bucket: Bucket, i: int) -> None:
+        for op in self.ops.get(trigger, ()):
+            only = op.get("only")
+            if only is not None and (only == "layered") != bucket.layered:
+                continue
+            at = i + op.get("instance", 0)
+            if not 0 <= at < bucket.count:
+                continue
+            kind = op["kind"]
+            if kind == "record_event":
+                self.streams.record(op["stream"], f"{op['event']}:{bucket.key(at)}")
+            elif kind == "wait_event":
+                self.streams.wait(op["stream"], f"{op['event']}:{bucket.key(at)}")
+            else:
+                with self.streams.on(op["stream"]):
+                    OPS[kind](self, op, bucket, at)
+
+    def _copy_in(self, op: dict, bucket: Bucket, i: int) -> None:
+        """This rank's gradients into the instance's slot, divided by the rank count (the
+        sum over ranks is then the mean: each rank's loss is its own batch's mean)."""
+        slot = bucket.grad_slots[i % len(bucket.grad_slots)]
+        for path, grad in self.arrived[(bucket.name, i)].items():
+            _, _, offset, numel, shape = self.index[path]
+            torch.mul(grad.reshape(shape), self.scale,
+                      out=slot[offset:offset + numel].view(shape))
+
+    def _all_reduce(self, op: dict, bucket: Bucket, i: int) -> None:
+        all_reduce_(bucket.grad_slots[i % len(bucket.grad_slots)], self.group)
+
+    def _reduce_scatter(self, op: dict, bucket: Bucket, i: int) -> None:
+        reduce_scatter_into(bucket.grad_shard, bucket.grad_slots[i % len(bucket.grad_slots)],
+                            self.group)
+
+    def _adamw_shard(self, op: dict, bucket: Bucket, i: int) -> None:
+        if self.zero >= 2:
+            grad = bucket.grad_shard
+        else:
+            grad = bucket.grad_slots[i % len(bucket.grad_slots)][self.own(bucket)]
+        self.precision.update(bucket.hi[i], bucket.lo[i], grad, bucket.exp_avg[i],
+                              bucket.exp_avg_sq[i])
+
+    def _all_gather(self, op: dict, bucket: Bucket, i: int) -> None:
+        """The updated shards into the whole weights (in place), or (ZeRO-3) into the slot
+        instance i is read from."""
+        target = bucket.slots[i % 2] if op.get("into") == "slot" else bucket.weights[i]
+        all_gather_into(target, bucket.hi[i], self.group)
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state(self):
+        """(path, fp32 master, exp_avg, exp_avg_sq), each whole and on the CPU, one bucket
+        instance at a time: a collective every rank must run (shards are gathered)."""
+        for bucket in self.buckets:
+            for i in range(bucket.count):
+                master = self._gathered(self._master(bucket, i))
+                m, v = (self._gathered(t[i]) for t in (bucket.exp_avg, bucket.exp_avg_sq))
+                for p in bucket.spec["params"]:
+                    part = slice(p["offset"], p["offset"] + p["numel"])
+                    yield (self._path(bucket, i, p["name"]),
+                           *(t[part].view(tuple(p["shape"])).cpu() for t in (master, m, v)))
+
+    def _master(self, bucket: Bucket, i: int) -> Tensor:
+        if bucket.lo[i] is None:
+            return bucket.hi[i]
+        from runtime.cuda.state import joined_master
+
+        return joined_master(bucket.hi[i], bucket.lo[i])
+
+    def _gathered(self, part: Tensor) -> Tensor:
+        if self.zero == 0 or self.dp == 1:
+            return part
+        whole = torch.empty(part.numel() * self.dp, dtype=part.dtype, device=part.device)
+        all_gather_into(whole, part.contiguous(), self.group)
+        return whole
+
+    def load_moments(self, exp_avg: dict, exp_avg_sq: dict) -> None:
+        """Whole moments by path (a checkpoint's): each rank keeps its part."""
+        for bucket in self.buckets:
+            part = self.own(bucket)
+            for i in range(bucket.count):
+                for source, into in ((exp_avg, bucket.exp_avg[i]),
+                                     (exp_avg_sq, bucket.exp_avg_sq[i])):
+                    flat = torch.zeros(bucket.spec["numel"], dtype=self.precision.master,
+                                       device=self.device)
+                    for p in bucket.spec["params"]:
+                        value = source[self._path(bucket, i, p["name"])]
+                        flat[p["offset"]:p["offset"] + p["numel"]].copy_(value.reshape(-1))
+                    into.copy_(flat[part])
+
+    def fixed_bytes(self) -> int:
+        """The bytes this rank holds for the buckets (state, gradient and gather slots)."""
+        tensors = [t for b in self.buckets
+                   for t in (*b.hi, *b.exp_avg, *b.exp_avg_sq, *b.grad_slots, *b.slots,
+                             *(x for x in b.lo if x is not None),
+                             *(w for w in b.weights if w is not None and not b.layered),
+                             *([b.grad_shard] if b.grad_shard is not None else []))]
+        seen, total = set(), 0
+        for t in tensors:  # hi is a view of weights below ZeRO-3
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+OPS = {"copy_in": ZeroRun._copy_in, "all_reduce": ZeroRun._all_reduce,
+       "reduce_scatter": ZeroRun._reduce_scatter, "adamw_shard": ZeroRun._adamw_shard,
+       "all_gather": ZeroRun._all_gather}
+
+
+def _ops_by_trigger(ops: list[dict]) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for op in ops:
+        kind = op.get("kind")
+        if kind not in OPS and kind not in ("record_event", "wait_event"):
+            raise RuntimeUserError(f"the IR's distributed section has an op `{kind}` this "
+                                   f"runtime does not know",
+                                   help=["rebuild the IR with this checkout's modulec"])
+        by.setdefault(op["on"], []).append(op)
+    return by
+
+
+def check_group(dp: int) -> None:
+    """The section was built for `dp` ranks: the run must have that many."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != dp:
+        raise RuntimeUserError(f"the IR was built for {dp} data-parallel ranks; this run "
+                               f"has {world}",
+                               help=[f"launch with torchrun --nproc-per-node {dp}, or "
+                                     f"rebuild with --dp {world}"])

@@ -1,0 +1,105 @@
+"""The CPU trainer on several processes (gloo): data parallel with ZeRO sharding executed
+from the IR's `distributed` section by runtime.dist.zero, the same code the GPU step runs
+(only the precision differs: fp32 masters and torch's AdamW arithmetic here). Each rank
+trains on its own rows of the batch; the parameters stay equal on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.dist.context import DistContext
+from runtime.dist.streams import InOrder
+from runtime.dist.zero import Precision, ZeroRun, check_group
+from runtime.hf_weights.schema import tied_targets
+from runtime.inputs import sized_inputs
+from runtime.model import Model
+from runtime.train.backends import CPUTrainer
+from runtime.train.optim import AdamW, adamw_step_
+
+
+def with_distributed(model: Model, options) -> Model:
+    """The model rebuilt with the distributed section in its IR (`options`:
+    modulec.plan.distributed.DataParallel)."""
+    model.source = replace(model.source, distributed=options, _built={}, _declared=None)
+    return model
+
+
+def section_of(model: Model, batch: int, seq: int) -> dict:
+    names = model.source.program(planned=False).input_names()
+    program = model.source.program_for(sized_inputs(names, batch, seq))
+    return program.document["schedule"]["distributed"]
+
+
+class CPUDataParallelTrainer(CPUTrainer):
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
+                 context: DistContext, zero: int, accumulation: int = 1):
+        with_distributed(model, context.data_parallel(zero).options())
+        super().__init__(model, batch, seq, adamw, accumulation)
+        self.context = context
+        section = section_of(model, batch, seq)
+        check_group(section["mesh"]["dp"])
+        precision = Precision(model.dtype, model.dtype, split=False, update=self._update)
+        self.zero = ZeroRun(section, context.rank, precision, "cpu", InOrder())
+        self.ties = tied_targets(model.source.program(planned=False).weight_schema)
+        self._bind(self.zero.load(model.params))
+        model.frame_events = self.zero
+
+    def _bind(self, views: dict[str, Tensor]) -> None:
+        """The model reads the ZeRO state's compute copies (tied parameters: their
+        target's)."""
+        params = self.model.params
+        params.update(views)
+        for path, target in self.ties.items():
+            params[path] = params[target]
+
+    def _update(self, hi: Tensor, lo, grad: Tensor, m: Tensor, v: Tensor) -> None:
+        a = self.adamw
+        adamw_step_(hi, grad, m, v, a.step, a.lr, a.betas, a.eps, a.weight_decay)
+
+    def train_step(self, window: Tensor) -> float:
+        """One optimizer step on this rank's `window` rows; returns the mean loss over
+        every rank's rows."""
+        losses, total = [], {}
+        self.adamw.step += 1
+        self.zero.step_begin()
+        for part in window.split(self.batch):
+            loss, grads = self._loss_and_gradients(part)
+            losses.append(float(loss))
+            for path, grad in grads.items():
+                total[path] = total[path] + grad if path in total else grad
+        for path in self.zero.index:  # one order on every rank: the collectives match
+            if path in total:
+                grad = total.pop(path)
+                self.zero.gradient(path, grad / len(losses) if len(losses) > 1 else grad)
+        self.zero.step_end()
+        return self._mean_over_ranks(sum(losses) / len(losses))
+
+    def _mean_over_ranks(self, loss: float) -> float:
+        value = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(value)
+        return float(value) / self.context.world
+
+    def state(self) -> dict:
+        """The whole state, gathered (a collective: every rank calls it)."""
+        masters, exp_avg, exp_avg_sq = {}, {}, {}
+        for path, master, m, v in self.zero.full_state():
+            masters[path], exp_avg[path], exp_avg_sq[path] = master, m, v
+        for path in self.names:
+            if path not in masters:  # not trained here (frozen)
+                masters[path] = self.model.params[path]
+        return {"masters": masters, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+                "step": self.adamw.step}
+
+    def load_state(self, state: dict) -> None:
+        masters = {p: state["masters"][p] for p in self.zero.paths}
+        self._bind(self.zero.load(masters))
+        self.zero.load_moments(state["exp_avg"], state["exp_avg_sq"])
+        with torch.no_grad():
+            for path in self.names:
+                if path not in self.zero.paths:
+                    self.model.params[path].copy_(state["masters"][path])
+        self.adamw.step = int(state["step"])

@@ -1,0 +1,64 @@
+"""Work run in each process of the multi-process tests (torch.multiprocessing spawns them:
+the functions must be importable). Each process joins a gloo group on a free localhost
+port given by the test."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.runtime_models import TINY
+
+
+def join(rank: int, world: int, port: int):
+    from runtime.dist import DistContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    return DistContext.from_env(device="cpu", timeout_s=60)
+
+
+def tiny_model(name: str):
+    from runtime.model import Model
+
+    path, settings = TINY[name]
+    model = Model.from_module(path, settings={k: str(v) for k, v in settings.items()},
+                              dtype=torch.float64)
+    model.check_finite = False
+    return model.init_random(seed=0)
+
+
+def windows(steps: int, rows: int, seq: int, vocab: int = 64) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (rows, seq + 1), generator=generator)
+            for _ in range(steps)]
+
+
+def train_reference(name: str, steps: int, rows: int, seq: int) -> tuple[list, dict]:
+    """One process, the whole batch: the losses and the state after `steps`."""
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+
+    trainer = CPUTrainer(tiny_model(name), rows, seq, AdamW(lr=1e-2, weight_decay=0.1))
+    losses = [trainer.train_step(w) for w in windows(steps, rows, seq)]
+    return losses, trainer.state()
+
+
+def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps: int,
+                  rows: int, seq: int, out: str) -> None:
+    """`world` processes, each its rows of the same batches; rank 0 saves the losses and
+    the gathered state to `out`."""
+    from runtime.train.data_parallel import CPUDataParallelTrainer
+    from runtime.train.optim import AdamW
+
+    context = join(rank, world, port)
+    per_rank = rows // world
+    trainer = CPUDataParallelTrainer(tiny_model(name), per_rank, seq,
+                                     AdamW(lr=1e-2, weight_decay=0.1), context, zero)
+    losses = [trainer.train_step(w[rank * per_rank:(rank + 1) * per_rank])
+              for w in windows(steps, rows, seq)]
+    state = trainer.state()
+    if rank == 0:
+        torch.save({"losses": losses, "state": state}, out)
+    context.close()
