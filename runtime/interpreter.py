@@ -323,6 +323,9 @@ class Interpreter:
                 value = torch.zeros_like(forward.env[source])
             filled.append(value)
         attrs["input_shapes"] = _input_shapes(kernel, op, forward, self)
+        if getattr(kernel, "converts", False):  # a cast's gradient goes back to its input's dtype
+            attrs["input_dtypes"] = {name: self._read(value, forward, None).dtype
+                                     for name, value in zip(kernel.forward_inputs, op.inputs)}
         return _group_lists(kernel.backward_inputs, filled), attrs
 
     def _after(self, node: Node, frame: Frame, value: str, tensor: Tensor) -> Tensor:

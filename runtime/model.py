@@ -102,6 +102,9 @@ class Model:
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         return parameter_shapes(self.source.program(planned=False).graph)
 
+    def parameter_dtypes(self) -> dict[str, torch.dtype]:
+        return parameter_dtypes(self.source.program(planned=False).graph, self.dtype)
+
     def init_random(self, seed: int = 0, std: float = 0.02) -> "Model":
         """Random parameters (normal(0, std); norm weights near 1) for tests and tutorials;
         LoRA adapters as PEFT does (B = 0: the adapted model is the base model), drawn
@@ -110,13 +113,14 @@ class Model:
         from runtime.lora import init_adapters
 
         generator = torch.Generator().manual_seed(seed)
+        dtypes = self.parameter_dtypes()
         for path, shape in self.parameter_shapes().items():
             if is_adapter(path):
                 continue
             value = torch.randn(shape, generator=generator, dtype=torch.float64) * std
             if len(shape) == 1 and path.endswith("weight"):
                 value += 1.0
-            self.params[path] = value.to(self.dtype).to(self.device)
+            self.params[path] = value.to(dtypes[path]).to(self.device)
         init_adapters(self, generator)
         return self
 
@@ -126,7 +130,9 @@ class Model:
         schema = self.source.program(planned=False).weight_schema
         loaded = load_hf_weights(schema, Path(directory), dtype=self.dtype, device=self.device,
                                  progress=progress)
-        self.params.update(loaded)
+        dtypes = self.parameter_dtypes()  # `@dtype(T)` parameters are stored in T
+        self.params.update({p: t.to(dtypes.get(p, t.dtype)) if t.is_floating_point() else t
+                            for p, t in loaded.items()})
         self.hf_layout.update(loaded.layout)
         from runtime.lora import init_adapters
 
@@ -247,9 +253,27 @@ class Model:
 
 def parameter_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model by path, with its shape, walking the calls."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    _walk(graph, graph.function(graph.entry), "", (), shapes)
-    return shapes
+    infos: dict = {}
+    _walk(graph, graph.function(graph.entry), "", (), infos)
+    return {path: tuple(_size(d) for d in info.shape) for path, info in infos.items()}
+
+
+def parameter_dtypes(graph: Graph, run: torch.dtype) -> dict[str, torch.dtype]:
+    """Every parameter's dtype in a run in `run`: a float64 or float32 run is exact (all
+    in that dtype); otherwise the dtype the program gives a parameter (`@dtype(fp32)`,
+    `[d, fp32]`), and `run` where it leaves it to the precision policy."""
+    infos: dict = {}
+    _walk(graph, graph.function(graph.entry), "", (), infos)
+    return {path: _storage_dtype(info.dtype, run) for path, info in infos.items()}
+
+
+def _storage_dtype(declared: str, run: torch.dtype) -> torch.dtype:
+    from runtime.kernels.utility import TORCH_DTYPES
+
+    if run in (torch.float64, torch.float32):
+        return run
+    dtype = TORCH_DTYPES.get(declared)
+    return dtype if dtype is not None and dtype.is_floating_point else run
 
 
 def _size(dim: str) -> int | str:
@@ -258,7 +282,7 @@ def _size(dim: str) -> int | str:
 
 def _walk(graph: Graph, function, path: str, indices: tuple, shapes: dict) -> None:
     for param in function.params:
-        shapes[_join(path, param.id[len("param:"):])] = tuple(_size(d) for d in param.shape)
+        shapes[_join(path, param.id[len("param:"):])] = param
     for node in function.nodes:
         if node.kind != "call":
             continue

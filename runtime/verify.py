@@ -12,7 +12,8 @@ central differences of f(theta) = sum <seed, output(theta)>, along random direct
 Directional checks cost two forwards per direction and tensor instead of two per element,
 so whole models are checked; a wrong gradient (swapped outputs, a wrong scale, a missing
 accumulate) differs from the true one in some direction, which a random v finds with
-probability one. A declaration whose source writes a backward is checked twice: as written,
+probability one. `@gradient` ops run as surrogates with the derivative the annotation
+asks for (runtime.gradient_marks). A declaration whose source writes a backward is checked twice: as written,
 and with the backward derived from the primitives' rules.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import RuntimeUserError
+from runtime.gradient_marks import GradientMarks
 from runtime.model import Model, parameter_shapes
 from runtime.program import ModuleSource
 from runtime.verify_config import VerifyConfig, declaration_config
@@ -156,6 +158,8 @@ class _Checker:
     label: str
 
     def run(self) -> list[GradientCheck]:
+        marks = GradientMarks(self.model.hooks)  # records x0, then f, for the surrogates
+        self.model.hooks = marks
         outputs = self._forward(self.inputs, self.model.params)
         self.seeds = {k: torch.randn(v.shape, generator=self.generator, dtype=torch.float64)
                       for k, v in outputs.items() if v.is_floating_point()}
@@ -165,6 +169,7 @@ class _Checker:
         self.noise = ROUNDING_FACTOR * EPS64 * magnitude / self.config.epsilon
         self._forward(self.inputs, self.model.params)
         grads = self.model.backward(**self.seeds)
+        marks.surrogate = True
         checks = [self._check(f"d_{n}", grads.inputs.get(n), n, None)
                   for n, x in self.inputs.items() if x.is_floating_point()]
         checks += [self._check(f"d_{p}", grads.params.get(p), None, p)
@@ -192,7 +197,8 @@ class _Checker:
             scale = max(abs(numeric), abs(exact))
             ok &= abs(numeric - exact) <= self.config.tolerance * scale + self.noise
         self.model.params = params
-        note = "" if analytic is not None else "no gradient computed"
+        note = "" if analytic is not None else "no gradient flows back" if ok else \
+            "no gradient computed"
         return GradientCheck(self.name, self.label, gradient, worst, ok, note)
 
     def _directional(self, input_name, param, params, base, direction) -> float:

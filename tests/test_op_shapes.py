@@ -232,6 +232,12 @@ CASES: list[Case] = [
          "y: [3, 2, 8]",
          (B("-> y", "-> (y, z)", "E003", "returns 1 tensor(s), the destination names 2"),)),
     Case("copy", "x: [2, 3, 8, int32]", "x -> copy() -> y", "y: [2, 3, 8, int32]"),
+    Case("stop_gradient", "x: [2, 3, 8]", "x -> stop_gradient() -> y", "y: [2, 3, 8]"),
+    Case("scale_gradient", "x: [2, 3, 8]", "x -> scale_gradient(scale=0.5, clip=1.0) -> y",
+         "y: [2, 3, 8]",
+         (B("scale=0.5", "scale=true", "E003", "`scale`"),)),
+    Case("cast", "x: [2, 3, 8, bf16]", "x -> cast(dtype=fp32) -> y", "y: [2, 3, 8, fp32]",
+         (B("dtype=fp32", "dtype=fp33", "E003", "`dtype` of `cast` must be a dtype"),)),
     Case("split", "x: [2, 3, 24]", "x -> split([8, 8, 8]) -> (a, b, c)",
          "a: [2, 3, 8], b: [2, 3, 8], c: [2, 3, 8]",
          (B("[8, 8, 8]", "[8, 8, 4]", "E004", "`split` sizes add up to 20, but dim 2"),
@@ -417,7 +423,7 @@ def test_every_primitive_has_a_case():
     assert not unknown, f"cases of unknown primitives: {unknown}"
 
 
-NOTHING_TO_BREAK = {"copy"}  # takes any tensor, of any dtype, and has no parameters
+NOTHING_TO_BREAK = {"copy", "stop_gradient"}  # any tensor, any dtype, and no parameters
 
 
 def test_every_primitive_has_a_broken_variant():

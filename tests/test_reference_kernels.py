@@ -191,6 +191,10 @@ CASES: dict[str, list[Case]] = {
     "contiguous": [Case("strided", lambda g: [randn(g, 3, 4).T]),
                    Case("contiguous", lambda g: [randn(g, 3, 4)])],
     "copy": _unary((3, 4)),
+    "cast": [Case("to-fp64", lambda g: [randn(g, 2, 5)], {"dtype": "fp64"})],  # fp32: below
+    "stop_gradient": _unary((3, 4)),
+    "scale_gradient": [Case("half", lambda g: [randn(g, 3, 4)], {"scale": 0.5}),
+                       Case("clip", lambda g: [randn(g, 2, 6)], {"scale": 2.0, "clip": 0.7})],
     "add": _binary((2, 3, 4)) + [
         Case("broadcast-bias", lambda g: [randn(g, 2, 3, 4), randn(g, 4)]),
         Case("broadcast-both", lambda g: [randn(g, 3, 1), randn(g, 2, 1, 4)])],
@@ -443,6 +447,9 @@ ORACLES: dict[str, Callable] = {
     "concat": lambda xs, *, dim, **_: [torch.cat(xs, dim)],
     "contiguous": lambda x, **_: [x],
     "copy": lambda x, **_: [x],
+    "cast": lambda x, *, dtype, **_: [x.to({"fp32": torch.float32, "fp64": F64}[dtype])],
+    "stop_gradient": lambda x, **_: [x],
+    "scale_gradient": lambda x, **_: [x],
     "add": lambda a, b, **_: [torch.add(a, b)],
     "mul": lambda a, b, **_: [torch.mul(a, b)],
     "scale": lambda x, *, factor, **_: [torch.mul(x, factor)],
@@ -561,7 +568,31 @@ def test_forward_matches_oracle(name, case):
         assert_close(g, w, 1e-12, f"{name}.{out_name}")
 
 
-BACKWARD_CASES = [(n, c) for n, c in ALL_CASES if KERNELS[n].backward_outputs]
+# identities forward whose backward is the annotation's, not the forward's derivative
+# (`@gradient`, §7.8.3): checked against their formula below
+NOT_DERIVATIVES = {"scale_gradient"}
+BACKWARD_CASES = [(n, c) for n, c in ALL_CASES
+                  if KERNELS[n].backward_outputs and n not in NOT_DERIVATIVES]
+
+
+@pytest.mark.parametrize("scale, clip", [(0.5, None), (2.0, 0.7), (-1.0, 0.1)])
+def test_scale_gradient_scales_then_clips_element_wise(scale, clip):
+    kernel = KERNELS["scale_gradient"]
+    d_y = torch.randn(4, 5, generator=torch.Generator().manual_seed(3), dtype=F64)
+    x = torch.randn(4, 5, dtype=F64)
+    assert kernel.forward([x], {"scale": scale, "clip": clip})[0] is x
+    want = d_y * scale if clip is None else (d_y * scale).clamp(-clip, clip)
+    assert torch.equal(kernel.backward([d_y], {"scale": scale, "clip": clip})[0], want)
+
+
+def test_cast_converts_and_its_gradient_goes_back_to_the_input_dtype():
+    kernel = KERNELS["cast"]
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    y = kernel.forward([x], {"dtype": "fp32"})[0]
+    assert y.dtype == torch.float32 and torch.equal(y, x.float())
+    d_x = kernel.backward([torch.randn(3, 4)], {"dtype": "fp32",
+                                                "input_dtypes": {"x": torch.bfloat16}})[0]
+    assert d_x.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("name,case", BACKWARD_CASES,
@@ -601,7 +632,8 @@ def test_backward_matches_autograd(name, case):
 
 
 LOW_CASES = [(n, c, dt) for n, c in ALL_CASES for dt in (torch.float32, torch.bfloat16)
-             if any(t.is_floating_point() for t in _flat(_inputs(n, c)))]  # not the constants
+             if any(t.is_floating_point() for t in _flat(_inputs(n, c)))  # not the constants
+             and not KERNELS[n].converts]  # nor cast: its dtypes are its own (tested above)
 
 
 @pytest.mark.parametrize("name,case,dtype", LOW_CASES,

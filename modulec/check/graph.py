@@ -17,6 +17,7 @@ from modulec.check.order import order_statements
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
 from modulec.diagnostics import Label
+from modulec.lower.value_marks import cast_of, mark
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
 from modulec.types.tensor import TensorType
@@ -180,12 +181,12 @@ class GraphChecker:
         if len(values) != len(targets):
             self._arity(step, values, targets)
             return
-        for (name, span, cast), value in zip(targets, values):
-            self._define(name, _with_cast(value.type, cast), span, accumulate, value.value)
+        for (name, span, notes), value in zip(targets, values):
+            self._define(name, value.type, span, accumulate, value.value, notes)
 
     def _alias(self, target, value: Tensor) -> None:
-        name, span, cast = target
-        self._define(name, _with_cast(value.type, cast), span, False, value.value)
+        name, span, notes = target
+        self._define(name, value.type, span, False, value.value, notes)
 
     def _arity(self, step, values, targets) -> None:
         self.world.error("E003", f"this operation returns {len(values)} tensor(s), "
@@ -195,18 +196,22 @@ class GraphChecker:
         for name, span, _ in targets:
             self._define(name, UNKNOWN, span, False)
 
-    def targets(self, expr, annotations=()) -> list[tuple[str, object, str | None]] | None:
-        """(name, span, explicit dtype from `@dtype(...)`) for each destination name."""
+    def targets(self, expr, annotations=()) -> list[tuple[str, object, tuple]] | None:
+        """(name, span, its annotations: `@dtype`, `@gradient`) for each destination name."""
         if isinstance(expr, A.Name):
-            return [(expr.id, expr.span, _cast(annotations))]
+            return [(expr.id, expr.span, tuple(annotations))]
         if isinstance(expr, A.TupleExpr) and all(isinstance(e.value, A.Name) for e in expr.items):
-            return [(e.value.id, e.value.span, _cast(e.annotations)) for e in expr.items]
+            return [(e.value.id, e.value.span, tuple(e.annotations)) for e in expr.items]
         return None
 
     def _define(self, name: str, type_: TensorType, span, accumulate: bool,
-                value: str = "") -> None:
+                value: str = "", notes=()) -> None:
         if name == "_":
             return
+        if value and self.recorder is not None and not self.backward:  # a cast, then
+            value, type_ = mark(self.recorder, self.instance.env(), value, type_, notes, span)
+        else:  # checking only: the type the cast makes
+            type_ = _with_cast(type_, cast_of(notes))
         kind = "gradient" if self.backward and name.startswith("d_") else "local"
         self.scope.define(Tensor(name, type_, span, kind, accumulate, value), self.world)
         if self.recorder is not None and value:
@@ -240,8 +245,22 @@ class GraphChecker:
     def _param(self, name: str, node) -> Tensor | None:
         value = self.instance.params.get(name)
         if isinstance(value, TensorParamValue):
-            return Tensor(name, value.type, node.span, "param", value=f"param:{name}")
+            return Tensor(name, value.type, node.span, "param",
+                          value=self._param_value(name, value))
         return None
+
+    def _param_value(self, path: str, param: TensorParamValue) -> str:
+        """`param:<path>`, or while recording the value its `@gradient` makes of it (one
+        scale_gradient per function, made at the first use)."""
+        value = f"param:{path}"
+        if self.recorder is None or self.backward or param.frozen or \
+                not any(a.name == "gradient" for a in param.notes):
+            return value
+        marked = self.recorder.marked
+        if value not in marked:
+            marked[value] = mark(self.recorder, self.instance.env(), value, param.type,
+                                 param.notes, param.span, cast=False)[0]
+        return marked[value]
 
     def _attribute(self, expr: A.Attribute) -> Tensor | None:
         base = expr.value.id
@@ -251,8 +270,9 @@ class GraphChecker:
         if isinstance(sub, Submodule):
             value = sub.instance.params.get(expr.attr)
             if isinstance(value, TensorParamValue):
-                return Tensor(f"{base}.{expr.attr}", value.type, expr.span, "param",
-                              value=f"param:{base}.{expr.attr}")
+                path = f"{base}.{expr.attr}"
+                return Tensor(path, value.type, expr.span, "param",
+                              value=self._param_value(path, value))
         return None
 
     def _saved(self, expr: A.Attribute) -> Tensor | None:
@@ -294,15 +314,8 @@ class GraphChecker:
                              help=did_you_mean(name, self.forward_types))
 
 
-def _cast(annotations) -> str | None:
-    for note in annotations:
-        if note.name == "dtype" and note.args and isinstance(note.args[0].value, A.Name):
-            return note.args[0].value.id
-    return None
-
-
 def _with_cast(type_: TensorType, cast: str | None) -> TensorType:
-    return type_.with_dtype(cast) if cast and not type_.variadic else type_
+    return type_.with_dtype(cast) if cast else type_
 
 
 def declared_type(instance: Instance, sig, span) -> TensorType:

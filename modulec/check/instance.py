@@ -53,8 +53,9 @@ class TensorParamValue:
     type: TensorType
     span: Span
     optional: bool = False
-    frozen: bool = False
+    frozen: bool = False  # @frozen or @gradient(skip): no gradient, no optimizer state
     tied_to: str | None = None
+    notes: tuple = ()  # its annotations (`@gradient`, `@trainable`): lowering reads them
 
 
 @dataclass
@@ -261,10 +262,18 @@ def _param_value(instance: Instance, param: TensorParam):
     type_, optional = param.type, False
     if isinstance(type_, A.OptionalType):
         type_, optional = type_.value, True
-    frozen = any(a.name == "frozen" for a in param.annotations)
+    from modulec.lower.value_marks import SKIP, cast_of, gradient_spec
+
+    notes = tuple(param.annotations)
+    skipped = (gradient_spec(notes) or ("",))[0] == SKIP
+    frozen = skipped or any(a.name == "frozen" for a in notes)
     if isinstance(type_, A.ListExpr):
         tensor = tensor_type(instance, type_)
-        return TensorParamValue(tensor, param.span, optional, frozen) if tensor else None
+        dtype = cast_of(notes)  # @dtype(T): the parameter is stored in T
+        if tensor is not None and dtype is not None:
+            tensor = tensor.with_dtype(dtype)
+        return TensorParamValue(tensor, param.span, optional, frozen, notes=notes) \
+            if tensor else None
     if isinstance(type_, A.ArrayType):
         return _stack(instance, type_, param)
     if _is_tied(type_):

@@ -11,6 +11,7 @@ from modulec.check.instance import Instance
 from modulec.check.order import defined_names
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
+from modulec.lower.value_marks import mark
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
 from modulec.types.tensor import narrower
@@ -28,9 +29,12 @@ def check_body(instance: Instance) -> None:
     recorder = _recorder(instance)
     for index, sig in enumerate(forward.inputs):
         type_ = _input_type(instance, sig, index)
-        scope.names[sig.name] = Tensor(sig.name, type_, sig.span, "input", value=sig.name)
+        value = sig.name
         if recorder is not None:
             recorder.declare(sig.name, type_, sig.name)
+            value, type_ = mark(recorder, instance.env(), value, type_, sig.annotations,
+                                sig.span)
+        scope.names[sig.name] = Tensor(sig.name, type_, sig.span, "input", value=value)
     errors = _error_count(instance)
     if forward.graph is not None:
         checker = GraphChecker(instance, scope, recorder=recorder)

@@ -25,7 +25,10 @@ def derive_backward(graph: Graph) -> Graph:
     reachable = _reachable(graph)
     written = {f.gradient_of: f for f in graph.functions if f.gradient_of}
     forward = [f for f in graph.functions if f.name in reachable and not f.gradient_of]
-    backward = [written.get(f.name) or _backward(f) for f in forward]
+    done: dict[str, Function] = {}  # forward name -> its backward, callees first
+    for function in _callees_first(graph, forward):
+        done[function.name] = written.get(function.name) or _backward(function, done)
+    backward = [done[f.name] for f in forward]
     entry_backward = f"{graph.entry}.backward"
     return Graph(graph.model, graph.entry, entry_backward, tuple(forward + backward))
 
@@ -35,6 +38,27 @@ def without_written_backward(graph: Graph) -> Graph:
     derive_backward derives them all (`--verify-backward` checks both against each other)."""
     return Graph(graph.model, graph.entry, graph.backward,
                  tuple(f for f in graph.functions if not f.gradient_of))
+
+
+def _callees_first(graph: Graph, forward: list[Function]) -> list[Function]:
+    """The forward functions, each after every function it calls: a call's backward
+    needs to know which of its callee's input gradients exist (a stop-gradient inside)."""
+    by_name = {f.name: f for f in forward}
+    order: list[Function] = []
+    seen: set[str] = set()
+
+    def visit(function: Function) -> None:
+        if function.name in seen:
+            return
+        seen.add(function.name)
+        for node in function.nodes:
+            if node.kind == "call" and node.target in by_name:
+                visit(by_name[node.target])
+        order.append(function)
+
+    for function in forward:
+        visit(function)
+    return order
 
 
 def _reachable(graph: Graph) -> set[str]:
@@ -52,6 +76,7 @@ def _reachable(graph: Graph) -> set[str]:
 @dataclass
 class _Builder:
     forward: Function
+    callees: dict[str, Function] = field(default_factory=dict)  # forward name -> backward
     nodes: list[Node] = field(default_factory=list)
     values: dict[str, ValueInfo] = field(default_factory=dict)
     grads: dict[str, str] = field(default_factory=dict)  # forward value -> gradient value
@@ -88,8 +113,8 @@ class _Builder:
         self.grads[value] = total
 
 
-def _backward(forward: Function) -> Function:
-    builder = _Builder(forward)
+def _backward(forward: Function, callees: dict[str, Function]) -> Function:
+    builder = _Builder(forward, callees)
     inputs = []
     for output in forward.outputs:
         gradient = f"d:{output}"
@@ -177,12 +202,24 @@ def _backward_input(builder: _Builder, name: str, by_name: dict, node: Node) -> 
 
 def _call_backward(builder: _Builder, node: Node) -> None:
     gradients = [builder.grads.get(o, "") for o in node.outputs]
-    outputs = [builder.fresh(i) if _differentiable(builder, i) and builder.wants(i) else ""
-               for i in node.inputs]
+    gives = _callee_gives(builder, node)
+    outputs = [builder.fresh(i) if gives[k] and _differentiable(builder, i) and builder.wants(i)
+               else "" for k, i in enumerate(node.inputs)]
     builder.node(f"{node.target}.backward", gradients, outputs, node, kind="call",
                  attrs=(("forward_node", node.id),), repeat=node.repeat)
     for value, gradient in zip(node.inputs, outputs):
         builder.contribute(value, gradient, node)
+
+
+def _callee_gives(builder: _Builder, node: Node) -> list[bool]:
+    """Which inputs of the callee its backward gives a gradient for: none for a
+    `@gradient(skip)` input or one that reaches no output through differentiable ops (a
+    backward output written as absent, `""`); a repeated call feeds each layer's input
+    gradients to the layer before it, so there an absent one stays absent too."""
+    callee = builder.callees.get(node.target)
+    if callee is None:
+        return [True] * len(node.inputs)
+    return [bool(o) for o in callee.outputs] + [True] * (len(node.inputs) - len(callee.outputs))
 
 
 def _differentiable(builder: _Builder, value: str) -> bool:

@@ -13,6 +13,7 @@ from modulec.check.module import check_body
 from modulec.check.world import World
 from modulec.ir.graph import Function, Graph
 from modulec.lower.recorder import Recorder, attr_value, value_info
+from modulec.lower.value_marks import SKIP, gradient_spec
 from modulec.ops.registry import OpRule
 
 
@@ -82,8 +83,8 @@ def _function(world, instance: Instance, recorder: Recorder, scope: str) -> Func
                    if not any(k == i.id for i in inputs))
     frozen = tuple(sorted(f"param:{n}" for n, v in _tensor_params(instance, recorder)
                           if v.frozen))
-    skipped = tuple(s.name for s in forward.inputs
-                    if any(a.name == "gradient" for a in s.annotations))
+    skipped = tuple(s.name for s in forward.inputs  # also cut by their stop_gradient op
+                    if (gradient_spec(s.annotations) or ("",))[0] == SKIP)
     return Function(function_name(world, instance), instance.name, scope or instance.name, args,
                     params, inputs, outputs, values, tuple(recorder.nodes),
                     no_gradient=frozen + skipped)
@@ -147,6 +148,8 @@ def call_path(instance: Instance, expr) -> tuple:
     if isinstance(expr, A.Call) and getattr(expr.func, "id", "") == "StackedBlocks":
         name = getattr(expr.args[0].value, "id", "") if expr.args else ""
         return (("first", 0), ("instance", name)) if name else ()
+    if isinstance(expr, A.Call) and isinstance(expr.func, A.Index) and not expr.args:
+        expr = expr.func  # `blocks[0:8]()`: the slice, applied
     if isinstance(expr, A.Index) and isinstance(expr.value, A.Name):
         sub = expr.subscripts[0] if len(expr.subscripts) == 1 else None
         start = sub.lower if isinstance(sub, A.Slice) else sub

@@ -23,6 +23,7 @@ class Recorder:
     values: dict[str, ValueInfo] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)  # source name -> value id
     phase: str = "forward"
+    marked: dict[str, str] = field(default_factory=dict)  # param -> its @gradient value
     _counter: int = 0
 
     def fresh(self, type_: TensorType) -> str:
@@ -76,9 +77,12 @@ class Recorder:
         concerns the node that produces the hooked value (a fusion barrier when it may
         write, §5.11.3), also when the flow only renames that value."""
         wide = tuple(_annotation(a) for a in destination.annotations if a.name in FLOW_WIDE)
+        stage = tuple(_annotation(a) for a in destination.annotations if a.name in STAGE_WIDE)
         for index in range(start, len(self.nodes)):
             if wide and self.nodes[index].kind == "op":
                 self._annotate(index, wide)
+            if stage and not any(n[0] in STAGE_WIDE for n in self.nodes[index].annotations):
+                self._annotate(index, stage)
         for name, notes in _hooked_names(destination):
             value = self.names.get(name)
             producer = next((i for i in range(len(self.nodes) - 1, -1, -1)
@@ -93,6 +97,9 @@ class Recorder:
 
 
 FLOW_WIDE = ("fuse", "nofuse")
+# a destination's pipeline stage (spec §7.6.2) goes to every node of its flow, calls too,
+# unless a step of the flow names its own (`x -> blocks[0:8]() @partition(0) -> ...`)
+STAGE_WIDE = ("partition",)
 # annotations of a destination value that go to the node producing it; all but `@hook`
 # also record which output they concern (`on=name`, `value=id`) for the runtime (probes,
 # trace lines, assertions and profile regions name the value; a node may have several

@@ -220,7 +220,16 @@ def add3_shape(call: OpCall) -> list[TensorType]:
     return [first]
 
 
-@shape_rule("contiguous", "copy")
+@shape_rule("cast")
+def cast_shape(call: OpCall) -> list[TensorType]:
+    dtype = call.param("dtype")
+    if not isinstance(dtype, Ident) or dtype.name not in DTYPES:
+        raise ShapeError(f"`dtype` of `cast` must be a dtype, found {dtype}", code="E003",
+                         help=(f"dtypes: {', '.join(DTYPES)}",))
+    return [call.inputs[0].with_dtype(dtype.name)]
+
+
+@shape_rule("contiguous", "copy", "stop_gradient", "scale_gradient")
 def same_shape(call: OpCall) -> list[TensorType]:
     return [call.inputs[0]]
 

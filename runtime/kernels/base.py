@@ -47,6 +47,7 @@ class ReferenceKernel:
     forward_fn: Callable
     backward_fn: Callable | None = None
     stats: frozenset[str] = frozenset()  # floating tensors kept in the compute dtype
+    converts: bool = False  # its outputs' dtypes are its business (cast): none cast back
 
     def forward(self, inputs: list, attrs: dict) -> list:
         return _call(self, self.forward_fn, self.forward_inputs, self.forward_outputs, inputs, attrs)
@@ -60,13 +61,13 @@ class ReferenceKernel:
 
 
 def register(name: str, forward_inputs, forward_outputs, backward_inputs=(), backward_outputs=(),
-             *, backward: Callable | None = None, stats=()):
+             *, backward: Callable | None = None, stats=(), converts: bool = False):
     """Register `forward` (the decorated function) and `backward` under `name`. Both are
     called as fn(*inputs, **attrs), inputs already in the compute dtype."""
     def wrap(forward: Callable) -> Callable:
         KERNELS[name] = ReferenceKernel(name, tuple(forward_inputs), tuple(forward_outputs),
                                         tuple(backward_inputs), tuple(backward_outputs),
-                                        forward, backward, frozenset(stats))
+                                        forward, backward, frozenset(stats), converts)
         return forward
     return wrap
 
@@ -75,6 +76,8 @@ def _call(kernel: ReferenceKernel, fn, in_names, out_names, inputs, attrs) -> li
     if len(inputs) != len(in_names):
         raise ValueError(f"{kernel.name}: {len(inputs)} inputs given, signature has "
                          f"{len(in_names)} ({', '.join(in_names)})")
+    if kernel.converts:
+        return list(fn(*inputs, **attrs))
     io = io_dtype(inputs, in_names, kernel.stats)
     compute = compute_dtype(io) if io is not None else None
     args = [_cast(x, compute) for x in inputs]

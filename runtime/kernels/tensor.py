@@ -1,4 +1,5 @@
-"""view, transpose, permute, split, concat, contiguous, copy (spec §6.5, §6.11.4).
+"""view, transpose, permute, split, concat, contiguous, copy (spec §6.5, §6.11.4);
+stop_gradient and scale_gradient (`@gradient`, §7.8.3).
 
 Views return torch views where torch can (the reference does not model buffers; layout
 is not part of the value). view reshapes (a copy when x is strided: the "x must be
@@ -84,3 +85,22 @@ def _contiguous_forward(x, **_):
 @register("copy", ("x",), ("y",), ("d_y",), ("d_x",), backward=lambda d_y, **_: [d_y])
 def _copy_forward(x, **_):
     return [x.clone(memory_format=torch.contiguous_format)]
+
+
+# ----------------------------------------------------- stop_gradient, scale_gradient
+# `@gradient(...)` (spec §7.8.3): identities forward; stop_gradient has no backward (the
+# derivation gives its input no gradient), scale_gradient scales then clips element-wise
+@register("stop_gradient", ("x",), ("y",))
+def _stop_gradient_forward(x, **_):
+    return [x]
+
+
+def _scale_gradient_backward(d_y, *, scale=1.0, clip=None, **_):
+    d_x = d_y * scale
+    return [d_x.clamp(-clip, clip) if clip is not None else d_x]
+
+
+@register("scale_gradient", ("x",), ("y",), ("d_y",), ("d_x",),
+          backward=_scale_gradient_backward)
+def _scale_gradient_forward(x, **_):
+    return [x]

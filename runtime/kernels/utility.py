@@ -1,4 +1,4 @@
-"""zeros, ones, fill (spec §6.11): constants, no inputs, no backward.
+"""zeros, ones, fill (spec §6.11): constants, no inputs, no backward; cast (`@dtype`).
 
 `dtype` is a DSL dtype name; attrs may also carry `device` (default CPU). fp4_e2m1 and
 int4 have no torch dtype and are refused.
@@ -39,3 +39,16 @@ def _fill_forward(*, shape, value, dtype="bf16", device="cpu", **_):
     # fp8 has no fill kernel on CPU: fill in fp32 and round
     out = torch.full(list(shape), float(value), dtype=torch.float32, device=device)
     return [out.to(torch_dtype(dtype))]
+
+
+# ------------------------------------------------------------------------------- cast
+# `@dtype(T)` (§7.4.1); the backward converts d_y back to the dtype x had at forward
+# (attrs["input_dtypes"], recorded like input_shapes; absent: d_y's own)
+def _cast_backward(d_y, **attrs):
+    source = (attrs.get("input_dtypes") or {}).get("x")
+    return [d_y.to(source) if source is not None else d_y]
+
+
+@register("cast", ("x",), ("y",), ("d_y",), ("d_x",), backward=_cast_backward, converts=True)
+def _cast_forward(x, *, dtype, **_):
+    return [x.to(torch_dtype(dtype))]
