@@ -96,8 +96,13 @@ def test_the_specs_invalid_pipeline_example_gives_e025():
     text = text.replace("# x8 -> blocks[8:12]()", "x8 -> blocks[8:12]()") \
         .replace("# x12 -> blocks[12:16]()", "x12 -> blocks[12:16]()") \
         .replace("x8 -> blocks[8:16]() -> x16", "x8 -> blocks[8:16]() -> x16b")
-    d = only(text)
-    assert (d.code, d.message) == ("E025", "`@checkpoint` spans pipeline stages 1 and 2")
+    # the spec lists alternatives: uncommented, its `VALID` line goes back to stage 1
+    # after stage 2, which is an E008 of its own (modulec.check.partition)
+    found = problems(text)
+    assert [(d.code, d.message) for d in found if d.code == "E008"] == [
+        ("E008", "stage 1 comes after stage 2: stage 1 would not be one contiguous range")]
+    [d] = [d for d in found if d.code == "E025"]
+    assert d.message == "`@checkpoint` spans pipeline stages 1 and 2"
     lines = text.splitlines()
     row = next(i for i, l in enumerate(lines, 1) if l.lstrip().startswith("x8 -> blocks[8:12]"))
     assert (d.primary_span.line, d.primary_span.column) == (row, lines[row - 1].index(
@@ -370,3 +375,38 @@ def test_spans_point_at_the_deciding_text():
     decisions = memory_decisions(program(LADDER).decls[0])
     assert (decisions["h"].span.line, decisions["h"].span.column) == (8, 46)  # @memory
     assert (decisions["ln1_rstd"].span.line, decisions["ln1_rstd"].span.column) == (11, 21)
+
+
+# ====================================================================== @partition stages
+@pytest.mark.parametrize("flows, message", [
+    ("      x0 -> a() -> x1 @partition(0)\n      x1 -> b() -> x2 @partition(2)\n",
+     "`@partition(2)` but no operation is in stage 1"),
+    ("      x0 -> a() -> x1 @partition(1)\n      x1 -> b() -> x2 @partition(2)\n",
+     "`@partition(1)` but no operation is in stage 0"),
+    ("      x0 -> a() -> x1 @partition(0)\n      x1 -> b() -> x2 @partition(1)\n"
+     "      x2 -> c() -> x3 @partition(0)\n",
+     "stage 0 comes after stage 1: stage 0 would not be one contiguous range"),
+    ("      x0 -> a() @partition(1) -> b() @partition(0) -> x1\n",
+     "stage 0 comes after stage 1: stage 0 would not be one contiguous range"),
+    ("      x0 -> a() -> x1 @partition(-1)\n", "a pipeline stage is numbered from 0"),
+    ("      x0 -> a() -> x1 @partition(0)\n      x1 -> b() -> x2 @partition(1)\n"
+     "      x2 -> c() -> x3\n      x3 -> d() -> x4 @partition(1)\n", None),
+    ("      x0 -> a() @partition(0) -> b() @partition(1) -> x1\n", None),
+    ("      x0 -> a() -> x1 @partition(s)\n      x1 -> b() -> x2 @partition(2)\n", None),
+])
+def test_partition_stages_form_a_pipeline(flows, message):
+    found = problems(PIPE + flows)
+    assert [d.message for d in found] == ([message] if message else [])
+    if message:
+        line = next(i for i, l in enumerate((PIPE + flows).splitlines(), 1)
+                    if l.strip() and found[0].primary_span.line == i)
+        assert found[0].code == "E008" and line >= 4
+
+
+def test_partition_out_of_order_names_both_lines():
+    text = PIPE + ("      x0 -> a() -> x1 @partition(0)\n      x1 -> b() -> x2 @partition(1)\n"
+                   "      x2 -> c() -> x3 @partition(0)\n")
+    d = only(text)
+    assert d.primary_span.line == 6
+    assert [(label.span.line, label.message) for label in d.labels[1:]] == [
+        (5, "stage 1 starts here")]

@@ -3,7 +3,8 @@
 E008: unknown annotation, wrong placement, unknown / duplicate / missing argument, too many
 positional arguments, a value of the wrong kind. E013: an unknown fusion pattern or `ops`
 entry, or a `@fuse` with nothing to fuse. E025: a checkpoint region spanning pipeline
-stages (`memory_policy.pipeline_problems`, driven by `StageRule`). All wording comes from
+stages (`memory_policy.pipeline_problems`, driven by `StageRule`); E008 also for stages
+that do not form a pipeline (`partition.partition_problems`). All wording comes from
 the table; no code here names an annotation.
 """
 
@@ -18,6 +19,7 @@ from modulec.check.annotation_table import (
     ANNOTATIONS, PLACEMENTS, Kind, Param, Spec, argument_values, key_text, usage,
 )
 from modulec.check.memory_policy import name_span, pipeline_problems
+from modulec.check.partition import partition_problems
 from modulec.diagnostics import Diagnostic, Label, error
 from modulec.diagnostics.spelling import edit_distance
 from modulec.paths import data_dir
@@ -46,7 +48,7 @@ def check_annotations(program: A.Program) -> list[Diagnostic]:
     for site in annotation_sites(program):
         diagnostics += check_site(site, ops)
     for decl in program.decls:
-        diagnostics += pipeline_problems(decl)
+        diagnostics += partition_problems(decl) + pipeline_problems(decl)
     return diagnostics
 
 

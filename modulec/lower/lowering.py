@@ -157,6 +157,7 @@ def call_path(instance: Instance, expr) -> tuple:
             first = evaluate(start, instance.env()) if start is not None else 0
         except (NotConst, Undefined):
             return ()
+        first = first.value if getattr(first, "is_const", False) else first  # a Dim
         return (("first", int(first)), ("instance", expr.value.id))
     if isinstance(expr, A.Name) and isinstance(instance.params.get(expr.id), Submodule):
         return (("instance", expr.id),)

@@ -1,0 +1,154 @@
+"""Pipeline parallel (issue 17, item 4): `@partition` stages in the Graph IR, the
+`pipeline` section's split, boundaries and 1F1B ops, and its simulated timeline."""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from modulec.lower.build import BuildRequest, build
+from modulec.paths import REPO_DIR
+from modulec.plan.pipeline import (
+    Pipeline, PipelineError, balanced_split, entry_units, one_f_one_b, pipeline_section,
+)
+from modulec.plan.pipeline_sim import Deadlock, simulate
+
+DATA = Path(__file__).resolve().parent / "data"
+PIPELINED = DATA / "pipeline_llama.module"
+LLAMA = REPO_DIR / "std" / "models" / "llama.module"
+TINY = dict(n_layers="4", d_model="32", num_heads="4", num_kv_heads="2", d_ff="48",
+            vocab_size="64", max_seq="64")
+
+
+def graph_of(path, settings=None, shapes=None):
+    result = build(BuildRequest(path, settings=settings or {}, shapes=shapes or {"B": 2, "T": 8}))
+    assert result.graph is not None, [d.message for d in result.diagnostics]
+    return result.graph
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    return graph_of(PIPELINED)
+
+
+def test_partition_reaches_every_node_of_its_flow_and_sliced_calls_know_their_blocks(pipelined):
+    entry = pipelined.function(pipelined.entry)
+    stages = {n.id: dict(n.annotations).get("partition") for n in entry.nodes}
+    assert stages == {"f0": ("0",), "f1": None, "f2": ("0",), "f3": ("1",), "f4": None,
+                      "f5": ("1",)}
+    calls = [(n.attr("instance"), n.attr("first"), n.repeat) for n in entry.nodes
+             if n.kind == "call"]
+    assert calls == [("blocks", 0, 2), ("blocks", 2, 2)]
+
+
+def test_stages_follow_the_annotations(pipelined):
+    section = pipeline_section(pipelined, Pipeline(microbatches=4))
+    assert section["split"] == "partition" and len(section["stages"]) == 2
+    first, second = section["stages"]
+    assert [u["node"] for u in first["units"]] == ["f0", "f1", "f2"]
+    assert first["units"][2]["blocks"] == [0, 1]
+    assert second["units"][0]["blocks"] == [2, 3]
+    assert "embedding" in first["params"] and "blocks[1].mlp.down_weight" in first["params"]
+    assert {"blocks[2].ln1.weight", "final_norm.weight", "lm_head"} <= set(second["params"])
+    assert not set(first["params"]) & set(second["params"])
+
+
+def test_the_boundary_carries_the_residual_stream_both_ways(pipelined):
+    [boundary] = pipeline_section(pipelined, Pipeline())["boundaries"]
+    assert [(t["value"], t["shape"], t["gradient"]) for t in boundary["tensors"]] == \
+        [("%3", [2, 8, 32], True), ("%4", [2, 8, 32], True)]
+    assert boundary["activation_bytes"] == boundary["gradient_bytes"] == 2 * 2 * 8 * 32 * 2
+
+
+def test_pp_must_match_the_annotations(pipelined):
+    with pytest.raises(PipelineError, match="make 2 stages"):
+        pipeline_section(pipelined, Pipeline(stages=3))
+
+
+def test_default_microbatches_are_four_per_stage(pipelined):
+    assert pipeline_section(pipelined, Pipeline())["microbatches"] == 8
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 1), (2, 8), (4, 4), (4, 8), (3, 2)])
+def test_one_f_one_b(stages, micro):
+    ops = [one_f_one_b(s, stages, micro) for s in range(stages)]
+    for s, stage_ops in enumerate(ops):
+        compute = [(o["kind"], o["microbatch"]) for o in stage_ops
+                   if o["kind"] in ("forward", "backward")]
+        warmup = min(stages - s - 1, micro)
+        assert compute[:warmup] == [("forward", m) for m in range(warmup)]
+        assert Counter(k for k, _ in compute) == {"forward": micro, "backward": micro}
+        # never more micro-batches in flight than stages ahead (1F1B's memory bound)
+        live = peak = 0
+        for kind, _ in compute:
+            live += 1 if kind == "forward" else -1
+            peak = max(peak, live)
+        assert peak == min(stages - s, micro)
+        assert [o["phase"] for o in stage_ops if o["kind"] == "forward"][:warmup] == \
+            ["warmup"] * warmup
+    sends = Counter((s, o["peer"], o["what"], o["microbatch"]) for s, stage_ops in enumerate(ops)
+                    for o in stage_ops if o["kind"] == "send")
+    recvs = Counter((o["peer"], s, o["what"], o["microbatch"]) for s, stage_ops in enumerate(ops)
+                    for o in stage_ops if o["kind"] == "recv")
+    assert sends == recvs
+    assert all(o["stream"] == (2 if o["kind"] in ("send", "recv") else 0)
+               for stage_ops in ops for o in stage_ops)
+
+
+def test_balanced_split_minimises_the_slowest_stage():
+    assert balanced_split([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1]
+    assert balanced_split([1, 1, 1], 3) == [0, 1, 2]
+    with pytest.raises(PipelineError, match="only 3 units"):
+        balanced_split([1, 1, 1], 4)
+
+
+def test_pp_splits_a_model_without_annotations_by_layers():
+    graph = graph_of(LLAMA, TINY)
+    units = entry_units(graph)
+    assert [u.block for u in units if u.layer is not None] == [0, 1, 2, 3]
+    section = pipeline_section(graph, Pipeline(stages=2, microbatches=4))
+    assert section["split"] == "balanced"
+    blocks = [u.get("blocks") for s in section["stages"] for u in s["units"] if "blocks" in u]
+    assert blocks[0][0] == 0 and blocks[-1][1] == 3
+    seconds = [s["forward_s"] + s["backward_s"] for s in section["stages"]]
+    assert max(seconds) < sum(seconds)
+
+
+def _even(stages: int, micro: int, forward=1.0, backward=2.0) -> dict:
+    return {"stages": [{"stage": s, "forward_s": forward, "backward_s": backward}
+                       for s in range(stages)],
+            "boundaries": [{"from": s, "to": s + 1, "activation_bytes": 0,
+                            "gradient_bytes": 0} for s in range(stages - 1)],
+            "microbatches": micro, "ops": [one_f_one_b(s, stages, micro)
+                                           for s in range(stages)]}
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 8), (4, 8), (4, 16), (8, 32)])
+def test_equal_stages_on_free_links_have_the_textbook_bubble(stages, micro):
+    timeline = simulate(_even(stages, micro), latency_s=0.0)
+    assert timeline.step_s == pytest.approx((micro + stages - 1) * 3.0)
+    assert timeline.bubble == pytest.approx((stages - 1) / (micro + stages - 1))
+    assert all(s.busy_s == pytest.approx(micro * 3.0) for s in timeline.stages)
+
+
+def test_links_add_transfer_time():
+    section = _even(2, 4)
+    section["boundaries"][0].update(activation_bytes=10**9, gradient_bytes=10**9)
+    free = simulate(_even(2, 4), latency_s=0.0).step_s
+    assert simulate(section, link_bytes_per_s=1e9, latency_s=0.0).step_s > free + 1.0
+
+
+def test_a_schedule_that_cannot_finish_is_a_deadlock():
+    section = _even(2, 2)
+    section["ops"][1] = [o for o in section["ops"][1] if not (
+        o["kind"] == "send" and o["microbatch"] == 0)]
+    with pytest.raises(Deadlock, match="stage 0 waits at recv gradients of micro-batch 0"):
+        simulate(section)
+
+
+def test_the_simulated_llama_pipeline_from_the_cost_model(pipelined):
+    timeline = simulate(pipeline_section(pipelined, Pipeline(microbatches=8)))
+    summary = timeline.summary()
+    assert 0 < summary["bubble_fraction"] < 1
+    assert len(summary["stages"]) == 2 and summary["step_s"] > 0
