@@ -13,8 +13,9 @@ Directional checks cost two forwards per direction and tensor instead of two per
 so whole models are checked; a wrong gradient (swapped outputs, a wrong scale, a missing
 accumulate) differs from the true one in some direction, which a random v finds with
 probability one. `@gradient` ops run as surrogates with the derivative the annotation
-asks for (runtime.gradient_marks). A declaration whose source writes a backward is checked twice: as written,
-and with the backward derived from the primitives' rules.
+asks for (runtime.gradient_marks); frozen parameters have no gradient to check. A
+declaration whose source writes a backward is checked twice: as written, and with the
+backward derived from the primitives' rules.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from runtime.errors import RuntimeUserError
 from runtime.gradient_marks import GradientMarks
+from runtime.train.param_groups import frozen_parameters
 from runtime.model import Model, parameter_shapes
 from runtime.program import ModuleSource
 from runtime.verify_config import VerifyConfig, declaration_config
@@ -172,7 +174,9 @@ class _Checker:
         marks.surrogate = True
         checks = [self._check(f"d_{n}", grads.inputs.get(n), n, None)
                   for n, x in self.inputs.items() if x.is_floating_point()]
-        checks += [self._check(f"d_{p}", grads.params.get(p), None, p)
+        frozen = frozen_parameters(self.model.program)  # no gradient, by design
+        checks += [GradientCheck(self.name, self.label, f"d_{p}", None, True, "frozen")
+                   if p in frozen else self._check(f"d_{p}", grads.params.get(p), None, p)
                    for p in self.model.params]
         return checks
 

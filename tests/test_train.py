@@ -311,3 +311,65 @@ def test_training_feeds_tokens_and_positions_only():
     tokens = torch.zeros(3, 5, dtype=torch.int32)
     assert torch.equal(positions_like(tokens), torch.arange(5, dtype=torch.int32).repeat(3, 1))
     assert fed_inputs(["token_ids"], tokens).keys() == {"token_ids"}
+
+
+TINY_LM = """\
+model TinyLM(vocab: int = 16, d: int = 8):
+  params:
+    embedding: [vocab, d] {embedding}
+    norm: [d] {norm}
+    proj: [d, d] {proj}
+    lm_head: [vocab, d] {lm_head}
+  forward:
+    in: token_ids: [B, T, int32]
+    out: logits: [B, T, vocab]
+    graph:
+      (token_ids, embedding) -> embedding() -> h
+      (h, norm) -> mul() -> g
+      g -> matmul(proj, transpose=NT) -> p
+      p -> matmul(lm_head, transpose=NT) -> logits
+"""
+ANNOTATED = dict(embedding="@trainable(wd_scale=0.0)", norm="@frozen",
+                 proj="@trainable(grad_clip=0.001)", lm_head="@trainable(lr_scale=0.5)")
+
+
+def _one_cpu_step(tmp_path, notes: dict):
+    from runtime.model import Model
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+
+    path = tmp_path / f"tiny{len(notes)}.module"
+    path.write_text(TINY_LM.format(**{k: notes.get(k, "") for k in ANNOTATED}))
+    model = Model.from_module(path, dtype=torch.float32).init_random(0, std=0.5)
+    start = {p: t.clone() for p, t in model.params.items()}
+    trainer = CPUTrainer(model, batch=2, seq=6, adamw=AdamW(lr=1e-2, weight_decay=0.1))
+    window = torch.randint(0, 16, (2, 7), generator=torch.Generator().manual_seed(1))
+    trainer.train_step(window)
+    return start, model.params, trainer
+
+
+def test_cpu_trainer_honours_trainable_and_frozen(tmp_path):
+    start, plain, _ = _one_cpu_step(tmp_path, {})
+    _, params, trainer = _one_cpu_step(tmp_path, ANNOTATED)
+    step = {p: params[p] - start[p] for p in params}
+    plain_step = {p: plain[p] - start[p] for p in plain}
+    assert torch.allclose(step["lm_head"], 0.5 * plain_step["lm_head"], atol=1e-7)  # lr_scale
+    decay = -1e-2 * 0.1 * start["embedding"]  # the weight decay wd_scale=0 leaves out
+    assert torch.allclose(step["embedding"], plain_step["embedding"] - decay, atol=1e-7)
+    assert torch.equal(params["norm"], start["norm"])  # @frozen: not updated,
+    assert "norm" not in trainer.adamw.exp_avg  # and no optimizer state
+    # grad_clip: the gradient AdamW saw has norm 0.001 (its first moment is 0.1 of it)
+    assert float(trainer.adamw.exp_avg["proj"].norm()) == pytest.approx(1e-4, rel=1e-4)
+
+
+def test_training_settings_are_in_the_program(tmp_path):
+    from runtime.train.param_groups import frozen_parameters, hyperparameters
+    from runtime.train.optim import AdamW
+
+    *_, trainer = _one_cpu_step(tmp_path, ANNOTATED)
+    program, base = trainer.program, AdamW(lr=1.0, weight_decay=0.1)
+    assert frozen_parameters(program) == {"norm"}
+    assert program.metadata["training"]["parameters"]["proj"] == {"grad_clip": 0.001}
+    assert hyperparameters(program, "lm_head", base) == (0.5, 0.1, None)
+    assert hyperparameters(program, "embedding", base) == (1.0, 0.0, None)
+    assert hyperparameters(program, "proj", base) == (1.0, 0.1, 0.001)

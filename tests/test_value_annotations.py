@@ -164,3 +164,11 @@ def test_dtype_runs_in_the_declared_dtypes(tmp_path):
 def test_dtype_verifies_in_float64(tmp_path):
     result = run_cli("check", "--verify-backward", _write(tmp_path, CAST))
     assert result.exit_code == 0, result.output
+
+
+def test_a_frozen_parameter_has_no_gradient_to_verify(tmp_path):
+    result = run_cli("check", "--verify-backward", "--format", "json",
+                     _program(tmp_path, w="@frozen"))
+    assert result.exit_code == 0, result.output  # was: d_w FAIL (no gradient computed)
+    assert '"gradient": "d_w", "max_rel_error": null, "ok": true, "note": "frozen"' \
+        in result.output

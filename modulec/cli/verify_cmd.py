@@ -89,7 +89,7 @@ def _table(rows, color: bool) -> None:
                   box=None, pad_edge=False)
     for row in rows:
         error = "-" if row.error is None else f"{row.error:.1e}"
-        verdict = "ok" if row.ok else "FAIL" + (f" ({row.note})" if row.note else "")
+        verdict = ("ok" if row.ok else "FAIL") + (f" ({row.note})" if row.note else "")
         style = None if row.ok else "bold red"
         table.add_row(row.declaration, row.backward, row.gradient, error, verdict, style=style)
     Console(no_color=not color, highlight=False, width=120).print(table)

@@ -21,6 +21,7 @@ from modulec.lower.backward import without_written_backward
 from modulec.lower.lowering import lower_model, recording_world
 from modulec.lower.passes import PassContext, run_pipeline
 from modulec.lower.schedule import schedule_data
+from modulec.lower.training_settings import training_metadata
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
@@ -43,6 +44,9 @@ class BuildRequest:
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on (docs/training.md, "LoRA")
     # modulec.plan.distributed.DataParallel: the schedule's `distributed` section
     distributed: object = None
+    # modulec.plan.pipeline.Pipeline: the schedule's `pipeline` section (also written, with
+    # the defaults, for a model whose forward has `@partition` stages)
+    pipeline: object = None
 
 
 @dataclass
@@ -75,10 +79,11 @@ def build(request: BuildRequest) -> BuildResult:
     if args is None:
         return BuildResult(diagnostics, source=loaded.source, notices=notices)
     from modulec.lower.build_plan import PlanFailure
+    from modulec.plan.pipeline import PipelineError
 
     try:
         result = _lower(decl, loaded, resolver, args, request, diagnostics)
-    except PlanFailure as exc:
+    except (PlanFailure, PipelineError) as exc:
         result = BuildResult(diagnostics, source=loaded.source, failure=str(exc))
     result.notices = notices
     return result
@@ -118,9 +123,26 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     }
     if context.lora_report is not None:
         document["metadata"]["lora"] = _lora_metadata(request.lora, context.lora_report)
+    training = training_metadata(graph, world.param_settings)
+    if training is not None:  # @frozen, @trainable(...): what each trainer reads
+        document["metadata"]["training"] = training
     if request.distributed is not None:
         document["schedule"]["distributed"] = _distributed(graph, document, request)
+    _pipeline(graph, document, request)
     return BuildResult(diagnostics, document, graph, loaded.source)
+
+
+def _pipeline(graph, document: dict, request: BuildRequest) -> None:
+    """The pipeline section, when asked for or when the model has `@partition` stages; the
+    distributed section's mesh then counts its stages."""
+    from modulec.plan.pipeline import Pipeline, has_partition, pipeline_section
+
+    if request.pipeline is None and not has_partition(graph):
+        return
+    section = pipeline_section(graph, request.pipeline or Pipeline())
+    document["schedule"]["pipeline"] = section
+    if "distributed" in document["schedule"]:
+        document["schedule"]["distributed"]["mesh"]["pp"] = len(section["stages"])
 
 
 def _distributed(graph, document: dict, request: BuildRequest) -> dict:

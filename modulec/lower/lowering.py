@@ -13,6 +13,7 @@ from modulec.check.module import check_body
 from modulec.check.world import World
 from modulec.ir.graph import Function, Graph
 from modulec.lower.recorder import Recorder, attr_value, value_info
+from modulec.lower.training_settings import trainable_settings
 from modulec.lower.value_marks import SKIP, gradient_spec
 from modulec.ops.registry import OpRule
 
@@ -29,6 +30,7 @@ def recording_world(names, scopes) -> World:
     world = World(names, scopes)
     world.recording = True
     world.function_names = {}
+    world.param_settings = {}  # function -> parameter -> its @trainable settings
     return world
 
 
@@ -85,6 +87,9 @@ def _function(world, instance: Instance, recorder: Recorder, scope: str) -> Func
                           if v.frozen))
     skipped = tuple(s.name for s in forward.inputs  # also cut by their stop_gradient op
                     if (gradient_spec(s.annotations) or ("",))[0] == SKIP)
+    env = instance.env()
+    world.param_settings[function_name(world, instance)] = {
+        n: trainable_settings(v.notes, env) for n, v in _tensor_params(instance, recorder)}
     return Function(function_name(world, instance), instance.name, scope or instance.name, args,
                     params, inputs, outputs, values, tuple(recorder.nodes),
                     no_gradient=frozen + skipped)

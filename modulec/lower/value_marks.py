@@ -31,7 +31,7 @@ def gradient_spec(annotations, env=None) -> tuple[str, float, float | None] | No
     values = argument_values(note)
     mode = values.get("mode")
     return (mode.id if isinstance(mode, A.Name) else COMPUTE,
-            _number(values.get("scale"), 1.0, env), _number(values.get("clip"), None, env))
+            number(values.get("scale"), 1.0, env), number(values.get("clip"), None, env))
 
 
 def cast_of(annotations) -> str | None:
@@ -77,7 +77,8 @@ def _op(recorder, target: str, value: str, type_: TensorType, step, attrs) -> st
     return result
 
 
-def _number(node, default, env):
+def number(node, default, env):
+    """A numeric annotation argument, evaluated in `env` (absent or `None`: `default`)."""
     if node is None or isinstance(node, A.NoneLit):
         return default
     try:

@@ -20,6 +20,7 @@ from runtime.hf_weights.schema import tied_targets
 from runtime.inputs import fed_inputs, sized_inputs
 from runtime.model import Model
 from runtime.train.optim import AdamW
+from runtime.train.param_groups import clip_gradient, frozen_parameters, hyperparameters
 
 
 class CPUTrainer:
@@ -29,11 +30,14 @@ class CPUTrainer:
         self.accumulation = accumulation
         self.names = owned_paths(model)
         program = model.source.program(planned=False)
+        self.program = program
         self.output, self.inputs = program.output_names()[0], program.input_names()
+        self.frozen = frozen_parameters(program)
 
     def train_step(self, window: Tensor) -> float:
         """One optimizer step on `window` (accumulation x batch rows): the mean of the
-        micro-batches' losses and gradients."""
+        micro-batches' losses and gradients, each parameter's clipped to its `grad_clip`
+        and stepped with its own lr and weight decay (`@trainable`); frozen ones not."""
         losses, total = [], {}
         for part in window.split(self.batch):
             loss, grads = self._loss_and_gradients(part)
@@ -42,7 +46,10 @@ class CPUTrainer:
                 total[path] = total[path] + grad if path in total else grad
         if len(losses) > 1:
             total = {p: g / len(losses) for p, g in total.items()}
-        self.adamw.update(self.model.params, total)
+        settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
+        total = {p: clip_gradient(g, settings[p][2]) for p, g in total.items()
+                 if p not in self.frozen}
+        self.adamw.update(self.model.params, total, lambda p: settings[p][:2])
         return sum(losses) / len(losses)
 
     def _loss_and_gradients(self, window: Tensor):

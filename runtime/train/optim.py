@@ -4,6 +4,7 @@ checkpoint is the dicts): torch.optim.AdamW's arithmetic, as the GPU's fused ker
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -20,15 +21,18 @@ class AdamW:
     exp_avg_sq: dict[str, Tensor] = field(default_factory=dict)
 
     @torch.no_grad()
-    def update(self, params: dict[str, Tensor], grads: dict[str, Tensor]) -> None:
-        """One step on every parameter with a gradient (in place); counts the step."""
+    def update(self, params: dict[str, Tensor], grads: dict[str, Tensor],
+               settings: Callable[[str], tuple[float, float]] | None = None) -> None:
+        """One step on every parameter with a gradient (in place); counts the step.
+        `settings(path)`: that parameter's (lr, weight_decay) when not this optimizer's
+        (`@trainable`, runtime.train.param_groups)."""
         self.step += 1
         for path, grad in grads.items():
             param = params[path]
+            lr, weight_decay = settings(path) if settings else (self.lr, self.weight_decay)
             m = self.exp_avg.setdefault(path, torch.zeros_like(param))
             v = self.exp_avg_sq.setdefault(path, torch.zeros_like(param))
-            adamw_step_(param, grad, m, v, self.step, self.lr, self.betas, self.eps,
-                        self.weight_decay)
+            adamw_step_(param, grad, m, v, self.step, lr, self.betas, self.eps, weight_decay)
 
 
 @torch.no_grad()
