@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from modulec.cli.parallel import parallel_options, parallel_request
+
 
 def pairs(values, what: str, integer: bool) -> dict:
     pairs = {}
@@ -107,8 +109,9 @@ def build_command(output_options, guarded):
     @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
                   help="Write the IR document (JSON) here.")
     @model_options
-    @click.option("--emit", type=click.Choice(["graph", "schedule"]),
-                  help="Print the Graph IR or the Schedule IR as text.")
+    @click.option("--emit", type=click.Choice(["graph", "schedule", "pipeline"]),
+                  help="Print the Graph IR or the Schedule IR as text, or the pipeline's "
+                       "stages and simulated 1F1B timeline.")
     @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
                   help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))
     @click.option("--lora", "lora", metavar="rank=R,alpha=A,targets=[q,v]", is_flag=False,
@@ -117,10 +120,12 @@ def build_command(output_options, guarded):
                        "rank / alpha / targets override the annotations' "
                        "(docs/training.md, LoRA).")
     @planning_options
+    @parallel_options
     @output_options
     @guarded
     def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
-              lora, budget, training, device, policies, honor_lists, fmt, color):
+              lora, budget, training, device, policies, honor_lists, dp, zero, tp, pp,
+              microbatches, interconnect, fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
@@ -137,6 +142,7 @@ def build_command(output_options, guarded):
         if request.lora is not None and budget is not None:
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
+        parallel_request(request, dp, zero, pp, microbatches)
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:
@@ -144,8 +150,10 @@ def build_command(output_options, guarded):
         out.show(FileResult(str(file), result.source, None, result.diagnostics))
         if result.failure is not None:
             click.echo(f"error: {result.failure}", err=True)
-        if result.document is None:
+        if result.document is None or not _tensor_parallel_ok(result.graph, tp):
             return 1
+        if emit == "pipeline":
+            _emit_pipeline(result, interconnect)
         if emit == "graph":
             click.echo(print_graph(result.graph), nl=False)
         if emit == "schedule":
@@ -154,6 +162,29 @@ def build_command(output_options, guarded):
             _write_atomically(output, dumps(result.document))
         return 0
     return build
+
+
+def _tensor_parallel_ok(graph, tp) -> bool:
+    from modulec.cli.parallel import tensor_parallel_problems
+
+    problems = tensor_parallel_problems(graph, tp)
+    if not problems and tp and tp > 1:
+        try:  # the tensor-parallel lowering (@shard, issue 17) acts on the graph
+            import modulec.lower.tensor_parallel  # noqa: F401
+        except ImportError:
+            problems = [f"--tp {tp}: this modulec has no tensor-parallel lowering yet"]
+    for problem in problems:
+        click.echo(f"error: {problem}", err=True)
+    return not problems
+
+
+def _emit_pipeline(result, interconnect: str) -> None:
+    from modulec.cli.parallel import pipeline_report, print_pipeline
+    from modulec.plan.pipeline import Pipeline, pipeline_section
+
+    section = result.document["schedule"].get("pipeline") or \
+        pipeline_section(result.graph, Pipeline())
+    print_pipeline(pipeline_report(section, interconnect), result.graph.model)
 
 
 def ir_command(guarded):

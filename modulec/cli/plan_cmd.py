@@ -9,11 +9,13 @@ from pathlib import Path
 import click
 
 from modulec.cli.build_cmd import pairs, model_options
+from modulec.cli.parallel import parallel_options, parallel_request
 
 REGION_TITLES = {"weights": "weights", "gradients": "gradients",
                  "optimizer_state": "optimizer state", "saved_activations": "saved activations",
                  "transient_activations": "transient activations", "workspace": "workspace"}
 GIB = 2 ** 30
+FIXED_REGIONS = ("weights", "gradients", "optimizer_state")
 
 
 def plan_command(output_options, guarded):
@@ -37,23 +39,35 @@ def plan_command(output_options, guarded):
                        "fixed decisions (by default only annotations are).")
     @click.option("--picture", type=click.Path(dir_okay=False, path_type=Path),
                   help="Also draw the plan to FILE (PNG; SVG for *.svg): offset per step.")
+    @parallel_options
     @output_options
     @guarded
     def plan(file, model, settings, shapes, config, search_path, budget, training, device,
-             policies, honor_lists, picture, fmt, color):
+             policies, honor_lists, picture, dp, zero, tp, pp, microbatches, interconnect,
+             fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
+        from modulec.cli.parallel import (
+            print_data_parallel, print_pipeline, tensor_parallel_problems,
+        )
         from modulec.lower.build import BuildRequest, build
         from modulec.plan.from_graph import ShapeUnknown, plan_step
 
         budget_bytes = _budget(budget)
         request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
                                pairs(shapes, "--shape", True), config)
+        parallel_request(request, dp, zero, pp, microbatches)
         result = build(request)
         Output(fmt, use_color(color)).show(FileResult(str(file), result.source, None,
                                                       result.diagnostics))
-        if result.graph is None:
+        if result.failure is not None:
+            click.echo(f"error: {result.failure}", err=True)
+        if result.graph is None or result.document is None:
+            return 1
+        if tensor_parallel_problems(result.graph, tp):
+            for problem in tensor_parallel_problems(result.graph, tp):
+                click.echo(f"error: {problem}", err=True)
             return 1
         try:
             if picture is not None:  # modulec.pictures.memory: offset against schedule step
@@ -66,12 +80,34 @@ def plan_command(output_options, guarded):
             summary = plan_step(result.graph).summary()
         except ShapeUnknown as exc:
             raise click.UsageError(str(exc)) from None
+        parallel = _parallel(result, summary, interconnect, pp or microbatches)
         if fmt == "json":
-            click.echo(json.dumps(summary, sort_keys=True))
-        else:
-            _table(summary, result.graph.model)
+            click.echo(json.dumps(summary | {k: v["summary"] if k == "pipeline" else v
+                                             for k, v in parallel.items()}, sort_keys=True))
+            return 0
+        _table(summary, result.graph.model)
+        if "data_parallel" in parallel:
+            print_data_parallel(parallel["data_parallel"], result.graph.model)
+        if "pipeline" in parallel:
+            print_pipeline(parallel["pipeline"], result.graph.model)
         return 0
     return plan
+
+
+def _parallel(result, summary: dict, interconnect: str, asked_pipeline) -> dict:
+    """The data-parallel and pipeline predictions of a build made with their options."""
+    from modulec.cli.parallel import data_parallel_report, pipeline_report
+
+    schedule = result.document["schedule"]
+    found = {}
+    if "distributed" in schedule:
+        activations = sum(r["arena_bytes"] for r in summary["regions"]
+                          if r["region"] not in FIXED_REGIONS)
+        found["data_parallel"] = data_parallel_report(result.graph, schedule["distributed"],
+                                                      activations)
+    if "pipeline" in schedule:
+        found["pipeline"] = pipeline_report(schedule["pipeline"], interconnect)
+    return found
 
 
 def _budget(text: str | None) -> int | None:

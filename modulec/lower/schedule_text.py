@@ -4,7 +4,8 @@ One line per op: its node (`-` for swap and sync ops), phase, stream (`s0` compu
 copy), kernel and repeat count, what it acts on (`CausalSelfAttention#1/%6[i]`: that
 function's node or value in the instance relative to the running one `i`), its event,
 the instances it runs for (`when i in 0-17,19`) and its buffers. Then the activation
-layout, one line per record and per saved value.
+layout, one line per record and per saved value; then the distributed and pipeline
+sections (modulec.lower.schedule_text_parallel).
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ def print_schedule(data: dict) -> str:
     functions = data["functions"]
     names = list(data["order"]) + sorted(set(functions) - set(data["order"]))
     text = "".join(_print_function(name, functions[name]) for name in names)
-    return text + (_print_layout(data["layout"]) if data.get("layout") else "")
+    return text + (_print_layout(data["layout"]) if data.get("layout") else "") + \
+        _print_parallel(data)
+
+
+def _print_parallel(data: dict) -> str:
+    """The distributed and pipeline sections (modulec.lower.schedule_text_parallel)."""
+    from modulec.lower.schedule_text_parallel import print_distributed, print_pipeline
+
+    return (print_distributed(data["distributed"]) if data.get("distributed") else "") + \
+        (print_pipeline(data["pipeline"]) if data.get("pipeline") else "")
 
 
 def _print_function(name: str, ops: list[dict]) -> str:

@@ -1,0 +1,162 @@
+"""The parallel options of `modulec build` and `modulec plan` (--dp, --zero, --tp, --pp,
+--microbatches, --interconnect), and what `modulec plan` prints for them: the per-GPU
+memory under data parallel with ZeRO (beside one GPU's), and the pipeline's simulated
+timeline (docs/distributed.md)."""
+
+from __future__ import annotations
+
+import click
+
+# the model parameters a tensor-parallel split divides (heads by rank, d_ff by columns)
+TP_DIVIDES = ("num_heads", "num_kv_heads", "d_ff")
+GIB = 2 ** 30
+
+
+def parallel_options(command):
+    options = [
+        click.option("--dp", type=click.IntRange(min=1), metavar="N",
+                     help="Data-parallel ranks: the schedule's distributed section "
+                          "(buckets sharded N ways)."),
+        click.option("--zero", type=click.IntRange(0, 3), metavar="S",
+                     help="ZeRO stage 0-3 with --dp (default 2): what each rank holds."),
+        click.option("--tp", type=click.IntRange(min=1), metavar="M",
+                     help="Tensor-parallel ranks (must divide the heads, KV heads and d_ff)."),
+        click.option("--pp", type=click.IntRange(min=1), metavar="P",
+                     help="Pipeline stages (1F1B): the schedule's pipeline section; a model "
+                          "with @partition stages gives its own split."),
+        click.option("--microbatches", type=click.IntRange(min=1), metavar="M",
+                     help="Micro-batches per step for the pipeline (default 4 x stages); "
+                          "--shape B= is the micro-batch's size."),
+        click.option("--interconnect", type=click.Choice(["nvlink", "ib"]), default="nvlink",
+                     show_default=True, help="The link between pipeline stages in the "
+                     "simulated timeline: NVLink (450 GB/s) or one 400 Gb/s NIC (50 GB/s)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def parallel_request(request, dp, zero, pp, microbatches) -> None:
+    """Put the data-parallel and pipeline settings on a BuildRequest."""
+    from modulec.plan.distributed import DataParallel
+    from modulec.plan.pipeline import Pipeline
+
+    if zero is not None and dp is None:
+        raise click.BadParameter("--zero needs --dp N: the shards' sizes depend on it",
+                                 param_hint="--zero")
+    if dp is not None:
+        request.distributed = DataParallel(dp, 2 if zero is None else zero)
+    if pp is not None or microbatches is not None:
+        request.pipeline = Pipeline(pp, microbatches)
+
+
+def tensor_parallel_problems(graph, tp: int | None) -> list[str]:
+    """Every model parameter a `--tp M` split must divide, where it does not."""
+    if not tp or tp == 1:
+        return []
+    found: dict = {}  # (parameter, value) -> the first function (callees come first)
+    for function in graph.functions:
+        for name, value in function.args:
+            if name in TP_DIVIDES and value.isdigit() and int(value) % tp \
+                    and not function.gradient_of:
+                found.setdefault((name, value), function)
+    return [f"--tp {tp} does not divide `{name} = {value}` of `{f.name}` ({f.scope}): "
+            f"each rank needs a whole share" for (name, value), f in found.items()]
+
+
+# ---------------------------------------------------------------------- data parallel
+def data_parallel_report(graph, section: dict, activations: int) -> dict:
+    """Per-rank bytes of `section` beside one GPU's (dp 1, ZeRO 0, the same parameters)."""
+    from modulec.plan.distributed import (
+        DataParallel, bucket_paths, data_parallel_section, rank_fixed_bytes,
+    )
+
+    trained = {p for b in section["buckets"] for i in range(b["instances"])
+               for p in bucket_paths(b, i)}
+    single = data_parallel_section(graph, DataParallel(1, 0), trained)
+    one, per_rank = rank_fixed_bytes(single), rank_fixed_bytes(section)
+    for parts in (one, per_rank):
+        parts["activations"] = activations
+        parts["per_gpu"] = parts["total"] + activations
+    return {"dp": section["mesh"]["dp"], "zero": section["zero"], "one_gpu": one,
+            "per_rank": per_rank}
+
+
+ROWS = (("weights", "compute weights (bf16)"),
+        ("optimizer_state", "split masters' low halves + AdamW moments"),
+        ("gradient_buffers", "gradient / communication buffers"),
+        ("gather_slots", "ZeRO-3 gather slots"),
+        ("total", "fixed state"),
+        ("activations", "activations (saved + transient, one micro-batch)"),
+        ("per_gpu", "per GPU"))
+
+
+def print_data_parallel(report: dict, model: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"per-GPU memory: {model}, data parallel {report['dp']} ranks, "
+                        f"ZeRO-{report['zero']}")
+    table.add_column("part")
+    table.add_column("1 GPU", justify="right")
+    table.add_column(f"each of {report['dp']} GPUs", justify="right")
+    for key, title in ROWS:
+        table.add_row(title, _gib(report["one_gpu"][key]), _gib(report["per_rank"][key]))
+    Console(width=100).print(table)
+    saved = report["one_gpu"]["total"] - report["per_rank"]["total"]
+    click.echo(f"fixed state per GPU: {_gib(report['per_rank']['total'])} against "
+               f"{_gib(report['one_gpu']['total'])} on one GPU ({_gib(saved)} less, "
+               f"{report['per_rank']['total'] / max(report['one_gpu']['total'], 1):.2f}x)")
+
+
+# ---------------------------------------------------------------------- pipeline
+def pipeline_report(section: dict, interconnect: str) -> dict:
+    from modulec.plan.pipeline_sim import LINKS, simulate
+
+    timeline = simulate(section, LINKS[interconnect])
+    summary = timeline.summary()
+    summary["interconnect"] = interconnect
+    summary["split"] = section["split"]
+    for row, stage in zip(summary["stages"], section["stages"]):
+        row["units"] = [_unit_text(u) for u in stage["units"]]
+        row["forward_s"], row["backward_s"] = stage["forward_s"], stage["backward_s"]
+    summary["boundary_bytes"] = [b["activation_bytes"] for b in section["boundaries"]]
+    return {"summary": summary, "timeline": timeline}
+
+
+def print_pipeline(report: dict, model: str) -> None:
+    from modulec.plan.pipeline_sim import chart
+
+    s = report["summary"]
+    click.echo(f"pipeline: {model}, {len(s['stages'])} stages ({s['split']} split), "
+               f"{s['microbatches']} micro-batches, 1F1B, {s['interconnect']} between stages")
+    for row in s["stages"]:
+        click.echo(f"  stage {row['stage']}: {', '.join(row['units'])}")
+        click.echo(f"    per micro-batch forward {row['forward_s'] * 1e3:.2f} ms, backward "
+                   f"{row['backward_s'] * 1e3:.2f} ms; busy {row['busy_s'] * 1e3:.1f} ms, "
+                   f"idle {row['idle_s'] * 1e3:.1f} ms ({row['idle_fraction']:.1%})")
+    for index, size in enumerate(s["boundary_bytes"]):
+        click.echo(f"  stage {index} -> {index + 1}: {size / 2**20:,.1f} MiB of activations "
+                   "per micro-batch (and their gradients back)")
+    click.echo(f"simulated step: {s['step_s'] * 1e3:.1f} ms; bubble {s['bubble_fraction']:.1%} "
+               f"(equal stages, free links: {s['ideal_bubble_fraction']:.1%})")
+    for line in chart(report["timeline"]):
+        click.echo(line)
+    click.echo("note: the pipeline section is lowered and simulated; no runtime executes it "
+               "yet (docs/distributed.md, Pipeline)")
+
+
+def _unit_text(unit: dict) -> str:
+    if "blocks" in unit:
+        a, b = unit["blocks"]
+        return f"{unit['target']} blocks {a}-{b}" if a != b else f"{unit['target']} block {a}"
+    if "layers" in unit:
+        a, b = unit["layers"]
+        return f"{unit['target']} x{b - a + 1}"
+    return unit["target"]
+
+
+def _gib(count: int) -> str:
+    from modulec.plan.units import gib_text
+
+    return gib_text(count)

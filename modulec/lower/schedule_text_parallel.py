@@ -1,0 +1,87 @@
+"""The text form of the Schedule IR's `distributed` and `pipeline` sections (after the
+functions and the layout in `modulec build --emit schedule`; docs/build-output.md).
+
+distributed: the mesh, ZeRO stage and streams; one line per bucket (its path template,
+instances, flat size and shard) and per parameter in it (`+offset:numel`); then the
+collective ops in order, one per line: trigger, stream, kind, what it acts on.
+pipeline: one line per stage (its units and parameter count), per boundary (the tensors
+sent), and per stage its 1F1B ops as tokens: `F3` / `B3` forward / backward of
+micro-batch 3, `a3>1` activations of micro-batch 3 sent to stage 1, `g3<1` gradients
+received from stage 1; `|` separates warm-up, steady and cool-down.
+"""
+
+from __future__ import annotations
+
+
+def print_distributed(section: dict) -> str:
+    mesh = section["mesh"]
+    streams = ", ".join(f"{name} s{number}" for name, number in section["streams"].items())
+    lines = [f"distributed (dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']}, "
+             f"ZeRO-{section['zero']}, streams {streams}, align {section['align']}) {{"]
+    for bucket in section["buckets"]:
+        where = bucket["path"] or bucket["name"]
+        count = f" x{bucket['instances']} from {bucket['first']}" \
+            if bucket["instances"] > 1 else ""
+        lines.append(f"  bucket {bucket['name']}  {where}{count}  numel {bucket['numel']}  "
+                     f"shard {bucket['shard']}")
+        lines += [f"    {p['name']}  [{', '.join(map(str, p['shape']))}]  "
+                  f"+{p['offset']}:{p['numel']}" for p in bucket["params"]]
+    lines += [_op_line(op) for op in section["ops"]]
+    return "\n".join(lines + ["}", ""]) + "\n"
+
+
+def _op_line(op: dict) -> str:
+    extra = [f"{key} {op[key]}" for key in ("what", "event", "into") if key in op]
+    if op.get("instance", 0):
+        extra.append(f"instance i{op['instance']:+d}")
+    if "only" in op:
+        extra.append(f"only {op['only']}")
+    if op.get("whole"):
+        extra.append("whole")
+    return f"  op {op['on']:<15} s{op['stream']}  {op['kind']:<14} {'  '.join(extra)}".rstrip()
+
+
+def print_pipeline(section: dict) -> str:
+    lines = [f"pipeline ({len(section['stages'])} stages, {section['microbatches']} "
+             f"micro-batches, {section['schedule']}, {section['split']} split) {{"]
+    for stage in section["stages"]:
+        units = ", ".join(_unit(u) for u in stage["units"])
+        lines.append(f"  stage {stage['stage']}: {units}  ({len(stage['params'])} parameters; "
+                     f"forward {_time(stage['forward_s'])}, backward "
+                     f"{_time(stage['backward_s'])} per micro-batch)")
+    for boundary in section["boundaries"]:
+        tensors = ", ".join(f"{t['value']} [{', '.join(map(str, t['shape']))}] {t['dtype']}"
+                            for t in boundary["tensors"])
+        lines.append(f"  boundary {boundary['from']} -> {boundary['to']}: {tensors}  "
+                     f"({boundary['activation_bytes']} bytes a micro-batch)")
+    for number, ops in enumerate(section["ops"]):
+        lines.append(f"  ops {number}: {_tokens(ops)}")
+    return "\n".join(lines + ["}", ""]) + "\n"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3f} us"
+
+
+def _unit(unit: dict) -> str:
+    text = f"{unit['node']} {unit['target']}"
+    if "layers" in unit:
+        text += " layers {}-{}".format(*unit["layers"])
+    if "blocks" in unit:
+        text += " (blocks {}-{})".format(*unit["blocks"])
+    return text
+
+
+def _tokens(ops: list) -> str:
+    tokens, phase = [], None
+    for op in ops:
+        if phase is not None and op["phase"] != phase:
+            tokens.append("|")
+        phase = op["phase"]
+        m = op["microbatch"]
+        if op["kind"] in ("forward", "backward"):
+            tokens.append(f"{op['kind'][0].upper()}{m}")
+        else:
+            arrow = ">" if op["kind"] == "send" else "<"
+            tokens.append(f"{op['what'][0]}{m}{arrow}{op['peer']}")
+    return " ".join(tokens)

@@ -1,0 +1,120 @@
+"""`modulec build` and `modulec plan` with --dp / --zero / --tp / --pp / --microbatches
+(issue 17): the sections they write and print, and bad settings as clear errors."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from modulec.cli.main import modulec
+from modulec.paths import REPO_DIR
+
+LLAMA = str(REPO_DIR / "examples" / "llama.module")  # TinyLlama
+PIPELINED = str(REPO_DIR / "tests" / "data" / "pipeline_llama.module")
+TINY = ["--shape", "B=2", "--shape", "T=8"]
+
+
+def run(*args):
+    return CliRunner().invoke(modulec, [str(a) for a in args])
+
+
+def test_build_writes_the_distributed_section(tmp_path):
+    out = tmp_path / "model.ir"
+    result = run("build", PIPELINED, *TINY, "--dp", 2, "--zero", 3, "-o", out)
+    assert result.exit_code == 0, result.output
+    schedule = json.loads(out.read_text())["schedule"]
+    assert schedule["distributed"]["mesh"] == {"dp": 2, "tp": 1, "pp": 2}
+    assert schedule["distributed"]["zero"] == 3
+    assert len(schedule["pipeline"]["stages"]) == 2
+    assert run("ir", "verify", out).exit_code == 0
+
+
+def test_zero_defaults_to_two_and_needs_dp(tmp_path):
+    out = tmp_path / "model.ir"
+    assert run("build", LLAMA, *TINY, "--dp", 2, "-o", out).exit_code == 0
+    assert json.loads(out.read_text())["schedule"]["distributed"]["zero"] == 2
+    result = run("build", LLAMA, *TINY, "--zero", 1)
+    assert result.exit_code == 2 and "--zero needs --dp N" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", 2, "--zero", 4], "'--zero': 4 is not in the range 0<=x<=3"),
+    (["--dp", 0], "'--dp': 0 is not in the range x>=1"),
+    (["--pp", 0], "'--pp': 0 is not in the range x>=1"),
+    (["--microbatches", 0], "'--microbatches': 0 is not in the range x>=1"),
+])
+def test_bad_settings_are_usage_errors(args, message):
+    result = run("build", LLAMA, *TINY, *args)
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_tp_must_divide_the_heads():
+    result = run("build", LLAMA, *TINY, "--tp", 3)
+    assert result.exit_code == 1
+    assert "--tp 3 does not divide `num_heads = 32` of `CausalSelfAttention#1`" in result.output
+    assert "`num_kv_heads = 4`" in result.output
+
+
+def test_pipeline_settings_against_the_model_are_errors():
+    result = run("build", PIPELINED, *TINY, "--pp", 3)
+    assert result.exit_code == 1
+    assert "`--pp 3` but the model's @partition annotations make 2 stages" in result.output
+    result = run("build", LLAMA, *TINY, "--pp", 40)
+    assert result.exit_code == 1 and "40 pipeline stages, but the forward has only" in \
+        result.output
+
+
+def test_emit_schedule_prints_both_sections():
+    result = run("build", PIPELINED, *TINY, "--dp", 2, "--zero", 2, "--microbatches", 4,
+                 "--emit", "schedule")
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "distributed (dp 2 x tp 1 x pp 2, ZeRO-2" in text
+    assert "  op gradients_ready s2  reduce_scatter what gradients" in text
+    assert "pipeline (2 stages, 4 micro-batches, 1f1b, partition split) {" in text
+    assert "  ops 0: F0 a0>1 | F1 a1>1 g0<1 B0 F2 a2>1 g1<1 B1 F3 a3>1 g2<1 B2 | g3<1 B3" in text
+    assert "  boundary 0 -> 1: %3 [2, 8, 32] bf16, %4 [2, 8, 32] bf16" in text
+
+
+def test_emit_pipeline_prints_the_simulated_timeline():
+    result = run("build", LLAMA, "--shape", "B=1", "--shape", "T=2048", "--pp", 2,
+                 "--microbatches", 8, "--emit", "pipeline")
+    assert result.exit_code == 0, result.output
+    assert "2 stages (balanced split), 8 micro-batches, 1F1B" in result.output
+    assert "simulated step:" in result.output and "bubble" in result.output
+    assert result.output.count("stage 0 |") == 1
+    assert "no runtime executes it yet" in result.output
+
+
+def test_plan_dp_zero3_prints_the_per_gpu_prediction():
+    result = run("plan", LLAMA, "--shape", "B=4", "--shape", "T=2048", "--dp", 2, "--zero", 3,
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)["data_parallel"]
+    one, rank = report["one_gpu"], report["per_rank"]
+    assert (report["dp"], report["zero"]) == (2, 3)
+    # moments and low halves are sharded two ways; weights too, but for the entry's
+    # parameters and the two gather slots
+    assert rank["optimizer_state"] == pytest.approx(one["optimizer_state"] / 2, rel=0.01)
+    assert rank["weights"] < 0.6 * one["weights"] and rank["gather_slots"] > 0
+    assert rank["activations"] == one["activations"] > 0
+    assert rank["total"] < 0.6 * one["total"]
+    text = run("plan", LLAMA, "--shape", "B=4", "--shape", "T=2048", "--dp", 2, "--zero", 3)
+    assert "per-GPU memory: TinyLlama, data parallel 2 ranks, ZeRO-3" in text.output
+    assert "fixed state per GPU: 7.00 GiB against 12.70 GiB on one GPU" in text.output
+
+
+def test_plan_zero0_holds_as_much_as_one_gpu_plus_buffers():
+    result = run("plan", LLAMA, *TINY, "--dp", 4, "--zero", 0, "--format", "json")
+    report = json.loads(result.output)["data_parallel"]
+    assert report["per_rank"]["weights"] == report["one_gpu"]["weights"]
+    assert report["per_rank"]["optimizer_state"] == report["one_gpu"]["optimizer_state"]
+
+
+def test_plan_pp_prints_the_timeline_as_json():
+    result = run("plan", PIPELINED, *TINY, "--microbatches", 8, "--format", "json")
+    assert result.exit_code == 0, result.output
+    pipeline = json.loads(result.output)["pipeline"]
+    assert pipeline["microbatches"] == 8 and len(pipeline["stages"]) == 2
+    assert 0 < pipeline["bubble_fraction"] < 1
+    assert pipeline["ideal_bubble_fraction"] == pytest.approx(1 / 9)
