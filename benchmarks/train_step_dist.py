@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -502,16 +503,26 @@ def launch(args, variant: str, ckpt: Path | None, out: Path) -> dict:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=_pythonpath())
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s", "gpus": gpus}
+    output, timed_out = run_group(cmd, env, args.timeout)
     if args.json:  # the processes' own output beside the JSON, for the failures
-        Path(f"{args.json}.{variant}.log").write_text(done.stdout + done.stderr)
-    if out.exists():
+        Path(f"{args.json}.{variant}.log").write_text(output)
+    if out.exists():  # a profiler that hung still leaves the timings
         return json.loads(out.read_text())
-    return {"error": (done.stderr or done.stdout)[-1500:], "gpus": gpus}
+    if timed_out:
+        return {"error": f"timed out after {args.timeout} s", "gpus": gpus}
+    return {"error": output[-1500:], "gpus": gpus}
+
+
+def run_group(cmd: list[str], env: dict, timeout: int) -> tuple[str, bool]:
+    """Run `cmd` in a session of its own; past `timeout`, kill the whole session (torchrun's
+    workers too, so no orphan keeps a GPU's memory). (stdout + stderr, timed out)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        return proc.communicate(timeout=timeout)[0], False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0], True
 
 
 def _pythonpath() -> str:

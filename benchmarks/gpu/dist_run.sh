@@ -18,6 +18,6 @@ SHAPE=${SHAPE:-tinyllama}
 python3 benchmarks/train_step_dist.py --shape "$SHAPE" ${VARIANTS:+--variants "$VARIANTS"} \
   ${BATCH:+--batch "$BATCH"} ${LAYERS:+--layers "$LAYERS"} ${BUDGET:+--budget "$BUDGET"} \
   --seq "${SEQ:-2048}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
-  --profile-steps "${PROFILE_STEPS:-2}" --gpus "${GPUS:-2}" --timeout "${TIMEOUT:-420}" \
+  --profile-steps "${PROFILE_STEPS:-2}" --gpus "${GPUS:-2}" --timeout "${TIMEOUT:-300}" \
   --json "$OUT/train_step_dist-$SHAPE.json" 2> "$OUT/dist-$SHAPE.err" | tee "$OUT/dist-$SHAPE.log"
 tail -5 "$OUT/dist-$SHAPE.err"
