@@ -405,6 +405,8 @@ def checkpointed(model) -> None:
 
 
 def wrap_ddp(model, ranks: Ranks, options: dict):
+    """DDP on the device; compile the DDP module whole, or each decoder layer before."""
+    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     materialize(model, ranks)
@@ -416,8 +418,6 @@ def wrap_ddp(model, ranks: Ranks, options: dict):
             layer.compile()
     ids = [ranks.local] if ranks.kind == "cuda" else None
     ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
-    import torch
-
     return model, (torch.compile(ddp) if options["compile"] == "whole" else ddp)
 
 
