@@ -234,6 +234,10 @@ def verify_document(path: Path) -> list[str]:
         problems += verify_schedule(document["schedule"], graph)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         problems.append(f"{path}: malformed schedule: {type(exc).__name__}: {exc}")
+    if isinstance(document["schedule"], dict):  # the distributed and pipeline sections
+        from modulec.ir.verify_parallel import verify_parallel
+
+        problems += verify_parallel(document["schedule"], graph)
     return problems
 
 
