@@ -1,5 +1,6 @@
 """Symbolic dimensions and deciding their equality."""
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from modulec.types.dims import Dim, intrinsic
@@ -46,3 +47,27 @@ def test_evaluation_matches_arithmetic(terms, env):
         dim = dim + coefficient * atom * atom
         expected += coefficient * (env[name] if name else 1) ** 2
     assert dim.evaluate(env) == expected
+
+
+# ====================================================================== dims read back
+@pytest.mark.parametrize("text", ["4096", "B", "2*d_ff", "B*T + 1", "(d_model // num_heads)",
+                                  "min(T, 4096)", "-x", "ceil_div(T, 64)", "(a - b) % c"])
+def test_a_dim_reads_back_as_itself(text):
+    from modulec.types.dim_text import parse_dim
+
+    dim = parse_dim(text)
+    assert parse_dim(str(dim)) == dim  # an IR stores str(dim): it must mean the same dim
+
+
+def test_compound_operands_of_floor_division_keep_their_parentheses():
+    # `(T + 63 // 64)` would read back as T
+    assert str(intrinsic("ceil_div", [Dim.sym("T"), Dim.const(64)])) == "((T + 63) // 64)"
+
+
+@pytest.mark.parametrize("text", ["", "__import__('os')", "4 +", "(3", "a b", "1e3", "3/2",
+                                  "x" * 500])
+def test_what_is_not_a_dim_is_refused(text):
+    from modulec.types.dim_text import parse_dim
+
+    with pytest.raises(ValueError, match="not a dimension"):
+        parse_dim(text)

@@ -230,6 +230,8 @@ def verify_document(path: Path) -> list[str]:
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         return [f"{path}: malformed graph: {type(exc).__name__}: {exc}"]
     problems = verify_graph(graph)
+    if problems:
+        return problems  # the schedule is checked against a sound graph only
     try:
         problems += verify_schedule(document["schedule"], graph)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

@@ -3,13 +3,17 @@
 Each problem is reported with the function and node it is in and the IR text around it,
 in the manner of JAX's check_jaxpr: values are defined once before use, callees and
 primitives exist, arities fit the primitive signatures, repeat counts are positive, a
-backward function reads only values its forward function defines.
+backward function reads only values its forward function defines. Then every type is
+re-derived with the op table's rules (modulec.ir.verify_types): a flipped matmul mode, an
+edited shape or dtype, a missing operand is reported with the op, the value and what the
+rules expected.
 """
 
 from __future__ import annotations
 
 from modulec.ir.graph import Function, Graph, Node
 from modulec.ir.printer import node_text
+from modulec.ir.verify_types import running_functions, type_problems
 from modulec.ops.registry import op_table
 
 
@@ -27,27 +31,42 @@ def verify_graph(graph: Graph) -> list[str]:
     for required, label in ((graph.entry, "entry"), (graph.backward, "backward")):
         if required and required not in functions:
             problems.append(f"the graph's {label} function `{required}` does not exist")
+    tables: dict = {}  # each function's declared types, shared by its callers and backward
+    running = running_functions(graph)
     for function in graph.functions:
-        problems += _verify_function(function, functions)
+        problems += _verify_function(function, functions, tables, running)
     return problems
 
 
-def _verify_function(function: Function, functions: dict) -> list[str]:
-    problems = []
+def _verify_function(function: Function, functions: dict, tables: dict,
+                     running: set) -> list[str]:
+    found: list[tuple[int | None, str]] = []  # (node index or None, message)
     forward = functions.get(function.gradient_of) if function.gradient_of else None
     defined = {v.id for v in function.params + function.inputs}
     outside = {v.id for v in forward.values + forward.inputs} if forward else set()
     for index, node in enumerate(function.nodes):
-        for message in _node_problems(node, defined, outside, functions):
-            problems.append(_located(function, index, message))
+        found += [(index, m) for m in _node_problems(node, defined, outside, functions)]
         for output in node.outputs:
             if output and output in defined:
-                problems.append(_located(function, index, f"`{output}` is defined twice"))
+                found.append((index, f"`{output}` is defined twice"))
             defined.add(output)
-    for output in function.outputs:
-        if output and output not in defined:
-            problems.append(f"in `{function.name}`: output `{output}` is never defined")
-    return problems
+    found += [(None, f"output `{output}` is never defined") for output in function.outputs
+              if output and output not in defined]
+    if not found:  # types are re-derived on a sound structure only
+        found = type_problems(function, functions, tables, running)
+    return [_report(function, index, message, shown < LOCATED)
+            for shown, (index, message) in enumerate(found)]
+
+
+LOCATED = 20  # reports of a function that print the IR around them (each prints 5 lines)
+
+
+def _report(function: Function, index: int | None, message: str, located: bool) -> str:
+    if index is None:
+        return f"in `{function.name}`: {message}"
+    if located:
+        return _located(function, index, message)
+    return f"in `{function.name}`, node {function.nodes[index].id}: {message}"
 
 
 def _node_problems(node: Node, defined: set, outside: set, functions: dict) -> list[str]:

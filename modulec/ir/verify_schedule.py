@@ -11,7 +11,10 @@ recompute ops sit in a backward function, replay a forward node of a real functi
 precede a graph op (their consumer); two buffers of a function's ops do not overlap while
 both are live (liveness read off the graph: from the defining node up to the last
 reader; views and in-place updates share bytes by design and are not compared); the
-layout's records do not overlap.
+layout's records do not overlap. Against the graph: the graph ops run the function's
+nodes once each, in order, with their phase and repeat; each buffer holds an output of its
+op's node, is as large as the value and lies inside its record (saved and host slots
+within the function's stride, a `result` at a position the function returns).
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ def verify_schedule(schedule, graph: Graph) -> list[str]:
         return problems
     counts = instance_counts(graph)
     functions = {f.name: f for f in graph.functions}
+    records = _records(schedule.get("layout"))
     for name, ops in schedule["functions"].items():
         problems += _function_problems(name, ops, functions, counts)
+        problems += _follows_graph(name, ops, functions[name])
+        problems += _in_range(name, ops, functions[name], records)
     problems += _executed(schedule, graph)
     if isinstance(schedule.get("layout"), dict):
         problems += _layout(schedule["layout"])
@@ -182,29 +188,65 @@ def _recompute(op, ops, index, function, target) -> list[str]:
 
 
 def _overlaps(name: str, ops: list, function) -> list[str]:
-    """Output buffers of graph ops that overlap in bytes while both values are live."""
+    """Output buffers of graph ops that overlap in bytes while both are live. A storage
+    (a buffer and the views and in-place outputs that name it as theirs) is live from its
+    first value's definition to its last value's last reader. One sweep over node
+    positions: the live storages of a region never overlap, so a storage that starts is
+    compared with its two neighbours by offset only (n log n, not all pairs)."""
     index = {n.id: i for i, n in enumerate(function.nodes)}
     spans = _liveness(function)
-    placed = []
+    storage_of, placed = {}, {}
     for op in ops:
         node_index = index.get(op.get("node")) if op.get("kind") is None else None
-        if node_index is None or function.nodes[node_index].target in SHARED:
+        if node_index is None:
             continue
+        node = function.nodes[node_index]
         for value, region, offset, size, *storage in op.get("buffers", ()):
+            owner = storage[0] if storage else (
+                node.inputs[0] if node.target in SHARED and node.inputs else value)
+            storage_of[value] = storage_of.get(owner, owner)
             # a `result` lives in the caller's bytes (its offset is its position there)
-            if value in spans and size > 0 and region != "result":
-                placed.append((region, offset, offset + size, spans[value], value,
-                               storage[0] if storage else value))
+            if not storage and node.target not in SHARED and size > 0 and region != "result":
+                placed[value] = (region, offset, offset + size)
+    live = {}  # storage -> [first definition, last reader) over all its values
+    for value, (born, last) in spans.items():
+        owner = storage_of.get(value, value)
+        if owner in live:
+            live[owner] = (min(live[owner][0], born), max(live[owner][1], last))
+        else:
+            live[owner] = (born, last)
+    return [f"schedule @{name}: {m}" for m in _sweep(
+        [(live[v], placed[v], v) for v in placed if v in live])]
+
+
+def _sweep(storages: list) -> list[str]:
+    """Pairs of (live span, (region, start, end), value) overlapping in time and bytes."""
+    import bisect
+
+    # a storage read last by node k is still live while node k writes: ends after starts
+    events = sorted([(span[0], 0, i) for i, (span, _, _) in enumerate(storages)] +
+                    [(span[1], 1, i) for i, (span, _, _) in enumerate(storages)])
+    by_region: dict = {}  # region -> sorted [(start, end, index)] of live storages
     problems = []
-    placed.sort()
-    for i, (region, start, end, live, value, storage) in enumerate(placed):
-        for other in placed[i + 1:]:
-            if other[0] != region or other[1] >= end:
-                break
-            if live[0] < other[3][1] and other[3][0] < live[1] and storage != other[5]:
-                problems.append(f"schedule @{name}: `{value}` and `{other[4]}` overlap in "
-                                f"{region} (+{start}:{end - start} and +{other[1]}:"
-                                f"{other[2] - other[1]}) while both are live")
+    for _, ends, i in events:
+        _, (region, start, end), value = storages[i]
+        row = by_region.setdefault(region, [])
+        key = (start, end, i)
+        if ends:
+            at = bisect.bisect_left(row, key)
+            if at < len(row) and row[at] == key:
+                row.pop(at)
+            continue
+        at = bisect.bisect_left(row, key)
+        clash = [row[j] for j in (at - 1, at) if 0 <= j < len(row) and
+                 row[j][0] < end and start < row[j][1]]
+        if clash:
+            other = storages[clash[0][2]]
+            problems.append(f"`{other[2]}` and `{value}` overlap in {region} "
+                            f"(+{other[1][1]}:{other[1][2] - other[1][1]} and "
+                            f"+{start}:{end - start}) while both are live")
+        else:
+            row.insert(at, key)
     return problems
 
 
@@ -221,6 +263,100 @@ def _liveness(function) -> dict:
         last[value] = end
     return {v: (b, max(last.get(v, b), b)) for v, b in born.items()
             if max(last.get(v, b), b) > b}
+
+
+# ====================================================================== against the graph
+def _follows_graph(name: str, ops: list, function) -> list[str]:
+    """The graph ops run the function's nodes, each once, in the graph's order, with the
+    node's phase and repeat count (a call op its callee); each buffer holds an output of
+    the op's node."""
+    nodes = {n.id: n for n in function.nodes}
+    graph_ops = [(i, op) for i, op in enumerate(ops) if op.get("kind") is None]
+    order = [op["node"] for _, op in graph_ops]
+    if order != [n.id for n in function.nodes]:
+        return [f"schedule @{name}: the graph ops run nodes {_listed(order)}, the graph has "
+                f"{_listed([n.id for n in function.nodes])} (each node once, in order)"]
+    problems = []
+    for index, op in graph_ops:
+        node, where = nodes[op["node"]], f"schedule @{name}, op {index} (node {op['node']})"
+        if op["phase"] != node.phase:
+            problems.append(f"{where}: phase `{op['phase']}`, the node's is `{node.phase}`")
+        if op.get("repeat", 1) != node.repeat:
+            problems.append(f"{where}: repeat {op.get('repeat')!r}, the node's is "
+                            f"{node.repeat!r}")
+        if node.kind == "call" and op["kernel"] != f"call:{node.target}":
+            problems.append(f"{where}: kernel `{op['kernel']}`, expected `call:{node.target}`")
+        problems += [f"{where}: a buffer for `{b[0]}`, which is not an output of the node"
+                     for b in op.get("buffers", ()) if b[0] not in node.outputs]
+    return problems
+
+
+def _listed(ids: list) -> str:
+    shown = ", ".join(ids[:8]) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+    return f"[{shown}]"
+
+
+def _records(layout) -> dict:
+    """Function -> (saved stride, host stride) of its layout record."""
+    if not isinstance(layout, dict) or not isinstance(layout.get("functions"), list):
+        return {}
+    found = {}
+    for record in layout["functions"]:
+        try:
+            found[record["function"]] = (record["saved"]["stride"], record["host"]["stride"])
+        except (KeyError, TypeError):
+            continue  # reported by _layout
+    return found
+
+
+def _in_range(name: str, ops: list, function, records: dict) -> list[str]:
+    """A buffer holds its value's bytes, inside its region: a saved or host slot inside
+    its function's record (the stride), a `result` at a position the callee returns."""
+    problems = []
+    infos = {v.id: v for v in function.values + function.inputs}
+    for index, op in enumerate(ops):
+        owner = op.get("function", name) if op.get("kind") is not None else name
+        for value, region, offset, size, *_ in op.get("buffers", ()):
+            where = f"schedule @{name}, op {index}: the buffer of `{value}`"
+            needed = _value_bytes(infos.get(value)) if owner == name else None
+            if needed is not None and size < needed and region != HOST:
+                problems.append(f"{where} holds {size} bytes, the value needs {needed}")
+            limit = _region_limit(region, records.get(owner))
+            if region == "result" and offset >= len(function.outputs):
+                problems.append(f"{where} is result {offset}, but `{name}` returns "
+                                f"{len(function.outputs)}")
+            elif limit is not None and offset + size > limit:
+                problems.append(f"{where} (+{offset}:{size}) ends past the {limit}-byte "
+                                f"record of `{owner}` in {region}")
+    return problems
+
+
+SAVED, HOST = "saved_activations", "host_activations"
+
+
+def _region_limit(region: str, record) -> int | None:
+    if record is None:
+        return None
+    return {SAVED: record[0], HOST: record[1]}.get(region)
+
+
+def _value_bytes(info) -> int | None:
+    """The bytes of a value of known shape and storage dtype (None: not known here)."""
+    from modulec.types.dim_text import parse_dim
+    from modulec.types.tensor import BITS
+
+    if info is None or info.dtype not in BITS:
+        return None
+    count = 1
+    for text in info.shape:
+        try:
+            dim = parse_dim(text)
+        except (ValueError, TypeError):
+            return None
+        if not dim.is_const:
+            return None
+        count *= dim.value
+    return -(-count * BITS[info.dtype] // 8)
 
 
 # ====================================================================== across functions

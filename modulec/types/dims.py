@@ -25,11 +25,17 @@ class Opaque:
 
     def __str__(self) -> str:
         if self.op in ("//", "%"):
-            return f"({self.args[0]} {self.op} {self.args[1]})"
+            return f"({_operand(self.args[0])} {self.op} {_operand(self.args[1])})"
         return f"{self.op}({', '.join(map(str, self.args))})"
 
     def sort_key(self) -> str:
         return "~" + str(self)
+
+
+def _operand(dim: "Dim") -> str:
+    """An operand of `//` or `%` as text that reads back as itself: `(T + 63) // 64`."""
+    text = str(dim)
+    return f"({text})" if len(dim.terms) > 1 or text.startswith("-") else text
 
 
 def _atom_key(atom) -> str:
