@@ -483,6 +483,12 @@ def child(args) -> None:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"[:400], "gpus": ranks.world}
     save(args, ranks, result)
+    if ranks.world > 1 and args.device == "cuda":
+        # destroy_process_group can hang after collectives captured in a CUDA graph
+        # (runtime.dist.context.DistContext.exit_now): end at once, outputs flushed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     ranks.close()
 
 

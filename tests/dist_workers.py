@@ -62,3 +62,66 @@ def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps:
     if rank == 0:
         torch.save({"losses": losses, "state": state}, out)
     context.close()
+
+
+# ---------------------------------------------------------------------- on GPUs (NCCL)
+GPU_LLAMA = ("std/models/llama.module",
+             dict(vocab_size=512, d_model=256, n_layers=3, num_heads=8, num_kv_heads=2,
+                  d_ff=512, max_seq=128, eps=1e-5))
+
+
+def gpu_batches(steps: int, rows: int, seq: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(0, GPU_LLAMA[1]["vocab_size"], (rows, seq), generator=generator,
+                          dtype=torch.int32) for _ in range(steps)]
+
+
+def gpu_train(step, batches: list) -> list[float]:
+    """An eager step, then capture (one warm-up step) and replays: the CUDA graph path."""
+    losses = [float(step(batches[0].cuda()))]
+    step.set_batch(batches[1].cuda())
+    step.capture(warmup=1)
+    losses.append(float(step.loss))
+    for tokens in batches[2:]:
+        losses.append(float(step(tokens.cuda())))
+    return losses
+
+
+def gpu_reference(steps: int, rows: int, seq: int) -> tuple[list, dict]:
+    from runtime.cuda.step import TrainStep
+
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
+    step.init_random(0)
+    losses = gpu_train(step, gpu_batches(steps, rows, seq))
+    return losses, {p: step.masters[p].cpu() for p in step.names}
+
+
+def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: int,
+                seq: int, out: str) -> None:
+    from runtime.cuda.step import TrainStep
+    from runtime.dist import DistContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    context = DistContext.from_env(device="cuda", timeout_s=120)
+    per_rank = rows // world
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
+                                 dist=context.data_parallel(zero))
+    step.init_random(0)
+    own = [b[rank * per_rank:(rank + 1) * per_rank] for b in gpu_batches(steps, rows, seq)]
+    local = gpu_train(step, own)
+    losses = []
+    for loss in local:  # the mean over the ranks' rows
+        value = torch.tensor([loss], device="cuda")
+        torch.distributed.all_reduce(value)
+        losses.append(float(value) / world)
+    masters = {path: master for path, master, _, _ in step.zero.full_state()}
+    if rank == 0:
+        from modulec.plan.distributed import rank_fixed_bytes
+
+        section = step.program.document["schedule"]["distributed"]
+        torch.save({"losses": losses, "masters": masters,
+                    "fixed_bytes": step.zero.fixed_bytes(),
+                    "predicted_bytes": rank_fixed_bytes(section)["total"]}, out)
+    context.close()
+    context.exit_now()

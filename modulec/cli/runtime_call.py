@@ -30,7 +30,8 @@ def call_runtime(command: str, target: str, request: dict) -> int:
         for line in exc.help:
             click.echo(f"  = help: {line}", err=True)
         return 1
-    click.echo(summary)
+    if summary:  # a data-parallel rank other than 0 reports nothing
+        click.echo(summary)
     return 0
 
 

@@ -61,7 +61,11 @@ def _options(command):
         click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v]",
                      is_flag=False, flag_value="", default=None,
                      help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "
-                          "weights frozen (--device cpu for now)."),
+                          "weights frozen (on cuda and cpu)."),
+        click.option("--zero", type=click.IntRange(0, 3), metavar="S",
+                     help="Under torchrun: data parallel over every process, ZeRO stage S "
+                          "(0 replicated, 1 optimizer state sharded, 2 + gradients "
+                          "reduce-scattered, 3 + weights sharded; default 2)."),
         click.option("--memory-budget", "budget", metavar="SIZE",
                      help="Plan keep/recompute/swap to fit SIZE (20GiB, 512MiB, ...)."),
         click.option("--format", "fmt", type=click.Choice(["human", "json"]),

@@ -107,6 +107,9 @@ class TrainStep:
     # planned bytes, the others' results are copied in. False (and any compute dtype but
     # bf16, the plan's): torch's caching allocator
     arena: bool = True
+    # runtime.dist.DataParallelRun: data parallel with ZeRO sharding over torch.distributed,
+    # executed from the program's `distributed` section (runtime/dist/zero.py)
+    dist: object = None
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -124,7 +127,10 @@ class TrainStep:
             from modulec.lower.lora import LoraOptions
 
             lora = LoraOptions.of(lora)
-        source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora)
+        dist = options.get("dist")
+        distributed = dist.options() if dist is not None else None
+        source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora,
+                              distributed=distributed)
         tokens = sized_inputs(source.program(planned=False).input_names(), batch, seq)
         program = source.program_for(tokens)
         if memory_budget is None:
@@ -132,7 +138,9 @@ class TrainStep:
         offset = planner_budget(program, 0, options.get("optimizer", "auto"))
         planned = ModuleSource(Path(path), settings, derive_written=derive_written,
                                planning=PlanOptions(budget=int(memory_budget) + offset,
-                                                    device=plan_device), lora=lora)
+                                                    device=plan_device, budget_offset=offset),
+                               lora=lora,
+                               distributed=distributed)
         step = cls(planned.program_for(tokens), batch, seq, **options)
         step.memory_budget, step.budget_offset = int(memory_budget), offset
         step.unplanned, step.plan_device = program, plan_device
@@ -165,6 +173,7 @@ class TrainStep:
         self.arena = self.arena and self.dtype == torch.bfloat16
         self.activations = None  # the arena's regions, made when the step first runs (a
         # load's temporary fp32 weights are gone by then)
+        self.zero = None  # runtime.dist.zero.ZeroRun under data parallel (made by load)
 
     def _activations(self):
         """The arena (runtime/arena.py), made on first use; None off the arena."""
@@ -224,8 +233,12 @@ class TrainStep:
         a = self.adamw
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
-        if self.optimizer == "fused":
+        if self.optimizer == "fused" and self.dist is not None:
+            self._load_sharded(params, frozen)
+        elif self.optimizer == "fused":
             self._load_regions(params, frozen)
+        elif self.dist is not None:
+            raise ValueError("data parallel runs with the fused optimizer (bf16 compute)")
         else:  # torch.optim needs leaf tensors of their own: no regions
             self.masters = {p: params[p].detach().to("cuda", torch.float32).clone()
                             for p in self.names}
@@ -256,7 +269,7 @@ class TrainStep:
         still holds keep their storage until the copy is done."""
         self.regions, self.compute, self.masters, self.lows = {}, {}, {}, {}
         self.exp_avg, self.exp_avg_sq, self.grad_sum = {}, {}, {}
-        self.torch_optimizer, self.cuda_graph = None, None
+        self.torch_optimizer, self.cuda_graph, self.zero = None, None, None
 
     def _load_regions(self, params: dict, frozen: set) -> None:
         """The fixed state in the plan's regions (runtime/cuda/state.py): bf16 compute
@@ -282,12 +295,54 @@ class TrainStep:
             self.regions["gradient_sums"], (self.grad_sum,) = region(
                 shapes, self.names, (torch.float32,))
 
+    def _load_sharded(self, params: dict, frozen: set) -> None:
+        """Data parallel (runtime/dist/zero.py): the trained parameters in the ZeRO state of
+        the program's `distributed` section; the others (frozen) as compute copies in
+        their own region."""
+        from runtime.cuda.state import region
+        from runtime.dist.streams import CudaStreams
+        from runtime.dist.zero import Precision, ZeroRun, check_group
+
+        section = self.program.document["schedule"].get("distributed")
+        if section is None:
+            raise ValueError("the program has no distributed section: build it with "
+                             "TrainStep.from_module(..., dist=...) or `modulec build --dp`")
+        check_group(section["mesh"]["dp"])
+        gradient = torch.float32 if self.accumulation > 1 else self.dtype
+        precision = Precision(self.dtype, gradient, split=True, update=self._shard_update)
+        self.zero = ZeroRun(section, self.dist.context.rank, precision, "cuda",
+                            CudaStreams())
+        self.compute = self.zero.load({p: params[p] for p in self.zero.paths})
+        rest = sorted(p for p in self.shapes() if p not in self.ties() and
+                      p not in self.compute)
+        unsharded = [p for p in rest if p not in frozen]
+        if unsharded:
+            raise ValueError(f"trained parameters outside the distributed section: "
+                             f"{unsharded[:3]}")
+        weights, (views,) = region(self.shapes(), rest, (self.dtype,))
+        for path, view in views.items():
+            view.copy_(params[path].detach())
+        self.compute.update(views)
+        self.regions = {"weights": weights}
+        self.grad_sum = {}
+        if self.accumulation > 1:
+            self.regions["gradient_sums"], (self.grad_sum,) = region(
+                self.shapes(), self.names, (torch.float32,))
+
+    def _shard_update(self, hi: Tensor, lo: Tensor, grad: Tensor, m: Tensor, v: Tensor):
+        from runtime.cuda.kernels import _extension
+
+        a = self.adamw
+        _extension().adamw_split_step(hi, lo, grad, m, v, self.step_count, a.lr,
+                                      a.betas[0], a.betas[1], a.eps, a.weight_decay)
+
     # ------------------------------------------------------------------ one step
     def interpreter(self, on_gradient=None) -> Interpreter:
         run = _StepInterpreter(self.graph, self.compute, self.dtype, check_finite=False,
                                kernels=self.kernels, keep_only_saved=self.keep_only_saved,
                                decisions=self.decisions, on_gradient=on_gradient,
-                               hooks=self.hooks, arena=self._activations())
+                               hooks=self.hooks, arena=self._activations(),
+                               frame_events=self.zero)
         run.step = self
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:
@@ -394,6 +449,8 @@ class TrainStep:
         their gradients to `grad_sum` (a layer's as soon as it is final); the last one's
         complete the sum, and each parameter is updated from the mean at once."""
         self.step_count.add_(1)  # before the backward: updates may run inside it
+        if self.zero is not None:
+            self.zero.step_begin()
         losses = []
         for micro in range(self.accumulation):
             handle = self._gradient_handler(micro)
@@ -402,6 +459,8 @@ class TrainStep:
             for p in [p for p in self.names if p in grads]:  # no gradient: no update
                 handle(p, grads.pop(p))
             losses.append(loss)
+        if self.zero is not None:
+            self.zero.step_end()
         self.loss.copy_(torch.stack(losses).mean())
 
     def _gradient_handler(self, micro: int):
@@ -421,6 +480,8 @@ class TrainStep:
         self._update(path, total.div_(self.accumulation))
 
     def _update(self, path: str, grad: Tensor) -> None:
+        if self.zero is not None:  # reduced with its bucket, then its shard updated
+            return self.zero.gradient(path, grad)
         from runtime.cuda.kernels import _extension
 
         a = self.adamw
@@ -486,11 +547,17 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
     """This step's fixed state: with the fused optimizer, the fp32 master split into the
     bf16 compute copy and its int16 low half, plus two fp32 moments (12 bytes per trained
     parameter); optimizer='torch': fp32 master, `.grad` and moments plus the compute copy
-    (18); a frozen one (LoRA's base) holds its bf16 compute copy alone (2)."""
+    (18); a frozen one (LoRA's base) holds its bf16 compute copy alone (2). Under data
+    parallel, this rank's share of the trained ones (rank_fixed_bytes)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
-    trained = sum(_numel(s) for p, s in shapes.items() if p not in frozen)
     fixed = sum(_numel(s) for p, s in shapes.items() if p in frozen)
+    section = program.document.get("schedule", {}).get("distributed")
+    if section is not None:  # data parallel: what this rank holds of the trained ones
+        from modulec.plan.distributed import rank_fixed_bytes
+
+        return rank_fixed_bytes(section)["total"] + fixed * 2
+    trained = sum(_numel(s) for p, s in shapes.items() if p not in frozen)
     return trained * (18 if optimizer == "torch" else 12) + fixed * 2
 
 

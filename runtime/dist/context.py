@@ -87,8 +87,21 @@ class DistContext:
                                    help=["start every rank with the same command and files"])
 
     def close(self) -> None:
-        if self.distributed and dist.is_initialized():
+        """Leave the group. With NCCL, a process group some CUDA graph captured
+        collectives of can hang in destroy_process_group (seen with torch 2.11 on two
+        H100s), so it is left to the process's exit (`exit_now`) there."""
+        if self.distributed and dist.is_initialized() and self.backend != "nccl":
             dist.destroy_process_group()
+
+    def exit_now(self, code: int = 0) -> None:
+        """End this process at once (outputs flushed): under NCCL after a captured step,
+        the interpreter's own shutdown can hang in the process group's destructor."""
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.backend == "nccl":
+            os._exit(code)
 
 
 @dataclass(frozen=True)

@@ -87,15 +87,19 @@ class CUDATrainer:
     (the checkpoint's base), the GPU holding their bf16 compute copies alone."""
 
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
-                 memory_budget: int | None = None, accumulation: int = 1):
+                 memory_budget: int | None = None, accumulation: int = 1, dist=None):
         from runtime.cuda.step import AdamWConfig, TrainStep
 
         self.names = owned_paths(model)
+        if dist is not None:  # data parallel: the IR carries the distributed section
+            from runtime.train.data_parallel import with_distributed
+
+            with_distributed(model, dist.options())
         program = gpu_program(model, batch, seq, memory_budget)
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
         # decisions="auto": a budgeted program's recompute decisions run in the step
         self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused",
-                              accumulation=accumulation)
+                              accumulation=accumulation, dist=dist)
         self.step.load(model.params)
         frozen = self.step.frozen()
         self.frozen = {p: model.params[p].detach().to("cpu", torch.float32)
@@ -116,15 +120,34 @@ class CUDATrainer:
 
     def state(self) -> dict:
         s = self.step
+        if s.zero is not None:
+            return self._gathered_state()
         if self.frozen:  # LoRA: the model's adapters are the step's masters (save_lora)
             self.model.params.update(s.masters)
         # joined one by one on the host as the checkpoint writes them (no GPU memory)
         return {"masters": ChainMap(s.masters.on("cpu"), self.frozen), "exp_avg": s.exp_avg,
                 "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())}
 
+    def _gathered_state(self) -> dict:
+        """Data parallel: the whole state, gathered shard by shard onto the host (a
+        collective: every rank runs it; only the main rank keeps what it gathers)."""
+        s, keep = self.step, on_main_rank(self.step)
+        masters, exp_avg, exp_avg_sq = {}, {}, {}
+        for path, master, m, v in s.zero.full_state():
+            if keep:
+                masters[path], exp_avg[path], exp_avg_sq[path] = master, m, v
+        masters.update(self.frozen)
+        return {"masters": masters, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+                "step": int(s.step_count.item())}
+
     def load_state(self, state: dict) -> None:
         s = self.step
         s.load({p: state["masters"][p] for p in self.names})  # the step ties the rest
+        if s.zero is not None:
+            s.zero.load_moments(state["exp_avg"], state["exp_avg_sq"])
+            s.step_count.fill_(float(state["step"]))
+            self.steps_run = 0
+            return
         self.frozen = {p: state["masters"][p].detach().to("cpu", torch.float32)
                        for p in self.frozen}
         for path in s.names:  # the trained ones
@@ -139,6 +162,10 @@ class CUDATrainer:
                 "now_bytes": torch.cuda.memory_allocated(),
                 "what": "GPU (activations in the plan's arena)" if arena else
                 "GPU (torch allocator)"}
+
+
+def on_main_rank(step) -> bool:
+    return step.dist is None or step.dist.context.is_main
 
 
 def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None):

@@ -33,6 +33,8 @@ class Progress:
             self.rich[0].stop()
 
     def step(self, record: dict) -> None:
+        if self.fmt == "none":  # a data-parallel rank other than 0
+            return
         if self.fmt == "json":
             print(json.dumps({"event": "step"} | record), flush=True)
         elif self.rich is not None:
@@ -44,6 +46,8 @@ class Progress:
             print(line(record), file=sys.stderr, flush=True)
 
     def note(self, text: str) -> None:
+        if self.fmt == "none":
+            return
         if self.fmt == "json":
             print(json.dumps({"event": "note", "text": text}), flush=True)
         elif self.rich is not None:

@@ -52,12 +52,14 @@ class Request:
     model: str | None = None
     search_path: tuple = ()
     lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
+    zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
 
 
 def train_model(**kwargs) -> str:
     request = Request(**kwargs)
     check_device(request.device)
     _check_numbers(request)
+    context = _context(request)
     resumed = _resumed(request.resume)
     weights = resumed[0] if resumed else request.hf_weights
     if weights is None:
@@ -66,12 +68,33 @@ def train_model(**kwargs) -> str:
     model = _model(request, weights)
     sizes = _sizes(model, request)
     data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
-                     request.seq, request.batch * request.grad_accum, request.seed, sizes[0],
-                     request.repeat_batch)
-    run = Run(request, model, data, weights)
+                     request.seq, request.batch * request.grad_accum * context.world,
+                     request.seed, sizes[0], request.repeat_batch)
+    run = Run(request, model, data, weights, context)
     if resumed:
         run.resume(*resumed)
-    return run.train()
+    summary = run.train()
+    if context.backend == "nccl":  # its shutdown can hang after captured collectives
+        print(summary, flush=True)
+        context.exit_now()
+    return summary if context.is_main else ""
+
+
+def _context(request: Request):
+    """The process group torchrun set up (one process: none). Data parallel takes every
+    rank: the data-parallel size is the world size."""
+    from runtime.dist import DistContext
+
+    context = DistContext.from_env(request.device)
+    if not context.distributed and request.zero is not None:
+        raise RuntimeUserError(f"--zero {request.zero} shards across data-parallel "
+                               "processes; this is one process",
+                               help=["launch several: torchrun --nproc-per-node N -m "
+                                     "modulec train ..., or leave out --zero"])
+    if context.distributed and request.lora is not None:
+        raise RuntimeUserError("--lora with several processes is not supported yet",
+                               help=["train LoRA on one GPU"])
+    return context
 
 
 def _check_numbers(request: Request) -> None:
@@ -119,24 +142,42 @@ def _sizes(model: Model, request: Request) -> tuple[int | None, int | None]:
 
 
 class Run:
-    def __init__(self, request: Request, model: Model, data: TokenData, weights: Path):
+    def __init__(self, request: Request, model: Model, data: TokenData, weights: Path,
+                 context=None):
+        from runtime.dist import DistContext
+
         self.request, self.model, self.data = request, model, data
+        self.context = context or DistContext()
         self.schema = model.source.program(planned=False).weight_schema
         self.layout = dict(model.hf_layout)
         self.config = _config(Path(weights))
         self.save_dtype = _save_dtype(request.save_dtype, self.config)
         adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
-        if request.device == "cuda":
-            self.trainer = CUDATrainer(model, request.batch, request.seq, adamw,
-                                       request.memory_budget, request.grad_accum)
-        else:
-            self.trainer = CPUTrainer(model, request.batch, request.seq, adamw,
-                                      request.grad_accum)
+        self.trainer = self._trainer(adamw)
         self.start, self.losses, self.saved = 0, [], None
+
+    def _trainer(self, adamw: AdamW):
+        r, model, context = self.request, self.model, self.context
+        zero = 2 if r.zero is None else r.zero
+        if r.device == "cuda":
+            dist = context.data_parallel(zero) if context.distributed else None
+            return CUDATrainer(model, r.batch, r.seq, adamw, r.memory_budget, r.grad_accum,
+                               dist=dist)
+        if context.distributed:
+            from runtime.train.data_parallel import CPUDataParallelTrainer
+
+            return CPUDataParallelTrainer(model, r.batch, r.seq, adamw, context, zero,
+                                          r.grad_accum)
+        return CPUTrainer(model, r.batch, r.seq, adamw, r.grad_accum)
 
     def _tokens_per_step(self) -> int:
         r = self.request
-        return r.batch * r.grad_accum * r.seq
+        return r.batch * r.grad_accum * r.seq * self.context.world
+
+    def _own_rows(self, window):
+        """This rank's rows of the step's window (every rank reads the same window)."""
+        rows = window.shape[0] // self.context.world
+        return window[self.context.rank * rows:(self.context.rank + 1) * rows]
 
     def resume(self, folder: Path, trainer: dict, state: dict) -> None:
         for key in RESUME_KEYS:
@@ -156,10 +197,11 @@ class Run:
     def train(self) -> str:
         r = self.request
         times = []
-        with Progress(r.fmt, self.start, r.steps) as progress:
+        fmt = r.fmt if self.context.is_main else "none"  # rank 0 reports
+        with Progress(fmt, self.start, r.steps) as progress:
             self._notes(progress)
             for step in range(self.start, r.steps):
-                window = self.data.batch_at(step)
+                window = self._own_rows(self.data.batch_at(step))
                 began = now()
                 loss = self.trainer.train_step(window)
                 times.append(now() - began)
@@ -200,8 +242,11 @@ class Run:
                             "tokens": len(self.data.tokens)},
                    "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
         trainer |= {key: getattr(r, key) for key in RESUME_KEYS}
+        state = self.trainer.state()  # under data parallel a collective: every rank
+        if not self.context.is_main:
+            return
         try:
-            self.saved = save_checkpoint(r.save, self.trainer.state(), trainer,
+            self.saved = save_checkpoint(r.save, state, trainer,
                                          schema=self.schema, layout=self.layout,
                                          config=self.config, dtype=self.save_dtype,
                                          adapters=self.model if r.lora is not None else None)

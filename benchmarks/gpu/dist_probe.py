@@ -1,0 +1,107 @@
+"""modulec's data-parallel step on this host's GPUs, one ZeRO stage per launch (run under
+torchrun; rank 0 prints one JSON line): TinyLlama shape by default, B per GPU, T, random
+weights and tokens, the whole step captured in one CUDA graph; median step time of
+`--steps` replays (all ranks synchronized), tokens/s over all ranks, per-GPU peak, and the
+fixed state this rank holds (weights, masters, moments, communication buffers).
+
+    torchrun --nproc-per-node 2 benchmarks/gpu/dist_probe.py --zero 2 [--layers 22]
+    python3 benchmarks/gpu/dist_probe.py --zero 0       # one GPU, no process group
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.train_step import flops_per_token, tiny_llama  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, num_heads=32, num_kv_heads=8,
+                 d_ff=14336, max_seq=8192, eps=1e-5, rope_theta=500000.0)
+
+
+def main() -> None:
+    args = _args()
+    from runtime.cuda.step import TrainStep
+    from runtime.dist import DistContext
+
+    ctx = DistContext.from_env(device="cuda")
+    shape = LLAMA3_8B if args.shape == "llama3-8b" else tiny_llama(22)
+    if args.layers:
+        shape = dict(shape, n_layers=args.layers)
+    options = {"dist": ctx.data_parallel(args.zero)} if ctx.distributed else {}
+    budget = int(args.budget * 2 ** 30) if args.budget else None
+    step = TrainStep.from_module("std/models/llama.module", shape, batch=args.batch,
+                                 seq=args.seq, derive_written=True, memory_budget=budget,
+                                 **options)
+    step.init_random(0)
+    torch.cuda.empty_cache()
+    generator = torch.Generator(device="cuda").manual_seed(100 + ctx.rank)
+    tokens = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), device="cuda",
+                           generator=generator, dtype=torch.int32)
+    losses = [float(step(tokens))]
+    step.capture(warmup=1)
+    times = []
+    for _ in range(args.steps):
+        _sync(ctx)
+        began = time.perf_counter()
+        step.cuda_graph.replay()
+        _sync(ctx)
+        times.append(time.perf_counter() - began)
+    losses.append(float(step.loss))
+    _report(ctx, args, shape, step, times, losses)
+    ctx.close()
+    ctx.exit_now()
+
+
+def _sync(ctx) -> None:
+    torch.cuda.synchronize()
+    if ctx.distributed:
+        dist.barrier()
+
+
+def _report(ctx, args, shape, step, times, losses) -> None:
+    seconds = statistics.median(times)
+    tokens = args.batch * args.seq * ctx.world
+    peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda")
+    if ctx.distributed:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    fixed = step.zero.fixed_bytes() if step.zero is not None else None
+    row = {"gpus": ctx.world, "zero": args.zero if ctx.distributed else None,
+           "shape": args.shape, "layers": shape["n_layers"], "batch_per_gpu": args.batch,
+           "seq": args.seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+           "tokens_per_s_per_gpu": tokens / seconds / ctx.world,
+           "peak_gib_per_gpu": float(peak) / 2 ** 30,
+           "fixed_gib_per_gpu": fixed / 2 ** 30 if fixed is not None else None,
+           "mfu_989": tokens / seconds / ctx.world * flops_per_token(shape, args.seq) / 989e12,
+           "loss_first": losses[0], "loss_last": losses[-1],
+           "device": torch.cuda.get_device_name(), "budget_gib": args.budget}
+    if ctx.is_main:
+        print(json.dumps(row), flush=True)
+
+
+def _args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--zero", type=int, default=2)
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape's")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--shape", choices=["tinyllama", "llama3-8b"], default="tinyllama")
+    parser.add_argument("--budget", type=float, help="GiB per GPU for the whole step")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
