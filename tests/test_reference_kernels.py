@@ -192,6 +192,10 @@ CASES: dict[str, list[Case]] = {
                    Case("contiguous", lambda g: [randn(g, 3, 4)])],
     "copy": _unary((3, 4)),
     "cast": [Case("to-fp64", lambda g: [randn(g, 2, 5)], {"dtype": "fp64"})],  # fp32: below
+    "select": [Case("last", lambda g: [randn(g, 2, 3, 4)], {"dim": 1, "index": -1}),
+               Case("first", lambda g: [randn(g, 5, 2)], {"dim": 0, "index": 0})],
+    "slice": [Case("tail", lambda g: [randn(g, 2, 5, 3)], {"dim": 1, "start": 2}),
+              Case("inner", lambda g: [randn(g, 2, 6)], {"dim": -1, "start": 1, "end": -2})],
     "stop_gradient": _unary((3, 4)),
     "scale_gradient": [Case("half", lambda g: [randn(g, 3, 4)], {"scale": 0.5}),
                        Case("clip", lambda g: [randn(g, 2, 6)], {"scale": 2.0, "clip": 0.7})],
@@ -450,6 +454,9 @@ ORACLES: dict[str, Callable] = {
     "cast": lambda x, *, dtype, **_: [x.to({"fp32": torch.float32, "fp64": F64}[dtype])],
     "stop_gradient": lambda x, **_: [x],
     "scale_gradient": lambda x, **_: [x],
+    "select": lambda x, *, dim, index, **_: [torch.select(x, dim, index)],
+    "slice": lambda x, *, dim, start, end, **_: [
+        torch.narrow(x, dim, *_span(x.shape[dim], start, end))],
     "add": lambda a, b, **_: [torch.add(a, b)],
     "mul": lambda a, b, **_: [torch.mul(a, b)],
     "scale": lambda x, *, factor, **_: [torch.mul(x, factor)],
@@ -472,6 +479,11 @@ ORACLES: dict[str, Callable] = {
     "ones": _oracle_constant(1.0),
     "fill": _oracle_constant(None),
 }
+
+
+def _span(size, start, end):
+    first, stop, _ = slice(start, end).indices(size)
+    return first, max(stop - first, 0)
 
 
 # ======================================================================= harness

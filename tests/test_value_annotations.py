@@ -172,3 +172,33 @@ def test_a_frozen_parameter_has_no_gradient_to_verify(tmp_path):
     assert result.exit_code == 0, result.output  # was: d_w FAIL (no gradient computed)
     assert '"gradient": "d_w", "max_rel_error": null, "ok": true, "note": "frozen"' \
         in result.output
+
+
+SUBSCRIPTS = """\
+model Last(d: int = 4, v: int = 5):
+  params:
+    w: [v, d]
+  forward:
+    in: x: [B, T, d]
+    out: (y: [B, v], z: [B, 2, d])
+    graph:
+      x[:, -1] -> matmul(w, transpose=NT) -> y
+      x[:, 1:3] -> z
+"""
+
+
+def test_subscripts_are_views_with_their_gradients(tmp_path):
+    path = _write(tmp_path, SUBSCRIPTS)
+    model = Model.from_module(path, dtype=torch.float64).init_random(0, std=0.5)
+    x = torch.randn(2, 4, 4, dtype=torch.float64)
+    out = model.forward(x=x)  # was: AttributeError in the runtime (a `[*]` node)
+    assert torch.allclose(out["y"], x[:, -1] @ model.params["w"].T)
+    assert torch.equal(out["z"], x[:, 1:3])
+    d_y, d_z = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 2, 4, dtype=torch.float64)
+    d_x = model.backward(y=d_y, z=d_z).inputs["x"]
+    want = torch.zeros_like(x)
+    want[:, -1] = d_y @ model.params["w"]
+    want[:, 1:3] += d_z
+    assert torch.allclose(d_x, want)
+    result = run_cli("check", "--verify-backward", path)
+    assert result.exit_code == 0, result.output

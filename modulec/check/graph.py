@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from modulec.check.calls import UNKNOWN, StepContext, apply_step
+from modulec.check.indexing import index_tensor
 from modulec.check.instance import Instance, Submodule, TensorParamValue, guard, tensor_type
 from modulec.check.order import order_statements
 from modulec.check.scope import GraphScope, Tensor
@@ -239,7 +240,7 @@ class GraphChecker:
             return self._attribute(expr)
         if isinstance(expr, A.Index):
             base = self.quiet_tensor(expr.value)
-            return Tensor("", UNKNOWN, expr.span) if base is not None else None
+            return index_tensor(self, expr, base) if base is not None else None
         return None
 
     def _param(self, name: str, node) -> Tensor | None:

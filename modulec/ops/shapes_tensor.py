@@ -220,6 +220,61 @@ def add3_shape(call: OpCall) -> list[TensorType]:
     return [first]
 
 
+@shape_rule("select")
+def select_shape(call: OpCall) -> list[TensorType]:
+    x = call.inputs[0]
+    if not _known(x):
+        return _unknown_like(x)
+    axis = _axis(call, call.param("dim"), len(x.dims))
+    size, index = x.dims[axis], _int(call, "index")
+    if size.is_const and not -size.value <= index < size.value:
+        raise ShapeError(f"index {index} is out of range for dim {axis} of size {size}",
+                         argument=0, label=f"shape {x}")
+    return [TensorType(x.dims[:axis] + x.dims[axis + 1:], x.dtype)]
+
+
+@shape_rule("slice")
+def slice_shape(call: OpCall) -> list[TensorType]:
+    x = call.inputs[0]
+    if not _known(x):
+        return _unknown_like(x)
+    axis = _axis(call, call.param("dim"), len(x.dims))
+    start, end = _int(call, "start"), call.param("end")
+    end = None if end is None else _int(call, "end")
+    length = _range_length(x.dims[axis], start, end)
+    if length is None:
+        raise ShapeError(f"the length of [{start}:{'' if end is None else end}] along dim "
+                         f"{axis} of size {x.dims[axis]} is not known at compile time",
+                         argument=0, label=f"shape {x}",
+                         help=("slice with bounds of one sign (`1:`, `-4:`, `:-1`, `2:6`)",))
+    return [TensorType(x.dims[:axis] + (length,) + x.dims[axis + 1:], x.dtype)]
+
+
+def _int(call: OpCall, name: str) -> int:
+    value = call.param(name)
+    if isinstance(value, Dim) and value.is_const:
+        return value.value
+    if isinstance(value, int):
+        return value
+    raise ShapeError(f"`{name}` of `{call.rule.name}` must be a known integer", code="E003")
+
+
+def _range_length(size: Dim, start: int, end: int | None) -> Dim | None:
+    """len(range(size)[start:end]) as a Dim: exact for a known size, else for bounds whose
+    result does not depend on clamping (both from the start, or both from the end)."""
+    if size.is_const:
+        return Dim.const(len(range(size.value)[start:end]))
+    if end is None:
+        return size - start if start >= 0 else Dim.const(-start)
+    if start >= 0 and end >= 0:
+        return Dim.const(max(end - start, 0))
+    if start >= 0 > end:
+        return size + end - start
+    if start < 0 and end < 0:
+        return Dim.const(max(end - start, 0))
+    return None
+
+
 @shape_rule("cast")
 def cast_shape(call: OpCall) -> list[TensorType]:
     dtype = call.param("dtype")

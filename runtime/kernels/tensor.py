@@ -1,5 +1,5 @@
 """view, transpose, permute, split, concat, contiguous, copy (spec §6.5, §6.11.4);
-stop_gradient and scale_gradient (`@gradient`, §7.8.3).
+stop_gradient and scale_gradient (`@gradient`, §7.8.3); select and slice (subscripts).
 
 Views return torch views where torch can (the reference does not model buffers; layout
 is not part of the value). view reshapes (a copy when x is strided: the "x must be
@@ -104,3 +104,36 @@ def _scale_gradient_backward(d_y, *, scale=1.0, clip=None, **_):
           backward=_scale_gradient_backward)
 def _scale_gradient_forward(x, **_):
     return [x]
+
+
+# ------------------------------------------------------------------ select, slice
+# subscripts (`x[:, -1]`, `x[:, 1:]`): views; a backward writes d_y into a zero d_x
+def _select_backward(d_y, *, dim, index, **attrs):
+    d_x = d_y.new_zeros(input_shape(attrs, "select", "x"))
+    d_x.select(dim, index).copy_(d_y)
+    return [d_x]
+
+
+@register("select", ("x",), ("y",), ("d_y",), ("d_x",), backward=_select_backward)
+def _select_forward(x, *, dim, index, **_):
+    return [x.select(dim, index)]
+
+
+def _range(x_dim: int, start: int, end) -> slice:
+    return slice(*slice(start, end).indices(x_dim)[:2])
+
+
+def _slice_backward(d_y, *, dim, start=0, end=None, **attrs):
+    shape = input_shape(attrs, "slice", "x")
+    d_x = d_y.new_zeros(shape)
+    where = [slice(None)] * len(shape)
+    where[dim] = _range(shape[dim], start, end)
+    d_x[tuple(where)] = d_y
+    return [d_x]
+
+
+@register("slice", ("x",), ("y",), ("d_y",), ("d_x",), backward=_slice_backward)
+def _slice_forward(x, *, dim, start=0, end=None, **_):
+    where = [slice(None)] * x.dim()
+    where[dim] = _range(x.shape[dim], start, end)
+    return [x[tuple(where)]]
