@@ -233,7 +233,8 @@ def test_valid(notes):
 
 
 def test_placements_of_entries_elements_and_block_lines():
-    text = ("model M():\n  @recipe(FP8) @profile(\"m\")\n  params:\n    w: [d] @frozen @trainable\n"
+    text = ("recipe FP8:\n  compute: fp8_e4m3\n"
+            "model M():\n  @recipe(FP8) @profile(\"m\")\n  params:\n    w: [d] @frozen @trainable\n"
             "  forward:\n    in: (x: [B], mask: [B] @gradient(skip))\n    graph:\n"
             "      x @assert(x.shape[0] > 0) -> f() @nofuse -> (y, z @gradient(skip))\n"
             "    @trace\n")

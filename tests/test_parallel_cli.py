@@ -114,7 +114,8 @@ def test_plan_zero0_holds_as_much_as_one_gpu_plus_buffers():
 def test_plan_pp_prints_the_timeline_as_json():
     result = run("plan", PIPELINED, *TINY, "--microbatches", 8, "--format", "json")
     assert result.exit_code == 0, result.output
-    pipeline = json.loads(result.output)["pipeline"]
+    # diagnostics come first, one JSON line each (W006: no runtime runs a pipeline yet)
+    pipeline = json.loads(result.output.splitlines()[-1])["pipeline"]
     assert pipeline["microbatches"] == 8 and len(pipeline["stages"]) == 2
     assert 0 < pipeline["bubble_fraction"] < 1
     assert pipeline["ideal_bubble_fraction"] == pytest.approx(1 / 9)

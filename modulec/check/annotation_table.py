@@ -8,8 +8,9 @@ which syntax it accepts (`Kind.nodes`) and, for enum-like kinds, which bare iden
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from modulec.check.annotation_status import STATUS, Status
 from modulec.syntax import ast as A
 
 REQUIRED = object()  # `Param.default` of a parameter that must be given
@@ -119,6 +120,8 @@ FUSION_PATTERN = Kind("a fusion pattern", (A.Name,), choices=tuple(FUSION_PATTER
 OP = Kind("an operation name", (A.Name,), registry="ops", code="E013",
           unknown="`{value}` in `@{annotation}({param}=[...])` is neither a primitive "
                   "nor a known operation", label="unknown operation")
+RECIPE = Kind("a recipe name", (A.Name,), registry="recipes",
+              unknown="unknown recipe `{value}`", label="no recipe of this name")
 OPS = Kind("a list of operation names (`[matmul, add]`)", (A.ListExpr,), items=OP)
 
 
@@ -155,6 +158,7 @@ class Spec:
     params: tuple[Param, ...] = ()
     one_of: OneOf | None = None
     forms: tuple[str, ...] = field(default=())  # usage lines as the spec writes them
+    status: Status | None = None  # what it does per backend (annotation_status.STATUS)
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
@@ -243,7 +247,7 @@ _SPECS = (
              opt("margin", FLOAT, "headroom margin", "0.0"),
          ), forms=("@scaling(strategy, params...)",)),
     Spec("recipe", "§7.4.4", "applies a precision recipe to the whole declaration", BLOCK, (
-        req("name", IDENT, "recipe name"),
+        req("name", RECIPE, "recipe name (a `recipe` declaration)"),
     ), forms=("@recipe(RecipeName)",)),
     # §7.5 fusion ------------------------------------------------------------------
     Spec("fuse", "§7.5.1", "suggests fusing operations into one kernel", OPERATION, (
@@ -321,7 +325,10 @@ _SPECS = (
          forms=("a -> op() -> b @barrier",)),
 )
 
-ANNOTATIONS: dict[str, Spec] = {spec.name: spec for spec in _SPECS}
+# Each annotation with its status; a KeyError here is an annotation without an entry in
+# annotation_status.STATUS (every annotation must say whether it acts).
+ANNOTATIONS: dict[str, Spec] = {spec.name: replace(spec, status=STATUS[spec.name])
+                                for spec in _SPECS}
 
 
 def usage(spec: Spec) -> str:

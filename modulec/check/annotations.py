@@ -1,8 +1,9 @@
 """Annotation checks: every `@name(...)` against the table of `annotation_table`.
 
 E008: unknown annotation, wrong placement, unknown / duplicate / missing argument, too many
-positional arguments, a value of the wrong kind. E013: an unknown fusion pattern or `ops`
-entry, or a `@fuse` with nothing to fuse. E025: a checkpoint region spanning pipeline
+positional arguments, a value of the wrong kind, an unknown recipe. W006: a valid
+annotation (or argument) that has no effect on some backend yet (annotation_effects).
+E013: an unknown fusion pattern or `ops` entry, or a `@fuse` with nothing to fuse. E025: a checkpoint region spanning pipeline
 stages (`memory_policy.pipeline_problems`, driven by `StageRule`); E008 also for stages
 that do not form a pipeline (`partition.partition_problems`). All wording comes from
 the table; no code here names an annotation.
@@ -15,6 +16,7 @@ from functools import lru_cache
 from typing import Iterator
 
 from modulec.check import memory_policy as G
+from modulec.check.annotation_effects import without_effect
 from modulec.check.annotation_table import (
     ANNOTATIONS, PLACEMENTS, Kind, Param, Spec, argument_values, key_text, usage,
 )
@@ -26,6 +28,13 @@ from modulec.paths import data_dir
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as expr_text
 
+REGISTRY_NOTES = {  # what a name outside a registry's names is told about them
+    "ops": lambda known: "known operations: the primitives (std/primitives), the "
+                         "declarations and imports of this file, and the operations this "
+                         "flow calls",
+    "recipes": lambda known: "known recipes: " + ", ".join(f"`{name}`" for name in known)
+                             if known else "no `recipe` is declared or imported in this file",
+}
 INPUT_KEYS, OUTPUT_KEYS = frozenset({"in", "inputs"}), frozenset({"out", "outputs"})
 FOUND = {A.String: "the string ", A.Number: "the number ", A.Bool: "", A.NoneLit: "",
          A.ListExpr: "the list ", A.TupleExpr: "the tuple ", A.Name: "the name "}
@@ -43,24 +52,28 @@ class Site:
 
 # ====================================================================== entry point
 def check_annotations(program: A.Program) -> list[Diagnostic]:
-    ops = primitive_names() | _program_names(program)
+    registries = {"ops": primitive_names() | _program_names(program),
+                  "recipes": _recipe_names(program)}
     diagnostics = []
     for site in annotation_sites(program):
-        diagnostics += check_site(site, ops)
+        diagnostics += check_site(site, registries)
     for decl in program.decls:
         diagnostics += partition_problems(decl) + pipeline_problems(decl)
     return diagnostics
 
 
-def check_site(site: Site, ops: frozenset[str] = frozenset()) -> list[Diagnostic]:
+def check_site(site: Site, registries: dict | None = None) -> list[Diagnostic]:
+    """The annotation's errors; when it has none, W006 for what it leaves undone."""
     note = site.annotation
     spec = ANNOTATIONS.get(note.name)
     if spec is None:
         return [_unknown_annotation(note)]
     bound, problems = _bind(spec, note)
-    known = ops | _called(site.flow)
+    known = dict(registries or {})
+    known["ops"] = known.get("ops", frozenset()) | _called(site.flow)
     problems += _values(spec, bound, note, known)
-    return _placement(spec, site) + problems + _one_of(spec, bound, note)
+    problems = _placement(spec, site) + problems + _one_of(spec, bound, note)
+    return problems or without_effect(spec, bound, site.placement, note)
 
 
 # ====================================================================== sites
@@ -192,8 +205,8 @@ def check_value(spec: Spec, param: Param, kind: Kind, node, ops) -> list[Diagnos
     if not isinstance(node, kind.nodes) or _wrong_number(kind, node):
         return [_wrong_kind(spec, param, kind, node)]
     value = node.id if isinstance(node, A.Name) else None
-    allowed = kind.choices or (ops if kind.registry else ())
-    if value is not None and allowed and value not in allowed:
+    allowed = kind.choices or (ops.get(kind.registry, frozenset()) if kind.registry else ())
+    if value is not None and (allowed or kind.registry) and value not in allowed:
         return [_not_allowed(spec, param, kind, node, allowed)]
     if value is not None and kind.hints and value not in kind.hints:
         return _hint(spec, param, kind, node)
@@ -289,8 +302,7 @@ def _not_allowed(spec, param, kind, node, allowed) -> Diagnostic:
     message = kind.unknown.format(value=node.id, param=param.name, annotation=spec.name)
     guess = closest(node.id, sorted(allowed))
     notes = [_choices_note(param, kind)] if kind.choices else \
-        ["known operations: the primitives (std/primitives), the declarations and imports "
-         "of this file, and the operations this flow calls"]
+        [REGISTRY_NOTES[kind.registry](sorted(allowed))]
     return error(kind.code, message, node.span, kind.label.format(param=param.name),
                  help=_did_you_mean(guess), notes=notes)
 
@@ -335,6 +347,13 @@ def _program_names(program: A.Program) -> frozenset[str]:
         if isinstance(item, A.Import) and not item.names:
             names.add(item.alias or item.path[-1])
     return frozenset(names)
+
+
+def _recipe_names(program: A.Program) -> frozenset[str]:
+    """The recipes a `@recipe(...)` may name: this file's `recipe` declarations, and any
+    imported name (an import's kind is the resolver's business)."""
+    declared = {decl.name for decl in program.decls if decl.kind == "recipe"}
+    return frozenset(declared) | (_program_names(program) - {d.name for d in program.decls})
 
 
 def _called(flow: A.Flow | None) -> frozenset[str]:

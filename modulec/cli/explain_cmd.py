@@ -3,7 +3,8 @@
 The pages ship with the package as `modulec/_data/docs/errors/` (in a checkout: the
 repository's `docs/errors/`). On a terminal the page is rendered with rich's Markdown;
 otherwise, or with `--plain`, the markdown text is printed as it is. `--list` prints every
-code with its severity and title.
+code with its severity and title; `--annotations` prints docs/annotations.md (what each
+annotation does on each backend, from modulec/check/annotation_status.py).
 
 Exit status: 0 success, 2 an unknown code (with "did you mean" and the list of codes) or a
 missing argument.
@@ -75,6 +76,7 @@ EPILOG = """\b
 Examples:
   modulec explain E004
   modulec explain --list
+  modulec explain --annotations > docs/annotations.md
 """
 
 
@@ -84,12 +86,22 @@ Examples:
               help="List every code with its severity and title.")
 @click.option("--plain", is_flag=True,
               help="Print the page as markdown text even on a terminal.")
+@click.option("--annotations", is_flag=True,
+              help="Print what every annotation does on each backend (docs/annotations.md "
+                   "is this page).")
 @guarded
-def explain_command(code: str | None, list_: bool, plain: bool) -> int:
-    """Explain the diagnostic CODE (E001 ... E027, W001 ... W005): what it means, an
+def explain_command(code: str | None, list_: bool, plain: bool, annotations: bool) -> int:
+    """Explain the diagnostic CODE (E001 ... E027, W001 ... W006): what it means, an
     example that produces it, and how to fix it."""
     from modulec.diagnostics.codes import CODES
 
+    if annotations:
+        if code is not None or list_:
+            raise click.UsageError("give --annotations alone")
+        from modulec.check.annotation_doc import annotations_page
+
+        click.echo(annotations_page(), nl=False)
+        return EXIT_OK
     if list_:
         if code is not None:
             raise click.UsageError("give either CODE or --list, not both")

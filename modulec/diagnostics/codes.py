@@ -1,5 +1,6 @@
 """Every diagnostic code: its title (the specification's wording, Appendix C and D), its
-severity, and an explanation for people (what it means, the usual cause, the fix).
+severity, and an explanation for people (what it means, the usual cause, the fix). Codes
+after the spec's (`OWN_CODES`: W006) are this compiler's own.
 
 This one table backs the tests that every emitted code is documented and covered by a UI
 test (tests/test_codes.py), and `modulec explain CODE`. Titles are copied from the
@@ -211,9 +212,18 @@ _TABLE: tuple[CodeInfo, ...] = (
         A value is converted to a less precise dtype (for example fp32 to bf16) without an
         explicit cast, which can lose precision silently. Add an explicit cast if the
         narrowing is intended, or keep the wider dtype.""", "§7.4"),
+    # ------------------------------------------------- this compiler's own (not in the spec)
+    _w("W006", "Annotation has no effect on this backend yet", """
+        An annotation (or one of its arguments) is valid, but the backend named in the
+        message does not act on it yet: the CPU reference runtime, the GPU backend, or
+        both. The program builds and runs as if the annotation were not there. The status
+        of every annotation on each backend is the table in modulec/check/annotation_status.py
+        and the page docs/annotations.md generated from it. Remove the annotation, or keep
+        it for when the backend implements it.""", "§7"),
 )
 
 CODES: dict[str, CodeInfo] = {info.code: info for info in _TABLE}
+OWN_CODES = ("W006",)  # not in the specification's Appendix C / D
 
 
 def lookup(code: str) -> CodeInfo | None:
