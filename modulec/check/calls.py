@@ -131,6 +131,8 @@ def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
     decl = world.lookup_decl(name, func.span)
     if decl is not None and decl.kind != "primitive":
         return _call_declared(ctx, decl, consts, inputs, expr)
+    if decl is not None:
+        return _unimplemented(world, decl, func)
     if world.already_reported(name, func.span):
         return None
     candidates = list(world.ops) + world.candidates(func.span) + list(ctx.instance.params)
@@ -145,11 +147,28 @@ def _call_qualified(ctx, func: A.Attribute, consts, inputs, expr) -> Result | No
     decl = world.lookup_decl(name, func.span)
     if decl is not None and decl.kind != "primitive":
         return _call_declared(ctx, decl, consts, inputs, expr)
+    if decl is not None:
+        return _unimplemented(world, decl, func)
     if not world.already_reported(name, func.span):
         prefix, last = name.rsplit(".", 1)
         world.error("E014", f"unknown operation `{name}`", func.span,
                     f"no module `{last}` under `{prefix}`",
                     help=[_qualified_help(ctx, prefix)])
+    return None
+
+
+def _unimplemented(world, decl: A.Decl, func) -> None:
+    """E014 for a call of a user-declared `primitive`: a primitive is an operation the
+    backends implement (std/primitives, with kernels in runtime/), and nothing implements
+    this one; a declaration alone gives the compiler a signature, not a computation."""
+    world.error("E014", f"primitive `{decl.name}` has no implementation, so it cannot be "
+                        "called", func.span, "no backend has a kernel for it",
+                secondary=[Label(decl.name_span, "declared as a `primitive` here")],
+                notes=["the primitives modulec can run are those of std/primitives, each "
+                       "with its kernels in runtime/; a `primitive` declared in a program "
+                       "has a signature but nothing that computes it"],
+                help=[f"write `{decl.name}` as a `module` whose `forward:` graph is made "
+                      "of existing operations (its backward is then derived)"])
     return None
 
 
