@@ -12,6 +12,11 @@ class RuntimeUserError(Exception):
         self.message = message
         self.help = list(help or [])
 
+    def __str__(self) -> str:
+        """The message and its help lines: a Python caller sees the help too (the CLI
+        prints `message` and `help` itself)."""
+        return "\n".join([self.message, *(f"  help: {line}" for line in self.help)])
+
 
 class NonFiniteError(RuntimeUserError):
     """An op produced NaN or Inf; the message names the op and its source line."""

@@ -30,7 +30,7 @@ from runtime.gradient_marks import GradientMarks
 from runtime.train.param_groups import frozen_parameters
 from runtime.model import Model, parameter_shapes
 from runtime.program import ModuleSource
-from runtime.verify_config import VerifyConfig, declaration_config
+from runtime.verify_config import CANDIDATE_SIZES, VerifyConfig, declaration_config
 
 FREE_DIM_SIZES = {"B": 2, "T": 4}  # other free dims get OTHER_DIM_SIZE
 OTHER_DIM_SIZE = 3
@@ -64,11 +64,32 @@ class VerifyOptions:
 def verify_declaration(path: Path, decl, options: VerifyOptions) -> list[GradientCheck]:
     # the tensors are tiny: threads cost more than they give (and spin on a busy machine)
     torch.set_num_threads(1)
-    config = declaration_config(decl).merged(options)
+    config = _sized(path, decl.name, declaration_config(decl).merged(options), options)
     checks = []
     for source, label in _variants(path, decl.name, config, options):
         checks += _verify_variant(source, decl.name, config, options, label)
     return checks
+
+
+def _sized(path, name: str, config: VerifyConfig, options) -> VerifyConfig:
+    """Sizes for the `int` parameters nobody sized that satisfy the declaration's
+    constraints (tried alike: 4, 8, 16, ...); when none does, say which to size."""
+    if not config.chosen:
+        return config
+    first = None
+    for size in CANDIDATE_SIZES:
+        trial = config.with_size(size)
+        try:
+            _source(path, name, trial, options, False).program(trial.shapes, planned=False)
+            return trial
+        except RuntimeUserError as exc:
+            first = first or exc
+    names = " and ".join(f"`{n}`" for n in sorted(config.chosen))
+    sizes = ", ".join(map(str, CANDIDATE_SIZES))
+    raise RuntimeUserError(
+        f"`{name}` does not build with {names} at any of the sizes {sizes}",
+        help=[f"give {names} sizes that satisfy the constraints in a `verify_backward:` "
+              "section (`shapes:`) or with --set NAME=VALUE", *first.help])
 
 
 def _variants(path, name, config, options) -> list[tuple[ModuleSource, str]]:

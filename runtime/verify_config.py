@@ -18,6 +18,8 @@ from runtime.errors import RuntimeUserError
 
 EPSILON, TOLERANCE = 1e-6, 1e-6
 REQUIRED_INT_SIZE = "4"  # an `int` parameter without default, unless the section says
+# then these, alike for every such parameter, until one satisfies the constraints
+CANDIDATE_SIZES = (4, 8, 16, 2, 32, 64, 6, 12, 3, 1)
 KEYS = ("epsilon", "tolerance", "shapes")
 
 
@@ -28,10 +30,13 @@ class VerifyConfig:
     tolerance: float = TOLERANCE
     settings: dict[str, str] = field(default_factory=dict)  # parameters, as source text
     shapes: dict[str, int] = field(default_factory=dict)  # free dims
+    # `int` parameters without a default that nobody sized: verify picks their size
+    chosen: frozenset[str] = frozenset()
 
     def set(self, name: str, text: str) -> None:
         if name in self.params:
             self.settings[name] = text
+            self.chosen -= {name}
         elif text.lstrip("-").isdigit():
             self.shapes[name] = int(text)
         else:
@@ -40,7 +45,7 @@ class VerifyConfig:
     def merged(self, options) -> "VerifyConfig":
         """The command line over the section: --set, --shape, --epsilon, --tolerance."""
         merged = VerifyConfig(self.params, self.epsilon, self.tolerance, dict(self.settings),
-                              dict(self.shapes))
+                              dict(self.shapes), self.chosen)
         for name, text in options.settings.items():
             if name in self.params or str(text).lstrip("-").isdigit():
                 merged.set(name, str(text))  # else: another declaration's parameter
@@ -49,12 +54,19 @@ class VerifyConfig:
         merged.tolerance = options.tolerance or merged.tolerance
         return merged
 
+    def with_size(self, size: int) -> "VerifyConfig":
+        """Every chosen parameter at `size`."""
+        settings = dict(self.settings) | {name: str(size) for name in self.chosen}
+        return VerifyConfig(self.params, self.epsilon, self.tolerance, settings,
+                            dict(self.shapes), self.chosen)
+
 
 def declaration_config(decl: A.Decl) -> VerifyConfig:
     config = VerifyConfig(frozenset(p.name for p in decl.params or ()))
     for param in decl.params or ():  # `Linear(in_dim: int, ...)`: a size to choose
         if param.default is None and isinstance(param.type, A.Name) and param.type.id == "int":
             config.settings[param.name] = REQUIRED_INT_SIZE
+            config.chosen |= {param.name}
     for item in decl.body:
         if isinstance(item, A.Section) and _key(item) == "verify_backward":
             for entry in item.body:

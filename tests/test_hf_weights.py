@@ -289,6 +289,9 @@ def test_extra_tensors_are_an_error_unless_allowed(llama):
     message = raises(load_hf_weights, schema, save(hf, tmp), progress=False)
     assert "`model.layers.0.self_attn.rotary_emb.inv_freq`" in message and \
         "allow_extra=True" in message
+    # the hint says where the keyword goes (a CLI user has no such option)
+    assert "pass allow_extra=True" not in message and \
+        "`load_hf_weights(schema, directory, allow_extra=True)`" in message
     w = load_hf_weights(schema, tmp, progress=False, allow_extra=True)
     assert w.unused == ["model.layers.0.self_attn.rotary_emb.inv_freq"]
     assert "embedding" in w

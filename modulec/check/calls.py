@@ -15,6 +15,7 @@ from modulec.check.instance import Broken, Instance, Stack, Submodule, instantia
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.unify import Matcher, ShapeError, pattern_of
 from modulec.check.world import did_you_mean
+from modulec.resolve.std_index import import_help
 from modulec.diagnostics import Label
 from modulec.ops.registry import BindError, OpCall, OpRule, bind_params
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
@@ -108,7 +109,8 @@ def _evaluate_arg(ctx: StepContext, node):
         ctx.world.error("E003", "this argument must be a tensor or a compile-time value",
                         exc.node.span, exc.reason)
     except Undefined as exc:
-        ctx.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span)
+        ctx.world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
+                        help=did_you_mean(exc.node.id, ()))
     return _FAILED
 
 
@@ -137,7 +139,8 @@ def _call_name(ctx, func: A.Name, args, consts, inputs, expr) -> Result | None:
         return None
     candidates = list(world.ops) + world.candidates(func.span) + list(ctx.instance.params)
     world.error("E014", f"unknown operation `{name}`", func.span,
-                "not a primitive, module or submodule", help=did_you_mean(name, candidates))
+                "not a primitive, module or submodule",
+                help=did_you_mean(name, candidates) + import_help(name))
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from modulec.check.world import World, did_you_mean
+from modulec.resolve.std_index import import_help
 from modulec.semantic.consteval import (
     ConstEnv, Ident, NotConst, Undefined, Unknown, evaluate, truth,
 )
@@ -336,7 +337,8 @@ def _submodule(instance: Instance, node, span: Span):
     if decl is None or decl.kind == "primitive":
         instance.world.error("E002", f"undefined module `{name}`", func.span,
                              "not a module, block or model in scope",
-                             help=did_you_mean(name, instance.world.candidates(func.span)))
+                             help=did_you_mean(name, instance.world.candidates(func.span))
+                             + import_help(name))
         return None
     child = instantiate_call(instance, decl, args, node.span)
     return Submodule(child, span) if child else None

@@ -100,8 +100,17 @@ class World:
         self.report(warning(code, message, span, label, **more))
 
 
+# Python's spellings of the DSL's literals (spec §2.5: `true`, `false`, `None`)
+PYTHON_LITERALS = {"True": "true", "False": "false", "none": "None", "null": "None",
+                   "TRUE": "true", "FALSE": "false"}
+
+
 def did_you_mean(name: str, candidates, n: int = 4) -> list[str]:
-    """`did you mean` help naming up to `n` close candidates by edit distance."""
+    """`did you mean` help naming up to `n` close candidates by edit distance; for a
+    Python spelling of a literal, the DSL's."""
+    if name in PYTHON_LITERALS:
+        return [f"write `{PYTHON_LITERALS[name]}`: the DSL's literals are `true`, `false` "
+                "and `None`"]
     close = difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.6)
     if not close:
         return []

@@ -133,7 +133,8 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
         from modulec.check.resolved import print_resolved
 
         click.echo(print_resolved(checked), nl=False)
-    out.summary(results, "check", "checked", success_to_stdout=not emit)
+    # with --verify-backward, "no problems found" waits for the gradients
+    out.summary(results, "check", "checked", success_to_stdout=not emit and not verify_backward)
     status = exit_status(results)
     if verify_backward:
         from modulec.cli.build_cmd import pairs
@@ -144,6 +145,8 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
                    "tolerance": tolerance, "search_path": tuple(search_path)}
         if not verify_files(results, options, fmt, use_color(color)):
             status = EXIT_ERRORS
+        elif status == EXIT_OK and not emit:
+            out.summary(results, "check", "checked")
     return status
 
 

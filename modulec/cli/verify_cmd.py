@@ -29,7 +29,8 @@ def verify_files(results, options: dict, fmt: str, color: bool) -> bool:
         if result.ok and result.program is not None:
             for decl in _declarations(result.program):
                 rows += _verify_one(Path(result.name), decl, verify, failures, fmt)
-    _report(rows, failures, fmt, color)
+    skipped = sum(1 for r in results if not r.ok)
+    _report(rows, failures, fmt, color, skipped)
     return not failures and all(r.ok for r in rows)
 
 
@@ -60,7 +61,7 @@ def _verify_one(path: Path, decl, verify, failures: list, fmt: str) -> list:
         return []
 
 
-def _report(rows, failures, fmt: str, color: bool) -> None:
+def _report(rows, failures, fmt: str, color: bool, skipped: int = 0) -> None:
     if fmt == "json":
         for row in rows:
             click.echo(json.dumps({"declaration": row.declaration, "backward": row.backward,
@@ -70,15 +71,31 @@ def _report(rows, failures, fmt: str, color: bool) -> None:
             click.echo(json.dumps({"declaration": name, "ok": False, "error": exc.message,
                                    "help": exc.help}))
         return
-    _table(rows, color)
+    if rows:
+        _table(rows, color)
     for name, exc in failures:
         click.echo(f"error: cannot verify `{name}`: {exc.message}", err=True)
         for line in exc.help:
             click.echo(f"  = help: {line}", err=True)
+    click.echo(verdict_line(rows, failures, skipped))
+
+
+def verdict_line(rows, failures, skipped: int) -> str:
+    """`verified 12 gradients of 3 declarations: all gradients match`, or what failed,
+    or why nothing was verified; files with check errors are never counted as verified."""
     bad = sum(1 for r in rows if not r.ok) + len(failures)
-    verdict = "all gradients match" if not bad else f"{bad} failed"
-    click.echo(f"verified {len(rows)} gradients of "
-               f"{len({r.declaration for r in rows})} declarations: {verdict}")
+    not_run = f"; {_files(skipped)} with check errors not verified" if skipped else ""
+    if not rows and not failures:
+        reason = "every file has check errors" if skipped else \
+            "no module, block or model with a forward"
+        return f"verified no gradients: {reason}"
+    verdict = f"{bad} failed" if bad else "all gradients match"
+    return (f"verified {len(rows)} gradients of {len({r.declaration for r in rows})} "
+            f"declarations: {verdict}{not_run}")
+
+
+def _files(count: int) -> str:
+    return f"{count} file" + ("" if count == 1 else "s")
 
 
 def _table(rows, color: bool) -> None:

@@ -24,6 +24,9 @@ class PlanOptions:
     device: str = "h100"
     policies: dict = field(default_factory=dict)  # pattern -> always | lora_only | never
     honor_lists: bool = False
+    # bytes the caller added to its own budget to make `budget` (the planner counts more as
+    # fixed than a training step holds): messages subtract it, so they show the user's
+    budget_offset: int = 0
 
 
 class PlanFailure(Exception):
@@ -63,17 +66,21 @@ def _decided(graph, decls: dict, options: PlanOptions):
         return decide(problem, recompute, swap, evaluate(problem, recompute, swap))
     result = plan_budget(problem, options.budget)
     if not result.feasible:
-        raise PlanFailure(_infeasible(options.budget, result.minimum_peak, problem))
+        raise PlanFailure(_infeasible(options.budget, result.minimum_peak, problem,
+                                      options.budget_offset))
     return decide(problem, result.recompute, result.swap, result.outcome)
 
 
-def _infeasible(budget: int, lowest: int, problem) -> str:
+def _infeasible(budget: int, lowest: int, problem, offset: int = 0) -> str:
+    """In the caller's terms: the planner's budget, peak and fixed bytes less `offset`."""
     from modulec.plan.units import gib_text as gib
-    fixed = sum(problem.fixed_bytes.values())
-    hint = ", or train with --training lora" if problem.training == "full" else ""
-    return (f"the memory budget {gib(budget)} cannot be met: the lowest predicted peak is "
-            f"{gib(lowest)} (weights, gradients and optimizer state alone: {gib(fixed)}); "
-            f"raise the budget to at least {gib(lowest)}{hint}")
+    fixed = sum(problem.fixed_bytes.values()) - offset
+    # a real option of every caller: `build`/`train --lora`, `lora=` in Python
+    hint = (", or train LoRA adapters only (`--lora`, or `lora={}` in Python)"
+            if problem.training == "full" else "")
+    return (f"the memory budget {gib(budget - offset)} cannot be met: the lowest predicted "
+            f"peak is {gib(lowest - offset)} (weights, gradients and optimizer state alone: "
+            f"{gib(fixed)}); raise the budget to at least {gib(lowest - offset)}{hint}")
 
 
 def _memory_intent(graph, decls: dict) -> bool:

@@ -167,8 +167,10 @@ class _Check:
         if unused_problem:
             lines += listing(f"{_count(unused, 'checkpoint tensor')} {_are(unused)} used by "
                              "no parameter:", [f"`{n}`" for n in unused])
-            help.append("pass allow_extra=True to load anyway (the names are kept in "
-                        "`.unused`)")
+            help.append("is the checkpoint of this architecture (extra tensors, such as "
+                        "biases the program does not have, change the computation)? From "
+                        "Python, `load_hf_weights(schema, directory, allow_extra=True)` "
+                        "loads it anyway (the names are kept in `.unused`)")
         raise WeightLoadError("\n".join(lines), help)
 
 
