@@ -17,6 +17,7 @@ shapes and for the forward input shapes some kernels need (`input_shapes`).
 from __future__ import annotations
 
 import functools
+import zlib
 
 from dataclasses import dataclass, field
 import torch
@@ -77,6 +78,9 @@ class Interpreter:
     # drop what no backward reads as each forward function returns (a shape-only stand-in
     # stays), and each layer's forward frame once its backward ran: one backward per forward
     keep_only_saved: bool = False
+    # random ops (dropout): None for none (inference); else each op of each layer run
+    # draws from its own seed, derived from this one (a trainer sets one per step)
+    rng_seed: int | None = None
 
     # ------------------------------------------------------------------ entry points
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
@@ -267,6 +271,8 @@ class Interpreter:
             return  # a backward op none of whose gradients is wanted
         inputs = [self._read(v, frame, forward) if v else None for v in node.inputs]
         attrs = self._attrs(node)
+        if getattr(self.kernels.get(node.target), "random", False):
+            attrs["seed"] = self._seed(node, frame)
         if node.target.endswith("_backward"):
             kernel = self._kernel(node.target[: -len("_backward")], node, frame)
             inputs, attrs = self._backward_context(kernel, node, inputs, attrs, forward,
@@ -281,6 +287,13 @@ class Interpreter:
         for value, tensor in zip(node.outputs, _flatten(outputs)):
             if value:
                 frame.env[value] = self._after(node, frame, value, tensor)
+
+    def _seed(self, node: Node, frame: Frame) -> int | None:
+        """The seed of random op `node` in this run of its function: the same when the op
+        runs again (a recompute), another in each layer and in each step."""
+        if self.rng_seed is None:
+            return None
+        return zlib.crc32(f"{self.rng_seed}/{frame.path}/{frame.indices}/{node.id}".encode())
 
     def _out_bytes(self, kernel, node: Node, frame: Frame, attrs: dict) -> None:
         """On the arena, a kernel that writes into given bytes (`takes_out`) gets each

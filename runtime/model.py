@@ -44,6 +44,7 @@ class Model:
     program: Program | None = None
     hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
     frame_events: object = None  # runtime.dist.zero.ZeroRun under data parallel (ZeRO-3)
+    rng_seed: int | None = None  # random ops (dropout): None off (inference), else seeded
     _frame: Frame | None = None
 
     def __post_init__(self):
@@ -192,7 +193,7 @@ class Model:
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
                            self.check_finite, arena=arena, decisions=self._decisions(),
                            param_regions=regions, profiler=self.profiler,
-                           frame_events=self.frame_events)
+                           frame_events=self.frame_events, rng_seed=self.rng_seed)
 
     # ------------------------------------------------------------------ profiling
     def enable_profiling(self) -> "Model":

@@ -259,3 +259,67 @@ def test_adapters_export_under_peft_names_and_load_back(tmp_path):
     fresh = _model(dict(rank=4, alpha=8, targets=["q", "o", "gate"]))
     load_lora(fresh, tmp_path / "adapter")
     assert all(torch.equal(fresh.params[p], model.params[p]) for p in model.params)
+
+
+DROPOUT = """\
+model Adapted(d: int = 6, v: int = 5):
+  params:
+    w: [v, d]
+  forward:
+    in: x: [B, d]
+    out: y: [B, v]
+    graph:
+      x -> matmul(w, transpose=NT) -> y @adapter(lora, rank=2, alpha=4.0, dropout={p})
+"""
+
+
+def _dropout_model(tmp_path, p: float):
+    from runtime.model import Model
+
+    path = tmp_path / f"dropout{p}.module"
+    path.write_text(DROPOUT.format(p=p), encoding="utf-8")
+    model = Model.from_module(path, dtype=torch.float64, lora={}).init_random(0, std=0.5)
+    model.params["w.lora_B"] = torch.randn(5, 2, generator=torch.Generator().manual_seed(3),
+                                           dtype=torch.float64)  # a delta that shows
+    return model
+
+
+def test_lora_dropout_drops_in_training_only(tmp_path):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    plain, dropped = _dropout_model(tmp_path, 0.0), _dropout_model(tmp_path, 0.5)
+    dropped.params.update(plain.params)
+    inference = plain.forward(x=x)["y"]
+    assert torch.equal(dropped.forward(x=x)["y"], inference)  # no seed: no dropout
+    dropped.rng_seed = 7
+    first = dropped.forward(x=x)["y"]
+    assert not torch.allclose(first, inference)  # was: dropout ignored
+    assert torch.equal(dropped.forward(x=x)["y"], first)  # one seed, one mask
+    dropped.rng_seed = 8
+    assert not torch.allclose(dropped.forward(x=x)["y"], first)
+    base = x @ plain.params["w"].T  # the base output does not drop
+    a, b = plain.params["w.lora_A"], plain.params["w.lora_B"]
+    delta = first - base  # each element of x kept (scaled by 2) or dropped
+    full = 2.0 * (x @ a.T) @ b.T
+    assert not torch.allclose(delta, full) and not torch.allclose(delta, torch.zeros_like(delta))
+
+
+def test_lora_dropout_gradients_match_finite_differences(tmp_path):
+    model = _dropout_model(tmp_path, 0.3)
+    model.rng_seed = 11
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    seed = torch.randn(4, 5, generator=generator, dtype=torch.float64)
+    model.forward(x=x)
+    grads = model.backward(y=seed)
+    for path in ("w.lora_A", "w.lora_B"):
+        direction = torch.randn(model.params[path].shape, generator=generator,
+                                dtype=torch.float64)
+        start, eps, values = model.params[path].clone(), 1e-6, []
+        for sign in (1, -1):
+            model.params[path] = start + sign * eps * direction
+            values.append(float((model.forward(x=x)["y"] * seed).sum()))
+        model.params[path] = start
+        numeric = (values[0] - values[1]) / (2 * eps)
+        assert numeric == pytest.approx(float((grads.params[path] * direction).sum()),
+                                        rel=1e-6)
+    assert "w" not in grads.params  # the base stays frozen

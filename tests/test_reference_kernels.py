@@ -196,6 +196,7 @@ CASES: dict[str, list[Case]] = {
                Case("first", lambda g: [randn(g, 5, 2)], {"dim": 0, "index": 0})],
     "slice": [Case("tail", lambda g: [randn(g, 2, 5, 3)], {"dim": 1, "start": 2}),
               Case("inner", lambda g: [randn(g, 2, 6)], {"dim": -1, "start": 1, "end": -2})],
+    "dropout": [Case("no-seed", lambda g: [randn(g, 3, 4)], {"p": 0.5})],  # seeded: below
     "stop_gradient": _unary((3, 4)),
     "scale_gradient": [Case("half", lambda g: [randn(g, 3, 4)], {"scale": 0.5}),
                        Case("clip", lambda g: [randn(g, 2, 6)], {"scale": 2.0, "clip": 0.7})],
@@ -454,6 +455,7 @@ ORACLES: dict[str, Callable] = {
     "cast": lambda x, *, dtype, **_: [x.to({"fp32": torch.float32, "fp64": F64}[dtype])],
     "stop_gradient": lambda x, **_: [x],
     "scale_gradient": lambda x, **_: [x],
+    "dropout": lambda x, **_: [x, torch.ones_like(x)],  # no seed: inference
     "select": lambda x, *, dim, index, **_: [torch.select(x, dim, index)],
     "slice": lambda x, *, dim, start, end, **_: [
         torch.narrow(x, dim, *_span(x.shape[dim], start, end))],
@@ -595,6 +597,18 @@ def test_scale_gradient_scales_then_clips_element_wise(scale, clip):
     assert kernel.forward([x], {"scale": scale, "clip": clip})[0] is x
     want = d_y * scale if clip is None else (d_y * scale).clamp(-clip, clip)
     assert torch.equal(kernel.backward([d_y], {"scale": scale, "clip": clip})[0], want)
+
+
+def test_seeded_dropout_drops_and_scales_and_its_backward_reads_the_mask():
+    kernel, x = KERNELS["dropout"], torch.randn(64, 64, dtype=F64)
+    y, mask = kernel.forward([x], {"p": 0.25, "seed": 5})
+    assert set(mask.unique().tolist()) == {0.0, 1 / 0.75}
+    assert 0.2 < float((mask == 0).double().mean()) < 0.3
+    assert torch.equal(y, x * mask)
+    assert torch.equal(kernel.forward([x], {"p": 0.25, "seed": 5})[1], mask)  # seeded
+    assert not torch.equal(kernel.forward([x], {"p": 0.25, "seed": 6})[1], mask)
+    d_y = torch.randn(64, 64, dtype=F64)
+    assert torch.equal(kernel.backward([d_y, mask], {"p": 0.25})[0], d_y * mask)
 
 
 def test_cast_converts_and_its_gradient_goes_back_to_the_input_dtype():

@@ -15,8 +15,10 @@ the split that follows it; each selected part gets its own A and B (`qkv_weight.
 so the adapters are PEFT's per-module ones. The delta of a fused weight is taken for its
 whole output at once (`fused_delta`: the selected parts' A stacked, their B laid
 block-diagonally with zero blocks, one add into y0); where a part's size is not a number,
-y0 is split, the selected parts get their delta, the parts are concatenated again. Only
-existing primitives (matmul with alpha, zeros, split, add, concat), so the derived backward differentiates it; every base parameter is
+y0 is split, the selected parts get their delta, the parts are concatenated again. With
+`dropout=p` the deltas read x through one `dropout` (seeded per step by the runtime; none
+at inference). Only existing primitives (matmul with alpha, zeros, split, add, concat,
+dropout), so the derived backward differentiates it; every base parameter is
 frozen (`no_gradient`) and the backward functions written in the source are dropped (the
 forward changed; all backward is derived). rank/alpha/targets come from the annotation;
 the build option overrides them.
@@ -121,6 +123,7 @@ class Site:
     annotation_targets: tuple[str, ...] = ()
     prefix: str = ""  # the function's parameter path prefix (`blocks[*].attention`)
     selected: tuple[Part, ...] = ()
+    dropout: float = 0.0  # on the adapters' input x (PEFT's lora_dropout); 0: none
 
 
 @dataclass
@@ -221,12 +224,15 @@ class _Rewriter:
                                tuple(attrs), tuple(notes), 1, origin.phase, origin.span))
 
     def adapt(self, node: Node, site: Site, report: LoraReport) -> None:
-        """y = matmul(x, W) -> y0 = matmul(x, W); y = y0 + delta (per part when fused)."""
+        """y = matmul(x, W) -> y0 = matmul(x, W); y = y0 + delta (per part when fused),
+        the deltas reading x through a dropout when the site has one."""
         x = node.inputs[0]
         y = self.function.value(node.outputs[0])
         base = self.value(y, y.shape[-1])
         adapter = tuple(a for a in node.annotations if a[0] == "adapter")
         self.nodes.append(replace(node, outputs=(base,), annotations=adapter))
+        if site.dropout > 0:
+            x = self.dropped(node, x, site.dropout)
         keep = tuple(a for a in node.annotations if a[0] != "adapter")
         if len(site.parts) == 1:
             delta = self.delta(node, site, site.parts[0], x, y, report)
@@ -297,6 +303,13 @@ class _Rewriter:
         attrs["alpha"] = site.alpha / site.rank
         self.op(node, "matmul", (low, b_blk), (delta,), tuple(attrs.items()))
         return delta
+
+    def dropped(self, origin: Node, x: str, p: float) -> str:
+        """x through dropout(p): one mask for all parts of a fused weight."""
+        info = self.function.value(x)
+        kept, mask = (self.value(info, info.shape[-1]) for _ in range(2))
+        self.op(origin, "dropout", (x,), (kept, mask), (("p", p),))
+        return kept
 
     def matrix(self, rows, cols, dtype: str) -> str:
         self.counter += 1

@@ -44,10 +44,11 @@ def _site(graph, functions, function: Function, node: Node, args, context) -> Si
     if settings is None:
         return None
     owner, matmul = found
-    rank, alpha, targets = settings
+    rank, alpha, targets, dropout = settings
     prefix = "" if owner.name == graph.entry else owner.scope
     parts = _parts(owner, matmul, prefix, targets, context)
-    return Site(owner.name, matmul.id, matmul.inputs[1], parts, rank, alpha, targets, prefix)
+    return Site(owner.name, matmul.id, matmul.inputs[1], parts, rank, alpha, targets, prefix,
+                dropout=dropout)
 
 
 # ====================================================================== the adapted matmul
@@ -86,9 +87,10 @@ def _producer(function: Function, value: str) -> Node | None:
 
 # ====================================================================== rank, alpha, targets
 def _settings(args, function: Function, node: Node, context):
-    """(rank, alpha, targets) of `@adapter(lora, rank=..., alpha=..., targets=[...])`;
-    names are the enclosing instance's parameters (`rank=lora_rank`)."""
-    values = {"rank": str(DEFAULT_RANK), "alpha": str(DEFAULT_ALPHA), "targets": "[]"}
+    """(rank, alpha, targets, dropout) of `@adapter(lora, rank=..., alpha=..., targets=[...],
+    dropout=...)`; names are the enclosing instance's parameters (`rank=lora_rank`)."""
+    values = {"rank": str(DEFAULT_RANK), "alpha": str(DEFAULT_ALPHA), "targets": "[]",
+              "dropout": "0.0"}
     for arg in args[1:]:
         key, sep, value = arg.partition("=")
         if sep:
@@ -97,14 +99,20 @@ def _settings(args, function: Function, node: Node, context):
     try:
         rank = int(_number(values["rank"], env))
         alpha = float(_number(values["alpha"], env))
+        dropout = float(_number(values["dropout"], env))
     except ValueError as exc:
         context.diagnostics.append(error(
             "E008", f"`@adapter(lora)`: {exc}", context.annotation_span(node.span, "adapter"),
-            "not a compile-time number", help=["give rank and alpha as numbers or as "
-                                               "parameters of the enclosing declaration"]))
+            "not a compile-time number", help=["give rank, alpha and dropout as numbers or "
+                                               "as parameters of the enclosing declaration"]))
+        return None
+    if not 0 <= dropout < 1:
+        context.diagnostics.append(error(
+            "E008", f"`@adapter(lora)`: dropout is a probability below 1, not {dropout}",
+            context.annotation_span(node.span, "adapter"), "not a probability"))
         return None
     targets = tuple(t.strip() for t in values["targets"].strip("[]").split(",") if t.strip())
-    return rank, alpha, targets
+    return rank, alpha, targets, dropout
 
 
 def _number(text: str, env: dict) -> float:

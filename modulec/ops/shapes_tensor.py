@@ -275,6 +275,14 @@ def _range_length(size: Dim, start: int, end: int | None) -> Dim | None:
     return None
 
 
+@shape_rule("dropout")
+def dropout_shape(call: OpCall) -> list[TensorType]:
+    p, x = call.param("p"), call.inputs[0]
+    if isinstance(p, (int, float)) and not 0 <= p < 1:
+        raise ShapeError(f"`p` of `dropout` is a probability below 1, not {p}", code="E003")
+    return [x, x]  # y, and the mask it was multiplied by
+
+
 @shape_rule("cast")
 def cast_shape(call: OpCall) -> list[TensorType]:
     dtype = call.param("dtype")

@@ -48,6 +48,7 @@ class ReferenceKernel:
     backward_fn: Callable | None = None
     stats: frozenset[str] = frozenset()  # floating tensors kept in the compute dtype
     converts: bool = False  # its outputs' dtypes are its business (cast): none cast back
+    random: bool = False  # draws random numbers: the runtime gives it attrs["seed"]
 
     def forward(self, inputs: list, attrs: dict) -> list:
         return _call(self, self.forward_fn, self.forward_inputs, self.forward_outputs, inputs, attrs)
@@ -61,13 +62,15 @@ class ReferenceKernel:
 
 
 def register(name: str, forward_inputs, forward_outputs, backward_inputs=(), backward_outputs=(),
-             *, backward: Callable | None = None, stats=(), converts: bool = False):
+             *, backward: Callable | None = None, stats=(), converts: bool = False,
+             random: bool = False):
     """Register `forward` (the decorated function) and `backward` under `name`. Both are
     called as fn(*inputs, **attrs), inputs already in the compute dtype."""
     def wrap(forward: Callable) -> Callable:
         KERNELS[name] = ReferenceKernel(name, tuple(forward_inputs), tuple(forward_outputs),
                                         tuple(backward_inputs), tuple(backward_outputs),
-                                        forward, backward, frozenset(stats), converts)
+                                        forward, backward, frozenset(stats), converts,
+                                        random)
         return forward
     return wrap
 

@@ -1,4 +1,4 @@
-"""add, mul, scale, add3 (spec §6.6) and neg, exp, exp_neg (not in §6).
+"""add, mul, scale, add3 (spec §6.6) and neg, exp, exp_neg, dropout (not in §6).
 
 add and mul broadcast NumPy-style; a gradient is summed over the dims its input was
 broadcast along. add's backward reads only d_y, so it needs the recorded input shapes
@@ -55,3 +55,17 @@ def _exp_forward(x, **_):
 @register("exp_neg", ("x",), ("y",), ("d_y", "y"), ("d_x",), backward=lambda d_y, y, **_: [d_y * y])
 def _exp_neg_forward(x, **_):
     return [-torch.exp(x)]
+
+
+# dropout: random, so the runtime gives it attrs["seed"] (None: no dropout, inference)
+def _dropout_forward(x, *, p, seed=None, **_):
+    if seed is None or p == 0:
+        return [x, torch.ones_like(x)]
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) >= p
+    mask = keep.to(x.dtype) / (1 - p)
+    return [x * mask, mask]
+
+
+register("dropout", ("x",), ("y", "mask"), ("d_y", "mask"), ("d_x",),
+         backward=lambda d_y, mask, **_: [d_y * mask], random=True)(_dropout_forward)

@@ -39,11 +39,13 @@ class CPUTrainer:
         micro-batches' losses and gradients, each parameter's clipped to its `grad_clip`
         and stepped with its own lr and weight decay (`@trainable`); frozen ones not."""
         losses, total = [], {}
-        for part in window.split(self.batch):
+        for index, part in enumerate(window.split(self.batch)):
+            self.model.rng_seed = self.adamw.step * 65_536 + index  # dropout masks
             loss, grads = self._loss_and_gradients(part)
             losses.append(float(loss))
             for path, grad in grads.items():
                 total[path] = total[path] + grad if path in total else grad
+        self.model.rng_seed = None  # outside a step: inference, no dropout
         if len(losses) > 1:
             total = {p: g / len(losses) for p, g in total.items()}
         settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
