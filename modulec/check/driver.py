@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from modulec.check.declarations import check_declarations
 from modulec.check.instance import Instance, Stack, Submodule, instantiate
+from modulec.check.invariants import check_invariants
 from modulec.check.module import check_body
 from modulec.check.world import LocalNames, Names, World
 from modulec.diagnostics import Diagnostic
@@ -24,6 +25,7 @@ def check_program(program: A.Program, names: Names | None = None,
     (`modulec build` checks them while lowering, at the sizes it builds)."""
     world = World(names or LocalNames({d.name: d for d in program.decls}), scopes or {})
     check_declarations(world, program)
+    check_invariants(world, program)
     if _has_annotations(program):  # the annotation table is imported only when needed
         from modulec.check.annotations import check_annotations
 

@@ -218,8 +218,9 @@ _TABLE: tuple[CodeInfo, ...] = (
         message does not act on it yet: the CPU reference runtime, the GPU backend, or
         both. The program builds and runs as if the annotation were not there. The status
         of every annotation on each backend is the table in modulec/check/annotation_status.py
-        and the page docs/annotations.md generated from it. Remove the annotation, or keep
-        it for when the backend implements it.""", "§7"),
+        and the page docs/annotations.md generated from it. A primitive's invariant that
+        nothing checks (any but `backward_uses`, §9.8.3) is reported with this code too.
+        Remove the annotation, or keep it for when the backend implements it.""", "§7"),
 )
 
 CODES: dict[str, CodeInfo] = {info.code: info for info in _TABLE}
