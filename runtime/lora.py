@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from modulec.lower.lora import is_adapter
+from modulec.lower.lora import IA3_SUFFIX, is_adapter
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -27,7 +27,8 @@ CONFIG = "adapter_config.json"
 
 def init_adapters(model, generator: torch.Generator | None = None,
                   only_missing: bool = False) -> None:
-    """A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0 for every adapter parameter of `model`."""
+    """A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0, (IA)^3 vectors 1 for every adapter parameter
+    of `model`."""
     generator = generator or torch.Generator().manual_seed(0)
     for path, shape in model.parameter_shapes().items():
         if not is_adapter(path) or (only_missing and path in model.params):
@@ -35,6 +36,8 @@ def init_adapters(model, generator: torch.Generator | None = None,
         if path.endswith("lora_A"):
             bound = 1.0 / math.sqrt(shape[1])
             value = (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+        elif path.endswith(IA3_SUFFIX):  # (IA)^3: l = 1, the base model (PEFT's init)
+            value = torch.ones(shape, dtype=torch.float64)
         else:
             value = torch.zeros(shape, dtype=torch.float64)
         model.params[path] = value.to(model.dtype).to(model.device)

@@ -323,3 +323,35 @@ def test_lora_dropout_gradients_match_finite_differences(tmp_path):
         assert numeric == pytest.approx(float((grads.params[path] * direction).sum()),
                                         rel=1e-6)
     assert "w" not in grads.params  # the base stays frozen
+
+
+IA3 = """\
+model Scaled(d: int = 6, v: int = 5):
+  params:
+    w: [v, d]
+    u: [v, v]
+  forward:
+    in: x: [B, d]
+    out: y: [B, v]
+    graph:
+      x -> matmul(w, transpose=NT) -> k @adapter(ia3)
+      k -> matmul(u, transpose=NT) -> y
+"""
+
+
+def test_ia3_scales_its_value_by_a_trained_vector(tmp_path):
+    path = tmp_path / "ia3.module"
+    path.write_text(IA3, encoding="utf-8")
+    model = Model.from_module(path, dtype=torch.float64, lora={}).init_random(0, std=0.5)
+    assert torch.equal(model.params["w.ia3_l"], torch.ones(5, dtype=torch.float64))
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 6, generator=generator, dtype=torch.float64)
+    w, u = model.params["w"], model.params["u"]
+    assert torch.allclose(model.forward(x=x)["y"], x @ w.T @ u.T)  # l = 1: the base model
+    scale = torch.randn(5, generator=generator, dtype=torch.float64)
+    model.params["w.ia3_l"] = scale
+    assert torch.allclose(model.forward(x=x)["y"], ((x @ w.T) * scale) @ u.T)  # was: ignored
+    d_y = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    grads = model.backward(y=d_y).params
+    assert set(grads) == {"w.ia3_l"}  # the base weights are frozen
+    assert torch.allclose(grads["w.ia3_l"], ((d_y @ u) * (x @ w.T)).sum(0))

@@ -17,8 +17,9 @@ whole output at once (`fused_delta`: the selected parts' A stacked, their B laid
 block-diagonally with zero blocks, one add into y0); where a part's size is not a number,
 y0 is split, the selected parts get their delta, the parts are concatenated again. With
 `dropout=p` the deltas read x through one `dropout` (seeded per step by the runtime; none
-at inference). Only existing primitives (matmul with alpha, zeros, split, add, concat,
-dropout), so the derived backward differentiates it; every base parameter is
+at inference). `@adapter(ia3)` on a value y makes it y * l, l a trained vector (ones at
+first; `_with_ia3`). Only existing primitives (matmul with alpha, zeros, split, add,
+concat, dropout, mul), so the derived backward differentiates it; every base parameter is
 frozen (`no_gradient`) and the backward functions written in the source are dropped (the
 forward changed; all backward is derived). rank/alpha/targets come from the annotation;
 the build option overrides them.
@@ -34,7 +35,8 @@ from modulec.lower.backward import without_written_backward
 
 DEFAULT_RANK = 16  # spec §7.3.2
 DEFAULT_ALPHA = 32.0
-ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+IA3_SUFFIX = "ia3_l"  # PEFT's name of the (IA)^3 scaling vector
+ADAPTER_SUFFIXES = ("lora_A", "lora_B", IA3_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,9 @@ def apply_lora(graph: Graph, context) -> Graph:
         site.rank = options.rank or site.rank
         site.alpha = options.alpha if options.alpha is not None else site.alpha
     _unmatched_targets(options, sites, report, context)
-    functions = tuple(_rewrite(f, [s for s in sites if s.function == f.name and s.selected],
-                               report) for f in graph.functions)
+    functions = tuple(_with_ia3(_rewrite(f, [s for s in sites if s.function == f.name
+                                             and s.selected], report), context)
+                      for f in graph.functions)
     context.lora_report = report
     return Graph(graph.model, graph.entry, graph.backward, functions)
 
@@ -202,6 +205,45 @@ def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> Funct
     return replace(function, params=function.params + tuple(builder.params),
                    values=function.values + tuple(builder.values), nodes=nodes,
                    no_gradient=frozen + tuple(builder.frozen))
+
+
+def _with_ia3(function: Function, context) -> Function:
+    """`@adapter(ia3)` on a value y: y = y0 * l, l a trained vector over y's last dim (ones
+    at first: the base model), named after the weight of the matmul that makes y0
+    (`v_weight.ia3_l`) or after y. Applied after the LoRA rewrite, so l is not frozen."""
+    sites = [n for n in function.nodes
+             if any(name == "adapter" and args and args[0] == "ia3"
+                    for name, args in n.annotations)]
+    if not sites:
+        return function
+    nodes, params, values = [], [], []
+    for node in function.nodes:
+        if node not in sites or len(node.outputs) != 1:
+            if node in sites:
+                context.diagnostics.append(error(
+                    "E008", f"`@adapter(ia3)` is on `{node.target}`, which makes "
+                    f"{len(node.outputs)} values: put it on one of them", None))
+            nodes.append(node)
+            continue
+        info = function.value(node.outputs[0])
+        vector = f"param:{_ia3_owner(function, node, info)}.{IA3_SUFFIX}"
+        base = f"%ia3_{len(values) + 1}"
+        values.append(ValueInfo(base, info.shape, info.dtype))
+        params.append(ValueInfo(vector, (info.shape[-1],), info.dtype, vector[6:]))
+        adapter = tuple(a for a in node.annotations if a[0] == "adapter")
+        nodes.append(replace(node, outputs=(base,), annotations=adapter))
+        nodes.append(Node(node.id, "op", "mul", (base, vector), node.outputs, (),
+                          tuple(a for a in node.annotations if a[0] != "adapter"), 1,
+                          node.phase, node.span))
+    nodes = [replace(n, id=f"f{i}") for i, n in enumerate(nodes)]
+    return replace(function, params=function.params + tuple(params),
+                   values=function.values + tuple(values), nodes=tuple(nodes))
+
+
+def _ia3_owner(function: Function, node: Node, info: ValueInfo) -> str:
+    if node.target == "matmul" and len(node.inputs) > 1 and node.inputs[1].startswith("param:"):
+        return node.inputs[1][len("param:"):]
+    return info.name or info.id.lstrip("%")
 
 
 @dataclass
