@@ -152,3 +152,19 @@ def test_the_simulated_llama_pipeline_from_the_cost_model(pipelined):
     summary = timeline.summary()
     assert 0 < summary["bubble_fraction"] < 1
     assert len(summary["stages"]) == 2 and summary["step_s"] > 0
+
+
+def test_stages_change_nothing_on_one_device():
+    """The reference runtime runs the @partition model (its pipeline section aside) as the
+    plain Llama: sliced calls read the right blocks' parameters."""
+    torch = pytest.importorskip("torch")
+    from runtime.model import Model
+
+    staged = Model.from_module(PIPELINED).init_random(0, std=0.3)
+    plain = Model.from_module(LLAMA, settings=TINY | {"eps": "1e-5"})
+    assert plain.parameter_shapes() == staged.parameter_shapes()
+    plain.params = {k: v.clone() for k, v in staged.params.items()}
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0),
+                           dtype=torch.int32)
+    want = plain.forward(token_ids=tokens)["logits"]
+    assert torch.equal(staged.forward(token_ids=tokens)["logits"], want)

@@ -134,12 +134,19 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
 
 def _pipeline(graph, document: dict, request: BuildRequest) -> None:
     """The pipeline section, when asked for or when the model has `@partition` stages; the
-    distributed section's mesh then counts its stages."""
-    from modulec.plan.pipeline import Pipeline, has_partition, pipeline_section
+    distributed section's mesh then counts its stages. It needs every dim sized (the
+    split's costs, the boundaries' bytes): without, a model's own stages write none."""
+    from modulec.plan.from_graph import ShapeUnknown
+    from modulec.plan.pipeline import Pipeline, PipelineError, has_partition, pipeline_section
 
     if request.pipeline is None and not has_partition(graph):
         return
-    section = pipeline_section(graph, request.pipeline or Pipeline())
+    try:
+        section = pipeline_section(graph, request.pipeline or Pipeline())
+    except ShapeUnknown as exc:
+        if request.pipeline is None:
+            return
+        raise PipelineError(f"the pipeline needs every size: {exc}") from None
     document["schedule"]["pipeline"] = section
     if "distributed" in document["schedule"]:
         document["schedule"]["distributed"]["mesh"]["pp"] = len(section["stages"])
