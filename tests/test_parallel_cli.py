@@ -119,9 +119,16 @@ def test_plan_pp_prints_the_timeline_as_json():
     assert pipeline["microbatches"] == 8 and len(pipeline["stages"]) == 2
     assert 0 < pipeline["bubble_fraction"] < 1
     assert pipeline["ideal_bubble_fraction"] == pytest.approx(1 / 9)
+    assert [row["in_flight"] for row in pipeline["memory"]] == [2, 1]
 
 
 def test_pp_needs_every_size_but_partition_alone_builds_without():
     result = run("build", PIPELINED, "--pp", 2)
     assert result.exit_code == 1 and "the pipeline needs every size" in result.output
     assert run("build", PIPELINED).exit_code == 0  # no sizes: no pipeline section
+
+
+def test_emit_pipeline_without_sizes_is_a_usage_error():
+    result = run("build", LLAMA, "--emit", "pipeline")
+    assert result.exit_code == 2 and "--emit pipeline: `" in result.output
+    assert "give the free dims sizes with --shape" in result.output

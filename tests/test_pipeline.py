@@ -168,3 +168,24 @@ def test_stages_change_nothing_on_one_device():
                            dtype=torch.int32)
     want = plain.forward(token_ids=tokens)["logits"]
     assert torch.equal(staged.forward(token_ids=tokens)["logits"], want)
+
+
+def test_stage_memory_holds_its_own_parameters_and_its_micro_batches_in_flight():
+    from modulec.plan.distributed import DataParallel
+    from modulec.plan.pipeline_memory import stage_memory
+
+    result = build(BuildRequest(REPO_DIR / "examples" / "llama.module",
+                                shapes={"B": 1, "T": 2048}, distributed=DataParallel(2, 1),
+                                pipeline=Pipeline(4, 16)))
+    schedule = result.document["schedule"]
+    rows = stage_memory(result.graph, schedule, transient=0)
+    assert [r["in_flight"] for r in rows] == [4, 3, 2, 1]
+    saved = sum(r["saved_per_microbatch_bytes"] for r in rows)
+    assert saved == pytest.approx(schedule["layout"]["regions"]["saved_activations"], rel=0.02)
+    assert all(r["activation_bytes"] == r["saved_per_microbatch_bytes"] * r["in_flight"]
+               for r in rows)
+    # each stage holds about a quarter of the model's optimizer state, not all of it
+    from modulec.plan.distributed import rank_fixed_bytes
+    whole = rank_fixed_bytes(schedule["distributed"])["total"]
+    assert all(0.1 * whole < r["fixed_bytes"] < 0.4 * whole for r in rows)
+    assert rows[0]["per_gpu_bytes"] > rows[-1]["per_gpu_bytes"]

@@ -184,10 +184,14 @@ def _tensor_parallel_ok(graph, tp) -> bool:
 
 def _emit_pipeline(result, interconnect: str) -> None:
     from modulec.cli.parallel import pipeline_report, print_pipeline
+    from modulec.plan.from_graph import ShapeUnknown
     from modulec.plan.pipeline import Pipeline, pipeline_section
 
-    section = result.document["schedule"].get("pipeline") or \
-        pipeline_section(result.graph, Pipeline())
+    try:
+        section = result.document["schedule"].get("pipeline") or \
+            pipeline_section(result.graph, Pipeline())
+    except ShapeUnknown as exc:
+        raise click.UsageError(f"--emit pipeline: {exc}") from None
     print_pipeline(pipeline_report(section, interconnect), result.graph.model)
 
 

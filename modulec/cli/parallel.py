@@ -110,11 +110,14 @@ def print_data_parallel(report: dict, model: str) -> None:
 
 
 # ---------------------------------------------------------------------- pipeline
-def pipeline_report(section: dict, interconnect: str) -> dict:
+def pipeline_report(section: dict, interconnect: str, memory: list | None = None) -> dict:
+    """The simulated timeline of `section`; `memory`: modulec.plan.pipeline_memory's rows."""
     from modulec.plan.pipeline_sim import LINKS, simulate
 
     timeline = simulate(section, LINKS[interconnect])
     summary = timeline.summary()
+    if memory is not None:
+        summary["memory"] = memory
     summary["interconnect"] = interconnect
     summary["split"] = section["split"]
     for row, stage in zip(summary["stages"], section["stages"]):
@@ -135,6 +138,11 @@ def print_pipeline(report: dict, model: str) -> None:
         click.echo(f"    per micro-batch forward {row['forward_s'] * 1e3:.2f} ms, backward "
                    f"{row['backward_s'] * 1e3:.2f} ms; busy {row['busy_s'] * 1e3:.1f} ms, "
                    f"idle {row['idle_s'] * 1e3:.1f} ms ({row['idle_fraction']:.1%})")
+    for row in s.get("memory", ()):
+        click.echo(f"  stage {row['stage']} per GPU: {_gib(row['per_gpu_bytes'])} = fixed "
+                   f"{_gib(row['fixed_bytes'])} + activations {_gib(row['activation_bytes'])} "
+                   f"({_gib(row['saved_per_microbatch_bytes'])} saved a micro-batch x "
+                   f"{row['in_flight']} in flight, + transient)")
     for index, size in enumerate(s["boundary_bytes"]):
         click.echo(f"  stage {index} -> {index + 1}: {size / 2**20:,.1f} MiB of activations "
                    "per micro-batch (and their gradients back)")

@@ -106,7 +106,12 @@ def _parallel(result, summary: dict, interconnect: str, asked_pipeline) -> dict:
         found["data_parallel"] = data_parallel_report(result.graph, schedule["distributed"],
                                                       activations)
     if "pipeline" in schedule:
-        found["pipeline"] = pipeline_report(schedule["pipeline"], interconnect)
+        from modulec.plan.pipeline_memory import stage_memory
+
+        transient = sum(r["arena_bytes"] for r in summary["regions"]
+                        if r["region"] in ("transient_activations", "workspace"))
+        found["pipeline"] = pipeline_report(schedule["pipeline"], interconnect,
+                                            stage_memory(result.graph, schedule, transient))
     return found
 
 
