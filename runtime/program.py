@@ -11,6 +11,7 @@ builds once per distinct binding.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,12 +102,23 @@ class ModuleSource:
             result = build(request)
         except PlanFailure as exc:
             raise RuntimeUserError(str(exc)) from None
+        self._warn(result.notices)
         if getattr(result, "failure", None):  # the memory budget cannot be met
             raise RuntimeUserError(result.failure)
         errors = [d for d in result.diagnostics if d.is_error]
         if errors or result.document is None:
             raise RuntimeUserError(f"{self.path} does not build", help=[_render(result)])
         return Program(result.graph, result.document)
+
+
+    def _warn(self, notices: list[str]) -> None:
+        """The config fields the mapping names but the config lacks (they keep the
+        model's defaults): a warning in every command that loads, once per model."""
+        shown = self.__dict__.setdefault("_warned", set())
+        for notice in notices:
+            if notice not in shown:
+                shown.add(notice)
+                print(f"warning: {notice}", file=sys.stderr)
 
 
 def bind_dims(declared: list[dict], inputs: dict) -> dict[str, int]:

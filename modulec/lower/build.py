@@ -18,6 +18,7 @@ from modulec.check.instance import instantiate
 from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
 from modulec.lower.backward import without_written_backward
+from modulec.lower.hf_config_fields import tie_problem, unmapped_field_problems
 from modulec.lower.lowering import lower_model, recording_world
 from modulec.lower.passes import PassContext, run_pipeline
 from modulec.lower.schedule import schedule_data
@@ -86,6 +87,20 @@ def build(request: BuildRequest) -> BuildResult:
     except (PlanFailure, PipelineError) as exc:
         result = BuildResult(diagnostics, source=loaded.source, failure=str(exc))
     result.notices = notices
+    return _check_tie(result, decl, request)
+
+
+def _check_tie(result: BuildResult, decl: A.Decl, request: BuildRequest) -> BuildResult:
+    """An unmapped `tie_word_embeddings` of the config against what the program does."""
+    if request.config is None or result.document is None:
+        return result
+    config = json.loads(Path(request.config).read_text(encoding="utf-8"))
+    mapped = {field_name for _, field_name in _param_mapping(decl)}
+    problems = tie_problem(config, mapped, result.document["weight_schema"],
+                           Path(request.config))
+    if problems:
+        result.diagnostics += problems
+        result.document = None
     return result
 
 
@@ -225,6 +240,8 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
         return {}
     values = {}
     _check_rope_type(config, path, diagnostics)
+    mapped = {field_name for _, field_name in _param_mapping(decl)}
+    diagnostics += unmapped_field_problems(config, mapped, Path(path))
     for param, field_name in _param_mapping(decl):
         raw = _config_field(config, field_name)
         if raw is None:
