@@ -423,6 +423,31 @@ def test_lock_without_imports(proj):
     assert (proj / "module.lock").read_text().endswith("resolved_modules: {}\n")
 
 
+def test_check_and_build_read_the_lock_back(tmp_path):
+    """A module edited since `modulec lock` is W007 in check and build, with the command
+    that updates the lock; after it, neither reports anything about the lock."""
+    proj = tmp_path / "proj"
+    tree(proj, {"lib/proj.module": "module Proj(C: int):\n  params:\n    w: [C, C]\n"
+                "  forward:\n    in: x: [B, C]\n    out: y: [B, C]\n    graph:\n"
+                "      x -> matmul(w, transpose=NT) -> y\n",
+                "main.module": "import lib.proj.Proj\n\nmodel M(C: int = 4):\n  params:\n"
+                "    p: Proj(C)\n  forward:\n    in: x: [B, C]\n    out: y: [B, C]\n"
+                "    graph:\n      x -> p -> y\n"})
+    main = str(proj / "main.module")
+    assert CliRunner().invoke(modulec, ["lock", main]).exit_code == 0
+    with open(proj / "lib/proj.module", "a") as module:
+        module.write("# edited after locking\n")
+    for command in (["check", main], ["build", main, "--shape", "B=2", "-o",
+                                       str(tmp_path / "ir.json")]):
+        result = CliRunner().invoke(modulec, command)
+        assert result.exit_code == 0, result.output
+        assert "warning[W007]: `module.lock` is out of date: `lib.proj` is locked as" \
+            in result.output, command
+        assert f"run `modulec lock {main}`" in result.output
+    assert CliRunner().invoke(modulec, ["lock", main]).exit_code == 0
+    assert "W007" not in CliRunner().invoke(modulec, ["check", main]).output
+
+
 # ============================================================ the real standard library
 def test_real_std_loads_without_diagnostics_quickly():
     started = time.perf_counter()

@@ -91,7 +91,7 @@ Examples:
                    "is this page).")
 @guarded
 def explain_command(code: str | None, list_: bool, plain: bool, annotations: bool) -> int:
-    """Explain the diagnostic CODE (E001 ... E027, W001 ... W006): what it means, an
+    """Explain the diagnostic CODE (E001 ... E027, W001 ... W007): what it means, an
     example that produces it, and how to fix it."""
     from modulec.diagnostics.codes import CODES
 

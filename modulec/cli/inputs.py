@@ -67,6 +67,9 @@ def check_one(path: Path, options: CheckOptions, resolver=None, checked=None) ->
     result = FileResult(str(path), resolved.source, resolved.program, list(resolved.diagnostics))
     if result.program is None:
         return result
+    from modulec.resolve.lock_check import lock_problems
+
+    result.diagnostics.extend(lock_problems(resolver, resolved, str(path)))
     # Recovery removes broken lines from the tree, so checking what is left adds no
     # follow-on errors, and the user sees every problem of the file in one run.
     result.diagnostics.extend(check_sections(result.program))

@@ -1,6 +1,6 @@
 """Every diagnostic code: its title (the specification's wording, Appendix C and D), its
 severity, and an explanation for people (what it means, the usual cause, the fix). Codes
-after the spec's (`OWN_CODES`: W006) are this compiler's own.
+after the spec's (`OWN_CODES`: W006, W007) are this compiler's own.
 
 This one table backs the tests that every emitted code is documented and covered by a UI
 test (tests/test_codes.py), and `modulec explain CODE`. Titles are copied from the
@@ -221,10 +221,17 @@ _TABLE: tuple[CodeInfo, ...] = (
         and the page docs/annotations.md generated from it. A primitive's invariant that
         nothing checks (any but `backward_uses`, §9.8.3) is reported with this code too.
         Remove the annotation, or keep it for when the backend implements it.""", "§7"),
+    _w("W007", "Lock file out of date", """
+        The `module.lock` next to the checked file (written by `modulec lock`) does not
+        match what the file's imports resolve to now: a module was edited since it was
+        locked (its hash differs), another version is found, or the file imports a module
+        the lock does not list. The program is checked and built from what the imports
+        resolve to now, not from the lock. Run `modulec lock FILE` to lock the current
+        modules, or restore the module the lock names.""", "§4.7"),
 )
 
 CODES: dict[str, CodeInfo] = {info.code: info for info in _TABLE}
-OWN_CODES = ("W006",)  # not in the specification's Appendix C / D
+OWN_CODES = ("W006", "W007")  # not in the specification's Appendix C / D
 
 
 def lookup(code: str) -> CodeInfo | None:

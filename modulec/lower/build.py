@@ -66,7 +66,9 @@ def build(request: BuildRequest) -> BuildResult:
 
     resolver = Resolver(request.search_path)
     loaded = resolver.load(request.path)
-    diagnostics = list(loaded.diagnostics)
+    from modulec.resolve.lock_check import lock_problems
+
+    diagnostics = list(loaded.diagnostics) + lock_problems(resolver, loaded, str(request.path))
     if loaded.program is None or any(d.is_error for d in diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
     diagnostics += check_sections(loaded.program)
