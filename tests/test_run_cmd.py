@@ -88,3 +88,50 @@ def test_an_ir_document_refuses_other_sizes(tmp_path):
     result = run("run", ir, "--random-weights", "0", "--inputs", inputs, "--outputs",
                  tmp_path / "o.safetensors")
     assert result.exit_code == 1 and "was built for [2, 5]" in result.output
+
+
+# ====================================================================== inline calls (issue 15)
+INLINE = """
+module Double():
+  forward:
+    in: x: [B, T, 16]
+    out: y: [B, T, 16]
+
+    graph:
+      (x, x) -> add() -> y
+
+
+model Tiny(vocab: int = 64, d: int = 16):
+  params:
+    embedding: [vocab, d]
+    lm_head: [vocab, d]
+
+  forward:
+    in: token_ids: [B, T, int32]
+    out: logits: [B, T, vocab]
+
+    graph:
+      (token_ids, embedding) -> embedding() -> x
+      x -> {double} -> h
+      (h, lm_head) -> matmul(transpose=NT) -> logits
+"""
+
+
+def test_a_parameterless_module_called_inline_runs_like_its_graph(tmp_path):
+    """`x -> Double() -> h` was exit 101 ("pass `lower` produced invalid Graph IR": the
+    callee was never lowered); it must compute what the same graph written out does."""
+    inputs = _inputs(tmp_path, token_ids=_ids(), d_logits=torch.randn(2, 5, 64,
+                                                                      dtype=torch.float64))
+    written = {}
+    for name, double in (("inline", "Double()"), ("written", "(x, x) -> add()")):
+        source = tmp_path / f"{name}.module"
+        source.write_text(INLINE.replace("{double}", double).replace(
+            "x -> (x, x) -> add()", "(x, x) -> add()"))
+        out = tmp_path / f"{name}.safetensors"
+        result = run("run", source, "--random-weights", "0", "--inputs", inputs,
+                     "--outputs", out, "--backward")
+        assert result.exit_code == 0, result.output
+        written[name] = safetensors_torch.load_file(str(out))
+    assert set(written["inline"]) == set(written["written"]) >= {"logits", "grad.embedding"}
+    for key, value in written["written"].items():
+        torch.testing.assert_close(written["inline"][key], value, rtol=0, atol=0)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modulec.check.instance import Broken, Instance, Stack, Submodule, instantiate_call
+from modulec.check.instance import (
+    Broken, Instance, Stack, Submodule, TensorParamValue, instantiate_call,
+)
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.unify import Matcher, ShapeError, pattern_of
 from modulec.check.world import did_you_mean
@@ -187,9 +189,33 @@ def _qualified_help(ctx, prefix: str) -> str:
 
 
 def _call_declared(ctx, decl: A.Decl, consts, inputs, expr) -> Result | None:
-    """A module, block or model called inline: instantiated with the step's arguments."""
+    """A module, block or model called inline: instantiated with the step's arguments.
+    Its weights would belong to no parameter of the caller (no name to load them by, no
+    place in the checkpoint): a module that holds any is called through a parameter."""
     child = instantiate_call(ctx.instance, decl, consts, expr.span)
-    return call_module(ctx, child, inputs, expr) if child else None
+    if child is None:
+        return None
+    weights = _weights(child)
+    if weights:
+        call = A.qualified_name(expr.func if isinstance(expr, A.Call) else expr) or decl.name
+        shown = ", ".join(f"`{w}`" for w in weights[:3]) + (", ..." if len(weights) > 3 else "")
+        ctx.world.error("E014", f"`{decl.name}` holds weights ({shown}): it cannot be called "
+                        "inline", expr.span, "no parameter of this module owns its weights",
+                        help=[f"declare it under `params:` (`{decl.name.lower()}: {call}(...)`) "
+                              f"and call it by that name (`x -> {decl.name.lower()} -> y`)"])
+        return None
+    return call_module(ctx, child, inputs, expr)
+
+
+def _weights(instance: Instance, prefix: str = "") -> list[str]:
+    """The tensor parameters of an instance and of its submodules, by path."""
+    found = []
+    for name, value in instance.params.items():
+        if isinstance(value, TensorParamValue):
+            found.append(prefix + name)
+        elif isinstance(value, (Submodule, Stack)):
+            found += _weights(value.instance, f"{prefix}{name}.")
+    return found
 
 
 def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> Result | None:

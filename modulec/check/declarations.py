@@ -47,15 +47,47 @@ def _duplicates(world: World, decl: A.Decl) -> None:
 
 
 def _required_sections(world: World, decl: A.Decl) -> None:
-    if decl.kind not in ("module", "block", "model") or decl.abstract or decl.extends:
+    if decl.kind not in ("module", "block", "model") or decl.abstract:
         return
     definition = world.definition(decl)
-    has_pattern = "pattern" in definition.sections
-    if definition.forward is None and not has_pattern:
+    pattern = definition.sections.get("pattern")
+    if isinstance(pattern, A.Section):
+        _pattern_not_implemented(world, decl, pattern)
+    elif decl.extends is not None:
+        if definition.forward is not None and definition.forward.graph is None:
+            base = show(decl.extends)
+            world.error("E011", f"`{decl.name}` extends `{base}` but writes no forward graph",
+                        decl.name_span, "no `graph:` here or in the base",
+                        help=[f"`{base}` declares the signature only: add `forward:` with a "
+                              "`graph:` that computes the outputs from the inputs"])
+    elif definition.forward is None:
         world.error("E012", f"{decl.kind} `{decl.name}` has no `forward:` section",
                     decl.name_span, "needs a forward graph",
-                    help=["add `forward:` with `in:`, `out:` and `graph:`"
-                          + (", or a `pattern:`" if decl.kind == "block" else "")])
+                    help=["add `forward:` with `in:`, `out:` and `graph:`"])
+    elif definition.forward.graph is None and definition.forward.outputs:
+        world.error("E012", f"{decl.kind} `{decl.name}` has no forward `graph:`",
+                    decl.name_span, "nothing computes its outputs",
+                    help=["add `graph:` under `forward:`, or declare it `abstract module` "
+                          "(an interface that modules `extends`)"])
+
+
+def _pattern_not_implemented(world: World, decl: A.Decl, pattern: A.Section) -> None:
+    """§4.4's `pattern:` names a residual pattern but not where its norms and adds go
+    (pre- or post-norm, one residual input or the (residual, x) pair of std's blocks):
+    refused, with the flows a pre-norm `sequential_residual` would be."""
+    kind = show(pattern.value) if pattern.value is not None else "pattern"
+    pairs = [tuple(show(e.value) for e in item.item.expr.items)
+             for section in pattern.body if isinstance(section, A.Section)
+             for item in section.body if isinstance(getattr(item, "item", None), A.Step)
+             and isinstance(item.item.expr, A.TupleExpr)]
+    example = "; ".join(f"`x -> {p[0]} -> h1`, `h1 -> {p[1]} -> o1`, `(x, o1) -> add() -> x1`"
+                        for p in pairs[:1] if len(p) == 2)
+    world.error("E012", f"block `{decl.name}` has no `forward:` section: `pattern: {kind}` "
+                "is not implemented", pattern.key.span,
+                "modulec does not generate a block's graph from a pattern",
+                help=["write the block's `forward:` (`in:`, `out:`, `graph:`)"
+                      + (f"; a pre-norm residual is, for the first pair: {example}"
+                         if example else "")])
 
 
 def merge_extends(world: World, decl: A.Decl, definition: ModuleDef) -> ModuleDef:

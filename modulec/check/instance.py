@@ -347,6 +347,9 @@ def _submodule(instance: Instance, node, span: Span):
 def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Instance | None:
     """Instantiate `decl` with ConstExpr arguments evaluated in `instance`; E012/E003."""
     world = instance.world
+    if decl.abstract:
+        _abstract(world, decl, span)
+        return None
     if decl in world.instantiating:
         names = [d.name for d in world.instantiating[world.instantiating.index(decl):]]
         instance.cycles.append(" -> ".join(names + [decl.name]))
@@ -374,6 +377,28 @@ def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Inst
                     span, f"`{show(failed.condition)}` is false for these arguments",
                     notes=[f"in {owner.describe()}", _values_note(owner, failed.condition)])
     return child
+
+
+def _abstract(world: World, decl: A.Decl, span: Span) -> None:
+    """§4.2: an abstract module is an interface without a graph; only a module that
+    extends it and writes the graph can be instantiated."""
+    concrete = sorted(name for name in world.candidates(span)
+                      if _extends(world, world.lookup_decl(name, span), decl.name))
+    world.error("E011", f"`{decl.name}` is an abstract module: it has no graph to run",
+                span, "cannot instantiate an abstract module",
+                help=[f"instantiate a module that extends it: {', '.join(f'`{c}`' for c in concrete)}"
+                      if concrete else
+                      f"declare `module My{decl.name}(...) extends {decl.name}:` with a "
+                      "`forward:` graph, and instantiate that"])
+
+
+def _extends(world: World, candidate, base: str) -> bool:
+    """`candidate` extends `base` and has the graph the base lacks."""
+    extends = getattr(candidate, "extends", None)
+    if not isinstance(extends, A.Name) or extends.id != base or candidate.abstract:
+        return False
+    forward = world.definition(candidate).forward
+    return forward is not None and forward.graph is not None
 
 
 def _contains_itself(world, chain: str, span: Span) -> None:

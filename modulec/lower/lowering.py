@@ -44,6 +44,8 @@ def _lower_tree(world, instance: Instance, scope: str, out: list, seen: set) -> 
             _lower_tree(world, value.instance, _join(scope, name), out, seen)
         elif isinstance(value, Stack):
             _lower_tree(world, value.instance, _join(scope, f"{name}[*]"), out, seen)
+    for callee in getattr(instance, "inline_callees", ()):  # `x -> Double() -> y`
+        _lower_tree(world, callee, _join(scope, callee.name), out, seen)
     recorder = getattr(instance, "recorder", None)
     if recorder is not None:
         forward = _function(world, instance, recorder, scope)
@@ -136,6 +138,9 @@ def record_call(recorder: Recorder, instance: Instance, step, result, outputs):
     elif isinstance(callee, Instance):
         world = instance.world
         repeat = attr_value(result.repeat)
+        if not any(getattr(p, "instance", None) is callee for p in instance.params.values()):
+            # called inline, not through a parameter: lowered with its caller's tree
+            instance.__dict__.setdefault("inline_callees", []).append(callee)
         recorder.node("call", function_name(world, callee), inputs, ids, step,
                       attrs=call_path(instance, step.expr), repeat=repeat)
     return [type(t)(t.name, t.type, t.span, t.kind, t.accumulated, v)
