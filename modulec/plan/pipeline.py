@@ -159,8 +159,10 @@ def _stage_of(node) -> int | None:
             text = args[0].split("=", 1)[-1].strip()
             try:
                 return int(text)
-            except ValueError:
-                return None
+            except ValueError:  # `check` cannot know a named stage's number
+                file, line, _ = node.span
+                raise PipelineError(f"`@partition({text})` at {file}:{line}: a pipeline "
+                                    "stage must be an integer literal") from None
     return None
 
 
