@@ -65,9 +65,12 @@ class Matcher:
     star: tuple[Dim, ...] | None = None
     star_origin: str = ""
     deferred: list = field(default_factory=list)
+    unknown_input: bool = False  # an input of unknown shape (an earlier error's result)
 
     def match(self, pattern: Pattern, actual: TensorType, what: str, index: int) -> None:
         self._match_dtype(pattern, actual, what, index)
+        if actual.variadic:
+            self.unknown_input = True
         if not pattern.known or actual.variadic:
             return
         dims = self._match_rank(pattern, actual, what, index)
@@ -88,7 +91,12 @@ class Matcher:
         dtype = pattern.dtype or default_dtype
         if not pattern.known:
             return TensorType((), dtype, variadic=True)
-        dims = [self.value(e) or Dim.sym(f"{fresh}.{_name(e)}") for e in pattern.dims]
+        values = [self.value(e) for e in pattern.dims]
+        if self.unknown_input and None in values:
+            # a dim the unknown input would have bound: unknown too, not a fresh name that
+            # every later step would report as a mismatch (`flash_attention.Hq` vs 4)
+            return TensorType((), dtype, variadic=True)
+        dims = [v or Dim.sym(f"{fresh}.{_name(e)}") for v, e in zip(values, pattern.dims)]
         prefix = self.star if pattern.variadic else ()
         if pattern.variadic and prefix is None:
             return TensorType(tuple(dims), dtype, variadic=True)
