@@ -45,7 +45,7 @@ def main() -> None:
     step = TrainStep.from_module("std/models/llama.module", shape, batch=args.batch,
                                  seq=args.seq, derive_written=True, memory_budget=budget,
                                  **options)
-    step.init_random(0)
+    step.init_random(0, on="cpu" if args.shape == "llama3-8b" else "cuda")
     torch.cuda.empty_cache()
     generator = torch.Generator(device="cuda").manual_seed(100 + ctx.rank)
     tokens = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), device="cuda",

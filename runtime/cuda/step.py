@@ -210,11 +210,14 @@ class TrainStep:
                                  f"{', '.join(layered[:3])}")
         return self._ties
 
-    def init_random(self, seed: int = 0, std: float = 0.02) -> "TrainStep":
-        generator = torch.Generator(device="cuda").manual_seed(seed)
+    def init_random(self, seed: int = 0, std: float = 0.02, on: str = "cuda") -> "TrainStep":
+        """Random weights (normal(0, std), norm weights near 1), drawn on `on`: "cpu" keeps
+        the whole fp32 draw off the GPU (an 8B model's is 32 GB; under data parallel each
+        rank then takes its shards bucket by bucket)."""
+        generator = torch.Generator(device=on).manual_seed(seed)
         params = {}
         for path, shape in self.shapes().items():
-            value = torch.randn(shape, generator=generator, device="cuda") * std
+            value = torch.randn(shape, generator=generator, device=on) * std
             params[path] = value + 1.0 if len(shape) == 1 and path.endswith("weight") else value
         return self.load(params)
 
