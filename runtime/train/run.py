@@ -179,11 +179,21 @@ class Run:
         rows = window.shape[0] // self.context.world
         return window[self.context.rank * rows:(self.context.rank + 1) * rows]
 
+    def _settings(self) -> dict:
+        """What a resume must match. `batch` is the rows of a micro-batch over every rank
+        (a checkpoint resumes on another number of processes with the same total)."""
+        settings = {key: getattr(self.request, key) for key in RESUME_KEYS}
+        settings["batch"] *= self.context.world
+        return settings
+
     def resume(self, folder: Path, trainer: dict, state: dict) -> None:
+        settings = self._settings()
         for key in RESUME_KEYS:
-            if trainer.get(key, RESUME_DEFAULTS.get(key)) != getattr(self.request, key):
+            if trainer.get(key, RESUME_DEFAULTS.get(key)) != settings[key]:
                 flag = "--" + key.replace("_", "-")
-                raise RuntimeUserError(f"{flag} is {getattr(self.request, key)}, but "
+                world = f" x {self.context.world} processes" if key == "batch" and \
+                    self.context.distributed else ""
+                raise RuntimeUserError(f"{flag} is {getattr(self.request, key)}{world}, but "
                                        f"{folder} was trained with {trainer.get(key)}",
                                        help=["resume with the settings of the run that "
                                              "saved the checkpoint"])
@@ -235,13 +245,14 @@ class Run:
 
     def _save(self, step: int, progress: Progress) -> None:
         r = self.request
-        trainer = {"step": step, "samples": step * r.batch * r.grad_accum,
+        trainer = {"step": step,
+                   "samples": step * r.batch * r.grad_accum * self.context.world,
                    "losses": self.losses,
                    "model": str(r.file), "settings": r.settings,
                    "data": {"path": str(r.data), "dtype": self.data.dtype,
                             "tokens": len(self.data.tokens)},
                    "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
-        trainer |= {key: getattr(r, key) for key in RESUME_KEYS}
+        trainer |= self._settings()
         state = self.trainer.state()  # under data parallel a collective: every rank
         if not self.context.is_main:
             return
