@@ -26,6 +26,7 @@ from torch import Tensor
 from modulec.ir.graph import Function, Graph, Node
 from modulec.lower.fusion_patterns import FUSION_ATTRS
 from runtime.errors import NonFiniteError, RuntimeUserError
+from runtime.kernel_choice import select as select_kernel
 from runtime.kernels import KERNELS
 from runtime.probes import describe
 
@@ -310,7 +311,7 @@ class Interpreter:
         kernel = self.kernels.get(name)
         if kernel is None:
             raise RuntimeUserError(f"no kernel for `{name}` ({_where(node, frame)})")
-        return kernel
+        return select_kernel(self.kernels, name, node, kernel)  # `@kernel(...)`'s choice
 
     def _attrs(self, node: Node) -> dict:
         attrs = {k: v for k, v in node.attrs if k not in IR_ATTRS}

@@ -66,7 +66,10 @@ def test_closest():
 # Spec blocks whose annotations are meant to be rejected, with the reason. None: the one
 # intentionally invalid example (§7.6.0, E025) is commented out in its block; it is
 # checked uncommented below.
-INTENTIONALLY_INVALID: dict[int, str] = {}
+INTENTIONALLY_INVALID: dict[int, str] = {
+    4602: "kernel names no backend has (`cudnn_fmha_v2`, `cutlass_gemm_sm90_fp8`): E008 "
+          "(decisions.md, `@kernel(name)`)",
+}
 BLOCKS = declaration_blocks()
 
 
@@ -215,11 +218,24 @@ def test_name_spans_cover_the_name_only():
     assert (d.primary_span.column, d.primary_span.end_column) == (22, 31)
 
 
+def test_kernel_names_are_those_of_the_primitive_annotated():
+    flow = "module M():\n  params:\n    w: [d, d]\n  forward:\n    graph:\n" \
+           "      x -> matmul(w) {op} -> y {flow}\n"
+    assert problems(flow.format(op='@kernel("reference", workspace=None)', flow="")) == []
+    assert problems(flow.format(op="", flow='@kernel("reference", fallback=false)')) == []
+    unknown = only(flow.format(op='@kernel("cublass")', flow=""))
+    assert unknown.message == "no kernel `cublass` for `matmul`"
+    assert unknown.notes == ("kernels: `matmul`: `reference` (CPU reference, GPU)",)
+    called = only(out('@kernel("reference")'))  # `f` is no primitive
+    assert called.message == "no kernel `reference` for this flow"
+    assert "a kernel implements a primitive operation" in called.notes[0]
+
+
 @pytest.mark.parametrize("notes", [
     "@hook(MyCustomHook)", "@hook(AfterQKV, mode=observe)", '@hook("AfterAttention")',
     "@fuse(ops=[f, add])", "@fuse(ops=[Helper])", "@fuse(ops=[Linear])",
     "@adapter(lora, rank=r, alpha=a * 2, targets=names)", "@partition(stage)",
-    "@memory(offload, priority=-1, prefetch=use_prefetch)", "@kernel(\"k\", workspace=None)",
+    "@memory(offload, priority=-1, prefetch=use_prefetch)",
     "@gradient(scale=0.1)", "@checkpoint(full)", "@checkpoint(granularity=none)",
     "@fuse(scope=global)", "@assert(not has_nan(y) and y.shape[-1] == d)", "@barrier",
     "(a, b @gradient(skip))", "@precision(compute=fp8_e4m3, output=bf16)",

@@ -114,8 +114,14 @@ STATUS: dict[str, Status] = {
     # §7.5 fusion
     "fuse": Status(both("modulec.lower.fusion:requests_of", "modulec.lower.fusion:_requested")),
     "nofuse": Status(both("modulec.lower.fusion:_barrier")),
-    "kernel": Status(nowhere("each op runs the one kernel its backend registers for it; the "
-                             "name is checked against them")),
+    "kernel": Status(both("runtime.kernel_choice:select", "runtime.interpreter:Interpreter._kernel",
+                          "modulec.ops.kernel_names:kernel_names",
+                          note="names: modulec/ops/kernel_names.py (every op's `reference`; "
+                               "the GPU training step's `cudnn`, `cudnn_expand`, `flash` for "
+                               "flash_attention); a kernel the backend lacks falls back to "
+                               "its default, or is an error with `fallback=false`"),
+                     (given("autotune", nowhere("no kernel is autotuned")),
+                      given("workspace", nowhere("kernels size their own workspace")))),
     # §7.6 sharding
     "shard": Status(nowhere(NOT_DISTRIBUTED)),
     "partition": Status(nowhere("stages are checked and planned into the Schedule IR's "

@@ -79,7 +79,9 @@ class Kind:
     or tuple; hints: known values outside which anything goes, except a value within two
     edits of a known one (`near`: an E008 error, a misspelling); registry: the names must
     be known to the checker ("ops"); code/unknown/label: the code, message and label for a
-    value outside `choices` or the registry.
+    value outside `choices` or the registry. A registry's names are those of the
+    annotation's site (`check_annotations`): "ops", "recipes", "kernels" (of the primitives
+    the annotation is on), a string's text standing for its value.
     """
 
     describe: str
@@ -122,6 +124,9 @@ OP = Kind("an operation name", (A.Name,), registry="ops", code="E013",
                   "nor a known operation", label="unknown operation")
 RECIPE = Kind("a recipe name", (A.Name,), registry="recipes",
               unknown="unknown recipe `{value}`", label="no recipe of this name")
+KERNEL = Kind('a kernel name (`"cudnn"`)', (A.String,), registry="kernels",
+              unknown="no kernel `{value}` for {where}",
+              label="unknown kernel")
 OPS = Kind("a list of operation names (`[matmul, add]`)", (A.ListExpr,), items=OP)
 
 
@@ -261,7 +266,7 @@ _SPECS = (
         opt("reason", STRING, "why fusion is disabled"),
     ), forms=("@nofuse", "@nofuse(reason=string)")),
     Spec("kernel", "§7.5.3", "selects an explicit kernel implementation", OPERATION, (
-        req("name", STRING, "kernel name"),
+        req("name", KERNEL, "kernel name (modulec.ops.kernel_names)"),
         opt("autotune", BOOL, "use cuBLASLt autotuning", "true"),
         opt("workspace", INT, "workspace size override"),
         opt("fallback", BOOL, "allow fallback if the kernel is unavailable", "true"),

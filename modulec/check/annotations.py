@@ -24,6 +24,7 @@ from modulec.check.memory_policy import name_span, pipeline_problems
 from modulec.check.partition import partition_problems
 from modulec.diagnostics import Diagnostic, Label, error
 from modulec.diagnostics.spelling import edit_distance
+from modulec.ops.kernel_names import all_kernel_names, describe as describe_kernels
 from modulec.paths import data_dir
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as expr_text
@@ -71,6 +72,9 @@ def check_site(site: Site, registries: dict | None = None) -> list[Diagnostic]:
     bound, problems = _bind(spec, note)
     known = dict(registries or {})
     known["ops"] = known.get("ops", frozenset()) | _called(site.flow)
+    on = _operations_on(site) & primitive_names()
+    known["kernels"], known["kernels:note"] = all_kernel_names(on), _kernels_note(on)
+    known["kernels:where"] = ", ".join(f"`{op}`" for op in sorted(on)) or "this flow"
     problems += _values(spec, bound, note, known)
     problems = _placement(spec, site) + problems + _one_of(spec, bound, note)
     return problems or without_effect(spec, bound, site.placement, note)
@@ -204,10 +208,11 @@ def check_value(spec: Spec, param: Param, kind: Kind, node, ops) -> list[Diagnos
         return []
     if not isinstance(node, kind.nodes) or _wrong_number(kind, node):
         return [_wrong_kind(spec, param, kind, node)]
-    value = node.id if isinstance(node, A.Name) else None
+    value = node.id if isinstance(node, A.Name) else \
+        node.value if isinstance(node, A.String) and kind.registry else None
     allowed = kind.choices or (ops.get(kind.registry, frozenset()) if kind.registry else ())
     if value is not None and (allowed or kind.registry) and value not in allowed:
-        return [_not_allowed(spec, param, kind, node, allowed)]
+        return [_not_allowed(spec, param, kind, node, value, allowed, ops)]
     if value is not None and kind.hints and value not in kind.hints:
         return _hint(spec, param, kind, node)
     if kind.items is not None and isinstance(node, (A.ListExpr, A.TupleExpr)):
@@ -298,11 +303,16 @@ def _fits_unquoted(kind: Kind, text: str) -> bool:
     return A.Name not in kind.nodes and text.replace(".", "", 1).isdigit()
 
 
-def _not_allowed(spec, param, kind, node, allowed) -> Diagnostic:
-    message = kind.unknown.format(value=node.id, param=param.name, annotation=spec.name)
-    guess = closest(node.id, sorted(allowed))
+def _not_allowed(spec, param, kind, node, value, allowed, registries) -> Diagnostic:
+    """`value` is not among `allowed` (the kind's choices, or its registry's names; a
+    registry may say more about its names here: `<registry>:note`, `<registry>:where`)."""
+    where = registries.get(f"{kind.registry}:where", "")
+    message = kind.unknown.format(value=value, param=param.name, annotation=spec.name,
+                                  where=where)
+    guess = closest(value, sorted(allowed))
+    note = registries.get(f"{kind.registry}:note")
     notes = [_choices_note(param, kind)] if kind.choices else \
-        [REGISTRY_NOTES[kind.registry](sorted(allowed))]
+        [note or REGISTRY_NOTES[kind.registry](sorted(allowed))]
     return error(kind.code, message, node.span, kind.label.format(param=param.name),
                  help=_did_you_mean(guess), notes=notes)
 
@@ -349,6 +359,22 @@ def _program_names(program: A.Program) -> frozenset[str]:
     return frozenset(names)
 
 
+def _operations_on(site: Site) -> frozenset[str]:
+    """The operations an annotation concerns: the step it follows, or (after the
+    destination) every operation of its flow."""
+    if site.flow is None:
+        return frozenset()
+    step = next((s for s in site.flow.operations
+                 if any(n is site.annotation for n in s.annotations)), None)
+    return _called(site.flow) if step is None else _call_names((step,))
+
+
+def _kernels_note(ops: frozenset[str]) -> str:
+    if not ops:
+        return "a kernel implements a primitive operation, and this flow calls none"
+    return "kernels: " + describe_kernels(ops)
+
+
 def _recipe_names(program: A.Program) -> frozenset[str]:
     """The recipes a `@recipe(...)` may name: this file's `recipe` declarations, and any
     imported name (an import's kind is the resolver's business)."""
@@ -357,9 +383,11 @@ def _recipe_names(program: A.Program) -> frozenset[str]:
 
 
 def _called(flow: A.Flow | None) -> frozenset[str]:
-    if flow is None:
-        return frozenset()
-    calls = [step.expr.func for step in flow.operations if isinstance(step.expr, A.Call)]
+    return frozenset() if flow is None else _call_names(flow.operations)
+
+
+def _call_names(steps) -> frozenset[str]:
+    calls = [step.expr.func for step in steps if isinstance(step.expr, A.Call)]
     return frozenset(f.id if isinstance(f, A.Name) else f.attr for f in calls
                      if isinstance(f, (A.Name, A.Attribute)))
 

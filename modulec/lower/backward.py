@@ -16,6 +16,10 @@ from modulec.ir.graph import Function, Graph, Node, ValueInfo
 from modulec.lower.fusion_patterns import FUSION_ATTRS
 from modulec.ops.registry import op_table
 
+# a forward op's annotations its derived backward op carries: the kernel `@kernel` chose
+# (a backward reads the statistics its own forward kernel wrote, e.g. attention's lse)
+CARRIED_TO_BACKWARD = ("kernel",)
+
 
 def derive_backward(graph: Graph) -> Graph:
     """Add a backward function for every reachable forward function that has none (a
@@ -94,8 +98,10 @@ class _Builder:
 
     def node(self, target: str, inputs, outputs, origin: Node, kind="op", attrs=(), repeat=1):
         index = len(self.nodes)
+        own = target == f"{origin.target}_backward"  # not the sums of its gradients
+        notes = tuple(a for a in origin.annotations if own and a[0] in CARRIED_TO_BACKWARD)
         self.nodes.append(Node(f"b{index}", kind, target, tuple(inputs), tuple(outputs),
-                               tuple(attrs), (), repeat, "backward", origin.span))
+                               tuple(attrs), notes, repeat, "backward", origin.span))
 
     def wants(self, value: str | None) -> bool:
         """Whether the gradient of forward `value` is needed (not frozen, not skipped)."""

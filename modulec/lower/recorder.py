@@ -72,8 +72,8 @@ class Recorder:
 
 
     def flow_annotations(self, start: int, destination) -> None:
-        """Carry a flow's destination annotations to its nodes: `@fuse`/`@nofuse` written
-        after the destination concern every operation of the flow (spec §7.5), `@hook`
+        """Carry a flow's destination annotations to its nodes: `@fuse`/`@nofuse`/`@kernel`
+        written after the destination concern every operation of the flow (spec §7.5), `@hook`
         concerns the node that produces the hooked value (a fusion barrier when it may
         write, §5.11.3), also when the flow only renames that value."""
         wide = tuple(_annotation(a) for a in destination.annotations if a.name in FLOW_WIDE)
@@ -96,7 +96,7 @@ class Recorder:
         self.nodes[index] = replace(node, annotations=node.annotations + added)
 
 
-FLOW_WIDE = ("fuse", "nofuse")
+FLOW_WIDE = ("fuse", "nofuse", "kernel")  # `@kernel` after the destination: each op's
 # a destination's pipeline stage (spec §7.6.2) goes to every node of its flow, calls too,
 # unless a step of the flow names its own (`x -> blocks[0:8]() @partition(0) -> ...`)
 STAGE_WIDE = ("partition",)

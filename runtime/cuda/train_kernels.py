@@ -40,7 +40,7 @@ import weakref
 
 import torch
 
-from runtime.cuda.attention import FlashAttention
+from runtime.cuda.attention import BACKENDS, FlashAttention
 from runtime.cuda.kernels import CUDA_KERNELS, typed
 from runtime.kernels import KERNELS
 from runtime.kernels.linalg import _fold, _mm, _op
@@ -362,6 +362,8 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels["embedding"] = Embedding(KERNELS["embedding"])
     kernels.update({name: Created(KERNELS[name], device) for name in CREATED})
     kernels["flash_attention"] = FlashAttention(tuple(attention))
+    # `@kernel("cudnn")` etc. (runtime/kernel_choice.py): one attention backend alone
+    kernels.update({f"flash_attention@{name}": FlashAttention((name,)) for name in BACKENDS})
     return kernels
 
 
