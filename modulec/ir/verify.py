@@ -72,7 +72,7 @@ def _report(function: Function, index: int | None, message: str, located: bool) 
 def _node_problems(node: Node, defined: set, outside: set, functions: dict) -> list[str]:
     problems = [f"input `{i}` is used before it is defined" for i in node.inputs
                 if i and i not in defined and i not in outside and not i.startswith("param:")]
-    if not isinstance(node.repeat, int) or node.repeat < 1:
+    if not isinstance(node.repeat, int) or isinstance(node.repeat, bool) or node.repeat < 1:
         problems.append(f"repeat must be a positive integer, not {node.repeat!r}")
     if node.kind == "call" and node.target not in functions:
         problems.append(f"calls `{node.target}`, which is not a function of this graph")

@@ -72,9 +72,12 @@ def _tensor_type(info: ValueInfo, runs: bool) -> TensorType | str:
         return (f"`{info.id}` has the shape [{', '.join(shape)}], whose rank is unknown: "
                 "every value a built model computes has a known shape")
     try:
-        return TensorType(tuple(_dim(d) for d in shape[variadic:]), info.dtype, variadic)
+        dims = tuple(_dim(d) for d in shape[variadic:])
     except ValueError as exc:
         return f"the shape of `{info.id}`: {exc}"
+    if any(d.is_const and d.value < 0 for d in dims):
+        return f"`{info.id}` has a negative dimension: [{', '.join(shape)}]"
+    return TensorType(dims, info.dtype, variadic)
 
 
 def _dim(text) -> Dim:
@@ -151,6 +154,9 @@ def _op_types(node: Node, types: Types, assumptions: Assumptions) -> list[str]:
     except ShapeError as exc:
         prefix = "" if exc.message.startswith(f"`{node.target}") else f"`{_op_text(node)}`: "
         return [prefix + exc.message + "".join(f" ({h})" for h in exc.help)]
+    except (TypeError, AttributeError, ValueError) as exc:  # a hand-edited attr of odd kind
+        return [f"`{node.target}`: its types cannot be derived from its attributes "
+                f"({type(exc).__name__}: {exc})"]
     if derived is None:
         return []
     return _compare(node, node.outputs, derived, types, assumptions, _op_text(node))
