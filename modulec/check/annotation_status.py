@@ -77,6 +77,7 @@ NOT_DISTRIBUTED = "parsed and checked; no runtime shards tensors across devices 
                   "their communication from annotations yet"
 NO_PRECISION = "parsed and checked; dtypes come from `@dtype` and the declared types, no " \
                "precision recipe or FP8/FP4 scaling is applied yet"
+ONLY_LORA_IA3 = "only `lora` and `ia3` adapters are built"
 PLANNED = "modulec.check.memory_policy:memory_decisions", "modulec.plan.recompute:intents"
 INTERPRETED = "runtime.interpreter:Interpreter", "runtime.cuda.step_interpreter:_StepInterpreter"
 
@@ -91,13 +92,16 @@ STATUS: dict[str, Status] = {
     "lifetime": Status(nowhere("lifetimes come from the schedule's liveness analysis")),
     # §7.3 hooks
     "hook": Status(both("runtime.hooks:Hooks", *INTERPRETED)),
-    "adapter": Status(both("modulec.lower.lora:apply_lora", "runtime.lora:save_lora",
-                           note="with LoRA on (`--lora`)"),
-                      (given("type", nowhere("only `lora` adapters are built"), "ia3"),
-                       given("type", nowhere("only `lora` adapters are built"), "prefix"),
-                       given("type", nowhere("only `lora` adapters are built"), "prompt"),
-                       given("type", nowhere("only `lora` adapters are built"), "adapter"),
-                       given("dropout", nowhere("LoRA runs without dropout")),
+    "adapter": Status(both("modulec.lower.lora:apply_lora", "modulec.lower.lora:_with_ia3",
+                           "runtime.lora:save_lora",
+                           note="`lora` and `ia3`, with adapters on (`--lora`)"),
+                      (given("type", nowhere(ONLY_LORA_IA3), "prefix"),
+                       given("type", nowhere(ONLY_LORA_IA3), "prompt"),
+                       given("type", nowhere(ONLY_LORA_IA3), "adapter"),
+                       given("dropout", Effect(ACTS, NO_EFFECT, (
+                           "modulec.lower.lora_sites:_settings",
+                           "runtime.interpreter:Interpreter._seed"),
+                           "the GPU step gives its random ops no seed, so no dropout mask")),
                        given("length", nowhere("prefix/prompt adapters are not built")),
                        given("hidden_dim", nowhere("prefix adapters are not built")),
                        given("bottleneck_dim", nowhere("bottleneck adapters are not built")),
@@ -131,12 +135,18 @@ STATUS: dict[str, Status] = {
     "assert": Status(both("runtime.conditions:evaluate", *INTERPRETED)),
     "profile": Status(both("runtime.profiling:Profiler", *INTERPRETED)),
     "trace": Status(both("runtime.probes:trace_line", "runtime.hooks:Hooks.enable_trace")),
-    # §7.8 training (the issue-15 work in progress changes these entries)
-    "frozen": Status(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",),
+    # §7.8 training: the CPU trainer reads them (the program's metadata.training); the GPU
+    # step does not yet
+    "frozen": Status(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",
+                                              "runtime.train.param_groups:frozen_parameters"),
                             "no gradient is computed; the GPU step still holds an fp32 "
-                            "master and moments for it and applies weight decay")),
-    "trainable": Status(nowhere("every trained parameter gets the optimizer's learning "
-                                "rate, weight decay and clipping")),
+                            "master and moments for it")),
+    "trainable": Status(Effect(ACTS, NO_EFFECT, (
+        "modulec.lower.training_settings:trainable_settings",
+        "runtime.train.param_groups:hyperparameters",
+        "runtime.train.param_groups:clip_gradient"),
+        "the GPU step gives every trained parameter the optimizer's learning rate, weight "
+        "decay and no per-parameter clipping")),
     "gradient": Status(both("modulec.lower.value_marks:gradient_spec",
                             "modulec.lower.value_marks:mark"),
                        (given("mode", nowhere("the gradient is computed as usual"),
