@@ -18,9 +18,9 @@ from tests.test_dist_zero import free_port  # noqa: E402
 from tests.test_train import LLAMA, _tensors, ckpt, events, losses, train  # noqa: E402,F401
 
 
-def torchrun(ckpt, *args, weights=True):
+def torchrun(ckpt, *args, weights=True, file=LLAMA):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA,
+               "--master-port", str(free_port()), "-m", "modulec", "train", str(file),
                "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
                "--device", "cpu", "--lr", "1e-2", "--format", "json",
                *(["--hf-weights", str(ckpt / "hf")] if weights else []), *map(str, args)]
@@ -53,3 +53,30 @@ def test_zero_without_processes_is_an_error(ckpt):
     result = train(ckpt, "--steps", "1", "--zero", "2")
     assert result.exit_code == 1
     assert "--zero 2" in result.output and "torchrun --nproc-per-node" in result.output
+
+
+def test_an_ir_document_trains_as_its_module(ckpt, tmp_path):
+    """The IR is the contract: `modulec train x.ir` (one process, and two with the IR's
+    distributed section) gives the steps the .module gives, bit for bit on one process."""
+    from tests.test_cli import run
+
+    config = ckpt / "hf" / "config.json"
+    plain, sharded = tmp_path / "llama.ir", tmp_path / "llama-dp2.ir"
+    shapes = ["--shape", "B=2", "--shape", "T=16", "--config", config]
+    assert run("build", LLAMA, *shapes, "-o", plain).exit_code == 0
+    assert run("build", LLAMA, "--shape", "B=1", "--shape", "T=16", "--config", config,
+               "--dp", "2", "--zero", "3", "-o", sharded).exit_code == 0
+    want = losses(train(ckpt, "--steps", "3", "--save", tmp_path / "module"))
+    got = losses(run("train", plain, "--data", ckpt / "tokens.bin", "--seq", "16",
+                     "--batch", "2", "--device", "cpu", "--lr", "1e-2", "--format", "json",
+                     "--hf-weights", ckpt / "hf", "--steps", "3", "--save", tmp_path / "ir"))
+    assert got == want
+    a, b = _tensors(tmp_path / "module" / "checkpoint-3"), _tensors(tmp_path / "ir" / "checkpoint-3")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    two = torchrun(ckpt, "--steps", "3", file=sharded)
+    assert two == pytest.approx(want, rel=1e-5)
+    refused = run("train", sharded, "--data", ckpt / "tokens.bin", "--seq", "16", "--batch",
+                  "1", "--device", "cpu", "--hf-weights", ckpt / "hf", "--steps", "1",
+                  "--set", "d_model=64")
+    assert refused.exit_code == 1 and "--set" in refused.output
+

@@ -14,6 +14,7 @@ from torch import Tensor
 from runtime.dist.context import DistContext
 from runtime.dist.streams import InOrder
 from runtime.dist.zero import Precision, ZeroRun, check_group
+from runtime.errors import RuntimeUserError
 from runtime.hf_weights.schema import tied_targets
 from runtime.inputs import sized_inputs
 from runtime.model import Model
@@ -23,9 +24,35 @@ from runtime.train.optim import AdamW, adamw_step_
 
 def with_distributed(model: Model, options) -> Model:
     """The model rebuilt with the distributed section in its IR (`options`:
-    modulec.plan.distributed.DataParallel)."""
+    modulec.plan.distributed.DataParallel). A model read from an IR document is not
+    rebuilt: its document must carry a section for this run (`modulec build --dp N
+    --zero S`), which then decides the ZeRO stage."""
+    from runtime.program import IRSource
+
+    if isinstance(model.source, IRSource):
+        section = model.source.program().document.get("schedule", {}).get("distributed")
+        if section is None:
+            raise RuntimeUserError(f"{model.source.path} has no distributed section",
+                                   help=[f"build it with `modulec build ... --dp "
+                                         f"{options.dp} --zero {options.zero}`"])
+        if section["zero"] != options.zero:
+            raise RuntimeUserError(f"{model.source.path} was built for ZeRO stage "
+                                   f"{section['zero']}; this run asks for {options.zero}",
+                                   help=[f"leave out --zero, or rebuild with --zero "
+                                         f"{options.zero}"])
+        return model
     model.source = replace(model.source, distributed=options, _built={}, _declared=None)
     return model
+
+
+def built_zero(model: Model) -> int | None:
+    """The ZeRO stage an IR document was built for (None: not an IR, or no section)."""
+    from runtime.program import IRSource
+
+    if not isinstance(model.source, IRSource):
+        return None
+    section = model.source.program().document.get("schedule", {}).get("distributed")
+    return None if section is None else section["zero"]
 
 
 def section_of(model: Model, batch: int, seq: int) -> dict:

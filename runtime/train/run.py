@@ -114,6 +114,8 @@ def _resumed(path):
 
 
 def _model(request: Request, weights: Path) -> Model:
+    if request.file.suffix == ".ir":
+        return _model_from_ir(request, weights)
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
                               dtype=torch.float32, device=request.device,
                               model=request.model, search_path=request.search_path,
@@ -126,6 +128,28 @@ def _model(request: Request, weights: Path) -> Model:
                                f"only; {request.file}'s model takes {', '.join(names)}")
     # build the program at the run's sizes now: an unmeetable --memory-budget fails here
     # (on the GPU, the trainer plans its own: runtime.train.backends.gpu_program)
+    model.source.program_for(sized_inputs(names, request.batch, request.seq))
+    return model
+
+
+def _model_from_ir(request: Request, weights: Path) -> Model:
+    """An IR document (`modulec build -o`) runs as written: its sizes, its plan's
+    decisions and its distributed section; settings that would change it are refused."""
+    given = [flag for flag, value in (("--set", request.settings),
+                                      ("--memory-budget", request.memory_budget),
+                                      ("--lora", request.lora),
+                                      ("--model", request.model)) if value]
+    if given:
+        raise RuntimeUserError(f"{', '.join(given)} would change {request.file}, which was "
+                               "built with its settings fixed",
+                               help=["pass them to `modulec build` and train the new IR, "
+                                     "or train the .module"])
+    model = Model.from_ir(request.file, hf_weights=weights, dtype=torch.float32,
+                          device=request.device)
+    names = model.source.program().input_names()
+    if unfed(names):
+        raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
+                               f"only; {request.file}'s model takes {', '.join(names)}")
     model.source.program_for(sized_inputs(names, request.batch, request.seq))
     return model
 
@@ -157,8 +181,11 @@ class Run:
         self.start, self.losses, self.saved = 0, [], None
 
     def _trainer(self, adamw: AdamW):
+        from runtime.train.data_parallel import built_zero
+
         r, model, context = self.request, self.model, self.context
-        zero = 2 if r.zero is None else r.zero
+        zero = r.zero if r.zero is not None else built_zero(model)
+        zero = 2 if zero is None else zero
         if r.device == "cuda":
             dist = context.data_parallel(zero) if context.distributed else None
             return CUDATrainer(model, r.batch, r.seq, adamw, r.memory_budget, r.grad_accum,
