@@ -8,6 +8,7 @@ whose part does not act). Nothing here knows an annotation by name.
 from __future__ import annotations
 
 from modulec.check.annotation_status import BACKENDS, Effect, Part
+from modulec.check.memory_policy import name_span
 from modulec.diagnostics import Diagnostic, warning
 from modulec.syntax import ast as A
 
@@ -22,12 +23,12 @@ def without_effect(spec, bound: dict, placement: str, note: A.Annotation) -> lis
     already acts on."""
     status = spec.status
     whole = status.effect.missing()
-    found = [_warning(f"`@{spec.name}`", whole, status.effect, _name_span(note))] \
+    found = [_warning(f"`@{spec.name}`", whole, status.effect, name_span(note))] \
         if whole else []
     for part in status.parts:
         missing = tuple(b for b in part.effect.missing() if b not in whole)
         if missing and _applies(part, bound, placement):
-            span = bound[part.param].span if part.param else _name_span(note)
+            span = bound[part.param].span if part.param else name_span(note)
             found.append(_warning(part.describe(spec.name), missing, part.effect, span))
     return found
 
@@ -56,8 +57,3 @@ def _warning(what: str, missing, effect: Effect, span) -> Diagnostic:
     return warning(CODE, f"{what} has no effect on {backends_text(missing)} yet", span,
                    "no effect yet", notes=notes, help=[HELP])
 
-
-def _name_span(note: A.Annotation):
-    from modulec.check.memory_policy import name_span
-
-    return name_span(note)

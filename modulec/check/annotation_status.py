@@ -108,7 +108,8 @@ STATUS: dict[str, Status] = {
                        given("activation", nowhere("bottleneck adapters are not built")))),
     "probe": Status(both("runtime.probes:capture", "runtime.hooks:Hooks.get_probe")),
     # §7.4 precision
-    "dtype": Status(both("modulec.lower.value_marks:mark", "runtime.kernels.utility:_cast_backward"),
+    "dtype": Status(both("modulec.lower.value_marks:mark",
+                         "runtime.kernels.utility:_cast_backward"),
                     (Part(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",),
                                  "the GPU step stores every parameter as bf16 with an fp32 "
                                  "master"), placement="param"),)),
@@ -118,7 +119,8 @@ STATUS: dict[str, Status] = {
     # §7.5 fusion
     "fuse": Status(both("modulec.lower.fusion:requests_of", "modulec.lower.fusion:_requested")),
     "nofuse": Status(both("modulec.lower.fusion:_barrier")),
-    "kernel": Status(both("runtime.kernel_choice:select", "runtime.interpreter:Interpreter._kernel",
+    "kernel": Status(both("runtime.kernel_choice:select",
+                          "runtime.interpreter:Interpreter._kernel",
                           "modulec.ops.kernel_names:kernel_names",
                           note="names: modulec/ops/kernel_names.py (every op's `reference`; "
                                "the GPU training step's `cudnn`, `cudnn_expand`, `flash` for "

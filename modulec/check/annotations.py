@@ -3,10 +3,11 @@
 E008: unknown annotation, wrong placement, unknown / duplicate / missing argument, too many
 positional arguments, a value of the wrong kind, an unknown recipe. W006: a valid
 annotation (or argument) that has no effect on some backend yet (annotation_effects).
-E013: an unknown fusion pattern or `ops` entry, or a `@fuse` with nothing to fuse. E025: a checkpoint region spanning pipeline
-stages (`memory_policy.pipeline_problems`, driven by `StageRule`); E008 also for stages
-that do not form a pipeline (`partition.partition_problems`). All wording comes from
-the table; no code here names an annotation.
+E013: an unknown fusion pattern or `ops` entry, or a `@fuse` with nothing to fuse. E025:
+a checkpoint region spanning pipeline stages (`memory_policy.pipeline_problems`, driven by
+`StageRule`); E008 also for stages that do not form a pipeline
+(`partition.partition_problems`). All wording comes from the table; no code here names
+an annotation.
 """
 
 from __future__ import annotations
