@@ -17,25 +17,26 @@ HELP = "remove it, or keep it for when it acts: docs/annotations.md lists what e
        "annotation does on each backend"
 
 
-def without_effect(spec, bound: dict, placement: str, note: A.Annotation) -> list[Diagnostic]:
+def without_effect(spec, bound: dict, placement: str, note: A.Annotation,
+                   in_flow: bool = False) -> list[Diagnostic]:
     """W006s for a valid annotation `note` (`spec`, its given arguments `bound`, written on
-    `placement`): the whole first, then each part that applies on backends the whole
-    already acts on."""
+    `placement`, in a flow or not): the whole first, then each part that applies on
+    backends the whole already acts on."""
     status = spec.status
     whole = status.effect.missing()
     found = [_warning(f"`@{spec.name}`", whole, status.effect, name_span(note))] \
         if whole else []
     for part in status.parts:
         missing = tuple(b for b in part.effect.missing() if b not in whole)
-        if missing and _applies(part, bound, placement):
+        if missing and _applies(part, bound, placement, in_flow):
             span = bound[part.param].span if part.param else name_span(note)
             found.append(_warning(part.describe(spec.name), missing, part.effect, span))
     return found
 
 
-def _applies(part: Part, bound: dict, placement: str) -> bool:
+def _applies(part: Part, bound: dict, placement: str, in_flow: bool) -> bool:
     if part.placement is not None:
-        return placement == part.placement
+        return placement == part.placement and part.in_flow in (None, in_flow)
     arg = bound.get(part.param)
     return arg is not None and (part.value is None or _text(arg.value) == part.value)
 

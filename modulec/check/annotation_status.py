@@ -44,12 +44,14 @@ class Part:
     param: str | None = None
     value: str | None = None
     placement: str | None = None
+    in_flow: bool | None = None  # with `placement`: only in a flow (True) or outside (False)
+    where: str = ""              # how to say that placement ("the source of a flow")
 
     def describe(self, annotation: str) -> str:
         if self.placement is not None:
             from modulec.check.annotation_table import PLACEMENTS
 
-            return f"`@{annotation}` on {PLACEMENTS[self.placement]}"
+            return f"`@{annotation}` on {self.where or PLACEMENTS[self.placement]}"
         if self.value is not None:
             return f"`@{annotation}({self.param}={self.value})`"
         return f"`{self.param}=` of `@{annotation}`"
@@ -73,10 +75,23 @@ def given(param: str, effect: Effect, value: str | None = None) -> Part:
     return Part(effect, param=param, value=value)
 
 
+def on(placement: str, effect: Effect, in_flow: bool | None = None, where: str = "") -> Part:
+    return Part(effect, placement=placement, in_flow=in_flow, where=where)
+
+
+FLOW_SOURCE = dict(in_flow=True, where="the source of a flow")
+
+
 NOT_DISTRIBUTED = "parsed and checked; no runtime shards tensors across devices or runs " \
                   "their communication from annotations yet"
 NO_PRECISION = "parsed and checked; dtypes come from `@dtype` and the declared types, no " \
                "precision recipe or FP8/FP4 scaling is applied yet"
+MID_FLOW = "only a named value is lowered (a destination, an input, a parameter): name " \
+           "the operation's output (`-> h @...`) and annotate it there"
+FLOW_SOURCE_NOTE = "lowered on an `in:` entry, a parameter or a destination, not on a " \
+                   "flow's source: annotate the value where it is declared or made"
+NOT_A_DESTINATION = "the memory policy (§7.2.0) reads `@memory` on parameters and flow " \
+                    "destinations only: name the value (`-> h @memory(...)`)"
 ONLY_LORA_IA3 = "only `lora` and `ia3` adapters are built"
 PLANNED = "modulec.check.memory_policy:memory_decisions", "modulec.plan.recompute:intents"
 INTERPRETED = "runtime.interpreter:Interpreter", "runtime.cuda.step_interpreter:_StepInterpreter"
@@ -85,7 +100,11 @@ STATUS: dict[str, Status] = {
     # §7.2 memory: the modes are the planner's fixed keep / recompute / swap decisions
     "memory": Status(both(*PLANNED, note="`save`/`pin` keep, `recompute`/`temporary` "
                                          "recompute, `offload`/`stream` swap to the host"),
-                     (given("priority", nowhere("no offload order is planned yet")),
+                     (on("param", nowhere("the planner decides activations; parameters "
+                                          "stay in memory")),
+                      on("input", nowhere(NOT_A_DESTINATION)),
+                      on("op", nowhere(NOT_A_DESTINATION)),
+                      given("priority", nowhere("no offload order is planned yet")),
                       given("prefetch", nowhere("a swapped tensor is always prefetched")),
                       given("async", nowhere("swaps always run on the copy stream")))),
     "checkpoint": Status(both("modulec.plan.recompute:_checkpoints", *PLANNED[:1])),
@@ -112,7 +131,9 @@ STATUS: dict[str, Status] = {
                          "runtime.kernels.utility:_cast_backward"),
                     (Part(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",),
                                  "the GPU step stores every parameter as bf16 with an fp32 "
-                                 "master"), placement="param"),)),
+                                 "master"), placement="param"),
+                     on("op", nowhere(MID_FLOW)),
+                     on("input", nowhere(FLOW_SOURCE_NOTE), **FLOW_SOURCE))),
     "precision": Status(nowhere(NO_PRECISION)),
     "scaling": Status(nowhere(NO_PRECISION)),
     "recipe": Status(nowhere(NO_PRECISION)),
@@ -152,7 +173,12 @@ STATUS: dict[str, Status] = {
     "gradient": Status(both("modulec.lower.value_marks:gradient_spec",
                             "modulec.lower.value_marks:mark"),
                        (given("mode", nowhere("the gradient is computed as usual"),
-                              "checkpoint"),)),
+                              "checkpoint"),
+                        on("op", nowhere(MID_FLOW)),
+                        on("input", nowhere(FLOW_SOURCE_NOTE), **FLOW_SOURCE),
+                        on("output", nowhere("a gradient mark goes on the flow destination "
+                                             "that makes the output"), in_flow=False,
+                           where="an `out:` entry"))),
     # §5.11 graph semantics
     "alias": Status(both("modulec.lower.recorder:Recorder.bind",
                          note="every `x -> y` binds `y` to `x`'s value; the annotation "

@@ -78,7 +78,7 @@ def check_site(site: Site, registries: dict | None = None) -> list[Diagnostic]:
     known["kernels:where"] = ", ".join(f"`{op}`" for op in sorted(on)) or "this flow"
     problems += _values(spec, bound, note, known)
     problems = _placement(spec, site) + problems + _one_of(spec, bound, note)
-    return problems or without_effect(spec, bound, site.placement, note)
+    return problems or without_effect(spec, bound, site.placement, note, site.flow is not None)
 
 
 # ====================================================================== sites
