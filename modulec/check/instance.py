@@ -107,14 +107,33 @@ def instantiate(world: World, definition: ModuleDef, args: dict | None = None) -
 
 
 # ====================================================================== declaration params
+# spec §3.1's scalar types, and the tensor type, for a declaration's parameters
+PARAM_TYPES = ("int", "float", "bool", "string", "Tensor")
+
+
 def _bind_decl_params(instance: Instance, args: dict) -> None:
     for param in instance.definition.decl.params or ():
+        _check_param_type(instance, param)
         if param.name in args:
             instance.values[param.name] = args[param.name]
         elif param.default is not None:
             instance.values[param.name] = _default(instance, param)
         else:
             instance.values[param.name] = _symbolic(param)
+
+
+def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
+    """`d_ff: B` is no type: the parameter would stay unsized (E002, not a later crash)."""
+    declared = param.type.value if isinstance(param.type, A.OptionalType) else param.type
+    if not isinstance(declared, A.Name) or declared.id in PARAM_TYPES:
+        return
+    world = instance.world
+    if declared.id in world.candidates(declared.span) or \
+            world.already_reported(declared.id, declared.span):
+        return
+    world.error("E002", f"unknown type `{declared.id}` of parameter `{param.name}`",
+                declared.span, "not a type", help=did_you_mean(declared.id, PARAM_TYPES)
+                or [f"types of parameters: {', '.join(PARAM_TYPES)}"])
 
 
 def _default(instance: Instance, param: A.DeclParam):

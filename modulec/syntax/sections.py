@@ -30,6 +30,7 @@ DECLARATION_SECTIONS: dict[str, frozenset[str] | None] = {
 GRAPH_SECTIONS = frozenset({"in", "out", "inputs", "outputs", "graph", "save", "recompute",
                             "impl"})
 NESTED_SECTIONS = {"forward": GRAPH_SECTIONS, "backward": GRAPH_SECTIONS}
+VERIFY_BACKWARD_KEYS = frozenset({"epsilon", "tolerance", "shapes"})
 
 
 def check_sections(program: A.Program) -> list[Diagnostic]:
@@ -63,6 +64,8 @@ def _check_item(item, allowed, where, primitive) -> list[Diagnostic]:
 
 
 def _check_nested(item, name, primitive) -> list[Diagnostic]:
+    if name == "verify_backward" and isinstance(item, A.Section):
+        return _check_verify_backward(item)
     nested = NESTED_SECTIONS.get(name)
     if nested is None or not isinstance(item, A.Section):
         return []
@@ -71,6 +74,14 @@ def _check_nested(item, name, primitive) -> list[Diagnostic]:
         if isinstance(child, A.Section) and not _gradient_or_known(child, nested):
             diagnostics.append(_unknown(child.key, _key_name(child.key), nested, f"`{name}:`"))
     return diagnostics
+
+
+def _check_verify_backward(section: A.Section) -> list[Diagnostic]:
+    """Its settings (spec §9.8.1; runtime/verify_config.py reads them): a `vocab_size: 64`
+    written directly in it, not under `shapes:`, would fail only at --verify-backward."""
+    return [_unknown(child.key, _key_name(child.key), VERIFY_BACKWARD_KEYS, "`verify_backward:`")
+            for child in section.body if isinstance(child, (A.Section, A.Entry))
+            and _key_name(child.key) not in VERIFY_BACKWARD_KEYS]
 
 
 def _gradient_or_known(section: A.Section, nested) -> bool:
