@@ -12,6 +12,7 @@ from __future__ import annotations
 from modulec.check.calls import UNKNOWN
 from modulec.check.scope import Tensor
 from modulec.check.unify import ShapeError
+from modulec.lower.value_marks import At
 from modulec.ops.registry import OpCall, op_table
 from modulec.semantic.consteval import NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
@@ -98,15 +99,8 @@ def _apply(checker, expr: A.Index, base: Tensor, steps) -> Tensor:
 
             result = recorder.fresh(type_)
             attrs = tuple(sorted((k, attr_value(v)) for k, v in params.items()))
-            recorder.node("op", op, [value], [result], _At(expr.span), attrs)
+            recorder.node("op", op, [value], [result], At(expr.span), attrs)
             value = result
     if recorder is not None and value:
         value = recorder.marked.setdefault(key, value)
     return Tensor("", type_, expr.span, value=value if recorder is not None else "")
-
-
-class _At:
-    """Where a subscript's ops are written (no annotations of their own)."""
-
-    def __init__(self, span) -> None:
-        self.span = span

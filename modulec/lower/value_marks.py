@@ -47,25 +47,25 @@ def mark(recorder, env, value: str, type_: TensorType, annotations, span,
     from here on."""
     if recorder is None or recorder.phase != "forward":
         return value, type_
+    at = At(span)
     target = cast_of(annotations) if cast else None
     if target is not None and target != type_.dtype:
         type_ = type_.with_dtype(target)
-        value = _op(recorder, "cast", value, type_, _At(span), (("dtype", target),))
-    step = _At(span)
+        value = _op(recorder, "cast", value, type_, at, (("dtype", target),))
     spec = gradient_spec(annotations, env)
     if spec is None:
         return value, type_
     mode, scale, clip = spec
     if mode == SKIP:
-        return _op(recorder, "stop_gradient", value, type_, step, ()), type_
+        return _op(recorder, "stop_gradient", value, type_, at, ()), type_
     if scale != 1.0 or clip is not None:
         attrs = (("clip", clip), ("scale", scale))
-        value = _op(recorder, "scale_gradient", value, type_, step, attrs)
+        value = _op(recorder, "scale_gradient", value, type_, at, attrs)
     return value, type_
 
 
 @dataclass(frozen=True)
-class _At:
+class At:
     """Where an inserted op is written (it carries no annotations of its own)."""
 
     span: object
