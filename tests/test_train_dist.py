@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,3 +81,55 @@ def test_an_ir_document_trains_as_its_module(ckpt, tmp_path):
                   "--set", "d_model=64")
     assert refused.exit_code == 1 and "--set" in refused.output
 
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    rank = env.get(b"RANK")
+    return int(rank) if rank is not None and b"LOCAL_RANK" in env else None
+
+
+def test_a_rank_that_dies_ends_the_run_and_the_last_checkpoint_resumes(ckpt, tmp_path):
+    """kill -9 of rank 1 after a save: torchrun ends rank 0 and names rank 1; one process
+    resumes from the checkpoint the two saved."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA,
+               "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
+               "--device", "cpu", "--format", "json", "--hf-weights", str(ckpt / "hf"),
+               "--steps", "100000", "--save", str(tmp_path / "run"), "--save-every", "2",
+               "--dist-timeout", "20"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+    try:
+        for line in launcher.stdout:  # rank 0's JSON lines
+            if '"saved' in line:
+                break
+        victim = next(p for p in _descendants(launcher.pid) if _rank_of(p) == 1)
+        os.kill(victim, signal.SIGKILL)
+        began = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        assert time.monotonic() - began < 90
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    root = err.split("Root Cause")[-1]  # torchrun's report names the rank that failed
+    assert re.search(r"rank\s*:\s*1\b", root) and "SIGKILL" in root, err[-2000:]
+    resumed = losses(train(ckpt, "--steps", "3", "--resume", tmp_path / "run", weights=False))
+    assert len(resumed) == 1  # the run saved step 2; step 3 runs

@@ -66,6 +66,10 @@ def _options(command):
                      help="Under torchrun: data parallel over every process, ZeRO stage S "
                           "(0 replicated, 1 optimizer state sharded, 2 + gradients "
                           "reduce-scattered, 3 + weights sharded; default 2)."),
+        click.option("--dist-timeout", type=click.IntRange(1), default=600,
+                     show_default=True, metavar="SECONDS",
+                     help="Under torchrun: a collective that takes longer (a rank died or "
+                          "hangs) ends every rank with an error naming it."),
         click.option("--memory-budget", "budget", metavar="SIZE",
                      help="Plan keep/recompute/swap to fit SIZE (20GiB, 512MiB, ...)."),
         click.option("--format", "fmt", type=click.Choice(["human", "json"]),

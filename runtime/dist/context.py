@@ -13,6 +13,7 @@ other ranks and names the one that failed.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -86,6 +87,15 @@ class DistContext:
                                    f"{values[differing[0]]!r}, rank 0 {values[0]!r}",
                                    help=["start every rank with the same command and files"])
 
+    def same_program(self, document: dict) -> None:
+        """Every rank runs the same IR document (a digest compared at start)."""
+        import hashlib
+        import json
+
+        text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+        self.same_everywhere("the IR document (its sha256)",
+                             hashlib.sha256(text.encode()).hexdigest()[:16])
+
     def close(self) -> None:
         """Leave the group. With NCCL, a process group some CUDA graph captured
         collectives of can hang in destroy_process_group (seen with torch 2.11 on two
@@ -102,6 +112,33 @@ class DistContext:
         sys.stderr.flush()
         if self.backend == "nccl":
             os._exit(code)
+
+
+@contextmanager
+def collective_failures(context: DistContext, timeout_s: int):
+    """A collective's failure as a user error naming this rank (no traceback): another
+    rank died, or hangs past the timeout."""
+    if not context.distributed:
+        yield
+        return
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as exc:
+        if not _is_collective_failure(exc):
+            raise
+        raise RuntimeUserError(
+            f"rank {context.rank} of {context.world}: a collective failed or did not finish "
+            f"within {timeout_s} s ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+            help=["another rank died or hangs: torchrun's report names the rank that "
+                  "failed first", "resume from the last checkpoint with --resume DIR "
+                  "(--save-every K keeps one every K steps)"]) from None
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        word in text for word in ("gloo", "nccl", "timed out", "timeout", "connection",
+                                  "peer", "socket"))
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,8 @@ class CUDATrainer:
 
             with_distributed(model, dist.options())
         program = gpu_program(model, batch, seq, memory_budget)
+        if dist is not None:
+            dist.context.same_program(program.document)
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
         # decisions="auto": a budgeted program's recompute decisions run in the step
         self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused",

@@ -55,10 +55,13 @@ def built_zero(model: Model) -> int | None:
     return None if section is None else section["zero"]
 
 
-def section_of(model: Model, batch: int, seq: int) -> dict:
+def program_of(model: Model, batch: int, seq: int):
     names = model.source.program(planned=False).input_names()
-    program = model.source.program_for(sized_inputs(names, batch, seq))
-    return program.document["schedule"]["distributed"]
+    return model.source.program_for(sized_inputs(names, batch, seq))
+
+
+def section_of(model: Model, batch: int, seq: int) -> dict:
+    return program_of(model, batch, seq).document["schedule"]["distributed"]
 
 
 class CPUDataParallelTrainer(CPUTrainer):
@@ -67,6 +70,7 @@ class CPUDataParallelTrainer(CPUTrainer):
         with_distributed(model, context.data_parallel(zero).options())
         super().__init__(model, batch, seq, adamw, accumulation)
         self.context = context
+        context.same_program(program_of(model, batch, seq).document)
         section = section_of(model, batch, seq)
         check_group(section["mesh"]["dp"])
         precision = Precision(model.dtype, model.dtype, split=False, update=self._update)

@@ -53,6 +53,7 @@ class Request:
     search_path: tuple = ()
     lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
+    dist_timeout: int = 600  # seconds a collective may take before every rank stops
 
 
 def train_model(**kwargs) -> str:
@@ -60,6 +61,17 @@ def train_model(**kwargs) -> str:
     check_device(request.device)
     _check_numbers(request)
     context = _context(request)
+    try:
+        summary = _train(request, context)
+    finally:
+        context.close()  # gloo: leave the group before exit (its teardown at exit aborts)
+    if context.backend == "nccl":  # its shutdown can hang after captured collectives
+        print(summary if context.is_main else "", flush=True)
+        context.exit_now()
+    return summary if context.is_main else ""
+
+
+def _train(request: Request, context) -> str:
     resumed = _resumed(request.resume)
     weights = resumed[0] if resumed else request.hf_weights
     if weights is None:
@@ -73,11 +85,7 @@ def train_model(**kwargs) -> str:
     run = Run(request, model, data, weights, context)
     if resumed:
         run.resume(*resumed)
-    summary = run.train()
-    if context.backend == "nccl":  # its shutdown can hang after captured collectives
-        print(summary, flush=True)
-        context.exit_now()
-    return summary if context.is_main else ""
+    return run.train()
 
 
 def _context(request: Request):
@@ -85,7 +93,7 @@ def _context(request: Request):
     rank: the data-parallel size is the world size."""
     from runtime.dist import DistContext
 
-    context = DistContext.from_env(request.device)
+    context = DistContext.from_env(request.device, timeout_s=request.dist_timeout)
     if not context.distributed and request.zero is not None:
         raise RuntimeUserError(f"--zero {request.zero} shards across data-parallel "
                                "processes; this is one process",
@@ -232,6 +240,15 @@ class Run:
         self.trainer.load_state(state)
 
     def train(self) -> str:
+        """The steps; under data parallel a collective that fails (a rank died) or does
+        not finish within --dist-timeout (a rank hangs) ends this rank with an error that
+        names it, and torchrun ends the others."""
+        from runtime.dist.context import collective_failures
+
+        with collective_failures(self.context, self.request.dist_timeout):
+            return self._train()
+
+    def _train(self) -> str:
         r = self.request
         times = []
         fmt = r.fmt if self.context.is_main else "none"  # rank 0 reports
