@@ -45,6 +45,7 @@ class Model:
     hf_layout: dict = field(default_factory=dict)  # part sizes of fused HF tensors
     frame_events: object = None  # runtime.dist.zero.ZeroRun under data parallel (ZeRO-3)
     rng_seed: int | None = None  # random ops (dropout): None off (inference), else seeded
+    tp_rank: int = 0  # this process's rank in the tensor-parallel group (`tensor_parallel`)
     _frame: Frame | None = None
 
     def __post_init__(self):
@@ -60,12 +61,16 @@ class Model:
     def from_module(cls, path, *, settings: dict | None = None, config=None, hf_weights=None,
                     dtype=torch.float64, device="cpu", model: str | None = None,
                     search_path=(), progress: bool = False,
-                    memory_budget: int | None = None, lora=None) -> "Model":
+                    memory_budget: int | None = None, lora=None,
+                    tensor_parallel: int = 1, tp_rank: int = 0) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
         are loaded. `lora` (a dict `rank=8, alpha=16, targets=["q", "v"]`, `{}` for the
         annotations' values, or modulec.lower.lora.LoraOptions) adapts the model's
-        `@adapter(lora)` matmuls and freezes its base weights (docs/training.md, "LoRA")."""
+        `@adapter(lora)` matmuls and freezes its base weights (docs/training.md, "LoRA").
+        `tensor_parallel=M` builds rank `tp_rank`'s program of M (its `@shard` parameters
+        are its slices; docs/distributed.md, "Tensor parallel"); run it in a
+        torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group)."""
         if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
             config = Path(hf_weights) / "config.json"
         source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
@@ -78,12 +83,13 @@ class Model:
                 source.lora = LoraOptions.of(lora)
             except ValueError as exc:
                 raise RuntimeUserError(f"lora: {exc}") from None
+        source.tensor_parallel = int(tensor_parallel)
         if memory_budget is not None:  # keep / recompute / swap as the planner decides
             from modulec.lower.build_plan import PlanOptions
 
             source.planning = PlanOptions(budget=int(memory_budget),
                                           training="lora" if lora is not None else "full")
-        instance = cls(source, dtype=dtype, device=device)
+        instance = cls(source, dtype=dtype, device=device, tp_rank=int(tp_rank))
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)
         return instance
@@ -128,13 +134,21 @@ class Model:
     def load_hf(self, directory, progress: bool = False) -> "Model":
         from runtime.hf_weights import load_hf_weights
 
-        schema = self.source.program(planned=False).weight_schema
+        program = self.source.program(planned=False)
+        schema = program.weight_schema
         loaded = load_hf_weights(schema, Path(directory), dtype=self.dtype, device=self.device,
                                  progress=progress)
+        if any(e.get("shard") for e in schema):  # tensor parallel: this rank's slices
+            from runtime.tensor_parallel import local_layout, shard_params
+
+            layout = local_layout(loaded.layout, schema)
+            loaded = shard_params(loaded, program, self.tp_rank)
+        else:
+            layout = loaded.layout
         dtypes = self.parameter_dtypes()  # `@dtype(T)` parameters are stored in T
         self.params.update({p: t.to(dtypes.get(p, t.dtype)) if t.is_floating_point() else t
                             for p, t in loaded.items()})
-        self.hf_layout.update(loaded.layout)
+        self.hf_layout.update(layout)
         from runtime.lora import init_adapters
 
         init_adapters(self, only_missing=True)  # a LoRA build: fresh adapters (B = 0)
@@ -185,7 +199,12 @@ class Model:
                                layout=self.hf_layout)
 
     def _schema(self) -> list:
-        return (self.program or self.source.program(planned=False)).weight_schema
+        schema = (self.program or self.source.program(planned=False)).weight_schema
+        if any(e.get("shard") for e in schema):  # tensor parallel: this rank's slices
+            from runtime.tensor_parallel import local_schema
+
+            return local_schema(schema)
+        return schema
 
     def _interpreter(self) -> Interpreter:
         arena = self._arena()

@@ -73,6 +73,7 @@ class ModuleSource:
     planning: object = None  # modulec.lower.build_plan.PlanOptions (e.g. a memory budget)
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on
     distributed: object = None  # modulec.plan.distributed.DataParallel: data parallel
+    tensor_parallel: int = 1  # tensor parallel size: each rank's program (`--tp`)
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
@@ -97,7 +98,8 @@ class ModuleSource:
         request = BuildRequest(Path(self.path), tuple(self.search_path), self.model,
                                dict(self.settings), shapes, self.config,
                                derive_written=self.derive_written, planning=planning,
-                               lora=self.lora, distributed=self.distributed)
+                               lora=self.lora, distributed=self.distributed,
+                               tensor_parallel=self.tensor_parallel)
         try:
             result = build(request)
         except PlanFailure as exc:

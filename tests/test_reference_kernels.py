@@ -200,6 +200,10 @@ CASES: dict[str, list[Case]] = {
     "stop_gradient": _unary((3, 4)),
     "scale_gradient": [Case("half", lambda g: [randn(g, 3, 4)], {"scale": 0.5}),
                        Case("clip", lambda g: [randn(g, 2, 6)], {"scale": 2.0, "clip": 0.7})],
+    # one rank (no process group): the all-reduce is the identity; two ranks under gloo
+    # are tests/test_tensor_parallel.py
+    "tp_copy": [Case("one_rank", lambda g: [randn(g, 3, 4)], {"size": 1})],
+    "tp_all_reduce": [Case("one_rank", lambda g: [randn(g, 3, 4)], {"size": 1})],
     "add": _binary((2, 3, 4)) + [
         Case("broadcast-bias", lambda g: [randn(g, 2, 3, 4), randn(g, 4)]),
         Case("broadcast-both", lambda g: [randn(g, 3, 1), randn(g, 2, 1, 4)])],
@@ -459,6 +463,8 @@ ORACLES: dict[str, Callable] = {
     "select": lambda x, *, dim, index, **_: [torch.select(x, dim, index)],
     "slice": lambda x, *, dim, start, end, **_: [
         torch.narrow(x, dim, *_span(x.shape[dim], start, end))],
+    "tp_copy": lambda x, **_: [x],
+    "tp_all_reduce": lambda x, **_: [x],
     "add": lambda a, b, **_: [torch.add(a, b)],
     "mul": lambda a, b, **_: [torch.mul(a, b)],
     "scale": lambda x, *, factor, **_: [torch.mul(x, factor)],

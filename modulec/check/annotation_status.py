@@ -84,6 +84,8 @@ FLOW_SOURCE = dict(in_flow=True, where="the source of a flow")
 
 NOT_DISTRIBUTED = "parsed and checked; no runtime shards tensors across devices or runs " \
                   "their communication from annotations yet"
+NOT_TP = "tensor parallel splits `column` / `row` parameters over `--tp M` ranks; this " \
+         "strategy or argument is parsed and checked, not executed yet"
 NO_PRECISION = "parsed and checked; dtypes come from `@dtype` and the declared types, no " \
                "precision recipe or FP8/FP4 scaling is applied yet"
 MID_FLOW = "only a named value is lowered (a destination, an input, a parameter): name " \
@@ -150,7 +152,20 @@ STATUS: dict[str, Status] = {
                      (given("autotune", nowhere("no kernel is autotuned")),
                       given("workspace", nowhere("kernels size their own workspace")))),
     # §7.6 sharding
-    "shard": Status(nowhere(NOT_DISTRIBUTED)),
+    "shard": Status(both("modulec.lower.tensor_parallel:apply_tensor_parallel",
+                         "runtime.kernels.comm:all_reduce",
+                         note="`column` / `row` on a parameter: a `--tp M` build writes each "
+                              "rank's program (its slices, tp_copy / tp_all_reduce); the "
+                              "collectives are torch.distributed calls on CPU (gloo) or CUDA "
+                              "(NCCL) tensors, the GPU step running them through its "
+                              "reference-kernel fallback (docs/distributed.md, Tensor "
+                              "parallel)"),
+                    tuple(given("strategy", nowhere(NOT_TP), value) for value in
+                          ("expert", "sequence", "batch", "head"))
+                    + tuple(given(param, nowhere(NOT_TP)) for param in
+                            ("tp_size", "ep_size", "pp_size", "async_comm", "reduce_scatter"))
+                    + tuple(Part(nowhere("only parameters are sharded"), placement=where)
+                            for where in ("output", "op", "input"))),
     "partition": Status(nowhere("stages are checked and planned into the Schedule IR's "
                                 "`pipeline` section; no runtime executes a pipeline yet")),
     "comm": Status(nowhere(NOT_DISTRIBUTED)),

@@ -128,6 +128,7 @@ KERNEL = Kind('a kernel name (`"cudnn"`)', (A.String,), registry="kernels",
               unknown="no kernel `{value}` for {where}",
               label="unknown kernel")
 OPS = Kind("a list of operation names (`[matmul, add]`)", (A.ListExpr,), items=OP)
+SIZES = Kind("a list of sizes (`[num_heads, num_kv_heads]`)", (A.ListExpr,), items=INT)
 
 
 # ====================================================================== annotations
@@ -280,6 +281,9 @@ _SPECS = (
         opt("pp_size", INT, "pipeline parallel size"),
         opt("async_comm", BOOL, "overlap communication with compute", "true"),
         opt("reduce_scatter", BOOL, "use reduce-scatter instead of all-reduce", "true"),
+        opt("parts", SIZES, "a fused parameter's parts along the sharded dim, in units "
+            "(heads, columns), each split evenly across the ranks (`[num_heads, "
+            "num_kv_heads, num_kv_heads]`)"),
     ), forms=("@shard(strategy)", "@shard(strategy, params...)")),
     Spec("partition", "§7.6.2", "assigns operations to a pipeline stage", OPERATION | BLOCK, (
         req("stage", INT, "pipeline stage index (0-based)"),

@@ -12,6 +12,9 @@ from modulec.ops.registry import OpRule, op_table
 from modulec.semantic.decls import ModuleDef, module_def
 from modulec.source import Span
 from modulec.syntax import ast as A
+from modulec.types.dims import Dim
+
+TOPOLOGY = {"tp_size": Dim.const(1)}  # the compile-time topology without `--tp` (§7.6.0)
 
 
 class Names(Protocol):
@@ -50,7 +53,9 @@ class World:
     quiet: int = 0  # >0 while checking an instance for its types only
     recording: bool = False  # lowering: record each instance's graph as Graph IR
     instantiating: list = field(default_factory=list)  # declarations being instantiated
-    dims: dict = field(default_factory=dict)  # sizes of free dims for a build (`--shape B=8`)
+    # sizes a build fixes: the inputs' free dims (`--shape B=8`) and the topology's
+    # `tp_size` (spec §7.6.0; `--tp`, 1 otherwise), which every module may read
+    dims: dict = field(default_factory=lambda: dict(TOPOLOGY))
     function_names: dict = field(default_factory=dict)
 
     @property

@@ -144,6 +144,7 @@ def build_command(output_options, guarded):
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
         parallel_request(request, dp, zero, pp, microbatches)
+        request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:

@@ -58,6 +58,7 @@ def plan_command(output_options, guarded):
         request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
                                pairs(shapes, "--shape", True), config)
         parallel_request(request, dp, zero, pp, microbatches)
+        request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
         result = build(request)
         Output(fmt, use_color(color)).show(FileResult(str(file), result.source, None,
                                                       result.diagnostics))

@@ -48,6 +48,7 @@ class BuildRequest:
     # modulec.plan.pipeline.Pipeline: the schedule's `pipeline` section (also written, with
     # the defaults, for a model whose forward has `@partition` stages)
     pipeline: object = None
+    tensor_parallel: int = 1  # `--tp M`: this rank's program of M (modulec.lower.tensor_parallel)
 
 
 @dataclass
@@ -108,19 +109,23 @@ def _check_tie(result: BuildResult, decl: A.Decl, request: BuildRequest) -> Buil
 
 def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     world = recording_world(loaded.scope, scopes_of(resolver))
-    world.dims = {k: Dim.const(v) for k, v in request.shapes.items()}
+    world.dims = {"tp_size": Dim.const(request.tensor_parallel),
+                  **{k: Dim.const(v) for k, v in request.shapes.items()}}
     instance = instantiate(world, world.definition(decl), args)
+    if _sharding_fails(world, instance, request):  # before its shapes fail downstream
+        return BuildResult(diagnostics + world.diagnostics, source=loaded.source)
     graph = lower_model(world, instance)  # checks every instance of the tree at these sizes
     from modulec.check.weights import check_weights
 
     check_weights(instance)
+    tensor_parallel = _tensor_parallel(world, instance, request)
     diagnostics += world.diagnostics
     if any(d.is_error for d in diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
     if request.derive_written:
         graph = without_written_backward(graph)
     context = PassContext(sources={loaded.source.name: loaded.source} if loaded.source else {},
-                          lora=request.lora)
+                          lora=request.lora, tensor_parallel=tensor_parallel)
     if request.lora is not None:
         context.weight_schema = _weight_schema(instance)
     graph = run_pipeline(graph, request.dump_after, request.dump, context)
@@ -143,6 +148,12 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     training = training_metadata(graph, world.param_settings)
     if training is not None:  # @frozen, @trainable(...): what each trainer reads
         document["metadata"]["training"] = training
+    if tensor_parallel is not None:
+        from modulec.lower.tensor_parallel import section, shard_weight_schema
+
+        document["weight_schema"] = shard_weight_schema(document["weight_schema"], graph,
+                                                        tensor_parallel)
+        document["schedule"]["tensor_parallel"] = section(tensor_parallel)
     if request.distributed is not None:
         document["schedule"]["distributed"] = _distributed(graph, document, request)
     _pipeline(graph, document, request)
@@ -167,6 +178,31 @@ def _pipeline(graph, document: dict, request: BuildRequest) -> None:
     document["schedule"]["pipeline"] = section
     if "distributed" in document["schedule"]:
         document["schedule"]["distributed"]["mesh"]["pp"] = len(section["stages"])
+
+
+def _sharding_fails(world, instance, request: BuildRequest) -> bool:
+    """With `--tp M`: whether a `@shard` cannot split across M (E027 / E008 reported)."""
+    if request.tensor_parallel == 1:
+        return False
+    from modulec.lower.tensor_parallel import shards
+
+    before = len(world.diagnostics)
+    shards(world, instance, lambda world, instance: "")
+    return any(d.is_error for d in world.diagnostics[before:])
+
+
+def _tensor_parallel(world, instance, request: BuildRequest):
+    """With `--tp M`: the sharded parameters (E027 / E008 into world.diagnostics)."""
+    if request.tensor_parallel == 1:
+        return None
+    from modulec.lower.lowering import function_name
+    from modulec.lower.tensor_parallel import shards
+
+    if request.lora is not None:
+        world.diagnostics.append(error("E008", "LoRA with tensor parallel (`--tp`) is not "
+                                       "supported yet", None,
+                                       help=["train LoRA on one GPU or with data parallel"]))
+    return shards(world, instance, function_name)
 
 
 def _distributed(graph, document: dict, request: BuildRequest) -> dict:

@@ -14,6 +14,7 @@ from modulec.lower import pass_names
 from modulec.lower.backward import derive_backward
 from modulec.lower.fusion import fuse
 from modulec.lower.lora import apply_lora
+from modulec.lower.tensor_parallel import apply_tensor_parallel
 from modulec.source import SourceFile, Span
 
 
@@ -26,6 +27,8 @@ class PassContext:
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on (None: the pass is off)
     weight_schema: list = field(default_factory=list)  # HF names (the lora pass's targets)
     lora_report: object = None  # what the lora pass adapted (modulec.lower.lora.LoraReport)
+    # modulec.lower.tensor_parallel.TensorParallel: `--tp` on (None: the pass is off)
+    tensor_parallel: object = None
 
     def annotation_span(self, at: tuple, name: str) -> Span | None:
         """The span of the first `@name(...)` at or after a node's (file, line, column),
@@ -72,6 +75,11 @@ class Pass:
 PIPELINE: tuple[Pass, ...] = (
     Pass("lower", "checked model instance -> forward Graph IR, one function per instance",
          lambda graph, context: graph),
+    Pass("tensor_parallel", "with `--tp M` (spec §7.6.1): tp_copy before each "
+         "column-sharded matmul's input (and replicated parameters read in the sharded "
+         "region), tp_all_reduce after each row-sharded matmul; rewritten functions' "
+         "written backwards dropped, derived with the pair (E008 on layout conflicts)",
+         apply_tensor_parallel),
     Pass("lora", "with LoRA on (`--lora`): each `@adapter(lora)` matmul y = x @ W^T gets "
          "y += (alpha/rank) (x @ A^T) @ B^T per selected part of a fused weight; base "
          "parameters frozen, written backwards dropped (E008 when misplaced)", apply_lora),

@@ -10,15 +10,16 @@ formulas are the point), so autograd of a forward is an independent check of its
 
 Families: linalg (matmul, batched_matmul, grouped_gemm), norms, activations, attention
 (flash_attention, rope, qk_norm, qk_norm_rope), tensor (views and copies), elementwise, reductions,
-embedding, moe, mamba, utility (zeros, ones, fill), loss (cross_entropy).
+embedding, moe, mamba, utility (zeros, ones, fill), loss (cross_entropy), comm (tp_copy,
+tp_all_reduce: torch.distributed).
 """
 
 from __future__ import annotations
 
 from runtime.kernels.base import KERNELS, ReferenceKernel
 from runtime.kernels import (  # noqa: F401 (each module registers its kernels)
-    activations, attention, elementwise, embedding, linalg, loss, mamba, moe, norms, reductions,
-    tensor, utility,
+    activations, attention, comm, elementwise, embedding, linalg, loss, mamba, moe, norms,
+    reductions, tensor, utility,
 )
 
 __all__ = ["KERNELS", "ReferenceKernel", "default_attrs"]

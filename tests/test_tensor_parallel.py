@@ -1,0 +1,161 @@
+"""Tensor parallel (`--tp`, spec §7.6.1) on two CPU processes (gloo): each rank runs its
+program (column-parallel QKV and gate/up, row-parallel O and down, tp_copy /
+tp_all_reduce inserted by the `tensor_parallel` pass, backward derived); the logits, the
+loss and every parameter gradient, gathered from the shards, equal one process running
+the unsharded model (float64). Also the per-rank program, the weight slicing and the
+diagnostics of shardings that cannot work."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from modulec.lower.build import BuildRequest, build  # noqa: E402
+from runtime.tensor_parallel import shard_tensor, unshard_params, unshard_tensors  # noqa: E402
+from tests import tp_workers  # noqa: E402
+from tests.runtime_models import TINY  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tp_build(name: str, tp: int, **more):
+    path, settings = TINY[name]
+    settings = {k: str(v) for k, v in (settings | more).items()}
+    return build(BuildRequest(ROOT / path, settings=settings, shapes={"B": 2, "T": 6},
+                              tensor_parallel=tp))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral"])
+def test_two_ranks_equal_one_process(name, tmp_path):
+    want = tp_workers.step(tp_workers.tiny_model(name))
+    out = str(tmp_path / "rank")
+    mp.spawn(tp_workers.run_rank, nprocs=2, args=(2, free_port(), name, out))
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    program = tp_workers.tiny_model(name, 2, 0).source.program(planned=False)
+    for got in ranks:
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-10, atol=1e-12)
+    grads = unshard_params([r["grads"] for r in ranks], program)
+    assert set(grads) == set(want["grads"])
+    for path, value in want["grads"].items():
+        torch.testing.assert_close(grads[path], value, rtol=1e-9, atol=1e-12, msg=path)
+    # a replicated parameter (norms, embedding, router, Qwen3's q_norm) gets the whole
+    # gradient on both ranks
+    replicated = [p for p in want["grads"] if ranks[0]["grads"][p].shape == grads[p].shape]
+    assert len(replicated) < len(want["grads"])
+    for path in replicated:
+        torch.testing.assert_close(ranks[1]["grads"][path], ranks[0]["grads"][path],
+                                   rtol=1e-10, atol=1e-12, msg=path)
+
+
+def test_the_rank_program_splits_heads_and_columns():
+    result = tp_build("llama", 2)
+    assert not [d for d in result.diagnostics if d.is_error]
+    graph = result.graph
+    attention = graph.function("CausalSelfAttention#1")
+    shapes = {p.id: p.shape for p in attention.params}
+    assert shapes == {"param:qkv_weight": ("32", "32"), "param:out_weight": ("32", "16")}
+    ops = [n.target for n in attention.nodes]
+    assert ops[0] == "tp_copy" and ops[-1] == "tp_all_reduce"
+    backward = graph.function("CausalSelfAttention#1.backward")
+    assert [n.target for n in backward.nodes][-1] == "tp_copy_backward"
+    section = result.document["schedule"]["tensor_parallel"]
+    assert section["shards"]["CausalSelfAttention#1"]["qkv_weight"] == {
+        "strategy": "column", "dim": 0, "parts": [32, 16, 16], "size": 2}
+    schema = {e["param"]: e for e in result.document["weight_schema"]}
+    assert schema["blocks[{i}].attention.qkv_weight"]["shape"] == [64, 32]  # the checkpoint's
+    assert schema["blocks[{i}].mlp.down_weight"]["shard"]["dim"] == 1
+
+
+def test_tp_1_is_the_unsharded_program():
+    plain = tp_build("qwen3", 1)
+    assert "tensor_parallel" not in plain.document["schedule"]
+    assert not any(n.target.startswith("tp_") for f in plain.graph.functions for n in f.nodes)
+
+
+def test_a_fused_parameter_is_sliced_per_part():
+    shard = {"strategy": "column", "dim": 0, "parts": [4, 2, 2], "size": 2}  # q, k, v rows
+    whole = torch.arange(8).reshape(8, 1)
+    assert shard_tensor(whole, shard, 0).flatten().tolist() == [0, 1, 4, 6]
+    assert shard_tensor(whole, shard, 1).flatten().tolist() == [2, 3, 5, 7]
+    slices = [shard_tensor(whole, shard, r) for r in range(2)]
+    assert torch.equal(unshard_tensors(slices, shard), whole)
+
+
+def test_kv_heads_not_divisible_by_tp_is_an_error_naming_the_tensor_and_dim():
+    result = tp_build("llama", 4)  # num_kv_heads = 2
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and errors[0].code == "E027"
+    message = errors[0].message
+    assert "`qkv_weight`" in message and "dim 0" in message and "num_kv_heads" in message
+    assert "tp_size 4" in message
+
+
+def test_d_ff_not_divisible_by_tp_is_an_error():
+    result = tp_build("llama", 2, d_ff=47, num_heads=4, num_kv_heads=2)
+    messages = [d.message for d in result.diagnostics if d.is_error]
+    assert any("`up_weight`" in m and "d_ff" in m for m in messages), messages
+
+
+def test_a_layout_conflict_is_an_error(tmp_path):
+    source = tmp_path / "conflict.module"
+    source.write_text('''module Conflict(d: int = 8, f: int = 16):
+  let:
+    local_f = f // tp_size
+
+  params:
+    up: [local_f, d] @shard(column)
+    down: [d, local_f]
+
+  forward:
+    in: x: [B, d]
+    out: [B, d]
+
+    graph:
+      x -> matmul(up, transpose=NT) -> h
+      h -> matmul(down, transpose=NT) -> out
+''')
+    result = build(BuildRequest(source, model="Conflict", shapes={"B": 2}, tensor_parallel=2))
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and errors[0].code == "E008"
+    assert "`down`" in errors[0].message or "output" in errors[0].message
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_each_rank_loads_its_slice_of_an_hf_checkpoint(name, tmp_path):
+    from runtime.model import Model
+    from runtime.tensor_parallel import shard_params
+
+    whole = tp_workers.tiny_model(name)
+    # the fused parameters' part sizes are the shards' parts (q, k, v rows; gate, up)
+    schema = tp_workers.tiny_model(name, 2).source.program(planned=False).weight_schema
+    whole.hf_layout = {e["param"]: e["shard"]["parts"] for e in schema
+                       if e.get("shard") and len(e["shard"]["parts"]) > 1}
+    whole.save_hf(tmp_path)
+    path, settings = TINY[name]
+    settings = {k: str(v) for k, v in settings.items()}
+    full = Model.from_module(path, settings=settings, dtype=torch.float64,
+                             hf_weights=tmp_path).hf_tensors()
+    for rank in range(2):
+        model = Model.from_module(path, settings=settings, dtype=torch.float64,
+                                  tensor_parallel=2, tp_rank=rank, hf_weights=tmp_path)
+        want = shard_params(whole.params, model.source.program(planned=False), rank)
+        assert set(model.params) == set(want)
+        for key, value in want.items():
+            assert torch.equal(model.params[key], value), key
+        # its HF export is its slice of each HF tensor (q_proj: its heads' rows)
+        exported = model.hf_tensors()
+        q = "model.layers.0.self_attn.q_proj.weight"
+        rows = exported[q].shape[0]
+        assert torch.equal(exported[q], full[q][rank * rows:(rank + 1) * rows])

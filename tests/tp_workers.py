@@ -1,0 +1,58 @@
+"""Work run in each process of the tensor-parallel tests (torch.multiprocessing spawns
+them: the functions must be importable). Each process joins a gloo group of `world`
+ranks on a free localhost port given by the test and runs its rank's program."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.runtime_models import TINY, token_inputs
+
+
+def tiny_model(name: str, tensor_parallel: int = 1, rank: int = 0):
+    """The tiny model `name` (float64); under tensor parallel, this rank's slices of the
+    same random parameters the unsharded model gets."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import shard_params
+
+    path, settings = TINY[name]
+    settings = {k: str(v) for k, v in settings.items()}
+    whole = Model.from_module(path, settings=settings, dtype=torch.float64).init_random(seed=0)
+    if tensor_parallel == 1:
+        return whole
+    model = Model.from_module(path, settings=settings, dtype=torch.float64,
+                              tensor_parallel=tensor_parallel, tp_rank=rank)
+    model.params = shard_params(whole.params, model.source.program(planned=False), rank)
+    return model
+
+
+def step(model) -> dict:
+    """Forward, a cross-entropy loss (plus the MoE aux loss) and the backward."""
+    inputs = token_inputs(model, batch=2, seq=6)
+    outputs = model.forward(**inputs)
+    logits = outputs["logits"].detach().requires_grad_(True)
+    targets = torch.roll(inputs["token_ids"].long(), -1, dims=1)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1))
+    (d_logits,) = torch.autograd.grad(loss, logits)
+    seeds = {"logits": d_logits}
+    if "aux_loss" in outputs:
+        loss = loss + outputs["aux_loss"]
+        seeds["aux_loss"] = torch.ones_like(outputs["aux_loss"])
+    grads = model.backward(**seeds)
+    return {"logits": outputs["logits"], "loss": loss.detach(), "grads": grads.params}
+
+
+def run_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        result = step(tiny_model(name, world, rank))
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
