@@ -163,3 +163,24 @@ def test_missing_import_names_the_import_that_defines_the_name(tmp_path):
     assert "undefined module `Linear`" in result.output
     assert "add `import std.modules.linear.Linear`" in result.output
     assert "add `import std.modules.norm.RMSNormParams`" in result.output
+
+
+# ------------------------------------------------------------------ docs
+def test_runtime_page_memory_budget_counts_are_what_the_code_prints(capsys):
+    """docs/runtime.md's memory-budget example: its comment is the printed counts."""
+    pytest.importorskip("torch")
+    import re
+
+    page = Path("docs/runtime.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S)
+                 if "memory_budget=" in b)
+    expected = re.search(r"^# (\{.*\})$", block, re.M).group(1)
+    exec(compile(block, "docs/runtime.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == expected
+
+
+def test_readme_opens_with_setup_test_and_the_way_to_the_command():
+    first = Path("README.md").read_text(encoding="utf-8").split("```sh\n", 1)[1].split("```")[0]
+    lines = first.splitlines()
+    assert lines[0].startswith("make setup") and lines[1].startswith("make test")
+    assert "source .venv/bin/activate" in first and "modulec" in lines[2]
