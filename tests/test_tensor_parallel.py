@@ -36,11 +36,13 @@ def tp_build(name: str, tp: int, **more):
                               tensor_parallel=tp))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mixtral"])
-def test_two_ranks_equal_one_process(name, tmp_path):
+# qwen3 runs on a process group given to set_tp_group, the others on the default group
+@pytest.mark.parametrize("name, own_group", [("llama", False), ("qwen3", True),
+                                             ("mixtral", False)])
+def test_two_ranks_equal_one_process(name, own_group, tmp_path):
     want = tp_workers.step(tp_workers.tiny_model(name))
     out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.run_rank, nprocs=2, args=(2, free_port(), name, out))
+    mp.spawn(tp_workers.run_rank, nprocs=2, args=(2, free_port(), name, out, own_group))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     program = tp_workers.tiny_model(name, 2, 0).source.program(planned=False)
     for got in ranks:

@@ -45,14 +45,23 @@ def step(model) -> dict:
     return {"logits": outputs["logits"], "loss": loss.detach(), "grads": grads.params}
 
 
-def run_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
+def run_rank(rank: int, world: int, port: int, name: str, out: str,
+             own_group: bool = False) -> None:
+    """Rank `rank`'s step, saved to `out`.<rank>; with `own_group` the collectives run on
+    a group made for them (as a DP x TP run gives each TP slice its own), else on the
+    default group."""
     import torch.distributed as dist
+
+    from runtime.kernels.comm import set_tp_group
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
+        if own_group:
+            set_tp_group(dist.new_group(list(range(world))))
         result = step(tiny_model(name, world, rank))
         torch.save(result, f"{out}.{rank}")
     finally:
+        set_tp_group(None)
         dist.destroy_process_group()
