@@ -161,3 +161,24 @@ def test_each_rank_loads_its_slice_of_an_hf_checkpoint(name, tmp_path):
         q = "model.layers.0.self_attn.q_proj.weight"
         rows = exported[q].shape[0]
         assert torch.equal(exported[q], full[q][rank * rows:(rank + 1) * rows])
+
+
+def test_a_shape_not_written_over_the_local_part_is_an_error(tmp_path):
+    source = tmp_path / "global.module"
+    source.write_text('''module Global(d: int = 8, f: int = 16):
+  params:
+    up: [f, d] @shard(column)
+    down: [d, f] @shard(row)
+
+  forward:
+    in: x: [B, d]
+    out: [B, d]
+
+    graph:
+      x -> matmul(up, transpose=NT) -> h
+      h -> matmul(down, transpose=NT) -> out
+''')
+    result = build(BuildRequest(source, model="Global", shapes={"B": 2}, tensor_parallel=2))
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and errors[0].code == "E008"
+    assert "dim 0 of `up` is 16 at tp_size 2, not 16 // 2" in errors[0].message

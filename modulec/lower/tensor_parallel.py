@@ -112,7 +112,8 @@ def _shard_of(world, instance, param, size: int) -> Shard | None:
     unsharded = _unsharded_env(instance)
     whole = _dims(param.type, unsharded)
     if whole is None or len(whole) != len(local):
-        return None
+        return report.fail("E008", f"the shape of `{param.name}` without tensor parallel "
+                           "(tp_size = 1) is not a list of compile-time sizes")
     parts = _parts(args.get("parts"), unsharded, whole[dim], report, dim)
     if parts is None:
         return None
