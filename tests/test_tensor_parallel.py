@@ -61,6 +61,23 @@ def test_two_ranks_equal_one_process(name, own_group, tmp_path):
                                    rtol=1e-10, atol=1e-12, msg=path)
 
 
+def test_two_adamw_steps_on_two_ranks_equal_one_process(tmp_path):
+    """AdamW is element-wise: each rank stepping its slices is the unsharded step."""
+    want = tp_workers.train(tp_workers.tiny_model("llama"))
+    out = str(tmp_path / "rank")
+    mp.spawn(tp_workers.train_rank, nprocs=2, args=(2, free_port(), "llama", out))
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    program = tp_workers.tiny_model("llama", 2, 0).source.program(planned=False)
+    for got in ranks:
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-9)
+    for key in ("masters", "exp_avg", "exp_avg_sq"):
+        whole = unshard_params([r[key] for r in ranks], program)
+        assert set(whole) == set(want[key]), key
+        for path, value in want[key].items():
+            torch.testing.assert_close(whole[path], value, rtol=1e-9, atol=1e-12,
+                                       msg=f"{key} {path}")
+
+
 def test_the_rank_program_splits_heads_and_columns():
     result = tp_build("llama", 2)
     assert not [d for d in result.diagnostics if d.is_error]

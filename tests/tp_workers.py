@@ -65,3 +65,34 @@ def run_rank(rank: int, world: int, port: int, name: str, out: str,
     finally:
         set_tp_group(None)
         dist.destroy_process_group()
+
+
+def windows(steps: int, rows: int, seq: int, vocab: int = 64) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (rows, seq + 1), generator=generator)
+            for _ in range(steps)]
+
+
+def train(model, steps: int = 2, rows: int = 2, seq: int = 6) -> dict:
+    """`steps` AdamW steps of the CPU trainer: the losses, then the masters and moments."""
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+
+    trainer = CPUTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1))
+    losses = [trainer.train_step(w) for w in windows(steps, rows, seq)]
+    state = trainer.state()
+    return {"losses": losses, **{k: dict(state[k]) for k in ("masters", "exp_avg",
+                                                             "exp_avg_sq")}}
+
+
+def train_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
+    """Rank `rank` training its slices (the same batches on every rank)."""
+    import torch.distributed as dist
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.save(train(tiny_model(name, world, rank)), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
