@@ -199,3 +199,12 @@ def test_a_shape_not_written_over_the_local_part_is_an_error(tmp_path):
     errors = [d for d in result.diagnostics if d.is_error]
     assert errors and errors[0].code == "E008"
     assert "dim 0 of `up` is 16 at tp_size 2, not 16 // 2" in errors[0].message
+
+
+def test_tp_on_a_model_without_sharded_parameters_is_an_error():
+    result = build(BuildRequest(ROOT / "examples/mamba.module", shapes={"B": 2, "T": 6},
+                                settings=dict(n_layers="2", d_model="32", vocab_size="64",
+                                              d_state="8", head_dim="8"),
+                                tensor_parallel=2))
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and "nothing to split" in errors[0].message

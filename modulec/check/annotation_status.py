@@ -173,18 +173,15 @@ STATUS: dict[str, Status] = {
     "assert": Status(both("runtime.conditions:evaluate", *INTERPRETED)),
     "profile": Status(both("runtime.profiling:Profiler", *INTERPRETED)),
     "trace": Status(both("runtime.probes:trace_line", "runtime.hooks:Hooks.enable_trace")),
-    # §7.8 training: the CPU trainer reads them (the program's metadata.training); the GPU
-    # step does not yet
-    "frozen": Status(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",
-                                              "runtime.train.param_groups:frozen_parameters"),
-                            "no gradient is computed; the GPU step still holds an fp32 "
-                            "master and moments for it")),
-    "trainable": Status(Effect(ACTS, NO_EFFECT, (
-        "modulec.lower.training_settings:trainable_settings",
-        "runtime.train.param_groups:hyperparameters",
-        "runtime.train.param_groups:clip_gradient"),
-        "the GPU step gives every trained parameter the optimizer's learning rate, weight "
-        "decay and no per-parameter clipping")),
+    # §7.8 training: both trainers read them (the program's metadata.training); under data
+    # parallel `@trainable` settings are refused (one learning rate per shard)
+    "frozen": Status(both("modulec.check.instance:_param_value",
+                          "runtime.train.param_groups:frozen_parameters",
+                          "runtime.cuda.step:frozen_paths")),
+    "trainable": Status(both("modulec.lower.training_settings:trainable_settings",
+                             "runtime.train.param_groups:hyperparameters",
+                             "runtime.train.param_groups:clip_gradient",
+                             "runtime.cuda.step:TrainStep._update")),
     "gradient": Status(both("modulec.lower.value_marks:gradient_spec",
                             "modulec.lower.value_marks:mark"),
                        (given("mode", nowhere("the gradient is computed as usual"),

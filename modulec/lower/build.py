@@ -202,18 +202,26 @@ def _tensor_parallel(world, instance, request: BuildRequest):
         world.diagnostics.append(error("E008", "LoRA with tensor parallel (`--tp`) is not "
                                        "supported yet", None,
                                        help=["train LoRA on one GPU or with data parallel"]))
-    return shards(world, instance, function_name)
+    found = shards(world, instance, function_name)
+    if not found.shards:  # every rank would run the whole model
+        world.diagnostics.append(error(
+            "E008", f"`--tp {request.tensor_parallel}`: no parameter of `{instance.name}` "
+            "is `@shard(column)` or `@shard(row)`, so there is nothing to split", None,
+            help=["mark the parameters (docs/distributed.md, Tensor parallel), or build "
+                  "without `--tp`"]))
+    return found
 
 
 def _distributed(graph, document: dict, request: BuildRequest) -> dict:
     """The data-parallel section over the parameters the step trains: not a tied one
-    (its target owns the update), with LoRA only the adapters."""
+    (its target owns the update) nor a `@frozen` one, with LoRA only the adapters."""
     from modulec.lower.lora import is_adapter
     from modulec.plan.distributed import data_parallel_section, parameter_paths
 
     tied = {e["param"] for e in document["weight_schema"]
             if e.get("kind") == "tied" and not e.get("stacks")}
-    trained = {p for p in parameter_paths(graph) if p not in tied and
+    frozen = set(document["metadata"].get("training", {}).get("frozen", ()))
+    trained = {p for p in parameter_paths(graph) if p not in tied and p not in frozen and
                (request.lora is None or is_adapter(p))}
     return data_parallel_section(graph, request.distributed, trained)
 

@@ -304,9 +304,11 @@ class TrainStep:
         their own region."""
         from runtime.cuda.state import region
         from runtime.dist.streams import CudaStreams
-        from runtime.dist.zero import Precision, ZeroRun, check_group
+        from runtime.dist.zero import (Precision, ZeroRun, check_group,
+                                       refuse_parameter_settings)
 
         section = self.program.document["schedule"].get("distributed")
+        refuse_parameter_settings(self.program)
         if section is None:
             raise ValueError("the program has no distributed section: build it with "
                              "TrainStep.from_module(..., dist=...) or `modulec build --dp`")
@@ -483,15 +485,20 @@ class TrainStep:
         self._update(path, total.div_(self.accumulation))
 
     def _update(self, path: str, grad: Tensor) -> None:
+        """One AdamW step of `path` with its own settings (`@trainable`: learning rate and
+        weight decay scaled, its gradient's norm clipped)."""
         if self.zero is not None:  # reduced with its bucket, then its shard updated
             return self.zero.gradient(path, grad)
         from runtime.cuda.kernels import _extension
+        from runtime.train.param_groups import clip_gradient, hyperparameters
 
         a = self.adamw
-        _extension().adamw_split_step(self.compute[path], self.lows[path], grad.contiguous(),
+        lr, weight_decay, clip = hyperparameters(self.program, path, a)
+        _extension().adamw_split_step(self.compute[path], self.lows[path],
+                                      clip_gradient(grad, clip).contiguous(),
                                       self.exp_avg[path], self.exp_avg_sq[path],
-                                      self.step_count, a.lr, a.betas[0], a.betas[1], a.eps,
-                                      a.weight_decay)
+                                      self.step_count, lr, a.betas[0], a.betas[1], a.eps,
+                                      weight_decay)
 
     def use_hooks(self):
         """The step's hook registry (made on first use, checked against the model's hook
@@ -537,13 +544,11 @@ class TrainStep:
 
 
 def frozen_paths(program: Program) -> set[str]:
-    """The parameters a step does not train: with LoRA (the program's `metadata.lora`),
-    all but the adapters; otherwise none."""
-    if not program.metadata.get("lora"):
-        return set()
-    from modulec.lower.lora import is_adapter
+    """The parameters a step does not train (no master, moments or gradient): `@frozen`
+    ones and, with LoRA, all but the adapters (runtime.train.param_groups)."""
+    from runtime.train.param_groups import frozen_parameters
 
-    return {p for p in parameter_shapes(program.graph) if not is_adapter(p)}
+    return frozen_parameters(program)
 
 
 def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:

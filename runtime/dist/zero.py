@@ -343,6 +343,17 @@ def _ops_by_trigger(ops: list[dict]) -> dict[str, list[dict]]:
     return by
 
 
+def refuse_parameter_settings(program) -> None:
+    """A bucket's shard is updated with one learning rate and weight decay: per-parameter
+    `@trainable` settings are refused under data parallel rather than ignored."""
+    settings = program.metadata.get("training", {}).get("parameters", {})
+    if settings:
+        raise RuntimeUserError(f"@trainable settings ({', '.join(sorted(settings)[:3])}) are "
+                               "not supported under data parallel yet",
+                               help=["train on one process, or remove the @trainable "
+                                     "arguments"])
+
+
 def check_group(dp: int) -> None:
     """The section was built for `dp` ranks: the run must have that many."""
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from runtime.dist.context import DistContext
 from runtime.dist.streams import InOrder
-from runtime.dist.zero import Precision, ZeroRun, check_group
+from runtime.dist.zero import Precision, ZeroRun, check_group, refuse_parameter_settings
 from runtime.errors import RuntimeUserError
 from runtime.hf_weights.schema import tied_targets
 from runtime.inputs import sized_inputs
@@ -70,7 +70,9 @@ class CPUDataParallelTrainer(CPUTrainer):
         with_distributed(model, context.data_parallel(zero).options())
         super().__init__(model, batch, seq, adamw, accumulation)
         self.context = context
-        context.same_program(program_of(model, batch, seq).document)
+        program = program_of(model, batch, seq)
+        context.same_program(program.document)
+        refuse_parameter_settings(program)
         section = section_of(model, batch, seq)
         check_group(section["mesh"]["dp"])
         precision = Precision(model.dtype, model.dtype, split=False, update=self._update)
