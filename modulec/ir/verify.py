@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from modulec.ir.graph import Function, Graph, Node
 from modulec.ir.printer import node_text
-from modulec.ir.verify_types import running_functions, type_problems
+from modulec.ir.verify_types import type_problems
 from modulec.ops.registry import op_table
 
 
@@ -32,14 +32,12 @@ def verify_graph(graph: Graph) -> list[str]:
         if required and required not in functions:
             problems.append(f"the graph's {label} function `{required}` does not exist")
     tables: dict = {}  # each function's declared types, shared by its callers and backward
-    running = running_functions(graph)
     for function in graph.functions:
-        problems += _verify_function(function, functions, tables, running)
+        problems += _verify_function(function, functions, tables)
     return problems
 
 
-def _verify_function(function: Function, functions: dict, tables: dict,
-                     running: set) -> list[str]:
+def _verify_function(function: Function, functions: dict, tables: dict) -> list[str]:
     found: list[tuple[int | None, str]] = []  # (node index or None, message)
     forward = functions.get(function.gradient_of) if function.gradient_of else None
     defined = {v.id for v in function.params + function.inputs}
@@ -53,7 +51,7 @@ def _verify_function(function: Function, functions: dict, tables: dict,
     found += [(None, f"output `{output}` is never defined") for output in function.outputs
               if output and output not in defined]
     if not found:  # types are re-derived on a sound structure only
-        found = type_problems(function, functions, tables, running)
+        found = type_problems(function, functions, tables)
     return [_report(function, index, message, shown < LOCATED)
             for shown, (index, message) in enumerate(found)]
 

@@ -32,11 +32,11 @@ class Types:
     """The declared type of every value a function can read, parsed once; a backward
     function reads its forward's values through the forward's own table."""
 
-    def __init__(self, function: Function, outer: "Types | None" = None, runs: bool = True):
+    def __init__(self, function: Function, outer: "Types | None" = None):
         self.infos: dict[str, ValueInfo] = {}
         for value in function.params + function.inputs + function.values:
             self.infos[value.id] = value
-        self.outer, self.runs = outer, runs
+        self.outer = outer
         self._parsed: dict[str, TensorType | str] = {}
 
     def declares(self, value: str) -> bool:
@@ -49,7 +49,7 @@ class Types:
             return self.outer.of(value)
         if value not in self._parsed:
             info = self.infos.get(value)
-            self._parsed[value] = _tensor_type(info, self.runs) if info is not None else \
+            self._parsed[value] = _tensor_type(info) if info is not None else \
                 f"`{value}` has no declared type"
             return self._parsed[value]
         found = self._parsed[value]
@@ -61,16 +61,12 @@ class Types:
         self._parsed[value] = derived
 
 
-def _tensor_type(info: ValueInfo, runs: bool) -> TensorType | str:
-    """`runs`: the function runs (the entry or its backward calls it), so every shape must
-    be known; a function nothing calls (a submodule whose weights a fused op reads) keeps
-    the `*` of its signature."""
+def _tensor_type(info: ValueInfo) -> TensorType | str:
+    """A leading `*` stays a `*` (leading dims bound when the function runs: a module
+    built alone for `--verify-backward`, a submodule nothing calls)."""
     if info.dtype != FLOAT and info.dtype not in DTYPES:
         return f"`{info.id}` has dtype `{info.dtype}`, not one of float, {', '.join(DTYPES)}"
     shape, variadic = info.shape, bool(info.shape) and info.shape[0] == "*"
-    if variadic and runs:
-        return (f"`{info.id}` has the shape [{', '.join(shape)}], whose rank is unknown: "
-                "every value a built model computes has a known shape")
     try:
         dims = tuple(_dim(d) for d in shape[variadic:])
     except ValueError as exc:
@@ -87,15 +83,14 @@ def _dim(text) -> Dim:
 
 
 # ====================================================================== one function
-def type_problems(function: Function, functions: dict, tables: dict,
-                  running: set) -> list[tuple[int | None, str]]:
+def type_problems(function: Function, functions: dict,
+                  tables: dict) -> list[tuple[int | None, str]]:
     """(node index or None for the function itself, message) for each type that is not
     what the op table derives. `tables` keeps each function's Types across calls (a
-    callee's, a forward's: parsed once, corrected once); `running`: the functions the
-    model runs (running_functions)."""
+    callee's, a forward's: parsed once, corrected once)."""
     def table(f: Function, outer=None) -> Types:
         if f.name not in tables:
-            tables[f.name] = Types(f, outer, f.name in running)
+            tables[f.name] = Types(f, outer)
         return tables[f.name]
 
     forward = functions.get(function.gradient_of) if function.gradient_of else None
@@ -118,18 +113,6 @@ def type_problems(function: Function, functions: dict, tables: dict,
     if forward is not None:
         problems += [(None, m) for m in _gradient_types(function, forward, types, assumptions)]
     return problems
-
-
-def running_functions(graph) -> set[str]:
-    """The functions a step runs: the entry, the backward, and what they call."""
-    functions = {f.name: f for f in graph.functions}
-    found, stack = set(), [graph.entry, graph.backward]
-    while stack:
-        name = stack.pop()
-        if name in functions and name not in found:
-            found.add(name)
-            stack += [n.target for n in functions[name].nodes if n.kind == "call"]
-    return found
 
 
 def _op_types(node: Node, types: Types, assumptions: Assumptions) -> list[str]:
@@ -320,7 +303,7 @@ def _differs(declared: TensorType, expected: TensorType, assumptions) -> bool:
     if FLOAT not in (declared.dtype, expected.dtype) and declared.dtype != expected.dtype:
         return True
     dims, wanted = declared.dims, expected.dims
-    if declared.variadic:  # `[*, d]` of a function nothing runs: the dims after the `*`
+    if declared.variadic:  # `[*, d]`: the dims after the `*`
         if len(dims) > len(wanted):
             return True
         wanted = wanted[len(wanted) - len(dims):]
