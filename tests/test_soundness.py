@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from soundness import Unsound, soundness, star_input  # noqa: E402
+from soundness import soundness, star_input  # noqa: E402
 from soundness_programs import small_programs  # noqa: E402
 from test_check_properties import CORPUS, MUTATIONS, mutants  # noqa: E402
 
@@ -30,13 +30,11 @@ MIN_PROGRAMS = 2_000
 GENERATED = 1_600
 MUTANTS = 400
 
-# Kinds of program broken today, each owned by another part of issue 15 (`ir verify` and
-# the crash list): left out here, each with a strict xfail below that fails (XPASS) once
-# fixed; then drop it from here and from `_skipped`.
-#   star_input: a module whose input has a `*` dim (`x: [*, d]`, std's Linear and
-#   RMSNormParams) built alone: `ir verify` (1d3cd9e) refuses its `[*, d]` values, and the
-#   build asserts (exit 101; `check --verify-backward std/modules/linear.module` too).
-KNOWN_BROKEN = frozenset({"star_input"})
+# Kinds of program broken today, each owned by another part of issue 15: left out here,
+# each with a strict xfail below that fails (XPASS) once fixed; then drop it from here.
+# Empty now: `star_input` (a module with an `x: [*, d]` input built alone, std's Linear)
+# crashed `ir verify` until aa1eced; its cases below are plain regression tests.
+KNOWN_BROKEN: frozenset[str] = frozenset()
 
 PROPERTY = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                     phases=[Phase.explicit, Phase.generate],  # a failure shows as drawn
@@ -89,7 +87,7 @@ def test_soundness_over_corpus_mutants_and_generated_programs(folder):
     assert counts["declarations run"] >= GENERATED // 2, "too few programs got past check"
 
 
-# ============================================================================ known broken
+# ============================================================================ found so far
 STAR_INPUT = """\
 module Scaled(d: int = 4):
   params:
@@ -102,11 +100,8 @@ module Scaled(d: int = 4):
 """
 
 
-@pytest.mark.xfail(strict=True, raises=Unsound,
-                   reason="ir verify (another part of issue 15): a module with a `[*, d]` input "
-                          "built alone fails `pass lower produced invalid Graph IR` (exit 101)")
 @pytest.mark.parametrize("text", [STAR_INPUT, dict(CORPUS)["std/modules/linear.module"]],
                          ids=["minimal", "std_linear"])
-def test_known_broken_star_input_module_built_alone(folder, text):
-    outcome = soundness(text, folder, "star input")
-    assert outcome.ran
+def test_star_input_module_built_alone(folder, text):
+    """Was exit 101 (`pass lower produced invalid Graph IR`, `[*, d]` values)."""
+    assert soundness(text, folder, "star input").ran
