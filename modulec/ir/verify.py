@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from modulec.ir.graph import Function, Graph, Node
 from modulec.ir.printer import node_text
-from modulec.ir.verify_types import type_problems
+from modulec.ir.verify_types import graph_assumptions, type_problems
 from modulec.ops.registry import op_table
 
 
@@ -32,12 +32,14 @@ def verify_graph(graph: Graph) -> list[str]:
         if required and required not in functions:
             problems.append(f"the graph's {label} function `{required}` does not exist")
     tables: dict = {}  # each function's declared types, shared by its callers and backward
+    assumptions = graph_assumptions(graph)
     for function in graph.functions:
-        problems += _verify_function(function, functions, tables)
+        problems += _verify_function(function, functions, tables, assumptions)
     return problems
 
 
-def _verify_function(function: Function, functions: dict, tables: dict) -> list[str]:
+def _verify_function(function: Function, functions: dict, tables: dict,
+                     assumptions) -> list[str]:
     found: list[tuple[int | None, str]] = []  # (node index or None, message)
     forward = functions.get(function.gradient_of) if function.gradient_of else None
     defined = {v.id for v in function.params + function.inputs}
@@ -51,7 +53,7 @@ def _verify_function(function: Function, functions: dict, tables: dict) -> list[
     found += [(None, f"output `{output}` is never defined") for output in function.outputs
               if output and output not in defined]
     if not found:  # types are re-derived on a sound structure only
-        found = type_problems(function, functions, tables)
+        found = type_problems(function, functions, tables, assumptions)
     return [_report(function, index, message, shown < LOCATED)
             for shown, (index, message) in enumerate(found)]
 

@@ -83,11 +83,42 @@ def _dim(text) -> Dim:
 
 
 # ====================================================================== one function
-def type_problems(function: Function, functions: dict,
-                  tables: dict) -> list[tuple[int | None, str]]:
+class IRAssumptions(Assumptions):
+    """What the verifier may assume of symbolic dims. A module parameter left symbolic
+    (`num_heads` of a module built alone) had constraints in the source that the IR does
+    not carry (`num_heads % num_kv_heads == 0`): a comparison that involves one is decided
+    only when the algebra decides it (equal normal forms, a constant difference). Free
+    dims (`B`, `T`) have no constraints: sampled, as `check` does."""
+
+    def __init__(self, constrained: frozenset):
+        super().__init__()
+        self.constrained = constrained
+
+    def same(self, a: Dim, b: Dim) -> bool | None:
+        difference = a - b
+        if not difference.is_const and difference.symbols() & self.constrained:
+            return None
+        return super().same(a, b)
+
+
+def graph_assumptions(graph) -> IRAssumptions:
+    """The symbols of the graph's module parameters (each function's `args`)."""
+    constrained = set()
+    for function in graph.functions:
+        for _, text in function.args:
+            try:
+                constrained |= parse_dim(text).symbols()
+            except (ValueError, TypeError):
+                continue  # a number, a boolean, None: no symbol
+    return IRAssumptions(frozenset(constrained))
+
+
+def type_problems(function: Function, functions: dict, tables: dict,
+                  assumptions: Assumptions) -> list[tuple[int | None, str]]:
     """(node index or None for the function itself, message) for each type that is not
     what the op table derives. `tables` keeps each function's Types across calls (a
-    callee's, a forward's: parsed once, corrected once)."""
+    callee's, a forward's: parsed once, corrected once); `assumptions`: the graph's
+    (graph_assumptions)."""
     def table(f: Function, outer=None) -> Types:
         if f.name not in tables:
             tables[f.name] = Types(f, outer)
@@ -95,7 +126,6 @@ def type_problems(function: Function, functions: dict,
 
     forward = functions.get(function.gradient_of) if function.gradient_of else None
     types = table(function, table(forward) if forward else None)
-    assumptions = Assumptions()
     forward_nodes = {n.id: n for n in forward.nodes} if forward is not None else {}
     problems = []
     for index, node in enumerate(function.nodes):
@@ -168,9 +198,11 @@ def _derived_backward_types(node: Node, origin: Node, types: Types, assumptions)
     if problems:
         return problems
     what = f"{node.target} of {origin.id}"
-    for value, source in list(zip(node.inputs, reads)) + list(zip(node.outputs, writes)):
+    for value, (source, gradient) in list(zip(node.inputs, reads)) + \
+            list(zip(node.outputs, writes)):
         if value and source:
-            problems += _mismatch(value, types.of(value), types.of(source), assumptions,
+            expected = _gradient_of(types.of(source)) if gradient else types.of(source)
+            problems += _mismatch(value, types.of(value), expected, assumptions,
                                   f"{what}, for `{source}`,", "expects")
     return problems
 
@@ -186,16 +218,18 @@ def _forward_values(signature, node: Node) -> tuple[dict, dict]:
     return named, lists
 
 
-def _counterparts(sigs, named: dict, lists: dict) -> list[str | None]:
-    """Per backward input (or output) position, the forward value whose type it has: `d_x`
-    that of `x`, `x` itself that of `x`; None where the signature names no forward value."""
+def _counterparts(sigs, named: dict, lists: dict) -> list[tuple[str | None, bool]]:
+    """Per backward input (or output) position, the forward value whose type it has and
+    whether it is that value's gradient: `d_x` (x, True), `x` itself (x, False); None where
+    the signature names no forward value."""
     found = []
     for sig in sigs:
-        name = sig.name[2:] if sig.name.startswith("d_") else sig.name
+        gradient = sig.name.startswith("d_")
+        name = sig.name[2:] if gradient else sig.name
         if isinstance(sig.type, A.ArrayType) and name in lists:
-            found += lists[name]
+            found += [(value, gradient) for value in lists[name]]
         else:
-            found.append(named.get(name))
+            found.append((named.get(name), gradient))
     return found
 
 
@@ -260,11 +294,20 @@ def _gradient_types(function: Function, forward: Function, types: Types,
     pairs += [(i.id, i.id[2:]) for i in function.inputs if i.id.startswith("d:")]
     for gradient, value in pairs:
         if gradient and types.declares(value):
-            expected = types.of(value)
-            if not isinstance(expected, str):
+            expected = _gradient_of(types.of(value))
+            if expected is not None and not isinstance(expected, str):
                 problems += _mismatch(gradient, types.of(gradient), expected, assumptions,
                                       f"the gradient of `{value}`", "is")
     return problems
+
+
+def _gradient_of(type_):
+    """A gradient has its value's type. An int value (indices) has no gradient: the
+    placeholder passed for one (float when derived, as declared when written) is not
+    compared (None)."""
+    if isinstance(type_, TensorType) and type_.is_int:
+        return None
+    return type_
 
 
 # ====================================================================== comparing
