@@ -184,3 +184,11 @@ def test_readme_opens_with_setup_test_and_the_way_to_the_command():
     lines = first.splitlines()
     assert lines[0].startswith("make setup") and lines[1].startswith("make test")
     assert "source .venv/bin/activate" in first and "modulec" in lines[2]
+
+
+@pytest.mark.parametrize("command", ["plan", "graph"])
+def test_plan_and_graph_check_shapes_too(command):
+    result = run(command, LLAMA, "--set", "max_seq=64", "--shape", "B=1", "--shape", "T=8",
+                 "--shape", "Q=2")
+    assert result.exit_code == 1
+    assert "--shape Q=2: `Llama`'s inputs have no dim `Q`" in result.output

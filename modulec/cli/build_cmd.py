@@ -129,7 +129,7 @@ def build_command(output_options, guarded):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
-        from modulec.cli.shape_options import shape_problems
+        from modulec.cli.shape_options import shapes_refused
         from modulec.ir.printer import print_graph
         from modulec.ir.serialize import dumps
         from modulec.lower.schedule import print_schedule
@@ -152,9 +152,7 @@ def build_command(output_options, guarded):
         out.show(FileResult(str(file), result.source, None, result.diagnostics))
         if result.failure is not None:
             click.echo(f"error: {result.failure}", err=True)
-        shape_errors = shape_problems(result, request.shapes)
-        for problem in shape_errors:
-            click.echo(f"error: {problem}", err=True)
+        shape_errors = shapes_refused(result, request.shapes)
         if result.document is None or shape_errors or not _tensor_parallel_ok(result.graph, tp):
             return 1
         if emit == "pipeline":

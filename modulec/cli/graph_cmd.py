@@ -43,6 +43,7 @@ def graph_command(guarded):
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
         from modulec.lower.build import BuildRequest, build
+        from modulec.cli.shape_options import shapes_refused
         from modulec.pictures import PictureError
         from modulec.pictures.dot import graph_to_dot
         from modulec.pictures.render import SUFFIXES, render, write_bytes
@@ -60,7 +61,7 @@ def graph_command(guarded):
         result = build(request)
         out = Output("human", use_color(color))  # --format names the picture's format
         out.show(FileResult(str(file), result.source, None, result.diagnostics))
-        if result.graph is None:
+        if result.graph is None or shapes_refused(result, request.shapes):
             return 1
         try:
             text = graph_to_dot(result.graph, select(result.graph, scope, phase))

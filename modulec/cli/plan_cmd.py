@@ -10,6 +10,7 @@ import click
 
 from modulec.cli.build_cmd import pairs, model_options
 from modulec.cli.parallel import parallel_options, parallel_request
+from modulec.cli.shape_options import shapes_refused
 
 REGION_TITLES = {"weights": "weights", "gradients": "gradients",
                  "optimizer_state": "optimizer state", "saved_activations": "saved activations",
@@ -64,7 +65,8 @@ def plan_command(output_options, guarded):
                                                       result.diagnostics))
         if result.failure is not None:
             click.echo(f"error: {result.failure}", err=True)
-        if result.graph is None or result.document is None:
+        if result.graph is None or result.document is None or \
+                shapes_refused(result, request.shapes):
             return 1
         if tensor_parallel_problems(result.graph, tp):
             for problem in tensor_parallel_problems(result.graph, tp):

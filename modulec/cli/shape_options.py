@@ -40,6 +40,16 @@ def shape_problems(result, shapes: dict[str, int]) -> list[str]:
     return problems
 
 
+def shapes_refused(result, shapes: dict[str, int]) -> bool:
+    """Print what is wrong with `--shape` (as `error: ...` lines); True if anything is."""
+    import click
+
+    problems = shape_problems(result, shapes)
+    for problem in problems:
+        click.echo(f"error: {problem}", err=True)
+    return bool(problems)
+
+
 def _declaration(source, name: str):
     from modulec.syntax.parser import parse_source
 
