@@ -35,6 +35,11 @@ def check_program(program: A.Program, names: Names | None = None,
         if decl.kind in ("module", "block", "model") and not decl.abstract:
             instance = instantiate(world, world.definition(decl))
             check_body(instance)
+            if any(a.name == "shard" for p in instance.definition.params
+                   for a in p.annotations):
+                from modulec.check.sharding import check_shard_layouts
+
+                check_shard_layouts(instance)
             if decl.kind == "model" and deep_models:
                 from modulec.check.weights import check_weights  # models only: import late
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from modulec.check.sharding import STRATEGIES, dims_at
 from modulec.diagnostics import error
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
-from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
+from modulec.semantic.consteval import NotConst, Undefined, evaluate
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
-
-STRATEGIES = ("column", "row")  # what tensor parallel acts on; others are not executed yet
 MATMULS = ("matmul", "grouped_gemm")  # ops whose second input is an [.., out, in] weight
 
 
@@ -94,27 +93,27 @@ def _instances(model):
 def _shard_of(world, instance, param, size: int) -> Shard | None:
     from modulec.check.annotation_table import argument_values
     from modulec.check.instance import TensorParamValue
+    from modulec.check.sharding import env_at, shard_note, shard_strategy, sharded_dim
 
-    note = next((a for a in param.annotations if a.name == "shard"), None)
+    note = shard_note(param)
     value = instance.params.get(param.name)
     if note is None or size == 1 or not isinstance(value, TensorParamValue):
         return None
-    args = argument_values(note)
-    strategy = getattr(args.get("strategy"), "id", "")
+    strategy = shard_strategy(note)
     if strategy not in STRATEGIES:
         return None
     local = [d.value for d in value.type.dims]
     report = _Reporter(world, instance, param, strategy)
-    if strategy == "row" and len(local) < 2:
-        return report.fail("E008", "a row shard splits the input dim of an [out, in] "
+    if (strategy == "row" and len(local) < 2) or not local:
+        return report.fail("E008", f"a {strategy} shard splits a dim of an [out, in] "
                            f"weight; `{param.name}` has {len(local)} dim(s)")
-    dim = len(local) - 1 if strategy == "row" else max(len(local) - 2, 0)
-    unsharded = _unsharded_env(instance)
-    whole = _dims(param.type, unsharded)
+    dim = sharded_dim(strategy, len(local))
+    unsharded = env_at(instance, Dim.const(1))
+    whole = _whole_dims(param.type, unsharded)
     if whole is None or len(whole) != len(local):
         return report.fail("E008", f"the shape of `{param.name}` without tensor parallel "
                            "(tp_size = 1) is not a list of compile-time sizes")
-    parts = _parts(args.get("parts"), unsharded, whole[dim], report, dim)
+    parts = _parts(argument_values(note).get("parts"), unsharded, whole[dim], report, dim)
     if parts is None:
         return None
     if local[dim] * size != whole[dim]:
@@ -175,31 +174,12 @@ class _Reporter:
         return None
 
 
-def _unsharded_env(instance) -> ConstEnv:
-    """The instance's constants as they are without tensor parallel (tp_size = 1)."""
-    values = {**instance.world.dims, "tp_size": Dim.const(1)}
-    values.update({p.name: instance.values.get(p.name)
-                   for p in instance.definition.decl.params or ()})
-    for binding in instance.definition.lets:
-        try:
-            values[binding.target.id] = evaluate(binding.value, ConstEnv(values))
-        except (NotConst, Undefined, AttributeError):
-            continue
-    return ConstEnv(values)
-
-
-def _dims(type_node, env) -> list[int] | None:
-    from modulec.syntax import ast as A
-
-    if isinstance(type_node, A.OptionalType):
-        type_node = type_node.value
-    if not isinstance(type_node, A.ListExpr):
+def _whole_dims(type_node, env) -> list[int] | None:
+    """A parameter's dims at tp_size = 1, as integers (None if one is not known)."""
+    dims = dims_at(type_node, env)
+    if dims is None or not all(d.is_const for d in dims):
         return None
-    items = list(type_node.items)
-    if items and isinstance(items[-1], A.Name) and not _int(items[-1], env):
-        items.pop()  # a dtype
-    dims = [_int(i, env) for i in items]
-    return None if any(d is None for d in dims) else dims
+    return [d.value for d in dims]
 
 
 def _int(node, env) -> int | None:
