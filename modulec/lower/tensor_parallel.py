@@ -136,7 +136,8 @@ def _parts(node, env, total: int, report, dim: int) -> tuple[int, ...] | None:
         item = getattr(item, "value", item)
         count = _int(item, env)
         if count is None:
-            return None
+            return report.fail("E008", f"part `{show(item)}` of `parts` is not a "
+                               "compile-time size", dim)
         if count % size:
             return report.fail("E027", f"dim {dim} part `{show(item)}` = {count} is not "
                                f"divisible by tp_size {size}", dim)
