@@ -63,3 +63,31 @@ def test_other_models_with_zero3(name, reference, tmp_path):
     got = sharded(name, 3, tmp_path)
     assert got["losses"] == pytest.approx(want_losses, rel=1e-6)  # fp32 cross-entropy
     assert_same_state(got["state"], want)
+
+
+
+def test_sliced_calls_of_one_stack_get_buckets_of_their_own(tmp_path):
+    """`blocks[0:1]()` then `blocks[1:2]()`: two buckets with names and paths of their
+    own (one bucket name for both mixed their gradients up)."""
+    from pathlib import Path
+
+    from modulec.plan.distributed import DataParallel, bucket_paths
+    from runtime.program import ModuleSource
+    from tests.runtime_models import TINY
+
+    text = Path("std/models/llama.module").read_text()
+    stacked = "(x0, residual0) -> StackedBlocks(blocks, n_layers) -> (xN, residualN)"
+    assert stacked in text
+    sliced = ("(x0, residual0) -> blocks[0:1]() -> (x1, r1)\n"
+              "      (x1, r1) -> blocks[1:2]() -> (xN, residualN)")
+    path = tmp_path / "sliced.module"
+    path.write_text(text.replace(stacked, sliced))
+    settings = {k: str(v) for k, v in TINY["llama"][1].items()}
+    source = ModuleSource(path, settings, search_path=(Path.cwd(),),
+                          distributed=DataParallel(2, 2))
+    section = source.program({"B": 2, "T": 8}).document["schedule"]["distributed"]
+    names = [b["name"] for b in section["buckets"]]
+    assert len(names) == len(set(names)) and "blocks[1:2]" in names
+    paths = [p for b in section["buckets"] for i in range(b["instances"])
+             for p in bucket_paths(b, i)]
+    assert len(paths) == len(set(paths)) and "blocks[1].ln1.weight" in paths

@@ -80,9 +80,12 @@ def _buckets(graph, dp: int, trained) -> list[dict]:
         params = list(_params(graph, callee, ""))
         if first is None:  # called once, by name: its parameters are one bucket
             buckets.append(_bucket(name, name, 1, 0, params, dp, trained))
-        else:
-            buckets.append(_bucket(name, name + "[{i}]", int(node.repeat), int(first),
-                                   params, dp, trained))
+            continue
+        count, first = int(node.repeat), int(first)
+        if any(b["name"] == name for b in buckets):  # a second slice: blocks[8:16]()
+            name = f"{name}[{first}:{first + count}]"
+        buckets.append(_bucket(name, node.attr("instance") + "[{i}]", count, first,
+                               params, dp, trained))
     return buckets
 
 

@@ -107,8 +107,9 @@ class TrainStep:
     # planned bytes, the others' results are copied in. False (and any compute dtype but
     # bf16, the plan's): torch's caching allocator
     arena: bool = True
-    # runtime.dist.DataParallelRun: data parallel with ZeRO sharding over torch.distributed,
-    # executed from the program's `distributed` section (runtime/dist/zero.py)
+    # runtime.dist.DataParallelRun: tensor parallel (the program built with --tp, its
+    # collectives the TP pair's kernels) and data parallel with ZeRO sharding across the TP
+    # slices, executed from the program's `distributed` section (runtime/dist/zero.py)
     dist: object = None
 
     @classmethod
@@ -128,9 +129,10 @@ class TrainStep:
 
             lora = LoraOptions.of(lora)
         dist = options.get("dist")
-        distributed = dist.options() if dist is not None else None
+        parallel = dict(distributed=dist.options() if dist is not None else None,
+                        tensor_parallel=dist.tp if dist is not None else 1)
         source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora,
-                              distributed=distributed)
+                              **parallel)
         tokens = sized_inputs(source.program(planned=False).input_names(), batch, seq)
         program = source.program_for(tokens)
         if memory_budget is None:
@@ -139,8 +141,7 @@ class TrainStep:
         planned = ModuleSource(Path(path), settings, derive_written=derive_written,
                                planning=PlanOptions(budget=int(memory_budget) + offset,
                                                     device=plan_device, budget_offset=offset),
-                               lora=lora,
-                               distributed=distributed)
+                               lora=lora, **parallel)
         step = cls(planned.program_for(tokens), batch, seq, **options)
         step.memory_budget, step.budget_offset = int(memory_budget), offset
         step.unplanned, step.plan_device = program, plan_device
@@ -236,11 +237,13 @@ class TrainStep:
         a = self.adamw
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
-        if self.optimizer == "fused" and self.dist is not None:
+        if self.dist is not None:
+            self.dist.use_tensor_parallel_group()
+        if self.optimizer == "fused" and self.dist is not None and self.dist.dp > 1:
             self._load_sharded(params, frozen)
         elif self.optimizer == "fused":
             self._load_regions(params, frozen)
-        elif self.dist is not None:
+        elif self.dist is not None and self.dist.dp > 1:
             raise ValueError("data parallel runs with the fused optimizer (bf16 compute)")
         else:  # torch.optim needs leaf tensors of their own: no regions
             self.masters = {p: params[p].detach().to("cuda", torch.float32).clone()
@@ -312,11 +315,11 @@ class TrainStep:
         if section is None:
             raise ValueError("the program has no distributed section: build it with "
                              "TrainStep.from_module(..., dist=...) or `modulec build --dp`")
-        check_group(section["mesh"]["dp"])
+        check_group(section["mesh"]["dp"], self.dist.dp_group)
         gradient = torch.float32 if self.accumulation > 1 else self.dtype
         precision = Precision(self.dtype, gradient, split=True, update=self._shard_update)
-        self.zero = ZeroRun(section, self.dist.context.rank, precision, "cuda",
-                            CudaStreams())
+        self.zero = ZeroRun(section, self.dist.dp_rank, precision, "cuda", CudaStreams(),
+                            self.dist.dp_group)
         self.compute = self.zero.load({p: params[p] for p in self.zero.paths})
         rest = sorted(p for p in self.shapes() if p not in self.ties() and
                       p not in self.compute)

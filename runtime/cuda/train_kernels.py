@@ -46,7 +46,8 @@ from runtime.kernels import KERNELS
 from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
 
-NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul")
+NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul",
+           "tp_copy", "tp_all_reduce")  # the TP pair: NCCL reduces bf16 as it is
 CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm")
 CREATED = ("zeros", "ones", "fill")
 

@@ -67,8 +67,24 @@ class DistContext:
         """Rank 0: the one that prints progress and writes consolidated files."""
         return self.rank == 0
 
-    def data_parallel(self, zero: int = 2) -> "DataParallelRun":
-        return DataParallelRun(self, zero)
+    def data_parallel(self, zero: int = 2, tp: int = 1) -> "DataParallelRun":
+        """Data parallel over the ranks' TP slices: with `tp` > 1, ranks r and r + 1 ..
+        (tp consecutive) form a tensor-parallel group each, and the ranks at the same
+        position of every slice a data-parallel group (dp = world / tp)."""
+        if tp < 1 or self.world % tp:
+            raise RuntimeUserError(f"--tp {tp} does not divide the {self.world} processes",
+                                   help=[f"launch a multiple of {tp} processes"])
+        return DataParallelRun(self, zero, tp, *self._groups(tp))
+
+    def _groups(self, tp: int) -> tuple:
+        """(this rank's TP group, its DP group, its rank in the DP group); None groups
+        where one group holds every rank (the default group) or the size is 1."""
+        dp = self.world // tp
+        if tp == 1 or dp == 1:
+            return None, None, self.rank // tp
+        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(dp)]
+        dp_groups = [dist.new_group(list(range(p, self.world, tp))) for p in range(tp)]
+        return tp_groups[self.rank // tp], dp_groups[self.rank % tp], self.rank // tp
 
     def barrier(self) -> None:
         if self.distributed:
@@ -143,18 +159,37 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class DataParallelRun:
-    """Data parallel over the context's ranks with ZeRO stage `zero` (0-3)."""
+    """The context's ranks as `tp`-wide tensor-parallel slices (Megatron-style, the
+    program built with `--tp`), data parallel with ZeRO stage `zero` (0-3) across them."""
 
     context: DistContext
     zero: int = 2
+    tp: int = 1
+    tp_group: object = None  # None: the default group (every rank), or no TP
+    dp_group: object = None  # None: the default group (every rank)
+    dp_rank: int = 0
+
+    @property
+    def dp(self) -> int:
+        return self.context.world // self.tp
 
     def options(self):
+        """The IR's distributed section options (None: one data-parallel rank)."""
         from modulec.plan.distributed import DataParallel
 
+        if self.dp == 1:
+            return None
         try:
-            return DataParallel(self.context.world, self.zero)
+            return DataParallel(self.dp, self.zero)
         except ValueError as exc:
             raise RuntimeUserError(str(exc)) from None
+
+    def use_tensor_parallel_group(self) -> None:
+        """The TP pair's all-reduces run on this rank's TP slice."""
+        if self.tp > 1:
+            from runtime.kernels.comm import set_tp_group
+
+            set_tp_group(self.tp_group)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -354,9 +354,10 @@ def refuse_parameter_settings(program) -> None:
                                      "arguments"])
 
 
-def check_group(dp: int) -> None:
-    """The section was built for `dp` ranks: the run must have that many."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def check_group(dp: int, group=None) -> None:
+    """The section was built for `dp` ranks: the run's data-parallel group must have that
+    many."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world != dp:
         raise RuntimeUserError(f"the IR was built for {dp} data-parallel ranks; this run "
                                f"has {world}",

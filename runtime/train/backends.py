@@ -93,7 +93,7 @@ class CUDATrainer:
         from runtime.cuda.step import AdamWConfig, TrainStep
 
         self.names = owned_paths(model)
-        if dist is not None:  # data parallel: the IR carries the distributed section
+        if dist is not None and dist.options() is not None:  # the distributed section
             from runtime.train.data_parallel import with_distributed
 
             with_distributed(model, dist.options())
