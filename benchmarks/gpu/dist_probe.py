@@ -1,5 +1,7 @@
 """modulec's data-parallel step on this host's GPUs, one ZeRO stage per launch (run under
-torchrun; rank 0 prints one JSON line): TinyLlama shape by default, B per GPU, T, random
+torchrun; rank 0 prints one JSON line), or with `--tp 2` tensor parallel (`--check`: rank 0
+then trains the same weights on one GPU and prints both losses): TinyLlama shape by
+default, B per data-parallel rank, T, random
 weights and tokens, the whole step captured in one CUDA graph; median step time of
 `--steps` replays (all ranks synchronized), tokens/s over all ranks, per-GPU peak, and the
 fixed state this rank holds (weights, masters, moments, communication buffers).
@@ -40,45 +42,84 @@ def main() -> None:
     shape = LLAMA3_8B if args.shape == "llama3-8b" else tiny_llama(22)
     if args.layers:
         shape = dict(shape, n_layers=args.layers)
-    options = {"dist": ctx.data_parallel(args.zero)} if ctx.distributed else {}
+    run = ctx.data_parallel(args.zero, tp=args.tp) if ctx.distributed else None
     budget = int(args.budget * 2 ** 30) if args.budget else None
-    step = TrainStep.from_module("std/models/llama.module", shape, batch=args.batch,
-                                 seq=args.seq, derive_written=True, memory_budget=budget,
-                                 **options)
-    step.init_random(0, on="cpu" if args.shape == "llama3-8b" else "cuda")
+    build = dict(batch=args.batch, seq=args.seq, derive_written=True, memory_budget=budget)
+    step = TrainStep.from_module(LLAMA, shape, dist=run, **build)
+    params, whole = _weights(step, shape, build, args, run)
+    step.load(params)
     torch.cuda.empty_cache()
-    generator = torch.Generator(device="cuda").manual_seed(100 + ctx.rank)
+    # one batch per data-parallel rank (a TP slice's ranks read the same rows)
+    generator = torch.Generator(device="cuda").manual_seed(
+        100 + (run.dp_rank if run is not None else 0))
     tokens = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), device="cuda",
                            generator=generator, dtype=torch.int32)
+    losses, times = _train(ctx, step, tokens, args.steps)
+    _report(ctx, args, shape, step, times, losses)
+    _sync(ctx)
+    if args.tp > 1 and args.check and ctx.is_main:  # the same model on this one GPU
+        del step
+        torch.cuda.empty_cache()
+        one = TrainStep.from_module(LLAMA, shape, **build)
+        one.load(whole)
+        reference, _ = _train(None, one, tokens, args.steps)
+        print(json.dumps({"tp_check": True, "tp_losses": losses,
+                          "one_gpu_losses": reference,
+                          "max_rel": max(abs(a - b) / abs(b)
+                                         for a, b in zip(losses, reference))}), flush=True)
+    ctx.close()
+    ctx.exit_now()
+
+
+LLAMA = "std/models/llama.module"
+
+
+def _weights(step, shape, build, args, run) -> tuple[dict, dict | None]:
+    """(this rank's random weights, the whole model's or None): with tensor parallel,
+    drawn for the whole model on the host and each rank's slices taken, so that one GPU
+    can run the same model (`--check`)."""
+    from runtime.cuda.step import TrainStep, random_params
+
+    on = "cpu" if args.shape == "llama3-8b" or args.tp > 1 else "cuda"
+    if args.tp == 1:
+        return random_params(step.shapes(), 0, on=on), None
+    from runtime.tensor_parallel import shard_params
+
+    whole = random_params(TrainStep.from_module(LLAMA, shape, **build).shapes(), 0, on=on)
+    return shard_params(whole, step.program, run.context.rank % args.tp), whole
+
+
+def _train(ctx, step, tokens, steps: int) -> tuple[list, list]:
+    """An eager step, the capture (one warm-up step), `steps` timed replays: the losses of
+    the first three steps and the replays' times."""
     losses = [float(step(tokens))]
     step.capture(warmup=1)
+    losses.append(float(step.loss))
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         _sync(ctx)
         began = time.perf_counter()
         step.cuda_graph.replay()
         _sync(ctx)
         times.append(time.perf_counter() - began)
     losses.append(float(step.loss))
-    _report(ctx, args, shape, step, times, losses)
-    ctx.close()
-    ctx.exit_now()
+    return losses, times
 
 
 def _sync(ctx) -> None:
     torch.cuda.synchronize()
-    if ctx.distributed:
+    if ctx is not None and ctx.distributed:
         dist.barrier()
 
 
 def _report(ctx, args, shape, step, times, losses) -> None:
     seconds = statistics.median(times)
-    tokens = args.batch * args.seq * ctx.world
+    tokens = args.batch * args.seq * ctx.world // args.tp
     peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda")
     if ctx.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     fixed = step.zero.fixed_bytes() if step.zero is not None else None
-    row = {"gpus": ctx.world, "zero": args.zero if ctx.distributed else None,
+    row = {"gpus": ctx.world, "zero": args.zero if ctx.distributed else None, "tp": args.tp,
            "shape": args.shape, "layers": shape["n_layers"], "batch_per_gpu": args.batch,
            "seq": args.seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "tokens_per_s_per_gpu": tokens / seconds / ctx.world,
@@ -100,6 +141,10 @@ def _args():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--shape", choices=["tinyllama", "llama3-8b"], default="tinyllama")
     parser.add_argument("--budget", type=float, help="GiB per GPU for the whole step")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--check", action="store_true",
+                        help="with --tp: rank 0 then runs the same weights and batch on one "
+                             "GPU and prints both runs' losses")
     return parser.parse_args()
 
 

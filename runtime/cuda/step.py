@@ -212,15 +212,10 @@ class TrainStep:
         return self._ties
 
     def init_random(self, seed: int = 0, std: float = 0.02, on: str = "cuda") -> "TrainStep":
-        """Random weights (normal(0, std), norm weights near 1), drawn on `on`: "cpu" keeps
-        the whole fp32 draw off the GPU (an 8B model's is 32 GB; under data parallel each
-        rank then takes its shards bucket by bucket)."""
-        generator = torch.Generator(device=on).manual_seed(seed)
-        params = {}
-        for path, shape in self.shapes().items():
-            value = torch.randn(shape, generator=generator, device=on) * std
-            params[path] = value + 1.0 if len(shape) == 1 and path.endswith("weight") else value
-        return self.load(params)
+        """Random weights (`random_params`), drawn on `on`: "cpu" keeps the whole fp32
+        draw off the GPU (an 8B model's is 32 GB; under data parallel each rank then takes
+        its shards bucket by bucket)."""
+        return self.load(random_params(self.shapes(), seed, std, on))
 
     def load(self, params: dict[str, Tensor]) -> "TrainStep":
         """Take the weights (by path, any dtype/device): fp32 masters, bf16 compute copies,
@@ -544,6 +539,17 @@ class TrainStep:
         else:
             self.cuda_graph.replay()
         return self.loss
+
+
+def random_params(shapes: dict, seed: int = 0, std: float = 0.02, on: str = "cuda"
+                  ) -> dict[str, Tensor]:
+    """normal(0, std) fp32 values by path, norm weights (1-d `...weight`) near 1."""
+    generator = torch.Generator(device=on).manual_seed(seed)
+    params = {}
+    for path, shape in shapes.items():
+        value = torch.randn(shape, generator=generator, device=on) * std
+        params[path] = value + 1.0 if len(shape) == 1 and path.endswith("weight") else value
+    return params
 
 
 def frozen_paths(program: Program) -> set[str]:
