@@ -101,4 +101,6 @@ def test_unknown_verify_setting_is_reported(tmp_path):
                       "      x -> matmul(w, transpose=NT) -> y\n"
                       "  verify_backward:\n    epsilom: 1e-6\n", encoding="utf-8")
     result = _verify(str(source))
-    assert result.exit_code == 1 and "no setting `epsilom`" in result.output
+    # `check` reports it now (E001), before --verify-backward reads the section
+    assert result.exit_code == 1 and "unknown section `epsilom` in `verify_backward:`" \
+        in result.output and "did you mean `epsilon`?" in result.output
