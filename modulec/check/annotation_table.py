@@ -128,7 +128,8 @@ KERNEL = Kind('a kernel name (`"cudnn"`)', (A.String,), registry="kernels",
               unknown="no kernel `{value}` for {where}",
               label="unknown kernel")
 OPS = Kind("a list of operation names (`[matmul, add]`)", (A.ListExpr,), items=OP)
-SIZES = Kind("a list of sizes (`[num_heads, num_kv_heads]`)", (A.ListExpr,), items=INT)
+SIZES = Kind("a list of sizes (`[num_heads, num_kv_heads]`) or a `let` naming one",
+             (A.ListExpr, A.Name), items=INT)
 
 
 # ====================================================================== annotations

@@ -113,7 +113,8 @@ def _shard_of(world, instance, param, size: int) -> Shard | None:
     if whole is None or len(whole) != len(local):
         return report.fail("E008", f"the shape of `{param.name}` without tensor parallel "
                            "(tp_size = 1) is not a list of compile-time sizes")
-    parts = _parts(argument_values(note).get("parts"), unsharded, whole[dim], report, dim)
+    parts_node = _let_list(instance, argument_values(note).get("parts"))
+    parts = _parts(parts_node, unsharded, whole[dim], report, dim)
     if parts is None:
         return None
     if local[dim] * size != whole[dim]:
@@ -121,6 +122,18 @@ def _shard_of(world, instance, param, size: int) -> Shard | None:
                            f"{size}, not {whole[dim]} // {size}: write the shape over this "
                            "rank's part (`d_ff // tp_size`)", dim)
     return Shard(strategy, dim, parts, size)
+
+
+def _let_list(instance, node):
+    """`parts=qkv_parts`: the list its `let` binds (so a message names its items)."""
+    from modulec.syntax import ast as A
+
+    if not isinstance(node, A.Name):
+        return node
+    binding = next((b for b in instance.definition.lets
+                    if getattr(b.target, "id", None) == node.id), None)
+    return binding.value if binding is not None and isinstance(binding.value, A.ListExpr) \
+        else node
 
 
 def _parts(node, env, total: int, report, dim: int) -> tuple[int, ...] | None:
@@ -132,6 +145,8 @@ def _parts(node, env, total: int, report, dim: int) -> tuple[int, ...] | None:
                                f"{size}", dim)
         return (total,)
     counts = []
+    if not hasattr(node, "items"):
+        return report.fail("E008", f"`parts={show(node)}` is not a list of sizes", dim)
     for item in node.items:
         item = getattr(item, "value", item)
         count = _int(item, env)
