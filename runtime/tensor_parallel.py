@@ -99,6 +99,14 @@ def local_layout(layout: dict, schema: list) -> dict:
             for key, parts in layout.items()}
 
 
+def whole_layout(layout: dict, schema: list) -> dict:
+    """The part sizes of fused parameters for the whole tensors (a checkpoint written from
+    every rank's slices joined): `local_layout` undone."""
+    sizes = {e["param"]: e["shard"]["size"] for e in schema if e.get("shard")}
+    return {key: [s * sizes[_entry(key, sizes)] for s in parts] if _entry(key, sizes) else parts
+            for key, parts in layout.items()}
+
+
 def _entry(key: str, sizes: dict) -> str | None:
     if key in sizes:
         return key

@@ -55,7 +55,8 @@ def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps:
     context = join(rank, world, port)
     per_rank = rows // world
     trainer = CPUDataParallelTrainer(tiny_model(name), per_rank, seq,
-                                     AdamW(lr=1e-2, weight_decay=0.1), context, zero)
+                                     AdamW(lr=1e-2, weight_decay=0.1),
+                                     context.data_parallel(zero))
     losses = [trainer.train_step(w[rank * per_rank:(rank + 1) * per_rank])
               for w in windows(steps, rows, seq)]
     state = trainer.state()

@@ -19,8 +19,9 @@ from tests.test_dist_zero import free_port  # noqa: E402
 from tests.test_train import LLAMA, _tensors, ckpt, events, losses, train  # noqa: E402,F401
 
 
-def torchrun(ckpt, *args, weights=True, file=LLAMA):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+def torchrun(ckpt, *args, weights=True, file=LLAMA, processes=2):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(processes),
                "--master-port", str(free_port()), "-m", "modulec", "train", str(file),
                "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
                "--device", "cpu", "--lr", "1e-2", "--format", "json",
@@ -133,3 +134,27 @@ def test_a_rank_that_dies_ends_the_run_and_the_last_checkpoint_resumes(ckpt, tmp
     assert re.search(r"rank\s*:\s*1\b", root) and "SIGKILL" in root, err[-2000:]
     resumed = losses(train(ckpt, "--steps", "3", "--resume", tmp_path / "run", weights=False))
     assert len(resumed) == 1  # the run saved step 2; step 3 runs
+
+
+def test_tensor_parallel_trains_as_one_process_and_saves_whole(ckpt, tmp_path):
+    """--tp 2: the two ranks hold halves of each layer and read the same rows; the losses
+    are one process's, the checkpoint holds whole tensors (one process resumes it) and two
+    ranks resume a one-process checkpoint."""
+    one = losses(train(ckpt, "--steps", "4", "--save", tmp_path / "one"))
+    two = torchrun(ckpt, "--steps", "2", "--tp", "2", "--batch", "2", "--save",
+                   tmp_path / "tp")
+    assert two == pytest.approx(one[:2], rel=1e-5)
+    rest = losses(train(ckpt, "--steps", "4", "--resume", tmp_path / "tp", weights=False))
+    assert rest == pytest.approx(one[2:], rel=1e-4)
+    losses(train(ckpt, "--steps", "2", "--save", tmp_path / "first"))
+    more = torchrun(ckpt, "--steps", "4", "--tp", "2", "--batch", "2", "--resume",
+                    tmp_path / "first", weights=False)
+    assert more == pytest.approx(one[2:], rel=1e-4)
+
+
+def test_data_parallel_over_tensor_parallel_slices(ckpt, tmp_path):
+    """Four processes, --tp 2 --zero 3: two TP slices of two ranks, ZeRO-3 across the
+    slices (each slice its row of the batch); the losses are one process's."""
+    one = losses(train(ckpt, "--steps", "3"))
+    four = torchrun(ckpt, "--steps", "3", "--tp", "2", "--zero", "3", processes=4)
+    assert four == pytest.approx(one, rel=1e-5)

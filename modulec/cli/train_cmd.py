@@ -66,6 +66,11 @@ def _options(command):
                      help="Under torchrun: data parallel over every process, ZeRO stage S "
                           "(0 replicated, 1 optimizer state sharded, 2 + gradients "
                           "reduce-scattered, 3 + weights sharded; default 2)."),
+        click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
+                     metavar="M",
+                     help="Under torchrun: tensor parallel, M consecutive processes split "
+                          "each layer (the model's @shard parameters); the processes / M "
+                          "slices are data parallel."),
         click.option("--dist-timeout", type=click.IntRange(1), default=600,
                      show_default=True, metavar="SECONDS",
                      help="Under torchrun: a collective that takes longer (a rank died or "

@@ -65,18 +65,22 @@ def section_of(model: Model, batch: int, seq: int) -> dict:
 
 
 class CPUDataParallelTrainer(CPUTrainer):
-    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
-                 context: DistContext, zero: int, accumulation: int = 1):
-        with_distributed(model, context.data_parallel(zero).options())
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, parallel,
+                 accumulation: int = 1):
+        """`parallel`: runtime.dist.DataParallelRun (ZeRO over its data-parallel group; with
+        tensor parallel, the model is this rank's slice and the TP pair uses its group)."""
+        with_distributed(model, parallel.options())
         super().__init__(model, batch, seq, adamw, accumulation)
-        self.context = context
+        self.context = context = parallel.context
+        parallel.use_tensor_parallel_group()
         program = program_of(model, batch, seq)
         context.same_program(program.document)
         refuse_parameter_settings(program)
         section = section_of(model, batch, seq)
-        check_group(section["mesh"]["dp"])
+        check_group(section["mesh"]["dp"], parallel.dp_group)
         precision = Precision(model.dtype, model.dtype, split=False, update=self._update)
-        self.zero = ZeroRun(section, context.rank, precision, "cpu", InOrder())
+        self.zero = ZeroRun(section, parallel.dp_rank, precision, "cpu", InOrder(),
+                            parallel.dp_group)
         self.ties = tied_targets(model.source.program(planned=False).weight_schema)
         self._bind(self.zero.load(model.params))
         model.frame_events = self.zero
@@ -112,6 +116,7 @@ class CPUDataParallelTrainer(CPUTrainer):
         return self._mean_over_ranks(sum(losses) / len(losses))
 
     def _mean_over_ranks(self, loss: float) -> float:
+        """Every rank's loss averaged (a tensor-parallel slice's ranks hold the same)."""
         value = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(value)
         return float(value) / self.context.world
@@ -136,3 +141,32 @@ class CPUDataParallelTrainer(CPUTrainer):
                 if path not in self.zero.paths:
                     self.model.params[path].copy_(state["masters"][path])
         self.adamw.step = int(state["step"])
+
+
+# ---------------------------------------------------------------------- tensor parallel
+STATE_PARTS = ("masters", "exp_avg", "exp_avg_sq")
+
+
+def whole_state(state: dict, model: Model, parallel) -> dict:
+    """A tensor-parallel rank's state (its slices) joined with its slice's other ranks'
+    into whole tensors, as one process holds them (a collective over the TP group)."""
+    from runtime.tensor_parallel import sharded_paths, unshard_tensors
+
+    sharded = sharded_paths(model.source.program(planned=False))
+    whole = dict(state)
+    for part in STATE_PARTS:
+        mine = {p: state[part][p].detach().cpu() for p in sharded if p in state[part]}
+        slices = [None] * parallel.tp
+        dist.all_gather_object(slices, mine, group=parallel.tp_group)
+        joined = {p: unshard_tensors([s[p] for s in slices], sharded[p]) for p in mine}
+        whole[part] = {p: joined.get(p, v) for p, v in state[part].items()}
+    return whole
+
+
+def rank_state(state: dict, model: Model, tp_rank: int) -> dict:
+    """This tensor-parallel rank's slices of a whole state (a checkpoint's)."""
+    from runtime.tensor_parallel import shard_params
+
+    program = model.source.program(planned=False)
+    return dict(state, **{part: shard_params(dict(state[part]), program, tp_rank)
+                          for part in STATE_PARTS})

@@ -53,6 +53,7 @@ class Request:
     search_path: tuple = ()
     lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
+    tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
 
 
@@ -77,12 +78,14 @@ def _train(request: Request, context) -> str:
     if weights is None:
         raise RuntimeUserError("give the weights to start from: --hf-weights DIR (or "
                                "--resume DIR)")
-    model = _model(request, weights)
+    model = _model(request, weights, context.rank % request.tp)
     sizes = _sizes(model, request)
+    parallel = _parallel(request, context, model)
+    dp = parallel.dp if parallel is not None else 1
     data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
-                     request.seq, request.batch * request.grad_accum * context.world,
+                     request.seq, request.batch * request.grad_accum * dp,
                      request.seed, sizes[0], request.repeat_batch)
-    run = Run(request, model, data, weights, context)
+    run = Run(request, model, data, weights, context, parallel)
     if resumed:
         run.resume(*resumed)
     return run.train()
@@ -102,7 +105,25 @@ def _context(request: Request):
     if context.distributed and request.lora is not None:
         raise RuntimeUserError("--lora with several processes is not supported yet",
                                help=["train LoRA on one GPU"])
+    if request.tp < 1 or context.world % request.tp:
+        raise RuntimeUserError(f"--tp {request.tp} must divide the {context.world} "
+                               "processes", help=[f"launch a multiple of {request.tp} "
+                                                  "processes: torchrun --nproc-per-node N"])
+    if request.tp > 1 and request.file.suffix == ".ir":
+        raise RuntimeUserError("--tp with an IR document is not supported yet",
+                               help=["train the .module with --tp"])
     return context
+
+
+def _parallel(request: Request, context, model):
+    """The run's tensor- and data-parallel layout (None: one process); the ZeRO stage is
+    --zero's, an IR document's own, or 2."""
+    if not context.distributed:
+        return None
+    from runtime.train.data_parallel import built_zero
+
+    zero = request.zero if request.zero is not None else built_zero(model)
+    return context.data_parallel(2 if zero is None else zero, tp=request.tp)
 
 
 def _check_numbers(request: Request) -> None:
@@ -121,7 +142,7 @@ def _resumed(path):
     return folder, trainer, state
 
 
-def _model(request: Request, weights: Path) -> Model:
+def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
     if request.file.suffix == ".ir":
         return _model_from_ir(request, weights)
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
@@ -129,7 +150,8 @@ def _model(request: Request, weights: Path) -> Model:
                               model=request.model, search_path=request.search_path,
                               progress=request.fmt == "human" and sys.stderr.isatty(),
                               memory_budget=request.memory_budget
-                              if request.device == "cpu" else None, lora=request.lora)
+                              if request.device == "cpu" else None, lora=request.lora,
+                              tensor_parallel=request.tp, tp_rank=tp_rank)
     names = model.source.program(planned=False).input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
@@ -175,13 +197,19 @@ def _sizes(model: Model, request: Request) -> tuple[int | None, int | None]:
 
 class Run:
     def __init__(self, request: Request, model: Model, data: TokenData, weights: Path,
-                 context=None):
+                 context=None, parallel=None):
         from runtime.dist import DistContext
 
         self.request, self.model, self.data = request, model, data
         self.context = context or DistContext()
+        self.parallel = parallel  # runtime.dist.DataParallelRun, None on one process
+        self.dp, self.dp_rank = (parallel.dp, parallel.dp_rank) if parallel else (1, 0)
         self.schema = model.source.program(planned=False).weight_schema
         self.layout = dict(model.hf_layout)
+        if request.tp > 1:  # checkpoints hold the whole tensors (whole_state)
+            from runtime.tensor_parallel import whole_layout
+
+            self.layout = whole_layout(self.layout, self.schema)
         self.config = _config(Path(weights))
         self.save_dtype = _save_dtype(request.save_dtype, self.config)
         adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
@@ -189,36 +217,34 @@ class Run:
         self.start, self.losses, self.saved = 0, [], None
 
     def _trainer(self, adamw: AdamW):
-        from runtime.train.data_parallel import built_zero
-
-        r, model, context = self.request, self.model, self.context
-        zero = r.zero if r.zero is not None else built_zero(model)
-        zero = 2 if zero is None else zero
+        r, model, parallel = self.request, self.model, self.parallel
         if r.device == "cuda":
-            dist = context.data_parallel(zero) if context.distributed else None
             return CUDATrainer(model, r.batch, r.seq, adamw, r.memory_budget, r.grad_accum,
-                               dist=dist)
-        if context.distributed:
+                               dist=parallel)
+        if parallel is not None and parallel.dp > 1:
             from runtime.train.data_parallel import CPUDataParallelTrainer
 
-            return CPUDataParallelTrainer(model, r.batch, r.seq, adamw, context, zero,
+            return CPUDataParallelTrainer(model, r.batch, r.seq, adamw, parallel,
                                           r.grad_accum)
+        if parallel is not None:  # tensor parallel alone: the TP pair's group
+            parallel.use_tensor_parallel_group()
         return CPUTrainer(model, r.batch, r.seq, adamw, r.grad_accum)
 
     def _tokens_per_step(self) -> int:
         r = self.request
-        return r.batch * r.grad_accum * r.seq * self.context.world
+        return r.batch * r.grad_accum * r.seq * self.dp
 
     def _own_rows(self, window):
-        """This rank's rows of the step's window (every rank reads the same window)."""
-        rows = window.shape[0] // self.context.world
-        return window[self.context.rank * rows:(self.context.rank + 1) * rows]
+        """This rank's rows of the step's window (every rank reads the same window; the
+        ranks of one tensor-parallel slice read the same rows)."""
+        rows = window.shape[0] // self.dp
+        return window[self.dp_rank * rows:(self.dp_rank + 1) * rows]
 
     def _settings(self) -> dict:
         """What a resume must match. `batch` is the rows of a micro-batch over every rank
         (a checkpoint resumes on another number of processes with the same total)."""
         settings = {key: getattr(self.request, key) for key in RESUME_KEYS}
-        settings["batch"] *= self.context.world
+        settings["batch"] *= self.dp
         return settings
 
     def resume(self, folder: Path, trainer: dict, state: dict) -> None:
@@ -226,8 +252,8 @@ class Run:
         for key in RESUME_KEYS:
             if trainer.get(key, RESUME_DEFAULTS.get(key)) != settings[key]:
                 flag = "--" + key.replace("_", "-")
-                world = f" x {self.context.world} processes" if key == "batch" and \
-                    self.context.distributed else ""
+                world = f" x {self.dp} data-parallel ranks" if key == "batch" and \
+                    self.dp > 1 else ""
                 raise RuntimeUserError(f"{flag} is {getattr(self.request, key)}{world}, but "
                                        f"{folder} was trained with {trainer.get(key)}",
                                        help=["resume with the settings of the run that "
@@ -237,6 +263,10 @@ class Run:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
                                    f"{self.request.steps} leaves nothing to run",
                                    help=["--steps is the total step count; give more"])
+        if self.request.tp > 1:  # this rank's slices of the whole tensors
+            from runtime.train.data_parallel import rank_state
+
+            state = rank_state(state, self.model, self.context.rank % self.request.tp)
         self.trainer.load_state(state)
 
     def train(self) -> str:
@@ -290,7 +320,7 @@ class Run:
     def _save(self, step: int, progress: Progress) -> None:
         r = self.request
         trainer = {"step": step,
-                   "samples": step * r.batch * r.grad_accum * self.context.world,
+                   "samples": step * r.batch * r.grad_accum * self.dp,
                    "losses": self.losses,
                    "model": str(r.file), "settings": r.settings,
                    "data": {"path": str(r.data), "dtype": self.data.dtype,
@@ -298,6 +328,10 @@ class Run:
                    "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
         trainer |= self._settings()
         state = self.trainer.state()  # under data parallel a collective: every rank
+        if self.request.tp > 1:  # the ranks' slices joined (a collective too)
+            from runtime.train.data_parallel import whole_state
+
+            state = whole_state(state, self.model, self.parallel)
         if not self.context.is_main:
             return
         try:
