@@ -51,8 +51,10 @@ def test_bad_settings_are_usage_errors(args, message):
 def test_tp_must_divide_the_heads():
     result = run("build", LLAMA, *TINY, "--tp", 3)
     assert result.exit_code == 1
-    assert "--tp 3 does not divide `num_heads = 32` of `CausalSelfAttention#1`" in result.output
-    assert "`num_kv_heads = 4`" in result.output
+    # each sharded parameter whose dim does not split is named with the dim and its value
+    assert "`qkv_weight` cannot split across tp_size 3: dim 0 part `num_heads` = 32 is not " \
+        "divisible by tp_size 3" in result.output
+    assert "`up_weight` cannot split across tp_size 3: dim 0 part `d_ff` = " in result.output
 
 
 def test_pipeline_settings_against_the_model_are_errors():
