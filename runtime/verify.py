@@ -59,6 +59,8 @@ class VerifyOptions:
     directions: int = 2
     seed: int = 0
     search_path: tuple[Path, ...] = ()
+    # the input dims of every declaration verified (a --shape naming none sized nothing)
+    seen_dims: set = field(default_factory=set)
 
 
 def verify_declaration(path: Path, decl, options: VerifyOptions) -> list[GradientCheck]:
@@ -110,6 +112,8 @@ def _source(path, name, config: VerifyConfig, options, derive: bool) -> ModuleSo
 
 def _verify_variant(source: ModuleSource, name, config, options, label: str):
     probe = source.program(config.shapes)
+    declared = source.program(planned=False).metadata["inputs"]  # dims by name
+    options.seen_dims.update(d for spec in declared for d in spec["shape"])
     shapes = dict(config.shapes) | _free_dims(probe.metadata["inputs"], config.shapes)
     model = Model(source, dtype=torch.float64)
     model.program = source.program(shapes)

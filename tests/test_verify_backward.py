@@ -104,3 +104,16 @@ def test_unknown_verify_setting_is_reported(tmp_path):
     # `check` reports it now (E001), before --verify-backward reads the section
     assert result.exit_code == 1 and "unknown section `epsilom` in `verify_backward:`" \
         in result.output and "did you mean `epsilon`?" in result.output
+
+
+def test_a_shape_that_sizes_nothing_is_an_error(tmp_path):
+    """`--shape X=3` where no verified declaration's inputs have X was accepted silently."""
+    source = tmp_path / "m.module"
+    source.write_text("module M(d: int = 4):\n  params:\n    w: [d, d]\n  forward:\n"
+                      "    in: x: [B, d]\n    out: y: [B, d]\n    graph:\n"
+                      "      x -> matmul(w, transpose=NT) -> y\n", encoding="utf-8")
+    result = _verify(str(source), "--shape", "X=3")
+    assert result.exit_code == 1
+    assert "--shape X=3: no verified declaration's inputs have a dim `X` (their dims: B)" \
+        in result.output
+    assert _verify(str(source), "--shape", "B=3").exit_code == 0

@@ -31,7 +31,17 @@ def verify_files(results, options: dict, fmt: str, color: bool) -> bool:
                 rows += _verify_one(Path(result.name), decl, verify, failures, fmt)
     skipped = sum(1 for r in results if not r.ok)
     _report(rows, failures, fmt, color, skipped)
-    return not failures and all(r.ok for r in rows)
+    return _shapes_used(verify) and not failures and all(r.ok for r in rows)
+
+
+def _shapes_used(verify) -> bool:
+    """A `--shape` no verified declaration's inputs have sized nothing: say so."""
+    unused = sorted(set(verify.shapes) - verify.seen_dims)
+    for name in unused:
+        dims = ", ".join(sorted(d for d in verify.seen_dims if d.isidentifier())) or "none"
+        click.echo(f"error: --shape {name}={verify.shapes[name]}: no verified declaration's "
+                   f"inputs have a dim `{name}` (their dims: {dims})", err=True)
+    return not unused
 
 
 def _declarations(program):
