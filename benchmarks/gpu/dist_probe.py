@@ -119,7 +119,8 @@ def _report(ctx, args, shape, step, times, losses) -> None:
     if ctx.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     fixed = step.zero.fixed_bytes() if step.zero is not None else None
-    row = {"gpus": ctx.world, "zero": args.zero if ctx.distributed else None, "tp": args.tp,
+    dp = ctx.world // args.tp
+    row = {"gpus": ctx.world, "zero": args.zero if dp > 1 else None, "tp": args.tp,
            "shape": args.shape, "layers": shape["n_layers"], "batch_per_gpu": args.batch,
            "seq": args.seq, "step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
            "tokens_per_s_per_gpu": tokens / seconds / ctx.world,
