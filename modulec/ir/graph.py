@@ -71,3 +71,22 @@ class Graph:
             if function.name == name:
                 return function
         raise KeyError(name)
+
+
+def function_runs(graph: Graph, function: Function, prefix: str = ""):
+    """(function, its parameter path prefix) for `function` and every run of what it
+    calls, in call order: a repeated call's layers as `blocks[3]` (from the call's
+    `instance` and `first`; IR without them: the callee's scope)."""
+    yield function, prefix
+    for node in function.nodes:
+        if node.kind != "call":
+            continue
+        callee = graph.function(node.target)
+        name, first = node.attr("instance"), node.attr("first")
+        for layer in range(int(node.repeat)):
+            if name is None:
+                yield from function_runs(graph, callee,
+                                         callee.scope.replace("[*]", f"[{layer}]"))
+                continue
+            inner = name if first is None else f"{name}[{int(first) + layer}]"
+            yield from function_runs(graph, callee, f"{prefix}.{inner}" if prefix else inner)

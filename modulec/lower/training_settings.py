@@ -10,7 +10,7 @@ alike (docs/build-output.md, "metadata.training").
 
 from __future__ import annotations
 
-from modulec.ir.graph import Graph
+from modulec.ir.graph import Graph, function_runs
 
 DEFAULTS = {"lr_scale": 1.0, "wd_scale": 1.0, "grad_clip": None}
 
@@ -34,7 +34,7 @@ def training_metadata(graph: Graph, settings: dict[str, dict]) -> dict | None:
     `settings`: function name -> local parameter name -> its non-default settings."""
     frozen: set[str] = set()
     parameters: dict[str, dict] = {}
-    for function, prefix in _runs(graph, graph.function(graph.entry), ""):
+    for function, prefix in function_runs(graph, graph.function(graph.entry)):
         local = settings.get(function.name, {})
         for param in function.params:
             name = param.id[len("param:"):]
@@ -46,22 +46,6 @@ def training_metadata(graph: Graph, settings: dict[str, dict]) -> dict | None:
     if not frozen and not parameters:
         return None
     return {"frozen": sorted(frozen), "parameters": dict(sorted(parameters.items()))}
-
-
-def _runs(graph: Graph, function, prefix: str):
-    """(function, its parameter prefix) for every run of every function of the model."""
-    yield function, prefix
-    for node in function.nodes:
-        if node.kind != "call":
-            continue
-        callee = graph.function(node.target)
-        name, first = node.attr("instance"), node.attr("first")
-        for layer in range(int(node.repeat)):
-            if name is None:  # IR without the call's path: the callee's scope
-                yield from _runs(graph, callee, callee.scope.replace("[*]", f"[{layer}]"))
-                continue
-            inner = name if first is None else f"{name}[{int(first) + layer}]"
-            yield from _runs(graph, callee, _join(prefix, inner))
 
 
 def _join(prefix: str, name: str) -> str:

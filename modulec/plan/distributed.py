@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modulec.ir.graph import function_runs
+
 ALIGN = 128  # elements: each parameter and shard starts at a 256-byte boundary in bf16
 COMPUTE, COMM = 0, 2  # streams (1 is the copy stream of swaps)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -77,7 +79,7 @@ def _buckets(graph, dp: int, trained) -> list[dict]:
             continue
         name, first = node.attr("instance"), node.attr("first")
         callee = graph.function(node.target)
-        params = list(_params(graph, callee, ""))
+        params = list(_params(graph, callee))
         if first is None:  # called once, by name: its parameters are one bucket
             buckets.append(_bucket(name, name, 1, 0, params, dp, trained))
             continue
@@ -106,23 +108,16 @@ def _bucket(name: str, path: str, count: int, first: int, params: list, dp: int,
             "params": rows, "numel": numel, "shard": numel // dp}
 
 
-def _params(graph, function, prefix: str):
-    """(relative path, shape) of every parameter of `function` and what it calls."""
-    for p in function.params:
-        yield _join(prefix, p.id[len("param:"):]), _shape(p)
-    for node in function.nodes:
-        if node.kind != "call":
-            continue
-        callee = graph.function(node.target)
-        name, first = node.attr("instance"), node.attr("first")
-        for layer in range(int(node.repeat)):
-            inner = name if first is None else f"{name}[{int(first) + layer}]"
-            yield from _params(graph, callee, _join(prefix, inner))
+def _params(graph, function):
+    """(path relative to `function`, shape) of every parameter of it and what it calls."""
+    for run, prefix in function_runs(graph, function):
+        for p in run.params:
+            yield _join(prefix, p.id[len("param:"):]), _shape(p)
 
 
 def parameter_paths(graph) -> list[str]:
     """Every parameter path of the model (`blocks[3].attention.qkv_weight`)."""
-    return [path for path, _ in _params(graph, graph.function(graph.entry), "")]
+    return [path for path, _ in _params(graph, graph.function(graph.entry))]
 
 
 def bucket_paths(bucket: dict, instance: int) -> list[str]:
