@@ -9,11 +9,10 @@ for the default `transpose` mode, so the operand's own type is the reliable answ
 
 from __future__ import annotations
 
-from modulec.check.unify import Matcher, pattern_of
 from modulec.ops.registry import OpCall
-from modulec.semantic.consteval import ConstEnv
+from modulec.ops.shapes_special import by_signature
 from modulec.syntax import ast as A
-from modulec.types.tensor import FLOAT, TensorType
+from modulec.types.tensor import TensorType
 
 
 def output_types(call: OpCall, backward: bool) -> list[TensorType] | None:
@@ -37,20 +36,8 @@ def output_types(call: OpCall, backward: bool) -> list[TensorType] | None:
 
 
 def signature_types(call: OpCall, phase) -> list[TensorType]:
-    """The phase's signature matched against the call's inputs: its output types (dims
-    the inputs do not bind are fresh `op.N` symbols)."""
-    matcher = Matcher(ConstEnv(call.params, "error"), call.assumptions)
-    dtype = FLOAT
-    for index, (sig, actual) in enumerate(zip(phase.inputs, call.inputs)):
-        if actual is None:
-            continue
-        pattern = pattern_of(sig.type)
-        matcher.match(pattern, actual, f"`{sig.name}`", index)
-        if dtype == FLOAT and pattern.dtype is None and actual.is_float:
-            dtype = actual.dtype
-    matcher.finish()
-    return [matcher.build(pattern_of(sig.type), dtype, call.rule.name)
-            for sig in phase.outputs]
+    """The phase's signature matched against the call's inputs: its output types."""
+    return by_signature(call, phase)[1]
 
 
 def _mode_changed(call: OpCall) -> bool:

@@ -16,9 +16,10 @@ from modulec.types.dims import Dim, intrinsic
 from modulec.types.tensor import FLOAT, TensorType
 
 
-def by_signature(call: OpCall) -> tuple[Matcher, list[TensorType]]:
-    """The forward signature matched against the call: (bound dims, output types)."""
-    phase = call.rule.definition.forward
+def by_signature(call: OpCall, phase=None) -> tuple[Matcher, list[TensorType]]:
+    """A signature (the forward's, or `phase`) matched against the call: (bound dims,
+    output types; dims the inputs do not bind are fresh `op.N` symbols)."""
+    phase = phase or call.rule.definition.forward
     matcher = Matcher(ConstEnv(call.params, "error"), call.assumptions)
     dtype = FLOAT
     for index, (sig, actual) in enumerate(zip(phase.inputs, call.inputs)):
