@@ -173,8 +173,9 @@ STATUS: dict[str, Status] = {
     "assert": Status(both("runtime.conditions:evaluate", *INTERPRETED)),
     "profile": Status(both("runtime.profiling:Profiler", *INTERPRETED)),
     "trace": Status(both("runtime.probes:trace_line", "runtime.hooks:Hooks.enable_trace")),
-    # §7.8 training: both trainers read them (the program's metadata.training); under data
-    # parallel `@trainable` settings are refused (one learning rate per shard)
+    # §7.8 training: both trainers read them (the program's metadata.training); on several
+    # processes `@trainable` settings are refused (one learning rate per ZeRO shard; a TP
+    # rank's norm clip would see its slice only)
     "frozen": Status(both("modulec.check.instance:_param_value",
                           "runtime.train.param_groups:frozen_parameters",
                           "runtime.cuda.step:frozen_paths")),

@@ -233,6 +233,9 @@ class TrainStep:
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
         if self.dist is not None:
+            from runtime.dist.zero import refuse_parameter_settings
+
+            refuse_parameter_settings(self.program)
             self.dist.use_tensor_parallel_group()
         if self.optimizer == "fused" and self.dist is not None and self.dist.dp > 1:
             self._load_sharded(params, frozen)
@@ -302,11 +305,9 @@ class TrainStep:
         their own region."""
         from runtime.cuda.state import region
         from runtime.dist.streams import CudaStreams
-        from runtime.dist.zero import (Precision, ZeroRun, check_group,
-                                       refuse_parameter_settings)
+        from runtime.dist.zero import Precision, ZeroRun, check_group
 
         section = self.program.document["schedule"].get("distributed")
-        refuse_parameter_settings(self.program)
         if section is None:
             raise ValueError("the program has no distributed section: build it with "
                              "TrainStep.from_module(..., dist=...) or `modulec build --dp`")

@@ -344,12 +344,13 @@ def _ops_by_trigger(ops: list[dict]) -> dict[str, list[dict]]:
 
 
 def refuse_parameter_settings(program) -> None:
-    """A bucket's shard is updated with one learning rate and weight decay: per-parameter
-    `@trainable` settings are refused under data parallel rather than ignored."""
+    """Per-parameter `@trainable` settings are refused on several processes rather than
+    ignored or computed wrong: a data-parallel shard is updated with one learning rate
+    and weight decay, and a tensor-parallel rank's norm clip would see its slice only."""
     settings = program.metadata.get("training", {}).get("parameters", {})
     if settings:
         raise RuntimeUserError(f"@trainable settings ({', '.join(sorted(settings)[:3])}) are "
-                               "not supported under data parallel yet",
+                               "not supported on several processes yet",
                                help=["train on one process, or remove the @trainable "
                                      "arguments"])
 

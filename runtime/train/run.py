@@ -227,6 +227,9 @@ class Run:
             return CPUDataParallelTrainer(model, r.batch, r.seq, adamw, parallel,
                                           r.grad_accum)
         if parallel is not None:  # tensor parallel alone: the TP pair's group
+            from runtime.dist.zero import refuse_parameter_settings
+
+            refuse_parameter_settings(model.source.program(planned=False))
             parallel.use_tensor_parallel_group()
         return CPUTrainer(model, r.batch, r.seq, adamw, r.grad_accum)
 
