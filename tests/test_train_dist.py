@@ -158,3 +158,18 @@ def test_data_parallel_over_tensor_parallel_slices(ckpt, tmp_path):
     one = losses(train(ckpt, "--steps", "3"))
     four = torchrun(ckpt, "--steps", "3", "--tp", "2", "--zero", "3", processes=4)
     assert four == pytest.approx(one, rel=1e-5)
+
+
+def test_lora_data_parallel_trains_as_one_process(ckpt, tmp_path):
+    """--lora under torchrun: the adapters are the buckets (the base weights frozen and
+    whole on every rank); the losses and saved adapters are one process's."""
+    from safetensors.torch import load_file
+
+    args = ("--steps", "3", "--lora", "rank=4,alpha=8")
+    one = losses(train(ckpt, *args, "--save", tmp_path / "one"))
+    two = torchrun(ckpt, *args, "--zero", "2", "--save", tmp_path / "two")
+    assert two == pytest.approx(one, rel=1e-5)
+    a, b = (load_file(str(tmp_path / d / "checkpoint-3" / "adapter_model.safetensors"))
+            for d in ("one", "two"))
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)

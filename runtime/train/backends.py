@@ -140,6 +140,8 @@ class CUDATrainer:
         for path, master, m, v in s.zero.full_state():
             if keep:
                 masters[path], exp_avg[path], exp_avg_sq[path] = master, m, v
+        if self.frozen and keep:  # LoRA: the model's adapters are the masters (save_lora)
+            self.model.params.update({p: masters[p] for p in masters})
         masters.update(self.frozen)
         return {"masters": masters, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
                 "step": int(s.step_count.item())}

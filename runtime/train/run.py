@@ -102,9 +102,9 @@ def _context(request: Request):
                                "processes; this is one process",
                                help=["launch several: torchrun --nproc-per-node N -m "
                                      "modulec train ..., or leave out --zero"])
-    if context.distributed and request.lora is not None:
-        raise RuntimeUserError("--lora with several processes is not supported yet",
-                               help=["train LoRA on one GPU"])
+    if request.tp > 1 and request.lora is not None:
+        raise RuntimeUserError("--lora with --tp is not supported yet",
+                               help=["train LoRA data parallel (--zero) or on one GPU"])
     if request.tp < 1 or context.world % request.tp:
         raise RuntimeUserError(f"--tp {request.tp} must divide the {context.world} "
                                "processes", help=[f"launch a multiple of {request.tp} "
