@@ -126,3 +126,25 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
                     "predicted_bytes": rank_fixed_bytes(section)["total"]}, out)
     context.close()
     context.exit_now()
+
+
+def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int, seq: int,
+                        out: str) -> None:
+    """TP over `world` GPUs: the whole model's random weights sliced per rank, every rank
+    the same batch; rank 0 saves the losses."""
+    from runtime.cuda.step import TrainStep, random_params
+    from runtime.dist import DistContext
+    from runtime.tensor_parallel import shard_params
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    context = DistContext.from_env(device="cuda", timeout_s=120)
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq,
+                                 dist=context.data_parallel(2, tp=world))
+    whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
+    step.load(shard_params(random_params(whole.shapes(), 0), step.program, rank))
+    losses = gpu_train(step, gpu_batches(steps, rows, seq))
+    if rank == 0:
+        torch.save({"losses": losses}, out)
+    context.close()
+    context.exit_now()

@@ -53,3 +53,13 @@ def test_each_zero_stage_trains_as_one_gpu(zero, reference, initial, tmp_path):
                     (moved.norm() * want_moved.norm()).clamp(min=1e-30))
         assert cos > 0.95, (path, cos)
     assert got["fixed_bytes"] == got["predicted_bytes"]  # what `modulec plan --dp` says
+
+
+def test_tensor_parallel_trains_as_one_gpu(reference, tmp_path):
+    """TP 2 from the same whole weights (sliced per rank) and the same batches as the
+    one-GPU reference: the losses within bf16 rounding."""
+    out = tmp_path / "tp.pt"
+    mp.spawn(dist_workers.gpu_tensor_parallel, nprocs=2,
+             args=(2, free_port(), STEPS, ROWS, SEQ, str(out)))
+    want_losses, _ = reference
+    assert torch.load(out)["losses"] == pytest.approx(want_losses, rel=1e-2)
