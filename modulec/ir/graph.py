@@ -10,6 +10,7 @@ function called 80 times). Values are function-local ids (`x`, `%3`); parameters
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,16 @@ class Function:
     no_gradient: tuple[str, ...] = ()  # frozen params, @gradient(skip) inputs: pruned
 
     def value(self, value_id: str) -> ValueInfo | None:
-        return next((v for v in self.values + self.params + self.inputs if v.id == value_id),
-                    None)
+        return self._values_by_id.get(value_id)
+
+    @cached_property
+    def _values_by_id(self) -> dict[str, ValueInfo]:
+        """Every value, parameter and input by id, the first of a repeated id winning (a
+        lookup per op was a scan: quadratic in a long function)."""
+        found: dict[str, ValueInfo] = {}
+        for v in self.values + self.params + self.inputs:
+            found.setdefault(v.id, v)
+        return found
 
 
 @dataclass(frozen=True)

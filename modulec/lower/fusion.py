@@ -251,12 +251,12 @@ def _fuse_function(function: Function, backward_reads: set[str], context) -> Fun
         else:
             function = apply_match(function, found)
     for pattern in (p for p in PATTERNS if p.automatic):
-        start = 0
+        start, view = 0, _View(function, backward_reads)
         while start < len(function.nodes):
-            view = _View(function, backward_reads)
             found, _ = match_at(view, pattern, start)
             if found is not None and _exact(view, found):
                 function = apply_match(function, found)
+                view = _View(function, backward_reads)  # only a change needs a new view
             start += 1
     return function
 

@@ -24,6 +24,9 @@ can do better, and on interval lifetimes heuristics usually come within a few pe
 
 from __future__ import annotations
 
+import bisect
+import heapq
+
 from typing import Callable, Sequence
 
 import numpy as np
@@ -185,16 +188,33 @@ def check_offsets(blocks: Sequence[Block], offsets: Offsets, arena: int | None =
             raise PlanError(f"block {b.id!r} at offset {off}: not a multiple of {b.alignment}")
         if arena is not None and off + b.size > arena:
             raise PlanError(f"block {b.id!r} [{off}, {off + b.size}) exceeds the arena of {arena}")
-    active: list[Block] = []
-    for b in sorted(blocks, key=lambda b: (b.start, b.key)):
-        active = [a for a in active if a.end >= b.start]
-        for a in active:
-            if _overlap(offsets[a.id], a.size, offsets[b.id], b.size):
+    _check_disjoint_while_live(blocks, offsets)
+
+
+def _check_disjoint_while_live(blocks: Sequence[Block], offsets: Offsets) -> None:
+    """A sweep over the blocks in start order holding the live ones sorted by offset: they
+    are pairwise disjoint (else the check has failed already), so a new block can only
+    overlap its neighbours there, the one below its offset and the one above (n log n;
+    comparing each block with every live one was quadratic in a long graph)."""
+    live: list[tuple] = []  # (offset, end byte, order, block), sorted
+    expiring: list[tuple] = []  # heap of (last op, offset, end byte, order, block)
+    for order, b in enumerate(sorted(blocks, key=lambda b: (b.start, b.key))):
+        while expiring and expiring[0][0] < b.start:
+            entry = heapq.heappop(expiring)[1:]
+            del live[bisect.bisect_left(live, entry)]
+        if b.size <= 0:
+            continue
+        off = offsets[b.id]
+        entry = (off, off + b.size, order, b)
+        at = bisect.bisect_left(live, entry)
+        for a_off, a_end, _, a in live[max(at - 1, 0):at + 1]:
+            if a_off < off + b.size and off < a_end:
                 raise PlanError(
-                    f"blocks {a.id!r} (ops #{a.start}..#{a.end}, bytes [{offsets[a.id]}, "
-                    f"{offsets[a.id] + a.size})) and {b.id!r} (ops #{b.start}..#{b.end}, bytes "
-                    f"[{offsets[b.id]}, {offsets[b.id] + b.size})) overlap while both live")
-        active.append(b)
+                    f"blocks {a.id!r} (ops #{a.start}..#{a.end}, bytes [{a_off}, {a_end})) "
+                    f"and {b.id!r} (ops #{b.start}..#{b.end}, bytes [{off}, {off + b.size})) "
+                    "overlap while both live")
+        live.insert(at, entry)
+        heapq.heappush(expiring, (b.end, *entry))
 
 
 def _overlap(a_off: int, a_size: int, b_off: int, b_size: int) -> bool:
