@@ -60,13 +60,20 @@ def check_tree(instance: Instance) -> None:
 
 
 def _has_annotations(node) -> bool:
-    if isinstance(node, A.Annotation):
-        return True
-    if isinstance(node, tuple):
-        return any(_has_annotations(child) for child in node)
-    fields = getattr(node, "__dataclass_fields__", None)
-    return bool(fields) and any(_has_annotations(getattr(node, name)) for name in fields
-                                if name not in ("span", "name_span", "file"))
+    """Whether the syntax tree under `node` holds an annotation: a walk with a stack of
+    its own (a deeply nested expression, 400 unary minus signs, overflowed Python's)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, A.Annotation):
+            return True
+        if isinstance(node, tuple):
+            stack.extend(node)
+            continue
+        fields = getattr(node, "__dataclass_fields__", None) or ()
+        stack.extend(getattr(node, name) for name in fields
+                     if name not in ("span", "name_span", "file"))
+    return False
 
 
 def scopes_of(resolver) -> dict:
