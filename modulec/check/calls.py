@@ -377,10 +377,35 @@ def _stacked_blocks(ctx, args, inputs, expr) -> Result | None:
                         help=did_you_mean(getattr(target, "id", ""), [
                             n for n, p in ctx.instance.params.items() if isinstance(p, Stack)]))
         return None
+    _check_stack_count(ctx, args, stack, target)
     result = call_module(ctx, stack.instance, inputs, expr, repeat=stack.count)
     if result is not None:
         _check_stackable(ctx, inputs, result, expr)
     return result
+
+
+def _check_stack_count(ctx, args, stack: Stack, target) -> None:
+    """`StackedBlocks(blocks, n)` applies every block of the array: an `n` that surely
+    differs from the array's length would be ignored, so it is an error."""
+    if len(args) < 2:
+        return
+    try:
+        count = evaluate(args[1].value, ctx.instance.env())
+    except (NotConst, Undefined):
+        return
+    if ctx.instance.assumptions.same(_as_dim(count), _as_dim(stack.count)) is False:
+        ctx.world.error("E027", f"`StackedBlocks({target.id}, {count})`: `{target.id}` holds "
+                        f"{stack.count} blocks, and StackedBlocks applies them all",
+                        args[1].value.span,
+                        help=[f"pass its length (`StackedBlocks({target.id}, "
+                              f"{stack.count})`), or apply a slice: "
+                              f"`{target.id}[0:{count}]()`"])
+
+
+def _as_dim(value):
+    from modulec.types.dims import Dim
+
+    return value if isinstance(value, Dim) else Dim.const(int(value))
 
 
 def _check_stackable(ctx, inputs, result: Result, expr) -> None:
