@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from modulec.check.calls import UNKNOWN, StepContext, apply_step
 from modulec.check.indexing import index_tensor
-from modulec.check.instance import Instance, Submodule, TensorParamValue, guard, tensor_type
+from modulec.check.instance import (Broken, Instance, Submodule, TensorParamValue, guard,
+                                    tensor_type)
 from modulec.check.order import order_statements
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
@@ -291,6 +292,8 @@ class GraphChecker:
         if name is None:
             self.world.error("E003", "expected a tensor here", expr.span)
             return
+        if isinstance(self.instance.params.get(name), Broken):
+            return  # its declaration has an error already: nothing more to say here
         helps = did_you_mean(name, self.scope.visible() + list(self.instance.params))
         if self.in_recompute and name in self.forward_types:
             self.world.error("E021", f"`{name}` is not derivable here: a `recompute:` block "

@@ -316,8 +316,21 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
             instance.world.error("E003", "a dimension must be an integer", item.span,
                                  f"this is {_short(value)}")
             return None
+        if not _at_least_one(instance, value, item, "a dimension"):
+            return None
         dims.append(value)
     return TensorType(tuple(dims), dtype)
+
+
+def _at_least_one(instance: Instance, size, node, what: str) -> bool:
+    """A size known here to be below 1 is an error at its expression (a tensor of a
+    negative or zero dim, an empty array of blocks: the runtime could only fail on it)."""
+    if isinstance(size, Dim) and size.is_const and size.value < 1:
+        instance.world.error("E027", f"{what} must be at least 1: this is {size.value}",
+                             node.span, help=["check the expression and the parameter "
+                                              "values it reads"])
+        return False
+    return True
 
 
 def _is_tied(node) -> bool:
@@ -339,6 +352,9 @@ def _tied(instance: Instance, node: A.Call, param: TensorParam):
 
 def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
     count = _const(instance, node.count, "an array size")
+    if isinstance(count, Dim) and not _at_least_one(instance, count, node.count,
+                                                    "an array of blocks' size"):
+        return None
     element = _submodule(instance, node.element, param.span)
     return Stack(count, element.instance, param.span) if element else None
 
