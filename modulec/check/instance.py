@@ -25,6 +25,11 @@ from modulec.types.sampling import Assumptions
 from modulec.types.tensor import DTYPES, FLOAT, TensorType
 
 
+# resource limits, checked where sizes are bound (docs/decisions.md, "Sizes")
+MAX_DIM = 2 ** 40  # one dim: no real model comes near this
+MAX_ELEMENTS = 2 ** 40  # one tensor's elements (8 TiB in fp64)
+MAX_BLOCKS = 10_000  # the blocks of one array (real models have at most a few hundred)
+
 @dataclass(frozen=True)
 class Submodule:
     """A parameter that is a module instance (`attention: CausalSelfAttention(...)`)."""
@@ -319,16 +324,34 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
         if not _at_least_one(instance, value, item, "a dimension"):
             return None
         dims.append(value)
+    if not _elements_in_range(instance, dims, node):
+        return None
     return TensorType(tuple(dims), dtype)
 
 
-def _at_least_one(instance: Instance, size, node, what: str) -> bool:
-    """A size known here to be below 1 is an error at its expression (a tensor of a
-    negative or zero dim, an empty array of blocks: the runtime could only fail on it)."""
-    if isinstance(size, Dim) and size.is_const and size.value < 1:
-        instance.world.error("E027", f"{what} must be at least 1: this is {size.value}",
+def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM) -> bool:
+    """A size known here to be below 1, or beyond what any model holds, is an error at
+    its expression (a tensor of a negative or zero dim, an empty array of blocks, 10^12
+    columns: the runtime could only fail on it, or run out of memory first)."""
+    if isinstance(size, Dim) and size.is_const and not 1 <= size.value <= most:
+        bound = "at least 1" if size.value < 1 else f"at most {most:,}"
+        instance.world.error("E027", f"{what} must be {bound}: this is {size.value:,}",
                              node.span, help=["check the expression and the parameter "
                                               "values it reads"])
+        return False
+    return True
+
+
+def _elements_in_range(instance: Instance, dims: list, node) -> bool:
+    """A tensor whose known dims multiply past MAX_ELEMENTS cannot be held anywhere."""
+    total = 1
+    for dim in dims:
+        if dim.is_const:
+            total *= dim.value
+    if total > MAX_ELEMENTS:
+        instance.world.error("E027", f"a tensor of {total:,} elements: the most a tensor may "
+                             f"hold is {MAX_ELEMENTS:,}", node.span,
+                             help=["check the sizes its dims read (--set, --shape, defaults)"])
         return False
     return True
 
@@ -353,7 +376,7 @@ def _tied(instance: Instance, node: A.Call, param: TensorParam):
 def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
     count = _const(instance, node.count, "an array size")
     if isinstance(count, Dim) and not _at_least_one(instance, count, node.count,
-                                                    "an array of blocks' size"):
+                                                    "an array of blocks' size", MAX_BLOCKS):
         return None
     element = _submodule(instance, node.element, param.span)
     return Stack(count, element.instance, param.span) if element else None

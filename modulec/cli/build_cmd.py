@@ -11,6 +11,9 @@ import click
 from modulec.cli.parallel import parallel_options, parallel_request
 
 
+MAX_SIZE = 2 ** 40  # a size no real model comes near (modulec.check.instance.MAX_DIM)
+
+
 def pairs(values, what: str, integer: bool) -> dict:
     pairs = {}
     for item in values:
@@ -20,9 +23,12 @@ def pairs(values, what: str, integer: bool) -> dict:
         if integer:
             try:
                 pairs[name.strip()] = int(value)
-            except ValueError:
-                raise click.BadParameter(f"`{item}`: the size must be an integer",
+            except ValueError:  # not a number, or thousands of digits
+                raise click.BadParameter(f"`{item[:60]}`: the size must be an integer",
                                          param_hint=what) from None
+            if not 1 <= pairs[name.strip()] <= MAX_SIZE:
+                raise click.BadParameter(f"`{item[:60]}`: a size is from 1 to {MAX_SIZE:,}",
+                                         param_hint=what)
         else:
             pairs[name.strip()] = value.strip()
     return pairs

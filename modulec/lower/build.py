@@ -272,8 +272,9 @@ def _value_of(text: str, name: str, diagnostics):
     try:
         binding = result.program.decls[0].body[0].body[0]
         return evaluate(binding.value, ConstEnv({}, "ident"))
-    except (NotConst, Undefined, AttributeError, IndexError):
-        diagnostics.append(error("E003", f"`--set {name}={text}`: not a compile-time value",
+    except (NotConst, Undefined, AttributeError, IndexError, ValueError, OverflowError):
+        shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+        diagnostics.append(error("E003", f"`--set {name}={shown}`: not a compile-time value",
                                  None))
         return None
 
