@@ -447,3 +447,36 @@ def test_progress_bar_only_on_a_terminal_when_asked(progress, llama, monkeypatch
     monkeypatch.undo()
     shown = "".join(terminal.text)
     assert ("loading weights" in shown) == progress, shown[:200]
+
+
+# ======================================================= shard paths stay in the folder
+@pytest.mark.parametrize("entry", ["../other/model.safetensors", "ABSOLUTE",
+                                   "../../../../etc/passwd", "sub/../../other/model.safetensors",
+                                   "link.safetensors"])
+def test_index_entries_outside_the_folder_are_refused(tmp_path, entry):
+    """A weight_map is downloaded data (issue 16 item 8): a '..', an absolute path or a
+    link out of the folder must not read another file, let alone load it as the weights."""
+    schema = schema_of("std/models/llama.module")
+    other = save(fake_checkpoint(schema), tmp_path / "other") / "model.safetensors"
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "link.safetensors").symlink_to(other)
+    entry = str(other) if entry == "ABSOLUTE" else entry
+    index = {"weight_map": {n: entry for n in fake_checkpoint(schema)}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = raises(load_hf_weights, schema, folder, progress=False)
+    assert "outside its folder" in message and repr(entry) in message
+
+
+def test_hub_cache_snapshot_links_to_its_blobs_still_load(tmp_path):
+    """HuggingFace's cache keeps shards in <repo>/blobs and links them from
+    <repo>/snapshots/<rev>/: that is not an escape."""
+    schema = schema_of("std/models/llama.module")
+    hf = fake_checkpoint(schema)
+    blob = save(hf, tmp_path / "repo" / "blobs") / "model.safetensors"
+    snapshot = tmp_path / "repo" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to(blob)
+    index = {"weight_map": {n: "model-00001-of-00001.safetensors" for n in hf}}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_hf_weights(schema, snapshot, progress=False).keys()

@@ -102,10 +102,43 @@ def _shards(index: Path) -> list[Path]:
         raise WeightLoadError(f"cannot read {index}: {exc!r}",
                               ['an index is JSON with a "weight_map": {tensor name: shard '
                                'file}']) from None
-    shards = [index.parent / name for name in names]
+    shards = [_confined(index, name) for name in names]
     absent = [s.name for s in shards if not s.is_file()]
     if absent:
         raise WeightLoadError("\n".join(listing(f"{index} lists shards that are not in "
                                                 f"{index.parent}:", absent)),
                               ["the download is incomplete: fetch the missing shards"])
     return shards
+
+
+def _confined(index: Path, name) -> Path:
+    """The shard `name` of `index`, refused unless it is a plain relative path that stays
+    inside the index's folder once resolved: an index is downloaded data, and an entry like
+    `../../etc/passwd`, an absolute path or a symlink out of the folder would read (and use)
+    files the checkpoint does not own."""
+    folder = index.parent.resolve()
+    path = Path(name) if isinstance(name, str) else None
+    if path is None or path.is_absolute() or not name or "\\" in name:
+        _outside(index, name)
+    if ".." in path.parts:
+        _outside(index, name)
+    resolved = (folder / path).resolve()
+    if not any(resolved.is_relative_to(root) for root in _roots(folder)):
+        _outside(index, name)
+    return resolved
+
+
+def _roots(folder: Path) -> list[Path]:
+    """Where a shard may live: the checkpoint folder, and for a HuggingFace hub cache
+    snapshot (`<repo>/snapshots/<rev>/`, whose files are links to `<repo>/blobs/`) that
+    repository's blobs folder, so downloaded checkpoints keep loading."""
+    roots = [folder]
+    if folder.parent.name == "snapshots":
+        roots.append(folder.parent.parent / "blobs")
+    return roots
+
+
+def _outside(index: Path, name) -> None:
+    raise WeightLoadError(f"{index} lists a shard outside its folder: {name!r}",
+                          ["a weight_map value must be a file name inside the checkpoint "
+                           "folder (no absolute paths, no '..', no links out of it)"])
