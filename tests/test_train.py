@@ -6,6 +6,7 @@ is one clear error (exit 1, no traceback)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,55 @@ def test_an_unfinished_checkpoint_is_not_resumed(ckpt, tmp_path):
     (tmp_path / "s" / "latest").unlink()
     result = train(ckpt, "--steps", "4", "--resume", tmp_path / "s", weights=False)
     assert result.exit_code == 1 and "holds no complete checkpoint" in result.output
+
+
+
+def _kill_between_the_renames(monkeypatch):
+    """os.replace raises where a re-save has moved the old folder aside and not yet
+    renamed the new one into place: the state a kill -9 there leaves (issue 16 item 9)."""
+    import os
+
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(src).name.endswith(".tmp") and Path(dst).name.startswith("checkpoint-"):
+            raise OSError("killed")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_a_resave_killed_between_its_renames_still_resumes(ckpt, tmp_path, monkeypatch):
+    events(train(ckpt, "--steps", "2", "--save", tmp_path / "s"))
+    before = _tensors(tmp_path / "s" / "checkpoint-2")
+    with monkeypatch.context() as patch:
+        _kill_between_the_renames(patch)
+        assert train(ckpt, "--steps", "2", "--save", tmp_path / "s").exit_code == 1
+    assert not (tmp_path / "s" / "checkpoint-2").exists()  # the gap the kill left
+    assert (tmp_path / "s" / "latest").read_text().strip() == "checkpoint-2"
+    rest = train(ckpt, "--steps", "4", "--resume", tmp_path / "s", "--save", tmp_path / "s",
+                 weights=False)
+    assert [r["step"] for r in events(rest)] == [3, 4]
+    # the next save put the old step back rather than leaving it hidden
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == \
+        ["checkpoint-2", "checkpoint-4", "latest"]
+    after = _tensors(tmp_path / "s" / "checkpoint-2")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_temporary_folders_of_killed_saves_are_removed(ckpt, tmp_path):
+    save = tmp_path / "s"
+    save.mkdir()
+    for name in (".checkpoint-2.abc123.tmp", ".checkpoint-7.x.tmp"):
+        (save / name).mkdir()
+        (save / name / "model.safetensors").write_bytes(b"x" * 100)
+    keep = [".checkpoint-2.notes.tmp.txt", "mine.tmp", ".checkpoint-9.tmp"]
+    (save / keep[0]).write_text("a file, not a folder")
+    (save / keep[1]).mkdir()
+    (save / keep[2]).symlink_to(tmp_path, target_is_directory=True)  # never followed
+    events(train(ckpt, "--steps", "2", "--save", save))
+    assert sorted(p.name for p in save.iterdir()) == sorted(keep + ["checkpoint-2", "latest"])
+    assert tmp_path.exists()
 
 
 def test_save_every_and_human_lines(ckpt, tmp_path):

@@ -10,7 +10,10 @@ A checkpoint is written into a temporary folder next to it (`.checkpoint-<step>.
 each file through a temp file + os.replace and fsynced, then the folder is renamed into
 place and `SAVE/latest` (the name of the newest) is replaced atomically. A crash mid-save
 leaves only the temporary folder, which nothing reads: never a half checkpoint that looks
-complete.
+complete. Re-saving a step moves the old folder aside (`.checkpoint-<step>.old`) only once
+the new one is complete; a crash between the two renames leaves the old one there, which
+`find_checkpoint` reads and the next save puts back. The next save also removes the
+temporary folders of killed saves.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    recover(root)
     final = root / f"checkpoint-{trainer['step']}"
     temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
@@ -79,15 +83,19 @@ def write_optimizer(path: Path, state: dict, masters: dict) -> None:
 def find_checkpoint(path) -> Path:
     """A checkpoint folder, or a save folder (its `latest`)."""
     path = Path(path)
-    if (path / STATE).is_file():
-        return path
+    for folder in (path, _aside(path)):
+        if (folder / STATE).is_file():
+            return folder
     if (path / LATEST).is_file():
         named = path / (path / LATEST).read_text(encoding="utf-8").strip()
-        if (named / STATE).is_file():
-            return named
-    found = sorted(path.glob("checkpoint-*/" + STATE), key=lambda p: _step_of(p.parent))
+        for folder in (named, _aside(named)):  # a re-save killed between its renames
+            if (folder / STATE).is_file():
+                return folder
+    found = [f.parent for f in path.glob("checkpoint-*/" + STATE)]
+    found += [f.parent for f in path.glob(".checkpoint-*.old/" + STATE)
+              if not (path / _step_name(f.parent) / STATE).is_file()]
     if found:
-        return found[-1].parent
+        return max(found, key=_step_of)
     where = "does not exist" if not path.exists() else "holds no complete checkpoint"
     raise RuntimeUserError(f"--resume {path} {where}",
                            help=[f"pass a checkpoint folder (with {STATE}) or the --save "
@@ -127,19 +135,46 @@ def atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
+def recover(root: Path) -> None:
+    """Undo what killed saves left in `root`: a `.checkpoint-<step>.old` whose
+    `checkpoint-<step>` is missing (killed between the renames of a re-save) is put back,
+    one whose step is there again is deleted, and `.checkpoint-<step>.*.tmp` folders
+    (killed before publishing) are deleted. Only those names, only folders, never links."""
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir() or entry.is_symlink() or not entry.name.startswith(".checkpoint-"):
+            continue
+        if entry.name.endswith(".tmp"):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.endswith(".old") and _step_of(entry) >= 0:
+            final = root / _step_name(entry)
+            if final.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                os.replace(entry, final)
+
+
 def _replace_folder(temp: Path, final: Path) -> None:
-    """Rename `temp` to `final`; an existing `final` (a re-run to the same step) is moved
-    aside first and deleted after."""
-    old = None
+    """Rename the complete `temp` to `final`; an existing `final` (a re-run to the same
+    step) is moved aside first and deleted after. Between the two renames `final` is
+    missing: readers then take the folder set aside (see find_checkpoint)."""
+    old = _aside(final)
     if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        if old.exists():
+        if old.exists():  # stale: `final` is complete, so this copy is not needed
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(temp, final)
     _fsync(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _aside(final: Path) -> Path:
+    """Where a re-save keeps the old `checkpoint-<step>` until the new one is in place."""
+    return final.with_name(f".{final.name}.old") if final.name else final
+
+
+def _step_name(aside: Path) -> str:
+    """`checkpoint-<step>` of its `.checkpoint-<step>.old`."""
+    return aside.name.removeprefix(".").removesuffix(".old")
 
 
 def _fsync(path) -> None:
@@ -168,5 +203,5 @@ def _umask() -> int:
 
 
 def _step_of(folder: Path) -> int:
-    tail = folder.name.rpartition("-")[2]
+    tail = _step_name(folder).rpartition("-")[2]
     return int(tail) if tail.isdigit() else -1
