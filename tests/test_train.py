@@ -6,6 +6,7 @@ is one clear error (exit 1, no traceback)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,9 @@ def test_adamw_matches_torch():
     (["--memory-budget", "1KiB"], "budget"),
     (["--save-every", "2"], "--save-every needs --save DIR"),
     (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    (["--lr", "nan"], "--lr is nan: it must be a finite number >= 0"),
+    (["--lr", "-1"], "--lr is -1.0: it must be a finite number >= 0"),
+    (["--weight-decay", "inf"], "--weight-decay is inf"),
 ])
 def test_mistakes_are_one_clear_error(ckpt, tmp_path, args, message):
     base = {"--data": str(ckpt / "tokens.bin"), "--seq": "8", "--batch": "2"}
@@ -253,6 +257,29 @@ def test_mistakes_are_one_clear_error(ckpt, tmp_path, args, message):
                  "cpu", *[x for pair in base.items() for x in pair])
     assert result.exit_code == 1, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_bad_token_id_anywhere_is_refused_before_step_1(ckpt, tmp_path):
+    # The id sits in the last window: found lazily only at the batch that drew it.
+    tokens = np.fromfile(ckpt / "tokens.bin", dtype="<u2")
+    tokens[4000] = 65535
+    tokens.tofile(tmp_path / "bad.bin")
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", tmp_path / "bad.bin",
+                 "--seq", "8", "--batch", "1", "--steps", "1", "--device", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "token id 65535 (first bad id at token 4,000)" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_data_that_is_not_a_regular_file(ckpt, tmp_path, kind):
+    path = Path("/dev/zero") if kind == "device" else tmp_path / "fifo"
+    if kind == "fifo":
+        os.mkfifo(path)
+    result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", path,
+                 "--seq", "8", "--batch", "1", "--steps", "1", "--device", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "is not a regular file" in result.output and "does not exist" not in result.output
 
 
 def test_odd_sized_data_file(ckpt, tmp_path):

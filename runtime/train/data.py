@@ -45,6 +45,21 @@ class TokenData:
                 f"{self.batch} x {self.seq} (+1) tokens",
                 help=[f"a batch needs at least {need:,} tokens; lower --batch or --seq, or "
                       f"check --dtype-tokens (read as {self.dtype})"])
+        self._check_all_ids()
+
+    def _check_all_ids(self) -> None:
+        # One vectorized pass before step 1: a bad id found lazily at batch 11 came
+        # after 10 checkpoints had been saved. Unsigned storage: no id is negative.
+        if self.vocab_size is None:
+            return
+        top = int(self.tokens.max())
+        if top >= self.vocab_size:
+            at = int(np.argmax(self.tokens >= self.vocab_size))
+            raise RuntimeUserError(
+                f"{self.path} has token id {top} (first bad id at token {at:,}), but the "
+                f"model's vocab_size is {self.vocab_size}",
+                help=["the file was tokenized for another vocabulary, or is read with the "
+                      f"wrong --dtype-tokens (read as {self.dtype})"])
 
     @property
     def windows(self) -> int:
@@ -82,7 +97,7 @@ class TokenData:
 
 def _open(path: Path, dtype: str) -> np.ndarray:
     if not path.is_file():
-        where = "is a directory" if path.is_dir() else "does not exist"
+        where = _not_a_file(path)
         raise RuntimeUserError(f"data file {path} {where}",
                                help=["--data takes a flat file of uint16 or uint32 token ids"])
     itemsize = TOKEN_DTYPES[dtype].itemsize
@@ -94,3 +109,12 @@ def _open(path: Path, dtype: str) -> np.ndarray:
     if size == 0:
         raise RuntimeUserError(f"data file {path} is empty")
     return np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+
+
+def _not_a_file(path: Path) -> str:
+    """Say what a non-regular --data path is: /dev/zero or a FIFO is not "missing"."""
+    if path.is_dir():
+        return "is a directory"
+    if not path.exists():
+        return "does not exist"
+    return "is not a regular file (a device, FIFO or socket)"

@@ -132,6 +132,18 @@ def _check_numbers(request: Request) -> None:
             raise RuntimeUserError(f"--{name.replace('_', '-')} must be at least 1")
     if request.save_every is not None and request.save is None:
         raise RuntimeUserError("--save-every needs --save DIR")
+    _check_optimizer(request)
+
+
+def _check_optimizer(request: Request) -> None:
+    # Checked at start: --lr nan was blamed on the embedding at step 1, --lr -1 ran.
+    import math
+
+    for flag, value in (("--lr", request.lr), ("--weight-decay", request.weight_decay)):
+        if not math.isfinite(value) or value < 0:
+            raise RuntimeUserError(f"{flag} is {value}: it must be a finite number >= 0",
+                                   help=[f"for example {flag} 1e-4" if flag == "--lr"
+                                         else f"for example {flag} 0.1"])
 
 
 def _resumed(path):
