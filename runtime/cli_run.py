@@ -33,6 +33,7 @@ def run_model(*, file, hf_weights, random_weights, inputs, outputs, backward, de
     tensors = _read(inputs)
     names = instance.source.program(planned=False).input_names()
     forward_inputs = {n: tensors.pop(n) for n in names if n in tensors}
+    _check_inputs(inputs, forward_inputs, _model_sizes(instance))
     results = instance.forward(**forward_inputs)
     written = {name: value for name, value in results.items()}
     if backward:
@@ -69,6 +70,43 @@ def _refuse_unknown(path, tensors: dict, names, seeds: set) -> None:
     if tensors:
         print(f"note: ignoring {', '.join(sorted(tensors))} (seeds are read with --backward)",
               file=sys.stderr)
+
+
+def _model_sizes(instance: Model) -> dict[str, int]:
+    params = instance.source.program(planned=False).metadata.get("parameters", {})
+    return {k: int(params[k]) for k in ("vocab_size", "max_seq")
+            if str(params.get(k, "")).isdigit()}
+
+
+def _check_inputs(path, inputs: dict, sizes: dict) -> None:
+    """Refused before the model runs: an empty dimension, float token ids, ids outside
+    0 .. vocab-1 and a sequence above max_seq crashed deep in torch (exit 101) or ran."""
+    for name, tensor in inputs.items():
+        if 0 in tensor.shape:
+            raise RuntimeUserError(f"input `{name}` in {path} has shape {list(tensor.shape)}: "
+                                   "every dimension must be at least 1")
+    ids = inputs.get("token_ids")
+    if ids is None:
+        return
+    if ids.is_floating_point() or ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise RuntimeUserError(f"input `token_ids` in {path} is {ids.dtype}: token ids are "
+                               "integers", help=["save them as int32 or int64"])
+    _check_id_range(path, ids, sizes.get("vocab_size"))
+    max_seq = sizes.get("max_seq")
+    if max_seq is not None and ids.dim() >= 2 and ids.shape[1] > max_seq:
+        raise RuntimeUserError(f"input `token_ids` in {path} has T = {ids.shape[1]}, above the "
+                               f"model's max_seq ({max_seq})",
+                               help=[f"cut the sequence to {max_seq} tokens or fewer"])
+
+
+def _check_id_range(path, ids, vocab: int | None) -> None:
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        allowed = f"0 .. {vocab - 1}" if vocab is not None else "0 or more"
+        raise RuntimeUserError(f"input `token_ids` in {path} has token id {bad}; ids must be "
+                               f"in {allowed}", help=["the ids come from another tokenizer, "
+                                                      "or the file holds something else"])
 
 
 def _check_device(device: str) -> None:

@@ -60,6 +60,20 @@ def test_mistakes_are_reported_without_traceback(tmp_path, tensors, extra, messa
     assert message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([[1, 64]], dtype=torch.int32), "has token id 64; ids must be in 0 .. 63"),
+    (torch.tensor([[-1, 2]], dtype=torch.int64), "has token id -1"),
+    (torch.zeros((1, 0), dtype=torch.int32), "has shape [1, 0]"),
+    (torch.zeros((1, 3), dtype=torch.float32), "is torch.float32: token ids are integers"),
+    (torch.zeros((1, 65), dtype=torch.int32), "T = 65, above the model's max_seq (64)"),
+])
+def test_bad_token_ids_are_refused_before_running(tmp_path, ids, message):
+    result = run("run", LLAMA, *SETTINGS, "--random-weights", "0", "--outputs",
+                 tmp_path / "o.safetensors", "--inputs", _inputs(tmp_path, token_ids=ids))
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
 def test_weights_are_required(tmp_path):
     result = run("run", LLAMA, "--inputs", _inputs(tmp_path, token_ids=_ids()),
                  "--outputs", tmp_path / "o.safetensors")
