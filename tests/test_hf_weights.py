@@ -297,6 +297,14 @@ def test_extra_tensors_are_an_error_unless_allowed(llama):
     assert "embedding" in w
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_weights_that_are_not_floats_are_refused_by_name(llama, dtype):
+    schema, hf, tmp = llama
+    hf["model.norm.weight"] = hf["model.norm.weight"].to(dtype)
+    message = raises(load_hf_weights, schema, save(hf, tmp), progress=False)
+    assert f"checkpoint tensor model.norm.weight is {str(dtype)[6:]}" in message
+
+
 def test_wrong_shapes_name_tensor_parameter_and_both_shapes(llama):
     schema, hf, tmp = llama
     hf["model.norm.weight"] = torch.zeros(31, dtype=torch.float64)

@@ -194,7 +194,7 @@ def _read(items: list[Item], checkpoint: Checkpoint, dtype, device, progress: bo
     with checkpoint.reader() as reader, _progress(total, progress) as advance:
         def get(name: str) -> torch.Tensor:
             advance()
-            return reader.get(name).to(device=device, dtype=dtype)
+            return _weight(name, reader.get(name)).to(device=device, dtype=dtype)
 
         for item in items:
             key = item.source_key()
@@ -202,6 +202,20 @@ def _read(items: list[Item], checkpoint: Checkpoint, dtype, device, progress: bo
                 by_source[key] = _assemble(item, get)
             loaded[item.path] = by_source[key]
     return loaded
+
+
+WEIGHT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    # An int64, bool or fp8 tensor converted silently gave a model of wrong numbers (fp8
+    # needs its scales); only plain float weights are read. Unused tensors are not checked.
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise WeightLoadError(f"checkpoint tensor {name} is {str(tensor.dtype)[6:]}: weights "
+                              "must be float64, float32, float16 or bfloat16",
+                              ["the checkpoint is quantized or holds something else under "
+                               "this name; convert it to a float dtype first"])
+    return tensor
 
 
 def _assemble(item: Item, get) -> torch.Tensor:
