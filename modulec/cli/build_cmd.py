@@ -167,8 +167,10 @@ def build_command(output_options, guarded):
             click.echo(print_graph(result.graph), nl=False)
         if emit == "schedule":
             click.echo(print_schedule(result.document["schedule"]), nl=False)
-        if output is not None:
-            _write_atomically(output, dumps(result.document))
+        if output is not None:  # paths rooted: the same bytes from any working directory
+            from modulec.lower.source_paths import normalize_paths
+
+            _write_atomically(output, dumps(normalize_paths(result.document, file)))
         return 0
     return build
 

@@ -106,10 +106,13 @@ def collect_module_files(inputs: tuple[Path, ...]) -> list[Path]:
 
 
 def module_files_under(folder: Path) -> list[Path]:
-    """Every `*.module` file below `folder`, skipping hidden files and folders."""
-    found = []
+    """Every `*.module` file below `folder`, skipping hidden files and folders, and links
+    that lead out of `folder` (a link to /etc/shadow named x.module had its first line
+    printed in a diagnostic; `check DIR` reads only what DIR holds)."""
+    found, inside = [], Path(os.path.realpath(folder))
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(root, n) for n in names
-                  if n.endswith(MODULE_SUFFIX) and not n.startswith(".")]
+                  if n.endswith(MODULE_SUFFIX) and not n.startswith(".")
+                  and Path(os.path.realpath(Path(root, n))).is_relative_to(inside)]
     return sorted(found, key=lambda p: p.relative_to(folder).parts)
