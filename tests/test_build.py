@@ -131,6 +131,17 @@ def test_hf_config_null_field_keeps_the_default(tmp_path):
     assert any("max_position_embeddings` is null" in n for n in result.notices)
 
 
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "list"), ("7", "int")])
+def test_hf_config_that_is_not_an_object_is_an_error(tmp_path, text, kind):
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    result = CliRunner().invoke(modulec, ["build", str(REPO_DIR / "std/models/llama.module"),
+                                          "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert f"is a JSON {kind}, not an object" in result.stderr
+    assert "bug in modulec" not in result.output
+
+
 # ====================================================================== hostile IR
 def broken_documents():
     good = built("llama", n_layers=2).document

@@ -282,6 +282,19 @@ def test_data_that_is_not_a_regular_file(ckpt, tmp_path, kind):
     assert "is not a regular file" in result.output and "does not exist" not in result.output
 
 
+def test_a_checkpoint_config_that_is_a_list(ckpt, tmp_path):
+    import shutil
+
+    shutil.copytree(ckpt / "hf", tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("[1, 2]")
+    result = run("train", LLAMA, "--hf-weights", tmp_path / "hf", "--data",
+                 ckpt / "tokens.bin", "--seq", "8", "--batch", "1", "--steps", "1",
+                 "--device", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "config.json is a JSON list, not an object" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_odd_sized_data_file(ckpt, tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", tmp_path / "odd.bin",

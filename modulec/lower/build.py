@@ -285,6 +285,11 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
     except (OSError, ValueError) as exc:
         diagnostics.append(error("E010", f"cannot read HuggingFace config {path}: {exc}", None))
         return {}
+    if not isinstance(config, dict):  # a list or a number crashed the field lookups (101)
+        diagnostics.append(error("E010", f"HuggingFace config {path} is a JSON "
+                                 f"{type(config).__name__}, not an object", None,
+                                 help=["config.json holds one object of fields"]))
+        return {}
     values = {}
     _check_rope_type(config, path, diagnostics)
     mapped = {field_name for _, field_name in _param_mapping(decl)}

@@ -393,7 +393,14 @@ def _config(weights: Path) -> dict | None:
     path = weights / "config.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RuntimeUserError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):  # a list crashed the dtype lookup (exit 101)
+        raise RuntimeUserError(f"{path} is a JSON {type(config).__name__}, not an object",
+                               help=["config.json holds one object of fields"])
+    return config
 
 
 def _save_dtype(choice: str, config: dict | None) -> torch.dtype:
