@@ -1,6 +1,8 @@
 """Parsing: text -> syntax tree (modulec.syntax.ast) or E001 diagnostics.
 
-The LALR tables are built once and cached on disk, so `modulec check` starts fast. A file
+Nothing is cached on disk: a cache file that is unpickled can run code planted by whoever
+can write the folder (issue 16 item 1), and building the tables (~0.25 s) plus parsing std
+is cheap enough to do per process. A file
 with errors is parsed again declaration by declaration, and a broken line is patched out
 and the declaration re-parsed, so that one mistake does not hide the next.
 """
@@ -8,10 +10,6 @@ and the declaration re-parsed, so that one mistake does not hide the next.
 from __future__ import annotations
 
 import gc
-import hashlib
-import os
-import pickle
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +51,7 @@ class Parser:
         self.indenter = Indenter()
         self.builder = Builder()
         self.lark = Lark(text, postlex=self.indenter, transformer=self.builder,
-                         cache=_cache_path(text), **lark_options())
+                         **lark_options())
 
     def parse_raw(self, text: str, file: str) -> A.Program:
         """Parse or raise (UnexpectedInput, DedentError); positions refer to `text`."""
@@ -70,29 +68,6 @@ class Parser:
                 gc.enable()
 
 
-def _cache_path(grammar_text: str) -> str:
-    import lark
-
-    key = hashlib.sha256((grammar_text + lark.__version__).encode()).hexdigest()[:16]
-    folder = _cache_folder()
-    return str(folder / f"grammar-{key}.lark-cache")
-
-
-def _cache_folder() -> Path:
-    """A writable folder for the LALR tables; never named `modulec`, which would shadow the
-    package for `python -m modulec` run from the folder that holds it."""
-    candidates = [os.environ.get("MODULEC_CACHE_DIR"),
-                  Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "modulec-lalr",
-                  Path(tempfile.gettempdir()) / "modulec-lalr-cache"]
-    for candidate in filter(None, candidates):
-        try:
-            Path(candidate).mkdir(parents=True, exist_ok=True)
-            return Path(candidate)
-        except OSError:
-            continue
-    return Path(tempfile.mkdtemp(prefix="modulec-lalr-"))
-
-
 def parser() -> Parser:
     global _PARSER
     if _PARSER is None:
@@ -103,52 +78,18 @@ def parser() -> Parser:
 def parse_source(source: SourceFile, cache: bool = False) -> ParseResult:
     """Parse one file: its syntax tree, or the E001 diagnostics that explain why not.
 
-    With `cache`, the result is kept on disk keyed by the file's name and text and by the
-    parser's own code (so a new modulec never reads an old tree): the standard library,
-    read on every `modulec check`, is parsed once per machine.
+    With `cache`, the result is kept in this process only (std is read by several passes);
+    never on disk, so no file another user can write is ever loaded as a tree.
     """
     if not cache:
         return _parse_source(source)
-    key = _tree_key(source)
-    if key in _MEMO:
-        return _MEMO[key]
-    path = _cache_folder() / "trees" / f"{key}.pickle"
-    try:
-        result = pickle.loads(path.read_bytes())
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):
-        result = _parse_source(source)
-        _store(path, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-    _MEMO[key] = result
-    return result
+    key = (source.name, source.text)
+    if key not in _MEMO:
+        _MEMO[key] = _parse_source(source)
+    return _MEMO[key]
 
 
-_MEMO: dict[str, ParseResult] = {}  # this process's cached trees (std read by several passes)
-
-
-def _tree_key(source: SourceFile) -> str:
-    global _CODE_DIGEST
-    if _CODE_DIGEST is None:
-        here = Path(__file__).resolve().parent
-        parts = [grammar_file().read_bytes()] + [
-            (here / n).read_bytes() for n in ("ast.py", "builder.py", "parser.py",
-                                              "precedence.py", "indenter.py", "recovery.py")]
-        _CODE_DIGEST = hashlib.sha256(b"\0".join(parts)).hexdigest()
-    text = f"{_CODE_DIGEST}\0{source.name}\0{source.text}"
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
-
-
-def _store(path: Path, data: bytes) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tree-")
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.replace(temporary, path)
-    except OSError:
-        pass  # a cache that cannot be written is only slower
-
-
-_CODE_DIGEST: str | None = None
+_MEMO: dict[tuple[str, str], ParseResult] = {}  # this process's parsed std files
 
 
 def _parse_source(source: SourceFile) -> ParseResult:
