@@ -245,6 +245,7 @@ def test_adamw_matches_torch():
     (["--memory-budget", "1KiB"], "budget"),
     (["--save-every", "2"], "--save-every needs --save DIR"),
     (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    (["--batch", str(10**12)], "too few for one batch of 1000000000000 x 8"),
     (["--lr", "nan"], "--lr is nan: it must be a finite number >= 0"),
     (["--lr", "-1"], "--lr is -1.0: it must be a finite number >= 0"),
     (["--weight-decay", "inf"], "--weight-decay is inf"),

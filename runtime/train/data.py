@@ -95,6 +95,21 @@ class TokenData:
                       f"wrong --dtype-tokens (read as {self.dtype})"])
 
 
+def check_batch_fits(path, dtype: str | None, seq: int, batch: int) -> None:
+    """Before the model is built (its buffers are sized by batch x seq: --batch 10**12
+    tried to allocate 32 TB): the file must hold `batch` windows even at the smallest
+    dtype. Only batch counts here, so a too-long --seq still meets the max_seq check
+    (which needs the model); TokenData checks the whole batch x seq later."""
+    path = Path(path)
+    have = len(_open(path, dtype or "uint16"))  # a memmap: nothing read yet
+    need = batch * seq + 1
+    if have < batch + 1:
+        raise RuntimeUserError(
+            f"{path} holds at most {have:,} tokens: too few for one batch of {batch} x "
+            f"{seq} (+1) tokens", help=[f"a batch needs at least {need:,} tokens; lower "
+                                        "--batch or --seq"])
+
+
 def _open(path: Path, dtype: str) -> np.ndarray:
     if not path.is_file():
         where = _not_a_file(path)

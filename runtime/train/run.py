@@ -18,7 +18,7 @@ from runtime.inputs import sized_inputs, unfed
 from runtime.model import Model
 from runtime.train.backends import CPUTrainer, CUDATrainer, check_device, now
 from runtime.train.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
-from runtime.train.data import TokenData, default_token_dtype
+from runtime.train.data import check_batch_fits, TokenData, default_token_dtype
 from runtime.train.optim import AdamW
 from runtime.train.progress import Progress, gib
 
@@ -78,6 +78,8 @@ def _train(request: Request, context) -> str:
     if weights is None:
         raise RuntimeUserError("give the weights to start from: --hf-weights DIR (or "
                                "--resume DIR)")
+    check_batch_fits(request.data, request.dtype_tokens, request.seq,
+                     request.batch * request.grad_accum)
     model = _model(request, weights, context.rank % request.tp)
     sizes = _sizes(model, request)
     parallel = _parallel(request, context, model)
