@@ -1,6 +1,6 @@
 """Deeply nested programs end in a result or a diagnostic, never an internal error
-(issue 16 item 5): 400 unary minus signs, 600 brackets (closed and unclosed), 150 calls
-each of the next module."""
+(issue 16 item 5): 400 unary minus signs (E001: deeper than the parser reads), 600
+brackets (closed and unclosed), 150 calls each of the next module."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def _calls(depth: int) -> str:
 
 
 @pytest.mark.parametrize("name,text,status", [
-    ("minus", HEADER.format(expr="-" * 400 + "1") + FORWARD, 0),
+    ("minus", HEADER.format(expr="-" * 400 + "1") + FORWARD, 1),  # E001: too deep
+    ("minus_100", HEADER.format(expr="-" * 100 + "1") + FORWARD, 0),
     ("brackets", HEADER.format(expr="(" * 600 + "1" + ")" * 600) + FORWARD, 0),
     ("unclosed", HEADER.format(expr="(" * 600 + "1"), 1),
     ("calls", _calls(150), 0),
@@ -33,3 +34,16 @@ def test_deep_programs_check_without_an_internal_error(tmp_path, name, text, sta
     path.write_text(text, encoding="utf-8")
     result = run("check", path)
     assert result.exit_code == status, result.output
+
+
+@pytest.mark.parametrize("command", [("check",), ("fmt",), ("build", "--shape", "B=1")])
+def test_a_tree_too_deep_is_one_diagnostic_in_every_command(tmp_path, command):
+    """Each later stage walks the tree recursively (build evaluated 400 minus signs into a
+    RecursionError, exit 101): the parser bounds the depth, with a hint."""
+    path = tmp_path / "deep.module"
+    path.write_text(HEADER.replace("module M", "model M").format(expr="-" * 400 + "1")
+                    + FORWARD, encoding="utf-8")
+    result = run(command[0], path, *command[1:], *(["-o", tmp_path / "x.ir"]
+                                                   if command[0] == "build" else []))
+    assert result.exit_code == 1
+    assert "error[E001]: this nests more than 128 levels deep" in result.output

@@ -21,6 +21,7 @@ from modulec.paths import grammar_file
 from modulec.source import SourceFile
 from modulec.syntax import ast as A
 from modulec.syntax.builder import Builder
+from modulec.syntax.depth import too_deep
 from modulec.syntax.indenter import DedentError, Indenter
 from modulec.syntax.errors import layout_problem
 from modulec.syntax.recovery import parse_with_recovery
@@ -101,6 +102,9 @@ def _parse_source(source: SourceFile) -> ParseResult:
         program, diagnostics = parse_with_recovery(p, source, text)
         return ParseResult(program, tuple(diagnostics))
     layout = [layout_problem(problem, source).diagnostic for problem in p.indenter.problems]
+    deep = too_deep(program)  # later stages walk trees recursively: bound the depth here
+    if deep is not None:
+        return ParseResult(None, tuple(layout) + (deep,))
     return ParseResult(program, tuple(layout))
 
 
