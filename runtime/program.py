@@ -10,7 +10,6 @@ builds once per distinct binding.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,13 @@ class Program:
 
 
 def program_from_document(document: dict) -> Program:
-    """A program from a `modulec build -o` document (already parsed JSON)."""
+    """A program from a `modulec build -o` document (already parsed JSON), verified first."""
+    from modulec.ir.load import check_document
+
+    problems = check_document(document)
+    if problems:  # refused before a tensor is made: the verifier's report is the error
+        raise RuntimeUserError(f"invalid IR: {problems[0]}", help=problems[1:8] +
+                               ["`modulec ir verify FILE` lists every problem"])
     if document.get("ir_version") != IR_VERSION:
         raise RuntimeUserError(f"IR version {document.get('ir_version')!r} is not "
                                f"{IR_VERSION}", help=["rebuild it with this modulec"])
@@ -54,10 +59,12 @@ def program_from_document(document: dict) -> Program:
 
 
 def load_ir(path: Path) -> Program:
-    try:
-        return program_from_document(json.loads(Path(path).read_text(encoding="utf-8")))
-    except (OSError, ValueError) as exc:
-        raise RuntimeUserError(f"cannot read IR {path}: {exc}") from None
+    from modulec.ir.load import read_document
+
+    document, problems = read_document(path)
+    if problems:
+        raise RuntimeUserError(f"cannot read IR: {problems[0]}")
+    return program_from_document(document)
 
 
 @dataclass

@@ -222,40 +222,9 @@ def ir_command(guarded):
 
 
 def verify_document(path: Path) -> list[str]:
-    import json
+    from modulec.ir.load import load_document
 
-    from modulec.ir.serialize import IR_VERSION, graph_from_data
-    from modulec.ir.verify import verify_graph
-    from modulec.ir.verify_schedule import verify_schedule
-
-    try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return [f"{path} is not a JSON document: {exc}"]
-    if not isinstance(document, dict):
-        return [f"{path}: the top level must be an object"]
-    missing = [k for k in ("ir_version", "graph", "schedule", "weight_schema",
-                           "config_schema", "metadata") if k not in document]
-    if missing:
-        return [f"{path}: missing top-level keys: {', '.join(missing)}"]
-    if document["ir_version"] != IR_VERSION:
-        return [f"{path}: ir_version {document['ir_version']!r}, this modulec reads {IR_VERSION}"]
-    try:
-        graph = graph_from_data(document["graph"])
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        return [f"{path}: malformed graph: {type(exc).__name__}: {exc}"]
-    problems = verify_graph(graph)
-    if problems:
-        return problems  # the schedule is checked against a sound graph only
-    try:
-        problems += verify_schedule(document["schedule"], graph)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        problems.append(f"{path}: malformed schedule: {type(exc).__name__}: {exc}")
-    if isinstance(document["schedule"], dict):  # the distributed and pipeline sections
-        from modulec.ir.verify_parallel import verify_parallel
-
-        problems += verify_parallel(document["schedule"], graph)
-    return problems
+    return load_document(path)[1]
 
 
 def _write_atomically(path: Path, text: str) -> None:
