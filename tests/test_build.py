@@ -177,6 +177,23 @@ def test_verify_rejects_broken_ir(tmp_path, case, document, message):
     assert problems and any(message in p for p in problems), problems
 
 
+@pytest.mark.parametrize("case, document, message", list(broken_documents()),
+                         ids=[c[0] for c in broken_documents()])
+def test_run_loader_refuses_what_verify_refuses(case, document, message):
+    from runtime.errors import RuntimeUserError
+    from runtime.program import program_from_document
+
+    with pytest.raises(RuntimeUserError) as refused:  # before any tensor is made
+        program_from_document(document)
+    assert message in str(refused.value) or message in " ".join(refused.value.help)
+
+
+def test_verify_refuses_deep_json(tmp_path):
+    path = tmp_path / "deep.ir"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert any("nested too deeply" in p for p in verify_document(path))
+
+
 def test_verify_rejects_non_json(tmp_path):
     path = tmp_path / "x.ir"
     path.write_text("{not json")
