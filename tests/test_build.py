@@ -194,6 +194,21 @@ def test_verify_refuses_deep_json(tmp_path):
     assert any("nested too deeply" in p for p in verify_document(path))
 
 
+def test_loader_size_limits():
+    from modulec.ir.load import check_document
+
+    good = built("llama", n_layers=2).document
+    long = copy.deepcopy(good)
+    long["metadata"]["note"] = "a" * (2**20 + 1)
+    assert "a string of" in check_document(long)[0]
+    many = copy.deepcopy(good)
+    for function in many["graph"]["functions"]:
+        for node in function["nodes"]:
+            if node["kind"] == "call":
+                node["repeat"] = 10**12
+    assert "more than the limit" in check_document(many)[0]
+
+
 def test_verify_rejects_non_json(tmp_path):
     path = tmp_path / "x.ir"
     path.write_text("{not json")

@@ -22,6 +22,32 @@ def read_document(path: Path) -> tuple[object, list[str]]:
         return None, [f"{path} is not a JSON document: {exc}"]
 
 
+MAX_STRING = 2**20  # longest string in a document (a 1 GB string is refused)
+MAX_VALUES = 10_000_000  # lists, objects and scalars in all
+MAX_REPEAT = 2**20  # a call's repeat count: layer counts, not 10**12
+
+
+def size_problems(document, where: str) -> list[str]:
+    """Limits checked by an explicit stack (no recursion) before the verifier walks it."""
+    stack, seen = [document], 0
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            return [f"{where}: more than {MAX_VALUES} JSON values"]
+        if isinstance(value, str) and len(value) > MAX_STRING:
+            return [f"{where}: a string of {len(value)} characters, limit {MAX_STRING}"]
+        if isinstance(value, dict):
+            repeat = value.get("repeat")
+            if isinstance(repeat, int) and repeat > MAX_REPEAT:
+                return [f"{where}: repeat {repeat} is more than the limit {MAX_REPEAT}"]
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return []
+
+
 def check_document(document, where: str = "IR") -> list[str]:
     """Everything wrong with a parsed IR document (empty when it may run)."""
     from modulec.ir.serialize import IR_VERSION, graph_from_data
@@ -30,6 +56,8 @@ def check_document(document, where: str = "IR") -> list[str]:
 
     if not isinstance(document, dict):
         return [f"{where}: the top level must be an object"]
+    if problems := size_problems(document, where):
+        return problems
     missing = [k for k in ("ir_version", "graph", "schedule", "weight_schema",
                            "config_schema", "metadata") if k not in document]
     if missing:
