@@ -145,10 +145,10 @@ def test_a_layout_conflict_is_an_error(tmp_path):
       x -> matmul(up, transpose=NT) -> h
       h -> matmul(down, transpose=NT) -> out
 ''')
-    result = build(BuildRequest(source, model="Conflict", shapes={"B": 2}, tensor_parallel=2))
-    errors = [d for d in result.diagnostics if d.is_error]
+    errors = _tp2_errors(source, "Conflict")
     assert errors and errors[0].code == "E008"
-    assert "`down`" in errors[0].message or "output" in errors[0].message
+    assert "a column-sharded value (`%2`) is an output of `Conflict`: a row-sharded matmul " \
+        "must reduce it first" in errors[0].message
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mixtral"])
@@ -195,8 +195,7 @@ def test_a_shape_not_written_over_the_local_part_is_an_error(tmp_path):
       x -> matmul(up, transpose=NT) -> h
       h -> matmul(down, transpose=NT) -> out
 ''')
-    result = build(BuildRequest(source, model="Global", shapes={"B": 2}, tensor_parallel=2))
-    errors = [d for d in result.diagnostics if d.is_error]
+    errors = _tp2_errors(source, "Global")
     assert errors and errors[0].code == "E008"
     assert "`up`: dim 0 (f) does not depend on `tp_size`" in errors[0].message
 
@@ -208,3 +207,9 @@ def test_tp_on_a_model_without_sharded_parameters_is_an_error():
                                 tensor_parallel=2))
     errors = [d for d in result.diagnostics if d.is_error]
     assert errors and "nothing to split" in errors[0].message
+
+
+def _tp2_errors(source, model: str) -> list:
+    """The errors of building `model` of `source` for tensor parallel 2."""
+    result = build(BuildRequest(source, model=model, shapes={"B": 2}, tensor_parallel=2))
+    return [d for d in result.diagnostics if d.is_error]
