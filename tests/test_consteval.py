@@ -45,3 +45,16 @@ def test_runtime_values_are_not_const():
         value("x.shape[0] > 32")
     with pytest.raises(NotConst, match="division by zero"):
         value("1 // 0")
+
+
+def test_int_and_floor_make_sizes_of_floats():
+    """`int(d * factor)` (partial rotary) truncates like Python's int(), `floor` rounds
+    down; an integer passes through; both are sizes (Dims)."""
+    assert value("int(64 * 0.25)") == Dim.const(16)
+    assert value("int(-2.5)") == Dim.const(-2)
+    assert value("floor(-2.5)") == Dim.const(-3)
+    assert value("floor(d)", {"d": Dim.sym("d")}) == Dim.sym("d")
+    assert isinstance(value("int(d * 0.5)", {"d": Dim.sym("d")}), Unknown)
+    for bad in ("int(true)", "int(1.0, 2.0)", 'floor("a")'):
+        with pytest.raises(NotConst):
+            value(bad)

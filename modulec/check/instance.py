@@ -199,7 +199,7 @@ def _check_constraint(instance: Instance, constraint: A.Constraint) -> None:
         world.error("E026", "a constraint must be a compile-time expression",
                     exc.node.span, exc.reason,
                     help=["constraints may use parameters, `let` constants and "
-                          "sqrt/ceil_div/min/max/abs"])
+                          "sqrt/ceil_div/min/max/abs/int/floor"])
         return
     if verdict is False:
         instance.failures.append((instance, constraint))
@@ -319,7 +319,7 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
             return None
         if not isinstance(value, Dim):
             instance.world.error("E003", "a dimension must be an integer", item.span,
-                                 f"this is {_short(value)}")
+                                 f"this is {_short(value)}", help=_integer_help(value, item))
             return None
         if not _at_least_one(instance, value, item, "a dimension"):
             return None
@@ -327,6 +327,15 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     if not _elements_in_range(instance, dims, node):
         return None
     return TensorType(tuple(dims), dtype)
+
+
+def _integer_help(value, item) -> list[str]:
+    """A float where a size belongs: say how to make it an integer."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        return []
+    text = show(item)
+    return [f"make it an integer: `int({text})` truncates toward zero, `floor({text})` "
+            "rounds down"]
 
 
 def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM) -> bool:

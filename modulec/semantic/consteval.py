@@ -18,7 +18,9 @@ from modulec.syntax import ast as A
 from modulec.types.dims import Dim, intrinsic
 from modulec.types.tensor import DTYPES
 
-INTRINSICS = ("sqrt", "ceil_div", "min", "max", "abs")
+INTRINSICS = ("sqrt", "ceil_div", "min", "max", "abs", "int", "floor")
+# float -> integer: `int` truncates toward zero (Python's int()), `floor` rounds down
+TO_INTEGER = {"int": int, "floor": math.floor}
 
 
 @dataclass(frozen=True)
@@ -248,9 +250,11 @@ def _call(node: A.Call, env: ConstEnv) -> Value:
 
 
 def _apply_intrinsic(node, name: str, args: list) -> Value:
-    arity = {"sqrt": 1, "abs": 1, "ceil_div": 2}.get(name)
+    arity = {"sqrt": 1, "abs": 1, "ceil_div": 2, "int": 1, "floor": 1}.get(name)
     if arity is not None and len(args) != arity or not args:
         raise NotConst(node, f"`{name}` takes {arity or 'at least one'} argument(s)")
+    if name in TO_INTEGER:
+        return _to_integer(node, name, args[0])
     if any(isinstance(a, Unknown) for a in args):
         return Unknown("float")
     if name == "sqrt":
@@ -263,6 +267,18 @@ def _apply_intrinsic(node, name: str, args: list) -> Value:
         return Unknown("float")
     return {"min": min, "max": max, "abs": abs,
             "ceil_div": lambda a, b: math.ceil(a / b)}[name](*floats)
+
+
+def _to_integer(node: A.Call, name: str, value) -> Value:
+    """`int(x)` / `floor(x)`: an integer (a Dim, usable as a size) from a number; an integer
+    stays itself. A float that depends on sizes not known yet is Unknown."""
+    _require_number(value, node.args[0].value) if not isinstance(value, Unknown) else None
+    if isinstance(value, (Dim, Unknown)):
+        return value
+    if not math.isfinite(value):
+        raise NotConst(node, f"`{name}({_describe(node.args[0].value)})` is `{name}` of "
+                             f"{value}, which is no integer")
+    return Dim.const(TO_INTEGER[name](value))
 
 
 # ====================================================================== helpers
