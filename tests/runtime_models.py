@@ -10,9 +10,12 @@ DENSE = dict(n_layers=2, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48, vocab
 TINY = {
     "llama": ("std/models/llama.module", DENSE),
     "llama_tied": ("std/models/llama.module", DENSE | {"tie_word_embeddings": "true"}),
+    "qwen2": ("std/models/qwen2.module", DENSE),
     "qwen3": ("std/models/qwen3.module", DENSE | {"head_dim": 8}),
     "mistral": ("std/models/mistral.module", DENSE | {"window_size": 3}),
     "mixtral": ("std/models/mixtral.module", DENSE | {"num_experts": 4, "top_k": 2}),
+    "gpt2": ("std/models/gpt2.module", dict(n_layers=2, d_model=32, num_heads=4, vocab_size=64,
+                                            max_seq=64)),
     "example_llama": ("examples/llama.module", DENSE),
     "example_gpt2": ("examples/gpt2.module", dict(n_layers=2, d_model=32, num_heads=4,
                                                   vocab_size=64, max_seq=64)),

@@ -12,7 +12,7 @@ import pytest
 from tests.test_cli import run
 
 LLAMA = "std/models/llama.module"
-GPT2 = "examples/gpt2.module"
+GPT2 = "std/models/gpt2.module"
 LLAMA_CONFIG = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
                 "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -60,7 +60,7 @@ def test_a_mapped_field_is_the_programs_to_honour(tmp_path):
 
 
 def test_unmapped_tie_word_embeddings_must_match_the_program(tmp_path):
-    """examples/gpt2.module ties its LM head and does not map the field."""
+    """std/models/gpt2.module ties its LM head and does not map the field."""
     assert build(tmp_path, GPT2, GPT2_CONFIG | {"tie_word_embeddings": True}).exit_code == 0
     result = build(tmp_path, GPT2, GPT2_CONFIG | {"tie_word_embeddings": False})
     assert result.exit_code == 1

@@ -1,5 +1,5 @@
 """Parity with HuggingFace transformers on tiny random models saved by `save_pretrained`:
-std llama, qwen3, mistral (sliding window) and mixtral against their `*ForCausalLM`, the
+std llama, qwen2 (q/k/v biases, tied head), qwen3, mistral (sliding window) and mixtral against their `*ForCausalLM`, the
 logits and every parameter gradient, in float64 (1e-9 relative) and float32 (1e-4).
 
 Our gradients are seeded with a random d_logits and exported under HF names; HF's are
@@ -21,6 +21,8 @@ MODELS = {
               dict(rope_theta=500000.0)),
     "qwen3": ("std/models/qwen3.module", "Qwen3Config", "Qwen3ForCausalLM",
               dict(head_dim=16, rms_norm_eps=1e-6)),
+    "qwen2": ("std/models/qwen2.module", "Qwen2Config", "Qwen2ForCausalLM",
+              dict(rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "mistral": ("std/models/mistral.module", "MistralConfig", "MistralForCausalLM",
                 dict(sliding_window=3)),
     "mixtral": ("std/models/mixtral.module", "MixtralConfig", "MixtralForCausalLM",
@@ -136,7 +138,7 @@ def test_logits_and_every_gradient_match_transformers(name, dtype, tmp_path):
 
 
 def test_gpt2_logits_and_every_gradient_match_transformers(dtype, tmp_path):
-    """examples/gpt2.module (LayerNorms with biases, Conv1D weights transposed on load,
+    """std/models/gpt2.module (LayerNorms with biases, Conv1D weights transposed on load,
     the LM head tied to wte) against GPT2LMHeadModel."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(**GPT2)
@@ -147,7 +149,7 @@ def test_gpt2_logits_and_every_gradient_match_transformers(dtype, tmp_path):
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
     hf.save_pretrained(tmp_path)
     hf = hf.to(dtype).eval()
-    ours = Model.from_module("examples/gpt2.module", hf_weights=tmp_path, dtype=dtype)
+    ours = Model.from_module("std/models/gpt2.module", hf_weights=tmp_path, dtype=dtype)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, GPT2["vocab_size"], (2, 7), generator=generator)
     positions = torch.arange(7).repeat(2, 1)

@@ -45,7 +45,7 @@ MODELS = {
     "examples/qwen3.module": {**TINY, "head_dim": 8},
     "examples/mistral.module": {**TINY, "window": 16},
     "examples/mixtral.module": {**TINY, "num_experts": 4},
-    "examples/gpt2.module": dict(vocab_size=64, d_model=32, n_layers=2, num_heads=4,
+    "std/models/gpt2.module": dict(vocab_size=64, d_model=32, n_layers=2, num_heads=4,
                                  max_seq=64),
     "examples/mamba.module": dict(vocab_size=64, d_model=32, n_layers=2, d_state=16,
                                   head_dim=16),
@@ -184,7 +184,7 @@ def test_sharded_checkpoint_loads_like_one_file(tmp_path):
 
 
 def test_dtype_and_save_hf_weights(tmp_path):
-    schema = schema_of("examples/gpt2.module")
+    schema = schema_of("std/models/gpt2.module")
     hf = {k: v.to(torch.bfloat16) for k, v in fake_checkpoint(schema).items()}
     w = load_hf_weights(schema, save(hf, tmp_path / "in"), dtype=None, progress=False)
     assert w["wte"].dtype == torch.bfloat16
@@ -222,7 +222,7 @@ def test_nested_stacks_and_optional_entries(tmp_path):
 
 # ============================================================================ tied, gradients
 def test_tied_parameter_shares_its_target_and_exports_nothing(tmp_path):
-    schema = schema_of("examples/gpt2.module")
+    schema = schema_of("std/models/gpt2.module")
     w = load_hf_weights(schema, save(fake_checkpoint(schema), tmp_path), progress=False)
     assert w["lm_head"] is w["wte"]
     assert "lm_head" not in "".join(export_hf_tensors(schema, w))
@@ -232,7 +232,7 @@ def test_tied_parameter_shares_its_target_and_exports_nothing(tmp_path):
 
 
 def test_gradients_of_tied_parameters_add_up(tmp_path):
-    schema = schema_of("examples/gpt2.module")
+    schema = schema_of("std/models/gpt2.module")
     w = load_hf_weights(schema, save(fake_checkpoint(schema), tmp_path), progress=False)
     grads = {k: torch.randn_like(v) for k, v in w.items() if not k.startswith("wpe")}
     hf = export_hf_tensors(schema, grads, gradients=True)
@@ -375,7 +375,7 @@ ARCHITECTURES = {  # name: (module, config class, model class, config)
     "mistral": ("std/models/mistral.module", "MistralConfig", "MistralForCausalLM", DECODER),
     "mixtral": ("std/models/mixtral.module", "MixtralConfig", "MixtralForCausalLM",
                 {**DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gpt2": ("examples/gpt2.module", "GPT2Config", "GPT2LMHeadModel",
+    "gpt2": ("std/models/gpt2.module", "GPT2Config", "GPT2LMHeadModel",
              dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=64)),
 }
 

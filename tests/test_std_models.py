@@ -25,6 +25,15 @@ CHECKPOINTS = {
                            tie_word_embeddings=True),
         "Qwen3-32B": dict(d_model=5120, n_layers=64, num_heads=64, num_kv_heads=8, d_ff=25600),
     },
+    ("qwen2", "Qwen2"): {
+        "Qwen2.5-7B": {},
+        "Qwen2.5-0.5B": dict(vocab_size=151936, d_model=896, n_layers=24, num_heads=14,
+                             num_kv_heads=2, d_ff=4864, max_seq=32768, tie_word_embeddings=True),
+    },
+    ("gpt2", "GPT2"): {
+        "GPT-2": {},
+        "GPT-2-XL": dict(d_model=1600, n_layers=48, num_heads=25),
+    },
     ("mistral", "Mistral"): {
         "Mistral-7B-v0.1": {},
         "Mistral-Nemo-12B": dict(vocab_size=131072, d_model=5120, n_layers=40, num_kv_heads=8,

@@ -377,11 +377,11 @@ def _tensors_file(path) -> dict:
 
 
 def test_gpt2_trains_with_position_ids_fed(ckpt, tmp_path):
-    """examples/gpt2.module takes position_ids: the trainer feeds 0 .. T-1 in each row."""
+    """std/models/gpt2.module takes position_ids: the trainer feeds 0 .. T-1 in each row."""
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                      n_positions=64)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
-    result = run("train", "examples/gpt2.module", "--hf-weights", tmp_path / "hf", "--data",
+    result = run("train", "std/models/gpt2.module", "--hf-weights", tmp_path / "hf", "--data",
                  ckpt / "tokens.bin", "--seq", "16", "--batch", "2", "--device", "cpu",
                  "--lr", "1e-2", "--format", "json", "--steps", "12", "--repeat-batch",
                  "--save", tmp_path / "run")

@@ -83,13 +83,13 @@ def test_lora_trains_on_the_gpu_saves_adapters_and_resumes(ckpt, tmp_path):
 
 
 def test_gpt2_trains_on_the_gpu_with_its_head_tied(ckpt, tmp_path):
-    """examples/gpt2.module: position ids fed, the LM head tied to wte (one master, the two
+    """std/models/gpt2.module: position ids fed, the LM head tied to wte (one master, the two
     gradients summed); the checkpoint loads in transformers with the loss we reached."""
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=8,
                                      n_positions=T)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
-    result = run("train", "examples/gpt2.module", "--data", ckpt / "tokens.bin", "--seq", T,
+    result = run("train", "std/models/gpt2.module", "--data", ckpt / "tokens.bin", "--seq", T,
                  "--batch", B, "--lr", "1e-3", "--format", "json", "--repeat-batch",
                  "--hf-weights", tmp_path / "hf", "--steps", "8", "--save", tmp_path / "run")
     assert result.exit_code == 0, result.output
