@@ -17,7 +17,7 @@ from runtime.errors import RuntimeUserError
 from runtime.inputs import sized_inputs, unfed
 from runtime.model import Model
 from runtime.train.backends import CPUTrainer, CUDATrainer, check_device, now
-from runtime.train.checkpoint import find_checkpoint, read_checkpoint, save_checkpoint
+from runtime.train.checkpoint import find_checkpoint, read_optimizer, read_trainer, save_checkpoint
 from runtime.train.data import check_batch_fits, TokenData, default_token_dtype
 from runtime.train.optim import AdamW
 from runtime.train.progress import Progress, gib
@@ -148,19 +148,24 @@ def _check_optimizer(request: Request) -> None:
                                          else f"for example {flag} 0.1"])
 
 
+# The fp32 weights are read into host memory on both devices: the CUDA step copies what
+# its rank holds (with ZeRO-3 a shard) into its own regions, so an 8B model's 32 GB of fp32
+# never sits on the GPU beside the step's state.
+HOST = "cpu"
+
+
 def _resumed(path):
     if path is None:
         return None
     folder = find_checkpoint(path)
-    trainer, state = read_checkpoint(folder)
-    return folder, trainer, state
+    return folder, read_trainer(folder)  # the optimizer state is read by Run.resume
 
 
 def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
     if request.file.suffix == ".ir":
         return _model_from_ir(request, weights)
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
-                              dtype=torch.float32, device=request.device,
+                              dtype=torch.float32, device=HOST,
                               model=request.model, search_path=request.search_path,
                               progress=request.fmt == "human" and sys.stderr.isatty(),
                               memory_budget=request.memory_budget
@@ -189,7 +194,7 @@ def _model_from_ir(request: Request, weights: Path) -> Model:
                                help=["pass them to `modulec build` and train the new IR, "
                                      "or train the .module"])
     model = Model.from_ir(request.file, hf_weights=weights, dtype=torch.float32,
-                          device=request.device)
+                          device=HOST)
     names = model.source.program().input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
@@ -229,6 +234,7 @@ class Run:
         adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
         self.trainer = self._trainer(adamw)
         self.start, self.losses, self.saved = 0, [], None
+        self.resumed_from = ""  # which files a resume read (said at the start)
 
     def _trainer(self, adamw: AdamW):
         r, model, parallel = self.request, self.model, self.parallel
@@ -264,7 +270,7 @@ class Run:
         settings["batch"] *= self.dp
         return settings
 
-    def resume(self, folder: Path, trainer: dict, state: dict) -> None:
+    def resume(self, folder: Path, trainer: dict) -> None:
         settings = self._settings()
         for key in RESUME_KEYS:
             if trainer.get(key, RESUME_DEFAULTS.get(key)) != settings[key]:
@@ -280,11 +286,42 @@ class Run:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
                                    f"{self.request.steps} leaves nothing to run",
                                    help=["--steps is the total step count; give more"])
+        if self._resume_from_shards(folder):
+            return
+        state = read_optimizer(folder)
         if self.request.tp > 1:  # this rank's slices of the whole tensors
             from runtime.train.data_parallel import rank_state
 
             state = rank_state(state, self.model, self.context.rank % self.request.tp)
         self.trainer.load_state(state)
+
+    def _resume_from_shards(self, folder: Path) -> bool:
+        """Every rank's own shard when each fits this run's layout (no gathering, the
+        state exactly as it was held); else False, and the consolidated files are read."""
+        from runtime.train import shards
+
+        shape = self._shard_shape()
+        if shape is None:
+            why = "ZeRO-0 ranks hold the whole state" if self.context.distributed else \
+                "this run is one process"
+            index = None
+        else:
+            index, why = shards.own_shard(folder, shape)
+        if not shards.agreed(self.context, index is not None):
+            self.resumed_from = f"from the consolidated checkpoint ({why or 'a shard of another rank does not fit'})"
+            return False
+        shards.load_rank_tensors(self.trainer, shards.read_shard(folder, index),
+                                 int(index["step"]))
+        shards.load_frozen(self.trainer, folder)
+        self.resumed_from = f"from the per-rank shards ({describe_shape(shape)})"
+        return True
+
+    def _shard_shape(self) -> dict | None:
+        from runtime.train import shards
+
+        if not shards.wants_shards(self.parallel):
+            return None
+        return shards.layout(self.trainer, self.parallel, self.context)
 
     def train(self) -> str:
         """The steps; under data parallel a collective that fails (a rank died) or does
@@ -316,7 +353,7 @@ class Run:
     def _notes(self, progress: Progress) -> None:
         r = self.request
         if self.start:
-            progress.note(f"resumed at step {self.start}")
+            progress.note(f"resumed at step {self.start} {self.resumed_from}".rstrip())
         if r.memory_budget is not None and r.device == "cuda":
             counts = _decision_counts(self.trainer.step.decisions)
             progress.note(f"--memory-budget {gib(r.memory_budget)}: the plan recomputes "
@@ -349,18 +386,32 @@ class Run:
             from runtime.train.data_parallel import whole_state
 
             state = whole_state(state, self.model, self.parallel)
+        shards = self._shard_save(trainer)
         if not self.context.is_main:
+            if shards is not None:  # into rank 0's folder, before it is published
+                shards.follower()
             return
         try:
             self.saved = save_checkpoint(r.save, state, trainer,
                                          schema=self.schema, layout=self.layout,
                                          config=self.config, dtype=self.save_dtype,
-                                         adapters=self.model if r.lora is not None else None)
+                                         adapters=self.model if r.lora is not None else None,
+                                         shards=shards)
         except OSError as exc:
             raise RuntimeUserError(f"cannot write the checkpoint of step {step} under "
                                    f"{r.save}: {exc}",
                                    help=["no partial checkpoint was left behind"]) from None
         progress.note(f"saved {self.saved}")
+
+    def _shard_save(self, trainer: dict):
+        """The per-rank shards' part of a save (runtime.train.shards), None without."""
+        from runtime.train.shards import ShardSave
+
+        shape = self._shard_shape()
+        if shape is None:
+            return None
+        return ShardSave(self.trainer, shape, {"step": trainer["step"],
+                                               "samples": trainer["samples"]})
 
     def _summary(self, times: list[float]) -> str:
         r = self.request
@@ -381,6 +432,12 @@ class Run:
                 memory["peak_bytes"] > r.memory_budget:
             text += f"; over the --memory-budget {gib(r.memory_budget)}"
         return text + (f"; saved {self.saved}" if self.saved else "")
+
+
+def describe_shape(shape: dict) -> str:
+    from runtime.train.shards import describe
+
+    return describe(shape)
 
 
 def _decision_counts(decisions) -> dict:
