@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from modulec.lower.lora import IA3_SUFFIX, is_adapter
+from runtime.hf_weights.schema import fill
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -70,7 +71,7 @@ def peft_name(path: str, adapters: list[dict]) -> str | None:
             names = entry.get("placeholders") or []
             if len(names) != len(indices):
                 return None
-            module = entry["hf_module"].format(**dict(zip(names, indices)))
+            module = fill(entry["hf_module"], dict(zip(names, map(int, indices))))
             return f"base_model.model.{module}.{which}.weight"
     return None
 

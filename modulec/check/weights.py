@@ -21,6 +21,8 @@ import difflib
 from dataclasses import dataclass, field
 
 from modulec.check.instance import Broken, Instance, Stack, Submodule, TensorParamValue, guard
+from modulec.check.weight_index import (canonical_string, check_string, free_names,
+                                        integer_constants)
 from modulec.check.weight_messages import (describe_plan, head_span, listed, show_value,
                                            value_head, values_note)
 from modulec.check.weight_paths import (PLACEHOLDER, WeightPath, dim_value, join_path,
@@ -440,7 +442,7 @@ class _Analysis:
             return None
         used = set()
         for string in strings:
-            used |= set(PLACEHOLDER.findall(string.value))
+            used |= free_names(string.value, integer_constants(self.instance))
         experts = sorted(used - set(target.bound))
         if not experts:
             self.error("`stack_experts` needs an expert placeholder such as `{e}`",
@@ -527,27 +529,12 @@ class _Analysis:
 
     # ------------------------------------------------------------ placeholders
     def strings(self, strings: list, target: _Target, extra: frozenset = frozenset()) -> bool:
-        """Every `{name}` of a checkpoint name is bound by the key (or is `extra`, the
-        expert index), and every placeholder of the key appears in each name."""
+        """Every `{...}` of a checkpoint name is a placeholder of the key (or `extra`, the
+        expert index) or an index expression over them (`{i + n_dense}`), and every
+        placeholder of the key appears in each name (modulec/check/weight_index.py)."""
         ok = True
         for string in strings:
-            used = PLACEHOLDER.findall(string.value)
-            for name in used:
-                if name not in target.bound and name not in extra:
-                    self.error(f"`{{{name}}}` is not a placeholder of the key", string.span,
-                               "the key does not bind it", help=self._placeholder_help(target))
-                    ok = False
-                    break
-            else:
-                for name in list(target.bound) + sorted(extra):
-                    if name not in used:
-                        what = "every expert" if name in extra else "every layer"
-                        self.error(f"the checkpoint name does not use `{{{name}}}`",
-                                   string.span, f"{what} would load this same tensor",
-                                   help=[f"write `{{{name}}}` where the checkpoint name has the "
-                                         "index"])
-                        ok = False
-                        break
+            ok = check_string(self, string, target, extra) and ok
         return ok
 
     def _placeholder_help(self, target: _Target) -> list[str]:
@@ -558,7 +545,7 @@ class _Analysis:
     def canonical(self, text: str, target: _Target, extra: frozenset = frozenset()) -> str:
         rename = dict(target.bound)
         rename.update({name: EXPERT for name in extra})
-        return PLACEHOLDER.sub(lambda m: "{" + rename.get(m[1], m[1]) + "}", text)
+        return canonical_string(text, rename, integer_constants(self.instance))
 
     # ------------------------------------------------------------ keys
     def resolve(self, node, optional: bool, key: bool = True) -> _Target | None:
@@ -715,7 +702,7 @@ class _Analysis:
             if target is None:
                 continue
             for string in _all_strings(value):
-                for name in PLACEHOLDER.findall(string.value):
+                for name in free_names(string.value, integer_constants(self.instance)):
                     if name not in target.bound:
                         self.error(f"`{{{name}}}` is not a placeholder of the key", string.span,
                                    "the key does not bind it",

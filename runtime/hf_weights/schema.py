@@ -8,6 +8,7 @@ names (`model.layers.3.self_attn.q_proj.weight`), so both are filled in here, on
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 from dataclasses import dataclass
@@ -17,13 +18,40 @@ import torch
 
 from runtime.hf_weights.errors import WeightLoadError
 
-PLACEHOLDER = re.compile(r"\{(\w+)\}")
+PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 KINDS = ("direct", "fuse", "transform", "tied", "stack")
+_INDEX_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+              ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b,
+              ast.Mod: lambda a, b: a % b}
 
 
 def fill(text: str, subs: dict[str, int]) -> str:
-    """`text` with each `{name}` of `subs` replaced by its index."""
-    return PLACEHOLDER.sub(lambda m: str(subs[m[1]]) if m[1] in subs else m[0], text)
+    """`text` with each `{name}` of `subs` replaced by its index, and each index expression
+    over them (`{i + 3}`, `{2 * i + j}`: placeholders, integers, `+ - * // %`, what the
+    build's weight schema holds; modulec/check/weight_index.py) by its value. A `{...}`
+    naming anything else stays as written."""
+    def one(match) -> str:
+        inner = match[1].strip()
+        if inner in subs:
+            return str(subs[inner])
+        try:
+            return str(_index_value(ast.parse(inner, mode="eval").body, subs))
+        except (SyntaxError, KeyError, ValueError, ZeroDivisionError):
+            return match[0]
+    return PLACEHOLDER.sub(one, text)
+
+
+def _index_value(node, subs: dict[str, int]) -> int:
+    if isinstance(node, ast.Name):
+        return subs[node.id]
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_index_value(node.operand, subs)
+    if isinstance(node, ast.BinOp) and type(node.op) in _INDEX_OPS:
+        return _INDEX_OPS[type(node.op)](_index_value(node.left, subs),
+                                         _index_value(node.right, subs))
+    raise ValueError("not an index expression")
 
 
 @dataclass(frozen=True)
