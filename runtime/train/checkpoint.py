@@ -4,7 +4,10 @@ directory (`model.safetensors`, `config.json`) plus what resuming needs:
 - `optimizer.safetensors`: fp32 `master.<path>`, `exp_avg.<path>`, `exp_avg_sq.<path>` by
   parameter path (tied parameters: their owner only), the optimizer step in the metadata;
 - `trainer_state.json`, written last: the step, the data position, the run's settings, the
-  losses so far, and the size of every other file (checked on resume).
+  losses so far, and the size of every other file (checked on resume);
+- under data parallel with ZeRO >= 1 or tensor parallel, every rank's own shard
+  (`shard-rank<r>.safetensors` + `.json`, runtime.train.shards), written into the same
+  temporary folder before it is published.
 
 A checkpoint is written into a temporary folder next to it (`.checkpoint-<step>.*.tmp`),
 each file through a temp file + os.replace and fsynced, then the folder is renamed into
@@ -37,10 +40,13 @@ PARTS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: dict,
-                    config: dict | None, dtype: torch.dtype, adapters=None) -> Path:
+                    config: dict | None, dtype: torch.dtype, adapters=None,
+                    shards=None) -> Path:
     """Write checkpoint-<step> under `root` from the trainer's `state` (masters, exp_avg,
     exp_avg_sq, step) and `trainer` (the JSON state); returns its folder. `adapters` (a
-    LoRA model): its adapters go to PEFT's adapter files beside the (frozen) base."""
+    LoRA model): its adapters go to PEFT's adapter files beside the (frozen) base.
+    `shards` (runtime.train.shards.ShardSave): every rank's shard is written into the
+    temporary folder before it is published, and the other ranks are told after."""
     from runtime.hf_weights import save_hf_weights
 
     root = Path(root)
@@ -49,6 +55,8 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
     final = root / f"checkpoint-{trainer['step']}"
     temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
+        if shards is not None:
+            shards.leader(temp)
         masters = {p: t.detach().float().cpu() for p, t in state["masters"].items()}
         base = {p: t for p, t in masters.items() if not is_adapter(p)}
         save_hf_weights(schema, base, temp, config, dtype=dtype, layout=layout)
@@ -63,6 +71,8 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
         _publish(temp)
         _replace_folder(temp, final)
         atomic_write(root / LATEST, lambda tmp: Path(tmp).write_text(final.name + "\n"))
+        if shards is not None:
+            shards.published()
     finally:
         if temp.exists():
             shutil.rmtree(temp, ignore_errors=True)
@@ -104,13 +114,23 @@ def find_checkpoint(path) -> Path:
 
 def read_checkpoint(folder: Path) -> tuple[dict, dict]:
     """(trainer JSON state, optimizer state by part) of a complete checkpoint."""
-    from safetensors import safe_open
+    return read_trainer(folder), read_optimizer(folder)
 
+
+def read_trainer(folder: Path) -> dict:
+    """The trainer JSON state, after checking every file it lists is there, whole."""
     trainer = json.loads((folder / STATE).read_text(encoding="utf-8"))
     for name, size in trainer.get("files", {}).items():
         if not (folder / name).is_file() or (folder / name).stat().st_size != size:
             raise RuntimeUserError(f"checkpoint {folder} is damaged: {name} is missing or "
                                    "not the size that was written")
+    return trainer
+
+
+def read_optimizer(folder: Path) -> dict:
+    """The consolidated optimizer state: masters, exp_avg, exp_avg_sq by path, step."""
+    from safetensors import safe_open
+
     state: dict = {part: {} for part in PARTS}
     with safe_open(str(folder / OPTIMIZER), framework="pt") as handle:
         state["step"] = int(handle.metadata()["step"])
@@ -118,7 +138,7 @@ def read_checkpoint(folder: Path) -> tuple[dict, dict]:
             part, _, path = key.partition(".")
             state[part][path] = handle.get_tensor(key)
     state["masters"] = state.pop("master")
-    return trainer, state
+    return state
 
 
 def atomic_write(path: Path, write) -> None:
