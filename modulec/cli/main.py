@@ -170,6 +170,8 @@ LAZY_COMMANDS = {
     "fmt": _factory("modulec.cli.fmt_cmd", "fmt_command", output_options, guarded),
     "run": _factory("modulec.cli.run_cmd", "run_command", guarded),
     "train": _factory("modulec.cli.train_cmd", "train_command", guarded),
+    "report": _factory("modulec.cli.report_cmd", "report_command", guarded),
+    "data": _factory("modulec.cli.data_cmd", "data_command", guarded),
 }
 
 

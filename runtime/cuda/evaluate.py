@@ -1,0 +1,59 @@
+"""The GPU step's evaluation loss: a forward pass over `TrainStep`'s bf16 compute weights
+with no backward, run eagerly between graph replays (`modulec train --eval-data`).
+
+It leaves the training step as it is: its own interpreter (the step's kernels, no
+recompute decisions, no hooks), torch's caching allocator instead of the step's arena
+(whose bytes the captured graph owns), its own input tensors instead of the step's static
+buffers; the weights are only read. Each forward function run keeps nothing but its
+outputs once it returns (there is no backward to save for), so the pass holds about one
+layer's activations at a time. The loss is the step's (fused LM head + cross-entropy in
+chunks, no head gradient); no host sync happens here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy
+from runtime.cuda.step_interpreter import _StepInterpreter
+from runtime.inputs import fed_inputs, positions_like
+from runtime.interpreter import _keep_only_saved
+
+NOTHING = frozenset()
+
+
+class ForwardOnly(_StepInterpreter):
+    """The step's interpreter, dropping every value of a forward function run but the
+    outputs it returns (a one-element stand-in of the same shape stays)."""
+
+    def _run(self, frame, args: list, forward) -> list:
+        outputs = super()._run(frame, args, forward)
+        if not frame.function.gradient_of:
+            _keep_only_saved(frame, NOTHING)
+            frame.children.clear()
+        return outputs
+
+
+def forward_interpreter(step) -> ForwardOnly:
+    return ForwardOnly(step.graph, step.compute, step.dtype, check_finite=False,
+                       kernels=step.kernels, keep_only_saved=False, decisions=None,
+                       hooks=None, arena=None, frame_events=None)
+
+
+@torch.no_grad()
+def eval_loss(step, tokens: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of `tokens` [B, T] int32 against `labels` [B, T]
+    int64 (CUDA) on `step`'s current weights: a [] fp32 CUDA tensor."""
+    run = forward_interpreter(step)
+    inputs = fed_inputs(step.input_names, tokens, positions_like(tokens))
+    (out, *_), frame = run.forward([inputs[n] for n in step.input_names])
+    del frame
+    run._sinks = {}
+    if step.split is not None:
+        head = step.compute[step.split.head_param]
+        loss, _, _ = lm_head_cross_entropy(out, head, labels, step.chunk_rows,
+                                           head_grad=False)
+        return loss
+    loss, _ = logits_cross_entropy(out, labels, step.chunk_rows)
+    return loss

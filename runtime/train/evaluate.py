@@ -1,0 +1,121 @@
+"""`modulec train --eval-data FILE --eval-every K [--eval-batches N]`: the validation
+loss, forward only (no gradients, no optimizer state touched), every K optimizer steps and
+after the last one.
+
+The eval file is a token file like `--data` (same dtype). It is cut into the same windows
+of T+1 tokens, read in file order (no shuffling): batch i holds windows i*B .. i*B+B-1, so
+every evaluation reads the same tokens. N batches (default: every whole batch in the
+file) of the run's micro-batch size B are evaluated; the eval loss is the mean of their
+mean next-token cross-entropies (every batch has B*T targets, so it is the mean over all
+targets). On the CPU the reference interpreter runs the forward; on the GPU a forward-only
+interpreter over the step's bf16 compute weights (runtime/cuda/evaluate.py), outside the
+captured graph and its arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.errors import RuntimeUserError
+from runtime.train.data import TokenData
+
+
+@dataclass
+class EvalData:
+    path: Path
+    dtype: str
+    seq: int
+    batch: int
+    vocab_size: int | None = None
+    batches: int | None = None  # --eval-batches (None: every whole batch)
+    tokens: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        # TokenData's checks: a regular, non-empty file of whole ids, one batch at least,
+        # every id below vocab_size
+        self.tokens = TokenData(self.path, self.dtype, self.seq, self.batch, 0,
+                                self.vocab_size).tokens
+        whole = ((len(self.tokens) - 1) // self.seq) // self.batch
+        if self.batches is None:
+            self.batches = whole
+        elif self.batches < 1:
+            raise RuntimeUserError(f"--eval-batches must be at least 1, not {self.batches}")
+        elif self.batches > whole:
+            raise RuntimeUserError(
+                f"--eval-batches {self.batches}: {self.path} holds {whole} whole batches of "
+                f"{self.batch} x {self.seq} (+1) tokens",
+                help=[f"give --eval-batches {whole} or fewer, or leave it out (all)"])
+
+    def batch_at(self, index: int) -> torch.Tensor:
+        """Batch `index` (0-based): [batch, seq + 1] int64, windows in file order."""
+        rows = []
+        for window in range(index * self.batch, (index + 1) * self.batch):
+            start = window * self.seq
+            rows.append(np.asarray(self.tokens[start:start + self.seq + 1], dtype=np.int64))
+        return torch.from_numpy(np.stack(rows))
+
+
+def check_eval_options(eval_data, eval_every, eval_batches, distributed: bool) -> None:
+    """--eval-every and --eval-batches need --eval-data, and --eval-data needs a positive
+    --eval-every; evaluation runs in one process only (for now)."""
+    if eval_data is None:
+        given = [f for f, v in (("--eval-every", eval_every),
+                                ("--eval-batches", eval_batches)) if v is not None]
+        if given:
+            raise RuntimeUserError(f"{' and '.join(given)} need --eval-data FILE")
+        return
+    if eval_every is None or eval_every < 1:
+        raise RuntimeUserError("--eval-data needs --eval-every K (K >= 1): evaluate every "
+                               "K optimizer steps", help=["for example --eval-every 50"])
+    if distributed:
+        raise RuntimeUserError("--eval-data under torchrun is not supported yet",
+                               help=["evaluate a saved checkpoint in one process, or "
+                                     "leave out --eval-data"])
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Whether the evaluation runs after optimizer step `step`."""
+    return step % every == 0 or step == last
+
+
+def evaluate(trainer, data: EvalData) -> float:
+    """The mean loss of the eval batches on the trainer's current weights."""
+    total = 0.0
+    for index in range(data.batches):
+        total += batch_loss(trainer, data.batch_at(index))
+    return total / data.batches
+
+
+def batch_loss(trainer, window: torch.Tensor) -> float:
+    from runtime.train.backends import CUDATrainer
+
+    if isinstance(trainer, CUDATrainer):
+        from runtime.cuda.evaluate import eval_loss
+        from runtime.train.backends import split_window
+
+        tokens, labels = (t.cuda(non_blocking=True) for t in split_window(window))
+        return float(eval_loss(trainer.step, tokens, labels))
+    return cpu_loss(trainer, window)
+
+
+@torch.no_grad()
+def cpu_loss(trainer, window: torch.Tensor) -> float:
+    """The CPU trainer's model, forward only: no dropout (`rng_seed` None), the frame it
+    keeps for a backward dropped at once."""
+    from runtime.cuda.lm_head import logits_cross_entropy
+    from runtime.inputs import fed_inputs
+    from runtime.train.backends import split_window
+
+    model = trainer.model
+    tokens, labels = split_window(window)
+    seed, model.rng_seed = model.rng_seed, None
+    try:
+        logits = model.forward(**fed_inputs(trainer.inputs, tokens))[trainer.output]
+    finally:
+        model.rng_seed, model._frame = seed, None
+    loss, _ = logits_cross_entropy(logits, labels)
+    return float(loss)
