@@ -298,8 +298,8 @@ CASES: list[Case] = [
           B("labels: [2, 3, int32]", "labels: [2, 3]", "E015", "`labels` must be int32"))),
     # ------------------------------------------------------------------ mixture of experts
     Case("moe_router", "x: [6, 8], gate: [4, 8]",
-         "(x, gate) -> moe_router(top_k=2) -> (weights, idx, aux)",
-         "weights: [6, 2], idx: [6, 2, int32], aux: [fp32]",
+         "(x, gate) -> moe_router(top_k=2) -> (weights, idx, stats)",
+         "weights: [6, 2], idx: [6, 2, int32], stats: [2, 4, fp32]",
          (B("gate: [4, 8]", "gate: [4, 7]", "E004", "`gate` has shape [4, 7]"),
           B("top_k=2", "top_k=5", "E004", "cannot pick top_k=5 of 4 experts"),
           B("moe_router(top_k=2)", "moe_router()", "E003", "needs its parameter `top_k`"))),

@@ -144,15 +144,16 @@ def test_grouped_gemm_is_per_group_matmul():
     assert_close(out_nn, out, 1e-14, "NN with W^T")
 
 
-def test_moe_router_aux_loss_and_normalization():
+def test_moe_router_statistics_and_normalization():
     g = torch.Generator().manual_seed(7)
     x, gate = randn(g, 16, 8), randn(g, 5, 8)
-    weights, indices, aux = _run("moe_router", [x, gate], top_k=2, aux_loss_coef=0.25)
+    weights, indices, stats = _run("moe_router", [x, gate], top_k=2)
     assert_close(weights.sum(-1), torch.ones(16, dtype=F64), 1e-14, "normalized")
     probs = torch.softmax(x @ gate.T, -1)
     f = torch.stack([(indices == e).sum() for e in range(5)]).to(F64) / 16
-    want = 0.25 * 5 * (f * probs.mean(0)).sum()  # decisions.md: coef * E * sum_e f_e * P_e
-    assert aux.dim() == 0 and math.isclose(aux.item(), want.item(), rel_tol=1e-13)
+    assert stats.shape == (2, 5)  # fraction of assignments, mean probability per expert
+    assert_close(stats[0], f, 1e-15, "fractions")
+    assert_close(stats[1], probs.mean(0), 1e-14, "mean probabilities")
     assert (torch.gather(probs, 1, indices.long()) >= probs.topk(2, -1).values[:, -1:]).all()
 
 
@@ -211,15 +212,16 @@ def test_gradients_that_are_not_there():
     d_x, = KERNELS["split"].backward([[randn(g, 2, 2), None, randn(g, 2, 4)]],
                                      {"sizes": [2, 3, 4], "dim": -1, "input_shapes": {"x": [2, 9]}})
     assert d_x.shape == (2, 9) and (d_x[:, 2:5] == 0).all()
-    # moe_router: an unused aux_loss (or weights) has no gradient
+    # moe_router: unused statistics (or weights) have no gradient
     x, gate = randn(g, 6, 4), randn(g, 3, 4)
     attrs = default_attrs("moe_router", top_k=2)
-    weights, indices, aux = KERNELS["moe_router"].forward([x, gate], attrs)
+    weights, indices, stats = KERNELS["moe_router"].forward([x, gate], attrs)
     d_w = randn(g, 6, 2)
     only_w = KERNELS["moe_router"].backward([d_w, None, x, gate, indices], attrs)
-    both = KERNELS["moe_router"].backward([d_w, torch.zeros((), dtype=F64), x, gate, indices], attrs)
+    both = KERNELS["moe_router"].backward([d_w, torch.zeros(2, 3, dtype=F64), x, gate, indices],
+                                          attrs)
     for a, b in zip(only_w, both):
-        assert_close(a, b, 1e-15, "d_aux_loss None is zero")
+        assert_close(a, b, 1e-15, "d_stats None is zero")
 
 
 def test_gradient_has_its_inputs_dtype():

@@ -92,7 +92,7 @@ def _moe_router_cases():
     mk = lambda g: [randn(g, 12, 8), randn(g, 6, 8)]  # noqa: E731
     return [
         Case("softmax-top2-normalized", mk, {"top_k": 2}),
-        Case("softmax-top3-raw", mk, {"top_k": 3, "normalize": False, "aux_loss_coef": 0.1}),
+        Case("softmax-top3-raw", mk, {"top_k": 3, "normalize": False}),
         Case("sigmoid-top2-normalized", mk, {"top_k": 2, "use_sigmoid": True}),
         Case("sigmoid-top1-raw", mk, {"top_k": 1, "use_sigmoid": True, "normalize": False}),
     ]
@@ -341,22 +341,22 @@ def _oracle_cross_entropy(logits, labels, *, ignore_index, **_):
     return [loss.reshape(labels.shape), torch.logsumexp(logits, -1)]
 
 
-def _hf_load_balancing_loss(probs, top_k):
-    # transformers' load_balancing_loss_func (one layer, no attention mask), from probs
+def _routing_stats(probs, top_k):
+    # what transformers' load_balancing_loss_func sums per layer (no attention mask):
+    # the top-k assignments per expert and the probabilities, here divided by the tokens
     _, selected = torch.topk(probs, top_k, dim=-1)
-    expert_mask = F.one_hot(selected, probs.shape[-1])
-    tokens_per_expert = torch.mean(expert_mask.to(probs.dtype), dim=0)
-    router_prob_per_expert = torch.mean(probs, dim=0)
-    return torch.sum(tokens_per_expert * router_prob_per_expert[None]) * probs.shape[-1]
+    counts = torch.histc(selected.reshape(-1).to(probs.dtype), bins=probs.shape[-1],
+                         min=0, max=probs.shape[-1])
+    return torch.stack([counts / probs.shape[0], probs.mean(0)])
 
 
-def _oracle_moe_router(x, gate, *, top_k, normalize, aux_loss_coef, use_sigmoid, **_):
+def _oracle_moe_router(x, gate, *, top_k, normalize, use_sigmoid, **_):
     logits = F.linear(x, gate)
     probs = torch.sigmoid(logits) if use_sigmoid else torch.softmax(logits, -1)
     p, idx = torch.topk(probs, top_k, dim=-1)
     if normalize:
         p = p / p.sum(-1, keepdim=True)
-    return [p, idx.to(I32), aux_loss_coef * _hf_load_balancing_loss(probs, top_k)]
+    return [p, idx.to(I32), _routing_stats(probs, top_k)]
 
 
 def _oracle_moe_permute(x, indices, offsets, **_):

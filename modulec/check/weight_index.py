@@ -206,12 +206,13 @@ def _check_indices(analysis, string, exprs, target, constants) -> bool:
     for combo in itertools.product(*ranges):
         values = {**constants, **dict(zip(names, combo))}
         try:
-            indices = tuple(evaluate_index(e, values) for e in exprs)
-        except (ZeroDivisionError, KeyError):
+            indices = tuple(evaluate_index(e, values) if set(e.names) <= set(values)
+                            else e.text for e in exprs)  # the expert index: filled later
+        except ZeroDivisionError:
             analysis.error(f"an index of `{string.value}` divides by zero", string.span,
                            f"at {_at(values, names)}")
             return False
-        if any(i < 0 for i in indices):
+        if any(isinstance(i, int) and i < 0 for i in indices):
             analysis.error(f"an index of `{string.value}` is negative", string.span,
                            f"{_filled(string.value, indices)} at {_at(values, names)}")
             return False
@@ -232,7 +233,11 @@ def _at(values: dict, names: list) -> str:
 
 def _filled(text: str, indices: tuple) -> str:
     parts = iter(indices)
-    return "`" + BRACES.sub(lambda m: str(next(parts)), text) + "`"
+    return "`" + BRACES.sub(lambda m: _shown(next(parts)), text) + "`"
+
+
+def _shown(index) -> str:
+    return str(index) if isinstance(index, int) else "{" + index + "}"
 
 
 def _known(count) -> int | None:

@@ -18,7 +18,7 @@ from modulec.check.instance import instantiate
 from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
 from modulec.lower.backward import without_written_backward
-from modulec.lower.hf_config_fields import tie_problem, unmapped_field_problems
+from modulec.lower.hf_config_fields import FIELD_ALIASES, tie_problem, unmapped_field_problems
 from modulec.lower.lowering import lower_model, recording_world
 from modulec.lower.passes import PassContext, run_pipeline
 from modulec.lower.schedule import schedule_data
@@ -296,6 +296,8 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
     diagnostics += unmapped_field_problems(config, mapped, Path(path))
     for param, field_name in _param_mapping(decl):
         raw = _config_field(config, field_name)
+        for alias in FIELD_ALIASES.get(field_name, ()) if raw is None else ():
+            raw = _config_field(config, alias) if raw is None else raw
         if raw is None:
             how = "is null" if field_name in config else "is missing"
             notices.append(f"{path}: `{field_name}` {how}; `{param}` keeps its default")

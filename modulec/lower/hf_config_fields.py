@@ -33,6 +33,10 @@ NEUTRAL = {
     "shared_expert_intermediate_size": (0, "a shared expert beside the routed ones"),
     "n_shared_experts": (0, "shared experts beside the routed ones"),
 }
+# a field one transformers version writes under another name: read under either
+# (transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`, the hub's
+# checkpoints have `num_experts`)
+FIELD_ALIASES = {"num_experts": ("num_local_experts",), "num_local_experts": ("num_experts",)}
 # sliding_window counts where no use_sliding_window switch says (the switch's own rule)
 WINDOW, WINDOW_SWITCH = "sliding_window", "use_sliding_window"
 TIE = "tie_word_embeddings"

@@ -60,6 +60,7 @@ from runtime.cuda.swaps import GpuSwaps
 from runtime.decisions import Decisions
 from runtime.errors import RuntimeUserError
 from runtime.hf_weights.schema import tied_targets
+from runtime.train.aux_loss import auxiliary_seeds
 from runtime.inputs import fed_inputs, positions_like, sized_inputs, unfed
 from runtime.interpreter import Interpreter
 from runtime.model import parameter_shapes
@@ -398,8 +399,11 @@ class TrainStep:
         else:
             loss, seed = logits_cross_entropy(out, labels, self.chunk_rows)
         del out
-        # the logits' seed alone: other outputs (Mixtral's aux_loss) get none, as on the CPU
-        _, grads = run.backward(frame, [seed] + [None] * len(others))
+        # auxiliary losses (0-d outputs: the MoE load-balancing loss) join the loss, seed 1
+        aux_seeds, aux = auxiliary_seeds(others)
+        if aux is not None:
+            loss = loss + aux.to(loss.dtype)
+        _, grads = run.backward(frame, [seed] + aux_seeds)
         if run.swaps is not None:
             run.swaps.finish()
         if d_head is not None:

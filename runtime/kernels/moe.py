@@ -28,9 +28,9 @@ def _assignment_fraction(indices, num_experts, dtype):
     return counts.to(dtype) / indices.shape[0]
 
 
-def _moe_router_backward(d_weights, d_aux_loss, x, gate, indices, *, top_k, normalize=True,
-                         aux_loss_coef=0.01, use_sigmoid=False, **_):
-    N, E = x.shape[0], gate.shape[0]
+def _moe_router_backward(d_weights, d_stats, x, gate, indices, *, top_k, normalize=True,
+                         use_sigmoid=False, **_):
+    N = x.shape[0]
     probs = _router_probs(x, gate, use_sigmoid)           # recomputed
     idx = indices.long()
     d_probs = torch.zeros_like(probs)
@@ -43,9 +43,8 @@ def _moe_router_backward(d_weights, d_aux_loss, x, gate, indices, *, top_k, norm
         else:
             d_p = d_weights
         d_probs = d_probs.scatter_add(1, idx, d_p)
-    if d_aux_loss is not None:                            # aux = coef * E * sum_e f_e * mean_t probs[t, e]
-        f = _assignment_fraction(indices, E, probs.dtype)
-        d_probs = d_probs + d_aux_loss * aux_loss_coef * E * f[None, :] / N
+    if d_stats is not None:                               # stats[1] = mean_t probs[t, e]
+        d_probs = d_probs + d_stats[1].to(probs.dtype)[None, :] / N
     if use_sigmoid:
         d_logits = d_probs * (probs - probs * probs)
     else:
@@ -53,18 +52,16 @@ def _moe_router_backward(d_weights, d_aux_loss, x, gate, indices, *, top_k, norm
     return [d_logits @ gate, d_logits.T @ x]
 
 
-@register("moe_router", ("x", "gate"), ("weights", "indices", "aux_loss"),
-          ("d_weights", "d_aux_loss", "x", "gate", "indices"), ("d_x", "d_gate"),
-          backward=_moe_router_backward, stats=("aux_loss", "d_aux_loss"))
-def _moe_router_forward(x, gate, *, top_k, normalize=True, aux_loss_coef=0.01, use_sigmoid=False,
-                        **_):
+@register("moe_router", ("x", "gate"), ("weights", "indices", "stats"),
+          ("d_weights", "d_stats", "x", "gate", "indices"), ("d_x", "d_gate"),
+          backward=_moe_router_backward, stats=("stats", "d_stats"))
+def _moe_router_forward(x, gate, *, top_k, normalize=True, use_sigmoid=False, **_):
     E = gate.shape[0]
     probs = _router_probs(x, gate, use_sigmoid)
     p, indices = torch.topk(probs, top_k, dim=-1)
     weights = p / p.sum(-1, keepdim=True) if normalize else p
-    f = _assignment_fraction(indices, E, probs.dtype)
-    aux_loss = aux_loss_coef * E * (f * probs.mean(0)).sum()
-    return [weights, indices.to(torch.int32), aux_loss]
+    stats = torch.stack([_assignment_fraction(indices, E, probs.dtype), probs.mean(0)])
+    return [weights, indices.to(torch.int32), stats]
 
 
 # ------------------------------------------------------------------ moe_compute_offsets

@@ -19,6 +19,7 @@ from runtime.errors import RuntimeUserError
 from runtime.hf_weights.schema import tied_targets
 from runtime.inputs import fed_inputs, sized_inputs
 from runtime.model import Model
+from runtime.train.aux_loss import auxiliary_losses
 from runtime.train.optim import AdamW
 from runtime.train.param_groups import clip_gradient, frozen_parameters, hyperparameters
 
@@ -58,9 +59,14 @@ class CPUTrainer:
         from runtime.cuda.lm_head import logits_cross_entropy
 
         tokens, labels = split_window(window)
-        logits = self.model.forward(**fed_inputs(self.inputs, tokens))[self.output]
+        outputs = self.model.forward(**fed_inputs(self.inputs, tokens))
+        logits = outputs[self.output]
         loss, d_logits = logits_cross_entropy(logits, labels)
-        grads = self.model.backward(**{self.output: d_logits.to(logits.dtype)}).params
+        seeds = {self.output: d_logits.to(logits.dtype)}
+        for name, aux in auxiliary_losses(outputs, self.output).items():  # MoE balance
+            loss = loss + aux.to(loss.dtype)
+            seeds[name] = torch.ones_like(aux)
+        grads = self.model.backward(**seeds).params
         return loss, tied_sums(self.model.params, grads, self.names)
 
     def state(self) -> dict:
