@@ -123,9 +123,10 @@ def _walk(graph, function, path: str, indices: tuple, visit) -> None:
             visit(node, path)
 
 
-def check_init(init: str | None, hf_weights, resume, config) -> None:
-    """--init random starts from scratch: no --hf-weights, no --resume; --config (the
-    sizes of a from-scratch model) only with it."""
+def check_init(init: str | None, hf_weights, resume, config, tp: int = 1) -> None:
+    """--init random starts from scratch: no --hf-weights, no --resume, no --tp (each
+    rank would draw its slices apart from the whole); --config (the sizes of a
+    from-scratch model) only with it."""
     from runtime.errors import RuntimeUserError
 
     if init is None:
@@ -134,6 +135,10 @@ def check_init(init: str | None, hf_weights, resume, config) -> None:
                                    "--init random", help=["--hf-weights DIR brings its own "
                                                           "config.json"])
         return
+    if tp > 1:
+        raise RuntimeUserError("--init random with --tp is not supported yet",
+                               help=["train from scratch without --tp (data parallel "
+                                     "is fine), or start from --hf-weights"])
     for flag, value in (("--hf-weights", hf_weights), ("--resume", resume)):
         if value is not None:
             raise RuntimeUserError(f"--init random starts from scratch; {flag} gives the "
@@ -160,7 +165,20 @@ def scratch_config(program, std: float) -> dict:
             config[field] = value
     config["initializer_range"] = std
     config["torch_dtype"] = "float32"
-    return config
+    return config | _derived(config, [f for f in mapping.values() if f not in config])
+
+
+def _derived(config: dict, fields: list[str]) -> dict:
+    """Fields the model leaves unset (Llama's head_dim: d_model / num_heads) as
+    transformers' config class derives them, so a resume reads them back unwarned."""
+    try:
+        import transformers
+
+        hf = transformers.AutoConfig.for_model(**config)
+    except Exception:  # noqa: BLE001 - no transformers, or a model_type it lacks
+        return {}
+    values = {f: getattr(hf, f, None) for f in fields if "." not in f}
+    return {f: v for f, v in values.items() if isinstance(v, (bool, int, float, str))}
 
 
 def _model_type(config_class: str | None) -> str | None:
