@@ -11,6 +11,7 @@ does for RMSNorm and RoPE)."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -165,3 +166,27 @@ def test_the_aux_loss_changes_the_router_gradients(tmp_path, monkeypatch):
     assert gate.abs().max() > 1e-6
     # the last layer's experts feed no router: the term gives them no gradient
     assert grads["model.layers.1.mlp.experts.0.down_proj.weight"].abs().max() == 0
+
+
+def test_training_loss_adds_the_aux_loss_as_transformers(tmp_path, monkeypatch):
+    """`modulec train`'s loss on the CPU (CPUTrainer) is transformers' loss with labels:
+    the cross-entropy plus router_aux_loss_coef * aux_loss, and its gradients match."""
+    from runtime.train.backends import CPUTrainer, split_window
+    from runtime.train.optim import AdamW
+
+    hf = _hf_model("qwen3_moe-every-2nd", tmp_path, monkeypatch)
+    ours = Model.from_module(CASES["qwen3_moe-every-2nd"][0], hf_weights=tmp_path, dtype=F64)
+    window = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(3))
+    loss, grads = CPUTrainer(ours, 2, 7, AdamW())._loss_and_gradients(window)
+    tokens, labels = split_window(window)
+    result = hf(input_ids=tokens.long(), labels=labels, shift_labels=labels)
+    assert abs(float(loss) - float(result.loss)) < 1e-6 * float(result.loss)
+    assert COEF * float(result.aux_loss) > 1e-3 * float(result.loss)  # the term counts
+    names = [n for n, _ in hf.named_parameters()]
+    expected = _checkpoint_names(dict(zip(names, torch.autograd.grad(result.loss, list(hf.parameters())))),
+                                 "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
+    ours_hf = ours.hf_gradients(SimpleNamespace(params=grads))
+    worst = {n: _relative(ours_hf[n], expected[n]) for n in expected}
+    # the cross-entropy runs in float32 on both sides (HF: logits.float(); ours: the
+    # trainer's fp32 loss kernel), so d_logits agree to float32 rounding only
+    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda x: -x[1])[:3]
