@@ -32,7 +32,7 @@ def data_command(guarded):
                   help="How ids are stored (auto: uint16 when the vocabulary fits).")
     @guarded
     def data(inputs, output, tokenizer, text_field, fmt, doc_sep, dtype_tokens) -> int:
-        """Tokenize INPUT... (text files, JSONL) into a token file for `modulec train`.
+        """Tokenize text and JSONL files into a token file for `modulec train`.
 
         \b
         Example:
