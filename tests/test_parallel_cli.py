@@ -38,7 +38,7 @@ def test_zero_defaults_to_two_and_needs_dp(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dp", 2, "--zero", 4], "'--zero': 4 is not in the range 0<=x<=3"),
+    (["--dp", 2, "--zero", 4], "'--zero': `4`: expected a ZeRO stage 0, 1, 2 or 3, or auto"),
     (["--dp", 0], "'--dp': 0 is not in the range x>=1"),
     (["--pp", 0], "'--pp': 0 is not in the range x>=1"),
     (["--microbatches", 0], "'--microbatches': 0 is not in the range x>=1"),
@@ -134,3 +134,33 @@ def test_emit_pipeline_without_sizes_is_a_usage_error():
     result = run("build", LLAMA, "--emit", "pipeline")
     assert result.exit_code == 2 and "--emit pipeline: `" in result.output
     assert "give the free dims sizes with --shape" in result.output
+
+
+def _auto(budget: str) -> tuple[str, dict]:
+    result = run("plan", LLAMA, "--shape", "B=1", "--shape", "T=256", "--dp", 2,
+                 "--zero", "auto", "--memory-budget", budget, "--format", "json")
+    assert result.exit_code == 0, result.output
+    note = next(line for line in result.stderr.splitlines() if line.startswith("note:"))
+    return note, json.loads(result.stdout)
+
+
+def test_zero_auto_takes_zero3_when_only_its_state_fits_the_budget():
+    """TinyLlama on 2 ranks holds 7.7 GiB of fixed state with ZeRO-2, 7.0 with ZeRO-3: a
+    7.3 GiB budget fits ZeRO-3 alone, and the plan counts that rank's state as fixed."""
+    note, plan = _auto("7.3GiB")
+    assert note.startswith("note: ZeRO-3 chosen: ZeRO-2's lowest predicted peak")
+    assert plan["feasible"] and plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+    fixed = plan["fixed_bytes"]
+    assert fixed["gather_slots"] > 0  # the rank's ZeRO-3 state, not one GPU's fp32 state
+    assert sum(fixed.values()) < 7.3 * 2 ** 30
+
+
+def test_zero_auto_keeps_zero2_when_it_fits():
+    note, plan = _auto("20GiB")
+    assert note.startswith("note: ZeRO-2 chosen: it fits 20.00 GiB")
+    assert plan["fixed_bytes"]["gather_slots"] == 0
+
+
+def test_zero_auto_needs_a_budget():
+    result = run("build", LLAMA, *TINY, "--dp", 2, "--zero", "auto")
+    assert result.exit_code == 2 and "--zero auto chooses the stage that fits" in result.output

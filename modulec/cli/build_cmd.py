@@ -149,12 +149,14 @@ def build_command(output_options, guarded):
         if request.lora is not None and budget is not None:
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
-        parallel_request(request, dp, zero, pp, microbatches)
+        parallel_request(request, dp, zero, pp, microbatches, budget)
         request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:
             click.echo(f"warning: {notice}", err=True)
+        for note in result.notes:
+            click.echo(f"note: {note}", err=True)
         out.show(FileResult(str(file), result.source, None, result.diagnostics))
         if result.failure is not None:
             click.echo(f"error: {result.failure}", err=True)

@@ -12,13 +12,26 @@ TP_DIVIDES = ("num_heads", "num_kv_heads", "d_ff")
 GIB = 2 ** 30
 
 
+class ZeroStage(click.ParamType):
+    """A ZeRO stage 0-3, or `auto`."""
+    name = "0|1|2|3|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        if str(value).strip() in ("0", "1", "2", "3"):
+            return int(value)
+        self.fail(f"`{value}`: expected a ZeRO stage 0, 1, 2 or 3, or auto", param, ctx)
+
+
 def parallel_options(command):
     options = [
         click.option("--dp", type=click.IntRange(min=1), metavar="N",
                      help="Data-parallel ranks: the schedule's distributed section "
                           "(buckets sharded N ways)."),
-        click.option("--zero", type=click.IntRange(0, 3), metavar="S",
-                     help="ZeRO stage 0-3 with --dp (default 2): what each rank holds."),
+        click.option("--zero", type=ZeroStage(), metavar="S",
+                     help="ZeRO stage 0-3 with --dp (default 2): what each rank holds; "
+                          "auto: with --memory-budget, the planner chooses 2 or 3."),
         click.option("--tp", type=click.IntRange(min=1), metavar="M",
                      help="Tensor-parallel ranks (must divide the heads, KV heads and d_ff)."),
         click.option("--pp", type=click.IntRange(min=1), metavar="P",
@@ -36,13 +49,17 @@ def parallel_options(command):
     return command
 
 
-def parallel_request(request, dp, zero, pp, microbatches) -> None:
+def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
     """Put the data-parallel and pipeline settings on a BuildRequest."""
     from modulec.plan.distributed import DataParallel
     from modulec.plan.pipeline import Pipeline
 
     if zero is not None and dp is None:
         raise click.BadParameter("--zero needs --dp N: the shards' sizes depend on it",
+                                 param_hint="--zero")
+    if zero == "auto" and budget is None:
+        raise click.BadParameter("--zero auto chooses the stage that fits --memory-budget: "
+                                 "give the per-GPU budget, or a stage 0-3",
                                  param_hint="--zero")
     if dp is not None:
         request.distributed = DataParallel(dp, 2 if zero is None else zero)

@@ -58,13 +58,20 @@ def plan_command(output_options, guarded):
         budget_bytes = _budget(budget)
         request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
                                pairs(shapes, "--shape", True), config)
-        parallel_request(request, dp, zero, pp, microbatches)
+        parallel_request(request, dp, zero, pp, microbatches, budget_bytes)
+        if zero == "auto":  # the build chooses the stage under the budget
+            from modulec.lower.build_plan import PlanOptions
+
+            request.planning = PlanOptions(budget_bytes, training, device, _policies(policies),
+                                           honor_lists)
         request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
         result = build(request)
         Output(fmt, use_color(color)).show(FileResult(str(file), result.source, None,
                                                       result.diagnostics))
         if result.failure is not None:
             click.echo(f"error: {result.failure}", err=True)
+        for note in result.notes:
+            click.echo(f"note: {note}", err=True)
         if result.graph is None or result.document is None or \
                 shapes_refused(result, request.shapes):
             return 1
@@ -79,7 +86,8 @@ def plan_command(output_options, guarded):
                 draw_memory_plan(result.graph, picture)
             if budget_bytes is not None:
                 return _budget_plan(result.graph, file, search_path, budget_bytes, training,
-                                    device, _policies(policies), honor_lists, fmt)
+                                    device, _policies(policies), honor_lists, fmt,
+                                    result.document["schedule"].get("distributed"))
             summary = plan_step(result.graph).summary()
         except ShapeUnknown as exc:
             raise click.UsageError(str(exc)) from None
@@ -143,13 +151,18 @@ def _policies(items) -> dict:
 
 
 def _budget_plan(graph, file, search_path, budget: int, training: str, device: str,
-                 policies: dict, honor_lists: bool, fmt: str) -> int:
+                 policies: dict, honor_lists: bool, fmt: str, distributed=None) -> int:
+    """`distributed` (the build's section, with --dp): the budget is one rank's, its fixed
+    state what the rank holds."""
     from modulec.plan.budget import make_problem, plan_budget, summary
     from modulec.plan.devices import device as device_named
+    from modulec.plan.distributed import planner_fixed_bytes
     from modulec.plan.recompute import declarations
 
     problem = make_problem(graph, declarations(file, tuple(search_path)), training,
                            device_named(device), policies, binding=5 if honor_lists else 3)
+    if distributed is not None:
+        problem.fixed_bytes = planner_fixed_bytes(graph, distributed)
     data = summary(problem, plan_budget(problem, budget))
     if fmt == "json":
         click.echo(json.dumps(data, sort_keys=True))

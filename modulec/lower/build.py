@@ -59,6 +59,7 @@ class BuildResult:
     source: object = None
     notices: list[str] = field(default_factory=list)  # config fields that kept defaults
     failure: str | None = None  # the memory budget cannot be met (no source location)
+    notes: list[str] = field(default_factory=list)  # what the build chose (`--zero auto`)
 
 
 def build(request: BuildRequest) -> BuildResult:
@@ -134,7 +135,11 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
         return BuildResult(diagnostics, source=loaded.source)
     from modulec.lower.build_plan import PlanOptions, plan_for_build
 
-    plan, decided = plan_for_build(graph, resolver, request.planning or PlanOptions())
+    planning, notes = request.planning or PlanOptions(), []
+    if request.distributed is not None and planning.budget is not None:
+        planning, choice = _rank_planning(planning, graph, instance, world, request, resolver)
+        notes += [choice] if choice else []
+    plan, decided = plan_for_build(graph, resolver, planning)
     document = {
         "ir_version": IR_VERSION,
         "graph": graph_to_data(graph),
@@ -157,7 +162,7 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     if request.distributed is not None:
         document["schedule"]["distributed"] = _distributed(graph, document, request)
     _pipeline(graph, document, request)
-    return BuildResult(diagnostics, document, graph, loaded.source)
+    return BuildResult(diagnostics, document, graph, loaded.source, notes=notes)
 
 
 def _pipeline(graph, document: dict, request: BuildRequest) -> None:
@@ -212,15 +217,43 @@ def _tensor_parallel(world, instance, request: BuildRequest):
     return found
 
 
+def _rank_planning(planning, graph, instance, world, request: BuildRequest, resolver):
+    """A budget under data parallel is one rank's: the planner counts what a rank holds
+    (its ZeRO share of the trained state, communication buffers) as fixed, not one GPU's
+    whole fp32 state. `--zero auto` picks the stage here (request.distributed is set to
+    it); returns the planning options and the choice in words ("" when given)."""
+    from dataclasses import replace
+
+    from modulec.lower.build_plan import choose_zero
+    from modulec.plan.distributed import AUTO, DataParallel, planner_fixed_bytes
+
+    training = training_metadata(graph, world.param_settings) or {}
+    schema = _weight_schema(instance)
+    dp, choice = request.distributed, ""
+    if dp.zero == AUTO:
+        sections = {z: _distributed_section(graph, schema, training, replace(
+            request, distributed=DataParallel(dp.dp, z))) for z in (2, 3)}
+        zero, choice = choose_zero(graph, resolver, planning, sections)
+        request.distributed = DataParallel(dp.dp, zero)
+    section = _distributed_section(graph, schema, training, request)
+    return replace(planning, fixed_bytes=planner_fixed_bytes(graph, section)), choice
+
+
 def _distributed(graph, document: dict, request: BuildRequest) -> dict:
+    return _distributed_section(graph, document["weight_schema"],
+                                document["metadata"].get("training", {}), request)
+
+
+def _distributed_section(graph, weight_schema: list, training: dict,
+                         request: BuildRequest) -> dict:
     """The data-parallel section over the parameters the step trains: not a tied one
     (its target owns the update) nor a `@frozen` one, with LoRA only the adapters."""
     from modulec.lower.lora import is_adapter
     from modulec.plan.distributed import data_parallel_section, parameter_paths
 
-    tied = {e["param"] for e in document["weight_schema"]
+    tied = {e["param"] for e in weight_schema
             if e.get("kind") == "tied" and not e.get("stacks")}
-    frozen = set(document["metadata"].get("training", {}).get("frozen", ()))
+    frozen = set(training.get("frozen", ()))
     trained = {p for p in parameter_paths(graph) if p not in tied and p not in frozen and
                (request.lora is None or is_adapter(p))}
     return data_parallel_section(graph, request.distributed, trained)
@@ -259,10 +292,19 @@ def _arguments(decl: A.Decl, request: BuildRequest, diagnostics, notices) -> dic
             continue
         args[name] = _value_of(text, name, diagnostics)
     for name, value in args.items():
-        if isinstance(value, Dim) and value.is_const and not 0 < value.value <= MAX_SIZE:
+        if isinstance(value, Dim) and value.is_const and not _usable(value.value, known.get(name)):
             diagnostics.append(error("E027", f"`{name} = {value.value}` is not a usable size",
                                      None, help=["sizes are positive integers"]))
     return None if any(d.is_error for d in diagnostics) else args
+
+
+def _usable(value: int, param: A.DeclParam | None) -> bool:
+    """An int argument is at most MAX_SIZE; one for a plain `int` parameter is a size, at
+    least 1. An optional int (`int?`) need not be a size (Gemma's `padding_idx: int? = 0`
+    takes HF's pad_token_id 0): its declaration's constraints bound it, and a value below 1
+    that becomes a dimension is E027 where it does."""
+    optional = param is not None and isinstance(param.type, A.OptionalType)
+    return value <= MAX_SIZE and (value > 0 or optional)
 
 
 def _value_of(text: str, name: str, diagnostics):

@@ -27,6 +27,9 @@ class PlanOptions:
     # bytes the caller added to its own budget to make `budget` (the planner counts more as
     # fixed than a training step holds): messages subtract it, so they show the user's
     budget_offset: int = 0
+    # data parallel: what one rank holds (modulec.plan.distributed.planner_fixed_bytes),
+    # counted as fixed in place of the planner's one-GPU estimate
+    fixed_bytes: dict | None = None
 
 
 class PlanFailure(Exception):
@@ -61,6 +64,8 @@ def _decided(graph, decls: dict, options: PlanOptions):
 
     problem = make_problem(graph, decls, options.training, device(options.device),
                            options.policies, binding=5 if options.honor_lists else 3)
+    if options.fixed_bytes is not None:
+        problem.fixed_bytes = dict(options.fixed_bytes)
     if options.budget is None:
         recompute, swap = fixed_decisions(problem)
         return decide(problem, recompute, swap, evaluate(problem, recompute, swap))
@@ -98,3 +103,42 @@ def _has_annotation(node) -> bool:
     if is_dataclass(node):
         return any(_has_annotation(getattr(node, f.name)) for f in fields(node))
     return False
+
+
+# ZeRO-3's extra all-gathers (each layer's weights twice a step), as a share of the step's
+# compute: 1.1% measured on two H100s (docs/distributed.md, TinyLlama: 120.0 against 118.7 ms)
+ZERO3_GATHER_COST = 0.011
+
+
+def choose_zero(graph, resolver, options: PlanOptions, sections: dict) -> tuple[int, str]:
+    """`--zero auto` under a budget: ZeRO-2, the fastest stage measured, unless only ZeRO-3's
+    smaller fixed state fits or it saves more recompute than its gathers cost. `sections`:
+    the distributed section of stages 2 and 3. Returns the stage and why, in words."""
+    from modulec.plan.budget import make_problem, plan_budget
+    from modulec.plan.devices import device
+    from modulec.plan.distributed import planner_fixed_bytes
+    from modulec.plan.recompute import declarations_of
+    from modulec.plan.units import gib_text as gib
+
+    problem = make_problem(graph, declarations_of(resolver), options.training,
+                           device(options.device), options.policies,
+                           binding=5 if options.honor_lists else 3)
+    results = {}
+    for zero in (2, 3):
+        problem.fixed_bytes = planner_fixed_bytes(graph, sections[zero])
+        results[zero] = plan_budget(problem, options.budget)
+    two, three = results[2], results[3]
+    budget = gib(options.budget - options.budget_offset)
+    if not two.feasible:
+        return 3, (f"ZeRO-3 chosen: ZeRO-2's lowest predicted peak "
+                   f"{gib(two.minimum_peak - options.budget_offset)} exceeds the budget {budget}")
+    saved = _overhead(two) - _overhead(three) if three.feasible else 0.0
+    if saved > ZERO3_GATHER_COST * problem.compute_s:
+        return 3, (f"ZeRO-3 chosen: its smaller fixed state saves {saved * 1e3:.1f} ms of "
+                   f"recompute a step under {budget}, more than its all-gathers cost")
+    return 2, (f"ZeRO-2 chosen: it fits {budget} with {_overhead(two) * 1e3:.1f} ms of "
+               "recompute and swap stalls; ZeRO-3 would save less than its all-gathers cost")
+
+
+def _overhead(result) -> float:
+    return result.outcome.recompute_s + result.outcome.stall_s

@@ -42,6 +42,7 @@ from modulec.ir.graph import function_runs
 ALIGN = 128  # elements: each parameter and shard starts at a 256-byte boundary in bf16
 COMPUTE, COMM = 0, 2  # streams (1 is the copy stream of swaps)
 ZERO_STAGES = (0, 1, 2, 3)
+AUTO = "auto"  # `--zero auto`: the budget planner chooses (modulec.lower.build_plan.choose_zero)
 # bytes per element of what a rank holds (split fp32 master = bf16 compute copy + int16
 # low half; fp32 moments) and of a gradient in flight (bf16)
 COMPUTE_BYTES, LOW_BYTES, MOMENT_BYTES, GRAD_BYTES = 2, 2, 8, 2
@@ -55,8 +56,8 @@ class DataParallel:
     def __post_init__(self):
         if self.dp < 1:
             raise ValueError(f"the data-parallel size must be at least 1, not {self.dp}")
-        if self.zero not in ZERO_STAGES:
-            raise ValueError(f"the ZeRO stage must be 0, 1, 2 or 3, not {self.zero}")
+        if self.zero not in ZERO_STAGES and self.zero != AUTO:
+            raise ValueError(f"the ZeRO stage must be 0, 1, 2, 3 or auto, not {self.zero}")
 
 
 def data_parallel_section(graph, options: DataParallel, trained=None) -> dict:
@@ -229,3 +230,19 @@ def rank_fixed_bytes(section: dict) -> dict[str, int]:
     parts["total"] = sum(parts.values())
     parts["dp"] = dp
     return parts
+
+
+def planner_fixed_bytes(graph, section: dict) -> dict[str, int]:
+    """The fixed state the budget planner counts on one rank of `section`, in place of its
+    one-GPU estimate (fp32 weights, gradients and moments of every parameter): what the
+    rank holds for the trained parameters (rank_fixed_bytes) and a bf16 compute copy of
+    every other one (frozen, LoRA's base)."""
+    parts = rank_fixed_bytes(section)
+    trained = {p for b in section["buckets"] for i in range(b["instances"])
+               for p in bucket_paths(b, i)}
+    untrained = sum(_numel(shape) for path, shape in
+                    _params(graph, graph.function(graph.entry)) if path not in trained)
+    fixed = {part: parts[part] for part in
+             ("weights", "optimizer_state", "gradient_buffers", "gather_slots")}
+    fixed["untrained_weights"] = COMPUTE_BYTES * untrained
+    return fixed

@@ -585,9 +585,16 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
 
 def planner_fixed_bytes(program: Program) -> int:
     """What the budget planner counts as fixed for full training: its weights, gradients
-    and optimizer-state regions (modulec.plan.budget._fixed)."""
+    and optimizer-state regions (modulec.plan.budget._fixed); under data parallel the
+    compiler counts the rank's own (modulec.plan.distributed.planner_fixed_bytes)."""
     from modulec.plan.budget import _fixed
     from modulec.plan.from_graph import plan_step
+
+    section = program.document.get("schedule", {}).get("distributed")
+    if section is not None:
+        from modulec.plan.distributed import planner_fixed_bytes as rank_planner_fixed
+
+        return sum(rank_planner_fixed(program.graph, section).values())
 
     return sum(_fixed(program.graph, plan_step(program.graph), "full", 0).values())
 
