@@ -60,7 +60,8 @@ std::vector<int64_t> leading(const Tensor& x) {
 }
 
 std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& input,
-                                 const Tensor& weight, double eps, const Outputs& out) {
+                                 const Tensor& weight, double eps, const Outputs& out,
+                                 double offset) {
   const auto dt = x.scalar_type();
   check(x, "x", dt, x);
   check(weight, "weight", dt, x);
@@ -80,26 +81,28 @@ std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& i
   check_launch(modulec::launch_rmsnorm_forward(
                    dtype_of(x), x.data_ptr(), input ? input->data_ptr() : nullptr,
                    weight.data_ptr(), input ? residual_out.data_ptr() : nullptr, y.data_ptr(),
-                   rstd.data_ptr<float>(), rows, C, static_cast<float>(eps), stream()),
+                   rstd.data_ptr<float>(), rows, C, static_cast<float>(eps),
+                   static_cast<float>(offset), stream()),
                "rmsnorm forward");
   if (input) return {residual_out, y, rstd};
   return {y, rstd};
 }
 
 std::vector<Tensor> rmsnorm_forward(const Tensor& x, const Tensor& weight, double eps,
-                                    const Outputs& out) {
-  return norm_forward(x, std::nullopt, weight, eps, out);
+                                    const Outputs& out, double offset) {
+  return norm_forward(x, std::nullopt, weight, eps, out, offset);
 }
 
 // residual_out = residual + input, then rmsnorm of it: (residual_out, y, rstd)
 std::vector<Tensor> fused_residual_rmsnorm_forward(const Tensor& residual, const Tensor& input,
                                                    const Tensor& weight, double eps,
-                                                   const Outputs& out) {
-  return norm_forward(residual, input, weight, eps, out);
+                                                   const Outputs& out, double offset) {
+  return norm_forward(residual, input, weight, eps, out, offset);
 }
 
-// y = x * rstd * weight: a norm's output from its saved input (or residual_out) and rstd
-Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight) {
+// y = x * rstd * (offset + weight): a norm's output from its saved input (or residual_out)
+// and rstd
+Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight, double offset) {
   const auto dt = x.scalar_type();
   check(x, "x", dt, x);
   check(weight, "weight", dt, x);
@@ -111,8 +114,8 @@ Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight) 
   Tensor y = at::empty_like(x);
   const int64_t rows = C ? x.numel() / C : 0;
   check_launch(modulec::launch_rmsnorm_apply(dtype_of(x), x.data_ptr(), rstd.data_ptr<float>(),
-                                             weight.data_ptr(), y.data_ptr(), rows, C,
-                                             stream()),
+                                             weight.data_ptr(), static_cast<float>(offset),
+                                             y.data_ptr(), rows, C, stream()),
                "rmsnorm apply");
   return y;
 }
@@ -121,7 +124,7 @@ Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight) 
 std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& weight,
                                      const Tensor& rstd,
                                      const std::optional<Tensor>& d_residual_out,
-                                     const Outputs& out) {
+                                     const Outputs& out, double offset) {
   const auto dt = x.scalar_type();
   check(x, "x", dt, x);
   check(d_y, "d_y", dt, x);
@@ -143,7 +146,8 @@ std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const T
                           x.options().dtype(at::kFloat));
   check_launch(modulec::launch_rmsnorm_backward(
                    dtype_of(x), d_y.data_ptr(), x.data_ptr(), weight.data_ptr(),
-                   rstd.data_ptr<float>(), d_residual_out ? d_residual_out->data_ptr() : nullptr,
+                   static_cast<float>(offset), rstd.data_ptr<float>(),
+                   d_residual_out ? d_residual_out->data_ptr() : nullptr,
                    d_x.data_ptr(), d_weight.data_ptr(), work.data_ptr<float>(), rows, C,
                    stream()),
                "rmsnorm backward");
@@ -616,18 +620,22 @@ Tensor cross_entropy_(const Tensor& logits, const Tensor& labels, const Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "modulec CUDA kernels (csrc/kernels)";
-  m.def("rmsnorm_forward", &rmsnorm_forward, "(x, weight, eps, out=[]) -> [y, rstd]",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out") = Outputs());
+  // offset: the norm's scale is offset + weight (fp32; 1 for Gemma's `1 + w`)
+  m.def("rmsnorm_forward", &rmsnorm_forward,
+        "(x, weight, eps, out=[], offset=0) -> [y, rstd]", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::arg("out") = Outputs(), py::arg("offset") = 0.0);
   m.def("fused_residual_rmsnorm_forward", &fused_residual_rmsnorm_forward,
-        "(residual, input, weight, eps, out=[]) -> [residual_out, y, rstd]",
+        "(residual, input, weight, eps, out=[], offset=0) -> [residual_out, y, rstd]",
         py::arg("residual"), py::arg("input"), py::arg("weight"), py::arg("eps"),
-        py::arg("out") = Outputs());
+        py::arg("out") = Outputs(), py::arg("offset") = 0.0);
   m.def("rmsnorm_apply", &rmsnorm_apply,
-        "(x, rstd, weight) -> x * rstd * weight  (a norm's output from its saved statistics)");
+        "(x, rstd, weight, offset=0) -> x * rstd * (offset + weight)  (a norm's output from "
+        "its saved statistics)",
+        py::arg("x"), py::arg("rstd"), py::arg("weight"), py::arg("offset") = 0.0);
   m.def("rmsnorm_backward", &rmsnorm_backward,
-        "(d_y, x, weight, rstd, d_residual_out or None, out=[]) -> [d_x, d_weight]",
+        "(d_y, x, weight, rstd, d_residual_out or None, out=[], offset=0) -> [d_x, d_weight]",
         py::arg("d_y"), py::arg("x"), py::arg("weight"), py::arg("rstd"),
-        py::arg("d_residual_out"), py::arg("out") = Outputs());
+        py::arg("d_residual_out"), py::arg("out") = Outputs(), py::arg("offset") = 0.0);
   m.def("swiglu_forward", &swiglu_forward, "(gate, up, out=[]) -> y  (row-strided inputs)",
         py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
   m.def("swiglu_backward", &swiglu_backward,

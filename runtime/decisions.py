@@ -189,13 +189,14 @@ def _poison(tensor, kept: list) -> None:
     if any(a < high and low < b for a, b in kept):
         return
     with torch.no_grad():
-        tensor.view(torch.uint8).fill_(255)
+        tensor.reshape(-1).view(torch.uint8).fill_(255)  # 1-d first: a 0-d tensor has no byte view
 
 
 def _apply_saved(interpreter, frame, node) -> None:
     """A norm's output from its saved statistics (the planner's `apply_saved` replay,
     modulec.plan.replay.APPLY_SAVED): y = x_hat * weight (+ bias), x_hat from the saved
-    (residual) input and rstd (and mean), without the norm's other inputs. A kernel in
+    (residual) input and rstd (and mean), without the norm's other inputs (an RMSNorm's
+    scale is offset + weight, its `offset` attr: Gemma's `1 + w`). A kernel in
     the interpreter's `apply_saved_kernels` (by op; the GPU step's: one fused launch)
     goes first; None from it means it does not cover the tensors."""
     from modulec.plan.replay import APPLY_SAVED as RULES
@@ -206,7 +207,8 @@ def _apply_saved(interpreter, frame, node) -> None:
     weight = interpreter.read_forward(frame, node.inputs[1 if node.target != "fused_residual_rmsnorm" else 2])
     value = node.outputs[replayed]
     kernel = getattr(interpreter, "apply_saved_kernels", {}).get(node.target)
-    y = kernel(read[0], read[1:], weight) if kernel is not None else None
+    offset = float(node.attr("offset") or 0.0)
+    y = kernel(read[0], read[1:], weight, offset) if kernel is not None else None
     if y is None:
         y = _apply_saved_reference(interpreter, frame, node, read[0], read[1:], weight)
     frame.env[value] = interpreter.place(frame, node, value, y)
@@ -223,5 +225,5 @@ def _apply_saved_reference(interpreter, frame, node, x, stats, weight):
         bias = node.inputs[2] if len(node.inputs) > 2 else ""
         y = y + interpreter.read_forward(frame, bias).to(work) if bias else y
     else:
-        y = x * stats[0].to(work)[..., None] * weight
+        y = x * stats[0].to(work)[..., None] * (weight + float(node.attr("offset") or 0.0))
     return y.to(io)

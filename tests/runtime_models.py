@@ -12,6 +12,8 @@ TINY = {
     "llama_tied": ("std/models/llama.module", DENSE | {"tie_word_embeddings": "true"}),
     "qwen2": ("std/models/qwen2.module", DENSE),
     "qwen3": ("std/models/qwen3.module", DENSE | {"head_dim": 8}),
+    # padding_idx None: tests compare with autograd of the forward, which knows no padding rule
+    "gemma": ("std/models/gemma.module", DENSE | {"head_dim": 16, "padding_idx": "None"}),
     "mistral": ("std/models/mistral.module", DENSE | {"window_size": 3}),
     "mixtral": ("std/models/mixtral.module", DENSE | {"num_experts": 4, "top_k": 2}),
     "gpt2": ("std/models/gpt2.module", dict(n_layers=2, d_model=32, num_heads=4, vocab_size=64,

@@ -162,6 +162,52 @@ def test_rmsnorm_apply_saved_gives_the_forward_output(shape, dtype):
     assert_close([got], [y], TOL[dtype], "apply_saved from residual_out")
 
 
+# the vector path, the scalar path, a row longer than the register cache, rows in a warp
+OFFSET_SHAPES = [(4, 64), (3, 5, 1000), (7, 4097), (300, 7), (3, 40, 320)]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", OFFSET_SHAPES)
+def test_norms_with_offset(shape, dtype):
+    """Gemma's `(1 + w)` norms (`offset=1.0`, added in fp32 inside the kernels) against the
+    reference, forward and backward; weights around 0 as Gemma's are; apply_saved replays
+    the forward's output bit for bit."""
+    from runtime.cuda.kernels import APPLY_SAVED_KERNELS
+
+    torch.manual_seed(6)
+    attrs = {"eps": 1e-6, "offset": 1.0}
+    x, w = rand(*shape, dtype=dtype), rand(shape[-1], dtype=dtype, scale=0.1)
+    y, rstd = check("rmsnorm", "forward", [x, w], attrs, dtype)
+    check("rmsnorm", "backward", [rand(*shape, dtype=dtype), x, w, rstd], attrs, dtype)
+    y, rstd = CUDA_KERNELS["rmsnorm"].forward([x, w], attrs)
+    assert torch.equal(APPLY_SAVED_KERNELS["rmsnorm"](x, [rstd], w, 1.0), y)
+    assert not torch.equal(APPLY_SAVED_KERNELS["rmsnorm"](x, [rstd], w), y)
+    res = rand(*shape, dtype=dtype)
+    res_out, y, rstd = check("fused_residual_rmsnorm", "forward", [res, x, w], attrs, dtype)
+    d_res_out, d_y = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
+    check("fused_residual_rmsnorm", "backward", [d_res_out, d_y, res_out, w, rstd], attrs, dtype)
+
+
+@cuda
+@needs_gpu
+def test_embedding_backward_gives_the_padding_row_no_gradient():
+    """`embedding(padding_idx=p)`: the custom kernel's d_weight with row p zeroed, as the
+    reference and torch.nn.Embedding's padding_idx give."""
+    torch.manual_seed(7)
+    ids = torch.randint(0, 9, (2, 40), device="cuda", dtype=torch.int32)
+    ids[0, :5] = 3
+    d_y = rand(2, 40, 64, dtype=torch.bfloat16)
+    attrs = {"input_shapes": {"weight": (9, 64)}, "padding_idx": 3}
+    kernel = CUDA_KERNELS["embedding"]
+    assert kernel.covers_backward([d_y, ids])
+    (got,) = kernel.backward([d_y, ids], attrs)
+    assert not got[3].any() and got[ids[1].long()].any()
+    assert_close([got], KERNELS["embedding"].backward([d_y, ids], attrs), TOL[torch.bfloat16],
+                 "embedding backward with padding_idx")
+
+
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -81,3 +81,20 @@ def test_a_missing_mapped_field_warns_where_the_runtime_loads(tmp_path, capsys):
     model.source.program({"B": 1, "T": 4}, planned=False)  # a second build: warned once
     warned = capsys.readouterr().err
     assert warned.count("`rope_theta` is missing; `rope_theta` keeps its default") == 1
+
+
+def test_an_optional_int_may_be_zero(tmp_path):
+    """Gemma's `padding_idx: int?` takes HF's pad_token_id 0 (a plain `int` is a size, at
+    least 1: `d_model = 0` stays E027); a pad_token_id outside the vocabulary is refused by
+    the model's constraint."""
+    config = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "intermediate_size": 48, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "tie_word_embeddings": True}
+    gemma = "std/models/gemma.module"
+    assert build(tmp_path, gemma, config | {"pad_token_id": 0}).exit_code == 0
+    assert build(tmp_path, gemma, config | {"pad_token_id": None}).exit_code == 0
+    result = build(tmp_path, gemma, config | {"pad_token_id": 64})
+    assert result.exit_code == 1 and "padding_idx must be a row of the embedding" in result.output
+    result = build(tmp_path, gemma, config | {"hidden_size": 0})
+    assert result.exit_code == 1 and "`d_model = 0` is not a usable size" in result.output

@@ -1,6 +1,8 @@
 """Parity with HuggingFace transformers on tiny random models saved by `save_pretrained`:
-std llama, qwen2 (q/k/v biases, tied head), qwen3, mistral (sliding window) and mixtral against their `*ForCausalLM`, the
-logits and every parameter gradient, in float64 (1e-9 relative) and float32 (1e-4).
+std llama, qwen2 (q/k/v biases, tied head), qwen3, gemma (`(1 + w)` norms, GeGLU tanh,
+sqrt(d) embedding scale, tied head, padding_idx), mistral (sliding window) and mixtral
+against their `*ForCausalLM`, the logits and every parameter gradient, in float64 (1e-9
+relative) and float32 (1e-4).
 
 Our gradients are seeded with a random d_logits and exported under HF names; HF's are
 autograd of sum(logits * d_logits)."""
@@ -23,6 +25,8 @@ MODELS = {
               dict(head_dim=16, rms_norm_eps=1e-6)),
     "qwen2": ("std/models/qwen2.module", "Qwen2Config", "Qwen2ForCausalLM",
               dict(rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "gemma": ("std/models/gemma.module", "GemmaConfig", "GemmaForCausalLM",
+              dict(hidden_size=64, head_dim=32, pad_token_id=5)),
     "mistral": ("std/models/mistral.module", "MistralConfig", "MistralForCausalLM",
                 dict(sliding_window=3)),
     "mixtral": ("std/models/mixtral.module", "MixtralConfig", "MixtralForCausalLM",
@@ -36,7 +40,7 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 def _hf_model(name: str, directory, dtype):
     _, config_class, model_class, extra = MODELS[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**SMALL, **extra)
+    config = getattr(transformers, config_class)(**(SMALL | extra))
     config._attn_implementation = "sdpa"  # eager attention softmaxes in float32
     config._experts_implementation = "eager"  # grouped_mm has no float64
     model = getattr(transformers, model_class)(config)
@@ -48,20 +52,20 @@ def _hf_model(name: str, directory, dtype):
         _rotary_in_float64(model.model.rotary_emb, config)
         for module in model.modules():
             if type(module).__name__.endswith("RMSNorm"):
-                _rmsnorm_in_input_dtype(module)
+                _rmsnorm_in_input_dtype(module, 1.0 if name == "gemma" else 0.0)
             if type(module).__name__.endswith("TopKRouter"):
                 _router_in_input_dtype(module)
     return model.to(dtype).eval()
 
 
-def _rmsnorm_in_input_dtype(norm):
+def _rmsnorm_in_input_dtype(norm, offset: float):
     """HF's RMSNorm upcasts to float32 (`.to(torch.float32)`), which in a float64 model
-    rounds to float32; the same formula without the cast."""
+    rounds to float32; the same formula without the cast (Gemma's: `(1 + w)`)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
 
     def forward(hidden):
         rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-        return norm.weight * (hidden * rstd)
+        return (hidden * rstd) * (offset + norm.weight)
     norm.forward = forward
 
 
@@ -124,6 +128,8 @@ def test_logits_and_every_gradient_match_transformers(name, dtype, tmp_path):
     ours = Model.from_module(MODELS[name][0], hf_weights=tmp_path, dtype=dtype)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 7), generator=generator)
+    if hf.config.pad_token_id is not None:  # a padding token among the ids (Gemma's)
+        ids[0, 1] = hf.config.pad_token_id
     logits = hf(input_ids=ids).logits
     out = ours.forward(token_ids=ids.to(torch.int32))
     assert _relative(out["logits"], logits.detach()) < TOLERANCE[dtype]

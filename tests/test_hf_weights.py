@@ -41,6 +41,8 @@ MODELS = {
     "std/models/qwen3.module": {**TINY, "head_dim": 8},
     "std/models/mistral.module": TINY,
     "std/models/mixtral.module": {**TINY, "num_experts": 4},
+    "std/models/qwen2.module": TINY,
+    "std/models/gemma.module": {**TINY, "head_dim": 8},
     "examples/llama.module": TINY,
     "examples/qwen3.module": {**TINY, "head_dim": 8},
     "examples/mistral.module": {**TINY, "window": 16},

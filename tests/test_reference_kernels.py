@@ -144,9 +144,12 @@ CASES: dict[str, list[Case]] = {
     "batched_matmul": _batched_matmul_cases(),
     "grouped_gemm": _grouped_gemm_cases(),
     "rmsnorm": [Case("3d", lambda g: [randn(g, 2, 3, 8), randn(g, 8)]),
-                Case("2d-eps", lambda g: [randn(g, 5, 16), randn(g, 16)], {"eps": 1e-3})],
+                Case("2d-eps", lambda g: [randn(g, 5, 16), randn(g, 16)], {"eps": 1e-3}),
+                Case("offset", lambda g: [randn(g, 2, 3, 8), randn(g, 8)], {"offset": 1.0})],
     "fused_residual_rmsnorm": [
-        Case("3d", lambda g: [randn(g, 2, 3, 8), randn(g, 2, 3, 8), randn(g, 8)])],
+        Case("3d", lambda g: [randn(g, 2, 3, 8), randn(g, 2, 3, 8), randn(g, 8)]),
+        Case("offset", lambda g: [randn(g, 2, 3, 8), randn(g, 2, 3, 8), randn(g, 8)],
+             {"offset": 1.0})],
     "layernorm": [Case("bias", lambda g: [randn(g, 2, 3, 8), randn(g, 8), randn(g, 8)]),
                   Case("no-bias", lambda g: [randn(g, 5, 6), randn(g, 6), None], {"eps": 1e-3})],
     "group_rmsnorm": [
@@ -224,7 +227,9 @@ CASES: dict[str, list[Case]] = {
     "reduce_max": [Case("last", lambda g: [randn(g, 2, 3, 5)], {"dim": -1}),
                    Case("0-keep", lambda g: [randn(g, 4, 3)], {"dim": 0, "keepdim": True})],
     "embedding": [Case("2d-ids", lambda g: [randint(g, 7, 2, 5), randn(g, 7, 4)]),
-                  Case("1d-ids", lambda g: [torch.tensor([3, 3, 0, 3], dtype=I32), randn(g, 5, 2)])],
+                  Case("1d-ids", lambda g: [torch.tensor([3, 3, 0, 3], dtype=I32), randn(g, 5, 2)]),
+                  Case("padding", lambda g: [torch.tensor([3, 3, 0, 1], dtype=I32), randn(g, 5, 2)],
+                       {"padding_idx": 3})],
     "cross_entropy": [
         Case("ignore", lambda g: [randn(g, 2, 5, 11),
                                   torch.where(torch.rand(2, 5, generator=g) < 0.3, -100,
@@ -427,9 +432,10 @@ ORACLES: dict[str, Callable] = {
     "matmul": _oracle_matmul,
     "batched_matmul": lambda A, B, *, transpose, **_: [torch.einsum(_mode_einsum(transpose), A, B)],
     "grouped_gemm": _oracle_grouped_gemm,
-    "rmsnorm": lambda x, w, *, eps, **_: [F.rms_norm(x, (x.shape[-1],), w, eps), _rstd(x, eps)],
-    "fused_residual_rmsnorm": lambda r, i, w, *, eps, **_: [
-        r + i, F.rms_norm(r + i, (r.shape[-1],), w, eps), _rstd(r + i, eps)],
+    "rmsnorm": lambda x, w, *, eps, offset, **_: [
+        F.rms_norm(x, (x.shape[-1],), w + offset, eps), _rstd(x, eps)],
+    "fused_residual_rmsnorm": lambda r, i, w, *, eps, offset, **_: [
+        r + i, F.rms_norm(r + i, (r.shape[-1],), w + offset, eps), _rstd(r + i, eps)],
     "layernorm": lambda x, w, b, *, eps, **_: [
         F.layer_norm(x, (x.shape[-1],), w, b, eps), x.mean(-1),
         1 / torch.sqrt(x.var(-1, unbiased=False) + eps)],
@@ -475,7 +481,8 @@ ORACLES: dict[str, Callable] = {
     "reduce_sum": _oracle_reduce(torch.sum),
     "reduce_mean": _oracle_reduce(torch.mean),
     "reduce_max": _oracle_reduce_max,
-    "embedding": lambda ids, w, **_: [F.embedding(ids.long(), w)],
+    "embedding": lambda ids, w, *, padding_idx=None, **_: [
+        F.embedding(ids.long(), w, padding_idx=padding_idx)],
     "cross_entropy": _oracle_cross_entropy,
     "moe_router": _oracle_moe_router,
     "moe_compute_offsets": lambda ids, *, num_experts, **_: [offsets_of(ids, num_experts)],
@@ -646,6 +653,10 @@ def test_backward_matches_autograd(name, case):
     flat_leaves = [t for _, x in differentiable for t in _flat(x)]
     auto = list(torch.autograd.grad(loss, flat_leaves, allow_unused=True))
     auto = [a if a is not None else torch.zeros_like(t) for a, t in zip(auto, flat_leaves)]
+    if name == "embedding" and attrs.get("padding_idx") is not None:
+        # a gradient rule, not the forward's derivative: torch's F.embedding(padding_idx=p)
+        # gives row p no gradient, as the kernel must
+        auto[0][attrs["padding_idx"]] = 0
 
     backward_attrs = dict(attrs, input_shapes={n: _shape(x) for n, x in zip(kernel.forward_inputs, inputs)})
     result = kernel.backward(_backward_env(kernel, inputs, _detached(outputs), grads), backward_attrs)

@@ -16,7 +16,8 @@ from runtime.errors import RuntimeUserError  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from tests.runtime_models import TINY, token_inputs  # noqa: E402
 
-BUDGETS = {"llama": 343_000, "example_gpt2": 545_000, "mixtral": 807_000}
+BUDGETS = {"llama": 343_000, "example_gpt2": 545_000, "mixtral": 807_000,
+           "gemma": 420_000}  # gemma: its `(1 + w)` norms replayed by apply_saved
 
 
 def _run(name: str, budget, dtype=torch.float64, arena=False):

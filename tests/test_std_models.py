@@ -30,6 +30,10 @@ CHECKPOINTS = {
         "Qwen2.5-0.5B": dict(vocab_size=151936, d_model=896, n_layers=24, num_heads=14,
                              num_kv_heads=2, d_ff=4864, max_seq=32768, tie_word_embeddings=True),
     },
+    ("gemma", "Gemma"): {
+        "Gemma-7B": {},
+        "Gemma-2B": dict(d_model=2048, n_layers=18, num_heads=8, num_kv_heads=1, d_ff=16384),
+    },
     ("gpt2", "GPT2"): {
         "GPT-2": {},
         "GPT-2-XL": dict(d_model=1600, n_layers=48, num_heads=25),

@@ -13,26 +13,29 @@ namespace modulec {
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };  // F16: cross_entropy only
 
 // ---- norms.cu: rmsnorm and fused_residual_rmsnorm over the last dim (rows x C)
-// y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps). With `input` non-null the
-// kernel is fused_residual_rmsnorm: x = residual + input (fp32), written to residual_out.
+// y = x * rstd * (offset + weight), rstd = 1 / sqrt(mean(x^2) + eps); offset 0 (Llama) or
+// 1 (Gemma's `1 + w`), added in fp32. With `input` non-null the kernel is
+// fused_residual_rmsnorm: x = residual + input (fp32), written to residual_out.
 cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
                                    void* residual_out, void* y, float* rstd, int64_t rows,
-                                   int64_t C, float eps, cudaStream_t stream);
+                                   int64_t C, float eps, float offset, cudaStream_t stream);
 
-// y = x * rstd * weight from a saved x and rstd (a norm's output replayed, `apply_saved`).
+// y = x * rstd * (offset + weight) from a saved x and rstd (a norm's output replayed,
+// `apply_saved`).
 cudaError_t launch_rmsnorm_apply(DType dt, const void* x, const float* rstd, const void* weight,
-                                 void* y, int64_t rows, int64_t C, cudaStream_t stream);
+                                 float offset, void* y, int64_t rows, int64_t C,
+                                 cudaStream_t stream);
 
 // fp32 workspace (in floats) that launch_rmsnorm_backward needs for its d_weight partials.
 int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C);
 
 // d_x = rstd * (g - n * mean(g * n)) (+ d_residual_out when non-null: the fused backward),
-// g = d_y * weight, n = x * rstd; d_weight = sum over rows of d_y * n, reduced in two
-// passes through `workspace` (per-block fp32 partials, then a column sum).
+// g = d_y * (offset + weight), n = x * rstd; d_weight = sum over rows of d_y * n, reduced
+// in two passes through `workspace` (per-block fp32 partials, then a column sum).
 cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
-                                    const float* rstd, const void* d_residual_out, void* d_x,
-                                    void* d_weight, float* workspace, int64_t rows, int64_t C,
-                                    cudaStream_t stream);
+                                    float offset, const float* rstd, const void* d_residual_out,
+                                    void* d_x, void* d_weight, float* workspace, int64_t rows,
+                                    int64_t C, cudaStream_t stream);
 
 // ---- embedding.cu: d_weight [V, D] = per id, the sum of the d_y rows [n, D] with that id;
 // sorted_ids / order: a stable sort of the n ids and the rows in that order (int64).

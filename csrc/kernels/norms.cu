@@ -5,7 +5,8 @@
 // forward gives each group one row; the backward runs a persistent grid whose groups
 // stride over rows, so that each thread keeps the d_weight partials of its own columns in
 // registers, then a second kernel sums the per-group partials per column. fp32
-// arithmetic throughout; bf16 or fp32 I/O.
+// arithmetic throughout; bf16 or fp32 I/O. The scale is `offset + weight` (in fp32): offset
+// 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter).
 #include <algorithm>
 
 #include "common.cuh"
@@ -58,6 +59,15 @@ __device__ __forceinline__ float sum_squares(const float (&a)[VEC]) {
   return s;
 }
 
+// The scale of VEC columns: offset + weight, in fp32 (offset 0: the weight itself)
+template <typename T, int VEC>
+__device__ __forceinline__ void load_scale(const T* weight, int64_t i, float offset,
+                                           float (&w)[VEC]) {
+  load_vec<T, VEC>(weight, i, w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) w[j] += offset;
+}
+
 // The row's value to normalize: x, or residual + input in fp32 for the fused kernel (the
 // reference normalizes the fp32 sum, not residual_out rounded to the I/O dtype).
 template <typename T, int VEC, bool FUSED>
@@ -73,10 +83,10 @@ __device__ __forceinline__ void load_x(const T* x, const T* input, int64_t i, fl
 
 template <typename T, int VEC, bool FUSED>
 __device__ __forceinline__ void store_y(const float (&a)[VEC], const T* weight, T* residual_out,
-                                        T* y, int64_t i, float r) {
+                                        T* y, int64_t i, float r, float offset) {
   if constexpr (FUSED) store_vec<T, VEC>(residual_out, i, a);
   float w[VEC], o[VEC];
-  load_vec<T, VEC>(weight, i, w);
+  load_scale<T, VEC>(weight, i, offset, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) o[j] = a[j] * r * w[j];  // (x * rstd) * weight, as the reference
   store_vec<T, VEC>(y, i, o);
@@ -87,7 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
                    const T* __restrict__ weight, T* __restrict__ residual_out,
                    T* __restrict__ y, float* __restrict__ rstd, int64_t rows, int64_t C,
-                   float eps, int group) {
+                   float eps, float offset, int group) {
   const int lane = threadIdx.x % group;
   const int64_t row =
       static_cast<int64_t>(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
@@ -122,12 +132,12 @@ rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
 #pragma unroll
   for (int k = 0; k < kFwdCache; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
-    if (i < nvec) store_y<T, VEC, FUSED>(cache[k], weight, residual_out, y, i, r);
+    if (i < nvec) store_y<T, VEC, FUSED>(cache[k], weight, residual_out, y, i, r, offset);
   }
   for (int64_t i = lane + kFwdCache * static_cast<int64_t>(group); i < nvec; i += group) {
     float a[VEC];
     load_x<T, VEC, FUSED>(x, input, i, a);
-    store_y<T, VEC, FUSED>(a, weight, residual_out, y, i, r);
+    store_y<T, VEC, FUSED>(a, weight, residual_out, y, i, r, offset);
   }
 }
 
@@ -144,10 +154,10 @@ __device__ __forceinline__ float dot_gn(const float (&dy)[VEC], const float (&x)
 // d_x of one vector (plus d_residual_out when fused); adds d_y * n into dw.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x)[VEC],
-                                         const T* weight, const T* d_res, T* d_x, int64_t i,
-                                         float r, float mean_gn, float (&dw)[VEC]) {
+                                         const T* weight, float offset, const T* d_res, T* d_x,
+                                         int64_t i, float r, float mean_gn, float (&dw)[VEC]) {
   float w[VEC], o[VEC];
-  load_vec<T, VEC>(weight, i, w);
+  load_scale<T, VEC>(weight, i, offset, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     const float n = x[j] * r;
@@ -165,7 +175,8 @@ __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x
 
 template <typename T, int VEC>
 __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const T* weight,
-                                                 float r, const T* d_res, T* d_x, float* part,
+                                                 float offset, float r, const T* d_res, T* d_x,
+                                                 float* part,
                                                  int64_t nvec, int64_t C, int group, int lane,
                                                  float (&dw)[kBwdCache][VEC]) {
   const int64_t first_uncached = kBwdCache * static_cast<int64_t>(group);
@@ -178,7 +189,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
       float w[VEC];
       load_vec<T, VEC>(x, i, xs[k]);
       load_vec<T, VEC>(d_y, i, gs[k]);
-      load_vec<T, VEC>(weight, i, w);
+      load_scale<T, VEC>(weight, i, offset, w);
       dot += dot_gn(gs[k], xs[k], w, r);
     }
   }
@@ -186,21 +197,22 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
     float a[VEC], g[VEC], w[VEC];
     load_vec<T, VEC>(x, i, a);
     load_vec<T, VEC>(d_y, i, g);
-    load_vec<T, VEC>(weight, i, w);
+    load_scale<T, VEC>(weight, i, offset, w);
     dot += dot_gn(g, a, w, r);
   }
   const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
-    if (i < nvec) store_dx<T, VEC>(gs[k], xs[k], weight, d_res, d_x, i, r, mean_gn, dw[k]);
+    if (i < nvec)
+      store_dx<T, VEC>(gs[k], xs[k], weight, offset, d_res, d_x, i, r, mean_gn, dw[k]);
   }
   // uncached columns accumulate d_weight straight into this block's partial row
   for (int64_t i = lane + first_uncached; i < nvec; i += group) {
     float a[VEC], g[VEC], acc[VEC] = {};
     load_vec<T, VEC>(x, i, a);
     load_vec<T, VEC>(d_y, i, g);
-    store_dx<T, VEC>(g, a, weight, d_res, d_x, i, r, mean_gn, acc);
+    store_dx<T, VEC>(g, a, weight, offset, d_res, d_x, i, r, mean_gn, acc);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) part[i * VEC + j] += acc[j];
   }
@@ -212,7 +224,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads)
 rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
-                    const T* __restrict__ weight, const float* __restrict__ rstd,
+                    const T* __restrict__ weight, float offset, const float* __restrict__ rstd,
                     const T* __restrict__ d_res, T* __restrict__ d_x,
                     float* __restrict__ partial, int64_t rows, int64_t C, int group) {
   const int64_t nvec = C / VEC;
@@ -228,7 +240,7 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
     const int64_t row = base + threadIdx.x / group;
     const bool valid = row < rows;
     const int64_t off = valid ? row * C : 0;
-    rms_backward_row<T, VEC>(d_y + off, x + off, weight, valid ? rstd[row] : 0.f,
+    rms_backward_row<T, VEC>(d_y + off, x + off, weight, offset, valid ? rstd[row] : 0.f,
                              d_res ? d_res + off : nullptr, d_x + off, part, valid ? nvec : 0,
                              C, group, lane, dw);
   }
@@ -253,15 +265,15 @@ __global__ void column_sum_kernel(const float* __restrict__ partial, int64_t par
 // from the same x it gives the forward's y bit for bit. One thread: VEC elements.
 template <typename T, int VEC>
 __global__ void rms_apply_kernel(const T* __restrict__ x, const float* __restrict__ rstd,
-                                 const T* __restrict__ weight, T* __restrict__ y, int64_t rows,
-                                 int64_t C) {
+                                 const T* __restrict__ weight, float offset, T* __restrict__ y,
+                                 int64_t rows, int64_t C) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t per_row = C / VEC;
   if (i >= rows * per_row) return;
   const int64_t row = i / per_row, col = i - row * per_row;
   float a[VEC], w[VEC], o[VEC];
   load_vec<T, VEC>(x + row * C, col, a);
-  load_vec<T, VEC>(weight, col, w);
+  load_scale<T, VEC>(weight, col, offset, w);
   const float r = rstd[row];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) o[j] = a[j] * r * w[j];
@@ -269,14 +281,14 @@ __global__ void rms_apply_kernel(const T* __restrict__ x, const float* __restric
 }
 
 template <typename T>
-cudaError_t apply_typed(const void* x, const float* rstd, const void* weight, void* y,
-                        int64_t rows, int64_t C, cudaStream_t stream) {
+cudaError_t apply_typed(const void* x, const float* rstd, const void* weight, float offset,
+                        void* y, int64_t rows, int64_t C, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T), threads = 256;
   auto launch = [&](auto kernel, int vec) {
     const int64_t items = rows * (C / vec);
     kernel<<<static_cast<unsigned>((items + threads - 1) / threads), threads, 0, stream>>>(
-        static_cast<const T*>(x), rstd, static_cast<const T*>(weight), static_cast<T*>(y),
-        rows, C);
+        static_cast<const T*>(x), rstd, static_cast<const T*>(weight), offset,
+        static_cast<T*>(y), rows, C);
   };
   if (pick_vec<T>(C, {x, weight, y}) == wide)
     launch(rms_apply_kernel<T, wide>, wide);
@@ -289,13 +301,14 @@ cudaError_t apply_typed(const void* x, const float* rstd, const void* weight, vo
 template <typename T, int VEC>
 cudaError_t forward_vec(const void* x, const void* input, const void* weight,
                         void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
-                        float eps, cudaStream_t stream) {
+                        float eps, float offset, cudaStream_t stream) {
   const RowConfig cfg = row_config(C / VEC, kFwdCache);
   const int64_t blocks = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
   auto args = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(blocks), cfg.threads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(input), static_cast<const T*>(weight),
-        static_cast<T*>(residual_out), static_cast<T*>(y), rstd, rows, C, eps, cfg.group);
+        static_cast<T*>(residual_out), static_cast<T*>(y), rstd, rows, C, eps, offset,
+        cfg.group);
   };
   if (input)
     args(rms_forward_kernel<T, VEC, true>);
@@ -307,11 +320,13 @@ cudaError_t forward_vec(const void* x, const void* input, const void* weight,
 template <typename T>
 cudaError_t forward_typed(const void* x, const void* input, const void* weight,
                           void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
-                          float eps, cudaStream_t stream) {
+                          float eps, float offset, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
   if (pick_vec<T>(C, {x, input, weight, residual_out, y}) == wide)
-    return forward_vec<T, wide>(x, input, weight, residual_out, y, rstd, rows, C, eps, stream);
-  return forward_vec<T, 1>(x, input, weight, residual_out, y, rstd, rows, C, eps, stream);
+    return forward_vec<T, wide>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
+                                stream);
+  return forward_vec<T, 1>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
+                           stream);
 }
 
 // The backward's launch shape, from the sizes alone: the workspace is sized before the
@@ -342,11 +357,13 @@ BackwardPlan backward_plan(int64_t rows, int64_t C) {
 }
 
 template <typename T, int VEC>
-cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, const float* rstd,
-                         const void* d_res, void* d_x, void* d_weight, float* workspace,
-                         int64_t rows, int64_t C, const BackwardPlan& plan, cudaStream_t stream) {
+cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, float offset,
+                         const float* rstd, const void* d_res, void* d_x, void* d_weight,
+                         float* workspace, int64_t rows, int64_t C, const BackwardPlan& plan,
+                         cudaStream_t stream) {
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
-      static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), rstd,
+      static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), offset,
+      rstd,
       static_cast<const T*>(d_res), static_cast<T*>(d_x), workspace, rows, C, plan.cfg.group);
   const unsigned col_blocks = static_cast<unsigned>((C + 31) / 32);
   column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(workspace, plan.parts(), C,
@@ -355,28 +372,29 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, con
 }
 
 template <typename T>
-cudaError_t backward_typed(const void* d_y, const void* x, const void* weight, const float* rstd,
-                           const void* d_res, void* d_x, void* d_weight, float* workspace,
-                           int64_t rows, int64_t C, cudaStream_t stream) {
+cudaError_t backward_typed(const void* d_y, const void* x, const void* weight, float offset,
+                           const float* rstd, const void* d_res, void* d_x, void* d_weight,
+                           float* workspace, int64_t rows, int64_t C, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
   const BackwardPlan plan = backward_plan<T>(rows, C);
   if (pick_vec<T>(C, {d_y, x, weight, d_res, d_x}) == wide)
-    return backward_vec<T, wide>(d_y, x, weight, rstd, d_res, d_x, d_weight, workspace, rows, C,
-                                 plan, stream);
-  return backward_vec<T, 1>(d_y, x, weight, rstd, d_res, d_x, d_weight, workspace, rows, C, plan,
-                            stream);
+    return backward_vec<T, wide>(d_y, x, weight, offset, rstd, d_res, d_x, d_weight, workspace,
+                                 rows, C, plan, stream);
+  return backward_vec<T, 1>(d_y, x, weight, offset, rstd, d_res, d_x, d_weight, workspace, rows,
+                            C, plan, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
                                    void* residual_out, void* y, float* rstd, int64_t rows,
-                                   int64_t C, float eps, cudaStream_t stream) {
+                                   int64_t C, float eps, float offset, cudaStream_t stream) {
   if (rows == 0 || C == 0) return cudaSuccess;
   if (dt == DType::BF16)
     return forward_typed<__nv_bfloat16>(x, input, weight, residual_out, y, rstd, rows, C, eps,
-                                        stream);
-  return forward_typed<float>(x, input, weight, residual_out, y, rstd, rows, C, eps, stream);
+                                        offset, stream);
+  return forward_typed<float>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
+                              stream);
 }
 
 int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C) {
@@ -387,25 +405,26 @@ int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C) {
 }
 
 cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
-                                    const float* rstd, const void* d_residual_out, void* d_x,
-                                    void* d_weight, float* workspace, int64_t rows, int64_t C,
-                                    cudaStream_t stream) {
+                                    float offset, const float* rstd, const void* d_residual_out,
+                                    void* d_x, void* d_weight, float* workspace, int64_t rows,
+                                    int64_t C, cudaStream_t stream) {
   if (C == 0) return cudaSuccess;
   if (rows == 0)  // no rows: d_weight is a sum over nothing
     return cudaMemsetAsync(d_weight, 0, C * (dt == DType::BF16 ? 2 : 4), stream);
   if (dt == DType::BF16)
-    return backward_typed<__nv_bfloat16>(d_y, x, weight, rstd, d_residual_out, d_x, d_weight,
-                                         workspace, rows, C, stream);
-  return backward_typed<float>(d_y, x, weight, rstd, d_residual_out, d_x, d_weight, workspace,
-                               rows, C, stream);
+    return backward_typed<__nv_bfloat16>(d_y, x, weight, offset, rstd, d_residual_out, d_x,
+                                         d_weight, workspace, rows, C, stream);
+  return backward_typed<float>(d_y, x, weight, offset, rstd, d_residual_out, d_x, d_weight,
+                               workspace, rows, C, stream);
 }
 
 cudaError_t launch_rmsnorm_apply(DType dt, const void* x, const float* rstd, const void* weight,
-                                 void* y, int64_t rows, int64_t C, cudaStream_t stream) {
+                                 float offset, void* y, int64_t rows, int64_t C,
+                                 cudaStream_t stream) {
   if (rows == 0 || C == 0) return cudaSuccess;
   if (dt == DType::BF16)
-    return apply_typed<__nv_bfloat16>(x, rstd, weight, y, rows, C, stream);
-  return apply_typed<float>(x, rstd, weight, y, rows, C, stream);
+    return apply_typed<__nv_bfloat16>(x, rstd, weight, offset, y, rows, C, stream);
+  return apply_typed<float>(x, rstd, weight, offset, y, rows, C, stream);
 }
 
 }  // namespace modulec

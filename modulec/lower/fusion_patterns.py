@@ -53,7 +53,7 @@ PATTERNS: tuple[FusionPattern, ...] = (
         (Link(("add",)), Link(("rmsnorm",), ((0, 0),))),
         condition="same_shapes", fused="fused_residual_rmsnorm",
         inputs=((0, 0), (0, 1), (1, 1)), outputs=((0, 0), (1, 0), (1, 1)),
-        attrs=(("eps", 1, "eps"),), automatic=True, exact_dtypes=("fp32", "fp64")),
+        attrs=(("eps", 1, "eps"), ("offset", 1, "offset")), automatic=True, exact_dtypes=("fp32", "fp64")),
     FusionPattern(
         "gated_mlp", "split into (gate, up) + swiglu/geglu of the two halves",
         (Link(("split",)), Link(GATED, ((0, 0), (1, 1)))), condition="two_halves"),

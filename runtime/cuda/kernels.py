@@ -163,16 +163,23 @@ def _eps(attrs) -> float:
     return float(attrs.get("eps", 1e-6))
 
 
+def _offset(attrs) -> float:
+    """The norm's scale is offset + weight (Gemma's `1 + w`: offset 1)."""
+    return float(attrs.get("offset") or 0.0)
+
+
 @writes_out
 def _rmsnorm_fwd(ext, inputs, attrs, out=None):
     x, weight = inputs
-    return ext.rmsnorm_forward(x, weight, _eps(attrs), _norm_outs(out, x, 0))
+    return ext.rmsnorm_forward(x, weight, _eps(attrs), _norm_outs(out, x, 0),
+                               offset=_offset(attrs))
 
 
 @writes_out
 def _rmsnorm_bwd(ext, inputs, attrs, out=None):
     d_y, x, weight, rstd = inputs
-    return ext.rmsnorm_backward(d_y, x, weight, rstd, None, [typed(out, 0, x.shape, x.dtype)])
+    return ext.rmsnorm_backward(d_y, x, weight, rstd, None, [typed(out, 0, x.shape, x.dtype)],
+                                offset=_offset(attrs))
 
 
 def _norm_outs(out, x, first: int) -> list:
@@ -185,14 +192,16 @@ def _norm_outs(out, x, first: int) -> list:
 def _fused_fwd(ext, inputs, attrs, out=None):
     residual, input, weight = inputs
     return ext.fused_residual_rmsnorm_forward(residual, input, weight, _eps(attrs),
-                                              _norm_outs(out, residual, 1))
+                                              _norm_outs(out, residual, 1),
+                                              offset=_offset(attrs))
 
 
 @writes_out
 def _fused_bwd(ext, inputs, attrs, out=None):
     d_residual_out, d_y, residual_out, weight, rstd = inputs
     g, d_weight = ext.rmsnorm_backward(d_y, residual_out, weight, rstd, d_residual_out,
-                                       [typed(out, 0, d_y.shape, d_y.dtype)])
+                                       [typed(out, 0, d_y.shape, d_y.dtype)],
+                                       offset=_offset(attrs))
     return [g, g, d_weight]  # d_residual and d_input are one tensor, as the reference's
 
 
@@ -267,13 +276,15 @@ def _embedding_fwd(ext, inputs, attrs):
 
 def _embedding_bwd(ext, inputs, attrs):
     """Deterministic: the ids sorted (stable) on the device, then one block per vocabulary
-    row sums its rows in order (csrc/kernels/embedding.cu)."""
+    row sums its rows in order (csrc/kernels/embedding.cu); the padding_idx row then zeroed."""
     from runtime.kernels.base import input_shape
+    from runtime.kernels.embedding import zero_padding_row
 
     d_y, indices = inputs
     V, D = input_shape(attrs, "embedding", "weight")
     sorted_ids, order = torch.sort(indices.reshape(-1).long(), stable=True)
-    return [ext.embedding_backward(d_y.reshape(-1, D), sorted_ids, order, V)]
+    d_weight = ext.embedding_backward(d_y.reshape(-1, D), sorted_ids, order, V)
+    return [zero_padding_row(d_weight, attrs.get("padding_idx"))]
 
 
 CUSTOM = {
@@ -295,15 +306,16 @@ CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
 } | MOE_KERNELS  # the routing gathers wrap the reference themselves (runtime/cuda/moe.py)
 
 
-def _rms_apply(x, stats, weight):
-    """A replayed RMSNorm output, x * rstd * weight, in one launch (the forward kernel's
-    arithmetic); None where the kernel does not take the tensors."""
+def _rms_apply(x, stats, weight, offset: float = 0.0):
+    """A replayed RMSNorm output, x * rstd * (offset + weight), in one launch (the forward
+    kernel's arithmetic); None where the kernel does not take the tensors."""
     rstd = stats[0]
     tensors = (x, rstd, weight)
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) \
             or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
         return None
-    return _extension().rmsnorm_apply(x.contiguous(), rstd.contiguous(), weight.contiguous())
+    return _extension().rmsnorm_apply(x.contiguous(), rstd.contiguous(), weight.contiguous(),
+                                      offset=float(offset))
 
 
 # per norm: its output from the saved statistics (runtime/decisions.py `_apply_saved`)

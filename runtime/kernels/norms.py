@@ -3,7 +3,10 @@ Mamba-2's gated norm, decisions.md "Primitives not in spec §6"). qk_norm (§6.4
 attention.py and uses the rmsnorm helpers here.
 
 All normalize the last dim. With n = x * rstd and g = d_y * weight, RMSNorm's backward is
-d_x = rstd * (g - n * mean(g * n)), d_weight = sum over rows of d_y * n.
+d_x = rstd * (g - n * mean(g * n)), d_weight = sum over rows of d_y * n. rmsnorm and
+fused_residual_rmsnorm scale by offset + weight (`offset`, 0 by default; Gemma's `1 + w` is
+offset 1): the sum is taken in the compute dtype (fp32 for bf16 weights), g uses it, and
+d_weight is unchanged (d(offset + w)/dw = 1).
 """
 
 from __future__ import annotations
@@ -14,33 +17,40 @@ from torch import Tensor
 from runtime.kernels.base import register, silu, silu_grad
 
 
-def rms_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _scale(weight: Tensor, offset) -> Tensor:
+    return weight + float(offset) if offset else weight
+
+
+def rms_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0
+                ) -> tuple[Tensor, Tensor]:
     rstd = torch.rsqrt((x * x).mean(-1) + eps)
-    return x * rstd[..., None] * weight, rstd
+    return x * rstd[..., None] * _scale(weight, offset), rstd
 
 
-def rms_backward(d_y: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def rms_backward(d_y: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, offset: float = 0.0
+                 ) -> tuple[Tensor, Tensor]:
     n = x * rstd[..., None]
-    g = d_y * weight
+    g = d_y * _scale(weight, offset)
     d_x = rstd[..., None] * (g - n * (g * n).mean(-1, keepdim=True))
     d_weight = (d_y * n).reshape(-1, x.shape[-1]).sum(0)
     return d_x, d_weight
 
 
 # ------------------------------------------------------------------------------ rmsnorm
-def _rmsnorm_backward(d_y, x, weight, rstd, **_):
-    return list(rms_backward(d_y, x, weight, rstd))
+def _rmsnorm_backward(d_y, x, weight, rstd, *, offset=0.0, **_):
+    return list(rms_backward(d_y, x, weight, rstd, offset))
 
 
 @register("rmsnorm", ("x", "weight"), ("y", "rstd"), ("d_y", "x", "weight", "rstd"),
           ("d_x", "d_weight"), backward=_rmsnorm_backward, stats=("rstd",))
-def _rmsnorm_forward(x, weight, *, eps=1e-6, **_):
-    return list(rms_forward(x, weight, eps))
+def _rmsnorm_forward(x, weight, *, eps=1e-6, offset=0.0, **_):
+    return list(rms_forward(x, weight, eps, offset))
 
 
 # ----------------------------------------------------------------- fused_residual_rmsnorm
-def _fused_residual_rmsnorm_backward(d_residual_out, d_y, residual_out, weight, rstd, **_):
-    d_norm, d_weight = rms_backward(d_y, residual_out, weight, rstd)
+def _fused_residual_rmsnorm_backward(d_residual_out, d_y, residual_out, weight, rstd, *,
+                                     offset=0.0, **_):
+    d_norm, d_weight = rms_backward(d_y, residual_out, weight, rstd, offset)
     g = d_residual_out + d_norm
     return [g, g, d_weight]  # d_residual and d_input are one tensor
 
@@ -49,9 +59,9 @@ def _fused_residual_rmsnorm_backward(d_residual_out, d_y, residual_out, weight, 
           ("d_residual_out", "d_y", "residual_out", "weight", "rstd"),
           ("d_residual", "d_input", "d_weight"),
           backward=_fused_residual_rmsnorm_backward, stats=("rstd",))
-def _fused_residual_rmsnorm_forward(residual, input, weight, *, eps=1e-6, **_):
+def _fused_residual_rmsnorm_forward(residual, input, weight, *, eps=1e-6, offset=0.0, **_):
     residual_out = residual + input
-    y, rstd = rms_forward(residual_out, weight, eps)
+    y, rstd = rms_forward(residual_out, weight, eps, offset)
     return [residual_out, y, rstd]
 
 
