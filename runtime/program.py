@@ -81,6 +81,9 @@ class ModuleSource:
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on
     distributed: object = None  # modulec.plan.distributed.DataParallel: data parallel
     tensor_parallel: int = 1  # tensor parallel size: each rank's program (`--tp`)
+    # modulec.plan.pipeline.Pipeline: the `pipeline` section (--pp) of the programs built at
+    # given sizes (the one with free dims, read for names and parameters, has none)
+    pipeline: object = None
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
@@ -106,7 +109,8 @@ class ModuleSource:
                                dict(self.settings), shapes, self.config,
                                derive_written=self.derive_written, planning=planning,
                                lora=self.lora, distributed=self.distributed,
-                               tensor_parallel=self.tensor_parallel)
+                               tensor_parallel=self.tensor_parallel,
+                               pipeline=self.pipeline if shapes else None)
         try:
             result = build(request)
         except PlanFailure as exc:

@@ -71,6 +71,13 @@ def _options(command):
                      help="Under torchrun: tensor parallel, M consecutive processes split "
                           "each layer (the model's @shard parameters); the processes / M "
                           "slices are data parallel."),
+        click.option("--pp", type=click.IntRange(1), default=1, show_default=True,
+                     metavar="P",
+                     help="Under torchrun: pipeline parallel, P processes each run one "
+                          "stage of the IR's pipeline section (1F1B)."),
+        click.option("--microbatches", type=click.IntRange(1), metavar="M",
+                     help="With --pp: micro-batches of --batch samples per step (default "
+                          "4 x P); the step's gradients are their mean."),
         click.option("--dist-timeout", type=click.IntRange(1), default=600,
                      show_default=True, metavar="SECONDS",
                      help="Under torchrun: a collective that takes longer (a rank died or "

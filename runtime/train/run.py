@@ -55,6 +55,8 @@ class Request:
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
+    pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
+    microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
 
 
 def train_model(**kwargs) -> str:
@@ -111,6 +113,9 @@ def _context(request: Request):
         raise RuntimeUserError(f"--tp {request.tp} must divide the {context.world} "
                                "processes", help=[f"launch a multiple of {request.tp} "
                                                   "processes: torchrun --nproc-per-node N"])
+    from runtime.train.pipeline import check_launch
+
+    check_launch(request, context)  # --pp: the micro-batches become the accumulation
     if request.tp > 1 and request.file.suffix == ".ir":
         raise RuntimeUserError("--tp with an IR document is not supported yet",
                                help=["train the .module with --tp"])
@@ -120,7 +125,7 @@ def _context(request: Request):
 def _parallel(request: Request, context, model):
     """The run's tensor- and data-parallel layout (None: one process); the ZeRO stage is
     --zero's, an IR document's own, or 2."""
-    if not context.distributed:
+    if not context.distributed or request.pp > 1:  # a pipeline: one rank a stage
         return None
     from runtime.train.data_parallel import built_zero
 
@@ -238,6 +243,11 @@ class Run:
 
     def _trainer(self, adamw: AdamW):
         r, model, parallel = self.request, self.model, self.parallel
+        if r.pp > 1:
+            from runtime.train.pipeline import PipelineTrainer
+
+            return PipelineTrainer(model, r.batch, r.seq, adamw, self.context, r.pp,
+                                   r.grad_accum, r.device)
         if r.device == "cuda":
             return CUDATrainer(model, r.batch, r.seq, adamw, r.memory_budget, r.grad_accum,
                                dist=parallel)

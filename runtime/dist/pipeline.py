@@ -1,0 +1,331 @@
+"""Pipeline parallel executed from the Schedule IR's `pipeline` section
+(modulec/plan/pipeline.py says what it holds): rank s runs stage s.
+
+The section is the contract. From it a stage takes:
+- its units (entry nodes, and for a repeated call the layers [lo, hi] it runs);
+- the boundary tensors it receives from stage s - 1 and sends to stage s + 1, in the
+  section's order, with their shapes;
+- its 1F1B op list, run in order: `recv` (blocking), `forward` / `backward` (compute),
+  `send` (an isend: it does not hold the stage; every send is waited for at the step's end).
+
+The runtime runs a stage's part of the entry function and of its derived backward with
+the reference interpreter's own machinery (runtime.interpreter): the forward nodes of its
+units, then the backward nodes whose `forward_node` is one of them (a repeated call's
+backward only over its layers). A backward node with no `forward_node` (the `add` that sums
+a fan-out's gradients) runs on the earliest stage any of its inputs comes from.
+
+A boundary tensor's gradient is found in the backward function by the same rule on both
+sides: the gradient of a layer output inside a repeated call (`f2[1].0`) is the value the
+call's backward carries between those layers; the gradient of an entry value is the value
+of its gradient sum that a later stage makes and an earlier one reads (`crossing`).
+torch.distributed point-to-point calls move them (gloo on the CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.errors import RuntimeUserError
+from runtime.interpreter import Frame, Interpreter
+
+INT_DTYPES = {"int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
+              "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+KNOWN_OPS = ("recv", "send", "forward", "backward")
+
+
+def layer_of(value: str) -> tuple[str, int, int] | None:
+    """`f2[1].0` -> ("f2", 1, 0): output 0 of layer 1 of repeated call f2; else None."""
+    node, bracket, rest = value.partition("[")
+    if not bracket or "]." not in rest:
+        return None
+    layer, _, output = rest.partition("].")
+    return (node, int(layer), int(output)) if layer.isdigit() and output.isdigit() else None
+
+
+@dataclass
+class StagePlan:
+    """What stage `stage` of `stages` runs, as the section says."""
+
+    stage: int
+    stages: int
+    units: dict  # entry node id -> (lo, hi) layers of a repeated call, or None
+    incoming: list  # boundary tensors from stage - 1 (dicts of the section)
+    outgoing: list  # boundary tensors to stage + 1
+    ops: list
+    stage_of: dict = field(default_factory=dict)  # (node id, layer or None) -> stage
+
+    @classmethod
+    def read(cls, section: dict, stage: int) -> "StagePlan":
+        stages = len(section["stages"])
+        stage_of = {}
+        for s, row in enumerate(section["stages"]):
+            for unit in row["units"]:
+                lo, hi = unit.get("layers", (None, None))
+                for layer in ([None] if lo is None else range(lo, hi + 1)):
+                    stage_of[(unit["node"], layer)] = s
+        mine = {u["node"]: tuple(u["layers"]) if "layers" in u else None
+                for u in section["stages"][stage]["units"]}
+        bounds = section["boundaries"]
+        for op in section["ops"][stage]:
+            if op.get("kind") not in KNOWN_OPS:
+                raise RuntimeUserError(f"the IR's pipeline section has an op "
+                                       f"`{op.get('kind')}` this runtime does not know",
+                                       help=["rebuild the IR with this checkout's modulec"])
+        return cls(stage, stages, mine, bounds[stage - 1]["tensors"] if stage else [],
+                   bounds[stage]["tensors"] if stage < stages - 1 else [],
+                   section["ops"][stage], stage_of)
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+class GradientMap:
+    """Where each boundary tensor's gradient lives in the backward function (both sides
+    of a boundary compute the same): ("loop", call node, output k) inside a repeated
+    call's backward, ("value", backward value id), or ("none",) when the node that made
+    the tensor has no backward (`zeros`): zeros are sent, as the section's sizes say."""
+
+    def __init__(self, graph, plan: StagePlan):
+        self.graph, self.plan = graph, plan
+        self.forward = graph.function(graph.entry)
+        self.backward = graph.function(graph.backward)
+        self.made_by = {o: n for n in self.backward.nodes for o in n.outputs if o}
+        self.forward_made_by = {o: n for n in self.forward.nodes for o in n.outputs if o}
+        self.inputs = {i.id for i in self.backward.inputs}
+        self._stages: dict = {}
+
+    def node_stage(self, node) -> int:
+        """The stage a backward node runs on."""
+        origin = node.attr("forward_node")
+        if origin is not None:
+            layer = 0 if node.kind == "call" else None  # a call's results: its layer 0
+            return self.plan.stage_of[(origin, layer)]
+        made = [self.value_stage(v) for v in node.inputs if v]
+        return min(made) if made else self.plan.stages - 1
+
+    def value_stage(self, value: str) -> int:
+        if value not in self._stages:
+            if value in self.inputs:  # an output's seed: where the output is made
+                producer = self.forward_made_by[value[len("d:"):]]
+                layer = int(producer.repeat) - 1 if producer.kind == "call" else None
+                self._stages[value] = self.plan.stage_of[(producer.id, layer)]
+            elif value in self.made_by:
+                self._stages[value] = self.node_stage(self.made_by[value])
+            else:  # a forward value read by the backward: not a gradient
+                self._stages[value] = -1
+        return self._stages[value]
+
+    def of(self, tensor: dict, boundary: int) -> tuple:
+        """How the gradient of boundary tensor `tensor` (between stages `boundary` and
+        `boundary + 1`) crosses."""
+        inside = layer_of(tensor["value"])
+        if inside is not None:
+            call = next(n for n in self.backward.nodes if n.kind == "call" and
+                        n.attr("forward_node") == inside[0])
+            return ("loop", call.attr("forward_node"), inside[2])
+        read = self._read_gradient(tensor["value"])
+        if read is None:  # its maker has no backward (zeros): nothing reads the gradient
+            return ("none",)
+        found = self._crossing(read, boundary)
+        if found is None:
+            raise RuntimeUserError(f"the pipeline boundary tensor {tensor['value']} has no "
+                                   "gradient this runtime can find in the backward")
+        return ("value", found)
+
+    def _read_gradient(self, value: str) -> str | None:
+        """The backward value that is the whole gradient of forward `value`: what the
+        backward of the node that made it reads."""
+        from runtime.interpreter import _expand, _forward_names
+        from runtime.kernels import KERNELS
+
+        producer = self.forward_made_by.get(value)
+        if producer is None:
+            return None
+        node = next((n for n in self.backward.nodes
+                     if n.attr("forward_node") == producer.id and n.target != "add"), None)
+        if node is None:
+            return None
+        if producer.kind == "call":
+            return node.inputs[list(producer.outputs).index(value)] or None
+        kernel = KERNELS[producer.target]
+        names = _forward_names(kernel, producer)
+        for name, read in zip(_expand(kernel.backward_inputs, node.inputs), node.inputs):
+            if name.startswith("d_") and names.get(name[2:]) == value:
+                return read or None
+        return None
+
+    def _crossing(self, value: str, boundary: int) -> str | None:
+        """The value of `value`'s gradient sum made after `boundary` (and read at or
+        before it)."""
+        if self.value_stage(value) > boundary:
+            return value
+        node = self.made_by.get(value)
+        if node is None or node.attr("forward_node") is not None:
+            return None
+        for part in node.inputs:  # an `add` of the fan-out's contributions
+            found = self._crossing(part, boundary) if part else None
+            if found is not None:
+                return found
+        return None
+
+
+class StageRunner:
+    """Runs one stage's forwards and backwards per micro-batch and its op list."""
+
+    def __init__(self, graph, section: dict, stage: int, interpreter: Interpreter,
+                 device: str, dtype: torch.dtype):
+        self.graph, self.it, self.device, self.dtype = graph, interpreter, device, dtype
+        self.plan = plan = StagePlan.read(section, stage)
+        self.entry = graph.function(graph.entry)
+        self.backward_fn = graph.function(graph.backward)
+        grads = GradientMap(graph, plan)
+        self.grad_in = [grads.of(t, stage) for t in plan.outgoing if t["gradient"]]
+        self.grad_out = [grads.of(t, stage - 1) for t in plan.incoming if t["gradient"]]
+        self.backward_nodes = [n for n in self.backward_fn.nodes
+                               if self._runs_here(n, grads)]
+        self.frames: dict[int, Frame] = {}
+
+    def _runs_here(self, node, grads: GradientMap) -> bool:
+        origin = node.attr("forward_node")
+        if origin is not None:
+            return origin in self.plan.units
+        return grads.node_stage(node) == self.plan.stage
+
+    # ------------------------------------------------------------------ the op list
+    def step(self, inputs: list[dict], loss_of) -> tuple[list[float], dict]:
+        """One step over the micro-batches: `inputs[m]` the step inputs by entry input
+        id; `loss_of(m, outputs)` (last stage) -> (loss, seeds). Returns the losses (last
+        stage) and the parameter gradients summed over the micro-batches."""
+        inbox, outbox, pending, seeds, losses, total = {}, {}, [], {}, [], {}
+        for op in self.plan.ops:
+            kind, m = op["kind"], op["microbatch"]
+            if kind == "recv":
+                inbox[(op["what"], m)] = self._recv(op["what"], op["peer"])
+            elif kind == "send":
+                pending += [dist.isend(t, op["peer"]) for t in outbox.pop((op["what"], m))]
+            elif kind == "forward":
+                outputs, outbox[("activations", m)] = self.forward(
+                    m, inputs[m], inbox.pop(("activations", m), []))
+                if self.plan.last:
+                    loss, seeds[m] = loss_of(m, outputs)
+                    losses.append(loss)
+            else:
+                grads, outbox[("gradients", m)] = self.backward(
+                    m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
+                for path, grad in grads.items():
+                    total[path] = total[path] + grad if path in total else grad
+        for work in pending:
+            work.wait()
+        return losses, total
+
+    def _recv(self, what: str, peer: int) -> list[Tensor]:
+        tensors = self.plan.incoming if what == "activations" else \
+            [t for t in self.plan.outgoing if t["gradient"]]
+        received = []
+        for spec in tensors:
+            dtype = INT_DTYPES.get(spec["dtype"], self.dtype)
+            buffer = torch.empty(spec["shape"], dtype=dtype, device=self.device)
+            dist.recv(buffer, peer)
+            received.append(buffer)
+        return received
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, m: int, inputs: dict, received: list) -> tuple[list | None, list]:
+        """Micro-batch m's forward of this stage's units: (the entry's outputs on the last
+        stage, else None; the tensors to send on)."""
+        frame = Frame(self.entry, "", ())
+        frame.env.update(inputs)
+        frame.env.update({t["value"]: v for t, v in zip(self.plan.incoming, received)})
+        for node in self.entry.nodes:
+            if node.kind == "alias":
+                if node.inputs[0] in frame.env:
+                    frame.env[node.outputs[0]] = frame.env[node.inputs[0]]
+            elif node.id in self.plan.units:
+                layers = self.plan.units[node.id]
+                if layers is None:
+                    self.it._dispatch(node, frame, None)
+                else:
+                    self._forward_layers(node, frame, *layers)
+        self.frames[m] = frame
+        sent = [frame.env[t["value"]].contiguous() for t in self.plan.outgoing]
+        outputs = [frame.env.get(o) for o in self.entry.outputs] if self.plan.last else None
+        return outputs, sent
+
+    def _forward_layers(self, node, frame: Frame, lo: int, hi: int) -> None:
+        callee = self.graph.function(node.target)
+        if lo == 0:
+            values = [self.it._read(v, frame, None) if v else None for v in node.inputs]
+        else:  # the layer before lo ran on the stage before: received
+            values = [frame.env[f"{node.id}[{lo - 1}].{k}"] for k in range(len(callee.outputs))]
+        for layer in range(lo, hi + 1):
+            child = self.it._child_frame(callee, frame, node, layer)
+            frame.children[(node.id, layer)] = child
+            values = self.it._run(child, values, None)
+        if hi == int(node.repeat) - 1:
+            frame.env.update({o: v for o, v in zip(node.outputs, values) if o})
+        else:
+            frame.env.update({f"{node.id}[{hi}].{k}": v for k, v in enumerate(values)})
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, m: int, seeds: list | None, received: list) -> tuple[dict, list]:
+        """Micro-batch m's backward of this stage: (parameter gradients by path, the
+        gradients to send back)."""
+        forward = self.frames.pop(m)
+        frame = Frame(self.backward_fn, "", ())
+        if seeds is not None:
+            frame.env.update({i.id: s for i, s in zip(self.backward_fn.inputs, seeds)})
+        loops = {}
+        for (kind, *where), tensor in zip(self.grad_in, received):
+            if kind == "value":
+                frame.env[where[0]] = tensor
+            elif kind == "loop":
+                loops.setdefault(where[0], {})[where[1]] = tensor
+        self.it.grads = {}
+        carried = {}
+        for node in self.backward_nodes:
+            layers = self.plan.units.get(node.attr("forward_node"))
+            if node.kind == "call" and layers is not None:
+                carried.update(self._backward_layers(node, frame, forward, loops, *layers))
+            else:
+                self.it._dispatch(node, frame, forward)
+        self.it._collect_param_grads(frame)
+        return self.it.grads, [self._gradient_out(g, t, frame, carried) for g, t in
+                               zip(self.grad_out, self._incoming_with_gradient())]
+
+    def _incoming_with_gradient(self) -> list:
+        return [t for t in self.plan.incoming if t["gradient"]]
+
+    def _gradient_out(self, where: tuple, spec: dict, frame: Frame, carried: dict) -> Tensor:
+        kind = where[0]
+        if kind == "none":
+            return torch.zeros(spec["shape"], dtype=self.dtype, device=self.device)
+        value = frame.env.get(where[1]) if kind == "value" else carried.get(where[1:])
+        if value is None:  # no gradient reached it this step: zero
+            return torch.zeros(spec["shape"], dtype=self.dtype, device=self.device)
+        return value.contiguous()
+
+    def _backward_layers(self, node, frame: Frame, forward: Frame, loops: dict, lo: int,
+                         hi: int) -> dict:
+        """A repeated call's backward over layers hi .. lo; returns the gradients it
+        carries out below lo (by (call, output)) when layer lo - 1 is on another stage."""
+        callee = self.graph.function(node.target)
+        origin = node.attr("forward_node")
+        if hi == int(node.repeat) - 1:
+            values = [self.it._read(v, frame, forward) if v else None for v in node.inputs]
+        else:  # the layers above hi ran on the next stage: received
+            given = loops.get(origin, {})
+            values = [given.get(k) for k in range(len(callee.inputs))]
+        for layer in reversed(range(lo, hi + 1)):
+            child = forward.children[(origin, layer)]
+            own = Frame(callee, child.path, child.indices)
+            values = self.it._zeros_for_absent(values, child)
+            values = self.it._run(own, values, child)
+        if lo == 0:
+            frame.env.update({o: v for o, v in zip(node.outputs, values) if o})
+            return {}
+        return {(origin, k): v for k, v in enumerate(values)}

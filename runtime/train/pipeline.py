@@ -1,0 +1,219 @@
+"""The trainer of a pipeline-parallel run (`torchrun --nproc-per-node P -m modulec train
+MODEL --pp P --microbatches M`): rank s holds stage s's parameters (the IR's `pipeline`
+section lists them) and runs its 1F1B op list (runtime.dist.pipeline) on the reference
+interpreter, on the CPU (gloo) or eagerly on a GPU (NCCL), in the model's dtype (float32).
+
+A step takes M micro-batches of --batch rows: the loss and the gradients are the mean over
+the micro-batches, as one process with `--grad-accum M` computes them; each stage then
+steps AdamW on its own parameters. Global gradient-norm clipping sums the stages' squares
+(an all-reduce); the loss is the last stage's, broadcast so that rank 0 reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.errors import RuntimeUserError
+from runtime.inputs import fed_inputs, sized_inputs
+from runtime.interpreter import Interpreter
+from runtime.model import Model
+from runtime.train.backends import owned_paths, split_window
+from runtime.train.optim import AdamW
+from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
+                                        global_norm, hyperparameters)
+
+
+def check_launch(request, context) -> None:
+    """--pp and --microbatches against the launch, before anything is built; with --pp
+    the step's micro-batches are its accumulation (request.grad_accum = M), so a
+    pipeline step is one process's `--grad-accum M` step and checkpoints resume across."""
+    pp, micro = request.pp, request.microbatches
+    if pp == 1:
+        if micro is not None:
+            raise RuntimeUserError("--microbatches is the pipeline's: it needs --pp P",
+                                   help=["use --grad-accum K to accumulate on one "
+                                         "pipeline-less run"])
+        return
+    if not context.distributed:
+        raise RuntimeUserError(f"--pp {pp} runs one stage per process; this is one process",
+                               help=[f"launch torchrun --nproc-per-node {pp} -m modulec "
+                                     "train ..."])
+    for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero is not None),
+                        ("--lora", request.lora is not None),
+                        ("an IR document", request.file.suffix == ".ir")):
+        if given:
+            raise RuntimeUserError(f"--pp with {flag} is not supported yet",
+                                   help=["pipeline runs take a .module, every process a "
+                                         "stage, full training"])
+    if context.world != pp:
+        raise RuntimeUserError(f"--pp {pp} x --tp {request.tp} x data parallel 1 must be "
+                               f"the {context.world} processes (data parallel over "
+                               "pipelines is not supported yet)",
+                               help=[f"launch torchrun --nproc-per-node {pp}"])
+    if request.grad_accum != 1:
+        raise RuntimeUserError("--grad-accum with --pp: the pipeline's micro-batches are "
+                               "its accumulation", help=["use --microbatches M"])
+    micro = 4 * pp if micro is None else micro
+    if micro < pp:
+        raise RuntimeUserError(f"--microbatches {micro} is fewer than the {pp} pipeline "
+                               "stages: some stage would never overlap another",
+                               help=[f"give --microbatches {pp} or more (4 x {pp} keeps "
+                                     "the idle share under 20%)"])
+    request.microbatches = request.grad_accum = micro
+
+
+def with_pipeline(model: Model, stages: int, microbatches: int) -> Model:
+    """The model rebuilt with a `pipeline` section of `stages` stages in its IR."""
+    from modulec.plan.pipeline import Pipeline
+
+    model.source = replace(model.source, pipeline=Pipeline(stages, microbatches), _built={},
+                           _declared=None)
+    return model
+
+
+class PipelineTrainer:
+    def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, context,
+                 stages: int, microbatches: int, device: str = "cpu"):
+        from runtime.dist.pipeline import StageRunner
+
+        self.context, self.batch, self.seq, self.adamw = context, batch, seq, adamw
+        self.device, self.microbatches = device, microbatches
+        with_pipeline(model, stages, microbatches)
+        names = model.source.program(planned=False).input_names()
+        program = model.source.program_for(sized_inputs(names, batch, seq))
+        section = _section(program, stages, microbatches)
+        context.same_program(program.document)
+        _refuse_unsupported(model, program)
+        self.model, self.program, self.inputs = model, program, names
+        self.stage = context.rank
+        own = set(section["stages"][self.stage]["params"])
+        self.names = [p for p in owned_paths(model) if p in own]
+        for path in [p for p in model.params if p not in own]:
+            del model.params[path]  # another stage's
+        for path, value in model.params.items():
+            model.params[path] = value.to(device)
+        self.frozen = frozen_parameters(program)
+        interpreter = Interpreter(program.graph, model.params, model.dtype,
+                                  check_finite=model.check_finite)
+        self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
+                                  model.dtype)
+        self.last = section["stages"][-1]["stage"]
+        self.grad_norm = None
+
+    def train_step(self, window: Tensor) -> float:
+        parts = window.split(self.batch)
+        if len(parts) != self.microbatches:
+            raise RuntimeUserError(f"a pipeline step takes {self.microbatches} micro-batches "
+                                   f"of {self.batch} rows; got {window.shape[0]} rows")
+        entry = self.program.graph.function(self.program.graph.entry)
+        inputs, labels = [], []
+        for part in parts:
+            tokens, label = (t.to(self.device) for t in split_window(part))
+            fed = fed_inputs(self.inputs, tokens)
+            inputs.append({i.id: fed[n] for i, n in zip(entry.inputs, self.inputs)})
+            labels.append(label)
+        losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m]))
+        total = {p: g / len(parts) for p, g in total.items() if p in self.names}
+        self._update(total)
+        return self._loss(losses)
+
+    def _update(self, total: dict) -> None:
+        settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
+        total = {p: clip_gradient(g, settings[p][2]) for p, g in total.items()
+                 if p not in self.frozen}
+        square = global_norm(total.values()).to(self.device, torch.float64) ** 2
+        dist.all_reduce(square)  # every stage's share of the global norm
+        self.grad_norm = square.sqrt()
+        scale = None if self.adamw.clip_grad is None else \
+            clip_coefficient(self.grad_norm, self.adamw.clip_grad)
+        self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
+
+    def _loss(self, losses: list[float]) -> float:
+        """The last stage's mean loss, on every rank."""
+        value = torch.tensor([sum(losses) / len(losses) if losses else 0.0],
+                             dtype=torch.float64, device=self.device)
+        dist.broadcast(value, src=self.last)
+        return float(value)
+
+    def set_lr(self, lr: float) -> None:
+        self.adamw.lr = lr
+
+    def step_metrics(self) -> dict:
+        return {} if self.grad_norm is None else {"grad_norm": float(self.grad_norm)}
+
+    def stage_state(self) -> dict:
+        """This stage's state (its parameters only)."""
+        return {"masters": {p: self.model.params[p] for p in self.names},
+                "exp_avg": self.adamw.exp_avg, "exp_avg_sq": self.adamw.exp_avg_sq,
+                "step": self.adamw.step}
+
+    def state(self) -> dict:
+        """The whole state, every stage's joined (a collective: each rank's goes through
+        the host to every rank, which suits the small models pipelines run here; see
+        docs/distributed.md)."""
+        mine = {part: {p: t.detach().cpu() for p, t in values.items()}
+                for part, values in self.stage_state().items() if part != "step"}
+        stages = [None] * self.context.world
+        dist.all_gather_object(stages, mine)
+        return {part: {p: t for s in stages for p, t in s[part].items()}
+                for part in mine} | {"step": self.adamw.step}
+
+    def load_state(self, state: dict) -> None:
+        """A whole state (a checkpoint's): this stage takes its parameters' part."""
+        with torch.no_grad():
+            for path in self.names:
+                self.model.params[path].copy_(state["masters"][path])
+        for part in ("exp_avg", "exp_avg_sq"):
+            setattr(self.adamw, part, {p: state[part][p].to(self.device).clone()
+                                       for p in self.names if p in state[part]})
+        self.adamw.step = int(state["step"])
+
+    def memory(self) -> dict:
+        import resource
+
+        if self.device == "cuda":
+            return {"peak_bytes": torch.cuda.max_memory_allocated(), "what": "GPU"}
+        return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "what": "host RSS"}
+
+
+def _loss(outputs: list, labels: Tensor):
+    from runtime.cuda.lm_head import logits_cross_entropy
+
+    logits = outputs[0]
+    loss, d_logits = logits_cross_entropy(logits, labels)
+    return float(loss), [d_logits.to(logits.dtype)]
+
+
+def _section(program, stages: int, microbatches: int) -> dict:
+    section = program.document.get("schedule", {}).get("pipeline")
+    if section is None:
+        raise RuntimeUserError("the IR has no pipeline section")
+    if len(section["stages"]) != stages or section["microbatches"] != microbatches:
+        raise RuntimeUserError(f"the IR's pipeline has {len(section['stages'])} stages and "
+                               f"{section['microbatches']} micro-batches; this run asks for "
+                               f"{stages} and {microbatches}")
+    if section.get("schedule") != "1f1b":
+        raise RuntimeUserError(f"pipeline schedule `{section.get('schedule')}` is not one "
+                               "this runtime runs (1f1b)")
+    return section
+
+
+def _refuse_unsupported(model: Model, program) -> None:
+    """What the pipeline does not run yet: an error, never a wrong step."""
+    from runtime.hf_weights.schema import tied_targets
+
+    ties = tied_targets(program.weight_schema)
+    if ties:
+        raise RuntimeUserError(f"--pp with tied weights ({', '.join(sorted(ties))}) is not "
+                               "supported yet: the stages would hold two copies",
+                               help=["train it data parallel (--zero) or on one process"])
+    outputs = program.output_names()
+    if len(outputs) != 1:
+        raise RuntimeUserError(f"--pp trains a model with one output (the logits); this "
+                               f"one has {', '.join(outputs)} (auxiliary losses) and is not "
+                               "supported yet")

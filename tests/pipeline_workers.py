@@ -1,0 +1,50 @@
+"""Work run in each process of the pipeline tests (torch.multiprocessing spawns them)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist_workers import join, windows
+from tests.runtime_models import TINY
+
+# tests/data/pipeline_llama.module: stages from @partition, cut between two calls
+MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama.module", {})}
+
+
+def tiny_model(name: str, settings: dict | None = None):
+    from runtime.model import Model
+
+    path, defaults = MODELS[name]
+    merged = {k: str(v) for k, v in (defaults | (settings or {})).items()}
+    model = Model.from_module(path, settings=merged, dtype=torch.float64)
+    model.check_finite = False
+    return model.init_random(seed=0)
+
+
+def train_reference(name: str, steps: int, micro: int, rows: int, seq: int,
+                    settings: dict | None = None):
+    """One process, `micro` micro-batches of `rows` accumulated: losses, state."""
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+
+    trainer = CPUTrainer(tiny_model(name, settings), rows, seq,
+                         AdamW(lr=1e-2, weight_decay=0.1), accumulation=micro)
+    losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
+    return losses, trainer.state()
+
+
+def train_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> None:
+    """Each of `runs` ((name, settings, steps, micro, rows, seq)) on `world` stages in one
+    process group; rank r saves its losses and its stage's state to `out`.r."""
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    context = join(rank, world, port)
+    results = []
+    for name, settings, steps, micro, rows, seq in runs:
+        trainer = PipelineTrainer(tiny_model(name, settings), rows, seq,
+                                  AdamW(lr=1e-2, weight_decay=0.1), context, world, micro)
+        losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
+        results.append({"losses": losses, "state": trainer.stage_state()})
+    torch.save(results, f"{out}.{rank}")
+    context.close()

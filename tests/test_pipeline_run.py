@@ -1,0 +1,107 @@
+"""Pipeline parallel executed (issue 17, item 4): two processes (gloo) run the IR's
+`pipeline` section, one stage each, its 1F1B ops with torch.distributed point-to-point,
+and train as one process accumulating the same micro-batches (float64: equal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from tests import pipeline_workers  # noqa: E402
+from tests.test_dist_zero import free_port  # noqa: E402
+from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
+
+# (model, settings, steps, micro-batches, rows, seq): @partition stages cut between two
+# calls (the balanced split that cuts a stack of layers is the CLI test's)
+RUNS = [("pipelined", {}, 1, 2, 1, 8)]
+
+
+def test_two_stages_train_as_one_process_accumulating(tmp_path):
+    out = tmp_path / "stage"
+    mp.spawn(pipeline_workers.train_pipelined, nprocs=2,
+             args=(2, free_port(), RUNS, str(out)))
+    stages = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    for index, (name, settings, steps, micro, rows, seq) in enumerate(RUNS):
+        want_losses, want = pipeline_workers.train_reference(name, steps, micro, rows, seq,
+                                                             settings)
+        first, second = (s[index] for s in stages)
+        assert first["losses"] == second["losses"] == pytest.approx(want_losses, rel=1e-12)
+        for part in ("masters", "exp_avg", "exp_avg_sq"):
+            assert not set(first["state"][part]) & set(second["state"][part])
+            got = first["state"][part] | second["state"][part]
+            assert set(got) == set(want[part]), (name, part)
+            for path, value in want[part].items():
+                torch.testing.assert_close(got[path], value, rtol=1e-12, atol=1e-14,
+                                           msg=f"{name} {part} {path}")
+
+
+def test_modulec_train_pp2_trains_as_one_process_and_resumes_on_one(ckpt, tmp_path):
+    """`torchrun --nproc-per-node 2 -m modulec train --pp 2 --microbatches 2`: the tiny
+    Llama's two layers on two stages; the losses are one process's with --grad-accum 2,
+    and one process resumes the pipeline's (consolidated) checkpoint."""
+    from tests.test_train import _tensors, losses, train
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "modulec", "train", str(LLAMA),
+               "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
+               "--device", "cpu", "--lr", "1e-2", "--format", "json", "--hf-weights",
+               str(ckpt / "hf"), "--steps", "2", "--pp", "2", "--microbatches", "2",
+               "--save", str(tmp_path / "pp")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    two = [r["loss"] for r in rows if r["event"] == "step"]
+    # train()'s --batch 2 overridden (click keeps the last): one row a micro-batch
+    one = train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "2", "--save",
+                tmp_path / "one")
+    assert two == pytest.approx(losses(one)[:2], rel=1e-6)
+    rest = losses(train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "2", "--resume",
+                        tmp_path / "pp", "--save", tmp_path / "pp", weights=False))
+    assert rest == pytest.approx(losses(one)[2:], rel=1e-5)
+    a, b = _tensors(tmp_path / "one" / "checkpoint-3"), _tensors(tmp_path / "pp" / "checkpoint-3")
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+def _request(**given):
+    from pathlib import Path
+
+    fields = dict(pp=2, microbatches=None, tp=1, zero=None, lora=None, grad_accum=1,
+                  file=Path("m.module"))
+    return SimpleNamespace(**(fields | given))
+
+
+@pytest.mark.parametrize("given, world, message", [
+    (dict(pp=1, microbatches=4), 1, "--microbatches is the pipeline's: it needs --pp P"),
+    (dict(), 1, "--pp 2 runs one stage per process; this is one process"),
+    (dict(), 4, "--pp 2 x --tp 1 x data parallel 1 must be the 4 processes"),
+    (dict(microbatches=1), 2, "--microbatches 1 is fewer than the 2 pipeline stages"),
+    (dict(zero=2), 2, "--pp with --zero is not supported yet"),
+    (dict(tp=2), 2, "--pp with --tp is not supported yet"),
+    (dict(grad_accum=2), 2, "--grad-accum with --pp"),
+])
+def test_bad_pipeline_launches_are_clear_errors(given, world, message):
+    from runtime.errors import RuntimeUserError
+    from runtime.train.pipeline import check_launch
+
+    context = SimpleNamespace(distributed=world > 1, world=world)
+    with pytest.raises(RuntimeUserError) as caught:
+        check_launch(_request(**given), context)
+    assert message in caught.value.message
+
+
+def test_the_micro_batches_become_the_accumulation():
+    from runtime.train.pipeline import check_launch
+
+    request = _request()
+    check_launch(request, SimpleNamespace(distributed=True, world=2))
+    assert request.microbatches == request.grad_accum == 8  # 4 x pp by default
