@@ -1,0 +1,117 @@
+"""The GPU training step of std's Qwen3-MoE and Mixtral against transformers in bf16
+(`-m cuda`; skipped without CUDA), the load-balancing loss included
+(output_router_logits=True, router_aux_loss_coef 0.01): one step's loss within 1e-2
+relative and every parameter gradient's cosine >= 0.999, on the same weights and batch
+(as tests/test_cuda_std_models.py). Qwen3-MoE with decoder_sparse_step 1 and 2 (dense
+and sparse layers alternating: a nested stack in the step)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+B, T, VOCAB, COEF = 2, 128, 512, 0.01
+ATTENTION = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+                 output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
+OURS = dict(d_model=256, num_heads=8, num_kv_heads=2, top_k=2, num_experts=4,
+            output_router_logits="true", aux_loss_coef=COEF)  # settings are DSL text
+MODELS = {  # name: (module, HF prefix, HF config, our settings, expert names)
+    "qwen3_moe-step1": (
+        "std/models/qwen3_moe.module", "Qwen3Moe",
+        dict(ATTENTION, num_hidden_layers=2, head_dim=32, intermediate_size=512,
+             moe_intermediate_size=128, num_experts=4, norm_topk_prob=True,
+             decoder_sparse_step=1, rms_norm_eps=1e-6),
+        dict(OURS, n_layers=2, head_dim=32, d_ff=512, moe_d_ff=128, norm_topk_prob="true",
+             sparse_step=1, eps=1e-6, rope_theta=10000.0),
+        ("mlp.experts", "gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe-step2": (
+        "std/models/qwen3_moe.module", "Qwen3Moe",
+        dict(ATTENTION, num_hidden_layers=4, head_dim=32, intermediate_size=512,
+             moe_intermediate_size=128, num_experts=4, norm_topk_prob=False,
+             decoder_sparse_step=2, rms_norm_eps=1e-6),
+        dict(OURS, n_layers=4, head_dim=32, d_ff=512, moe_d_ff=128, norm_topk_prob="false",
+             sparse_step=2, eps=1e-6, rope_theta=10000.0),
+        ("mlp.experts", "gate_proj", "up_proj", "down_proj")),
+    "mixtral": (
+        "std/models/mixtral.module", "Mixtral",
+        dict(ATTENTION, num_hidden_layers=2, intermediate_size=256, num_local_experts=4,
+             rms_norm_eps=1e-5),
+        dict(OURS, n_layers=2, d_ff=256, eps=1e-5),
+        ("block_sparse_moe.experts", "w1", "w3", "w2")),
+}
+
+
+def _cos(a, b) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
+
+
+def _hf_checkpoint(name: str, folder):
+    import transformers
+
+    _, prefix, config, *_ = MODELS[name]
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, f"{prefix}Config")(vocab_size=VOCAB,
+                                                         max_position_embeddings=T, **config)
+    hf_config._attn_implementation = "sdpa"
+    model = getattr(transformers, f"{prefix}ForCausalLM")(hf_config)
+    with torch.no_grad():  # norms off their init; routers decisive (at init's 0.02 the
+        for n, p in model.named_parameters():  # routing is nearly uniform, and bf16 rounding
+            if p.dim() == 1:                    # alone would pick other experts)
+                p.add_(0.1 * torch.randn_like(p))
+            if n.endswith("mlp.gate.weight"):
+                p.mul_(50.0)
+    model.save_pretrained(folder)
+    return model
+
+
+def _checkpoint_names(grads: dict, experts: str, gate: str, up: str, down: str) -> dict:
+    """transformers 5's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2F, D],
+    `down_proj` [E, D, F]) under the per-expert names of its checkpoint files."""
+    out = {}
+    for name, grad in grads.items():
+        layer, _, rest = name.partition(".mlp.")
+        if rest in ("experts.gate_up_proj", "experts.down_proj"):
+            for e, part in enumerate(grad):
+                prefix = f"{layer}.{experts}.{e}"
+                if rest.endswith("down_proj"):
+                    out[f"{prefix}.{down}.weight"] = part
+                else:
+                    out[f"{prefix}.{gate}.weight"], out[f"{prefix}.{up}.weight"] = part.chunk(2)
+        elif rest == "gate.weight" and experts.startswith("block_sparse_moe"):
+            out[f"{layer}.block_sparse_moe.gate.weight"] = grad
+        else:
+            out[name] = grad
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bf16_step_with_aux_loss_matches_transformers_in_bf16(name, tmp_path):
+    from runtime.cuda.step import TrainStep
+    from runtime.hf_weights import export_hf_tensors, load_hf_weights
+
+    path, _, _, settings, experts = MODELS[name]
+    hf = _hf_checkpoint(name, tmp_path).to("cuda", torch.bfloat16)
+    step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
+                                 seq=T, dtype=torch.bfloat16)
+    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
+                              device="cuda")
+    step.load(weights)
+    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
+                           dtype=torch.int32).cuda()
+    step.set_batch(tokens)
+    loss, grads = step.loss_and_gradients()
+    result = hf(input_ids=tokens.long(), labels=tokens.long())
+    assert float(result.aux_loss) > 0  # HF's loss includes COEF * aux_loss
+    result.loss.backward()
+    assert abs(float(loss) - float(result.loss)) / float(result.loss) < 1e-2
+    ours = export_hf_tensors(step.program.weight_schema, {p: g.float() for p, g in grads.items()},
+                             gradients=True, layout=weights.layout)
+    hf_grads = _checkpoint_names({n: p.grad for n, p in hf.named_parameters()}, *experts)
+    assert ours.keys() == hf_grads.keys()
+    worst = min((_cos(ours[n], hf_grads[n]), n) for n in ours)
+    assert worst[0] >= 0.999, worst
