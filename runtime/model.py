@@ -100,7 +100,9 @@ class Model:
         """A model from an IR document written by `modulec build -o` (fixed sizes)."""
         from runtime.program import IRSource
 
-        instance = cls(IRSource(Path(path)), dtype=dtype, device=device)
+        source = IRSource(Path(path))
+        source.program()  # read and verified first: a refused document makes no tensor
+        instance = cls(source, dtype=dtype, device=device)
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)
         return instance

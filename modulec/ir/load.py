@@ -52,6 +52,7 @@ def check_document(document, where: str = "IR") -> list[str]:
     """Everything wrong with a parsed IR document (empty when it may run)."""
     from modulec.ir.serialize import IR_VERSION, graph_from_data
     from modulec.ir.verify import verify_graph
+    from modulec.ir.verify_document import document_problems, unknown_keys
     from modulec.ir.verify_schedule import verify_schedule
 
     if not isinstance(document, dict):
@@ -62,6 +63,8 @@ def check_document(document, where: str = "IR") -> list[str]:
                            "config_schema", "metadata") if k not in document]
     if missing:
         return [f"{where}: missing top-level keys: {', '.join(missing)}"]
+    if problems := unknown_keys(document, where):
+        return problems
     if document["ir_version"] != IR_VERSION:
         return [f"{where}: ir_version {document['ir_version']!r}, this modulec reads {IR_VERSION}"]
     try:
@@ -74,6 +77,7 @@ def check_document(document, where: str = "IR") -> list[str]:
     if problems:
         return problems  # the schedule is checked against a sound graph only
     try:
+        problems += document_problems(document, graph)
         problems += verify_schedule(document["schedule"], graph)
         if isinstance(document["schedule"], dict):  # distributed and pipeline sections
             from modulec.ir.verify_parallel import verify_parallel

@@ -11,6 +11,8 @@ rules expected.
 
 from __future__ import annotations
 
+import math
+
 from modulec.ir.graph import Function, Graph, Node
 from modulec.ir.printer import node_text
 from modulec.ir.verify_types import graph_assumptions, type_problems
@@ -31,11 +33,54 @@ def verify_graph(graph: Graph) -> list[str]:
     for required, label in ((graph.entry, "entry"), (graph.backward, "backward")):
         if required and required not in functions:
             problems.append(f"the graph's {label} function `{required}` does not exist")
+    problems += [f"`{f.name}` is the gradient of `{f.gradient_of}`, not a function of this "
+                 "graph" for f in graph.functions if f.gradient_of and f.gradient_of not in
+                 functions]
+    problems += call_cycles(functions) or _runs(graph)
     tables: dict = {}  # each function's declared types, shared by its callers and backward
     assumptions = graph_assumptions(graph)
     for function in graph.functions:
         problems += _verify_function(function, functions, tables, assumptions)
     return problems
+
+
+def call_cycles(functions: dict) -> list[str]:
+    """A function that calls itself, directly or through others: a runtime would recurse
+    for ever. Depth-first with an explicit stack (no Python recursion on hostile IR)."""
+    state: dict = {}  # name -> 1 on the current path, 2 done
+    for root in functions:
+        if root in state:
+            continue
+        stack = [(root, iter(_callees(functions[root])))]
+        state[root] = 1
+        while stack:
+            name, callees = stack[-1]
+            callee = next(callees, None)
+            if callee is None:
+                state[name] = 2
+                stack.pop()
+            elif state.get(callee) == 1:
+                path = [n for n, _ in stack][[n for n, _ in stack].index(callee):]
+                return [f"`{callee}` calls itself (through {' -> '.join(path + [callee])})"]
+            elif callee not in state and callee in functions:
+                state[callee] = 1
+                stack.append((callee, iter(_callees(functions[callee]))))
+    return []
+
+
+MAX_RUNS = 1_000_000  # function runs of one forward (layers x modules: thousands)
+
+
+def _runs(graph: Graph) -> list[str]:
+    from modulec.ir.verify_schedule import instance_counts
+
+    total = sum(instance_counts(graph).values())
+    return [f"the graph runs {total} function instances, more than the limit {MAX_RUNS}"] \
+        if total > MAX_RUNS else []
+
+
+def _callees(function: Function) -> list[str]:
+    return [n.target for n in function.nodes if n.kind == "call"]
 
 
 def _verify_function(function: Function, functions: dict, tables: dict,
@@ -44,8 +89,12 @@ def _verify_function(function: Function, functions: dict, tables: dict,
     forward = functions.get(function.gradient_of) if function.gradient_of else None
     defined = {v.id for v in function.params + function.inputs}
     outside = {v.id for v in forward.values + forward.inputs} if forward else set()
+    ids: set = set()
     for index, node in enumerate(function.nodes):
         found += [(index, m) for m in _node_problems(node, defined, outside, functions)]
+        if node.id in ids:
+            found.append((index, f"node id {node.id} is used twice"))
+        ids.add(node.id)
         for output in node.outputs:
             if output and output in defined:
                 found.append((index, f"`{output}` is defined twice"))
@@ -74,12 +123,26 @@ def _node_problems(node: Node, defined: set, outside: set, functions: dict) -> l
                 if i and i not in defined and i not in outside and not i.startswith("param:")]
     if not isinstance(node.repeat, int) or isinstance(node.repeat, bool) or node.repeat < 1:
         problems.append(f"repeat must be a positive integer, not {node.repeat!r}")
+    problems += _node_notes(node)
     if node.kind == "call" and node.target not in functions:
         problems.append(f"calls `{node.target}`, which is not a function of this graph")
     elif node.kind == "op":
         problems += _op_problems(node)
     elif node.kind not in ("op", "call"):
         problems.append(f"unknown node kind `{node.kind}`")
+    return problems
+
+
+def _node_notes(node: Node) -> list[str]:
+    """Its source span (printed in runtime errors) and annotations (read by the runtime)."""
+    from modulec.check.annotation_table import ANNOTATIONS
+
+    span = node.span
+    problems = [] if len(span) == 3 and isinstance(span[0], str) and all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in span[1:]) \
+        else [f"`span` must be [file, line, column], not {list(span)!r:.80}"]
+    problems += [f"unknown annotation `@{name}`" for name, _ in node.annotations
+                 if name not in ANNOTATIONS]
     return problems
 
 
@@ -92,7 +155,8 @@ def _op_problems(node: Node) -> list[str]:
     phase = rule.definition.backward if backward else rule.definition.forward
     if phase is None:
         return [f"`{name}` has no {'backward' if backward else 'forward'}"]
-    problems = []
+    problems = [f"attribute `{k}` is {v}: attributes must be finite numbers"
+                for k, v in node.attrs if isinstance(v, float) and not math.isfinite(v)]
     if len(node.inputs) > len(phase.inputs) and not _variadic(phase.inputs):
         problems.append(f"`{node.target}` takes {len(phase.inputs)} inputs, node has "
                         f"{len(node.inputs)}")

@@ -46,19 +46,29 @@ def verify_schedule(schedule, graph: Graph) -> list[str]:
 
 
 def instance_counts(graph: Graph) -> dict:
-    """How often each function runs in the forward (a backward: as its forward)."""
-    counts: dict = {}
+    """How often each function runs in the forward (a backward: as its forward). Counts
+    flow down the call graph in topological order: linear in the calls, however deep or
+    shared the calls are (a cycle, reported by the graph verifier, adds nothing)."""
     known = {f.name: f for f in graph.functions}
-
-    def visit(name: str, times: int, depth: int) -> None:
-        if name not in known or depth > 64:
-            return
-        counts[name] = counts.get(name, 0) + times
-        for node in known[name].nodes:
-            if node.kind == "call" and isinstance(node.repeat, int):
-                visit(node.target, times * node.repeat, depth + 1)
-
-    visit(graph.entry, 1, 0)
+    calls = {name: [(n.target, n.repeat) for n in f.nodes if n.kind == "call" and
+                    n.target in known and isinstance(n.repeat, int) and n.repeat > 0]
+             for name, f in known.items()}
+    waiting = {name: 0 for name in known}
+    for edges in calls.values():
+        for target, _ in edges:
+            waiting[target] += 1
+    counts = {name: 0 for name in known}
+    if graph.entry in counts:
+        counts[graph.entry] = 1
+    ready = [name for name, n in waiting.items() if n == 0]
+    while ready:
+        name = ready.pop()
+        for target, repeat in calls[name]:
+            counts[target] += counts[name] * repeat
+            waiting[target] -= 1
+            if waiting[target] == 0:
+                ready.append(target)
+    counts = {name: n for name, n in counts.items() if n}
     for function in graph.functions:
         if function.gradient_of:
             counts[function.name] = counts.get(function.gradient_of, 0)
@@ -74,6 +84,8 @@ def _shape(schedule, graph: Graph) -> list[str]:
     names = {f.name for f in graph.functions}
     problems = [f"schedule: `order` names `{n}`, not a function of the graph"
                 for n in schedule["order"] if n not in names]
+    problems += [f"schedule: function `{f.name}` of the graph has no schedule"
+                 for f in graph.functions if f.name not in schedule["functions"]]
     for name, ops in schedule["functions"].items():
         if name not in names:
             problems.append(f"schedule: `{name}` is not a function of the graph")
@@ -319,8 +331,14 @@ def _in_range(name: str, ops: list, function, records: dict) -> list[str]:
         for value, region, offset, size, *_ in op.get("buffers", ()):
             where = f"schedule @{name}, op {index}: the buffer of `{value}`"
             needed = _value_bytes(infos.get(value)) if owner == name else None
-            if needed is not None and size < needed and region != HOST:
+            if region not in BUFFER_REGIONS:
+                problems.append(f"{where} is in region `{region}`; regions: "
+                                f"{', '.join(BUFFER_REGIONS)}")
+            if needed is not None and size != needed and region != HOST:
                 problems.append(f"{where} holds {size} bytes, the value needs {needed}")
+            if offset + size > MAX_BUFFER_END:
+                problems.append(f"{where} (+{offset}:{size}) ends past {MAX_BUFFER_END} bytes, "
+                                "the most a plan of 2^40-element tensors places")
             limit = _region_limit(region, records.get(owner))
             if region == "result" and offset >= len(function.outputs):
                 problems.append(f"{where} is result {offset}, but `{name}` returns "
@@ -331,7 +349,9 @@ def _in_range(name: str, ops: list, function, records: dict) -> list[str]:
     return problems
 
 
-SAVED, HOST = "saved_activations", "host_activations"
+SAVED, HOST, TRANSIENT = "saved_activations", "host_activations", "transient_activations"
+BUFFER_REGIONS = (TRANSIENT, SAVED, HOST, "result")
+MAX_BUFFER_END = 2**46  # 8 TiB tensors (2^40 elements of 8 bytes), a few of them
 
 
 def _region_limit(region: str, record) -> int | None:
@@ -463,17 +483,36 @@ def _layout(layout: dict) -> list[str]:
     problems, spans = [], []
     for record in records:
         try:
+            problems += _record_problems(record)
             base, stride = record["saved"]["base"], record["saved"]["stride"]
-            if not all(_is_int(x) for x in (base, stride, record["instances"])):
-                raise TypeError
             spans.append((base, base + stride * record["instances"], record["function"]))
-            problems += [f"schedule layout @{record['function']}: `{v['value']}` ends past "
-                         f"the record's stride {stride}" for v in record["values"]
-                         if v["offset"] + v["bytes"] > stride]
         except (KeyError, TypeError):
             problems.append("schedule layout: a record needs function, instances, "
-                            "saved {base, stride} and values [{value, offset, bytes}]")
+                            "saved and host {base, stride} (non-negative integers) and "
+                            "values [{value, offset, bytes}]")
     spans.sort()
     problems += [f"schedule layout: the records of `{a[2]}` and `{b[2]}` overlap"
                  for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    return problems
+
+
+def _record_problems(record: dict) -> list[str]:
+    """One function's record: its saved and host slots (`base + stride * instances`
+    bytes, allocated by the runtime's arena) and its values inside the stride."""
+    problems, where = [], f"schedule layout @{record['function']}"
+    for region in ("saved", "host"):
+        base, stride = record[region]["base"], record[region]["stride"]
+        if not all(_is_int(x) and x >= 0 for x in (base, stride, record["instances"])):
+            raise TypeError
+        if base + stride * record["instances"] > MAX_BUFFER_END:
+            problems.append(f"{where}: the {region} record ends at "
+                            f"{base + stride * record['instances']} bytes, past "
+                            f"{MAX_BUFFER_END}")
+    stride = record["saved"]["stride"]
+    for v in record["values"]:
+        if not (_is_int(v["offset"]) and _is_int(v["bytes"]) and v["offset"] >= 0 and
+                v["bytes"] >= 0):
+            raise TypeError
+        if v["offset"] + v["bytes"] > stride:
+            problems.append(f"{where}: `{v['value']}` ends past the record's stride {stride}")
     return problems

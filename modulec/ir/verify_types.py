@@ -12,6 +12,9 @@ Each node is checked once against tables built once per function: linear in the 
 
 from __future__ import annotations
 
+import math
+
+from modulec.check.instance import MAX_DIM, MAX_ELEMENTS
 from modulec.check.unify import ShapeError
 from modulec.ir.graph import Function, Node, ValueInfo
 from modulec.ops.derive import output_types
@@ -73,6 +76,12 @@ def _tensor_type(info: ValueInfo) -> TensorType | str:
         return f"the shape of `{info.id}`: {exc}"
     if any(d.is_const and d.value < 0 for d in dims):
         return f"`{info.id}` has a negative dimension: [{', '.join(shape)}]"
+    if any(d.is_const and d.value == 0 for d in dims):
+        return f"`{info.id}` has a dimension 0 (sizes are at least 1): [{', '.join(shape)}]"
+    if any(d.is_const and d.value > MAX_DIM for d in dims):
+        return f"`{info.id}` has a dimension above the limit {MAX_DIM}: [{', '.join(shape)}]"
+    if math.prod(d.value for d in dims if d.is_const) > MAX_ELEMENTS:
+        return f"`{info.id}` has more than {MAX_ELEMENTS} elements: [{', '.join(shape)}]"
     return TensorType(dims, info.dtype, variadic)
 
 
