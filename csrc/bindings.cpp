@@ -551,14 +551,32 @@ void check_adamw_inputs(const Tensor& master, const Tensor& grad, const Tensor& 
               "the master, grad and moments differ in size");
 }
 
+// The optional device scalars of an AdamW step (fp32, one element, on the master's
+// device): lr_now, the learning rate the `lr` argument multiplies, and grad_scale, the
+// factor every gradient element is multiplied by first.
+void check_adamw_scalars(const Tensor& master, const std::optional<Tensor>& lr_now,
+                         const std::optional<Tensor>& grad_scale) {
+  for (const auto* t : {&lr_now, &grad_scale}) {
+    if (!t->has_value()) continue;
+    check(**t, t == &lr_now ? "lr_now" : "grad_scale", at::kFloat, master);
+    TORCH_CHECK((*t)->numel() == 1, "lr_now and grad_scale must have one element");
+  }
+}
+
+const float* scalar_ptr(const std::optional<Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
 // One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
 // gradient; writes the bf16 compute copy when given.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const std::optional<Tensor>& compute,
                 const Tensor& step, double lr, double beta1, double beta2, double eps,
-                double weight_decay) {
+                double weight_decay, const std::optional<Tensor>& lr_now,
+                const std::optional<Tensor>& grad_scale) {
   check(param, "param", at::kFloat, param);
   check_adamw_inputs(param, grad, exp_avg, exp_avg_sq, step);
+  check_adamw_scalars(param, lr_now, grad_scale);
   if (compute) {
     check(*compute, "compute", at::kBFloat16, param);
     TORCH_CHECK(compute->numel() == param.numel(), "compute differs in size");
@@ -570,7 +588,8 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                                      step.data_ptr<float>(), param.numel(),
                                      static_cast<float>(lr), static_cast<float>(beta1),
                                      static_cast<float>(beta2), static_cast<float>(eps),
-                                     static_cast<float>(weight_decay), stream()),
+                                     static_cast<float>(weight_decay), scalar_ptr(lr_now),
+                                     scalar_ptr(grad_scale), stream()),
                "adamw");
 }
 
@@ -578,18 +597,22 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
 // bits(master) = bits(hi) * 2^16 + lo (csrc/kernels/adamw.cu), both updated in place.
 void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
                       const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& step,
-                      double lr, double beta1, double beta2, double eps, double weight_decay) {
+                      double lr, double beta1, double beta2, double eps, double weight_decay,
+                      const std::optional<Tensor>& lr_now,
+                      const std::optional<Tensor>& grad_scale) {
   check(hi, "hi", at::kBFloat16, hi);
   check(lo, "lo", at::kShort, hi);
   TORCH_CHECK(lo.numel() == hi.numel(), "hi and lo differ in size");
   check_adamw_inputs(hi, grad, exp_avg, exp_avg_sq, step);
+  check_adamw_scalars(hi, lr_now, grad_scale);
   const c10::cuda::CUDAGuard guard(hi.device());
   check_launch(modulec::launch_adamw_split(
                    dtype_of(grad), hi.data_ptr(), lo.data_ptr<int16_t>(), grad.data_ptr(),
                    exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
                    step.data_ptr<float>(), hi.numel(), static_cast<float>(lr),
                    static_cast<float>(beta1), static_cast<float>(beta2),
-                   static_cast<float>(eps), static_cast<float>(weight_decay), stream()),
+                   static_cast<float>(eps), static_cast<float>(weight_decay),
+                   scalar_ptr(lr_now), scalar_ptr(grad_scale), stream()),
                "adamw split");
 }
 
@@ -670,10 +693,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d_weights fp32]");
   m.def("adamw_step", &adamw_step,
         "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
-        "beta1, beta2, eps, weight_decay)");
+        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None): lr_now, a fp32 "
+        "device scalar the lr multiplies; grad_scale, one the gradient is multiplied by",
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("compute"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none());
   m.def("adamw_split_step", &adamw_split_step,
         "(hi bf16 compute copy, lo int16, grad bf16/fp32, exp_avg, exp_avg_sq, step, lr, "
-        "beta1, beta2, eps, weight_decay): the master is bits(hi) * 2^16 + lo");
+        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None): the master is "
+        "bits(hi) * 2^16 + lo",
+        py::arg("hi"), py::arg("lo"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none());
   m.def("cross_entropy_", &cross_entropy_,
         "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
         "scale fp32 [], ignore_index) -> losses fp32 [rows]");

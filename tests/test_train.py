@@ -433,7 +433,9 @@ def _one_cpu_step(tmp_path, notes: dict):
     path.write_text(TINY_LM.format(**{k: notes.get(k, "") for k in ANNOTATED}))
     model = Model.from_module(path, dtype=torch.float32).init_random(0, std=0.5)
     start = {p: t.clone() for p, t in model.params.items()}
-    trainer = CPUTrainer(model, batch=2, seq=6, adamw=AdamW(lr=1e-2, weight_decay=0.1))
+    # decay_all: the embedding's decay is the default, so its wd_scale=0 shows
+    trainer = CPUTrainer(model, batch=2, seq=6,
+                         adamw=AdamW(lr=1e-2, weight_decay=0.1, decay_all=True))
     window = torch.randint(0, 16, (2, 7), generator=torch.Generator().manual_seed(1))
     trainer.train_step(window)
     return start, model.params, trainer

@@ -5,6 +5,10 @@
 //   p *= 1 - lr * wd;  m = lerp(m, g, 1 - b1);  v = b2 * v + (1 - b2) * g * g
 //   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 // The step t is read from device memory, so a captured CUDA graph stays right on replay.
+// So are, when given, the learning rate (`lr_now`: the rate is lr * *lr_now, so `lr` is
+// then a per-parameter factor and a schedule updates one device float between replays)
+// and a factor every gradient is multiplied by first (`grad_scale`: global gradient-norm
+// clipping's min(1, max_norm / (norm + eps)), computed on the device).
 //
 // Two ways to hold the master (the kernel is one template over them):
 // - FloatMaster: an fp32 array, plus the bf16 compute copy written when given (2 bytes a
@@ -24,6 +28,8 @@ constexpr int kThreads = 256;
 
 struct AdamW {
   float lr, beta1, beta2, eps, wd;
+  const float* lr_now;      // null: lr as given
+  const float* grad_scale;  // null: 1
 };
 
 struct FloatMaster {
@@ -82,7 +88,8 @@ struct SplitMaster {
 template <typename Master, typename G, int VEC>
 __device__ void adamw_update(const Master& master, const G* __restrict__ g,
                              float* __restrict__ m, float* __restrict__ v, int64_t i,
-                             const AdamW& h, float step_size, float bc2_sqrt, float decay) {
+                             const AdamW& h, float step_size, float bc2_sqrt, float decay,
+                             float scale) {
   float pv[VEC], gv[VEC], mv[VEC], vv[VEC];
   master.template load<VEC>(i, pv);
   load_vec<G, VEC>(g, i, gv);
@@ -90,6 +97,7 @@ __device__ void adamw_update(const Master& master, const G* __restrict__ g,
   load_vec<float, VEC>(v, i, vv);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
+    gv[j] *= scale;
     pv[j] *= decay;
     mv[j] += (1.f - h.beta1) * (gv[j] - mv[j]);
     vv[j] = h.beta2 * vv[j] + (1.f - h.beta2) * gv[j] * gv[j];
@@ -108,16 +116,18 @@ __global__ void adamw_kernel(Master master, const G* __restrict__ g, float* __re
                              float* __restrict__ v, const float* __restrict__ step, int64_t n,
                              AdamW h) {
   const float t = *step;
+  const float lr = h.lr_now ? h.lr * *h.lr_now : h.lr;
+  const float scale = h.grad_scale ? *h.grad_scale : 1.f;
   const float bc1 = 1.f - powf(h.beta1, t), bc2 = 1.f - powf(h.beta2, t);
-  const float step_size = h.lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.f - h.lr * h.wd;
+  const float step_size = lr / bc1, bc2_sqrt = sqrtf(bc2), decay = 1.f - lr * h.wd;
   const int64_t nvec = n / VEC;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = first; i < nvec; i += stride)
-    adamw_update<Master, G, VEC>(master, g, m, v, i, h, step_size, bc2_sqrt, decay);
+    adamw_update<Master, G, VEC>(master, g, m, v, i, h, step_size, bc2_sqrt, decay, scale);
   if (VEC > 1 && nvec * VEC + first < n)
     adamw_update<Master, G, 1>(master, g, m, v, nvec * VEC + first, h, step_size, bc2_sqrt,
-                               decay);
+                               decay, scale);
 }
 
 template <typename Master, typename G>
@@ -154,19 +164,22 @@ cudaError_t adamw_dispatch(DType grad_dt, const Master& master, const void* grad
 cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* exp_avg,
                          float* exp_avg_sq, void* compute_bf16, const float* step, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                         cudaStream_t stream) {
+                         const float* lr_now, const float* grad_scale, cudaStream_t stream) {
   const FloatMaster master{param, static_cast<__nv_bfloat16*>(compute_bf16)};
   return adamw_dispatch(grad_dt, master, grad, exp_avg, exp_avg_sq, step, n,
-                        AdamW{lr, beta1, beta2, eps, weight_decay}, stream);
+                        AdamW{lr, beta1, beta2, eps, weight_decay, lr_now, grad_scale},
+                        stream);
 }
 
 cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const void* grad,
                                float* exp_avg, float* exp_avg_sq, const float* step, int64_t n,
                                float lr, float beta1, float beta2, float eps,
-                               float weight_decay, cudaStream_t stream) {
+                               float weight_decay, const float* lr_now,
+                               const float* grad_scale, cudaStream_t stream) {
   const SplitMaster master{static_cast<uint16_t*>(hi_bf16), lo};
   return adamw_dispatch(grad_dt, master, grad, exp_avg, exp_avg_sq, step, n,
-                        AdamW{lr, beta1, beta2, eps, weight_decay}, stream);
+                        AdamW{lr, beta1, beta2, eps, weight_decay, lr_now, grad_scale},
+                        stream);
 }
 
 }  // namespace modulec

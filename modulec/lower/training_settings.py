@@ -2,8 +2,9 @@
 
 `@frozen` (and `@gradient(skip)`) parameters are listed in `frozen`: no gradient is
 derived for them (Function.no_gradient) and a trainer keeps no optimizer state for them.
-`@trainable(lr_scale=, wd_scale=, grad_clip=)` settings other than the defaults are listed
-by parameter path in `parameters`; runtime.train.param_groups turns them into each
+`@trainable(lr_scale=, wd_scale=, grad_clip=)` settings other than the defaults (and a
+written `wd_scale`, which overrides the trainer's default weight-decay exclusions) are
+listed by parameter path in `parameters`; runtime.train.param_groups turns them into each
 parameter's learning rate, weight decay and clip, for the CPU trainer and the GPU step
 alike (docs/build-output.md, "metadata.training").
 """
@@ -25,7 +26,10 @@ def trainable_settings(notes, env) -> dict:
         return {}
     values = argument_values(note)
     settings = {key: number(values.get(key), default, env) for key, default in DEFAULTS.items()}
-    return {k: v for k, v in settings.items() if v != DEFAULTS[k]}
+    # a written wd_scale is kept even at 1.0: it overrides the trainer's default
+    # exclusion of norms, biases and embeddings from weight decay
+    return {k: v for k, v in settings.items()
+            if v != DEFAULTS[k] or (k == "wd_scale" and values.get(k) is not None)}
 
 
 def training_metadata(graph: Graph, settings: dict[str, dict]) -> dict | None:

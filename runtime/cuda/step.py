@@ -5,6 +5,13 @@ backward, AdamW), captured in one CUDA graph and replayed.
     step.load(params_fp32_by_path)          # or step.init_random(seed)
     loss = step(token_ids, labels)          # a [] fp32 CUDA tensor; no host sync
 
+- Optimizer settings (`AdamWConfig`): the learning rate is a device scalar (`lr_now`)
+  the updates read, so `set_lr` changes it between graph replays (a schedule); each
+  parameter's weight decay and lr factor come from runtime.train.param_groups (norms,
+  biases and embeddings undecayed unless `decay_all`); `grad_norm` is the step's global
+  gradient norm, and with `clip_grad` every gradient is scaled by min(1, clip /
+  (norm + 1e-6)) inside the update (on one process the gradients are then held to the
+  end of the backward, not updated inside it; under ZeRO the shards are, runtime/dist).
 - Weights: fp32 master copies with fp32 AdamW moments, and bf16 compute copies the
   interpreter reads. `optimizer="fused"` (default): one kernel per tensor
   (csrc/kernels/adamw.cu) reads the backward's bf16 gradient and updates master, moments
@@ -69,10 +76,12 @@ from runtime.program import ModuleSource, Program
 
 @dataclass
 class AdamWConfig:
-    lr: float = 1e-4
+    lr: float = 1e-4  # the current rate; `TrainStep.set_lr` changes it between replays
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decay_all: bool = False  # False: norms, biases, embeddings get none (param_groups)
+    clip_grad: float | None = None  # global gradient-norm clipping (None: off)
 
 
 @dataclass
@@ -165,6 +174,14 @@ class TrainStep:
         self.positions = positions_like(self.tokens)
         self.labels = torch.full((rows, self.seq), -100, dtype=torch.int64, device="cuda")
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
+        # the learning rate the updates read (set_lr writes it between replays) and the
+        # step's global gradient norm (before clipping), device scalars the graph keeps
+        self.lr_now = torch.full((1,), float(self.adamw.lr), dtype=torch.float32,
+                                 device="cuda")
+        self._lr_set = self.adamw.lr
+        self.grad_norm = torch.zeros(1, dtype=torch.float32, device="cuda")
+        self._norm_sq = torch.zeros(1, dtype=torch.float32, device="cuda")
+        self.held: dict[str, Tensor] = {}  # with clipping: the step's gradients
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         # fp32 masters by path: a dict (optimizer="torch") or SplitMasters (fused)
         self.masters: dict[str, Tensor] = {}
@@ -255,7 +272,7 @@ class TrainStep:
             for master in self.masters.values():
                 master.grad = torch.zeros_like(master)
             self.torch_optimizer = torch.optim.AdamW(
-                list(self.masters.values()), lr=a.lr, betas=a.betas, eps=a.eps,
+                self._param_groups(), lr=a.lr, betas=a.betas, eps=a.eps,
                 weight_decay=a.weight_decay, fused=True, capturable=True)
         elif self.optimizer == "fused":
             if self.dtype != torch.bfloat16:
@@ -266,6 +283,29 @@ class TrainStep:
             raise ValueError(f"optimizer must be 'fused' or 'torch', not {self.optimizer!r}")
         self.cuda_graph = None
         return self
+
+    def _param_groups(self) -> list[dict]:
+        """optimizer='torch': a group per (lr_scale, weight decay), each with its own
+        device learning rate (`set_lr` writes them; a captured step reads them)."""
+        from runtime.train.param_groups import decay_scale, lr_scale
+
+        a, groups = self.adamw, {}
+        for path in self.names:
+            key = (lr_scale(self.program, path),
+                   a.weight_decay * decay_scale(self.program, path, a))
+            groups.setdefault(key, []).append(self.masters[path])
+        return [{"params": params, "weight_decay": wd, "lr_scale": scale,
+                 "lr": torch.full((), a.lr * scale, dtype=torch.float32, device="cuda")}
+                for (scale, wd), params in groups.items()]
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps: written into the device scalars the
+        updates read (a captured graph included; no re-capture, no host sync)."""
+        self.adamw.lr = self._lr_set = lr
+        self.lr_now.fill_(lr)
+        if getattr(self, "torch_optimizer", None) is not None:
+            for group in self.torch_optimizer.param_groups:
+                group["lr"].fill_(lr * group["lr_scale"])
 
     def _drop_state(self) -> None:
         """Let go of a previous load's weights, optimizer state and captured graph before
@@ -316,7 +356,8 @@ class TrainStep:
         gradient = torch.float32 if self.accumulation > 1 else self.dtype
         precision = Precision(self.dtype, gradient, split=True, update=self._shard_update)
         self.zero = ZeroRun(section, self.dist.dp_rank, precision, "cuda", CudaStreams(),
-                            self.dist.dp_group)
+                            self.dist.dp_group, decay_of=self._decay_of,
+                            clip=self.adamw.clip_grad)
         self.compute = self.zero.load({p: params[p] for p in self.zero.paths})
         rest = sorted(p for p in self.shapes() if p not in self.ties() and
                       p not in self.compute)
@@ -334,12 +375,21 @@ class TrainStep:
             self.regions["gradient_sums"], (self.grad_sum,) = region(
                 self.shapes(), self.names, (torch.float32,))
 
-    def _shard_update(self, hi: Tensor, lo: Tensor, grad: Tensor, m: Tensor, v: Tensor):
+    def _shard_update(self, hi: Tensor, lo: Tensor, grad: Tensor, m: Tensor, v: Tensor,
+                      decay: float, scale: Tensor | None):
+        """ZeroRun's update of a shard's run of parameters with one weight-decay factor
+        (`decay`), the gradient multiplied by `scale` (clipping's, or None)."""
         from runtime.cuda.kernels import _extension
 
         a = self.adamw
-        _extension().adamw_split_step(hi, lo, grad, m, v, self.step_count, a.lr,
-                                      a.betas[0], a.betas[1], a.eps, a.weight_decay)
+        _extension().adamw_split_step(hi, lo, grad, m, v, self.step_count, 1.0,
+                                      a.betas[0], a.betas[1], a.eps, a.weight_decay * decay,
+                                      self.lr_now, scale)
+
+    def _decay_of(self, path: str) -> float:
+        from runtime.train.param_groups import decay_scale
+
+        return decay_scale(self.program, path, self.adamw)
 
     # ------------------------------------------------------------------ one step
     def interpreter(self, on_gradient=None) -> Interpreter:
@@ -447,35 +497,85 @@ class TrainStep:
             losses.append(loss)
         if self.accumulation > 1:
             torch._foreach_div_([m.grad for m in self.masters.values()], self.accumulation)
+        self._clip_torch_grads()
         self.torch_optimizer.step()
         torch._foreach_copy_([self.compute[p] for p in self.names],
                              [self.masters[p] for p in self.names])
         self.loss.copy_(torch.stack(losses).mean())
 
+    def _clip_torch_grads(self) -> None:
+        """optimizer='torch': `@trainable(grad_clip=)` per parameter, then the global
+        norm (kept in `grad_norm`) and, with clip_grad, every gradient scaled by
+        min(1, clip / (norm + 1e-6)); all on the device."""
+        from runtime.train.param_groups import (clip_coefficient, clip_gradient,
+                                                global_norm, hyperparameters)
+
+        grads = []
+        for path in self.names:
+            grad = self.masters[path].grad
+            clip = hyperparameters(self.program, path, self.adamw)[2]
+            if clip is not None:
+                grad.copy_(clip_gradient(grad, clip))
+            grads.append(grad)
+        self.grad_norm.copy_(global_norm(grads).reshape(1))
+        if self.adamw.clip_grad is not None:
+            torch._foreach_mul_(grads, clip_coefficient(self.grad_norm, self.adamw.clip_grad))
+
     def _fused_step(self) -> None:
         """One optimizer step over `accumulation` micro-batches: all but the last add
         their gradients to `grad_sum` (a layer's as soon as it is final); the last one's
-        complete the sum, and each parameter is updated from the mean at once."""
+        complete the sum, and each parameter is updated from the mean at once. With
+        global clipping (`adamw.clip_grad`, one process) the gradients are held until
+        the backward ends (the norm needs them all): the update leaves the backward."""
         self.step_count.add_(1)  # before the backward: updates may run inside it
+        self._norm_sq.zero_()
         if self.zero is not None:
             self.zero.step_begin()
+        in_backward = self.update_in_backward and not (self._holds() and
+                                                       self.accumulation == 1)
         losses = []
         for micro in range(self.accumulation):
             handle = self._gradient_handler(micro)
-            loss, grads = self.loss_and_gradients(
-                handle if self.update_in_backward else None, micro)
+            loss, grads = self.loss_and_gradients(handle if in_backward else None, micro)
             for p in [p for p in self.names if p in grads]:  # no gradient: no update
                 handle(p, grads.pop(p))
             losses.append(loss)
         if self.zero is not None:
             self.zero.step_end()
+            self.grad_norm.copy_(self.zero.grad_norm)
+        elif self._holds():
+            self._clip_and_update()
+        else:
+            torch.sqrt(self._norm_sq, out=self.grad_norm)
         self.loss.copy_(torch.stack(losses).mean())
+
+    def _holds(self) -> bool:
+        """Gradients are held to the end of the backward: global clipping on one process
+        (ZeroRun holds the reduced shards itself)."""
+        return self.adamw.clip_grad is not None and self.zero is None
+
+    def _hold(self, path: str, grad: Tensor) -> None:
+        from runtime.train.param_groups import clip_gradient, hyperparameters
+
+        self.held[path] = clip_gradient(grad, hyperparameters(self.program, path,
+                                                              self.adamw)[2])
+
+    def _clip_and_update(self) -> None:
+        """The global norm of the held gradients, then every parameter's update with
+        them scaled by min(1, clip / (norm + 1e-6)) inside the AdamW kernel."""
+        from runtime.train.param_groups import clip_coefficient, global_norm
+
+        self.grad_norm.copy_(global_norm(self.held.values()).reshape(1))
+        scale = clip_coefficient(self.grad_norm, self.adamw.clip_grad)
+        for path in [p for p in self.names if p in self.held]:
+            self._apply(path, self.held.pop(path), scale)
+        self.held = {}
 
     def _gradient_handler(self, micro: int):
         """What micro-batch `micro` does with a final gradient: update (a single
         micro-batch), start or add to the sum, or complete it and update (the last)."""
         if self.accumulation == 1:
-            return self._update
+            return self._hold if self._holds() else self._update
         if micro == self.accumulation - 1:
             return self._update_from_sum
 
@@ -485,23 +585,34 @@ class TrainStep:
 
     def _update_from_sum(self, path: str, grad: Tensor) -> None:
         total = self.grad_sum[path].add_(grad)
-        self._update(path, total.div_(self.accumulation))
+        (self._hold if self._holds() else self._update)(path, total.div_(self.accumulation))
 
     def _update(self, path: str, grad: Tensor) -> None:
         """One AdamW step of `path` with its own settings (`@trainable`: learning rate and
-        weight decay scaled, its gradient's norm clipped)."""
+        weight decay scaled, its gradient's norm clipped); its squares added to the
+        step's gradient norm."""
         if self.zero is not None:  # reduced with its bucket, then its shard updated
             return self.zero.gradient(path, grad)
-        from runtime.cuda.kernels import _extension
         from runtime.train.param_groups import clip_gradient, hyperparameters
 
+        grad = clip_gradient(grad, hyperparameters(self.program, path, self.adamw)[2])
+        self._norm_sq.add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        self._apply(path, grad, None)
+
+    def _apply(self, path: str, grad: Tensor, scale: Tensor | None) -> None:
+        """The fused AdamW kernel on `path`: the rate is lr_now times its lr_scale, the
+        weight decay its own (param_groups), the gradient times `scale` (or 1)."""
+        from runtime.cuda.kernels import _extension
+        from runtime.train.param_groups import decay_scale, lr_scale
+
         a = self.adamw
-        lr, weight_decay, clip = hyperparameters(self.program, path, a)
         _extension().adamw_split_step(self.compute[path], self.lows[path],
-                                      clip_gradient(grad, clip).contiguous(),
-                                      self.exp_avg[path], self.exp_avg_sq[path],
-                                      self.step_count, lr, a.betas[0], a.betas[1], a.eps,
-                                      weight_decay)
+                                      grad.contiguous(), self.exp_avg[path],
+                                      self.exp_avg_sq[path], self.step_count,
+                                      lr_scale(self.program, path), a.betas[0], a.betas[1],
+                                      a.eps, a.weight_decay * decay_scale(self.program, path,
+                                                                          a),
+                                      self.lr_now, scale)
 
     def use_hooks(self):
         """The step's hook registry (made on first use, checked against the model's hook
@@ -527,6 +638,7 @@ class TrainStep:
                 "which a captured CUDA graph replays without",
                 help=["run the step eagerly (step(tokens) without capture()), or clear "
                       "the hooks and disable probes and trace before capturing"])
+        self._sync_lr()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -537,7 +649,13 @@ class TrainStep:
         with torch.cuda.graph(self.cuda_graph):
             self._step()
 
+    def _sync_lr(self) -> None:
+        """`adamw.lr` assigned directly (tests, notebooks) reaches the device scalar."""
+        if self.adamw.lr != self._lr_set:
+            self.set_lr(self.adamw.lr)
+
     def __call__(self, token_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        self._sync_lr()
         self.set_batch(token_ids, labels)
         if self.cuda_graph is None:
             self._step()

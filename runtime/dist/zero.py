@@ -16,6 +16,17 @@ section's triggers:
 and each trigger runs the section's ops for it, in order, on their streams. The same code
 runs on CUDA with NCCL (the split bf16/int16 masters and the fused AdamW kernel) and on
 the CPU with gloo (fp32 masters, torch's AdamW arithmetic): `Precision` says which.
+
+The run also computes the global gradient norm (`grad_norm`, a device scalar): each
+rank adds the squares of the reduced gradient part it updates, and at `step_end` one
+all_reduce of that one-element sum (ZeRO 1-3; with ZeRO-0 every rank has every reduced
+gradient) makes the norm. With global clipping (`clip`) the section's `adamw_shard` and
+its `all_gather` of `gradients_ready` are deferred to `step_end`: each bucket instance's
+reduced gradient part is kept (`held`, the shard's size per instance), and once the norm
+is known every instance is updated with the factor min(1, clip / (norm + 1e-6)) and
+gathered, in the order the section issued them (docs/decisions.md, "Training
+optimizer"). Weight decay is per parameter (`decay_of(path)`, the factor of the base
+decay): the update of a shard runs once per run of parameters with one factor.
 """
 
 from __future__ import annotations
@@ -30,13 +41,16 @@ from torch import Tensor
 from runtime.dist.collectives import all_gather_into, all_reduce_, reduce_scatter_into
 from runtime.errors import RuntimeUserError
 
+COMM = 2  # the communication stream (modulec.plan.distributed)
+
 
 @dataclass(frozen=True)
 class Precision:
     """How a rank holds the state: `split` (the GPU) keeps the fp32 master as the bf16
     compute copy plus an int16 low half (runtime/cuda/state.py); otherwise the compute
-    copy is the fp32 master. `update(hi, lo, grad, m, v)` is one AdamW step on flat
-    tensors (lo None when not split)."""
+    copy is the fp32 master. `update(hi, lo, grad, m, v, decay, scale)` is one AdamW step
+    on flat tensors (lo None when not split) with `decay` times the base weight decay
+    and the gradient multiplied by `scale` (a device scalar; None: 1)."""
 
     compute: torch.dtype
     gradient: torch.dtype
@@ -62,6 +76,8 @@ class Bucket:
     grad_slots: list = field(default_factory=list)  # min(2, instances) whole flat gradients
     grad_shard: Tensor | None = None  # reduce_scatter's output (ZeRO-2, 3)
     slots: list = field(default_factory=list)  # ZeRO-3: two whole flat weight slots
+    held: list = field(default_factory=list)  # with clipping: per instance, its reduced part
+    segments: list = field(default_factory=list)  # (start, stop, decay factor) of its part
 
     @property
     def name(self) -> str:
@@ -83,8 +99,17 @@ class Bucket:
 
 class ZeroRun:
     def __init__(self, section: dict, rank: int, precision: Precision, device: str,
-                 streams, group=None):
+                 streams, group=None, decay_of: Callable | None = None,
+                 clip: float | None = None):
+        """`decay_of(path)`: the factor of the base weight decay a parameter gets (None:
+        1 for all); `clip`: global gradient-norm clipping's largest norm (None: off)."""
         self.section, self.rank, self.precision, self.device = section, rank, precision, device
+        self.decay_of, self.clip = decay_of or (lambda path: 1.0), clip
+        # the squares' sum, then the norm: [1] tensors (a collective's buffer), in the
+        # masters' dtype (fp32 on the GPU, the CPU run's float32 or float64)
+        self.norm_sq = torch.zeros(1, dtype=precision.master, device=device)
+        self.grad_norm = torch.zeros(1, dtype=precision.master, device=device)
+        self.deferred: list[tuple] = []
         self.dp, self.zero = section["mesh"]["dp"], section["zero"]
         self.streams, self.group = streams, group
         self.buckets = [Bucket(b, self.zero == 3 and "{i}" in b["path"])
@@ -137,6 +162,34 @@ class ZeroRun:
             if bucket.layered else []
         for name in ("weights", "hi", "lo", "exp_avg", "exp_avg_sq"):
             setattr(bucket, name, [])
+        part = self.own(bucket)
+        bucket.held = [torch.zeros(part.stop - part.start, dtype=prec.gradient, **kw)
+                       for _ in range(bucket.count)] if self.clip is not None else []
+        bucket.segments = self._segments(bucket)
+
+    def _segments(self, bucket: Bucket) -> list[tuple[int, int, float]]:
+        """(start, stop, decay factor) covering this rank's part of the bucket, one per run
+        of parameters with one factor (padding joins its neighbour)."""
+        part = self.own(bucket)
+        cuts = []
+        for p in sorted(bucket.spec["params"], key=lambda p: p["offset"]):
+            start = max(p["offset"], part.start) - part.start
+            stop = min(p["offset"] + p["numel"], part.stop) - part.start
+            if start < stop:
+                cuts.append((start, stop, float(self.decay_of(self._path(bucket, 0,
+                                                                          p["name"])))))
+        runs: list[list] = []
+        for start, stop, factor in cuts:
+            if runs and runs[-1][2] == factor:
+                runs[-1][1] = stop
+            else:
+                if runs:
+                    runs[-1][1] = start
+                runs.append([start, stop, factor])
+        if not runs:
+            return [(0, part.stop - part.start, 1.0)]
+        runs[0][0], runs[-1][1] = 0, part.stop - part.start
+        return [tuple(r) for r in runs]
 
     def _load_instance(self, bucket: Bucket, i: int, params: dict) -> None:
         n, kw = bucket.spec["numel"], dict(device=self.device)
@@ -181,13 +234,35 @@ class ZeroRun:
     def step_begin(self) -> None:
         self.streams.begin_step()
         self.arrived.clear()
+        self.deferred.clear()
+        self.norm_sq.zero_()  # on the compute stream, before the step's start event
         for bucket in self.buckets:
             self._run("step_begin", bucket, 0)
 
     def step_end(self) -> None:
         self._complete_with_zeros()
+        with self.streams.on(COMM):
+            self._norm_and_deferred()
         for bucket in self.buckets:
             self._run("step_end", bucket, 0)
+
+    def _norm_and_deferred(self) -> None:
+        """The global gradient norm from every rank's squares (one all_reduce); with
+        clipping, the deferred updates (scaled) and gathers."""
+        if self.zero >= 1 and self.dp > 1:
+            all_reduce_(self.norm_sq, self.group)
+        torch.sqrt(self.norm_sq, out=self.grad_norm)
+        if self.clip is None:
+            return
+        from runtime.train.param_groups import clip_coefficient
+
+        scale = clip_coefficient(self.grad_norm, self.clip)
+        for op, bucket, i in self.deferred:
+            if op["kind"] == "adamw_shard":
+                self._update_shard(bucket, i, bucket.held[i], scale)
+            else:
+                self._all_gather(op, bucket, i, deferred=True)
+        self.deferred.clear()
 
     def frame_begin(self, path: str, backward: bool) -> None:
         """A function run starts at `path`: a repeated layer's forward or backward."""
@@ -256,31 +331,54 @@ class ZeroRun:
                             self.group)
 
     def _adamw_shard(self, op: dict, bucket: Bucket, i: int) -> None:
+        """This rank's part of the reduced gradient: its squares added to the norm, then
+        the update (with clipping: the part kept and the update deferred to step_end)."""
         if self.zero >= 2:
             grad = bucket.grad_shard
         else:
             grad = bucket.grad_slots[i % len(bucket.grad_slots)][self.own(bucket)]
-        self.precision.update(bucket.hi[i], bucket.lo[i], grad, bucket.exp_avg[i],
-                              bucket.exp_avg_sq[i])
+        self.norm_sq.add_(torch.linalg.vector_norm(grad, dtype=self.norm_sq.dtype).square())
+        if self.clip is not None:
+            bucket.held[i].copy_(grad)
+            self.deferred.append((op, bucket, i))
+            return
+        self._update_shard(bucket, i, grad, None)
 
-    def _all_gather(self, op: dict, bucket: Bucket, i: int) -> None:
+    def _update_shard(self, bucket: Bucket, i: int, grad: Tensor, scale) -> None:
+        """AdamW on instance i's part, a call per run of one weight-decay factor; `scale`
+        (a device scalar or None) multiplies the gradient inside the update."""
+        lo = bucket.lo[i]
+        for start, stop, decay in bucket.segments:
+            part = slice(start, stop)
+            self.precision.update(bucket.hi[i][part], None if lo is None else lo[part],
+                                  grad[part], bucket.exp_avg[i][part],
+                                  bucket.exp_avg_sq[i][part], decay, scale)
+
+    def _all_gather(self, op: dict, bucket: Bucket, i: int, deferred: bool = False) -> None:
         """The updated shards into the whole weights (in place), or (ZeRO-3) into the slot
-        instance i is read from."""
+        instance i is read from. With clipping, a gather of updated weights waits for
+        the deferred update (step_end)."""
+        if self.clip is not None and not deferred and op["on"] == "gradients_ready":
+            self.deferred.append((op, bucket, i))
+            return
         target = bucket.slots[i % 2] if op.get("into") == "slot" else bucket.weights[i]
         all_gather_into(target, bucket.hi[i], self.group)
 
     # ------------------------------------------------------------------ checkpoints
-    def full_state(self):
+    def full_state(self, moments: bool = True):
         """(path, fp32 master, exp_avg, exp_avg_sq), each whole and on the CPU, one bucket
-        instance at a time: a collective every rank must run (shards are gathered)."""
+        instance at a time: a collective every rank must run (shards are gathered).
+        `moments=False`: the masters alone are gathered (the moments are None)."""
         for bucket in self.buckets:
             for i in range(bucket.count):
                 master = self._gathered(self._master(bucket, i))
-                m, v = (self._gathered(t[i]) for t in (bucket.exp_avg, bucket.exp_avg_sq))
+                m, v = (self._gathered(t[i]) for t in (bucket.exp_avg, bucket.exp_avg_sq)) \
+                    if moments else (None, None)
                 for p in bucket.spec["params"]:
                     part = slice(p["offset"], p["offset"] + p["numel"])
                     yield (self._path(bucket, i, p["name"]),
-                           *(t[part].view(tuple(p["shape"])).cpu() for t in (master, m, v)))
+                           *(t[part].view(tuple(p["shape"])).cpu() if t is not None else None
+                             for t in (master, m, v)))
 
     def _master(self, bucket: Bucket, i: int) -> Tensor:
         if bucket.lo[i] is None:
@@ -314,7 +412,7 @@ class ZeroRun:
         """The bytes this rank holds for the buckets (state, gradient and gather slots)."""
         tensors = [t for b in self.buckets
                    for t in (*b.hi, *b.exp_avg, *b.exp_avg_sq, *b.grad_slots, *b.slots,
-                             *(x for x in b.lo if x is not None),
+                             *(x for x in b.lo if x is not None), *b.held,
                              *(w for w in b.weights if w is not None and not b.layered),
                              *([b.grad_shard] if b.grad_shard is not None else []))]
         seen, total = set(), 0

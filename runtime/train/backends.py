@@ -21,7 +21,8 @@ from runtime.inputs import fed_inputs, sized_inputs
 from runtime.model import Model
 from runtime.train.aux_loss import auxiliary_losses
 from runtime.train.optim import AdamW
-from runtime.train.param_groups import clip_gradient, frozen_parameters, hyperparameters
+from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
+                                        global_norm, hyperparameters)
 
 
 class CPUTrainer:
@@ -52,8 +53,20 @@ class CPUTrainer:
         settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
         total = {p: clip_gradient(g, settings[p][2]) for p, g in total.items()
                  if p not in self.frozen}
-        self.adamw.update(self.model.params, total, lambda p: settings[p][:2])
+        self.grad_norm = global_norm(total.values())
+        scale = None if self.adamw.clip_grad is None else \
+            clip_coefficient(self.grad_norm, self.adamw.clip_grad)
+        self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
         return sum(losses) / len(losses)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step (a schedule's, runtime.train.schedule)."""
+        self.adamw.lr = lr
+
+    def step_metrics(self) -> dict:
+        """The last step's global gradient norm (before clipping), for its record."""
+        norm = getattr(self, "grad_norm", None)
+        return {} if norm is None else {"grad_norm": float(norm)}
 
     def _loss_and_gradients(self, window: Tensor):
         from runtime.cuda.lm_head import logits_cross_entropy
@@ -106,7 +119,8 @@ class CUDATrainer:
         program = gpu_program(model, batch, seq, memory_budget)
         if dist is not None:
             dist.context.same_program(program.document)
-        config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay)
+        config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay,
+                             adamw.decay_all, adamw.clip_grad)
         # decisions="auto": a budgeted program's recompute decisions run in the step
         self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused",
                               accumulation=accumulation, dist=dist)
@@ -126,26 +140,43 @@ class CUDATrainer:
             self.step.set_batch(tokens, labels)
             self.step.capture(warmup=1)  # its one warm-up is this step
         self.steps_run += 1
-        return float(self.step.loss)
+        # one read of both (the loss is read every step anyway: no sync more)
+        loss, self._norm = torch.cat([self.step.loss.reshape(1),
+                                      self.step.grad_norm.reshape(1)]).tolist()
+        return loss
 
-    def state(self) -> dict:
+    def set_lr(self, lr: float) -> None:
+        """The next step's learning rate, written into the device scalar the captured
+        graph reads (no re-capture)."""
+        self.step.set_lr(lr)
+
+    def step_metrics(self) -> dict:
+        """The last step's global gradient norm (read with its loss)."""
+        norm = getattr(self, "_norm", None)
+        return {} if norm is None else {"grad_norm": norm}
+
+    def state(self, moments: bool = True) -> dict:
+        """The whole state; `moments=False` under data parallel: the masters alone are
+        gathered (the ranks' shards hold the moments: runtime.train.shards)."""
         s = self.step
         if s.zero is not None:
-            return self._gathered_state()
+            return self._gathered_state(moments)
         if self.frozen:  # LoRA: the model's adapters are the step's masters (save_lora)
             self.model.params.update(s.masters)
         # joined one by one on the host as the checkpoint writes them (no GPU memory)
         return {"masters": ChainMap(s.masters.on("cpu"), self.frozen), "exp_avg": s.exp_avg,
                 "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())}
 
-    def _gathered_state(self) -> dict:
+    def _gathered_state(self, moments: bool = True) -> dict:
         """Data parallel: the whole state, gathered shard by shard onto the host (a
         collective: every rank runs it; only the main rank keeps what it gathers)."""
         s, keep = self.step, on_main_rank(self.step)
         masters, exp_avg, exp_avg_sq = {}, {}, {}
-        for path, master, m, v in s.zero.full_state():
+        for path, master, m, v in s.zero.full_state(moments):
             if keep:
-                masters[path], exp_avg[path], exp_avg_sq[path] = master, m, v
+                masters[path] = master
+                if moments:
+                    exp_avg[path], exp_avg_sq[path] = m, v
         if self.frozen and keep:  # LoRA: the model's adapters are the masters (save_lora)
             self.model.params.update({p: masters[p] for p in masters})
         masters.update(self.frozen)

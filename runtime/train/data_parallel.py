@@ -80,7 +80,8 @@ class CPUDataParallelTrainer(CPUTrainer):
         check_group(section["mesh"]["dp"], parallel.dp_group)
         precision = Precision(model.dtype, model.dtype, split=False, update=self._update)
         self.zero = ZeroRun(section, parallel.dp_rank, precision, "cpu", InOrder(),
-                            parallel.dp_group)
+                            parallel.dp_group, decay_of=self._decay_of,
+                            clip=adamw.clip_grad)
         self.ties = tied_targets(model.source.program(planned=False).weight_schema)
         self._bind(self.zero.load(model.params))
         model.frame_events = self.zero
@@ -93,9 +94,21 @@ class CPUDataParallelTrainer(CPUTrainer):
         for path, target in self.ties.items():
             params[path] = params[target]
 
-    def _update(self, hi: Tensor, lo, grad: Tensor, m: Tensor, v: Tensor) -> None:
+    def _decay_of(self, path: str) -> float:
+        from runtime.train.param_groups import decay_scale
+
+        return decay_scale(self.program, path, self.adamw)
+
+    def _update(self, hi: Tensor, lo, grad: Tensor, m: Tensor, v: Tensor, decay: float,
+                scale: Tensor | None) -> None:
         a = self.adamw
-        adamw_step_(hi, grad, m, v, a.step, a.lr, a.betas, a.eps, a.weight_decay)
+        if scale is not None:
+            grad = grad * scale
+        adamw_step_(hi, grad, m, v, a.step, a.lr, a.betas, a.eps, a.weight_decay * decay)
+
+    def step_metrics(self) -> dict:
+        """The last step's global gradient norm (over every rank's shards)."""
+        return {"grad_norm": float(self.zero.grad_norm)}
 
     def train_step(self, window: Tensor) -> float:
         """One optimizer step on this rank's `window` rows; returns the mean loss over
@@ -121,11 +134,14 @@ class CPUDataParallelTrainer(CPUTrainer):
         dist.all_reduce(value)
         return float(value) / self.context.world
 
-    def state(self) -> dict:
-        """The whole state, gathered (a collective: every rank calls it)."""
+    def state(self, moments: bool = True) -> dict:
+        """The whole state, gathered (a collective: every rank calls it); `moments=False`:
+        the masters alone (the ranks' shards hold the moments)."""
         masters, exp_avg, exp_avg_sq = {}, {}, {}
-        for path, master, m, v in self.zero.full_state():
-            masters[path], exp_avg[path], exp_avg_sq[path] = master, m, v
+        for path, master, m, v in self.zero.full_state(moments):
+            masters[path] = master
+            if moments:
+                exp_avg[path], exp_avg_sq[path] = m, v
         for path in self.names:
             if path not in masters:  # not trained here (frozen)
                 masters[path] = self.model.params[path]

@@ -55,6 +55,18 @@ class Request:
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
+    # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    min_lr: float = 0.0
+    decay_steps: int | None = None  # wsd: the decay's steps (or decay_fraction of steps)
+    decay_fraction: float | None = None
+    decay_shape: str = "linear"
+    clip_grad: float | None = None  # global gradient-norm clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    decay_all: bool = False  # weight decay on norms, biases and embeddings too
     pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
 
@@ -146,11 +158,14 @@ def _check_optimizer(request: Request) -> None:
     # Checked at start: --lr nan was blamed on the embedding at step 1, --lr -1 ran.
     import math
 
+    from runtime.train.optim_options import check_optimizer_options
+
     for flag, value in (("--lr", request.lr), ("--weight-decay", request.weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise RuntimeUserError(f"{flag} is {value}: it must be a finite number >= 0",
                                    help=[f"for example {flag} 1e-4" if flag == "--lr"
                                          else f"for example {flag} 0.1"])
+    check_optimizer_options(request)
 
 
 # The fp32 weights are read into host memory on both devices: the CUDA step copies what
@@ -236,8 +251,10 @@ class Run:
             self.layout = whole_layout(self.layout, self.schema)
         self.config = _config(Path(weights))
         self.save_dtype = _save_dtype(request.save_dtype, self.config)
-        adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
-        self.trainer = self._trainer(adamw)
+        from runtime.train.optim_options import adamw_of, schedule_for
+
+        self.schedule = schedule_for(request)  # the lr of each step (set before it runs)
+        self.trainer = self._trainer(adamw_of(request))
         self.start, self.losses, self.saved = 0, [], None
         self.resumed_from = ""  # which files a resume read (said at the start)
 
@@ -291,6 +308,9 @@ class Run:
                                        f"{folder} was trained with {trainer.get(key)}",
                                        help=["resume with the settings of the run that "
                                              "saved the checkpoint"])
+        from runtime.train.optim_options import check_resume_schedule
+
+        check_resume_schedule(trainer, self.schedule, folder)
         self.start, self.losses = int(trainer["step"]), list(trainer.get("losses", []))
         if self.start >= self.request.steps:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
@@ -350,6 +370,7 @@ class Run:
             self._notes(progress)
             for step in range(self.start, r.steps):
                 window = self._own_rows(self.data.batch_at(step))
+                self.trainer.set_lr(self.schedule.lr_at(step + 1))
                 began = now()
                 loss = self.trainer.train_step(window)
                 times.append(now() - began)
@@ -377,6 +398,7 @@ class Run:
         self.losses.append(loss)
         memory = self.trainer.memory()
         progress.step({"step": step, "steps": self.request.steps, "loss": loss,
+                       "lr": self.schedule.lr_at(step), **self.trainer.step_metrics(),
                        "seconds": seconds,
                        "tokens_per_s": self._tokens_per_step() / seconds,
                        "peak_bytes": memory["peak_bytes"]})
@@ -388,9 +410,10 @@ class Run:
                    "losses": self.losses,
                    "model": str(r.file), "settings": r.settings,
                    "data": {"path": str(r.data), "dtype": self.data.dtype,
-                            "tokens": len(self.data.tokens)},
-                   "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
-        trainer |= self._settings()
+                            "tokens": len(self.data.tokens)}}
+        from runtime.train.optim_options import saved_optimizer
+
+        trainer |= saved_optimizer(r, self.schedule) | self._settings()
         state = self.trainer.state()  # under data parallel a collective: every rank
         if self.request.tp > 1:  # the ranks' slices joined (a collective too)
             from runtime.train.data_parallel import whole_state
