@@ -85,7 +85,7 @@ def test_emit_pipeline_prints_the_simulated_timeline():
     assert "2 stages (balanced split), 8 micro-batches, 1F1B" in result.output
     assert "simulated step:" in result.output and "bubble" in result.output
     assert result.output.count("stage 0 |") == 1
-    assert "no runtime executes it yet" in result.output
+    assert "modulec train --pp P` runs it" in result.output
 
 
 def test_plan_dp_zero3_prints_the_per_gpu_prediction():

@@ -166,8 +166,17 @@ STATUS: dict[str, Status] = {
                             ("tp_size", "ep_size", "pp_size", "async_comm", "reduce_scatter"))
                     + tuple(Part(nowhere("only parameters are sharded"), placement=where)
                             for where in ("output", "op", "input"))),
-    "partition": Status(nowhere("stages are checked and planned into the Schedule IR's "
-                                "`pipeline` section; no runtime executes a pipeline yet")),
+    "partition": Status(both("modulec.plan.pipeline:pipeline_section",
+                             "runtime.dist.pipeline:StageRunner",
+                             note="the stages of the Schedule IR's `pipeline` section, run "
+                                  "by `torchrun --nproc-per-node P -m modulec train --pp P` "
+                                  "(one stage a process, 1F1B, send/recv on gloo or NCCL) "
+                                  "through the reference interpreter: on GPUs eagerly, not "
+                                  "the CUDA-graph step (docs/distributed.md, Pipeline)"),
+                        (given("micro_batch", nowhere("a pipeline step always takes "
+                                                      "--microbatches micro-batches")),
+                         given("recompute", nowhere("a stage keeps its micro-batches' "
+                                                    "activations until their backward")))),
     "comm": Status(nowhere(NOT_DISTRIBUTED)),
     # §7.7 debugging
     "assert": Status(both("runtime.conditions:evaluate", *INTERPRETED)),

@@ -167,8 +167,8 @@ def print_pipeline(report: dict, model: str) -> None:
                f"(equal stages, free links: {s['ideal_bubble_fraction']:.1%})")
     for line in chart(report["timeline"]):
         click.echo(line)
-    click.echo("note: the pipeline section is lowered and simulated; no runtime executes it "
-               "yet (docs/distributed.md, Pipeline)")
+    click.echo("note: simulated; `torchrun --nproc-per-node P -m modulec train --pp P` runs "
+               "it (docs/distributed.md, Pipeline)")
 
 
 def _unit_text(unit: dict) -> str:
