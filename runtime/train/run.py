@@ -55,18 +55,12 @@ class Request:
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
-    # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
-    lr_schedule: str = "constant"
-    warmup: int = 0
-    min_lr: float = 0.0
-    decay_steps: int | None = None  # wsd: the decay's steps (or decay_fraction of steps)
-    decay_fraction: float | None = None
-    decay_shape: str = "linear"
-    clip_grad: float | None = None  # global gradient-norm clipping
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    decay_all: bool = False  # weight decay on norms, biases and embeddings too
+    init: str | None = None  # "random": from scratch (runtime/train/init.py)
+    config: Path | None = None  # with --init random: the HF config.json sizing the model
+    eval_data: Path | None = None  # evaluation (runtime/train/evaluate.py)
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    log_dir: Path | None = None  # metrics.jsonl + TensorBoard (runtime/train/metrics.py)
     pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
 
@@ -89,11 +83,12 @@ def train_model(**kwargs) -> str:
 def _train(request: Request, context) -> str:
     resumed = _resumed(request.resume)
     weights = resumed[0] if resumed else request.hf_weights
-    if weights is None:
+    if weights is None and request.init is None:
         raise RuntimeUserError("give the weights to start from: --hf-weights DIR (or "
-                               "--resume DIR)")
+                               "--resume DIR), or train from scratch: --init random")
     check_batch_fits(request.data, request.dtype_tokens, request.seq,
                      request.batch * request.grad_accum)
+    _check_eval(request, context)
     model = _model(request, weights, context.rank % request.tp)
     sizes = _sizes(model, request)
     parallel = _parallel(request, context, model)
@@ -105,6 +100,17 @@ def _train(request: Request, context) -> str:
     if resumed:
         run.resume(*resumed)
     return run.train()
+
+
+def _check_eval(request: Request, context) -> None:
+    """The evaluation options, and the eval file's size, before the model is built."""
+    from runtime.train.evaluate import check_eval_options
+
+    check_eval_options(request.eval_data, request.eval_every, request.eval_batches,
+                       context.distributed)
+    if request.eval_data is not None:
+        check_batch_fits(request.eval_data, request.dtype_tokens, request.seq,
+                         request.batch)
 
 
 def _context(request: Request):
@@ -152,20 +158,21 @@ def _check_numbers(request: Request) -> None:
     if request.save_every is not None and request.save is None:
         raise RuntimeUserError("--save-every needs --save DIR")
     _check_optimizer(request)
+    from runtime.train.init import check_init
+
+    check_init(request.init, request.hf_weights, request.resume, request.config,
+               request.tp)
 
 
 def _check_optimizer(request: Request) -> None:
     # Checked at start: --lr nan was blamed on the embedding at step 1, --lr -1 ran.
     import math
 
-    from runtime.train.optim_options import check_optimizer_options
-
     for flag, value in (("--lr", request.lr), ("--weight-decay", request.weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise RuntimeUserError(f"{flag} is {value}: it must be a finite number >= 0",
                                    help=[f"for example {flag} 1e-4" if flag == "--lr"
                                          else f"for example {flag} 0.1"])
-    check_optimizer_options(request)
 
 
 # The fp32 weights are read into host memory on both devices: the CUDA step copies what
@@ -185,7 +192,7 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
     if request.file.suffix == ".ir":
         return _model_from_ir(request, weights)
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
-                              dtype=torch.float32, device=HOST,
+                              config=request.config, dtype=torch.float32, device=HOST,
                               model=request.model, search_path=request.search_path,
                               progress=request.fmt == "human" and sys.stderr.isatty(),
                               memory_budget=request.memory_budget
@@ -198,6 +205,17 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
     # build the program at the run's sizes now: an unmeetable --memory-budget fails here
     # (on the GPU, the trainer plans its own: runtime.train.backends.gpu_program)
     model.source.program_for(sized_inputs(names, request.batch, request.seq))
+    return _initialized(request, model)
+
+
+def _initialized(request: Request, model: Model) -> Model:
+    """--init random: the standard init (runtime/train/init.py), seeded by --seed."""
+    if request.init == "random":
+        from runtime.train.init import init_std, initialize
+
+        config = _config(request.config.parent, request.config.name) \
+            if request.config else None
+        initialize(model, request.seed, init_std(config))
     return model
 
 
@@ -220,7 +238,7 @@ def _model_from_ir(request: Request, weights: Path) -> Model:
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
                                f"only; {request.file}'s model takes {', '.join(names)}")
     model.source.program_for(sized_inputs(names, request.batch, request.seq))
-    return model
+    return _initialized(request, model)
 
 
 def _sizes(model: Model, request: Request) -> tuple[int | None, int | None]:
@@ -249,12 +267,15 @@ class Run:
             from runtime.tensor_parallel import whole_layout
 
             self.layout = whole_layout(self.layout, self.schema)
-        self.config = _config(Path(weights))
-        self.save_dtype = _save_dtype(request.save_dtype, self.config)
-        from runtime.train.optim_options import adamw_of, schedule_for
+        self.config = _config(Path(weights)) if weights is not None else \
+            _scratch_config(request, model)
+        if weights is None and request.save is not None:  # a model never loaded
+            from runtime.train.init import scratch_layout
 
-        self.schedule = schedule_for(request)  # the lr of each step (set before it runs)
-        self.trainer = self._trainer(adamw_of(request))
+            self.layout = scratch_layout(self.schema, self.config) | self.layout
+        self.save_dtype = _save_dtype(request.save_dtype, self.config)
+        adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
+        self.trainer = self._trainer(adamw)
         self.start, self.losses, self.saved = 0, [], None
         self.resumed_from = ""  # which files a resume read (said at the start)
 
@@ -308,9 +329,6 @@ class Run:
                                        f"{folder} was trained with {trainer.get(key)}",
                                        help=["resume with the settings of the run that "
                                              "saved the checkpoint"])
-        from runtime.train.optim_options import check_resume_schedule
-
-        check_resume_schedule(trainer, self.schedule, folder)
         self.start, self.losses = int(trainer["step"]), list(trainer.get("losses", []))
         if self.start >= self.request.steps:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
@@ -366,15 +384,17 @@ class Run:
         r = self.request
         times = []
         fmt = r.fmt if self.context.is_main else "none"  # rank 0 reports
-        with Progress(fmt, self.start, r.steps) as progress:
+        with Progress(fmt, self.start, r.steps) as progress, self._observer() as observer:
             self._notes(progress)
+            for note in observer.notes():
+                progress.note(note)
+            self.observer = observer
             for step in range(self.start, r.steps):
                 window = self._own_rows(self.data.batch_at(step))
-                self.trainer.set_lr(self.schedule.lr_at(step + 1))
                 began = now()
                 loss = self.trainer.train_step(window)
                 times.append(now() - began)
-                self._record(progress, step + 1, loss, times[-1])
+                self._record(progress, step + 1, loss, times[-1], observer)
                 if r.save_every and (step + 1) % r.save_every == 0 and step + 1 < r.steps:
                     self._save(step + 1, progress)
             if r.save is not None:
@@ -391,17 +411,30 @@ class Run:
                           f"{counts['recompute']} and keeps {counts['keep']} activation "
                           "decisions (no swaps on the GPU)")
 
-    def _record(self, progress: Progress, step: int, loss: float, seconds: float) -> None:
+    def _observer(self):
+        """Evaluation and the metrics log (runtime/train/observe.py)."""
+        from runtime.train.observe import Observer
+
+        return Observer(self.request, self.trainer, self.data.dtype, self.data.vocab_size,
+                        self.start, self._lr_at, self.context.is_main)
+
+    def _lr_at(self, step: int) -> float:
+        """The learning rate optimizer step `step` took (a schedule's, where the run has
+        one)."""
+        schedule = getattr(self, "schedule", None)
+        return schedule.lr_at(step) if schedule is not None else self.request.lr
+
+    def _record(self, progress: Progress, step: int, loss: float, seconds: float,
+                observer=None) -> None:
         if not math.isfinite(loss):
             raise RuntimeUserError(f"the loss is {loss} at step {step}: training diverged",
                                    help=["lower --lr; nothing was saved for this step"])
         self.losses.append(loss)
         memory = self.trainer.memory()
-        progress.step({"step": step, "steps": self.request.steps, "loss": loss,
-                       "lr": self.schedule.lr_at(step), **self.trainer.step_metrics(),
-                       "seconds": seconds,
-                       "tokens_per_s": self._tokens_per_step() / seconds,
-                       "peak_bytes": memory["peak_bytes"]})
+        record = {"step": step, "steps": self.request.steps, "loss": loss,
+                  "seconds": seconds, "tokens_per_s": self._tokens_per_step() / seconds,
+                  "peak_bytes": memory["peak_bytes"]}
+        progress.step(observer.after_step(record) if observer is not None else record)
 
     def _save(self, step: int, progress: Progress) -> None:
         r = self.request
@@ -410,10 +443,9 @@ class Run:
                    "losses": self.losses,
                    "model": str(r.file), "settings": r.settings,
                    "data": {"path": str(r.data), "dtype": self.data.dtype,
-                            "tokens": len(self.data.tokens)}}
-        from runtime.train.optim_options import saved_optimizer
-
-        trainer |= saved_optimizer(r, self.schedule) | self._settings()
+                            "tokens": len(self.data.tokens)},
+                   "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
+        trainer |= self._settings()
         state = self.trainer.state()  # under data parallel a collective: every rank
         if self.request.tp > 1:  # the ranks' slices joined (a collective too)
             from runtime.train.data_parallel import whole_state
@@ -456,6 +488,9 @@ class Run:
                 "loss_first": ran[0], "loss_last": ran[-1], "tokens_per_s": tokens_per_s,
                 "peak_bytes": memory["peak_bytes"], "memory": memory["what"],
                 "saved": str(self.saved) if self.saved else None}
+        evaluated = getattr(getattr(self, "observer", None), "last_eval", None)
+        if evaluated is not None:
+            data["eval_step"], data["eval_loss"] = evaluated
         if r.fmt == "json":
             return json.dumps(data)
         text = (f"trained steps {data['first_step']}..{r.steps}: loss {ran[0]:.4f} -> "
@@ -464,6 +499,8 @@ class Run:
         if r.device == "cuda" and r.memory_budget is not None and \
                 memory["peak_bytes"] > r.memory_budget:
             text += f"; over the --memory-budget {gib(r.memory_budget)}"
+        if evaluated is not None:
+            text += f"; eval loss {evaluated[1]:.4f} (step {evaluated[0]})"
         return text + (f"; saved {self.saved}" if self.saved else "")
 
 
@@ -481,8 +518,19 @@ def _decision_counts(decisions) -> dict:
     return counts
 
 
-def _config(weights: Path) -> dict | None:
-    path = weights / "config.json"
+def _scratch_config(request: Request, model: Model) -> dict:
+    """The config.json of a from-scratch run's checkpoints: --config's, else one made
+    from the model's hf_config and parameters (runtime/train/init.py)."""
+    from runtime.train.init import init_std, scratch_config
+
+    if request.config is not None:
+        return _config(request.config.parent, request.config.name)
+    program = model.source.program(planned=False)
+    return scratch_config(program, init_std(None))
+
+
+def _config(weights: Path, name: str = "config.json") -> dict | None:
+    path = weights / name
     if not path.is_file():
         return None
     try:
