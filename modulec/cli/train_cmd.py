@@ -19,6 +19,37 @@ from modulec.cli.runtime_call import call_runtime, model_choice_options
 
 TOKEN_DTYPES = ("uint16", "uint32")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULES = ("constant", "linear", "cosine", "wsd")  # runtime.train.schedule's KINDS
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # and DECAY_SHAPES
+
+
+def optimizer_options() -> list:
+    """The schedule, clipping and AdamW options (docs/training.md, "Optimizer")."""
+    return [
+        click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant",
+                     show_default=True,
+                     help="The learning rate over --steps: warmup, then constant, linear "
+                          "or cosine decay to --min-lr, or wsd (warmup-stable-decay)."),
+        click.option("--warmup", type=int, default=0, show_default=True, metavar="W",
+                     help="Steps of linear warmup from 0 to --lr (step t takes lr t / W)."),
+        click.option("--min-lr", type=float, default=0.0, show_default=True,
+                     help="The rate the decay ends at (linear, cosine, wsd)."),
+        click.option("--decay-steps", type=int, metavar="D",
+                     help="wsd: the last D steps decay (default: --decay-fraction)."),
+        click.option("--decay-fraction", type=float, metavar="F",
+                     help="wsd: the last round(F x --steps) steps decay (default 0.1)."),
+        click.option("--decay-shape", type=click.Choice(DECAY_SHAPES), default="linear",
+                     show_default=True, help="wsd: the decay's shape."),
+        click.option("--clip-grad", type=float, metavar="MAX",
+                     help="Scale the gradients by min(1, MAX / (norm + 1e-6)), norm the "
+                          "global L2 norm of all trained gradients."),
+        click.option("--beta1", type=float, default=0.9, show_default=True),
+        click.option("--beta2", type=float, default=0.95, show_default=True),
+        click.option("--eps", type=float, default=1e-8, show_default=True),
+        click.option("--decay-all", is_flag=True,
+                     help="Weight decay on every parameter, norms, biases and embeddings "
+                          "included."),
+    ]
 
 
 def _options(command):
@@ -40,8 +71,12 @@ def _options(command):
                      help="Total optimizer steps (a resumed run continues up to N)."),
         click.option("--dtype-tokens", type=click.Choice(TOKEN_DTYPES),
                      help="How ids are stored (default: uint16 if vocab_size <= 65536)."),
-        click.option("--lr", type=float, default=1e-4, show_default=True),
-        click.option("--weight-decay", type=float, default=0.0, show_default=True),
+        click.option("--lr", type=float, default=1e-4, show_default=True,
+                     help="The peak learning rate (the schedule's)."),
+        click.option("--weight-decay", type=float, default=0.0, show_default=True,
+                     help="AdamW's decoupled weight decay; norm weights, biases and "
+                          "embeddings get none unless --decay-all."),
+    ] + optimizer_options() + [
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seeds the order of the samples (and --init random's weights)."),
         click.option("--init", type=click.Choice(["random"]),

@@ -14,6 +14,10 @@ def gib(n: int | None) -> str:
 def line(record: dict) -> str:
     text = (f"step {record['step']}/{record['steps']}  loss {record['loss']:.4f}  "
             f"tokens/s {record['tokens_per_s']:,.0f}  peak {gib(record['peak_bytes'])}")
+    if record.get("lr") is not None:  # the schedule's rate and the gradient norm
+        text += f"  lr {record['lr']:.3g}"
+    if record.get("grad_norm") is not None:
+        text += f"  grad norm {record['grad_norm']:.3g}"
     if record.get("eval_loss") is not None:  # --eval-data, on the steps evaluated
         text += f"  eval loss {record['eval_loss']:.4f}"
     return text

@@ -61,6 +61,18 @@ class Request:
     eval_every: int | None = None
     eval_batches: int | None = None
     log_dir: Path | None = None  # metrics.jsonl + TensorBoard (runtime/train/metrics.py)
+    # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    min_lr: float = 0.0
+    decay_steps: int | None = None  # wsd: the decay's steps (or decay_fraction of steps)
+    decay_fraction: float | None = None
+    decay_shape: str = "linear"
+    clip_grad: float | None = None  # global gradient-norm clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    decay_all: bool = False  # weight decay on norms, biases and embeddings too
     pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
 
@@ -168,11 +180,14 @@ def _check_optimizer(request: Request) -> None:
     # Checked at start: --lr nan was blamed on the embedding at step 1, --lr -1 ran.
     import math
 
+    from runtime.train.optim_options import check_optimizer_options
+
     for flag, value in (("--lr", request.lr), ("--weight-decay", request.weight_decay)):
         if not math.isfinite(value) or value < 0:
             raise RuntimeUserError(f"{flag} is {value}: it must be a finite number >= 0",
                                    help=[f"for example {flag} 1e-4" if flag == "--lr"
                                          else f"for example {flag} 0.1"])
+    check_optimizer_options(request)
 
 
 # The fp32 weights are read into host memory on both devices: the CUDA step copies what
@@ -274,8 +289,10 @@ class Run:
 
             self.layout = scratch_layout(self.schema, self.config) | self.layout
         self.save_dtype = _save_dtype(request.save_dtype, self.config)
-        adamw = AdamW(lr=request.lr, weight_decay=request.weight_decay)
-        self.trainer = self._trainer(adamw)
+        from runtime.train.optim_options import adamw_of, schedule_for
+
+        self.schedule = schedule_for(request)  # the lr of each step (set before it runs)
+        self.trainer = self._trainer(adamw_of(request))
         self.start, self.losses, self.saved = 0, [], None
         self.resumed_from = ""  # which files a resume read (said at the start)
 
@@ -329,6 +346,9 @@ class Run:
                                        f"{folder} was trained with {trainer.get(key)}",
                                        help=["resume with the settings of the run that "
                                              "saved the checkpoint"])
+        from runtime.train.optim_options import check_resume_schedule
+
+        check_resume_schedule(trainer, self.schedule, folder)
         self.start, self.losses = int(trainer["step"]), list(trainer.get("losses", []))
         if self.start >= self.request.steps:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
@@ -391,6 +411,7 @@ class Run:
             self.observer = observer
             for step in range(self.start, r.steps):
                 window = self._own_rows(self.data.batch_at(step))
+                self.trainer.set_lr(self.schedule.lr_at(step + 1))
                 began = now()
                 loss = self.trainer.train_step(window)
                 times.append(now() - began)
@@ -443,9 +464,10 @@ class Run:
                    "losses": self.losses,
                    "model": str(r.file), "settings": r.settings,
                    "data": {"path": str(r.data), "dtype": self.data.dtype,
-                            "tokens": len(self.data.tokens)},
-                   "adamw": {"lr": r.lr, "weight_decay": r.weight_decay}}
-        trainer |= self._settings()
+                            "tokens": len(self.data.tokens)}}
+        from runtime.train.optim_options import saved_optimizer
+
+        trainer |= saved_optimizer(r, self.schedule) | self._settings()
         state = self.trainer.state()  # under data parallel a collective: every rank
         if self.request.tp > 1:  # the ranks' slices joined (a collective too)
             from runtime.train.data_parallel import whole_state
