@@ -282,17 +282,25 @@ int64_t positions(const std::optional<Tensor>& position_ids, const Tensor& x) {
   return p.size(0) == 1 ? 0 : T;
 }
 
+// inv_freq: fp32 [n] on x's device, 2n <= D (the channels that rotate)
+void check_inv_freq(const Tensor& inv_freq, const Tensor& x, int64_t rotated_max) {
+  check(inv_freq, "inv_freq", at::kFloat, x);
+  TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.size(0) >= 1 && 2 * inv_freq.size(0) <= rotated_max,
+              "inv_freq must be [n] with 1 <= 2n <= ", rotated_max, ", got ", inv_freq.sizes());
+}
+
 void rope_into(const Tensor& x, const Tensor& out, const std::optional<Tensor>& position_ids,
-               double theta, bool inverse) {
+               const Tensor& inv_freq, double scale, bool interleaved, bool inverse) {
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
-  TORCH_CHECK(D % 2 == 0, "rope: head dim D=", D, " must be even");
+  check_inv_freq(inv_freq, x, D);
   const auto xs = bht_strides(x, "x"), os = bht_strides(out, "out");
   const int64_t pos_stride = positions(position_ids, x);
   check_launch(modulec::launch_rope(dtype_of(x), x.data_ptr(), xs.data(), out.data_ptr(),
                                     os.data(),
                                     position_ids ? position_ids->data_ptr<int32_t>() : nullptr,
-                                    pos_stride, B, H, T, D, static_cast<float>(theta), inverse,
-                                    stream()),
+                                    pos_stride, B, H, T, D, inv_freq.data_ptr<float>(),
+                                    inv_freq.size(0), static_cast<float>(scale), interleaved,
+                                    inverse, stream()),
                "rope");
 }
 
@@ -306,9 +314,10 @@ void check_x(const Tensor& x, const char* name, const Tensor& like) {
 
 // x [B, H, T, D] (any strides over b, h, t) rotated (inverse: the backward) into a new
 // tensor laid out [B, T, H, D] (returned as its [B, H, T, D] transpose: the layout
-// FlashAttention reads); position_ids int32 [B or 1, T] or None
-Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, double theta,
-            bool inverse, const Outputs& out) {
+// FlashAttention reads); position_ids int32 [B or 1, T] or None; inv_freq fp32 [n] (2n
+// channels rotate), cos and sin times scale; interleaved: pairs (2i, 2i + 1)
+Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, const Tensor& inv_freq,
+            double scale, bool interleaved, bool inverse, const Outputs& out) {
   check_x(x, "x", x);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor y;
@@ -319,18 +328,18 @@ Tensor rope(const Tensor& x, const std::optional<Tensor>& position_ids, double t
   } else {
     y = at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
   }
-  rope_into(x, y, position_ids, theta, inverse);
+  rope_into(x, y, position_ids, inv_freq, scale, interleaved, inverse);
   return y;
 }
 
 // x [B, H, T, D] (any strides over b, h, t) rotated in place: each element is read
 // before it is written, by the same thread (RoPE inside the fused QKV projection output,
 // modulec/plan/in_place.py)
-void rope_inplace(const Tensor& x, const std::optional<Tensor>& position_ids, double theta,
-                  bool inverse) {
+void rope_inplace(const Tensor& x, const std::optional<Tensor>& position_ids,
+                  const Tensor& inv_freq, double scale, bool interleaved, bool inverse) {
   check_x(x, "x", x);
   const c10::cuda::CUDAGuard guard(x.device());
-  rope_into(x, x, position_ids, theta, inverse);
+  rope_into(x, x, position_ids, inv_freq, scale, interleaved, inverse);
 }
 
 // The rope backward of q [B, Hq, T, D] and k [B, Hk, T, D] written into the head slots of
@@ -355,13 +364,14 @@ std::vector<Tensor> qkv_gradient_slots(const Tensor& q, int64_t Hk, int64_t extr
 }
 
 std::vector<Tensor> rope_qk_into_heads(const Tensor& q, const Tensor& k,
-                                       const std::optional<Tensor>& position_ids, double theta,
+                                       const std::optional<Tensor>& position_ids,
+                                       const Tensor& inv_freq, double scale, bool interleaved,
                                        bool inverse, int64_t extra_heads) {
   check_qk(q, k);
   const c10::cuda::CUDAGuard guard(q.device());
   auto slots = qkv_gradient_slots(q, k.size(1), extra_heads);
-  rope_into(q, slots[1], position_ids, theta, inverse);
-  rope_into(k, slots[2], position_ids, theta, inverse);
+  rope_into(q, slots[1], position_ids, inv_freq, scale, interleaved, inverse);
+  rope_into(k, slots[2], position_ids, inv_freq, scale, interleaved, inverse);
   return slots;
 }
 
@@ -377,6 +387,13 @@ void check_qk_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight,
   TORCH_CHECK(q_weight.dim() == 1 && q_weight.size(0) == D && k_weight.dim() == 1 &&
                   k_weight.size(0) == D,
               "q_weight and k_weight must be [", D, "]");
+}
+
+// the fused kernel rotates every channel: inv_freq fp32 [D / 2]
+void check_qk_inv_freq(const Tensor& inv_freq, const Tensor& q) {
+  check_inv_freq(inv_freq, q, q.size(3));
+  TORCH_CHECK(2 * inv_freq.size(0) == q.size(3), "qk_norm_rope: inv_freq must be [D / 2] = [",
+              q.size(3) / 2, "], got ", inv_freq.sizes());
 }
 
 void set_strides(const Tensor& t, int64_t (&out)[3]) {
@@ -411,8 +428,9 @@ Tensor heads_bthd(const Tensor& like, int64_t H) {
 std::vector<Tensor> qk_norm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_weight,
                                          const Tensor& k_weight,
                                          const std::optional<Tensor>& position_ids, double eps,
-                                         double theta) {
+                                         const Tensor& inv_freq, double scale) {
   check_qk_rope(q, k, q_weight, k_weight);
+  check_qk_inv_freq(inv_freq, q);
   const int64_t pos_stride = positions(position_ids, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
@@ -423,7 +441,8 @@ std::vector<Tensor> qk_norm_rope_forward(const Tensor& q, const Tensor& k, const
                    dtype_of(q), qk_rope_side(q, q_rot, q_weight, q_rstd, nullptr),
                    qk_rope_side(k, k_rot, k_weight, k_rstd, nullptr),
                    position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B, T,
-                   D, static_cast<float>(eps), static_cast<float>(theta), stream()),
+                   D, static_cast<float>(eps), inv_freq.data_ptr<float>(),
+                   static_cast<float>(scale), stream()),
                "qk_norm_rope forward");
   return {q_rot, k_rot, q_rstd, k_rstd};
 }
@@ -435,9 +454,11 @@ std::vector<Tensor> qk_norm_rope_backward(const Tensor& d_q_rot, const Tensor& d
                                           const Tensor& q, const Tensor& k, const Tensor& q_weight,
                                           const Tensor& k_weight, const Tensor& q_rstd,
                                           const Tensor& k_rstd,
-                                          const std::optional<Tensor>& position_ids, double theta,
+                                          const std::optional<Tensor>& position_ids,
+                                          const Tensor& inv_freq, double scale,
                                           int64_t extra_heads) {
   check_qk_rope(q, k, q_weight, k_weight);
+  check_qk_inv_freq(inv_freq, q);
   check_x(d_q_rot, "d_q_rot", q);
   check_x(d_k_rot, "d_k_rot", q);
   TORCH_CHECK(d_q_rot.sizes() == q.sizes() && d_k_rot.sizes() == k.sizes(),
@@ -459,8 +480,9 @@ std::vector<Tensor> qk_norm_rope_backward(const Tensor& d_q_rot, const Tensor& d
                    dtype_of(q), qk_rope_side(q, d_q, q_weight, q_rstd, &d_q_rot),
                    qk_rope_side(k, d_k, k_weight, k_rstd, &d_k_rot),
                    position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B, T,
-                   D, static_cast<float>(theta), d_q_weight.data_ptr(), d_k_weight.data_ptr(),
-                   work.data_ptr<float>(), stream()),
+                   D, inv_freq.data_ptr<float>(), static_cast<float>(scale),
+                   d_q_weight.data_ptr(), d_k_weight.data_ptr(), work.data_ptr<float>(),
+                   stream()),
                "qk_norm_rope backward");
   return {buffer, d_q, d_k, d_q_weight, d_k_weight};
 }
@@ -666,22 +688,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[0] and out[1])",
         py::arg("d_y"), py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
   m.def("rope", &rope,
-        "(x [B, H, T, D] strided, position_ids or None, theta, inverse, out=[]) -> rotated x, "
-        "laid out [B, T, H, D], or into out[0] (any strides over b, h, t)",
-        py::arg("x"), py::arg("position_ids"), py::arg("theta"), py::arg("inverse"),
-        py::arg("out") = Outputs());
+        "(x [B, H, T, D] strided, position_ids or None, inv_freq fp32 [n], scale, interleaved, "
+        "inverse, out=[]) -> rotated x (2n channels), laid out [B, T, H, D], or into out[0] "
+        "(any strides over b, h, t)",
+        py::arg("x"), py::arg("position_ids"), py::arg("inv_freq"), py::arg("scale"),
+        py::arg("interleaved"), py::arg("inverse"), py::arg("out") = Outputs());
   m.def("rope_inplace", &rope_inplace,
-        "(x [B, H, T, D] strided, position_ids or None, theta, inverse): x rotated in place");
+        "(x [B, H, T, D] strided, position_ids or None, inv_freq, scale, interleaved, inverse): "
+        "x rotated in place");
   m.def("rope_qk_into_heads", &rope_qk_into_heads,
-        "(q, k, position_ids or None, theta, inverse, extra_heads) -> [buffer [B, T, Hq + Hk + "
-        "extra, D], q', k']");
+        "(q, k, position_ids or None, inv_freq, scale, interleaved, inverse, extra_heads) -> "
+        "[buffer [B, T, Hq + Hk + extra, D], q', k']");
   m.def("qk_norm_rope_forward", &qk_norm_rope_forward,
-        "(q, k [B, H, T, D] strided, q_weight, k_weight, position_ids or None, eps, theta) -> "
-        "[q_rot, k_rot (laid out [B, T, H, D]), q_rstd, k_rstd]");
+        "(q, k [B, H, T, D] strided, q_weight, k_weight, position_ids or None, eps, inv_freq "
+        "fp32 [D/2], scale) -> [q_rot, k_rot (laid out [B, T, H, D]), q_rstd, k_rstd]");
   m.def("qk_norm_rope_backward", &qk_norm_rope_backward,
         "(d_q_rot, d_k_rot, q, k, q_weight, k_weight, q_rstd, k_rstd, position_ids or None, "
-        "theta, extra_heads) -> [buffer [B, T, Hq + Hk + extra, D], d_q, d_k, d_q_weight, "
-        "d_k_weight]");
+        "inv_freq, scale, extra_heads) -> [buffer [B, T, Hq + Hk + extra, D], d_q, d_k, "
+        "d_q_weight, d_k_weight]");
   m.def("embedding_backward", &embedding_backward,
         "(d_y [n, D], sorted_ids int64 [n], order int64 [n], V) -> d_weight [V, D]");
   m.def("moe_gather_rows", &moe_gather_rows,

@@ -68,19 +68,24 @@ cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, con
                                    int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
                                    int64_t C, cudaStream_t stream);
 
-// ---- rope.cu: rotate-half RoPE of x [B, H, T, D] into out (may alias x); x_strides and
-// out_strides: 3 strides (elements) over b, h, t each, the last dim contiguous.
-// position_ids: int32 [B or 1, T] or null (0 .. T-1); pos_batch_stride is T, or 0 when
-// one row of positions serves every batch. inverse: the backward (rotation by -angle).
+// ---- rope.cu: RoPE of x [B, H, T, D] into out (may alias x); x_strides and out_strides:
+// 3 strides (elements) over b, h, t each, the last dim contiguous. position_ids: int32
+// [B or 1, T] or null (0 .. T-1); pos_batch_stride is T, or 0 when one row of positions
+// serves every batch. inv_freq: fp32 [n] on the device, 2n <= D channels rotate (the rest
+// pass through), in pairs (i, i + n), or (2i, 2i + 1) when interleaved; cos and sin are
+// times scale. inverse: the backward (rotation by -angle).
 cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void* out,
                         const int64_t* out_strides, const int32_t* position_ids,
                         int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
-                        float theta, bool inverse, cudaStream_t stream);
+                        const float* inv_freq, int64_t n, float scale, bool interleaved,
+                        bool inverse, cudaStream_t stream);
 
 // ---- qk_norm_rope.cu: qk_norm then rope (std/primitives/qk_norm_rope.module) over q [B, Hq,
 // T, D] and k [B, Hk, T, D] in one launch each way. A QkRopeTensor is one of q, k: strides
 // (elements) over b, h, t, the last dim contiguous; position_ids and pos_batch_stride as
-// launch_rope's. D even and at most 256 (cudaErrorInvalidValue otherwise).
+// launch_rope's; every channel rotates, in rotate-half pairs, by inv_freq (fp32 [D/2] on
+// the device) with cos and sin times scale. D even and at most 256 (cudaErrorInvalidValue
+// otherwise).
 struct QkRopeTensor {
   const void* x = nullptr;      // q or k (the backward: the saved pre-norm one)
   int64_t x_strides[3] = {};
@@ -96,8 +101,8 @@ struct QkRopeTensor {
 // x_rot = rope(x * rstd * weight), rstd = 1 / sqrt(mean(x^2) + eps), for q and k.
 cudaError_t launch_qk_norm_rope_forward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
                                         const int32_t* position_ids, int64_t pos_batch_stride,
-                                        int64_t B, int64_t T, int64_t D, float eps, float theta,
-                                        cudaStream_t stream);
+                                        int64_t B, int64_t T, int64_t D, float eps,
+                                        const float* inv_freq, float scale, cudaStream_t stream);
 
 // fp32 workspace (in floats) that launch_qk_norm_rope_backward needs for its partials.
 int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t Hq, int64_t Hk,
@@ -108,9 +113,9 @@ int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t 
 // launch_rmsnorm_backward's: deterministic).
 cudaError_t launch_qk_norm_rope_backward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
                                          const int32_t* position_ids, int64_t pos_batch_stride,
-                                         int64_t B, int64_t T, int64_t D, float theta,
-                                         void* d_q_weight, void* d_k_weight, float* workspace,
-                                         cudaStream_t stream);
+                                         int64_t B, int64_t T, int64_t D,
+                                         const float* inv_freq, float scale, void* d_q_weight,
+                                         void* d_k_weight, float* workspace, cudaStream_t stream);
 
 // ---- adamw.cu: one AdamW step (torch.optim.AdamW's arithmetic) over n fp32 master
 // weights with fp32 moments, reading the gradient in bf16 or fp32 (grad_dt) and writing

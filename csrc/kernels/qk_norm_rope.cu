@@ -7,7 +7,10 @@
 // first, then k's), handled by a "group" of lanes, a power-of-two slice of a warp (<= 32),
 // sized so that each lane holds one 16-byte vector of each half row (a few scalars on the
 // scalar path). The angles depend on (b, t, i) only, so a group computes cos/sin once for
-// its kHeads heads (as rope.cu does: powf/sincosf would otherwise rival the memory time).
+// its kHeads heads (as rope.cu does: sincosf would otherwise rival the memory time). The
+// frequencies come from the caller (inv_freq, fp32 [D/2], as rope.cu's: any scaled RoPE),
+// cos and sin times `scale`; every channel rotates, in rotate-half pairs (partial rotary
+// and interleaved pairs run the reference: runtime/cuda/kernels.py QkNormRopeKernel).
 // A row's sum (of squares; of g w n in the backward) is an xor shuffle inside the group.
 // Lane j holds elements j, j + group, ... of the first half and the same of the second,
 // so the rotation's pairs (i, i + D/2) never leave a lane.
@@ -43,7 +46,8 @@ struct Shape {
   int64_t T, D;
   const int32_t* pos;
   int64_t pos_stride;
-  float eps, theta, sign;  // sign: +1 forward rotation, -1 the backward's inverse
+  const float* inv_freq;   // [D / 2]
+  float eps, scale, sign;  // scale: cos and sin times it; sign: +1 forward, -1 backward
   int group;
   int64_t groups_q, groups_k;  // head groups (of kHeads) per (b, t)
   int64_t tasks_q, tasks;      // q's tasks, q's and k's
@@ -110,8 +114,8 @@ __device__ __forceinline__ float group_sum(float v, int group) {
   return v;
 }
 
-// cos and sign * sin of the angles of this lane's elements, in fp32 as the reference
-// builds its table: inv_freq = theta^(-2i/D), angle = pos * inv_freq.
+// scale * cos and sign * scale * sin of the angles of this lane's elements, in fp32 as the
+// reference builds its table: angle = pos * inv_freq[i].
 template <int VEC, int PAIRS>
 __device__ __forceinline__ void angles(const Shape& s, float pos, int lane, int64_t hv,
                                        float (&cs)[PAIRS][VEC], float (&sn)[PAIRS][VEC]) {
@@ -123,9 +127,9 @@ __device__ __forceinline__ void angles(const Shape& s, float pos, int lane, int6
       cs[p][e] = 1.f;
       sn[p][e] = 0.f;
       if (j >= hv) continue;
-      const float ex = -static_cast<float>(2 * (j * VEC + e)) / static_cast<float>(s.D);
-      sincosf(pos * powf(s.theta, ex), &sn[p][e], &cs[p][e]);
-      sn[p][e] *= s.sign;
+      sincosf(pos * s.inv_freq[j * VEC + e], &sn[p][e], &cs[p][e]);
+      cs[p][e] *= s.scale;
+      sn[p][e] *= s.sign * s.scale;
     }
   }
 }
@@ -331,9 +335,9 @@ void dispatch(int vec, int64_t D, int group, F&& f) {
 
 template <typename T>
 Shape shape_of(const QkRopeTensor& q, const QkRopeTensor& k, const int32_t* pos,
-               int64_t pos_stride, int64_t B, int64_t T_, int64_t D, float eps, float theta,
-               float sign) {
-  Shape s{q, k, T_, D, pos, pos_stride, eps, theta, sign, group_of<T>(D), 0, 0, 0, 0};
+               int64_t pos_stride, int64_t B, int64_t T_, int64_t D, float eps,
+               const float* inv_freq, float scale, float sign) {
+  Shape s{q, k, T_, D, pos, pos_stride, inv_freq, eps, scale, sign, group_of<T>(D), 0, 0, 0, 0};
   s.groups_q = (q.H + kHeads - 1) / kHeads;
   s.groups_k = (k.H + kHeads - 1) / kHeads;
   s.tasks_q = B * T_ * s.groups_q;
@@ -402,16 +406,18 @@ bool supported(int64_t D) { return D % 2 == 0 && D <= kMaxHeadDim; }
 
 cudaError_t launch_qk_norm_rope_forward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
                                         const int32_t* position_ids, int64_t pos_batch_stride,
-                                        int64_t B, int64_t T, int64_t D, float eps, float theta,
-                                        cudaStream_t stream) {
+                                        int64_t B, int64_t T, int64_t D, float eps,
+                                        const float* inv_freq, float scale, cudaStream_t stream) {
   if (!supported(D)) return cudaErrorInvalidValue;
   if (B * T * (q.H + k.H) * D == 0) return cudaSuccess;
   if (dt == DType::BF16)
     return forward_typed<__nv_bfloat16>(
-        shape_of<__nv_bfloat16>(q, k, position_ids, pos_batch_stride, B, T, D, eps, theta, 1.f),
+        shape_of<__nv_bfloat16>(q, k, position_ids, pos_batch_stride, B, T, D, eps, inv_freq,
+                                scale, 1.f),
         stream);
   return forward_typed<float>(
-      shape_of<float>(q, k, position_ids, pos_batch_stride, B, T, D, eps, theta, 1.f), stream);
+      shape_of<float>(q, k, position_ids, pos_batch_stride, B, T, D, eps, inv_freq, scale, 1.f),
+      stream);
 }
 
 int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t Hq, int64_t Hk,
@@ -422,17 +428,17 @@ int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t 
   k.H = Hk;
   if (dt == DType::BF16)
     return backward_plan<__nv_bfloat16>(
-               shape_of<__nv_bfloat16>(q, k, nullptr, 0, B, T, D, 0.f, 0.f, -1.f))
+               shape_of<__nv_bfloat16>(q, k, nullptr, 0, B, T, D, 0.f, nullptr, 0.f, -1.f))
                .parts() * D;
-  return backward_plan<float>(shape_of<float>(q, k, nullptr, 0, B, T, D, 0.f, 0.f, -1.f))
+  return backward_plan<float>(shape_of<float>(q, k, nullptr, 0, B, T, D, 0.f, nullptr, 0.f, -1.f))
              .parts() * D;
 }
 
 cudaError_t launch_qk_norm_rope_backward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
                                          const int32_t* position_ids, int64_t pos_batch_stride,
-                                         int64_t B, int64_t T, int64_t D, float theta,
-                                         void* d_q_weight, void* d_k_weight, float* workspace,
-                                         cudaStream_t stream) {
+                                         int64_t B, int64_t T, int64_t D,
+                                         const float* inv_freq, float scale, void* d_q_weight,
+                                         void* d_k_weight, float* workspace, cudaStream_t stream) {
   if (!supported(D)) return cudaErrorInvalidValue;
   if (D == 0) return cudaSuccess;
   const size_t bytes = D * (dt == DType::BF16 ? 2 : 4);
@@ -442,10 +448,11 @@ cudaError_t launch_qk_norm_rope_backward(DType dt, const QkRopeTensor& q, const 
   }
   if (dt == DType::BF16)
     return backward_typed<__nv_bfloat16>(
-        shape_of<__nv_bfloat16>(q, k, position_ids, pos_batch_stride, B, T, D, 0.f, theta, -1.f),
+        shape_of<__nv_bfloat16>(q, k, position_ids, pos_batch_stride, B, T, D, 0.f, inv_freq,
+                                scale, -1.f),
         d_q_weight, d_k_weight, workspace, stream);
   return backward_typed<float>(
-      shape_of<float>(q, k, position_ids, pos_batch_stride, B, T, D, 0.f, theta, -1.f),
+      shape_of<float>(q, k, position_ids, pos_batch_stride, B, T, D, 0.f, inv_freq, scale, -1.f),
       d_q_weight, d_k_weight, workspace, stream);
 }
 

@@ -1,9 +1,12 @@
-// rope forward and backward (std/primitives/rope.module), HF rotate-half convention:
-// element i pairs with i + D/2; out[i] = x[i] cos - x[i+h] sin, out[i+h] = x[i+h] cos +
-// x[i] sin; the backward rotates by -angle (sin negated). cos and sin are computed in
-// fp32 here, as the reference builds its tables: inv_freq = theta^(-2i/D) (powf), angle
-// = pos * inv_freq. They depend on (b, t, i) only, so a thread computes them once and
-// applies them to kHeads heads: the transcendentals would otherwise rival the memory time.
+// rope forward and backward (std/primitives/rope.module). The first R = 2n channels of each
+// head rotate, in pairs (i, i + n) (rotate-half, HF) or (2i, 2i + 1) (interleaved, GPT-J);
+// the rest pass through (copied when out is not x). Pair i turns by angle = pos *
+// inv_freq[i]: lo' = lo cos - hi sin, hi' = hi cos + lo sin, cos and sin times `scale` (the
+// attention scaling of yarn / longrope); the backward rotates by -angle (sin negated).
+// inv_freq (fp32 [n]) comes from the caller, computed as the reference computes it
+// (runtime/kernels/rope_freq.py, float64 then fp32): every scaled RoPE variant is a table.
+// cos and sin depend on (b, t, i) only, so a thread computes them once and applies them to
+// kHeads heads: the transcendentals would otherwise rival the memory time.
 // x and out have strides of their own over (b, h, t) (the last dim contiguous), so the
 // kernel reads the attention's q/k as the transposed views of the fused QKV projection
 // they are, and writes where the caller wants: [B, T, H, D] for FlashAttention, or the
@@ -20,7 +23,10 @@ struct RopeShape {
   int64_t B, H, T, D;
   int64_t xb, xh, xt, ob, oh, ot;  // strides (elements) of x and out over b, h, t
   int64_t pos_batch_stride;
-  float theta, sign;  // sign: +1 forward, -1 backward
+  const float* inv_freq;  // [n]
+  int64_t n;              // frequencies; R = 2n channels rotate
+  int64_t pass_units;     // vectors of the D - R pass-through channels to copy (0: in place)
+  float scale, sign;      // attention scaling; sign: +1 forward, -1 backward
 };
 
 template <int VEC>
@@ -28,74 +34,151 @@ __device__ __forceinline__ void rope_angles(const RopeShape& s, float pos, int64
                                             float (&cs)[VEC], float (&sn)[VEC]) {
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    // -(2i) / D then theta ** that, in fp32, as torch's `theta ** (-arange(0, D, 2) / D)`
-    const float e = -static_cast<float>(2 * (i0 + j)) / static_cast<float>(s.D);
-    const float angle = pos * powf(s.theta, e);
+    const float angle = pos * s.inv_freq[i0 + j];
     sincosf(angle, &sn[j], &cs[j]);
-    sn[j] *= s.sign;
+    cs[j] *= s.scale;
+    sn[j] *= s.sign * s.scale;
   }
 }
 
-// One thread: VEC pairs of one (b, t) in kHeads heads of x [B, H, T, D].
+// The offsets of a thread's two vectors for the VEC pairs from frequency i0: rotate-half
+// reads VEC lows at i0 and VEC highs at i0 + n; interleaved reads 2 VEC channels from 2 i0
+// (one scalar pair when VEC is 1).
+template <int VEC, bool INTER>
+__device__ __forceinline__ void pair_offsets(int64_t i0, int64_t n, int64_t& o0, int64_t& o1) {
+  o0 = INTER ? 2 * i0 : i0;
+  o1 = INTER ? (VEC == 1 ? 2 * i0 + 1 : 2 * i0 + VEC) : i0 + n;
+}
+
+// (v0, v1) as loaded -> (lo, hi) of pairs 0 .. VEC-1, and back (interleaved: pair m is
+// channels 2m, 2m + 1 of the two vectors side by side)
+template <int VEC, bool INTER>
+__device__ __forceinline__ void split_pairs(const float (&v0)[VEC], const float (&v1)[VEC],
+                                            float (&lo)[VEC], float (&hi)[VEC]) {
+#pragma unroll
+  for (int m = 0; m < VEC; ++m) {
+    if constexpr (!INTER || VEC == 1) {
+      lo[m] = v0[m];
+      hi[m] = v1[m];
+    } else {
+      constexpr int h = VEC / 2;
+      const int c = 2 * (m % h);
+      lo[m] = m < h ? v0[c] : v1[c];
+      hi[m] = m < h ? v0[c + 1] : v1[c + 1];
+    }
+  }
+}
+
+template <int VEC, bool INTER>
+__device__ __forceinline__ void join_pairs(const float (&lo)[VEC], const float (&hi)[VEC],
+                                           float (&v0)[VEC], float (&v1)[VEC]) {
+#pragma unroll
+  for (int m = 0; m < VEC; ++m) {
+    if constexpr (!INTER || VEC == 1) {
+      v0[m] = lo[m];
+      v1[m] = hi[m];
+    } else {
+      constexpr int h = VEC / 2;
+      const int c = 2 * (m % h);
+      (m < h ? v0 : v1)[c] = lo[m];
+      (m < h ? v0 : v1)[c + 1] = hi[m];
+    }
+  }
+}
+
+// The pass-through channels [R, D) of one (b, t): a VEC copy in kHeads heads.
 template <typename T, int VEC>
+__device__ __forceinline__ void copy_pass(const T* __restrict__ x, T* __restrict__ out,
+                                          const RopeShape& s, int64_t b, int64_t t,
+                                          int64_t unit) {
+  const int64_t c = 2 * s.n + unit * VEC;
+  const int64_t head0 = static_cast<int64_t>(blockIdx.y) * kHeads;
+#pragma unroll
+  for (int k = 0; k < kHeads; ++k) {
+    if (head0 + k >= s.H) continue;
+    float v[VEC];
+    load_vec<T, VEC>(x + b * s.xb + (head0 + k) * s.xh + t * s.xt + c, 0, v);
+    store_vec<T, VEC>(out + b * s.ob + (head0 + k) * s.oh + t * s.ot + c, 0, v);
+  }
+}
+
+// One thread: VEC pairs of one (b, t) in kHeads heads of x [B, H, T, D] (or, for units
+// past the pairs, a pass-through copy).
+template <typename T, int VEC, bool INTER>
 __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out,
                             const int32_t* __restrict__ position_ids, RopeShape s) {
-  const int64_t h = s.D / 2, hv = h / VEC;
+  const int64_t hv = s.n / VEC, units = hv + s.pass_units;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= s.B * s.T * hv) return;
-  const int64_t bt = idx / hv, i0 = (idx - bt * hv) * VEC;
+  if (idx >= s.B * s.T * units) return;
+  const int64_t bt = idx / units, unit = idx - bt * units;
   const int64_t b = bt / s.T, t = bt - b * s.T;
+  if (unit >= hv) return copy_pass<T, VEC>(x, out, s, b, t, unit - hv);
+  const int64_t i0 = unit * VEC;
   const float pos = position_ids ? static_cast<float>(position_ids[b * s.pos_batch_stride + t])
                                  : static_cast<float>(t);
   float cs[VEC], sn[VEC];
   rope_angles<VEC>(s, pos, i0, cs, sn);
+  int64_t o0, o1;
+  pair_offsets<VEC, INTER>(i0, s.n, o0, o1);
   const int64_t head0 = static_cast<int64_t>(blockIdx.y) * kHeads;
-  float lo[kHeads][VEC], hi[kHeads][VEC];
+  float v0[kHeads][VEC], v1[kHeads][VEC];
 #pragma unroll
   for (int k = 0; k < kHeads; ++k) {  // all loads first: 2 * kHeads vectors in flight
-    const int64_t base = b * s.xb + (head0 + k) * s.xh + t * s.xt + i0;
+    const int64_t base = b * s.xb + (head0 + k) * s.xh + t * s.xt;
     if (head0 + k < s.H) {
-      load_vec<T, VEC>(x + base, 0, lo[k]);
-      load_vec<T, VEC>(x + base + h, 0, hi[k]);
+      load_vec<T, VEC>(x + base + o0, 0, v0[k]);
+      load_vec<T, VEC>(x + base + o1, 0, v1[k]);
     }
   }
 #pragma unroll
   for (int k = 0; k < kHeads; ++k) {
     if (head0 + k >= s.H) continue;
-    const int64_t base = b * s.ob + (head0 + k) * s.oh + t * s.ot + i0;
-    float a[VEC], c[VEC];
+    const int64_t base = b * s.ob + (head0 + k) * s.oh + t * s.ot;
+    float lo[VEC], hi[VEC], a[VEC], c[VEC];
+    split_pairs<VEC, INTER>(v0[k], v1[k], lo, hi);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      a[j] = lo[k][j] * cs[j] - hi[k][j] * sn[j];
-      c[j] = hi[k][j] * cs[j] + lo[k][j] * sn[j];
+      a[j] = lo[j] * cs[j] - hi[j] * sn[j];
+      c[j] = hi[j] * cs[j] + lo[j] * sn[j];
     }
-    store_vec<T, VEC>(out + base, 0, a);
-    store_vec<T, VEC>(out + base + h, 0, c);
+    join_pairs<VEC, INTER>(a, c, v0[k], v1[k]);
+    store_vec<T, VEC>(out + base + o0, 0, v0[k]);
+    store_vec<T, VEC>(out + base + o1, 0, v1[k]);
   }
 }
 
-template <typename T, int VEC>
-void launch_vec(const void* x, void* out, const int32_t* pos, const RopeShape& s,
+template <typename T, int VEC, bool INTER>
+void launch_vec(const void* x, void* out, const int32_t* pos, RopeShape s,
                 cudaStream_t stream) {
-  const int64_t items = s.B * s.T * (s.D / 2 / VEC);
+  if (s.pass_units) s.pass_units = (s.D - 2 * s.n) / VEC;
+  const int64_t items = s.B * s.T * (s.n / VEC + s.pass_units);
   const dim3 grid(static_cast<unsigned>((items + kThreads - 1) / kThreads),
                   static_cast<unsigned>((s.H + kHeads - 1) / kHeads));
-  rope_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x),
-                                                     static_cast<T*>(out), pos, s);
+  rope_kernel<T, VEC, INTER><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x),
+                                                            static_cast<T*>(out), pos, s);
+}
+
+template <typename T, int VEC>
+void launch_layout(bool interleaved, const void* x, void* out, const int32_t* pos,
+                   const RopeShape& s, cudaStream_t stream) {
+  if (interleaved)
+    launch_vec<T, VEC, true>(x, out, pos, s, stream);
+  else
+    launch_vec<T, VEC, false>(x, out, pos, s, stream);
 }
 
 template <typename T>
 cudaError_t rope_typed(const void* x, void* out, const int32_t* pos, const RopeShape& s,
-                       cudaStream_t stream) {
+                       bool interleaved, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
-  // a half row of whole vectors keeps both halves of every row 16-byte aligned, and so
-  // do strides that are whole vectors
-  bool vec = pick_vec<T>(s.D / 2, {x, out}) == wide;
+  // whole vectors of pairs (n), and of the pass-through channels, keep every vector of
+  // every row 16-byte aligned, and so do strides that are whole vectors
+  bool vec = pick_vec<T>(s.n, {x, out}) == wide && (s.D - 2 * s.n) % wide == 0;
   for (int64_t st : {s.xb, s.xh, s.xt, s.ob, s.oh, s.ot}) vec = vec && st % wide == 0;
   if (vec)
-    launch_vec<T, wide>(x, out, pos, s, stream);
+    launch_layout<T, wide>(interleaved, x, out, pos, s, stream);
   else
-    launch_vec<T, 1>(x, out, pos, s, stream);
+    launch_layout<T, 1>(interleaved, x, out, pos, s, stream);
   return cudaGetLastError();
 }
 
@@ -104,14 +187,19 @@ cudaError_t rope_typed(const void* x, void* out, const int32_t* pos, const RopeS
 cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void* out,
                         const int64_t* out_strides, const int32_t* position_ids,
                         int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
-                        float theta, bool inverse, cudaStream_t stream) {
+                        const float* inv_freq, int64_t n, float scale, bool interleaved,
+                        bool inverse, cudaStream_t stream) {
+  if (n < 1 || 2 * n > D) return cudaErrorInvalidValue;
   if (B * H * T * D == 0) return cudaSuccess;
+  // the pass-through channels are copied unless out is x (in place: already there)
+  const bool copy = x != out && 2 * n < D;
   const RopeShape s{B, H, T, D,
                     x_strides[0], x_strides[1], x_strides[2],
                     out_strides[0], out_strides[1], out_strides[2],
-                    pos_batch_stride, theta, inverse ? -1.f : 1.f};
-  if (dt == DType::BF16) return rope_typed<__nv_bfloat16>(x, out, position_ids, s, stream);
-  return rope_typed<float>(x, out, position_ids, s, stream);
+                    pos_batch_stride, inv_freq, n, copy ? 1 : 0,
+                    scale, inverse ? -1.f : 1.f};
+  if (dt == DType::BF16) return rope_typed<__nv_bfloat16>(x, out, position_ids, s, interleaved, stream);
+  return rope_typed<float>(x, out, position_ids, s, interleaved, stream);
 }
 
 }  // namespace modulec

@@ -18,9 +18,12 @@ from modulec.check.instance import instantiate
 from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
 from modulec.lower.backward import without_written_backward
-from modulec.lower.hf_config_fields import FIELD_ALIASES, tie_problem, unmapped_field_problems
+from modulec.lower.hf_config_fields import (FIELD_ALIASES, tie_problem, unmapped_field_problems,
+                                            with_aliases)
 from modulec.lower.lowering import lower_model, recording_world
 from modulec.lower.passes import PassContext, run_pipeline
+from modulec.lower.rope_config import (config_field, is_scaling_field, rope_problems,
+                                       unread_by_kind)
 from modulec.lower.schedule import schedule_data
 from modulec.lower.training_settings import training_metadata
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
@@ -99,7 +102,7 @@ def _check_tie(result: BuildResult, decl: A.Decl, request: BuildRequest) -> Buil
     if request.config is None or result.document is None:
         return result
     config = json.loads(Path(request.config).read_text(encoding="utf-8"))
-    mapped = {field_name for _, field_name in _param_mapping(decl)}
+    mapped = with_aliases({field_name for _, field_name in _param_mapping(decl)})
     problems = tie_problem(config, mapped, result.document["weight_schema"],
                            Path(request.config))
     if problems:
@@ -333,48 +336,23 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
                                  help=["config.json holds one object of fields"]))
         return {}
     values = {}
-    _check_rope_type(config, path, diagnostics)
-    mapped = {field_name for _, field_name in _param_mapping(decl)}
+    mapped = with_aliases({field_name for _, field_name in _param_mapping(decl)})
+    diagnostics += rope_problems(config, mapped, Path(path))
     diagnostics += unmapped_field_problems(config, mapped, Path(path))
     for param, field_name in _param_mapping(decl):
-        raw = _config_field(config, field_name)
+        raw = config_field(config, field_name)
         for alias in FIELD_ALIASES.get(field_name, ()) if raw is None else ():
-            raw = _config_field(config, alias) if raw is None else raw
+            raw = config_field(config, alias) if raw is None else raw
+        if raw is None and is_scaling_field(field_name):
+            continue  # a RoPE scaling key: absent unless the rope type reads it
         if raw is None:
             how = "is null" if field_name in config else "is missing"
             notices.append(f"{path}: `{field_name}` {how}; `{param}` keeps its default")
             continue
         values[param] = Dim.const(raw) if isinstance(raw, int) and not isinstance(raw, bool) \
             else raw
+    unread_by_kind(config, list(_param_mapping(decl)), values, notices, Path(path))
     return values
-
-
-# transformers 5 moved the RoPE fields (`rope_theta`, ...) into `rope_parameters`
-NESTED_CONFIG = ("rope_parameters", "rope_scaling")
-
-
-def _config_field(config: dict, name: str):
-    if config.get(name) is not None:
-        return config[name]
-    for section in NESTED_CONFIG:
-        nested = config.get(section)
-        if isinstance(nested, dict) and nested.get(name) is not None:
-            return nested[name]
-    return None
-
-
-def _check_rope_type(config: dict, path: Path, diagnostics) -> None:
-    """Scaled RoPE (llama3, yarn, linear, ...) changes the frequencies, which the rope
-    primitive does not do: building it as plain RoPE would be silently wrong."""
-    for section in NESTED_CONFIG:
-        nested = config.get(section)
-        kind = nested.get("rope_type", nested.get("type")) if isinstance(nested, dict) else None
-        if kind not in (None, "default"):
-            diagnostics.append(error(
-                "E010", f"{path}: `{section}.rope_type` is `{kind}`; the rope primitive "
-                "computes plain RoPE frequencies only", None,
-                help=["scaled RoPE variants are not supported yet (docs/decisions.md, "
-                      "\"RoPE scaling\")"]))
 
 
 def _param_mapping(decl: A.Decl):

@@ -37,7 +37,7 @@ def shape_rule(*names: str):
 @dataclass(frozen=True)
 class ParamSpec:
     name: str
-    kind: str  # "int" | "float" | "bool" | "enum" | "dtype" | "ints" | "any"
+    kind: str  # "int" | "float" | "bool" | "enum" | "dtype" | "ints" | "floats" | "any"
     default: object
     has_default: bool
     choices: tuple[str, ...] = ()
@@ -133,7 +133,8 @@ def _kind(expr) -> tuple[str, tuple[str, ...]]:
     if isinstance(expr, A.Call) and isinstance(expr.func, A.Name) and expr.func.id == "enum":
         return "enum", tuple(a.value.id for a in expr.args if isinstance(a.value, A.Name))
     if isinstance(expr, A.ListExpr):
-        return "ints", ()
+        floats = any(isinstance(i, A.Name) and i.id == "float" for i in expr.items)
+        return ("floats" if floats else "ints"), ()
     return "any", ()
 
 
@@ -192,6 +193,8 @@ def _checked(rule: OpRule, spec: ParamSpec, value, span):
         "enum": lambda v: isinstance(v, Ident) and v.name in spec.choices,
         "dtype": lambda v: isinstance(v, Ident) and v.name in DTYPES,
         "ints": lambda v: isinstance(v, tuple) and all(isinstance(x, Dim) for x in v),
+        "floats": lambda v: isinstance(v, (tuple, list)) and all(
+            isinstance(x, (float, Dim)) and not isinstance(x, bool) for x in v),
         "string": lambda v: isinstance(v, str),
     }.get(spec.kind, lambda v: True)
     if not ok(value):
@@ -205,7 +208,8 @@ def _checked(rule: OpRule, spec: ParamSpec, value, span):
 
 
 KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean (true/false)",
-              "dtype": "a dtype", "ints": "a list of integers", "string": "a string"}
+              "dtype": "a dtype", "ints": "a list of integers", "floats": "a list of numbers",
+              "string": "a string"}
 
 
 def _did_you_mean(name: str, candidates) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Shape rules for primitives whose signature gives the shapes but not every constraint:
 the generic signature match, then what only the docstrings of std/primitives say: GQA
-head counts (Hkv divides Hq), groups dividing channels, rope's (and qk_norm_rope's) even
-head dim, `top_k` at most the experts.
+head counts (Hkv divides Hq), groups dividing channels, rope's (and qk_norm_rope's) scaling
+params and rotated channels, `top_k` at most the experts.
 
 These rules also take the outputs' default dtype from the activations only: an input whose
 signature fixes its dtype (`alibi_slopes: [Hq, fp32]`) says nothing of the activations'.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from modulec.check.unify import Matcher, ShapeError, pattern_of
 from modulec.ops.registry import OpCall, shape_rule
+from modulec.ops.rope_params import rope_param_problem
 from modulec.semantic.consteval import ConstEnv
 from modulec.types.dims import Dim, intrinsic
 from modulec.types.tensor import FLOAT, TensorType
@@ -63,12 +64,23 @@ def flash_attention_shape(call: OpCall) -> list[TensorType]:
 
 @shape_rule("rope", "qk_norm_rope")
 def rope_shape(call: OpCall) -> list[TensorType]:
-    """Rotate-half pairs channel i with i + D/2: D must be even."""
+    """The scaling params fit their rope_type (modulec.ops.rope_params), and the rotated
+    channels, 2 ceil(int(D * partial_rotary_factor) / 2), fit in the head dim D (all of an
+    even D by default: rotate-half pairs channel i with i + D/2)."""
     matcher, outputs = by_signature(call)
     d = matcher.bound.get("D")
-    if not _divides(call, Dim.const(2), d):
+    problem = rope_param_problem(call.params, d)
+    if problem is not None:
+        raise ShapeError(f"`{call.rule.name}`: {problem[0]}", help=problem[1], code="E003")
+    partial = call.param("partial_rotary_factor")
+    if partial in (None, 1.0, Dim.const(1)) and not _divides(call, Dim.const(2), d):
         raise ShapeError(f"`{call.rule.name}` rotates pairs of the head dim (i, i + D/2); "
                          f"D = {d} is odd", argument=0, label=f"head dim {d}")
+    if isinstance(partial, float) and d is not None and d.is_const \
+            and 2 * ((int(d.value * partial) + 1) // 2) > d.value:
+        raise ShapeError(f"`{call.rule.name}`: partial_rotary_factor {partial} rotates more "
+                         f"channels than the head dim {d.value} has", argument=0,
+                         label=f"head dim {d}")
     return outputs
 
 

@@ -49,9 +49,31 @@ def _flow(flow: A.Flow, indent: str) -> list[str]:
     notes = [indent + P.INDENT + P.annotation(a) for a in last.annotations]
     if len(line) <= WIDTH:
         return [line] + notes
-    first = indent + P.step_text(steps[0])
-    rest = [indent + P.INDENT + "-> " + P.step_text(s) for s in steps[1:-1]]
-    return [first] + rest + [indent + P.INDENT + "-> " + P.expr(last.expr)] + notes
+    cont = indent + P.INDENT
+    lines = _step(indent, steps[0], P.annotations_suffix(steps[0].annotations), cont)
+    for step in steps[1:-1]:
+        lines += _step(cont + "-> ", step, P.annotations_suffix(step.annotations), cont)
+    return lines + _step(cont + "-> ", last, "", cont) + notes
+
+
+def _step(prefix: str, step: A.Step, suffix: str, indent: str) -> list[str]:
+    """One step of a wrapped flow: a call still over WIDTH gets its arguments packed into
+    lines of their own, `op(` ... `)`, the closing parenthesis at `indent`."""
+    line = prefix + P.expr(step.expr) + suffix
+    call = step.expr
+    if len(line) <= WIDTH or not isinstance(call, A.Call) or not call.args:
+        return [line]
+    inner, lines, current = indent + P.INDENT, [], ""
+    texts = [P.arg_text(a) for a in call.args]
+    for index, text in enumerate(texts):
+        piece = text + ("," if index < len(texts) - 1 else "")
+        if current and len(inner + current + " " + piece) > WIDTH:
+            lines.append(inner + current)
+            current = piece
+        else:
+            current = f"{current} {piece}" if current else piece
+    lines.append(inner + current)
+    return [prefix + P.expr(call.func, P.ATOM) + "("] + lines + [indent + ")" + suffix]
 
 
 def _call_of(value) -> A.Call | None:

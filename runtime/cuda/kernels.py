@@ -24,6 +24,7 @@ import torch
 from runtime.cuda.moe import MOE_KERNELS
 from runtime.kernels import KERNELS
 from runtime.kernels.base import ReferenceKernel
+from runtime.kernels.rope_freq import device_frequencies, full_rotate_half
 
 CUSTOM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -218,11 +219,23 @@ def _swiglu_bwd(ext, inputs, attrs, out=None):
                                                for i in range(2)])
 
 
+_ROPE_TABLES: dict = {}  # inv_freq per (params, D, device): made before a graph is captured
+
+
+def rope_args(attrs: dict, x: torch.Tensor, position_ids) -> tuple:
+    """(inv_freq fp32 [n] on x's device, attention scaling, interleaved): what the CUDA
+    rope kernels take for the primitive's params (runtime/kernels/rope_freq.py computes the
+    frequencies in float64; 2n channels of each head rotate)."""
+    inv_freq, scaling = device_frequencies(attrs, x.size(3), x.size(2), position_ids, x.device,
+                                           _ROPE_TABLES, torch.float32)
+    return inv_freq, float(scaling), bool(attrs.get("interleaved"))
+
+
 def _rope(inverse: bool):
     def run(ext, inputs, attrs):
         q, k, position_ids = inputs
-        theta = float(attrs.get("theta", 10000.0))
-        return [ext.rope(q, position_ids, theta, inverse), ext.rope(k, position_ids, theta, inverse)]
+        args = rope_args(attrs, q, position_ids)
+        return [ext.rope(q, position_ids, *args, inverse), ext.rope(k, position_ids, *args, inverse)]
     return run
 
 
@@ -240,10 +253,6 @@ def _qk_norm_bwd(ext, inputs, attrs):
     return [d_q, d_k, d_q_weight, d_k_weight]
 
 
-def _theta(attrs) -> float:
-    return float(attrs.get("theta", 10000.0))
-
-
 def qk_rope_layout(x: torch.Tensor) -> bool:
     """q, k and their gradients in rope's strided layout (`heads_layout`) with an even head
     dim up to 256 (the kernel keeps a lane's share of a row in registers); the weights, the
@@ -253,18 +262,37 @@ def qk_rope_layout(x: torch.Tensor) -> bool:
     return x.is_contiguous()
 
 
+class QkNormRopeKernel(CudaKernel):
+    """qk_norm_rope's fused kernel rotates every channel in rotate-half pairs (any
+    frequencies and scaling); partial rotary and interleaved pairs run the reference."""
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        if not full_rotate_half(attrs):
+            attrs.pop("out", None)
+            return self.reference.forward(inputs, attrs)
+        return super().forward(inputs, attrs)
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        if not full_rotate_half(attrs):
+            attrs.pop("out", None)
+            return self.reference.backward(inputs, attrs)
+        return super().backward(inputs, attrs)
+
+
 def _qk_norm_rope_fwd(ext, inputs, attrs):
     q, k, q_weight, k_weight, position_ids = inputs
+    inv_freq, scaling, _ = rope_args(attrs, q, position_ids)
     return ext.qk_norm_rope_forward(q, k, q_weight, k_weight, position_ids, _eps(attrs),
-                                    _theta(attrs))
+                                    inv_freq, scaling)
 
 
 def _qk_norm_rope_bwd(ext, inputs, attrs, extra_heads: int = 0):
     """(d_q, d_k, d_q_weight, d_k_weight); d_q and d_k are head views of one buffer with
     `extra_heads` unwritten slots after them (runtime/cuda/train_kernels.py fills d_v in)."""
     *tensors, position_ids = inputs
-    _, d_q, d_k, d_qw, d_kw = ext.qk_norm_rope_backward(*tensors, position_ids, _theta(attrs),
-                                                       extra_heads)
+    inv_freq, scaling, _ = rope_args(attrs, tensors[2], position_ids)
+    _, d_q, d_k, d_qw, d_kw = ext.qk_norm_rope_backward(*tensors, position_ids, inv_freq,
+                                                       scaling, extra_heads)
     return [d_q, d_k, d_qw, d_kw]
 
 
@@ -300,8 +328,11 @@ CUSTOM = {
 # the custom kernels that read strided inputs (default: contiguous only)
 LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout, "qk_norm_rope": qk_rope_layout}
 
+KERNEL_CLASSES = {"qk_norm_rope": QkNormRopeKernel}
+
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
-    name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
+    name: KERNEL_CLASSES.get(name, CudaKernel)(ref, *CUSTOM[name], LAYOUTS.get(name))
+    if name in CUSTOM else ref
     for name, ref in KERNELS.items()
 } | MOE_KERNELS  # the routing gathers wrap the reference themselves (runtime/cuda/moe.py)
 

@@ -187,7 +187,7 @@ class _StepInterpreter(Interpreter):
     def _rope_in_place(self, node, frame, forward) -> bool:
         """rope over its q and k (views of the fused QKV projection output); False where
         the kernel does not cover the inputs (the op then runs as written)."""
-        from runtime.cuda.kernels import _extension
+        from runtime.cuda.kernels import _extension, rope_args
 
         q, k = (self._read(v, frame, forward) for v in node.inputs[:2])
         position_ids = self._read(node.inputs[2], frame, forward) if node.inputs[2] else None
@@ -195,9 +195,9 @@ class _StepInterpreter(Interpreter):
                    and t.stride(-1) == 1 and t.dtype in (torch.bfloat16, torch.float32)
                    and t.dtype == q.dtype for t in (q, k)):
             return False
-        theta = float(node.attr("theta", 10000.0))
+        args = rope_args(self._attrs(node), q, position_ids)
         for x, out in zip((q, k), node.outputs):
-            _extension().rope_inplace(x, position_ids, theta, False)
+            _extension().rope_inplace(x, position_ids, *args, False)
             frame.env[out] = self._after(node, frame, out, x)
         self.in_place_runs += 1
         return True

@@ -213,15 +213,15 @@ class Rope:
         out = attrs.pop("out", None)
         if not self.kernel.covers_backward(inputs):
             return self.kernel.backward(inputs, attrs)
-        from runtime.cuda.kernels import _extension
+        from runtime.cuda.kernels import _extension, rope_args
 
         d_q, d_k, position_ids = inputs
-        theta = float(attrs.get("theta", 10000.0))
+        args = rope_args(attrs, d_q, position_ids)
         if _typed_targets(out, (d_q, d_k)):  # the head slots of the planned d_qkv
-            return [_extension().rope(d, position_ids, theta, True, [o])
+            return [_extension().rope(d, position_ids, *args, True, [o])
                     for d, o in zip((d_q, d_k), out)]
         Hq, Hk, D = d_q.shape[1], d_k.shape[1], d_q.shape[3]
-        _, g_q, g_k = _extension().rope_qk_into_heads(d_q, d_k, position_ids, theta, True, Hk)
+        _, g_q, g_k = _extension().rope_qk_into_heads(d_q, d_k, position_ids, *args, True, Hk)
         reserve_slack(g_q, (Hq + Hk) * D)
         return [g_q, g_k]
 
@@ -242,8 +242,10 @@ class QkNormRope(Rope):
     takes_out = False
 
     def backward(self, inputs: list, attrs: dict) -> list:
-        if not self.kernel.covers_backward(inputs):
-            return self.kernel.backward(inputs, attrs)
+        from runtime.kernels.rope_freq import full_rotate_half
+
+        if not self.kernel.covers_backward(inputs) or not full_rotate_half(attrs):
+            return self.kernel.backward(inputs, attrs)  # (the reference, where not covered)
         from runtime.cuda.kernels import _extension, _qk_norm_rope_bwd
 
         Hq, Hk, D = inputs[2].shape[1], inputs[3].shape[1], inputs[2].shape[3]

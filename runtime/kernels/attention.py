@@ -18,6 +18,7 @@ from torch import Tensor
 
 from runtime.kernels.base import register
 from runtime.kernels.norms import rms_backward, rms_forward
+from runtime.kernels.rope_freq import device_frequencies
 
 
 # ---------------------------------------------------------------------- flash_attention
@@ -83,18 +84,21 @@ def _flash_attention_forward(q, k, v, alibi_slopes=None, *, causal=True, softmax
 
 
 # --------------------------------------------------------------------------------- rope
-def rope_tables(position_ids, T: int, D: int, theta: float, dtype, device):
-    """cos, sin [B or 1, 1, T, D]: angle = pos * theta^(-2i/D), each half repeated."""
-    if D % 2:
-        raise ValueError(f"rope: head dim D={D} must be even")
+def rope_tables(position_ids, T: int, D: int, attrs: dict, dtype, device):
+    """cos, sin [B or 1, 1, T, R] (R = the rotated channels, runtime/kernels/rope_freq.py),
+    attention_scaling applied: angle = pos * inv_freq, each frequency on its pair's two
+    channels (rotate-half: the list twice; interleaved: each value twice in a row)."""
+    inv_freq, scaling = device_frequencies(attrs, D, T, position_ids, device)
     if position_ids is None:
         pos = torch.arange(T, device=device, dtype=dtype)[None, :]
     else:
         pos = position_ids.to(dtype)
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=device, dtype=dtype) / D)
-    angle = pos[..., None] * inv_freq           # [B, T, D/2]
-    angle = torch.cat([angle, angle], dim=-1)    # [B, T, D]
-    return torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+    angle = pos[..., None] * inv_freq.to(dtype)           # [B, T, n]
+    if attrs.get("interleaved"):
+        angle = angle.repeat_interleave(2, dim=-1)
+    else:
+        angle = torch.cat([angle, angle], dim=-1)        # [B, T, 2n]
+    return (torch.cos(angle) * scaling)[:, None], (torch.sin(angle) * scaling)[:, None]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -102,19 +106,37 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
-def _rope_backward(d_q_rot, d_k_rot, position_ids=None, *, theta=10000.0, **_):
-    T, D = d_q_rot.shape[-2:]
-    cos, sin = rope_tables(position_ids, T, D, theta, d_q_rot.dtype, d_q_rot.device)
-    # the inverse rotation
-    return [d_q_rot * cos - rotate_half(d_q_rot) * sin, d_k_rot * cos - rotate_half(d_k_rot) * sin]
+def rotate_every_two(x: Tensor) -> Tensor:
+    """GPT-J's pairs (2i, 2i + 1): (x0, x1, ..) -> (-x1, x0, ..)."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """x's first R channels rotated (x * cos + pair_swap(x) * sin), the rest as they are."""
+    R = cos.shape[-1]
+    xr = x[..., :R]
+    turned = rotate_every_two(xr) if interleaved else rotate_half(xr)
+    y = xr * cos + turned * sin
+    return y if R == x.shape[-1] else torch.cat([y, x[..., R:]], dim=-1)
+
+
+def _rope_apply(q, k, position_ids, attrs: dict, inverse: bool):
+    T, D = q.shape[-2:]
+    cos, sin = rope_tables(position_ids, T, D, attrs, q.dtype, q.device)
+    if inverse:  # the backward: the transposed rotation, scaled alike
+        sin = -sin
+    inter = bool(attrs.get("interleaved"))
+    return [_rotate(q, cos, sin, inter), _rotate(k, cos, sin, inter)]
+
+
+def _rope_backward(d_q_rot, d_k_rot, position_ids=None, **attrs):
+    return _rope_apply(d_q_rot, d_k_rot, position_ids, attrs, True)
 
 
 @register("rope", ("q", "k", "position_ids"), ("q_rot", "k_rot"),
           ("d_q_rot", "d_k_rot", "position_ids"), ("d_q", "d_k"), backward=_rope_backward)
-def _rope_forward(q, k, position_ids=None, *, theta=10000.0, **_):
-    T, D = q.shape[-2:]
-    cos, sin = rope_tables(position_ids, T, D, theta, q.dtype, q.device)
-    return [q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin]
+def _rope_forward(q, k, position_ids=None, **attrs):
+    return _rope_apply(q, k, position_ids, attrs, False)
 
 
 # ------------------------------------------------------------------------------ qk_norm
@@ -139,8 +161,8 @@ def _qk_norm_forward(q, k, q_weight, k_weight, *, eps=1e-6, **_):
 # fused kernel does not round them to the I/O dtype either); the backward undoes the
 # rotation, then runs rmsnorm's backward
 def _qk_norm_rope_backward(d_q_rot, d_k_rot, q, k, q_weight, k_weight, q_rstd, k_rstd,
-                           position_ids=None, *, theta=10000.0, **_):
-    d_q_n, d_k_n = _rope_backward(d_q_rot, d_k_rot, position_ids, theta=theta)
+                           position_ids=None, **attrs):
+    d_q_n, d_k_n = _rope_apply(d_q_rot, d_k_rot, position_ids, attrs, True)
     return _qk_norm_backward(d_q_n, d_k_n, q, k, q_weight, k_weight, q_rstd, k_rstd)
 
 
@@ -151,7 +173,7 @@ def _qk_norm_rope_backward(d_q_rot, d_k_rot, q, k, q_weight, k_weight, q_rstd, k
           ("d_q", "d_k", "d_q_weight", "d_k_weight"),
           backward=_qk_norm_rope_backward, stats=("q_rstd", "k_rstd"))
 def _qk_norm_rope_forward(q, k, q_weight, k_weight, position_ids=None, *, eps=1e-6,
-                          theta=10000.0, **_):
+                          **attrs):
     q_n, k_n, q_rstd, k_rstd = _qk_norm_forward(q, k, q_weight, k_weight, eps=eps)
-    q_rot, k_rot = _rope_forward(q_n, k_n, position_ids, theta=theta)
+    q_rot, k_rot = _rope_apply(q_n, k_n, position_ids, attrs, False)
     return [q_rot, k_rot, q_rstd, k_rstd]

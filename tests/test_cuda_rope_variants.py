@@ -1,0 +1,189 @@
+"""The CUDA RoPE kernels (csrc/kernels/rope.cu, qk_norm_rope.cu) with scaled frequencies,
+attention scaling, partial rotary and interleaved pairs (issue 18 item 1), against the
+reference kernels (runtime/kernels/attention.py, themselves checked against transformers
+in tests/test_rope_variants.py), fp32 and bf16: contiguous heads, the strided heads of a
+fused QKV projection, in place, and the training registry's backward into the head slots.
+CPU-only checks here run everywhere; the rest need a GPU (`-m cuda`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel_testing import assert_close
+
+torch = pytest.importorskip("torch")
+
+from runtime.cuda.kernels import CUDA_KERNELS  # noqa: E402
+from runtime.kernels import KERNELS  # noqa: E402
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+M = 64
+VARIANTS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "default": {},
+}
+
+
+def attrs_of(name, D, partial=1.0, interleaved=False):
+    attrs = {"theta": 10000.0, "max_position_embeddings": M, "partial_rotary_factor": partial,
+             "interleaved": interleaved, **VARIANTS[name]}
+    if name == "longrope":
+        n = (int(D * partial) + 1) // 2
+        attrs["short_factor"] = [1.0 + 0.1 * i for i in range(n)]
+        attrs["long_factor"] = [2.0 + 0.5 * i for i in range(n)]
+    return attrs
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+# (B, Hq, Hkv, T, D, variant, partial, interleaved). D=128/64 with whole vectors take the
+# vector path; D=72 at 0.5 (n = 18: bf16's 8 does not divide it) and D=20 the scalar path;
+# partial 0.25 of 64 leaves 48 pass-through channels to copy; interleaved with both.
+CASES = [
+    (2, 4, 2, 16, 128, "llama3", 1.0, False), (2, 4, 2, 16, 128, "yarn", 1.0, False),
+    (1, 8, 8, 9, 64, "dynamic", 1.0, False), (2, 3, 1, 7, 64, "longrope", 1.0, False),
+    (2, 4, 2, 16, 64, "default", 0.25, False), (1, 5, 1, 9, 72, "linear", 0.5, False),
+    (2, 4, 2, 16, 128, "default", 1.0, True), (2, 4, 4, 8, 64, "yarn", 0.5, True),
+    (1, 2, 1, 5, 20, "llama3", 0.5, True), (1, 3, 1, 5, 20, "default", 1.0, True),
+]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_rope_variants_match_the_reference(case, dtype):
+    torch.manual_seed(11)
+    B, Hq, Hkv, T, D, name, partial, interleaved = case
+    attrs = attrs_of(name, D, partial, interleaved)
+    for top in (12, 200):  # positions within and past max_position_embeddings
+        pos = torch.randint(0, top, (B, T), device="cuda", dtype=torch.int32)
+        q, k = rand(B, Hq, T, D, dtype=dtype), rand(B, Hkv, T, D, dtype=dtype)
+        kernel = CUDA_KERNELS["rope"]
+        assert kernel.covers_forward([q, k, pos])
+        got = kernel.forward([q, k, pos], dict(attrs))
+        want = KERNELS["rope"].forward([q, k, pos], dict(attrs))
+        assert_close(got, want, TOL[dtype] * (8 if top > M else 1), f"rope {case} {dtype}")
+        got_b = kernel.backward([q, k, pos], dict(attrs))
+        want_b = KERNELS["rope"].backward([q, k, pos], dict(attrs))
+        assert_close(got_b, want_b, TOL[dtype] * (8 if top > M else 1), f"rope bwd {case}")
+    got = kernel.forward([q, k, None], dict(attrs))  # positions 0 .. T-1
+    assert_close(got, KERNELS["rope"].forward([q, k, None], dict(attrs)), TOL[dtype], "no pos")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 4, 2, 16, 64, "llama3", 0.5, False),
+                                  (1, 6, 2, 9, 64, "yarn", 1.0, True),
+                                  (2, 3, 1, 5, 72, "default", 0.5, True)])
+def test_rope_variants_on_the_heads_of_a_fused_qkv_and_in_place(case, dtype):
+    """q / k as the transposed heads of [B, T, Hq + 2 Hk, D]; out of place (the pass-through
+    channels copied), in place (left as they are), and the training registry's backward
+    into the head slots of the fused QKV gradient."""
+    from runtime.cuda.kernels import _extension, rope_args
+    from runtime.cuda.train_kernels import TRAIN_KERNELS
+
+    torch.manual_seed(12)
+    B, Hq, Hk, T, D, name, partial, interleaved = case
+    attrs = attrs_of(name, D, partial, interleaved)
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    q, k, _ = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
+    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    want = KERNELS["rope"].forward([q, k, pos], dict(attrs))
+    got = CUDA_KERNELS["rope"].forward([q, k, pos], dict(attrs))
+    assert_close(got, want, TOL[dtype], f"strided rope {case}")
+    d_out = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    d_q, d_k, _ = (x.transpose(1, 2) for x in d_out.split([Hq, Hk, Hk], dim=2))
+    got = TRAIN_KERNELS["rope"].backward([d_q, d_k, pos], dict(attrs))
+    assert_close(got, KERNELS["rope"].backward([d_q, d_k, pos], dict(attrs)), TOL[dtype],
+                 f"rope backward into heads {case}")
+    before = q.clone()
+    _extension().rope_inplace(q, pos, *rope_args(attrs, q, pos), False)
+    assert_close([q], [want[0]], TOL[dtype], "in place")
+    R = 2 * ((int(D * partial) + 1) // 2)
+    assert torch.equal(q[..., R:], before[..., R:])
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["llama3", "yarn", "longrope"])
+def test_qk_norm_rope_with_scaled_frequencies(name, dtype):
+    """The fused kernel (full rotate-half) with llama3 / yarn (cos, sin scaled) / longrope
+    frequencies: forward and backward as the reference's."""
+    torch.manual_seed(13)
+    B, Hq, Hk, T, D = 2, 4, 2, 16, 128
+    attrs = dict(attrs_of(name, D), eps=1e-6)
+    q, k = rand(B, Hq, T, D, dtype=dtype), rand(B, Hk, T, D, dtype=dtype)
+    qw, kw = rand(D, dtype=dtype), rand(D, dtype=dtype)
+    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    kernel = CUDA_KERNELS["qk_norm_rope"]
+    assert kernel.covers_forward([q, k, qw, kw, pos])
+    got = kernel.forward([q, k, qw, kw, pos], dict(attrs))
+    want = KERNELS["qk_norm_rope"].forward([q, k, qw, kw, pos], dict(attrs))
+    assert_close(got, want, TOL[dtype], f"qk_norm_rope {name} {dtype}")
+    d_q, d_k = rand(B, Hq, T, D, dtype=dtype), rand(B, Hk, T, D, dtype=dtype)
+    inputs = [d_q, d_k, q, k, qw, kw, want[2], want[3], pos]
+    assert_close(kernel.backward(inputs, dict(attrs)),
+                 KERNELS["qk_norm_rope"].backward(inputs, dict(attrs)), TOL[dtype],
+                 f"qk_norm_rope backward {name} {dtype}")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("partial, interleaved", [(0.5, False), (1.0, True)])
+def test_qk_norm_rope_partial_or_interleaved_runs_the_reference(partial, interleaved):
+    from runtime.cuda.train_kernels import TRAIN_KERNELS
+
+    B, Hq, Hk, T, D = 1, 2, 1, 5, 64
+    attrs = dict(attrs_of("default", D, partial, interleaved), eps=1e-6)
+    q, k = rand(B, Hq, T, D, dtype=torch.float32), rand(B, Hk, T, D, dtype=torch.float32)
+    w = rand(D, dtype=torch.float32)
+    want = KERNELS["qk_norm_rope"].forward([q, k, w, w, None], dict(attrs))
+    for registry in (CUDA_KERNELS, TRAIN_KERNELS):
+        got = registry["qk_norm_rope"].forward([q, k, w, w, None], dict(attrs))
+        assert_close(got, want, 0, "the reference, exactly")
+        inputs = [q, k, q, k, w, w, want[2], want[3], None]
+        assert_close(registry["qk_norm_rope"].backward(inputs, dict(attrs)),
+                     KERNELS["qk_norm_rope"].backward(inputs, dict(attrs)), 0, "backward")
+
+
+@cuda
+@needs_gpu
+def test_length_dependent_frequencies_take_no_host_read_under_capture():
+    """dynamic with position_ids: the frequencies are computed on the device, so a CUDA
+    graph captures the call and its replay follows new positions."""
+    attrs = attrs_of("dynamic", 64)
+    q, k = rand(1, 2, 8, 64, dtype=torch.float32), rand(1, 1, 8, 64, dtype=torch.float32)
+    pos = torch.arange(8, device="cuda", dtype=torch.int32)[None].contiguous()
+    kernel = CUDA_KERNELS["rope"]
+    kernel.forward([q, k, pos], dict(attrs))  # warm-up: the tables cached
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel.forward([q, k, pos], dict(attrs))
+    pos.copy_(torch.arange(8, device="cuda", dtype=torch.int32)[None] * 30)  # past M
+    graph.replay()
+    assert_close(out, KERNELS["rope"].forward([q, k, pos], dict(attrs)), 1e-4, "replayed")
+
+
+def test_rope_args_cover_every_variant_on_the_cpu():
+    """The wrapper's frequency vector: fp32, n = rotated channels / 2, the scale a float."""
+    from runtime.cuda.kernels import rope_args
+
+    x = torch.zeros(1, 1, 5, 64)
+    for name in VARIANTS:
+        for partial, inter in ((1.0, False), (0.5, True)):
+            inv_freq, scale, interleaved = rope_args(attrs_of(name, 64, partial, inter), x, None)
+            assert inv_freq.dtype == torch.float32 and inv_freq.shape == (int(64 * partial) // 2,)
+            assert isinstance(scale, float) and interleaved is inter

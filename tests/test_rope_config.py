@@ -1,0 +1,144 @@
+"""Issue 18 item 1: a checkpoint's RoPE scaling (`rope_parameters`, or `rope_scaling` with
+`rope_type` or the oldest `type`) is read into std's models by `build --config`; what the
+rope primitive cannot compute, or the program does not map, is E010; rope params that do
+not fit their rope type are E003 at the call (modulec.ops.rope_params)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_cli import run
+
+LLAMA = "std/models/llama.module"
+BASE = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 48, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16, "rope_type": "llama3"}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def build(tmp_path, model: str, config: dict, *extra: str):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    out = tmp_path / "ir.json"
+    result = run("build", model, "--config", path, "--shape", "B=1", "--shape", "T=8",
+                 "-o", out, *extra)
+    return result, out
+
+
+def rope_attrs(ir_path) -> dict:
+    def walk(o):
+        if isinstance(o, dict):
+            if o.get("target") in ("rope", "qk_norm_rope"):
+                return o["attrs"]
+            o = list(o.values())
+        if isinstance(o, list):
+            for v in o:
+                found = walk(v)
+                if found:
+                    return found
+        return None
+    return walk(json.loads(ir_path.read_text()))
+
+
+@pytest.mark.parametrize("section", [
+    {"rope_scaling": LLAMA31},                                         # Llama-3.1's config.json
+    {"rope_parameters": dict(LLAMA31, rope_theta=500000.0)},           # transformers 5
+    {"rope_scaling": {k if k != "rope_type" else "type": v for k, v in LLAMA31.items()}},
+])
+def test_a_llama31_config_builds_with_its_rope(tmp_path, section):
+    result, ir = build(tmp_path, LLAMA, BASE | section)
+    assert result.exit_code == 0, result.output
+    attrs = rope_attrs(ir)
+    assert attrs["rope_type"] == "llama3" and attrs["factor"] == 8.0
+    assert attrs["low_freq_factor"] == 1.0 and attrs["high_freq_factor"] == 4.0
+    assert attrs["original_max_position_embeddings"] == 16
+    assert attrs["max_position_embeddings"] == 128 and attrs["theta"] == 500000.0
+    assert "`beta_fast` is missing" not in result.output  # absent scaling keys: no news
+
+
+@pytest.mark.parametrize("model", ["std/models/qwen3.module", "std/models/mistral.module",
+                                   "std/models/qwen2.module"])
+def test_yarn_configs_build_in_the_other_std_models(tmp_path, model):
+    config = BASE | {"rope_scaling": YARN, "head_dim": 8, "sliding_window": None}
+    result, ir = build(tmp_path, model, config)
+    assert result.exit_code == 0, result.output
+    attrs = rope_attrs(ir)
+    assert (attrs["rope_type"], attrs["factor"], attrs["original_max_position_embeddings"]) \
+        == ("yarn", 4.0, 32)
+
+
+@pytest.mark.parametrize("section, shown", [
+    ({"rope_type": "proportional", "factor": 2.0},
+     "`rope_scaling.rope_type` is `proportional`, which the rope primitive does not compute"),
+    (dict(YARN, mscale=0.7), "`rope_scaling.mscale` is `0.7`"),
+    (dict(YARN, truncate=False), "`rope_scaling.truncate` is `false`"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+     "`rope_scaling.short_factor` is `[1.0, 1.0, 1.0, 1.0]`"),
+    ({"rope_type": "default", "mrope_section": [2, 1, 1]}, "`rope_scaling.mrope_section`"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5},
+     "`rope_scaling.partial_rotary_factor` is `0.5`"),
+])
+def test_what_llama_cannot_compute_is_e010(tmp_path, section, shown):
+    result, _ = build(tmp_path, LLAMA, BASE | {"rope_scaling": section})
+    assert result.exit_code == 1, result.output
+    assert "error[E010]" in result.output and shown in result.output, result.output
+
+
+def test_neutral_yarn_keys_build(tmp_path):
+    """beta_fast 32, beta_slow 1, truncate true are transformers' defaults: Llama need not
+    map them to compute them."""
+    section = dict(YARN, beta_fast=32, beta_slow=1, truncate=True)
+    result, ir = build(tmp_path, LLAMA, BASE | {"rope_scaling": section})
+    assert result.exit_code == 0, result.output
+    assert rope_attrs(ir)["beta_fast"] == 32
+
+
+def test_a_program_that_maps_no_rope_type_refuses_scaling(tmp_path):
+    """A copy of std's Llama whose hf_config maps no rope_type: plain RoPE only."""
+    text = open(LLAMA, encoding="utf-8").read().replace("      rope_type: rope_type\n", "")
+    model = tmp_path / "plain_llama.module"
+    model.write_text(text, encoding="utf-8")
+    result, _ = build(tmp_path, str(model), BASE | {"rope_scaling": LLAMA31})
+    assert result.exit_code == 1
+    assert "`rope_scaling.rope_type` is `llama3`, but the program computes plain RoPE" \
+        in result.output
+    result, _ = build(tmp_path, str(model), BASE | {"rope_scaling": {"rope_type": "default"}})
+    assert result.exit_code == 0, result.output
+
+
+def test_a_key_the_rope_type_does_not_read_is_dropped(tmp_path):
+    result, ir = build(tmp_path, LLAMA, BASE | {"rope_scaling": {"rope_type": "default",
+                                                                   "factor": 4.0}})
+    assert result.exit_code == 0, result.output
+    assert "`factor` is not read under rope_type `default`" in result.output
+    assert rope_attrs(ir)["factor"] is None
+
+
+@pytest.mark.parametrize("settings, shown", [
+    (["rope_type=\"bogus\""], "`rope_type` is `bogus`, which the rope primitive does not compute"),
+    (["rope_factor=2.0"], "`factor` does nothing under rope_type `default`"),
+    (["rope_type=\"llama3\"", "rope_factor=8.0"], "rope_type `llama3` needs `low_freq_factor`"),
+    (["rope_type=\"linear\"", "rope_factor=0.0"], "`factor` is 0.0; it must be positive"),
+])
+def test_rope_params_that_do_not_fit_are_e003(tmp_path, settings, shown):
+    args = [a for s in settings for a in ("--set", s)]
+    result, _ = build(tmp_path, LLAMA, BASE, *args)
+    assert result.exit_code == 1, result.output
+    assert "error[E003]" in result.output and shown in result.output, result.output
+
+
+def test_partial_rotary_past_the_head_dim_and_longrope_lengths(tmp_path):
+    from modulec.ops.rope_params import rope_param_problem
+    from modulec.types.dims import Dim
+
+    assert rope_param_problem({"partial_rotary_factor": 0.0}, Dim.const(8))[0] \
+        == "`partial_rotary_factor` is 0.0; it must be in (0, 1]"
+    longrope = {"rope_type": "longrope", "short_factor": (1.0,) * 3, "long_factor": (1.0,) * 4,
+                "max_position_embeddings": Dim.const(64)}
+    assert "`short_factor` has 3 numbers" in rope_param_problem(longrope, Dim.const(8))[0]
+    assert rope_param_problem(dict(longrope, short_factor=(1.0,) * 4), Dim.const(8)) is None
+    assert rope_param_problem({"partial_rotary_factor": 0.5}, Dim.const(8)) is None
