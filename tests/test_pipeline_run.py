@@ -76,6 +76,7 @@ def _request(**given):
     from pathlib import Path
 
     fields = dict(pp=2, microbatches=None, tp=1, zero=None, lora=None, grad_accum=1,
+                  memory_budget=None,
                   file=Path("m.module"))
     return SimpleNamespace(**(fields | given))
 
@@ -87,6 +88,7 @@ def _request(**given):
     (dict(microbatches=1), 2, "--microbatches 1 is fewer than the 2 pipeline stages"),
     (dict(zero=2), 2, "--pp with --zero is not supported yet"),
     (dict(tp=2), 2, "--pp with --tp is not supported yet"),
+    (dict(memory_budget=2**30), 2, "--pp with --memory-budget is not supported yet"),
     (dict(grad_accum=2), 2, "--grad-accum with --pp"),
 ])
 def test_bad_pipeline_launches_are_clear_errors(given, world, message):

@@ -44,6 +44,7 @@ def check_launch(request, context) -> None:
                                      "train ..."])
     for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero is not None),
                         ("--lora", request.lora is not None),
+                        ("--memory-budget", getattr(request, "memory_budget", None) is not None),
                         ("an IR document", request.file.suffix == ".ir")):
         if given:
             raise RuntimeUserError(f"--pp with {flag} is not supported yet",
