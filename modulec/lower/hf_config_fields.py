@@ -33,10 +33,19 @@ NEUTRAL = {
     "shared_expert_intermediate_size": (0, "a shared expert beside the routed ones"),
     "n_shared_experts": (0, "shared experts beside the routed ones"),
 }
-# a field one transformers version writes under another name: read under either
-# (transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`, the hub's
-# checkpoints have `num_experts`)
-FIELD_ALIASES = {"num_experts": ("num_local_experts",), "num_local_experts": ("num_experts",)}
+# a field one transformers version writes under another name: read under either, and
+# mapping one maps both (transformers 5 saves Qwen3-MoE's `num_experts` as
+# `num_local_experts`, GPT-NeoX's `rotary_pct` / `rotary_emb_base` as rope_parameters'
+# `partial_rotary_factor` / `rope_theta`; the hub's checkpoints have the older names)
+FIELD_ALIASES = {"num_experts": ("num_local_experts",), "num_local_experts": ("num_experts",),
+                 "partial_rotary_factor": ("rotary_pct",), "rope_theta": ("rotary_emb_base",)}
+
+
+def with_aliases(fields: set[str]) -> set[str]:
+    """Mapped config fields and their other names."""
+    return fields | {alias for name in fields for alias in FIELD_ALIASES.get(name, ())}
+
+
 # sliding_window counts where no use_sliding_window switch says (the switch's own rule)
 WINDOW, WINDOW_SWITCH = "sliding_window", "use_sliding_window"
 TIE = "tie_word_embeddings"
