@@ -187,3 +187,38 @@ def test_rope_args_cover_every_variant_on_the_cpu():
             inv_freq, scale, interleaved = rope_args(attrs_of(name, 64, partial, inter), x, None)
             assert inv_freq.dtype == torch.float32 and inv_freq.shape == (int(64 * partial) // 2,)
             assert isinstance(scale, float) and interleaved is inter
+
+
+SCALED_MODELS = {  # std models with scaled RoPE: the unfused rope and the fused qk_norm_rope
+    "llama_llama3": ("std/models/llama.module",
+                     {"rope_type": '"llama3"', "rope_factor": "8.0", "rope_low_freq_factor": "1.0",
+                      "rope_high_freq_factor": "4.0", "rope_original_max_seq": "16"}),
+    "qwen3_yarn": ("std/models/qwen3.module",
+                   {"head_dim": "8", "rope_type": '"yarn"', "rope_factor": "4.0",
+                    "rope_original_max_seq": "16"}),
+}
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(SCALED_MODELS))
+def test_fp32_step_with_scaled_rope_matches_the_cpu_reference(name):
+    """One fp32 training step on the GPU (in-place rope / fused qk_norm_rope with the
+    scaled table) against the CPU interpreter on the same weights and batch."""
+    from runtime.cuda.step import TrainStep
+    from runtime.model import Model
+    from runtime_models import DENSE, token_inputs
+    from test_cuda_models import _reference, _rel
+
+    path, extra = SCALED_MODELS[name]
+    settings = DENSE | extra
+    model = Model.from_module(path, settings=settings, dtype=torch.float32).init_random(seed=1)
+    tokens = token_inputs(model, batch=2, seq=16)["token_ids"]
+    step = TrainStep.from_module(path, settings, batch=2, seq=16, dtype=torch.float32)
+    step.load(model.params)
+    step.set_batch(tokens.cuda())
+    loss, grads = step.loss_and_gradients()
+    ref_loss, ref_grads = _reference(step, dict(model.params), tokens)
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-4
+    worst = max((_rel(grads[p].float().cpu(), g), p) for p, g in ref_grads.items())
+    assert worst[0] < 1e-4, worst
