@@ -1,0 +1,48 @@
+"""Pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two):
+`torchrun --nproc-per-node 2 -m modulec train --pp 2 --device cuda` runs the IR's pipeline
+section eagerly (the reference interpreter on CUDA tensors, float32, send/recv over NCCL)
+and trains as one CPU process accumulating the same micro-batches (float32 rounding)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
+from tests.test_dist_zero import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available() or
+                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+ARGS = ("--seq", "64", "--batch", "2", "--lr", "1e-3", "--format", "json", "--steps", "3")
+
+
+def _rows(done) -> list[dict]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_two_gpu_stages_train_as_one_process_accumulating(gpu_ckpt):
+    data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    pipeline = _rows(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data, *ARGS,
+         "--device", "cuda", "--pp", "2", "--microbatches", "4"],
+        capture_output=True, text=True, env=env, timeout=600))
+    one = _rows(subprocess.run(
+        [sys.executable, "-m", "modulec", "train", LLAMA, *data, *ARGS, "--device", "cpu",
+         "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
+    done = next(r for r in pipeline if r["event"] == "done")
+    assert done["memory"] == "GPU"
+    got = [r["loss"] for r in pipeline if r["event"] == "step"]
+    want = [r["loss"] for r in one if r["event"] == "step"]
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
