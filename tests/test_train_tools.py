@@ -84,6 +84,21 @@ def test_biases_start_at_zero():
     assert all(not model.params[p].any() for p in biases)
 
 
+def test_gemma_offset_norms_and_padding_row():
+    """Gemma scales by `1 + w` (its norms start at w = 0, HF's init) and zeroes the
+    embedding's padding row, as nn.Embedding(padding_idx=) does."""
+    from runtime.model import Model
+    from runtime.train.init import initialize
+
+    model = Model.from_module("std/models/gemma.module", settings=dict(
+        vocab_size=64, d_model=16, n_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+        d_ff=24, max_seq=16, padding_idx=3), dtype=torch.float32)
+    rules = initialize(model, seed=0)
+    assert rules["final_norm.weight"] == rules["blocks[0].ln1.weight"] == "zeros"
+    embedding = model.params["embedding"]
+    assert not embedding[3].any() and embedding[2].abs().sum() > 0
+
+
 def test_scratch_config_is_what_transformers_reads():
     from runtime.train.init import scratch_config, scratch_layout
 
