@@ -37,7 +37,11 @@ def test_two_processes_train_as_one_and_resume_on_either(ckpt, tmp_path):
     one = losses(train(ckpt, "--steps", "4", "--save", tmp_path / "one"))
     two = torchrun(ckpt, "--steps", "2", "--zero", "3", "--save", tmp_path / "two")
     assert len(two) == 2 and two == pytest.approx(one[:2], rel=1e-5)
-    # 2 -> 1: one process continues the two-process checkpoint
+    # under ZeRO the ranks' shards hold the optimizer state: no consolidated copy of it
+    saved = tmp_path / "two" / "checkpoint-2"
+    assert not (saved / "optimizer.safetensors").exists()
+    assert len(list(saved.glob("shard-rank*.safetensors"))) == 2
+    # 2 -> 1: one process continues the two-process checkpoint (its shards joined)
     rest = losses(train(ckpt, "--steps", "4", "--resume", tmp_path / "two", "--save",
                         tmp_path / "two", weights=False))
     assert rest == pytest.approx(one[2:], rel=1e-4)

@@ -64,7 +64,8 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
             from runtime.lora import save_lora
 
             save_lora(adapters, temp)
-        write_optimizer(temp / OPTIMIZER, state, masters)
+        if shards is None or not shards.replaces_optimizer:
+            write_optimizer(temp / OPTIMIZER, state, masters)
         files = {f.name: f.stat().st_size for f in sorted(temp.iterdir())}
         text = json.dumps(trainer | {"format": FORMAT, "files": files}, indent=2) + "\n"
         atomic_write(temp / STATE, lambda tmp: Path(tmp).write_text(text, "utf-8"))
@@ -128,8 +129,15 @@ def read_trainer(folder: Path) -> dict:
 
 
 def read_optimizer(folder: Path) -> dict:
-    """The consolidated optimizer state: masters, exp_avg, exp_avg_sq by path, step."""
+    """The consolidated optimizer state: masters, exp_avg, exp_avg_sq by path, step; from
+    the ranks' ZeRO shards where the checkpoint has no optimizer file (runtime.train.shards
+    writes none then: the shards hold it all)."""
     from safetensors import safe_open
+
+    if not (folder / OPTIMIZER).is_file():
+        from runtime.train.shards import whole_state
+
+        return whole_state(folder)
 
     state: dict = {part: {} for part in PARTS}
     with safe_open(str(folder / OPTIMIZER), framework="pt") as handle:

@@ -55,12 +55,6 @@ class Request:
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
-    init: str | None = None  # "random": from scratch (runtime/train/init.py)
-    config: Path | None = None  # with --init random: the HF config.json sizing the model
-    eval_data: Path | None = None  # evaluation (runtime/train/evaluate.py)
-    eval_every: int | None = None
-    eval_batches: int | None = None
-    log_dir: Path | None = None  # metrics.jsonl + TensorBoard (runtime/train/metrics.py)
     # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
     lr_schedule: str = "constant"
     warmup: int = 0
@@ -73,6 +67,12 @@ class Request:
     beta2: float = 0.95
     eps: float = 1e-8
     decay_all: bool = False  # weight decay on norms, biases and embeddings too
+    init: str | None = None  # "random": from scratch (runtime/train/init.py)
+    config: Path | None = None  # with --init random: the HF config.json sizing the model
+    eval_data: Path | None = None  # evaluation (runtime/train/evaluate.py)
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    log_dir: Path | None = None  # metrics.jsonl + TensorBoard (runtime/train/metrics.py)
     pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
 
@@ -453,6 +453,7 @@ class Run:
         self.losses.append(loss)
         memory = self.trainer.memory()
         record = {"step": step, "steps": self.request.steps, "loss": loss,
+                  "lr": self._lr_at(step), **self.trainer.step_metrics(),
                   "seconds": seconds, "tokens_per_s": self._tokens_per_step() / seconds,
                   "peak_bytes": memory["peak_bytes"]}
         progress.step(observer.after_step(record) if observer is not None else record)
@@ -468,12 +469,15 @@ class Run:
         from runtime.train.optim_options import saved_optimizer
 
         trainer |= saved_optimizer(r, self.schedule) | self._settings()
-        state = self.trainer.state()  # under data parallel a collective: every rank
+        shards = self._shard_save(trainer)
+        # under data parallel a collective: every rank; the masters alone when the ranks'
+        # shards hold the moments (runtime.train.shards.replaces_optimizer)
+        state = self.trainer.state(moments=False) if shards is not None and \
+            shards.replaces_optimizer else self.trainer.state()
         if self.request.tp > 1:  # the ranks' slices joined (a collective too)
             from runtime.train.data_parallel import whole_state
 
             state = whole_state(state, self.model, self.parallel)
-        shards = self._shard_save(trainer)
         if not self.context.is_main:
             if shards is not None:  # into rank 0's folder, before it is published
                 shards.follower()

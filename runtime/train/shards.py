@@ -11,6 +11,13 @@ the same `checkpoint-<step>/` folder:
   ZeRO stage, tensor-parallel size and rank, a digest of the bucket layout), the step
   and the data position (samples taken).
 
+Under ZeRO alone (no tensor parallel, nothing frozen) the shards replace the consolidated
+`optimizer.safetensors` (rank 0 gathers and writes the masters only, for
+`model.safetensors`): an 8B model's optimizer state is 96 GB, which would otherwise be on
+disk twice. Each index then carries the bucket layout, and a resume on another layout joins
+the shards back into whole tensors (`whole_state`); bucket offsets do not depend on the
+number of ranks, only the padding does.
+
 Each file goes through a temp file + fsync + rename into rank 0's temporary folder, which
 rank 0 publishes only after every rank's shard is in (a barrier): the shards are part of
 the same atomic checkpoint. A resume on the same layout (every rank finds its own shard
@@ -176,6 +183,9 @@ def write_shard(folder: Path, trainer, shape: dict, data: dict) -> None:
     index = shape | {"format": FORMAT, "step": step, "data": data,
                      "file": f"{name}.safetensors",
                      "bytes": (folder / f"{name}.safetensors").stat().st_size}
+    zero = zero_of(trainer)
+    if zero is not None:  # what whole_state needs to join the shards on another layout
+        index["buckets"] = zero.section["buckets"]
     text = json.dumps(index, indent=2) + "\n"
     atomic_write(folder / f"{name}.json", lambda tmp: Path(tmp).write_text(text, "utf-8"))
 
@@ -186,6 +196,7 @@ class ShardSave:
 
     def __init__(self, trainer, shape: dict, data: dict):
         self.trainer, self.shape, self.data = trainer, shape, data
+        self.replaces_optimizer = replaces_optimizer(trainer, shape)
 
     def leader(self, temp: Path) -> None:
         """Rank 0, inside save_checkpoint before the consolidated files are written."""
@@ -203,6 +214,16 @@ class ShardSave:
 
     def published(self) -> None:
         dist.barrier()
+
+
+def replaces_optimizer(trainer, shape: dict) -> bool:
+    """Whether the shards hold the whole optimizer state: ZeRO over every trained
+    parameter, no tensor parallel and nothing frozen (LoRA's base masters are in no
+    shard)."""
+    zero = zero_of(trainer)
+    if zero is None or shape.get("tp", 1) > 1 or getattr(trainer, "frozen", None):
+        return False
+    return all(p in zero.paths for p in getattr(trainer, "names", ()))
 
 
 # ---------------------------------------------------------------------- resuming
@@ -281,3 +302,44 @@ def _read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def whole_state(folder: Path) -> dict:
+    """The consolidated optimizer state (masters, exp_avg, exp_avg_sq by path, step) joined
+    from every rank's ZeRO shard: each bucket instance's parts in data-parallel rank order,
+    cut into parameters at the bucket's offsets. Every rank reads every shard (a resume on
+    another number of ranks or another stage)."""
+    from safetensors import safe_open
+
+    from runtime.cuda.state import joined_master
+    from runtime.errors import RuntimeUserError
+
+    indexes = sorted((_read_json(p) for p in folder.glob("shard-rank*.json")),
+                     key=lambda index: index.get("dp_rank", -1))
+    if not indexes or any("buckets" not in index for index in indexes) or \
+            [index.get("dp_rank") for index in indexes] != list(range(indexes[0]["dp"])):
+        raise RuntimeUserError(f"checkpoint {folder} has no optimizer.safetensors and not "
+                               "every rank's ZeRO shard", help=["resume from a complete "
+                                                                "checkpoint folder"])
+    handles = [safe_open(str(folder / index["file"]), framework="pt") for index in indexes]
+    state = {part: {} for part in PARTS} | {"step": int(indexes[0]["step"])}
+    for spec in indexes[0]["buckets"]:
+        for i in range(spec["instances"]):
+            key = spec["path"].replace("{i}", str(spec["first"] + i)) if spec["path"] \
+                else spec["name"]
+            joined = {part: _joined(handles, f"zero.{key}.{part}")
+                      for part in ("hi", "lo", "exp_avg", "exp_avg_sq")}
+            master = joined_master(joined["hi"], joined["lo"]) if joined["lo"] is not None \
+                else joined["hi"].float()
+            for p in spec["params"]:
+                path = f"{key}.{p['name']}" if spec["path"] else p["name"]
+                cut = slice(p["offset"], p["offset"] + p["numel"])
+                for part, flat in (("masters", master), ("exp_avg", joined["exp_avg"]),
+                                   ("exp_avg_sq", joined["exp_avg_sq"])):
+                    state[part][path] = flat[cut].float().view(p["shape"]).clone()
+    return state
+
+
+def _joined(handles, name: str):
+    parts = [h.get_tensor(name) for h in handles if name in h.keys()]
+    return torch.cat(parts) if parts else None
