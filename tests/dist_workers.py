@@ -88,17 +88,30 @@ def gpu_train(step, batches: list) -> list[float]:
     return losses
 
 
-def gpu_reference(steps: int, rows: int, seq: int) -> tuple[list, dict]:
+def gpu_reference(steps: int, rows: int, seq: int, clip: float | None = None
+                  ) -> tuple[list, dict]:
+    """One GPU on the whole batch; `clip`: global gradient-norm clipping with weight
+    decay 0.1 (the default exclusions), the last step's norm under `grad_norm`."""
     from runtime.cuda.step import TrainStep
 
-    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq,
+                                 **_optimizer(clip))
     step.init_random(0)
     losses = gpu_train(step, gpu_batches(steps, rows, seq))
-    return losses, {p: step.masters[p].cpu() for p in step.names}
+    masters = {p: step.masters[p].cpu() for p in step.names}
+    if clip is not None:
+        masters["grad_norm"] = step.grad_norm.cpu()
+    return losses, masters
+
+
+def _optimizer(clip: float | None) -> dict:
+    from runtime.cuda.step import AdamWConfig
+
+    return {} if clip is None else {"adamw": AdamWConfig(weight_decay=0.1, clip_grad=clip)}
 
 
 def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: int,
-                seq: int, out: str) -> None:
+                seq: int, out: str, clip: float | None = None) -> None:
     from runtime.cuda.step import TrainStep
     from runtime.dist import DistContext
 
@@ -107,7 +120,7 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
     context = DistContext.from_env(device="cuda", timeout_s=120)
     per_rank = rows // world
     step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
-                                 dist=context.data_parallel(zero))
+                                 dist=context.data_parallel(zero), **_optimizer(clip))
     step.init_random(0)
     own = [b[rank * per_rank:(rank + 1) * per_rank] for b in gpu_batches(steps, rows, seq)]
     local = gpu_train(step, own)
@@ -117,6 +130,8 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
         torch.distributed.all_reduce(value)
         losses.append(float(value) / world)
     masters = {path: master for path, master, _, _ in step.zero.full_state()}
+    if clip is not None:
+        masters["grad_norm"] = step.grad_norm.cpu()
     if rank == 0:
         from modulec.plan.distributed import rank_fixed_bytes
 

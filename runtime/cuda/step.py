@@ -519,7 +519,8 @@ class TrainStep:
             grads.append(grad)
         self.grad_norm.copy_(global_norm(grads).reshape(1))
         if self.adamw.clip_grad is not None:
-            torch._foreach_mul_(grads, clip_coefficient(self.grad_norm, self.adamw.clip_grad))
+            scale = clip_coefficient(self.grad_norm, self.adamw.clip_grad).reshape(())
+            torch._foreach_mul_(grads, scale)  # a 0-d tensor: no host sync
 
     def _fused_step(self) -> None:
         """One optimizer step over `accumulation` micro-batches: all but the last add
