@@ -61,9 +61,12 @@ def test_a_llama31_config_builds_with_its_rope(tmp_path, section):
 
 
 @pytest.mark.parametrize("model", ["std/models/qwen3.module", "std/models/mistral.module",
-                                   "std/models/qwen2.module"])
+                                   "std/models/qwen2.module", "std/models/mixtral.module",
+                                   "std/models/qwen3_moe.module"])
 def test_yarn_configs_build_in_the_other_std_models(tmp_path, model):
-    config = BASE | {"rope_scaling": YARN, "head_dim": 8, "sliding_window": None}
+    config = BASE | {"rope_scaling": YARN, "head_dim": 8, "sliding_window": None,
+                     "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 16}
     result, ir = build(tmp_path, model, config)
     assert result.exit_code == 0, result.output
     attrs = rope_attrs(ir)
@@ -142,3 +145,41 @@ def test_partial_rotary_past_the_head_dim_and_longrope_lengths(tmp_path):
     assert "`short_factor` has 3 numbers" in rope_param_problem(longrope, Dim.const(8))[0]
     assert rope_param_problem(dict(longrope, short_factor=(1.0,) * 4), Dim.const(8)) is None
     assert rope_param_problem({"partial_rotary_factor": 0.5}, Dim.const(8)) is None
+
+
+LONGROPE_MODULE = """\
+model T(d: int = 8, rt: string = "default", sf: [float]? = None, lf: [float]? = None):
+  forward:
+    in: (q: [B, 2, S, d], k: [B, 2, S, d])
+    out: (qr: [B, 2, S, d], kr: [B, 2, S, d])
+    graph:
+      (q, k) -> rope(
+        rope_type=rt, short_factor=sf, long_factor=lf, max_position_embeddings=32
+      ) -> (qr, kr)
+  hf_config:
+    architecture: "T"
+    config_class: "TConfig"
+    param_mapping:
+      rt: rope_type
+      sf: short_factor
+      lf: long_factor
+"""
+
+
+def test_longrope_factor_lists_come_from_the_config(tmp_path):
+    """List fields (ints among the floats, as JSON writes 1.0) reach a `[float]?` param."""
+    model = tmp_path / "t.module"
+    model.write_text(LONGROPE_MODULE, encoding="utf-8")
+    section = {"rope_type": "longrope", "short_factor": [1, 1.5, 2, 2.5],
+               "long_factor": [3.0, 3, 3, 4]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_scaling": section}), encoding="utf-8")
+    out = tmp_path / "ir.json"
+    result = run("build", model, "--config", path, "--shape", "B=1", "--shape", "S=4", "-o", out)
+    assert result.exit_code == 0, result.output
+    attrs = rope_attrs(out)
+    assert attrs["short_factor"] == [1, 1.5, 2, 2.5] and attrs["long_factor"] == [3, 3, 3, 4]
+    section["short_factor"] = [1.0, 2.0]  # not one per frequency (d / 2 = 4)
+    path.write_text(json.dumps({"rope_scaling": section}), encoding="utf-8")
+    result = run("build", model, "--config", path, "--shape", "B=1", "--shape", "S=4")
+    assert result.exit_code == 1 and "`short_factor` has 2 numbers" in result.output

@@ -349,10 +349,17 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
             how = "is null" if field_name in config else "is missing"
             notices.append(f"{path}: `{field_name}` {how}; `{param}` keeps its default")
             continue
-        values[param] = Dim.const(raw) if isinstance(raw, int) and not isinstance(raw, bool) \
-            else raw
+        values[param] = _config_value(raw)
     unread_by_kind(config, list(_param_mapping(decl)), values, notices, Path(path))
     return values
+
+
+def _config_value(raw):
+    """A config.json value as a compile-time value: integers are sizes (Dim), a list a
+    tuple of such values (longrope's factor lists)."""
+    if isinstance(raw, list):
+        return tuple(_config_value(v) for v in raw)
+    return Dim.const(raw) if isinstance(raw, int) and not isinstance(raw, bool) else raw
 
 
 def _param_mapping(decl: A.Decl):

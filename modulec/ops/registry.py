@@ -194,7 +194,7 @@ def _checked(rule: OpRule, spec: ParamSpec, value, span):
         "dtype": lambda v: isinstance(v, Ident) and v.name in DTYPES,
         "ints": lambda v: isinstance(v, tuple) and all(isinstance(x, Dim) for x in v),
         "floats": lambda v: isinstance(v, (tuple, list)) and all(
-            isinstance(x, (float, Dim)) and not isinstance(x, bool) for x in v),
+            isinstance(x, (float, int, Dim)) and not isinstance(x, bool) for x in v),
         "string": lambda v: isinstance(v, str),
     }.get(spec.kind, lambda v: True)
     if not ok(value):

@@ -77,19 +77,24 @@ def _step(prefix: str, step: A.Step, suffix: str, indent: str) -> list[str]:
 
 
 def _call_of(value) -> A.Call | None:
-    """The call an entry's value ends in: `Block(...)` or `[n] x Block(...)`."""
+    """The call an entry's value ends in: `Block(...)`, `[n] x Block(...)`, either guarded
+    (`... if cond`, no else)."""
+    if isinstance(value, A.IfExp) and value.orelse is None:
+        value = value.body
     if isinstance(value, A.ArrayType):
         value = value.element
     return value if isinstance(value, A.Call) and value.args else None
 
 
 def _call_entry(entry: A.Entry, indent: str) -> list[str]:
-    call = _call_of(entry.value)
-    prefix = f"[{P.expr(entry.value.count)}] x " if isinstance(entry.value, A.ArrayType) else ""
+    call, value, guard = _call_of(entry.value), entry.value, ""
+    if isinstance(value, A.IfExp):
+        value, guard = value.body, " if " + P.expr(value.test)
+    prefix = f"[{P.expr(value.count)}] x " if isinstance(value, A.ArrayType) else ""
     head = indent + P.expr(entry.key) + ": " + prefix + P.expr(call.func, P.ATOM) + "("
     args = [indent + P.INDENT + P.arg_text(a) + ("," if i < len(call.args) - 1 else "")
             for i, a in enumerate(call.args)]
-    return [head] + args + [indent + ")"]
+    return [head] + args + [indent + ")" + guard]
 
 
 def _tuple_entry(entry: A.Entry, indent: str) -> list[str]:
