@@ -393,6 +393,14 @@ def _check_stack_count(ctx, args, stack: Stack, target) -> None:
         count = evaluate(args[1].value, ctx.instance.env())
     except (NotConst, Undefined):
         return
+    from modulec.types.dims import Dim
+
+    if isinstance(count, bool) or not isinstance(count, (int, Dim)):  # None, a float, ...
+        ctx.world.error("E027", f"`StackedBlocks({target.id}, {count})`: the count is not an "
+                        f"integer", args[1].value.span,
+                        help=[f"pass the array's length: `StackedBlocks({target.id}, "
+                              f"{stack.count})`"])
+        return
     if ctx.instance.assumptions.same(_as_dim(count), _as_dim(stack.count)) is False:
         ctx.world.error("E027", f"`StackedBlocks({target.id}, {count})`: `{target.id}` holds "
                         f"{stack.count} blocks, and StackedBlocks applies them all",
