@@ -7,8 +7,8 @@ import torch
 from tests.dist_workers import join, windows
 from tests.runtime_models import TINY
 
-# tests/data/pipeline_llama.module: stages from @partition, cut between two calls
-MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama.module", {})}
+# stages from @partition, cut between two calls; with dropout on both stages
+MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama_dropout.module", {})}
 
 
 def tiny_model(name: str, settings: dict | None = None):

@@ -20,7 +20,8 @@ from tests.test_dist_zero import free_port  # noqa: E402
 from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 
 # (model, settings, steps, micro-batches, rows, seq): @partition stages cut between two
-# calls (the balanced split that cuts a stack of layers is the CLI test's)
+# calls, dropout on both (masks seeded per micro-batch as one process seeds them); the
+# balanced split that cuts a stack of layers is the CLI test's
 RUNS = [("pipelined", {}, 1, 2, 1, 8)]
 
 
@@ -107,3 +108,15 @@ def test_the_micro_batches_become_the_accumulation():
     request = _request()
     check_launch(request, SimpleNamespace(distributed=True, world=2))
     assert request.microbatches == request.grad_accum == 8  # 4 x pp by default
+
+
+def test_a_parameter_two_stages_use_is_refused():
+    """Tied embeddings: the embedding is read on stage 0 and by the head on stage 1."""
+    from runtime.errors import RuntimeUserError
+    from runtime.inputs import sized_inputs
+    from runtime.train.pipeline import _refuse_unsupported, _section, with_pipeline
+
+    model = with_pipeline(pipeline_workers.tiny_model("llama_tied"), 2, 2)
+    program = model.source.program_for(sized_inputs(["token_ids"], 1, 8))
+    with pytest.raises(RuntimeUserError, match=r"parameters used by two stages \(embedding\)"):
+        _refuse_unsupported(model, program, _section(program, 2, 2))

@@ -189,6 +189,7 @@ class StageRunner:
         self.backward_nodes = [n for n in self.backward_fn.nodes
                                if self._runs_here(n, grads)]
         self.frames: dict[int, Frame] = {}
+        self.seed_of = None  # micro-batch -> the random ops' seed (dropout), None: off
 
     def _runs_here(self, node, grads: GradientMap) -> bool:
         origin = node.attr("forward_node")
@@ -221,6 +222,7 @@ class StageRunner:
                     total[path] = total[path] + grad if path in total else grad
         for work in pending:
             work.wait()
+        self.it.rng_seed = None
         return losses, total
 
     def _recv(self, what: str, peer: int) -> list[Tensor]:
@@ -238,6 +240,7 @@ class StageRunner:
     def forward(self, m: int, inputs: dict, received: list) -> tuple[list | None, list]:
         """Micro-batch m's forward of this stage's units: (the entry's outputs on the last
         stage, else None; the tensors to send on)."""
+        self.it.rng_seed = self.seed_of(m) if self.seed_of is not None else None
         frame = Frame(self.entry, "", ())
         frame.env.update(inputs)
         frame.env.update({t["value"]: v for t, v in zip(self.plan.incoming, received)})

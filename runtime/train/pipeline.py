@@ -88,7 +88,7 @@ class PipelineTrainer:
         program = model.source.program_for(sized_inputs(names, batch, seq))
         section = _section(program, stages, microbatches)
         context.same_program(program.document)
-        _refuse_unsupported(model, program)
+        _refuse_unsupported(model, program, section)
         self.model, self.program, self.inputs = model, program, names
         self.stage = context.rank
         own = set(section["stages"][self.stage]["params"])
@@ -117,6 +117,8 @@ class PipelineTrainer:
             fed = fed_inputs(self.inputs, tokens)
             inputs.append({i.id: fed[n] for i, n in zip(entry.inputs, self.inputs)})
             labels.append(label)
+        step = self.adamw.step  # dropout masks seeded as one process seeds them
+        self.runner.seed_of = lambda m: step * 65_536 + m
         losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m]))
         total = {p: g / len(parts) for p, g in total.items() if p in self.names}
         self._update(total)
@@ -204,7 +206,7 @@ def _section(program, stages: int, microbatches: int) -> dict:
     return section
 
 
-def _refuse_unsupported(model: Model, program) -> None:
+def _refuse_unsupported(model: Model, program, section: dict) -> None:
     """What the pipeline does not run yet: an error, never a wrong step."""
     from runtime.hf_weights.schema import tied_targets
 
@@ -213,6 +215,13 @@ def _refuse_unsupported(model: Model, program) -> None:
         raise RuntimeUserError(f"--pp with tied weights ({', '.join(sorted(ties))}) is not "
                                "supported yet: the stages would hold two copies",
                                help=["train it data parallel (--zero) or on one process"])
+    held = [set(stage["params"]) for stage in section["stages"]]
+    shared = sorted(set.union(*[a & b for i, a in enumerate(held) for b in held[i + 1:]]
+                              or [set()]))
+    if shared:
+        raise RuntimeUserError(f"--pp: parameters used by two stages ({', '.join(shared[:3])})"
+                               " are not supported yet: each stage would train its own copy",
+                               help=["place their uses in one stage with @partition"])
     outputs = program.output_names()
     if len(outputs) != 1:
         raise RuntimeUserError(f"--pp trains a model with one output (the logits); this "
