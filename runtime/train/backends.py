@@ -64,9 +64,12 @@ class CPUTrainer:
         self.adamw.lr = lr
 
     def step_metrics(self) -> dict:
-        """The last step's global gradient norm (before clipping), for its record."""
+        """The last step's global gradient norm (before clipping), for its record; none
+        under tensor parallel, where a rank sees its slices only."""
         norm = getattr(self, "grad_norm", None)
-        return {} if norm is None else {"grad_norm": float(norm)}
+        if norm is None or sliced(self.model):
+            return {}
+        return {"grad_norm": float(norm)}
 
     def _loss_and_gradients(self, window: Tensor):
         from runtime.cuda.lm_head import logits_cross_entropy
@@ -151,9 +154,12 @@ class CUDATrainer:
         self.step.set_lr(lr)
 
     def step_metrics(self) -> dict:
-        """The last step's global gradient norm (read with its loss)."""
+        """The last step's global gradient norm (read with its loss); none under tensor
+        parallel, where a rank sees its slices only."""
         norm = getattr(self, "_norm", None)
-        return {} if norm is None else {"grad_norm": norm}
+        if norm is None or sliced(self.model):
+            return {}
+        return {"grad_norm": norm}
 
     def state(self, moments: bool = True) -> dict:
         """The whole state; `moments=False` under data parallel: the masters alone are
@@ -205,6 +211,12 @@ class CUDATrainer:
                 "now_bytes": torch.cuda.memory_allocated(),
                 "what": "GPU (activations in the plan's arena)" if arena else
                 "GPU (torch allocator)"}
+
+
+def sliced(model: Model) -> bool:
+    """The model is this rank's tensor-parallel slice (`--tp`): a gradient norm computed
+    here is not the whole model's (--clip-grad is refused with --tp)."""
+    return getattr(model.source, "tensor_parallel", 1) > 1
 
 
 def on_main_rank(step) -> bool:

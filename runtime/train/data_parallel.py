@@ -107,8 +107,11 @@ class CPUDataParallelTrainer(CPUTrainer):
         adamw_step_(hi, grad, m, v, a.step, a.lr, a.betas, a.eps, a.weight_decay * decay)
 
     def step_metrics(self) -> dict:
-        """The last step's global gradient norm (over every rank's shards)."""
-        return {"grad_norm": float(self.zero.grad_norm)}
+        """The last step's global gradient norm (over every rank's shards); none under
+        tensor parallel (each data-parallel group holds one slice of the model)."""
+        from runtime.train.backends import sliced
+
+        return {} if sliced(self.model) else {"grad_norm": float(self.zero.grad_norm)}
 
     def train_step(self, window: Tensor) -> float:
         """One optimizer step on this rank's `window` rows; returns the mean loss over
