@@ -35,6 +35,8 @@ def build(tmp_path, model: str, config: dict):
     ("sliding_window", 4096, "`sliding_window` is `4096`"),
     ("use_sliding_window", True, "`use_sliding_window` is `true`"),
     ("norm_topk_prob", False, "`norm_topk_prob` is `false`"),
+    ("use_bidirectional_attention", True, "`use_bidirectional_attention` is `true`"),
+    ("final_logit_softcapping", 30.0, "`final_logit_softcapping` is `30.0`"),
 ])
 def test_a_field_the_program_does_not_compute_is_refused(tmp_path, field, value, shown):
     result = build(tmp_path, LLAMA, LLAMA_CONFIG | {field: value})

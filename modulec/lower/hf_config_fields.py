@@ -32,6 +32,9 @@ NEUTRAL = {
     "first_k_dense_replace": (0, "dense MLP layers before the MoE layers"),
     "shared_expert_intermediate_size": (0, "a shared expert beside the routed ones"),
     "n_shared_experts": (0, "shared experts beside the routed ones"),
+    "use_bidirectional_attention": (False, "attention that is not causal"),
+    "attn_logit_softcapping": (None, "soft-capped attention scores"),
+    "final_logit_softcapping": (None, "soft-capped logits"),
 }
 # a field one transformers version writes under another name: read under either, and
 # mapping one maps both (transformers 5 saves Qwen3-MoE's `num_experts` as
