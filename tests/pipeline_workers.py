@@ -14,6 +14,10 @@ MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama_dropout.module", {})}
 def tiny_model(name: str, settings: dict | None = None):
     from runtime.model import Model
 
+    if name.endswith(".ir"):  # a document built with its pipeline section
+        model = Model.from_ir(name, dtype=torch.float64)
+        model.check_finite = False
+        return model.init_random(seed=0)
     path, defaults = MODELS[name]
     merged = {k: str(v) for k, v in (defaults | (settings or {})).items()}
     model = Model.from_module(path, settings=merged, dtype=torch.float64)

@@ -20,15 +20,31 @@ from tests.test_dist_zero import free_port  # noqa: E402
 from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 
 # (model, settings, steps, micro-batches, rows, seq): @partition stages cut between two
-# calls, dropout on both (masks seeded per micro-batch as one process seeds them); the
-# balanced split that cuts a stack of layers is the CLI test's
-RUNS = [("pipelined", {}, 1, 2, 1, 8)]
+# calls, dropout on both (masks seeded per micro-batch as one process seeds them); and an
+# IR document built with `--pp 2` (its section read as written), whose balanced split cuts
+# the stack of layers
+RUNS = [("pipelined", {}, 1, 2, 1, 8), ("llama", {"n_layers": 4}, 1, 2, 1, 8)]
+
+
+def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int) -> str:
+    from tests.runtime_models import TINY
+    from tests.test_cli import run
+
+    path = tmp_path / "llama-pp2.ir"
+    sets = [a for k, v in (TINY["llama"][1] | settings).items() for a in ("--set", f"{k}={v}")]
+    built = run("build", TINY["llama"][0], *sets, "--shape", f"B={rows}", "--shape",
+                f"T={seq}", "--pp", "2", "--microbatches", str(micro), "-o", path)
+    assert built.exit_code == 0, built.output
+    return str(path)
 
 
 def test_two_stages_train_as_one_process_accumulating(tmp_path):
     out = tmp_path / "stage"
+    _, settings, steps, micro, rows, seq = RUNS[1]
+    document = _built_ir(tmp_path, settings, micro, rows, seq)
+    runs = [RUNS[0], (document, settings, steps, micro, rows, seq)]
     mp.spawn(pipeline_workers.train_pipelined, nprocs=2,
-             args=(2, free_port(), RUNS, str(out)))
+             args=(2, free_port(), runs, str(out)))
     stages = [torch.load(f"{out}.{r}") for r in (0, 1)]
     for index, (name, settings, steps, micro, rows, seq) in enumerate(RUNS):
         want_losses, want = pipeline_workers.train_reference(name, steps, micro, rows, seq,
@@ -120,3 +136,17 @@ def test_a_parameter_two_stages_use_is_refused():
     program = model.source.program_for(sized_inputs(["token_ids"], 1, 8))
     with pytest.raises(RuntimeUserError, match=r"parameters used by two stages \(embedding\)"):
         _refuse_unsupported(model, program, _section(program, 2, 2))
+
+
+def test_an_ir_documents_micro_batches_are_the_default(tmp_path):
+    from runtime.errors import RuntimeUserError
+    from runtime.train.pipeline import check_launch
+
+    with_section, without = tmp_path / "pp.ir", tmp_path / "plain.ir"
+    with_section.write_text(json.dumps({"schedule": {"pipeline": {"microbatches": 6}}}))
+    without.write_text(json.dumps({"schedule": {}}))
+    request = _request(file=with_section)
+    check_launch(request, SimpleNamespace(distributed=True, world=2))
+    assert request.microbatches == request.grad_accum == 6
+    with pytest.raises(RuntimeUserError, match="plain.ir has no pipeline section"):
+        check_launch(_request(file=without), SimpleNamespace(distributed=True, world=2))

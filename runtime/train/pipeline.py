@@ -44,8 +44,7 @@ def check_launch(request, context) -> None:
                                      "train ..."])
     for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero is not None),
                         ("--lora", request.lora is not None),
-                        ("--memory-budget", getattr(request, "memory_budget", None) is not None),
-                        ("an IR document", request.file.suffix == ".ir")):
+                        ("--memory-budget", getattr(request, "memory_budget", None) is not None)):
         if given:
             raise RuntimeUserError(f"--pp with {flag} is not supported yet",
                                    help=["pipeline runs take a .module, every process a "
@@ -58,13 +57,31 @@ def check_launch(request, context) -> None:
     if request.grad_accum != 1:
         raise RuntimeUserError("--grad-accum with --pp: the pipeline's micro-batches are "
                                "its accumulation", help=["use --microbatches M"])
-    micro = 4 * pp if micro is None else micro
+    if micro is None:  # an IR document's own, else 4 x P
+        micro = ir_microbatches(request.file) if request.file.suffix == ".ir" else 4 * pp
     if micro < pp:
         raise RuntimeUserError(f"--microbatches {micro} is fewer than the {pp} pipeline "
                                "stages: some stage would never overlap another",
                                help=[f"give --microbatches {pp} or more (4 x {pp} keeps "
                                      "the idle share under 20%)"])
     request.microbatches = request.grad_accum = micro
+
+
+def ir_microbatches(path) -> int:
+    """The micro-batch count of an IR document's pipeline section."""
+    import json
+
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RuntimeUserError(f"cannot read {path}: {exc}") from None
+    schedule = document.get("schedule") if isinstance(document, dict) else None
+    section = schedule.get("pipeline") if isinstance(schedule, dict) else None
+    if not isinstance(section, dict) or not isinstance(section.get("microbatches"), int):
+        raise RuntimeUserError(f"{path} has no pipeline section",
+                               help=["build it with `modulec build ... --pp P "
+                                     "--microbatches M -o FILE.ir`"])
+    return section["microbatches"]
 
 
 def with_pipeline(model: Model, stages: int, microbatches: int) -> Model:
@@ -83,7 +100,10 @@ class PipelineTrainer:
 
         self.context, self.batch, self.seq, self.adamw = context, batch, seq, adamw
         self.device, self.microbatches = device, microbatches
-        with_pipeline(model, stages, microbatches)
+        from runtime.program import IRSource
+
+        if not isinstance(model.source, IRSource):  # an IR document has its own section
+            with_pipeline(model, stages, microbatches)
         names = model.source.program(planned=False).input_names()
         program = model.source.program_for(sized_inputs(names, batch, seq))
         section = _section(program, stages, microbatches)
@@ -195,7 +215,9 @@ def _loss(outputs: list, labels: Tensor):
 def _section(program, stages: int, microbatches: int) -> dict:
     section = program.document.get("schedule", {}).get("pipeline")
     if section is None:
-        raise RuntimeUserError("the IR has no pipeline section")
+        raise RuntimeUserError("the IR has no pipeline section",
+                               help=["build it with `modulec build ... --pp P "
+                                     "--microbatches M -o FILE.ir`"])
     if len(section["stages"]) != stages or section["microbatches"] != microbatches:
         raise RuntimeUserError(f"the IR's pipeline has {len(section['stages'])} stages and "
                                f"{section['microbatches']} micro-batches; this run asks for "
