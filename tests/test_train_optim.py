@@ -257,3 +257,46 @@ def test_two_processes_clip_as_one(ckpt, tmp_path):
             for run in ("one", "two"))
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+def test_every_zero_stage_defers_its_updates_for_clipping():
+    """ZeRO 0, 1, 2 (3: the two-process test above) in this process on a world-1 gloo
+    group: the reduced gradient parts held, the norm, then the deferred updates and
+    gathers, with the decay exclusions run per segment, equal CPUTrainer in float64."""
+    import torch.distributed as dist
+
+    from modulec.plan.distributed import DataParallel
+    from runtime.dist.context import DataParallelRun, DistContext
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.data_parallel import CPUDataParallelTrainer
+    from runtime.train.optim import AdamW
+    from tests.dist_workers import tiny_model, windows
+    from tests.test_dist_zero import free_port
+
+    class OneRank(DataParallelRun):
+        def options(self):  # a section for one rank (the CLI runs none)
+            return DataParallel(1, self.zero)
+
+    def adamw():
+        return AdamW(lr=1e-2, weight_decay=0.1, clip_grad=0.05)
+
+    reference = CPUTrainer(tiny_model("llama"), 2, 8, adamw())
+    want = [reference.train_step(w) for w in windows(2, 2, 8)]
+    assert float(reference.grad_norm) > 0.05
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        context = DistContext(0, 1, 0, "cpu", "gloo")
+        for zero in (0, 1, 2):
+            trainer = CPUDataParallelTrainer(tiny_model("llama"), 2, 8, adamw(),
+                                             OneRank(context, zero))
+            assert [trainer.train_step(w) for w in windows(2, 2, 8)] == want
+            assert float(trainer.zero.grad_norm) == pytest.approx(
+                float(reference.grad_norm), rel=1e-12)
+            got, ref = trainer.state(), reference.state()
+            for part in ("masters", "exp_avg", "exp_avg_sq"):
+                for path, value in ref[part].items():
+                    assert torch.allclose(got[part][path], value, rtol=1e-12,
+                                          atol=1e-15), (zero, part, path)
+    finally:
+        dist.destroy_process_group()
