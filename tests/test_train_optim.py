@@ -211,6 +211,13 @@ def test_resume_mid_schedule_continues_the_curve(ckpt, tmp_path):
     other = train(ckpt, "--steps", "9", *SCHEDULED, "--resume", tmp_path / "b" /
                   "checkpoint-3", weights=False)
     assert other.exit_code == 1 and "gives step 3 another rate" in other.output
+    # a constant schedule may take a new --lr, not a new warmup
+    train(ckpt, "--steps", "4", "--warmup", "2", "--save", tmp_path / "k", "--save-every", "2")
+    resumed = tmp_path / "k" / "checkpoint-2"
+    assert losses(train(ckpt, "--steps", "4", "--warmup", "2", "--lr", "1e-3", "--resume",
+                        resumed, weights=False))
+    moved = train(ckpt, "--steps", "4", "--resume", resumed, weights=False)
+    assert moved.exit_code == 1 and "gives step 1 another rate" in moved.output
 
 
 def test_wsd_in_its_stable_phase_may_be_extended(ckpt, tmp_path):

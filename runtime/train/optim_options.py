@@ -58,12 +58,13 @@ def check_resume_schedule(trainer: dict, schedule: Schedule, folder) -> None:
     """A resume continues the saved run's learning-rate curve: the steps already taken
     (1 .. its step) must have the rates this run's schedule gives them, else the curve
     would jump (a cosine over another --steps, another --warmup). Two constant schedules
-    may differ (a new --lr for what is left, as before schedules existed). A WSD run
-    still in its stable phase may be extended (--steps larger): its past is the same."""
+    with the same warmup may differ in --lr (a new rate for what is left, as before
+    schedules existed). A WSD run still in its stable phase may be extended (--steps
+    larger): its past is the same."""
     step = int(trainer["step"])
     saved = from_json(trainer.get("schedule"), trainer.get("adamw", {}).get("lr", schedule.lr),
                       step)
-    if saved.kind == schedule.kind == "constant":
+    if saved.kind == schedule.kind == "constant" and saved.warmup == schedule.warmup:
         return
     differs = saved.first_difference(schedule, step)
     if differs is None:

@@ -48,7 +48,7 @@ class Progress:
             bar, task = self.rich
             bar.update(task, completed=record["step"] - self.first,
                        info=f"loss {record['loss']:.4f} · {record['tokens_per_s']:,.0f} tok/s"
-                            f" · {gib(record['peak_bytes'])}")
+                            f" · {gib(record['peak_bytes'])}{_optimizer_info(record)}")
             if record.get("eval_loss") is not None:
                 self.rich[0].console.print(f"step {record['step']}: eval loss "
                                            f"{record['eval_loss']:.4f}", highlight=False)
@@ -64,6 +64,14 @@ class Progress:
             self.rich[0].console.print(text, highlight=False)
         else:
             print(text, file=sys.stderr, flush=True)
+
+
+def _optimizer_info(record: dict) -> str:
+    """The bar's tail: the step's learning rate and gradient norm, where recorded."""
+    text = f" · lr {record['lr']:.3g}" if record.get("lr") is not None else ""
+    if record.get("grad_norm") is not None:
+        text += f" · norm {record['grad_norm']:.3g}"
+    return text
 
 
 def _rich_bar(first: int, steps: int):
