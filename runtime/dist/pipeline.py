@@ -5,8 +5,10 @@ The section is the contract. From it a stage takes:
 - its units (entry nodes, and for a repeated call the layers [lo, hi] it runs);
 - the boundary tensors it receives from stage s - 1 and sends to stage s + 1, in the
   section's order, with their shapes;
-- its 1F1B op list, run in order: `recv` (blocking), `forward` / `backward` (compute),
-  `send` (an isend: it does not hold the stage; every send is waited for at the step's end).
+- its 1F1B op list, run in order: `forward` / `backward` (compute) and the sends and
+  receives between them, each run of consecutive ones issued together as one
+  `batch_isend_irecv` and completed before the next compute op (Megatron's
+  send-forward-receive-backward pairing; see `_exchange`).
 
 The runtime runs a stage's part of the entry function and of its derived backward with
 the reference interpreter's own machinery (runtime.interpreter): the forward nodes of its
@@ -202,14 +204,18 @@ class StageRunner:
         """One step over the micro-batches: `inputs[m]` the step inputs by entry input
         id; `loss_of(m, outputs)` (last stage) -> (loss, seeds). Returns the losses (last
         stage) and the parameter gradients summed over the micro-batches."""
-        inbox, outbox, pending, seeds, losses, total = {}, {}, [], {}, [], {}
-        for op in self.plan.ops:
-            kind, m = op["kind"], op["microbatch"]
-            if kind == "recv":
-                inbox[(op["what"], m)] = self._recv(op["what"], op["peer"])
-            elif kind == "send":
-                pending += [dist.isend(t, op["peer"]) for t in outbox.pop((op["what"], m))]
-            elif kind == "forward":
+        inbox, outbox, seeds, losses, total = {}, {}, {}, [], {}
+        ops, i = self.plan.ops, 0
+        while i < len(ops):
+            kind, m = ops[i]["kind"], ops[i]["microbatch"]
+            if kind in ("send", "recv"):  # a run of them: one exchange
+                j = i
+                while j < len(ops) and ops[j]["kind"] in ("send", "recv"):
+                    j += 1
+                self._exchange(ops[i:j], inbox, outbox)
+                i = j
+                continue
+            if kind == "forward":
                 outputs, outbox[("activations", m)] = self.forward(
                     m, inputs[m], inbox.pop(("activations", m), []))
                 if self.plan.last:
@@ -220,21 +226,32 @@ class StageRunner:
                     m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
                 for path, grad in grads.items():
                     total[path] = total[path] + grad if path in total else grad
-        for work in pending:
-            work.wait()
+            i += 1
         self.it.rng_seed = None
         return losses, total
 
-    def _recv(self, what: str, peer: int) -> list[Tensor]:
+    def _exchange(self, ops: list[dict], inbox: dict, outbox: dict) -> None:
+        """Consecutive sends and receives as one `batch_isend_irecv` (on NCCL one group:
+        a stage's send to its neighbour and its receive from it progress together; issued
+        one by one on NCCL's single stream per pair, 1F1B's send-then-receive on both
+        sides would wait on each other), then waited for before the next compute op."""
+        p2p = []
+        for op in ops:
+            key = (op["what"], op["microbatch"])
+            if op["kind"] == "recv":
+                inbox[key] = self._buffers(op["what"])
+                p2p += [dist.P2POp(dist.irecv, b, op["peer"]) for b in inbox[key]]
+            else:
+                p2p += [dist.P2POp(dist.isend, t, op["peer"]) for t in outbox.pop(key)]
+        for work in dist.batch_isend_irecv(p2p) if p2p else ():
+            work.wait()
+
+    def _buffers(self, what: str) -> list[Tensor]:
+        """Receive buffers for the section's tensors of `what`, in its order and shapes."""
         tensors = self.plan.incoming if what == "activations" else \
             [t for t in self.plan.outgoing if t["gradient"]]
-        received = []
-        for spec in tensors:
-            dtype = INT_DTYPES.get(spec["dtype"], self.dtype)
-            buffer = torch.empty(spec["shape"], dtype=dtype, device=self.device)
-            dist.recv(buffer, peer)
-            received.append(buffer)
-        return received
+        return [torch.empty(spec["shape"], dtype=INT_DTYPES.get(spec["dtype"], self.dtype),
+                            device=self.device) for spec in tensors]
 
     # ------------------------------------------------------------------ forward
     def forward(self, m: int, inputs: dict, received: list) -> tuple[list | None, list]:
