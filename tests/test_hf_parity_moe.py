@@ -137,8 +137,8 @@ def test_logits_aux_loss_and_every_gradient_match_transformers(case, tmp_path, m
     out = ours.forward(token_ids=ids.to(torch.int32))
     assert _relative(out["logits"], result.logits.detach()) < 1e-9
     # our aux_loss is the term HF adds to its loss: the coefficient times its aux_loss
-    assert abs(float(out["aux_loss"]) - COEF * float(result.aux_loss)) < 1e-12
-    assert float(result.aux_loss) > 1.0  # a live loss (E * sum f P >= 1 for these routings)
+    assert abs(float(out["aux_loss"]) - COEF * float(result.aux_loss.detach())) < 1e-12
+    assert float(result.aux_loss.detach()) > 1.0  # a live loss (E * sum f P >= 1 for these routings)
     seed = torch.randn(result.logits.shape, generator=generator, dtype=F64)
     total = (result.logits * seed).sum() + COEF * result.aux_loss
     names = [n for n, _ in hf.named_parameters()]
@@ -180,8 +180,8 @@ def test_training_loss_adds_the_aux_loss_as_transformers(tmp_path, monkeypatch):
     loss, grads = CPUTrainer(ours, 2, 7, AdamW())._loss_and_gradients(window)
     tokens, labels = split_window(window)
     result = hf(input_ids=tokens.long(), labels=labels, shift_labels=labels)
-    assert abs(float(loss) - float(result.loss)) < 1e-6 * float(result.loss)
-    assert COEF * float(result.aux_loss) > 1e-3 * float(result.loss)  # the term counts
+    assert abs(float(loss) - float(result.loss.detach())) < 1e-6 * float(result.loss.detach())
+    assert COEF * float(result.aux_loss.detach()) > 1e-3 * float(result.loss.detach())  # the term counts
     names = [n for n, _ in hf.named_parameters()]
     expected = _checkpoint_names(dict(zip(names, torch.autograd.grad(result.loss, list(hf.parameters())))),
                                  "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
