@@ -61,3 +61,31 @@ def test_a_resume_on_the_same_layout_reads_the_shards_bit_for_bit(ckpt, tmp_path
     assert "resumed at step 2 from the consolidated checkpoint (this run is one process)" \
         in notes
     assert losses(one) == pytest.approx(loss[2:3], rel=1e-5)
+
+
+def test_a_whole_rank_state_round_trips_through_its_shard(tmp_path):
+    """Tensor parallel alone keeps no ZeRO buckets: a rank's shard is its (sliced)
+    parameters' masters and moments by path, put back exactly by a resume."""
+    from types import SimpleNamespace
+
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+    from runtime.train.shards import layout, load_rank_tensors, rank_tensors
+    from tests.dist_workers import tiny_model, windows
+
+    def trainer():
+        return CPUTrainer(tiny_model("llama"), 2, 8, AdamW(lr=1e-2, weight_decay=0.1))
+
+    first = trainer()
+    first.train_step(windows(1, 2, 8)[0])
+    tensors = rank_tensors(first)
+    second = trainer()
+    load_rank_tensors(second, tensors, 1)
+    for part in ("masters", "exp_avg", "exp_avg_sq"):
+        a, b = first.state()[part], second.state()[part]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+    assert second.adamw.step == 1
+    run = SimpleNamespace(dp=1, dp_rank=0, zero=2, tp=2)
+    shape = layout(second, run, SimpleNamespace(world=2, rank=1))
+    assert (shape["tp"], shape["tp_rank"], shape["zero"]) == (2, 1, None)
+    assert shape["layout"] == layout(first, run, SimpleNamespace(world=2, rank=1))["layout"]
