@@ -211,13 +211,33 @@ def test_resume_mid_schedule_continues_the_curve(ckpt, tmp_path):
     other = train(ckpt, "--steps", "9", *SCHEDULED, "--resume", tmp_path / "b" /
                   "checkpoint-3", weights=False)
     assert other.exit_code == 1 and "gives step 3 another rate" in other.output
-    # a constant schedule may take a new --lr, not a new warmup
-    train(ckpt, "--steps", "4", "--warmup", "2", "--save", tmp_path / "k", "--save-every", "2")
-    resumed = tmp_path / "k" / "checkpoint-2"
-    assert losses(train(ckpt, "--steps", "4", "--warmup", "2", "--lr", "1e-3", "--resume",
-                        resumed, weights=False))
-    moved = train(ckpt, "--steps", "4", "--resume", resumed, weights=False)
-    assert moved.exit_code == 1 and "gives step 1 another rate" in moved.output
+
+
+def test_which_schedules_a_resume_may_change():
+    """The steps taken keep their rates: a constant schedule may take a new --lr (same
+    warmup), a WSD run in its stable phase more --steps; a new warmup, or a cosine over
+    other --steps, is refused; a checkpoint from before schedules ran a constant rate."""
+    from runtime.errors import RuntimeUserError
+    from runtime.train.optim_options import check_resume_schedule
+
+    def saved(step, **options):
+        return {"step": step, "schedule": _schedule(**options).as_json()}
+
+    allowed = [(saved(5, kind="constant", lr=1.0, warmup=2), _schedule("constant", lr=0.5,
+                                                                       warmup=2)),
+               (saved(5, kind="wsd", steps=20, decay_steps=4), _schedule("wsd", steps=30,
+                                                                        decay_steps=4)),
+               ({"step": 5, "adamw": {"lr": 1.0}}, _schedule("constant", lr=0.1, warmup=0))]
+    for trainer, schedule in allowed:
+        check_resume_schedule(trainer, schedule, "ckpt")
+    refused = [(saved(5, kind="constant", warmup=2), _schedule("constant", warmup=0), 1),
+               (saved(8, kind="cosine", steps=20), _schedule("cosine", steps=30), 5),
+               (saved(18, kind="wsd", steps=20, decay_steps=4),
+                _schedule("wsd", steps=30, decay_steps=4), 17),
+               ({"step": 5, "adamw": {"lr": 1.0}}, _schedule("cosine", warmup=0), 1)]
+    for trainer, schedule, step in refused:
+        with pytest.raises(RuntimeUserError, match=f"gives step {step} another rate"):
+            check_resume_schedule(trainer, schedule, "ckpt")
 
 
 def test_wsd_in_its_stable_phase_may_be_extended(ckpt, tmp_path):
@@ -307,3 +327,34 @@ def test_every_zero_stage_defers_its_updates_for_clipping():
                                           atol=1e-15), (zero, part, path)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_gradients_clipping_holds_count_in_the_step_state():
+    """The budget planner's offset counts what global clipping holds: every bf16 gradient
+    on one GPU, and under ZeRO each rank's reduced part per bucket instance, which is
+    what ZeroRun allocates."""
+    from modulec.plan.distributed import DataParallel
+    from runtime.cuda.step import runtime_fixed_bytes
+    from runtime.cuda.step_optim import clipped_held_bytes
+    from runtime.dist.streams import InOrder
+    from runtime.dist.zero import Precision, ZeroRun
+    from runtime.inputs import sized_inputs
+    from runtime.model import parameter_shapes
+    from runtime.program import ModuleSource
+
+    settings = {"vocab_size": "64", "d_model": "32", "n_layers": "2", "num_heads": "4",
+                "num_kv_heads": "2", "d_ff": "48", "max_seq": "64"}
+    program = ModuleSource(Path(LLAMA), settings).program(planned=False)
+    trained = sum(math.prod(s) for s in parameter_shapes(program.graph).values())
+    assert runtime_fixed_bytes(program, clipped=True) - runtime_fixed_bytes(program) == \
+        2 * trained
+    for zero in (2,):
+        source = ModuleSource(Path(LLAMA), settings, distributed=DataParallel(2, zero))
+        sharded = source.program_for(sized_inputs(["token_ids"], 1, 16))
+        section = sharded.document["schedule"]["distributed"]
+        run = ZeroRun(section, 0, Precision(torch.float32, torch.bfloat16, split=False,
+                                            update=None), "cpu", InOrder(), clip=1.0)
+        run.load({p: torch.zeros(s) for p, s in parameter_shapes(sharded.graph).items()})
+        held = sum(t.numel() * t.element_size() for b in run.buckets for t in b.held)
+        assert held == clipped_held_bytes(section) > 0
+        assert runtime_fixed_bytes(sharded, clipped=True) - runtime_fixed_bytes(sharded) == held

@@ -147,7 +147,10 @@ class TrainStep:
         program = source.program_for(tokens)
         if memory_budget is None:
             return cls(program, batch, seq, **options)
-        offset = planner_budget(program, 0, options.get("optimizer", "auto"))
+        from runtime.cuda.step_optim import clipped
+
+        offset = planner_budget(program, 0, options.get("optimizer", "auto"),
+                                clipped(options))
         planned = ModuleSource(Path(path), settings, derive_written=derive_written,
                                planning=PlanOptions(budget=int(memory_budget) + offset,
                                                     device=plan_device, budget_offset=offset),
@@ -285,18 +288,9 @@ class TrainStep:
         return self
 
     def _param_groups(self) -> list[dict]:
-        """optimizer='torch': a group per (lr_scale, weight decay), each with its own
-        device learning rate (`set_lr` writes them; a captured step reads them)."""
-        from runtime.train.param_groups import decay_scale, lr_scale
+        from runtime.cuda.step_optim import param_groups
 
-        a, groups = self.adamw, {}
-        for path in self.names:
-            key = (lr_scale(self.program, path),
-                   a.weight_decay * decay_scale(self.program, path, a))
-            groups.setdefault(key, []).append(self.masters[path])
-        return [{"params": params, "weight_decay": wd, "lr_scale": scale,
-                 "lr": torch.full((), a.lr * scale, dtype=torch.float32, device="cuda")}
-                for (scale, wd), params in groups.items()]
+        return param_groups(self)
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next steps: written into the device scalars the
@@ -418,8 +412,11 @@ class TrainStep:
                                device(getattr(self, "plan_device", "h200-noswap")))
         offset = getattr(self, "budget_offset", None)
         if offset is None:
-            return no_recompute(problem).peak_bytes - planner_budget(self.program, 0,
-                                                                      self.optimizer)
+            from runtime.cuda.step_optim import clipped
+
+            held = clipped({"adamw": self.adamw, "accumulation": self.accumulation})
+            return no_recompute(problem).peak_bytes - planner_budget(
+                self.program, 0, self.optimizer, held)
         return plan_budget(problem, self.memory_budget + offset).outcome.peak_bytes - offset
 
     def loss_and_gradients(self, on_gradient=None, micro: int = 0
@@ -504,23 +501,9 @@ class TrainStep:
         self.loss.copy_(torch.stack(losses).mean())
 
     def _clip_torch_grads(self) -> None:
-        """optimizer='torch': `@trainable(grad_clip=)` per parameter, then the global
-        norm (kept in `grad_norm`) and, with clip_grad, every gradient scaled by
-        min(1, clip / (norm + 1e-6)); all on the device."""
-        from runtime.train.param_groups import (clip_coefficient, clip_gradient,
-                                                global_norm, hyperparameters)
+        from runtime.cuda.step_optim import clip_torch_grads
 
-        grads = []
-        for path in self.names:
-            grad = self.masters[path].grad
-            clip = hyperparameters(self.program, path, self.adamw)[2]
-            if clip is not None:
-                grad.copy_(clip_gradient(grad, clip))
-            grads.append(grad)
-        self.grad_norm.copy_(global_norm(grads).reshape(1))
-        if self.adamw.clip_grad is not None:
-            scale = clip_coefficient(self.grad_norm, self.adamw.clip_grad).reshape(())
-            torch._foreach_mul_(grads, scale)  # a 0-d tensor: no host sync
+        clip_torch_grads(self)
 
     def _fused_step(self) -> None:
         """One optimizer step over `accumulation` micro-batches: all but the last add
@@ -684,12 +667,16 @@ def frozen_paths(program: Program) -> set[str]:
     return frozen_parameters(program)
 
 
-def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
+def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
+                        clipped: bool = False) -> int:
     """This step's fixed state: with the fused optimizer, the fp32 master split into the
     bf16 compute copy and its int16 low half, plus two fp32 moments (12 bytes per trained
     parameter); optimizer='torch': fp32 master, `.grad` and moments plus the compute copy
     (18); a frozen one (LoRA's base) holds its bf16 compute copy alone (2). Under data
-    parallel, this rank's share of the trained ones (rank_fixed_bytes)."""
+    parallel, this rank's share of the trained ones (rank_fixed_bytes). `clipped` (global
+    gradient-norm clipping, one micro-batch a step): the fused step holds every bf16
+    gradient to the backward's end (2 bytes a trained parameter), and under ZeRO each
+    rank its reduced part of every bucket instance (step_optim.clipped_held_bytes)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
     fixed = sum(_numel(s) for p, s in shapes.items() if p in frozen)
@@ -697,9 +684,13 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto") -> int:
     if section is not None:  # data parallel: what this rank holds of the trained ones
         from modulec.plan.distributed import rank_fixed_bytes
 
-        return rank_fixed_bytes(section)["total"] + fixed * 2
+        from runtime.cuda.step_optim import clipped_held_bytes
+
+        held = clipped_held_bytes(section) if clipped else 0
+        return rank_fixed_bytes(section)["total"] + fixed * 2 + held
     trained = sum(_numel(s) for p, s in shapes.items() if p not in frozen)
-    return trained * (18 if optimizer == "torch" else 12) + fixed * 2
+    held = 2 * trained if clipped and optimizer != "torch" else 0
+    return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held
 
 
 def planner_fixed_bytes(program: Program) -> int:
@@ -718,11 +709,14 @@ def planner_fixed_bytes(program: Program) -> int:
     return sum(_fixed(program.graph, plan_step(program.graph), "full", 0).values())
 
 
-def planner_budget(program: Program, budget: int, optimizer: str = "auto") -> int:
+def planner_budget(program: Program, budget: int, optimizer: str = "auto",
+                   clipped: bool = False) -> int:
     """The planner budget that stands for `budget` bytes on this step: the planner's fixed
     state (fp32 weights and gradients, AdamW moments) differs from this step's (no fp32
-    gradients; bf16 compute copies), so the difference is added."""
-    return budget + planner_fixed_bytes(program) - runtime_fixed_bytes(program, optimizer)
+    gradients; bf16 compute copies; `clipped`: the gradients global clipping holds), so
+    the difference is added."""
+    return budget + planner_fixed_bytes(program) - runtime_fixed_bytes(program, optimizer,
+                                                                       clipped)
 
 
 def budget_programs(path, settings: dict, inputs: dict, share: float,

@@ -119,7 +119,8 @@ class CUDATrainer:
             from runtime.train.data_parallel import with_distributed
 
             with_distributed(model, dist.options())
-        program = gpu_program(model, batch, seq, memory_budget)
+        program = gpu_program(model, batch, seq, memory_budget,
+                              adamw.clip_grad is not None and accumulation == 1)
         if dist is not None:
             dist.context.same_program(program.document)
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay,
@@ -223,7 +224,8 @@ def on_main_rank(step) -> bool:
     return step.dist is None or step.dist.context.is_main
 
 
-def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None):
+def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None,
+                clipped: bool = False):
     """The program for the GPU step; with a budget, planned as TrainStep.from_module
     does: the planner's budget offset by the step's own fixed state (`planner_budget`),
     on the device's no-swap profile (the step recomputes, it does not swap)."""
@@ -238,7 +240,7 @@ def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None):
         return program
     from modulec.lower.build_plan import PlanOptions
 
-    offset = planner_budget(program, 0, "fused")
+    offset = planner_budget(program, 0, "fused", clipped)  # clipped: held gradients
     profile = "h100-noswap" if "H100" in torch.cuda.get_device_name() else "h200-noswap"
     planning = PlanOptions(budget=memory_budget + offset, device=profile)
     source = replace(model.source, planning=planning, _built={}, _declared=None)
