@@ -389,11 +389,16 @@ void check_qk_rope(const Tensor& q, const Tensor& k, const Tensor& q_weight,
               "q_weight and k_weight must be [", D, "]");
 }
 
-// the fused kernel rotates every channel: inv_freq fp32 [D / 2]
-void check_qk_inv_freq(const Tensor& inv_freq, const Tensor& q) {
+// the rotation of qk_norm_rope: inv_freq fp32 [n], 2n <= D channels rotate
+modulec::QkRopeRotation qk_rotation(const Tensor& inv_freq, const Tensor& q, double scale,
+                                    bool interleaved) {
   check_inv_freq(inv_freq, q, q.size(3));
-  TORCH_CHECK(2 * inv_freq.size(0) == q.size(3), "qk_norm_rope: inv_freq must be [D / 2] = [",
-              q.size(3) / 2, "], got ", inv_freq.sizes());
+  modulec::QkRopeRotation rot;
+  rot.inv_freq = inv_freq.data_ptr<float>();
+  rot.n = inv_freq.size(0);
+  rot.scale = static_cast<float>(scale);
+  rot.interleaved = interleaved;
+  return rot;
 }
 
 void set_strides(const Tensor& t, int64_t (&out)[3]) {
@@ -428,9 +433,9 @@ Tensor heads_bthd(const Tensor& like, int64_t H) {
 std::vector<Tensor> qk_norm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_weight,
                                          const Tensor& k_weight,
                                          const std::optional<Tensor>& position_ids, double eps,
-                                         const Tensor& inv_freq, double scale) {
+                                         const Tensor& inv_freq, double scale, bool interleaved) {
   check_qk_rope(q, k, q_weight, k_weight);
-  check_qk_inv_freq(inv_freq, q);
+  const auto rot = qk_rotation(inv_freq, q, scale, interleaved);
   const int64_t pos_stride = positions(position_ids, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
@@ -441,8 +446,7 @@ std::vector<Tensor> qk_norm_rope_forward(const Tensor& q, const Tensor& k, const
                    dtype_of(q), qk_rope_side(q, q_rot, q_weight, q_rstd, nullptr),
                    qk_rope_side(k, k_rot, k_weight, k_rstd, nullptr),
                    position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B, T,
-                   D, static_cast<float>(eps), inv_freq.data_ptr<float>(),
-                   static_cast<float>(scale), stream()),
+                   D, static_cast<float>(eps), rot, stream()),
                "qk_norm_rope forward");
   return {q_rot, k_rot, q_rstd, k_rstd};
 }
@@ -455,10 +459,10 @@ std::vector<Tensor> qk_norm_rope_backward(const Tensor& d_q_rot, const Tensor& d
                                           const Tensor& k_weight, const Tensor& q_rstd,
                                           const Tensor& k_rstd,
                                           const std::optional<Tensor>& position_ids,
-                                          const Tensor& inv_freq, double scale,
+                                          const Tensor& inv_freq, double scale, bool interleaved,
                                           int64_t extra_heads) {
   check_qk_rope(q, k, q_weight, k_weight);
-  check_qk_inv_freq(inv_freq, q);
+  const auto rot = qk_rotation(inv_freq, q, scale, interleaved);
   check_x(d_q_rot, "d_q_rot", q);
   check_x(d_k_rot, "d_k_rot", q);
   TORCH_CHECK(d_q_rot.sizes() == q.sizes() && d_k_rot.sizes() == k.sizes(),
@@ -480,8 +484,7 @@ std::vector<Tensor> qk_norm_rope_backward(const Tensor& d_q_rot, const Tensor& d
                    dtype_of(q), qk_rope_side(q, d_q, q_weight, q_rstd, &d_q_rot),
                    qk_rope_side(k, d_k, k_weight, k_rstd, &d_k_rot),
                    position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B, T,
-                   D, inv_freq.data_ptr<float>(), static_cast<float>(scale),
-                   d_q_weight.data_ptr(), d_k_weight.data_ptr(), work.data_ptr<float>(),
+                   D, rot, d_q_weight.data_ptr(), d_k_weight.data_ptr(), work.data_ptr<float>(),
                    stream()),
                "qk_norm_rope backward");
   return {buffer, d_q, d_k, d_q_weight, d_k_weight};
@@ -701,11 +704,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[buffer [B, T, Hq + Hk + extra, D], q', k']");
   m.def("qk_norm_rope_forward", &qk_norm_rope_forward,
         "(q, k [B, H, T, D] strided, q_weight, k_weight, position_ids or None, eps, inv_freq "
-        "fp32 [D/2], scale) -> [q_rot, k_rot (laid out [B, T, H, D]), q_rstd, k_rstd]");
+        "fp32 [n], scale, interleaved) -> [q_rot, k_rot (laid out [B, T, H, D]), q_rstd, "
+        "k_rstd]");
   m.def("qk_norm_rope_backward", &qk_norm_rope_backward,
         "(d_q_rot, d_k_rot, q, k, q_weight, k_weight, q_rstd, k_rstd, position_ids or None, "
-        "inv_freq, scale, extra_heads) -> [buffer [B, T, Hq + Hk + extra, D], d_q, d_k, "
-        "d_q_weight, d_k_weight]");
+        "inv_freq, scale, interleaved, extra_heads) -> [buffer [B, T, Hq + Hk + extra, D], "
+        "d_q, d_k, d_q_weight, d_k_weight]");
   m.def("embedding_backward", &embedding_backward,
         "(d_y [n, D], sorted_ids int64 [n], order int64 [n], V) -> d_weight [V, D]");
   m.def("moe_gather_rows", &moe_gather_rows,

@@ -140,23 +140,45 @@ def test_qk_norm_rope_with_scaled_frequencies(name, dtype):
                  f"qk_norm_rope backward {name} {dtype}")
 
 
+# (B, Hq, Hk, T, D, partial, interleaved): vector path (bf16: n and the pass-through pairs
+# whole vectors of 8 at D=128, 0.25 and 0.5), the scalar path (D=72 at 0.5: n = 18; D=20),
+# interleaved with and without a pass-through part
+QK_CASES = [(2, 4, 2, 16, 128, 0.5, False), (1, 3, 1, 9, 128, 0.25, False),
+            (2, 4, 2, 8, 64, 1.0, True), (1, 5, 1, 7, 128, 0.5, True),
+            (2, 3, 1, 5, 72, 0.5, False), (1, 2, 1, 5, 20, 0.5, True)]
+
+
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("partial, interleaved", [(0.5, False), (1.0, True)])
-def test_qk_norm_rope_partial_or_interleaved_runs_the_reference(partial, interleaved):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", QK_CASES)
+def test_qk_norm_rope_partial_and_interleaved(case, dtype):
+    """The fused kernel with partial rotary (the pass-through channels normalized, not
+    rotated) and interleaved pairs, contiguous and on the heads of a fused QKV; the
+    backward bitwise repeatable."""
     from runtime.cuda.train_kernels import TRAIN_KERNELS
 
-    B, Hq, Hk, T, D = 1, 2, 1, 5, 64
-    attrs = dict(attrs_of("default", D, partial, interleaved), eps=1e-6)
-    q, k = rand(B, Hq, T, D, dtype=torch.float32), rand(B, Hk, T, D, dtype=torch.float32)
-    w = rand(D, dtype=torch.float32)
-    want = KERNELS["qk_norm_rope"].forward([q, k, w, w, None], dict(attrs))
-    for registry in (CUDA_KERNELS, TRAIN_KERNELS):
-        got = registry["qk_norm_rope"].forward([q, k, w, w, None], dict(attrs))
-        assert_close(got, want, 0, "the reference, exactly")
-        inputs = [q, k, q, k, w, w, want[2], want[3], None]
-        assert_close(registry["qk_norm_rope"].backward(inputs, dict(attrs)),
-                     KERNELS["qk_norm_rope"].backward(inputs, dict(attrs)), 0, "backward")
+    torch.manual_seed(14)
+    B, Hq, Hk, T, D, partial, interleaved = case
+    attrs = dict(attrs_of("yarn", D, partial, interleaved), eps=1e-6)
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    q, k, _ = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
+    qw, kw = rand(D, dtype=dtype), rand(D, dtype=dtype)
+    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    kernel = CUDA_KERNELS["qk_norm_rope"]
+    for a, b in ((q, k), (q.contiguous(), k.contiguous())):
+        assert kernel.covers_forward([a, b, qw, kw, pos])
+        want = KERNELS["qk_norm_rope"].forward([a, b, qw, kw, pos], dict(attrs))
+        assert_close(kernel.forward([a, b, qw, kw, pos], dict(attrs)), want, TOL[dtype],
+                     f"qk_norm_rope {case} {dtype}")
+        d_q, d_k = rand(B, Hq, T, D, dtype=dtype), rand(B, Hk, T, D, dtype=dtype)
+        inputs = [d_q, d_k, a, b, qw, kw, want[2], want[3], pos]
+        ref = KERNELS["qk_norm_rope"].backward(inputs, dict(attrs))
+        first, again = kernel.backward(inputs, dict(attrs)), kernel.backward(inputs, dict(attrs))
+        assert all(torch.equal(x, y) for x, y in zip(first, again))
+        assert_close(first, ref, TOL[dtype], f"qk_norm_rope backward {case} {dtype}")
+        assert_close(TRAIN_KERNELS["qk_norm_rope"].backward(inputs, dict(attrs)), ref,
+                     TOL[dtype], f"qk_norm_rope backward into heads {case} {dtype}")
 
 
 @cuda

@@ -145,6 +145,10 @@ def test_partial_rotary_past_the_head_dim_and_longrope_lengths(tmp_path):
     assert "`short_factor` has 3 numbers" in rope_param_problem(longrope, Dim.const(8))[0]
     assert rope_param_problem(dict(longrope, short_factor=(1.0,) * 4), Dim.const(8)) is None
     assert rope_param_problem({"partial_rotary_factor": 0.5}, Dim.const(8)) is None
+    yarn = {"rope_type": "yarn", "factor": 4.0, "max_position_embeddings": Dim.const(64)}
+    assert rope_param_problem(dict(yarn, partial_rotary_factor=0.5), Dim.const(8)) is None
+    assert "yarn needs an even rotary dim; int(D * partial_rotary_factor) is 5" in \
+        rope_param_problem(dict(yarn, partial_rotary_factor=0.25), Dim.const(20))[0]
 
 
 LONGROPE_MODULE = """\

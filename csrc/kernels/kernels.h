@@ -83,8 +83,7 @@ cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void*
 // ---- qk_norm_rope.cu: qk_norm then rope (std/primitives/qk_norm_rope.module) over q [B, Hq,
 // T, D] and k [B, Hk, T, D] in one launch each way. A QkRopeTensor is one of q, k: strides
 // (elements) over b, h, t, the last dim contiguous; position_ids and pos_batch_stride as
-// launch_rope's; every channel rotates, in rotate-half pairs, by inv_freq (fp32 [D/2] on
-// the device) with cos and sin times scale. D even and at most 256 (cudaErrorInvalidValue
+// launch_rope's. D even and at most 256, 1 <= n and 2n <= D (cudaErrorInvalidValue
 // otherwise).
 struct QkRopeTensor {
   const void* x = nullptr;      // q or k (the backward: the saved pre-norm one)
@@ -98,11 +97,21 @@ struct QkRopeTensor {
   int64_t H = 0;
 };
 
+// The rotation, as launch_rope's: inv_freq fp32 [n] on the device, 2n channels rotate (the
+// rest pass through), in pairs (i, i + n) or (2i, 2i + 1) when interleaved; cos and sin
+// times scale.
+struct QkRopeRotation {
+  const float* inv_freq = nullptr;
+  int64_t n = 0;
+  float scale = 1.f;
+  bool interleaved = false;
+};
+
 // x_rot = rope(x * rstd * weight), rstd = 1 / sqrt(mean(x^2) + eps), for q and k.
 cudaError_t launch_qk_norm_rope_forward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
                                         const int32_t* position_ids, int64_t pos_batch_stride,
                                         int64_t B, int64_t T, int64_t D, float eps,
-                                        const float* inv_freq, float scale, cudaStream_t stream);
+                                        const QkRopeRotation& rot, cudaStream_t stream);
 
 // fp32 workspace (in floats) that launch_qk_norm_rope_backward needs for its partials.
 int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t Hq, int64_t Hk,
@@ -114,7 +123,7 @@ int64_t qk_norm_rope_backward_workspace(DType dt, int64_t B, int64_t T, int64_t 
 cudaError_t launch_qk_norm_rope_backward(DType dt, const QkRopeTensor& q, const QkRopeTensor& k,
                                          const int32_t* position_ids, int64_t pos_batch_stride,
                                          int64_t B, int64_t T, int64_t D,
-                                         const float* inv_freq, float scale, void* d_q_weight,
+                                         const QkRopeRotation& rot, void* d_q_weight,
                                          void* d_k_weight, float* workspace, cudaStream_t stream);
 
 // ---- adamw.cu: one AdamW step (torch.optim.AdamW's arithmetic) over n fp32 master

@@ -73,6 +73,10 @@ def _numbers_problem(params: dict, kind: str, D: Dim | None):
             if n < 1:
                 return (f"`partial_rotary_factor` {value} rotates no channel of a head dim "
                         f"of {D.value}", ())
+            if kind == "yarn" and int(D.value * value) % 2:
+                return (f"yarn needs an even rotary dim; int(D * partial_rotary_factor) is "
+                        f"{int(D.value * value)}", ("transformers' yarn ramp has dim // 2 "
+                                                    "entries for ceil(dim / 2) frequencies",))
             for name in ("short_factor", "long_factor"):
                 got = params.get(name)
                 if isinstance(got, (tuple, list)) and len(got) != n:

@@ -24,7 +24,7 @@ import torch
 from runtime.cuda.moe import MOE_KERNELS
 from runtime.kernels import KERNELS
 from runtime.kernels.base import ReferenceKernel
-from runtime.kernels.rope_freq import device_frequencies, full_rotate_half
+from runtime.kernels.rope_freq import device_frequencies
 
 CUSTOM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -262,37 +262,18 @@ def qk_rope_layout(x: torch.Tensor) -> bool:
     return x.is_contiguous()
 
 
-class QkNormRopeKernel(CudaKernel):
-    """qk_norm_rope's fused kernel rotates every channel in rotate-half pairs (any
-    frequencies and scaling); partial rotary and interleaved pairs run the reference."""
-
-    def forward(self, inputs: list, attrs: dict) -> list:
-        if not full_rotate_half(attrs):
-            attrs.pop("out", None)
-            return self.reference.forward(inputs, attrs)
-        return super().forward(inputs, attrs)
-
-    def backward(self, inputs: list, attrs: dict) -> list:
-        if not full_rotate_half(attrs):
-            attrs.pop("out", None)
-            return self.reference.backward(inputs, attrs)
-        return super().backward(inputs, attrs)
-
-
 def _qk_norm_rope_fwd(ext, inputs, attrs):
     q, k, q_weight, k_weight, position_ids = inputs
-    inv_freq, scaling, _ = rope_args(attrs, q, position_ids)
     return ext.qk_norm_rope_forward(q, k, q_weight, k_weight, position_ids, _eps(attrs),
-                                    inv_freq, scaling)
+                                    *rope_args(attrs, q, position_ids))
 
 
 def _qk_norm_rope_bwd(ext, inputs, attrs, extra_heads: int = 0):
     """(d_q, d_k, d_q_weight, d_k_weight); d_q and d_k are head views of one buffer with
     `extra_heads` unwritten slots after them (runtime/cuda/train_kernels.py fills d_v in)."""
     *tensors, position_ids = inputs
-    inv_freq, scaling, _ = rope_args(attrs, tensors[2], position_ids)
-    _, d_q, d_k, d_qw, d_kw = ext.qk_norm_rope_backward(*tensors, position_ids, inv_freq,
-                                                       scaling, extra_heads)
+    _, d_q, d_k, d_qw, d_kw = ext.qk_norm_rope_backward(
+        *tensors, position_ids, *rope_args(attrs, tensors[2], position_ids), extra_heads)
     return [d_q, d_k, d_qw, d_kw]
 
 
@@ -328,11 +309,8 @@ CUSTOM = {
 # the custom kernels that read strided inputs (default: contiguous only)
 LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout, "qk_norm_rope": qk_rope_layout}
 
-KERNEL_CLASSES = {"qk_norm_rope": QkNormRopeKernel}
-
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
-    name: KERNEL_CLASSES.get(name, CudaKernel)(ref, *CUSTOM[name], LAYOUTS.get(name))
-    if name in CUSTOM else ref
+    name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
     for name, ref in KERNELS.items()
 } | MOE_KERNELS  # the routing gathers wrap the reference themselves (runtime/cuda/moe.py)
 

@@ -242,10 +242,8 @@ class QkNormRope(Rope):
     takes_out = False
 
     def backward(self, inputs: list, attrs: dict) -> list:
-        from runtime.kernels.rope_freq import full_rotate_half
-
-        if not self.kernel.covers_backward(inputs) or not full_rotate_half(attrs):
-            return self.kernel.backward(inputs, attrs)  # (the reference, where not covered)
+        if not self.kernel.covers_backward(inputs):
+            return self.kernel.backward(inputs, attrs)
         from runtime.cuda.kernels import _extension, _qk_norm_rope_bwd
 
         Hq, Hk, D = inputs[2].shape[1], inputs[3].shape[1], inputs[2].shape[3]

@@ -168,12 +168,6 @@ def device_frequencies(attrs: dict, D: int, T: int, position_ids, device,
     return inv.to(dtype), scaling
 
 
-def full_rotate_half(attrs: dict) -> bool:
-    """Every channel rotates, in rotate-half pairs (i, i + D/2): the fused qk_norm_rope
-    kernel's layout (any frequencies)."""
-    return not attrs.get("interleaved") and float(attrs.get("partial_rotary_factor") or 1.0) == 1.0
-
-
 def _length_dependent(attrs, D, position_ids, device, key, cache):
     """dynamic / longrope with position_ids: both candidate tables chosen on the device."""
     if cache is not None and key in cache:
