@@ -275,6 +275,27 @@ def test_swiglu(shape, dtype):
     check("swiglu", "backward", [rand(*shape, dtype=dtype), gate, up], {}, dtype)
 
 
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 1001), (64, 4096), (2, 3, 37)])
+def test_geglu(shape, dtype, approximate):
+    """geglu runs swiglu's kernels with a GELU (Gemma's tanh form, or erf), contiguous and
+    on the halves of a fused [.., 2C] projection (d_gate / d_up: halves of one buffer)."""
+    torch.manual_seed(8)
+    attrs = {"approximate": approximate}
+    gate, up = rand(*shape, dtype=dtype, scale=4.0), rand(*shape, dtype=dtype)
+    check("geglu", "forward", [gate, up], attrs, dtype)
+    check("geglu", "backward", [rand(*shape, dtype=dtype), gate, up], attrs, dtype)
+    C = shape[-1]
+    gate, up = rand(*shape[:-1], 2 * C, dtype=dtype, scale=3.0).split([C, C], dim=-1)
+    check("geglu", "forward", [gate, up], attrs, dtype)
+    check("geglu", "backward", [rand(*shape, dtype=dtype), gate, up], attrs, dtype)
+    got = CUDA_KERNELS["geglu"].backward([rand(*shape, dtype=dtype), gate, up], attrs)
+    assert got[0].data_ptr() + C * got[0].element_size() == got[1].data_ptr()
+
+
 # (B, Hq, Hkv, T, D, positions): None = 0..T-1, "batch" = [B, T], "shared" = [1, T];
 # D=6 and D=20 take the scalar path, Hq=5 a partial head group
 ROPE_CASES = [(2, 4, 2, 16, 128, None), (1, 3, 1, 7, 6, None), (2, 5, 5, 9, 80, "batch"),

@@ -1,6 +1,8 @@
-// swiglu forward and backward (std/primitives/swiglu.module): y = silu(gate) * up,
-// elementwise over tensors of one shape seen as rows x C, each with its own row stride
-// (ld, in elements; the last dim is contiguous). So gate and up may be the two halves of
+// swiglu and geglu forward and backward (std/primitives/swiglu.module, geglu.module):
+// y = act(gate) * up with act silu (swiglu), or GELU in the tanh form or the exact erf
+// form (geglu; Gemma's `gelu_pytorch_tanh` is the tanh form); `activation` picks one, the
+// formulas are the reference's. Elementwise over tensors of one shape seen as rows x C,
+// each with its own row stride (ld, in elements; the last dim is contiguous). So gate and up may be the two halves of
 // the fused up projection [.., 2 * d_ff] (row stride 2 * d_ff) and the backward may write
 // d_gate / d_up into the two halves of one [.., 2 * d_ff] buffer: no copy, no concat.
 // A contiguous call passes rows = 1, C = n. One thread per VEC elements of a row; the
@@ -16,23 +18,50 @@ constexpr int kThreads = 256;
 // 1 / (1 + exp(-g)) with the precise expf, as the reference's sigmoid
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
 
-__device__ __forceinline__ float swiglu_y(float g, float u) { return g * sigmoid(g) * u; }
+enum Act : int { kSilu = 0, kGeluTanh = 1, kGeluErf = 2 };  // launch_swiglu_*'s activation
 
-// d_gate = d_y * up * silu'(g), silu'(g) = sigmoid(g) + silu(g) * sigmoid(-g);
-// d_up = d_y * silu(g). sigmoid(-g) is computed, not 1 - sigmoid(g), as the reference.
+constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
+constexpr float kGeluA = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+// act(g) and act'(g) as runtime/kernels/activations.py writes them
+template <int ACT>
+__device__ __forceinline__ float act(float g) {
+  if constexpr (ACT == kSilu) return g * sigmoid(g);
+  if constexpr (ACT == kGeluTanh)
+    return 0.5f * g * (1.f + tanhf(kGeluC * (g + kGeluA * g * g * g)));
+  return 0.5f * g * (1.f + erff(g * kInvSqrt2));
+}
+
+// silu'(g) = sigmoid(g) + silu(g) * sigmoid(-g) (sigmoid(-g) computed, not 1 - sigmoid(g),
+// as the reference); the GELUs' derivatives as gelu_grad's
+template <int ACT>
+__device__ __forceinline__ float act_grad(float g) {
+  if constexpr (ACT == kSilu) return sigmoid(g) + g * sigmoid(g) * sigmoid(-g);
+  if constexpr (ACT == kGeluTanh) {
+    const float t = tanhf(kGeluC * (g + kGeluA * g * g * g));
+    return 0.5f * (1.f + t) + 0.5f * g * (1.f - t * t) * kGeluC * (1.f + 3.f * kGeluA * g * g);
+  }
+  return 0.5f * (1.f + erff(g * kInvSqrt2)) + g * expf(-0.5f * g * g) * kInvSqrt2Pi;
+}
+
+template <int ACT>
+__device__ __forceinline__ float swiglu_y(float g, float u) { return act<ACT>(g) * u; }
+
+// d_gate = d_y * up * act'(g); d_up = d_y * act(g)
+template <int ACT>
 __device__ __forceinline__ void swiglu_grad(float dy, float g, float u, float& d_gate,
                                             float& d_up) {
-  const float s = sigmoid(g);
-  const float silu = g * s;
-  d_gate = dy * u * (s + silu * sigmoid(-g));
-  d_up = dy * silu;
+  d_gate = dy * u * act_grad<ACT>(g);
+  d_up = dy * act<ACT>(g);
 }
 
 struct Rows {
   int64_t rows, C, cv;  // cv: vectors per row (the last one maybe partial)
 };
 
-template <typename T, int VEC>
+template <typename T, int VEC, int ACT>
 __global__ void swiglu_forward_kernel(const T* __restrict__ gate, int64_t ld_g,
                                       const T* __restrict__ up, int64_t ld_u,
                                       T* __restrict__ y, int64_t ld_y, Rows s) {
@@ -47,15 +76,15 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ gate, int64_t ld_g,
     load_vec<T, VEC>(g, 0, gv);
     load_vec<T, VEC>(u, 0, uv);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) ov[j] = swiglu_y(gv[j], uv[j]);
+    for (int j = 0; j < VEC; ++j) ov[j] = swiglu_y<ACT>(gv[j], uv[j]);
     store_vec<T, VEC>(o, 0, ov);
   } else {
     for (int64_t j = 0; c + j < s.C; ++j)
-      o[j] = from_float<T>(swiglu_y(to_float(g[j]), to_float(u[j])));
+      o[j] = from_float<T>(swiglu_y<ACT>(to_float(g[j]), to_float(u[j])));
   }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, int ACT>
 __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
                                        const T* __restrict__ gate, int64_t ld_g,
                                        const T* __restrict__ up, int64_t ld_u,
@@ -75,13 +104,13 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
     load_vec<T, VEC>(g, 0, gv);
     load_vec<T, VEC>(u, 0, uv);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) swiglu_grad(dy[j], gv[j], uv[j], dg[j], du[j]);
+    for (int j = 0; j < VEC; ++j) swiglu_grad<ACT>(dy[j], gv[j], uv[j], dg[j], du[j]);
     store_vec<T, VEC>(dgp, 0, dg);
     store_vec<T, VEC>(dup, 0, du);
   } else {
     for (int64_t j = 0; c + j < s.C; ++j) {
       float dg, du;
-      swiglu_grad(to_float(dyp[j]), to_float(g[j]), to_float(u[j]), dg, du);
+      swiglu_grad<ACT>(to_float(dyp[j]), to_float(g[j]), to_float(u[j]), dg, du);
       dgp[j] = from_float<T>(dg);
       dup[j] = from_float<T>(du);
     }
@@ -105,7 +134,7 @@ unsigned blocks_for(const Rows& s) {
   return static_cast<unsigned>((s.rows * s.cv + kThreads - 1) / kThreads);
 }
 
-template <typename T>
+template <typename T, int ACT>
 cudaError_t forward_typed(const void* gate, int64_t ld_g, const void* up, int64_t ld_u, void* y,
                           int64_t ld_y, int64_t rows, int64_t C, cudaStream_t st) {
   constexpr int wide = 16 / sizeof(T);
@@ -113,15 +142,17 @@ cudaError_t forward_typed(const void* gate, int64_t ld_g, const void* up, int64_
   T* o = static_cast<T*>(y);
   if (wide_ok<T>({gate, up, y}, {ld_g, ld_u, ld_y}, rows)) {
     const Rows s = rows_of(rows, C, wide);
-    swiglu_forward_kernel<T, wide><<<blocks_for(s), kThreads, 0, st>>>(g, ld_g, u, ld_u, o, ld_y, s);
+    swiglu_forward_kernel<T, wide, ACT>
+        <<<blocks_for(s), kThreads, 0, st>>>(g, ld_g, u, ld_u, o, ld_y, s);
   } else {
     const Rows s = rows_of(rows, C, 1);
-    swiglu_forward_kernel<T, 1><<<blocks_for(s), kThreads, 0, st>>>(g, ld_g, u, ld_u, o, ld_y, s);
+    swiglu_forward_kernel<T, 1, ACT>
+        <<<blocks_for(s), kThreads, 0, st>>>(g, ld_g, u, ld_u, o, ld_y, s);
   }
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, int ACT>
 cudaError_t backward_typed(const void* d_y, int64_t ld_dy, const void* gate, int64_t ld_g,
                            const void* up, int64_t ld_u, void* d_gate, int64_t ld_dg,
                            void* d_up, int64_t ld_du, int64_t rows, int64_t C,
@@ -135,33 +166,69 @@ cudaError_t backward_typed(const void* d_y, int64_t ld_dy, const void* gate, int
         ld_du, s);
   };
   if (wide_ok<T>({d_y, gate, up, d_gate, d_up}, {ld_dy, ld_g, ld_u, ld_dg, ld_du}, rows))
-    args(swiglu_backward_kernel<T, wide>, wide);
+    args(swiglu_backward_kernel<T, wide, ACT>, wide);
   else
-    args(swiglu_backward_kernel<T, 1>, 1);
+    args(swiglu_backward_kernel<T, 1, ACT>, 1);
   return cudaGetLastError();
+}
+
+template <int ACT>
+cudaError_t forward_act(DType dt, const void* gate, int64_t ld_gate, const void* up,
+                        int64_t ld_up, void* y, int64_t ld_y, int64_t rows, int64_t C,
+                        cudaStream_t stream) {
+  if (dt == DType::BF16)
+    return forward_typed<__nv_bfloat16, ACT>(gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+  return forward_typed<float, ACT>(gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+}
+
+template <int ACT>
+cudaError_t backward_act(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
+                         int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
+                         int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows, int64_t C,
+                         cudaStream_t stream) {
+  if (dt == DType::BF16)
+    return backward_typed<__nv_bfloat16, ACT>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate,
+                                              ld_dgate, d_up, ld_dup, rows, C, stream);
+  return backward_typed<float, ACT>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate, d_up,
+                                    ld_dup, rows, C, stream);
 }
 
 }  // namespace
 
 cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,
                                   int64_t ld_up, void* y, int64_t ld_y, int64_t rows, int64_t C,
-                                  cudaStream_t stream) {
+                                  int activation, cudaStream_t stream) {
   if (rows * C == 0) return cudaSuccess;
-  if (dt == DType::BF16)
-    return forward_typed<__nv_bfloat16>(gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
-  return forward_typed<float>(gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+  switch (activation) {
+    case kSilu:
+      return forward_act<kSilu>(dt, gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+    case kGeluTanh:
+      return forward_act<kGeluTanh>(dt, gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+    case kGeluErf:
+      return forward_act<kGeluErf>(dt, gate, ld_gate, up, ld_up, y, ld_y, rows, C, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
                                    int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
                                    int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
-                                   int64_t C, cudaStream_t stream) {
+                                   int64_t C, int activation, cudaStream_t stream) {
   if (rows * C == 0) return cudaSuccess;
-  if (dt == DType::BF16)
-    return backward_typed<__nv_bfloat16>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
-                                         d_up, ld_dup, rows, C, stream);
-  return backward_typed<float>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate, d_up,
-                               ld_dup, rows, C, stream);
+  switch (activation) {
+    case kSilu:
+      return backward_act<kSilu>(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate, d_up,
+                                 ld_dup, rows, C, stream);
+    case kGeluTanh:
+      return backward_act<kGeluTanh>(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
+                                     d_up, ld_dup, rows, C, stream);
+    case kGeluErf:
+      return backward_act<kGeluErf>(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
+                                    d_up, ld_dup, rows, C, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace modulec
