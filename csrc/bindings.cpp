@@ -215,8 +215,10 @@ Tensor output_rows(const Outputs& out, size_t i, at::IntArrayRef sizes,
   return t;
 }
 
-// gate, up: [*, C] each with a row stride of its own (e.g. the halves of [*, 2C])
-Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out) {
+// gate, up: [*, C] each with a row stride of its own (e.g. the halves of [*, 2C]);
+// activation: 0 silu (swiglu), 1 tanh GELU, 2 erf GELU (geglu)
+Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out,
+                      int64_t activation) {
   check_rows(gate, "gate", gate.scalar_type(), gate);
   check_rows(up, "up", gate.scalar_type(), gate);
   dtype_of(gate);
@@ -226,7 +228,8 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out) 
   const RowArgs a = row_args({&gate, &up, &y});
   check_launch(modulec::launch_swiglu_forward(dtype_of(gate), gate.data_ptr(), a.ld[0],
                                               up.data_ptr(), a.ld[1], y.data_ptr(), a.ld[2],
-                                              a.rows, a.C, stream()),
+                                              a.rows, a.C, static_cast<int>(activation),
+                                              stream()),
                "swiglu forward");
   return y;
 }
@@ -235,7 +238,7 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out) 
 // follows is a view: runtime/cuda/train_kernels.py), or out[0] and out[1] when both are
 // given (the arena's planned bytes)
 std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const Tensor& up,
-                                    const Outputs& out) {
+                                    const Outputs& out, int64_t activation) {
   check_rows(gate, "gate", gate.scalar_type(), gate);
   check_rows(up, "up", gate.scalar_type(), gate);
   check_rows(d_y, "d_y", gate.scalar_type(), gate);
@@ -260,7 +263,8 @@ std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const
   check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), a.ld[0],
                                                gate.data_ptr(), a.ld[1], up.data_ptr(), a.ld[2],
                                                d_gate.data_ptr(), a.ld[3], d_up.data_ptr(),
-                                               a.ld[4], a.rows, a.C, stream()),
+                                               a.ld[4], a.rows, a.C, static_cast<int>(activation),
+                                               stream()),
                "swiglu backward");
   return {d_gate, d_up};
 }
@@ -684,12 +688,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(d_y, x, weight, rstd, d_residual_out or None, out=[], offset=0) -> [d_x, d_weight]",
         py::arg("d_y"), py::arg("x"), py::arg("weight"), py::arg("rstd"),
         py::arg("d_residual_out"), py::arg("out") = Outputs(), py::arg("offset") = 0.0);
-  m.def("swiglu_forward", &swiglu_forward, "(gate, up, out=[]) -> y  (row-strided inputs)",
-        py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
+  // activation: 0 silu (swiglu), 1 tanh-form GELU, 2 erf GELU (geglu)
+  m.def("swiglu_forward", &swiglu_forward,
+        "(gate, up, out=[], activation=0) -> y  (row-strided inputs)", py::arg("gate"),
+        py::arg("up"), py::arg("out") = Outputs(), py::arg("activation") = 0);
   m.def("swiglu_backward", &swiglu_backward,
-        "(d_y, gate, up, out=[]) -> [d_gate, d_up]  (the halves of one [*, 2C] buffer, or "
-        "out[0] and out[1])",
-        py::arg("d_y"), py::arg("gate"), py::arg("up"), py::arg("out") = Outputs());
+        "(d_y, gate, up, out=[], activation=0) -> [d_gate, d_up]  (the halves of one [*, 2C] "
+        "buffer, or out[0] and out[1])",
+        py::arg("d_y"), py::arg("gate"), py::arg("up"), py::arg("out") = Outputs(),
+        py::arg("activation") = 0);
   m.def("rope", &rope,
         "(x [B, H, T, D] strided, position_ids or None, inv_freq fp32 [n], scale, interleaved, "
         "inverse, out=[]) -> rotated x (2n channels), laid out [B, T, H, D], or into out[0] "

@@ -58,15 +58,17 @@ cudaError_t launch_moe_combine_backward(DType dt, const void* d_out, const void*
                                         void* d_rows, float* d_weights, int64_t M, int64_t C,
                                         cudaStream_t stream);
 
-// ---- swiglu.cu: y = silu(gate) * up over rows x C elements; every tensor has its own row
+// ---- swiglu.cu: y = act(gate) * up over rows x C elements; every tensor has its own row
 // stride ld (elements; the last dim contiguous). Contiguous tensors: rows = 1, C = n.
+// activation: 0 silu (swiglu), 1 tanh-form GELU, 2 erf GELU (geglu); else
+// cudaErrorInvalidValue.
 cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,
                                   int64_t ld_up, void* y, int64_t ld_y, int64_t rows, int64_t C,
-                                  cudaStream_t stream);
+                                  int activation, cudaStream_t stream);
 cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
                                    int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
                                    int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
-                                   int64_t C, cudaStream_t stream);
+                                   int64_t C, int activation, cudaStream_t stream);
 
 // ---- rope.cu: RoPE of x [B, H, T, D] into out (may alias x); x_strides and out_strides:
 // 3 strides (elements) over b, h, t each, the last dim contiguous. position_ids: int32

@@ -2,16 +2,16 @@
 the reference calling convention (`forward(inputs, attrs)`, `backward(inputs, attrs)`,
 runtime/kernels/base.py).
 
-rmsnorm, fused_residual_rmsnorm, swiglu, rope, qk_norm, qk_norm_rope and embedding's
-backward have custom CUDA kernels (csrc/kernels). A call they do not cover (tensors not on
-the GPU or not contiguous, a dtype other than bf16/fp32, inputs of mixed dtypes,
-position_ids not int32) goes to the reference kernel, and so does every other primitive:
-the reference kernels are torch ops, which run on CUDA tensors as they are. swiglu, rope
-and qk_norm_rope take strided tensors too (`LAYOUTS`): swiglu rows with one row stride each
-(the halves of the fused up projection), rope and qk_norm_rope any [B, H, T, D] strides
-with D contiguous (the transposed heads of the fused QKV projection). Each custom kernel
-keeps the reference's dtype policy: fp32 arithmetic, outputs in the I/O dtype, rstd in
-fp32.
+rmsnorm, fused_residual_rmsnorm, swiglu, geglu, rope, qk_norm, qk_norm_rope and
+embedding's backward have custom CUDA kernels (csrc/kernels). A call they do not cover
+(tensors not on the GPU or not contiguous, a dtype other than bf16/fp32, inputs of mixed
+dtypes, position_ids not int32) goes to the reference kernel, and so does every other
+primitive: the reference kernels are torch ops, which run on CUDA tensors as they are.
+swiglu, geglu, rope and qk_norm_rope take strided tensors too (`LAYOUTS`): swiglu and
+geglu rows with one row stride each (the halves of the fused up projection), rope and
+qk_norm_rope any [B, H, T, D] strides with D contiguous (the transposed heads of the fused
+QKV projection). Each custom kernel keeps the reference's dtype policy: fp32 arithmetic,
+outputs in the I/O dtype, rstd in fp32.
 """
 
 from __future__ import annotations
@@ -206,17 +206,27 @@ def _fused_bwd(ext, inputs, attrs, out=None):
     return [g, g, d_weight]  # d_residual and d_input are one tensor, as the reference's
 
 
-@writes_rows
-def _swiglu_fwd(ext, inputs, attrs, out=None):
-    gate, up = inputs
-    return [ext.swiglu_forward(gate, up, [typed(out, 0, gate.shape, gate.dtype)])]
+def _gated(activation):
+    """swiglu's kernels (csrc/kernels/swiglu.cu) for act(gate) * up; `activation(attrs)`
+    picks act: 0 silu (swiglu), 1 tanh-form GELU, 2 erf GELU (geglu's `approximate`)."""
+    @writes_rows
+    def forward(ext, inputs, attrs, out=None):
+        gate, up = inputs
+        return [ext.swiglu_forward(gate, up, [typed(out, 0, gate.shape, gate.dtype)],
+                                   activation=activation(attrs))]
+
+    @writes_rows
+    def backward(ext, inputs, attrs, out=None):
+        d_y, gate, up = inputs
+        return ext.swiglu_backward(d_y, gate, up, [typed(out, i, gate.shape, gate.dtype)
+                                                   for i in range(2)],
+                                   activation=activation(attrs))
+    return forward, backward
 
 
-@writes_rows
-def _swiglu_bwd(ext, inputs, attrs, out=None):
-    d_y, gate, up = inputs
-    return ext.swiglu_backward(d_y, gate, up, [typed(out, i, gate.shape, gate.dtype)
-                                               for i in range(2)])
+_swiglu_fwd, _swiglu_bwd = _gated(lambda attrs: 0)
+# geglu(approximate=true) is the tanh form (Gemma's gelu_pytorch_tanh), false the erf form
+_geglu_fwd, _geglu_bwd = _gated(lambda attrs: 1 if attrs.get("approximate", True) else 2)
 
 
 _ROPE_TABLES: dict = {}  # inv_freq per (params, D, device): made before a graph is captured
@@ -300,6 +310,7 @@ CUSTOM = {
     "rmsnorm": (_rmsnorm_fwd, _rmsnorm_bwd),
     "fused_residual_rmsnorm": (_fused_fwd, _fused_bwd),
     "swiglu": (_swiglu_fwd, _swiglu_bwd),
+    "geglu": (_geglu_fwd, _geglu_bwd),
     "rope": (_rope(False), _rope(True)),
     "qk_norm": (_qk_norm_fwd, _qk_norm_bwd),
     "qk_norm_rope": (_qk_norm_rope_fwd, _qk_norm_rope_bwd),
@@ -307,7 +318,8 @@ CUSTOM = {
 }
 
 # the custom kernels that read strided inputs (default: contiguous only)
-LAYOUTS = {"swiglu": rows_layout, "rope": heads_layout, "qk_norm_rope": qk_rope_layout}
+LAYOUTS = {"swiglu": rows_layout, "geglu": rows_layout, "rope": heads_layout,
+           "qk_norm_rope": qk_rope_layout}
 
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
