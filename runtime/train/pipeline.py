@@ -119,7 +119,8 @@ class PipelineTrainer:
             model.params[path] = value.to(device)
         self.frozen = frozen_parameters(program)
         interpreter = Interpreter(program.graph, model.params, model.dtype,
-                                  check_finite=model.check_finite)
+                                  check_finite=model.check_finite,
+                                  kernels=kernels_on(device))
         self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
                                   model.dtype)
         self.last = section["stages"][-1]["stage"]
@@ -202,6 +203,30 @@ class PipelineTrainer:
             return {"peak_bytes": torch.cuda.max_memory_allocated(), "what": "GPU"}
         return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "what": "host RSS"}
+
+
+class OnDevice:
+    """A reference kernel that creates its tensor (zeros, ones, fill) on `device`: the
+    reference makes them on the CPU unless told."""
+
+    def __init__(self, kernel, device: str):
+        self.kernel, self.device = kernel, device
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        return self.kernel.forward(inputs, attrs | {"device": self.device})
+
+
+def kernels_on(device: str) -> dict:
+    """The reference kernels, with the ones that create tensors making them on `device`."""
+    from runtime.kernels import KERNELS
+
+    if device == "cpu":
+        return KERNELS
+    created = ("zeros", "ones", "fill")
+    return dict(KERNELS) | {n: OnDevice(KERNELS[n], device) for n in created if n in KERNELS}
 
 
 def _loss(outputs: list, labels: Tensor):
