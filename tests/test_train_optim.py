@@ -85,6 +85,7 @@ def test_schedules_equal_transformers_and_torch():
     (["--lr-schedule", "cosine", "--min-lr", "1"], "--min-lr 1.0 must be between 0"),
     (["--min-lr", "1e-3"], "--lr-schedule constant has none"),
     (["--decay-steps", "2"], "are for --lr-schedule wsd"),
+    (["--lr-schedule", "cosine", "--decay-shape", "cosine"], "are for --lr-schedule wsd"),
     (["--lr-schedule", "wsd", "--warmup", "2", "--decay-steps", "3"], "does not fit"),
     (["--clip-grad", "0"], "--clip-grad is 0.0: it must be a finite number > 0"),
     (["--beta2", "1"], "--beta2 is 1.0: it must be in [0, 1)"),

@@ -38,8 +38,8 @@ def optimizer_options() -> list:
                      help="wsd: the last D steps decay (default: --decay-fraction)."),
         click.option("--decay-fraction", type=float, metavar="F",
                      help="wsd: the last round(F x --steps) steps decay (default 0.1)."),
-        click.option("--decay-shape", type=click.Choice(DECAY_SHAPES), default="linear",
-                     show_default=True, help="wsd: the decay's shape."),
+        click.option("--decay-shape", type=click.Choice(DECAY_SHAPES),
+                     help="wsd: the decay's shape (default linear)."),
         click.option("--clip-grad", type=float, metavar="MAX",
                      help="Scale the gradients by min(1, MAX / (norm + 1e-6)), norm the "
                           "global L2 norm of all trained gradients."),

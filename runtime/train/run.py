@@ -61,7 +61,7 @@ class Request:
     min_lr: float = 0.0
     decay_steps: int | None = None  # wsd: the decay's steps (or decay_fraction of steps)
     decay_fraction: float | None = None
-    decay_shape: str = "linear"
+    decay_shape: str | None = None  # wsd: linear (default), cosine, 1-sqrt
     clip_grad: float | None = None  # global gradient-norm clipping
     beta1: float = 0.9
     beta2: float = 0.95

@@ -77,7 +77,7 @@ def _shape(shape: str, q: float) -> float:
 
 def schedule_of(kind: str, lr: float, steps: int, warmup: int = 0, min_lr: float = 0.0,
                 decay_steps: int | None = None, decay_fraction: float | None = None,
-                decay_shape: str = "linear") -> Schedule:
+                decay_shape: str | None = None) -> Schedule:
     """The run's schedule from its options, each checked (a RuntimeUserError names the
     option). `wsd`: D is `decay_steps`, else round(steps * decay_fraction) (default
     0.1), at least 1."""
@@ -87,8 +87,11 @@ def schedule_of(kind: str, lr: float, steps: int, warmup: int = 0, min_lr: float
         raise RuntimeUserError(f"--warmup {warmup} must be between 0 and --steps {steps}")
     if not math.isfinite(min_lr) or not 0 <= min_lr <= lr:
         raise RuntimeUserError(f"--min-lr {min_lr} must be between 0 and --lr {lr}")
-    if kind != "wsd" and (decay_steps is not None or decay_fraction is not None):
-        raise RuntimeUserError("--decay-steps / --decay-fraction are for --lr-schedule wsd")
+    if kind != "wsd" and (decay_steps is not None or decay_fraction is not None or
+                          decay_shape is not None):
+        raise RuntimeUserError("--decay-steps / --decay-fraction / --decay-shape are for "
+                               "--lr-schedule wsd")
+    decay_shape = decay_shape or "linear"
     if kind in ("constant",) and min_lr:
         raise RuntimeUserError("--min-lr is the floor of a decaying schedule; "
                                "--lr-schedule constant has none",
