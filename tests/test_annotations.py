@@ -427,3 +427,36 @@ def test_partition_out_of_order_names_both_lines():
     assert d.primary_span.line == 6
     assert [(label.span.line, label.message) for label in d.labels[1:]] == [
         (5, "stage 1 starts here")]
+
+
+# ====================================================================== unknown recipes
+RECIPES = "recipe FP8Hybrid:\n  compute: fp8_e4m3\n"
+
+
+def test_an_unknown_recipe_lists_the_known_ones_with_a_guess():
+    d = only(RECIPES + "model M():\n  @recipe(FP8Hybird)\n")
+    assert d.message == "unknown recipe `FP8Hybird`"
+    assert list(d.notes) == ["known recipes: `FP8Hybrid`"]
+    assert list(d.help) == ["did you mean `FP8Hybrid`?"]
+
+
+@pytest.mark.parametrize("name, message, fix", [
+    ("NoSuchRecipe", "`NoSuchRecipe` in `@precision(...)` is neither a precision policy "
+                     "nor a recipe", None),
+    ("FP8Hybird", "`FP8Hybird` in `@precision(...)` is neither a precision policy nor a "
+                  "recipe", "did you mean `@recipe(FP8Hybrid)`"),
+    ("bf61", "`bf61` in `@precision(...)` is neither a precision policy nor a recipe",
+     "did you mean `@precision(policy=bf16)`?"),
+    ("FP8Hybrid", "`@precision` takes no positional arguments", "write `@recipe(FP8Hybrid)`"),
+    ("fp8_pure", "`@precision` takes no positional arguments",
+     "write `@precision(policy=fp8_pure)`"),
+])
+def test_a_bare_name_in_precision_says_what_to_write(name, message, fix):
+    d = only(RECIPES + out(f"@precision({name})").replace("module M", "model M"))
+    assert d.message == message
+    if fix is None:  # no guess: the policies and recipes are listed
+        assert "precision policies: `bf16`" in d.notes[0]
+        assert d.notes[1] == "recipes: `FP8Hybrid`"
+        assert not any("did you mean" in h for h in d.help)
+    else:
+        assert d.help[0].startswith(fix)

@@ -165,6 +165,10 @@ class Spec:
     params: tuple[Param, ...] = ()
     one_of: OneOf | None = None
     forms: tuple[str, ...] = field(default=())  # usage lines as the spec writes them
+    # what a bare name in an annotation without positional parameters may have meant:
+    # (where its names come from: a parameter's choices or a registry, what one is, what
+    # they are, the form to write it in): `@precision(bf16)` -> `@precision(policy=bf16)`
+    bare: tuple[tuple[str, str, str, str], ...] = ()
     status: Status | None = None  # what it does per backend (annotation_status.STATUS)
 
     def param(self, name: str) -> Param | None:
@@ -243,7 +247,11 @@ _SPECS = (
              opt("policy", enum(*PRECISION_POLICIES), "named precision policy"),
              opt("storage", DTYPE, "storage dtype of a parameter (§7.1 example)"),
          ), forms=("@precision(compute=dtype, accumulate=dtype, output=dtype)",
-                   "@precision(policy=name)")),
+                   "@precision(policy=name)"),
+         bare=(("policy", "a precision policy", "precision policies",
+                "`@precision(policy={name})`"),
+               ("recipes", "a recipe", "recipes",
+                "`@recipe({name})` (on a line of its own in the declaration)"))),
     Spec("scaling", "§7.4.3", "sets the FP8/FP4 quantization scaling strategy",
          OPERATION | PARAM, (
              req("strategy", enum("per_tensor", "per_channel", "per_token", "per_block",

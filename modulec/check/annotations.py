@@ -72,6 +72,7 @@ def check_site(site: Site, registries: dict | None = None) -> list[Diagnostic]:
         return [_unknown_annotation(note)]
     bound, problems = _bind(spec, note)
     known = dict(registries or {})
+    problems = _bare_names(spec, note, problems, known)
     known["ops"] = known.get("ops", frozenset()) | _called(site.flow)
     on = _operations_on(site) & primitive_names()
     known["kernels"], known["kernels:note"] = all_kernel_names(on), _kernels_note(on)
@@ -175,6 +176,37 @@ def _positional(spec, arg, param, bound, keyword_seen) -> list[Diagnostic]:
         return [error("E008", f"positional argument after keyword argument in `@{spec.name}`",
                       arg.span, "positional argument", help=[_forms(spec)])]
     return []
+
+
+def _bare_names(spec, note, problems, known) -> list[Diagnostic]:
+    """An annotation without positional parameters given a bare name that the table's
+    `bare` says it may have meant (`@precision(NoSuchRecipe)`: a policy or a recipe):
+    say what to write instead of only "takes no positional arguments"."""
+    bare = [a for a in note.args or () if a.key is None and isinstance(a.value, A.Name)]
+    if not spec.bare or spec.positional or not bare:
+        return problems
+    spans = {a.span for a in bare}
+    return [p for p in problems if p.primary_span not in spans] + \
+        [_bare_name(spec, arg, known) for arg in bare]
+
+
+def _bare_name(spec, arg, known) -> Diagnostic:
+    name, meant, notes = arg.value.id, {}, []
+    for source, _, what, form in spec.bare:
+        param = spec.param(source)
+        names = sorted(param.kind.choices if param else known.get(source, ()))
+        meant.update({n: form.format(name=n) for n in names if n not in meant})
+        notes.append(f"{what}: " + (", ".join(f"`{n}`" for n in names) or "none here"))
+    signature = f"signature: `{usage(spec)}`"
+    if name in meant:
+        return error("E008", f"`@{spec.name}` takes no positional arguments", arg.span,
+                     "a bare name", help=[f"write {meant[name]}"], notes=[signature])
+    neither = " nor ".join(one for _, one, _, _ in spec.bare)
+    guess = closest(name, meant)
+    return error("E008", f"`{name}` in `@{spec.name}(...)` is neither {neither}", arg.span,
+                 "unknown name",
+                 help=([f"did you mean {meant[guess]}?"] if guess else []) + [_forms(spec)],
+                 notes=notes + [signature])
 
 
 def _keyword(spec, arg, bound) -> list[Diagnostic]:
