@@ -1,33 +1,26 @@
 """Per-rank shard checkpoints (issue 17, item 5): under ZeRO >= 1 every rank writes what it
-holds beside the consolidated checkpoint; a resume on the same layout loads the shards
-(bit for bit the uninterrupted run on gloo), one on another layout the consolidated files
-(2 -> 1 and 1 -> 2 are in test_train_dist.py)."""
+holds into the checkpoint; a resume on the same layout loads its own shard (bit for bit
+the uninterrupted run on gloo), one on another layout the whole state (2 -> 1 here and in
+test_train_dist.py, 1 -> 2 there)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
 pytest.importorskip("transformers")
 
+from tests import shard_workers  # noqa: E402
 from tests.test_dist_zero import free_port  # noqa: E402
 from tests.test_train import LLAMA, ckpt, losses, train  # noqa: E402,F401
 
 
-def torchrun_rows(ckpt, *args, processes=2):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(processes), "--master-port", str(free_port()), "-m", "modulec", "train",
-               str(LLAMA), "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
-               "--device", "cpu", "--lr", "1e-2", "--format", "json", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()
+            if line.startswith("{")]
 
 
 def _files(folder) -> dict:
@@ -37,24 +30,32 @@ def _files(folder) -> dict:
 
 
 def test_a_resume_on_the_same_layout_reads_the_shards_bit_for_bit(ckpt, tmp_path):
-    whole = torchrun_rows(ckpt, "--hf-weights", ckpt / "hf", "--steps", "4", "--zero", "3",
-                          "--save", tmp_path / "a", "--save-every", "2")
+    """Two ranks, ZeRO-3 (`modulec train`'s entry in each, as under torchrun): 4 steps
+    saving at 2 and 4; then a run resumed from step 2's shards."""
+    from pathlib import Path
+
     saved = tmp_path / "a" / "checkpoint-2"
+    common = dict(file=Path(LLAMA), data=ckpt / "tokens.bin", seq=16, batch=1, steps=4,
+                  device="cpu", lr=1e-2, fmt="json", zero=3)
+    runs = [common | dict(hf_weights=ckpt / "hf", save=tmp_path / "a", save_every=2),
+            common | dict(resume=saved, save=tmp_path / "b")]
+    out = tmp_path / "rank"
+    mp.spawn(shard_workers.train_runs, nprocs=2,
+             args=(2, [free_port(), free_port()], runs, str(out)))
+    whole, resumed = _rows(tmp_path / "rank.0.0"), _rows(tmp_path / "rank.1.0")
     index = json.loads((saved / "shard-rank00001.json").read_text())
     assert (index["world"], index["rank"], index["zero"], index["tp"], index["step"]) == \
         (2, 1, 3, 1, 2) and index["data"]["samples"] == 4
-    resumed = torchrun_rows(ckpt, "--steps", "4", "--zero", "3", "--resume", saved,
-                            "--save", tmp_path / "b")
     notes = [r["text"] for r in resumed if r["event"] == "note"]
     assert "resumed at step 2 from the per-rank shards (2 ranks, ZeRO 3)" in notes
     loss = [r["loss"] for r in whole if r["event"] == "step"]
     assert [r["loss"] for r in resumed if r["event"] == "step"] == loss[2:]
     a, b = _files(tmp_path / "a" / "checkpoint-4"), _files(tmp_path / "b" / "checkpoint-4")
     assert a.keys() == b.keys() and "shard-rank00000.safetensors" in a
-    for name in a:  # shards, moments, masters: the same bits
+    for name in a:  # shards (masters, moments) and weights: the same bits
         assert a[name].keys() == b[name].keys()
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
-    # one process (2 -> 1): the consolidated files, and the run says so
+    # one process (2 -> 1): the whole state, and the run says so
     one = train(ckpt, "--steps", "3", "--resume", saved, weights=False)
     notes = [json.loads(line)["text"] for line in one.stdout.splitlines()
              if '"note"' in line]
