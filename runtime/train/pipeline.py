@@ -230,11 +230,17 @@ def kernels_on(device: str) -> dict:
 
 
 def _loss(outputs: list, labels: Tensor):
+    """The cross-entropy of the logits plus the auxiliary losses (0-d outputs: the MoE
+    load-balancing loss, seed 1), and the seeds of the last stage's outputs."""
     from runtime.cuda.lm_head import logits_cross_entropy
+    from runtime.train.aux_loss import auxiliary_seeds
 
     logits = outputs[0]
     loss, d_logits = logits_cross_entropy(logits, labels)
-    return float(loss), [d_logits.to(logits.dtype)]
+    aux_seeds, aux = auxiliary_seeds(list(outputs[1:]))
+    if aux is not None:
+        loss = loss + aux.to(loss.dtype)
+    return float(loss), [d_logits.to(logits.dtype)] + aux_seeds
 
 
 def _section(program, stages: int, microbatches: int) -> dict:
