@@ -1,8 +1,9 @@
 """Every std model and example trains on the GPU (`-m cuda`; skipped without CUDA): one
 fp32 step's loss and gradients against the CPU reference on the same weights and batch.
 The ops without a custom kernel run through the torch fallbacks (runtime/cuda/kernels.py);
-Mixtral's routing runs the MoE gathers (its aux_loss output gets no seed, as in
-`modulec train`), GPT-2 gets position ids 0 .. T-1 and its head tied to the embedding."""
+Mixtral's routing runs the MoE gathers (its aux_loss output, an auxiliary loss, is added
+and seeded with 1 as in `modulec train`), GPT-2 gets position ids 0 .. T-1 and its head
+tied to the embedding."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ def _reference(step, params: dict, tokens):
     from runtime.cuda.step import next_token_labels
     from runtime.inputs import fed_inputs
     from runtime.interpreter import Interpreter
+    from runtime.train.aux_loss import auxiliary_seeds
 
     run = Interpreter(step.program.graph, params, torch.float32)
     inputs = fed_inputs(step.input_names, tokens)
     (logits, *others), frame = run.forward([inputs[n] for n in step.input_names])
     loss, d_logits = logits_cross_entropy(logits, next_token_labels(tokens))
-    return loss, run.backward(frame, [d_logits] + [None] * len(others))[1]
+    seeds, aux = auxiliary_seeds(others)
+    loss = loss if aux is None else loss + aux
+    return loss, run.backward(frame, [d_logits] + seeds)[1]
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
