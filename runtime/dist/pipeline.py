@@ -127,9 +127,10 @@ class GradientMap:
         `boundary + 1`) crosses."""
         inside = layer_of(tensor["value"])
         if inside is not None:
-            call = next(n for n in self.backward.nodes if n.kind == "call" and
-                        n.attr("forward_node") == inside[0])
-            return ("loop", call.attr("forward_node"), inside[2])
+            if not any(n.kind == "call" and n.attr("forward_node") == inside[0]
+                       for n in self.backward.nodes):  # no gradient flows through it
+                return ("none",)
+            return ("loop", inside[0], inside[2])
         read = self._read_gradient(tensor["value"])
         if read is None:  # its maker has no backward (zeros): nothing reads the gradient
             return ("none",)
