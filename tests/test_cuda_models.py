@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from runtime_models import TINY, token_inputs  # noqa: E402
+from runtime_models import GPU_ONLY, TINY, token_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -41,12 +41,12 @@ def _reference(step, params: dict, tokens):
     return loss, run.backward(frame, [d_logits] + seeds)[1]
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", sorted(TINY | GPU_ONLY))
 def test_fp32_step_matches_the_cpu_reference(name):
     from runtime.cuda.step import TrainStep
     from runtime.model import Model
 
-    path, settings = TINY[name]
+    path, settings = (TINY | GPU_ONLY)[name]
     model = Model.from_module(path, settings=settings, dtype=torch.float32).init_random(seed=1)
     tokens = token_inputs(model, batch=B, seq=T)["token_ids"]
     step = TrainStep.from_module(path, settings, batch=B, seq=T, dtype=torch.float32)
