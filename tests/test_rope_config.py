@@ -187,3 +187,24 @@ def test_longrope_factor_lists_come_from_the_config(tmp_path):
     path.write_text(json.dumps({"rope_scaling": section}), encoding="utf-8")
     result = run("build", model, "--config", path, "--shape", "B=1", "--shape", "S=4")
     assert result.exit_code == 1 and "`short_factor` has 2 numbers" in result.output
+
+
+LLAMA32_1B = {  # meta-llama/Llama-3.2-1B's config.json (transformers 4.45), as published
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 128256}
+
+
+def test_the_llama32_1b_config_builds_as_published(tmp_path):
+    result, ir = build(tmp_path, LLAMA, LLAMA32_1B)
+    assert result.exit_code == 0, result.output
+    attrs = rope_attrs(ir)
+    assert (attrs["rope_type"], attrs["factor"], attrs["original_max_position_embeddings"],
+            attrs["max_position_embeddings"]) == ("llama3", 32.0, 8192, 131072)
