@@ -28,12 +28,20 @@ def _calls(depth: int) -> str:
     ("brackets", HEADER.format(expr="(" * 600 + "1" + ")" * 600) + FORWARD, 0),
     ("unclosed", HEADER.format(expr="(" * 600 + "1"), 1),
     ("calls", _calls(150), 0),
+    # found by the fuzz test (issue 16): prefix and right-associative chains recursed in the
+    # precedence parser, deep trees in error recovery recursed while respanned (exit 101)
+    ("not_2000", HEADER.format(expr="not " * 2000 + "true") + FORWARD, 1),
+    ("power_2000", HEADER.format(expr="2 ** " * 2000 + "1") + FORWARD, 1),
+    ("calls_and_a_syntax_error", HEADER.format(expr="f(" * 2000 + "1" + ")" * 2000) + FORWARD
+     + "  params:\n    v: ][\n", 1),
 ])
 def test_deep_programs_check_without_an_internal_error(tmp_path, name, text, status):
     path = tmp_path / f"{name}.module"
     path.write_text(text, encoding="utf-8")
     result = run("check", path)
     assert result.exit_code == status, result.output
+    deep = "error[E001]: this nests more than 128 levels deep" in result.output
+    assert deep == (status == 1 and name != "unclosed"), result.output
 
 
 @pytest.mark.parametrize("command", [("check",), ("fmt",), ("build", "--shape", "B=1")])

@@ -130,6 +130,11 @@ def _bind_decl_params(instance: Instance, args: dict) -> None:
 def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
     """`d_ff: B` is no type: the parameter would stay unsized (E002, not a later crash)."""
     declared = param.type.value if isinstance(param.type, A.OptionalType) else param.type
+    if isinstance(declared, (A.Number, A.String, A.Bool, A.NoneLit)):  # `d_in: false`
+        instance.world.error("E002", f"parameter `{param.name}` is typed by a value, not a "
+                             "type", declared.span, "not a type",
+                             help=[f"types of parameters: {', '.join(PARAM_TYPES)}"])
+        return
     if not isinstance(declared, A.Name) or declared.id in PARAM_TYPES:
         return
     world = instance.world
@@ -344,21 +349,29 @@ def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM
     columns: the runtime could only fail on it, or run out of memory first)."""
     if isinstance(size, Dim) and size.is_const and not 1 <= size.value <= most:
         bound = "at least 1" if size.value < 1 else f"at most {most:,}"
-        instance.world.error("E027", f"{what} must be {bound}: this is {size.value:,}",
+        instance.world.error("E027", f"{what} must be {bound}: this is {_shown(size.value)}",
                              node.span, help=["check the expression and the parameter "
                                               "values it reads"])
         return False
     return True
 
 
+def _shown(number: int) -> str:
+    """A number for a message: digits with commas, or its length when it has hundreds
+    (Python refuses to print an int of more than 4,300 digits)."""
+    return f"{number:,}" if abs(number) < 10**300 else "a number of more than 300 digits"
+
+
 def _elements_in_range(instance: Instance, dims: list, node) -> bool:
     """A tensor whose known dims multiply past MAX_ELEMENTS cannot be held anywhere."""
-    total = 1
-    for dim in dims:
-        if dim.is_const:
-            total *= dim.value
+    total, known = 1, [d.value for d in dims if d.is_const]
+    for count, value in enumerate(known, 1):
+        total *= value
+        if abs(total) > MAX_ELEMENTS:  # stop: 20,000 dims make a number Python cannot print
+            break
     if total > MAX_ELEMENTS:
-        instance.world.error("E027", f"a tensor of {total:,} elements: the most a tensor may "
+        size = f"{total:,}" if count == len(known) else f"at least {total:,}"
+        instance.world.error("E027", f"a tensor of {size} elements: the most a tensor may "
                              f"hold is {MAX_ELEMENTS:,}", node.span,
                              help=["check the sizes its dims read (--set, --shape, defaults)"])
         return False

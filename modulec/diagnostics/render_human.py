@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from itertools import groupby
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -49,18 +49,24 @@ def render_human(diagnostics: Iterable[Diagnostic], sources: dict[str, SourceFil
     """All diagnostics, separated by blank lines, ending in a newline ("" when there are none)."""
     global _HIGHLIGHT
     _HIGHLIGHT = color  # echoed source lines get syntax colors only on a color terminal
+    diagnostics = list(diagnostics)
     try:
-        blocks = [_render_one(d, sources) for d in diagnostics]
+        blocks = [_render_one(d, sources) for d in diagnostics[:MAX_SHOWN]]
     finally:
         _HIGHLIGHT = False
     if not blocks:
         return ""
+    if len(diagnostics) > MAX_SHOWN:  # a mangled file can give one per token: O(n^2) text
+        blocks.append(Text(f"note: {len(diagnostics) - MAX_SHOWN} more diagnostics not shown "
+                           f"(the first {MAX_SHOWN} are)"))
     text = Text("\n\n").join(blocks)
     text.append("\n")
     return _to_string(text, color, width)
 
 
 _HIGHLIGHT = False
+MAX_SHOWN = 100  # diagnostics rendered in one call (clang stops at 20 errors by default)
+MAX_LINE = 240  # characters of a source line echoed; a longer one is cut around its marks
 
 
 def _highlight_line(text: str) -> Text:
@@ -175,10 +181,30 @@ def _snippet(labels: list[Label], source: SourceFile, gutter: int,
     previous: int | None = None
     for number in sorted(by_line):
         lines += _gap(previous, number, source, gutter)
-        lines.append(_source_line(number, source, gutter))
-        lines += _mark_lines(by_line[number], _raw_line(source, number), gutter, level_style)
+        raw, labels = _window(_raw_line(source, number), by_line[number])
+        lines.append(_source_line(number, source, gutter, raw))
+        lines += _mark_lines(labels, raw, gutter, level_style)
         previous = number
     return lines
+
+
+def _window(line: str, labels: list[Label]) -> tuple[str, list[Label]]:
+    """A line over MAX_LINE characters cut to MAX_LINE from a little before its first mark,
+    with `…` where text is left out, and the labels' columns moved to match."""
+    if len(line) <= MAX_LINE:
+        return line, labels
+    first = min(label.span.column for label in labels) - 1
+    low = max(0, min(first - 20, len(line) - MAX_LINE))
+    high = low + MAX_LINE
+    shift = low - (1 if low else 0)
+    cut = ("…" if low else "") + line[low:high] + ("…" if high < len(line) else "")
+
+    def moved(span: Span) -> Span:
+        column = min(max(span.column - shift, 1), len(cut))
+        end = span.end_column - shift if span.end_line == span.line else len(cut) + 1
+        return span._replace(column=column, end_column=min(max(end, column), len(cut) + 1))
+
+    return cut, [replace(label, span=moved(label.span)) for label in labels]
 
 
 def _gap(previous: int | None, number: int, source: SourceFile, gutter: int) -> list[Text]:
@@ -194,8 +220,8 @@ def _raw_line(source: SourceFile, number: int) -> str:
     return source.line_text(number).rstrip("\r")  # CRLF files: the \r is not text
 
 
-def _source_line(number: int, source: SourceFile, gutter: int) -> Text:
-    text = _visible(_raw_line(source, number).rstrip())
+def _source_line(number: int, source: SourceFile, gutter: int, raw: str | None = None) -> Text:
+    text = _visible((_raw_line(source, number) if raw is None else raw).rstrip())
     line = Text.styled(f"{number:<{gutter}} |", GUTTER_STYLE)  # rustc left-aligns numbers
     if text:
         line.append(" ")

@@ -20,9 +20,7 @@ def too_deep(program: A.Program | None) -> Diagnostic | None:
         node, depth, span = stack.pop()
         span = getattr(node, "span", None) or span
         if depth > MAX_DEPTH:
-            return error("E001", f"this nests more than {MAX_DEPTH} levels deep", span,
-                         help=[f"split the expression over `let:` bindings; modulec reads at "
-                               f"most {MAX_DEPTH} levels"])
+            return too_deep_at(span)
         if isinstance(node, (tuple, list)):
             stack.extend((child, depth, span) for child in node)
             continue
@@ -30,3 +28,9 @@ def too_deep(program: A.Program | None) -> Diagnostic | None:
         stack.extend((getattr(node, name), depth + 1, span) for name in fields
                      if name not in SKIPPED)
     return None
+
+
+def too_deep_at(span) -> Diagnostic:
+    return error("E001", f"this nests more than {MAX_DEPTH} levels deep", span,
+                 help=[f"split the expression over `let:` bindings; modulec reads at most "
+                       f"{MAX_DEPTH} levels"])

@@ -21,7 +21,8 @@ from modulec.paths import grammar_file
 from modulec.source import SourceFile
 from modulec.syntax import ast as A
 from modulec.syntax.builder import Builder
-from modulec.syntax.depth import too_deep
+from modulec.syntax.depth import too_deep, too_deep_at
+from modulec.syntax.precedence import TooDeep
 from modulec.syntax.indenter import DedentError, Indenter
 from modulec.syntax.errors import layout_problem
 from modulec.syntax.recovery import parse_with_recovery
@@ -94,12 +95,22 @@ _MEMO: dict[tuple[str, str], ParseResult] = {}  # this process's parsed std file
 
 
 def _parse_source(source: SourceFile) -> ParseResult:
+    try:
+        return _parse_checked(source)
+    except TooDeep as exc:  # an operator chain deeper than the tree limit (precedence.py)
+        return ParseResult(None, (too_deep_at(exc.span),))
+
+
+def _parse_checked(source: SourceFile) -> ParseResult:
     text = source.text if source.text.endswith("\n") else source.text + "\n"
     p = parser()
     try:
         program = p.parse_raw(text, source.name)
     except (UnexpectedInput, DedentError):
         program, diagnostics = parse_with_recovery(p, source, text)
+        deep = too_deep(program)  # what recovery kept is walked recursively too
+        if deep is not None:
+            return ParseResult(None, tuple(diagnostics) + (deep,))
         return ParseResult(program, tuple(diagnostics))
     layout = [layout_problem(problem, source).diagnostic for problem in p.indenter.problems]
     deep = too_deep(program)  # later stages walk trees recursively: bound the depth here

@@ -93,10 +93,12 @@ def _key_name(key) -> str | None:
     return key.id if isinstance(key, A.Name) else None
 
 
-def _unknown(key, name: str, allowed, where: str) -> Diagnostic:
-    guesses = difflib.get_close_matches(name, sorted(allowed), n=4, cutoff=0.6)
+def _unknown(key, name: str | None, allowed, where: str) -> Diagnostic:
+    """`name` None: a key that is not a name at all (`0.5:` in `verify_backward:`)."""
+    guesses = difflib.get_close_matches(name, sorted(allowed), n=4, cutoff=0.6) if name else []
     helps = [f"did you mean {_or_list(guesses)}?"] if guesses else []
-    return error("E001", f"unknown section `{name}` in {where}", key.span,
+    shown = f"section `{name}`" if name else "key (not a name)"
+    return error("E001", f"unknown {shown} in {where}", key.span,
                  "not a section here", help=helps,
                  notes=[f"sections allowed here: {', '.join(sorted(allowed))}"])
 

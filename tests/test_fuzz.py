@@ -1,0 +1,41 @@
+"""Hostile programs (issue 16): a fixed slice of the seeded token-level fuzz run
+(tests/fuzz/: deletions, duplications, swaps, huge numbers, deep nesting, unicode, lines,
+repeated tokens over std/ and examples/) through `check`, and `build` for those that check
+clean, in-process: never exit 101, never a traceback, each command under its time cap.
+The full run (3,000 programs, a few minutes) is `tests/fuzz/run_fuzz.py --n 3000`."""
+
+from __future__ import annotations
+
+from tests.fuzz.mutate import mutant, tokens
+from tests.fuzz.run_fuzz import fuzz
+from tests.test_cli import run
+
+SLICE = 150  # programs in CI: about 10 s on the 2-core CI machine
+
+
+def test_a_slice_of_the_fuzz_run(tmp_path):
+    report = fuzz(range(SLICE), seed=0, folder=tmp_path, cap_s=20.0)
+    assert report.programs == SLICE
+    assert not report.failures, report.summary()
+    assert sum(n for k, n in report.tally.items() if k.startswith("built")) > 0, report.tally
+
+
+def test_mutants_are_a_function_of_index_and_seed():
+    assert mutant(7, 0) == mutant(7, 0)
+    assert mutant(7, 0).text != mutant(7, 1).text or mutant(7, 0).edits != mutant(7, 1).edits
+    text = "module M(d: int = 4):\n  let:\n    k = d * 2  # c\n"
+    assert "".join(tokens(text)) == text  # every character belongs to a token
+
+
+def test_a_line_of_a_thousand_errors_prints_a_hundred_cut_short(tmp_path):
+    """One diagnostic per repeated token, each echoing the whole line, made 60 MB of text
+    from a 20 kB line (quadratic); now 100 diagnostics, each line cut to its marks."""
+    path = tmp_path / "many.module"
+    path.write_text("module M(" + ", ".join(["q: int"] * 1001) + "):\n  forward:\n"
+                    "    in: x: [B, q]\n    out: y: [B, q]\n    graph:\n      x -> relu() -> y\n",
+                    encoding="utf-8")
+    result = run("check", path)
+    assert result.exit_code == 1, result.output
+    assert "note: 900 more diagnostics not shown (the first 100 are)" in result.output
+    assert max(len(line) for line in result.output.splitlines()) < 300
+    assert len(result.output) < 100 * 1000
