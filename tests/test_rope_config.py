@@ -149,6 +149,11 @@ def test_partial_rotary_past_the_head_dim_and_longrope_lengths(tmp_path):
     assert rope_param_problem(dict(yarn, partial_rotary_factor=0.5), Dim.const(8)) is None
     assert "yarn needs an even rotary dim; int(D * partial_rotary_factor) is 5" in \
         rope_param_problem(dict(yarn, partial_rotary_factor=0.25), Dim.const(20))[0]
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": Dim.const(64)}
+    assert "dynamic needs a rotary dim above 2" in \
+        rope_param_problem(dict(dynamic, partial_rotary_factor=0.25), Dim.const(8))[0]
+    assert "rotates no channel" in rope_param_problem({"partial_rotary_factor": 0.1},
+                                                      Dim.const(8))[0]
 
 
 LONGROPE_MODULE = """\

@@ -64,25 +64,15 @@ def rope_param_problem(params: dict, D: Dim | None) -> tuple[str, tuple[str, ...
 
 def _numbers_problem(params: dict, kind: str, D: Dim | None):
     partial = params.get("partial_rotary_factor", 1.0)
-    if isinstance(partial, (float, Dim)) and not isinstance(partial, Unknown):
-        value = float(partial.value) if isinstance(partial, Dim) and partial.is_const else partial
-        if isinstance(value, float) and not 0.0 < value <= 1.0:
-            return (f"`partial_rotary_factor` is {value}; it must be in (0, 1]", ())
-        if isinstance(value, float) and D is not None and D.is_const:
-            n = (int(D.value * value) + 1) // 2
-            if n < 1:
-                return (f"`partial_rotary_factor` {value} rotates no channel of a head dim "
-                        f"of {D.value}", ())
-            if kind == "yarn" and int(D.value * value) % 2:
-                return (f"yarn needs an even rotary dim; int(D * partial_rotary_factor) is "
-                        f"{int(D.value * value)}", ("transformers' yarn ramp has dim // 2 "
-                                                    "entries for ceil(dim / 2) frequencies",))
-            for name in ("short_factor", "long_factor"):
-                got = params.get(name)
-                if isinstance(got, (tuple, list)) and len(got) != n:
-                    return (f"`{name}` has {len(got)} numbers; longrope needs one per "
-                            f"frequency, {n} (int(D * partial_rotary_factor) / 2, rounded up)",
-                            ())
+    if isinstance(partial, Dim) and partial.is_const:
+        partial = float(partial.value)
+    if isinstance(partial, float):
+        if not 0.0 < partial <= 1.0:
+            return (f"`partial_rotary_factor` is {partial}; it must be in (0, 1]", ())
+        if D is not None and D.is_const:
+            problem = _rotary_dim_problem(params, kind, int(D.value * partial), D.value)
+            if problem is not None:
+                return problem
     for name in ("factor", "low_freq_factor", "high_freq_factor", "theta"):
         value = params.get(name)
         if isinstance(value, float) and not value > 0:
@@ -91,6 +81,25 @@ def _numbers_problem(params: dict, kind: str, D: Dim | None):
             and params.get("low_freq_factor") == params.get("high_freq_factor"):
         return ("`low_freq_factor` equals `high_freq_factor`: llama3's smoothing divides by "
                 "their difference", ())
+    return None
+
+
+def _rotary_dim_problem(params: dict, kind: str, dim: int, D: int):
+    """The rotary dim int(D * partial_rotary_factor) against what the rope type needs."""
+    n = (dim + 1) // 2
+    if n < 1:
+        return (f"`partial_rotary_factor` rotates no channel of a head dim of {D}", ())
+    if kind == "yarn" and dim % 2:
+        return (f"yarn needs an even rotary dim; int(D * partial_rotary_factor) is {dim}",
+                ("transformers' yarn ramp has dim // 2 entries for ceil(dim / 2) frequencies",))
+    if kind == "dynamic" and dim <= 2:
+        return (f"dynamic needs a rotary dim above 2 (its base has the exponent dim / (dim - 2)); "
+                f"int(D * partial_rotary_factor) is {dim}", ())
+    for name in ("short_factor", "long_factor"):
+        got = params.get(name)
+        if isinstance(got, (tuple, list)) and len(got) != n:
+            return (f"`{name}` has {len(got)} numbers; longrope needs one per frequency, {n} "
+                    "(int(D * partial_rotary_factor) / 2, rounded up)", ())
     return None
 
 
