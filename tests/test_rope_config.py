@@ -213,3 +213,33 @@ def test_the_llama32_1b_config_builds_as_published(tmp_path):
     attrs = rope_attrs(ir)
     assert (attrs["rope_type"], attrs["factor"], attrs["original_max_position_embeddings"],
             attrs["max_position_embeddings"]) == ("llama3", 32.0, 8192, 131072)
+
+
+NO_ROPE = """\
+from std.modules.attention import CausalSelfAttention
+model A(d: int = 16):
+  params:
+    attn: CausalSelfAttention(d, 4, 2, 16, use_rope=false{extra})
+  forward:
+    in: x: [B, T, d]
+    out: y: [B, T, d]
+    graph:
+      x -> attn -> y
+"""
+
+
+@pytest.mark.parametrize("extra, shown", [
+    ("", None),
+    (", partial_rotary_factor=0.5", "rope_type, partial_rotary_factor and rope_interleaved need use_rope"),
+    (", rope_interleaved=true", "rope_type, partial_rotary_factor and rope_interleaved need use_rope"),
+    (", rope_factor=2.0", "the rope_* parameters need use_rope"),
+])
+def test_rope_parameters_without_rope_are_refused(tmp_path, extra, shown):
+    """use_rope=false (GPT-2) emits no rope op: a RoPE parameter given there would do nothing."""
+    model = tmp_path / "a.module"
+    model.write_text(NO_ROPE.format(extra=extra), encoding="utf-8")
+    result = run("build", model, "--shape", "B=1", "--shape", "T=4", "-o", tmp_path / "a.json")
+    if shown is None:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code == 1 and "error[E027]" in result.output and shown in result.output
