@@ -228,10 +228,13 @@ model A(d: int = 16):
 """
 
 
+LAYOUT_NEEDS_ROPE = "rope_type, partial_rotary_factor and rope_interleaved need use_rope"
+
+
 @pytest.mark.parametrize("extra, shown", [
     ("", None),
-    (", partial_rotary_factor=0.5", "rope_type, partial_rotary_factor and rope_interleaved need use_rope"),
-    (", rope_interleaved=true", "rope_type, partial_rotary_factor and rope_interleaved need use_rope"),
+    (", partial_rotary_factor=0.5", LAYOUT_NEEDS_ROPE),
+    (", rope_interleaved=true", LAYOUT_NEEDS_ROPE),
     (", rope_factor=2.0", "the rope_* parameters need use_rope"),
 ])
 def test_rope_parameters_without_rope_are_refused(tmp_path, extra, shown):

@@ -238,7 +238,8 @@ def test_qk_norm_rope_is_qk_norm_then_rope(name, partial, interleaved):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, 4, T, D, dtype=F64, generator=g)
     k = torch.randn(B, 2, T, D, dtype=F64, generator=g)
-    qw, kw = torch.rand(D, dtype=F64, generator=g) + 0.5, torch.rand(D, dtype=F64, generator=g) + 0.5
+    qw = torch.rand(D, dtype=F64, generator=g) + 0.5
+    kw = torch.rand(D, dtype=F64, generator=g) + 0.5
     pos = _positions(B, T, 30)
     attrs = _attrs(name, partial, interleaved)
     fused = KERNELS["qk_norm_rope"].forward([q, k, qw, kw, pos], dict(attrs, eps=1e-6))

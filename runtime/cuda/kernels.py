@@ -245,7 +245,7 @@ def _rope(inverse: bool):
     def run(ext, inputs, attrs):
         q, k, position_ids = inputs
         args = rope_args(attrs, q, position_ids)
-        return [ext.rope(q, position_ids, *args, inverse), ext.rope(k, position_ids, *args, inverse)]
+        return [ext.rope(x, position_ids, *args, inverse) for x in (q, k)]
     return run
 
 

@@ -52,7 +52,8 @@ def _plain(theta: float, dim: int) -> torch.Tensor:
 
 
 def _llama3(inv_freq: torch.Tensor, a: dict, M: int) -> torch.Tensor:
-    factor, low, high = float(a["factor"]), float(a["low_freq_factor"]), float(a["high_freq_factor"])
+    factor, low = float(a["factor"]), float(a["low_freq_factor"])
+    high = float(a["high_freq_factor"])
     old = int(a.get("original_max_position_embeddings") or M)
     low_wavelen, high_wavelen = old / low, old / high
     wavelen = 2 * math.pi / inv_freq
@@ -95,7 +96,8 @@ def _yarn(a: dict, theta: float, dim: int, M: int) -> tuple[torch.Tensor, float]
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     pos_freqs = theta ** _arange(dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) \
+        + (1.0 / pos_freqs) * extrapolation
     return inv_freq, _yarn_scaling(a, factor)
 
 
@@ -148,7 +150,8 @@ def depends_on_length(attrs: dict) -> bool:
 
 
 def device_frequencies(attrs: dict, D: int, T: int, position_ids, device,
-                       cache: dict | None = None, dtype=torch.float64) -> tuple[torch.Tensor, float]:
+                       cache: dict | None = None,
+                       dtype=torch.float64) -> tuple[torch.Tensor, float]:
     """(inv_freq [n] in `dtype` on `device`, attention_scaling) for a call: positions
     0 .. T-1 (position_ids None) or position_ids, whose max + 1 is found on the device
     (no host sync, so a captured CUDA graph replays it) for dynamic and longrope.
