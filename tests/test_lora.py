@@ -325,6 +325,28 @@ def test_lora_dropout_gradients_match_finite_differences(tmp_path):
     assert "w" not in grads.params  # the base stays frozen
 
 
+def test_lora_dropout_option_overrides_the_annotation(tmp_path):
+    """`--lora dropout=p` (LoraOptions.dropout) replaces the annotation's `dropout=`: 0
+    turns it off, p > 0 turns it on where the annotation has none."""
+    path = tmp_path / "dropout.module"
+    path.write_text(DROPOUT.format(p=0.5), encoding="utf-8")
+
+    def dropouts(lora) -> list:
+        model = Model.from_module(path, dtype=torch.float64, lora=lora)
+        graph = model.source.program(planned=False).graph
+        return [dict(n.attrs).get("p") for f in graph.functions for n in f.nodes
+                if n.target == "dropout"]
+
+    assert parse_lora("rank=2,dropout=0.25") == LoraOptions(2, None, (), 0.25)
+    assert dropouts({}) == [0.5]
+    assert dropouts(parse_lora("dropout=0.25")) == [0.25]
+    assert dropouts({"dropout": 0}) == []
+    with pytest.raises(ValueError, match="probability below 1"):
+        LoraOptions.of({"dropout": 1.0})
+    with pytest.raises(ValueError, match=r"known: rank, alpha, targets, dropout"):
+        LoraOptions.of({"droput": 0.1})
+
+
 IA3 = """\
 model Scaled(d: int = 6, v: int = 5):
   params:

@@ -38,6 +38,10 @@ def _applies(part: Part, bound: dict, placement: str, in_flow: bool) -> bool:
     if part.placement is not None:
         return placement == part.placement and part.in_flow in (None, in_flow)
     arg = bound.get(part.param)
+    if part.when is not None:
+        other = bound.get(part.when[0])
+        if other is None or _text(other.value) != part.when[1]:
+            return False
     return arg is not None and (part.value is None or _text(arg.value) == part.value)
 
 

@@ -46,6 +46,7 @@ class Part:
     placement: str | None = None
     in_flow: bool | None = None  # with `placement`: only in a flow (True) or outside (False)
     where: str = ""              # how to say that placement ("the source of a flow")
+    when: tuple[str, str] | None = None  # with `param`: only where another one has a value
 
     def describe(self, annotation: str) -> str:
         if self.placement is not None:
@@ -54,6 +55,8 @@ class Part:
             return f"`@{annotation}` on {self.where or PLACEMENTS[self.placement]}"
         if self.value is not None:
             return f"`@{annotation}({self.param}={self.value})`"
+        if self.when is not None:
+            return f"`{self.param}=` of `@{annotation}({self.when[0]}={self.when[1]})`"
         return f"`{self.param}=` of `@{annotation}`"
 
 
@@ -119,10 +122,17 @@ STATUS: dict[str, Status] = {
                       (given("type", nowhere(ONLY_LORA_IA3), "prefix"),
                        given("type", nowhere(ONLY_LORA_IA3), "prompt"),
                        given("type", nowhere(ONLY_LORA_IA3), "adapter"),
-                       given("dropout", Effect(ACTS, NO_EFFECT, (
+                       given("dropout", both(
                            "modulec.lower.lora_sites:_settings",
-                           "runtime.interpreter:Interpreter._seed"),
-                           "the GPU step gives its random ops no seed, so no dropout mask")),
+                           "runtime.interpreter:Interpreter._seed",
+                           "runtime.cuda.dropout:DeviceDropout",
+                           "runtime.cuda.step_interpreter:_StepInterpreter._seed",
+                           note="a mask on the adapters' input each step (the GPU step: "
+                                "drawn from a device counter, new on each graph replay); "
+                                "`--lora dropout=p` overrides it")),
+                       Part(nowhere("(IA)^3 scales a value and has no dropout; only `lora` "
+                                    "adapters drop their input"), param="dropout",
+                            when=("type", "ia3")),
                        given("length", nowhere("prefix/prompt adapters are not built")),
                        given("hidden_dim", nowhere("prefix adapters are not built")),
                        given("bottleneck_dim", nowhere("bottleneck adapters are not built")),

@@ -120,10 +120,11 @@ def build_command(output_options, guarded):
                        "stages and simulated 1F1B timeline.")
     @click.option("--dump-after", type=click.Choice(list(_pass_names())), metavar="PASS",
                   help="Print the Graph IR after the named pass: " + ", ".join(_pass_names()))
-    @click.option("--lora", "lora", metavar="rank=R,alpha=A,targets=[q,v]", is_flag=False,
+    @click.option("--lora", "lora", metavar="rank=R,alpha=A,targets=[q,v],dropout=P",
+                  is_flag=False,
                   flag_value="", default=None,
                   help="LoRA on: adapt the `@adapter(lora)` matmuls (base weights frozen); "
-                       "rank / alpha / targets override the annotations' "
+                       "rank / alpha / targets / dropout override the annotations' "
                        "(docs/training.md, LoRA).")
     @planning_options
     @parallel_options

@@ -113,7 +113,7 @@ def _options(command):
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda",
                      show_default=True,
                      help="cuda: bf16 compute, one CUDA graph; cpu: float32 reference."),
-        click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v]",
+        click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v],dropout=P",
                      is_flag=False, flag_value="", default=None,
                      help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "
                           "weights frozen (on cuda and cpu)."),

@@ -45,23 +45,26 @@ class LoraOptions:
     rank: int | None = None
     alpha: float | None = None
     targets: tuple[str, ...] = ()
+    dropout: float | None = None  # on the adapters' input (PEFT's lora_dropout)
 
     @classmethod
     def of(cls, value) -> "LoraOptions | None":
-        """From a LoraOptions, a dict (`rank=8, alpha=16, targets=[q, v]`), text, or None."""
+        """From a LoraOptions, a dict (`rank=8, alpha=16, targets=[q, v], dropout=0.1`),
+        text, or None."""
         if value is None or isinstance(value, LoraOptions):
             return value
         if isinstance(value, str):
             return parse_lora(value)
-        unknown = set(value) - {"rank", "alpha", "targets"}
+        unknown = set(value) - {"rank", "alpha", "targets", "dropout"}
         if unknown:
-            raise ValueError(f"unknown LoRA option(s): {', '.join(sorted(unknown))}")
+            raise ValueError(f"unknown LoRA option(s): {', '.join(sorted(unknown))} "
+                             f"(known: rank, alpha, targets, dropout)")
         targets = value.get("targets") or ()
-        rank = value.get("rank")
-        alpha = value.get("alpha")
+        rank, alpha, dropout = value.get("rank"), value.get("alpha"), value.get("dropout")
         return _checked(cls(int(rank) if rank is not None else None,
                             float(alpha) if alpha is not None else None,
-                            (targets,) if isinstance(targets, str) else tuple(targets)))
+                            (targets,) if isinstance(targets, str) else tuple(targets),
+                            float(dropout) if dropout is not None else None))
 
 
 def parse_lora(text: str) -> LoraOptions:
@@ -95,6 +98,8 @@ def _top_level_items(text: str) -> list[str]:
 def _checked(options: LoraOptions) -> LoraOptions:
     if options.rank is not None and options.rank < 1:
         raise ValueError(f"LoRA rank must be positive, not {options.rank}")
+    if options.dropout is not None and not 0 <= options.dropout < 1:
+        raise ValueError(f"LoRA dropout is a probability below 1, not {options.dropout}")
     return options
 
 
@@ -148,6 +153,7 @@ def apply_lora(graph: Graph, context) -> Graph:
         site.selected = _selected(site, options, report)
         site.rank = options.rank or site.rank
         site.alpha = options.alpha if options.alpha is not None else site.alpha
+        site.dropout = options.dropout if options.dropout is not None else site.dropout
     _unmatched_targets(options, sites, report, context)
     functions = tuple(_with_ia3(_rewrite(f, [s for s in sites if s.function == f.name
                                              and s.selected], report), context)

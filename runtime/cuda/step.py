@@ -35,7 +35,9 @@ backward, AdamW), captured in one CUDA graph and replayed.
   copy (no fp32 master, no moments, no gradient, no optimizer work); the adapters
   (`W.lora_A`, `W.lora_B`) are trained as above. The backward computes no frozen
   weight's gradient (the derived backward leaves their d_B unwanted, `train_kernels.Matmul`
-  skips it; the fused LM head skips d_head).
+  skips it; the fused LM head skips d_head). LoRA's `dropout=p` draws its masks from the
+  device counter `rng_step` (runtime/cuda/dropout.py): a new mask each step (each replay),
+  micro-batch and data-parallel rank.
 - Activations (`arena`, default on for bf16): the transient and saved regions are one
   allocation each, sized by the memory plan (runtime/arena.py); every planned value is a
   view at its offset (kernels with `out` write there, other results are copied in).
@@ -183,6 +185,8 @@ class TrainStep:
                                  device="cuda")
         self._lr_set = self.adamw.lr
         self.grad_norm = torch.zeros(1, dtype=torch.float32, device="cuda")
+        # dropout's device counter (runtime/cuda/dropout.py): one more at each step's start
+        self.rng_step = torch.zeros((), dtype=torch.int64, device="cuda")
         self._norm_sq = torch.zeros(1, dtype=torch.float32, device="cuda")
         self.held: dict[str, Tensor] = {}  # with clipping: the step's gradients
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
@@ -427,6 +431,8 @@ class TrainStep:
         (its fp32 gradient would otherwise be held through the backward's peak); those are
         not in the returned dict. `micro`: which micro-batch of the static inputs."""
         run = self.interpreter(on_gradient)
+        rank = self.dist.dp_rank if self.dist is not None else 0
+        run.rng = (self.rng_step, f"{rank}/{micro}")  # dropout: a mask per rank and micro
         rows = slice(micro * self.batch, (micro + 1) * self.batch)
         tokens, labels = self.tokens[rows], self.labels[rows]
         inputs = fed_inputs(self.input_names, tokens, self.positions[rows])
@@ -479,6 +485,7 @@ class TrainStep:
         return head in self.ties() or head in {p for p, _ in backward.param_grads}
 
     def _step(self) -> None:
+        self.rng_step.add_(1)  # new dropout masks (captured: each replay)
         if self.optimizer == "fused":
             return self._fused_step()
         losses = []

@@ -1,7 +1,7 @@
 """The GPU step's interpreter (runtime/cuda/step.py): the reference interpreter with the
 training step's early release of planned recomputes and swaps, in-place RoPE, LoRA's
-matmul + add as one addmm, and each repeated layer's parameter gradients handed on as soon
-as they are final."""
+matmul + add as one addmm, each repeated layer's parameter gradients handed on as soon
+as they are final, and dropout seeded from a device counter (runtime/cuda/dropout.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,23 @@ class _StepInterpreter(Interpreter):
 
         self.apply_saved_kernels = APPLY_SAVED_KERNELS
         self.in_place_runs = 0
+        # random ops (dropout) in a training run: (the step's device counter, this run's
+        # salt: rank and micro-batch); None draws nothing (evaluation)
+        self.rng = None
+
+    def _seed(self, node, frame):
+        """A `DeviceSeed` (runtime/cuda/dropout.py): the step's device counter and a key
+        fixed per op run, so a captured graph draws new masks each replay and a recompute
+        the same one."""
+        if self.rng is None:
+            return super()._seed(node, frame)
+        import zlib
+
+        from runtime.cuda.dropout import DeviceSeed
+
+        counter, salt = self.rng
+        key = f"{salt}/{frame.path}/{frame.indices}/{node.id}"
+        return DeviceSeed(counter, zlib.crc32(key.encode()))
 
     def forward(self, inputs: list):
         outputs, frame = super().forward(inputs)

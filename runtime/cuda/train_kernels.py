@@ -23,6 +23,8 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   [B, T, Hq + 2 Hk, D] buffer and the concat of (d_q, d_k, d_v) copies only d_v into the
   slots left for it;
 - zeros, ones and fills are made on the GPU;
+- dropout draws its mask from the step's device counter (runtime/cuda/dropout.py), so a
+  captured graph draws a new one each replay;
 - a matmul backward computes only the gradients its node wants (`Matmul`): a frozen
   weight's (LoRA's base) d_B is neither computed nor allocated, only d_A;
 - LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` run as one
@@ -41,6 +43,7 @@ import weakref
 import torch
 
 from runtime.cuda.attention import BACKENDS, FlashAttention
+from runtime.cuda.dropout import DeviceDropout
 from runtime.cuda.kernels import CUDA_KERNELS, typed
 from runtime.kernels import KERNELS
 from runtime.kernels.linalg import _fold, _mm, _op
@@ -363,6 +366,7 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels["embedding"] = Embedding(KERNELS["embedding"])
     kernels.update({name: Created(KERNELS[name], device) for name in CREATED})
     kernels["flash_attention"] = FlashAttention(tuple(attention))
+    kernels["dropout"] = DeviceDropout(KERNELS["dropout"])  # masks from a device seed
     # `@kernel("cudnn")` etc. (runtime/kernel_choice.py): one attention backend alone
     kernels.update({f"flash_attention@{name}": FlashAttention((name,)) for name in BACKENDS})
     return kernels

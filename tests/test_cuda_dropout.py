@@ -1,0 +1,203 @@
+"""Dropout on the GPU step (runtime/cuda/dropout.py): masks from a device counter. The hash,
+the kernel and the step's interpreter run on the CPU here; the tests marked `cuda` run the
+captured LoRA step with `dropout=p` on a GPU (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime.cuda.dropout import DeviceDropout, DeviceSeed, fmix32, mul32, uniform  # noqa: E402
+from runtime.kernels import KERNELS  # noqa: E402
+
+F64 = torch.float64
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _seed(step: int, key: int = 7, device: str = "cpu") -> DeviceSeed:
+    return DeviceSeed(torch.tensor(step, dtype=torch.int64, device=device), key)
+
+
+def _fmix_reference(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_the_hash_is_exact_32_bit_arithmetic():
+    """mul32 and fmix32 in int64 torch ops equal Python's unbounded integers mod 2^32."""
+    rng = random.Random(0)
+    words = [0, 1, 0xFFFFFFFF, 0x80000000] + [rng.getrandbits(32) for _ in range(2000)]
+    c = 0xC2B2AE35
+    got = mul32(torch.tensor(words, dtype=torch.int64), c).tolist()
+    assert got == [(w * c) & 0xFFFFFFFF for w in words]
+    assert fmix32(torch.tensor(words, dtype=torch.int64)).tolist() == \
+        [_fmix_reference(w) for w in words]
+
+
+def test_uniform_is_deterministic_per_seed_and_new_per_step_and_key():
+    a = uniform((64, 1000), _seed(3))
+    assert torch.equal(a, uniform((64, 1000), _seed(3)))  # a recompute: the same mask
+    assert a.min() >= 0 and a.max() < 1 and a.dtype == torch.float32
+    for other in (uniform((64, 1000), _seed(4)), uniform((64, 1000), _seed(3, key=8))):
+        assert (other == a).float().mean() < 1e-3
+        # another step or op: uncorrelated
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), other.flatten()]))[0, 1])) < 0.02
+
+
+def test_uniform_is_uniform():
+    u = uniform((200_000,), _seed(1))
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    expected = u.numel() / 20
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 45, chi2  # 19 degrees of freedom: p < 1e-3 above 43.8
+    # neighbouring elements are not correlated
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_device_dropout_keeps_1_minus_p_scaled_by_its_inverse(p):
+    kernel = DeviceDropout(KERNELS["dropout"])
+    x = torch.randn(400, 500, dtype=F64, generator=torch.Generator().manual_seed(0))
+    y, mask = kernel.forward([x], {"p": p, "seed": _seed(5)})
+    kept = mask != 0
+    assert abs(float(kept.double().mean()) - (1 - p)) < 0.005
+    assert torch.allclose(mask[kept], torch.full_like(mask[kept], 1 / (1 - p)))
+    assert abs(float(mask.mean()) - 1) < 0.01  # the expected value is kept
+    assert torch.equal(y, x * mask)
+    (d_x,) = kernel.backward([torch.ones_like(x), mask], {"p": p})
+    assert torch.equal(d_x, mask)
+    none = kernel.forward([x], {"p": p, "seed": None})  # evaluation: no dropout
+    assert torch.equal(none[0], x) and torch.equal(none[1], torch.ones_like(x))
+    zero = kernel.forward([x], {"p": 0.0, "seed": _seed(5)})
+    assert torch.equal(zero[0], x)
+
+
+def _lora_program(dropout: float):
+    from runtime.model import Model
+    from runtime_models import TINY, token_inputs
+
+    path, settings = TINY["llama"]
+    lora = dict(rank=4, alpha=8, targets=["q", "v", "up"], dropout=dropout)
+    model = Model.from_module(path, settings=settings, dtype=F64, lora=lora).init_random(1)
+    g = torch.Generator().manual_seed(2)
+    for p, t in model.params.items():  # B != 0: the adapters change the output
+        if p.endswith("lora_B"):
+            t.copy_(0.1 * torch.randn(t.shape, generator=g, dtype=F64))
+    inputs = token_inputs(model)
+    return model, model.source.program_for(inputs), model._input(inputs["token_ids"])
+
+
+def _step_run(model, program, tokens, rng):
+    from runtime.cuda.step_interpreter import _StepInterpreter
+    from runtime.cuda.train_kernels import train_kernels
+
+    run = _StepInterpreter(program.graph, model.params, F64, check_finite=False,
+                           kernels=train_kernels("cpu"), keep_only_saved=True, decisions=None)
+    run.rng = rng
+    (out, *_), frame = run.forward([tokens])
+    _, grads = run.backward(frame, [torch.ones_like(out)])
+    return out, grads
+
+
+def test_the_step_interpreter_draws_a_mask_per_step_and_micro_batch():
+    """The GPU step's interpreter with LoRA dropout (CPU, float64): the same counter and
+    salt give the same outputs, another counter or micro-batch other ones; without a
+    counter (evaluation) the adapters read x as it is."""
+    model, program, tokens = _lora_program(0.3)
+    assert any(n.target == "dropout" for f in program.graph.functions for n in f.nodes)
+    counter = torch.tensor(1, dtype=torch.int64)
+    first, grads = _step_run(model, program, tokens, (counter, "0/0"))
+    again, grads_again = _step_run(model, program, tokens, (counter, "0/0"))
+    assert torch.equal(first, again)
+    assert all(torch.equal(grads[p], grads_again[p]) for p in grads)
+    other_micro, _ = _step_run(model, program, tokens, (counter, "0/1"))
+    counter.add_(1)  # the next step: the counter is read when the op runs
+    next_step, _ = _step_run(model, program, tokens, (counter, "0/0"))
+    for other in (other_micro, next_step):
+        assert not torch.allclose(first, other)
+    plain, plain_program, _ = _lora_program(0.0)
+    evaluation, _ = _step_run(model, program, tokens, None)
+    no_dropout, _ = _step_run(plain, plain_program, tokens, None)
+    assert torch.allclose(evaluation, no_dropout, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------ on a GPU
+LLAMA = "std/models/llama.module"
+SMALL = dict(vocab_size=512, d_model=256, n_layers=2, num_heads=8, num_kv_heads=2, d_ff=512,
+             max_seq=128, eps=1e-5)
+TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+@pytest.mark.cuda
+@NO_CUDA
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_gpu_masks_equal_the_cpu_hash_and_scale(p):
+    kernel = DeviceDropout(KERNELS["dropout"])
+    x = torch.ones(1024, 2048, dtype=torch.bfloat16, device="cuda")
+    y, mask = kernel.forward([x], {"p": p, "seed": _seed(9, device="cuda")})
+    assert torch.equal(uniform(x.shape, _seed(9, device="cuda")).cpu(),
+                       uniform(x.shape, _seed(9)))  # the same hash on both devices
+    kept = mask != 0
+    assert abs(float(kept.float().mean()) - (1 - p)) < 0.003
+    scale = torch.tensor(1 / (1 - p), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(mask[kept], scale.expand(int(kept.sum())))
+    assert torch.equal(y, x * mask)
+    assert abs(float(mask.float().mean()) - 1) < 0.01
+
+
+def _step(dropout: float):
+    from runtime.cuda.step import TrainStep
+
+    lora = dict(rank=8, alpha=16, targets=TARGETS, dropout=dropout)
+    return TrainStep.from_module(LLAMA, SMALL, batch=2, seq=128, lora=lora).init_random(0)
+
+
+def _tokens():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 512, (2, 128), generator=g, dtype=torch.int32).cuda()
+
+
+@pytest.mark.cuda
+@NO_CUDA
+def test_gpu_lora_step_with_dropout_0_is_the_step_without():
+    from runtime.cuda.step import TrainStep
+
+    tokens = _tokens()
+    plain = TrainStep.from_module(LLAMA, SMALL, batch=2, seq=128,
+                                  lora=dict(rank=8, alpha=16, targets=TARGETS)).init_random(0)
+    results = []
+    for step in (_step(0.0), plain):
+        step.set_batch(tokens)
+        loss, grads = step.loss_and_gradients()
+        results.append((loss, grads))
+    (loss, grads), (ref_loss, ref) = results
+    assert torch.equal(loss, ref_loss) and set(grads) == set(ref)
+    assert all(torch.equal(grads[p], ref[p]) for p in ref)
+
+
+@pytest.mark.cuda
+@NO_CUDA
+def test_gpu_lora_step_draws_a_new_mask_each_replay():
+    """dropout=0.5 with lr 0 (the weights stay): each replay of the captured step gives
+    another loss (another mask); setting the device counter back replays a step's mask
+    exactly; losses are near the no-dropout loss (the expected value is kept)."""
+    step = _step(0.5)
+    tokens = _tokens()
+    step.set_lr(0.0)
+    step.capture(warmup=1)
+    start = int(step.rng_step.item())
+    losses = [float(step(tokens)) for _ in range(6)]
+    assert len(set(losses)) == 6, losses
+    assert int(step.rng_step.item()) == start + 6
+    step.rng_step.fill_(start + 2)  # the third replay's counter value, less one
+    assert float(step(tokens)) == losses[2]
+    plain = _step(0.0)
+    plain.set_batch(tokens)
+    reference = float(plain.loss_and_gradients()[0])
+    assert all(abs(x - reference) / reference < 0.05 for x in losses), (losses, reference)
