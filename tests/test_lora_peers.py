@@ -1,0 +1,73 @@
+"""benchmarks/gpu/lora_peers.py on the CPU at the tiny shape: modulec's variant builds its
+LoRA program and predicts (its adapters counted against the closed form), a variant that
+cannot run (Liger-Kernel needs triton and a GPU) is reported as failed while the run goes
+on; the variant names, the speedup arithmetic and the table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.lora_peers import (SHAPES, derive, flops_per_token, hf_options,  # noqa: E402
+                                       table)
+
+
+def adapter_count(shape: dict, rank: int) -> int:
+    """r x (in + out) for q, k, v, o, gate, up, down in every layer."""
+    d, ff = shape["d_model"], shape["d_ff"]
+    kv = d // shape["num_heads"] * shape["num_kv_heads"]
+    per_layer = (d + d) * 2 + (d + kv) * 2 + (d + ff) * 3
+    return shape["n_layers"] * rank * per_layer
+
+
+def test_failed_variant_reported_and_modulec_predicts(tmp_path):
+    out = tmp_path / "lora.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/lora_peers.py"), "--device", "cpu",
+           "--shape", "tiny", "--variants", "modulec,hf_peft_liger", "--steps", "1",
+           "--warmup", "1", "--seq", "16", "--timeout", "120", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["variants"]
+    ours = rows["modulec"]
+    assert ours["trained_params"] == adapter_count(SHAPES["tiny"], 16)
+    assert ours["fixed_bytes"] < ours["predicted_peak_bytes"] and "skipped" in ours
+    assert "error" in rows["hf_peft_liger"]  # no triton / no GPU here
+    assert "hf_peft_liger" in done.stdout and "failed:" in done.stdout
+    assert (tmp_path / "lora.json.hf_peft_liger.log").exists()
+
+
+def test_variant_names():
+    assert hf_options("hf_peft") == {"compile": None, "liger": False, "ckpt": False}
+    assert hf_options("hf_peft_compile_ckpt") == {"compile": "whole", "liger": False,
+                                                  "ckpt": True}
+    assert hf_options("hf_peft_liger")["liger"]
+    for bad in ("hf_lora", "hf_peft_fast", "hf_peft_compile_compilelayers"):
+        with pytest.raises(ValueError):
+            hf_options(bad)
+
+
+def test_speedup_against_the_fastest_peer():
+    args = type("A", (), {"batch": 1, "seq": 2048, "rank": 16, "alpha": 32.0, "steps": 10,
+                          "shape": "llama3-8b"})()
+    gib = 2**30
+    rows = {"modulec": {"step_s": 0.1, "peak_bytes": 20 * gib},
+            "hf_peft": {"step_s": 0.2, "peak_bytes": 40 * gib},
+            "hf_peft_compile": {"step_s": 0.16, "peak_bytes": 32 * gib},
+            "hf_peft_liger": {"error": "RuntimeError: boom\n", "oom": False}}
+    shape = SHAPES["llama3-8b"]
+    derive(rows, args, flops_per_token(shape, 2048))
+    assert rows["modulec"]["tokens_per_s"] == pytest.approx(20480)
+    assert rows["modulec"]["speedup_vs_best_hf"] == pytest.approx(1.6)
+    assert rows["modulec"]["peak_vs_best_hf"] == pytest.approx(20 / 32)
+    text = table(rows, args, shape)
+    assert "failed: RuntimeError: boom" in text and "1.60x tokens/s at 0.62x" in text
