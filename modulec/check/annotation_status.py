@@ -142,8 +142,11 @@ STATUS: dict[str, Status] = {
     "dtype": Status(both("modulec.lower.value_marks:mark",
                          "runtime.kernels.utility:_cast_backward"),
                     (Part(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",),
-                                 "the GPU step stores every parameter as bf16 with an fp32 "
-                                 "master"), placement="param"),
+                                 "the GPU step stores this parameter in its compute dtype "
+                                 "(bf16) with an fp32 master: the AdamW update is fp32, "
+                                 "but the forward and backward read the bf16 copy, and the "
+                                 "gradient is bf16; `@dtype(T)` changes none of that yet"),
+                          placement="param"),
                      on("op", nowhere(MID_FLOW)),
                      on("input", nowhere(FLOW_SOURCE_NOTE), **FLOW_SOURCE))),
     "precision": Status(nowhere(NO_PRECISION)),
