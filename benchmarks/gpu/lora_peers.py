@@ -49,7 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("modulec", "hf_peft", "hf_peft_compile", "hf_peft_liger")
+# torch.compile last: its compile time is the longest, the others' rows come first
+VARIANTS = ("modulec", "hf_peft", "hf_peft_liger", "hf_peft_compile")
 HF_KINDS = ("hf_peft", "hf_peft_compile", "hf_peft_compilelayers", "hf_peft_liger")
 SHAPES = {
     # Meta-Llama-3-8B's config.json (no rope scaling, untied head)
@@ -414,6 +415,9 @@ def table(rows: dict, args, shape: dict) -> str:
         for note in ("skipped", "note"):
             if r.get(note):
                 lines.append(f"{'':<28}  {r[note]}")
+    devices = sorted({r["device"] for r in rows.values() if r.get("device")})
+    lines.append(f"device: {', '.join(devices) or args.device}; " + ", ".join(
+        f"{k} {v}" for k, v in _versions().items() if v))
     ours = rows.get("modulec", {})
     if ours.get("predicted_peak_bytes"):
         lines.append(f"modulec predicted peak {_size(ours['predicted_peak_bytes'])} "

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/lora_peers.sh                          # 8B, B=1, T=2048, all variants
 #   VARIANTS=modulec,hf_peft BATCH=2 bash benchmarks/gpu/lora_peers.sh
 #   TRAIN=1 bash benchmarks/gpu/lora_peers.sh    # also `modulec train --lora` on the 8B shape
+#   BENCH=0 TRAIN=1 bash benchmarks/gpu/lora_peers.sh    # only `modulec train --lora`
 #   SHAPE=tiny DEVICE=cpu bash benchmarks/gpu/lora_peers.sh    # the CPU check of the script
 # Other knobs: SEQ, LAYERS, STEPS, WARMUP, BUDGET (modulec GiB), TIMEOUT (s per variant),
 # TRAIN_STEPS.
@@ -22,17 +23,20 @@ if [ "$DEVICE" = cuda ]; then
   /usr/bin/time -f "extension build %e s" python3 -c \
     'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log"
 fi
-stamp "lora_peers.py $SHAPE"
-python3 benchmarks/gpu/lora_peers.py --shape "$SHAPE" --device "$DEVICE" \
-  ${VARIANTS:+--variants "$VARIANTS"} ${BATCH:+--batch "$BATCH"} ${SEQ:+--seq "$SEQ"} \
-  ${LAYERS:+--layers "$LAYERS"} ${BUDGET:+--budget "$BUDGET"} --steps "${STEPS:-10}" \
-  --warmup "${WARMUP:-3}" --timeout "${TIMEOUT:-300}" --json "$OUT/lora_peers-$SHAPE.json" \
-  2> "$OUT/lora_peers-$SHAPE.err" | tee "$OUT/lora_peers-$SHAPE.txt"
-tail -3 "$OUT/lora_peers-$SHAPE.err"
-stamp "lora_peers.py done"
+if [ "${BENCH:-1}" = 1 ]; then
+  stamp "lora_peers.py $SHAPE"
+  python3 benchmarks/gpu/lora_peers.py --shape "$SHAPE" --device "$DEVICE" \
+    ${VARIANTS:+--variants "$VARIANTS"} ${BATCH:+--batch "$BATCH"} ${SEQ:+--seq "$SEQ"} \
+    ${LAYERS:+--layers "$LAYERS"} ${BUDGET:+--budget "$BUDGET"} --steps "${STEPS:-10}" \
+    --warmup "${WARMUP:-3}" --timeout "${TIMEOUT:-300}" --json "$OUT/lora_peers-$SHAPE.json" \
+    2> "$OUT/lora_peers-$SHAPE.err" | tee "$OUT/lora_peers-$SHAPE.txt"
+  tail -3 "$OUT/lora_peers-$SHAPE.err"
+  stamp "lora_peers.py done"
+fi
 [ "${TRAIN:-0}" = 1 ] || exit 0
 # `modulec train --lora` on the same shape from random weights: a config.json sizing the
-# model and a uint32 token file of random ids, a few steps on one repeated batch
+# model and a uint32 token file of random ids, a few steps on one repeated batch (at 8B,
+# --init random draws 8B values on the host, serially: a minute or two before the steps)
 WORK=${WORK:-/dev/shm/modulec-lora}; rm -rf "$WORK"; mkdir -p "$WORK"
 python3 - "$WORK" "$SHAPE" "$TSEQ" <<'EOF' || exit 1
 import sys
