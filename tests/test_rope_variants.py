@@ -332,3 +332,32 @@ def test_llama31_logits_and_every_gradient_match_transformers(spelling, dtype, t
     assert set(grads) == set(expected)
     worst = {n: _relative(grads[n], expected[n]) for n in expected}
     assert max(worst.values()) < tolerance, sorted(worst.items(), key=lambda x: -x[1])[:3]
+
+
+def test_qwen3_yarn_matches_transformers_in_float32(tmp_path):
+    """Qwen3 with yarn (cos and sin times its attention factor; the fused qk_norm_rope) as
+    transformers computes it, float32, logits and every gradient."""
+    from runtime.model import Model
+
+    torch.manual_seed(0)
+    yarn = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+            "original_max_position_embeddings": 16}
+    config = transformers.Qwen3Config(**SMALL, head_dim=16, rope_parameters=yarn)
+    config._attn_implementation = "sdpa"
+    hf = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    hf.save_pretrained(tmp_path)
+    assert hf.model.rotary_emb.attention_scaling > 1.0  # the scaling is in play
+    ours = Model.from_module("std/models/qwen3.module", hf_weights=tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = hf(input_ids=ids).logits
+    assert _relative(ours.forward(token_ids=ids.to(torch.int32))["logits"], logits.detach()) < 1e-4
+    seed = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    expected = dict(zip([n for n, _ in hf.named_parameters()],
+                        torch.autograd.grad(logits, list(hf.parameters()), seed)))
+    grads = ours.hf_gradients(ours.backward(logits=seed))
+    assert set(grads) == set(expected)
+    worst = {n: _relative(grads[n], expected[n]) for n in expected}
+    assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda x: -x[1])[:3]
