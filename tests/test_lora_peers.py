@@ -71,3 +71,25 @@ def test_speedup_against_the_fastest_peer():
     assert rows["modulec"]["peak_vs_best_hf"] == pytest.approx(20 / 32)
     text = table(rows, args, shape)
     assert "failed: RuntimeError: boom" in text and "1.60x tokens/s at 0.62x" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_tiny_on_gpu(tmp_path):
+    """The GPU code paths at the tiny shape: modulec's captured LoRA step and HF + PEFT
+    (peft from .whl/ via benchmarks/gpu/device_env.sh) give full rows, the same count of
+    trained parameters and finite losses near ln(vocab)."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/lora_peers.py"), "--shape", "tiny",
+           "--variants", "modulec,hf_peft", "--steps", "3", "--warmup", "2",
+           "--timeout", "200", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["variants"]
+    for name in ("modulec", "hf_peft"):
+        row = rows[name]
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0 and row["peak_bytes"] > 0
+        assert 5.5 < row["loss_first"] < 7.5 and 5.5 < row["loss_last"] < 7.5
+    assert rows["modulec"]["trained_params"] == rows["hf_peft"]["trained_params"]

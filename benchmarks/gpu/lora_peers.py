@@ -56,8 +56,8 @@ SHAPES = {
     # Meta-Llama-3-8B's config.json (no rope scaling, untied head)
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, num_heads=32,
                       num_kv_heads=8, d_ff=14336, max_seq=8192, eps=1e-5, rope_theta=500000.0),
-    # the CPU check's shape
-    "tiny": dict(vocab_size=512, d_model=64, n_layers=2, num_heads=4, num_kv_heads=2, d_ff=128,
+    # the CPU check's shape (head dim 32, as the GPU tests use)
+    "tiny": dict(vocab_size=512, d_model=128, n_layers=2, num_heads=4, num_kv_heads=2, d_ff=256,
                  max_seq=256, eps=1e-5, rope_theta=500000.0),
 }
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
