@@ -77,6 +77,10 @@ def test_device_dropout_keeps_1_minus_p_scaled_by_its_inverse(p):
     assert torch.equal(none[0], x) and torch.equal(none[1], torch.ones_like(x))
     zero = kernel.forward([x], {"p": 0.0, "seed": _seed(5)})
     assert torch.equal(zero[0], x)
+    seeded = kernel.forward([x], {"p": p, "seed": 3})  # an int seed: the reference's mask
+    assert all(torch.equal(a, b) for a, b in
+               zip(seeded, KERNELS["dropout"].forward([x], {"p": p, "seed": 3})))
+    assert not torch.equal(seeded[0], x)
 
 
 def _lora_program(dropout: float):

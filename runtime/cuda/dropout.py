@@ -75,8 +75,8 @@ def uniform(shape, seed: DeviceSeed) -> torch.Tensor:
 
 class DeviceDropout:
     """The `dropout` primitive with a `DeviceSeed` (the GPU step's training runs); any other
-    seed (None: no dropout) goes to the reference kernel, as does the backward
-    (d_x = d_y * mask)."""
+    seed goes to the reference kernel as it is (an int: a torch.Generator seeded with it,
+    eager runs only; None: no dropout), as does the backward (d_x = d_y * mask)."""
 
     def __init__(self, reference):
         self.reference = reference
@@ -87,7 +87,7 @@ class DeviceDropout:
     def forward(self, inputs: list, attrs: dict) -> list:
         seed, p = attrs.get("seed"), float(attrs.get("p", 0.0))
         if not isinstance(seed, DeviceSeed) or p == 0:
-            return self.reference.forward(inputs, attrs | {"seed": None})
+            return self.reference.forward(inputs, attrs)
         x = inputs[0]
         keep = uniform(x.shape, seed) >= p
         scale = 1.0 / (1.0 - p)
