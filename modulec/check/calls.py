@@ -371,6 +371,8 @@ def _slice_length(ctx, func: A.Index, stack: Stack):
 def _stacked_blocks(ctx, args, inputs, expr) -> Result | None:
     target = args[0].value if args else None
     stack = ctx.instance.params.get(getattr(target, "id", None))
+    if isinstance(stack, Broken):
+        return None  # its declaration's error is reported
     if not isinstance(stack, Stack):
         ctx.world.error("E003", "`StackedBlocks` takes an array parameter "
                         "(`blocks: [n] x Block(...)`) and its length", (target or expr).span,
@@ -401,6 +403,8 @@ def _check_stack_count(ctx, args, stack: Stack, target) -> None:
                         help=[f"pass the array's length: `StackedBlocks({target.id}, "
                               f"{stack.count})`"])
         return
+    if isinstance(stack.count, bool) or not isinstance(stack.count, (int, Dim)):
+        return  # an array size that is no integer: reported at its declaration
     if ctx.instance.assumptions.same(_as_dim(count), _as_dim(stack.count)) is False:
         ctx.world.error("E027", f"`StackedBlocks({target.id}, {count})`: `{target.id}` holds "
                         f"{stack.count} blocks, and StackedBlocks applies them all",

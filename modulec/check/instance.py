@@ -397,6 +397,11 @@ def _tied(instance: Instance, node: A.Call, param: TensorParam):
 
 def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
     count = _const(instance, node.count, "an array size")
+    if not isinstance(count, (Dim, Unknown)):  # a list, a float, None: no count of blocks
+        instance.world.error("E003", "an array of blocks' size must be an integer",
+                             node.count.span, f"this is {_short(count)}",
+                             help=_integer_help(count, node.count))
+        return None
     if isinstance(count, Dim) and not _at_least_one(instance, count, node.count,
                                                     "an array of blocks' size", MAX_BLOCKS):
         return None
