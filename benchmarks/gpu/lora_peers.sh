@@ -7,6 +7,7 @@
 #   VARIANTS=modulec,hf_peft BATCH=2 bash benchmarks/gpu/lora_peers.sh
 #   TRAIN=1 bash benchmarks/gpu/lora_peers.sh    # also `modulec train --lora` on the 8B shape
 #   BENCH=0 TRAIN=1 bash benchmarks/gpu/lora_peers.sh    # only `modulec train --lora`
+#   CHECK=1 ...                  # first the cuda test at the tiny shape (about a minute)
 #   SHAPE=tiny DEVICE=cpu bash benchmarks/gpu/lora_peers.sh    # the CPU check of the script
 # Other knobs: SEQ, LAYERS, STEPS, WARMUP, BUDGET (modulec GiB), TIMEOUT (s per variant),
 # TRAIN_STEPS.
@@ -22,6 +23,10 @@ if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/device.txt"
   /usr/bin/time -f "extension build %e s" python3 -c \
     'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log"
+fi
+if [ "${CHECK:-0}" = 1 ]; then  # the tiny shape on the GPU first (tests/test_lora_peers.py)
+  python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_lora_peers.py 2>&1 \
+    | tail -5 | tee "$OUT/check.log"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   stamp "lora_peers.py $SHAPE"
