@@ -437,6 +437,9 @@ class TrainStep:
         tokens, labels = self.tokens[rows], self.labels[rows]
         inputs = fed_inputs(self.input_names, tokens, self.positions[rows])
         (out, *others), frame = run.forward([inputs[n] for n in self.input_names])
+        # auxiliary losses (0-d outputs: the MoE load-balancing loss) join the loss, seed 1;
+        # summed into a tensor of their own before the head's scratch can reuse memory
+        aux_seeds, aux = auxiliary_seeds(others)
         if run.swaps is not None:
             run.swaps.forward_done()
         d_head = None
@@ -452,8 +455,6 @@ class TrainStep:
         else:
             loss, seed = logits_cross_entropy(out, labels, self.chunk_rows)
         del out
-        # auxiliary losses (0-d outputs: the MoE load-balancing loss) join the loss, seed 1
-        aux_seeds, aux = auxiliary_seeds(others)
         if aux is not None:
             loss = loss + aux.to(loss.dtype)
         _, grads = run.backward(frame, [seed] + aux_seeds)
