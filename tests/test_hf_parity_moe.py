@@ -190,3 +190,26 @@ def test_training_loss_adds_the_aux_loss_as_transformers(tmp_path, monkeypatch):
     # the cross-entropy runs in float32 on both sides (HF: logits.float(); ours: the
     # trainer's fp32 loss kernel), so d_logits agree to float32 rounding only
     assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda x: -x[1])[:3]
+
+
+def test_saved_checkpoint_loads_in_transformers(tmp_path, monkeypatch):
+    """Export through the nested stack's index arithmetic ({i * 2 + j}, {i * 2 + 1}):
+    the written checkpoint is every tensor of the original, equal, and transformers loads
+    it into a model computing the original's logits."""
+    import json
+
+    from safetensors.torch import load_file
+
+    _hf_model("qwen3_moe-every-2nd", tmp_path / "in", monkeypatch)
+    ours = Model.from_module(CASES["qwen3_moe-every-2nd"][0], hf_weights=tmp_path / "in",
+                             dtype=F64)
+    config = json.loads((tmp_path / "in" / "config.json").read_text())
+    ours.save_hf(tmp_path / "out", config)
+    original, saved = (load_file(tmp_path / d / "model.safetensors") for d in ("in", "out"))
+    assert set(saved) == set(original)
+    assert all(torch.equal(saved[n].to(original[n].dtype), original[n]) for n in original)
+    first, second = (transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / d)
+                     for d in ("in", "out"))
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(second(input_ids=ids).logits, first(input_ids=ids).logits)
