@@ -17,17 +17,19 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 
 def run_model(*, file, hf_weights, random_weights, inputs, outputs, backward, device, dtype,
-              settings, model, search_path) -> str:
+              settings, model, search_path, max_memory=None) -> str:
     _check_device(device)
     if (hf_weights is None) == (random_weights is None):
         raise RuntimeUserError("give the weights: --hf-weights DIR or --random-weights SEED")
     if Path(file).suffix != ".module":  # an IR document from `modulec build -o`
         instance = Model.from_ir(file, hf_weights=hf_weights, dtype=DTYPES[dtype],
-                                 device=device, progress=sys.stderr.isatty())
+                                 device=device, progress=sys.stderr.isatty(),
+                                 max_memory=max_memory)
     else:
         instance = Model.from_module(file, settings=settings, hf_weights=hf_weights,
                                      dtype=DTYPES[dtype], device=device, model=model,
-                                     search_path=search_path, progress=sys.stderr.isatty())
+                                     search_path=search_path, progress=sys.stderr.isatty(),
+                                     max_memory=max_memory)
     if random_weights is not None:
         instance.init_random(random_weights)
     tensors = _read(inputs)

@@ -22,6 +22,7 @@ from modulec.ir.graph import Graph
 from runtime.errors import RuntimeUserError
 from runtime.hooks import Hooks
 from runtime.interpreter import Frame, Interpreter, _join, child_path
+from runtime.memory_check import check_memory
 from runtime.program import ModuleSource, Program
 
 
@@ -62,7 +63,8 @@ class Model:
                     dtype=torch.float64, device="cpu", model: str | None = None,
                     search_path=(), progress: bool = False,
                     memory_budget: int | None = None, lora=None,
-                    tensor_parallel: int = 1, tp_rank: int = 0) -> "Model":
+                    tensor_parallel: int = 1, tp_rank: int = 0,
+                    max_memory: int | None = None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
         are loaded. `lora` (a dict `rank=8, alpha=16, targets=["q", "v"]`, `{}` for the
@@ -70,7 +72,9 @@ class Model:
         `@adapter(lora)` matmuls and freezes its base weights (docs/training.md, "LoRA").
         `tensor_parallel=M` builds rank `tp_rank`'s program of M (its `@shard` parameters
         are its slices; docs/distributed.md, "Tensor parallel"); run it in a
-        torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group)."""
+        torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group). Before
+        any weight is made, the model's memory is checked against the device (or
+        `max_memory` bytes): runtime.memory_check."""
         if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
             config = Path(hf_weights) / "config.json"
         source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
@@ -90,19 +94,22 @@ class Model:
             source.planning = PlanOptions(budget=int(memory_budget),
                                           training="lora" if lora is not None else "full")
         instance = cls(source, dtype=dtype, device=device, tp_rank=int(tp_rank))
+        check_memory(instance, max_memory)
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)
         return instance
 
     @classmethod
     def from_ir(cls, path, *, hf_weights=None, dtype=torch.float64, device="cpu",
-                progress: bool = False) -> "Model":
-        """A model from an IR document written by `modulec build -o` (fixed sizes)."""
+                progress: bool = False, max_memory: int | None = None) -> "Model":
+        """A model from an IR document written by `modulec build -o` (fixed sizes),
+        verified and its memory checked before any weight is made."""
         from runtime.program import IRSource
 
         source = IRSource(Path(path))
         source.program()  # read and verified first: a refused document makes no tensor
         instance = cls(source, dtype=dtype, device=device)
+        check_memory(instance, max_memory)
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)
         return instance

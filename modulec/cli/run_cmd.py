@@ -27,6 +27,20 @@ def _model_choice(command):
     return command
 
 
+def _size(context, parameter, text):
+    if text is None:
+        return None
+    from modulec.plan.budget import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if size < 1:
+        raise click.BadParameter("a size of at least 1 byte")
+    return size
+
+
 def run_command(guarded):
     @click.command("run")
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -44,17 +58,20 @@ def run_command(guarded):
     @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu",
                   show_default=True)
     @click.option("--dtype", type=click.Choice(DTYPES), default="float64", show_default=True)
+    @click.option("--max-memory", callback=_size, metavar="SIZE",
+                  help="Refuse a model that needs more (e.g. 8GiB); default: what the "
+                       "device has free.")
     @_model_choice
     @guarded
     def run(file, hf_weights, random_weights, inputs_path, outputs_path, backward, device,
-            dtype, settings, model, search_path):
+            dtype, max_memory, settings, model, search_path):
         """Run FILE's model forward (and backward) on the reference runtime."""
         from modulec.cli.build_cmd import pairs
 
         request = dict(file=file, hf_weights=hf_weights, random_weights=random_weights,
                        inputs=inputs_path, outputs=outputs_path, backward=backward,
                        device=device, dtype=dtype, settings=pairs(settings, "--set", False),
-                       model=model, search_path=search_path)
+                       model=model, search_path=search_path, max_memory=max_memory)
         return _run(request)
 
     return run
