@@ -93,12 +93,14 @@ def peft_tensors(model) -> dict[str, Tensor]:
 
 
 def peft_config(model) -> dict:
-    """adapter_config.json: r, lora_alpha and target_modules (HF module names)."""
+    """adapter_config.json: r, lora_alpha, lora_dropout and target_modules (HF module
+    names)."""
     adapters = lora_metadata(model)["adapters"]
     first = adapters[0] if adapters else {"rank": 0, "alpha": 0.0}
     modules = sorted({a["hf_module"].rsplit(".", 1)[-1] for a in adapters if a["hf_module"]})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first["rank"],
-            "lora_alpha": first["alpha"], "lora_dropout": 0.0, "bias": "none",
+            "lora_alpha": first["alpha"], "lora_dropout": first.get("dropout", 0.0),
+            "bias": "none",
             "target_modules": modules, "fan_in_fan_out": False,
             "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": None,
             "inference_mode": False}

@@ -341,6 +341,10 @@ def test_lora_dropout_option_overrides_the_annotation(tmp_path):
     assert dropouts({}) == [0.5]
     assert dropouts(parse_lora("dropout=0.25")) == [0.25]
     assert dropouts({"dropout": 0}) == []
+    from runtime.lora import peft_config
+
+    model = Model.from_module(path, dtype=torch.float64, lora=parse_lora("dropout=0.25"))
+    assert peft_config(model)["lora_dropout"] == 0.25  # adapter_config.json says it (was 0)
     with pytest.raises(ValueError, match="probability below 1"):
         LoraOptions.of({"dropout": 1.0})
     with pytest.raises(ValueError, match=r"known: rank, alpha, targets, dropout"):

@@ -409,7 +409,7 @@ def _metadata(decl, instance, graph, request) -> dict:
 
 def _lora_metadata(options, report) -> dict:
     return {"rank": options.rank, "alpha": options.alpha, "targets": list(options.targets),
-            "adapters": report.adapters}
+            "dropout": options.dropout, "adapters": report.adapters}
 
 
 def _text(node) -> str:

@@ -397,5 +397,5 @@ def _entry(site: Site, part: Part, a: str, b: str) -> dict:
     join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
     return {"weight": join(site.weight[len("param:"):]), "target": part.name,
             "rows": [part.start, part.start + part.rows], "rank": site.rank,
-            "alpha": site.alpha, "lora_A": join(a), "lora_B": join(b),
+            "alpha": site.alpha, "dropout": site.dropout, "lora_A": join(a), "lora_B": join(b),
             "hf_module": part.hf_module, "placeholders": list(part.placeholders)}
