@@ -29,6 +29,16 @@ GPU_ONLY = {
     "qwen2": ("std/models/qwen2.module", DENSE),
     "gpt2": ("std/models/gpt2.module", dict(n_layers=2, d_model=32, num_heads=4, vocab_size=64,
                                             max_seq=64)),
+    # the MoE load-balancing loss on (an auxiliary loss of the step), dense and sparse
+    # layers alternating (a nested stack); GPT-NeoX's interleaved QKV and partial rotary;
+    # Phi-3's partial rotary (their float64 parity: tests/test_hf_parity_*.py)
+    "qwen3_moe": ("std/models/qwen3_moe.module", DENSE | {
+        "n_layers": 4, "head_dim": 8, "moe_d_ff": 16, "num_experts": 4, "top_k": 2,
+        "sparse_step": 2, "output_router_logits": "true", "aux_loss_coef": 0.5}),
+    "gpt_neox": ("std/models/gpt_neox.module", dict(n_layers=2, d_model=32, num_heads=4,
+                                                    d_ff=48, vocab_size=64, max_seq=64)),
+    "phi3": ("std/models/phi3.module", DENSE | {"partial_rotary_factor": 0.5,
+                                                 "padding_idx": "None"}),
 }
 
 
