@@ -1,7 +1,8 @@
-"""Adapters on the GPU step. LoRA dropout (runtime/cuda/dropout.py: masks from a device
+"""Annotations on the GPU step. LoRA dropout (runtime/cuda/dropout.py: masks from a device
 counter): the hash, the kernel and the step's interpreter run on the CPU here; the tests
-marked `cuda` run the captured LoRA step with `dropout=p`, and an `@adapter(ia3)` step
-against the CPU reference, on a GPU (skipped without CUDA)."""
+marked `cuda` run the captured LoRA step with `dropout=p`, an `@adapter(ia3)` step against
+the CPU reference, and a `@kernel("reference")` choice in the step, on a GPU (skipped
+without CUDA)."""
 
 from __future__ import annotations
 
@@ -264,3 +265,62 @@ def test_gpu_ia3_step_matches_the_cpu_reference_and_trains_the_vector_alone(tmp_
     assert losses[-1] < losses[0], losses
     assert not torch.equal(step.masters["w.ia3_l"], before)
     assert all(torch.equal(step.compute[p], frozen[p]) for p in frozen)
+
+
+KERNEL_LM = """\
+model TinyChoice(vocab_size: int = 64, d: int = 32):
+  params:
+    emb: [vocab_size, d]
+    w: [d, d]
+    head: [vocab_size, d]
+  forward:
+    in: token_ids: [B, T, int32]
+    out: logits: [B, T, vocab_size]
+    graph:
+      token_ids -> embedding(emb) -> h
+      h -> matmul(w, transpose=NT) {choice} -> k
+      k -> matmul(head, transpose=NT) -> logits
+"""
+
+
+@pytest.mark.cuda
+@NO_CUDA
+def test_gpu_step_runs_the_kernel_named_by_kernel(tmp_path, monkeypatch):
+    """`@kernel("reference")` on a matmul: the GPU step runs the reference kernel for it,
+    forward and derived backward (not the train registry's cuBLAS Matmul), eagerly and in
+    the captured graph's warm-up; loss and gradients agree with the unannotated step."""
+    from runtime.cuda.step import TrainStep, random_params
+
+    calls = []
+    reference = KERNELS["matmul"]
+
+    class Counting:
+        def __getattr__(self, attr):
+            return getattr(reference, attr)
+
+        def forward(self, inputs, attrs):
+            calls.append("forward")
+            return reference.forward(inputs, attrs)
+
+        def backward(self, inputs, attrs):
+            calls.append("backward")
+            return reference.backward(inputs, attrs)
+
+    monkeypatch.setitem(KERNELS, "matmul", Counting())  # what `reference` selects
+    results = []
+    for choice in ('@kernel("reference")', ""):
+        path = tmp_path / f"choice{len(results)}.module"
+        path.write_text(KERNEL_LM.format(choice=choice), encoding="utf-8")
+        step = TrainStep.from_module(path, batch=2, seq=16)
+        step.load(random_params(step.shapes(), seed=0, std=0.2))
+        step.set_batch(_tokens()[:, :16] % 64)
+        results.append(step.loss_and_gradients())
+        if choice:
+            assert calls == ["forward", "backward"], calls
+    assert calls == ["forward", "backward"]  # the unannotated step: the train registry's
+    (loss, grads), (ref_loss, ref) = results
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-2
+    assert set(grads) == set(ref)
+    for p in ref:
+        a, b = grads[p].double().flatten(), ref[p].double().flatten()
+        assert float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)) > 0.999, p
