@@ -167,8 +167,14 @@ def recover(root: Path) -> None:
     """Undo what killed saves left in `root`: a `.checkpoint-<step>.old` whose
     `checkpoint-<step>` is missing (killed between the renames of a re-save) is put back,
     one whose step is there again is deleted, and `.checkpoint-<step>.*.tmp` folders
-    (killed before publishing) are deleted. Only those names, only folders, never links."""
+    (killed before publishing) are deleted, and so are `.latest.*.tmp` files (killed while
+    `latest` was replaced). Only those names, only folders (files for `latest`), never
+    links."""
     for entry in sorted(root.iterdir()):
+        if entry.name.startswith(f".{LATEST}.") and entry.name.endswith(".tmp") and \
+                entry.is_file() and not entry.is_symlink():
+            entry.unlink()
+            continue
         if not entry.is_dir() or entry.is_symlink() or not entry.name.startswith(".checkpoint-"):
             continue
         if entry.name.endswith(".tmp"):
