@@ -161,6 +161,41 @@ def test_dtype_runs_in_the_declared_dtypes(tmp_path):
     assert grads.params["v"].dtype == torch.float32
 
 
+NORMED = """\
+model Normed(d: int = 8, v: int = 16):
+  params:
+    emb: [v, d]
+    norm: [d] @dtype(fp32)
+    w: [v, d]
+  forward:
+    in: token_ids: [B, T, int32]
+    out: logits: [B, T, v]
+    graph:
+      token_ids -> embedding(emb) -> h
+      h -> rmsnorm(norm, eps=1e-5) -> (n, _)
+      n -> matmul(w, transpose=NT) -> logits
+"""
+
+
+def test_an_fp32_parameter_moves_no_activation_to_fp32(tmp_path):
+    """`@dtype(fp32)` on a norm weight: the IR keeps the norm's output (and all after it)
+    in the compute dtype, as the runtimes compute it (the first floating input's dtype),
+    and the weight's gradient fp32 (was: the IR typed them fp32, the runtime made bf16)."""
+    path = _write(tmp_path, NORMED)
+    result = run_cli("build", path, "--shape", "B=2", "--shape", "T=4", "--emit", "graph")
+    assert result.exit_code == 0, result.output
+    ops = [line for line in result.output.splitlines() if "= op " in line]
+    assert "%2: [2, 4, 8], %3: [2, 4, fp32] = op rmsnorm(%1, param:norm" in ops[1]
+    assert ops[2].split(" = op")[0].endswith("[2, 4, 16]")  # logits: the compute dtype
+    assert any("%g4: [8, fp32] = op rmsnorm_backward" in line for line in ops)
+    model = Model.from_module(path, dtype=torch.bfloat16).init_random(0)
+    assert model.params["norm"].dtype == torch.float32
+    out = model.forward(token_ids=torch.zeros(2, 4, dtype=torch.int32))
+    assert out["logits"].dtype == torch.bfloat16
+    grads = model.backward(logits=torch.ones(2, 4, 16, dtype=torch.bfloat16))
+    assert grads.params["norm"].dtype == torch.float32
+
+
 def test_dtype_verifies_in_float64(tmp_path):
     result = run_cli("check", "--verify-backward", _write(tmp_path, CAST))
     assert result.exit_code == 0, result.output

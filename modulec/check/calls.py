@@ -299,13 +299,17 @@ def _fit_arity(ctx, label: str, sigs: tuple[TensorSig, ...], inputs, expr):
 def _by_signature(ctx, env: ConstEnv, phase, actual, expr, label,
                   callee: Instance | None = None) -> list[TensorType]:
     matcher = Matcher(env, ctx.instance.assumptions)
-    dtype = FLOAT
+    dtype = None
     for index, (sig, tensor) in enumerate(zip(phase.inputs, actual)):
         if tensor is not None:
             pattern = pattern_of(sig.type)
             matcher.match(pattern, tensor.type, f"`{sig.name}`", index)
-            if dtype == FLOAT and tensor.type.is_float and pattern.dtype is None:
-                dtype = tensor.type.dtype  # statistics (rstd, lse: fp32) do not set it
+            if dtype is None and tensor.type.is_float and pattern.dtype is None:
+                # the first floating input's dtype, the compute dtype (`float`) included:
+                # an fp32 parameter (`@dtype(fp32)`) does not move its op's output to fp32,
+                # as in the runtimes (runtime/kernels/base.py); statistics do not set it
+                dtype = tensor.type.dtype
+    dtype = FLOAT if dtype is None else dtype
     matcher.finish()
     if callee is not None and ctx.world.recording and not callee.call_inputs:
         # lowering: the callee's body takes the sizes this call binds (N = B*T, ...) and its
