@@ -1,8 +1,10 @@
 """The GPU training step of std's Qwen3-MoE and Mixtral against transformers in bf16
 (`-m cuda`; skipped without CUDA), the load-balancing loss included
 (output_router_logits=True, router_aux_loss_coef 0.01): one step's loss within 1e-2
-relative and every parameter gradient's cosine >= 0.999, on the same weights and batch
-(as tests/test_cuda_std_models.py). Qwen3-MoE with decoder_sparse_step 1 and 2 (dense
+relative of transformers' fp32 loss and every parameter gradient as tests/bf16_parity.py
+says (cosine >= 0.999 with transformers' fp32 gradient, or no further from it than twice
+transformers' own bf16 run: a router's top-k picks flip under bf16 rounding), on the same
+weights and batch (as tests/test_cuda_std_models.py). Qwen3-MoE with decoder_sparse_step 1 and 2 (dense
 and sparse layers alternating: a nested stack in the step)."""
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from tests.bf16_parity import far_gradients, fp32_and_bf16  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -43,11 +47,6 @@ MODELS = {  # name: (module, HF prefix, HF config, our settings, expert names)
         dict(OURS, n_layers=2, d_ff=256, eps=1e-5),
         ("block_sparse_moe.experts", "w1", "w3", "w2")),
 }
-
-
-def _cos(a, b) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
 
 
 def _hf_checkpoint(name: str, folder):
@@ -95,7 +94,7 @@ def test_bf16_step_with_aux_loss_matches_transformers_in_bf16(name, tmp_path):
     from runtime.hf_weights import export_hf_tensors, load_hf_weights
 
     path, _, _, settings, experts = MODELS[name]
-    hf = _hf_checkpoint(name, tmp_path).to("cuda", torch.bfloat16)
+    hf32, hf = fp32_and_bf16(_hf_checkpoint(name, tmp_path))
     step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
                                  seq=T, dtype=torch.bfloat16)
     weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
@@ -105,13 +104,15 @@ def test_bf16_step_with_aux_loss_matches_transformers_in_bf16(name, tmp_path):
                            dtype=torch.int32).cuda()
     step.set_batch(tokens)
     loss, grads = step.loss_and_gradients()
-    result = hf(input_ids=tokens.long(), labels=tokens.long())
-    assert float(result.aux_loss) > 0  # HF's loss includes COEF * aux_loss
-    result.loss.backward()
-    assert abs(float(loss) - float(result.loss)) / float(result.loss) < 1e-2
+    results = [m(input_ids=tokens.long(), labels=tokens.long()) for m in (hf, hf32)]
+    assert all(float(r.aux_loss) > 0 for r in results)  # HF's loss includes COEF * aux_loss
+    for result in results:
+        result.loss.backward()
+    fp32_loss = float(results[1].loss)
+    assert abs(float(loss) - fp32_loss) / fp32_loss < 1e-2
     ours = export_hf_tensors(step.program.weight_schema, {p: g.float() for p, g in grads.items()},
                              gradients=True, layout=weights.layout)
-    hf_grads = _checkpoint_names({n: p.grad for n, p in hf.named_parameters()}, *experts)
-    assert ours.keys() == hf_grads.keys()
-    worst = min((_cos(ours[n], hf_grads[n]), n) for n in ours)
-    assert worst[0] >= 0.999, worst
+    bf16, fp32 = (_checkpoint_names({n: p.grad for n, p in m.named_parameters()}, *experts)
+                  for m in (hf, hf32))
+    assert ours.keys() == fp32.keys()
+    assert not far_gradients(ours, bf16, fp32)
