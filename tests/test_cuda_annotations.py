@@ -324,3 +324,151 @@ def test_gpu_step_runs_the_kernel_named_by_kernel(tmp_path, monkeypatch):
     for p in ref:
         a, b = grads[p].double().flatten(), ref[p].double().flatten()
         assert float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)) > 0.999, p
+
+
+# ------------------------------------------------------------------ @dtype on a parameter
+DTYPE_LM = """\
+model TinyNormed(vocab_size: int = 64, d: int = 32):
+  params:
+    emb: [vocab_size, d]
+    norm: [d] @dtype(fp32)
+    w: [d, d] {w}
+    head: [vocab_size, d]
+  forward:
+    in: token_ids: [B, T, int32]
+    out: logits: [B, T, vocab_size]
+    graph:
+      token_ids -> embedding(emb) -> h
+      h -> rmsnorm(norm, eps=1e-5) -> (n, _)
+      n -> matmul(w, transpose=NT) -> k
+      k -> matmul(head, transpose=NT) -> logits
+"""
+
+
+def _dtype_program(tmp_path, w: str = ""):
+    from runtime.model import Model
+
+    path = tmp_path / "normed.module"
+    path.write_text(DTYPE_LM.format(w=w), encoding="utf-8")
+    model = Model.from_module(path, dtype=torch.bfloat16)
+    return path, model.source.program_for({"token_ids": torch.zeros(2, 16, dtype=torch.int32)})
+
+
+class _FakeStep:
+    """What param_dtypes reads of a TrainStep (one needs CUDA to be made)."""
+
+    def __init__(self, program, dist=None):
+        from runtime.model import parameter_shapes
+
+        self.program, self.dtype, self.dist = program, torch.bfloat16, dist
+        self._shapes = parameter_shapes(program.graph)
+
+    def shapes(self):
+        return self._shapes
+
+    def ties(self):
+        return {}
+
+
+def test_own_dtypes_are_the_1d_fp32_parameters_and_the_rest_is_refused(tmp_path):
+    from runtime.cuda.param_dtypes import own_dtypes
+    from runtime.errors import RuntimeUserError
+
+    _, program = _dtype_program(tmp_path)
+    assert own_dtypes(_FakeStep(program)) == {"norm": torch.float32}
+    with pytest.raises(RuntimeUserError, match="data or tensor parallel"):
+        own_dtypes(_FakeStep(program, dist=object()))
+    _, matrix = _dtype_program(tmp_path, w="@dtype(fp32)")
+    with pytest.raises(RuntimeUserError, match="`w` is 2-d") as error:
+        own_dtypes(_FakeStep(matrix))
+    assert "--device cpu" in error.value.help[0]
+    _, half = _dtype_program(tmp_path, w="@dtype(fp16)")
+    with pytest.raises(RuntimeUserError, match="`w` is 2-d; `w` is float16"):
+        own_dtypes(_FakeStep(half))
+
+
+def test_fixed_bytes_count_an_fp32_parameter_at_4_bytes(tmp_path):
+    from runtime.cuda.step import runtime_fixed_bytes
+
+    _, program = _dtype_program(tmp_path)
+    trained = 64 * 32 * 2 + 32 * 32 + 32
+    assert runtime_fixed_bytes(program) == 12 * trained
+    path = tmp_path / "frozen.module"
+    path.write_text(DTYPE_LM.format(w="").replace("@dtype(fp32)", "@dtype(fp32) @frozen"),
+                    encoding="utf-8")
+    from runtime.model import Model
+
+    frozen = Model.from_module(path, dtype=torch.bfloat16).source.program_for(
+        {"token_ids": torch.zeros(2, 16, dtype=torch.int32)})
+    assert runtime_fixed_bytes(frozen) == 12 * (trained - 32) + 4 * 32
+
+
+def test_split_masters_hold_fp32_parameters_whole():
+    from runtime.cuda.state import SplitMasters, region_of, split_master
+
+    shapes = {"a": (3, 4), "n": (4,)}
+    buffer, (bf16, fp32) = region_of(shapes, [(torch.bfloat16, ["a"]), (torch.float32, ["n"])],
+                                     device="cpu")
+    _, (lows,) = region_of(shapes, [(torch.int16, ["a"])], device="cpu")
+    assert bf16["a"].dtype == torch.bfloat16 and fp32["n"].dtype == torch.float32
+    assert fp32["n"].data_ptr() - buffer.data_ptr() >= 3 * 4 * 2  # its own bytes
+    a = torch.randn(3, 4)
+    split_master(a, bf16["a"], lows["a"])
+    fp32["n"].copy_(torch.arange(4.0))
+    masters = SplitMasters({**bf16, **fp32}, lows, whole={"n": fp32["n"]})
+    assert sorted(masters) == ["a", "n"] and len(masters) == 2
+    assert torch.equal(masters["a"], a) and torch.equal(masters["n"], torch.arange(4.0))
+    copy = masters.on("cpu")["n"]
+    assert copy.data_ptr() != fp32["n"].data_ptr()  # a copy, as a joined master is
+
+
+@pytest.mark.cuda
+@NO_CUDA
+def test_gpu_step_holds_an_fp32_norm_weight_in_fp32(tmp_path):
+    """`norm: [d] @dtype(fp32)` on the GPU step: its compute copy is fp32 and is its
+    master; loss and gradients match the fp32 CPU reference; captured steps update it in
+    fp32 (changes below bf16's resolution stay)."""
+    from runtime.cuda.lm_head import logits_cross_entropy
+    from runtime.cuda.step import TrainStep, next_token_labels
+    from runtime.interpreter import Interpreter
+    from runtime.model import Model
+
+    path, _ = _dtype_program(tmp_path)
+    model = Model.from_module(path, dtype=torch.float32).init_random(0, std=0.2)
+    step = TrainStep.from_module(path, batch=2, seq=16).load(model.params)
+    assert step.compute["norm"].dtype == torch.float32
+    assert step.compute["w"].dtype == torch.bfloat16
+    assert "norm" not in step.lows and torch.equal(step.masters["norm"], step.compute["norm"])
+    assert torch.equal(step.compute["norm"].cpu(), model.params["norm"])  # not rounded
+    tokens = _tokens()[:, :16] % 64
+    step.set_batch(tokens)
+    loss, grads = step.loss_and_gradients()
+    assert grads["norm"].dtype == torch.float32
+    run = Interpreter(step.program.graph, model.params, torch.float32)
+    (logits,), frame = run.forward([tokens.cpu()])
+    ref_loss, d_logits = logits_cross_entropy(logits, next_token_labels(tokens.cpu()))
+    _, ref = run.backward(frame, [d_logits])
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-2
+    for p in ref:
+        a, b = grads[p].double().flatten().cpu(), ref[p].double().flatten()
+        assert float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)) > 0.999, p
+    before = step.compute["norm"].clone()
+    step.set_lr(1e-6)  # steps below bf16's resolution at the weight's size: kept in fp32
+    step(tokens)
+    step.capture(warmup=1)
+    step(tokens)
+    moved = step.compute["norm"] - before
+    assert step.compute["norm"].dtype == torch.float32 and bool((moved != 0).all())
+    assert float(moved.abs().max()) < 1e-4
+
+
+@pytest.mark.cuda
+@NO_CUDA
+def test_gpu_step_refuses_an_fp32_matrix(tmp_path):
+    from runtime.cuda.step import TrainStep
+    from runtime.errors import RuntimeUserError
+
+    path, _ = _dtype_program(tmp_path, w="@dtype(fp32)")
+    step = TrainStep.from_module(path, batch=2, seq=16)
+    with pytest.raises(RuntimeUserError, match="`w` is 2-d"):
+        step.init_random(0)

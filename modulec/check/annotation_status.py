@@ -141,11 +141,13 @@ STATUS: dict[str, Status] = {
     # §7.4 precision
     "dtype": Status(both("modulec.lower.value_marks:mark",
                          "runtime.kernels.utility:_cast_backward"),
-                    (Part(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",),
-                                 "the GPU step stores this parameter in its compute dtype "
-                                 "(bf16) with an fp32 master: the AdamW update is fp32, "
-                                 "but the forward and backward read the bf16 copy, and the "
-                                 "gradient is bf16; `@dtype(T)` changes none of that yet"),
+                    (Part(both("modulec.check.instance:_param_value",
+                               "runtime.cuda.param_dtypes:own_dtypes",
+                               "runtime.cuda.param_dtypes:whole_update",
+                               note="stored, read and updated in T; its op's output keeps "
+                                    "the first input's dtype. The GPU step takes 1-d fp32 "
+                                    "parameters (norm weights, biases, scales) on one GPU "
+                                    "and refuses the others when it loads"),
                           placement="param"),
                      on("op", nowhere(MID_FLOW)),
                      on("input", nowhere(FLOW_SOURCE_NOTE), **FLOW_SOURCE))),

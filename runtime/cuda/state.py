@@ -30,16 +30,23 @@ def region(shapes: dict, paths: list, dtypes: tuple, device: str = "cuda"
            ) -> tuple[torch.Tensor, list[dict]]:
     """One zeroed allocation holding a block per dtype of `dtypes`, each the parameters
     `paths` in that dtype; returns it and, per block, {path: view}."""
-    blocks, end = [], 0
-    for dtype in dtypes:
+    return region_of(shapes, [(dtype, paths) for dtype in dtypes], device)
+
+
+def region_of(shapes: dict, blocks: list, device: str = "cuda"
+              ) -> tuple[torch.Tensor, list[dict]]:
+    """One zeroed allocation holding a block per (dtype, paths) of `blocks`; returns it
+    and, per block, {path: view}."""
+    placed, end = [], 0
+    for dtype, paths in blocks:
         size, offsets = torch.empty((), dtype=dtype).element_size(), {}
         for path in paths:
             offsets[path] = end
             end += -(-_numel(shapes[path]) * size // ALIGNMENT) * ALIGNMENT
-        blocks.append((dtype, offsets))
+        placed.append((dtype, offsets))
     buffer = torch.zeros(end, dtype=torch.uint8, device=device)
-    views = [{p: _view(buffer, offsets[p], shapes[p], dtype) for p in paths}
-             for dtype, offsets in blocks]
+    views = [{p: _view(buffer, start, shapes[p], dtype) for p, start in offsets.items()}
+             for dtype, offsets in placed]
     return buffer, views
 
 
@@ -86,24 +93,30 @@ def _halves(value: torch.Tensor) -> torch.Tensor:
 class SplitMasters(Mapping):
     """The fp32 masters of split parameters by path, joined on each lookup (one at a
     time: a checkpoint writes them without holding every fp32 copy at once), on `device`
-    (None: where the halves are)."""
+    (None: where the halves are). `whole`: the parameters stored in fp32 (`@dtype(fp32)`),
+    whose compute copy is their master: a copy of it on each lookup."""
 
-    def __init__(self, compute: dict, lows: dict, device=None):
+    def __init__(self, compute: dict, lows: dict, device=None, whole: dict | None = None):
         self.compute, self.lows, self.device = compute, lows, device
+        self.whole = whole or {}
 
     def on(self, device) -> "SplitMasters":
         """The same masters joined on `device` (the halves are copied there first: "cpu"
         joins a checkpoint's masters without GPU memory)."""
-        return SplitMasters(self.compute, self.lows, device)
+        return SplitMasters(self.compute, self.lows, device, self.whole)
 
     def __getitem__(self, path: str) -> torch.Tensor:
+        if path in self.whole:
+            master = self.whole[path]
+            return master.to(self.device or master.device, torch.float32, copy=True)
         hi, lo = self.compute[path], self.lows[path]
         if self.device is not None:
             hi, lo = hi.to(self.device), lo.to(self.device)
         return joined_master(hi, lo)
 
     def __iter__(self):
-        return iter(self.lows)
+        yield from self.lows
+        yield from self.whole
 
     def __len__(self) -> int:
-        return len(self.lows)
+        return len(self.lows) + len(self.whole)

@@ -20,7 +20,8 @@ backward, AdamW), captured in one CUDA graph and replayed.
   and compute copy take 4 bytes a parameter, not 6 (`masters` joins them on lookup);
   `optimizer="torch"`: `torch.optim.AdamW(fused=True, capturable=True)` on fp32 `.grad`
   buffers the bf16 gradients are copied into, then the masters copied to the compute
-  copies (4 more bytes per parameter).
+  copies (4 more bytes per parameter). A 1-d parameter stored in fp32 (`@dtype(fp32)`)
+  has an fp32 compute copy that is its master (runtime/cuda/param_dtypes.py).
 - `update_in_backward` (fused optimizer only, default on): the parameters of a repeated
   layer are updated as soon as that layer's backward has produced their gradients, which
   are then dropped, so at most one layer's gradients exist at a time (the entry's own
@@ -63,6 +64,7 @@ import torch
 from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
+from runtime.cuda.param_dtypes import own_dtypes, stored_dtypes, whole_update
 from runtime.cuda.train_kernels import train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
@@ -254,6 +256,7 @@ class TrainStep:
         frozen = self.frozen()
         self._drop_state()
         self.names = sorted(p for p in self.shapes() if p not in frozen and p not in ties)
+        own = own_dtypes(self)  # `@dtype(fp32)` parameters (runtime/cuda/param_dtypes.py)
         a = self.adamw
         if self.optimizer == "auto":
             self.optimizer = "fused" if self.dtype == torch.bfloat16 else "torch"
@@ -271,9 +274,10 @@ class TrainStep:
         else:  # torch.optim needs leaf tensors of their own: no regions
             self.masters = {p: params[p].detach().to("cuda", torch.float32).clone()
                             for p in self.names}
-            self.compute = {p: params[p].detach().to("cuda", self.dtype, copy=True)
-                            for p in sorted(frozen)}
-            self.compute.update({p: m.to(self.dtype) for p, m in self.masters.items()})
+            self.compute = {p: params[p].detach().to("cuda", own.get(p, self.dtype),
+                                                     copy=True) for p in sorted(frozen)}
+            self.compute.update({p: m.to(own.get(p, self.dtype))  # fp32: the master itself
+                                 for p, m in self.masters.items()})
         self.compute.update({p: self.compute[t] for p, t in ties.items()})
         if self.optimizer == "torch":
             for master in self.masters.values():
@@ -318,21 +322,26 @@ class TrainStep:
         """The fixed state in the plan's regions (runtime/cuda/state.py): bf16 compute
         copies in `weights`; each trained parameter's fp32 master split between its compute
         copy and its low half, then the moments, in `optimizer_state`; with accumulation,
-        fp32 gradient sums in `gradient_sums`."""
-        from runtime.cuda.state import SplitMasters, region, split_master
+        fp32 gradient sums in `gradient_sums`. A parameter stored in fp32 (`own_dtypes`)
+        has an fp32 compute copy in `weights`, which is its master (no low half)."""
+        from runtime.cuda.state import SplitMasters, region, region_of, split_master
 
-        shapes = self.shapes()
+        shapes, own = self.shapes(), own_dtypes(self)
         owned = sorted(p for p in shapes if p not in self.ties())
-        weights, (self.compute,) = region(shapes, owned, (self.dtype,))
-        state, (self.lows, self.exp_avg, self.exp_avg_sq) = region(
-            shapes, self.names, (torch.int16, torch.float32, torch.float32))
+        weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
+                                            (torch.float32, [p for p in owned if p in own])])
+        self.compute = {**views[0], **views[1]}
+        state, (self.lows, self.exp_avg, self.exp_avg_sq) = region_of(
+            shapes, [(torch.int16, [p for p in self.names if p not in own]),
+                     (torch.float32, self.names), (torch.float32, self.names)])
         self.regions = {"weights": weights, "optimizer_state": state}
         for path, view in self.compute.items():
             if path in self.lows:
                 split_master(params[path], view, self.lows[path])
             else:
                 view.copy_(params[path].detach())
-        self.masters = SplitMasters(self.compute, self.lows)
+        self.masters = SplitMasters(self.compute, self.lows,
+                                    whole={p: self.compute[p] for p in self.names if p in own})
         self.grad_sum = {}  # the running sum of the micro-batches' gradients (fp32)
         if self.accumulation > 1:
             self.regions["gradient_sums"], (self.grad_sum,) = region(
@@ -598,6 +607,9 @@ class TrainStep:
         from runtime.train.param_groups import decay_scale, lr_scale
 
         a = self.adamw
+        if path not in self.lows:  # stored in fp32: its compute copy is its master
+            return whole_update(self, path, grad, scale, lr_scale(self.program, path),
+                                a.weight_decay * decay_scale(self.program, path, a))
         _extension().adamw_split_step(self.compute[path], self.lows[path],
                                       grad.contiguous(), self.exp_avg[path],
                                       self.exp_avg_sq[path], self.step_count,
@@ -687,7 +699,8 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     rank its reduced part of every bucket instance (step_optim.clipped_held_bytes)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
-    fixed = sum(_numel(s) for p, s in shapes.items() if p in frozen)
+    stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)`: 4 bytes, frozen too
+    fixed = sum(_numel(s) * stored[p].itemsize // 2 for p, s in shapes.items() if p in frozen)
     section = program.document.get("schedule", {}).get("distributed")
     if section is not None:  # data parallel: what this rank holds of the trained ones
         from modulec.plan.distributed import rank_fixed_bytes
