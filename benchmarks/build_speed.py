@@ -3,6 +3,10 @@
 Target (issue 4): ≤ 1 s on 2 cores, and an IR of a few MB. The Graph IR is hierarchical
 (one block function called 80 times), so the work does not grow with the layer count.
 Prints a table and one JSON line.
+
+`--chain 1000,2000,4000,8000,16000` instead builds a model whose forward is one chain of
+that many silu ops (issue 16: build time linear in graph length) and prints the time per
+op at each length; the target is a time per op flat within 2x across the sweep.
 """
 
 from __future__ import annotations
@@ -35,7 +39,40 @@ def run_once(output: Path) -> float:
     return time.perf_counter() - start
 
 
+def chain_module(length: int) -> str:
+    lines = ["model Chain(d: int = 64):", "  params:", "    w: [d, d]", "  forward:",
+             "    in: x: [B, d]", "    out: y: [B, d]", "    graph:",
+             "      x -> matmul(w, transpose=NT) -> h0"]
+    lines += [f"      h{i} -> silu() -> h{i + 1}" for i in range(length)]
+    return "\n".join(lines + [f"      h{length} -> y", ""])
+
+
+def chain_sweep(lengths: list[int]) -> int:
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for length in lengths:
+            source = Path(folder) / f"chain{length}.module"
+            source.write_text(chain_module(length))
+            command = [str(MODULEC) if MODULEC.exists() else sys.executable,
+                       *([] if MODULEC.exists() else ["-m", "modulec"]), "build", str(source),
+                       "-o", str(Path(folder) / "chain.ir"), "--shape", "B=2"]
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True, env=WARM_ENV)
+            seconds = time.perf_counter() - start
+            rows.append({"ops": length, "seconds": round(seconds, 2),
+                         "ms_per_op": round(1000 * seconds / length, 3)})
+            print(f"{length:>7} ops {seconds:>8.2f} s {rows[-1]['ms_per_op']:>8.3f} ms/op",
+                  flush=True)
+    per_op = [r["ms_per_op"] for r in rows]
+    print(json.dumps({"benchmark": "build_speed_chain", "rows": rows,
+                      "spread": round(max(per_op) / min(per_op), 2),
+                      "flat_within_2x": max(per_op) <= 2 * min(per_op)}))
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--chain":
+        return chain_sweep([int(n) for n in sys.argv[2].split(",")])
     with tempfile.TemporaryDirectory() as folder:
         output = Path(folder) / "llama70b.ir"
         run_once(output)  # warm the LALR cache

@@ -8,6 +8,8 @@ form it, and those statements are then checked in written order.
 
 from __future__ import annotations
 
+import heapq
+
 from modulec.diagnostics import Label
 from modulec.syntax import ast as A
 
@@ -43,17 +45,30 @@ def order_statements(statements: list, world, cycle_code: str) -> tuple[list, se
             definers.setdefault(name, []).append(index)
     needs = [{d for name in used_names(s) for d in definers.get(name, []) if d != i}
              for i, s in enumerate(statements)]
+    # Kahn's algorithm, the lowest ready index first (a heap: the written order where
+    # dependencies allow, in n log n; scanning every statement for the next was quadratic)
+    waiting = [len(n) for n in needs]
+    needed_by: dict[int, list[int]] = {}
+    for i, need in enumerate(needs):
+        for d in need:
+            needed_by.setdefault(d, []).append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
     order, placed, cyclic = [], set(), set()
     while len(order) < len(statements):
-        ready = [i for i in range(len(statements)) if i not in placed and needs[i] <= placed]
         if not ready:
             stuck = _report_cycle(statements, needs, placed, world, cycle_code)
             order += stuck
             placed |= set(stuck)
             cyclic |= {name for i in stuck for name in defined_names(statements[i])}
             continue
-        order.append(ready[0])
-        placed.add(ready[0])
+        i = heapq.heappop(ready)
+        order.append(i)
+        placed.add(i)
+        for later in needed_by.get(i, ()):
+            waiting[later] -= 1
+            if waiting[later] == 0:
+                heapq.heappush(ready, later)
     return [statements[i] for i in order], cyclic
 
 

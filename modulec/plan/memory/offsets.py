@@ -54,20 +54,53 @@ def arena_bytes(blocks: Sequence[Block], offsets: Offsets) -> int:
 
 
 class _Placer:
-    """The blocks placed so far, as arrays, to find the ones live together with a new one."""
+    """The blocks placed so far, as arrays, to find the ones live together with a new one.
+
+    A block spanning at most LONG buckets of WIDTH ops is filed under each bucket it
+    spans; a query reads the buckets of the new block's lifetime (and the long blocks)
+    instead of every placed block, so a long graph of short-lived values places in
+    linear time. The blocks found are the same, in the same order, as a scan of all."""
+
+    WIDTH, LONG = 32, 8
 
     def __init__(self, n: int):
         self.arrays = np.zeros((4, max(n, 1)), dtype=np.int64)   # start, end, offset, top
         self.count = 0
+        self.buckets: dict[int, list[int]] = {}
+        self.long: list[int] = []
 
     def place(self, block: Block, fit: str) -> int:
-        start, end, offset, top = self.arrays[:, :self.count]
-        live = np.nonzero((start <= block.end) & (end >= block.start) & (top > offset))[0]
-        order = live[np.argsort(offset[live], kind="stable")]
-        chosen = _choose_gap(offset[order], top[order], block, fit)
+        found = self._candidates(block)
+        start, end, offset, top = self.arrays[:, found]
+        live = found[(start <= block.end) & (end >= block.start) & (top > offset)]
+        order = live[np.argsort(self.arrays[2, live], kind="stable")]
+        chosen = _choose_gap(self.arrays[2, order], self.arrays[3, order], block, fit)
         self.arrays[:, self.count] = (block.start, block.end, chosen, chosen + block.size)
+        self._file(block, self.count)
         self.count += 1
         return chosen
+
+    def _span(self, block: Block) -> range:
+        return range(block.start // self.WIDTH, block.end // self.WIDTH + 1)
+
+    def _candidates(self, block: Block) -> np.ndarray:
+        span = self._span(block)
+        if len(span) > self.LONG or len(self.long) * 2 > self.count:
+            return np.arange(self.count)
+        parts = [self.buckets[b] for b in span if b in self.buckets] + \
+            ([self.long] if self.long else [])
+        if len(parts) == 1:  # each list holds indices in the order placed: ascending
+            return np.array(parts[0], dtype=np.int64)
+        return np.unique(np.concatenate([np.array(p, dtype=np.int64) for p in parts])) \
+            if parts else np.zeros(0, dtype=np.int64)
+
+    def _file(self, block: Block, index: int) -> None:
+        span = self._span(block)
+        if len(span) > self.LONG:
+            self.long.append(index)
+            return
+        for bucket in span:
+            self.buckets.setdefault(bucket, []).append(index)
 
 
 def _choose_gap(offsets: np.ndarray, tops: np.ndarray, block: Block, fit: str) -> int:
@@ -87,8 +120,26 @@ def _choose_gap(offsets: np.ndarray, tops: np.ndarray, block: Block, fit: str) -
 
 
 def place_in_order(blocks: Sequence[Block], order: Sequence[Block], fit: str) -> Offsets:
+    if _stacked(blocks):
+        return _stack(order)
     placer = _Placer(len(blocks))
     return {b.id: placer.place(b, fit) for b in order}
+
+
+def _stacked(blocks: Sequence[Block]) -> bool:
+    """All blocks live at one op (saved activations, read in the backward in reverse),
+    of one alignment and non-zero sizes (multiples of it): every placement puts each block
+    on top of those before it, and there is no gap for first or best fit to find."""
+    return bool(blocks) and max(b.start for b in blocks) <= min(b.end for b in blocks) and \
+        len({b.alignment for b in blocks}) == 1 and all(b.size > 0 for b in blocks)
+
+
+def _stack(order: Sequence[Block]) -> Offsets:
+    offsets, top = {}, 0
+    for b in order:
+        offsets[b.id] = top
+        top += b.size  # a multiple of the alignment (lifetimes.Block)
+    return offsets
 
 
 def _sorted(blocks: Sequence[Block], key: Callable[[Block], tuple]) -> list[Block]:
@@ -122,22 +173,45 @@ def best_fit_schedule(blocks: Sequence[Block]) -> Offsets:
 
 
 def greedy_by_breadth(blocks: Sequence[Block]) -> Offsets:
-    """Ops in order of live bytes (largest first); at each, its unplaced blocks by size."""
+    """Ops in order of live bytes (largest first); at each, its unplaced blocks by size.
+
+    A block is placed at the first op of that order at which it is live: the op of least
+    rank over its lifetime, a range minimum (a sparse table over the ops), so the order
+    comes from one sort rather than a scan of every block at every op."""
     if not blocks:
         return {}
     starts = np.array([b.start for b in blocks], dtype=np.int64)
     ends = np.array([b.end for b in blocks], dtype=np.int64)
     sizes = np.array([b.size for b in blocks], dtype=np.int64)
     times = np.unique(starts)
-    breadth = [int(sizes[(starts <= t) & (ends >= t)].sum()) for t in times.tolist()]
-    order: list[Block] = []
-    seen: set[int] = set()
-    for _, t in sorted(zip((-x for x in breadth), times.tolist())):
-        live = [blocks[i] for i in np.nonzero((starts <= t) & (ends >= t))[0].tolist()]
-        for b in _sorted([b for b in live if b.key not in seen], lambda b: (-b.size,)):
-            seen.add(b.key)
-            order.append(b)
-    return place_in_order(blocks, order, "best")
+    first = np.searchsorted(times, starts, side="left")
+    last = np.searchsorted(times, ends, side="right") - 1
+    delta = np.zeros(len(times) + 1, dtype=np.int64)  # live bytes at each op: a sweep
+    np.add.at(delta, first, sizes)
+    np.add.at(delta, last + 1, -sizes)
+    breadth = np.cumsum(delta[:-1])
+    rank = np.empty(len(times), dtype=np.int64)
+    rank[np.lexsort((times, -breadth))] = np.arange(len(times))
+    chosen = _range_min(rank, first, last)
+    order = sorted(range(len(blocks)), key=lambda i: (chosen[i], -blocks[i].size,
+                                                      blocks[i].key))
+    return place_in_order(blocks, [blocks[i] for i in order], "best")
+
+
+def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[int]:
+    """min(values[lo[i] .. hi[i]]) for every i (inclusive), by a sparse table."""
+    table = [values]
+    while 2 ** len(table) <= len(values):
+        step = 2 ** (len(table) - 1)
+        previous = table[-1]
+        table.append(np.minimum(previous[:-step], previous[step:]))
+    level = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+    found = np.empty(len(lo), dtype=np.int64)
+    for k in np.unique(level).tolist():
+        at = level == k
+        row = table[k]
+        found[at] = np.minimum(row[lo[at]], row[hi[at] - 2 ** k + 1])
+    return found.tolist()
 
 
 def exact_size_reuse(blocks: Sequence[Block]) -> Offsets:
