@@ -22,14 +22,15 @@ def by_signature(call: OpCall, phase=None) -> tuple[Matcher, list[TensorType]]:
     output types; dims the inputs do not bind are fresh `op.N` symbols)."""
     phase = phase or call.rule.definition.forward
     matcher = Matcher(ConstEnv(call.params, "error"), call.assumptions)
-    dtype = FLOAT
+    dtype = None
     for index, (sig, actual) in enumerate(zip(phase.inputs, call.inputs)):
         if actual is None:
             continue
         pattern = pattern_of(sig.type)
         matcher.match(pattern, actual, f"`{sig.name}`", index)
-        if dtype == FLOAT and pattern.dtype is None and actual.is_float:
-            dtype = actual.dtype
+        if dtype is None and pattern.dtype is None and actual.is_float:
+            dtype = actual.dtype  # the first floating input's, as the checker's rule
+    dtype = FLOAT if dtype is None else dtype
     matcher.finish()
     return matcher, [matcher.build(pattern_of(sig.type), dtype, call.rule.name)
                      for sig in phase.outputs]
