@@ -196,6 +196,7 @@ class CUDATrainer:
         if s.zero is not None:
             s.zero.load_moments(state["exp_avg"], state["exp_avg_sq"])
             s.step_count.fill_(float(state["step"]))
+            s.rng_step.fill_(int(state["step"]))  # dropout masks go on, not start over
             self.steps_run = 0
             return
         self.frozen = {p: state["masters"][p].detach().to("cpu", torch.float32)
@@ -204,6 +205,7 @@ class CUDATrainer:
             s.exp_avg[path].copy_(state["exp_avg"][path])
             s.exp_avg_sq[path].copy_(state["exp_avg_sq"][path])
         s.step_count.fill_(float(state["step"]))
+        s.rng_step.fill_(int(state["step"]))  # dropout masks go on, not start over
         self.steps_run = 0
 
     def memory(self) -> dict:
