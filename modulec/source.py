@@ -89,7 +89,14 @@ class SourceFile:
 
     def _clip(self, line: int, column: int) -> tuple[int, int]:
         line = max(1, min(line, len(self._line_starts)))
-        return line, max(1, min(column, len(self.line_text(line)) + 1))
+        return line, max(1, min(column, self._line_length(line) + 1))
+
+    def _line_length(self, line: int) -> int:
+        """len(line_text(line)) from the line index, without copying the line (respanning
+        each node of a 200 kB line copied it once per node)."""
+        starts = self._line_starts
+        end = starts[line] - 1 if line < len(starts) else len(self.text)
+        return end - starts[line - 1]
 
     def span(self, start: int, end: int | None = None) -> Span:
         """A span from character offsets (end defaults to start + 1, clipped to the text)."""
