@@ -460,3 +460,13 @@ def test_a_bare_name_in_precision_says_what_to_write(name, message, fix):
         assert not any("did you mean" in h for h in d.help)
     else:
         assert d.help[0].startswith(fix)
+
+
+def test_dtype_on_a_matrix_warns_for_the_gpu_and_on_a_vector_not():
+    def w006(shape: str) -> list[str]:
+        text = f"module M():\n  params:\n    w: {shape} @dtype(fp32)\n"
+        return [d.message for d in check_annotations(program(text)) if d.code == "W006"]
+
+    assert w006("[d]") == w006("[d, fp32]") == []
+    assert w006("[d, e]") == ["`@dtype` on a parameter of 2 or more dims has no effect on "
+                              "the GPU backend yet"]

@@ -18,23 +18,26 @@ HELP = "remove it, or keep it for when it acts: docs/annotations.md lists what e
 
 
 def without_effect(spec, bound: dict, placement: str, note: A.Annotation,
-                   in_flow: bool = False) -> list[Diagnostic]:
+                   in_flow: bool = False, rank: int | None = None) -> list[Diagnostic]:
     """W006s for a valid annotation `note` (`spec`, its given arguments `bound`, written on
-    `placement`, in a flow or not): the whole first, then each part that applies on
-    backends the whole already acts on."""
+    `placement`, in a flow or not; on a parameter of `rank` dims): the whole first, then
+    each part that applies on backends the whole already acts on."""
     status = spec.status
     whole = status.effect.missing()
     found = [_warning(f"`@{spec.name}`", whole, status.effect, name_span(note))] \
         if whole else []
     for part in status.parts:
         missing = tuple(b for b in part.effect.missing() if b not in whole)
-        if missing and _applies(part, bound, placement, in_flow):
+        if missing and _applies(part, bound, placement, in_flow, rank):
             span = bound[part.param].span if part.param else name_span(note)
             found.append(_warning(part.describe(spec.name), missing, part.effect, span))
     return found
 
 
-def _applies(part: Part, bound: dict, placement: str, in_flow: bool) -> bool:
+def _applies(part: Part, bound: dict, placement: str, in_flow: bool,
+             rank: int | None = None) -> bool:
+    if part.min_rank is not None and (rank is None or rank < part.min_rank):
+        return False
     if part.placement is not None:
         return placement == part.placement and part.in_flow in (None, in_flow)
     arg = bound.get(part.param)

@@ -47,6 +47,7 @@ class Part:
     in_flow: bool | None = None  # with `placement`: only in a flow (True) or outside (False)
     where: str = ""              # how to say that placement ("the source of a flow")
     when: tuple[str, str] | None = None  # with `param`: only where another one has a value
+    min_rank: int | None = None  # only on a parameter of at least this many dims
 
     def describe(self, annotation: str) -> str:
         if self.placement is not None:
@@ -149,6 +150,13 @@ STATUS: dict[str, Status] = {
                                     "parameters (norm weights, biases, scales) on one GPU "
                                     "and refuses the others when it loads"),
                           placement="param"),
+                     Part(Effect(ACTS, NO_EFFECT, ("modulec.check.instance:_param_value",),
+                                 "the GPU step holds only 1-d parameters (norm weights, "
+                                 "biases, scales) in their own dtype: a matrix feeds a "
+                                 "matmul, an embedding or the fused LM head, which run in "
+                                 "one dtype; the step refuses it when it loads"),
+                          placement="param", min_rank=2,
+                          where="a parameter of 2 or more dims"),
                      on("op", nowhere(MID_FLOW)),
                      on("input", nowhere(FLOW_SOURCE_NOTE), **FLOW_SOURCE))),
     "precision": Status(nowhere(NO_PRECISION)),

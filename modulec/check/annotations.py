@@ -50,6 +50,7 @@ class Site:
     placement: str
     decl: A.Decl
     flow: A.Flow | None = None
+    rank: int | None = None  # on a parameter: its number of dims, where written out
 
 
 # ====================================================================== entry point
@@ -79,7 +80,8 @@ def check_site(site: Site, registries: dict | None = None) -> list[Diagnostic]:
     known["kernels:where"] = ", ".join(f"`{op}`" for op in sorted(on)) or "this flow"
     problems += _values(spec, bound, note, known)
     problems = _placement(spec, site) + problems + _one_of(spec, bound, note)
-    return problems or without_effect(spec, bound, site.placement, note, site.flow is not None)
+    return problems or without_effect(spec, bound, site.placement, note, site.flow is not None,
+                                      site.rank)
 
 
 # ====================================================================== sites
@@ -89,9 +91,9 @@ def annotation_sites(program: A.Program) -> Iterator[Site]:
         yield from _items(decl.body, decl, None)
 
 
-def _on(annotations, placement, decl, flow=None) -> Iterator[Site]:
+def _on(annotations, placement, decl, flow=None, rank=None) -> Iterator[Site]:
     for note in annotations:
-        yield Site(note, placement, decl, flow)
+        yield Site(note, placement, decl, flow, rank)
 
 
 def _items(items, decl, section: str | None) -> Iterator[Site]:
@@ -107,7 +109,7 @@ def _item(item, decl, section) -> Iterator[Site]:
         yield from _on(item.annotations, "body_line", decl)
     elif isinstance(item, (A.Entry, A.Binding)):
         placement = _entry_placement(item, section)
-        yield from _on(item.annotations, placement, decl)
+        yield from _on(item.annotations, placement, decl, rank=_rank(item, placement))
         yield from _elements(item.value, placement, decl, None)
     elif isinstance(item, A.IfBlock):
         yield from _items(item.body + (item.orelse or ()), decl, section)
@@ -125,6 +127,16 @@ def _entry_placement(item, section) -> str:
         if name in INPUT_KEYS | OUTPUT_KEYS:
             return "input" if name in INPUT_KEYS else "output"
     return "param"
+
+
+def _rank(item, placement: str) -> int | None:
+    """A parameter's number of dims as written (`w: [N, C, bf16]`: 2); None elsewhere."""
+    value = getattr(item, "value", None)
+    if placement != "param" or not isinstance(value, A.ListExpr):
+        return None
+    from modulec.types.tensor import DTYPES
+
+    return sum(1 for i in value.items if not (isinstance(i, A.Name) and i.id in DTYPES))
 
 
 def _flow(flow: A.Flow, decl) -> Iterator[Site]:
