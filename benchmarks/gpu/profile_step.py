@@ -3,6 +3,8 @@ runtime/cuda/step.py (the same kernels the CUDA graph replays), kernels grouped 
 and the host time of one eager step against one graph replay.
 
     python benchmarks/gpu/profile_step.py [--layers 22 --batch 4 --seq 2048 --top 30]
+    python benchmarks/gpu/profile_step.py --shape llama3-8b --batch 1 --lora   # LoRA r16, all 7
+    python benchmarks/gpu/profile_step.py --clip-grad 1.0   # global clipping (gradients held)
 """
 
 from __future__ import annotations
@@ -36,15 +38,29 @@ def main() -> None:
     parser.add_argument("--no-arena", dest="arena", action="store_false",
                         help="activations from torch's allocator (TrainStep(arena=False)); "
                              "on the arena (the default) the copies are listed by shape")
+    parser.add_argument("--shape", choices=("tinyllama", "llama3-8b"), default="tinyllama")
+    parser.add_argument("--lora", action="store_true",
+                        help="LoRA rank 16, alpha 32 on q,k,v,o,gate,up,down (base frozen)")
+    parser.add_argument("--clip-grad", type=float, help="global gradient-norm clipping")
     args = parser.parse_args()
-    step = TrainStep.from_module(ROOT / "std/models/llama.module", tiny_llama(args.layers),
+    from runtime.cuda.step import AdamWConfig
+
+    shape = tiny_llama(args.layers) if args.shape == "tinyllama" else dict(
+        vocab_size=128256, d_model=4096, n_layers=args.layers if args.layers != 22 else 32,
+        num_heads=32, num_kv_heads=8, d_ff=14336, max_seq=8192, eps=1e-5,
+        rope_theta=500000.0)
+    lora = dict(rank=16, alpha=32, targets=["q", "k", "v", "o", "gate", "up", "down"]) \
+        if args.lora else None
+    step = TrainStep.from_module(ROOT / "std/models/llama.module", shape, lora=lora,
+                                 adamw=AdamWConfig(clip_grad=args.clip_grad),
                                  batch=args.batch, seq=args.seq,
                                  derive_written=args.derive_written,
                                  attention=tuple(args.attention.split(",")),
                                  arena=args.arena,
                                  **({"memory_budget": int(args.budget * 2**30)}
                                     if args.budget else {})).init_random()
-    tokens = torch.randint(0, 32000, (args.batch, args.seq), dtype=torch.int32, device="cuda")
+    tokens = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), dtype=torch.int32,
+                           device="cuda")
     for _ in range(2):
         step(tokens)
     host, eager = _timed(step, tokens)
