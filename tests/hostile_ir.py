@@ -246,6 +246,13 @@ PLAIN = [
     ("metadata input dtype float128", lambda d: _set(d["metadata"]["inputs"][0],
                                                      dtype="float128"), "float128"),
     ("metadata without inputs", lambda d: d["metadata"].pop("inputs"), "metadata"),
+    ("training freezes a ghost", lambda d: _set(d["metadata"], training={
+        "frozen": ["ghost"], "parameters": {}}), "`training.frozen` is"),
+    ("training settings for a ghost", lambda d: _set(d["metadata"], training={
+        "frozen": [], "parameters": {"ghost": {"lr_multiplier": 2.0}}}), "names `ghost`"),
+    ("training setting nan", lambda d: _set(d["metadata"], training={
+        "frozen": [], "parameters": {"embedding": {"lr_multiplier": float("nan")}}}),
+     "finite numbers"),
     ("config_schema not an object", lambda d: _set(d, config_schema="x"), "config_schema"),
 ]
 

@@ -51,7 +51,38 @@ def _metadata(metadata, graph: Graph) -> list[str]:
         if metadata.get(key) != derived:
             problems.append(f"metadata: `{key}` is {_short(metadata.get(key))}, the entry "
                             f"function `{entry.name}` has {_short(derived)}")
+    if "training" in metadata:
+        problems += _training(metadata["training"], graph)
     return problems
+
+
+def _training(training, graph: Graph) -> list[str]:
+    """What the trainers read: `frozen` (the graph's no-gradient parameters, exactly) and
+    `parameters` (path -> settings of finite numbers, booleans or words)."""
+    from modulec.lower.training_settings import training_metadata
+
+    derived = training_metadata(graph, {}) or {"frozen": []}
+    if not isinstance(training, dict) or training.get("frozen") != derived["frozen"]:
+        return [f"metadata: `training.frozen` is "
+                f"{_short(training.get('frozen') if isinstance(training, dict) else training)}"
+                f", the graph's frozen parameters are {_short(derived['frozen'])}"]
+    settings = training.get("parameters", {})
+    shapes = _parameter_shapes(graph) or {}
+    if not isinstance(settings, dict):
+        return ["metadata: `training.parameters` must be an object"]
+    for path, values in settings.items():
+        if path not in shapes:
+            return [f"metadata: `training.parameters` names `{path}`, not a parameter"]
+        if not isinstance(values, dict) or not all(_setting(v) for v in values.values()):
+            return [f"metadata: `training.parameters[{path!r}]` must map names to finite "
+                    "numbers, booleans or words"]
+    return []
+
+
+def _setting(value) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, (int, bool, str))
 
 
 def _short(value) -> str:
