@@ -106,3 +106,16 @@ def test_a_model_larger_than_the_gpu_is_refused_before_allocating():
         Model.from_module(LLAMA, settings=DENSE | {"vocab_size": 2**34}, device="cuda",
                           dtype=torch.bfloat16)
     assert torch.cuda.memory_allocated() == before
+
+
+def test_train_refuses_before_loading(tmp_path, no_weights):
+    import numpy as np
+
+    tokens = tmp_path / "tokens.bin"
+    np.arange(200, dtype="<u2").__mod__(64).tofile(tokens)
+    result = run("train", LLAMA, *SETTINGS, "--data", tokens, "--seq", "8", "--batch", "1",
+                 "--steps", "1", "--device", "cpu", "--init", "random", "--max-memory", "10KiB")
+    assert result.exit_code == 1, result.output
+    assert ("`blocks[0].mlp.up_weight` [96, 32] float32 needs 12,288 bytes, more than the "
+            "10,240 bytes --max-memory allows") in result.output
+    assert no_weights == []

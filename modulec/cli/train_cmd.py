@@ -139,6 +139,9 @@ def _options(command):
                           "hangs) ends every rank with an error naming it."),
         click.option("--memory-budget", "budget", metavar="SIZE",
                      help="Plan keep/recompute/swap to fit SIZE (20GiB, 512MiB, ...)."),
+        click.option("--max-memory", callback=_max_memory, metavar="SIZE",
+                     help="Refuse a model whose weights need more host memory than SIZE "
+                          "(default: what the machine has available), before loading."),
         click.option("--format", "fmt", type=click.Choice(["human", "json"]),
                      default="human", show_default=True,
                      help="json: a JSON object per step and at the end, on stdout."),
@@ -146,6 +149,12 @@ def _options(command):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _max_memory(context, parameter, text):
+    from modulec.cli.run_cmd import _size
+
+    return _size(context, parameter, text)
 
 
 def train_command(guarded):

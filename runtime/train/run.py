@@ -69,6 +69,7 @@ class Request:
     decay_all: bool = False  # weight decay on norms, biases and embeddings too
     init: str | None = None  # "random": from scratch (runtime/train/init.py)
     config: Path | None = None  # with --init random: the HF config.json sizing the model
+    max_memory: int | None = None  # --max-memory: the host bytes the model may need
     eval_data: Path | None = None  # evaluation (runtime/train/evaluate.py)
     eval_every: int | None = None
     eval_batches: int | None = None
@@ -212,7 +213,8 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
                               progress=request.fmt == "human" and sys.stderr.isatty(),
                               memory_budget=request.memory_budget
                               if request.device == "cpu" else None, lora=request.lora,
-                              tensor_parallel=request.tp, tp_rank=tp_rank)
+                              tensor_parallel=request.tp, tp_rank=tp_rank,
+                              max_memory=request.max_memory)
     names = model.source.program(planned=False).input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
@@ -247,7 +249,7 @@ def _model_from_ir(request: Request, weights: Path) -> Model:
                                help=["pass them to `modulec build` and train the new IR, "
                                      "or train the .module"])
     model = Model.from_ir(request.file, hf_weights=weights, dtype=torch.float32,
-                          device=HOST)
+                          device=HOST, max_memory=request.max_memory)
     names = model.source.program().input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
