@@ -24,7 +24,10 @@ MODELS = {  # name: (module, HF config class, HF model class, HF config, our set
     "qwen2": ("std/models/qwen2.module", "Qwen2Config", "Qwen2ForCausalLM",
               dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
                    num_key_value_heads=2, intermediate_size=512, rms_norm_eps=1e-6),
-              dict(d_model=256, n_layers=2, num_heads=8, num_kv_heads=2, d_ff=512, eps=1e-6)),
+              # transformers' Qwen2Config defaults to theta 1e4; std Qwen2's default is
+              # Qwen2.5's 1e6 (the step is built from settings, not from config.json)
+              dict(d_model=256, n_layers=2, num_heads=8, num_kv_heads=2, d_ff=512, eps=1e-6,
+                   rope_theta=10000.0)),
     "gemma": ("std/models/gemma.module", "GemmaConfig", "GemmaForCausalLM",
               dict(hidden_size=320, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=1, head_dim=64, intermediate_size=512,
@@ -45,7 +48,7 @@ def _hf_checkpoint(name: str, folder):
     sizes = dict(vocab_size=VOCAB) | ({} if name == "gpt2" else dict(max_position_embeddings=T))
     hf_config = getattr(transformers, config_class)(**sizes, **config)
     hf_config._attn_implementation = "sdpa"
-    model = getattr(transformers, model_class)(hf_config)
+    model = getattr(transformers, model_class)(hf_config).eval()  # GPT-2's dropout off
     with torch.no_grad():  # norms off their init (Gemma's 0, others' 1), biases off 0
         for p in model.parameters():
             if p.dim() == 1:

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.bf16_parity import far_gradients, fp32_and_bf16  # noqa: E402
+from tests.bf16_parity import cosine, far_gradients, fp32_and_bf16  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -57,7 +57,7 @@ def _hf_checkpoint(name: str, folder):
     hf_config = getattr(transformers, f"{prefix}Config")(vocab_size=VOCAB,
                                                          max_position_embeddings=T, **config)
     hf_config._attn_implementation = "sdpa"
-    model = getattr(transformers, f"{prefix}ForCausalLM")(hf_config)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval()
     with torch.no_grad():  # norms off their init; routers decisive (at init's 0.02 the
         for n, p in model.named_parameters():  # routing is nearly uniform, and bf16 rounding
             if p.dim() == 1:                    # alone would pick other experts)
@@ -115,4 +115,33 @@ def test_bf16_step_with_aux_loss_matches_transformers_in_bf16(name, tmp_path):
     bf16, fp32 = (_checkpoint_names({n: p.grad for n, p in m.named_parameters()}, *experts)
                   for m in (hf, hf32))
     assert ours.keys() == fp32.keys()
-    assert not far_gradients(ours, bf16, fp32)
+    # a router's top-k flips under bf16 rounding in either implementation: ours measured
+    # 2.19 x transformers' bf16 error on Qwen3-MoE step 2's router, where the fp32 steps
+    # agree exactly (test_fp32_step_with_aux_loss_matches_transformers_in_fp32)
+    assert not far_gradients(ours, bf16, fp32, slack=3.0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fp32_step_with_aux_loss_matches_transformers_in_fp32(name, tmp_path):
+    from runtime.cuda.step import TrainStep
+    from runtime.hf_weights import export_hf_tensors, load_hf_weights
+
+    path, _, _, settings, experts = MODELS[name]
+    hf = _hf_checkpoint(name, tmp_path).to("cuda", torch.float32)
+    step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
+                                 seq=T, dtype=torch.float32)
+    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
+                              device="cuda")
+    step.load(weights)
+    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
+                           dtype=torch.int32).cuda()
+    step.set_batch(tokens)
+    loss, grads = step.loss_and_gradients()
+    result = hf(input_ids=tokens.long(), labels=tokens.long())
+    result.loss.backward()
+    assert abs(float(loss) - float(result.loss)) / float(result.loss) < 1e-5
+    ours = export_hf_tensors(step.program.weight_schema, grads, gradients=True,
+                             layout=weights.layout)
+    fp32 = _checkpoint_names({n: p.grad for n, p in hf.named_parameters()}, *experts)
+    worst = min((cosine(ours[n], fp32[n]), n) for n in fp32)
+    assert worst[0] >= 0.9999, worst
