@@ -99,6 +99,15 @@ def _options(command):
                      help="Write RUN_DIR/metrics.jsonl (a JSON object per step) and "
                           "TensorBoard scalars when tensorboard is installed; "
                           "`modulec report RUN_DIR` draws them."),
+        click.option("--doc-sep", type=int, metavar="ID",
+                     help="Pack documents: ID (the tokenizer's eos, which `modulec data` "
+                          "writes after each document) ends a document; tokens attend "
+                          "within their document only, positions restart at 0, and the "
+                          "target after ID is left out of the loss (--device cpu only)."),
+        click.option("--ignore-index", type=int, default=-100, show_default=True,
+                     metavar="N",
+                     help="With --doc-sep: the label value of the targets left out of "
+                          "the loss (negative: never a token id)."),
         click.option("--repeat-batch", is_flag=True,
                      help="Train on the first batch at every step (an overfitting check)."),
         click.option("--save", type=folder, help="Write checkpoints under DIR "

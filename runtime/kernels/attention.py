@@ -17,13 +17,15 @@ import torch
 from torch import Tensor
 
 from runtime.kernels.base import register
+from runtime.kernels.documents import cross_document, positions as packed_positions
 from runtime.kernels.norms import rms_backward, rms_forward
 from runtime.kernels.rope_freq import device_frequencies
 
 
 # ---------------------------------------------------------------------- flash_attention
 def _scores(q, k, alibi_slopes, causal, softmax_scale, window_size):
-    """Masked scores S [B, Hq, T, T], k already expanded to Hq heads; and the scale."""
+    """Masked scores S [B, Hq, T, T], k already expanded to Hq heads; and the scale. In
+    a packed batch (runtime/kernels/documents.py) pairs of two documents are masked too."""
     T, D = q.shape[-2], q.shape[-1]
     scale = 1 / math.sqrt(D) if softmax_scale is None else softmax_scale
     S = scale * (q @ k.transpose(-1, -2))
@@ -36,6 +38,9 @@ def _scores(q, k, alibi_slopes, causal, softmax_scale, window_size):
         masked |= j > i
     if window_size is not None:
         masked |= j <= i - window_size
+    apart = cross_document(q.shape[0], T)
+    if apart is not None:
+        masked = masked | apart
     return S.masked_fill(masked, float("-inf")), scale
 
 
@@ -121,7 +126,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 
 def _rope_apply(q, k, position_ids, attrs: dict, inverse: bool):
+    """position_ids None in a packed batch: its positions, restarting per document."""
     T, D = q.shape[-2:]
+    position_ids = packed_positions(position_ids, q.shape[0], T)
     cos, sin = rope_tables(position_ids, T, D, attrs, q.dtype, q.device)
     if inverse:  # the backward: the transposed rotation, scaled alike
         sin = -sin

@@ -27,9 +27,10 @@ from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_
 
 class CPUTrainer:
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
-                 accumulation: int = 1):
+                 accumulation: int = 1, packing=None):
         self.model, self.batch, self.seq, self.adamw = model, batch, seq, adamw
         self.accumulation = accumulation
+        self.packing = packing  # runtime.train.packing.Packing: --doc-sep (None: unpacked)
         self.names = owned_paths(model)
         program = model.source.program(planned=False)
         self.program = program
@@ -72,17 +73,24 @@ class CPUTrainer:
         return {"grad_norm": float(norm)}
 
     def _loss_and_gradients(self, window: Tensor):
+        """The micro-batch's mean loss over its targets (packed: those not ignored) and
+        its gradients; a packed batch's documents held for both passes."""
         from runtime.cuda.lm_head import logits_cross_entropy
+        from runtime.kernels.documents import packed
+        from runtime.train.packing import split_batch
 
-        tokens, labels = split_window(window)
-        outputs = self.model.forward(**fed_inputs(self.inputs, tokens))
-        logits = outputs[self.output]
-        loss, d_logits = logits_cross_entropy(logits, labels)
-        seeds = {self.output: d_logits.to(logits.dtype)}
-        for name, aux in auxiliary_losses(outputs, self.output).items():  # MoE balance
-            loss = loss + aux.to(loss.dtype)
-            seeds[name] = torch.ones_like(aux)
-        grads = self.model.backward(**seeds).params
+        tokens, labels, documents = split_batch(window, self.packing)
+        ignore = -100 if self.packing is None else self.packing.ignore_index
+        with packed(documents):
+            outputs = self.model.forward(**fed_inputs(
+                self.inputs, tokens, documents.positions if documents else None))
+            logits = outputs[self.output]
+            loss, d_logits = logits_cross_entropy(logits, labels, ignore_index=ignore)
+            seeds = {self.output: d_logits.to(logits.dtype)}
+            for name, aux in auxiliary_losses(outputs, self.output).items():  # MoE balance
+                loss = loss + aux.to(loss.dtype)
+                seeds[name] = torch.ones_like(aux)
+            grads = self.model.backward(**seeds).params
         return loss, tied_sums(self.model.params, grads, self.names)
 
     def state(self) -> dict:

@@ -108,14 +108,19 @@ def cpu_loss(trainer, window: torch.Tensor) -> float:
     keeps for a backward dropped at once."""
     from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.inputs import fed_inputs
-    from runtime.train.backends import split_window
+    from runtime.kernels.documents import packed
+    from runtime.train.packing import split_batch
 
-    model = trainer.model
-    tokens, labels = split_window(window)
+    model, packing = trainer.model, getattr(trainer, "packing", None)
+    tokens, labels, documents = split_batch(window, packing)
     seed, model.rng_seed = model.rng_seed, None
     try:
-        logits = model.forward(**fed_inputs(trainer.inputs, tokens))[trainer.output]
+        with packed(documents):
+            logits = model.forward(**fed_inputs(
+                trainer.inputs, tokens, documents.positions if documents else None)
+            )[trainer.output]
     finally:
         model.rng_seed, model._frame = seed, None
-    loss, _ = logits_cross_entropy(logits, labels)
+    loss, _ = logits_cross_entropy(logits, labels, ignore_index=-100 if packing is None
+                                   else packing.ignore_index)
     return float(loss)

@@ -76,6 +76,8 @@ class Request:
     log_dir: Path | None = None  # metrics.jsonl + TensorBoard (runtime/train/metrics.py)
     pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
+    doc_sep: int | None = None  # packed sequences: the end-of-document id (packing.py)
+    ignore_index: int = -100  # packed: the label of the targets left out of the loss
 
 
 def train_model(**kwargs) -> str:
@@ -175,6 +177,9 @@ def _check_numbers(request: Request) -> None:
 
     check_init(request.init, request.hf_weights, request.resume, request.config,
                request.tp)
+    from runtime.train.packing import check_options
+
+    check_options(request)
 
 
 def _check_optimizer(request: Request) -> None:
@@ -291,6 +296,10 @@ class Run:
 
             self.layout = scratch_layout(self.schema, self.config) | self.layout
         self.save_dtype = _save_dtype(request.save_dtype, self.config)
+        from runtime.train.packing import packing_for
+
+        self.packing = packing_for(request, data.vocab_size,  # --doc-sep (None: unpacked)
+                                   model.source.program(planned=False))
         from runtime.train.optim_options import adamw_of, schedule_for
 
         self.schedule = schedule_for(request)  # the lr of each step (set before it runs)
@@ -318,7 +327,7 @@ class Run:
 
             refuse_parameter_settings(model.source.program(planned=False))
             parallel.use_tensor_parallel_group()
-        return CPUTrainer(model, r.batch, r.seq, adamw, r.grad_accum)
+        return CPUTrainer(model, r.batch, r.seq, adamw, r.grad_accum, self.packing)
 
     def _tokens_per_step(self) -> int:
         r = self.request

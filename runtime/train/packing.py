@@ -1,0 +1,102 @@
+"""Packed sequences (`modulec train --doc-sep ID`): each window of T+1 tokens is read
+as concatenated documents, each ended by the separator id (what `modulec data` writes
+after every document). A document's tokens attend only to its own earlier tokens and
+take positions restarting at 0 (runtime/kernels/documents.py); the target after a
+separator (the next document's first token, predicted from another document) gets
+the ignore index and is left out of the loss, whose mean is over the micro-batch's
+other targets. The separator itself stays a target: a document learns to end.
+decisions.md "Packed sequences".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.errors import RuntimeUserError
+from runtime.kernels.documents import Documents
+
+# Reference kernels that mix tokens along T other than flash_attention: a packed batch
+# would leak across documents through them, so --doc-sep refuses a model that has one.
+MIXING = ("mamba_conv1d", "mamba_selective_scan", "batched_matmul", "softmax")
+
+
+@dataclass(frozen=True)
+class Packing:
+    sep: int  # the end-of-document id
+    ignore_index: int = -100  # the label of a target left out of the loss
+
+
+def split_batch(window: Tensor, packing: Packing | None):
+    """[B, T+1] ids -> (inputs [B, T] int32, labels [B, T] int64, Documents or None)."""
+    tokens = window[:, :-1].to(torch.int32).contiguous()
+    labels = window[:, 1:].to(torch.int64).contiguous()
+    if packing is None:
+        return tokens, labels, None
+    ends = tokens == packing.sep  # a separator ends its document: the next token starts one
+    labels = labels.masked_fill(ends, packing.ignore_index)
+    return tokens, labels, documents_of(ends)
+
+
+def documents_of(ends: Tensor) -> Documents:
+    """Segments and restarting positions of rows whose `ends` [B, T] mark separators."""
+    rows, seq = ends.shape
+    marks = ends.to(torch.int64)
+    segments = marks.cumsum(1) - marks  # separators before t: t's document
+    index = torch.arange(seq).expand(rows, seq)
+    starts = torch.zeros_like(marks, dtype=torch.bool)
+    starts[:, 1:] = ends[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+    return Documents(segments.contiguous(), (index - first).to(torch.int32).contiguous())
+
+
+def check_options(request) -> None:
+    """--doc-sep and --ignore-index, before the model is built."""
+    sep, ignore = request.doc_sep, request.ignore_index
+    if sep is None:
+        if ignore != -100:
+            raise RuntimeUserError(f"--ignore-index {ignore} needs --doc-sep: an unpacked "
+                                   "run has no target to ignore",
+                                   help=["give --doc-sep ID (the end-of-document id) to "
+                                         "pack documents"])
+        return
+    if request.device == "cuda":
+        raise RuntimeUserError("--doc-sep (packed sequences) is not supported on cuda yet",
+                               help=["train packed on the CPU (--device cpu), or leave "
+                                     "out --doc-sep on the GPU"])
+    if request.pp > 1 or request.tp > 1 or request.zero is not None:
+        raise RuntimeUserError("--doc-sep with --pp, --tp or --zero is not supported yet",
+                               help=["train packed in one process"])
+    if sep < 0:
+        raise RuntimeUserError(f"--doc-sep {sep} is not a token id",
+                               help=["give the tokenizer's end-of-document (eos) id"])
+
+
+def packing_for(request, vocab_size: int | None, program) -> Packing | None:
+    """The run's packing (None: unpacked), checked against the model."""
+    sep, ignore = request.doc_sep, request.ignore_index
+    if sep is None:
+        return None
+    if vocab_size is not None and sep >= vocab_size:
+        raise RuntimeUserError(f"--doc-sep {sep} is not a token id of the model "
+                               f"(vocab_size {vocab_size})",
+                               help=["give the tokenizer's end-of-document (eos) id"])
+    if ignore >= 0 and (vocab_size is None or ignore < vocab_size):
+        raise RuntimeUserError(f"--ignore-index {ignore} is a token id: real targets with "
+                               "that id would be left out of the loss",
+                               help=["use a negative value (the default -100)"])
+    _check_model(program, request.file)
+    return Packing(sep, ignore)
+
+
+def _check_model(program, file) -> None:
+    """A model whose tokens meet other than through flash_attention cannot be packed."""
+    found = sorted({node.target for function in program.graph.functions
+                    for node in function.nodes if node.target in MIXING})
+    if found:
+        raise RuntimeUserError(f"--doc-sep: {file}'s model mixes tokens through "
+                               f"{', '.join(found)}, which would cross documents",
+                               help=["packing masks flash_attention only; train this model "
+                                     "unpacked"])
