@@ -53,6 +53,10 @@ def _metadata(metadata, graph: Graph) -> list[str]:
                             f"function `{entry.name}` has {_short(derived)}")
     if "training" in metadata:
         problems += _training(metadata["training"], graph)
+    if "precision" in metadata:  # the FP8 recipe per matmul (modulec.lower.fp8_recipe)
+        from modulec.lower.fp8_recipe import section_problems
+
+        problems += section_problems(metadata["precision"], graph)
     return problems
 
 

@@ -52,6 +52,7 @@ class BuildRequest:
     # the defaults, for a model whose forward has `@partition` stages)
     pipeline: object = None
     tensor_parallel: int = 1  # `--tp M`: this rank's program of M (modulec.lower.tensor_parallel)
+    precision: str | None = None  # "fp8": the std FP8 recipe on the model (modulec.lower.fp8_recipe)
 
 
 @dataclass
@@ -156,6 +157,9 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     training = training_metadata(graph, world.param_settings)
     if training is not None:  # @frozen, @trainable(...): what each trainer reads
         document["metadata"]["training"] = training
+    problems = _precision(loaded.program, decl, graph, document, request)
+    if problems:
+        return BuildResult(diagnostics + problems, source=loaded.source)
     if tensor_parallel is not None:
         from modulec.lower.tensor_parallel import section, shard_weight_schema
 
@@ -166,6 +170,19 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
         document["schedule"]["distributed"] = _distributed(graph, document, request)
     _pipeline(graph, document, request)
     return BuildResult(diagnostics, document, graph, loaded.source, notes=notes)
+
+
+def _precision(program, decl, graph, document: dict, request: BuildRequest) -> list:
+    """metadata `precision`: the FP8 recipe (`@recipe(...)`, `--precision fp8`) per matmul."""
+    from modulec.lower.fp8_recipe import precision_section, program_recipe
+
+    recipe, covered, problems = program_recipe(program, decl.name, request.precision == "fp8")
+    if problems or recipe is None:
+        return problems
+    section = precision_section(graph, recipe, covered)
+    if section is not None:
+        document["metadata"]["precision"] = section
+    return []
 
 
 def _pipeline(graph, document: dict, request: BuildRequest) -> None:
