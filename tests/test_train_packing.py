@@ -185,3 +185,36 @@ def test_doc_sep_on_cuda_is_refused_not_ignored(data):
                       doc_sep=SEP)
     with pytest.raises(RuntimeUserError, match="not supported on cuda yet"):
         check_options(request)
+
+
+MIXER = """\
+model Mixer(vocab: int = 16, d: int = 8):
+  params:
+    embedding: [vocab, d]
+    lm_head: [vocab, d]
+  forward:
+    in: token_ids: [B, T, int32]
+    out: logits: [B, T, vocab]
+    graph:
+      (token_ids, embedding) -> embedding() -> h
+      h -> softmax(dim=1) -> mixed
+      mixed -> matmul(lm_head, transpose=NT) -> logits
+"""
+
+
+def test_a_model_mixing_tokens_outside_attention_is_refused(tmp_path, data):
+    """softmax over T would carry one document into another: refused, not masked wrongly."""
+    from runtime.errors import RuntimeUserError
+    from runtime.model import Model
+    from runtime.train.packing import packing_for
+    from runtime.train.run import Request
+
+    path = tmp_path / "mixer.module"
+    path.write_text(MIXER)
+    program = Model.from_module(path, dtype=torch.float32).source.program(planned=False)
+    request = Request(file=path, data=data, seq=8, batch=1, steps=1, device="cpu",
+                      doc_sep=SEP)
+    with pytest.raises(RuntimeUserError, match="mixes tokens through softmax"):
+        packing_for(request, 16, program)
+    with pytest.raises(RuntimeUserError, match="under torchrun is not supported yet"):
+        packing_for(request, 16, program, distributed=True)

@@ -74,11 +74,15 @@ def check_options(request) -> None:
                                help=["give the tokenizer's end-of-document (eos) id"])
 
 
-def packing_for(request, vocab_size: int | None, program) -> Packing | None:
-    """The run's packing (None: unpacked), checked against the model."""
+def packing_for(request, vocab_size: int | None, program,
+                distributed: bool = False) -> Packing | None:
+    """The run's packing (None: unpacked), checked against the model and the launch."""
     sep, ignore = request.doc_sep, request.ignore_index
     if sep is None:
         return None
+    if distributed:
+        raise RuntimeUserError("--doc-sep under torchrun is not supported yet",
+                               help=["train packed in one process"])
     if vocab_size is not None and sep >= vocab_size:
         raise RuntimeUserError(f"--doc-sep {sep} is not a token id of the model "
                                f"(vocab_size {vocab_size})",

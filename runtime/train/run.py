@@ -299,7 +299,8 @@ class Run:
         from runtime.train.packing import packing_for
 
         self.packing = packing_for(request, data.vocab_size,  # --doc-sep (None: unpacked)
-                                   model.source.program(planned=False))
+                                   model.source.program(planned=False),
+                                   self.context.distributed)
         from runtime.train.optim_options import adamw_of, schedule_for
 
         self.schedule = schedule_for(request)  # the lr of each step (set before it runs)
