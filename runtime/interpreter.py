@@ -26,6 +26,7 @@ from torch import Tensor
 from modulec.ir.graph import Function, Graph, Node
 from modulec.lower.fusion_patterns import FUSION_ATTRS
 from runtime.errors import NonFiniteError, RuntimeUserError
+from runtime.fp8 import operands as fp8_operands
 from runtime.kernel_choice import select as select_kernel
 from runtime.kernels import KERNELS
 from runtime.probes import describe
@@ -82,6 +83,7 @@ class Interpreter:
     # random ops (dropout): None for none (inference); else each op of each layer run
     # draws from its own seed, derived from this one (a trainer sets one per step)
     rng_seed: int | None = None
+    fp8: object = None  # runtime.fp8.Fp8State: the program's FP8 recipe, emulated
 
     # ------------------------------------------------------------------ entry points
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
@@ -271,6 +273,8 @@ class Interpreter:
         if node.outputs and not any(node.outputs):
             return  # a backward op none of whose gradients is wanted
         inputs = [self._read(v, frame, forward) if v else None for v in node.inputs]
+        if self.fp8 is not None and node.target in ("matmul", "matmul_backward"):
+            inputs = fp8_operands(self.fp8, node, frame, forward, inputs)
         attrs = self._attrs(node)
         if getattr(self.kernels.get(node.target), "random", False):
             attrs["seed"] = self._seed(node, frame)

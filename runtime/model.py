@@ -47,6 +47,7 @@ class Model:
     frame_events: object = None  # runtime.dist.zero.ZeroRun under data parallel (ZeRO-3)
     rng_seed: int | None = None  # random ops (dropout): None off (inference), else seeded
     tp_rank: int = 0  # this process's rank in the tensor-parallel group (`tensor_parallel`)
+    fp8: object = None  # runtime.fp8.Fp8State: the amax histories of an FP8 recipe
     _frame: Frame | None = None
 
     def __post_init__(self):
@@ -64,7 +65,7 @@ class Model:
                     search_path=(), progress: bool = False,
                     memory_budget: int | None = None, lora=None,
                     tensor_parallel: int = 1, tp_rank: int = 0,
-                    max_memory: int | None = None) -> "Model":
+                    max_memory: int | None = None, precision: str | None = None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
         are loaded. `lora` (a dict `rank=8, alpha=16, targets=["q", "v"]`, `{}` for the
@@ -74,7 +75,8 @@ class Model:
         are its slices; docs/distributed.md, "Tensor parallel"); run it in a
         torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group). Before
         any weight is made, the model's memory is checked against the device (or
-        `max_memory` bytes): runtime.memory_check."""
+        `max_memory` bytes): runtime.memory_check. `precision="fp8"` applies the std FP8
+        recipe (runtime/fp8.py)."""
         if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
             config = Path(hf_weights) / "config.json"
         source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
@@ -88,6 +90,7 @@ class Model:
             except ValueError as exc:
                 raise RuntimeUserError(f"lora: {exc}") from None
         source.tensor_parallel = int(tensor_parallel)
+        source.precision = precision
         if memory_budget is not None:  # keep / recompute / swap as the planner decides
             from modulec.lower.build_plan import PlanOptions
 
@@ -221,7 +224,20 @@ class Model:
         return Interpreter(self.program.graph, self.params, self.dtype, self.hooks,
                            self.check_finite, arena=arena, decisions=self._decisions(),
                            param_regions=regions, profiler=self.profiler,
-                           frame_events=self.frame_events, rng_seed=self.rng_seed)
+                           frame_events=self.frame_events, rng_seed=self.rng_seed,
+                           fp8=self.fp8_state())
+
+    def fp8_state(self):
+        """The program's FP8 recipe state (runtime.fp8), None without a recipe: made once,
+        kept across the programs built for other input sizes."""
+        if self.fp8 is None:
+            program = self.program or self.source.program(planned=False)
+            section = program.metadata.get("precision")
+            if section is not None:
+                from runtime.fp8 import Fp8State
+
+                self.fp8 = Fp8State(section)
+        return self.fp8
 
     # ------------------------------------------------------------------ profiling
     def enable_profiling(self) -> "Model":

@@ -84,6 +84,7 @@ class ModuleSource:
     # modulec.plan.pipeline.Pipeline: the `pipeline` section (--pp) of the programs built at
     # given sizes (the one with free dims, read for names and parameters, has none)
     pipeline: object = None
+    precision: str | None = None  # "fp8": the std FP8 recipe on the model (--precision fp8)
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
@@ -110,7 +111,8 @@ class ModuleSource:
                                derive_written=self.derive_written, planning=planning,
                                lora=self.lora, distributed=self.distributed,
                                tensor_parallel=self.tensor_parallel,
-                               pipeline=self.pipeline if shapes else None)
+                               pipeline=self.pipeline if shapes else None,
+                               precision=self.precision)
         try:
             result = build(request)
         except PlanFailure as exc:

@@ -122,6 +122,11 @@ def _options(command):
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda",
                      show_default=True,
                      help="cuda: bf16 compute, one CUDA graph; cpu: float32 reference."),
+        click.option("--precision", type=click.Choice(["fp8"]),
+                     help="fp8: the std FP8 recipe on the model's matmuls (E4M3 forward, "
+                          "E5M2 gradients, delayed scaling; the LM head in high "
+                          "precision); the CPU reference emulates it, the GPU step "
+                          "refuses it for now (docs/training.md, \"FP8\")."),
         click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v],dropout=P",
                      is_flag=False, flag_value="", default=None,
                      help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "

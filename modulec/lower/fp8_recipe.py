@@ -146,7 +146,7 @@ def program_recipe(program: A.Program, model: str, std: bool):
 # ====================================================================== the IR section
 def precision_section(graph: Graph, recipe: dict, covered: set[str]) -> dict | None:
     """metadata `precision`: the recipe, each covered matmul ({function, op, operands,
-    role}) and the matmuls kept in high precision ({function, op, why})."""
+    role: forward, backward or recompute}) and the matmuls kept in high precision ({function, op, why})."""
     matmuls, kept = [], []
     reached = _covered_functions(graph, covered)
     entry = graph.function(graph.entry)
@@ -197,8 +197,8 @@ def _roles(node, function) -> dict:
     if not function.gradient_of:
         return {"role": "forward", "operands": ["forward", "forward"]}
     tainted = _gradient_values(function)
-    return {"role": "backward",
-            "operands": ["gradient" if v in tainted else "forward" for v in node.inputs]}
+    roles = ["gradient" if v in tainted else "forward" for v in node.inputs]
+    return {"role": "backward" if "gradient" in roles else "recompute", "operands": roles}
 
 
 def _gradient_values(function) -> set[str]:

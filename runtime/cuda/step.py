@@ -165,6 +165,9 @@ class TrainStep:
         return step
 
     def __post_init__(self):
+        from runtime.fp8 import refuse_on_gpu
+
+        refuse_on_gpu(self.program.metadata)  # an FP8 recipe: refused, never run as bf16
         self.split = split_head(self.program.graph) if self.fused_head else None
         self.graph = self.split.graph if self.split else self.program.graph
         if isinstance(self.decisions, str) and self.decisions == "auto":

@@ -58,6 +58,8 @@ class CPUTrainer:
         scale = None if self.adamw.clip_grad is None else \
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
+        if self.model.fp8_state() is not None:  # the step's amaxes join their histories
+            self.model.fp8.end_step()
         return sum(losses) / len(losses)
 
     def set_lr(self, lr: float) -> None:
@@ -94,9 +96,10 @@ class CPUTrainer:
         return loss, tied_sums(self.model.params, grads, self.names)
 
     def state(self) -> dict:
+        fp8 = self.model.fp8_state()  # an FP8 recipe's amax histories (runtime.fp8)
         return {"masters": {p: self.model.params[p] for p in self.names},
                 "exp_avg": self.adamw.exp_avg, "exp_avg_sq": self.adamw.exp_avg_sq,
-                "step": self.adamw.step}
+                "step": self.adamw.step} | ({"fp8": fp8.state_dict()} if fp8 else {})
 
     def load_state(self, state: dict) -> None:
         with torch.no_grad():
@@ -105,6 +108,8 @@ class CPUTrainer:
         self.adamw.exp_avg = {p: t.clone() for p, t in state["exp_avg"].items()}
         self.adamw.exp_avg_sq = {p: t.clone() for p, t in state["exp_avg_sq"].items()}
         self.adamw.step = int(state["step"])
+        if self.model.fp8_state() is not None:
+            self.model.fp8.load_state_dict(state.get("fp8", {}))
 
     def memory(self) -> dict:
         """Peak resident memory of the process (Linux: ru_maxrss is in KiB)."""

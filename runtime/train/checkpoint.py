@@ -87,6 +87,7 @@ def write_optimizer(path: Path, state: dict, masters: dict) -> None:
     for part in PARTS[1:]:
         tensors |= {f"{part}.{p}": t.detach().float().cpu().contiguous()
                     for p, t in state[part].items()}
+    tensors |= {f"fp8.{key}": t for key, t in state.get("fp8", {}).items()}  # runtime.fp8
     metadata = {"step": str(int(state["step"])), "format": FORMAT}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
@@ -144,7 +145,7 @@ def read_optimizer(folder: Path) -> dict:
         state["step"] = int(handle.metadata()["step"])
         for key in handle.keys():
             part, _, path = key.partition(".")
-            state[part][path] = handle.get_tensor(key)
+            state.setdefault(part, {})[path] = handle.get_tensor(key)  # fp8: amax histories
     state["masters"] = state.pop("master")
     return state
 

@@ -52,6 +52,7 @@ class Request:
     model: str | None = None
     search_path: tuple = ()
     lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
+    precision: str | None = None  # "fp8": the std FP8 recipe (runtime/fp8.py)
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
@@ -82,6 +83,9 @@ class Request:
 
 def train_model(**kwargs) -> str:
     request = Request(**kwargs)
+    from runtime.fp8 import refuse_option_on_gpu
+
+    refuse_option_on_gpu(request.precision, request.device)  # before CUDA is looked for
     check_device(request.device)
     _check_numbers(request)
     context = _context(request)
@@ -219,7 +223,7 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
                               memory_budget=request.memory_budget
                               if request.device == "cpu" else None, lora=request.lora,
                               tensor_parallel=request.tp, tp_rank=tp_rank,
-                              max_memory=request.max_memory)
+                              max_memory=request.max_memory, precision=request.precision)
     names = model.source.program(planned=False).input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
@@ -247,6 +251,7 @@ def _model_from_ir(request: Request, weights: Path) -> Model:
     given = [flag for flag, value in (("--set", request.settings),
                                       ("--memory-budget", request.memory_budget),
                                       ("--lora", request.lora),
+                                      ("--precision", request.precision),
                                       ("--model", request.model)) if value]
     if given:
         raise RuntimeUserError(f"{', '.join(given)} would change {request.file}, which was "
@@ -310,12 +315,19 @@ class Run:
 
     def _trainer(self, adamw: AdamW):
         r, model, parallel = self.request, self.model, self.parallel
+        if model.fp8_state() is not None and (r.pp > 1 or parallel is not None):
+            raise RuntimeUserError("an FP8 recipe trains on one process for now: the "
+                                   "ranks' amax histories are not reduced across processes",
+                                   help=["train it without torchrun, or without the recipe"])
         if r.pp > 1:
             from runtime.train.pipeline import PipelineTrainer
 
             return PipelineTrainer(model, r.batch, r.seq, adamw, self.context, r.pp,
                                    r.grad_accum, r.device)
         if r.device == "cuda":
+            from runtime.fp8 import refuse_on_gpu
+
+            refuse_on_gpu(model.source.program(planned=False).metadata)
             return CUDATrainer(model, r.batch, r.seq, adamw, r.memory_budget, r.grad_accum,
                                dist=parallel)
         if parallel is not None and parallel.dp > 1:
