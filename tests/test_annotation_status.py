@@ -14,7 +14,7 @@ import pytest
 
 import ui_harness
 from modulec.check.annotation_doc import annotations_page
-from modulec.check.annotation_status import ACTS, NO_EFFECT, STATUS
+from modulec.check.annotation_status import ACTS, NO_EFFECT, REFUSED, STATUS
 from modulec.check.annotation_table import ANNOTATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,8 +37,8 @@ def test_every_annotation_has_a_status_and_every_status_an_annotation():
 
 @pytest.mark.parametrize("what, effect", [(w, e) for w, e, _ in effects()],
                          ids=[w for w, _, _ in effects()])
-def test_a_status_is_acts_or_no_effect_and_what_acts_names_its_code(what, effect):
-    assert {effect.cpu, effect.gpu} <= {ACTS, NO_EFFECT}
+def test_a_status_is_acts_no_effect_or_refused_and_what_acts_names_its_code(what, effect):
+    assert {effect.cpu, effect.gpu} <= {ACTS, NO_EFFECT, REFUSED}
     if ACTS in (effect.cpu, effect.gpu):
         assert effect.by, f"{what} acts: name the code that implements it (`by`)"
     for reference in effect.by:

@@ -7,7 +7,7 @@ what `check` warns about (W006).
 
 from __future__ import annotations
 
-from modulec.check.annotation_status import ACTS, BACKENDS, Effect
+from modulec.check.annotation_status import ACTS, BACKENDS, REFUSED, Effect
 from modulec.check.annotation_table import ANNOTATIONS, Spec
 
 HEADER = """\
@@ -21,7 +21,8 @@ reference runtime (`runtime/`) and the GPU backend (`runtime/cuda`: its kernels 
 training step). **acts**: the annotation does what the spec says, through the code named in
 the last column. **no effect yet**: it is parsed and checked, but the program builds and
 runs as if it were not written; `modulec check` says so with a warning,
-[W006](errors/W006.md), at the annotation. Rows in *italics* are a part of the annotation
+[W006](errors/W006.md), at the annotation. **refused**: that backend refuses a program
+with it when it loads (an error, never a silent run without it); W006 says so. Rows in *italics* are a part of the annotation
 above them (one argument, one value, or one placement) whose status differs.
 
 """
@@ -47,8 +48,8 @@ def _part_row(spec: Spec, part) -> str:
 
 
 def _cells(effect: Effect) -> list[str]:
-    status = [("**acts**" if getattr(effect, b) == ACTS else "no effect yet")
-              for b in BACKENDS]
+    words = {ACTS: "**acts**", REFUSED: "**refused**"}
+    status = [words.get(getattr(effect, b), "no effect yet") for b in BACKENDS]
     by = ", ".join(f"`{ref}`" for ref in effect.by)
     return [*status, effect.note, by]
 

@@ -62,6 +62,12 @@ def backends_text(backends) -> str:
 
 def _warning(what: str, missing, effect: Effect, span) -> Diagnostic:
     notes = [effect.note] if effect.note else []
+    refused = [b for b in missing if b in effect.refused()]
+    if refused:  # the backend refuses the program when it loads, never ignores it
+        return warning(CODE, f"{what} has no effect on {backends_text(missing)} yet: "
+                       f"{backends_text(refused)} refuses it when it loads", span,
+                       "refused on " + " and ".join(BACKENDS[b] for b in refused),
+                       notes=notes, help=[HELP])
     return warning(CODE, f"{what} has no effect on {backends_text(missing)} yet", span,
                    "no effect yet", notes=notes, help=[HELP])
 

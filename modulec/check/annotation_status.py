@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACTS, NO_EFFECT = "acts", "no effect yet"
+REFUSED = "refused"  # the backend refuses a program with it when it loads (not built yet)
 BACKENDS = {"cpu": "CPU reference", "gpu": "GPU"}
 
 
 @dataclass(frozen=True)
 class Effect:
-    """cpu, gpu: ACTS or NO_EFFECT; by: the code that implements it where it acts; note:
+    """cpu, gpu: ACTS, NO_EFFECT or REFUSED; by: the code that implements it where it acts; note:
     what a reader (and the warning's help) should know."""
 
     cpu: str
@@ -31,8 +32,12 @@ class Effect:
     note: str = ""
 
     def missing(self) -> tuple[str, ...]:
-        """The backends (keys of BACKENDS) on which this has no effect."""
-        return tuple(b for b in BACKENDS if getattr(self, b) == NO_EFFECT)
+        """The backends (keys of BACKENDS) on which this has no effect (or is refused)."""
+        return tuple(b for b in BACKENDS if getattr(self, b) != ACTS)
+
+    def refused(self) -> tuple[str, ...]:
+        """The backends that refuse a program with this when it loads."""
+        return tuple(b for b in BACKENDS if getattr(self, b) == REFUSED)
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,15 @@ NOT_DISTRIBUTED = "parsed and checked; no runtime shards tensors across devices 
                   "their communication from annotations yet"
 NOT_TP = "tensor parallel splits `column` / `row` parameters over `--tp M` ranks; this " \
          "strategy or argument is parsed and checked, not executed yet"
-NO_PRECISION = "parsed and checked; dtypes come from `@dtype` and the declared types, no " \
-               "precision recipe or FP8/FP4 scaling is applied yet"
+NO_PRECISION = "parsed and checked; per-op precision and scaling are not applied yet: an " \
+               "FP8 recipe acts through `@recipe(Name)` on a declaration (or `modulec " \
+               "train --precision fp8`)"
+FP8_RECIPE = Effect(ACTS, REFUSED, ("modulec.lower.fp8_recipe:precision_section",
+                                    "runtime.fp8:Fp8State", "runtime.fp8:refuse_on_gpu"),
+                    "the recipe's matmuls (metadata.precision) run FP8-emulated on the CPU "
+                    "reference (quantize-dequantize, amax histories in the checkpoint); the "
+                    "GPU step refuses the program when it loads: FP8 on the GPU step is not "
+                    "built yet (decisions.md, FP8 recipes)")
 MID_FLOW = "only a named value is lowered (a destination, an input, a parameter): name " \
            "the operation's output (`-> h @...`) and annotate it there"
 FLOW_SOURCE_NOTE = "lowered on an `in:` entry, a parameter or a destination, not on a " \
@@ -161,7 +173,7 @@ STATUS: dict[str, Status] = {
                      on("input", nowhere(FLOW_SOURCE_NOTE), **FLOW_SOURCE))),
     "precision": Status(nowhere(NO_PRECISION)),
     "scaling": Status(nowhere(NO_PRECISION)),
-    "recipe": Status(nowhere(NO_PRECISION)),
+    "recipe": Status(FP8_RECIPE),
     # §7.5 fusion
     "fuse": Status(both("modulec.lower.fusion:requests_of", "modulec.lower.fusion:_requested")),
     "nofuse": Status(both("modulec.lower.fusion:_barrier")),
