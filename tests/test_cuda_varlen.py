@@ -1,0 +1,62 @@
+"""FlashAttention-2 over packed documents (runtime/cuda/varlen.py): cu_seqlens from a
+packed batch's positions (CPU), and on a GPU (`-m cuda`) the varlen forward and backward
+against the reference kernel masked to the same documents (float64 on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime.cuda.varlen import cu_seqlens  # noqa: E402
+from runtime.train.packing import Packing, split_batch  # noqa: E402
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def test_cu_seqlens_are_the_documents_of_every_row_in_order():
+    window = torch.tensor([[5, 6, 1, 7, 1, 8, 9, 10, 1],
+                           [1, 3, 4, 5, 6, 7, 8, 9, 2]])
+    _, _, documents = split_batch(window, Packing(1))
+    cu, longest = cu_seqlens(documents.positions)
+    assert cu.tolist() == [0, 3, 5, 8, 9, 16] and cu.dtype == torch.int32
+    assert longest == 7
+
+
+def _packed(B, T, generator):
+    """A [B, T+1] window of documents of 1..40 tokens separated by id 1."""
+    ids = torch.randint(2, 50, (B, T + 1), generator=generator)
+    ends = torch.rand(B, T + 1, generator=generator) < 1 / 20
+    return split_batch(ids.masked_fill(ends, 1), Packing(1))[2]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("window", [None, 16])
+def test_varlen_attention_matches_the_masked_reference(window):
+    from runtime.cuda.varlen import varlen_backward, varlen_forward
+    from runtime.kernels import KERNELS
+    from runtime.kernels.documents import packed
+
+    g = torch.Generator().manual_seed(0)
+    B, T, Hq, Hk, D = 2, 128, 4, 2, 64
+    documents = _packed(B, T, g)
+    qkv = torch.randn(B, T, Hq + 2 * Hk, D, generator=g)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([Hq, Hk, Hk], dim=2))
+    d_out = torch.randn(B, Hq, T, D, generator=g)
+    attrs = {"causal": True, "window_size": window}
+    ref = KERNELS["flash_attention"]
+    f64 = [t.double() for t in (q, k, v)]
+    with packed(documents):
+        out, lse = ref.forward_fn(*f64, None, **attrs)
+        want = [out, *ref.backward_fn(d_out.double(), *f64, out, lse, None, **attrs)[:3]]
+    on_gpu = [t.cuda().to(torch.bfloat16) for t in (q, k, v)]
+    cu, longest = cu_seqlens(documents.positions.cuda())
+    got_out, got_lse = varlen_forward(*on_gpu, cu, longest, attrs)
+    grads = varlen_backward(d_out.cuda().to(torch.bfloat16), *on_gpu, got_out, got_lse, cu,
+                            longest, attrs)
+    for name, got, ref_t in zip(("out", "d_q", "d_k", "d_v"), [got_out, *grads], want):
+        assert got.shape == ref_t.shape, name
+        err = (got.double().cpu() - ref_t).abs().max() / ref_t.abs().max()
+        assert err < 2e-2, f"{name}: max relative error {float(err):.3g}"
