@@ -253,3 +253,18 @@ def test_fp8_on_the_gpu_is_refused_before_it_runs(ckpt):
     result = train(ckpt, "--steps", "1", "--device", "cuda", "--precision", "fp8")
     assert result.exit_code == 1 and GPU_REFUSAL in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_gpu_train_step_refuses_a_recipe_when_it_loads():
+    """On the GPU: TrainStep given a program with metadata.precision stops at once."""
+    from runtime.cuda.step import TrainStep
+    from runtime.inputs import sized_inputs
+    from runtime.program import ModuleSource
+
+    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8")
+    program = source.program_for(sized_inputs(source.program(planned=False).input_names(),
+                                              2, 16))
+    with pytest.raises(RuntimeUserError, match=GPU_REFUSAL):
+        TrainStep(program, 2, 16)
