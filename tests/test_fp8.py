@@ -268,3 +268,32 @@ def test_the_gpu_train_step_refuses_a_recipe_when_it_loads():
                                               2, 16))
     with pytest.raises(RuntimeUserError, match=GPU_REFUSAL):
         TrainStep(program, 2, 16)
+
+
+def test_the_interpreter_quantizes_a_covered_matmul_and_its_gradient(tmp_path):
+    """y = q4(x) @ q4(w)^T; d_x = q5(d_y) @ q4(w), d_w = q5(d_y)^T @ q4(x) (current scaling,
+    float64); the model's own head (an output: the LM head) stays unquantized."""
+    from runtime.model import Model
+
+    path = tmp_path / "m.module"
+    path.write_text(RECIPE_FILE.format(extra="  scaling_strategy: current\n")
+                    .replace("  scaling_strategy: delayed\n", ""))
+    model = Model.from_module(path, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    model.params.update({"p.w": torch.randn(4, 4, generator=g, dtype=torch.float64),
+                         "head": torch.randn(8, 4, generator=g, dtype=torch.float64)})
+    x = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    d_logits = torch.randn(2, 8, generator=g, dtype=torch.float64)
+    logits = model.forward(x=x)["logits"]
+    grads = model.backward(logits=d_logits)
+
+    def q(t, fmt):
+        return quantize(t, fmt, scale_for(float(t.abs().max()), fmt))
+
+    w, head = model.params["p.w"], model.params["head"]
+    h = q(x, "fp8_e4m3") @ q(w, "fp8_e4m3").T
+    assert torch.equal(logits, h @ head.T)
+    d_h = q(d_logits @ head, "fp8_e5m2")
+    assert torch.allclose(grads.params["p.w"], d_h.T @ q(x, "fp8_e4m3"), rtol=1e-12)
+    assert torch.allclose(grads.inputs["x"], d_h @ q(w, "fp8_e4m3"), rtol=1e-12)
+    assert model.fp8.histories == {}  # no trainer step closed: nothing pushed yet
