@@ -75,7 +75,8 @@ def test_emit_schedule_prints_both_sections():
     assert "  op gradients_ready s2  reduce_scatter what gradients" in text
     assert "pipeline (2 stages, 4 micro-batches, 1f1b, partition split) {" in text
     assert "  ops 0: F0 a0>1 | F1 a1>1 g0<1 B0 F2 a2>1 g1<1 B1 F3 a3>1 g2<1 B2 | g3<1 B3" in text
-    assert "  boundary 0 -> 1: %3 [2, 8, 32] bf16, %4 [2, 8, 32] bf16" in text
+    # the blocks carry the compute dtype (`float`: bf16 on the GPU, the plan counts 2 bytes)
+    assert "  boundary 0 -> 1: %3 [2, 8, 32] float, %4 [2, 8, 32] float" in text
 
 
 def test_emit_pipeline_prints_the_simulated_timeline():

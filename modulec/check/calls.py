@@ -341,9 +341,13 @@ def call_module(ctx: StepContext, callee: Instance, inputs, expr, repeat=1) -> R
     except ShapeError as exc:
         report_shape_error(ctx, exc, actual, expr, callee.name)
         return None
-    outputs = forward.outputs or (TensorSig("out", None, expr.span),)
-    return Result(types if forward.outputs else [UNKNOWN] * len(outputs), inputs=tuple(actual),
-                  callee=callee, repeat=repeat)
+    if not forward.outputs:  # lowering would give the call no value to bind (exit 101)
+        ctx.world.error("E003", f"`{callee.name}`'s forward declares no outputs, so this call "
+                        "has nothing to return", expr.span, "no `out:` in its forward",
+                        help=[f"declare them in `{callee.definition.name}`'s `forward:`, "
+                              "e.g. `out: [B, T, d_model]`"])
+        return None
+    return Result(types, inputs=tuple(actual), callee=callee, repeat=repeat)
 
 
 def _call_stack(ctx, stack: Stack, inputs, expr) -> Result | None:

@@ -70,8 +70,8 @@ def _check_nested(item, name, primitive) -> list[Diagnostic]:
     if nested is None or not isinstance(item, A.Section):
         return []
     diagnostics = []
-    for child in item.body:
-        if isinstance(child, A.Section) and not _gradient_or_known(child, nested):
+    for child in item.body:  # `out: [..]` is an entry: renamed, it lost the outputs unseen
+        if isinstance(child, (A.Section, A.Entry)) and not _gradient_or_known(child, nested):
             diagnostics.append(_unknown(child.key, _key_name(child.key), nested, f"`{name}:`"))
     return diagnostics
 
@@ -84,7 +84,7 @@ def _check_verify_backward(section: A.Section) -> list[Diagnostic]:
             and _key_name(child.key) not in VERIFY_BACKWARD_KEYS]
 
 
-def _gradient_or_known(section: A.Section, nested) -> bool:
+def _gradient_or_known(section, nested) -> bool:
     name = _key_name(section.key)
     return name is None or name in nested or name.startswith("d_")
 
