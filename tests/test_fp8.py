@@ -85,6 +85,29 @@ def test_a_bad_recipe_setting_is_e008(tmp_path):
     assert result.document is None
 
 
+def test_a_recipe_setting_without_effect_yet_is_w006(tmp_path):
+    result = built(tmp_path, "  weight_storage_dtype: bf16\n  high_precision: [embedding]\n")
+    warned = [d.message for d in result.diagnostics if d.code == "W006"]
+    assert "recipe setting `weight_storage_dtype` has no effect yet" in warned
+    assert any("embeddings and the loss stay in high precision" in m for m in warned)
+    assert result.document["metadata"]["precision"]["recipe"]["high_precision"] == \
+        ["embedding"]
+
+
+def test_per_block_granularity_takes_current_scaling(tmp_path):
+    result = built(tmp_path, "  granularity: per_block\n")  # with the delayed strategy
+    assert any("per-block scaling takes each block's own amax" in d.message
+               for d in result.diagnostics if d.code == "E008")
+    path = tmp_path / "m.module"
+    path.write_text(RECIPE_FILE.format(extra="  granularity: per_block\n").replace(
+        "scaling_strategy: delayed", "scaling_strategy: current"))
+    recipe = build(BuildRequest(path, shapes={"B": 2})).document["metadata"]["precision"][
+        "recipe"]
+    assert recipe["granularity"] == {"kind": "per_block", "activation": [1, 128],
+                                     "weight": [128, 128], "gradient": [1, 128]}
+    assert recipe["scaling"] == {"kind": "current", "margin": 0}
+
+
 def test_std_recipe_on_llama_keeps_the_lm_head_in_high_precision():
     result = build(BuildRequest(Path("std/models/llama.module"), settings=TINY,
                                 precision="fp8"))

@@ -158,8 +158,9 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     if training is not None:  # @frozen, @trainable(...): what each trainer reads
         document["metadata"]["training"] = training
     problems = _precision(loaded.program, decl, graph, document, request)
-    if problems:
-        return BuildResult(diagnostics + problems, source=loaded.source)
+    diagnostics += problems
+    if any(d.is_error for d in problems):
+        return BuildResult(diagnostics, source=loaded.source)
     if tensor_parallel is not None:
         from modulec.lower.tensor_parallel import section, shard_weight_schema
 
@@ -177,12 +178,12 @@ def _precision(program, decl, graph, document: dict, request: BuildRequest) -> l
     from modulec.lower.fp8_recipe import precision_section, program_recipe
 
     recipe, covered, problems = program_recipe(program, decl.name, request.precision == "fp8")
-    if problems or recipe is None:
+    if recipe is None or any(d.is_error for d in problems):
         return problems
     section = precision_section(graph, recipe, covered)
     if section is not None:
         document["metadata"]["precision"] = section
-    return []
+    return problems
 
 
 def _pipeline(graph, document: dict, request: BuildRequest) -> None:

@@ -12,7 +12,7 @@ refuses it when it loads (runtime.fp8:refuse_on_gpu). decisions.md, "FP8 recipes
 
 from __future__ import annotations
 
-from modulec.diagnostics import Diagnostic, error
+from modulec.diagnostics import Diagnostic, error, warning
 from modulec.ir.graph import Graph, function_runs
 from modulec.syntax import ast as A
 
@@ -58,7 +58,34 @@ def resolve(decl: A.Decl) -> tuple[dict, list[Diagnostic]]:
                               "each block's own amax (`scaling_strategy: current`), not "
                               "a delayed history", decl.name_span, "this recipe",
                               help=["add `scaling_strategy: current`"]))
+    problems += _without_effect(decl, found)
     return _recipe(decl.name, found), problems
+
+
+# settings that are recorded (for the GPU step to come) but change nothing yet: W006
+_NOT_YET = {
+    "weight_storage_dtype": "trainers keep fp32 master weights (the GPU step a bf16 compute "
+                            "copy); FP8 weight storage is not built",
+    "output_dtype": "the CPU reference computes every op in float32 / float64; the GPU step "
+                    "that would honour it refuses FP8 recipes for now",
+}
+
+
+def _without_effect(decl: A.Decl, found: dict) -> list[Diagnostic]:
+    notes = []
+    for item in decl.body:
+        key = item.key.id if isinstance(item, A.Entry) and isinstance(item.key, A.Name) \
+            else None
+        if key in _NOT_YET:
+            notes.append(warning("W006", f"recipe setting `{key}` has no effect yet",
+                                 item.span, "no effect yet", notes=[_NOT_YET[key]]))
+        if key == "high_precision" and {"embedding", "loss"} - set(found.get(key, ())):
+            notes.append(warning("W006", "embeddings and the loss stay in high precision "
+                                 "whatever `high_precision` says", item.span,
+                                 "no effect yet", notes=["only matmuls take FP8; an "
+                                                         "embedding lookup or the loss in "
+                                                         "FP8 is not built"]))
+    return notes
 
 
 def _setting(key: str, value, found: dict) -> str:
