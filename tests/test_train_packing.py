@@ -141,8 +141,9 @@ def data(tmp_path_factory):
     return folder / "tokens.bin"
 
 
-def _train(data, *args):
-    return run("train", LLAMA, "--init", "random", "--set", "vocab_size=64", "--set",
+def _train(data, *args, scratch=True):
+    return run("train", LLAMA, *(["--init", "random"] if scratch else []), "--set",
+               "vocab_size=64", "--set",
                "d_model=16", "--set", "n_layers=1", "--set", "num_heads=2", "--set",
                "num_kv_heads=1", "--set", "d_ff=16", "--set", "max_seq=32", "--data", data,
                "--seq", "16", "--batch", "2", "--steps", "3", "--device", "cpu",
@@ -162,6 +163,20 @@ def test_doc_sep_end_to_end(data):
     assert packed != plain  # the same windows, masked and with the targets left out
     again = _losses(_train(data, "--doc-sep", str(SEP), "--ignore-index", "-1"))
     assert again == packed  # the label value is a name only
+
+
+def test_doc_sep_resumes_exactly_and_a_resume_must_keep_it(data, tmp_path):
+    packed = _losses(_train(data, "--doc-sep", str(SEP)))
+    first = _train(data, "--doc-sep", str(SEP), "--save", tmp_path / "run", "--steps", "2")
+    assert _losses(first) == packed[:2]
+    rest = _train(data, "--doc-sep", str(SEP), "--resume", tmp_path / "run", scratch=False)
+    assert _losses(rest) == packed[2:]
+    unpacked = _train(data, "--resume", tmp_path / "run", scratch=False)
+    assert unpacked.exit_code == 1 and "--doc-sep is not given, but" in unpacked.output
+    # and the evaluation packs its windows too
+    evaluated = _train(data, "--doc-sep", str(SEP), "--eval-data", data, "--eval-every", "3",
+                       "--eval-batches", "1", "--steps", "1")
+    assert evaluated.exit_code == 0, evaluated.output
 
 
 @pytest.mark.parametrize("args,message", [

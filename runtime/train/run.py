@@ -23,8 +23,8 @@ from runtime.train.optim import AdamW
 from runtime.train.progress import Progress, gib
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RESUME_KEYS = ("batch", "seq", "seed", "repeat_batch", "grad_accum")
-RESUME_DEFAULTS = {"grad_accum": 1}  # checkpoints saved before the key existed
+RESUME_KEYS = ("batch", "seq", "seed", "repeat_batch", "grad_accum", "doc_sep")
+RESUME_DEFAULTS = {"grad_accum": 1, "doc_sep": None}  # checkpoints saved before the key
 
 
 @dataclass
@@ -366,8 +366,10 @@ class Run:
                 flag = "--" + key.replace("_", "-")
                 world = f" x {self.dp} data-parallel ranks" if key == "batch" and \
                     self.dp > 1 else ""
-                raise RuntimeUserError(f"{flag} is {getattr(self.request, key)}{world}, but "
-                                       f"{folder} was trained with {trainer.get(key)}",
+                now, then = (("not given" if v is None else v) for v in
+                             (getattr(self.request, key), trainer.get(key)))
+                raise RuntimeUserError(f"{flag} is {now}{world}, but {folder} was trained "
+                                       f"with {then}",
                                        help=["resume with the settings of the run that "
                                              "saved the checkpoint"])
         from runtime.train.optim_options import check_resume_schedule
