@@ -1,6 +1,7 @@
 """Time causal attention forward + backward on packed documents (FlashAttention-2's
 variable-length entry, runtime/cuda/varlen.py) against the unpacked causal kernel at the
-same B and T (runtime/cuda/attention.py `flash`), bf16, the step's layouts. Documents'
+same B and T (runtime/cuda/attention.py `flash`, and `cudnn`, the GPU step's first
+choice), bf16, the step's layouts. Documents'
 lengths are drawn uniformly from 1 .. 2 x --mean-doc (its correctness is
 tests/test_cuda_varlen.py's). The attention-level half of issue 18's "packed within 5%
 of unpacked" (the GPU step itself does not pack yet).
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels.bench_attention import fused_qkv  # noqa: E402
 from benchmarks.kernels.bench_kernels import time_ms  # noqa: E402
-from runtime.cuda.attention import flash_backward, flash_forward  # noqa: E402
+from runtime.cuda.attention import BACKENDS, flash_backward, flash_forward  # noqa: E402
 from runtime.cuda.varlen import cu_seqlens, varlen_backward, varlen_forward  # noqa: E402
 from runtime.kernels.documents import Documents  # noqa: E402
 from runtime.train.packing import documents_of  # noqa: E402
@@ -68,11 +69,19 @@ def main(argv=None) -> int:
                    time_ms(lambda: varlen_backward(d_out, q, k, v, vout, vlse, cu, longest,
                                                    attrs), a.iters)),
     }
+    try:  # the GPU step's first choice unpacked (TrainStep attention=("cudnn", "flash"))
+        cudnn = BACKENDS["cudnn"]
+        cout, clse = cudnn.forward(q, k, v, attrs)
+        rows["unpacked-cudnn"] = (
+            time_ms(lambda: cudnn.forward(q, k, v, attrs), a.iters),
+            time_ms(lambda: cudnn.backward(d_out, q, k, v, cout, clse, attrs), a.iters))
+    except Exception as error:  # a torch / GPU without cuDNN attention
+        print(f"cudnn: {type(error).__name__}: {error}"[:200])
     print(f"B={a.batch} T={a.seq} Hq={a.heads} Hkv={a.kv_heads} D={a.head_dim} bf16, "
           f"{len(cu) - 1} documents (mean {a.batch * a.seq / (len(cu) - 1):.0f} tokens), "
           f"{torch.cuda.get_device_name()}")
     for name, (fwd, bwd) in rows.items():
-        print(f"{name:9} fwd {fwd:7.3f} ms  bwd {bwd:7.3f} ms  total {fwd + bwd:7.3f} ms")
+        print(f"{name:14} fwd {fwd:7.3f} ms  bwd {bwd:7.3f} ms  total {fwd + bwd:7.3f} ms")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "documents": len(cu) - 1,
                                             "ms": rows}, indent=2))
