@@ -126,12 +126,15 @@ def build_command(output_options, guarded):
                   help="LoRA on: adapt the `@adapter(lora)` matmuls (base weights frozen); "
                        "rank / alpha / targets / dropout override the annotations' "
                        "(docs/training.md, LoRA).")
+    @click.option("--precision", type=click.Choice(["fp8"]),
+                  help="fp8: the std FP8 recipe on the model's matmuls, written to "
+                       "metadata.precision (docs/build-output.md).")
     @planning_options
     @parallel_options
     @output_options
     @guarded
     def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
-              lora, budget, training, device, policies, honor_lists, dp, zero, tp, pp,
+              lora, precision, budget, training, device, policies, honor_lists, dp, zero, tp, pp,
               microbatches, interconnect, fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
@@ -147,6 +150,7 @@ def build_command(output_options, guarded):
                                lambda name, graph: click.echo(f"# after {name}\n"
                                                               + print_graph(graph), nl=False))
         request.lora = _lora(lora)
+        request.precision = precision  # the std FP8 recipe (modulec.lower.fp8_recipe)
         if request.lora is not None and budget is not None:
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
