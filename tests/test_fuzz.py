@@ -1,8 +1,9 @@
-"""Hostile programs (issue 16): a fixed slice of the seeded token-level fuzz run
+"""Hostile programs (issue 16): the seeded token-level fuzz run
 (tests/fuzz/: deletions, duplications, swaps, huge numbers, deep nesting, unicode, lines,
 repeated tokens over std/ and examples/) through `check`, and `build` for those that check
 clean, in-process: never exit 101, never a traceback, each command under its time cap.
-The full run (3,000 programs, a few minutes) is `tests/fuzz/run_fuzz.py --n 3000`."""
+CI runs all 3,000 programs (the issue's floor); `tests/fuzz/run_fuzz.py --n N --seed S`
+runs others and prints the tally."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from tests.fuzz.mutate import mutant, tokens
 from tests.fuzz.run_fuzz import fuzz
 from tests.test_cli import run
 
-SLICE = 150  # programs in CI: about 3 s (the full 3,000: 47 s, tests/fuzz/run_fuzz.py)
+SLICE = 3000  # programs in CI: 47 s on an idle 2-core machine, 56 s under load
 
 
-def test_a_slice_of_the_fuzz_run(tmp_path):
+def test_the_fuzz_run(tmp_path):
     report = fuzz(range(SLICE), seed=0, folder=tmp_path, cap_s=20.0)
     assert report.programs == SLICE
     assert not report.failures, report.summary()
