@@ -4,7 +4,8 @@ qk_norm_rope, the two in one op (decisions.md "Fused QK-norm + RoPE").
 flash_attention is exact softmax attention that materializes the [T, T] scores (the
 reference, not the tiled kernel): S = scale * q . k + alibi[h] * (j - i), masked to -inf
 where j > i (causal) or j <= i - window_size (the last window_size keys, the query's own
-included); P = softmax(S); out = P @ v; lse = logsumexp(S). GQA: query head h reads kv
+included), and in a packed batch where i and j lie in different documents
+(runtime/kernels/documents.py); P = softmax(S); out = P @ v; lse = logsumexp(S). GQA: query head h reads kv
 head h // (Hq / Hkv). The backward recomputes P = exp(S - lse) from the saved lse and
 uses D = rowsum(d_out * out), as FlashAttention-2 does.
 """

@@ -452,6 +452,10 @@ class Run:
         r = self.request
         if self.start:
             progress.note(f"resumed at step {self.start} {self.resumed_from}".rstrip())
+        if self.packing is not None:
+            progress.note(f"packed: id {self.packing.sep} ends each document; attention "
+                          "and positions stay within a document, the target after it is "
+                          "left out of the loss")
         if r.memory_budget is not None and r.device == "cuda":
             counts = _decision_counts(self.trainer.step.decisions)
             progress.note(f"--memory-budget {gib(r.memory_budget)}: the plan recomputes "
