@@ -96,6 +96,22 @@ def check_memory(model, max_memory: int | None = None) -> None:
                                f"more than the {_gib(room)} {where}", help=_help(max_memory))
 
 
+def check_step_state(fixed: int, device, max_memory: int | None = None) -> None:
+    """Refuse a GPU training step whose fixed state alone (weights, split masters, moments,
+    held gradients: runtime.cuda.step.runtime_fixed_bytes) does not fit, before the step
+    allocates it: it failed as an out-of-memory error in the middle of the allocation."""
+    if max_memory is not None:
+        room, where = int(max_memory), "--max-memory allows"
+    else:
+        room, where = available_bytes(device)
+    if fixed > room:
+        raise RuntimeUserError(
+            f"the training step needs at least {_gib(fixed)} for its weights, masters and "
+            f"optimizer state, more than the {_gib(room)} {where}",
+            help=["train LoRA adapters only (--lora), shard the state over several GPUs "
+                  "(torchrun ... --zero 3), or train a smaller model"])
+
+
 def _parameters(model) -> list[tuple]:
     dtypes = model.parameter_dtypes()
     sized = {path: _known(shape) for path, shape in model.parameter_shapes().items()}

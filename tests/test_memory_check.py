@@ -119,3 +119,19 @@ def test_train_refuses_before_loading(tmp_path, no_weights):
     assert ("`blocks[0].mlp.up_weight` [96, 32] float32 needs 12,288 bytes, more than the "
             "10,240 bytes --max-memory allows") in result.output
     assert no_weights == []
+
+
+def test_a_gpu_step_whose_state_does_not_fit_is_refused_before_it_allocates(monkeypatch):
+    """The CUDA trainer checks the step's fixed state (runtime_fixed_bytes) against the
+    free device memory first: it was an out-of-memory error mid-allocation (exit 101)."""
+    monkeypatch.setattr(memory_check, "available_bytes",
+                        lambda device: (3 * 2**30, "GPU 0 has free"))
+    with pytest.raises(RuntimeUserError) as raised:
+        memory_check.check_step_state(12 * 2**30, "cuda")
+    message = str(raised.value.message)
+    assert "needs at least 12.00 GiB for its weights, masters and optimizer state" in message
+    assert "more than the 3.00 GiB GPU 0 has free" in message
+    assert any("--zero 3" in h for h in raised.value.help)
+    memory_check.check_step_state(2 * 2**30, "cuda")  # fits: no error
+    with pytest.raises(RuntimeUserError, match="--max-memory allows"):
+        memory_check.check_step_state(2 * 2**30, "cuda", max_memory=2**30)

@@ -136,6 +136,11 @@ class CUDATrainer:
                               adamw.clip_grad is not None and accumulation == 1)
         if dist is not None:
             dist.context.same_program(program.document)
+        from runtime.cuda.step import runtime_fixed_bytes
+        from runtime.memory_check import check_step_state
+
+        check_step_state(runtime_fixed_bytes(program, "fused", adamw.clip_grad is not None
+                                             and accumulation == 1), "cuda")
         config = AdamWConfig(adamw.lr, adamw.betas, adamw.eps, adamw.weight_decay,
                              adamw.decay_all, adamw.clip_grad)
         # decisions="auto": a budgeted program's recompute decisions run in the step
