@@ -92,6 +92,9 @@ class Fp8State:
         self.history_len = int(scaling.get("history_len", 1))
         self.histories: dict[str, list[float]] = {}
         self.pending: dict[str, float] = {}  # this step's amax per operand so far
+        # a trainer records during its step's passes only: an evaluation or inference
+        # forward between steps reads the histories but adds nothing to them
+        self.recording = False
 
     def site(self, function: str, op: str) -> dict | None:
         return self.sites.get((function, op))
@@ -105,8 +108,8 @@ class Fp8State:
             which = "weight" if weight else "activation"
             return quantize_blocks(x, fmt, tuple(grain[which]), self.margin)
         amax = float(x.detach().abs().max()) if x.numel() else 0.0
-        self.pending[key] = max(self.pending.get(key, 0.0), amax) \
-            if not math.isnan(amax) else self.pending.get(key, 0.0)
+        if self.recording and not math.isnan(amax):
+            self.pending[key] = max(self.pending.get(key, 0.0), amax)
         history = self.histories.get(key)
         if self.kind == "delayed" and history:
             amax = max(history)

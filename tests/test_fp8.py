@@ -182,6 +182,10 @@ def test_delayed_scaling_uses_the_history_and_current_the_tensor():
     small, big = torch.full((4,), 2.0, dtype=torch.float64), \
         torch.full((4,), 100.0, dtype=torch.float64)
     delayed, current = state("delayed"), state("current")
+    delayed.fake_quantize(big, "fp8_e4m3", "k", False)  # not recording: not in the history
+    delayed.end_step()
+    assert delayed.histories == {}
+    delayed.recording = current.recording = True
     for s in (delayed, current):  # step 1: no history yet, both use the tensor's amax
         assert torch.equal(s.fake_quantize(small, "fp8_e4m3", "k", False), small)
         s.end_step()

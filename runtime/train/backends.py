@@ -42,6 +42,9 @@ class CPUTrainer:
         micro-batches' losses and gradients, each parameter's clipped to its `grad_clip`
         and stepped with its own lr and weight decay (`@trainable`); frozen ones not."""
         losses, total = [], {}
+        fp8 = self.model.fp8_state()  # an FP8 recipe: this step's amaxes are recorded
+        if fp8 is not None:
+            fp8.recording = True
         for index, part in enumerate(window.split(self.batch)):
             self.model.rng_seed = self.adamw.step * 65_536 + index  # dropout masks
             loss, grads = self._loss_and_gradients(part)
@@ -49,6 +52,8 @@ class CPUTrainer:
             for path, grad in grads.items():
                 total[path] = total[path] + grad if path in total else grad
         self.model.rng_seed = None  # outside a step: inference, no dropout
+        if fp8 is not None:
+            fp8.recording = False
         if len(losses) > 1:
             total = {p: g / len(losses) for p, g in total.items()}
         settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
@@ -58,8 +63,8 @@ class CPUTrainer:
         scale = None if self.adamw.clip_grad is None else \
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
-        if self.model.fp8_state() is not None:  # the step's amaxes join their histories
-            self.model.fp8.end_step()
+        if fp8 is not None:  # the step's amaxes join their histories
+            fp8.end_step()
         return sum(losses) / len(losses)
 
     def set_lr(self, lr: float) -> None:
