@@ -324,3 +324,25 @@ def test_the_interpreter_quantizes_a_covered_matmul_and_its_gradient(tmp_path):
     assert torch.allclose(grads.params["p.w"], d_h.T @ q(x, "fp8_e4m3"), rtol=1e-12)
     assert torch.allclose(grads.inputs["x"], d_h @ q(w, "fp8_e4m3"), rtol=1e-12)
     assert model.fp8.histories == {}  # no trainer step closed: nothing pushed yet
+
+
+def test_per_block_recipes_scale_each_activation_row_in_the_interpreter(tmp_path):
+    """1 x 128 activation tiles: each row of x (4 wide) by its own amax; the 4 x 4 weight is
+    one 128 x 128 tile (its amax)."""
+    from runtime.model import Model
+
+    path = tmp_path / "m.module"
+    path.write_text(RECIPE_FILE.format(extra="  granularity: per_block\n").replace(
+        "scaling_strategy: delayed", "scaling_strategy: current"))
+    model = Model.from_module(path, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    model.params.update({"p.w": torch.randn(4, 4, generator=g, dtype=torch.float64),
+                         "head": torch.eye(8, 4, dtype=torch.float64)})
+    x = torch.randn(2, 4, generator=g, dtype=torch.float64) * torch.tensor([[1e-3], [10.0]],
+                                                                          dtype=torch.float64)
+    rows = torch.stack([quantize(r, "fp8_e4m3", scale_for(float(r.abs().max()), "fp8_e4m3"))
+                        for r in x])
+    w = model.params["p.w"]
+    weight = quantize(w, "fp8_e4m3", scale_for(float(w.abs().max()), "fp8_e4m3"))
+    logits = model.forward(x=x)["logits"]
+    assert torch.allclose(logits[:, :4], rows @ weight.T, rtol=1e-12, atol=0)
