@@ -201,6 +201,14 @@ class IRSource:
     def program_for(self, inputs: dict) -> Program:
         program = self.program()
         declared = program.metadata["inputs"]
+        unsized = sorted({d for spec in declared for d in spec["shape"]
+                          if not str(d).isdigit()})
+        if unsized:  # its ops' sizes (zeros(shape=[B, T, ..]), views) stay symbols: exit 101
+            raise RuntimeUserError(
+                f"{self.path} was built without sizes for {', '.join(unsized)}: an IR "
+                "document runs at the sizes it was built for",
+                help=[f"rebuild it with {' '.join(f'--shape {d}=N' for d in unsized)}, or "
+                      "run the .module (it builds at the batch's sizes)"])
         for spec in declared:
             want = [int(d) for d in spec["shape"]] if all(
                 d.isdigit() for d in spec["shape"]) else None

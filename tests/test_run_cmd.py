@@ -104,6 +104,19 @@ def test_an_ir_document_refuses_other_sizes(tmp_path):
     assert result.exit_code == 1 and "was built for [2, 5]" in result.output
 
 
+def test_an_ir_document_built_without_sizes_is_refused(tmp_path):
+    """Its op attributes keep the symbols (zeros(shape=[B, T, d])): run and train exited
+    101 in the first op that read one."""
+    ir = tmp_path / "llama.ir"
+    assert run("build", LLAMA, *SETTINGS, "-o", ir).exit_code == 0
+    inputs = _inputs(tmp_path, token_ids=_ids())
+    result = run("run", ir, "--random-weights", "0", "--inputs", inputs, "--outputs",
+                 tmp_path / "o.safetensors")
+    assert result.exit_code == 1, result.output
+    assert "was built without sizes for B, T" in result.output
+    assert "--shape B=N --shape T=N" in result.output
+
+
 # ====================================================================== inline calls (issue 15)
 INLINE = """
 module Double():
