@@ -79,8 +79,6 @@ def test_yarn_configs_build_in_the_other_std_models(tmp_path, model):
      "`rope_scaling.rope_type` is `proportional`, which the rope primitive does not compute"),
     (dict(YARN, mscale=0.7), "`rope_scaling.mscale` is `0.7`"),
     (dict(YARN, truncate=False), "`rope_scaling.truncate` is `false`"),
-    ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
-     "`rope_scaling.short_factor` is `[1.0, 1.0, 1.0, 1.0]`"),
     ({"rope_type": "default", "mrope_section": [2, 1, 1]}, "`rope_scaling.mrope_section`"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5},
      "`rope_scaling.partial_rotary_factor` is `0.5`"),
@@ -236,6 +234,7 @@ LAYOUT_NEEDS_ROPE = "rope_type, partial_rotary_factor and rope_interleaved need 
     (", partial_rotary_factor=0.5", LAYOUT_NEEDS_ROPE),
     (", rope_interleaved=true", LAYOUT_NEEDS_ROPE),
     (", rope_factor=2.0", "the rope_* parameters need use_rope"),
+    (", rope_short_factor=[1.0, 2.0]", "the rope_* parameters need use_rope"),
 ])
 def test_rope_parameters_without_rope_are_refused(tmp_path, extra, shown):
     """use_rope=false (GPT-2) emits no rope op: a RoPE parameter given there would do nothing."""

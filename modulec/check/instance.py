@@ -135,6 +135,13 @@ def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
                              "type", declared.span, "not a type",
                              help=[f"types of parameters: {', '.join(PARAM_TYPES)}"])
         return
+    if isinstance(declared, A.ListExpr):  # `[float]`: a list of one scalar type
+        element = declared.items[0] if len(declared.items) == 1 else None
+        if not (isinstance(element, A.Name) and element.id in PARAM_TYPES[:4]):
+            instance.world.error("E002", f"parameter `{param.name}`: a list type names one "
+                                 "scalar type", declared.span, "not a type",
+                                 help=["`[float]`, `[int]`, `[bool]` or `[string]`"])
+        return
     if not isinstance(declared, A.Name) or declared.id in PARAM_TYPES:
         return
     world = instance.world
@@ -530,11 +537,14 @@ def _fits(declared, value) -> bool:
     """Whether a module argument suits its parameter's declared type (untyped: anything)."""
     optional = isinstance(declared, A.OptionalType)
     kind = (declared.value if optional else declared)
-    kind = kind.id if isinstance(kind, A.Name) else None
     if isinstance(value, Unknown):
         return True
     if value is None:
-        return kind is None or optional
+        return not isinstance(kind, (A.Name, A.ListExpr)) or optional
+    if isinstance(kind, A.ListExpr):  # `[float]`: a list of such values
+        return len(kind.items) == 1 and isinstance(value, (tuple, list)) and \
+            all(_fits(kind.items[0], v) for v in value)
+    kind = kind.id if isinstance(kind, A.Name) else None
     checks = {"int": lambda v: isinstance(v, Dim),
               "float": lambda v: isinstance(v, (float, Dim)) and not isinstance(v, bool),
               "bool": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str)}

@@ -23,7 +23,7 @@ from modulec.lower.hf_config_fields import (FIELD_ALIASES, tie_problem, unmapped
 from modulec.lower.lowering import lower_model, recording_world
 from modulec.lower.passes import PassContext, run_pipeline
 from modulec.lower.rope_config import (config_field, is_scaling_field, rope_problems,
-                                       unread_by_kind)
+                                       unread_by_kind, with_legacy_types)
 from modulec.lower.schedule import schedule_data
 from modulec.lower.training_settings import training_metadata
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
@@ -354,6 +354,7 @@ def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
                                  help=["config.json holds one object of fields"]))
         return {}
     values = {}
+    config = with_legacy_types(config, notices, Path(path))
     mapped = with_aliases({field_name for _, field_name in _param_mapping(decl)})
     diagnostics += rope_problems(config, mapped, Path(path))
     diagnostics += unmapped_field_problems(config, mapped, Path(path))

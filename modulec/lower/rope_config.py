@@ -7,7 +7,8 @@ section's keys to its parameters in `hf_config.param_mapping` (std/models/llama.
 model that computes other frequencies: a rope type the primitive does not compute; a
 scaled type in a program that does not map `rope_type`; a key the type reads that the
 program does not map (unless it holds the value that changes nothing); multimodal
-`mrope_section`; a nested `partial_rotary_factor` below 1 the program does not map.
+`mrope_section`; a nested `partial_rotary_factor` below 1 the program does not map;
+longrope factor lists that do not hold one number per rotary frequency.
 A mapped key the type does not read (a `factor` beside `rope_type: default`) is dropped,
 as transformers ignores it, with a notice. docs/decisions.md, "RoPE scaling".
 """
@@ -24,6 +25,9 @@ ALIASES = {"rope_type": ("type",)}  # the oldest configs' `rope_scaling.type`
 # read by a type, and the value under which it changes nothing (absent: no such value)
 NEUTRAL = {"beta_fast": 32, "beta_slow": 1, "truncate": True, "mscale": None,
            "mscale_all_dim": None, "attention_factor": None}
+# model_type -> the older rope type names its transformers config class reads as another
+# (Phi3Config: the first 128k checkpoints said `su`, and `yarn` meant longrope there)
+LEGACY_TYPES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 
 
 def config_field(config: dict, name: str):
@@ -51,6 +55,20 @@ def _section(config: dict) -> tuple[str, dict]:
         if isinstance(config.get(name), dict):
             return name, config[name]
     return SECTIONS[0], {}
+
+
+def with_legacy_types(config: dict, notices: list, path: Path) -> dict:
+    """The config with an older rope type name of its model_type renamed as transformers'
+    config class renames it (LEGACY_TYPES), with a notice; otherwise the config itself."""
+    renames = LEGACY_TYPES.get(config.get("model_type"), {})
+    name, section = _section(config)
+    key = "rope_type" if "rope_type" in section else "type"
+    new = renames.get(section.get(key))
+    if new is None:
+        return config
+    notices.append(f"{path}: `{name}.{key}` `{section[key]}` of a `{config['model_type']}` "
+                   f"config is read as `{new}`, as transformers reads it")
+    return dict(config, **{name: dict(section, **{key: new})})
 
 
 def rope_kind(config: dict) -> str:
@@ -87,6 +105,36 @@ def rope_problems(config: dict, mapped: set[str], path: Path) -> list[Diagnostic
         if key in mapped or value is None or (key in NEUTRAL and value == NEUTRAL[key]):
             continue
         problems.append(_refused(path, name, key, value, f"`{kind}` RoPE's `{key}`"))
+    return problems + _factor_length_problems(config, section, name, kind, path)
+
+
+def _factor_length_problems(config: dict, section: dict, name: str, kind: str,
+                            path: Path) -> list[Diagnostic]:
+    """longrope's lists: one number per rotary frequency, ceil(int(head_dim *
+    partial_rotary_factor) / 2), head_dim as transformers takes it from the config."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int)
+                                          and isinstance(heads, int) and heads > 0 else None)
+    if kind != "longrope" or not isinstance(head_dim, int):
+        return []
+    partial = config_field(config, "partial_rotary_factor")
+    partial = 1.0 if not isinstance(partial, (int, float)) else float(partial)
+    n = (int(head_dim * partial) + 1) // 2
+    problems = []
+    for key in ("short_factor", "long_factor"):
+        got = section.get(key)
+        if got is None:
+            continue
+        if not isinstance(got, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in got):
+            problems.append(error("E010", f"{path}: `{name}.{key}` is not a list of numbers",
+                                  None))
+        elif len(got) != n:
+            problems.append(error(
+                "E010", f"{path}: `{name}.{key}` has {len(got)} numbers; longrope needs one "
+                f"per rotary frequency, {n}", None,
+                help=[f"int(head_dim * partial_rotary_factor) / 2, rounded up: head_dim "
+                      f"{head_dim}, partial_rotary_factor {partial:g}"]))
     return problems
 
 
