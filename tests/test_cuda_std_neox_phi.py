@@ -3,7 +3,8 @@
 parameter gradient's cosine >= 0.999, on the same weights and batch (as
 tests/test_cuda_std_models.py). GPT-NeoX: parallel residual, head-interleaved QKV, rotary
 on a quarter of each head (Pythia's rotary_pct); Phi-3: fused qkv / gate_up, partial
-rotary 0.75, a sliding window shorter than T, pad tokens in the batch."""
+rotary 0.75, a sliding window shorter than T, pad tokens in the batch, and with the 128k
+checkpoints' longrope (long factors: T above original_max_position_embeddings)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 B, T, VOCAB = 2, 128, 512
+# Phi-3 longrope: 256 / 4 * 0.75 = 48 rotary channels, 24 frequencies
+SHORT = [1.0 + 0.05 * i for i in range(24)]
+LONG = [1.0 + 0.5 * i for i in range(24)]
 MODELS = {  # name: (module, HF prefix, HF config, our settings)
     "gpt_neox": ("std/models/gpt_neox.module", "GPTNeoX",
                  dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -27,6 +31,18 @@ MODELS = {  # name: (module, HF prefix, HF config, our settings)
                   sliding_window=64, pad_token_id=0),
              dict(d_model=256, n_layers=2, num_heads=4, num_kv_heads=2, d_ff=512,
                   partial_rotary_factor=0.75, window_size=64, padding_idx=0)),
+    # the 128k checkpoints' longrope: T = 128 > original 64, so both sides use long_factor
+    "phi3-longrope": ("std/models/phi3.module", "Phi3",
+                      dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=512,
+                           partial_rotary_factor=0.75, sliding_window=64, pad_token_id=0,
+                           original_max_position_embeddings=64,
+                           rope_scaling=dict(type="longrope", short_factor=SHORT,
+                                             long_factor=LONG)),
+                      dict(d_model=256, n_layers=2, num_heads=4, num_kv_heads=2, d_ff=512,
+                           partial_rotary_factor=0.75, window_size=64, padding_idx=0,
+                           rope_type='"longrope"', rope_original_max_seq=64,
+                           rope_short_factor=SHORT, rope_long_factor=LONG)),
 }
 
 
@@ -66,7 +82,7 @@ def test_bf16_step_matches_transformers_in_bf16(name, tmp_path):
     step.load(weights)
     tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
                            dtype=torch.int32)
-    if name == "phi3":
+    if name.startswith("phi3"):
         tokens[:, ::9] = 0  # pad tokens: their embedding row gets no gradient
     tokens = tokens.cuda()
     step.set_batch(tokens)

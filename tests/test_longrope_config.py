@@ -40,13 +40,15 @@ def test_older_phi3_type_names_are_longrope(tmp_path, old):
     assert rope_attrs(ir)["rope_type"] == "longrope"
 
 
-@pytest.mark.parametrize("model", ["std/models/llama.module", "std/models/qwen2.module",
-                                   "std/models/mistral.module"])
-def test_longrope_configs_build_in_the_other_dense_models(tmp_path, model):
+@pytest.mark.parametrize("model", ["llama", "qwen2", "mistral", "qwen3", "mixtral",
+                                   "qwen3_moe"])
+def test_longrope_configs_build_in_the_other_std_models(tmp_path, model):
     section = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
                "original_max_position_embeddings": 32, "factor": 4.0}
-    result, ir = build(tmp_path, model, BASE | {"rope_scaling": section,
-                                                "sliding_window": None})
+    config = BASE | {"rope_scaling": section, "sliding_window": None, "head_dim": 8,
+                     "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 16}
+    result, ir = build(tmp_path, f"std/models/{model}.module", config)
     assert result.exit_code == 0, result.output
     attrs = rope_attrs(ir)
     assert (attrs["rope_type"], attrs["short_factor"], attrs["long_factor"], attrs["factor"]) \
