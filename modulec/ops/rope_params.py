@@ -74,13 +74,22 @@ def _numbers_problem(params: dict, kind: str, D: Dim | None):
             if problem is not None:
                 return problem
     for name in ("factor", "low_freq_factor", "high_freq_factor", "theta"):
-        value = params.get(name)
-        if isinstance(value, float) and not value > 0:
+        value = _number(params.get(name))  # `theta = -1` is an int: it passed as one
+        if value is not None and not value > 0:
             return (f"`{name}` is {value}; it must be positive", ())
     if kind == "llama3" and isinstance(params.get("low_freq_factor"), float) \
             and params.get("low_freq_factor") == params.get("high_freq_factor"):
         return ("`low_freq_factor` equals `high_freq_factor`: llama3's smoothing divides by "
                 "their difference", ())
+    return None
+
+
+def _number(value) -> float | None:
+    """A float, int or constant Dim as a float; None for anything else (unknown, unset)."""
+    if isinstance(value, Dim):
+        return float(value.value) if value.is_const else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
     return None
 
 

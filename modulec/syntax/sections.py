@@ -73,7 +73,17 @@ def _check_nested(item, name, primitive) -> list[Diagnostic]:
     for child in item.body:  # `out: [..]` is an entry: renamed, it lost the outputs unseen
         if isinstance(child, (A.Section, A.Entry)) and not _gradient_or_known(child, nested):
             diagnostics.append(_unknown(child.key, _key_name(child.key), nested, f"`{name}:`"))
+        elif isinstance(child, A.Section) and _key_name(child.key) != "graph":
+            diagnostics += _flows_outside_graph(child, name)
     return diagnostics
+
+
+def _flows_outside_graph(section: A.Section, outer: str) -> list[Diagnostic]:
+    """Graph statements indented under `out:` (or `in:`, `save:`, ...) instead of `graph:`:
+    they were dropped, and the forward computed nothing."""
+    where = f"`{_key_name(section.key)}:` of `{outer}:`"
+    return [_misplaced(child, _describe(child), where) for child in section.body
+            if isinstance(child, (A.Flow, A.Step, A.IfBlock))]
 
 
 def _check_verify_backward(section: A.Section) -> list[Diagnostic]:
