@@ -437,3 +437,24 @@ def test_every_std_declaration_built_alone_verifies(path, name, derive):
     result = build(BuildRequest(path, model=name, shapes={"B": 2, "T": 4},
                                 derive_written=derive))
     assert result.document is not None, [d.message for d in result.diagnostics]
+
+
+def test_a_declared_but_uncalled_module_is_left_out_of_the_weight_schema(tmp_path):
+    """A module parameter the forward never calls has no function in the graph, so its
+    weights have nothing to load into: the weight schema named them anyway, and `ir
+    verify` refused the build's own document (found by the soundness test's mutants)."""
+    path = tmp_path / "unused.module"
+    path.write_text("module Inner(d: int):\n  params:\n    w: [d, d]\n  forward:\n"
+                    "    in: x: [B, d]\n    out: y: [B, d]\n    graph:\n"
+                    "      x -> matmul(w, transpose=NT) -> y\n\n"
+                    "model U(d: int = 4):\n  params:\n    w: [d, d]\n    inner: Inner(d)\n"
+                    "  forward:\n    in: x: [B, d]\n    out: y: [B, d]\n    graph:\n"
+                    "      x -> matmul(w, transpose=NT) -> y\n"
+                    "  hf_mapping:\n    w: \"w\"\n    inner.w: \"inner.w\"\n",
+                    encoding="utf-8")
+    result = build(BuildRequest(path, shapes={"B": 2}))
+    assert result.document is not None, result.diagnostics
+    assert [e["param"] for e in result.document["weight_schema"]] == ["w"]
+    out = tmp_path / "u.ir"
+    out.write_text(dumps(result.document), encoding="utf-8")
+    assert CliRunner().invoke(modulec, ["ir", "verify", str(out)]).exit_code == 0

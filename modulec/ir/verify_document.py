@@ -140,6 +140,17 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def read_by_graph(schema: list, graph: Graph) -> list:
+    """The entries of `schema` naming parameters the graph has: a parameter a program
+    declares but never reads is in no function of its graph, so there is nothing to load
+    it into (the build writes the schema through this; `ir verify` refuses the others)."""
+    shapes = _parameter_shapes(graph)
+    if shapes is None:
+        return schema
+    return [e for e in schema if any(p in shapes for p in
+                                     _paths(e["param"], e.get("stacks") or []))]
+
+
 def _paths(template: str, stacks: list):
     """Every concrete path of `template` (its `{i}` placeholders filled)."""
     paths = [template]

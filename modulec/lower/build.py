@@ -167,6 +167,9 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
         document["weight_schema"] = shard_weight_schema(document["weight_schema"], graph,
                                                         tensor_parallel)
         document["schedule"]["tensor_parallel"] = section(tensor_parallel)
+    from modulec.ir.verify_document import read_by_graph
+
+    document["weight_schema"] = read_by_graph(document["weight_schema"], graph)
     if request.distributed is not None:
         document["schedule"]["distributed"] = _distributed(graph, document, request)
     _pipeline(graph, document, request)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 
 from modulec.diagnostics import Diagnostic, error
+from modulec.diagnostics.diagnostic import Label
 from modulec.syntax import ast as A
 
 MODULE_SECTIONS = frozenset({
@@ -44,9 +45,17 @@ def check_sections(program: A.Program) -> list[Diagnostic]:
 
 
 def _check_body(items, allowed, where: str, primitive: bool) -> list[Diagnostic]:
-    diagnostics = []
+    diagnostics, seen = [], {}
     for item in items:
         diagnostics += _check_item(item, allowed, where, primitive)
+        name = _key_name(item.key) if isinstance(item, (A.Section, A.Entry)) else None
+        if name in allowed and name in seen:  # the second one was read, the first dropped
+            diagnostics.append(error(
+                "E001", f"section `{name}` appears twice in {where}", item.key.span,
+                "second one here", secondary=[Label(seen[name].span, "first one here")],
+                help=[f"merge them into one `{name}:` section"]))
+        elif name is not None:
+            seen.setdefault(name, item.key)
     return diagnostics
 
 
