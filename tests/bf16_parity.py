@@ -42,3 +42,49 @@ def far_gradients(ours: dict, bf16: dict, fp32: dict, slack: float = SLACK) -> l
             continue
         bad.append((name, round(near, 5), round(mine / max(theirs, 1e-30), 2)))
     return bad
+
+
+def tiny_hf_checkpoint(folder, config_class: str, model_class: str, perturb=None, **config):
+    """A transformers model (seed 0, eval mode: no dropout, sdpa attention) saved to
+    `folder`, its 1-d parameters (norm scales, biases) moved off their init by 0.1 N(0, 1)
+    so that a mixed-up one shows; `perturb(name, parameter)` changes more."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, config_class)(**config)
+    hf_config._attn_implementation = "sdpa"
+    model = getattr(transformers, model_class)(hf_config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            if perturb is not None:
+                perturb(name, parameter)
+    model.save_pretrained(folder)
+    return model
+
+
+def step_gradients(module: str, settings: dict, folder, tokens, dtype=torch.bfloat16):
+    """One GPU step of std `module` at `settings` on the checkpoint in `folder` and the
+    int32 batch `tokens`: (loss, every parameter gradient in fp32 under the checkpoint's
+    names)."""
+    from runtime.cuda.step import TrainStep
+    from runtime.hf_weights import export_hf_tensors, load_hf_weights
+
+    batch, seq = tokens.shape
+    step = TrainStep.from_module(module, settings, batch=batch, seq=seq, dtype=dtype)
+    weights = load_hf_weights(step.program.weight_schema, folder, dtype=torch.float32,
+                              device="cuda")
+    step.load(weights)
+    step.set_batch(tokens.cuda())
+    loss, grads = step.loss_and_gradients()
+    return float(loss), export_hf_tensors(step.program.weight_schema,
+                                          {p: g.float() for p, g in grads.items()},
+                                          gradients=True, layout=weights.layout)
+
+
+def hf_loss_and_gradients(model, tokens, rename=lambda name: name):
+    """transformers' loss with labels on `tokens` and its gradients by (renamed) name."""
+    loss = model(input_ids=tokens.long().cuda(), labels=tokens.long().cuda()).loss
+    loss.backward()
+    return float(loss), {rename(n): p.grad for n, p in model.named_parameters()}

@@ -211,8 +211,9 @@ def test_gpu_lora_step_draws_a_new_mask_each_replay():
     assert all(abs(x - reference) / reference < 0.05 for x in losses), (losses, reference)
 
 
-IA3_LM = """\
-model TinyIa3(vocab_size: int = 64, d: int = 32):
+# a tiny language model whose middle matmul carries the annotation under test
+TINY_LM = """\
+model Tiny(vocab_size: int = 64, d: int = 32):
   params:
     emb: [vocab_size, d]
     w: [d, d]
@@ -222,9 +223,10 @@ model TinyIa3(vocab_size: int = 64, d: int = 32):
     out: logits: [B, T, vocab_size]
     graph:
       token_ids -> embedding(emb) -> h
-      h -> matmul(w, transpose=NT) -> k @adapter(ia3)
+      h -> {middle}
       k -> matmul(head, transpose=NT) -> logits
 """
+IA3_LM = TINY_LM.format(middle="matmul(w, transpose=NT) -> k @adapter(ia3)")
 
 
 @pytest.mark.cuda
@@ -267,20 +269,7 @@ def test_gpu_ia3_step_matches_the_cpu_reference_and_trains_the_vector_alone(tmp_
     assert all(torch.equal(step.compute[p], frozen[p]) for p in frozen)
 
 
-KERNEL_LM = """\
-model TinyChoice(vocab_size: int = 64, d: int = 32):
-  params:
-    emb: [vocab_size, d]
-    w: [d, d]
-    head: [vocab_size, d]
-  forward:
-    in: token_ids: [B, T, int32]
-    out: logits: [B, T, vocab_size]
-    graph:
-      token_ids -> embedding(emb) -> h
-      h -> matmul(w, transpose=NT) {choice} -> k
-      k -> matmul(head, transpose=NT) -> logits
-"""
+KERNEL_LM = TINY_LM.format(middle="matmul(w, transpose=NT) {choice} -> k")
 
 
 @pytest.mark.cuda

@@ -275,44 +275,19 @@ def test_bf16_step_with_scaled_rope_matches_transformers(name, tmp_path):
     """One bf16 GPU training step of std Llama (llama3 rope) and Qwen3 (yarn, cos/sin scaled,
     through the fused qk_norm_rope) against transformers in bf16 on the same weights and
     batch: loss within 1e-2 relative, every gradient's cosine >= 0.999."""
-    import transformers
-
-    from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import export_hf_tensors, load_hf_weights
+    from tests.bf16_parity import cosine, hf_loss_and_gradients, step_gradients
+    from tests.bf16_parity import tiny_hf_checkpoint
 
     path, config_class, model_class, config, settings = HF_SCALED[name]
     B, T, vocab = 2, 128, 512
-    torch.manual_seed(0)
-    hf_config = getattr(transformers, config_class)(vocab_size=vocab, max_position_embeddings=T,
-                                                    **config)
-    hf_config._attn_implementation = "sdpa"
-    hf = getattr(transformers, model_class)(hf_config)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path)
-    hf = hf.to("cuda", torch.bfloat16)
-    step = TrainStep.from_module(path, {k: str(v) for k, v in settings.items()}
-                                 | {"vocab_size": str(vocab), "max_seq": str(T)},
-                                 batch=B, seq=T, dtype=torch.bfloat16)
-    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
-                              device="cuda")
-    step.load(weights)
+    hf = tiny_hf_checkpoint(tmp_path, config_class, model_class, vocab_size=vocab,
+                            max_position_embeddings=T, **config).to("cuda", torch.bfloat16)
     tokens = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(7),
-                           dtype=torch.int32).cuda()
-    step.set_batch(tokens)
-    loss, grads = step.loss_and_gradients()
-    hf_loss = hf(input_ids=tokens.long(), labels=tokens.long()).loss
-    hf_loss.backward()
-    assert abs(float(loss) - float(hf_loss)) / float(hf_loss) < 1e-2
-    ours = export_hf_tensors(step.program.weight_schema, {p: g.float() for p, g in grads.items()},
-                             gradients=True, layout=weights.layout)
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+                           dtype=torch.int32)
+    loss, ours = step_gradients(path, dict(settings, vocab_size=vocab, max_seq=T), tmp_path,
+                                tokens)
+    hf_loss, hf_grads = hf_loss_and_gradients(hf, tokens)
+    assert abs(loss - hf_loss) / hf_loss < 1e-2
     assert ours.keys() == hf_grads.keys()
-
-    def cos(a, b):
-        a, b = a.double().flatten(), b.double().flatten()
-        return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
-    worst = min((cos(ours[n], hf_grads[n]), n) for n in ours)
+    worst = min((cosine(ours[n], hf_grads[n]), n) for n in ours)
     assert worst[0] >= 0.999, worst

@@ -14,7 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.bf16_parity import far_gradients, fp32_and_bf16  # noqa: E402
+from tests.bf16_parity import (  # noqa: E402
+    far_gradients, fp32_and_bf16, hf_loss_and_gradients, step_gradients, tiny_hf_checkpoint,
+)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -41,20 +43,9 @@ MODELS = {  # name: (module, HF config class, HF model class, HF config, our set
 
 
 def _hf_checkpoint(name: str, folder):
-    import transformers
-
     _, config_class, model_class, config, _ = MODELS[name]
-    torch.manual_seed(0)
     sizes = dict(vocab_size=VOCAB) | ({} if name == "gpt2" else dict(max_position_embeddings=T))
-    hf_config = getattr(transformers, config_class)(**sizes, **config)
-    hf_config._attn_implementation = "sdpa"
-    model = getattr(transformers, model_class)(hf_config).eval()  # GPT-2's dropout off
-    with torch.no_grad():  # norms off their init (Gemma's 0, others' 1), biases off 0
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return model
+    return tiny_hf_checkpoint(folder, config_class, model_class, **sizes, **config)
 
 
 def _tokens(name: str):
@@ -67,25 +58,13 @@ def _tokens(name: str):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_bf16_step_matches_transformers_in_bf16(name, tmp_path):
-    from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import export_hf_tensors, load_hf_weights
-
     path, *_, settings = MODELS[name]
     hf32, hf = fp32_and_bf16(_hf_checkpoint(name, tmp_path))
-    step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
-                                 seq=T, dtype=torch.bfloat16)
-    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
-                              device="cuda")
-    step.load(weights)
-    tokens = _tokens(name).cuda()
-    step.set_batch(tokens)
-    loss, grads = step.loss_and_gradients()
-    for model in (hf, hf32):
-        model(input_ids=tokens.long(), labels=tokens.long()).loss.backward()
-    fp32_loss = float(hf32(input_ids=tokens.long(), labels=tokens.long()).loss)
-    assert abs(float(loss) - fp32_loss) / fp32_loss < 1e-2
-    ours = export_hf_tensors(step.program.weight_schema, {p: g.float() for p, g in grads.items()},
-                             gradients=True, layout=weights.layout)
-    bf16, fp32 = ({n: p.grad for n, p in m.named_parameters()} for m in (hf, hf32))
+    tokens = _tokens(name)
+    loss, ours = step_gradients(path, dict(settings, vocab_size=VOCAB, max_seq=T), tmp_path,
+                                tokens)
+    _, bf16 = hf_loss_and_gradients(hf, tokens)
+    fp32_loss, fp32 = hf_loss_and_gradients(hf32, tokens)
+    assert abs(loss - fp32_loss) / fp32_loss < 1e-2
     assert ours.keys() == fp32.keys()
     assert not far_gradients(ours, bf16, fp32)

@@ -13,7 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.bf16_parity import cosine, far_gradients, fp32_and_bf16  # noqa: E402
+from tests.bf16_parity import (  # noqa: E402
+    cosine, far_gradients, fp32_and_bf16, hf_loss_and_gradients, step_gradients,
+    tiny_hf_checkpoint,
+)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -49,23 +52,38 @@ MODELS = {  # name: (module, HF prefix, HF config, our settings, expert names)
 }
 
 
-def _hf_checkpoint(name: str, folder):
-    import transformers
+def _routers_decisive(name: str, parameter) -> None:
+    """At init's 0.02 the routing is nearly uniform, and bf16 rounding alone would pick
+    other experts."""
+    if name.endswith("mlp.gate.weight"):
+        parameter.mul_(50.0)
 
+
+def _hf_checkpoint(name: str, folder):
     _, prefix, config, *_ = MODELS[name]
-    torch.manual_seed(0)
-    hf_config = getattr(transformers, f"{prefix}Config")(vocab_size=VOCAB,
-                                                         max_position_embeddings=T, **config)
-    hf_config._attn_implementation = "sdpa"
-    model = getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval()
-    with torch.no_grad():  # norms off their init; routers decisive (at init's 0.02 the
-        for n, p in model.named_parameters():  # routing is nearly uniform, and bf16 rounding
-            if p.dim() == 1:                    # alone would pick other experts)
-                p.add_(0.1 * torch.randn_like(p))
-            if n.endswith("mlp.gate.weight"):
-                p.mul_(50.0)
-    model.save_pretrained(folder)
-    return model
+    return tiny_hf_checkpoint(folder, f"{prefix}Config", f"{prefix}ForCausalLM",
+                              perturb=_routers_decisive, vocab_size=VOCAB,
+                              max_position_embeddings=T, **config)
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
+                         dtype=torch.int32)
+
+
+def _ours(name: str, folder, dtype):
+    path, _, _, settings, _ = MODELS[name]
+    return step_gradients(path, dict(settings, vocab_size=VOCAB, max_seq=T), folder,
+                          _tokens(), dtype)
+
+
+def _theirs(name: str, model):
+    """transformers' loss (COEF x its aux_loss included) and gradients, per expert."""
+    tokens = _tokens().long().cuda()
+    with torch.no_grad():
+        assert float(model(input_ids=tokens, labels=tokens).aux_loss) > 0
+    loss, grads = hf_loss_and_gradients(model, _tokens())
+    return loss, _checkpoint_names(grads, *MODELS[name][4])
 
 
 def _checkpoint_names(grads: dict, experts: str, gate: str, up: str, down: str) -> dict:
@@ -90,30 +108,10 @@ def _checkpoint_names(grads: dict, experts: str, gate: str, up: str, down: str) 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_bf16_step_with_aux_loss_matches_transformers_in_bf16(name, tmp_path):
-    from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import export_hf_tensors, load_hf_weights
-
-    path, _, _, settings, experts = MODELS[name]
     hf32, hf = fp32_and_bf16(_hf_checkpoint(name, tmp_path))
-    step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
-                                 seq=T, dtype=torch.bfloat16)
-    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
-                              device="cuda")
-    step.load(weights)
-    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
-                           dtype=torch.int32).cuda()
-    step.set_batch(tokens)
-    loss, grads = step.loss_and_gradients()
-    results = [m(input_ids=tokens.long(), labels=tokens.long()) for m in (hf, hf32)]
-    assert all(float(r.aux_loss) > 0 for r in results)  # HF's loss includes COEF * aux_loss
-    for result in results:
-        result.loss.backward()
-    fp32_loss = float(results[1].loss)
-    assert abs(float(loss) - fp32_loss) / fp32_loss < 1e-2
-    ours = export_hf_tensors(step.program.weight_schema, {p: g.float() for p, g in grads.items()},
-                             gradients=True, layout=weights.layout)
-    bf16, fp32 = (_checkpoint_names({n: p.grad for n, p in m.named_parameters()}, *experts)
-                  for m in (hf, hf32))
+    loss, ours = _ours(name, tmp_path, torch.bfloat16)
+    (_, bf16), (fp32_loss, fp32) = _theirs(name, hf), _theirs(name, hf32)
+    assert abs(loss - fp32_loss) / fp32_loss < 1e-2
     assert ours.keys() == fp32.keys()
     # a router's top-k flips under bf16 rounding in either implementation: ours measured
     # 2.19 x transformers' bf16 error on Qwen3-MoE step 2's router, where the fp32 steps
@@ -123,25 +121,10 @@ def test_bf16_step_with_aux_loss_matches_transformers_in_bf16(name, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fp32_step_with_aux_loss_matches_transformers_in_fp32(name, tmp_path):
-    from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import export_hf_tensors, load_hf_weights
-
-    path, _, _, settings, experts = MODELS[name]
     hf = _hf_checkpoint(name, tmp_path).to("cuda", torch.float32)
-    step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
-                                 seq=T, dtype=torch.float32)
-    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
-                              device="cuda")
-    step.load(weights)
-    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
-                           dtype=torch.int32).cuda()
-    step.set_batch(tokens)
-    loss, grads = step.loss_and_gradients()
-    result = hf(input_ids=tokens.long(), labels=tokens.long())
-    result.loss.backward()
-    assert abs(float(loss) - float(result.loss)) / float(result.loss) < 1e-5
-    ours = export_hf_tensors(step.program.weight_schema, grads, gradients=True,
-                             layout=weights.layout)
-    fp32 = _checkpoint_names({n: p.grad for n, p in hf.named_parameters()}, *experts)
+    loss, ours = _ours(name, tmp_path, torch.float32)
+    fp32_loss, fp32 = _theirs(name, hf)
+    assert abs(loss - fp32_loss) / fp32_loss < 1e-5
+    assert ours.keys() == fp32.keys()
     worst = min((cosine(ours[n], fp32[n]), n) for n in fp32)
     assert worst[0] >= 0.9999, worst

@@ -12,6 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.bf16_parity import (  # noqa: E402
+    cosine, hf_loss_and_gradients, step_gradients, tiny_hf_checkpoint,
+)
+
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -46,55 +50,27 @@ MODELS = {  # name: (module, HF prefix, HF config, our settings)
 }
 
 
-def _cos(a, b) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
-
-
 def _hf_checkpoint(name: str, folder):
-    import transformers
-
     _, prefix, config, _ = MODELS[name]
-    torch.manual_seed(0)
-    hf_config = getattr(transformers, f"{prefix}Config")(vocab_size=VOCAB,
-                                                         max_position_embeddings=T, **config)
-    hf_config._attn_implementation = "sdpa"
-    model = getattr(transformers, f"{prefix}ForCausalLM")(hf_config)
-    with torch.no_grad():  # norms off their init, biases off 0
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return model
+    return tiny_hf_checkpoint(folder, f"{prefix}Config", f"{prefix}ForCausalLM",
+                              vocab_size=VOCAB, max_position_embeddings=T, **config)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_bf16_step_matches_transformers_in_bf16(name, tmp_path):
-    from runtime.cuda.step import TrainStep
-    from runtime.hf_weights import export_hf_tensors, load_hf_weights
-
     path, _, _, settings = MODELS[name]
     hf = _hf_checkpoint(name, tmp_path).to("cuda", torch.bfloat16)
-    step = TrainStep.from_module(path, dict(settings, vocab_size=VOCAB, max_seq=T), batch=B,
-                                 seq=T, dtype=torch.bfloat16)
-    weights = load_hf_weights(step.program.weight_schema, tmp_path, dtype=torch.float32,
-                              device="cuda")
-    step.load(weights)
     tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7),
                            dtype=torch.int32)
     if name.startswith("phi3"):
         tokens[:, ::9] = 0  # pad tokens: their embedding row gets no gradient
-    tokens = tokens.cuda()
-    step.set_batch(tokens)
-    loss, grads = step.loss_and_gradients()
-    hf_loss = hf(input_ids=tokens.long(), labels=tokens.long()).loss
-    hf_loss.backward()
-    assert abs(float(loss) - float(hf_loss)) / float(hf_loss) < 1e-2
-    ours = export_hf_tensors(step.program.weight_schema, {p: g.float() for p, g in grads.items()},
-                             gradients=True, layout=weights.layout)
+    loss, ours = step_gradients(path, dict(settings, vocab_size=VOCAB, max_seq=T), tmp_path,
+                                tokens)
     # transformers 5 names GPT-NeoX's head `lm_head` in memory, `embed_out` in its files
-    hf_grads = {("embed_out.weight" if n == "lm_head.weight" and name == "gpt_neox" else n):
-                p.grad for n, p in hf.named_parameters()}
+    hf_loss, hf_grads = hf_loss_and_gradients(
+        hf, tokens, lambda n: "embed_out.weight" if n == "lm_head.weight" and
+        name == "gpt_neox" else n)
+    assert abs(loss - hf_loss) / hf_loss < 1e-2
     assert ours.keys() == hf_grads.keys()
-    worst = min((_cos(ours[n], hf_grads[n]), n) for n in ours)
+    worst = min((cosine(ours[n], hf_grads[n]), n) for n in ours)
     assert worst[0] >= 0.999, worst

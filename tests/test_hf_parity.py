@@ -58,7 +58,7 @@ def _hf_model(name: str, directory, dtype):
     return model.to(dtype).eval()
 
 
-def _rmsnorm_in_input_dtype(norm, offset: float):
+def _rmsnorm_in_input_dtype(norm, offset: float = 0.0):
     """HF's RMSNorm upcasts to float32 (`.to(torch.float32)`), which in a float64 model
     rounds to float32; the same formula without the cast (Gemma's: `(1 + w)`)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))

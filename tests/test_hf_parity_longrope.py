@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from runtime.model import Model  # noqa: E402
-from tests.test_hf_parity_neox_phi import _relative, _rmsnorm_in_input_dtype  # noqa: E402
+from tests.test_hf_parity import _relative, _rmsnorm_in_input_dtype  # noqa: E402
 
 F64 = torch.float64
 ORIGINAL = 4

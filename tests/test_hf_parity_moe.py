@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from runtime.model import Model  # noqa: E402
+from tests.test_hf_parity import _relative, _rmsnorm_in_input_dtype  # noqa: E402
 
 F64 = torch.float64
 COEF = 0.3
@@ -35,19 +36,6 @@ CASES = {
     "mixtral": ("std/models/mixtral.module", "Mixtral", dict(
         num_hidden_layers=2, num_local_experts=4)),
 }
-
-
-def _relative(ours, theirs) -> float:
-    return float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
-
-
-def _rmsnorm_in_input_dtype(norm):
-    """HF's RMSNorm without its float32 upcast."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-
-    def forward(hidden):
-        return norm.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps))
-    norm.forward = forward
 
 
 def _rotary_in_float64(rotary, config):

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from runtime.model import Model  # noqa: E402
+from tests.test_hf_parity import _relative, _rmsnorm_in_input_dtype  # noqa: E402
 
 F64 = torch.float64
 COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -32,18 +33,6 @@ CASES = {  # name: (module, HF prefix, HF config)
         num_hidden_layers=2, num_key_value_heads=2, partial_rotary_factor=0.75,
         pad_token_id=0, sliding_window=4)),
 }
-
-
-def _relative(ours, theirs) -> float:
-    return float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
-
-
-def _rmsnorm_in_input_dtype(norm):
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-
-    def forward(hidden):
-        return norm.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps))
-    norm.forward = forward
 
 
 def _rotary_in_float64(rotary, config):

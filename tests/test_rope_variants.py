@@ -21,6 +21,7 @@ from transformers.models.gptj import modeling_gptj  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from runtime.kernels import KERNELS  # noqa: E402
+from tests.test_hf_parity import _relative, _rmsnorm_in_input_dtype  # noqa: E402
 from runtime.kernels.rope_freq import device_frequencies, frequencies  # noqa: E402
 
 F64 = torch.float64
@@ -298,15 +299,8 @@ def _llama31(directory, spelling: str, dtype=F64):
     model.model.rotary_emb.forward = forward
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):  # HF upcasts to float32
-            def rms(hidden, norm=module):
-                rstd = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-                return norm.weight * (hidden * rstd)
-            module.forward = rms
+            _rmsnorm_in_input_dtype(module)
     return model.to(F64).eval(), inv_freq
-
-
-def _relative(ours, theirs) -> float:
-    return float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("spelling, dtype, tolerance", [

@@ -253,14 +253,15 @@ def _rank_planning(planning, graph, instance, world, request: BuildRequest, reso
 
     training = training_metadata(graph, world.param_settings) or {}
     schema = _weight_schema(instance)
-    dp, choice = request.distributed, ""
-    if dp.zero == AUTO:
-        sections = {z: _distributed_section(graph, schema, training, replace(
-            request, distributed=DataParallel(dp.dp, z))) for z in (2, 3)}
-        zero, choice = choose_zero(graph, resolver, planning, sections)
-        request.distributed = DataParallel(dp.dp, zero)
-    section = _distributed_section(graph, schema, training, request)
-    return replace(planning, fixed_bytes=planner_fixed_bytes(graph, section)), choice
+    dp = request.distributed
+    if dp.zero != AUTO:
+        section = _distributed_section(graph, schema, training, request)
+        return replace(planning, fixed_bytes=planner_fixed_bytes(graph, section)), ""
+    sections = {z: _distributed_section(graph, schema, training, replace(
+        request, distributed=DataParallel(dp.dp, z))) for z in (2, 3)}
+    zero, choice = choose_zero(graph, resolver, planning, sections)
+    request.distributed = DataParallel(dp.dp, zero)
+    return replace(planning, fixed_bytes=planner_fixed_bytes(graph, sections[zero])), choice
 
 
 def _distributed(graph, document: dict, request: BuildRequest) -> dict:

@@ -121,6 +121,14 @@ def parameter_paths(graph) -> list[str]:
     return [path for path, _ in _params(graph, graph.function(graph.entry))]
 
 
+def bucket_key(bucket: dict, instance: int) -> str:
+    """The name of one instance (0-based) of `bucket`: its layer's path (`blocks[3]`), or
+    the bucket's name for an entry parameter's."""
+    template = bucket["path"]
+    return template.replace("{i}", str(bucket["first"] + instance)) if template \
+        else bucket["name"]
+
+
 def bucket_paths(bucket: dict, instance: int) -> list[str]:
     """The parameter paths of one instance (0-based) of `bucket`."""
     return [_path(bucket["path"], bucket["first"] + instance, p["name"])

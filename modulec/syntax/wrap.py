@@ -63,8 +63,13 @@ def _step(prefix: str, step: A.Step, suffix: str, indent: str) -> list[str]:
     call = step.expr
     if len(line) <= WIDTH or not isinstance(call, A.Call) or not call.args:
         return [line]
-    inner, lines, current = indent + P.INDENT, [], ""
-    texts = [P.arg_text(a) for a in call.args]
+    lines = _packed([P.arg_text(a) for a in call.args], indent + P.INDENT)
+    return [prefix + P.expr(call.func, P.ATOM) + "("] + lines + [indent + ")" + suffix]
+
+
+def _packed(texts: list[str], inner: str) -> list[str]:
+    """`texts`, comma-separated, packed into lines of at most WIDTH columns at `inner`."""
+    lines, current = [], ""
     for index, text in enumerate(texts):
         piece = text + ("," if index < len(texts) - 1 else "")
         if current and len(inner + current + " " + piece) > WIDTH:
@@ -72,8 +77,7 @@ def _step(prefix: str, step: A.Step, suffix: str, indent: str) -> list[str]:
             current = piece
         else:
             current = f"{current} {piece}" if current else piece
-    lines.append(inner + current)
-    return [prefix + P.expr(call.func, P.ATOM) + "("] + lines + [indent + ")" + suffix]
+    return lines + [inner + current]
 
 
 def _call_of(value) -> A.Call | None:
@@ -107,14 +111,5 @@ def _tuple_entry(entry: A.Entry, indent: str) -> list[str]:
 
 def _list_entry(entry: A.Entry, indent: str) -> list[str]:
     """`save: [` + the items packed into lines of at most WIDTH columns + `]`."""
-    inner, lines, current = indent + P.INDENT, [], ""
-    texts = [P.expr(item) for item in entry.value.items]
-    for index, text in enumerate(texts):
-        piece = text + ("," if index < len(texts) - 1 else "")
-        if current and len(inner + current + " " + piece) > WIDTH:
-            lines.append(inner + current)
-            current = piece
-        else:
-            current = f"{current} {piece}" if current else piece
-    lines.append(inner + current)
+    lines = _packed([P.expr(item) for item in entry.value.items], indent + P.INDENT)
     return [indent + P.expr(entry.key) + ": ["] + lines + [indent + "]"]

@@ -88,9 +88,9 @@ class Bucket:
         return self.spec["instances"]
 
     def key(self, instance: int) -> str:
-        template = self.spec["path"]
-        return template.replace("{i}", str(self.spec["first"] + instance)) if template \
-            else self.name
+        from modulec.plan.distributed import bucket_key
+
+        return bucket_key(self.spec, instance)
 
     def whole(self, instance: int) -> Tensor:
         """The flat compute weights instance `instance` reads."""

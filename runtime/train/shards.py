@@ -311,6 +311,7 @@ def whole_state(folder: Path) -> dict:
     another number of ranks or another stage)."""
     from safetensors import safe_open
 
+    from modulec.plan.distributed import bucket_key, bucket_paths
     from runtime.cuda.state import joined_master
     from runtime.errors import RuntimeUserError
 
@@ -325,14 +326,11 @@ def whole_state(folder: Path) -> dict:
     state = {part: {} for part in PARTS} | {"step": int(indexes[0]["step"])}
     for spec in indexes[0]["buckets"]:
         for i in range(spec["instances"]):
-            key = spec["path"].replace("{i}", str(spec["first"] + i)) if spec["path"] \
-                else spec["name"]
-            joined = {part: _joined(handles, f"zero.{key}.{part}")
+            joined = {part: _joined(handles, f"zero.{bucket_key(spec, i)}.{part}")
                       for part in ("hi", "lo", "exp_avg", "exp_avg_sq")}
             master = joined_master(joined["hi"], joined["lo"]) if joined["lo"] is not None \
                 else joined["hi"].float()
-            for p in spec["params"]:
-                path = f"{key}.{p['name']}" if spec["path"] else p["name"]
+            for p, path in zip(spec["params"], bucket_paths(spec, i)):
                 cut = slice(p["offset"], p["offset"] + p["numel"])
                 for part, flat in (("masters", master), ("exp_avg", joined["exp_avg"]),
                                    ("exp_avg_sq", joined["exp_avg_sq"])):
