@@ -51,7 +51,9 @@ def test_every_primitive_has_a_gpu_kernel():
     for name in CUSTOM:
         assert isinstance(CUDA_KERNELS[name], CudaKernel)
         assert CUDA_KERNELS[name].forward_inputs == KERNELS[name].forward_inputs
-    for name in ("moe_permute", "moe_unpermute"):  # the routing gathers (runtime/cuda/moe.py)
+    # the routing gathers, the sync-free counts and the grouped GEMM (runtime/cuda/moe.py)
+    for name in ("moe_permute", "moe_unpermute", "moe_router", "moe_compute_offsets",
+                 "grouped_gemm"):
         assert CUDA_KERNELS[name].reference is KERNELS[name]
         assert CUDA_KERNELS[name].backward_inputs == KERNELS[name].backward_inputs
 

@@ -8,6 +8,14 @@ The GPU forward of moe_permute does not re-check `expert_offsets` against the in
 as the reference does: that comparison would sync with the host inside the captured step
 (moe_compute_offsets makes them from the same indices).
 
+moe_router and moe_compute_offsets count the assignments per expert without a host read
+(`expert_counts`: a comparison with each expert id, summed; the reference's
+torch.bincount reads the largest index back to size its output). moe_compute_offsets on
+the GPU does not re-check that every index is below num_experts (the router's top-k
+makes them so). grouped_gemm is runtime/cuda/grouped_gemm.py. So the whole MoE path
+(route, count, permute, experts, unpermute) runs with fixed sizes (N * top_k rows) and
+no host read, and a step with MoE layers is captured in one CUDA graph.
+
 Calls the kernels do not cover (tensors not on CUDA or not contiguous, dtypes other than
 bf16/fp32, indices not int32) go to the reference kernels.
 """
@@ -16,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from runtime.cuda.grouped_gemm import GroupedGemm
 from runtime.kernels import KERNELS
+from runtime.kernels.base import _call
+from runtime.kernels.moe import _router_probs
 
 IO_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -100,4 +111,45 @@ def _weights_ok(weights, rows) -> bool:
             and weights.dtype in IO_DTYPES and weights.device == rows.device)
 
 
-MOE_KERNELS = {"moe_permute": MoePermute(), "moe_unpermute": MoeUnpermute()}
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64 [num_experts]) with fixed sizes and no host read;
+    an index outside 0 .. num_experts-1 is counted nowhere."""
+    experts = torch.arange(num_experts, device=indices.device)
+    return (indices.reshape(-1, 1).long() == experts).sum(0)
+
+
+def _router_forward(x, gate, *, top_k, normalize=True, use_sigmoid=False, **_):
+    """runtime/kernels/moe.py's moe_router forward with `expert_counts` for bincount."""
+    E = gate.shape[0]
+    probs = _router_probs(x, gate, use_sigmoid)
+    p, indices = torch.topk(probs, top_k, dim=-1)
+    weights = p / p.sum(-1, keepdim=True) if normalize else p
+    fraction = expert_counts(indices, E).to(probs.dtype) / indices.shape[0]
+    return [weights, indices.to(torch.int32), torch.stack([fraction, probs.mean(0)])]
+
+
+def _offsets_forward(indices, *, num_experts, **_):
+    counts = expert_counts(indices, num_experts)
+    return [torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)]
+
+
+class _SyncFree(_Reference):
+    """A reference kernel whose forward runs `fn` (the same arithmetic without a host
+    read) on CUDA tensors, through the reference's dtype policy; its backward is the
+    reference's."""
+
+    def __init__(self, name: str, fn):
+        super().__init__(name)
+        self.fn = fn
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+            return self.reference.forward(inputs, attrs)
+        r = self.reference
+        return _call(r, self.fn, r.forward_inputs, r.forward_outputs, inputs, attrs)
+
+
+MOE_KERNELS = {"moe_permute": MoePermute(), "moe_unpermute": MoeUnpermute(),
+               "moe_router": _SyncFree("moe_router", _router_forward),
+               "moe_compute_offsets": _SyncFree("moe_compute_offsets", _offsets_forward),
+               "grouped_gemm": GroupedGemm()}

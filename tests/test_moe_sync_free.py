@@ -1,0 +1,116 @@
+"""The GPU MoE path's host-free pieces on the CPU (their GPU runs and the captured step
+are tests/test_cuda_grouped_gemm.py): the grouped GEMM's operand layouts through
+`torch._grouped_mm` (CPU torch has it too) against the reference loop, forward and both
+gradients in both modes, with experts that get no rows; what the fast path covers; the
+router's and the offsets' counting without bincount against the reference kernels."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime.cuda import grouped_gemm as gg  # noqa: E402
+from runtime.cuda.moe import (  # noqa: E402
+    MOE_KERNELS, _offsets_forward, _router_forward, expert_counts,
+)
+from runtime.kernels import KERNELS  # noqa: E402
+
+needs_grouped_mm = pytest.mark.skipif(not gg.available(), reason="torch without _grouped_mm")
+
+SIZES = [(0, 5, 0, 11, 4), (7, 0, 0, 9, 0), (26, 0, 0, 0, 0)]  # rows per group, some empty
+
+
+def _case(sizes, mode, K=16, N=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(sizes)
+    x = torch.randn(rows, K, generator=g)
+    w = torch.randn(len(sizes), *((N, K) if mode == "NT" else (K, N)), generator=g)
+    offsets = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0)), dtype=torch.int32)
+    d_y = torch.randn(rows, N, generator=g)
+    return x, w, offsets, d_y
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("mode", ["NT", "NN"])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_grouped_mm_layouts_match_the_loop(sizes, mode):
+    x, w, offsets, d_y = _case(sizes, mode)
+    ref = KERNELS["grouped_gemm"]
+    attrs = {"transpose": mode}
+    y = gg.forward(x, w, offsets, mode)
+    assert _rel(y, ref.forward([x, w, offsets], attrs)[0]) < 1e-6
+    d_x, d_w = gg.backward(d_y, x, w, offsets, mode)
+    want_x, want_w = ref.backward([d_y, x, w, offsets], attrs)
+    assert d_x.shape == want_x.shape and d_w.shape == want_w.shape
+    assert _rel(d_x, want_x) < 1e-6 and _rel(d_w, want_w) < 1e-6
+    for e, size in enumerate(sizes):
+        if size == 0:  # an expert with no rows: a zero weight gradient
+            assert not d_w[e].any()
+
+
+@needs_grouped_mm
+def test_transposed_and_offset_operands_are_made_contiguous():
+    """Strided inputs (a transposed view, a column slice) give the same products."""
+    x, w, offsets, d_y = _case(SIZES[0], "NT")
+    wide = torch.cat([x, x], dim=1)[:, 16:]           # row stride 32, not contiguous
+    y = gg.forward(wide, w.transpose(1, 2).contiguous().transpose(1, 2), offsets, "NT")
+    assert _rel(y, gg.forward(x, w, offsets, "NT")) < 1e-6
+
+
+def test_the_fast_path_covers_bf16_on_sm90_cuda_only():
+    x, w, offsets, _ = _case(SIZES[0], "NT")
+    bf = [x.bfloat16(), w.bfloat16(), offsets]
+    assert gg.shapes_covered(*bf)
+    assert not gg.covered(*bf)                         # CPU tensors
+    assert not gg.device_covered(torch.device("cpu"), torch.bfloat16)
+    assert not gg.shapes_covered(bf[0], bf[1], offsets[:-1])             # G + 1 offsets
+    assert not gg.shapes_covered(bf[0], bf[1], offsets.long())           # int32 offsets
+    assert not gg.shapes_covered(bf[0], w, offsets)                      # mixed dtypes
+    odd = torch.zeros(x.shape[0], 12, dtype=torch.bfloat16)              # K not 8k
+    assert not gg.shapes_covered(odd, torch.zeros(5, 24, 12, dtype=torch.bfloat16), offsets)
+
+
+def test_uncovered_calls_run_the_reference_loop():
+    x, w, offsets, d_y = _case(SIZES[1], "NT")
+    kernel, ref = MOE_KERNELS["grouped_gemm"], KERNELS["grouped_gemm"]
+    assert kernel.reference is ref and kernel.backward_inputs == ref.backward_inputs
+    attrs = {"transpose": "NT"}
+    assert torch.equal(kernel.forward([x, w, offsets], attrs)[0],
+                       ref.forward([x, w, offsets], attrs)[0])
+    got = kernel.backward([d_y, x, w, offsets], attrs)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref.backward([d_y, x, w, offsets], attrs)))
+
+
+def test_counting_without_bincount_matches_the_reference():
+    g = torch.Generator().manual_seed(3)
+    E, top_k = 6, 2
+    x, gate = torch.rand(40, 16, generator=g), torch.randn(E, 16, generator=g) * 3
+    gate[5] = -100.0  # expert 5 is never picked: a zero count
+    for normalize in (True, False):
+        attrs = {"top_k": top_k, "normalize": normalize}
+        got = _router_forward(x, gate, **attrs)
+        want = KERNELS["moe_router"].forward([x, gate], dict(attrs))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        assert torch.equal(got[2], want[2]) and got[2][0, 5] == 0
+        offsets = _offsets_forward(got[1], num_experts=E)[0]
+        assert offsets.dtype == torch.int32
+        assert torch.equal(offsets, KERNELS["moe_compute_offsets"].forward(
+            [got[1]], {"num_experts": E})[0])
+    assert expert_counts(torch.tensor([[0, 7]], dtype=torch.int32), 3).tolist() == [1, 0, 0]
+
+
+def test_sync_free_kernels_keep_the_reference_signatures_and_backward():
+    for name in ("moe_router", "moe_compute_offsets"):
+        kernel = MOE_KERNELS[name]
+        assert kernel.reference is KERNELS[name]
+        assert kernel.forward_outputs == KERNELS[name].forward_outputs
+        assert kernel.backward.__func__ is type(KERNELS[name]).backward
+    x, gate = torch.randn(8, 16), torch.randn(4, 16)   # CPU: the reference forward itself
+    got = MOE_KERNELS["moe_router"].forward([x, gate], {"top_k": 2})
+    want = KERNELS["moe_router"].forward([x, gate], {"top_k": 2})
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
