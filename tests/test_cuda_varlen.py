@@ -1,6 +1,8 @@
 """FlashAttention-2 over packed documents (runtime/cuda/varlen.py): cu_seqlens from a
 packed batch's positions (CPU), and on a GPU (`-m cuda`) the varlen forward and backward
-against the reference kernel masked to the same documents (float64 on the CPU)."""
+against the reference kernel masked to the same documents (float64 on the CPU), and the
+GPU step's form of the call (cu_seqlens padded with empty documents, max_seqlen T: the
+step's static buffers, runtime/cuda/packed.py) against the exact one."""
 
 from __future__ import annotations
 
@@ -60,3 +62,32 @@ def test_varlen_attention_matches_the_masked_reference(window):
         assert got.shape == ref_t.shape, name
         err = (got.double().cpu() - ref_t).abs().max() / ref_t.abs().max()
         assert err < 2e-2, f"{name}: max relative error {float(err):.3g}"
+
+
+@cuda
+@needs_gpu
+def test_empty_padding_documents_and_max_seqlen_t_change_nothing():
+    """The packed step's call: cu_seqlens repeated B*T to a fixed capacity (empty
+    sequences) and T as the longest document give the exact call's out, lse and
+    gradients (bitwise up to the backward's atomics)."""
+    from runtime.cuda.packed import padded_cu_seqlens
+    from runtime.cuda.varlen import varlen_backward, varlen_forward
+
+    g = torch.Generator().manual_seed(1)
+    B, T, Hq, Hk, D = 2, 128, 4, 2, 64
+    documents = _packed(B, T, g)
+    qkv = torch.randn(B, T, Hq + 2 * Hk, D, generator=g).cuda().to(torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([Hq, Hk, Hk], dim=2))
+    d_out = torch.randn(B, Hq, T, D, generator=g).cuda().to(torch.bfloat16)
+    attrs = {"causal": True}
+    cu, longest = cu_seqlens(documents.positions.cuda())
+    padded = padded_cu_seqlens(documents.positions, 64).cuda()
+    assert len(cu) - 1 < 64 and longest < T
+    runs = []
+    for c, m in ((cu, longest), (padded, T)):
+        out, lse = varlen_forward(q, k, v, c, m, attrs)
+        runs.append([out, lse, *varlen_backward(d_out, q, k, v, out, lse, c, m, attrs)])
+    for name, exact, step in zip(("out", "lse", "d_q", "d_k", "d_v"), *runs):
+        assert step.shape == exact.shape, name
+        err = (step.float() - exact.float()).abs().max() / exact.float().abs().max()
+        assert err < 1e-2, f"{name}: max relative error {float(err):.3g}"

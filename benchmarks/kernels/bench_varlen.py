@@ -4,9 +4,14 @@ same B and T (runtime/cuda/attention.py `flash`, and `cudnn`, the GPU step's fir
 choice), bf16, the step's layouts. Documents'
 lengths are drawn uniformly from 1 .. 2 x --mean-doc (its correctness is
 tests/test_cuda_varlen.py's). The attention-level half of issue 18's "packed within 5%
-of unpacked" (the GPU step itself does not pack yet).
+of unpacked" (the step-level half: benchmarks/gpu/packed_step.py). `packed` is the call
+with exactly the batch's documents and its longest one; `packed-step` the GPU step's
+(runtime/cuda/packed.py): cu_seqlens padded with empty documents to the step's capacity
+and max_seqlen T; `--full-capacity` adds `packed-BT+1`, padded to B*T + 1 entries (the
+bound the step does not use: empty sequences still launch blocks).
 
     python benchmarks/kernels/bench_varlen.py [--batch 4] [--seq 2048] [--mean-doc 512]
+                                              [--full-capacity]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.kernels.bench_attention import fused_qkv  # noqa: E402
 from benchmarks.kernels.bench_kernels import time_ms  # noqa: E402
 from runtime.cuda.attention import BACKENDS, flash_backward, flash_forward  # noqa: E402
+from runtime.cuda.packed import capacity_for, padded_cu_seqlens  # noqa: E402
 from runtime.cuda.varlen import cu_seqlens, varlen_backward, varlen_forward  # noqa: E402
 from runtime.kernels.documents import Documents  # noqa: E402
 from runtime.train.packing import documents_of  # noqa: E402
@@ -51,6 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--mean-doc", type=int, default=512)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--full-capacity", action="store_true")
     p.add_argument("--json")
     a = p.parse_args(argv)
     gpu = torch.Generator(device="cuda").manual_seed(0)
@@ -69,6 +76,17 @@ def main(argv=None) -> int:
                    time_ms(lambda: varlen_backward(d_out, q, k, v, vout, vlse, cu, longest,
                                                    attrs), a.iters)),
     }
+    capacities = {"packed-step": capacity_for(len(cu) - 1, a.batch * a.seq)}
+    if a.full_capacity:
+        capacities["packed-BT+1"] = a.batch * a.seq
+    for name, capacity in capacities.items():
+        padded = padded_cu_seqlens(docs.positions, capacity).cuda()
+        pout, plse = varlen_forward(q, k, v, padded, a.seq, attrs)
+        rows[name] = (
+            time_ms(lambda: varlen_forward(q, k, v, padded, a.seq, attrs), a.iters),
+            time_ms(lambda: varlen_backward(d_out, q, k, v, pout, plse, padded, a.seq,
+                                            attrs), a.iters))
+        del pout, plse
     try:  # the GPU step's first choice unpacked (TrainStep attention=("cudnn", "flash"))
         cudnn = BACKENDS["cudnn"]
         cout, clse = cudnn.forward(q, k, v, attrs)

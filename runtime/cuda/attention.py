@@ -16,7 +16,12 @@ kernel reads kv head h // (Hq / Hkv); d_k, d_v come back with Hkv heads). Causal
 sliding window map to the kernel's window: our window keeps keys i - window_size < j <= i,
 that is window_size_left = window_size - 1, window_size_right = 0.
 
-Calls the kernel does not cover go to the reference kernel: tensors not on CUDA, dtypes
+In a packed batch (`packed(documents)` with the step's cu_seqlens, runtime/cuda/packed.py)
+FlashAttention-2's varlen entry runs instead (runtime/cuda/varlen.py): each document
+attends to itself alone; cuDNN's fused attention is not used there.
+
+Calls the kernel does not cover go to the reference kernel (in a packed batch it masks by
+document): tensors not on CUDA, dtypes
 other than bf16/fp16 (fp32 runs are exact references), ALiBi slopes, non-causal with a
 window, head dims over 256 or not a multiple of 8.
 """
@@ -28,6 +33,7 @@ import math
 import torch
 
 from runtime.kernels import KERNELS
+from runtime.kernels.documents import active
 
 REFERENCE = KERNELS["flash_attention"]
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
@@ -164,16 +170,38 @@ class FlashAttention:
             return None
         return next((b for b in self.order if b.covers(q, k, v, attrs)), None)
 
+    def _documents(self, q, k, v, alibi, attrs):
+        """(packed, the documents for the varlen kernel or None: the reference's mask)."""
+        documents = active(q.shape[0], q.shape[2])
+        if documents is None:
+            return False, None
+        if documents.cu_seqlens is None or k.shape[2] != q.shape[2] or \
+                not covers(q, k, v, alibi, attrs):
+            return True, None
+        return True, documents
+
     def forward(self, inputs: list, attrs: dict) -> list:
         q, k, v, alibi = inputs
-        backend = self._backend(q, k, v, alibi, attrs)
+        packed, documents = self._documents(q, k, v, alibi, attrs)
+        if documents is not None:
+            from runtime.cuda.varlen import varlen_forward
+
+            return list(varlen_forward(q, k, v, documents.cu_seqlens, documents.max_seqlen,
+                                       attrs))
+        backend = None if packed else self._backend(q, k, v, alibi, attrs)
         if backend is None:
             return REFERENCE.forward(inputs, attrs)
         return backend.forward(q, k, v, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
         d_out, q, k, v, out, lse, alibi = inputs
-        backend = self._backend(q, k, v, alibi, attrs)
+        packed, documents = self._documents(q, k, v, alibi, attrs)
+        if documents is not None:
+            from runtime.cuda.varlen import varlen_backward
+
+            return varlen_backward(d_out, q, k, v, out, lse, documents.cu_seqlens,
+                                   documents.max_seqlen, attrs)
+        backend = None if packed else self._backend(q, k, v, alibi, attrs)
         if backend is None:
             return REFERENCE.backward(inputs, attrs)
         return backend.backward(d_out, q, k, v, out, lse, attrs)

@@ -1,14 +1,21 @@
 """FlashAttention-2 over packed documents (`cu_seqlens`), the GPU counterpart of the
-reference kernel's per-document mask (runtime/kernels/documents.py). Not yet wired into
-the GPU training step (decisions.md "Packed sequences"): a building block with its own
-parity test (tests/test_cuda_varlen.py) and timing (benchmarks/kernels/bench_varlen.py).
+reference kernel's per-document mask (runtime/kernels/documents.py): what the GPU step's
+flash_attention runs in a packed batch (runtime/cuda/attention.py, the buffers in
+runtime/cuda/packed.py; decisions.md "Packed sequences"). Parity test
+tests/test_cuda_varlen.py, timing benchmarks/kernels/bench_varlen.py.
 
 Our layout q [B, Hq, T, D], k, v [B, Hkv, T, D] is a transpose view of [B, T, H, D];
 flattening B and T gives the [B*T, H, D] rows FlashAttention's variable-length entry
 reads (a view whenever the [B, T, H, D] tensor's T stride times T is its B stride, as
 for the attention module's fused QKV projection). Every row of the batch is a run of
 whole documents, so the documents of all rows, in order, are the variable-length
-sequences: `cu_seqlens` holds their starts in the flattened rows and B*T at the end.
+sequences: `cu_seqlens` holds their starts in the flattened rows and B*T at the end
+(repeated: empty sequences, which the kernel skips). `longest` is a bound, not read from
+the batch: the step passes T, so nothing syncs with the host.
+
+The kernel's lse is [H, B*T] (one row per head over the flattened rows); our primitive's
+is [B, H, T]: `varlen_forward` returns the permuted view (the arena keeps its memory
+order) and `varlen_backward` takes it back as [H, B*T] (a view of it, or one copy).
 """
 
 from __future__ import annotations
@@ -38,20 +45,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_forward(q, k, v, cu: torch.Tensor, longest: int, attrs: dict):
-    """(out [B, Hq, T, D], lse as the kernel returns it: kept for varlen_backward)."""
+    """(out [B, Hq, T, D], lse [B, Hq, T]: a permuted view of the kernel's [Hq, B*T])."""
     B, H, T, D = q.shape
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         _rows(q), _rows(k), _rows(v), cu, cu, longest, longest, 0.0,
         bool(attrs.get("causal", True)), False, scale=_scale(q, attrs), **_window(attrs))
-    return out.view(B, T, H, D).transpose(1, 2), lse
+    if tuple(lse.shape) != (H, B * T):
+        raise RuntimeError(f"FlashAttention's varlen lse is {tuple(lse.shape)}, not "
+                           f"[heads, tokens] = {(H, B * T)}: this torch pads it per "
+                           "sequence, which packed training does not read")
+    return out.view(B, T, H, D).transpose(1, 2), lse.view(H, B, T).transpose(0, 1)
 
 
 def varlen_backward(d_out, q, k, v, out, lse, cu: torch.Tensor, longest: int, attrs: dict):
-    """(d_q, d_k, d_v) in our layout, for varlen_forward's out and lse."""
-    B, T = q.shape[0], q.shape[2]
+    """(d_q, d_k, d_v) in our layout, for varlen_forward's out and lse [B, Hq, T]."""
+    B, H, T = lse.shape
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     d_q, d_k, d_v = torch.ops.aten._flash_attention_backward(
-        _rows(d_out.to(q.dtype)), _rows(q), _rows(k), _rows(v), _rows(out), lse.contiguous(),
-        cu, cu, longest, longest, 0.0, bool(attrs.get("causal", True)), empty, empty,
-        scale=_scale(q, attrs), **_window(attrs))
+        _rows(d_out.to(q.dtype)), _rows(q), _rows(k), _rows(v), _rows(out),
+        lse.transpose(0, 1).reshape(H, B * T), cu, cu, longest, longest, 0.0,
+        bool(attrs.get("causal", True)), empty, empty, scale=_scale(q, attrs),
+        **_window(attrs))
     return [g.view(B, T, *g.shape[1:]).transpose(1, 2) for g in (d_q, d_k, d_v)]

@@ -23,6 +23,11 @@ from torch import Tensor
 class Documents:
     segments: Tensor  # [B, T] int64: the document index of each token within its row
     positions: Tensor  # [B, T] int32: the token's place in its document, 0 at its start
+    # the GPU step's FlashAttention-2 varlen inputs (runtime/cuda/packed.py): the documents'
+    # starts in the flattened B*T rows, B*T at the end and repeated to a fixed length
+    # (int32, on the device), and the longest a document may be (T); None on the CPU
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
 
 
 _ACTIVE: ContextVar[Documents | None] = ContextVar("packed_documents", default=None)
@@ -36,6 +41,11 @@ def packed(documents: Documents | None):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def current() -> Documents | None:
+    """The documents `packed(...)` holds now, unchecked (None: an unpacked batch)."""
+    return _ACTIVE.get()
 
 
 def active(batch: int, seq: int) -> Documents | None:

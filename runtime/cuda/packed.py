@@ -1,0 +1,154 @@
+"""Packed batches on the GPU step (`TrainStep(packed=True)`, `modulec train --device cuda
+--doc-sep ID`): what the CPU reference reads from `packed(documents)`
+(runtime/kernels/documents.py), in static device buffers a captured CUDA graph reads.
+
+- positions [rows, T] int32, restarting at 0 per document: fed as position_ids where the
+  model declares them (GPT-2), and given to every rope / qk_norm_rope node that has none
+  of its own (runtime/cuda/step_interpreter.py), which the CUDA rope kernels take.
+- segments [rows, T] int64: only for the reference attention, which a call FlashAttention
+  does not cover (fp32 compute, ALiBi) falls back to; it masks by document.
+- cu_seqlens [accumulation, capacity + 1] int32: per micro-batch, the documents' starts
+  in the flattened B*T rows, then B*T, repeated to the fixed length (empty documents):
+  FlashAttention-2's varlen kernel (runtime/cuda/varlen.py) with max_seqlen T. A captured
+  graph has a fixed number of sequences, so the buffer has a fixed `capacity`; it is not
+  B*T + 1 (every token its own document) because the kernel launches blocks per sequence
+  per 128 queries of max_seqlen and the backward's dq accumulator has 128 rows per
+  sequence: at B*T + 1 = 8193 sequences (TinyLlama's B=4, T=2048) that is millions of
+  empty blocks and gigabytes a layer. The capacity is the power of two at or above the
+  most documents a micro-batch has held (at least MIN_CAPACITY, at most B*T); a batch
+  with more grows it, and the step drops its captured graph (the next one is captured
+  with the larger buffer: `modulec train` does that on the next step).
+
+Labels are the caller's: the target after a separator carries the ignore index
+(runtime/train/packing.py split_batch), which the fused cross-entropy leaves out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime.kernels.documents import Documents
+
+MIN_CAPACITY = 8
+
+
+def document_counts(positions: Tensor, batch: int) -> list[int]:
+    """The documents in each micro-batch of `batch` rows of positions [rows, T] (host)."""
+    starts = (positions == 0).reshape(-1, batch * positions.shape[1]).sum(1)
+    return [int(n) for n in starts]
+
+
+def capacity_for(documents: int, limit: int) -> int:
+    """The sequences the varlen buffer holds for `documents`: the power of two at or above
+    it, at least MIN_CAPACITY, at most `limit` (B*T: every token a document)."""
+    capacity = MIN_CAPACITY
+    while capacity < documents:
+        capacity *= 2
+    return min(capacity, limit)
+
+
+def padded_cu_seqlens(positions: Tensor, capacity: int) -> Tensor:
+    """int32 [capacity + 1]: the starts of the documents of rows positions [B, T] (each row
+    starts one; a document starts where its position is 0) in the flattened B*T rows, then
+    B*T repeated (empty documents) to the fixed length."""
+    flat = positions.reshape(-1)
+    if flat.numel() == 0 or int(flat[0]) != 0:
+        raise ValueError("packed positions must start each row at 0")
+    starts = torch.nonzero(flat == 0).reshape(-1).to(torch.int32)
+    if starts.numel() > capacity:
+        raise ValueError(f"{starts.numel()} documents, room for {capacity}")
+    cu = torch.full((capacity + 1,), flat.numel(), dtype=torch.int32)
+    cu[:starts.numel()] = starts
+    return cu
+
+
+class PackedBuffers:
+    """The static device buffers of a packed step's `accumulation` micro-batches of
+    `batch` rows of `seq` tokens (`set` copies a batch's documents in)."""
+
+    def __init__(self, accumulation: int, batch: int, seq: int, device="cuda"):
+        self.batch, self.seq, self.device = batch, seq, device
+        rows = accumulation * batch
+        self.positions = torch.zeros(rows, seq, dtype=torch.int32, device=device)
+        self.segments = torch.zeros(rows, seq, dtype=torch.int64, device=device)
+        self.capacity = 0
+        self.cu_seqlens = torch.zeros(accumulation, 1, dtype=torch.int32, device=device)
+
+    def set(self, documents: Documents) -> bool:
+        """Copy `documents` ([rows, T], any device) in; True when a micro-batch held more
+        documents than the capacity, which then grew (new cu_seqlens: a graph captured
+        with the old buffer must go)."""
+        positions = documents.positions.to("cpu", torch.int32)
+        if tuple(positions.shape) != tuple(self.positions.shape):
+            raise ValueError(f"the documents are {tuple(positions.shape)}, the step's "
+                             f"batch {tuple(self.positions.shape)}")
+        most = max(document_counts(positions, self.batch))
+        grown = most > self.capacity
+        if grown:
+            self.capacity = capacity_for(most, self.batch * self.seq)
+            self.cu_seqlens = torch.zeros(self.cu_seqlens.shape[0], self.capacity + 1,
+                                          dtype=torch.int32, device=self.device)
+        cu = torch.stack([padded_cu_seqlens(part, self.capacity)
+                          for part in positions.split(self.batch)])
+        self.cu_seqlens.copy_(cu)
+        self.positions.copy_(positions)
+        self.segments.copy_(documents.segments)
+        return grown
+
+    def micro(self, index: int) -> Documents:
+        """Micro-batch `index`'s documents: views of the static buffers."""
+        rows = slice(index * self.batch, (index + 1) * self.batch)
+        return Documents(self.segments[rows], self.positions[rows], self.cu_seqlens[index],
+                         self.seq)
+
+
+def exact(documents: Documents, device) -> Documents:
+    """`documents` on `device` with cu_seqlens of exactly its documents (an eager call:
+    the evaluation's forward)."""
+    positions = documents.positions.to("cpu", torch.int32)
+    cu = padded_cu_seqlens(positions, int((positions == 0).sum()))
+    return Documents(documents.segments.to(device), positions.to(device), cu.to(device),
+                     positions.shape[1])
+
+
+def packed_buffers(step) -> PackedBuffers | None:
+    """A packed step's buffers (None: unpacked), checked first; its positions become the
+    step's (fed where the model declares position_ids)."""
+    if not step.packed:
+        return None
+    check_packed(step)
+    buffers = PackedBuffers(step.accumulation, step.batch, step.seq)
+    step.positions = buffers.positions
+    return buffers
+
+
+def check_packed(step) -> None:
+    """What a packed step does not run: refused before anything is allocated."""
+    from runtime.errors import RuntimeUserError
+    from runtime.train.packing import MIXING
+
+    if step.dist is not None:
+        raise RuntimeUserError("a packed GPU step (--doc-sep) with --tp, --dp or --zero is "
+                               "not supported yet", help=["train packed in one process"])
+    found = sorted({node.target for function in step.program.graph.functions
+                    for node in function.nodes if node.target in MIXING})
+    if found:
+        raise RuntimeUserError(f"the model mixes tokens through {', '.join(found)}, which "
+                               "a packed batch would carry across documents",
+                               help=["packing masks flash_attention only; train this "
+                                     "model unpacked"])
+
+
+def set_documents(step, documents: Documents | None) -> None:
+    """TrainStep.set_batch's documents: required for a packed step, refused otherwise."""
+    if step.packing is None:
+        if documents is not None:
+            raise ValueError("documents for a step built unpacked: build it with "
+                             "packed=True")
+        return
+    if documents is None:
+        raise ValueError("a packed step needs each batch's documents "
+                         "(runtime.train.packing.split_batch)")
+    if step.packing.set(documents):
+        step.cuda_graph = None  # captured with the smaller cu_seqlens buffer
