@@ -264,10 +264,42 @@ def exposed_comm(step, ranks: Ranks, steps: int) -> dict:
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     total, exposed, seen = comm_times(events)
+    table = kernel_table(events, steps)
     total, exposed, seen = ranks.reduce([total / steps, exposed / steps, seen], "max")
     if not seen:
         return {"comm_note": "the profiler saw no device kernels"}
-    return {"comm_s": total / 1e6, "exposed_comm_s": exposed / 1e6}
+    return {"comm_s": total / 1e6, "exposed_comm_s": exposed / 1e6, "kernels_rank0": table}
+
+
+def kernel_table(trace_events: list[dict], steps: int, top: int = 12) -> dict:
+    """Where one rank's GPU time goes, per step in ms: each stream's busy time (the union
+    of its kernels', copies' and memsets' intervals), the span from the first to the last
+    device event, and the `top` kernels by total time with their streams and counts. Run
+    beside modulec_1gpu's table it splits a data-parallel step's extra time into kernels
+    that ran longer (contention) and time no stream was busy (waiting)."""
+    streams: dict[str, list] = {}
+    names: dict[str, list] = {}
+    for e in trace_events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
+            continue
+        start, dur = float(e["ts"]), float(e["dur"])
+        stream = str(e.get("args", {}).get("stream", "?"))
+        streams.setdefault(stream, []).append((start, start + dur))
+        entry = names.setdefault(e.get("name", "?")[:90], [0.0, 0, set()])
+        entry[0] += dur
+        entry[1] += 1
+        entry[2].add(stream)
+    if not streams:
+        return {}
+    spans = [s for spans in streams.values() for s in spans]
+    all_busy = union(spans)
+    ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    return {"span_ms": ms(max(b for _, b in spans) - min(a for a, _ in spans)),
+            "any_stream_busy_ms": ms(sum(b - a for a, b in all_busy)),
+            "stream_busy_ms": {k: ms(sum(b - a for a, b in union(v)))
+                               for k, v in sorted(streams.items())},
+            "top": [{"name": n, "ms": ms(t), "calls": c // steps, "streams": sorted(st)}
+                    for n, (t, c, st) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
 def measure(step, loss_of, ranks: Ranks, args) -> dict:

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_step_dist import comm_times  # noqa: E402
+from benchmarks.train_step_dist import comm_times, kernel_table  # noqa: E402
 
 FIELDS = ("step_s", "step_s_min", "step_s_max", "step_s_b2b", "tokens_per_s",
           "tokens_per_s_per_gpu", "peak_bytes", "mfu_989", "scaling", "loss", "gpus")
@@ -53,3 +53,20 @@ def test_exposed_communication_arithmetic():
     total, exposed, seen = comm_times(trace)
     assert (total, seen) == (14, 4)
     assert exposed == 5 + 3  # 10..15 of the all-reduce, 30..32 and 33..34 of the other
+
+
+def test_kernel_table_splits_busy_time_by_stream():
+    def kernel(name, start, dur, stream):
+        return {"cat": "kernel", "name": name, "ts": start, "dur": dur,
+                "args": {"stream": stream}}
+
+    # two steps: a GEMM on the compute stream, an NCCL kernel half overlapping it
+    events = [kernel("gemm", 0, 1000, 7), kernel("ncclReduceScatter", 500, 1000, 20),
+              kernel("gemm", 3000, 1000, 7), kernel("ncclReduceScatter", 3500, 1000, 20),
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+    table = kernel_table(events, steps=2)
+    assert table["span_ms"] == 2.25  # 0 .. 4500 us over two steps
+    assert table["any_stream_busy_ms"] == 1.5  # 3000 us of the union over two steps
+    assert table["stream_busy_ms"] == {"20": 1.0, "7": 1.0}
+    assert table["top"][0] == {"name": "gemm", "ms": 1.0, "calls": 1, "streams": ["7"]}
+    assert kernel_table([], steps=1) == {}
