@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The MoE step without a host sync (issue 19 item 2) in one device call: build the CUDA
+# extension, the cuda tests (grouped GEMM against the loop, the routing and a tiny
+# Mixtral / Qwen3-MoE step captured in one CUDA graph, std MoE parity with transformers),
+# the grouped-GEMM kernel benchmark, then the Mixtral-shaped step against HF's
+# MixtralForCausalLM (benchmarks/gpu/moe_step.py). Logs and JSON go to $OUT.
+#   bash benchmarks/gpu/moe_check.sh                      # tests, kernel bench, step bench
+#   STAGES="tests" bash benchmarks/gpu/moe_check.sh       # the tests only (about 2 minutes)
+#   STAGES="step" VARIANTS=modulec,hf_bf16 LAYERS=4 bash benchmarks/gpu/moe_check.sh
+# Knobs: STAGES (build tests kernel step), VARIANTS, LAYERS, BATCH, SEQ, STEPS, TIMEOUT.
+set -uo pipefail
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+STAGES=${STAGES:-"build tests kernel step"}
+source "$(dirname "$0")/device_env.sh"
+stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/moe_check.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"transformers", transformers.__version__, "_grouped_mm", hasattr(torch, "_grouped_mm"))' \
+  | tee -a "$OUT/device.txt"
+for stage in $STAGES; do
+  stamp "$stage"
+  case $stage in
+    build)
+      /usr/bin/time -f "extension build %e s" python3 -c \
+        'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
+    tests)
+      python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+        ${TESTS:-tests/test_cuda_grouped_gemm.py tests/test_cuda_std_moe.py \
+        "tests/test_cuda_kernels.py::test_moe_permute_and_unpermute_match_the_reference" \
+        tests/test_moe_sync_free.py} 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+    kernel)
+      python3 benchmarks/kernels/bench_grouped_gemm.py --json "$OUT/grouped_gemm.json" \
+        2>&1 | tee "$OUT/grouped_gemm.txt" ;;
+    step)
+      python3 benchmarks/gpu/moe_step.py --layers "${LAYERS:-4}" --batch "${BATCH:-4}" \
+        --seq "${SEQ:-2048}" --steps "${STEPS:-10}" --timeout "${TIMEOUT:-300}" \
+        ${VARIANTS:+--variants "$VARIANTS"} --json "$OUT/moe_step.json" \
+        > "$OUT/moe_step.txt" 2> "$OUT/moe_step.err"
+      head -14 "$OUT/moe_step.txt"
+      tail -3 "$OUT/moe_step.err" ;;
+  esac
+done
+stamp done
