@@ -11,6 +11,10 @@ TinyLlama-1.1B shape, side by side in one run on one GPU (issue 6, item 6):
                  alive at once)
     ..._torchadam   suffix: torch.optim.AdamW(fused, capturable) on fp32 .grad buffers
                  (the bf16 gradients copied in), masters copied to the compute weights
+    ..._fp8      suffix: the std FP8 recipe (`--precision fp8`): the blocks' matmuls as
+                 FP8 GEMMs (torch._scaled_mm, E4M3 forward, E5M2 gradients, delayed
+                 scaling; runtime/fp8_gemm.py), the LM head in bf16 (modulec_fp8 vs
+                 modulec: tokens/s of FP8 against bf16 in one run)
     ..._budget<GiB> suffix: a memory budget for the whole step; the budget planner
                  decides what to recompute (modulec_norecompute_budget20: the derived
                  backward under 20 GiB); BUDGETS is the sweep
@@ -104,14 +108,15 @@ def modulec_options(variant: str) -> dict:
     `keepgrads`, `torchadam`, `flash` (FlashAttention-2 instead of cuDNN first),
     `swap` (with a budget: planned on the h200 profile, so swaps to host memory too),
     `noarena` (activations from torch's caching allocator, not at the plan's offsets:
-    TrainStep(arena=False); the arena is the default),
+    TrainStep(arena=False); the arena is the default), `fp8` (the std FP8 recipe,
+    TrainStep.from_module(precision="fp8")),
     `budget<GiB>` (e.g.
     modulec_norecompute_budget20: build with that memory budget for the whole step,
     TrainStep.from_module(memory_budget=...), the planner deciding what to recompute)."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
     unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash",
-                                  "swap", "noarena"}
+                                  "swap", "noarena", "fp8"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
@@ -119,6 +124,8 @@ def modulec_options(variant: str) -> dict:
                "update_in_backward": not parts & {"keepgrads", "torchadam"},
                "attention": ("flash",) if "flash" in parts else ("cudnn", "flash"),
                "arena": "noarena" not in parts}
+    if "fp8" in parts:
+        options["precision"] = "fp8"
     if budgets:
         options["memory_budget"] = int(float(budgets.pop()[len("budget"):]) * 2**30)
         options["plan_device"] = "h200" if "swap" in parts else "h200-noswap"

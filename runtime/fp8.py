@@ -8,7 +8,8 @@ scale = fp8_max / amax / 2^margin; current scaling reads the tensor's own amax, 
 scaling the maximum of the operand's amax history (the last `history_len` steps; the
 tensor's own while the history is empty). `Fp8State` holds the histories (model state:
 saved in training checkpoints) and the amaxes of the step under way, pushed by `end_step`.
-The GPU step refuses a program with a recipe (`refuse_on_gpu`).
+The GPU step runs the same recipes as FP8 GEMMs (runtime/fp8_gemm.py) with the same
+operand keys (`covered`) and refuses what it cannot run yet (`refuse_on_gpu`).
 """
 
 from __future__ import annotations
@@ -21,29 +22,34 @@ from torch import Tensor
 from runtime.errors import RuntimeUserError
 
 FORMATS = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
-GPU_REFUSAL = "FP8 on the GPU step is not built yet"
+GPU_REFUSAL = "FP8 on the GPU step does not run this yet"
 
 
 def refuse_on_gpu(metadata: dict) -> None:
-    """The GPU step cannot run an FP8 recipe: refuse it when it loads, never run it in
-    bf16 in silence."""
+    """What the GPU step's FP8 GEMMs (runtime/fp8_gemm.py) cannot run is refused when the
+    program loads, never run in bf16 in silence: per-block scaling, and a product of two
+    E5M2 operands (cuBLAS has no E5M2 x E5M2 GEMM)."""
     section = metadata.get("precision")
-    if section:
+    if not section:
+        return
+    recipe = section["recipe"]
+    if recipe["granularity"]["kind"] != "per_tensor":
         raise RuntimeUserError(
-            f"{GPU_REFUSAL}: this program applies the FP8 recipe "
-            f"`{section['recipe']['name']}` to {len(section['matmuls'])} matmuls",
-            help=["train it on the CPU reference (`--device cpu`), which emulates the FP8 "
-                  "rounding, or build it without the recipe (no `@recipe`, no "
-                  "`--precision fp8`) for the GPU step"])
-
-
-def refuse_option_on_gpu(precision: str | None, device: str) -> None:
-    """`modulec train --precision fp8 --device cuda`: refused before anything loads."""
-    if precision is not None and device == "cuda":
-        raise RuntimeUserError(f"{GPU_REFUSAL}: `--precision {precision}` trains on the CPU "
-                               "reference only (`--device cpu`), which emulates the FP8 "
-                               "rounding", help=["use --device cpu, or train on the GPU "
-                                                 "without --precision"])
+            f"{GPU_REFUSAL}: the FP8 recipe `{recipe['name']}` scales per block "
+            f"({recipe['granularity']['kind']}); the GPU step's FP8 GEMMs scale per tensor",
+            help=["train it on the CPU reference (`--device cpu`), which emulates per-block "
+                  "scaling, or use `granularity: per_tensor` for the GPU step"])
+    for site in section["matmuls"]:
+        formats = [recipe["gradient"] if r == "gradient" else recipe["forward"]
+                   for r in site["operands"]]
+        pairs = [(formats[0], f) for f in formats[1:]] if site.get("role") == "backward" \
+            and len(formats) == 3 else [tuple(formats)]
+        if ("fp8_e5m2", "fp8_e5m2") in pairs:
+            raise RuntimeUserError(
+                f"{GPU_REFUSAL}: the FP8 recipe `{recipe['name']}` multiplies two E5M2 "
+                f"operands in {site['function']}/{site['op']}; cuBLAS has no E5M2 x E5M2 "
+                "GEMM", help=["use `forward_activation_dtype: fp8_e4m3` (E5M2 for the "
+                              "gradients only), or train on the CPU reference"])
 
 
 # ====================================================================== numerics
@@ -136,26 +142,35 @@ class Fp8State:
 def operands(state: Fp8State, node, frame, forward, inputs: list) -> list:
     """The inputs of matmul (forward) or matmul_backward `node` quantized as its site in
     the recipe says; the inputs unchanged where the recipe does not cover it."""
+    plan = covered(state.sites, state.recipe, node, frame, forward)
+    if plan is None:
+        return inputs
+    return [value if value is None else state.fake_quantize(value, fmt, key, weight)
+            for value, (fmt, key, weight) in zip(inputs, plan)]
+
+
+def covered(sites: dict, recipe: dict, node, frame, forward) -> list | None:
+    """None where the recipe does not cover matmul / matmul_backward `node` (in `frame`);
+    else per input (its format, its amax history's key, whether it is a weight). Keys:
+    `layer path[indices]|function/op:operand`, a derived backward's A and B at their
+    forward op's keys (0, 1), its d_C at `grad` (the GPU step uses the same keys)."""
+    site = sites.get((frame.function.name, node.id))
+    if site is None:
+        return None
     if node.target == "matmul_backward" and node.attr("forward_node") is not None \
             and forward is not None:
         function, op = forward.function.name, node.attr("forward_node")
     else:
         function, op = frame.function.name, node.id
-    site = state.site(frame.function.name, node.id)
-    if site is None:
-        return inputs
-    recipe, where = state.recipe, f"{frame.path}{list(frame.indices)}|{function}/{op}"
+    where = f"{frame.path}{list(frame.indices)}|{function}/{op}"
     if node.target == "matmul_backward":  # (d_C, A, B): A and B at their forward keys
         keys, weights = ("grad", 0, 1), (False, False, _is_param(node.inputs[2]))
     else:
-        keys = tuple(range(len(inputs)))
+        keys = tuple(range(len(node.inputs)))
         weights = tuple(_is_param(v) for v in node.inputs)
-    out = []
-    for value, role, key, weight in zip(inputs, site["operands"], keys, weights):
-        fmt = recipe["gradient"] if role == "gradient" else recipe["forward"]
-        out.append(value if value is None else
-                   state.fake_quantize(value, fmt, f"{where}:{key}", weight))
-    return out
+    return [(recipe["gradient"] if role == "gradient" else recipe["forward"],
+             f"{where}:{key}", weight)
+            for role, key, weight in zip(site["operands"], keys, weights)]
 
 
 def _is_param(value: str) -> bool:

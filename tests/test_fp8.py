@@ -2,7 +2,7 @@
 (metadata.precision, checked by `ir verify`), the CPU reference's FP8 emulation (rounding
 against torch's float8 casts and by hand, saturation, subnormals, NaN; current and delayed
 scaling), a tiny Llama training with the std recipe, the amax histories through a
-checkpoint, and the GPU step's refusal."""
+checkpoint, and what the GPU step refuses (its FP8 GEMMs: tests/test_fp8_gemm.py)."""
 
 from __future__ import annotations
 
@@ -207,12 +207,16 @@ def test_delayed_scaling_uses_the_history_and_current_the_tensor():
 
 
 # ====================================================================== training
-def test_the_gpu_step_refuses_a_recipe():
-    section = build(BuildRequest(Path("std/models/llama.module"), settings=TINY,
-                                 precision="fp8")).document["metadata"]
-    with pytest.raises(RuntimeUserError, match=GPU_REFUSAL):
-        refuse_on_gpu(section)
+def test_the_gpu_step_takes_the_std_recipe_and_refuses_per_block_scaling():
+    """The GPU step runs per-tensor recipes as FP8 GEMMs (tests/test_fp8_gemm.py); what it
+    cannot run yet is refused when the program loads, never run in bf16."""
+    metadata = build(BuildRequest(Path("std/models/llama.module"), settings=TINY,
+                                  precision="fp8")).document["metadata"]
+    refuse_on_gpu(metadata)  # the std recipe: per tensor, E4M3 x E4M3 / E5M2 x E4M3
     refuse_on_gpu({})  # without a recipe: nothing to refuse
+    recipe = dict(metadata["precision"]["recipe"], granularity={"kind": "per_block"})
+    with pytest.raises(RuntimeUserError, match=GPU_REFUSAL):
+        refuse_on_gpu({"precision": dict(metadata["precision"], recipe=recipe)})
 
 
 @pytest.fixture(scope="module")
@@ -276,16 +280,10 @@ def test_the_amax_histories_go_through_a_checkpoint(ckpt, tmp_path):
     assert first + rest == whole
 
 
-def test_fp8_on_the_gpu_is_refused_before_it_runs(ckpt):
-    result = train(ckpt, "--steps", "1", "--device", "cuda", "--precision", "fp8")
-    assert result.exit_code == 1 and GPU_REFUSAL in result.output
-    assert "Traceback" not in result.output
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_the_gpu_train_step_refuses_a_recipe_when_it_loads():
-    """On the GPU: TrainStep given a program with metadata.precision stops at once."""
+def test_the_gpu_train_step_refuses_per_block_scaling_when_it_loads():
+    """On the GPU: TrainStep given a program whose recipe scales per block stops at once."""
     from runtime.cuda.step import TrainStep
     from runtime.inputs import sized_inputs
     from runtime.program import ModuleSource
@@ -293,8 +291,30 @@ def test_the_gpu_train_step_refuses_a_recipe_when_it_loads():
     source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8")
     program = source.program_for(sized_inputs(source.program(planned=False).input_names(),
                                               2, 16))
+    section = program.metadata["precision"]
+    section["recipe"] = dict(section["recipe"], granularity={"kind": "per_block"})
     with pytest.raises(RuntimeUserError, match=GPU_REFUSAL):
         TrainStep(program, 2, 16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fp8_trains_on_the_gpu_and_its_histories_go_through_a_checkpoint(ckpt, tmp_path):
+    """`modulec train --device cuda --precision fp8`: the loss falls, the checkpoint holds
+    the device amax histories in the CPU trainer's format, and a resume reads them."""
+    from safetensors import safe_open
+
+    gpu = ("--device", "cuda", "--precision", "fp8")
+    first = losses(train(ckpt, "--steps", "3", "--save", tmp_path / "g", *gpu))
+    with safe_open(str(tmp_path / "g" / "checkpoint-3" / "optimizer.safetensors"),
+                   framework="pt") as handle:
+        histories = [handle.get_tensor(k) for k in handle.keys() if k.startswith("fp8.")]
+    assert histories and all(h.shape == (3,) and bool((h > 0).all()) for h in histories)
+    rest = losses(train(ckpt, "--steps", "5", "--resume", tmp_path / "g", *gpu,
+                        weights=False))
+    assert len(first) == 3 and len(rest) == 2 and all(x == x for x in first + rest)
+    cpu = losses(train(ckpt, "--steps", "3", "--precision", "fp8"))
+    assert all(abs(a - b) <= 0.05 * b for a, b in zip(first, cpu)), (first, cpu)
 
 
 def test_the_interpreter_quantizes_a_covered_matmul_and_its_gradient(tmp_path):

@@ -98,12 +98,14 @@ NOT_TP = "tensor parallel splits `column` / `row` parameters over `--tp M` ranks
 NO_PRECISION = "parsed and checked; per-op precision and scaling are not applied yet: an " \
                "FP8 recipe acts through `@recipe(Name)` on a declaration (or `modulec " \
                "train --precision fp8`)"
-FP8_RECIPE = Effect(ACTS, REFUSED, ("modulec.lower.fp8_recipe:precision_section",
-                                    "runtime.fp8:Fp8State", "runtime.fp8:refuse_on_gpu"),
+FP8_RECIPE = Effect(ACTS, ACTS, ("modulec.lower.fp8_recipe:precision_section",
+                                 "runtime.fp8:Fp8State", "runtime.fp8_gemm:matmul",
+                                 "runtime.cuda.fp8_step:StepFp8"),
                     "the recipe's matmuls (metadata.precision) run FP8-emulated on the CPU "
-                    "reference (quantize-dequantize, amax histories in the checkpoint); the "
-                    "GPU step refuses the program when it loads: FP8 on the GPU step is not "
-                    "built yet (decisions.md, FP8 recipes)")
+                    "reference (quantize-dequantize) and as FP8 GEMMs (torch._scaled_mm) on "
+                    "the GPU step, amax histories in the checkpoint; the GPU step refuses "
+                    "per-block scaling and E5M2 x E5M2 products when it loads (decisions.md, "
+                    "FP8 recipes, FP8 on the GPU)")
 MID_FLOW = "only a named value is lowered (a destination, an input, a parameter): name " \
            "the operation's output (`-> h @...`) and annotate it there"
 FLOW_SOURCE_NOTE = "lowered on an `in:` entry, a parameter or a destination, not on a " \

@@ -7,7 +7,8 @@ built file covers every `matmul` of the functions lowered from it and of what th
 granularity each one runs with, and the ops that stay in high precision (the LM head: a
 covered matmul whose result is an output of the model; embeddings and the loss are not
 matmuls and never take FP8). The CPU reference emulates it (runtime/fp8.py); the GPU step
-refuses it when it loads (runtime.fp8:refuse_on_gpu). decisions.md, "FP8 recipes".
+runs the matmuls as FP8 GEMMs (runtime/fp8_gemm.py) and refuses what it cannot run yet
+when it loads (runtime.fp8:refuse_on_gpu). decisions.md, "FP8 recipes", "FP8 on the GPU".
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def resolve(decl: A.Decl) -> tuple[dict, list[Diagnostic]]:
 _NOT_YET = {
     "weight_storage_dtype": "trainers keep fp32 master weights (the GPU step a bf16 compute "
                             "copy); FP8 weight storage is not built",
-    "output_dtype": "the CPU reference computes every op in float32 / float64; the GPU step "
-                    "that would honour it refuses FP8 recipes for now",
+    "output_dtype": "the CPU reference computes every op in float32 / float64; the GPU "
+                    "step's FP8 GEMMs write its compute dtype (bf16)",
 }
 
 

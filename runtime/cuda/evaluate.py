@@ -36,9 +36,11 @@ class ForwardOnly(_StepInterpreter):
 
 
 def forward_interpreter(step) -> ForwardOnly:
-    return ForwardOnly(step.graph, step.compute, step.dtype, check_finite=False,
-                       kernels=step.kernels, keep_only_saved=False, decisions=None,
-                       hooks=None, arena=None, frame_events=None)
+    run = ForwardOnly(step.graph, step.compute, step.dtype, check_finite=False,
+                      kernels=step.kernels, keep_only_saved=False, decisions=None,
+                      hooks=None, arena=None, frame_events=None)
+    run.fp8_run = getattr(step, "fp8", None)  # an FP8 recipe: its GEMMs, nothing recorded
+    return run
 
 
 @torch.no_grad()

@@ -53,6 +53,8 @@ backward, AdamW), captured in one CUDA graph and replayed.
   forward as the reference runtime does); the backward that first reads it replays it
   (the op, or `apply_saved` for a norm's output). Swap decisions are kept on the GPU
   (counted in `swaps_kept`): the `-noswap` device profile makes the planner choose none.
+- FP8 (a program with `metadata.precision`): the recipe's matmuls run as FP8 GEMMs with
+  device amax histories (`fp8`, runtime/cuda/fp8_step.py), pushed at each step's end.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class TrainStep:
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
                     derive_written: bool = False, memory_budget: int | None = None,
-                    plan_device: str = "h200-noswap", lora=None, **options) -> "TrainStep":
+                    plan_device: str = "h200-noswap", lora=None, precision=None,
+                    **options) -> "TrainStep":
         """`lora`: LoRA on (a dict `rank=16, alpha=32, targets=[...]` or
         modulec.lower.lora.LoraOptions; base weights frozen). `derive_written`: ignore the
         source's written backward sections (the SwiGLU MLP's recomputes its up projection; the derived one saves it instead).
@@ -144,7 +147,8 @@ class TrainStep:
             lora = LoraOptions.of(lora)
         dist = options.get("dist")
         parallel = dict(distributed=dist.options() if dist is not None else None,
-                        tensor_parallel=dist.tp if dist is not None else 1)
+                        tensor_parallel=dist.tp if dist is not None else 1,
+                        precision=precision)  # "fp8": the std FP8 recipe
         source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora,
                               **parallel)
         tokens = sized_inputs(source.program(planned=False).input_names(), batch, seq)
@@ -165,10 +169,12 @@ class TrainStep:
         return step
 
     def __post_init__(self):
-        from runtime.fp8 import refuse_on_gpu
+        from runtime.cuda.fp8_step import head_covered, step_fp8
 
-        refuse_on_gpu(self.program.metadata)  # an FP8 recipe: refused, never run as bf16
-        self.split = split_head(self.program.graph) if self.fused_head else None
+        # an FP8 recipe: its matmuls as FP8 GEMMs (what the GPU cannot run: refused)
+        self.fp8 = step_fp8(self.program)
+        self.split = split_head(self.program.graph) if self.fused_head and not \
+            head_covered(self.fp8, self.program.graph) else None
         self.graph = self.split.graph if self.split else self.program.graph
         if isinstance(self.decisions, str) and self.decisions == "auto":
             self.decisions = Decisions.from_schedule(self.program.document.get("schedule", {}))
@@ -408,7 +414,7 @@ class TrainStep:
                                decisions=self.decisions, on_gradient=on_gradient,
                                hooks=self.hooks, arena=self._activations(),
                                frame_events=self.zero)
-        run.step = self
+        run.step, run.fp8_run = self, self.fp8
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:
                 self.swaps = GpuSwaps()
@@ -499,8 +505,13 @@ class TrainStep:
 
     def _step(self) -> None:
         self.rng_step.add_(1)  # new dropout masks (captured: each replay)
-        if self.optimizer == "fused":
-            return self._fused_step()
+        if self.fp8 is not None:  # the step's delayed scales; its amaxes recorded
+            self.fp8.begin_step()
+        self._fused_step() if self.optimizer == "fused" else self._torch_step()
+        if self.fp8 is not None:  # pushed into the amax histories (in the graph)
+            self.fp8.end_step()
+
+    def _torch_step(self) -> None:
         losses = []
         for micro in range(self.accumulation):
             loss, grads = self.loss_and_gradients(micro=micro)

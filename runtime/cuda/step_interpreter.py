@@ -40,6 +40,7 @@ class _StepInterpreter(Interpreter):
         # random ops (dropout) in a training run: (the step's device counter, this run's
         # salt: rank and micro-batch); None draws nothing (evaluation)
         self.rng = None
+        self.fp8_run = None  # runtime.cuda.fp8_step.StepFp8: the program's FP8 recipe
 
     def _seed(self, node, frame):
         """A `DeviceSeed` (runtime/cuda/dropout.py): the step's device counter and a key
@@ -153,6 +154,9 @@ class _StepInterpreter(Interpreter):
         (into base where nothing else reads it); d gets a shape-only stand-in (the add's
         derived backward reads its shape; d's matmul backward reads t and B, not d)."""
         function = frame.function
+        if self.fp8_run is not None and node.target in FP8_TARGETS and any(node.outputs) \
+                and self.fp8_run.covers(function.name, node.id):
+            return self._fp8_op(node, frame, forward)
         if function.gradient_of or self._replaying or self.hooks is not None \
                 or self.profiler is not None:
             return super()._op(node, frame, forward)
@@ -183,6 +187,14 @@ class _StepInterpreter(Interpreter):
             self._scalars[key] = torch.empty((), dtype=y.dtype, device=y.device)
         frame.env[matmul.outputs[0]] = self._scalars[key].expand(y.shape)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+
+    def _fp8_op(self, node, frame, forward) -> None:
+        """A matmul (or its backward) the FP8 recipe covers: FP8 GEMMs (fp8_step.py)."""
+        inputs = [self._read(v, frame, forward) if v else None for v in node.inputs]
+        outputs = self.fp8_run.run_op(node, frame, forward, inputs, self._attrs(node))
+        for value, tensor in zip(node.outputs, outputs):
+            if value:
+                frame.env[value] = self._after(node, frame, value, tensor)
 
     def _in_place_of(self, function) -> frozenset:
         """The nodes of `function` the planner counts in place (modulec.plan.in_place),
@@ -222,8 +234,10 @@ class _StepInterpreter(Interpreter):
     def _lora_pairs(self, function) -> "LoraPairs":
         if function.name not in self._pairs:
             saved = _saved_by_backward(self.graph, function.name)
+            fp8 = {n.id for n in function.nodes if self.fp8_run is not None
+                   and self.fp8_run.covers(function.name, n.id)}  # FP8 GEMMs: not fused
             self._pairs[function.name] = lora_addmm_pairs(function, saved,
-                                                          self._replayed(function))
+                                                          self._replayed(function) | fp8)
         return self._pairs[function.name]
 
     def _attrs(self, node):
@@ -248,6 +262,7 @@ class _StepInterpreter(Interpreter):
 
 
 MATMUL_BACKWARDS = ("matmul_backward", "batched_matmul_backward")
+FP8_TARGETS = ("matmul", "matmul_backward")
 
 
 @dataclass

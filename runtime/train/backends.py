@@ -1,8 +1,10 @@
 """Where a training step runs: `CPUTrainer` (the reference interpreter in float32, the
 planner's recompute/swap decisions executed, AdamW in runtime.train.optim) and
 `CUDATrainer` (runtime.cuda.step.TrainStep: bf16 compute, fp32 masters, fused AdamW, one
-CUDA graph). Both take windows of T+1 tokens and hold their state as fp32 tensors by
-parameter path: `masters`, `exp_avg`, `exp_avg_sq`, and `step` (optimizer steps taken).
+CUDA graph; an FP8 recipe's matmuls as FP8 GEMMs, its amax histories in `state()["fp8"]`
+as the CPU trainer's are). Both take windows of T+1 tokens and hold their state as fp32
+tensors by parameter path: `masters`, `exp_avg`, `exp_avg_sq`, and `step` (optimizer
+steps taken).
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ class CUDATrainer:
             self.model.params.update(s.masters)
         # joined one by one on the host as the checkpoint writes them (no GPU memory)
         return {"masters": ChainMap(s.masters.on("cpu"), self.frozen), "exp_avg": s.exp_avg,
-                "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())}
+                "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())} | \
+            ({"fp8": s.fp8.state_dict()} if s.fp8 is not None else {})  # amax histories
 
     def _gathered_state(self, moments: bool = True) -> dict:
         """Data parallel: the whole state, gathered shard by shard onto the host (a
@@ -229,6 +232,8 @@ class CUDATrainer:
             s.exp_avg_sq[path].copy_(state["exp_avg_sq"][path])
         s.step_count.fill_(float(state["step"]))
         s.rng_step.fill_(int(state["step"]))  # dropout masks go on, not start over
+        if s.fp8 is not None:  # the FP8 recipe's amax histories (the CPU trainer's format)
+            s.fp8.load_state_dict(state.get("fp8", {}))
         self.steps_run = 0
 
     def memory(self) -> dict:

@@ -83,9 +83,6 @@ class Request:
 
 def train_model(**kwargs) -> str:
     request = Request(**kwargs)
-    from runtime.fp8 import refuse_option_on_gpu
-
-    refuse_option_on_gpu(request.precision, request.device)  # before CUDA is looked for
     check_device(request.device)
     _check_numbers(request)
     context = _context(request)
