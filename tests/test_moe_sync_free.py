@@ -114,3 +114,65 @@ def test_sync_free_kernels_keep_the_reference_signatures_and_backward():
     got = MOE_KERNELS["moe_router"].forward([x, gate], {"top_k": 2})
     want = KERNELS["moe_router"].forward([x, gate], {"top_k": 2})
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class _Always:
+    """A sync-free forward run on CPU tensors too (its wrapper takes CUDA ones only)."""
+
+    def __init__(self, name, fn):
+        self.reference, self.fn = KERNELS[name], fn
+
+    def __getattr__(self, attr):
+        return getattr(self.reference, attr)
+
+    def forward(self, inputs, attrs):
+        from runtime.kernels.base import _call
+
+        r = self.reference
+        return _call(r, self.fn, r.forward_inputs, r.forward_outputs, inputs, attrs)
+
+
+@needs_grouped_mm
+def test_mixtral_through_the_fast_paths_matches_the_reference(monkeypatch):
+    """A tiny Mixtral's logits, aux_loss and every gradient with grouped_gemm through
+    torch._grouped_mm (its device check lifted) and the counting without bincount, against
+    the reference kernels, in fp32 on the CPU: the wiring (inputs, attrs, modes) of the
+    whole MoE path."""
+    from runtime.model import Model
+
+    settings = {k: str(v) for k, v in dict(
+        vocab_size=64, d_model=32, n_layers=2, num_heads=4, num_kv_heads=2, d_ff=48,
+        num_experts=4, top_k=2, max_seq=16, eps=1e-5, output_router_logits="true",
+        aux_loss_coef=0.3).items()}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2),
+                        dtype=torch.int32)
+
+    def run():
+        model = Model.from_module("std/models/mixtral.module", settings=settings,
+                                  dtype=torch.float32).init_random(seed=1)
+        with torch.no_grad():  # decisive routers: top-k picks far apart
+            for path, value in model.params.items():
+                if path.endswith("router.gate"):
+                    value.mul_(30.0)
+        out = model.forward(token_ids=ids)
+        seed = torch.randn(out["logits"].shape, generator=torch.Generator().manual_seed(3))
+        return out, model.backward(logits=seed, aux_loss=torch.ones(())).params
+
+    want_out, want_grads = run()
+    calls = []
+    monkeypatch.setattr(gg, "device_covered", lambda device, dtype: True)
+    for name in ("forward", "backward"):
+        inner = getattr(gg, name)
+        monkeypatch.setattr(gg, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n)
+                            or _f(*a, **k))
+    monkeypatch.setitem(KERNELS, "grouped_gemm", MOE_KERNELS["grouped_gemm"])
+    monkeypatch.setitem(KERNELS, "moe_router", _Always("moe_router", _router_forward))
+    monkeypatch.setitem(KERNELS, "moe_compute_offsets",
+                        _Always("moe_compute_offsets", _offsets_forward))
+    out, grads = run()
+    assert calls.count("forward") == 4 and calls.count("backward") == 4  # 2 layers x 2
+    for name, value in want_out.items():
+        assert _rel(out[name], value) < 1e-6, name
+    assert grads.keys() == want_grads.keys()
+    for path, value in want_grads.items():
+        assert _rel(grads[path], value) < 1e-6, path
