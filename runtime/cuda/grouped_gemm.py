@@ -107,7 +107,12 @@ def backward(d_y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
 
 class GroupedGemm:
     """The registry's grouped_gemm on the GPU: `forward` / `backward` above where
-    `covered`, the reference kernel otherwise."""
+    `covered`, the reference kernel otherwise. `allocates_outputs`: `_grouped_mm` has no
+    `out=`, so on the arena a transient result (the backward's d_input) stays where the
+    kernel made it instead of being copied into its planned bytes (runtime/interpreter.py
+    `place`, as cuDNN attention's); saved ones are still copied into their records."""
+
+    allocates_outputs = True
 
     def __init__(self):
         self.reference = KERNELS["grouped_gemm"]
