@@ -272,7 +272,7 @@ class Interpreter:
     def _op(self, node: Node, frame: Frame, forward: Frame | None) -> None:
         if node.outputs and not any(node.outputs):
             return  # a backward op none of whose gradients is wanted
-        inputs = [self._read(v, frame, forward) if v else None for v in node.inputs]
+        inputs = self._inputs(node, frame, forward)
         if self.fp8 is not None and node.target in ("matmul", "matmul_backward"):
             inputs = fp8_operands(self.fp8, node, frame, forward, inputs)
         attrs = self._attrs(node)
@@ -292,6 +292,10 @@ class Interpreter:
         for value, tensor in zip(node.outputs, _flatten(outputs)):
             if value:
                 frame.env[value] = self._after(node, frame, value, tensor)
+
+    def _inputs(self, node: Node, frame: Frame, forward: Frame | None) -> list:
+        """The op's input values (None for an absent optional one)."""
+        return [self._read(v, frame, forward) if v else None for v in node.inputs]
 
     def _seed(self, node: Node, frame: Frame) -> int | None:
         """The seed of random op `node` in this run of its function: the same when the op

@@ -191,15 +191,20 @@ def test_packing_mistakes_are_one_clear_error(data, args, message):
     assert "Traceback" not in result.output
 
 
-def test_doc_sep_on_cuda_is_refused_not_ignored(data):
+def test_doc_sep_on_cuda_packs_in_one_process_only(data):
+    """The GPU step packs (tests/test_cuda_packed.py); with --pp, --tp or --zero it is
+    refused, not ignored."""
     from runtime.errors import RuntimeUserError
     from runtime.train.packing import check_options
     from runtime.train.run import Request
 
     request = Request(file=LLAMA, data=data, seq=16, batch=2, steps=1, device="cuda",
                       doc_sep=SEP)
-    with pytest.raises(RuntimeUserError, match="not supported on cuda yet"):
-        check_options(request)
+    check_options(request)
+    for option in (dict(pp=2), dict(tp=2), dict(zero=1)):
+        with pytest.raises(RuntimeUserError, match="with --pp, --tp or --zero"):
+            check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
+                                  device="cuda", doc_sep=SEP, **option))
 
 
 MIXER = """\

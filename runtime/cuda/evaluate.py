@@ -7,7 +7,8 @@ recompute decisions, no hooks), torch's caching allocator instead of the step's 
 buffers; the weights are only read. Each forward function run keeps nothing but its
 outputs once it returns (there is no backward to save for), so the pass holds about one
 layer's activations at a time. The loss is the step's (fused LM head + cross-entropy in
-chunks, no head gradient); no host sync happens here.
+chunks, no head gradient); no host sync happens here (a packed batch's cu_seqlens are
+made from its documents on the host, where split_batch makes them).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy
+from runtime.cuda.packed import exact
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.inputs import fed_inputs, positions_like
 from runtime.interpreter import _keep_only_saved
+from runtime.kernels.documents import packed
 
 NOTHING = frozenset()
 
@@ -44,18 +47,24 @@ def forward_interpreter(step) -> ForwardOnly:
 
 
 @torch.no_grad()
-def eval_loss(step, tokens: Tensor, labels: Tensor) -> Tensor:
+def eval_loss(step, tokens: Tensor, labels: Tensor, documents=None) -> Tensor:
     """Mean next-token cross-entropy of `tokens` [B, T] int32 against `labels` [B, T]
-    int64 (CUDA) on `step`'s current weights: a [] fp32 CUDA tensor."""
+    int64 (CUDA) on `step`'s current weights: a [] fp32 CUDA tensor. A packed step's
+    batch comes with its `documents` (runtime.kernels.documents.Documents, read on the
+    host for their cu_seqlens); labels equal to the step's ignore_index are left out."""
     run = forward_interpreter(step)
-    inputs = fed_inputs(step.input_names, tokens, positions_like(tokens))
-    (out, *_), frame = run.forward([inputs[n] for n in step.input_names])
+    if documents is not None:
+        documents = exact(documents, tokens.device)
+    with packed(documents):
+        inputs = fed_inputs(step.input_names, tokens, positions_like(tokens)
+                            if documents is None else documents.positions)
+        (out, *_), frame = run.forward([inputs[n] for n in step.input_names])
     del frame
     run._sinks = {}
     if step.split is not None:
         head = step.compute[step.split.head_param]
         loss, _, _ = lm_head_cross_entropy(out, head, labels, step.chunk_rows,
-                                           head_grad=False)
+                                           step.ignore_index, head_grad=False)
         return loss
-    loss, _ = logits_cross_entropy(out, labels, step.chunk_rows)
+    loss, _ = logits_cross_entropy(out, labels, step.chunk_rows, step.ignore_index)
     return loss

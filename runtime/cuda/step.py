@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
+from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, stored_dtypes, whole_update
 from runtime.cuda.train_kernels import train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
@@ -76,6 +77,7 @@ from runtime.hf_weights.schema import tied_targets
 from runtime.train.aux_loss import auxiliary_seeds
 from runtime.inputs import fed_inputs, positions_like, sized_inputs, unfed
 from runtime.interpreter import Interpreter
+from runtime.kernels.documents import packed
 from runtime.model import parameter_shapes
 from runtime.program import ModuleSource, Program
 
@@ -127,6 +129,10 @@ class TrainStep:
     # collectives the TP pair's kernels) and data parallel with ZeRO sharding across the TP
     # slices, executed from the program's `distributed` section (runtime/dist/zero.py)
     dist: object = None
+    # packed sequences (runtime/cuda/packed.py): each batch comes with its documents
+    # (set_batch); labels equal to `ignore_index` leave the loss
+    packed: bool = False
+    ignore_index: int = -100
 
     @classmethod
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
@@ -188,6 +194,7 @@ class TrainStep:
             raise ValueError(f"the training step feeds token_ids and position_ids only; the "
                              f"model takes {', '.join(self.input_names)}")
         self.positions = positions_like(self.tokens)
+        self.packing = packed_buffers(self)  # packed: the documents' static buffers
         self.labels = torch.full((rows, self.seq), -100, dtype=torch.int64, device="cuda")
         self.loss = torch.zeros((), dtype=torch.float32, device="cuda")
         # the learning rate the updates read (set_lr writes it between replays) and the
@@ -441,8 +448,12 @@ class TrainStep:
                 self.program, 0, self.optimizer, held)
         return plan_budget(problem, self.memory_budget + offset).outcome.peak_bytes - offset
 
-    def loss_and_gradients(self, on_gradient=None, micro: int = 0
-                           ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_and_gradients(self, on_gradient=None, micro: int = 0):
+        with packed(self.packing.micro(micro) if self.packing is not None else None):
+            return self._loss_and_gradients(on_gradient, micro)
+
+    def _loss_and_gradients(self, on_gradient=None, micro: int = 0
+                            ) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward, loss and backward on the static inputs: (loss, gradients by path).
         `on_gradient(path, grad)`: called with each repeated layer's parameter gradients
         as soon as they are final, and with an untied LM head's before the backward runs
@@ -465,13 +476,13 @@ class TrainStep:
             head = self.split.head_param
             trained = head not in self.frozen()
             loss, seed, d_head = lm_head_cross_entropy(
-                out, self.compute[head], labels, self.chunk_rows, head_grad=trained,
-                scratch=self._head_scratch(on_gradient))
+                out, self.compute[head], labels, self.chunk_rows, self.ignore_index,
+                head_grad=trained, scratch=self._head_scratch(on_gradient))
             if d_head is not None and on_gradient is not None and not self._head_tied():
                 on_gradient(head, d_head)
                 d_head = None
         else:
-            loss, seed = logits_cross_entropy(out, labels, self.chunk_rows)
+            loss, seed = logits_cross_entropy(out, labels, self.chunk_rows, self.ignore_index)
         del out
         if aux is not None:
             loss = loss + aux.to(loss.dtype)
@@ -641,8 +652,11 @@ class TrainStep:
             self.hooks = Hooks(points=list(self.program.metadata.get("hook_points", [])))
         return self.hooks
 
-    def set_batch(self, token_ids: Tensor, labels: Tensor | None = None) -> None:
-        """Copy a batch into the static buffers; labels default to the next tokens."""
+    def set_batch(self, token_ids: Tensor, labels: Tensor | None = None,
+                  documents=None) -> None:
+        """Copy a batch into the static buffers; labels default to the next tokens. A
+        packed step takes the batch's `documents` (runtime.kernels.documents.Documents)."""
+        set_documents(self, documents)
         self.tokens.copy_(token_ids)
         if labels is None:
             labels = next_token_labels(token_ids)
@@ -672,9 +686,10 @@ class TrainStep:
         if self.adamw.lr != self._lr_set:
             self.set_lr(self.adamw.lr)
 
-    def __call__(self, token_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+    def __call__(self, token_ids: Tensor, labels: Tensor | None = None,
+                 documents=None) -> Tensor:
         self._sync_lr()
-        self.set_batch(token_ids, labels)
+        self.set_batch(token_ids, labels, documents)
         if self.cuda_graph is None:
             self._step()
         else:

@@ -13,6 +13,17 @@ from runtime.cuda.swaps import Stored
 from runtime.cuda.train_kernels import lora_addmm
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
+from runtime.kernels.documents import current
+
+# where rope's and qk_norm_rope's nodes take position_ids (their reference kernels'
+# forward_inputs / backward_inputs): a packed batch fills the slot when it is empty
+POSITION_SLOTS = {"rope": 2, "rope_backward": 2, "qk_norm_rope": 4,
+                  "qk_norm_rope_backward": 8}
+
+
+def position_slot(node) -> int | None:
+    slot = POSITION_SLOTS.get(node.target)
+    return slot if slot is not None and len(node.inputs) > slot else None
 
 
 class _StepInterpreter(Interpreter):
@@ -213,13 +224,24 @@ class _StepInterpreter(Interpreter):
         return {n for (f, n), modes in self.decisions.replays.items()
                 if f == function.name and modes}
 
+    def _inputs(self, node, frame, forward) -> list:
+        """In a packed batch (`packed(documents)`, runtime/cuda/packed.py) a rope or
+        qk_norm_rope node (forward or backward) without position_ids of its own gets the
+        documents' restarting positions, which the CUDA rope kernels take."""
+        inputs = super()._inputs(node, frame, forward)
+        slot = position_slot(node)
+        if slot is not None and inputs[slot] is None:
+            documents = current()
+            if documents is not None:
+                inputs[slot] = documents.positions
+        return inputs
+
     def _rope_in_place(self, node, frame, forward) -> bool:
         """rope over its q and k (views of the fused QKV projection output); False where
         the kernel does not cover the inputs (the op then runs as written)."""
         from runtime.cuda.kernels import _extension, rope_args
 
-        q, k = (self._read(v, frame, forward) for v in node.inputs[:2])
-        position_ids = self._read(node.inputs[2], frame, forward) if node.inputs[2] else None
+        q, k, position_ids = self._inputs(node, frame, forward)
         if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4
                    and t.stride(-1) == 1 and t.dtype in (torch.bfloat16, torch.float32)
                    and t.dtype == q.dtype for t in (q, k)):

@@ -131,9 +131,11 @@ class CUDATrainer:
     (the checkpoint's base), the GPU holding their bf16 compute copies alone."""
 
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW,
-                 memory_budget: int | None = None, accumulation: int = 1, dist=None):
+                 memory_budget: int | None = None, accumulation: int = 1, dist=None,
+                 packing=None):
         from runtime.cuda.step import AdamWConfig, TrainStep
 
+        self.packing = packing  # runtime.train.packing.Packing: --doc-sep (None: unpacked)
         self.names = owned_paths(model)
         if dist is not None and dist.options() is not None:  # the distributed section
             from runtime.train.data_parallel import with_distributed
@@ -152,7 +154,9 @@ class CUDATrainer:
                              adamw.decay_all, adamw.clip_grad)
         # decisions="auto": a budgeted program's recompute decisions run in the step
         self.step = TrainStep(program, batch, seq, adamw=config, optimizer="fused",
-                              accumulation=accumulation, dist=dist)
+                              accumulation=accumulation, dist=dist,
+                              packed=packing is not None,
+                              ignore_index=-100 if packing is None else packing.ignore_index)
         self.step.load(model.params)
         frozen = self.step.frozen()
         self.frozen = {p: model.params[p].detach().to("cpu", torch.float32)
@@ -162,11 +166,17 @@ class CUDATrainer:
         self.steps_run = 0
 
     def train_step(self, window: Tensor) -> float:
-        tokens, labels = (t.cuda(non_blocking=True) for t in split_window(window))
+        """A replay (the first step eager; the second captures). Packed, the documents
+        go with the batch; one past the step's room for documents drops the graph (that
+        step eager, the next captures again: runtime/cuda/packed.py)."""
+        from runtime.train.packing import split_batch
+
+        tokens, labels, documents = split_batch(window, self.packing)
+        tokens, labels = tokens.cuda(non_blocking=True), labels.cuda(non_blocking=True)
         if self.step.cuda_graph is not None or self.steps_run == 0:
-            self.step(tokens, labels)  # a replay; the first step eager
+            self.step(tokens, labels, documents)
         else:
-            self.step.set_batch(tokens, labels)
+            self.step.set_batch(tokens, labels, documents)
             self.step.capture(warmup=1)  # its one warm-up is this step
         self.steps_run += 1
         # one read of both (the loss is read every step anyway: no sync more)

@@ -95,10 +95,11 @@ def batch_loss(trainer, window: torch.Tensor) -> float:
 
     if isinstance(trainer, CUDATrainer):
         from runtime.cuda.evaluate import eval_loss
-        from runtime.train.backends import split_window
+        from runtime.train.packing import split_batch
 
-        tokens, labels = (t.cuda(non_blocking=True) for t in split_window(window))
-        return float(eval_loss(trainer.step, tokens, labels))
+        tokens, labels, documents = split_batch(window, trainer.packing)
+        return float(eval_loss(trainer.step, tokens.cuda(non_blocking=True),
+                               labels.cuda(non_blocking=True), documents))
     return cpu_loss(trainer, window)
 
 

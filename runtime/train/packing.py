@@ -4,7 +4,8 @@ after every document). A document's tokens attend only to its own earlier tokens
 take positions restarting at 0 (runtime/kernels/documents.py); the target after a
 separator (the next document's first token, predicted from another document) gets
 the ignore index and is left out of the loss, whose mean is over the micro-batch's
-other targets. The separator itself stays a target: a document learns to end.
+other targets. The separator itself stays a target: a document learns to end. On the
+GPU the step holds the documents in static buffers (runtime/cuda/packed.py).
 decisions.md "Packed sequences".
 """
 
@@ -62,10 +63,6 @@ def check_options(request) -> None:
                                    help=["give --doc-sep ID (the end-of-document id) to "
                                          "pack documents"])
         return
-    if request.device == "cuda":
-        raise RuntimeUserError("--doc-sep (packed sequences) is not supported on cuda yet",
-                               help=["train packed on the CPU (--device cpu), or leave "
-                                     "out --doc-sep on the GPU"])
     if request.pp > 1 or request.tp > 1 or request.zero is not None:
         raise RuntimeUserError("--doc-sep with --pp, --tp or --zero is not supported yet",
                                help=["train packed in one process"])

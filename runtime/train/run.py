@@ -326,7 +326,7 @@ class Run:
 
             refuse_on_gpu(model.source.program(planned=False).metadata)
             return CUDATrainer(model, r.batch, r.seq, adamw, r.memory_budget, r.grad_accum,
-                               dist=parallel)
+                               dist=parallel, packing=self.packing)
         if parallel is not None and parallel.dp > 1:
             from runtime.train.data_parallel import CPUDataParallelTrainer
 

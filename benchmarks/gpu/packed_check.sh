@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Packed sequences on the GPU step (issue 18 item 3) in one device call on one GPU: build
+# the CUDA extension, the cuda tests (varlen kernel, the packed step against its documents'
+# steps and the CPU reference, replays, `modulec train --device cuda --doc-sep`), the
+# attention-level timing, then tokens/s packed against unpacked at the TinyLlama shape.
+# Logs and JSON go to $OUT.
+#   bash benchmarks/gpu/packed_check.sh
+#   STAGES="tests" bash benchmarks/gpu/packed_check.sh        # build tests varlen step
+#   STEP_ARGS="--steps 30 --mean-doc 256" bash benchmarks/gpu/packed_check.sh
+set -uo pipefail
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
+  | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/device.txt"
+for stage in ${STAGES:-build tests varlen step}; do
+  case $stage in
+    build) /usr/bin/time -f "extension build %e s" python3 -c \
+             'from runtime.cuda.build import load; load()' 2>&1 | tail -3 | tee "$OUT/build.log" ;;
+    tests) python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
+             tests/test_cuda_packed.py tests/test_cuda_varlen.py 2>&1 \
+             | tee "$OUT/tests.log" | tail -25
+           python3 -m pytest -m "not cuda" -q -p no:cacheprovider tests/test_train_packing.py \
+             tests/test_cuda_packed.py 2>&1 | tee "$OUT/tests-cpu.log" | tail -5 ;;
+    varlen) python3 benchmarks/kernels/bench_varlen.py --full-capacity \
+              --json "$OUT/bench_varlen.json" 2>&1 | tee "$OUT/bench_varlen.txt" ;;
+    step) python3 benchmarks/gpu/packed_step.py ${STEP_ARGS:-} --json "$OUT/packed_step.json" \
+            2>&1 | tee "$OUT/packed_step.txt" ;;
+  esac
+done
