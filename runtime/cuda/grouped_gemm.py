@@ -142,9 +142,9 @@ def _refuse_capture(x) -> None:
         return
     from runtime.errors import RuntimeUserError
 
+    # no device query here: a capture may refuse API calls beyond the stream's work
     raise RuntimeUserError(
-        f"grouped_gemm (the MoE experts) in {x.dtype} on "
-        f"{torch.cuda.get_device_name(x.device)} loops over the experts and reads their "
-        "sizes back to the host, which a CUDA graph cannot capture",
+        f"grouped_gemm (the MoE experts) in {x.dtype} runs here as a loop over the experts "
+        "that reads their sizes back to the host, which a CUDA graph cannot capture",
         help=["the captured path is one grouped GEMM: bf16 on an sm90 GPU (H100, H200), "
               "K and N multiples of 8", "or run the step eagerly (without capture())"])
