@@ -176,3 +176,25 @@ def test_mixtral_through_the_fast_paths_matches_the_reference(monkeypatch):
     assert grads.keys() == want_grads.keys()
     for path, value in want_grads.items():
         assert _rel(grads[path], value) < 1e-6, path
+
+
+def test_a_host_loop_inside_a_capture_is_refused_by_name(monkeypatch):
+    """A grouped GEMM that would take the reference loop while a CUDA graph is being
+    captured raises RuntimeUserError (CUDA tensors and the capture stood in for)."""
+    from runtime.errors import RuntimeUserError
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    x, w, offsets, d_y = _case(SIZES[0], "NT")
+    kernel, attrs = MOE_KERNELS["grouped_gemm"], {"transpose": "NT"}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeUserError, match="cannot capture"):
+        kernel.forward([x.as_subclass(OnCuda), w, offsets], dict(attrs))
+    with pytest.raises(RuntimeUserError, match="float32 runs here as a loop"):
+        kernel.backward([d_y, x.as_subclass(OnCuda), w, offsets], dict(attrs))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert kernel.forward([x.as_subclass(OnCuda), w, offsets], dict(attrs))[0].shape == (
+        x.shape[0], w.shape[1])
