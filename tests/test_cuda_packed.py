@@ -56,6 +56,8 @@ def test_the_capacity_is_a_power_of_two_within_bounds():
 
 def test_buffers_hold_each_micro_batch_and_grow_only_when_they_must():
     buffers = PackedBuffers(accumulation=2, batch=1, seq=8, device="cpu")
+    with pytest.raises(ValueError, match="give them to set_batch"):
+        buffers.micro(0)  # nothing to attend by yet
     documents = _documents(WINDOW)
     assert buffers.set(documents) and buffers.capacity == 8  # the first batch sizes it
     assert buffers.cu_seqlens.tolist() == [[0, 3, 5, 8, 8, 8, 8, 8, 8],
@@ -201,7 +203,7 @@ def test_a_packed_gpu_step_equals_its_documents_steps(varlen_calls):
     params = _params()
     loss, grads = _loss_and_grads(_step(tokens.shape[1], packed=True), params, tokens,
                                   labels, documents)
-    assert varlen_calls == {"forward": 2, "backward": 2}  # one per layer each way
+    assert varlen_calls["forward"] >= 2 and varlen_calls["backward"] == 2  # each layer
     total, want = 0.0, {}
     kept = sum(len(d) - 1 for d in docs)
     for doc in docs:

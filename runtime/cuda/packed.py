@@ -98,6 +98,9 @@ class PackedBuffers:
 
     def micro(self, index: int) -> Documents:
         """Micro-batch `index`'s documents: views of the static buffers."""
+        if self.capacity == 0:
+            raise ValueError("a packed step runs on a batch's documents: give them to "
+                             "set_batch (or the call) before the first step or capture")
         rows = slice(index * self.batch, (index + 1) * self.batch)
         return Documents(self.segments[rows], self.positions[rows], self.cu_seqlens[index],
                          self.seq)
