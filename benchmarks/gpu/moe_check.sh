@@ -7,7 +7,13 @@
 #   bash benchmarks/gpu/moe_check.sh                      # tests, kernel bench, step bench
 #   STAGES="tests" bash benchmarks/gpu/moe_check.sh       # the tests only (about 2 minutes)
 #   STAGES="step" VARIANTS=modulec,hf_bf16 LAYERS=4 bash benchmarks/gpu/moe_check.sh
-# Knobs: STAGES (build tests kernel step), VARIANTS, LAYERS, BATCH, SEQ, STEPS, TIMEOUT.
+# Knobs: STAGES (build tests kernel step), VARIANTS, LAYERS, BATCH, SEQ, STEPS, TIMEOUT (s per
+# step variant), TEST_TIMEOUT, KERNEL_TIMEOUT, STEP_TIMEOUT (s for those stages: a hang
+# leaves the logs; the step's JSON is written after each variant), TAG (the step's file
+# names: moe_step-$TAG.json). Under the device's 10-minute limit per call, run it as
+#   STAGES="build tests kernel" bash benchmarks/gpu/moe_check.sh
+#   STAGES=step TAG=a VARIANTS=modulec,modulec_eager,modulec_noarena,hf_eager,hf_bf16 bash ...
+#   STAGES=step TAG=b VARIANTS=modulec,hf_compile,hf_bf16_compile bash ...
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests kernel step"}
@@ -24,19 +30,20 @@ for stage in $STAGES; do
       /usr/bin/time -f "extension build %e s" python3 -c \
         'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
     tests)
-      python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
         ${TESTS:-tests/test_cuda_grouped_gemm.py tests/test_cuda_std_moe.py \
         "tests/test_cuda_kernels.py::test_moe_permute_and_unpermute_match_the_reference"} 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
     kernel)
-      python3 benchmarks/kernels/bench_grouped_gemm.py --json "$OUT/grouped_gemm.json" \
+      timeout "${KERNEL_TIMEOUT:-240}" python3 benchmarks/kernels/bench_grouped_gemm.py --json "$OUT/grouped_gemm.json" \
         2>&1 | tee "$OUT/grouped_gemm.txt" ;;
     step)
-      python3 benchmarks/gpu/moe_step.py --layers "${LAYERS:-4}" --batch "${BATCH:-4}" \
-        --seq "${SEQ:-2048}" --steps "${STEPS:-10}" --timeout "${TIMEOUT:-300}" \
-        ${VARIANTS:+--variants "$VARIANTS"} --json "$OUT/moe_step.json" \
-        > "$OUT/moe_step.txt" 2> "$OUT/moe_step.err"
-      head -14 "$OUT/moe_step.txt"
-      tail -3 "$OUT/moe_step.err" ;;
+      name=moe_step${TAG:+-$TAG}
+      timeout "${STEP_TIMEOUT:-570}" python3 benchmarks/gpu/moe_step.py --layers "${LAYERS:-4}" \
+        --batch "${BATCH:-4}" --seq "${SEQ:-2048}" --steps "${STEPS:-10}" \
+        --timeout "${TIMEOUT:-240}" ${VARIANTS:+--variants "$VARIANTS"} \
+        --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+      head -14 "$OUT/$name.txt"
+      grep -v "^\s*$" "$OUT/$name.err" | cut -c1-300 | tail -8 ;;
   esac
 done
 stamp done

@@ -198,17 +198,19 @@ def parent(args) -> None:
     gemm = gemm_ceiling()
     flops = flops_per_token(shape, args.seq)
     rows = {}
+    summary = {"batch": args.batch, "seq": args.seq, "layers": args.layers, "shape": shape,
+               "flops_per_token": flops, "gemm_flops": gemm, "peak_flops": PEAK,
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "variants": rows}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         write_checkpoint(shape, ckpt)
         for variant in args.variants.split(","):
             rows[variant] = run_variant(args, variant, ckpt, Path(tmp) / f"{variant}.json")
             print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+            if args.json:  # after each variant: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(summary, indent=2))
     print(table(rows, args, flops, gemm))
-    summary = {"batch": args.batch, "seq": args.seq, "layers": args.layers, "shape": shape,
-               "flops_per_token": flops, "gemm_flops": gemm, "peak_flops": PEAK,
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "variants": rows}
     text = json.dumps(summary, indent=2)
     if args.json:
         Path(args.json).write_text(text)
