@@ -3,10 +3,11 @@ TinyLlama-1.1B shape, side by side in one run on one GPU (issue 6, item 6):
 
     modulec      runtime/cuda/step.py: the interpreter with TRAIN_KERNELS, fused chunked
                  LM head + CE, keep_only_saved, the whole step in one CUDA graph; the
-                 written backward (the SwiGLU MLP recomputes its up projection); fused
-                 AdamW on bf16 gradients, each layer updated inside the backward
-    modulec_norecompute  the same with the derived backward (the SwiGLU MLP saves its
-                 up projection instead of recomputing it: faster, more memory)
+                 std modules' written backward (what `modulec train` runs: the SwiGLU MLP
+                 keeps gate/up and recomputes its activation); fused AdamW on bf16
+                 gradients, each layer updated inside the backward
+    modulec_norecompute  the same with the derived backward (every written backward
+                 ignored; the SwiGLU MLP's derived backward keeps its activation too)
     ..._keepgrads   suffix: fused AdamW after the whole backward (every bf16 gradient
                  alive at once)
     ..._torchadam   suffix: torch.optim.AdamW(fused, capturable) on fp32 .grad buffers

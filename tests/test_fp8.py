@@ -116,8 +116,47 @@ def test_std_recipe_on_llama_keeps_the_lm_head_in_high_precision():
     assert [h["why"] for h in section["high_precision"]] == ["lm_head", "lm_head"]
     forward = [m for m in section["matmuls"] if m["role"] == "forward"]
     assert len(forward) == 4  # qkv, o, gate_up, down: one function per block kind
-    # the MLP's written backward: its recompute of gate_up takes the forward format
-    assert {m["role"] for m in section["matmuls"]} == {"forward", "backward", "recompute"}
+    # std's written backwards recompute no matmul (the MLP recomputes its activation only)
+    assert {m["role"] for m in section["matmuls"]} == {"forward", "backward"}
+    assert section_problems(section, result.graph) == []
+
+
+RECOMPUTING = """\
+recipe Hybrid:
+  forward_activation_dtype: fp8_e4m3
+  backward_gradient_dtype: fp8_e5m2
+
+model M(C: int = 16):
+  @recipe(Hybrid)
+  params:
+    w: [C, C]
+    v: [C, C]
+  forward:
+    in: x: [B, C]
+    out: y: [B, C]
+    graph:
+      x -> matmul(w, transpose=NT) -> h
+      h -> matmul(v, transpose=NT) -> y
+    save: [x]
+    recompute: [h]
+  backward:
+    graph:
+      recompute:
+        saved.x -> matmul(w, transpose=NT) -> h
+      (d_y, v) -> matmul(transpose=NN) -> d_h
+      (d_y, h) -> matmul(transpose=TN) -> d_v
+      (d_h, w) -> matmul(transpose=NN) -> d_x
+      (d_h, saved.x) -> matmul(transpose=TN) -> d_w
+"""
+
+
+def test_a_written_backwards_recomputed_matmul_takes_the_forward_format(tmp_path):
+    path = tmp_path / "m.module"
+    path.write_text(RECOMPUTING)
+    result = build(BuildRequest(path, shapes={"B": 2}))
+    section = result.document["metadata"]["precision"]
+    recomputed = [m for m in section["matmuls"] if m["role"] == "recompute"]
+    assert [m["operands"] for m in recomputed] == [["forward", "forward"]]
     assert section_problems(section, result.graph) == []
 
 

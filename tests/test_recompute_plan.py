@@ -117,10 +117,13 @@ def test_checkpoint_on_a_flow_covers_the_calls(tmp_path):
 def test_honor_lists_fixes_the_module_lists():
     free = llama()
     fixed = llama(binding=5)
+    # std's SwiGLU MLP lists gate and up (views of gate_up) under save: a suggestion
+    # by default, a fixed keep when the lists bind
     gate_up = [k for k in free.step.saved() if "gate_up" in free.step.storages[k].names]
+    assert gate_up
     assert all(free.intents.by_storage[k].kind is None for k in gate_up)
-    assert all(free.intents.by_storage[k].suggested == RECOMPUTE for k in gate_up)
-    assert all(fixed.intents.by_storage[k].kind == RECOMPUTE for k in gate_up)
+    assert all(free.intents.by_storage[k].suggested == KEEP for k in gate_up)
+    assert all(fixed.intents.by_storage[k].kind == KEEP for k in gate_up)
 
 
 # ====================================================================== policies

@@ -49,13 +49,12 @@ def test_the_arena_run_is_the_plain_run_bit_for_bit(name):
 
 
 def test_a_plan_that_overlaps_live_values_changes_the_results():
-    def overlap(arena):  # the attention's saved q_rot onto its saved lse, in every run
-        placed = arena.placements["CausalSelfAttention#1"]
-        owners = [v for v, p in placed.items() if p.region == SAVED and p.block == v]
-        rot = next(v for v in owners if placed[v].size_bytes > 256)
-        lse = max(owners, key=lambda v: placed[v].offset)
-        for _, blocks in arena.records["CausalSelfAttention#1"]:
-            blocks[rot] = blocks[lse]
+    def overlap(arena):  # the block's second saved value onto its first, in every run
+        placed = arena.placements["DenseTransformerBlock#1"]
+        first, second = [v for v, p in sorted(placed.items(), key=lambda kv: kv[1].offset)
+                         if p.region == SAVED and p.block == v][:2]
+        for _, blocks in arena.records["DenseTransformerBlock#1"]:
+            blocks[second] = blocks[first]
     _, plain_grads, _ = _run("llama", arena=False)
     _, grads, _ = _run("llama", arena=True, tamper=overlap)
     assert not _same(plain_grads, grads)

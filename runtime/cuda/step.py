@@ -141,7 +141,7 @@ class TrainStep:
                     **options) -> "TrainStep":
         """`lora`: LoRA on (a dict `rank=16, alpha=32, targets=[...]` or
         modulec.lower.lora.LoraOptions; base weights frozen). `derive_written`: ignore the
-        source's written backward sections (the SwiGLU MLP's recomputes its up projection; the derived one saves it instead).
+        source's written backward sections (derive every backward instead).
         `memory_budget` (bytes of GPU memory for the whole step): build with the budget
         planner on `plan_device`'s cost model and run its recompute decisions."""
         from modulec.lower.build_plan import PlanOptions
