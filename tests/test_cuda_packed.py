@@ -302,3 +302,34 @@ def test_modulec_train_packs_on_cuda(tmp_path):
 
     gpu, cpu = losses("cuda"), losses("cpu")
     assert len(gpu) == 3 and abs(gpu[0] - cpu[0]) <= 1e-2 * abs(cpu[0]), (gpu, cpu)
+
+
+def test_the_gpu_evaluation_forward_packs_like_the_cpu_one():
+    """runtime/cuda/evaluate.py's packed forward on CPU tensors (every kernel falls back to
+    the reference, FlashAttention to its document mask): the CPU trainer's packed loss,
+    with a non-default ignore index; without the documents (attention across them,
+    positions not restarting), the same targets' loss differs."""
+    from runtime.cuda.evaluate import eval_loss
+    from runtime.cuda.lm_head import split_head
+    from runtime.cuda.train_kernels import train_kernels
+    from runtime.model import Model
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.evaluate import cpu_loss
+    from runtime.train.optim import AdamW
+
+    packing = Packing(SEP, ignore_index=-5)
+    model = Model.from_module(LLAMA, settings=SIZES, dtype=torch.float32).init_random(
+        0, std=0.3)
+    program = model.source.program_for({"token_ids": torch.zeros(2, 8, dtype=torch.int32)})
+    split = split_head(program.graph)
+    step = SimpleNamespace(graph=split.graph, compute=model.params, dtype=torch.float32,
+                           kernels=train_kernels("cpu", ("cudnn", "flash")),
+                           input_names=program.input_names(),
+                           split=split, chunk_rows=2048, ignore_index=-5)
+    window = torch.tensor(WINDOW)
+    tokens, labels, documents = split_batch(window, packing)
+    got = float(eval_loss(step, tokens, labels, documents))
+    want = cpu_loss(CPUTrainer(model, 2, 8, AdamW(lr=0.0), packing=packing), window)
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    plain = float(eval_loss(step, tokens, labels))  # the same targets, attention unmasked
+    assert abs(plain - want) > 1e-4
