@@ -132,12 +132,35 @@ class _Always:
         return _call(r, self.fn, r.forward_inputs, r.forward_outputs, inputs, attrs)
 
 
+def _permute_as_on_the_gpu(x, indices, expert_offsets, **_):
+    """runtime/cuda/moe.py MoePermute.forward's arithmetic (its gather is a CUDA kernel):
+    the stable sort of the assignments, no check of the offsets against the indices."""
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    return [x[order // indices.shape[1]], order.to(torch.int32)]
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+def _refuse_host_reads(monkeypatch):
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"a host read on the MoE path: {name}")
+        return read
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    monkeypatch.setattr(torch, "bincount", refuse("bincount"))
+
+
 @needs_grouped_mm
-def test_mixtral_through_the_fast_paths_matches_the_reference(monkeypatch):
-    """A tiny Mixtral's logits, aux_loss and every gradient with grouped_gemm through
-    torch._grouped_mm (its device check lifted) and the counting without bincount, against
-    the reference kernels, in fp32 on the CPU: the wiring (inputs, attrs, modes) of the
-    whole MoE path."""
+def test_mixtral_through_the_fast_paths_matches_the_reference_and_reads_nothing_back(
+        monkeypatch):
+    """A tiny Mixtral's logits, aux_loss and every gradient with the GPU MoE path's
+    arithmetic (grouped_gemm through torch._grouped_mm, its device check lifted; the
+    counting without bincount; the permutation without the offsets check), against the
+    reference kernels, in fp32 on the CPU: the wiring (inputs, attrs, modes) of the whole
+    MoE path. Its forward and backward run with every Python-level host read (tolist,
+    item, bool(), int(), nonzero, bincount) made to fail."""
     from runtime.model import Model
 
     settings = {k: str(v) for k, v in dict(
@@ -146,17 +169,22 @@ def test_mixtral_through_the_fast_paths_matches_the_reference(monkeypatch):
         aux_loss_coef=0.3).items()}
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2),
                         dtype=torch.int32)
+    seed = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(3))
 
-    def run():
+    def run(refuse=False):
         model = Model.from_module("std/models/mixtral.module", settings=settings,
                                   dtype=torch.float32).init_random(seed=1)
+        model.check_finite = False  # the GPU step's setting (the check reads each value)
         with torch.no_grad():  # decisive routers: top-k picks far apart
             for path, value in model.params.items():
                 if path.endswith("router.gate"):
                     value.mul_(30.0)
-        out = model.forward(token_ids=ids)
-        seed = torch.randn(out["logits"].shape, generator=torch.Generator().manual_seed(3))
-        return out, model.backward(logits=seed, aux_loss=torch.ones(())).params
+        with monkeypatch.context() as patch:
+            if refuse:
+                _refuse_host_reads(patch)
+            out = model.forward(token_ids=ids)
+            grads = model.backward(logits=seed, aux_loss=torch.ones(())).params
+        return out, grads
 
     want_out, want_grads = run()
     calls = []
@@ -169,7 +197,8 @@ def test_mixtral_through_the_fast_paths_matches_the_reference(monkeypatch):
     monkeypatch.setitem(KERNELS, "moe_router", _Always("moe_router", _router_forward))
     monkeypatch.setitem(KERNELS, "moe_compute_offsets",
                         _Always("moe_compute_offsets", _offsets_forward))
-    out, grads = run()
+    monkeypatch.setitem(KERNELS, "moe_permute", _Always("moe_permute", _permute_as_on_the_gpu))
+    out, grads = run(refuse=True)
     assert calls.count("forward") == 4 and calls.count("backward") == 4  # 2 layers x 2
     for name, value in want_out.items():
         assert _rel(out[name], value) < 1e-6, name
