@@ -9,47 +9,13 @@
 // 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter).
 #include <algorithm>
 
-#include "common.cuh"
+#include "rows.cuh"
 
 namespace modulec {
 namespace {
 
-constexpr int kMaxThreads = 512;   // __launch_bounds__: leaves 128 registers a thread
 constexpr int kFwdCache = 4;       // row vectors a thread keeps in registers (forward)
 constexpr int kBwdCache = 2;       // likewise for x and d_y in the backward (twice the data)
-constexpr int kSmallRowThreads = 256;  // block size when a warp holds several rows
-
-// Threads per row ("group") and per block: rows of at most 32 vectors get a power-of-two
-// slice of a warp, one thread a vector; longer rows get the block.
-struct RowConfig {
-  int group, threads;
-  int rows_per_block() const { return threads / group; }
-};
-
-// Threads for a row of `nvec` vectors when each thread caches `per_thread` of them.
-int row_threads(int64_t nvec, int per_thread) {
-  int64_t t = (nvec + per_thread - 1) / per_thread;
-  t = (t + 31) / 32 * 32;
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(t, 64), kMaxThreads));
-}
-
-RowConfig row_config(int64_t nvec, int per_thread) {
-  if (nvec > 32) {
-    const int t = row_threads(nvec, per_thread);
-    return {t, t};
-  }
-  int group = 1;
-  while (group < nvec) group <<= 1;
-  return {group, kSmallRowThreads};
-}
-
-// Sum over the row's group: the block, or `group` consecutive lanes of a warp (the xor
-// shuffle stays inside aligned power-of-two slices). Uniform across the block.
-__device__ __forceinline__ float group_sum(float v, int group) {
-  if (group >= static_cast<int>(blockDim.x)) return block_sum(v);
-  for (int off = group >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 template <int VEC>
 __device__ __forceinline__ float sum_squares(const float (&a)[VEC]) {
@@ -93,7 +59,7 @@ __device__ __forceinline__ void store_y(const float (&a)[VEC], const T* weight, 
 }
 
 template <typename T, int VEC, bool FUSED>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kRowMaxThreads)
 rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
                    const T* __restrict__ weight, T* __restrict__ residual_out,
                    T* __restrict__ y, float* __restrict__ rstd, int64_t rows, int64_t C,
@@ -222,7 +188,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
 // columns in every row, so its d_weight partials (one row of `partial` per group) need
 // neither atomics nor barriers.
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kRowMaxThreads)
 rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
                     const T* __restrict__ weight, float offset, const float* __restrict__ rstd,
                     const T* __restrict__ d_res, T* __restrict__ d_x,

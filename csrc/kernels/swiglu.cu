@@ -8,43 +8,12 @@
 // A contiguous call passes rows = 1, C = n. One thread per VEC elements of a row; the
 // 16-byte path needs aligned bases and row strides that are multiples of VEC; the last
 // C % VEC elements of a row are done one by one by the thread that owns them.
-#include "common.cuh"
+#include "activations.cuh"
 
 namespace modulec {
 namespace {
 
 constexpr int kThreads = 256;
-
-// 1 / (1 + exp(-g)) with the precise expf, as the reference's sigmoid
-__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
-
-enum Act : int { kSilu = 0, kGeluTanh = 1, kGeluErf = 2 };  // launch_swiglu_*'s activation
-
-constexpr float kGeluC = 0.7978845608028654f;   // sqrt(2 / pi)
-constexpr float kGeluA = 0.044715f;
-constexpr float kInvSqrt2 = 0.7071067811865476f;
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;
-
-// act(g) and act'(g) as runtime/kernels/activations.py writes them
-template <int ACT>
-__device__ __forceinline__ float act(float g) {
-  if constexpr (ACT == kSilu) return g * sigmoid(g);
-  if constexpr (ACT == kGeluTanh)
-    return 0.5f * g * (1.f + tanhf(kGeluC * (g + kGeluA * g * g * g)));
-  return 0.5f * g * (1.f + erff(g * kInvSqrt2));
-}
-
-// silu'(g) = sigmoid(g) + silu(g) * sigmoid(-g) (sigmoid(-g) computed, not 1 - sigmoid(g),
-// as the reference); the GELUs' derivatives as gelu_grad's
-template <int ACT>
-__device__ __forceinline__ float act_grad(float g) {
-  if constexpr (ACT == kSilu) return sigmoid(g) + g * sigmoid(g) * sigmoid(-g);
-  if constexpr (ACT == kGeluTanh) {
-    const float t = tanhf(kGeluC * (g + kGeluA * g * g * g));
-    return 0.5f * (1.f + t) + 0.5f * g * (1.f - t * t) * kGeluC * (1.f + 3.f * kGeluA * g * g);
-  }
-  return 0.5f * (1.f + erff(g * kInvSqrt2)) + g * expf(-0.5f * g * g) * kInvSqrt2Pi;
-}
 
 template <int ACT>
 __device__ __forceinline__ float swiglu_y(float g, float u) { return act<ACT>(g) * u; }

@@ -1,4 +1,4 @@
-"""Build the torch extension over csrc/ (bindings.cpp + kernels/*.cu) with
+"""Build the torch extension over csrc/ (bindings*.cpp + kernels/*.cu) with
 torch.utils.cpp_extension.load: compiled once per source change into a cached build
 folder (ninja rebuilds only what changed), then imported.
 
@@ -19,7 +19,9 @@ NAME = "modulec_cuda_kernels"
 
 
 def sources() -> list[Path]:
-    return [CSRC / "bindings.cpp", *sorted((CSRC / "kernels").glob("*.cu"))]
+    """bindings.cpp (the module), the other bindings_*.cpp it registers, kernels/*.cu."""
+    return [CSRC / "bindings.cpp", *sorted(CSRC.glob("bindings_*.cpp")),
+            *sorted((CSRC / "kernels").glob("*.cu"))]
 
 
 def build_dir() -> Path:

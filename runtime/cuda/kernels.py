@@ -2,8 +2,9 @@
 the reference calling convention (`forward(inputs, attrs)`, `backward(inputs, attrs)`,
 runtime/kernels/base.py).
 
-rmsnorm, fused_residual_rmsnorm, swiglu, geglu, rope, qk_norm, qk_norm_rope and
-embedding's backward have custom CUDA kernels (csrc/kernels). A call they do not cover
+rmsnorm, fused_residual_rmsnorm, layernorm, swiglu, geglu, gelu, softmax (over the last
+dim; another dim goes to the reference), rope, qk_norm, qk_norm_rope and embedding's
+backward have custom CUDA kernels (csrc/kernels). A call they do not cover
 (tensors not on the GPU or not contiguous, a dtype other than bf16/fp32, inputs of mixed
 dtypes, position_ids not int32) goes to the reference kernel, and so does every other
 primitive: the reference kernels are torch ops, which run on CUDA tensors as they are.
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from runtime.cuda.mamba import MAMBA_KERNELS
 from runtime.cuda.moe import MOE_KERNELS
 from runtime.kernels import KERNELS
 from runtime.kernels.base import ReferenceKernel
@@ -229,6 +231,66 @@ _swiglu_fwd, _swiglu_bwd = _gated(lambda attrs: 0)
 _geglu_fwd, _geglu_bwd = _gated(lambda attrs: 1 if attrs.get("approximate", True) else 2)
 
 
+def _no_bias(attrs) -> bool:
+    """layernorm's bias was absent (the recorded shapes say None), as the reference reads it."""
+    shapes = attrs.get("input_shapes") or {}
+    return "bias" in shapes and shapes["bias"] is None
+
+
+@writes_out
+def _layernorm_fwd(ext, inputs, attrs, out=None):
+    x, weight, bias = (list(inputs) + [None])[:3]
+    outs = [typed(out, 0, x.shape, x.dtype)] + [typed(out, i, x.shape[:-1], torch.float32)
+                                                for i in (1, 2)]
+    return ext.layernorm_forward(x, weight, bias, float(attrs.get("eps", 1e-5)), outs)
+
+
+@writes_out
+def _layernorm_bwd(ext, inputs, attrs, out=None):
+    d_y, x, weight, mean, rstd = inputs
+    with_bias = not _no_bias(attrs)
+    grads = ext.layernorm_backward(d_y, x, weight, mean, rstd, None, with_bias,
+                                   [typed(out, 0, x.shape, x.dtype)])
+    return grads if with_bias else grads + [None]
+
+
+def _approximate(attrs) -> bool:
+    return bool(attrs.get("approximate", True))
+
+
+@writes_out
+def _gelu_fwd(ext, inputs, attrs, out=None):
+    (x,) = inputs
+    return [ext.gelu_forward(x, _approximate(attrs), [typed(out, 0, x.shape, x.dtype)])]
+
+
+@writes_out
+def _gelu_bwd(ext, inputs, attrs, out=None):
+    d_y, x = inputs
+    return [ext.gelu_backward(d_y, x, _approximate(attrs), [typed(out, 0, x.shape, x.dtype)])]
+
+
+def _last_dim(attrs, x: torch.Tensor) -> bool:
+    """softmax's kernels take the last dim only (a row of memory)."""
+    return x.dim() > 0 and int(attrs.get("dim", -1)) % x.dim() == x.dim() - 1
+
+
+@writes_out
+def _softmax_fwd(ext, inputs, attrs, out=None):
+    (x,) = inputs
+    if not _last_dim(attrs, x):
+        return KERNELS["softmax"].forward(inputs, attrs)
+    return [ext.softmax_forward(x, [typed(out, 0, x.shape, x.dtype)])]
+
+
+@writes_out
+def _softmax_bwd(ext, inputs, attrs, out=None):
+    d_y, y = inputs
+    if not _last_dim(attrs, y):
+        return KERNELS["softmax"].backward(inputs, attrs)
+    return [ext.softmax_backward(d_y, y, [typed(out, 0, y.shape, y.dtype)])]
+
+
 _ROPE_TABLES: dict = {}  # inv_freq per (params, D, device): made before a graph is captured
 
 
@@ -315,6 +377,9 @@ CUSTOM = {
     "qk_norm": (_qk_norm_fwd, _qk_norm_bwd),
     "qk_norm_rope": (_qk_norm_rope_fwd, _qk_norm_rope_bwd),
     "embedding": (_embedding_fwd, _embedding_bwd),
+    "layernorm": (_layernorm_fwd, _layernorm_bwd),
+    "gelu": (_gelu_fwd, _gelu_bwd),
+    "softmax": (_softmax_fwd, _softmax_bwd),
 }
 
 # the custom kernels that read strided inputs (default: contiguous only)
@@ -324,7 +389,8 @@ LAYOUTS = {"swiglu": rows_layout, "geglu": rows_layout, "rope": heads_layout,
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
     for name, ref in KERNELS.items()
-} | MOE_KERNELS  # the routing gathers wrap the reference themselves (runtime/cuda/moe.py)
+} | MOE_KERNELS | MAMBA_KERNELS  # these wrap the reference themselves (runtime/cuda/moe.py,
+# runtime/cuda/mamba.py)
 
 
 def _rms_apply(x, stats, weight, offset: float = 0.0):
