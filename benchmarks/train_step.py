@@ -21,6 +21,10 @@ TinyLlama-1.1B shape, side by side in one run on one GPU (issue 6, item 6):
                  backward under 20 GiB); BUDGETS is the sweep
     hf_eager     transformers LlamaForCausalLM, sdpa attention, fp32 weights + autocast bf16
     hf_compile   the same under torch.compile
+    hf_compile_fp8  the same with torchao's Float8 training (`convert_to_float8_training`,
+                 tensorwise dynamic scaling, every decoder linear, the LM head in bf16):
+                 the FP8 peer of modulec_fp8 (torchao must be importable; without it the
+                 variant's row is its import error)
     hf_ckpt      the same with gradient checkpointing
 
 All start from the same random weights (an HF checkpoint written once, loaded by each) and
@@ -176,8 +180,10 @@ def run_hf(args, shape, ckpt, variant):
     model.config.use_cache = False
     if variant == "hf_ckpt":
         model.gradient_checkpointing_enable()
+    if variant.endswith("_fp8"):
+        to_float8(model)
     model.train()
-    forward = torch.compile(model) if variant == "hf_compile" else model
+    forward = torch.compile(model) if variant in ("hf_compile", "hf_compile_fp8") else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     tokens = _batch(args, shape["vocab_size"]).long()
     box = {}
@@ -194,6 +200,15 @@ def run_hf(args, shape, ckpt, variant):
     result = _timed(step, args.warmup, args.steps)
     result["loss"] = float(box["loss"])
     return result
+
+
+def to_float8(model) -> None:
+    """torchao's Float8 training on the decoder's linears (torchtitan's recipe: tensorwise
+    dynamic scaling), the LM head left in bf16 as modulec's std FP8 recipe leaves it."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig(),
+                               module_filter_fn=lambda module, fqn: fqn != "lm_head")
 
 
 def child(args) -> None:
