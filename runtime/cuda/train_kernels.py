@@ -91,41 +91,6 @@ def _contiguous(inputs: list) -> list:
     return [x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-class Add(NoCast):
-    """add of two operands of one floating dtype without the reference's fp32 round trip
-    (torch adds bf16 in fp32 and rounds once: the reference's bits), written into the
-    planned bytes on the arena (`takes_out`: no copy in). Its backward without
-    broadcasting is d_y for both operands (the reference casts d_y to fp32 and back: the
-    same bits, after three conversion kernels); other operands: the reference."""
-
-    takes_out = True
-
-    def forward(self, inputs: list, attrs: dict) -> list:
-        out = attrs.pop("out", None)
-        a, b = inputs
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) \
-                or a.dtype != b.dtype or not a.is_floating_point():
-            return self.reference.forward(inputs, attrs)
-        y = typed(out, 0, torch.broadcast_shapes(a.shape, b.shape), a.dtype)
-        if y is None:
-            return [a + b]
-        return [torch.add(a, b, out=y)]
-
-    def backward(self, inputs: list, attrs: dict) -> list:
-        attrs.pop("out", None)
-        d_y = inputs[0]
-        shapes = attrs.get("input_shapes") or {}
-        if isinstance(d_y, torch.Tensor) and all(
-                _shape_or(shapes.get(name), d_y) == tuple(d_y.shape) for name in ("a", "b")):
-            return [d_y, d_y]
-        return self.reference.backward(inputs, attrs)
-
-
-def _shape_or(shape, like: torch.Tensor) -> tuple:
-    """A recorded input shape, or `like`'s where none was recorded."""
-    return tuple(like.shape) if shape is None else tuple(shape)
-
-
 class Embedding(NoCast):
     """The gather without a cast; the backward through CUDA_KERNELS' deterministic
     scatter-add kernel (the fp32 reference where it does not cover the inputs)."""
@@ -394,7 +359,6 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
     kernels.update({name: Matmul(KERNELS[name]) for name in ("matmul", "batched_matmul")})
     kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
-    kernels["add"] = Add(KERNELS["add"])
     kernels["concat"] = Concat(KERNELS["concat"])
     kernels["split"] = Split(KERNELS["split"])
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
