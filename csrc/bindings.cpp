@@ -10,7 +10,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include "bindings_common.h"
 #include "kernels/kernels.h"
 
 namespace {
@@ -18,7 +17,47 @@ namespace {
 using at::Tensor;
 using modulec::DType;
 namespace py = pybind11;
-using namespace modulec::bind;
+
+DType dtype_of(const Tensor& t) {
+  if (t.scalar_type() == at::kBFloat16) return DType::BF16;
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "modulec CUDA kernels take bf16 or fp32, got ",
+              t.scalar_type());
+  return DType::F32;
+}
+
+void check(const Tensor& t, const char* name, at::ScalarType dtype, const Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", not ", like.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
+}
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// Where a kernel writes its outputs: out[i] (the arena's planned bytes, typed and shaped
+// by the caller) or, absent, a new tensor. A given one that does not match is a bug.
+using Outputs = std::vector<std::optional<Tensor>>;
+
+Tensor output(const Outputs& out, size_t i, at::IntArrayRef sizes,
+              const at::TensorOptions& options) {
+  if (i >= out.size() || !out[i]) return at::empty(sizes, options);
+  const Tensor& t = *out[i];
+  TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == options.dtype().toScalarType() &&
+                  t.device() == options.device() && t.is_contiguous(),
+              "out[", i, "] is ", t.sizes(), " ", t.scalar_type(), ", the kernel writes ", sizes,
+              " ", options.dtype());
+  return t;
+}
+
+// x [*, C] as rows x C; rstd has the leading dims
+std::vector<int64_t> leading(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "expected at least one dim");
+  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
+}
 
 std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& input,
                                  const Tensor& weight, double eps, const Outputs& out,
@@ -629,11 +668,36 @@ Tensor cross_entropy_(const Tensor& logits, const Tensor& labels, const Tensor& 
   return losses;
 }
 
+// An FP8 GEMM operand: x [rows, cols] (bf16/fp32, contiguous) times scale (fp32 [] or [1]
+// on the device), clamped and cast to fmt (0 E4M3, 1 E5M2): [x's layout if plain,
+// transposed [cols, rows] if transposed], in that order.
+std::vector<Tensor> fp8_cast(const Tensor& x, const Tensor& scale, int64_t fmt, bool plain,
+                             bool transposed) {
+  check(x, "x", x.scalar_type(), x);
+  check(scale, "scale", at::kFloat, x);
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, cols]");
+  TORCH_CHECK(scale.numel() == 1, "scale must hold one value");
+  TORCH_CHECK(fmt == 0 || fmt == 1, "fmt must be 0 (E4M3) or 1 (E5M2)");
+  const auto dtype = fmt == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  std::vector<Tensor> outs;
+  Tensor out, out_t;
+  if (plain) outs.push_back(out = at::empty({rows, cols}, x.options().dtype(dtype)));
+  if (transposed) outs.push_back(out_t = at::empty({cols, rows}, x.options().dtype(dtype)));
+  check_launch(modulec::launch_fp8_cast(dtype_of(x), x.data_ptr(), scale.data_ptr<float>(),
+                                        static_cast<int>(fmt),
+                                        plain ? out.data_ptr() : nullptr,
+                                        transposed ? out_t.data_ptr() : nullptr, rows, cols,
+                                        stream()),
+               "fp8 cast");
+  return outs;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "modulec CUDA kernels (csrc/kernels)";
-  modulec::bind::register_fusions(m);  // layernorm, gelu, softmax (bindings_fusions.cpp)
   // offset: the norm's scale is offset + weight (fp32; 1 for Gemma's `1 + w`)
   m.def("rmsnorm_forward", &rmsnorm_forward,
         "(x, weight, eps, out=[], offset=0) -> [y, rstd]", py::arg("x"), py::arg("weight"),
@@ -707,4 +771,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_", &cross_entropy_,
         "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
         "scale fp32 [], ignore_index) -> losses fp32 [rows]");
+  m.def("fp8_cast", &fp8_cast,
+        "(x [rows, cols] bf16/fp32, scale fp32 [] on the device, fmt 0 E4M3 / 1 E5M2, plain, "
+        "transposed) -> [fp8 x if plain, fp8 x^T contiguous if transposed]  (clamped, RNE)",
+        py::arg("x"), py::arg("scale"), py::arg("fmt"), py::arg("plain"),
+        py::arg("transposed"));
 }

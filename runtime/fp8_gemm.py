@@ -14,8 +14,10 @@ against the emulation.
   Python float is when it multiplies an fp32 tensor. `end_step` pushes the step's amaxes.
   `state_dict` / `load_state_dict` use the emulation's checkpoint format (float64
   histories, oldest first).
-- `quantize`: x -> (fp8 tensor, 1 / scale): (x in fp32 * scale) clamped to +-fp8_max and
-  cast (round to nearest even), the emulation's rounding exactly.
+- `quantize` / `cast`: x -> fp8 (x in fp32 * scale) clamped to +-fp8_max and cast (round
+  to nearest even), the emulation's rounding exactly, in the layouts the GEMMs ask for:
+  on CUDA one pass of csrc/kernels/fp8_cast.cu writes x and / or x^T in fp8, elsewhere
+  (the CPU, or `CAST["cuda"] = "torch"`) torch ops do.
 - `matmul` / `matmul_backward`: the IR's matmul (transpose modes, alpha, leading dims
   folded) with every operand quantized once and each product one `_scaled_mm` (fp32
   accumulation, output in the operands' dtype): the first operand row-major, the second
@@ -36,9 +38,33 @@ EMPTY = -1.0  # a history slot or pending amax with nothing in it (amaxes are >=
 ALIGN = 16  # _scaled_mm: every dim a multiple of 16
 
 
-class Quantized(NamedTuple):
-    data: Tensor  # fp8, x's shape (2-D)
-    inv_scale: Tensor  # fp32 0-d: the dequantization factor _scaled_mm multiplies by
+class Quantized:
+    """x (2-D) in fp8 at one scale, in the layouts the GEMMs ask for: `plain()` (x's own,
+    row-major) and `transposed()` (x^T contiguous), each made once, both in one pass of
+    the CUDA cast kernel where both are wanted (`prepare`)."""
+
+    def __init__(self, x: Tensor, fmt: str, scale: Tensor):
+        self.x, self.fmt, self.scale = x, fmt, scale
+        self.inv_scale = torch.reciprocal(scale)  # the dequantization factor _scaled_mm takes
+        self._plain: Tensor | None = None
+        self._transposed: Tensor | None = None
+
+    def prepare(self, plain: bool, transposed: bool) -> "Quantized":
+        plain, transposed = plain and self._plain is None, \
+            transposed and self._transposed is None
+        if plain or transposed:
+            made = cast(self.x, self.fmt, self.scale, plain, transposed)
+            if plain:
+                self._plain = made.pop(0)
+            if transposed:
+                self._transposed = made.pop(0)
+        return self
+
+    def plain(self) -> Tensor:
+        return self.prepare(True, False)._plain
+
+    def transposed(self) -> Tensor:
+        return self.prepare(False, True)._transposed
 
 
 def amax_of(x: Tensor) -> Tensor:
@@ -57,11 +83,27 @@ def scale_from(amax: Tensor, fmt: str, margin: int = 0) -> Tensor:
 
 
 def quantize(x: Tensor, fmt: str, scale: Tensor) -> Quantized:
-    """x * scale (in fp32) clamped to +-fp8_max, cast to `fmt` (clamp first: the E5M2 cast
-    does not saturate); with 1 / scale for _scaled_mm."""
+    """x (2-D) to be cast to `fmt` at `scale` (the layouts are made when asked for)."""
+    return Quantized(x, fmt, scale)
+
+
+# "kernel": CUDA tensors through csrc/kernels/fp8_cast.cu (one pass); "torch": torch ops
+# (four passes; the CPU always). The same numbers either way (tests/test_fp8_gemm.py).
+CAST = {"cuda": "kernel"}
+
+
+def cast(x: Tensor, fmt: str, scale: Tensor, plain: bool, transposed: bool) -> list:
+    """[x in fp8 if plain, x^T in fp8 contiguous if transposed]: (x in fp32 * scale)
+    clamped to +-fp8_max (first: the E5M2 cast does not saturate, and the clamp keeps
+    NaN), cast with round to nearest even."""
+    if x.is_cuda and CAST["cuda"] == "kernel" and x.dtype in (torch.bfloat16, torch.float32):
+        from runtime.cuda.kernels import _extension
+
+        return _extension().fp8_cast(x.contiguous(), scale, 0 if fmt == "fp8_e4m3" else 1,
+                                     plain, transposed)
     dtype, top = FORMATS[fmt]
-    scaled = x.to(torch.float32) * scale
-    return Quantized(scaled.clamp_(-top, top).to(dtype), torch.reciprocal(scale))
+    q = (x.to(torch.float32) * scale).clamp_(-top, top).to(dtype)
+    return [q.contiguous()] * plain + [q.t().contiguous()] * transposed
 
 
 # ====================================================================== the scales
@@ -142,20 +184,22 @@ def _fold(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
 
 
-def _first(q: Tensor, flag: str) -> Tensor:
-    """op(q) row-major (K contiguous): _scaled_mm's first operand."""
-    return q.contiguous() if flag == "N" else q.t().contiguous()
+def _first(flag: str) -> tuple[bool, bool]:
+    """The layout (plain, transposed) of an operand that is op(q) row-major (K
+    contiguous): _scaled_mm's first operand."""
+    return (flag == "N", flag == "T")
 
 
-def _second(q: Tensor, flag: str) -> Tensor:
-    """op(q) column-major (K contiguous): _scaled_mm's second operand."""
-    return q.contiguous().t() if flag == "T" else q.t().contiguous().t()
+def _second(flag: str) -> tuple[bool, bool]:
+    """... that is op(q) column-major (K contiguous): _scaled_mm's second operand."""
+    return (flag == "T", flag == "N")
 
 
 def scaled_product(x: Quantized, y: Quantized, mode: str, alpha: float, out_dtype,
                    where: str = "") -> Tensor:
     """alpha * op(x) @ op(y) of two quantized 2-D operands: one _scaled_mm."""
-    a, b = _first(x.data, mode[0]), _second(y.data, mode[1])
+    a = x.plain() if mode[0] == "N" else x.transposed()
+    b = y.plain().t() if mode[1] == "T" else y.transposed().t()
     check_dims(a.shape[0], a.shape[1], b.shape[1], where)
     c = torch._scaled_mm(a, b, scale_a=x.inv_scale, scale_b=y.inv_scale, out_dtype=out_dtype)
     return c if alpha == 1.0 else c.mul_(alpha)
@@ -202,6 +246,12 @@ def matmul_backward(state: ScaleState, d_C: Operand, A: Operand, B: Operand, *,
     """(d_A, d_B) of C = alpha * op(A) @ op(B), each operand quantized once (the
     emulation quantizes all three), None for an unwanted gradient."""
     q = [quantized(state, o) for o in (d_C, A, B)]
+    layouts = [[False, False] for _ in q]  # each operand's layouts, made in one pass
+    for want, (x, y, mode) in zip(wanted, GRADIENTS[transpose]):
+        for i, need in ((x, _first(mode[0])), (y, _second(mode[1]))):
+            layouts[i] = [a or (want and b) for a, b in zip(layouts[i], need)]
+    for operand, (plain, transposed) in zip(q, layouts):
+        operand.prepare(plain, transposed)
     grads = []
     for want, (x, y, mode), like in zip(wanted, GRADIENTS[transpose], (A, B)):
         grads.append(None if not want else scaled_product(

@@ -37,9 +37,10 @@ def draw(*shape, seed, scale=1.0):
 def test_quantize_is_the_emulations_rounding(fmt):
     x = torch.cat([draw(256, seed=1, scale=1e-3), draw(256, seed=2, scale=40.0)])
     state = fp8_gemm.ScaleState(RECIPE)
-    q = fp8_gemm.quantize(x, fmt, state.scale(x, fmt, "k"))
-    assert q.data.dtype == fp8_gemm.FORMATS[fmt][0]
-    assert torch.equal(q.data.float() / torch.reciprocal(q.inv_scale), emulated(x, fmt))
+    q = fp8_gemm.quantize(x[None], fmt, state.scale(x, fmt, "k"))
+    assert q.plain().dtype == fp8_gemm.FORMATS[fmt][0]
+    assert torch.equal(q.plain()[0].float() / q.scale, emulated(x, fmt))
+    assert torch.equal(q.transposed()[:, 0].view(torch.uint8), q.plain()[0].view(torch.uint8))
 
 
 # (A shape, B shape) by mode for M=32, K=48, N=16, A with a leading batch dim where it folds
@@ -105,10 +106,10 @@ def test_the_device_histories_follow_the_emulations_over_delayed_steps():
         for key, amax in zip("ab", values):
             if amax is None:
                 continue
-            x = torch.tensor([amax / 2, -amax, 0.1])
+            x = torch.tensor([[amax / 2, -amax, 0.1]])
             ours = fp8_gemm.quantize(x, "fp8_e4m3", device.scale(x, "fp8_e4m3", key))
             theirs = host.fake_quantize(x, "fp8_e4m3", key, False)
-            torch.testing.assert_close(ours.data.float() * ours.inv_scale, theirs, rtol=1e-6,
+            torch.testing.assert_close(ours.plain().float() / ours.scale, theirs, rtol=0,
                                        atol=0, equal_nan=True, msg=f"step {step}")
         device.recording = False
         device.end_step()
@@ -226,6 +227,31 @@ def test_a_cuda_fp8_gemm_is_the_cpu_one_and_near_bf16(mode):
         (bf16,) = _matmul_forward(A.bfloat16().cuda(), B.bfloat16().cuda(), transpose=mode)
         error = float((ours - bf16.float().cpu()).norm() / bf16.float().norm())
         assert 1e-4 < error < bound, (fmt, error)  # FP8 acts, within its rounding
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cuda_cast_kernel_is_the_torch_ops_bit_for_bit(dtype, monkeypatch):
+    """csrc/kernels/fp8_cast.cu (x and x^T in one pass) against the torch ops it replaces,
+    on magnitudes from subnormal to saturating, NaN and infinities, at a shape off the
+    kernel's 32 x 32 tiles."""
+    x = torch.cat([draw(48, 70, seed=20, scale=s) for s in (1e-6, 1.0, 300.0, 1e5)])
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x = x.to("cuda", dtype)
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        scale = fp8_gemm.scale_from(fp8_gemm.amax_of(x[1:]), fmt)
+        made = fp8_gemm.cast(x, fmt, scale, True, True)
+        monkeypatch.setitem(fp8_gemm.CAST, "cuda", "torch")
+        want = fp8_gemm.cast(x, fmt, scale, True, True)
+        monkeypatch.setitem(fp8_gemm.CAST, "cuda", "kernel")
+        for got, ref in zip(made, want):
+            assert got.shape == ref.shape and got.dtype == ref.dtype and got.is_contiguous()
+            same = got.view(torch.uint8) == ref.view(torch.uint8)
+            nan = torch.isnan(ref.float())  # the NaN's bits may differ: NaN both
+            assert bool((same | (nan & torch.isnan(got.float()))).all()), fmt
+        only = fp8_gemm.cast(x, fmt, scale, False, True)
+        assert len(only) == 1 and torch.equal(only[0].view(torch.uint8), made[1].view(torch.uint8))
 
 
 def tiny_step(precision="fp8", batch=2, seq=16):

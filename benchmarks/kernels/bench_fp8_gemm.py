@@ -7,7 +7,11 @@ cuBLAS's bf16 GEMM at the layer shapes of TinyLlama (d 2048, d_ff 5632) and Llam
 - `fp8 fwd`: what the GPU step runs for a covered forward matmul: amax, scale, cast of x
   and W to E4M3 (current scaling), then the GEMM (bf16 output);
 - `bf16 fwd+bwd` / `fp8 fwd+bwd`: the forward and both gradients (dx = dy W, dW = dy^T x),
-  the FP8 one with dy in E5M2 and the transposed fp8 copies _scaled_mm's layouts need.
+  the FP8 one with dy in E5M2 and the transposed fp8 copies _scaled_mm's layouts need;
+- the cast of x [M, K] to E4M3 in both layouts (x and x^T, what a wgrad operand needs):
+  csrc/kernels/fp8_cast.cu in one pass against the torch ops (fp32 product, clamp, cast,
+  transposed copy); GB/s counts 2 bytes read and 2 written an element. Before timing the
+  two are checked to give the same bits.
 
 TFLOP/s counts 2 M N K per GEMM. Before timing, each shape's FP8 result is checked
 against the bf16 GEMM (relative error norm under 6%: E4M3 rounding; the GPU GEMM against
@@ -59,6 +63,27 @@ def check(x, w, state) -> float:
     return error
 
 
+def cast_row(x, scale, iters: int) -> dict:
+    """The kernel's and the torch ops' cast of x to E4M3, x and x^T (checked equal)."""
+    def with_cast(mode):
+        def run():
+            fp8_gemm.CAST["cuda"] = mode
+            try:
+                return fp8_gemm.cast(x, "fp8_e4m3", scale, True, True)
+            finally:
+                fp8_gemm.CAST["cuda"] = "kernel"
+        return run
+    kernel, torch_ops = with_cast("kernel"), with_cast("torch")
+    for a, b in zip(kernel(), torch_ops()):
+        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            sys.exit("bench_fp8_gemm: the fp8_cast kernel differs from the torch ops")
+    row = {}
+    for name, fn in (("kernel", kernel), ("torch", torch_ops)):
+        ms = time_ms(fn, iters)
+        row[name] = {"ms": ms, "GBs": 4 * x.numel() / ms / 1e6}
+    return row
+
+
 def run_shape(m: int, k: int, n: int, iters: int) -> dict:
     x, w, dy = operands(m, k, n)
     state = fp8_gemm.ScaleState(RECIPE, "cuda")
@@ -82,7 +107,8 @@ def run_shape(m: int, k: int, n: int, iters: int) -> dict:
                                                        out_dtype=torch.bfloat16)),
              ("fp8 fwd", 1, lambda: fp8_gemm.matmul(state, X, W, transpose="NT")),
              ("bf16 fwd+bwd", 3, bf16_train), ("fp8 fwd+bwd", 3, fp8_train)]
-    row = {"M": m, "K": k, "N": n, "fp8_rel_error": error}
+    row = {"M": m, "K": k, "N": n, "fp8_rel_error": error,
+           "cast": cast_row(x, state.scale(x, "fp8_e4m3", "x"), iters)}
     for name, gemms, fn in cases:
         ms = time_ms(fn, iters)
         row[name] = {"ms": ms, "TFLOPs": gemms * 2 * m * n * k / ms / 1e9}
@@ -108,6 +134,12 @@ def main():
         rows.append(row)
         cells = " | ".join(f"{row[c]['ms']:.3f} ({row[c]['TFLOPs']:.0f})" for c in names)
         print(f"| {model} | {layer} | {k} | {n} | {cells} |", flush=True)
+    print("\ncast of x [M, K] to E4M3, x and x^T: ms (GB/s)\n| K | kernel | torch ops |\n"
+          "|---:|---:|---:|")
+    for row in rows:
+        c = row["cast"]
+        print(f"| {row['K']} | {c['kernel']['ms']:.3f} ({c['kernel']['GBs']:.0f}) | "
+              f"{c['torch']['ms']:.3f} ({c['torch']['GBs']:.0f}) |")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "iters": args.iters, "rows": rows}
     print(json.dumps(result))

@@ -1,0 +1,86 @@
+// FP8 cast of a GEMM operand (runtime/fp8_gemm.py; decisions.md, "FP8 on the GPU"): one
+// pass over x [rows, cols] (bf16 or fp32, contiguous) writing q = fp8(clamp(x * scale,
+// +-fp8_max)) in x's layout (`out`, [rows, cols]) and/or transposed (`out_t`, [cols, rows]),
+// the layouts torch._scaled_mm takes. The same numbers as the torch ops it replaces
+// (x.to(fp32) * scale, clamp keeping NaN, .to(float8)): an fp32 product, the clamp, then
+// round to nearest even (subnormals kept) by the CUDA fp8 conversion. `scale` is a device
+// fp32 scalar (the recipe's scale: no host sync). 32 x 32 tiles: a block of 32 x 8 threads
+// reads a tile row-major (coalesced), writes `out` the same way and `out_t` through shared
+// memory, transposed.
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+namespace modulec {
+namespace {
+
+constexpr int kTile = 32, kRowsPerPass = 8;
+
+template <typename T>
+__device__ __forceinline__ __nv_fp8_storage_t quantize(T x, float scale, float top,
+                                                       __nv_fp8_interpretation_t fmt) {
+  float v = to_float(x) * scale;
+  if (!isnan(v)) v = fminf(fmaxf(v, -top), top);  // the clamp keeps NaN, as torch's does
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, fmt);
+}
+
+template <typename T>
+__global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict__ scale_ptr,
+                                float top, __nv_fp8_interpretation_t fmt,
+                                __nv_fp8_storage_t* __restrict__ out,
+                                __nv_fp8_storage_t* __restrict__ out_t, int64_t rows,
+                                int64_t cols) {
+  __shared__ __nv_fp8_storage_t tile[kTile][kTile + 4];
+  const float scale = *scale_ptr;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile;  // rows: up to 2^31 tiles
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int tx = threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < kTile; k += kRowsPerPass) {
+    const int ty = threadIdx.y + k;
+    const int64_t r = row0 + ty, c = col0 + tx;
+    if (r < rows && c < cols) {
+      const __nv_fp8_storage_t q = quantize(x[r * cols + c], scale, top, fmt);
+      if (out) out[r * cols + c] = q;
+      tile[ty][tx] = q;
+    }
+  }
+  if (!out_t) return;
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kTile; k += kRowsPerPass) {
+    const int ty = threadIdx.y + k;
+    const int64_t c = col0 + ty, r = row0 + tx;  // out_t[c][r] = q[r][c]
+    if (r < rows && c < cols) out_t[c * rows + r] = tile[tx][ty];
+  }
+}
+
+template <typename T>
+cudaError_t cast_typed(const void* x, const float* scale, float top,
+                       __nv_fp8_interpretation_t fmt, void* out, void* out_t, int64_t rows,
+                       int64_t cols, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((rows + kTile - 1) / kTile),
+                  static_cast<unsigned>((cols + kTile - 1) / kTile));
+  fp8_cast_kernel<T><<<grid, dim3(kTile, kRowsPerPass), 0, stream>>>(
+      static_cast<const T*>(x), scale, top, fmt, static_cast<__nv_fp8_storage_t*>(out),
+      static_cast<__nv_fp8_storage_t*>(out_t), rows, cols);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt, void* out,
+                            void* out_t, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0 || (!out && !out_t)) return cudaSuccess;
+  if ((cols + kTile - 1) / kTile > 65535) return cudaErrorInvalidValue;  // grid.y
+  if (fmt != 0 && fmt != 1) return cudaErrorInvalidValue;
+  const __nv_fp8_interpretation_t kind = fmt == 0 ? __NV_E4M3 : __NV_E5M2;
+  const float top = fmt == 0 ? 448.0f : 57344.0f;
+  if (dt == DType::BF16)
+    return cast_typed<__nv_bfloat16>(x, scale, top, kind, out, out_t, rows, cols, stream);
+  if (dt == DType::F32)
+    return cast_typed<float>(x, scale, top, kind, out, out_t, rows, cols, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace modulec
