@@ -21,6 +21,11 @@ weights) on the GPUs of one host, side by side in one run (issue 17, item 8):
                  (torchtitan's recipe); `_compilewhole` / `_compilelayers` force the other
     ..._ckpt     suffix: activation checkpointing of every decoder layer (the peer of the
                  llama3-8b shape, where nothing else fits)
+    ..._fp8      suffix: FP8 matmuls. modulec: the std FP8 recipe (`--precision fp8`,
+                 runtime/fp8_gemm.py); HF: torchao's convert_to_float8_training on the
+                 decoder's linears before sharding (tensorwise dynamic scaling, the LM head
+                 in bf16; torchao must be importable). Each is the other's FP8 peer; the
+                 bf16 rows stay the issue's comparison
 
 Every variant runs in its own process group (`torchrun --standalone --nproc-per-node
 GPUS`, or one plain process for modulec_1gpu), NCCL_NVLS_ENABLE=0 always, so peak-memory
@@ -343,6 +348,9 @@ def modulec_step(args, shape, ranks: Ranks, variant: str):
     except ImportError as exc:
         raise RuntimeError(f"modulec data-parallel API missing: {exc}") from None
     options = modulec_options(MODULEC_BASE)
+    if variant.endswith("_fp8"):
+        options["precision"] = "fp8"
+        variant = variant[:-len("_fp8")]
     if args.budget:
         options["memory_budget"] = int(args.budget * 2 ** 30)
     if variant == "modulec_1gpu":
@@ -386,14 +394,14 @@ def hf_options(variant: str) -> dict:
     """hf_{ddp|fsdp2}[_compile|_compilewhole|_compilelayers][_ckpt]."""
     parts = variant.split("_")[1:]
     wrap, flags = parts[0], set(parts[1:])
-    unknown = flags - {"compile", "compilewhole", "compilelayers", "ckpt"}
+    unknown = flags - {"compile", "compilewhole", "compilelayers", "ckpt", "fp8"}
     if wrap not in ("ddp", "fsdp2") or unknown:
         raise ValueError(f"unknown HF variant {variant!r}")
     compile_ = ("whole" if "compilewhole" in flags else "layers" if "compilelayers" in flags
                 else None)
     if "compile" in flags:
         compile_ = "whole" if wrap == "ddp" else "layers"
-    return {"wrap": wrap, "compile": compile_, "ckpt": "ckpt" in flags}
+    return {"wrap": wrap, "compile": compile_, "ckpt": "ckpt" in flags, "fp8": "fp8" in flags}
 
 
 def hf_model(args, shape):
@@ -480,6 +488,10 @@ def run_hf(args, shape, ranks: Ranks, variant: str) -> dict:
     options = hf_options(variant)
     model = hf_model(args, shape)
     model.train()
+    if options["fp8"]:
+        from benchmarks.train_step import to_float8
+
+        to_float8(model)
     wrap = wrap_ddp if options["wrap"] == "ddp" else wrap_fsdp2
     model, forward = wrap(model, ranks, options)
     materialize(model, ranks)
@@ -530,7 +542,7 @@ def child(args) -> None:
 # ------------------------------------------------------------------ the run (parent)
 def launch(args, variant: str, ckpt: Path | None, out: Path) -> dict:
     """The variant in its own process(es); NCCL_NVLS_ENABLE=0 always."""
-    gpus = 1 if variant == "modulec_1gpu" else args.gpus
+    gpus = 1 if variant in ("modulec_1gpu", "modulec_1gpu_fp8") else args.gpus
     prefix = [sys.executable]
     if gpus > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
@@ -575,11 +587,13 @@ def check_variant(name: str) -> None:
     """Unknown names end the run before anything starts."""
     if name.startswith("hf_"):
         hf_options(name)
-    elif name not in ("modulec_1gpu", "modulec_tp2") and name not in {
+        return
+    name = name[:-len("_fp8")] if name.endswith("_fp8") else name
+    if name not in ("modulec_1gpu", "modulec_tp2") and name not in {
             f"modulec_zero{z}" for z in range(4)}:
         raise ValueError(f"unknown variant {name!r} (modulec_1gpu, modulec_zero0..3, "
-                         "modulec_tp2, hf_{ddp|fsdp2}[_compile|_compilewhole|"
-                         "_compilelayers][_ckpt])")
+                         "modulec_tp2, each [_fp8]; hf_{ddp|fsdp2}[_compile|"
+                         "_compilewhole|_compilelayers][_ckpt][_fp8])")
 
 
 def tp_missing() -> str | None:
@@ -609,7 +623,7 @@ def derive(rows: dict, args, flops: float) -> None:
         # data parallel costs (exposed collectives, waiting for the slower rank, kernels
         # slowed by the overlapped ones); the profiler's `exposed` cannot see inside replays
         r["over_1gpu_s"] = r["step_s"] - one["step_s"] if base and \
-            name.startswith("modulec_zero") else None
+            name.startswith("modulec_zero") and not name.endswith("_fp8") else None
 
 
 def _fmt(value, width: int, spec: str, scale: float = 1.0) -> str:
