@@ -104,6 +104,17 @@ def test_what_a_packed_step_does_not_run_is_refused():
     check_packed(SimpleNamespace(dist=None, program=program))
     with pytest.raises(RuntimeUserError, match="with --tp, --dp or --zero"):
         check_packed(SimpleNamespace(dist=object(), program=program))
+    from modulec.ir.graph import Node
+
+    def attention(*kernel):
+        node = Node("n0", "op", "flash_attention", (), (), (), (("kernel", kernel),))
+        graph = SimpleNamespace(functions=[SimpleNamespace(nodes=[node])])
+        return SimpleNamespace(dist=None, program=SimpleNamespace(graph=graph))
+
+    check_packed(attention('"cudnn"'))  # a preference: falls back to the varlen kernel
+    check_packed(attention('"flash"', "fallback=false"))
+    with pytest.raises(RuntimeUserError, match="cuDNN's attention takes no packed"):
+        check_packed(attention('"cudnn"', "fallback=false"))
 
 
 def test_rope_nodes_get_the_documents_positions_where_they_have_none():

@@ -134,13 +134,27 @@ def check_packed(step) -> None:
     if step.dist is not None:
         raise RuntimeUserError("a packed GPU step (--doc-sep) with --tp, --dp or --zero is "
                                "not supported yet", help=["train packed in one process"])
-    found = sorted({node.target for function in step.program.graph.functions
-                    for node in function.nodes if node.target in MIXING})
+    nodes = [node for function in step.program.graph.functions for node in function.nodes]
+    pinned = [node for node in nodes if node.target == "flash_attention"
+              and _pinned_to_cudnn(node)]
+    if pinned:
+        raise RuntimeUserError("`@kernel(\"cudnn\", fallback=false)` on flash_attention: "
+                               "cuDNN's attention takes no packed documents (a packed step "
+                               "runs FlashAttention-2's varlen kernel)",
+                               help=["drop fallback=false, or train unpacked"])
+    found = sorted({node.target for node in nodes if node.target in MIXING})
     if found:
         raise RuntimeUserError(f"the model mixes tokens through {', '.join(found)}, which "
                                "a packed batch would carry across documents",
                                help=["packing masks flash_attention only; train this "
                                      "model unpacked"])
+
+
+def _pinned_to_cudnn(node) -> bool:
+    from runtime.kernel_choice import requested
+
+    choice = requested(node)
+    return choice is not None and choice[0].startswith("cudnn") and not choice[1]
 
 
 def set_documents(step, documents: Documents | None) -> None:
