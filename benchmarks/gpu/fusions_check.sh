@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# LayerNorm / GELU / softmax kernels (issue 19 item 5) in one device call: build the CUDA
+# extension, the cuda tests (the new kernels against the reference; the RMSNorm / SwiGLU /
+# GeGLU kernels, whose files now share rows.cuh and activations.cuh; the std GPT-2,
+# Gemma, Qwen2, GPT-NeoX and Phi bf16 steps against transformers), the kernel rows (ours
+# vs the reference path vs torch eager vs torch.compile), then the GPT-2 small step
+# (B 8 x T 1024) before / after the kernels. Logs and JSON go to $OUT.
+#   bash benchmarks/gpu/fusions_check.sh                  # everything (under 3 minutes)
+#   STAGES="tests" bash benchmarks/gpu/fusions_check.sh   # the tests only
+#   NO_COMPILE=1 ...                                      # kernel rows without torch.compile
+# Knobs: STAGES (build tests kernel step), TESTS, BATCH, SEQ, STEPS, NO_COMPILE.
+set -uo pipefail
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+STAGES=${STAGES:-"build tests kernel step"}
+source "$(dirname "$0")/device_env.sh"
+stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/fusions_check.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
+  | tee -a "$OUT/device.txt"
+for stage in $STAGES; do
+  stamp "$stage"
+  case $stage in
+    build)
+      /usr/bin/time -f "extension build %e s" python3 -c \
+        'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
+    tests)
+      python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+        ${TESTS:-tests/test_cuda_fusions.py tests/test_cuda_kernels.py \
+        tests/test_cuda_std_models.py tests/test_cuda_std_neox_phi.py} 2>&1 \
+        | tee "$OUT/tests.log" | tail -30 ;;
+    kernel)
+      python3 benchmarks/kernels/bench_fusions.py ${NO_COMPILE:+--no-compile} \
+        --json "$OUT/bench_fusions.json" 2>&1 | tee "$OUT/bench_fusions.txt" | tail -30 ;;
+    step)
+      python3 benchmarks/gpu/fusions_step.py --batch "${BATCH:-8}" --seq "${SEQ:-1024}" \
+        --steps "${STEPS:-20}" --json "$OUT/fusions_step.json" \
+        > "$OUT/fusions_step.txt" 2> "$OUT/fusions_step.err"
+      cat "$OUT/fusions_step.txt"
+      tail -3 "$OUT/fusions_step.err" ;;
+  esac
+done
+stamp done
