@@ -25,8 +25,8 @@ for stage in ${STAGES:-build tests regress varlen step}; do
            python3 -m pytest -m "not cuda" -q -p no:cacheprovider tests/test_train_packing.py \
              tests/test_cuda_packed.py 2>&1 | tee "$OUT/tests-cpu.log" | tail -5 ;;
     regress) python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
-               tests/test_cuda_step.py tests/test_cuda_train.py tests/test_train_cuda.py \
-               tests/test_cuda_rope_variants.py tests/test_cuda_kernels.py 2>&1 \
+               tests/test_cuda_train.py tests/test_cuda_models.py tests/test_train_cuda.py \
+               tests/test_cuda_rope_variants.py tests/test_cuda_lm_head.py 2>&1 \
                | tee "$OUT/regress.log" | tail -15 ;;
     varlen) python3 benchmarks/kernels/bench_varlen.py --full-capacity \
               --json "$OUT/bench_varlen.json" 2>&1 | tee "$OUT/bench_varlen.txt" ;;
