@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "bindings_common.h"
 #include "kernels/kernels.h"
 
 namespace {
@@ -17,47 +18,7 @@ namespace {
 using at::Tensor;
 using modulec::DType;
 namespace py = pybind11;
-
-DType dtype_of(const Tensor& t) {
-  if (t.scalar_type() == at::kBFloat16) return DType::BF16;
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "modulec CUDA kernels take bf16 or fp32, got ",
-              t.scalar_type());
-  return DType::F32;
-}
-
-void check(const Tensor& t, const char* name, at::ScalarType dtype, const Tensor& like) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", not ", like.device());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-}
-
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
-}
-
-cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-// Where a kernel writes its outputs: out[i] (the arena's planned bytes, typed and shaped
-// by the caller) or, absent, a new tensor. A given one that does not match is a bug.
-using Outputs = std::vector<std::optional<Tensor>>;
-
-Tensor output(const Outputs& out, size_t i, at::IntArrayRef sizes,
-              const at::TensorOptions& options) {
-  if (i >= out.size() || !out[i]) return at::empty(sizes, options);
-  const Tensor& t = *out[i];
-  TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == options.dtype().toScalarType() &&
-                  t.device() == options.device() && t.is_contiguous(),
-              "out[", i, "] is ", t.sizes(), " ", t.scalar_type(), ", the kernel writes ", sizes,
-              " ", options.dtype());
-  return t;
-}
-
-// x [*, C] as rows x C; rstd has the leading dims
-std::vector<int64_t> leading(const Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1, "expected at least one dim");
-  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
-}
+using namespace modulec::bind;
 
 std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& input,
                                  const Tensor& weight, double eps, const Outputs& out,
@@ -698,6 +659,7 @@ std::vector<Tensor> fp8_cast(const Tensor& x, const Tensor& scale, int64_t fmt, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "modulec CUDA kernels (csrc/kernels)";
+  modulec::bind::register_fusions(m);  // layernorm, gelu, softmax (bindings_fusions.cpp)
   // offset: the norm's scale is offset + weight (fp32; 1 for Gemma's `1 + w`)
   m.def("rmsnorm_forward", &rmsnorm_forward,
         "(x, weight, eps, out=[], offset=0) -> [y, rstd]", py::arg("x"), py::arg("weight"),

@@ -37,6 +37,42 @@ cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, co
                                     void* d_x, void* d_weight, float* workspace, int64_t rows,
                                     int64_t C, cudaStream_t stream);
 
+// ---- layernorm.cu: layernorm and fused_residual_layernorm over the last dim (rows x C)
+// y = (x - mean) * rstd * weight + bias (bias null: none), mean and rstd fp32 per row,
+// rstd = 1 / sqrt(mean((x - mean)^2) + eps) (the biased variance). With `input` non-null:
+// fused_residual_layernorm, x = residual + input (fp32), written to residual_out.
+cudaError_t launch_layernorm_forward(DType dt, const void* x, const void* input,
+                                     const void* weight, const void* bias, void* residual_out,
+                                     void* y, float* mean, float* rstd, int64_t rows, int64_t C,
+                                     float eps, cudaStream_t stream);
+
+// fp32 workspace (in floats) that launch_layernorm_backward needs for its partials.
+int64_t layernorm_backward_workspace(DType dt, int64_t rows, int64_t C);
+
+// d_x = rstd * (g - mean(g) - n * mean(g * n)) (+ d_residual_out when non-null: the fused
+// backward), g = d_y * weight, n = (x - mean) * rstd; d_weight = sum over rows of d_y * n,
+// d_bias (when non-null) = sum over rows of d_y, both reduced in two passes through
+// `workspace` (per-group fp32 partials, then a column sum: deterministic).
+cudaError_t launch_layernorm_backward(DType dt, const void* d_y, const void* x,
+                                      const void* weight, const float* mean, const float* rstd,
+                                      const void* d_residual_out, void* d_x, void* d_weight,
+                                      void* d_bias, float* workspace, int64_t rows, int64_t C,
+                                      cudaStream_t stream);
+
+// ---- gelu.cu: y = gelu(x), d_x = d_y * gelu'(x) over n contiguous elements; approximate:
+// the tanh form, else the exact erf form.
+cudaError_t launch_gelu_forward(DType dt, const void* x, void* y, int64_t n, bool approximate,
+                                cudaStream_t stream);
+cudaError_t launch_gelu_backward(DType dt, const void* d_y, const void* x, void* d_x, int64_t n,
+                                 bool approximate, cudaStream_t stream);
+
+// ---- softmax.cu: softmax over the last dim of rows x C (contiguous): y = exp(x - max) /
+// sum exp(x - max); d_x = y * (d_y - sum(d_y * y)).
+cudaError_t launch_softmax_forward(DType dt, const void* x, void* y, int64_t rows, int64_t C,
+                                   cudaStream_t stream);
+cudaError_t launch_softmax_backward(DType dt, const void* d_y, const void* y, void* d_x,
+                                    int64_t rows, int64_t C, cudaStream_t stream);
+
 // ---- embedding.cu: d_weight [V, D] = per id, the sum of the d_y rows [n, D] with that id;
 // sorted_ids / order: a stable sort of the n ids and the rows in that order (int64).
 cudaError_t launch_embedding_backward(DType dt, const void* d_y, const int64_t* sorted_ids,
