@@ -134,6 +134,21 @@ def test_the_gpu_refuses_per_block_scaling_and_e5m2_times_e5m2():
         refuse_on_gpu({"precision": {"recipe": e5m2, "matmuls": sites}})
 
 
+def test_the_step_takes_a_recipe_on_one_gpu_only():
+    """TrainStep's FP8 state (runtime/cuda/fp8_step.py): none without a recipe; refused
+    under data / tensor parallel (each rank would scale by its own amaxes)."""
+    from types import SimpleNamespace
+
+    from runtime.cuda.fp8_step import StepFp8, step_fp8
+
+    sites = [{"function": "F", "op": "f0", "role": "forward", "operands": ["forward"] * 2}]
+    program = SimpleNamespace(metadata={"precision": {"recipe": RECIPE, "matmuls": sites}})
+    assert isinstance(step_fp8(program, device="cpu"), StepFp8)
+    assert step_fp8(SimpleNamespace(metadata={}), device="cpu") is None
+    with pytest.raises(RuntimeUserError, match="data or tensor parallel"):
+        step_fp8(program, dist=object(), device="cpu")
+
+
 def test_the_step_interpreter_runs_the_recipe_as_the_emulation_does():
     """A tiny Llama (its written backwards, float32, CPU): the GPU step's interpreter with
     the FP8 GEMMs gives the emulating interpreter's loss and gradients, and after one

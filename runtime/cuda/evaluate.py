@@ -43,6 +43,8 @@ def forward_interpreter(step) -> ForwardOnly:
                       kernels=step.kernels, keep_only_saved=False, decisions=None,
                       hooks=None, arena=None, frame_events=None)
     run.fp8_run = getattr(step, "fp8", None)  # an FP8 recipe: its GEMMs, nothing recorded
+    if run.fp8_run is not None:  # delayed scales from the histories as they are now
+        run.fp8_run.scales.begin_step()
     return run
 
 

@@ -11,7 +11,8 @@ What the GPU cannot run yet is refused when the step is made (runtime.fp8.refuse
 from __future__ import annotations
 
 from runtime import fp8_gemm
-from runtime.fp8 import covered, refuse_on_gpu
+from runtime.errors import RuntimeUserError
+from runtime.fp8 import GPU_REFUSAL, covered, refuse_on_gpu
 
 TARGETS = ("matmul", "matmul_backward")
 
@@ -57,13 +58,19 @@ class StepFp8:
         self.scales.load_state_dict(state)
 
 
-def step_fp8(program, device="cuda") -> StepFp8 | None:
+def step_fp8(program, dist=None, device="cuda") -> StepFp8 | None:
     """The program's recipe on the GPU step (None without one); refused when it holds
-    what the GPU cannot run."""
+    what the GPU cannot run, and under data / tensor parallel (`dist`: each rank would
+    scale by its own amaxes; the histories are not reduced across ranks)."""
     section = program.metadata.get("precision")
     if not section:
         return None
     refuse_on_gpu(program.metadata)
+    if dist is not None:
+        raise RuntimeUserError(
+            f"{GPU_REFUSAL}: the FP8 recipe `{section['recipe']['name']}` on a data or "
+            "tensor parallel step (the ranks' amax histories are not reduced)",
+            help=["train it on one GPU, or without the recipe"])
     return StepFp8(section, device) if section["matmuls"] else None
 
 

@@ -178,7 +178,7 @@ class TrainStep:
         from runtime.cuda.fp8_step import head_covered, step_fp8
 
         # an FP8 recipe: its matmuls as FP8 GEMMs (what the GPU cannot run: refused)
-        self.fp8 = step_fp8(self.program)
+        self.fp8 = step_fp8(self.program, self.dist)
         self.split = split_head(self.program.graph) if self.fused_head and not \
             head_covered(self.fp8, self.program.graph) else None
         self.graph = self.split.graph if self.split else self.program.graph
