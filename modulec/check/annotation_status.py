@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modulec.lower.fusion_patterns import PATTERNS
+
 ACTS, NO_EFFECT = "acts", "no effect yet"
 REFUSED = "refused"  # the backend refuses a program with it when it loads (not built yet)
 BACKENDS = {"cpu": "CPU reference", "gpu": "GPU"}
@@ -89,6 +91,16 @@ def on(placement: str, effect: Effect, in_flow: bool | None = None, where: str =
 
 
 FLOW_SOURCE = dict(in_flow=True, where="the source of a flow")
+
+# @fuse patterns without a fused primitive (modulec.lower.fusion_patterns: `fused` empty),
+# and any `ops=[...]` chain: the pass forms a fusion group, which no runtime runs as one
+# kernel yet
+GROUP_PATTERNS = tuple(p.name for p in PATTERNS if not p.fused)
+FUSED_NOTE = (f"a pattern with a fused primitive ({', '.join(p.name for p in PATTERNS if p.fused)})"
+              " becomes that op, which both backends run as one kernel")
+FUSION_GROUP = ("a fusion group: the request is checked (E013) and its ops are tagged "
+                "`fusion_group` in the Schedule IR, but no runtime has a kernel for the "
+                "group yet, so they run one by one")
 
 
 NOT_DISTRIBUTED = "parsed and checked; no runtime shards tensors across devices or runs " \
@@ -177,7 +189,10 @@ STATUS: dict[str, Status] = {
     "scaling": Status(nowhere(NO_PRECISION)),
     "recipe": Status(FP8_RECIPE),
     # §7.5 fusion
-    "fuse": Status(both("modulec.lower.fusion:requests_of", "modulec.lower.fusion:_requested")),
+    "fuse": Status(both("modulec.lower.fusion:requests_of", "modulec.lower.fusion:_requested",
+                        note=FUSED_NOTE),
+                   tuple(given("pattern", nowhere(FUSION_GROUP), name)
+                         for name in GROUP_PATTERNS) + (given("ops", nowhere(FUSION_GROUP)),)),
     "nofuse": Status(both("modulec.lower.fusion:_barrier")),
     "kernel": Status(both("runtime.kernel_choice:select",
                           "runtime.interpreter:Interpreter._kernel",
