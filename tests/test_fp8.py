@@ -261,13 +261,17 @@ def test_the_gpu_step_takes_the_std_recipe_and_refuses_per_block_scaling():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny HF Llama (vocab 64, d 32, 2 layers) and 2000 tokens."""
+    return tiny_llama(tmp_path_factory.mktemp("fp8"))
+
+
+def tiny_llama(folder, **sizes):
     transformers = pytest.importorskip("transformers")
     np = pytest.importorskip("numpy")
-    folder = tmp_path_factory.mktemp("fp8")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    config = transformers.LlamaConfig(**{
+        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 48, "max_position_embeddings": 64,
+        **sizes})
     transformers.LlamaForCausalLM(config).save_pretrained(folder / "hf")
     np.random.default_rng(0).integers(0, 64, 2000).astype("<u2").tofile(folder / "tokens.bin")
     return folder
@@ -338,10 +342,15 @@ def test_the_gpu_train_step_refuses_per_block_scaling_when_it_loads():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_fp8_trains_on_the_gpu_and_its_histories_go_through_a_checkpoint(ckpt, tmp_path):
-    """`modulec train --device cuda --precision fp8`: the loss falls, the checkpoint holds
-    the device amax histories in the CPU trainer's format, and a resume reads them."""
+def test_fp8_trains_on_the_gpu_and_its_histories_go_through_a_checkpoint(tmp_path_factory,
+                                                                         tmp_path):
+    """`modulec train --device cuda --precision fp8` (a tiny Llama of head_dim 32, every
+    FP8 GEMM dim a multiple of 16): close to the CPU emulation's losses, the checkpoint
+    holds the device amax histories in the CPU trainer's format, and a resume reads them."""
     from safetensors import safe_open
+
+    ckpt = tiny_llama(tmp_path_factory.mktemp("fp8gpu"), hidden_size=64,
+                      num_attention_heads=2, num_key_value_heads=2, intermediate_size=128)
 
     gpu = ("--device", "cuda", "--precision", "fp8")
     first = losses(train(ckpt, "--steps", "3", "--save", tmp_path / "g", *gpu))
