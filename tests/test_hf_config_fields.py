@@ -55,6 +55,20 @@ def test_neutral_values_build(tmp_path, extra):
     assert result.exit_code == 0, result.output
 
 
+MAMBA_CONFIG = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4,
+                "conv_kernel": 4, "expand": 2, "time_step_rank": 2, "layer_norm_epsilon": 1e-5,
+                "tie_word_embeddings": True, "use_bias": False, "use_conv_bias": True}
+
+
+@pytest.mark.parametrize("field, value", [("use_bias", True), ("use_conv_bias", False)])
+def test_mamba_bias_switches_are_refused_unless_neutral(tmp_path, field, value):
+    """std's Mamba has no projection biases and a conv bias (HF's defaults)."""
+    assert build(tmp_path, "std/models/mamba.module", MAMBA_CONFIG).exit_code == 0
+    result = build(tmp_path, "std/models/mamba.module", MAMBA_CONFIG | {field: value})
+    assert result.exit_code == 1 and "error[E010]" in result.output, result.output
+    assert f"`{field}`" in result.output
+
+
 def test_a_mapped_field_is_the_programs_to_honour(tmp_path):
     """std's Mistral maps sliding_window to its window size."""
     config = LLAMA_CONFIG | {"sliding_window": 16}

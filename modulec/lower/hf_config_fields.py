@@ -35,6 +35,8 @@ NEUTRAL = {
     "use_bidirectional_attention": (False, "attention that is not causal"),
     "attn_logit_softcapping": (None, "soft-capped attention scores"),
     "final_logit_softcapping": (None, "soft-capped logits"),
+    "use_bias": (False, "biases on the in/out projections (Mamba)"),
+    "use_conv_bias": (True, "a conv without bias (Mamba)"),
 }
 # a field one transformers version writes under another name: read under either, and
 # mapping one maps both (transformers 5 saves Qwen3-MoE's `num_experts` as
