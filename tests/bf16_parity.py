@@ -44,15 +44,18 @@ def far_gradients(ours: dict, bf16: dict, fp32: dict, slack: float = SLACK) -> l
     return bad
 
 
-def tiny_hf_checkpoint(folder, config_class: str, model_class: str, perturb=None, **config):
-    """A transformers model (seed 0, eval mode: no dropout, sdpa attention) saved to
-    `folder`, its 1-d parameters (norm scales, biases) moved off their init by 0.1 N(0, 1)
-    so that a mixed-up one shows; `perturb(name, parameter)` changes more."""
+def tiny_hf_checkpoint(folder, config_class: str, model_class: str, perturb=None,
+                       attention: str | None = "sdpa", **config):
+    """A transformers model (seed 0, eval mode: no dropout, `attention` as its attention
+    implementation; None for a model without attention, as Mamba) saved to `folder`, its
+    1-d parameters (norm scales, biases) moved off their init by 0.1 N(0, 1) so that a
+    mixed-up one shows; `perturb(name, parameter)` changes more."""
     import transformers
 
     torch.manual_seed(0)
     hf_config = getattr(transformers, config_class)(**config)
-    hf_config._attn_implementation = "sdpa"
+    if attention is not None:
+        hf_config._attn_implementation = attention
     model = getattr(transformers, model_class)(hf_config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
