@@ -655,6 +655,28 @@ std::vector<Tensor> fp8_cast(const Tensor& x, const Tensor& scale, int64_t fmt, 
   return outs;
 }
 
+// An FP8 operand's (scale, 1 / scale) from its amax (fp32 [] tensors on the device): the
+// amax recorded into `pending` (fmax) when given, `past` (a delayed history's maximum)
+// used instead where given and >= 0; top = fp8_max / 2^margin.
+std::vector<Tensor> fp8_scale(const Tensor& amax, const std::optional<Tensor>& pending,
+                              const std::optional<Tensor>& past, double top) {
+  check(amax, "amax", at::kFloat, amax);
+  TORCH_CHECK(amax.numel() == 1, "amax must hold one value");
+  for (const auto* t : {&pending, &past})
+    if (*t) {
+      check(**t, "pending / past", at::kFloat, amax);
+      TORCH_CHECK((*t)->numel() == 1, "pending / past must hold one value");
+    }
+  const c10::cuda::CUDAGuard guard(amax.device());
+  Tensor scale = at::empty({}, amax.options()), inv_scale = at::empty({}, amax.options());
+  check_launch(modulec::launch_fp8_scale(
+                   amax.data_ptr<float>(), pending ? pending->data_ptr<float>() : nullptr,
+                   past ? past->data_ptr<float>() : nullptr, top, scale.data_ptr<float>(),
+                   inv_scale.data_ptr<float>(), stream()),
+               "fp8 scale");
+  return {scale, inv_scale};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -738,4 +760,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "transposed) -> [fp8 x if plain, fp8 x^T contiguous if transposed]  (clamped, RNE)",
         py::arg("x"), py::arg("scale"), py::arg("fmt"), py::arg("plain"),
         py::arg("transposed"));
+  m.def("fp8_scale", &fp8_scale,
+        "(amax fp32 [], pending fp32 [] or None, past fp32 [] or None, top) -> [scale, "
+        "1 / scale]  (amax recorded into pending by fmax; past used where >= 0)",
+        py::arg("amax"), py::arg("pending"), py::arg("past"), py::arg("top"));
 }

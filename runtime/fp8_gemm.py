@@ -43,9 +43,10 @@ class Quantized:
     row-major) and `transposed()` (x^T contiguous), each made once, both in one pass of
     the CUDA cast kernel where both are wanted (`prepare`)."""
 
-    def __init__(self, x: Tensor, fmt: str, scale: Tensor):
+    def __init__(self, x: Tensor, fmt: str, scale: Tensor, inv_scale: Tensor | None = None):
         self.x, self.fmt, self.scale = x, fmt, scale
-        self.inv_scale = torch.reciprocal(scale)  # the dequantization factor _scaled_mm takes
+        # the dequantization factor _scaled_mm takes
+        self.inv_scale = torch.reciprocal(scale) if inv_scale is None else inv_scale
         self._plain: Tensor | None = None
         self._transposed: Tensor | None = None
 
@@ -140,14 +141,28 @@ class ScaleState:
 
     def scale(self, x: Tensor, fmt: str, key: str) -> Tensor:
         """The scale of operand `key` (value `x`) now; its amax recorded when recording."""
+        return self.scales(x, fmt, key)[0]
+
+    def scales(self, x: Tensor, fmt: str, key: str) -> tuple[Tensor, Tensor]:
+        """(scale, 1 / scale) of operand `key` (value `x`) now; its amax recorded into the
+        step's pending slot when recording (fmax: a NaN amax is not recorded, as in the
+        emulation). On CUDA one launch after the amax (csrc/kernels/fp8_cast.cu
+        `fp8_scale`) does what the torch ops below do."""
         row, amax = self._row(key), amax_of(x)
-        if self.recording:  # fmax: a NaN amax is not recorded (as in the emulation)
-            pending = self.pending[row]
+        pending = self.pending[row] if self.recording else None
+        past = self.window[row] if self.kind == "delayed" and self.window is not None \
+            and row < len(self.window) else None
+        if x.is_cuda and CAST["cuda"] == "kernel":
+            from runtime.cuda.kernels import _extension
+
+            top = FORMATS[fmt][1] / 2.0 ** self.margin
+            return tuple(_extension().fp8_scale(amax, pending, past, top))
+        if pending is not None:
             torch.fmax(pending, amax, out=pending)
-        if self.kind == "delayed" and self.window is not None and row < len(self.window):
-            past = self.window[row]
+        if past is not None:
             amax = torch.where(past >= 0, past, amax)
-        return scale_from(amax, fmt, self.margin)
+        scale = scale_from(amax, fmt, self.margin)
+        return scale, torch.reciprocal(scale)
 
     def end_step(self) -> None:
         """Each operand's amax of the step joins its history (the oldest drops out)."""
@@ -222,7 +237,7 @@ class Operand(NamedTuple):
 
 def quantized(state: ScaleState, operand: Operand) -> Quantized:
     x = _fold(operand.value)
-    return quantize(x, operand.fmt, state.scale(x, operand.fmt, operand.key))
+    return Quantized(x, operand.fmt, *state.scales(x, operand.fmt, operand.key))
 
 
 def matmul(state: ScaleState, A: Operand, B: Operand, *, transpose: str = "NN",

@@ -269,6 +269,32 @@ def test_the_cuda_cast_kernel_is_the_torch_ops_bit_for_bit(dtype, monkeypatch):
         assert len(only) == 1 and torch.equal(only[0].view(torch.uint8), made[1].view(torch.uint8))
 
 
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+def test_the_cuda_scale_kernel_is_the_torch_ops(kind, monkeypatch):
+    """csrc/kernels/fp8_cast.cu's fp8_scale (record, delayed window, scale and its
+    reciprocal in one launch) against the torch ops over steps with NaN, zero and infinite
+    amaxes: the same scales bit for bit and the same histories."""
+    recipe = dict(RECIPE, scaling={"kind": kind, "history_len": 2, "margin": 1})
+    states = {mode: fp8_gemm.ScaleState(recipe, "cuda") for mode in ("kernel", "torch")}
+    amaxes = [(2.0, 0.0), (100.0, float("nan")), (float("inf"), 3.0), (0.5, 7e-3)]
+    for values in amaxes:
+        got = {}
+        for mode, state in states.items():
+            monkeypatch.setitem(fp8_gemm.CAST, "cuda", mode)
+            state.begin_step()
+            state.recording = True
+            got[mode] = [state.scales(torch.tensor([[a, -a / 3]], device="cuda"), fmt, key)
+                         for key, a, fmt in zip("ab", values, ("fp8_e4m3", "fp8_e5m2"))]
+            state.recording = False
+            state.end_step()
+        for ours, ref in zip(got["kernel"], got["torch"]):
+            assert [float(t) for t in ours] == [float(t) for t in ref], values
+    monkeypatch.setitem(fp8_gemm.CAST, "cuda", "kernel")
+    assert torch.equal(states["kernel"].history, states["torch"].history)
+
+
 def tiny_step(precision="fp8", batch=2, seq=16):
     from runtime.cuda.step import TrainStep
 

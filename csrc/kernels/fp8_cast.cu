@@ -67,7 +67,29 @@ cudaError_t cast_typed(const void* x, const float* scale, float top,
   return cudaGetLastError();
 }
 
+// One thread: the operand's amax recorded into its pending slot (fmax: a NaN is not
+// recorded), the delayed amax where the history has one, then scale = top / amax in
+// float64 rounded to fp32 (1 for an amax of 0 or not finite) and its reciprocal: the
+// numbers of runtime/fp8_gemm.py's torch ops (scale_from, torch.reciprocal) in one launch.
+__global__ void fp8_scale_kernel(const float* __restrict__ amax, float* __restrict__ pending,
+                                 const float* __restrict__ past, double top,
+                                 float* __restrict__ scale, float* __restrict__ inv_scale) {
+  float a = *amax;
+  if (pending && !isnan(a)) *pending = fmaxf(*pending, a);
+  if (past && *past >= 0.f) a = *past;
+  const double wide = static_cast<double>(a);
+  const float s = (isfinite(wide) && wide > 0.0) ? static_cast<float>(top / wide) : 1.f;
+  *scale = s;
+  *inv_scale = 1.f / s;
+}
+
 }  // namespace
+
+cudaError_t launch_fp8_scale(const float* amax, float* pending, const float* past, double top,
+                             float* scale, float* inv_scale, cudaStream_t stream) {
+  fp8_scale_kernel<<<1, 1, 0, stream>>>(amax, pending, past, top, scale, inv_scale);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt, void* out,
                             void* out_t, int64_t rows, int64_t cols, cudaStream_t stream) {

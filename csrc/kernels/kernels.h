@@ -202,5 +202,12 @@ cudaError_t launch_cross_entropy(DType dt, void* logits, const int64_t* labels,
 // be null). fmt 0: E4M3 (448), 1: E5M2 (57344); else cudaErrorInvalidValue.
 cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt, void* out,
                             void* out_t, int64_t rows, int64_t cols, cudaStream_t stream);
+// The operand's scale from its amax (device floats, one thread): *pending = fmax(*pending,
+// *amax) when pending is non-null; the amax used is *past when past is non-null and
+// *past >= 0 (a delayed history's maximum), else *amax; *scale = fp32(top / amax) computed
+// in float64 (1 for an amax of 0 or not finite; top = fp8_max / 2^margin), *inv_scale =
+// 1 / *scale.
+cudaError_t launch_fp8_scale(const float* amax, float* pending, const float* past, double top,
+                             float* scale, float* inv_scale, cudaStream_t stream);
 
 }  // namespace modulec
