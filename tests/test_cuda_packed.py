@@ -174,7 +174,7 @@ def _loss_and_grads(step, params, tokens, labels, documents=None):
 
 
 def _cosine(a, b) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()  # GPU step vs CPU reference
     return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
 
 
