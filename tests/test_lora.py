@@ -100,6 +100,26 @@ def test_a_fused_projection_gets_one_adapter_per_selected_part():
         ("v", (48, 64), "model.layers.{i}.self_attn.v_proj")}
 
 
+def test_the_delta_adds_derived_backward_hands_on_the_gradient_without_a_copy():
+    """y = base + delta (one shape and dtype, no broadcasting): the derived backward has
+    no add_backward (it copied d_y twice); base's and the delta's matmul backward both
+    read d_y itself. An add reading a function's input keeps its node (its gradient could
+    be the backward's result as it is): Mixtral's block adds its router_stats input."""
+    result = _build(lora=LoraOptions(4, 8.0, ("q", "k", "v", "o", "gate", "up", "down")))
+    for name in ("CausalSelfAttention#1", "SwiGLU_MLP#1"):
+        forward = result.graph.function(name)
+        backward = result.graph.function(f"{name}.backward")
+        assert not any(n.target == "add_backward" for n in backward.nodes)
+        (d_y,) = [v.id for v in backward.inputs]
+        producer = {o: n.id for n in forward.nodes for o in n.outputs}
+        (add,) = [n for n in forward.nodes if n.target == "add" and forward.outputs[0] in n.outputs]
+        readers = {n.attr("forward_node") for n in backward.nodes if d_y in n.inputs}
+        assert readers == {producer[v] for v in add.inputs}  # base's and the delta's matmul
+    kept = _build(path="std/models/mixtral.module", settings=DENSE | {
+        "num_experts": 4, "top_k": 2}, lora=LoraOptions(4, 8.0, ()))
+    assert any(n.target == "add_backward" for f in kept.graph.functions for n in f.nodes)
+
+
 def test_the_build_is_verified_and_deterministic(tmp_path):
     from modulec.cli.build_cmd import verify_document
     from modulec.ir.serialize import dumps

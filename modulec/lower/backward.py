@@ -6,6 +6,9 @@ the gradients of its inputs (`d_x`). A forward node becomes a `<primitive>_backw
 wired by those names; a call becomes a call of the callee's backward function (its saved
 tensors are the callee's own); contributions to one value (fan-out, tied weights) are
 summed with `add`. An absent input gradient ("") means zero. Integer inputs get none.
+An `add` of two values made in the function, of one shape and dtype with its result (no
+broadcasting), has no backward node: each operand's gradient is the result's gradient,
+the same value (`add_backward` would copy it twice; decisions.md "LoRA step copies").
 """
 
 from __future__ import annotations
@@ -144,6 +147,12 @@ def _backward(forward: Function, callees: dict[str, Function]) -> Function:
 
 
 def _op_backward(builder: _Builder, node: Node) -> None:
+    if _identity_add(builder.forward, node):
+        gradient = builder.grads.get(node.outputs[0], "")
+        for source in node.inputs:
+            if builder.wants(source):
+                builder.contribute(source, gradient, node)
+        return
     rule = op_table().get(node.target)
     if rule is None or rule.definition.backward is None:
         return
@@ -173,6 +182,19 @@ def _op_backward(builder: _Builder, node: Node) -> None:
     for source, gradient in zip(targets, outputs):
         if source:
             builder.contribute(source, gradient, node)
+
+
+def _identity_add(forward: Function, node: Node) -> bool:
+    """`y = add(a, b)` whose backward is the identity for both operands: a and b are values
+    of the function's own nodes (not its inputs or parameters, whose gradient could become
+    the backward's output or a parameter gradient as it is), shaped and typed as y."""
+    if node.kind != "op" or node.target != "add" or len(node.inputs) != 2 \
+            or len(node.outputs) != 1:
+        return False
+    made = {o for n in forward.nodes for o in n.outputs if o}
+    infos = [forward.value(v) for v in (*node.inputs, node.outputs[0])]
+    return all(v in made for v in node.inputs) and all(i is not None for i in infos) and \
+        len({(i.shape, i.dtype) for i in infos}) == 1
 
 
 def _is_list(sig) -> bool:
