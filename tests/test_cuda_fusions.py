@@ -3,8 +3,7 @@ softmax.cu; issue 19 item 5) against the reference kernels (runtime/kernels), fo
 backward, fp32 and bf16: shapes on the 16-byte vector path, the scalar path (C not a
 multiple of the vector width, or a base not 16-byte aligned), rows longer than the
 register cache, many rows (the backward's persistent grid) and short rows that share a
-warp. The fused residual + LayerNorm kernel against add then layernorm. `-m cuda`;
-skipped without CUDA."""
+warp; fused_residual_layernorm likewise. `-m cuda`; skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -47,28 +46,28 @@ def test_layernorm(shape, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(4, 64), (3, 5, 1000), (7, 4097), (300, 7)])
-def test_fused_residual_layernorm(shape, dtype):
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 64), (3, 5, 1000), (7, 4097), (300, 7), (2048, 256)])
+def test_fused_residual_layernorm(shape, bias, dtype):
     """residual_out = residual + input (fp32), then layernorm of it; the backward's d_x is
-    d_residual_out + layernorm's d_x (the reference: add then layernorm, in fp32)."""
-    from runtime.cuda.kernels import _extension
-
+    d_residual_out + layernorm's d_x, one tensor for d_residual and d_input."""
     torch.manual_seed(12)
     C = shape[-1]
     res, inp = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
-    w, b = rand(C, dtype=dtype), rand(C, dtype=dtype)
-    ext = _extension()
-    res_out, y, mean, rstd = ext.fused_residual_layernorm_forward(res, inp, w, b, 1e-5)
-    f32 = [t.float() for t in (res, inp, w, b)]
-    want_sum = f32[0] + f32[1]
-    want = KERNELS["layernorm"].forward([want_sum, f32[2], f32[3]], {"eps": 1e-5})
-    assert_close([res_out, y, mean, rstd], [want_sum.to(dtype), *want], TOL[dtype],
-                 "fused_residual_layernorm forward")
-    d_res_out, d_y = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype)
-    d_x, d_w, d_b = ext.layernorm_backward(d_y, res_out, w, mean, rstd, d_res_out, True)
-    ref = KERNELS["layernorm"].backward([d_y.float(), res_out.float(), f32[2], mean, rstd], {})
-    assert_close([d_x, d_w, d_b], [ref[0] + d_res_out.float(), ref[1], ref[2]], TOL[dtype],
-                 "fused_residual_layernorm backward")
+    w, b = rand(C, dtype=dtype), rand(C, dtype=dtype) if bias else None
+    attrs = {"eps": 1e-5, "input_shapes": {"bias": (C,) if bias else None}}
+    res_out, y, mean, rstd = check("fused_residual_layernorm", "forward", [res, inp, w, b],
+                                   attrs, dtype)
+    inputs = [rand(*shape, dtype=dtype), rand(*shape, dtype=dtype), res_out, w, mean, rstd]
+    kernel = CUDA_KERNELS["fused_residual_layernorm"]
+    assert kernel.covers_backward(inputs)
+    got = kernel.backward(inputs, dict(attrs))
+    want = KERNELS["fused_residual_layernorm"].backward(inputs, dict(attrs))
+    assert got[0] is got[1]
+    if not bias:
+        assert got[3] is None and want[3] is None
+    n = 4 if bias else 3
+    assert_close(got[:n], want[:n], TOL[dtype], f"fused_residual_layernorm backward {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -85,6 +85,50 @@ def test_automatic_fusion_only_where_it_is_exact(tmp_path):
     assert [n.target for n in forward(built(tmp_path, text)).nodes] == ["add", "rmsnorm"]
 
 
+LAYERNORM = """
+    model Tiny(d: int = 8):
+      params:
+        w: [d, fp32]
+        b: [d, fp32]
+      forward:
+        in: (x: [B, T, d, fp32], r: [B, T, d, fp32])
+        out: (y: [B, T, d, fp32], s: [B, T, d, fp32])
+        graph:
+          (r, x) -> add() -> s
+          {norm}
+    """
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_residual_layernorm_fuses_automatically_in_fp32(tmp_path, bias):
+    """add + layernorm -> fused_residual_layernorm (bias or none: the fused op's inputs
+    stop at the weight); its backward is the fused primitive's; in bf16 it stays a chain."""
+    norm = f"(s, w{', b' if bias else ''}) -> layernorm(eps=1e-5) -> (y, _, _)"
+    result = built(tmp_path, LAYERNORM.format(norm=norm))
+    (node,) = forward(result).nodes
+    assert node.target == "fused_residual_layernorm" and node.attr("fusion") == "residual_layernorm"
+    assert node.inputs == ("r", "x", "param:w") + (("param:b",) if bias else ())
+    assert len(node.outputs) == 4 and node.attr("eps") == 1e-5
+    backward = result.graph.function(result.graph.backward)
+    assert [n.target for n in backward.nodes] == ["fused_residual_layernorm_backward"]
+    low = built(tmp_path, LAYERNORM.format(norm=norm).replace("fp32", "bf16"))
+    assert [n.target for n in forward(low).nodes] == ["add", "layernorm"]
+
+
+def test_residual_layernorm_computes_what_the_chain_computed(tmp_path):
+    torch = pytest.importorskip("torch")
+    text = LAYERNORM.format(norm="(s, w, b) -> layernorm(eps=1e-5) -> (y, _, _)")
+    fused = forward(built(tmp_path, text))
+    unfused = forward(built(tmp_path, text.replace("add() -> s", "add() @nofuse -> s")))
+    assert len(unfused.nodes) == 2 and len(fused.nodes) == 1
+    g = torch.Generator().manual_seed(1)
+    feed = {"x": torch.randn(2, 4, 8, generator=g), "r": torch.randn(2, 4, 8, generator=g),
+            "param:w": torch.randn(8, generator=g), "param:b": torch.randn(8, generator=g)}
+    want, got = _run(unfused, dict(feed)), _run(fused, dict(feed))
+    for output in fused.outputs:
+        assert torch.equal(want[output], got[output])
+
+
 def test_every_requested_pattern_fuses():
     result = build(BuildRequest(UI / "fuse_requests_apply.module", shapes=SHAPES))
     assert result.document is not None
@@ -92,10 +136,12 @@ def test_every_requested_pattern_fuses():
     assert {d.code for d in result.diagnostics} == {"W006"}
     assert len(result.diagnostics) == 6
     function = forward(result)
-    assert [n.target for n in function.nodes].count("fused_residual_rmsnorm") == 1
+    targets = [n.target for n in function.nodes]
+    assert targets.count("fused_residual_rmsnorm") == targets.count("fused_residual_layernorm") == 1
     assert groups(function) == {"bias_activation": 2, "linear_bias_act": 3, "norm_linear": 2,
                                 "gated_mlp": 2, "attention_softmax": 2, "ops": 2}
-    assert {p.name for p in PATTERNS} <= set(groups(function)) | {"residual_norm"}
+    fused = {"residual_norm", "residual_layernorm"}
+    assert {p.name for p in PATTERNS} <= set(groups(function)) | fused
 
 
 FAN_OUT = """

@@ -157,13 +157,15 @@ def test_moe_router_statistics_and_normalization():
     assert (torch.gather(probs, 1, indices.long()) >= probs.topk(2, -1).values[:, -1:]).all()
 
 
-def test_fused_residual_rmsnorm_writes_one_gradient():
+@pytest.mark.parametrize("name", ["fused_residual_rmsnorm", "fused_residual_layernorm"])
+def test_fused_residual_norms_write_one_gradient(name):
     g = torch.Generator().manual_seed(8)
-    kernel = KERNELS["fused_residual_rmsnorm"]
+    kernel = KERNELS[name]
     r, i, w = randn(g, 3, 8), randn(g, 3, 8), randn(g, 8)
-    residual_out, y, rstd = kernel.forward([r, i, w], default_attrs(kernel.name))
-    d_residual, d_input, _ = kernel.backward([randn(g, 3, 8), randn(g, 3, 8), residual_out, w, rstd],
-                                             default_attrs(kernel.name))
+    extra = [randn(g, 8)] if name == "fused_residual_layernorm" else []  # the bias
+    residual_out, y, *stats = kernel.forward([r, i, w, *extra], default_attrs(kernel.name))
+    d_residual, d_input, *_ = kernel.backward(
+        [randn(g, 3, 8), randn(g, 3, 8), residual_out, w, *stats], default_attrs(kernel.name))
     assert d_residual is d_input
 
 

@@ -152,6 +152,10 @@ CASES: dict[str, list[Case]] = {
              {"offset": 1.0})],
     "layernorm": [Case("bias", lambda g: [randn(g, 2, 3, 8), randn(g, 8), randn(g, 8)]),
                   Case("no-bias", lambda g: [randn(g, 5, 6), randn(g, 6), None], {"eps": 1e-3})],
+    "fused_residual_layernorm": [
+        Case("bias", lambda g: [randn(g, 2, 3, 8), randn(g, 2, 3, 8), randn(g, 8), randn(g, 8)]),
+        Case("no-bias", lambda g: [randn(g, 5, 6), randn(g, 5, 6), randn(g, 6), None],
+             {"eps": 1e-3})],
     "group_rmsnorm": [
         Case("groups1-no-gate", lambda g: [randn(g, 2, 3, 8), randn(g, 8), None]),
         Case("groups4-gate", lambda g: [randn(g, 2, 3, 16), randn(g, 16), randn(g, 2, 3, 16)],
@@ -439,6 +443,9 @@ ORACLES: dict[str, Callable] = {
     "layernorm": lambda x, w, b, *, eps, **_: [
         F.layer_norm(x, (x.shape[-1],), w, b, eps), x.mean(-1),
         1 / torch.sqrt(x.var(-1, unbiased=False) + eps)],
+    "fused_residual_layernorm": lambda r, i, w, b, *, eps, **_: [
+        r + i, F.layer_norm(r + i, (r.shape[-1],), w, b, eps), (r + i).mean(-1),
+        1 / torch.sqrt((r + i).var(-1, unbiased=False) + eps)],
     "group_rmsnorm": _oracle_group_rmsnorm,
     "swiglu": lambda g, u, **_: [F.silu(g) * u],
     "geglu": lambda g, u, *, approximate, **_: [

@@ -84,6 +84,18 @@ def test_biases_start_at_zero():
     assert all(not model.params[p].any() for p in biases)
 
 
+def test_layernorm_biases_start_at_zero():
+    """LayerNorm reads its weight as the scale (ones) and its bias as a bias (zeros)."""
+    from runtime.model import Model
+    from runtime.train.init import initialize
+
+    model = Model.from_module("std/models/gpt2.module", settings=dict(
+        vocab_size=64, d_model=16, n_layers=1, num_heads=2, max_seq=8), dtype=torch.float32)
+    rules = initialize(model, seed=0)
+    assert rules["blocks[0].ln_1.weight"] == rules["ln_f.weight"] == "ones"
+    assert rules["blocks[0].ln_1.bias"] == rules["ln_f.bias"] == "zeros"
+
+
 def test_gemma_offset_norms_and_padding_row():
     """Gemma scales by `1 + w` (its norms start at w = 0, HF's init) and zeroes the
     embedding's padding row, as nn.Embedding(padding_idx=) does."""

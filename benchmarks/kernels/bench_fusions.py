@@ -1,5 +1,5 @@
-"""Time the LayerNorm, GELU and softmax CUDA kernels (csrc/kernels/layernorm.cu, gelu.cu,
-softmax.cu; issue 19 item 5), bf16, against
+"""Time the LayerNorm (and fused residual + LayerNorm), GELU and softmax CUDA kernels
+(csrc/kernels/layernorm.cu, gelu.cu, softmax.cu; issue 19 item 5), bf16, against
 
 - `reference`: the path the GPU step ran before them (runtime/kernels: the inputs cast to
   fp32, torch ops, the outputs cast back),
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels.bench_kernels import PEAK_TBS, grad_fn, nbytes, rand, time_ms  # noqa: E402
-from runtime.cuda.kernels import CUDA_KERNELS, _extension  # noqa: E402
+from runtime.cuda.kernels import CUDA_KERNELS  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
 
 
@@ -74,13 +74,16 @@ def layernorm_cases(tokens, d):
     yield Case("layernorm", "backward", label,
                *primitive("layernorm", "backward", [dy, x, w, mean, rstd], attrs),
                eager(ln, [x, w, b], "backward"), nbytes(dy, x, w, mean, rstd, x, w, b))
-    ext = _extension()  # the fused kernel (no primitive yet): add, then layernorm
     fused = lambda r, x, w, b: (lambda s: (s, ln(s, w, b)))(r + x)  # noqa: E731
-    yield Case("residual+layernorm", "forward", label,
-               lambda: ext.fused_residual_layernorm_forward(res, x, w, b, 1e-5),
-               lambda: KERNELS["layernorm"].forward(
-                   [KERNELS["add"].forward([res, x], {})[0], w, b], attrs),
-               eager(fused, [res, x, w, b], "forward"), nbytes(res, x, w, b, res, y, mean, rstd))
+    s, y2, mean2, rstd2 = KERNELS["fused_residual_layernorm"].forward([res, x, w, b], attrs)
+    yield Case("fused_residual_layernorm", "forward", label,
+               *primitive("fused_residual_layernorm", "forward", [res, x, w, b], attrs),
+               eager(fused, [res, x, w, b], "forward"), nbytes(res, x, w, b, s, y2, mean2, rstd2))
+    yield Case("fused_residual_layernorm", "backward", label,
+               *primitive("fused_residual_layernorm", "backward", [dy, dy, s, w, mean2, rstd2],
+                          attrs),
+               eager(fused, [res, x, w, b], "backward"),
+               nbytes(dy, dy, s, w, mean2, rstd2, x, w, b))
 
 
 def gelu_cases(tokens, d):

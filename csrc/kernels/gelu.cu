@@ -3,6 +3,8 @@
 // with activations.cuh's formulas (the reference's, fp32). Contiguous tensors of n
 // elements; one thread per VEC elements (16-byte accesses when every base is 16-byte
 // aligned); the last n % VEC elements are done one by one by the thread that owns them.
+// y may be x itself (the memory plan runs gelu in place: modulec/plan/from_graph.py
+// IN_PLACE): each thread reads its elements before it writes them, so no __restrict__.
 #include "activations.cuh"
 
 namespace modulec {
@@ -11,7 +13,7 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int VEC, int ACT>
-__global__ void gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {
+__global__ void gelu_forward_kernel(const T* x, T* y, int64_t n) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= n) return;
   if (c + VEC <= n) {
@@ -26,8 +28,8 @@ __global__ void gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, 
 }
 
 template <typename T, int VEC, int ACT>
-__global__ void gelu_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
-                                     T* __restrict__ d_x, int64_t n) {
+__global__ void gelu_backward_kernel(const T* d_y, const T* x,
+                                     T* d_x, int64_t n) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= n) return;
   if (c + VEC <= n) {

@@ -52,6 +52,7 @@ HOOK_POINTS = {  # §7.3.1: standard hook points (any other identifier is a cust
 }
 FUSION_PATTERNS = {  # §7.5.1: pattern -> the operations it fuses
     "residual_norm": "Add + RMSNorm",
+    "residual_layernorm": "Add + LayerNorm",  # not in the table: its LayerNorm twin
     "norm_linear": "RMSNorm + Linear",
     "gated_mlp": "Split + SwiGLU",
     "attention_softmax": "Scale + Softmax + Dropout",

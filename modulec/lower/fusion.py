@@ -211,7 +211,7 @@ def _same_shapes(view: _View, chain: list[Node]) -> str:
     add = chain[0]
     shapes = {_shape(view, v) for v in add.inputs + add.outputs}
     return "" if len(shapes) == 1 and None not in shapes else \
-        f"{_op(add)} broadcasts; `fused_residual_rmsnorm` adds equal shapes"
+        f"{_op(add)} broadcasts; `fused_residual_{chain[-1].target}` adds equal shapes"
 
 
 def _bias_add(view: _View, chain: list[Node]) -> str:
@@ -370,7 +370,10 @@ def apply_match(function: Function, found: Match) -> Function:
 
 
 def fused_node(pattern: FusionPattern, members: list[Node]) -> Node:
-    inputs = tuple(members[p].inputs[i] for p, i in pattern.inputs)
+    inputs = tuple(members[p].inputs[i] if i < len(members[p].inputs) else ""
+                   for p, i in pattern.inputs)
+    while inputs and not inputs[-1]:  # an absent optional input (no bias) is left off
+        inputs = inputs[:-1]
     outputs = tuple(members[p].outputs[o] for p, o in pattern.outputs)
     attrs = tuple((name, members[p].attr(attr)) for name, p, attr in pattern.attrs
                   if members[p].attr(attr) is not None)

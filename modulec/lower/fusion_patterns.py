@@ -4,7 +4,8 @@ matches them on Graph IR and `@fuse(pattern)` names them.
 A pattern is a chain of primitive ops, each linked to the one before by the values it
 reads from it (`links`: (output of the previous op, input of this op); input -1 = any
 one input). A pattern with a `fused` primitive becomes that one op node, its inputs and
-outputs taken from the chain's (`inputs`/`outputs`: (chain position, index)); the fused
+outputs taken from the chain's (`inputs`/`outputs`: (chain position, index); an optional
+input the chain's op does not have, LayerNorm's absent bias, is left off); the fused
 primitive's definition is the chain's computation, so the node computes exactly what the
 chain did. A pattern without one (no single primitive, no runtime kernel) becomes a
 fusion group: its member nodes stay as they are, each tagged `fusion_group` (see
@@ -54,6 +55,12 @@ PATTERNS: tuple[FusionPattern, ...] = (
         condition="same_shapes", fused="fused_residual_rmsnorm",
         inputs=((0, 0), (0, 1), (1, 1)), outputs=((0, 0), (1, 0), (1, 1)),
         attrs=(("eps", 1, "eps"), ("offset", 1, "offset")), automatic=True, exact_dtypes=("fp32", "fp64")),
+    FusionPattern(
+        "residual_layernorm", "residual add + LayerNorm -> fused_residual_layernorm",
+        (Link(("add",)), Link(("layernorm",), ((0, 0),))),
+        condition="same_shapes", fused="fused_residual_layernorm",
+        inputs=((0, 0), (0, 1), (1, 1), (1, 2)), outputs=((0, 0), (1, 0), (1, 1), (1, 2)),
+        attrs=(("eps", 1, "eps"),), automatic=True, exact_dtypes=("fp32", "fp64")),
     FusionPattern(
         "gated_mlp", "split into (gate, up) + swiglu/geglu of the two halves",
         (Link(("split",)), Link(GATED, ((0, 0), (1, 1)))), condition="two_halves"),

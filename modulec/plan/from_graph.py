@@ -41,7 +41,8 @@ BACKWARD_VIEWS = ("view_backward", "transpose_backward", "permute_backward",
                   "contiguous_backward")
 ALIASES = VIEWS + BACKWARD_VIEWS
 # ops whose kernel returns one tensor for two of its outputs: (output, the output it is)
-ONE_TENSOR = {"fused_residual_rmsnorm_backward": ((1, 0),)}  # d_input is d_residual
+ONE_TENSOR = {"fused_residual_rmsnorm_backward": ((1, 0),),  # d_input is d_residual
+              "fused_residual_layernorm_backward": ((1, 0),)}
 IN_PLACE = ("silu", "relu", "relu2", "gelu", "sigmoid", "exp", "neg", "exp_neg", "scale")
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weight, AdamW m and v
 

@@ -2,9 +2,9 @@
 the reference calling convention (`forward(inputs, attrs)`, `backward(inputs, attrs)`,
 runtime/kernels/base.py).
 
-rmsnorm, fused_residual_rmsnorm, layernorm, swiglu, geglu, gelu, softmax (over the last
-dim; another dim goes to the reference), rope, qk_norm, qk_norm_rope and embedding's
-backward have custom CUDA kernels (csrc/kernels). A call they do not cover
+rmsnorm, fused_residual_rmsnorm, layernorm, fused_residual_layernorm, swiglu, geglu, gelu,
+softmax (over the last dim; another dim goes to the reference), rope, qk_norm, qk_norm_rope
+and embedding's backward have custom CUDA kernels (csrc/kernels). A call they do not cover
 (tensors not on the GPU or not contiguous, a dtype other than bf16/fp32, inputs of mixed
 dtypes, position_ids not int32) goes to the reference kernel, and so does every other
 primitive: the reference kernels are torch ops, which run on CUDA tensors as they are.
@@ -254,6 +254,25 @@ def _layernorm_bwd(ext, inputs, attrs, out=None):
     return grads if with_bias else grads + [None]
 
 
+@writes_out
+def _fused_layernorm_fwd(ext, inputs, attrs, out=None):
+    residual, input, weight, bias = (list(inputs) + [None])[:4]
+    like = [typed(out, i, residual.shape, residual.dtype) for i in (0, 1)]
+    stats = [typed(out, i, residual.shape[:-1], torch.float32) for i in (2, 3)]
+    return ext.fused_residual_layernorm_forward(residual, input, weight, bias,
+                                                float(attrs.get("eps", 1e-5)), like + stats)
+
+
+@writes_out
+def _fused_layernorm_bwd(ext, inputs, attrs, out=None):
+    d_residual_out, d_y, residual_out, weight, mean, rstd = inputs
+    with_bias = not _no_bias(attrs)
+    grads = ext.layernorm_backward(d_y, residual_out, weight, mean, rstd, d_residual_out,
+                                   with_bias, [typed(out, 0, d_y.shape, d_y.dtype)])
+    g = grads[0]  # d_residual and d_input are one tensor, as the reference's
+    return [g, g, grads[1], grads[2] if with_bias else None]
+
+
 def _approximate(attrs) -> bool:
     return bool(attrs.get("approximate", True))
 
@@ -378,6 +397,7 @@ CUSTOM = {
     "qk_norm_rope": (_qk_norm_rope_fwd, _qk_norm_rope_bwd),
     "embedding": (_embedding_fwd, _embedding_bwd),
     "layernorm": (_layernorm_fwd, _layernorm_bwd),
+    "fused_residual_layernorm": (_fused_layernorm_fwd, _fused_layernorm_bwd),
     "gelu": (_gelu_fwd, _gelu_bwd),
     "softmax": (_softmax_fwd, _softmax_bwd),
 }

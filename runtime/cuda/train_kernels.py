@@ -11,11 +11,11 @@ transpose cast to fp32 and back is two copies where none is needed. So:
 - matmul runs as cuBLAS in the I/O dtype (bf16 operands, fp32 accumulation); transposes
   are strides, not copies;
 - flash_attention runs through FlashAttention-2 (runtime/cuda/attention.py);
-- rmsnorm, fused_residual_rmsnorm, qk_norm, layernorm, gelu and softmax get contiguous
-  inputs (a copy only where one is strided); swiglu, rope and qk_norm_rope read their strided inputs as they are
-  (the MLP's gate/up are the halves of the fused up projection, the attention's q/k
-  transposed heads of the fused QKV projection), rope and qk_norm_rope write [B, T, H, D]
-  (FlashAttention's layout);
+- rmsnorm, fused_residual_rmsnorm, qk_norm, layernorm, fused_residual_layernorm, gelu and
+  softmax get contiguous inputs (a copy only where one is strided); swiglu, rope and
+  qk_norm_rope read their strided inputs as they are (the MLP's gate/up are the halves of
+  the fused up projection, the attention's q/k transposed heads of the fused QKV
+  projection), rope and qk_norm_rope write [B, T, H, D] (FlashAttention's layout);
 - no concat copy where the parts already lie side by side in one buffer: swiglu's
   backward writes d_gate / d_up into the halves of one [.., 2 * d_ff] buffer, so the
   concat (written backward) or the split's backward (derived) is a view of it; rope's
@@ -51,7 +51,8 @@ from runtime.kernels.base import ReferenceKernel
 
 NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul",
            "tp_copy", "tp_all_reduce")  # the TP pair: NCCL reduces bf16 as it is
-CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm", "layernorm", "gelu", "softmax")
+CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm", "layernorm",
+              "fused_residual_layernorm", "gelu", "softmax")
 CREATED = ("zeros", "ones", "fill")
 
 

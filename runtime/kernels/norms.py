@@ -1,6 +1,7 @@
-"""rmsnorm, fused_residual_rmsnorm, layernorm, group_rmsnorm (spec §6.2; group_rmsnorm is
-Mamba-2's gated norm, decisions.md "Primitives not in spec §6"). qk_norm (§6.4.3) is in
-attention.py and uses the rmsnorm helpers here.
+"""rmsnorm, fused_residual_rmsnorm, layernorm, fused_residual_layernorm, group_rmsnorm
+(spec §6.2; fused_residual_layernorm is fused_residual_rmsnorm's LayerNorm twin and
+group_rmsnorm Mamba-2's gated norm, decisions.md "Primitives not in spec §6"). qk_norm
+(§6.4.3) is in attention.py and uses the rmsnorm helpers here.
 
 All normalize the last dim. With n = x * rstd and g = d_y * weight, RMSNorm's backward is
 d_x = rstd * (g - n * mean(g * n)), d_weight = sum over rows of d_y * n. rmsnorm and
@@ -66,12 +67,22 @@ def _fused_residual_rmsnorm_forward(residual, input, weight, *, eps=1e-6, offset
 
 
 # ---------------------------------------------------------------------------- layernorm
-def _layernorm_backward(d_y, x, weight, mean, rstd, **attrs):
+def ln_forward(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    mean = x.mean(-1)
+    centred = x - mean[..., None]
+    rstd = torch.rsqrt((centred * centred).mean(-1) + eps)  # biased variance
+    y = centred * rstd[..., None] * weight
+    return (y + bias if bias is not None else y), mean, rstd
+
+
+def ln_backward(d_y, x, weight, mean, rstd, attrs) -> list:
+    """(d_x, d_weight, d_bias); bias is no backward input: d_bias is computed unless the
+    recorded shapes say it was None."""
     n = (x - mean[..., None]) * rstd[..., None]
     g = d_y * weight
     d_x = rstd[..., None] * (g - g.mean(-1, keepdim=True) - n * (g * n).mean(-1, keepdim=True))
     d_weight = (d_y * n).reshape(-1, x.shape[-1]).sum(0)
-    # bias is no backward input: d_bias is computed unless the recorded shapes say it was None
     shapes = attrs.get("input_shapes") or {}
     no_bias = "bias" in shapes and shapes["bias"] is None
     return [d_x, d_weight, None if no_bias else d_y.reshape(-1, x.shape[-1]).sum(0)]
@@ -79,15 +90,29 @@ def _layernorm_backward(d_y, x, weight, mean, rstd, **attrs):
 
 @register("layernorm", ("x", "weight", "bias"), ("y", "mean", "rstd"),
           ("d_y", "x", "weight", "mean", "rstd"), ("d_x", "d_weight", "d_bias"),
-          backward=_layernorm_backward, stats=("mean", "rstd"))
+          backward=lambda d_y, x, weight, mean, rstd, **attrs: ln_backward(
+              d_y, x, weight, mean, rstd, attrs),
+          stats=("mean", "rstd"))
 def _layernorm_forward(x, weight, bias=None, *, eps=1e-5, **_):
-    mean = x.mean(-1)
-    centred = x - mean[..., None]
-    rstd = torch.rsqrt((centred * centred).mean(-1) + eps)  # biased variance
-    y = centred * rstd[..., None] * weight
-    if bias is not None:
-        y = y + bias
-    return [y, mean, rstd]
+    return list(ln_forward(x, weight, bias, eps))
+
+
+# --------------------------------------------------------------- fused_residual_layernorm
+def _fused_residual_layernorm_backward(d_residual_out, d_y, residual_out, weight, mean, rstd,
+                                       **attrs):
+    d_norm, d_weight, d_bias = ln_backward(d_y, residual_out, weight, mean, rstd, attrs)
+    g = d_residual_out + d_norm
+    return [g, g, d_weight, d_bias]  # d_residual and d_input are one tensor
+
+
+@register("fused_residual_layernorm", ("residual", "input", "weight", "bias"),
+          ("residual_out", "y", "mean", "rstd"),
+          ("d_residual_out", "d_y", "residual_out", "weight", "mean", "rstd"),
+          ("d_residual", "d_input", "d_weight", "d_bias"),
+          backward=_fused_residual_layernorm_backward, stats=("mean", "rstd"))
+def _fused_residual_layernorm_forward(residual, input, weight, bias=None, *, eps=1e-5, **_):
+    residual_out = residual + input
+    return [residual_out, *ln_forward(residual_out, weight, bias, eps)]
 
 
 # ------------------------------------------------------------------------ group_rmsnorm

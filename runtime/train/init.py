@@ -22,9 +22,10 @@ import torch
 
 from modulec.lower.lora import is_adapter
 from runtime.interpreter import _join, child_path
+from runtime.kernels import KERNELS
 
-NORM_OPS = frozenset({"rmsnorm", "layernorm", "fused_residual_rmsnorm", "group_rmsnorm",
-                      "qk_norm", "qk_norm_rope"})
+NORM_OPS = frozenset({"rmsnorm", "layernorm", "fused_residual_rmsnorm",
+                      "fused_residual_layernorm", "group_rmsnorm", "qk_norm", "qk_norm_rope"})
 DEFAULT_STD = 0.02
 
 
@@ -93,8 +94,10 @@ def norm_scales(graph) -> dict[str, float]:
     def visit(node, path: str) -> None:
         if node.target in NORM_OPS:
             start = 1.0 - float(node.attr("offset") or 0.0)
-            found.update({_join(path, v[len("param:"):]): start for v in node.inputs
-                          if v.startswith("param:")})
+            names = KERNELS[node.target].forward_inputs  # LayerNorm's bias is no scale
+            found.update({_join(path, v[len("param:"):]): start
+                          for name, v in zip(names, node.inputs)
+                          if v.startswith("param:") and name != "bias"})
     _walk(graph, graph.function(graph.entry), "", (), visit)
     return found
 
