@@ -144,9 +144,11 @@ std::vector<Tensor> mamba_scan_backward(const Tensor& d_y, const Tensor& u, cons
   const c10::cuda::CUDAGuard guard(u.device());
   const auto f32 = u.options().dtype(at::kFloat);
   Tensor d_u = at::empty_like(u), d_delta = at::empty_like(u);
-  Tensor d_A = at::empty({s.batch, s.channels, s.N}, f32);
+  // zeros: the kernel adds into d_B / d_C, and writes nothing when T is 0
+  Tensor d_A = at::zeros({s.batch, s.channels, s.N}, f32);
   Tensor d_B = at::zeros(B.sizes(), f32), d_C = at::zeros(C.sizes(), f32);
-  Tensor d_D = at::empty({s.batch, s.channels}, f32), d_bias = at::empty({s.batch, s.channels}, f32);
+  Tensor d_D = at::zeros({s.batch, s.channels}, f32);
+  Tensor d_bias = at::zeros({s.batch, s.channels}, f32);
   Tensor work = at::empty({modulec::mamba_scan_backward_workspace(s, chunk)}, f32);
   modulec::MambaScanGrads g;
   g.d_u = d_u.data_ptr();

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Mamba on the GPU (issue 19 item 3) in one device call (one GPU): build the CUDA
 # extension, the cuda tests (the scan / conv kernels against the float64 reference loop,
-# std Mamba's bf16 step against transformers), the kernel benchmark (ours vs the reference
+# std Mamba's bf16 step against transformers, the Mamba-2 example's fp32 step against the
+# CPU reference), the kernel benchmark (ours vs the reference
 # loop, transformers' torch path and mamba_ssm where installed, at a mamba-130m layer's
-# shape) and the step benchmark (std Mamba vs MambaForCausalLM, 8 of mamba-130m's 24
+# shape) and the step benchmark (std Mamba vs MambaForCausalLM, 4 of mamba-130m's 24
 # layers, B 2, T 2048). Logs and JSON go to $OUT. Meant to finish in under 3 minutes.
 #   bash benchmarks/gpu/mamba_check.sh
 #   STAGES="build tests" bash benchmarks/gpu/mamba_check.sh
@@ -26,13 +27,15 @@ for stage in $STAGES; do
         'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
     tests)
       timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=5 \
-        ${TESTS:-tests/test_cuda_mamba.py tests/test_cuda_std_mamba.py} 2>&1 \
+        ${TESTS:-tests/test_cuda_mamba.py tests/test_cuda_std_mamba.py \
+        "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[example_mamba]"} \
+        2>&1 \
         | tee "$OUT/tests.log" | tail -25 ;;
     kernel)
       timeout 90 python3 benchmarks/kernels/bench_mamba.py --json "$OUT/bench_mamba.json" \
         2>&1 | tee "$OUT/bench_mamba.txt" ;;
     step)
-      python3 benchmarks/gpu/mamba_step.py --layers "${LAYERS:-8}" --batch "${BATCH:-2}" \
+      python3 benchmarks/gpu/mamba_step.py --layers "${LAYERS:-4}" --batch "${BATCH:-2}" \
         --seq "${SEQ:-2048}" --steps "${STEPS:-5}" --warmup 2 --hf-steps 2 --hf-warmup 1 \
         --timeout 75 --variants "${VARIANTS:-modulec,hf_eager}" --json "$OUT/mamba_step.json" \
         > "$OUT/mamba_step.txt" 2> "$OUT/mamba_step.err"

@@ -48,8 +48,9 @@ __device__ __forceinline__ float padded(const T* x, const T* state, int64_t s, i
 }
 
 template <typename T>
-__device__ __forceinline__ float conv_at(const T* x, const T* state, const float (&w)[kMaxConvWidth],
-                                         float bias, int64_t t, int W) {
+__device__ __forceinline__ float conv_at(const T* x, const T* state,
+                                         const float (&w)[kMaxConvWidth], float bias, int64_t t,
+                                         int W) {
   float z = bias;
 #pragma unroll
   for (int j = 0; j < kMaxConvWidth; ++j)
