@@ -679,8 +679,12 @@ std::vector<Tensor> fp8_scale(const Tensor& amax, const std::optional<Tensor>& p
 
 }  // namespace
 
+// csrc/bindings_mamba.cpp: mamba_conv1d and mamba_selective_scan
+void register_mamba(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "modulec CUDA kernels (csrc/kernels)";
+  register_mamba(m);
   modulec::bind::register_fusions(m);  // layernorm, gelu, softmax (bindings_fusions.cpp)
   // offset: the norm's scale is offset + weight (fp32; 1 for Gemma's `1 + w`)
   m.def("rmsnorm_forward", &rmsnorm_forward,
