@@ -34,14 +34,22 @@ def init_adapters(model, generator: torch.Generator | None = None,
     for path, shape in model.parameter_shapes().items():
         if not is_adapter(path) or (only_missing and path in model.params):
             continue
-        if path.endswith("lora_A"):
-            bound = 1.0 / math.sqrt(shape[1])
-            value = (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-        elif path.endswith(IA3_SUFFIX):  # (IA)^3: l = 1, the base model (PEFT's init)
-            value = torch.ones(shape, dtype=torch.float64)
-        else:
-            value = torch.zeros(shape, dtype=torch.float64)
+        value = adapter_value(path, shape, generator, torch.float64)
         model.params[path] = value.to(model.dtype).to(model.device)
+
+
+def adapter_value(path: str, shape, generator: torch.Generator, dtype: torch.dtype,
+                  device="cpu") -> Tensor:
+    """An adapter parameter's first value as PEFT makes it: lora_A ~ U(-1/sqrt(in),
+    1/sqrt(in)) (kaiming_uniform with a = sqrt(5)) drawn from `generator` (on `device`),
+    lora_B = 0 (the adapted model starts as the base model), (IA)^3 vectors 1."""
+    if path.endswith("lora_A"):
+        bound = 1.0 / math.sqrt(shape[1])
+        return (torch.rand(shape, generator=generator, dtype=dtype, device=device) * 2 - 1) \
+            * bound
+    if path.endswith(IA3_SUFFIX):  # (IA)^3: l = 1, the base model (PEFT's init)
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def adapter_params(model) -> dict[str, Tensor]:

@@ -15,6 +15,7 @@ every tensor a view at its offset (issue 6 item 1, for the fixed regions).
 Parameters are placed in path order, each at a 256-byte boundary, as the reference
 runtime's arena places them (runtime/arena.py ParameterRegions). The per-layer gradients
 of the step have no region: each lives from its layer's backward to that layer's update.
+`random_params` draws a step's first weights (TrainStep.init_random).
 """
 
 from __future__ import annotations
@@ -120,3 +121,25 @@ class SplitMasters(Mapping):
 
     def __len__(self) -> int:
         return len(self.lows) + len(self.whole)
+
+
+def random_params(shapes: dict, seed: int = 0, std: float = 0.02, on: str = "cuda"
+                  ) -> dict[str, torch.Tensor]:
+    """normal(0, std) fp32 values by path, norm weights (1-d `...weight`) near 1; LoRA
+    adapters as PEFT (and Model.init_random) make them (runtime.lora.adapter_value: B = 0,
+    the adapted model starts as the base model), drawn after the base weights, which are
+    the same as without LoRA."""
+    from modulec.lower.lora import is_adapter
+    from runtime.lora import adapter_value
+
+    generator = torch.Generator(device=on).manual_seed(seed)
+    params = {}
+    for path, shape in shapes.items():
+        if is_adapter(path):
+            continue
+        value = torch.randn(shape, generator=generator, device=on) * std
+        params[path] = value + 1.0 if len(shape) == 1 and path.endswith("weight") else value
+    for path, shape in shapes.items():
+        if is_adapter(path):
+            params[path] = adapter_value(path, shape, generator, torch.float32, on)
+    return params

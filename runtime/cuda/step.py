@@ -68,6 +68,8 @@ from torch import Tensor
 from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, stored_dtypes, whole_update
+from runtime.cuda.state import random_params  # noqa: F401 (TrainStep.init_random; callers)
+from runtime.cuda.step_optim import NormSquares
 from runtime.cuda.train_kernels import train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
@@ -205,7 +207,7 @@ class TrainStep:
         self.grad_norm = torch.zeros(1, dtype=torch.float32, device="cuda")
         # dropout's device counter (runtime/cuda/dropout.py): one more at each step's start
         self.rng_step = torch.zeros((), dtype=torch.int64, device="cuda")
-        self._norm_sq = torch.zeros(1, dtype=torch.float32, device="cuda")
+        self._norms = NormSquares(torch.zeros(1, dtype=torch.float32, device="cuda"))
         self.held: dict[str, Tensor] = {}  # with clipping: the step's gradients
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         # fp32 masters by path: a dict (optimizer="torch") or SplitMasters (fused)
@@ -554,7 +556,7 @@ class TrainStep:
         global clipping (`adamw.clip_grad`, one process) the gradients are held until
         the backward ends (the norm needs them all): the update leaves the backward."""
         self.step_count.add_(1)  # before the backward: updates may run inside it
-        self._norm_sq.zero_()
+        self._norms.total.zero_()
         if self.zero is not None:
             self.zero.step_begin()
         in_backward = self.update_in_backward and not (self._holds() and
@@ -572,7 +574,7 @@ class TrainStep:
         elif self._holds():
             self._clip_and_update()
         else:
-            torch.sqrt(self._norm_sq, out=self.grad_norm)
+            torch.sqrt(self._norms.flushed(), out=self.grad_norm)
         self.loss.copy_(torch.stack(losses).mean())
 
     def _holds(self) -> bool:
@@ -622,7 +624,7 @@ class TrainStep:
         from runtime.train.param_groups import clip_gradient, hyperparameters
 
         grad = clip_gradient(grad, hyperparameters(self.program, path, self.adamw)[2])
-        self._norm_sq.add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        self._norms.add(grad)  # its squared norm into the step's gradient norm
         self._apply(path, grad, None)
 
     def _apply(self, path: str, grad: Tensor, scale: Tensor | None) -> None:
@@ -695,17 +697,6 @@ class TrainStep:
         else:
             self.cuda_graph.replay()
         return self.loss
-
-
-def random_params(shapes: dict, seed: int = 0, std: float = 0.02, on: str = "cuda"
-                  ) -> dict[str, Tensor]:
-    """normal(0, std) fp32 values by path, norm weights (1-d `...weight`) near 1."""
-    generator = torch.Generator(device=on).manual_seed(seed)
-    params = {}
-    for path, shape in shapes.items():
-        value = torch.randn(shape, generator=generator, device=on) * std
-        params[path] = value + 1.0 if len(shape) == 1 and path.endswith("weight") else value
-    return params
 
 
 def frozen_paths(program: Program) -> set[str]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.cuda.swaps import Stored
-from runtime.cuda.train_kernels import lora_addmm
+from runtime.cuda.train_kernels import lora_addmm, matmul_into, overlaps
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.kernels.documents import current
@@ -41,6 +41,7 @@ class _StepInterpreter(Interpreter):
         self._pairs: dict = {}  # function name -> LoraPairs
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
+        self.lora_into_planned = 0  # of those, written with base into y's planned bytes
         self._in_place: dict = {}  # function name -> node ids run in place
         self.swaps = None  # runtime.cuda.swaps.GpuSwaps: the step's, when it executes swaps
         self._released_at: dict = {}  # id(forward run) -> its release number (swaps)
@@ -163,7 +164,9 @@ class _StepInterpreter(Interpreter):
         """LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` (`lora_addmm_pairs`)
         as one addmm: the matmul is deferred to the add, which writes y = base + s t B^T
         (into base where nothing else reads it); d gets a shape-only stand-in (the add's
-        derived backward reads its shape; d's matmul backward reads t and B, not d)."""
+        derived backward reads its shape; d's matmul backward reads t and B, not d). On
+        the arena, base's own matmul is deferred too where it can be (`LoraPairs.bases`):
+        it writes y's planned bytes and the addmm adds d there, so nothing is copied in."""
         function = frame.function
         if self.fp8_run is not None and node.target in FP8_TARGETS and any(node.outputs) \
                 and self.fp8_run.covers(function.name, node.id):
@@ -179,6 +182,15 @@ class _StepInterpreter(Interpreter):
         pair = pairs.adds.get(node.id)
         if pair is None:
             return super()._op(node, frame, forward)
+        source = pairs.bases.get(node.id)
+        if source is not None:
+            if self._lora_into_planned(node, source, pair[0], frame, forward):
+                return
+            super()._op(source, frame, forward)  # base as written, then the addmm
+        self._lora_add(node, pair, frame, forward)
+
+    def _lora_add(self, node, pair, frame, forward) -> None:
+        function = frame.function
         matmul, inplace = pair
         base = self._read(node.inputs[0], frame, forward)
         t = self._read(matmul.inputs[0], frame, forward)
@@ -193,11 +205,37 @@ class _StepInterpreter(Interpreter):
             super()._op(matmul, frame, forward)
             return super()._op(node, frame, forward)
         self.lora_fused += 1
-        key = (y.dtype, y.device)
-        if key not in self._scalars:
-            self._scalars[key] = torch.empty((), dtype=y.dtype, device=y.device)
-        frame.env[matmul.outputs[0]] = self._scalars[key].expand(y.shape)
+        frame.env[matmul.outputs[0]] = self._stand_in(y)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+
+    def _lora_into_planned(self, node, source, matmul, frame, forward) -> bool:
+        """y = x W^T (`source`, base's matmul) + s t B^T in y's planned bytes: the base
+        product written there (mm out=), the delta added in place (addmm, beta = 1), the
+        same GEMMs as the out-of-place addmm whose result the arena copied in. False
+        (nothing done) off the arena, where y has no bytes of its own, or where an operand
+        lies in them (a plan may give y the bytes of a value dead before the add)."""
+        raw = self.arena.out_bytes(frame, node, node.outputs[0]) if self.arena else None
+        operands = [self._read(v, frame, forward) for v in (*source.inputs, *matmul.inputs)]
+        if raw is None or any(overlaps(v, raw) for v in operands):
+            return False
+        x, w, t, b = operands
+        y = matmul_into(x, w, self._attrs(source), raw)
+        y = lora_addmm(y, t, b, float(matmul.attr("alpha") or 1.0), True) \
+            if y is not None else None
+        if y is None:
+            return False  # the caller runs both as before (base again into its bytes)
+        self.lora_fused += 1
+        self.lora_into_planned += 1
+        frame.env[source.outputs[0]] = frame.env[matmul.outputs[0]] = self._stand_in(y)
+        frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+        return True
+
+    def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
+        """A shape-only stand-in for a value never materialized (one scalar, expanded)."""
+        key = (like.dtype, like.device)
+        if key not in self._scalars:
+            self._scalars[key] = torch.empty((), dtype=like.dtype, device=like.device)
+        return self._scalars[key].expand(like.shape)
 
     def _fp8_op(self, node, frame, forward) -> None:
         """A matmul (or its backward) the FP8 recipe covers: FP8 GEMMs (fp8_step.py)."""
@@ -290,14 +328,19 @@ FP8_TARGETS = ("matmul", "matmul_backward")
 @dataclass
 class LoraPairs:
     adds: dict = field(default_factory=dict)  # add node id -> (its delta's matmul, inplace)
-    deferred: set = field(default_factory=set)  # those matmuls' node ids
+    deferred: set = field(default_factory=set)  # the matmuls the adds run (delta's, base's)
+    # add node id -> base's matmul, deferred to the add: run into y's planned bytes
+    bases: dict = field(default_factory=dict)
 
 
 def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraPairs:
     """The `lora` pass's delta additions in `function` (modulec/lower/lora.py: values
     `%lora<n>`): `y = add(base, d)` whose `d = matmul(t, B, NT, alpha)` (B 2-D) is read by
     that add alone, is no output and no backward's saved value. `inplace` where `base` (a
-    matmul's `%lora` output) has no other reader either. Nodes a planned replay runs again
+    matmul's `%lora` output) has no other reader either; then base's matmul is deferred to
+    the add too (`bases`) where its input x lives to the function's end (saved for the
+    backward, or the function's input: no value the plan made after x's last reader can
+    be in x's bytes when the add reads it). Nodes a planned replay runs again
     (`replayed`) are left as they are."""
     readers: dict = {}
     for node in function.nodes:
@@ -306,6 +349,7 @@ def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraP
                 readers[value] = readers.get(value, 0) + 1
     producer = {o: n for n in function.nodes for o in n.outputs if o}
     outputs = set(function.outputs)
+    pinned = set(saved) | {v.id for v in function.inputs}
     pairs = LoraPairs()
 
     def private(value: str) -> bool:
@@ -327,4 +371,8 @@ def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraP
             and source.target == "matmul"
         pairs.adds[node.id] = (matmul, inplace)
         pairs.deferred.add(matmul.id)
+        if inplace and source.id not in replayed and len(source.inputs) == 2 \
+                and source.inputs[0] in pinned and source.inputs[1].startswith("param:"):
+            pairs.bases[node.id] = source
+            pairs.deferred.add(source.id)
     return pairs

@@ -59,3 +59,38 @@ def clipped_held_bytes(section: dict) -> int:
     zero = section["zero"]
     return sum(GRAD_BYTES * (b["numel"] if zero == 0 else b["shard"]) * b["instances"]
                for b in section["buckets"])
+
+
+class NormSquares:
+    """The step's sum of squared gradient norms (fp32, on the device), for `grad_norm`.
+    A large gradient adds its own; small ones (LoRA's adapters: 14 a layer) are summed in
+    batches through one multi-tensor norm (`torch._foreach_norm`) instead of a reduction,
+    a square and an add each (448 reductions a step on a LoRA'd Llama-3-8B: ~5 ms). A
+    held gradient is one the step owns (a layer's, handed once); `flush` before reading
+    `total`. The sum's order differs from one add per gradient: the last bits of
+    grad_norm may too; no update reads it (global clipping takes its own norm)."""
+
+    SMALL = 1 << 20  # elements: a gradient held for a batch (2 MiB in bf16)
+    BATCH = 64
+
+    def __init__(self, total: torch.Tensor):
+        self.total = total
+        self.pending: list = []
+
+    def add(self, grad: torch.Tensor) -> None:
+        if grad.numel() > self.SMALL:
+            self.total.add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            return
+        self.pending.append(grad)
+        if len(self.pending) >= self.BATCH:
+            self.flush()
+
+    def flushed(self) -> torch.Tensor:
+        self.flush()
+        return self.total
+
+    def flush(self) -> None:
+        if self.pending:
+            norms = torch._foreach_norm(self.pending, 2, dtype=torch.float32)
+            self.total.add_(torch.stack(norms).square().sum())
+            self.pending = []

@@ -92,6 +92,41 @@ def _contiguous(inputs: list) -> list:
     return [x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
+class Add(NoCast):
+    """add of two operands of one floating dtype without the reference's fp32 round trip
+    (torch adds bf16 in fp32 and rounds once: the reference's bits), written into the
+    planned bytes on the arena (`takes_out`: no copy in). Its backward without
+    broadcasting is d_y for both operands (the reference casts d_y to fp32 and back: the
+    same bits, after three conversion kernels); other operands: the reference."""
+
+    takes_out = True
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        out = attrs.pop("out", None)
+        a, b = inputs
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) \
+                or a.dtype != b.dtype or not a.is_floating_point():
+            return self.reference.forward(inputs, attrs)
+        y = typed(out, 0, torch.broadcast_shapes(a.shape, b.shape), a.dtype)
+        if y is None:
+            return [a + b]
+        return [torch.add(a, b, out=y)]
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        attrs.pop("out", None)
+        d_y = inputs[0]
+        shapes = attrs.get("input_shapes") or {}
+        if isinstance(d_y, torch.Tensor) and all(
+                _shape_or(shapes.get(name), d_y) == tuple(d_y.shape) for name in ("a", "b")):
+            return [d_y, d_y]
+        return self.reference.backward(inputs, attrs)
+
+
+def _shape_or(shape, like: torch.Tensor) -> tuple:
+    """A recorded input shape, or `like`'s where none was recorded."""
+    return tuple(like.shape) if shape is None else tuple(shape)
+
+
 class Embedding(NoCast):
     """The gather without a cast; the backward through CUDA_KERNELS' deterministic
     scatter-add kernel (the fp32 reference where it does not cover the inputs)."""
@@ -101,13 +136,26 @@ class Embedding(NoCast):
 
 
 class Created(NoCast):
-    """zeros / ones / fill on `device` (the reference makes them on the CPU by default)."""
+    """zeros / ones / fill on `device` (the reference makes them on the CPU by default);
+    zeros and ones are written into their planned bytes on the arena (`takes_out`: LoRA's
+    zero blocks, made each step, are not made elsewhere and copied in)."""
+
+    takes_out = True
+    FILLS = {"zeros": 0.0, "ones": 1.0}
 
     def __init__(self, reference: ReferenceKernel, device: str):
         super().__init__(reference)
         self.device = device
 
     def forward(self, inputs: list, attrs: dict) -> list:
+        from runtime.kernels.utility import torch_dtype
+
+        out = attrs.pop("out", None)
+        value = self.FILLS.get(self.name)
+        if out and value is not None:
+            y = typed(out, 0, attrs["shape"], torch_dtype(attrs.get("dtype", "bf16")))
+            if y is not None:
+                return [y.fill_(value)]
         return super().forward(inputs, attrs | {"device": self.device})
 
 
@@ -178,9 +226,35 @@ def join(parts: list, dim: int) -> torch.Tensor | None:
 
 
 class Concat(NoCast):
+    """concat as a view where its parts lie side by side (`join`), else written into its
+    planned bytes on the arena (`takes_out`), else torch.cat's own tensor."""
+
+    takes_out = True
+
     def forward(self, inputs: list, attrs: dict) -> list:
-        joined = join(list(inputs[0]), int(attrs.get("dim", -1)))
+        out = attrs.pop("out", None)
+        parts, dim = list(inputs[0]), int(attrs.get("dim", -1))
+        joined = join(parts, dim)
+        if joined is None:
+            joined = _cat_into(parts, dim, out)
         return [joined] if joined is not None else super().forward(inputs, attrs)
+
+
+def _cat_into(parts: list, dim: int, out) -> torch.Tensor | None:
+    """torch.cat(parts) written into the bytes out[0] (its promoted dtype, contiguous),
+    or None where there are none, they do not fit, or a part lies in them."""
+    if not out or out[0] is None or not parts \
+            or not all(isinstance(p, torch.Tensor) for p in parts):
+        return None
+    dtype = parts[0].dtype
+    for p in parts[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    if any(p.dim() != parts[0].dim() for p in parts):
+        return None
+    y = typed(out, 0, _joined_shape(parts, dim % parts[0].dim()), dtype)
+    if y is None or not y.is_contiguous() or any(overlaps(p, y) for p in parts):
+        return None
+    return torch.cat(parts, dim=dim, out=y)
 
 
 class Split(NoCast):
@@ -269,11 +343,9 @@ class Matmul(NoCast):
         out = attrs.pop("out", None) or [None]
         A, B = inputs
         if self.name == "matmul" and out[0] is not None:
-            mode, alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
-            C = product_into(_fold(A), _fold(B), mode, alpha, out[0])
+            C = matmul_into(A, B, attrs, out[0])
             if C is not None:
-                keep = mode[0] == "N" and A.dim() > 2
-                return [C.view(*A.shape[:-1], C.shape[-1]) if keep else C]
+                return [C]
         return super().forward(inputs, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
@@ -334,6 +406,34 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
     return C
 
 
+def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
+                raw: torch.Tensor) -> torch.Tensor | None:
+    """matmul(A, B) (attrs: transpose, alpha) written into the bytes `raw`, shaped as the
+    matmul's C (A's leading dims kept in NN / NT mode), or None where it does not fit."""
+    mode, alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
+    C = product_into(_fold(A), _fold(B), mode, alpha, raw)
+    if C is None:
+        return None
+    keep = mode[0] == "N" and A.dim() > 2
+    return C.view(*A.shape[:-1], C.shape[-1]) if keep else C
+
+
+def overlaps(a, b) -> bool:
+    """Tensors `a` and `b` share bytes (one storage, intersecting byte spans)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) \
+            or a.numel() == 0 or b.numel() == 0 \
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range [start, end) a tensor's elements lie in."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
 def lora_addmm(base: torch.Tensor, t: torch.Tensor, B: torch.Tensor, alpha: float,
                inplace: bool) -> torch.Tensor | None:
     """base + alpha * t @ B^T (t: [.., r], B: [n, r], base: [.., n]) as one GEMM with
@@ -360,6 +460,7 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
     kernels.update({name: Matmul(KERNELS[name]) for name in ("matmul", "batched_matmul")})
     kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
+    kernels["add"] = Add(KERNELS["add"])
     kernels["concat"] = Concat(KERNELS["concat"])
     kernels["split"] = Split(KERNELS["split"])
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
