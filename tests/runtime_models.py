@@ -39,6 +39,11 @@ GPU_ONLY = {
                                                     d_ff=48, vocab_size=64, max_seq=64)),
     "phi3": ("std/models/phi3.module", DENSE | {"partial_rotary_factor": 0.5,
                                                  "padding_idx": "None"}),
+    # std Mamba (Mamba-1; the Mamba-2 example is in TINY): the scan and conv kernels in an
+    # fp32 step, a chunk_size below the kernel's tile (its float64 parity:
+    # tests/test_hf_parity_mamba.py)
+    "mamba": ("std/models/mamba.module", dict(n_layers=2, d_model=32, vocab_size=64,
+                                              d_state=8, chunk_size=4)),
 }
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mamba on the GPU (issue 19 item 3) in one device call (one GPU): build the CUDA
 # extension, the cuda tests (the scan / conv kernels against the float64 reference loop,
-# std Mamba's bf16 step against transformers, the Mamba-2 example's fp32 step against the
-# CPU reference), the kernel benchmark (ours vs the reference
+# std Mamba's bf16 step against transformers, the fp32 steps of std Mamba and the Mamba-2
+# example against the CPU reference), the kernel benchmark (ours vs the reference
 # loop, transformers' torch path and mamba_ssm where installed, at a mamba-130m layer's
 # shape) and the step benchmark (std Mamba vs MambaForCausalLM, 4 of mamba-130m's 24
 # layers, B 2, T 2048). Logs and JSON go to $OUT. Meant to finish in under 3 minutes.
@@ -28,7 +28,8 @@ for stage in $STAGES; do
     tests)
       timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=5 \
         ${TESTS:-tests/test_cuda_mamba.py tests/test_cuda_std_mamba.py \
-        "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[example_mamba]"} \
+        "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[example_mamba]" \
+        "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[mamba]"} \
         2>&1 \
         | tee "$OUT/tests.log" | tail -25 ;;
     kernel)
