@@ -69,8 +69,8 @@ class Interpreter:
     decisions: object = None  # runtime.decisions.Decisions: recompute / swap as planned
     param_regions: object = None  # runtime.arena.ParameterRegions: weights, gradients
     profiler: object = None  # runtime.profiling.Profiler: `@profile` regions (None: off)
-    # runtime.dist.zero.ZeroRun: told when a layer's function run starts (ZeRO-3 gathers
-    # that layer's weights just before use)
+    # runtime.dist.zero.ZeroRun: told when a layer's or the entry's function run starts
+    # (ZeRO-3 gathers weights just before use)
     frame_events: object = None
     _runs: dict = field(default_factory=dict)  # forward function -> runs so far
     _sinks: dict = field(default_factory=dict)  # (id(run), value) -> [(callee run, input)]
@@ -123,8 +123,7 @@ class Interpreter:
     # ------------------------------------------------------------------ functions
     def _run(self, frame: Frame, args: list, forward: Frame | None) -> list:
         function = frame.function
-        if self.frame_events is not None and frame.indices:
-            self.frame_events.frame_begin(frame.path, bool(function.gradient_of))
+        self._frame_begin(frame)
         frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
         for node in function.nodes:
             spec = self.profiler.spec_of(node, frame, self.graph) \
@@ -247,6 +246,13 @@ class Interpreter:
             self._op(node, frame, None)
         finally:
             self._replaying = replaying
+
+    def _frame_begin(self, frame: Frame) -> None:
+        """Tell `frame_events` that a layer's or the entry's (path "") function run starts."""
+        function = frame.function
+        if self.frame_events is not None and (frame.indices or function.name in (
+                self.graph.entry, self.graph.backward)):
+            self.frame_events.frame_begin(frame.path, bool(function.gradient_of))
 
     def _zeros_for_absent(self, grads: list, child: Frame) -> list:
         outputs = child.function.outputs

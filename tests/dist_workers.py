@@ -61,7 +61,13 @@ def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps:
               for w in windows(steps, rows, seq)]
     state = trainer.state()
     if rank == 0:
-        torch.save({"losses": losses, "state": state}, out)
+        from modulec.plan.distributed import COMPUTE_BYTES, entry_buffer_bytes
+
+        run = trainer.zero
+        held = {"parts": run.fixed_parts(), "buffer_numel_after": run.buffer_numel(),
+                "peak_buffer_numel": run.peak_buffer_numel,
+                "predicted_buffer_numel": entry_buffer_bytes(run.section) // COMPUTE_BYTES}
+        torch.save({"losses": losses, "state": state, "held": held}, out)
     context.close()
 
 
@@ -133,12 +139,18 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
     if clip is not None:
         masters["grad_norm"] = step.grad_norm.cpu()
     if rank == 0:
-        from modulec.plan.distributed import rank_fixed_bytes
+        from modulec.plan.distributed import (
+            COMPUTE_BYTES, entry_buffer_bytes, rank_fixed_bytes,
+        )
 
         section = step.program.document["schedule"]["distributed"]
         torch.save({"losses": losses, "masters": masters,
                     "fixed_bytes": step.zero.fixed_bytes(),
-                    "predicted_bytes": rank_fixed_bytes(section)["total"]}, out)
+                    "predicted_bytes": rank_fixed_bytes(section)["total"],
+                    "buffer_numel_after": step.zero.buffer_numel(),
+                    "peak_buffer_numel": step.zero.peak_buffer_numel,
+                    "predicted_buffer_numel": entry_buffer_bytes(section) // COMPUTE_BYTES},
+                   out)
     context.close()
     context.exit_now()
 

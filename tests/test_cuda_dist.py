@@ -53,6 +53,9 @@ def test_each_zero_stage_trains_as_one_gpu(zero, reference, initial, tmp_path):
                     (moved.norm() * want_moved.norm()).clamp(min=1e-30))
         assert cos > 0.95, (path, cos)
     assert got["fixed_bytes"] == got["predicted_bytes"]  # what `modulec plan --dp` says
+    # ZeRO-3's entry weights: gathered into buffers within the step, none held after it
+    assert got["buffer_numel_after"] == 0
+    assert got["peak_buffer_numel"] == (got["predicted_buffer_numel"] if zero == 3 else 0)
 
 
 def test_tensor_parallel_trains_as_one_gpu(reference, tmp_path):

@@ -30,6 +30,18 @@ def sharded(name: str, zero: int, tmp_path) -> dict:
 
 
 @pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two processes' training of a tiny model at a ZeRO stage, each run once."""
+    cache = {}
+
+    def get(name: str, zero: int) -> dict:
+        if (name, zero) not in cache:
+            cache[name, zero] = sharded(name, zero, tmp_path_factory.mktemp("zero"))
+        return cache[name, zero]
+    return get
+
+
+@pytest.fixture(scope="module")
 def reference():
     cache = {}
 
@@ -50,19 +62,72 @@ def assert_same_state(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_llama_sharded_steps_equal_one_process(zero, reference, tmp_path):
+def test_llama_sharded_steps_equal_one_process(zero, reference, runs):
     want_losses, want = reference("llama")
-    got = sharded("llama", zero, tmp_path)
+    got = runs("llama", zero)
     assert got["losses"] == pytest.approx(want_losses, rel=1e-6)  # fp32 cross-entropy
     assert_same_state(got["state"], want)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mixtral", "llama_tied"])
-def test_other_models_with_zero3(name, reference, tmp_path):
+def test_other_models_with_zero3(name, reference, runs):
     want_losses, want = reference(name)
-    got = sharded(name, 3, tmp_path)
+    got = runs(name, 3)
     assert got["losses"] == pytest.approx(want_losses, rel=1e-6)  # fp32 cross-entropy
     assert_same_state(got["state"], want)
+
+
+def test_a_head_tied_to_the_embedding_trains_under_zero3_as_under_zero0():
+    """GPT-2's `lm_head: tied_to(wte)`, a path of its own bound to its target's weights:
+    ZeRO-3 binds both to the gathered buffer in each of the embedding's windows. One
+    process on a world-1 gloo group (the windows, buffers and ties do not depend on the
+    rank count; llama_tied runs on two above); the reference is ZeRO-0 (one process's
+    CPUTrainer does not bind the tie of a random init)."""
+    import torch.distributed as dist
+
+    from modulec.plan.distributed import DataParallel
+    from runtime.dist.context import DataParallelRun, DistContext
+    from runtime.train.data_parallel import CPUDataParallelTrainer
+    from runtime.train.optim import AdamW
+
+    class OneRank(DataParallelRun):
+        def options(self):
+            return DataParallel(1, self.zero)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        context, got = DistContext(0, 1, 0, "cpu", "gloo"), {}
+        for zero in (0, 3):
+            trainer = CPUDataParallelTrainer(dist_workers.tiny_model("example_gpt2"), ROWS,
+                                             SEQ, AdamW(lr=1e-2, weight_decay=0.1),
+                                             OneRank(context, zero))
+            got[zero] = [trainer.train_step(w) for w in dist_workers.windows(STEPS, ROWS,
+                                                                              SEQ)]
+            got[zero, "state"] = trainer.state()
+            assert trainer.zero.buffer_numel() == 0
+    finally:
+        dist.destroy_process_group()
+    assert [b["windows"] for b in trainer.zero.section["buckets"] if b["name"] == "wte"] \
+        == [["start", "end"]]
+    assert got[3] == pytest.approx(got[0], rel=1e-12)
+    assert_same_state(got[3, "state"], got[0, "state"])
+
+
+def test_zero3_holds_half_of_zero0_beside_the_buffers(runs):
+    """The runs above (ZeRO-3's steps equal one process's): a rank's state (compute
+    weights, masters, moments) is half of ZeRO-0's, the entry parameters' included; the
+    gradient slots are ZeRO-0's (no shard buffer beside them); the whole weights of the
+    entry buckets are held only within a step (dropped after it, at most the predicted
+    elements at once)."""
+    zero0, zero3 = runs("llama", 0)["held"], runs("llama", 3)["held"]
+    assert zero3["parts"]["state"] * 2 == zero0["parts"]["state"]
+    assert zero3["parts"]["gradient_slots"] == zero0["parts"]["gradient_slots"]
+    total0, total3 = sum(zero0["parts"].values()), sum(zero3["parts"].values())
+    buffers = zero3["parts"]["gather_slots"] + zero0["parts"]["gradient_slots"] / 2
+    assert total3 <= 0.5 * total0 + buffers
+    assert zero3["buffer_numel_after"] == 0
+    assert 0 < zero3["peak_buffer_numel"] <= zero3["predicted_buffer_numel"]
 
 
 

@@ -201,7 +201,7 @@ def test_transient_outputs_of_an_allocating_kernel_stay_where_it_made_them(monke
     assert len(backward) == 2 and len(forward) == 4  # two layers: d_v; out and lse
 
 
-def _budgeted_run(program, params, arena: bool):
+def _budgeted_run(program, params, arena: bool, frame_events=None):
     """The GPU step's interpreter (CPU kernels) on a budgeted program's decisions."""
     from runtime.arena import Arena, ParameterRegions
     from runtime.cuda.lm_head import split_head
@@ -218,7 +218,7 @@ def _budgeted_run(program, params, arena: bool):
     run = _StepInterpreter(graph, params, torch.bfloat16, check_finite=False,
                            kernels=train_kernels("cpu"), keep_only_saved=True,
                            decisions=Decisions.from_schedule(program.document["schedule"]),
-                           **options)
+                           frame_events=frame_events, **options)
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0),
                            dtype=torch.int32)
     outputs, frame = run.forward([tokens])
@@ -226,18 +226,13 @@ def _budgeted_run(program, params, arena: bool):
     return run.backward(frame, seeds)[1], options.get("arena")
 
 
-def test_budgeted_replays_write_into_the_saved_bytes_of_later_runs(monkeypatch):
-    """With a memory budget (h200-noswap: recompute only), a matmul of layer i whose
-    result its own record does not keep writes into the records of layers > i: in the
-    forward (not written yet; released when layer i returns) and replayed in the backward
-    (their backward is done). The same gradients as the step on torch's allocator, bit
-    for bit."""
+def _budgeted_program():
+    """Tiny Llama (3 layers) planned to 5% above its lowest peak (h200-noswap: recompute)."""
     from pathlib import Path
 
     from modulec.lower.build_plan import PlanOptions
     from modulec.plan.budget import make_problem, no_recompute, plan_budget
     from modulec.plan.devices import device
-    from runtime.arena import Arena
     from runtime.inputs import sized_inputs
     from runtime.model import parameter_shapes
     from runtime.program import ModuleSource
@@ -255,6 +250,38 @@ def test_budgeted_replays_write_into_the_saved_bytes_of_later_runs(monkeypatch):
     g = torch.Generator().manual_seed(1)
     params = {p: (0.3 * torch.randn(s, generator=g)).to(torch.bfloat16)
               for p, s in parameter_shapes(program.graph).items()}
+    return program, params
+
+
+def test_budgeted_runs_tell_zero3_when_each_function_run_starts():
+    """With recompute decisions the GPU step's interpreter runs a forward function itself:
+    it still reports each layer's and the entry's forward and backward (ZeRO-3 gathers
+    weights there; it missed the forward ones)."""
+    class Events:
+        def __init__(self):
+            self.seen = []
+
+        def frame_begin(self, path, backward):
+            self.seen.append((path, backward))
+
+    program, params = _budgeted_program()
+    events = Events()
+    _budgeted_run(program, params, arena=False, frame_events=events)
+    layers = [f"blocks[{i}]" for i in range(3)]
+    seen = [(path, backward) for path, backward in events.seen if path in ["", *layers]]
+    assert seen == [("", False)] + [(p, False) for p in layers] + [("", True)] + \
+        [(p, True) for p in reversed(layers)]
+
+
+def test_budgeted_replays_write_into_the_saved_bytes_of_later_runs(monkeypatch):
+    """With a memory budget (h200-noswap: recompute only), a matmul of layer i whose
+    result its own record does not keep writes into the records of layers > i: in the
+    forward (not written yet; released when layer i returns) and replayed in the backward
+    (their backward is done). The same gradients as the step on torch's allocator, bit
+    for bit."""
+    from runtime.arena import Arena
+
+    program, params = _budgeted_program()
     given = []
     replay_bytes = Arena.replay_bytes
     monkeypatch.setattr(Arena, "replay_bytes",

@@ -95,6 +95,50 @@ def test_damage_to_the_distributed_section_is_reported(document, name):
     assert all(p.startswith("schedule.distributed: ") for p in found)
 
 
+def _entry(schedule):
+    return next(b for b in schedule["distributed"]["buckets"] if b["name"] == "lm_head")
+
+
+def _first_op(**match):
+    def find(schedule):
+        return next(op for op in schedule["distributed"]["ops"]
+                    if all(op.get(k) == v for k, v in match.items()))
+    return find
+
+
+ZERO3_DAMAGE = {
+    "no windows": (lambda s: _entry(s).pop("windows"), "an entry bucket's `windows` must list"),
+    "unknown window": (_set(_entry, "windows", ["later"]), "must list some of start, end"),
+    "at off forward_begin": (_set(_first_op(at="last"), "on", "backward_begin"),
+                             "`at` (first or last) is for an entry bucket's forward_begin"),
+    "release of a layer": (_set(_first_op(kind="release"), "only", "layered"),
+                           "`release` is for entry buckets"),
+    "gather before its buffer": (lambda s: s["distributed"]["ops"].remove(_first_op(
+        kind="record_event", event="allocated", window="end")(s)),
+        "bucket `lm_head`: at forward_begin of instance 0, wait_event `allocated`"),
+}
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    return build(BuildRequest(PIPELINED, shapes={"B": 2, "T": 8},
+                              distributed=DataParallel(2, 3))).document
+
+
+def test_zero3_gathers_each_entry_bucket_in_the_windows_of_its_reads(zero3):
+    """The untied embedding before the layers, the head and final norm after them."""
+    windows = {b["name"]: b.get("windows") for b in zero3["schedule"]["distributed"]["buckets"]}
+    assert windows["embedding"] == ["start"] and windows["lm_head"] == ["end"]
+    assert windows["final_norm.weight"] == ["end"]
+
+
+@pytest.mark.parametrize("name", ZERO3_DAMAGE)
+def test_damage_to_zero3_gather_windows_is_reported(zero3, name):
+    change, message = ZERO3_DAMAGE[name]
+    found = problems(zero3, change)
+    assert any(message in p for p in found), found
+
+
 def _ops(stage):
     return lambda s: s["pipeline"]["ops"][stage]
 

@@ -83,18 +83,22 @@ def tensor_parallel_problems(graph, tp: int | None) -> list[str]:
 
 # ---------------------------------------------------------------------- data parallel
 def data_parallel_report(graph, section: dict, activations: int) -> dict:
-    """Per-rank bytes of `section` beside one GPU's (dp 1, ZeRO 0, the same parameters)."""
+    """Per-rank bytes of `section` beside one GPU's (dp 1, ZeRO 0, the same parameters):
+    the fixed state (`total`), the ZeRO-3 entry buffers a step holds at its peak, the
+    activations and their sum (`per_gpu`)."""
     from modulec.plan.distributed import (
-        DataParallel, bucket_paths, data_parallel_section, rank_fixed_bytes,
+        DataParallel, bucket_paths, data_parallel_section, entry_buffer_bytes,
+        rank_fixed_bytes,
     )
 
     trained = {p for b in section["buckets"] for i in range(b["instances"])
                for p in bucket_paths(b, i)}
     single = data_parallel_section(graph, DataParallel(1, 0), trained)
     one, per_rank = rank_fixed_bytes(single), rank_fixed_bytes(section)
-    for parts in (one, per_rank):
+    for parts, of in ((one, single), (per_rank, section)):
+        parts["entry_buffers"] = entry_buffer_bytes(of)  # in a step only: not fixed
         parts["activations"] = activations
-        parts["per_gpu"] = parts["total"] + activations
+        parts["per_gpu"] = parts["total"] + parts["entry_buffers"] + activations
     return {"dp": section["mesh"]["dp"], "zero": section["zero"], "one_gpu": one,
             "per_rank": per_rank}
 
@@ -104,6 +108,7 @@ ROWS = (("weights", "compute weights (bf16)"),
         ("gradient_buffers", "gradient / communication buffers"),
         ("gather_slots", "ZeRO-3 gather slots"),
         ("total", "fixed state"),
+        ("entry_buffers", "ZeRO-3 entry weights gathered at the peak"),
         ("activations", "activations (saved + transient, one micro-batch)"),
         ("per_gpu", "per GPU"))
 

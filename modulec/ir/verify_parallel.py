@@ -6,9 +6,11 @@ distributed: the mesh, ZeRO stage, streams and alignment are well-formed; each b
 parameters exist in the graph, in every instance, with the bucket's shapes, at aligned
 offsets that do not overlap and lie inside the bucket; the bucket's size is a multiple of
 dp x align and its shard is size / dp; no parameter is in two buckets; every op has a
-known trigger, kind and stream and the fields its kind needs; walking one step (per
-bucket: step_begin, forward_begin per instance, then last instance first backward_begin
-and gradients_ready, then step_end), every `wait_event` finds its event recorded before.
+known trigger, kind and stream and the fields its kind needs; under ZeRO-3 every entry
+bucket lists its gather windows; walking one step (per bucket: step_begin, forward_begin
+per instance, for an entry bucket also the first and last repeated layer's, then last
+instance first backward_begin and gradients_ready, then step_end), every `wait_event`
+finds its event recorded before.
 
 pipeline: the stages cover the entry's forward in order, each a contiguous range; each
 stage runs the forward and then the backward of every micro-batch once; sends and
@@ -22,7 +24,8 @@ from modulec.ir.graph import Graph
 
 TRIGGERS = ("step_begin", "forward_begin", "backward_begin", "gradients_ready", "step_end")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "copy_in")
-DP_KINDS = COLLECTIVES + ("adamw_shard", "record_event", "wait_event")
+DP_KINDS = COLLECTIVES + ("adamw_shard", "record_event", "wait_event", "allocate", "release")
+WINDOWS = ("start", "end", "step")  # modulec.plan.distributed
 WHAT = ("gradients", "weights")
 PP_KINDS = ("forward", "backward", "send", "recv")
 
@@ -116,6 +119,12 @@ def _bucket(bucket, section, shapes: dict, owner: dict) -> list[str]:
             problems += _param_exists(bucket, first + instance, param, shapes, owner)
     if end > bucket["numel"]:
         problems.append(f"the parameters end at {end}, past numel {bucket['numel']}")
+    windows = bucket.get("windows")
+    if section["zero"] == 3 and "{i}" not in bucket["path"] and (
+            not isinstance(windows, list) or not windows or
+            not set(windows) <= set(WINDOWS)):
+        problems.append(f"an entry bucket's `windows` must list some of "
+                        f"{', '.join(WINDOWS)}, not {windows!r}")
     return problems
 
 
@@ -149,8 +158,17 @@ def _dp_op(op, streams: set) -> list[str]:
         problems.append("an event op needs `event`")
     if op.get("kind") in COLLECTIVES and op.get("what") not in WHAT:
         problems.append(f"`what` must be gradients or weights, not {op.get('what')!r}")
-    if op.get("only") not in (None, "layered", "whole"):
-        problems.append(f"`only` must be layered or whole, not {op.get('only')!r}")
+    if op.get("only") not in (None, "layered", "entry"):
+        problems.append(f"`only` must be layered or entry, not {op.get('only')!r}")
+    if op.get("kind") in ("allocate", "release") and op.get("only") != "entry":
+        problems.append(f"`{op.get('kind')}` is for entry buckets (only: entry)")
+    if op.get("window", "step") not in WINDOWS:
+        problems.append(f"`window` must be one of {', '.join(WINDOWS)}, not "
+                        f"{op.get('window')!r}")
+    if op.get("at") is not None and (op.get("at") not in ("first", "last") or
+                                     op.get("on") != "forward_begin" or
+                                     op.get("only") != "entry"):
+        problems.append("`at` (first or last) is for an entry bucket's forward_begin ops")
     if not isinstance(op.get("instance", 0), int):
         problems.append(f"`instance` must be an integer, not {op.get('instance')!r}")
     return problems
@@ -159,18 +177,21 @@ def _dp_op(op, streams: set) -> list[str]:
 def _events(section) -> list[str]:
     """Walk one step per bucket; every wait must follow the record of its event."""
     by_trigger: dict = {t: [op for op in section["ops"] if op["on"] == t] for t in TRIGGERS}
+    any_layered = any("{i}" in b["path"] for b in section["buckets"])
     problems: list[str] = []
     for bucket in section["buckets"]:
-        layered = bucket["path"].endswith("[{i}]")
+        layered = "{i}" in bucket["path"]
         count = bucket["instances"]
         recorded: set = set()
-        walk = [("step_begin", 0)] + [("forward_begin", i) for i in range(count)]
+        walk = [("step_begin", 0, None)] + [("forward_begin", i, None) for i in range(count)]
+        if not layered and any_layered:  # the first and the last layer's forward_begin
+            walk += [("forward_begin", 0, "first"), ("forward_begin", 0, "last")]
         for i in reversed(range(count)):
-            walk += [("backward_begin", i), ("gradients_ready", i)]
-        walk.append(("step_end", 0))
-        for trigger, i in walk:
+            walk += [("backward_begin", i, None), ("gradients_ready", i, None)]
+        walk.append(("step_end", 0, None))
+        for trigger, i, at in walk:
             for op in by_trigger[trigger]:
-                if op.get("only") == ("whole" if layered else "layered"):
+                if not _applies(op, bucket, layered) or op.get("at") != at:
                     continue
                 target = i + op.get("instance", 0)
                 if not 0 <= target < count:
@@ -183,6 +204,13 @@ def _events(section) -> list[str]:
                                     f"wait_event `{key[0]}` of instance {target} was never "
                                     "recorded before")
     return list(dict.fromkeys(problems))
+
+
+def _applies(op: dict, bucket: dict, layered: bool) -> bool:
+    """Whether `op` runs for `bucket` (its `only` and `window`)."""
+    if op.get("only") == ("entry" if layered else "layered"):
+        return False
+    return op.get("window") is None or op["window"] in bucket.get("windows", ())
 
 
 def parameter_shapes(graph: Graph) -> dict:

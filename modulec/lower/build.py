@@ -276,12 +276,13 @@ def _distributed_section(graph, weight_schema: list, training: dict,
     from modulec.lower.lora import is_adapter
     from modulec.plan.distributed import data_parallel_section, parameter_paths
 
-    tied = {e["param"] for e in weight_schema
+    tied = {e["param"]: e.get("target") for e in weight_schema
             if e.get("kind") == "tied" and not e.get("stacks")}
     frozen = set(training.get("frozen", ()))
     trained = {p for p in parameter_paths(graph) if p not in tied and p not in frozen and
                (request.lora is None or is_adapter(p))}
-    return data_parallel_section(graph, request.distributed, trained)
+    return data_parallel_section(graph, request.distributed, trained,
+                                 {p: t for p, t in tied.items() if t is not None})
 
 
 # ====================================================================== the model and its sizes

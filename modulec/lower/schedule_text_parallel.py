@@ -2,8 +2,9 @@
 functions and the layout in `modulec build --emit schedule`; docs/build-output.md).
 
 distributed: the mesh, ZeRO stage and streams; one line per bucket (its path template,
-instances, flat size and shard) and per parameter in it (`+offset:numel`); then the
-collective ops in order, one per line: trigger, stream, kind, what it acts on.
+instances, flat size and shard; under ZeRO-3 an entry bucket's gather windows) and per
+parameter in it (`+offset:numel`); then the collective ops in order, one per line:
+trigger, stream, kind, what it acts on (`only`, `window`, `at`: which buckets, when).
 pipeline: one line per stage (its units and parameter count), per boundary (the tensors
 sent), and per stage its 1F1B ops as tokens: `F3` / `B3` forward / backward of
 micro-batch 3, `a3>1` activations of micro-batch 3 sent to stage 1, `g3<1` gradients
@@ -22,8 +23,9 @@ def print_distributed(section: dict) -> str:
         where = bucket["path"] or bucket["name"]
         count = f" x{bucket['instances']} from {bucket['first']}" \
             if bucket["instances"] > 1 else ""
+        windows = f"  windows {','.join(bucket['windows'])}" if "windows" in bucket else ""
         lines.append(f"  bucket {bucket['name']}  {where}{count}  numel {bucket['numel']}  "
-                     f"shard {bucket['shard']}")
+                     f"shard {bucket['shard']}{windows}")
         lines += [f"    {p['name']}  [{', '.join(map(str, p['shape']))}]  "
                   f"+{p['offset']}:{p['numel']}" for p in bucket["params"]]
     lines += [_op_line(op) for op in section["ops"]]
@@ -34,8 +36,7 @@ def _op_line(op: dict) -> str:
     extra = [f"{key} {op[key]}" for key in ("what", "event", "into") if key in op]
     if op.get("instance", 0):
         extra.append(f"instance i{op['instance']:+d}")
-    if "only" in op:
-        extra.append(f"only {op['only']}")
+    extra += [f"{key} {op[key]}" for key in ("only", "window", "at") if key in op]
     if op.get("whole"):
         extra.append("whole")
     return f"  op {op['on']:<15} s{op['stream']}  {op['kind']:<14} {'  '.join(extra)}".rstrip()

@@ -16,21 +16,43 @@ What each ZeRO stage holds per rank (4 bytes of split master + compute copy, 8 o
 | 0 | whole | whole | all_reduce, every rank updates everything |
 | 1 | whole | its shard | all_reduce, each rank updates its shard, all_gather |
 | 2 | whole | its shard | reduce_scatter, update the shard, all_gather |
-| 3 | its shard; a repeated layer's whole weights gathered into one of two slots just before use (forward and backward) | its shard | reduce_scatter, update the shard |
+| 3 | its shard; whole weights gathered just before use (below) | its shard | reduce_scatter, update the shard |
+
+Under ZeRO-3 a repeated layer's whole weights are gathered into one of two slots (i % 2)
+just before its forward and its backward. The other buckets (an *entry* bucket: a
+parameter of the entry, or a function called once by name) are gathered into a buffer
+made for the purpose and dropped again, in the *windows* listed in the bucket's
+`windows` (from where the forward and the backward read its parameters; a tied path's
+reads count for its target):
+
+| window | read | gathered at | dropped at |
+| --- | --- | --- | --- |
+| start | before the first repeated layer (the embedding) | the forward's start | the first layer's forward_begin |
+| end | after the last repeated layer, or in the backward (final norm, LM head) | the last layer's forward_begin | its gradients_ready |
+| step | between repeated layers, or no repeated layer at all | the forward's start | its gradients_ready |
+
+A tied embedding and head is read in both: `start` and `end`. Between its windows (and
+between steps) the rank holds the shard alone, so the buffers are no fixed state.
+
+A reduce_scatter writes the rank's sum into its own part of the gradient slot (in place,
+as NCCL and gloo allow): no bucket has a separate shard buffer.
 
 No stage holds more than two bucket instances' gradients at a time: a layer's gradients
 are reduced as soon as its backward made them (the runtime's update-in-backward), so
 stages 1 and 2 differ in traffic, not memory.
 
 The ops (`ops`) run at *triggers* of a bucket instance i (`gradients_ready`: all its
-gradients are final; `forward_begin` / `backward_begin`: its function's run starts;
-`step_begin` / `step_end`), each on its stream (0 compute, 2 communication) in list
-order. `instance` is relative to i (an op for i + offset outside the bucket's instances
-is skipped); an event is named with its bucket instance (`grads:blocks[3]`). `step_begin`
-and `step_end` run once per bucket, with i its first instance. Ops marked
-`only: layered` apply to the buckets of repeated layers alone (ZeRO-3 gathers them into
-slots), `only: whole` to the others (an entry parameter's bucket stays whole on every
-rank).
+gradients are final; `forward_begin` / `backward_begin`: its function's run starts, for
+an entry bucket the entry's; `step_begin` / `step_end`), each on its stream (0 compute,
+2 communication) in list order. `instance` is relative to i (an op for i + offset
+outside the bucket's instances is skipped); an event is named with its bucket instance
+(`grads:blocks[3]`). `step_begin` and `step_end` run once per bucket, with i its first
+instance. Ops marked `only: layered` apply to the buckets of repeated layers alone,
+`only: entry` to the others; an op with a `window` applies to the buckets that list it;
+an op with `at: first` (`last`) runs on `forward_begin` of the first (last) repeated
+layer instance of the forward instead of the bucket's own. `allocate` makes an entry
+bucket's whole buffer (the compute views of its parameters point into it) and `release`
+drops it (the views no longer hold weights).
 """
 
 from __future__ import annotations
@@ -60,11 +82,15 @@ class DataParallel:
             raise ValueError(f"the ZeRO stage must be 0, 1, 2, 3 or auto, not {self.zero}")
 
 
-def data_parallel_section(graph, options: DataParallel, trained=None) -> dict:
+def data_parallel_section(graph, options: DataParallel, trained=None,
+                          ties: dict | None = None) -> dict:
     """The `distributed` section for `graph` on `options.dp` ranks. `trained`: the paths
     of the parameters the step trains (None: every one); the others (frozen, tied) are in
-    no bucket and stay whole on every rank."""
+    no bucket and stay whole on every rank. `ties`: a tied parameter's path -> its
+    target's (`tied_to`; its reads are the target's)."""
     buckets = [b for b in _buckets(graph, options.dp, trained) if b["params"]]
+    if options.zero == 3:
+        _gather_windows(graph, buckets, ties or {})
     return {"mesh": {"dp": options.dp, "tp": 1, "pp": 1}, "zero": options.zero,
             "streams": {"compute": COMPUTE, "comm": COMM}, "align": ALIGN,
             "buckets": buckets, "ops": stage_ops(options.zero)}
@@ -179,18 +205,17 @@ def stage_ops(zero: int) -> list[dict]:
              _op("gradients_ready", reduce, COMM, what="gradients"),
              _op("gradients_ready", "adamw_shard", COMM, whole=zero == 0),
              _op("gradients_ready", "record_event", COMM, event="reduced")]
-    if zero == 3:  # an entry parameter's bucket stays whole: gathered after its update
-        ready.insert(-1, _op("gradients_ready", "all_gather", COMM, what="weights",
-                             only="whole"))
-    elif zero in (1, 2):
+    if zero in (1, 2):
         ready.insert(-1, _op("gradients_ready", "all_gather", COMM, what="weights"))
     start = [_op("step_begin", "record_event", COMPUTE, event="step_start", instance=0),
              _op("step_begin", "wait_event", COMM, event="step_start", instance=0)]
-    ops = start + ready + [_op("step_end", "record_event", COMM, event="step_done"),
-                   _op("step_end", "wait_event", COMPUTE, event="step_done")]
-    if zero == 3:
-        ops = start + _gather_ops() + ops[len(start):]
-    return ops
+    end = [_op("step_end", "record_event", COMM, event="step_done"),
+           _op("step_end", "wait_event", COMPUTE, event="step_done")]
+    if zero == 3:  # an entry bucket's buffer is dropped once its gradients are final
+        ready = _release("gradients_ready", "end") + _release("gradients_ready", "step") + \
+            ready
+        return start + _gather_ops() + _entry_ops() + ready + end
+    return start + ready + end
 
 
 def _gather_ops() -> list[dict]:
@@ -216,35 +241,130 @@ def _gather_ops() -> list[dict]:
     return begin + forward + backward
 
 
+def _entry_ops() -> list[dict]:
+    """ZeRO-3: an entry bucket's windows (the module docstring's table). A gather makes
+    the buffer on the compute stream, so the comm stream writes it only once the compute
+    stream is past what last used those bytes; the compute stream reads it once written."""
+    return (_gather("start", "forward_begin") + _gather("step", "forward_begin") +
+            _release("forward_begin", "start", at="first") +
+            _gather("end", "forward_begin", at="last"))
+
+
+def _entry(on: str, kind: str, stream: int, window: str, at: str | None, **more) -> dict:
+    return _op(on, kind, stream, only="entry", window=window,
+               **({} if at is None else {"at": at}), **more)
+
+
+def _gather(window: str, on: str, at: str | None = None) -> list[dict]:
+    return [_entry(on, "allocate", COMPUTE, window, at, what="weights"),
+            _entry(on, "record_event", COMPUTE, window, at, event="allocated"),
+            _entry(on, "wait_event", COMM, window, at, event="allocated"),
+            _entry(on, "all_gather", COMM, window, at, what="weights", into="buffer"),
+            _entry(on, "record_event", COMM, window, at, event="gathered"),
+            _entry(on, "wait_event", COMPUTE, window, at, event="gathered")]
+
+
+def _release(on: str, window: str, at: str | None = None) -> list[dict]:
+    return [_entry(on, "release", COMPUTE, window, at, what="weights")]
+
+
+# ---------------------------------------------------------------------- windows
+WINDOWS = ("start", "end", "step")
+
+
+def _gather_windows(graph, buckets: list[dict], ties: dict) -> None:
+    """ZeRO-3: each entry bucket's `windows`, from where its parameters are read."""
+    layered = any(is_layered(b) for b in buckets)
+    reads = _entry_reads(graph, ties)
+    for bucket in buckets:
+        if not is_layered(bucket):
+            found = set().union(*(reads.get(p, set()) for p in bucket_paths(bucket, 0)))
+            bucket["windows"] = _windows(found, layered)
+
+
+def _windows(found: set, layered: bool) -> list[str]:
+    if not layered or not found or "middle" in found:
+        return ["step"]
+    return [w for w in ("start", "end") if w in found]
+
+
+def _entry_reads(graph, ties: dict) -> dict[str, set]:
+    """Parameter path -> where the entry reads it: `start` (before the first repeated
+    call of the forward), `middle`, `end` (after the last one, or in the backward)."""
+    entry = graph.function(graph.entry)
+    repeated = [k for k, n in enumerate(entry.nodes)
+                if n.kind == "call" and n.attr("first") is not None]
+    reads: dict[str, set] = {}
+
+    def mark(paths, where: str) -> None:
+        for path in paths:
+            reads.setdefault(ties.get(path, path), set()).add(where)
+
+    for k, node in enumerate(entry.nodes):
+        where = "start" if not repeated or k < repeated[0] else \
+            "end" if k > repeated[-1] else "middle"
+        mark(_node_reads(graph, node), where)
+        if node.kind == "call" and node.attr("first") is None and graph.backward:
+            mark(_node_reads(graph, node), "end")  # its backward may read them
+    if graph.backward:
+        for node in graph.function(graph.backward).nodes:
+            if node.kind != "call":
+                mark(_node_reads(graph, node), "end")
+    return reads
+
+
+def _node_reads(graph, node) -> list[str]:
+    """The entry parameter paths an entry node reads (a call by name: its callee's)."""
+    if node.kind != "call":
+        return [v[len("param:"):] for v in node.inputs if v and v.startswith("param:")]
+    if node.attr("first") is not None:
+        return []  # a repeated layer reads its own, gathered into slots
+    name = node.attr("instance") or ""
+    return [_join(name, p) for p, _ in _params(graph, graph.function(node.target))]
+
+
+def is_layered(bucket: dict) -> bool:
+    """A repeated layer's bucket (its path has `{i}`); the others are entry buckets."""
+    return "{i}" in bucket["path"]
+
+
 # ---------------------------------------------------------------------- memory
 def rank_fixed_bytes(section: dict) -> dict[str, int]:
     """What one rank holds for the trained parameters of `section` (bytes, by part):
-    compute weights (whole, or with ZeRO-3 the shards of repeated layers plus two gather
-    slots), the split masters' low halves and moments (sharded from ZeRO-1), and the
-    communication buffers (two gradient slots per bucket and, when sharded, a shard)."""
+    compute weights (whole, or with ZeRO-3 the shards plus two gather slots per repeated
+    bucket), the split masters' low halves and moments (sharded from ZeRO-1), and the
+    gradient slots (a reduce_scatter's output is the rank's part of its slot). An entry
+    bucket's ZeRO-3 buffer is no part of it (entry_buffer_bytes)."""
     dp, zero = section["mesh"]["dp"], section["zero"]
     parts = {"weights": 0, "optimizer_state": 0, "gradient_buffers": 0, "gather_slots": 0}
     for b in section["buckets"]:
         n, shard, count = b["numel"], b["shard"], b["instances"]
-        layered = zero == 3 and b["path"].endswith("[{i}]")
-        held = shard if layered else n
-        parts["weights"] += COMPUTE_BYTES * held * count
+        parts["weights"] += COMPUTE_BYTES * (shard if zero == 3 else n) * count
         parts["optimizer_state"] += (LOW_BYTES + MOMENT_BYTES) * (n if zero == 0 else shard) \
             * count
-        slots = min(2, count)  # instances i and i + 2 share one
-        parts["gradient_buffers"] += GRAD_BYTES * (slots * n + (shard if zero >= 2 else 0))
-        if layered:
+        parts["gradient_buffers"] += GRAD_BYTES * min(2, count) * n  # i, i + 2 share one
+        if zero == 3 and is_layered(b):
             parts["gather_slots"] += COMPUTE_BYTES * 2 * n
     parts["total"] = sum(parts.values())
     parts["dp"] = dp
     return parts
 
 
+def entry_buffer_bytes(section: dict) -> int:
+    """ZeRO-3: the entry buckets' whole buffers held at the step's peak (the end of the
+    forward, the start of the backward): those of windows `end` and `step`."""
+    if section["zero"] != 3:
+        return 0
+    return sum(COMPUTE_BYTES * b["numel"] for b in section["buckets"]
+               if not is_layered(b) and {"end", "step"} & set(b.get("windows", ())))
+
+
 def planner_fixed_bytes(graph, section: dict) -> dict[str, int]:
     """The fixed state the budget planner counts on one rank of `section`, in place of its
     one-GPU estimate (fp32 weights, gradients and moments of every parameter): what the
-    rank holds for the trained parameters (rank_fixed_bytes) and a bf16 compute copy of
-    every other one (frozen, LoRA's base)."""
+    rank holds for the trained parameters (rank_fixed_bytes), the ZeRO-3 entry buffers held
+    at the peak (entry_buffer_bytes) and a bf16 compute copy of every other one (frozen,
+    LoRA's base)."""
     parts = rank_fixed_bytes(section)
     trained = {p for b in section["buckets"] for i in range(b["instances"])
                for p in bucket_paths(b, i)}
@@ -252,5 +372,6 @@ def planner_fixed_bytes(graph, section: dict) -> dict[str, int]:
                     _params(graph, graph.function(graph.entry)) if path not in trained)
     fixed = {part: parts[part] for part in
              ("weights", "optimizer_state", "gradient_buffers", "gather_slots")}
+    fixed["entry_buffers"] = entry_buffer_bytes(section)
     fixed["untrained_weights"] = COMPUTE_BYTES * untrained
     return fixed

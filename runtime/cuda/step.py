@@ -297,6 +297,8 @@ class TrainStep:
             self.compute.update({p: m.to(own.get(p, self.dtype))  # fp32: the master itself
                                  for p, m in self.masters.items()})
         self.compute.update({p: self.compute[t] for p, t in ties.items()})
+        if self.zero is not None:  # ZeRO-3's entry buffers come and go in this dict
+            self.zero.attach(self.compute, ties)
         if self.optimizer == "torch":
             for master in self.masters.values():
                 master.grad = torch.zeros_like(master)
@@ -713,7 +715,9 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     bf16 compute copy and its int16 low half, plus two fp32 moments (12 bytes per trained
     parameter); optimizer='torch': fp32 master, `.grad` and moments plus the compute copy
     (18); a frozen one (LoRA's base) holds its bf16 compute copy alone (2). Under data
-    parallel, this rank's share of the trained ones (rank_fixed_bytes). `clipped` (global
+    parallel, this rank's share of the trained ones (rank_fixed_bytes) and ZeRO-3's entry
+    buffers held at the peak (entry_buffer_bytes: made in the step, outside the arena, so
+    its budget leaves room for them as the planner's does). `clipped` (global
     gradient-norm clipping, one micro-batch a step): the fused step holds every bf16
     gradient to the backward's end (2 bytes a trained parameter), and under ZeRO each
     rank its reduced part of every bucket instance (step_optim.clipped_held_bytes)."""
@@ -723,12 +727,13 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     fixed = sum(_numel(s) * stored[p].itemsize // 2 for p, s in shapes.items() if p in frozen)
     section = program.document.get("schedule", {}).get("distributed")
     if section is not None:  # data parallel: what this rank holds of the trained ones
-        from modulec.plan.distributed import rank_fixed_bytes
+        from modulec.plan.distributed import entry_buffer_bytes, rank_fixed_bytes
 
         from runtime.cuda.step_optim import clipped_held_bytes
 
         held = clipped_held_bytes(section) if clipped else 0
-        return rank_fixed_bytes(section)["total"] + fixed * 2 + held
+        return rank_fixed_bytes(section)["total"] + entry_buffer_bytes(section) + \
+            fixed * 2 + held
     trained = sum(_numel(s) for p, s in shapes.items() if p not in frozen)
     held = 2 * trained if clipped and optimizer != "torch" else 0
     return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held

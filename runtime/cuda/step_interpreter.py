@@ -92,6 +92,7 @@ class _StepInterpreter(Interpreter):
             return outputs
         if self.decisions is None:
             return super()._run(frame, args, forward)
+        self._frame_begin(frame)  # ZeRO-3 gathers this layer's (or the entry's) weights
         frame.env.update({i.id: a for i, a in zip(function.inputs, args)})
         for node in function.nodes:
             self._dispatch(node, frame, forward)

@@ -3,12 +3,14 @@
 
 `ZeroRun` owns the trained parameters' state per bucket instance (a layer, or one entry
 parameter), laid out flat as the section says: the compute weights (whole, or with
-ZeRO-3 a shard plus two gather slots per repeated bucket), this rank's shard of the
-master and the AdamW moments, and the gradient slots. The training step calls it at the
-section's triggers:
+ZeRO-3 a shard plus two gather slots per repeated bucket; an entry bucket's whole
+weights in a buffer made and dropped by the section's `allocate` / `release`), this
+rank's shard of the master and the AdamW moments, and the gradient slots (a
+reduce_scatter leaves the rank's sum in its own part of the slot). The training step
+calls it at the section's triggers:
 
     run.step_begin()                      # before the forward
-    run.frame_begin(path, backward)       # a layer's function run starts (ZeRO-3 gathers)
+    run.frame_begin(path, backward)       # a layer's or the entry's function run starts
     run.gradient(path, grad)              # a final gradient; a complete bucket reduces,
                                           # updates its shard and gathers the weights
     run.step_end()                        # the compute stream waits for the collectives
@@ -67,15 +69,18 @@ class Precision:
 @dataclass
 class Bucket:
     spec: dict
-    layered: bool  # ZeRO-3 and a repeated layer: weights sharded, gathered into slots
+    sharded: bool  # ZeRO-3: the rank keeps the shard of the compute weights alone
+    layered: bool  # ZeRO-3 and a repeated layer: the whole weights gathered into slots
     weights: list = field(default_factory=list)  # per instance: the whole flat compute copy
     hi: list = field(default_factory=list)  # per instance: this rank's part of the master
     lo: list = field(default_factory=list)  # per instance: its low half (split) or None
     exp_avg: list = field(default_factory=list)
     exp_avg_sq: list = field(default_factory=list)
     grad_slots: list = field(default_factory=list)  # min(2, instances) whole flat gradients
-    grad_shard: Tensor | None = None  # reduce_scatter's output (ZeRO-2, 3)
     slots: list = field(default_factory=list)  # ZeRO-3: two whole flat weight slots
+    buffer: Tensor | None = None  # ZeRO-3, an entry bucket: its whole weights while held
+    absent: dict = field(default_factory=dict)  # ... and what its paths read meanwhile
+                                                # (meta tensors)
     held: list = field(default_factory=list)  # with clipping: per instance, its reduced part
     segments: list = field(default_factory=list)  # (start, stop, decay factor) of its part
 
@@ -92,9 +97,12 @@ class Bucket:
 
         return bucket_key(self.spec, instance)
 
-    def whole(self, instance: int) -> Tensor:
-        """The flat compute weights instance `instance` reads."""
-        return self.slots[instance % 2] if self.layered else self.weights[instance]
+    def whole(self, instance: int) -> Tensor | None:
+        """The flat compute weights instance `instance` reads (None: an entry bucket's
+        buffer, not held now)."""
+        if self.layered:
+            return self.slots[instance % 2]
+        return self.buffer if self.sharded else self.weights[instance]
 
 
 class ZeroRun:
@@ -112,9 +120,19 @@ class ZeroRun:
         self.deferred: list[tuple] = []
         self.dp, self.zero = section["mesh"]["dp"], section["zero"]
         self.streams, self.group = streams, group
-        self.buckets = [Bucket(b, self.zero == 3 and "{i}" in b["path"])
+        self.buckets = [Bucket(b, self.zero == 3, self.zero == 3 and "{i}" in b["path"])
                         for b in section["buckets"]]
         self.ops = _ops_by_trigger(section["ops"])
+        layers = [(b, i) for b in self.buckets if "{i}" in b.spec["path"]
+                  for i in range(b.count)]
+        # the first and the last repeated layer of the forward: an entry bucket's `at`
+        self.anchors = {layers[0][0].key(layers[0][1]): "first"} if layers else {}
+        if layers:
+            last = layers[-1][0].key(layers[-1][1])
+            self.anchors[last] = "last" if last not in self.anchors else "both"
+        self.bound: dict = {}  # the step's compute views by path (attach)
+        self.peak_buffer_numel = 0  # the most entry-buffer elements held at once so far
+        self.aliases: dict[str, list[str]] = {}  # a path -> the paths tied to it
         # path -> (bucket, instance, offset, numel, shape)
         self.index: dict[str, tuple] = {}
         self.frames: dict[str, tuple] = {}  # "blocks[3]" -> (bucket, instance), layered
@@ -137,29 +155,57 @@ class ZeroRun:
     def load(self, params: dict) -> dict[str, Tensor]:
         """Take the whole fp32 value of every bucket parameter (the same on every rank);
         returns the compute copies by path, views of the flat weights (ZeRO-3: of the
-        slot its layer is gathered into)."""
+        slot its layer is gathered into; an entry bucket's are empty until its buffer is
+        made: `attach` the dict they go into)."""
         missing = sorted(set(self.index) - set(params))
         if missing:
             raise KeyError(f"no value for {missing[:5]}")
         for bucket in self.buckets:
-            self._allocate(bucket)
+            self._allocate_state(bucket)
             for i in range(bucket.count):
                 self._load_instance(bucket, i, params)
         return self.compute_views()
 
     def compute_views(self) -> dict[str, Tensor]:
-        return {path: b.whole(i)[o:o + n].view(shape)
-                for path, (b, i, o, n, shape) in self.index.items()}
+        return {path: self._view(path) for path in self.index}
 
-    def _allocate(self, bucket: Bucket) -> None:
-        n, shard = bucket.spec["numel"], bucket.spec["shard"]
+    def _view(self, path: str) -> Tensor:
+        """`path`'s compute weights: a view of its flat whole, or while a ZeRO-3 entry
+        bucket's buffer is not held, a tensor of its shape on the meta device (a kernel
+        reading it fails; its shape is there for the backward's shape records)."""
+        bucket, i, offset, numel, shape = self.index[path]
+        whole = bucket.whole(i)
+        return bucket.absent[path] if whole is None else \
+            whole[offset:offset + numel].view(shape)
+
+    def attach(self, bound: dict, ties: dict[str, str]) -> None:
+        """The dict the step reads its compute weights from (a ZeRO-3 entry bucket's views
+        are put in and taken out of it as its buffer is made and dropped), and the tied
+        paths -> their targets (bound with them)."""
+        self.bound, self.aliases = bound, {}
+        for path, target in ties.items():
+            self.aliases.setdefault(target, []).append(path)
+        for bucket in self.buckets:
+            if bucket.sharded and not bucket.layered:
+                self._bind(bucket)
+
+    def _bind(self, bucket: Bucket) -> None:
+        for path in bucket.absent:
+            view = self._view(path)
+            for name in (path, *self.aliases.get(path, ())):
+                self.bound[name] = view
+
+    def _allocate_state(self, bucket: Bucket) -> None:
+        n = bucket.spec["numel"]
         prec, kw = self.precision, dict(device=self.device)
         bucket.grad_slots = [torch.zeros(n, dtype=prec.gradient, **kw)
                              for _ in range(min(2, bucket.count))]
-        bucket.grad_shard = torch.zeros(shard, dtype=prec.gradient, **kw) \
-            if self.zero >= 2 else None
         bucket.slots = [torch.zeros(n, dtype=prec.compute, **kw) for _ in range(2)] \
             if bucket.layered else []
+        bucket.buffer = None
+        bucket.absent = {path: torch.empty(shape, dtype=prec.compute, device="meta")
+                         for path, (b, _, _, _, shape) in self.index.items() if b is bucket} \
+            if bucket.sharded and not bucket.layered else {}
         for name in ("weights", "hi", "lo", "exp_avg", "exp_avg_sq"):
             setattr(bucket, name, [])
         part = self.own(bucket)
@@ -198,11 +244,11 @@ class ZeroRun:
             path = self._path(bucket, i, p["name"])
             flat[p["offset"]:p["offset"] + p["numel"]].copy_(params[path].reshape(-1))
         part = self.own(bucket)
-        if bucket.layered:  # only the shard stays
+        if bucket.sharded:  # only the shard stays
             flat = flat[part].clone()
             part = slice(0, bucket.spec["shard"])
         hi, lo = self._held(flat)
-        bucket.weights.append(None if bucket.layered else hi)
+        bucket.weights.append(None if bucket.sharded else hi)
         bucket.hi.append(hi[part])
         bucket.lo.append(None if lo is None else lo[part].clone())
         size = bucket.hi[-1].numel()
@@ -265,10 +311,24 @@ class ZeroRun:
         self.deferred.clear()
 
     def frame_begin(self, path: str, backward: bool) -> None:
-        """A function run starts at `path`: a repeated layer's forward or backward."""
+        """A function run starts at `path`: a repeated layer's forward or backward, or
+        the entry's (path ""), which is every entry bucket's; the first and the last
+        layer's forward also run the entry buckets' ops `at` them."""
+        trigger = "backward_begin" if backward else "forward_begin"
+        if path == "":
+            for bucket in self.buckets:
+                if not bucket.layered:
+                    self._run(trigger, bucket, 0)
+            return
         hit = self.frames.get(path)
         if hit is not None:
-            self._run("backward_begin" if backward else "forward_begin", *hit)
+            self._run(trigger, *hit)
+        anchor = self.anchors.get(path)
+        if anchor is not None and not backward:
+            for at in ("first", "last") if anchor == "both" else (anchor,):
+                for bucket in self.buckets:
+                    if not bucket.layered:
+                        self._run(trigger, bucket, 0, at)
 
     def gradient(self, path: str, grad: Tensor) -> None:
         bucket, i, *_ = self.index[path]
@@ -297,22 +357,25 @@ class ZeroRun:
                 del self.arrived[(bucket.name, i)]
 
     # ------------------------------------------------------------------ ops
-    def _run(self, trigger: str, bucket: Bucket, i: int) -> None:
+    def _run(self, trigger: str, bucket: Bucket, i: int, at: str | None = None) -> None:
         for op in self.ops.get(trigger, ()):
-            only = op.get("only")
+            only, window = op.get("only"), op.get("window")
             if only is not None and (only == "layered") != bucket.layered:
                 continue
-            at = i + op.get("instance", 0)
-            if not 0 <= at < bucket.count:
+            if op.get("at") != at or (window is not None and
+                                      window not in bucket.spec.get("windows", ())):
+                continue
+            target = i + op.get("instance", 0)
+            if not 0 <= target < bucket.count:
                 continue
             kind = op["kind"]
             if kind == "record_event":
-                self.streams.record(op["stream"], f"{op['event']}:{bucket.key(at)}")
+                self.streams.record(op["stream"], f"{op['event']}:{bucket.key(target)}")
             elif kind == "wait_event":
-                self.streams.wait(op["stream"], f"{op['event']}:{bucket.key(at)}")
+                self.streams.wait(op["stream"], f"{op['event']}:{bucket.key(target)}")
             else:
                 with self.streams.on(op["stream"]):
-                    OPS[kind](self, op, bucket, at)
+                    OPS[kind](self, op, bucket, target)
 
     def _copy_in(self, op: dict, bucket: Bucket, i: int) -> None:
         """This rank's gradients into the instance's slot, divided by the rank count (the
@@ -327,16 +390,15 @@ class ZeroRun:
         all_reduce_(bucket.grad_slots[i % len(bucket.grad_slots)], self.group)
 
     def _reduce_scatter(self, op: dict, bucket: Bucket, i: int) -> None:
-        reduce_scatter_into(bucket.grad_shard, bucket.grad_slots[i % len(bucket.grad_slots)],
-                            self.group)
+        """In place: the rank's sum into its own part of the slot (NCCL's in-place
+        reduce-scatter, output = input + rank * shard; gloo gives the same)."""
+        slot = bucket.grad_slots[i % len(bucket.grad_slots)]
+        reduce_scatter_into(slot[self.own(bucket)], slot, self.group)
 
     def _adamw_shard(self, op: dict, bucket: Bucket, i: int) -> None:
         """This rank's part of the reduced gradient: its squares added to the norm, then
         the update (with clipping: the part kept and the update deferred to step_end)."""
-        if self.zero >= 2:
-            grad = bucket.grad_shard
-        else:
-            grad = bucket.grad_slots[i % len(bucket.grad_slots)][self.own(bucket)]
+        grad = bucket.grad_slots[i % len(bucket.grad_slots)][self.own(bucket)]
         self.norm_sq.add_(torch.linalg.vector_norm(grad, dtype=self.norm_sq.dtype).square())
         if self.clip is not None:
             bucket.held[i].copy_(grad)
@@ -361,8 +423,26 @@ class ZeroRun:
         if self.clip is not None and not deferred and op["on"] == "gradients_ready":
             self.deferred.append((op, bucket, i))
             return
-        target = bucket.slots[i % 2] if op.get("into") == "slot" else bucket.weights[i]
+        into = op.get("into")
+        target = bucket.slots[i % 2] if into == "slot" else \
+            bucket.buffer if into == "buffer" else bucket.weights[i]
         all_gather_into(target, bucket.hi[i], self.group)
+
+    def _allocate(self, op: dict, bucket: Bucket, i: int) -> None:
+        """ZeRO-3: an entry bucket's whole buffer, made on the compute stream and bound
+        (a gather fills it); a buffer still held (another micro-batch's) is kept."""
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.spec["numel"], dtype=self.precision.compute,
+                                        device=self.device)
+            self._bind(bucket)
+            self.peak_buffer_numel = max(self.peak_buffer_numel, self.buffer_numel())
+
+    def _release(self, op: dict, bucket: Bucket, i: int) -> None:
+        """ZeRO-3: drop an entry bucket's buffer once the compute stream is past its last
+        read (the allocator reuses its bytes in that stream's order)."""
+        if bucket.buffer is not None:
+            bucket.buffer = None
+            self._bind(bucket)
 
     # ------------------------------------------------------------------ checkpoints
     def full_state(self, moments: bool = True):
@@ -409,24 +489,43 @@ class ZeroRun:
                     into.copy_(flat[part])
 
     def fixed_bytes(self) -> int:
-        """The bytes this rank holds for the buckets (state, gradient and gather slots)."""
-        tensors = [t for b in self.buckets
-                   for t in (*b.hi, *b.exp_avg, *b.exp_avg_sq, *b.grad_slots, *b.slots,
-                             *(x for x in b.lo if x is not None), *b.held,
-                             *(w for w in b.weights if w is not None and not b.layered),
-                             *([b.grad_shard] if b.grad_shard is not None else []))]
-        seen, total = set(), 0
-        for t in tensors:  # hi is a view of weights below ZeRO-3
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+        """The bytes this rank holds for the buckets from step to step (state, gradient
+        and gather slots; not a ZeRO-3 entry bucket's buffer, made and dropped in a step)."""
+        return sum(self.fixed_parts().values())
+
+    def fixed_parts(self) -> dict[str, int]:
+        """fixed_bytes by part: `state` (compute weights, masters, moments, with clipping
+        the held gradient parts), `gradient_slots`, `gather_slots`."""
+        seen: set = set()
+        return {part: _storage_bytes(tensors, seen) for part, tensors in (
+            ("state", [t for b in self.buckets
+                       for t in (*b.hi, *b.exp_avg, *b.exp_avg_sq, *b.held,
+                                 *(x for x in b.lo if x is not None),
+                                 *(w for w in b.weights if w is not None))]),
+            ("gradient_slots", [t for b in self.buckets for t in b.grad_slots]),
+            ("gather_slots", [t for b in self.buckets for t in b.slots]))}
+
+    def buffer_numel(self) -> int:
+        """The elements of the ZeRO-3 entry buffers held now (none between steps)."""
+        return sum(b.buffer.numel() for b in self.buckets if b.buffer is not None)
+
+
+def _storage_bytes(tensors: list[Tensor], seen: set) -> int:
+    """The bytes of the storages of `tensors` not in `seen` (hi is a view of the weights
+    below ZeRO-3), each once."""
+    total = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 OPS = {"copy_in": ZeroRun._copy_in, "all_reduce": ZeroRun._all_reduce,
        "reduce_scatter": ZeroRun._reduce_scatter, "adamw_shard": ZeroRun._adamw_shard,
-       "all_gather": ZeroRun._all_gather}
+       "all_gather": ZeroRun._all_gather, "allocate": ZeroRun._allocate,
+       "release": ZeroRun._release}
 
 
 def _ops_by_trigger(ops: list[dict]) -> dict[str, list[dict]]:

@@ -93,6 +93,7 @@ class CPUDataParallelTrainer(CPUTrainer):
         params.update(views)
         for path, target in self.ties.items():
             params[path] = params[target]
+        self.zero.attach(params, self.ties)  # ZeRO-3's entry buffers come and go
 
     def _decay_of(self, path: str) -> float:
         from runtime.train.param_groups import decay_scale

@@ -125,7 +125,7 @@ def load_zero_tensors(zero, tensors: dict[str, Tensor]) -> None:
                                    ("exp_avg_sq", bucket.exp_avg_sq[i])):
                     if into is not None:
                         into.copy_(tensors[f"{key}.{part}"])
-                if not bucket.layered and zero.zero >= 1 and zero.dp > 1:
+                if not bucket.sharded and zero.zero >= 1 and zero.dp > 1:
                     all_gather_into(bucket.weights[i], bucket.hi[i], zero.group)
 
 
