@@ -134,9 +134,9 @@ def test_the_gpu_refuses_per_block_scaling_and_e5m2_times_e5m2():
         refuse_on_gpu({"precision": {"recipe": e5m2, "matmuls": sites}})
 
 
-def test_the_step_takes_a_recipe_on_one_gpu_only():
-    """TrainStep's FP8 state (runtime/cuda/fp8_step.py): none without a recipe; refused
-    under data / tensor parallel (each rank would scale by its own amaxes)."""
+def test_the_step_makes_fp8_state_for_a_recipe_only():
+    """TrainStep's FP8 state (runtime/cuda/fp8_step.py): none without a recipe; under data
+    / tensor parallel too (each rank its own amaxes), what the GPU cannot run refused."""
     from types import SimpleNamespace
 
     from runtime.cuda.fp8_step import StepFp8, step_fp8
@@ -144,9 +144,12 @@ def test_the_step_takes_a_recipe_on_one_gpu_only():
     sites = [{"function": "F", "op": "f0", "role": "forward", "operands": ["forward"] * 2}]
     program = SimpleNamespace(metadata={"precision": {"recipe": RECIPE, "matmuls": sites}})
     assert isinstance(step_fp8(program, device="cpu"), StepFp8)
+    assert isinstance(step_fp8(program, dist=object(), device="cpu"), StepFp8)
     assert step_fp8(SimpleNamespace(metadata={}), device="cpu") is None
-    with pytest.raises(RuntimeUserError, match="data or tensor parallel"):
-        step_fp8(program, dist=object(), device="cpu")
+    blocks = dict(RECIPE, granularity={"kind": "per_block"})
+    with pytest.raises(RuntimeUserError, match=GPU_REFUSAL):
+        step_fp8(SimpleNamespace(metadata={"precision": {"recipe": blocks, "matmuls": sites}}),
+                 device="cpu")
 
 
 def test_the_step_interpreter_runs_the_recipe_as_the_emulation_does():
@@ -247,11 +250,12 @@ def test_a_cuda_fp8_gemm_is_the_cpu_one_and_near_bf16(mode):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_cuda_cast_kernel_is_the_torch_ops_bit_for_bit(dtype, monkeypatch):
+@pytest.mark.parametrize("cols", [70, 136])
+def test_the_cuda_cast_kernel_is_the_torch_ops_bit_for_bit(dtype, cols, monkeypatch):
     """csrc/kernels/fp8_cast.cu (x and x^T in one pass) against the torch ops it replaces,
-    on magnitudes from subnormal to saturating, NaN and infinities, at a shape off the
-    kernel's 32 x 32 tiles."""
-    x = torch.cat([draw(48, 70, seed=20, scale=s) for s in (1e-6, 1.0, 300.0, 1e5)])
+    on magnitudes from subnormal to saturating, NaN and infinities, at shapes off the
+    kernel's tiles: 200 x 136 bf16 takes its 8-wide path, the others the scalar one."""
+    x = torch.cat([draw(50, cols, seed=20, scale=s) for s in (1e-6, 1.0, 300.0, 1e5)])
     x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     x = x.to("cuda", dtype)
     for fmt in ("fp8_e4m3", "fp8_e5m2"):

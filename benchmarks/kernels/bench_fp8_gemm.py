@@ -8,6 +8,9 @@ cuBLAS's bf16 GEMM at the layer shapes of TinyLlama (d 2048, d_ff 5632) and Llam
   and W to E4M3 (current scaling), then the GEMM (bf16 output);
 - `bf16 fwd+bwd` / `fp8 fwd+bwd`: the forward and both gradients (dx = dy W, dW = dy^T x),
   the FP8 one with dy in E5M2 and the transposed fp8 copies _scaled_mm's layouts need;
+- `... graph`: the same replayed from a CUDA graph, as the training step runs them (no
+  launch overhead: an FP8 operand is three launches, amax, scale and cast, before its
+  GEMMs, which eager calls pay for on the host);
 - the cast of x [M, K] to E4M3 in both layouts (x and x^T, what a wgrad operand needs):
   csrc/kernels/fp8_cast.cu in one pass against the torch ops (fp32 product, clamp, cast,
   transposed copy); GB/s counts 2 bytes read and 2 written an element. Before timing the
@@ -84,6 +87,20 @@ def cast_row(x, scale, iters: int) -> dict:
     return row
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up on a side stream: the scale state's
+    rows, cuBLAS's workspaces): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def run_shape(m: int, k: int, n: int, iters: int) -> dict:
     x, w, dy = operands(m, k, n)
     state = fp8_gemm.ScaleState(RECIPE, "cuda")
@@ -106,7 +123,11 @@ def run_shape(m: int, k: int, n: int, iters: int) -> dict:
              ("fp8 GEMM", 1, lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                        out_dtype=torch.bfloat16)),
              ("fp8 fwd", 1, lambda: fp8_gemm.matmul(state, X, W, transpose="NT")),
-             ("bf16 fwd+bwd", 3, bf16_train), ("fp8 fwd+bwd", 3, fp8_train)]
+             ("bf16 fwd+bwd", 3, bf16_train), ("fp8 fwd+bwd", 3, fp8_train),
+             ("fp8 fwd graph", 1, graphed(lambda: fp8_gemm.matmul(state, X, W,
+                                                                  transpose="NT"))),
+             ("bf16 fwd+bwd graph", 3, graphed(bf16_train)),
+             ("fp8 fwd+bwd graph", 3, graphed(fp8_train))]
     row = {"M": m, "K": k, "N": n, "fp8_rel_error": error,
            "cast": cast_row(x, state.scale(x, "fp8_e4m3", "x"), iters)}
     for name, gemms, fn in cases:
@@ -123,7 +144,8 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_gemm: no CUDA device")
-    names = ("bf16", "fp8 GEMM", "fp8 fwd", "bf16 fwd+bwd", "fp8 fwd+bwd")
+    names = ("bf16", "fp8 GEMM", "fp8 fwd", "bf16 fwd+bwd", "fp8 fwd+bwd", "fp8 fwd graph",
+             "bf16 fwd+bwd graph", "fp8 fwd+bwd graph")
     print(f"{torch.cuda.get_device_name()}: M = {args.m}, median of {args.iters}, "
           "ms (TFLOP/s)")
     print("| model | layer | K | N | " + " | ".join(names) + " |")

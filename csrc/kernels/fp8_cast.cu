@@ -4,9 +4,10 @@
 // the layouts torch._scaled_mm takes. The same numbers as the torch ops it replaces
 // (x.to(fp32) * scale, clamp keeping NaN, .to(float8)): an fp32 product, the clamp, then
 // round to nearest even (subnormals kept) by the CUDA fp8 conversion. `scale` is a device
-// fp32 scalar (the recipe's scale: no host sync). 32 x 32 tiles: a block of 32 x 8 threads
-// reads a tile row-major (coalesced), writes `out` the same way and `out_t` through shared
-// memory, transposed.
+// fp32 scalar (the recipe's scale: no host sync). bf16 with both dims multiples of 8 (the
+// GEMM shapes): 64 x 64 tiles, 8 elements a thread at a time; otherwise 32 x 32 tiles, a
+// block of 32 x 8 threads reading a tile row-major (coalesced), writing `out` the same way
+// and `out_t` through shared memory, transposed.
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -55,6 +56,50 @@ __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict
   }
 }
 
+// bf16 with rows and cols multiples of 8 (16-byte aligned x, 8-byte aligned outputs): 64 x
+// 64 tiles, each thread moving 8 elements at a time (16-byte loads, 8-byte fp8 stores, in
+// x's layout and, through shared memory, transposed).
+constexpr int kVecTile = 64, kVecThreads = 256, kChunks = kVecTile * kVecTile / 8;
+
+__global__ void fp8_cast_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
+                                       const float* __restrict__ scale_ptr, float top,
+                                       __nv_fp8_interpretation_t fmt,
+                                       __nv_fp8_storage_t* __restrict__ out,
+                                       __nv_fp8_storage_t* __restrict__ out_t, int64_t rows,
+                                       int64_t cols) {
+  __shared__ __align__(16) __nv_fp8_storage_t tile[kVecTile][kVecTile + 8];
+  const float scale = *scale_ptr;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
+  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
+    const int r = i / 8, c = (i % 8) * 8;  // 8 elements of tile row r from column c
+    const int64_t gr = row0 + r, gc = col0 + c;
+    if (gr >= rows || gc >= cols) continue;
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + gr * cols + gc);
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) u.q[j] = quantize(v[j], scale, top, fmt);
+    if (out) *reinterpret_cast<uint2*>(out + gr * cols + gc) = u.packed;
+    *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
+  }
+  if (!out_t) return;
+  __syncthreads();
+  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
+    const int c = i / 8, r = (i % 8) * 8;  // out_t row col0 + c, 8 elements from row0 + r
+    const int64_t gc = col0 + c, gr = row0 + r;
+    if (gr >= rows || gc >= cols) continue;
+    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) u.q[j] = tile[r + j][c];
+    *reinterpret_cast<uint2*>(out_t + gc * rows + gr) = u.packed;
+  }
+}
+
+bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 template <typename T>
 cudaError_t cast_typed(const void* x, const float* scale, float top,
                        __nv_fp8_interpretation_t fmt, void* out, void* out_t, int64_t rows,
@@ -98,6 +143,17 @@ cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt
   if (fmt != 0 && fmt != 1) return cudaErrorInvalidValue;
   const __nv_fp8_interpretation_t kind = fmt == 0 ? __NV_E4M3 : __NV_E5M2;
   const float top = fmt == 0 ? 448.0f : 57344.0f;
+  if (dt == DType::BF16 && rows % 8 == 0 && cols % 8 == 0 && aligned(x, 16) &&
+      (!out || aligned(out, 8)) && (!out_t || aligned(out_t, 8)) &&
+      (cols + kVecTile - 1) / kVecTile <= 65535) {
+    const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
+                    static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));
+    fp8_cast_bf16x8_kernel<<<grid, kVecThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), scale, top, kind,
+        static_cast<__nv_fp8_storage_t*>(out), static_cast<__nv_fp8_storage_t*>(out_t), rows,
+        cols);
+    return cudaGetLastError();
+  }
   if (dt == DType::BF16)
     return cast_typed<__nv_bfloat16>(x, scale, top, kind, out, out_t, rows, cols, stream);
   if (dt == DType::F32)

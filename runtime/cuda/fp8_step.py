@@ -11,8 +11,7 @@ What the GPU cannot run yet is refused when the step is made (runtime.fp8.refuse
 from __future__ import annotations
 
 from runtime import fp8_gemm
-from runtime.errors import RuntimeUserError
-from runtime.fp8 import GPU_REFUSAL, covered, refuse_on_gpu
+from runtime.fp8 import covered, refuse_on_gpu
 
 TARGETS = ("matmul", "matmul_backward")
 
@@ -60,17 +59,13 @@ class StepFp8:
 
 def step_fp8(program, dist=None, device="cuda") -> StepFp8 | None:
     """The program's recipe on the GPU step (None without one); refused when it holds
-    what the GPU cannot run, and under data / tensor parallel (`dist`: each rank would
-    scale by its own amaxes; the histories are not reduced across ranks)."""
+    what the GPU cannot run. Under data / tensor parallel (`dist`) each rank scales by its
+    own amaxes and keeps its own histories (not reduced across ranks: `modulec train`
+    refuses a recipe under torchrun, its checkpoint would hold one rank's)."""
     section = program.metadata.get("precision")
     if not section:
         return None
     refuse_on_gpu(program.metadata)
-    if dist is not None:
-        raise RuntimeUserError(
-            f"{GPU_REFUSAL}: the FP8 recipe `{section['recipe']['name']}` on a data or "
-            "tensor parallel step (the ranks' amax histories are not reduced)",
-            help=["train it on one GPU, or without the recipe"])
     return StepFp8(section, device) if section["matmuls"] else None
 
 
