@@ -12,7 +12,9 @@ swiglu, geglu, rope and qk_norm_rope take strided tensors too (`LAYOUTS`): swigl
 geglu rows with one row stride each (the halves of the fused up projection), rope and
 qk_norm_rope any [B, H, T, D] strides with D contiguous (the transposed heads of the fused
 QKV projection). Each custom kernel keeps the reference's dtype policy: fp32 arithmetic,
-outputs in the I/O dtype, rstd in fp32.
+outputs in the I/O dtype, rstd in fp32. The MoE routing gathers (runtime/cuda/moe.py) and
+mamba_conv1d / mamba_selective_scan (runtime/cuda/mamba.py) have their own entries, which
+decide their fallback to the reference themselves.
 """
 
 from __future__ import annotations
