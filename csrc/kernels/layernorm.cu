@@ -207,7 +207,8 @@ __device__ __forceinline__ void ln_backward_row(const T* d_y, const T* x, const 
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
-    if (i < nvec) store_dx<T, VEC>(gs[k], xs[k], weight, d_res, d_x, i, st, acc.dw[k], acc.db[k]);
+    if (i < nvec)
+      store_dx<T, VEC>(gs[k], xs[k], weight, d_res, d_x, i, st, acc.dw[k], acc.db[k]);
   }
   // uncached columns accumulate straight into this group's partial rows
   for (int64_t i = lane + first_uncached; i < nvec; i += group) {
