@@ -211,13 +211,27 @@ def _second(flag: str) -> tuple[bool, bool]:
 
 
 def scaled_product(x: Quantized, y: Quantized, mode: str, alpha: float, out_dtype,
-                   where: str = "") -> Tensor:
-    """alpha * op(x) @ op(y) of two quantized 2-D operands: one _scaled_mm."""
+                   where: str = "", out: Tensor | None = None) -> Tensor:
+    """alpha * op(x) @ op(y) of two quantized 2-D operands: one _scaled_mm, written into
+    `out` (the arena's planned bytes, uint8) where they fit, as the bf16 Matmul does."""
     a = x.plain() if mode[0] == "N" else x.transposed()
     b = y.plain().t() if mode[1] == "T" else y.transposed().t()
     check_dims(a.shape[0], a.shape[1], b.shape[1], where)
-    c = torch._scaled_mm(a, b, scale_a=x.inv_scale, scale_b=y.inv_scale, out_dtype=out_dtype)
+    into = _into(out, (a.shape[0], b.shape[1]), out_dtype, a.device)
+    c = torch._scaled_mm(a, b, scale_a=x.inv_scale, scale_b=y.inv_scale, out_dtype=out_dtype,
+                         **({"out": into} if into is not None else {}))
     return c if alpha == 1.0 else c.mul_(alpha)
+
+
+def _into(raw: Tensor | None, shape, dtype, device) -> Tensor | None:
+    """The planned bytes `raw` as a contiguous `shape` tensor of `dtype`, or None where there
+    are none or they do not fit (the product is then allocated and place() copies it)."""
+    if raw is None or raw.device != device:
+        return None
+    from runtime.cuda.kernels import typed
+
+    c = typed([raw], 0, shape, dtype)
+    return c if c is not None and c.is_contiguous() else None
 
 
 def check_dims(m: int, k: int, n: int, where: str) -> None:
@@ -241,10 +255,11 @@ def quantized(state: ScaleState, operand: Operand) -> Quantized:
 
 
 def matmul(state: ScaleState, A: Operand, B: Operand, *, transpose: str = "NN",
-           alpha: float = 1.0, where: str = "", **_) -> Tensor:
-    """C = alpha * op(A) @ op(B) in FP8 (C keeps A's leading dims in N* modes)."""
+           alpha: float = 1.0, where: str = "", out=None, **_) -> Tensor:
+    """C = alpha * op(A) @ op(B) in FP8 (C keeps A's leading dims in N* modes); `out`: the
+    planned bytes of C (or None)."""
     C = scaled_product(quantized(state, A), quantized(state, B), transpose, float(alpha),
-                       A.value.dtype, where)
+                       A.value.dtype, where, out[0] if out else None)
     if transpose[0] == "N" and A.value.dim() > 2:
         C = C.view(*A.value.shape[:-1], C.shape[-1])
     return C
@@ -257,7 +272,7 @@ GRADIENTS = {"NN": ((0, 2, "NT"), (1, 0, "TN")), "NT": ((0, 2, "NN"), (0, 1, "TN
 
 def matmul_backward(state: ScaleState, d_C: Operand, A: Operand, B: Operand, *,
                     transpose: str = "NN", alpha: float = 1.0, wanted=(True, True),
-                    where: str = "", **_) -> list:
+                    where: str = "", out=None, **_) -> list:
     """(d_A, d_B) of C = alpha * op(A) @ op(B), each operand quantized once (the
     emulation quantizes all three), None for an unwanted gradient."""
     q = [quantized(state, o) for o in (d_C, A, B)]
@@ -268,7 +283,9 @@ def matmul_backward(state: ScaleState, d_C: Operand, A: Operand, B: Operand, *,
     for operand, (plain, transposed) in zip(q, layouts):
         operand.prepare(plain, transposed)
     grads = []
-    for want, (x, y, mode), like in zip(wanted, GRADIENTS[transpose], (A, B)):
+    for want, (x, y, mode), like, raw in zip(wanted, GRADIENTS[transpose], (A, B),
+                                             out or (None, None)):
         grads.append(None if not want else scaled_product(
-            q[x], q[y], mode, float(alpha), d_C.value.dtype, where).view(like.value.shape))
+            q[x], q[y], mode, float(alpha), d_C.value.dtype, where, raw).view(
+                like.value.shape))
     return grads

@@ -73,6 +73,25 @@ def test_fp8_gemms_match_the_emulation_forward_and_both_gradients(mode):
     assert only[1] is None and torch.equal(only[0], grads[0])
 
 
+def test_products_go_into_the_planned_bytes_where_they_fit():
+    """`out` (the arena's planned bytes, uint8, as the bf16 Matmul takes them): the product
+    is written there, the same values; bytes too few: allocated (place() copies it)."""
+    A, B, d_C = draw(2, 16, 32, seed=12), draw(48, 32, seed=13), draw(2, 16, 48, seed=14)
+    state = fp8_gemm.ScaleState(RECIPE)
+    ops = [fp8_gemm.Operand(A, "fp8_e4m3", "a"), fp8_gemm.Operand(B, "fp8_e4m3", "b")]
+    grad = fp8_gemm.Operand(d_C, "fp8_e5m2", "g")
+    raw = [torch.empty(32 * 48 * 4 + 8, dtype=torch.uint8)]
+    C = fp8_gemm.matmul(state, *ops, transpose="NT", out=raw)
+    assert C.shape == (2, 16, 48) and C.data_ptr() == raw[0].data_ptr()
+    assert torch.equal(C, fp8_gemm.matmul(state, *ops, transpose="NT"))
+    raws = [torch.empty(32 * 32 * 4, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)]
+    d_A, d_B = fp8_gemm.matmul_backward(state, grad, *ops, transpose="NT", out=raws)
+    assert d_A.data_ptr() == raws[0].data_ptr() and d_B.data_ptr() != raws[1].data_ptr()
+    for got, ref in zip((d_A, d_B), fp8_gemm.matmul_backward(state, grad, *ops,
+                                                             transpose="NT")):
+        assert torch.equal(got, ref)
+
+
 def test_bf16_operands_give_a_bf16_product_of_the_fp8_values():
     A, B = draw(32, 16, seed=6).bfloat16(), draw(16, 16, seed=7).bfloat16()
     state = fp8_gemm.ScaleState(RECIPE)

@@ -241,7 +241,9 @@ class _StepInterpreter(Interpreter):
     def _fp8_op(self, node, frame, forward) -> None:
         """A matmul (or its backward) the FP8 recipe covers: FP8 GEMMs (fp8_step.py)."""
         inputs = [self._read(v, frame, forward) if v else None for v in node.inputs]
-        outputs = self.fp8_run.run_op(node, frame, forward, inputs, self._attrs(node))
+        attrs = self._attrs(node)  # on the arena, attrs["out"]: the planned bytes (Matmul's)
+        self._out_bytes(self.kernels.get("matmul"), node, frame, attrs)
+        outputs = self.fp8_run.run_op(node, frame, forward, inputs, attrs)
         for value, tensor in zip(node.outputs, outputs):
             if value:
                 frame.env[value] = self._after(node, frame, value, tensor)
