@@ -35,14 +35,14 @@ def _lora_model() -> Model:
     return model
 
 
-def _arena_step(model, monkeypatch, planned: bool):
+def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu"):
     """One forward + backward of the step's interpreter on the arena (CPU, bf16): outputs,
     gradients, the interpreter, and the (function, value, op) of each copy into the arena.
     `planned=False`: the kernels and LoRA pairs as they were before (the reference add,
     zeros and concat made elsewhere and copied in, base's matmul not deferred)."""
     inputs = token_inputs(model)
     program = model.source.program_for(inputs)
-    kernels = train_kernels("cpu")
+    kernels = train_kernels(device)
     if not planned:
         kernels["add"] = KERNELS["add"]
         for name in ("zeros", "concat"):
@@ -64,20 +64,26 @@ def _arena_step(model, monkeypatch, planned: bool):
             copies[(frame.function.name, value, node.target if node else None)] += 1
         return placed
     monkeypatch.setattr(arena_module.Arena, "place", counted)
-    arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], "cpu")
-    run = step_module._StepInterpreter(program.graph, model.params, BF16, check_finite=False,
+    arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], device)
+    params = {p: t.to(device) for p, t in model.params.items()}
+    run = step_module._StepInterpreter(program.graph, params, BF16, check_finite=False,
                                        kernels=kernels, keep_only_saved=True, decisions=None,
                                        arena=arena)
-    outputs, frame = run.forward([model._input(inputs["token_ids"])])
+    outputs, frame = run.forward([model._input(inputs["token_ids"]).to(device)])
     _, grads = run.backward(frame, [torch.full_like(o, 0.01) for o in outputs])
     monkeypatch.undo()
     return outputs, grads, run, copies
 
 
-def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(monkeypatch):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device")])])
+def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(
+        monkeypatch, device):
+    """On the GPU too (its custom kernels, cuBLAS): the same bits as the old path."""
     model = _lora_model()
-    outputs, grads, run, copies = _arena_step(model, monkeypatch, planned=True)
-    ref_outputs, ref, ref_run, ref_copies = _arena_step(model, monkeypatch, planned=False)
+    outputs, grads, run, copies = _arena_step(model, monkeypatch, True, device)
+    ref_outputs, ref, ref_run, ref_copies = _arena_step(model, monkeypatch, False, device)
     assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
     assert set(grads) == set(ref) and all(torch.equal(grads[p], ref[p]) for p in ref)
     # qkv, out, up, down x 2 layers: base's matmul into y's bytes, the delta added there
