@@ -161,7 +161,20 @@ def _step(dropout: float):
     from runtime.cuda.step import TrainStep
 
     lora = dict(rank=8, alpha=16, targets=TARGETS, dropout=dropout)
-    return TrainStep.from_module(LLAMA, SMALL, batch=2, seq=128, lora=lora).init_random(0)
+    return _adapted(TrainStep.from_module(LLAMA, SMALL, batch=2, seq=128, lora=lora))
+
+
+def _adapted(step):
+    """Random weights with B != 0: PEFT's B = 0 (init_random's) makes every adapter's
+    delta, and so the dropout mask's effect and A's gradient, zero."""
+    from runtime.cuda.step import random_params
+
+    params = random_params(step.shapes(), 0, on="cpu")
+    g = torch.Generator().manual_seed(3)
+    for path, value in params.items():
+        if path.endswith("lora_B"):
+            params[path] = 0.05 * torch.randn(value.shape, generator=g)
+    return step.load(params)
 
 
 def _tokens():
@@ -175,8 +188,8 @@ def test_gpu_lora_step_with_dropout_0_is_the_step_without():
     from runtime.cuda.step import TrainStep
 
     tokens = _tokens()
-    plain = TrainStep.from_module(LLAMA, SMALL, batch=2, seq=128,
-                                  lora=dict(rank=8, alpha=16, targets=TARGETS)).init_random(0)
+    plain = _adapted(TrainStep.from_module(LLAMA, SMALL, batch=2, seq=128,
+                                           lora=dict(rank=8, alpha=16, targets=TARGETS)))
     results = []
     for step in (_step(0.0), plain):
         step.set_batch(tokens)

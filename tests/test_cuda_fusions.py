@@ -131,8 +131,8 @@ def test_kernels_write_into_the_bytes_they_are_given(name):
     for g, w, raw in zip(got, want, out):
         assert g.data_ptr() == raw.data_ptr() and torch.equal(g, w)
     d_y = bf16(*shape)
-    backward_inputs = {"layernorm": [d_y, inputs[0], inputs[1], want[1], want[2]],
-                       "gelu": [d_y, inputs[0]], "softmax": [d_y, want[0]]}[name]
+    backward_inputs = {"layernorm": lambda: [d_y, inputs[0], inputs[1], want[1], want[2]],
+                       "gelu": lambda: [d_y, inputs[0]], "softmax": lambda: [d_y, want[0]]}[name]()
     d_want = kernel.backward(backward_inputs, {})
     raw = torch.empty(d_want[0].nbytes, dtype=torch.uint8, device="cuda")
     d_got = kernel.backward(backward_inputs, {"out": [raw]})
