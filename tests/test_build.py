@@ -284,10 +284,14 @@ TYPE_EDITS = [
 
 
 def _overlapping(document):
-    """The MLP's activation output moved onto its up-projection, still live (its split
-    views are the activation's inputs)."""
-    first = _offset_of(MLP, 0)(document)
-    _set_buffer(MLP, 2, 2, first)(document)
+    """The MLP backward's d_hidden (node 1's output) moved onto the recomputed hidden (node
+    0's), both transient: hidden is still read after d_hidden is written (node 2, the down
+    weight's gradient), and d_hidden by node 3 (the activation's backward). Since the MLP
+    saves gate/up (6a3f3aa) its forward has one transient value only, the activation
+    output, and the up projection it was moved onto before is a saved value (another
+    region), so the forward no longer holds two values that could overlap."""
+    backward = f"{MLP}.backward"
+    _set_buffer(backward, 1, 2, _offset_of(backward, 0)(document))(document)
 
 
 def _swapped(document):
