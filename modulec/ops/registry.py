@@ -9,6 +9,7 @@ the CUDA kernel to the same entry.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -204,7 +205,32 @@ def _checked(rule: OpRule, spec: ParamSpec, value, span):
             helps = _did_you_mean(getattr(value, "name", ""), DTYPES) + \
                 (f"dtypes: {', '.join(DTYPES)}",)
         raise BindError(f"parameter `{spec.name}` of `{rule.name}` must be {wanted}", span, helps)
+    if spec.kind in ("float", "floats") and not all(map(_finite, _numbers(value))):
+        raise BindError(f"parameter `{spec.name}` of `{rule.name}` is {_shown(value)}: it "
+                        "must be a finite number (a 64-bit float)", span)
     return value
+
+
+def _numbers(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _finite(value) -> bool:
+    """A number the IR can hold as a float: `1e999` is inf, and an integer past 1.8e308
+    has no float at all (both passed check and failed in build or in a shape rule)."""
+    if isinstance(value, Dim):
+        if not value.is_const:
+            return True
+        value = value.value
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _shown(value) -> str:
+    text = str(value.value if isinstance(value, Dim) and value.is_const else value)
+    return text if len(text) <= 40 else f"an integer of {len(text)} digits"
 
 
 KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean (true/false)",
