@@ -205,11 +205,19 @@ def test_gpu_forward_only_path_is_the_loss_and_keeps_nothing():
     expected, _ = logits_cross_entropy(model.forward(token_ids=ids)["logits"], labels)
     program = model.source.program_for({"token_ids": ids})
     split = split_head(program.graph)
+    # the TrainStep stand-in carries every field eval_loss reads: ignore_index came with
+    # packed sequences (58ef9d1: TrainStep.ignore_index, -100 unless the step is given one)
     step = types.SimpleNamespace(graph=split.graph, compute=model.params, kernels=KERNELS,
                                  dtype=torch.float32, input_names=program.input_names(),
-                                 split=split, chunk_rows=5)
+                                 split=split, chunk_rows=5, ignore_index=-100)
     assert float(gpu_eval.eval_loss(step, ids, labels)) == pytest.approx(float(expected),
                                                                          rel=1e-6)
+    step.ignore_index = int(labels[0, 0])  # labels equal to it leave the loss
+    left_out, _ = logits_cross_entropy(model.forward(token_ids=ids)["logits"], labels,
+                                       ignore_index=step.ignore_index)
+    assert float(gpu_eval.eval_loss(step, ids, labels)) == pytest.approx(float(left_out),
+                                                                         rel=1e-6)
+    assert float(left_out) != pytest.approx(float(expected), rel=1e-6)
     interpreter = gpu_eval.forward_interpreter(step)
     outputs, frame = interpreter.forward([ids])
     assert outputs[0].shape == (2, 8, 32)
