@@ -121,6 +121,10 @@ class ScaleState:
         self.pending = torch.full((8,), EMPTY, device=self.device)
         self.window = None  # the histories' maxima, fixed for the step (begin_step)
         self.recording = False
+        # a checkpoint's histories (float64, oldest first) of keys with no row yet: a key
+        # gets its row at its first use, where it may share another key's (`share`)
+        self.loaded: dict[str, Tensor] = {}
+        self.row_loaded: dict[int, Tensor | None] = {}  # what each row started from
 
     def _row(self, key: str) -> int:
         row = self.rows.get(key)
@@ -129,15 +133,40 @@ class ScaleState:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"FP8 operand {key} first seen while capturing a CUDA graph: "
                                "run an eager step first (capture(warmup >= 1))")
-        row = self.rows[key] = len(self.rows)
+        row = self.rows[key] = len(self.row_loaded)
         if row == self.pending.shape[0]:  # grow (eager steps only, before any capture)
             self.history = torch.cat([self.history, torch.full_like(self.history, EMPTY)])
             self.pending = torch.cat([self.pending, torch.full_like(self.pending, EMPTY)])
+        self.row_loaded[row] = self.loaded.pop(key, None)
+        self._write(row, self.row_loaded[row])
         return row
+
+    def share(self, key: str, row: int) -> bool:
+        """Whether operand `key` scales by `row`, another key's whose operand is the same
+        tensor this step (fp8_step.py's casts): yes where it does already, or where it has
+        no row yet and starts from the same history (none, or the same one loaded): it then
+        gets that row, and the two keys' histories are one (the emulation's two are equal:
+        each records the same tensor's amax at every step). No where it has its own."""
+        mine = self.rows.get(key)
+        if mine is not None:
+            return mine == row
+        loaded, theirs = self.loaded.get(key), self.row_loaded.get(row)
+        if not _same(loaded, theirs):
+            return False
+        self.loaded.pop(key, None)
+        self.rows[key] = row
+        return True
+
+    def _write(self, row: int, values: Tensor | None) -> None:
+        """Row `row`'s history from `values` (oldest first; None: empty)."""
+        self.history[row].fill_(EMPTY)
+        if values is not None and values.numel():
+            self.history[row, :values.numel()] = values.flip(0).to(self.history)
 
     def begin_step(self) -> None:
         """The delayed scales of this step: each history's maximum (EMPTY when none)."""
-        self.window = self.history[:len(self.rows)].amax(dim=1) if self.rows else None
+        n = len(self.row_loaded)
+        self.window = self.history[:n].amax(dim=1) if n else None
 
     def scale(self, x: Tensor, fmt: str, key: str) -> Tensor:
         """The scale of operand `key` (value `x`) now; its amax recorded when recording."""
@@ -166,7 +195,7 @@ class ScaleState:
 
     def end_step(self) -> None:
         """Each operand's amax of the step joins its history (the oldest drops out)."""
-        n = len(self.rows)
+        n = len(self.row_loaded)
         if not n:
             return
         history, pending = self.history[:n], self.pending[:n]
@@ -177,21 +206,35 @@ class ScaleState:
     def state_dict(self) -> dict[str, Tensor]:
         """{key: float64 history, oldest first} (runtime.fp8.Fp8State's format); a host
         sync: checkpoints only."""
-        history = self.history[:len(self.rows)].to("cpu", torch.float64)
-        out = {}
-        for key, row in self.rows.items():
+        history = self.history[:len(self.row_loaded)].to("cpu", torch.float64)
+        out = {key: values for key, values in self.loaded.items() if values.numel()}
+        for key, row in self.rows.items():  # keys sharing a row: each its copy
             values = history[row][history[row] >= 0].flip(0)
             if values.numel():
                 out[key] = values
         return out
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        self.history.fill_(EMPTY)
+        """The histories of a checkpoint (either device's): keys with rows (steps ran)
+        written now, the others when first used."""
         self.pending.fill_(EMPTY)
-        for key, values in state.items():
-            values = values.reshape(-1)[-self.history_len:].flip(0)
-            row = self._row(key)  # first: it may grow (replace) self.history
-            self.history[row, :values.numel()] = values.to(self.history)
+        self.loaded = {key: values.reshape(-1)[-self.history_len:].to("cpu", torch.float64)
+                       for key, values in state.items()}
+        written: dict[int, Tensor | None] = {}
+        for key, row in self.rows.items():
+            values = self.loaded.pop(key, None)
+            if row in written and not _same(written[row], values):
+                raise RuntimeError(f"FP8 operand {key} shares its amax history with another "
+                                   "operand of the same tensor, and the checkpoint holds two "
+                                   "different ones: load it before the first step")
+            written[row] = self.row_loaded[row] = values
+            self._write(row, values)
+        for row in set(self.row_loaded) - set(written):
+            self._write(row, None)
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
 
 # ====================================================================== the GEMMs
@@ -247,11 +290,28 @@ class Operand(NamedTuple):
     value: Tensor
     fmt: str  # fp8_e4m3 / fp8_e5m2
     key: str  # the scale state's key
+    q: "Quantized | None" = None  # quantized already (the step's casts, fp8_step.py)
 
 
 def quantized(state: ScaleState, operand: Operand) -> Quantized:
+    if operand.q is not None:
+        return operand.q
     x = _fold(operand.value)
     return Quantized(x, operand.fmt, *state.scales(x, operand.fmt, operand.key))
+
+
+def forward_layouts(transpose: str) -> list:
+    """(plain, transposed) of A and B that C = op(A) @ op(B) reads."""
+    return [_first(transpose[0]), _second(transpose[1])]
+
+
+def backward_layouts(transpose: str, wanted=(True, True)) -> list:
+    """(plain, transposed) of d_C, A and B that the wanted gradients read."""
+    layouts = [(False, False)] * 3
+    for want, (x, y, mode) in zip(wanted, GRADIENTS[transpose]):
+        for i, need in ((x, _first(mode[0])), (y, _second(mode[1]))):
+            layouts[i] = tuple(a or (want and b) for a, b in zip(layouts[i], need))
+    return layouts
 
 
 def matmul(state: ScaleState, A: Operand, B: Operand, *, transpose: str = "NN",
@@ -276,11 +336,8 @@ def matmul_backward(state: ScaleState, d_C: Operand, A: Operand, B: Operand, *,
     """(d_A, d_B) of C = alpha * op(A) @ op(B), each operand quantized once (the
     emulation quantizes all three), None for an unwanted gradient."""
     q = [quantized(state, o) for o in (d_C, A, B)]
-    layouts = [[False, False] for _ in q]  # each operand's layouts, made in one pass
-    for want, (x, y, mode) in zip(wanted, GRADIENTS[transpose]):
-        for i, need in ((x, _first(mode[0])), (y, _second(mode[1]))):
-            layouts[i] = [a or (want and b) for a, b in zip(layouts[i], need)]
-    for operand, (plain, transposed) in zip(q, layouts):
+    # each operand's layouts, made in one pass
+    for operand, (plain, transposed) in zip(q, backward_layouts(transpose, wanted)):
         operand.prepare(plain, transposed)
     grads = []
     for want, (x, y, mode), like, raw in zip(wanted, GRADIENTS[transpose], (A, B),

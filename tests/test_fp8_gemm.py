@@ -141,6 +141,25 @@ def test_the_device_histories_follow_the_emulations_over_delayed_steps():
     assert {k: v.tolist() for k, v in restored.state_dict().items()} == host.histories
 
 
+def test_keys_share_a_history_row_only_from_the_same_history():
+    """ScaleState.share: a key with no row takes another's (the same tensor's operand)
+    where it starts from the same history; one with its own, or loaded from another
+    history, keeps its own; a checkpoint is read back key by key either way."""
+    recipe = dict(RECIPE, scaling={"kind": "delayed", "history_len": 2, "margin": 0})
+    state = fp8_gemm.ScaleState(recipe)
+    state.load_state_dict({"w:fwd": torch.tensor([2.0]), "w:bwd": torch.tensor([2.0]),
+                           "x:fwd": torch.tensor([1.0, 3.0]), "x:bwd": torch.tensor([4.0])})
+    x = torch.ones(2, 2)
+    for key in ("w:fwd", "x:fwd", "new"):
+        state.scales(x, "fp8_e4m3", key)
+    assert state.share("w:bwd", state.rows["w:fwd"])  # the same history loaded
+    assert not state.share("x:bwd", state.rows["x:fwd"])  # another one
+    assert not state.share("w:bwd", state.rows["new"])  # it has its row now
+    assert state.share("fresh", state.rows["new"])  # neither has one
+    assert {k: v.tolist() for k, v in state.state_dict().items()} == {
+        "w:fwd": [2.0], "w:bwd": [2.0], "x:fwd": [1.0, 3.0], "x:bwd": [4.0]}
+
+
 def test_the_gpu_refuses_per_block_scaling_and_e5m2_times_e5m2():
     sites = [{"function": "F", "op": "f0", "role": "forward", "operands": ["forward"] * 2}]
     refuse_on_gpu({"precision": {"recipe": RECIPE, "matmuls": sites}})  # runs
@@ -373,11 +392,14 @@ def check_forced(run, records, loss, grads, histories, ref_loss, ref, ref_histor
         torch.testing.assert_close(histories[key], history, rtol=1e-6, atol=0)
 
 
-def test_the_bf16_arena_step_is_the_emulation_node_by_node():
+def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
     """The GPU step's interpreter as the GPU runs it (bf16, the arena's planned bytes, the
-    train kernels' concat views and out= GEMMs; CPU tensors) against the emulation forced
-    node by node. (End to end the two are as far apart as an unquantized step: FP8 on a
-    tiny model is chaotic, tests/fp8_forced.py.)"""
+    train kernels' concat views and out= GEMMs, each tensor quantized once a step; CPU
+    tensors) against the emulation forced node by node. (End to end the two are as far
+    apart as an unquantized step: FP8 on a tiny model is chaotic, tests/fp8_forced.py.)
+    Per linear (4 a layer, 3 GEMMs each) 3 amaxes (x, W, dy; and the MLP's recomputed
+    hidden) and 4 casts (x; W and W^T; dy and dy^T; x^T), where each use quantizing its
+    operands took 6 and 6."""
     from fp8_forced import record
     from runtime import arena as arena_module
     from runtime.cuda.fp8_step import StepFp8
@@ -396,8 +418,14 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node():
     params = {p: torch.randn(s, generator=g) * (0.2 if len(s) > 1 else 1.0)
               for p, s in parameter_shapes(program.graph).items()}
     tokens = torch.randint(0, 64, (2, 16), generator=g)
-    state = StepFp8(program.metadata["precision"], "cpu")
+    state = StepFp8(program.metadata["precision"], "cpu", program.graph)
     arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], "cpu")
+    passes = {"amax_of": 0, "cast": 0}  # each a pass over its operand
+    for name in passes:
+        def counted(*args, name=name, original=getattr(fp8_gemm, name)):
+            passes[name] += 1
+            return original(*args)
+        monkeypatch.setattr(fp8_gemm, name, counted)
     run = _StepInterpreter(program.graph, {p: t.bfloat16() for p, t in params.items()},
                            torch.bfloat16, check_finite=False, keep_only_saved=True,
                            kernels=train_kernels("cpu"), arena=arena)
@@ -408,9 +436,15 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node():
     loss, seed = logits_cross_entropy(logits, next_token_labels(tokens))
     _, grads = run.backward(frame, [seed])
     state.end_step()
+    monkeypatch.undo()
     forced, *ref = forced_emulation(params, tokens, records)
     layers = int(TINY["n_layers"])  # qkv, out, up, down: forward, dgrad, wgrad each
     assert forced.checked == layers * 4 * 3
+    assert passes == {"amax_of": layers * (4 * 3 + 1), "cast": layers * 4 * 4}
+    restored = StepFp8(program.metadata["precision"], "cpu", program.graph)
+    restored.load_state_dict(state.state_dict())  # shared rows: each key its history
+    assert {k: v.tolist() for k, v in restored.state_dict().items()} == \
+        {k: v.tolist() for k, v in state.state_dict().items()}
     check_forced(forced, records, float(loss), {p: t.float() for p, t in grads.items()},
                  state.state_dict(), *ref)
 

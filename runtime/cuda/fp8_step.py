@@ -6,9 +6,26 @@ state, saved in checkpoints as the CPU emulation's are); the step's interpreter 
 `run_op` for each covered matmul / matmul_backward node, with the emulation's operand keys
 (runtime.fp8.covered), so a GPU run and a CPU run of one program keep the same histories.
 What the GPU cannot run yet is refused when the step is made (runtime.fp8.refuse_on_gpu).
+
+Within a training step (`begin_step` .. `end_step`) `Casts` quantizes each tensor once:
+the emulation quantizes an operand at every use, under the use's own key, but a tensor
+read by several covered matmuls (a weight by its forward and its dgrad, a gradient by
+the dgrad and the wgrad, an activation by its forward and its wgrad) has the same amax at
+each, so the same scale wherever the keys' histories are equal (`ScaleState.share`: the
+keys then share one history row). Its first use takes the amax and scale and casts, in one
+pass, every layout the matmuls of its function that read it ask for (a weight: also those
+of its backward); later uses take them as they are, or cast a layout not made yet (an
+activation's transposed copy in the backward: its fp8 copies are dropped after the last
+reader in the function that made them, so nothing activation-sized is held across the
+step). A weight's fp8 copies (both layouts) are kept to the step's end: each weight is
+cast once a step, however many micro-batches read it (one byte a covered parameter per
+layout beyond the memory plan).
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 from runtime import fp8_gemm
 from runtime.fp8 import covered, refuse_on_gpu
@@ -17,10 +34,11 @@ TARGETS = ("matmul", "matmul_backward")
 
 
 class StepFp8:
-    def __init__(self, section: dict, device="cuda"):
+    def __init__(self, section: dict, device="cuda", graph=None):
         self.recipe = section["recipe"]
         self.sites = {(m["function"], m["op"]): m for m in section["matmuls"]}
         self.scales = fp8_gemm.ScaleState(self.recipe, device)
+        self.casts = Casts(self, graph)
 
     def covers(self, function: str, op: str) -> bool:
         return (function, op) in self.sites
@@ -30,25 +48,32 @@ class StepFp8:
         plan = covered(self.sites, self.recipe, node, frame, forward)
         where = f"{frame.function.name}/{node.id} (recipe `{self.recipe['name']}`)"
         if node.target == "matmul":
-            A, B = (fp8_gemm.Operand(v, fmt, key) for v, (fmt, key, _) in zip(inputs, plan))
+            A, B = self._operands(node, frame, inputs, plan)
             return [fp8_gemm.matmul(self.scales, A, B, where=where, **attrs)]
         d_C, A, B = inputs
         wanted = attrs.pop("wanted_outputs", (True, True))
         if d_C is None:  # no gradient reached C: none leaves either
             return [B.new_zeros(A.shape) if wanted[0] else None,
                     B.new_zeros(B.shape) if wanted[1] else None]
-        d_C, A, B = (fp8_gemm.Operand(v, fmt, key) for v, (fmt, key, _) in zip(inputs, plan))
+        d_C, A, B = self._operands(node, frame, inputs, plan)
         return fp8_gemm.matmul_backward(self.scales, d_C, A, B, wanted=wanted, where=where,
                                         **attrs)
 
+    def _operands(self, node, frame, inputs: list, plan: list) -> list:
+        return [fp8_gemm.Operand(v, fmt, key, self.casts.quantize(v, fmt, key, weight, node, i,
+                                                                  frame))
+                for i, (v, (fmt, key, weight)) in enumerate(zip(inputs, plan))]
+
     # the step's calls
     def begin_step(self) -> None:
+        self.casts.clear()
         self.scales.begin_step()
         self.scales.recording = True
 
     def end_step(self) -> None:
         self.scales.recording = False
         self.scales.end_step()
+        self.casts.clear()
 
     def state_dict(self) -> dict:
         return self.scales.state_dict()
@@ -57,16 +82,123 @@ class StepFp8:
         self.scales.load_state_dict(state)
 
 
-def step_fp8(program, dist=None, device="cuda") -> StepFp8 | None:
+def node_layouts(node) -> list:
+    """(plain, transposed) per input of covered `node` (fp8_gemm's layout rules)."""
+    transpose = node.attr("transpose") or "NN"
+    if node.target == "matmul":
+        return fp8_gemm.forward_layouts(transpose)
+    return fp8_gemm.backward_layouts(transpose, tuple(bool(o) for o in node.outputs))
+
+
+@dataclass
+class _Cast:
+    """One tensor's quantization this step: its scale's row, the scale, and its fp8
+    copies (`q`, while a reader in frame `frame` is still to come, or a weight's)."""
+    ref: weakref.ref
+    fmt: str
+    row: int
+    scale: object
+    inv_scale: object
+    q: fp8_gemm.Quantized | None = None
+    frame: int = 0
+    left: int = 0
+
+
+class Casts:
+    """A training step's quantized operands by tensor (see the module doc)."""
+
+    def __init__(self, fp8: StepFp8, graph=None):
+        self.fp8, self.graph = fp8, graph
+        self.entries: dict[int, _Cast] = {}
+        self._readers: dict[str, dict] = {}  # function -> value -> [readers, layouts]
+        self.counts = {"quantized": 0, "shared": 0}  # first uses, later uses
+
+    def clear(self) -> None:
+        self.entries = {}
+
+    def quantize(self, x, fmt: str, key: str, weight: bool, node, i: int, frame):
+        """`x`, input `i` of covered `node` in `frame`, quantized (None outside a training
+        step: fp8_gemm quantizes it at this use, as before)."""
+        scales = self.fp8.scales
+        if x is None or not scales.recording:
+            return None
+        entry = self.entries.get(id(x))
+        if entry is not None and (entry.ref() is not x or entry.fmt != fmt
+                                  or not scales.share(key, entry.row)):
+            entry = None
+        if entry is None:
+            folded = fp8_gemm._fold(x)
+            scale, inv = scales.scales(folded, fmt, key)
+            entry = self.entries[id(x)] = _Cast(weakref.ref(x), fmt, scales.rows[key], scale,
+                                                inv)
+            self.counts["quantized"] += 1
+        else:
+            self.counts["shared"] += 1
+        function, value = frame.function.name, node.inputs[i]
+        readers, layouts = self._reader(function, value, weight)
+        if entry.frame != id(frame):  # its first reader in this run of the function
+            entry.frame, entry.left = id(frame), readers
+            if not weight:
+                entry.q = None
+        if entry.q is None:
+            entry.q = fp8_gemm.Quantized(fp8_gemm._fold(x), fmt, entry.scale, entry.inv_scale)
+        q = entry.q.prepare(*(a or b for a, b in zip(layouts, node_layouts(node)[i])))
+        entry.left -= 1
+        if entry.left <= 0 and not weight:
+            entry.q = None  # its last reader here: the fp8 copies go with this use
+        return q
+
+    def _reader(self, function: str, value: str, weight: bool) -> tuple:
+        """(how many covered nodes of `function` read `value`, the layouts they read it
+        in; a weight's: those of the function's forward / backward too)."""
+        readers, layouts = self._readers_of(function).get(value, (1, (False, False)))
+        if weight:
+            for other in self._family(function) - {function}:
+                layouts = tuple(a or b for a, b in zip(
+                    layouts, self._readers_of(other).get(value, (0, (False, False)))[1]))
+        return readers, layouts
+
+    def _family(self, function: str) -> set:
+        if self.graph is None:
+            return {function}
+        f = self._function(function)
+        root = (f.gradient_of if f is not None else None) or function
+        return {g.name for g in self.graph.functions if g.name == root or g.gradient_of == root}
+
+    def _function(self, name: str):
+        return next((f for f in self.graph.functions if f.name == name), None) \
+            if self.graph is not None else None
+
+    def _readers_of(self, function: str) -> dict:
+        if function not in self._readers:
+            found: dict = {}
+            f = self._function(function)
+            for node in f.nodes if f is not None else ():
+                if node.target not in TARGETS or not self.fp8.covers(function, node.id) \
+                        or not any(node.outputs):
+                    continue
+                for value, need in zip(node.inputs, node_layouts(node)):
+                    if value:
+                        count, have = found.get(value, (0, (False, False)))
+                        found[value] = (count + 1, tuple(a or b for a, b in zip(have, need)))
+            self._readers[function] = found
+        return self._readers[function]
+
+
+def step_fp8(program, dist=None, device="cuda", graph=None) -> StepFp8 | None:
     """The program's recipe on the GPU step (None without one); refused when it holds
     what the GPU cannot run. Under data / tensor parallel (`dist`) each rank scales by its
     own amaxes and keeps its own histories (not reduced across ranks: `modulec train`
-    refuses a recipe under torchrun, its checkpoint would hold one rank's)."""
+    refuses a recipe under torchrun, its checkpoint would hold one rank's). `graph`: the
+    graph the step runs (its function names: `Casts`'s readers), the program's if None."""
     section = program.metadata.get("precision")
     if not section:
         return None
     refuse_on_gpu(program.metadata)
-    return StepFp8(section, device) if section["matmuls"] else None
+    if not section["matmuls"]:
+        return None
+    return StepFp8(section, device, graph if graph is not None else getattr(program, "graph",
+                                                                             None))
 
 
 def head_covered(fp8: StepFp8 | None, graph) -> bool:
