@@ -58,6 +58,8 @@ inline std::vector<int64_t> leading(const Tensor& x) {
 
 // layernorm, gelu and softmax (bindings_fusions.cpp), added to the module bindings.cpp makes
 void register_fusions(pybind11::module_& m);
+// fp8_amax_scale (bindings_fp8.cpp)
+void register_fp8(pybind11::module_& m);
 
 }  // namespace bind
 }  // namespace modulec

@@ -125,6 +125,12 @@ class ScaleState:
         # gets its row at its first use, where it may share another key's (`share`)
         self.loaded: dict[str, Tensor] = {}
         self.row_loaded: dict[int, Tensor | None] = {}  # what each row started from
+        self.work = None  # fp8_amax.cu's two counters (CUDA), zero between calls
+
+    def _work(self) -> Tensor:
+        if self.work is None:  # the first (eager) step: not while capturing
+            self.work = torch.zeros(2, dtype=torch.int32, device=self.device)
+        return self.work
 
     def _row(self, key: str) -> int:
         row = self.rows.get(key)
@@ -175,9 +181,10 @@ class ScaleState:
     def scales(self, x: Tensor, fmt: str, key: str) -> tuple[Tensor, Tensor]:
         """(scale, 1 / scale) of operand `key` (value `x`) now; its amax recorded into the
         step's pending slot when recording (fmax: a NaN amax is not recorded, as in the
-        emulation). On CUDA one launch after the amax (csrc/kernels/fp8_cast.cu
-        `fp8_scale`) does what the torch ops below do."""
-        row, amax = self._row(key), amax_of(x)
+        emulation). On CUDA one launch does what the torch ops below do: the amax, the
+        record and the scale (csrc/kernels/fp8_amax.cu), or, for a strided x, the one
+        launch after the amax (fp8_cast.cu `fp8_scale`)."""
+        row = self._row(key)
         pending = self.pending[row] if self.recording else None
         past = self.window[row] if self.kind == "delayed" and self.window is not None \
             and row < len(self.window) else None
@@ -185,7 +192,10 @@ class ScaleState:
             from runtime.cuda.kernels import _extension
 
             top = FORMATS[fmt][1] / 2.0 ** self.margin
-            return tuple(_extension().fp8_scale(amax, pending, past, top))
+            if x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous():
+                return tuple(_extension().fp8_amax_scale(x, self._work(), pending, past, top))
+            return tuple(_extension().fp8_scale(amax_of(x), pending, past, top))
+        amax = amax_of(x)
         if pending is not None:
             torch.fmax(pending, amax, out=pending)
         if past is not None:

@@ -337,6 +337,33 @@ def test_the_cuda_scale_kernel_is_the_torch_ops(kind, monkeypatch):
     assert torch.equal(states["kernel"].history, states["torch"].history)
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_the_cuda_amax_kernel_is_torchs_amax(monkeypatch):
+    """csrc/kernels/fp8_amax.cu (max |x|, record and scale in one launch, a grid of blocks
+    meeting in the last one): the torch ops' scales and pending amaxes bit for bit, call
+    after call (its work counters reset), on the 8-wide bf16 path, the scalar one (a length
+    off 8, fp32), more blocks than its grid (a grid-stride loop), empty, NaN, infinity."""
+    g = torch.Generator().manual_seed(30)
+    tensors = [torch.randn(n, generator=g) * s for n, s in
+               ((8 * 4096 * 33, 3.0), (1001, 1e-3), (8, 50.0), (0, 1.0), (4099, 7.0))]
+    tensors[2][5] = float("inf")
+    tensors[4][4000] = float("nan")
+    cases = [t.to("cuda", dtype) for t in tensors for dtype in (torch.bfloat16, torch.float32)]
+    recipe = dict(RECIPE, scaling={"kind": "current", "margin": 1})
+    got = {}
+    for mode in ("kernel", "torch"):
+        monkeypatch.setitem(fp8_gemm.CAST, "cuda", mode)
+        state = fp8_gemm.ScaleState(recipe, "cuda")
+        state.begin_step()
+        state.recording = True
+        scales = [state.scales(x, fmt, f"k{i}") for i, x in enumerate(cases)
+                  for fmt in ("fp8_e4m3", "fp8_e5m2")]
+        got[mode] = ([[float(t) for t in pair] for pair in scales], state.pending.clone())
+    assert got["kernel"][0] == got["torch"][0]
+    torch.testing.assert_close(got["kernel"][1], got["torch"][1], rtol=0, atol=0, equal_nan=True)
+
+
 def tiny_step(precision="fp8", batch=2, seq=16):
     from runtime.cuda.step import TrainStep
 

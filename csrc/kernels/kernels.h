@@ -209,5 +209,12 @@ cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt
 // 1 / *scale.
 cudaError_t launch_fp8_scale(const float* amax, float* pending, const float* past, double top,
                              float* scale, float* inv_scale, cudaStream_t stream);
+// fp8_amax.cu: the same from x itself in one launch: amax = max |x| over x [n] (bf16 or
+// fp32, contiguous; NaN if x holds one, 0 if n is 0), then as launch_fp8_scale. work: two
+// device unsigned ints, zero before the call and left zero after it (calls on one stream
+// share one).
+cudaError_t launch_fp8_amax_scale(DType dt, const void* x, int64_t n, unsigned* work,
+                                  float* pending, const float* past, double top, float* scale,
+                                  float* inv_scale, cudaStream_t stream);
 
 }  // namespace modulec
