@@ -33,6 +33,12 @@ train on the same random batch with fused AdamW. Each variant runs in its own pr
 
     python benchmarks/train_step.py [--batch 4 --seq 2048 --layers 22 --steps 10]
                                     [--variants modulec,hf_eager,...] [--json out.json]
+                                    [--shape tinyllama | llama3-8b-layers]
+
+--shape llama3-8b-layers: a stack of Llama-3-8B decoder layers (d 4096, 32 heads, 8 KV
+heads, d_ff 14336; 4 layers unless --layers) under a 32,000-token vocabulary (Llama-3's
+128,256 would make the bf16 LM head a third of the weights: a measure of the layers,
+issue 19's FP8 target on them).
 
 MFU: tokens/s x (6 N + 12 L d T) FLOP per token against 989 TFLOP/s (H100/H200 dense bf16)
 and against a bf16 GEMM (8192^3) measured in the same run; N counts every weight matrix
@@ -64,6 +70,20 @@ PEAK = 989e12
 def tiny_llama(layers: int) -> dict:
     return dict(vocab_size=32000, d_model=2048, n_layers=layers, num_heads=32, num_kv_heads=4,
                 d_ff=5632, max_seq=2048, eps=1e-5)
+
+
+def llama3_8b_layers(layers: int) -> dict:
+    return dict(vocab_size=32000, d_model=4096, n_layers=layers, num_heads=32, num_kv_heads=8,
+                d_ff=14336, max_seq=8192, eps=1e-5)
+
+
+SHAPES = {"tinyllama": (tiny_llama, 22, "TinyLlama"),
+          "llama3-8b-layers": (llama3_8b_layers, 4, "Llama-3-8B layers")}
+
+
+def model_shape(args) -> dict:
+    make, layers, _ = SHAPES[args.shape]
+    return make(args.layers or layers)
 
 
 def hf_config(shape: dict):
@@ -214,7 +234,7 @@ def to_float8(model) -> None:
 def child(args) -> None:
     import torch
 
-    shape = tiny_llama(args.layers)
+    shape = model_shape(args)
     try:
         if args.only.startswith("modulec"):
             result = run_modulec(args, shape, args.ckpt, args.only)
@@ -256,8 +276,9 @@ def write_checkpoint(shape: dict, directory: Path) -> None:
 
 def run_variant(args, variant: str, ckpt: Path, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--only", variant, "--ckpt", str(ckpt), "--result", str(out),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers),
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--batch", str(args.batch), "--seq", str(args.seq), "--shape", args.shape,
+           "--layers", str(model_shape(args)["n_layers"]), "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         return {"error": (done.stderr or done.stdout)[-1500:]}
@@ -266,7 +287,8 @@ def run_variant(args, variant: str, ckpt: Path, out: Path) -> dict:
 
 def table(rows: dict, args, flops: float, gemm: float) -> str:
     tokens = args.batch * args.seq
-    lines = [f"TinyLlama shape, {args.layers} layers, B={args.batch} T={args.seq}, bf16 "
+    layers = model_shape(args)["n_layers"]
+    lines = [f"{SHAPES[args.shape][2]} shape, {layers} layers, B={args.batch} T={args.seq}, bf16 "
              f"(fp32 master), fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
              f"{'variant':<34}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
              f"{'MFUgemm':>9}{'loss':>8}{'predicted':>10}"]
@@ -286,7 +308,7 @@ def table(rows: dict, args, flops: float, gemm: float) -> str:
 
 
 def parent(args) -> None:
-    shape = tiny_llama(args.layers)
+    shape = model_shape(args)
     gemm = gemm_ceiling()
     flops = flops_per_token(shape, args.seq)
     rows = {}
@@ -297,7 +319,8 @@ def parent(args) -> None:
             rows[variant] = run_variant(args, variant, ckpt, Path(tmp) / f"{variant}.json")
             print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
     print(table(rows, args, flops, gemm))
-    summary = {"batch": args.batch, "seq": args.seq, "layers": args.layers,
+    summary = {"shape": args.shape, "batch": args.batch, "seq": args.seq,
+               "layers": shape["n_layers"],
                "flops_per_token": flops, "gemm_flops": gemm, "peak_flops": PEAK,
                "device": _device(), "variants": rows}
     text = json.dumps(summary, indent=2)
@@ -316,7 +339,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="tinyllama")
+    parser.add_argument("--layers", type=int, help="the shape's own unless given (22, 4)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS))

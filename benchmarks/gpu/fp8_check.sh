@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # One device call (one GPU, sm90) for FP8 on the GPU step (decisions.md, "FP8 on the GPU"):
 # build the extension, the FP8 cuda tests, the FP8 GEMM kernel benchmark (bf16 vs fp8 at
-# the TinyLlama and Llama-3-8B layer shapes, M = 8192), then train_step.py's modulec vs
-# modulec_fp8 (tokens/s and peak memory at the TinyLlama shape, B 4, T 2048, one run).
+# the TinyLlama and Llama-3-8B layer shapes, M = 8192), then train_step.py's variants
+# (tokens/s and peak memory, B 4, T 2048, one run a shape) at each of SHAPES (tinyllama,
+# llama3-8b-layers: 4 Llama-3-8B layers). Each stage's seconds go to $OUT/stages.txt.
 #   STAGES="build tests gemm step" bash benchmarks/gpu/fp8_check.sh      (about 6 minutes)
+#   STAGES="build tests step" TESTS=tests/test_fp8_gemm.py STEPS=6 \
+#     SHAPES="tinyllama llama3-8b-layers" \
+#     VARIANTS=modulec_norecompute,modulec_norecompute_fp8,hf_compile,hf_compile_fp8 \
+#     bash benchmarks/gpu/fp8_check.sh        (issue 19's two FP8 targets in one call)
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -11,6 +16,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
   | tee -a "$OUT/device.txt"
 for stage in ${STAGES:-build tests gemm step}; do
+  started=$SECONDS
   case $stage in
     build) python3 -c 'from runtime.cuda.build import load; load()' 2>&1 | tail -3 ;;
     tests) python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
@@ -18,9 +24,14 @@ for stage in ${STAGES:-build tests gemm step}; do
              | tee "$OUT/fp8-tests.log" | tail -15 ;;
     gemm) python3 benchmarks/kernels/bench_fp8_gemm.py --json "$OUT/results_fp8_gemm.json" \
             2>&1 | tee "$OUT/fp8-gemm.txt" | grep -v '^{' ;;
-    step) python3 benchmarks/train_step.py --variants ${VARIANTS:-modulec,modulec_fp8} \
-            --steps ${STEPS:-10} --json "$OUT/results_train_step_fp8.json" \
-            2>"$OUT/train-step.err" | tee "$OUT/train-step.txt"
-          tail -3 "$OUT/train-step.err" ;;
+    step) for shape in ${SHAPES:-tinyllama}; do
+            python3 benchmarks/train_step.py --shape "$shape" \
+              --variants ${VARIANTS:-modulec,modulec_fp8} --steps ${STEPS:-10} \
+              --warmup ${WARMUP:-3} --json "$OUT/results_train_step_fp8_$shape.json" \
+              2>"$OUT/train-step-$shape.err" | grep -v '^[{} ]' | grep -v '^  *"' \
+              | tee "$OUT/train-step-$shape.txt"
+            tail -3 "$OUT/train-step-$shape.err"
+          done ;;
   esac
+  echo "$stage: $((SECONDS - started)) s" | tee -a "$OUT/stages.txt"
 done
