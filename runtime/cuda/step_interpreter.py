@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.cuda.lora_backward import DxPairs, add_into, lora_dx_pairs, target_bytes
 from runtime.cuda.swaps import Stored
-from runtime.cuda.train_kernels import lora_addmm, matmul_into, overlaps
+from runtime.cuda.train_kernels import lora_addmm, lora_matmul_into, overlaps
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.kernels.documents import current
@@ -42,6 +43,9 @@ class _StepInterpreter(Interpreter):
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
+        self.lora_dx_fused = 0  # backward d_x sums run as an addmm (lora_backward.py)
+        self._dx_pairs: dict = {}  # function name -> lora_backward.DxPairs
+        self._redirects: dict = {}  # (id(frame), node id) -> the add's bytes for its d_x
         self._in_place: dict = {}  # function name -> node ids run in place
         self.swaps = None  # runtime.cuda.swaps.GpuSwaps: the step's, when it executes swaps
         self._released_at: dict = {}  # id(forward run) -> its release number (swaps)
@@ -172,8 +176,10 @@ class _StepInterpreter(Interpreter):
         if self.fp8_run is not None and node.target in FP8_TARGETS and any(node.outputs) \
                 and self.fp8_run.covers(function.name, node.id):
             return self._fp8_op(node, frame, forward)
-        if function.gradient_of or self._replaying or self.hooks is not None \
-                or self.profiler is not None:
+        plain = not self._replaying and self.hooks is None and self.profiler is None
+        if function.gradient_of and plain and self._lora_dx(node, frame, forward):
+            return
+        if function.gradient_of or not plain:
             return super()._op(node, frame, forward)
         if node.id in self._in_place_of(function) and self._rope_in_place(node, frame, forward):
             return
@@ -210,9 +216,9 @@ class _StepInterpreter(Interpreter):
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
 
     def _lora_into_planned(self, node, source, matmul, frame, forward) -> bool:
-        """y = x W^T (`source`, base's matmul) + s t B^T in y's planned bytes: the base
-        product written there (mm out=), the delta added in place (addmm, beta = 1), the
-        same GEMMs as the out-of-place addmm whose result the arena copied in. False
+        """y = x W^T (`source`, base's matmul) + s t B^T in y's planned bytes: the delta
+        written there first, then base's GEMM adds into them (beta = 1;
+        train_kernels.lora_matmul_into): y written once, no pass of the delta over it. False
         (nothing done) off the arena, where y has no bytes of its own, or where an operand
         lies in them (a plan may give y the bytes of a value dead before the add)."""
         raw = self.arena.out_bytes(frame, node, node.outputs[0]) if self.arena else None
@@ -220,16 +226,70 @@ class _StepInterpreter(Interpreter):
         if raw is None or any(overlaps(v, raw) for v in operands):
             return False
         x, w, t, b = operands
-        y = matmul_into(x, w, self._attrs(source), raw)
-        y = lora_addmm(y, t, b, float(matmul.attr("alpha") or 1.0), True) \
-            if y is not None else None
+        y = lora_matmul_into(x, w, self._attrs(source), t, b,
+                             float(matmul.attr("alpha") or 1.0), raw)
         if y is None:
-            return False  # the caller runs both as before (base again into its bytes)
+            return False  # the caller runs both as written
         self.lora_fused += 1
         self.lora_into_planned += 1
         frame.env[source.outputs[0]] = frame.env[matmul.outputs[0]] = self._stand_in(y)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
         return True
+
+    def _lora_dx(self, node, frame, forward) -> bool:
+        """LoRA's d_x sums without an add (runtime/cuda/lora_backward.py): the adapter
+        path's d_x written into the sum's bytes, the frozen weight's d_x GEMM deferred to
+        the add and added there. True where `node` was run (or deferred) here."""
+        pairs = self._dx_pairs_of(frame.function)
+        if node.id in pairs.deferred:
+            return True  # run by its add
+        pair = pairs.firsts.get(node.id)
+        if pair is not None:
+            key = (id(frame), node.id)
+            raw = target_bytes(self, pair, frame, forward)
+            if raw is not None:
+                self._redirects[key] = raw
+            try:
+                super()._op(node, frame, forward)
+            finally:
+                self._redirects.pop(key, None)
+            return True
+        pair = pairs.adds.get(node.id)
+        if pair is None:
+            return False
+        y = add_into(self, pair, frame, forward)
+        if y is None:  # as written
+            super()._op(pair.base, frame, forward)
+            super()._op(node, frame, forward)
+            return True
+        self.lora_dx_fused += 1
+        frame.env[pair.base.outputs[0]] = self._stand_in(y)
+        frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+        return True
+
+    def _dx_pairs_of(self, function) -> DxPairs:
+        if function.name not in self._dx_pairs:
+            fp8 = {n.id for n in function.nodes if self.fp8_run is not None
+                   and self.fp8_run.covers(function.name, n.id)}
+            self._dx_pairs[function.name] = lora_dx_pairs(function, fp8)
+        return self._dx_pairs[function.name]
+
+    def _out_bytes(self, kernel, node, frame, attrs) -> None:
+        """The arena's planned bytes, but the add's for an adapter path's d_x redirected
+        there (`_lora_dx`)."""
+        super()._out_bytes(kernel, node, frame, attrs)
+        raw = self._redirects.get((id(frame), node.id))
+        if raw is not None and attrs.get("out"):
+            attrs["out"][0] = raw
+
+    def _after(self, node, frame, value, tensor):
+        """A redirected d_x (`_lora_dx`) stays in the add's bytes: its add takes it there."""
+        raw = self._redirects.get((id(frame), node.id))
+        if raw is not None and value == node.outputs[0] and isinstance(tensor, torch.Tensor) \
+                and tensor.data_ptr() == raw.data_ptr():
+            self._finite(node, frame, value, tensor, "")
+            return tensor
+        return super()._after(node, frame, value, tensor)
 
     def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
         """A shape-only stand-in for a value never materialized (one scalar, expanded)."""

@@ -30,7 +30,11 @@ transpose cast to fp32 and back is two copies where none is needed. So:
 - LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` run as one
   `addmm(base, t, B^T, alpha=s)` (`lora_addmm`; the step's interpreter finds the pairs,
   runtime/cuda/step_interpreter.py `lora_addmm_pairs`), into `base` itself where nothing else reads
-  it: d is never materialized.
+  it: d is never materialized. On the arena, y's planned bytes get the delta first and
+  base's GEMM adds into them (`lora_matmul_into`); in the backward, the adapter path's d_x
+  is written into the d_x sum's bytes and the frozen weight's d_x GEMM adds into it
+  (runtime/cuda/lora_backward.py): no elementwise add of the two;
+- a matmul's alpha is the GEMM's (cuBLAS scales in fp32), not a second pass over C.
 
 Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry; the
 embedding backward is a deterministic custom kernel there.
@@ -400,9 +404,10 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
     C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype)
     if C is None or not C.is_contiguous():
         return None
-    torch.mm(a, b, out=C)
-    if alpha != 1.0:
-        C.mul_(alpha)
+    if alpha == 1.0:
+        torch.mm(a, b, out=C)
+    else:  # alpha in the GEMM (beta = 0: C's old bytes are not read), not a second pass
+        C.addmm_(a, b, beta=0.0, alpha=alpha)
     return C
 
 
@@ -416,6 +421,31 @@ def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
         return None
     keep = mode[0] == "N" and A.dim() > 2
     return C.view(*A.shape[:-1], C.shape[-1]) if keep else C
+
+
+def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Tensor,
+                     B: torch.Tensor, alpha: float, raw: torch.Tensor) -> torch.Tensor | None:
+    """matmul(x, w) (attrs: transpose, alpha) + alpha * t @ B^T written into the bytes
+    `raw`, shaped as the matmul's C; None where it does not fit (nothing written). The
+    delta first (a GEMM of K = rank that only writes C), then the base product added in
+    cuBLAS's epilogue (addmm_, beta = 1): C is written once and read once by the big,
+    compute-bound GEMM, where base first and the delta added after (a memory-bound GEMM
+    of K = rank with beta = 1) read and wrote all of C again."""
+    mode, base_alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
+    if not all(isinstance(v, torch.Tensor) for v in (x, w, t, B)) or B.dim() != 2 \
+            or w.dim() != 2 or x.dim() < 2 or t.dim() < 2:
+        return None
+    a, b, t2 = _op(_fold(x), mode[0]), _op(w, mode[1]), _fold(t)
+    if a.shape[1] != b.shape[0] or t2.shape != (a.shape[0], B.shape[1]) \
+            or B.shape[0] != b.shape[1] or not (a.dtype == b.dtype == t2.dtype == B.dtype) \
+            or a.numel() == 0:
+        return None
+    C = product_into(t2, B, "NT", alpha, raw)
+    if C is None:
+        return None
+    C.addmm_(a, b, alpha=base_alpha)
+    keep = mode[0] == "N" and x.dim() > 2
+    return C.view(*x.shape[:-1], C.shape[-1]) if keep else C
 
 
 def overlaps(a, b) -> bool:
