@@ -90,7 +90,9 @@ def quantize(x: Tensor, fmt: str, scale: Tensor) -> Quantized:
 
 # "kernel": CUDA tensors through csrc/kernels/fp8_cast.cu (one pass); "torch": torch ops
 # (four passes; the CPU always). The same numbers either way (tests/test_fp8_gemm.py).
-CAST = {"cuda": "kernel"}
+# "delayed": "fused": with the kernels, delayed scaling's cast takes the amax in the same
+# pass (fp8_amax.cu `fp8_cast_delayed`, ScaleState.cast_delayed); "separate": its own pass.
+CAST = {"cuda": "kernel", "delayed": "fused"}
 
 
 def cast(x: Tensor, fmt: str, scale: Tensor, plain: bool, transposed: bool) -> list:
@@ -202,6 +204,34 @@ class ScaleState:
             amax = torch.where(past >= 0, past, amax)
         scale = scale_from(amax, fmt, self.margin)
         return scale, torch.reciprocal(scale)
+
+    def cast_delayed(self, x: Tensor, fmt: str, key: str, plain: bool,
+                     transposed: bool) -> "Quantized | None":
+        """Delayed scaling on CUDA: x (2-D) quantized in the layouts asked for at the
+        scale of its history's window, its amax recorded (when recording) in the same
+        pass (csrc/kernels/fp8_amax.cu `fp8_cast_delayed`; an empty history: x's own amax
+        and a second pass, on the device). None where that kernel does not take x (not
+        bf16 contiguous with both dims multiples of 8, a key new this step, another
+        scaling): `scales` then `cast`, the same numbers."""
+        if not (x.is_cuda and CAST["cuda"] == "kernel" and CAST["delayed"] == "fused"
+                and self.kind == "delayed" and (plain or transposed) and x.dim() == 2
+                and x.dtype == torch.bfloat16 and x.is_contiguous() and x.numel()
+                and x.shape[0] % 8 == 0 and x.shape[1] % 8 == 0 and x.data_ptr() % 16 == 0):
+            return None
+        row = self._row(key)
+        if self.window is None or row >= len(self.window):
+            return None
+        from runtime.cuda.kernels import _extension
+
+        pending = self.pending[row] if self.recording else None
+        top = FORMATS[fmt][1] / 2.0 ** self.margin
+        scale, inv_scale, *made = _extension().fp8_cast_delayed(
+            x, self._work(), pending, self.window[row], top, 0 if fmt == "fp8_e4m3" else 1,
+            plain, transposed)
+        q = Quantized(x, fmt, scale, inv_scale)
+        q._plain = made.pop(0) if plain else None
+        q._transposed = made.pop(0) if transposed else None
+        return q
 
     def end_step(self) -> None:
         """Each operand's amax of the step joins its history (the oldest drops out)."""

@@ -364,6 +364,48 @@ def test_the_cuda_amax_kernel_is_torchs_amax(monkeypatch):
     torch.testing.assert_close(got["kernel"][1], got["torch"][1], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("shape", [(256, 128), (200, 136), (8, 8)])
+def test_the_cuda_fused_delayed_cast_is_the_separate_passes(shape, monkeypatch):
+    """Delayed scaling's cast with the amax in one pass (fp8_amax.cu fp8_cast_delayed)
+    against the amax-and-scale launch then the cast kernel, over three steps: the first
+    makes the rows (not recording: nothing pushed), the second finds empty histories in
+    the window (the scale from the tensor itself, the second launch casting), the third
+    scales by the second's amaxes; a NaN operand is not recorded (its history stays
+    empty). The same scales, fp8 bytes in both layouts and histories."""
+    recipe = dict(RECIPE, scaling={"kind": "delayed", "history_len": 2, "margin": 0})
+    g = torch.Generator().manual_seed(40)
+    steps = [[torch.randn(*shape, generator=g) * 10.0 ** k for k in (-2, 0, 3)]
+             for _ in range(3)]
+    steps[1][2][0, 0] = float("nan")
+    got, fused = {}, 0
+    for mode in ("fused", "separate"):
+        monkeypatch.setitem(fp8_gemm.CAST, "delayed", mode)
+        state, out = fp8_gemm.ScaleState(recipe, "cuda"), []
+        for step, xs in enumerate(steps):
+            state.begin_step()
+            state.recording = step > 0
+            for i, x in enumerate(xs):
+                x = x.to("cuda", torch.bfloat16)
+                fmt = ("fp8_e4m3", "fp8_e5m2")[i % 2]
+                q = state.cast_delayed(x, fmt, f"k{i}", True, True)
+                fused += q is not None
+                if q is None:
+                    q = fp8_gemm.Quantized(x, fmt, *state.scales(x, fmt, f"k{i}"))
+                out.append((float(q.scale), float(q.inv_scale),
+                            q.plain().view(torch.uint8).cpu(),
+                            q.transposed().view(torch.uint8).cpu()))
+            state.recording = False
+            state.end_step()
+        got[mode] = (out, state.history.cpu())
+    assert fused == 2 * 3  # steps 2 and 3, fused mode
+    for ours, ref in zip(got["fused"][0], got["separate"][0]):
+        assert ours[:2] == ref[:2] and torch.equal(ours[2], ref[2]) and torch.equal(ours[3],
+                                                                                      ref[3])
+    assert torch.equal(got["fused"][1], got["separate"][1])
+
+
 def tiny_step(precision="fp8", batch=2, seq=16):
     from runtime.cuda.step import TrainStep
 

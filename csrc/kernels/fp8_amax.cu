@@ -7,6 +7,8 @@
 // in float64 and its reciprocal) and resets work for the next call (calls are ordered on
 // the stream: one work buffer serves them all). Where the amax reduction and fp8_scale were
 // two launches and torch's reduction, this is one launch and one read of x.
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 
 namespace modulec {
@@ -18,14 +20,40 @@ __device__ __forceinline__ unsigned magnitude_bits(float v) {
   return __float_as_uint(v) & 0x7fffffffu;
 }
 
+// fp32(top / amax) computed in float64; 1 for an amax of 0 or not finite
+__device__ __forceinline__ float scale_of(float amax, double top) {
+  const double wide = static_cast<double>(amax);
+  return (isfinite(wide) && wide > 0.0) ? static_cast<float>(top / wide) : 1.f;
+}
+
 __device__ __forceinline__ void finish(float a, float* pending, const float* past, double top,
                                        float* scale, float* inv_scale) {
   if (pending && !isnan(a)) *pending = fmaxf(*pending, a);
   if (past && *past >= 0.f) a = *past;
-  const double wide = static_cast<double>(a);
-  const float s = (isfinite(wide) && wide > 0.0) ? static_cast<float>(top / wide) : 1.f;
+  const float s = scale_of(a, top);
   *scale = s;
   *inv_scale = 1.f / s;
+}
+
+// The block's maximum of m (every thread calls it) into work[0]; the last block of the grid
+// to finish gets the grid's maximum (others: false) and resets work.
+__device__ __forceinline__ bool grid_max(unsigned m, unsigned* work, unsigned* warps,
+                                         float* amax) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, warps[w]);  // w 0: m
+  atomicMax(&work[0], m);
+  __threadfence();  // this block's maximum visible before its ticket
+  const unsigned blocks = gridDim.x * gridDim.y;
+  if (atomicAdd(&work[1], 1u) != blocks - 1) return false;  // not the last block
+  __threadfence();
+  *amax = __uint_as_float(atomicMax(&work[0], 0u));  // every block's, read atomically
+  work[0] = 0u;
+  work[1] = 0u;
+  return true;
 }
 
 // VEC 8: bf16 x 16-byte aligned with n a multiple of 8 (one 16-byte load a step)
@@ -47,21 +75,77 @@ __global__ void fp8_amax_scale_kernel(const T* __restrict__ x, int64_t n, unsign
   } else {
     for (int64_t i = start; i < n; i += stride) m = max(m, magnitude_bits(to_float(x[i])));
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
   __shared__ unsigned warps[kThreads / 32];
-  if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = m;
+  float a;
+  if (grid_max(m, work, warps, &a)) finish(a, pending, past, top, scale, inv_scale);
+}
+
+// ---- delayed scaling: the cast with the amax in one pass (fp8_cast.cu's 8-wide kernel,
+// bf16, rows and cols multiples of 8). FIRST: where the history has an amax (*past >= 0)
+// the scale is known before x is read: each block casts its 64 x 64 tile at that scale
+// (x's layout and / or transposed) and takes its amax; the last block records it and
+// writes the scale. Where the history is empty (a first step) it only takes the amax; the
+// last block writes the scale from it, and the second launch (!FIRST, which returns at once
+// where *past >= 0) casts at that scale. The same numbers as the amax, scale and cast
+// launches.
+constexpr int kVecTile = 64, kVecThreads = 256, kChunks = kVecTile * kVecTile / 8;
+
+__device__ __forceinline__ __nv_fp8_storage_t quantize(float x, float scale, float top,
+                                                       __nv_fp8_interpretation_t fmt) {
+  float v = x * scale;  // fp8_cast.cu's quantize
+  if (!isnan(v)) v = fminf(fmaxf(v, -top), top);
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, fmt);
+}
+
+template <bool FIRST>
+__global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, unsigned* work,
+                                        float* pending, const float* __restrict__ past,
+                                        double top_scale, float top,
+                                        __nv_fp8_interpretation_t fmt, float* scale,
+                                        float* inv_scale, __nv_fp8_storage_t* __restrict__ out,
+                                        __nv_fp8_storage_t* __restrict__ out_t, int64_t rows,
+                                        int64_t cols) {
+  __shared__ __align__(16) __nv_fp8_storage_t tile[kVecTile][kVecTile + 8];
+  __shared__ unsigned warps[kVecThreads / 32];
+  const bool have = *past >= 0.f;
+  if (!FIRST && have) return;  // cast already
+  const bool write = !FIRST || have;
+  const float s = FIRST ? (have ? scale_of(*past, top_scale) : 0.f) : *scale;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
+  unsigned m = 0;
+  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
+    const int r = i / 8, c = (i % 8) * 8;  // 8 elements of tile row r from column c
+    const int64_t gr = row0 + r, gc = col0 + c;
+    if (gr >= rows || gc >= cols) continue;
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + gr * cols + gc);
+    const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float f = __bfloat162float(v[j]);
+      if (FIRST) m = max(m, magnitude_bits(f));
+      if (write) u.q[j] = quantize(f, s, top, fmt);
+    }
+    if (!write) continue;
+    if (out) *reinterpret_cast<uint2*>(out + gr * cols + gc) = u.packed;
+    *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
+  }
+  if (FIRST) {
+    float a;
+    if (grid_max(m, work, warps, &a)) finish(a, pending, past, top_scale, scale, inv_scale);
+  }
+  if (!write || !out_t) return;
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, warps[w]);  // warp 0's is m
-  atomicMax(&work[0], m);
-  __threadfence();  // this block's maximum visible before its ticket
-  if (atomicAdd(&work[1], 1u) != gridDim.x - 1) return;  // not the last block
-  __threadfence();
-  const float a = __uint_as_float(atomicMax(&work[0], 0u));  // every block's, read atomically
-  work[0] = 0u;
-  work[1] = 0u;
-  finish(a, pending, past, top, scale, inv_scale);
+  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
+    const int c = i / 8, r = (i % 8) * 8;  // out_t row col0 + c, 8 elements from row0 + r
+    const int64_t gc = col0 + c, gr = row0 + r;
+    if (gr >= rows || gc >= cols) continue;
+    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) u.q[j] = tile[r + j][c];
+    *reinterpret_cast<uint2*>(out_t + gc * rows + gr) = u.packed;
+  }
 }
 
 template <typename T, int VEC>
@@ -87,6 +171,33 @@ cudaError_t launch_fp8_amax_scale(DType dt, const void* x, int64_t n, unsigned* 
   if (dt == DType::F32)
     return launch<float, 1>(x, n, work, pending, past, top, scale, inv_scale, stream);
   return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pending,
+                                    const float* past, double top, int fmt, float* scale,
+                                    float* inv_scale, void* out, void* out_t, int64_t rows,
+                                    int64_t cols, cudaStream_t stream) {
+  const auto aligned = [](const void* p, uintptr_t n) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % n == 0;
+  };
+  if (rows <= 0 || cols <= 0 || rows % 8 || cols % 8 || !aligned(x, 16) || !aligned(out, 8) ||
+      !aligned(out_t, 8) || (!out && !out_t) || (fmt != 0 && fmt != 1) || !past ||
+      (cols + kVecTile - 1) / kVecTile > 65535)
+    return cudaErrorInvalidValue;
+  const __nv_fp8_interpretation_t kind = fmt == 0 ? __NV_E4M3 : __NV_E5M2;
+  const float clamp = fmt == 0 ? 448.0f : 57344.0f;
+  const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
+                  static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));
+  const auto* in = static_cast<const __nv_bfloat16*>(x);
+  auto* q = static_cast<__nv_fp8_storage_t*>(out);
+  auto* q_t = static_cast<__nv_fp8_storage_t*>(out_t);
+  fp8_cast_delayed_kernel<true><<<grid, kVecThreads, 0, stream>>>(
+      in, work, pending, past, top, clamp, kind, scale, inv_scale, q, q_t, rows, cols);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  fp8_cast_delayed_kernel<false><<<grid, kVecThreads, 0, stream>>>(
+      in, work, pending, past, top, clamp, kind, scale, inv_scale, q, q_t, rows, cols);
+  return cudaGetLastError();
 }
 
 }  // namespace modulec

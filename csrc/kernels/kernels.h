@@ -216,5 +216,14 @@ cudaError_t launch_fp8_scale(const float* amax, float* pending, const float* pas
 cudaError_t launch_fp8_amax_scale(DType dt, const void* x, int64_t n, unsigned* work,
                                   float* pending, const float* past, double top, float* scale,
                                   float* inv_scale, cudaStream_t stream);
+// Delayed scaling's cast with the amax in one pass: launch_fp8_cast's q of x [rows, cols]
+// (bf16, both multiples of 8, x 16-byte and outputs 8-byte aligned) at the scale of *past
+// (a history's maximum, non-null), x's amax recorded into *pending as launch_fp8_amax_scale
+// does and *scale / *inv_scale written; where *past < 0 (no history) the scale is x's own
+// and a second launch casts. cudaErrorInvalidValue for shapes it does not take.
+cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pending,
+                                    const float* past, double top, int fmt, float* scale,
+                                    float* inv_scale, void* out, void* out_t, int64_t rows,
+                                    int64_t cols, cudaStream_t stream);
 
 }  // namespace modulec

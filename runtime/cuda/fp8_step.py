@@ -122,31 +122,39 @@ class Casts:
         scales = self.fp8.scales
         if x is None or not scales.recording:
             return None
+        function, value = frame.function.name, node.inputs[i]
+        readers, layouts = self._reader(function, value, weight)
+        layouts = tuple(a or b for a, b in zip(layouts, node_layouts(node)[i]))
         entry = self.entries.get(id(x))
         if entry is not None and (entry.ref() is not x or entry.fmt != fmt
                                   or not scales.share(key, entry.row)):
             entry = None
         if entry is None:
-            folded = fp8_gemm._fold(x)
-            scale, inv = scales.scales(folded, fmt, key)
-            entry = self.entries[id(x)] = _Cast(weakref.ref(x), fmt, scales.rows[key], scale,
-                                                inv)
+            entry = self.entries[id(x)] = self._first(x, fmt, key, layouts)
+            entry.frame, entry.left = id(frame), readers
             self.counts["quantized"] += 1
         else:
             self.counts["shared"] += 1
-        function, value = frame.function.name, node.inputs[i]
-        readers, layouts = self._reader(function, value, weight)
         if entry.frame != id(frame):  # its first reader in this run of the function
             entry.frame, entry.left = id(frame), readers
             if not weight:
                 entry.q = None
         if entry.q is None:
             entry.q = fp8_gemm.Quantized(fp8_gemm._fold(x), fmt, entry.scale, entry.inv_scale)
-        q = entry.q.prepare(*(a or b for a, b in zip(layouts, node_layouts(node)[i])))
+        q = entry.q.prepare(*layouts)
         entry.left -= 1
         if entry.left <= 0 and not weight:
             entry.q = None  # its last reader here: the fp8 copies go with this use
         return q
+
+    def _first(self, x, fmt: str, key: str, layouts: tuple) -> _Cast:
+        """x's first use this step: its scale (its amax recorded) and, for delayed scaling
+        on CUDA, its layouts cast in the same pass (ScaleState.cast_delayed)."""
+        scales, folded = self.fp8.scales, fp8_gemm._fold(x)
+        q = scales.cast_delayed(folded, fmt, key, *layouts)
+        scale, inv = (q.scale, q.inv_scale) if q is not None else \
+            scales.scales(folded, fmt, key)
+        return _Cast(weakref.ref(x), fmt, scales.rows[key], scale, inv, q)
 
     def _reader(self, function: str, value: str, weight: bool) -> tuple:
         """(how many covered nodes of `function` read `value`, the layouts they read it
