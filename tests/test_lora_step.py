@@ -246,3 +246,34 @@ def test_lora_matmul_into_writes_the_delta_then_adds_base_in_the_gemm():
     raw[:] = 255
     c = product_into(x[0], w, "NT", 3.0, raw)
     torch.testing.assert_close(c, 3.0 * x[0] @ w.T)
+
+
+def test_lora_dx_is_not_redirected_into_bytes_a_later_node_still_reads(monkeypatch):
+    """The add's planned bytes made to hold the adapter path's own input (d_t, read by the
+    node that would write there): no redirection, the nodes run as written, same values."""
+    import runtime.cuda.lora_backward as lora_backward
+
+    refused = []
+    check = lora_backward.target_bytes
+
+    def tampered(run, pair, frame, forward):
+        victim = frame.env[pair.first.inputs[0]].contiguous()
+        frame.env[pair.first.inputs[0]] = victim
+        out_bytes = run.arena.out_bytes
+        run.arena.out_bytes = lambda f, node, value: (
+            victim.reshape(-1).view(torch.uint8) if node is pair.add
+            else out_bytes(f, node, value))
+        try:
+            refused.append(check(run, pair, frame, forward) is None)
+        finally:
+            run.arena.out_bytes = out_bytes
+        return None if refused[-1] else check(run, pair, frame, forward)
+
+    model = _lora_model()
+    with monkeypatch.context() as patch:
+        patch.setattr(step_module, "target_bytes", tampered)
+        outputs, grads, run, _ = _arena_step(model, patch, True)
+    ref_outputs, ref, _, _ = _arena_step(model, monkeypatch, True)
+    assert refused == [True] * 8 and run.lora_dx_fused == 0
+    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))  # the same forward
+    assert all(_error(grads[p], ref[p]) < 2e-2 for p in ref)

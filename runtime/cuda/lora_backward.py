@@ -76,7 +76,10 @@ def lora_dx_pairs(function, excluded=frozenset()) -> DxPairs:
                 or not (private(other) and private(base.outputs[0])) \
                 or {first.id, base.id, node.id} & set(excluded):
             continue
-        pair = DxPair(node, first, base, tuple(nodes[index[first.id] + 1:i]))
+        between = tuple(nodes[index[first.id] + 1:i])
+        if any(n.kind != "op" for n in between):
+            continue  # a call's own values (its frame's bytes) are not checked
+        pair = DxPair(node, first, base, between)
         pairs.adds[node.id] = pair
         pairs.firsts[first.id] = pair
         pairs.deferred.add(base.id)
