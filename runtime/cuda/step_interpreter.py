@@ -1,7 +1,8 @@
 """The GPU step's interpreter (runtime/cuda/step.py): the reference interpreter with the
 training step's early release of planned recomputes and swaps, in-place RoPE, LoRA's
-matmul + add as one addmm, each repeated layer's parameter gradients handed on as soon
-as they are final, and dropout seeded from a device counter (runtime/cuda/dropout.py)."""
+matmul + add as one addmm (and its backward's d_x sums: runtime/cuda/lora_backward.py),
+each repeated layer's parameter gradients handed on as soon as they are final, and
+dropout seeded from a device counter (runtime/cuda/dropout.py)."""
 
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ class _StepInterpreter(Interpreter):
         (into base where nothing else reads it); d gets a shape-only stand-in (the add's
         derived backward reads its shape; d's matmul backward reads t and B, not d). On
         the arena, base's own matmul is deferred too where it can be (`LoraPairs.bases`):
-        it writes y's planned bytes and the addmm adds d there, so nothing is copied in."""
+        d's GEMM writes y's planned bytes and base's adds into them, so nothing is copied
+        in. In a backward, LoRA's d_x sums run as addmms (`_lora_dx`)."""
         function = frame.function
         if self.fp8_run is not None and node.target in FP8_TARGETS and any(node.outputs) \
                 and self.fp8_run.covers(function.name, node.id):
