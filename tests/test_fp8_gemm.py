@@ -418,10 +418,11 @@ def tiny_step(precision="fp8", batch=2, seq=16):
     return step.load(params), params, tokens
 
 
-def forced_emulation(params, tokens, records):
+def forced_emulation(params, tokens, records, steps=1):
     """The CPU emulation (float32) replayed with every covered node forced to the step's
-    recorded inputs and outputs (tests/fp8_forced.py): (the Forced interpreter, loss,
-    gradients, the amax histories after the step)."""
+    recorded inputs and outputs (tests/fp8_forced.py), `steps` steps on the same weights
+    and batch: (the Forced interpreter, the last step's loss and gradients, the amax
+    histories after it)."""
     from fp8_forced import Forced
     from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.cuda.step import next_token_labels
@@ -435,10 +436,11 @@ def forced_emulation(params, tokens, records):
     state.recording = True
     run = Forced(program.graph, params, torch.float32, fp8=state, records=records)
     inputs = fed_inputs(names, tokens.long(), None)
-    (logits,), frame = run.forward([inputs[n] for n in names])
-    loss, seed = logits_cross_entropy(logits, next_token_labels(tokens.long()))
-    _, grads = run.backward(frame, [seed])
-    state.end_step()
+    for _ in range(steps):
+        (logits,), frame = run.forward([inputs[n] for n in names])
+        loss, seed = logits_cross_entropy(logits, next_token_labels(tokens.long()))
+        _, grads = run.backward(frame, [seed])
+        state.end_step()
     return run, float(loss), grads, state.state_dict()
 
 
@@ -464,8 +466,9 @@ def check_forced(run, records, loss, grads, histories, ref_loss, ref, ref_histor
 def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
     """The GPU step's interpreter as the GPU runs it (bf16, the arena's planned bytes, the
     train kernels' concat views and out= GEMMs, each tensor quantized once a step; CPU
-    tensors) against the emulation forced node by node. (End to end the two are as far
-    apart as an unquantized step: FP8 on a tiny model is chaotic, tests/fp8_forced.py.)
+    tensors), two steps, against the emulation forced node by node. (End to end the two
+    are as far apart as an unquantized step: FP8 on a tiny model is chaotic,
+    tests/fp8_forced.py.)
     Per linear (4 a layer, 3 GEMMs each) 3 amaxes (x, W, dy; and the MLP's recomputed
     hidden) and 4 casts (x; W and W^T; dy and dy^T; x^T), where each use quantizing its
     operands took 6 and 6."""
@@ -495,21 +498,23 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
             passes[name] += 1
             return original(*args)
         monkeypatch.setattr(fp8_gemm, name, counted)
-    run = _StepInterpreter(program.graph, {p: t.bfloat16() for p, t in params.items()},
-                           torch.bfloat16, check_finite=False, keep_only_saved=True,
-                           kernels=train_kernels("cpu"), arena=arena)
-    run.fp8_run, records = state, record(state)
-    state.begin_step()
-    inputs = fed_inputs(names, tokens, None)
-    (logits,), frame = run.forward([inputs[n] for n in names])
-    loss, seed = logits_cross_entropy(logits, next_token_labels(tokens))
-    _, grads = run.backward(frame, [seed])
-    state.end_step()
+    records = record(state)
+    for _ in range(2):  # the second scaled by the first's amaxes (delayed), no update
+        run = _StepInterpreter(program.graph, {p: t.bfloat16() for p, t in params.items()},
+                               torch.bfloat16, check_finite=False, keep_only_saved=True,
+                               kernels=train_kernels("cpu"), arena=arena)
+        run.fp8_run = state
+        state.begin_step()
+        inputs = fed_inputs(names, tokens, None)
+        (logits,), frame = run.forward([inputs[n] for n in names])
+        loss, seed = logits_cross_entropy(logits, next_token_labels(tokens))
+        _, grads = run.backward(frame, [seed])
+        state.end_step()
     monkeypatch.undo()
-    forced, *ref = forced_emulation(params, tokens, records)
+    forced, *ref = forced_emulation(params, tokens, records, steps=2)
     layers = int(TINY["n_layers"])  # qkv, out, up, down: forward, dgrad, wgrad each
-    assert forced.checked == layers * 4 * 3
-    assert passes == {"amax_of": layers * (4 * 3 + 1), "cast": layers * 4 * 4}
+    assert forced.checked == 2 * layers * 4 * 3
+    assert passes == {"amax_of": 2 * layers * (4 * 3 + 1), "cast": 2 * layers * 4 * 4}
     restored = StepFp8(program.metadata["precision"], "cpu", program.graph)
     restored.load_state_dict(state.state_dict())  # shared rows: each key its history
     assert {k: v.tolist() for k, v in restored.state_dict().items()} == \
@@ -521,21 +526,24 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
 @pytest.mark.cuda
 @needs_cuda
 def test_a_tiny_llama_fp8_step_on_cuda_is_the_cpu_emulation():
-    """The GPU step with `--precision fp8` (bf16 compute, FP8 GEMMs, the cast kernel, the
-    arena) against the CPU emulation (float32) forced node by node (tests/fp8_forced.py):
-    each FP8 GEMM the emulation's product of the step's own operands, each operand what
-    the emulation computes from the values upstream, then the same loss, gradients and
-    amax histories within bf16 rounding."""
+    """The GPU step with `--precision fp8` (bf16 compute, FP8 GEMMs, the cast kernels, the
+    arena, each tensor quantized once) against the CPU emulation (float32) forced node by
+    node (tests/fp8_forced.py), over two steps on the same weights (the second scaled by
+    the first's amaxes: the delayed casts that take the amax in the same pass): each FP8
+    GEMM the emulation's product of the step's own operands, each operand what the
+    emulation computes from the values upstream, then the same loss, gradients and amax
+    histories within bf16 rounding."""
     from fp8_forced import record
 
     step, params, tokens = tiny_step()
     records = record(step.fp8)
     step.set_batch(tokens.cuda())
-    step.fp8.begin_step()
-    loss, grads = step.loss_and_gradients()
-    step.fp8.end_step()
+    for _ in range(2):  # no update between: loss_and_gradients only
+        step.fp8.begin_step()
+        loss, grads = step.loss_and_gradients()
+        step.fp8.end_step()
     grads = {p: g.float().cpu() for p, g in grads.items()}
-    forced, *ref = forced_emulation(params, tokens, records)
+    forced, *ref = forced_emulation(params, tokens, records, steps=2)
     check_forced(forced, records, float(loss), grads, step.fp8.state_dict(), *ref)
 
 
