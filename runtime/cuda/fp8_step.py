@@ -111,6 +111,7 @@ class Casts:
         self.fp8, self.graph = fp8, graph
         self.entries: dict[int, _Cast] = {}
         self._readers: dict[str, dict] = {}  # function -> value -> [readers, layouts]
+        self._families: dict[str, set] = {}
         self.counts = {"quantized": 0, "shared": 0}  # first uses, later uses
 
     def clear(self) -> None:
@@ -167,11 +168,15 @@ class Casts:
         return readers, layouts
 
     def _family(self, function: str) -> set:
+        """`function` and its forward / backward functions."""
         if self.graph is None:
             return {function}
-        f = self._function(function)
-        root = (f.gradient_of if f is not None else None) or function
-        return {g.name for g in self.graph.functions if g.name == root or g.gradient_of == root}
+        if function not in self._families:
+            f = self._function(function)
+            root = (f.gradient_of if f is not None else None) or function
+            self._families[function] = {g.name for g in self.graph.functions
+                                        if g.name == root or g.gradient_of == root}
+        return self._families[function]
 
     def _function(self, name: str):
         return next((f for f in self.graph.functions if f.name == name), None) \
