@@ -49,8 +49,10 @@ def test_table_entries_are_complete():
 
 
 def test_fusion_patterns_and_hook_points():
-    assert list(FUSION_PATTERNS) == ["residual_norm", "norm_linear", "gated_mlp",
-                                     "attention_softmax", "bias_activation", "linear_bias_act"]
+    # residual_layernorm (a6724c8): add + layernorm into fused_residual_layernorm
+    assert list(FUSION_PATTERNS) == ["residual_norm", "residual_layernorm", "norm_linear",
+                                     "gated_mlp", "attention_softmax", "bias_activation",
+                                     "linear_bias_act"]
     assert len(HOOK_POINTS) == 16
     assert {"matmul", "add", "silu", "rmsnorm", "swiglu"} <= primitive_names()
 
@@ -193,7 +195,7 @@ CASES = [
     (out("@fuse"), "E013", "`@fuse` needs a fusion pattern or `ops=[...]`", (4, 22),
      "usage: `@fuse(pattern_name)` or `@fuse(ops=[op1, op2, ...])` or `@fuse(scope=global)`"),
     (out("@fuse(scope=local)"), "E013", "`@fuse` needs a fusion pattern or `ops=[...]`",
-     (4, 22), "`pattern` is one of: residual_norm, norm_linear"),
+     (4, 22), "`pattern` is one of: residual_norm, residual_layernorm, norm_linear"),
 ]
 
 
