@@ -5,7 +5,7 @@
 # (tokens/s and peak memory, B 4, T 2048, one run a shape) at each of SHAPES (tinyllama,
 # llama3-8b-layers: 4 Llama-3-8B layers). Each stage's seconds go to $OUT/stages.txt.
 #   STAGES="build tests gemm step" bash benchmarks/gpu/fp8_check.sh      (about 6 minutes)
-#   STAGES="build tests step" TESTS=tests/test_fp8_gemm.py STEPS=6 \
+#   STAGES="build tests step" TESTS=tests/test_fp8_gemm.py STEPS=6 WARMUP=2 \
 #     SHAPES="tinyllama llama3-8b-layers" \
 #     VARIANTS=modulec_norecompute,modulec_norecompute_fp8,hf_compile,hf_compile_fp8 \
 #     bash benchmarks/gpu/fp8_check.sh        (issue 19's two FP8 targets in one call)
