@@ -9,8 +9,10 @@ cuBLAS's bf16 GEMM at the layer shapes of TinyLlama (d 2048, d_ff 5632) and Llam
 - `bf16 fwd+bwd` / `fp8 fwd+bwd`: the forward and both gradients (dx = dy W, dW = dy^T x),
   the FP8 one with dy in E5M2 and the transposed fp8 copies _scaled_mm's layouts need;
 - `... graph`: the same replayed from a CUDA graph, as the training step runs them (no
-  launch overhead: an FP8 operand is three launches, amax, scale and cast, before its
-  GEMMs, which eager calls pay for on the host);
+  launch overhead: an FP8 operand is two launches here, amax-and-scale and cast, before
+  its GEMMs, which eager calls pay for on the host; these rows quantize each operand at
+  each use with current scaling, not the step's once a step with the amax inside delayed
+  scaling's cast: train_step.py's `_fp8` variants measure that);
 - the cast of x [M, K] to E4M3 in both layouts (x and x^T, what a wgrad operand needs):
   csrc/kernels/fp8_cast.cu in one pass against the torch ops (fp32 product, clamp, cast,
   transposed copy); GB/s counts 2 bytes read and 2 written an element. Before timing the
