@@ -60,6 +60,8 @@ inline std::vector<int64_t> leading(const Tensor& x) {
 void register_fusions(pybind11::module_& m);
 // fp8_amax_scale (bindings_fp8.cpp)
 void register_fp8(pybind11::module_& m);
+// adamw_split_list (bindings_optim.cpp)
+void register_optim(pybind11::module_& m);
 
 }  // namespace bind
 }  // namespace modulec

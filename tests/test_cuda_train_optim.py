@@ -52,6 +52,41 @@ def test_adamw_kernels_read_the_device_lr_and_gradient_scale():
     assert torch.equal(p, q)  # lr 0.5 x lr_now 3e-3 = 1.5e-3 exactly
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_adamw_split_list_is_the_one_tensor_update_of_each(grad_dtype):
+    """adamw_split_list (csrc/bindings_optim.cpp; 16 tensors a launch, so 19 take two):
+    each tensor bit for bit what adamw_split_step gives it with its own rate factor and
+    weight decay, the device lr and gradient scale shared; sizes with a scalar tail, one
+    element, and a tensor off the 4-element alignment (the list then runs unvectorized)."""
+    from runtime.cuda.kernels import _extension
+
+    ext, g = _extension(), torch.Generator(device="cuda").manual_seed(1)
+    sizes = [4099, 1, 7, 16 * 4096, 300] + [64 * (k + 1) for k in range(14)]
+    lr_now, scale = torch.tensor([3e-3], device="cuda"), torch.tensor([0.37], device="cuda")
+    step = torch.tensor([3.0], device="cuda")
+    for offset in (0, 1):  # 1: every tensor a view one element in (not 16-byte aligned)
+        masters = [torch.randn(n, device="cuda", generator=g) for n in sizes]
+        grads = [torch.randn(n + offset, device="cuda", generator=g).to(grad_dtype)[offset:]
+                 for n in sizes]
+        lrs = [0.5 + 0.25 * k for k in range(len(sizes))]
+        decays = [0.1 * (k % 3) for k in range(len(sizes))]
+        results = []
+        for listed in (True, False):
+            states = [(*_split(p), torch.full_like(p, 0.01), torch.full_like(p, 0.02))
+                      for p in masters]
+            if listed:
+                his, los, ms, vs = (list(column) for column in zip(*states))
+                ext.adamw_split_list(his, los, grads, ms, vs, step, lrs, decays, 0.9, 0.95,
+                                     1e-8, lr_now, scale)
+            else:
+                for (h, lo, m, v), gr, lr, wd in zip(states, grads, lrs, decays):
+                    ext.adamw_split_step(h, lo, gr, m, v, step, lr, 0.9, 0.95, 1e-8, wd,
+                                         lr_now, scale)
+            results.append(states)
+        for got, want in zip(*results):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _split(master):
     from runtime.cuda.state import split_master
 

@@ -277,3 +277,55 @@ def test_lora_dx_is_not_redirected_into_bytes_a_later_node_still_reads(monkeypat
     assert refused == [True] * 8 and run.lora_dx_fused == 0
     assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))  # the same forward
     assert all(_error(grads[p], ref[p]) < 2e-2 for p in ref)
+
+
+def test_small_adamw_updates_are_run_sixteen_a_launch(monkeypatch):
+    """step_optim.AdamWBatch (the extension faked: its calls recorded): lists of up to 16
+    of one gradient dtype and scale, each tensor with its own rate factor and decay; a
+    gradient in the activation arena (the LM head's, before the backward) flushes at once;
+    `flush` runs what is left."""
+    import types
+
+    import runtime.cuda.kernels as cuda_kernels
+    import runtime.train.param_groups as groups
+    from runtime.cuda.step import AdamWConfig
+    from runtime.cuda.step_optim import AdamWBatch
+
+    calls = []
+    fake = types.SimpleNamespace(adamw_split_list=lambda *a: calls.append(a))
+    monkeypatch.setattr(cuda_kernels, "_extension", lambda: fake)
+    monkeypatch.setattr(groups, "lr_scale", lambda program, path: 2.0 if path == "p3" else 1.0)
+    monkeypatch.setattr(groups, "decay_scale", lambda program, path, a: 0.0 if path == "p4"
+                        else 1.0)
+    paths = [f"p{k}" for k in range(40)]
+    tensors = {p: torch.zeros(4) for p in paths}
+    arena_bytes = torch.zeros(64, dtype=BF16)
+
+    class Arena:
+        def _in_arena(self, tensor):
+            return tensor.untyped_storage().data_ptr() == arena_bytes.untyped_storage().data_ptr()
+
+    step = types.SimpleNamespace(
+        compute=tensors, lows=tensors, exp_avg=tensors, exp_avg_sq=tensors, program=None,
+        adamw=AdamWConfig(weight_decay=0.1), step_count=torch.ones(1), lr_now=torch.ones(1),
+        activations=Arena())
+    batch, scale = AdamWBatch(), torch.ones(1)
+    grads = {p: torch.full((4,), float(k), dtype=BF16) for k, p in enumerate(paths)}
+    for p in paths[:20]:
+        batch.add(step, p, grads[p], None)
+    batch.add(step, paths[20], grads[paths[20]].float(), None)  # another dtype: a new list
+    for p in paths[21:25]:
+        batch.add(step, p, grads[p], scale)  # another scale: a new list
+    batch.add(step, paths[25], arena_bytes[:4], scale)  # in the arena: run at once
+    batch.add(step, paths[26], grads[paths[26]], scale)
+    assert [len(c[2]) for c in calls] == [16, 4, 1, 5]
+    batch.flush(step)
+    batch.flush(step)  # nothing left: no call
+    assert [len(c[2]) for c in calls] == [16, 4, 1, 5, 1]
+    first = calls[0]
+    assert [float(g[0]) for g in first[2]] == list(range(16))
+    assert first[6][3] == 2.0 and first[6][0] == 1.0  # rate factors: lr_scale
+    assert first[7][4] == 0.0 and first[7][0] == pytest.approx(0.1)  # decay: wd x scale
+    assert all(c[12] is None for c in calls[:3]) and all(c[12] is scale for c in calls[3:])
+    assert calls[3][2][-1].data_ptr() == arena_bytes.data_ptr()  # the arena's, run at once
+    assert batch.pending == [] and batch.held == 0

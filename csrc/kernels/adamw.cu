@@ -19,6 +19,11 @@
 //   bits(p) = bits(hi) * 2^16 + lo, exactly. Rounding up the magnitude is adding one to
 //   its top 16 bits, which carries into the exponent as bf16 rounding does, and keeps
 //   lo in [-2^15, 2^15). hi differs from round-to-nearest-even only on exact ties.
+//
+// The list form (`launch_adamw_split_list`) updates up to kAdamWListMax split masters in
+// one launch (blockIdx.y: the tensor), each with its own rate factor and weight decay:
+// LoRA's adapters are 14 small tensors a layer, whose one launch each cost more than
+// their update (448 launches a step on Llama-3-8B).
 #include "common.cuh"
 
 namespace modulec {
@@ -109,13 +114,13 @@ __device__ void adamw_update(const Master& master, const G* __restrict__ g,
   store_vec<float, VEC>(v, i, vv);
 }
 
-// VEC elements a thread a time, then the scalar tail (n % VEC elements) by the first
-// threads, as VEC = 1 updates.
+// One tensor's update by the threads of blockIdx.x (grid-stride over its n elements): VEC
+// elements a thread a time, then the scalar tail (n % VEC elements) by the first threads,
+// as VEC = 1 updates.
 template <typename Master, typename G, int VEC>
-__global__ void adamw_kernel(Master master, const G* __restrict__ g, float* __restrict__ m,
-                             float* __restrict__ v, const float* __restrict__ step, int64_t n,
-                             AdamW h) {
-  const float t = *step;
+__device__ void adamw_range(const Master& master, const G* __restrict__ g,
+                            float* __restrict__ m, float* __restrict__ v, float t, int64_t n,
+                            const AdamW& h) {
   const float lr = h.lr_now ? h.lr * *h.lr_now : h.lr;
   const float scale = h.grad_scale ? *h.grad_scale : 1.f;
   const float bc1 = 1.f - powf(h.beta1, t), bc2 = 1.f - powf(h.beta2, t);
@@ -128,6 +133,27 @@ __global__ void adamw_kernel(Master master, const G* __restrict__ g, float* __re
   if (VEC > 1 && nvec * VEC + first < n)
     adamw_update<Master, G, 1>(master, g, m, v, nvec * VEC + first, h, step_size, bc2_sqrt,
                                decay, scale);
+}
+
+template <typename Master, typename G, int VEC>
+__global__ void adamw_kernel(Master master, const G* __restrict__ g, float* __restrict__ m,
+                             float* __restrict__ v, const float* __restrict__ step, int64_t n,
+                             AdamW h) {
+  adamw_range<Master, G, VEC>(master, g, m, v, *step, n, h);
+}
+
+// The list form: tensor blockIdx.y of `list`, with its own rate factor and weight decay
+// (the grid's x extent is the largest tensor's; a smaller one's extra blocks do nothing).
+template <typename G, int VEC>
+__global__ void adamw_split_list_kernel(AdamWSplitList list, const float* __restrict__ step,
+                                        AdamW h) {
+  const int k = blockIdx.y;
+  AdamW own = h;
+  own.lr = list.lr[k];
+  own.wd = list.weight_decay[k];
+  const SplitMaster master{static_cast<uint16_t*>(list.hi[k]), list.lo[k]};
+  adamw_range<SplitMaster, G, VEC>(master, static_cast<const G*>(list.grad[k]),
+                                   list.exp_avg[k], list.exp_avg_sq[k], *step, list.n[k], own);
 }
 
 template <typename Master, typename G>
@@ -159,7 +185,44 @@ cudaError_t adamw_dispatch(DType grad_dt, const Master& master, const void* grad
   return adamw_typed<Master, float>(master, grad, m, v, step, n, h, s);
 }
 
+template <typename G>
+cudaError_t adamw_split_list_typed(const AdamWSplitList& list, const float* step,
+                                   const AdamW& h, cudaStream_t s) {
+  bool vec = true;  // 4 elements a thread where every tensor of the list is aligned for it
+  int64_t most = 0;
+  for (int k = 0; k < list.count; ++k) {
+    const SplitMaster master{static_cast<uint16_t*>(list.hi[k]), list.lo[k]};
+    vec = vec && master.aligned(4) &&
+          reinterpret_cast<uintptr_t>(list.grad[k]) % (4 * sizeof(G)) == 0 &&
+          reinterpret_cast<uintptr_t>(list.exp_avg[k]) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(list.exp_avg_sq[k]) % 16 == 0;
+    most = std::max<int64_t>(most, list.n[k]);
+  }
+  if (list.count <= 0 || most == 0) return cudaSuccess;
+  const int width = vec ? 4 : 1;
+  const int64_t work = std::max<int64_t>(most / width, most % width);
+  const int64_t max_blocks = static_cast<int64_t>(sm_count()) * 8;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads,
+                                                          max_blocks)),
+                  static_cast<unsigned>(list.count));
+  if (vec)
+    adamw_split_list_kernel<G, 4><<<grid, kThreads, 0, s>>>(list, step, h);
+  else
+    adamw_split_list_kernel<G, 1><<<grid, kThreads, 0, s>>>(list, step, h);
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t launch_adamw_split_list(DType grad_dt, const AdamWSplitList& list,
+                                    const float* step, float beta1, float beta2, float eps,
+                                    const float* lr_now, const float* grad_scale,
+                                    cudaStream_t stream) {
+  const AdamW h{0.f, beta1, beta2, eps, 0.f, lr_now, grad_scale};  // lr, wd: per tensor
+  if (grad_dt == DType::BF16)
+    return adamw_split_list_typed<__nv_bfloat16>(list, step, h, stream);
+  return adamw_split_list_typed<float>(list, step, h, stream);
+}
 
 cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* exp_avg,
                          float* exp_avg_sq, void* compute_bf16, const float* step, int64_t n,

@@ -186,6 +186,27 @@ cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const 
                                float weight_decay, const float* lr_now,
                                const float* grad_scale, cudaStream_t stream);
 
+// The split update of up to kAdamWListMax tensors in one launch (adamw.cu): tensor k is
+// hi[k] / lo[k] (its split master), grad[k] (all of grad_dt), its moments and n[k]
+// elements, with rate factor lr[k] (times *lr_now when given) and weight decay
+// weight_decay[k]; beta1, beta2, eps, step and grad_scale are the list's.
+constexpr int kAdamWListMax = 16;
+struct AdamWSplitList {
+  void* hi[kAdamWListMax];
+  int16_t* lo[kAdamWListMax];
+  const void* grad[kAdamWListMax];
+  float* exp_avg[kAdamWListMax];
+  float* exp_avg_sq[kAdamWListMax];
+  int64_t n[kAdamWListMax];
+  float lr[kAdamWListMax];
+  float weight_decay[kAdamWListMax];
+  int count;
+};
+cudaError_t launch_adamw_split_list(DType grad_dt, const AdamWSplitList& list,
+                                    const float* step, float beta1, float beta2, float eps,
+                                    const float* lr_now, const float* grad_scale,
+                                    cudaStream_t stream);
+
 // ---- cross_entropy.cu: cross-entropy loss and its gradient, in place on logits [rows, V]
 // (row-contiguous; bf16, fp16 or fp32). Per row, lse = log(sum_j exp(x_j)) in fp32;
 // losses[row] = lse - x[label] (fp32; NaN for a label outside [0, V)) and the row becomes

@@ -69,7 +69,7 @@ from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, sp
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, stored_dtypes, whole_update
 from runtime.cuda.state import random_params  # noqa: F401 (TrainStep.init_random; callers)
-from runtime.cuda.step_optim import NormSquares
+from runtime.cuda.step_optim import AdamWBatch, NormSquares
 from runtime.cuda.train_kernels import train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
@@ -208,6 +208,7 @@ class TrainStep:
         # dropout's device counter (runtime/cuda/dropout.py): one more at each step's start
         self.rng_step = torch.zeros((), dtype=torch.int64, device="cuda")
         self._norms = NormSquares(torch.zeros(1, dtype=torch.float32, device="cuda"))
+        self._adamw_batch = AdamWBatch()  # small split-master updates, 16 a launch
         self.held: dict[str, Tensor] = {}  # with clipping: the step's gradients
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         # fp32 masters by path: a dict (optimizer="torch") or SplitMasters (fused)
@@ -577,6 +578,7 @@ class TrainStep:
             self._clip_and_update()
         else:
             torch.sqrt(self._norms.flushed(), out=self.grad_norm)
+        self._adamw_batch.flush(self)  # the queued small updates (AdamWBatch)
         self.loss.copy_(torch.stack(losses).mean())
 
     def _holds(self) -> bool:
@@ -639,6 +641,8 @@ class TrainStep:
         if path not in self.lows:  # stored in fp32: its compute copy is its master
             return whole_update(self, path, grad, scale, lr_scale(self.program, path),
                                 a.weight_decay * decay_scale(self.program, path, a))
+        if grad.numel() <= AdamWBatch.SMALL:  # LoRA's adapters: 16 a launch
+            return self._adamw_batch.add(self, path, grad.contiguous(), scale)
         _extension().adamw_split_step(self.compute[path], self.lows[path],
                                       grad.contiguous(), self.exp_avg[path],
                                       self.exp_avg_sq[path], self.step_count,

@@ -94,3 +94,61 @@ class NormSquares:
             norms = torch._foreach_norm(self.pending, 2, dtype=torch.float32)
             self.total.add_(torch.stack(norms).square().sum())
             self.pending = []
+
+
+class AdamWBatch:
+    """The fused AdamW step's small split-master updates gathered and run 16 tensors a
+    launch (csrc/bindings_optim.cpp `adamw_split_list`, adamw.cu's list form: the same
+    arithmetic, each tensor with its own rate factor and weight decay). LoRA's adapters
+    are 14 tensors a layer, each a launch of a few microseconds that moves less than its
+    launch costs (448 a step on Llama-3-8B, ~1.5 ms). A gradient handed here is the
+    step's own (a parameter gradient gets its own bytes, runtime.arena `place`), held to
+    the flush (at most HELD elements of them), but for one in the activations' bytes (the
+    LM head's, handed in the transient region before the backward reuses it): that one
+    flushes the list at once; the step flushes at the end of its
+    optimizer step (nothing reads a parameter after its gradient is final until the next
+    forward). A list shares its gradient dtype and `scale` (clipping's factor or None):
+    another starts a new list."""
+
+    SMALL = 1 << 20  # elements: larger tensors keep a launch of their own
+    LIST = 16  # csrc/kernels/kernels.h kAdamWListMax
+    HELD = 1 << 21  # elements of held gradients that flush (4 MiB in bf16)
+
+    def __init__(self):
+        self.pending: list = []
+        self.scale = None
+        self.dtype = None
+        self.held = 0
+
+    def add(self, step, path: str, grad: torch.Tensor, scale) -> None:
+        """Queue `path`'s update from `grad` (contiguous) times `scale`."""
+        from runtime.train.param_groups import decay_scale, lr_scale
+
+        if self.pending and (grad.dtype != self.dtype or scale is not self.scale):
+            self.flush(step)
+        a = step.adamw
+        self.pending.append((step.compute[path], step.lows[path], grad, step.exp_avg[path],
+                             step.exp_avg_sq[path], lr_scale(step.program, path),
+                             a.weight_decay * decay_scale(step.program, path, a)))
+        self.dtype, self.scale = grad.dtype, scale
+        self.held += grad.numel()
+        if len(self.pending) >= self.LIST or self.held >= self.HELD or _in_arena(step, grad):
+            self.flush(step)
+
+    def flush(self, step) -> None:
+        """Run the queued updates (one launch per LIST of them)."""
+        if not self.pending:
+            return
+        from runtime.cuda.kernels import _extension
+
+        hi, lo, grad, m, v, lr, decay = (list(column) for column in zip(*self.pending))
+        a = step.adamw
+        _extension().adamw_split_list(hi, lo, grad, m, v, step.step_count, lr, decay,
+                                      a.betas[0], a.betas[1], a.eps, step.lr_now, self.scale)
+        self.pending, self.held = [], 0
+
+
+def _in_arena(step, grad: torch.Tensor) -> bool:
+    """`grad` lies in the step's activation arena (bytes a later op may write)."""
+    arena = getattr(step, "activations", None)
+    return arena is not None and arena._in_arena(grad)
