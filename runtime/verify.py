@@ -121,7 +121,7 @@ def _verify_variant(source: ModuleSource, name, config, options, label: str):
     _check_size(sizes, name)
     generator = torch.Generator().manual_seed(options.seed)
     model.params = _random_params(sizes, generator)
-    inputs = _random_inputs(model.program.metadata["inputs"], shapes, generator)
+    inputs = _random_inputs(model.program.metadata["inputs"], shapes, generator, sizes)
     return _Checker(model, inputs, config, options, generator, name, label).run()
 
 
@@ -160,18 +160,31 @@ def _random_params(shapes: dict, generator) -> dict:
     return params
 
 
-def _random_inputs(declared: list[dict], shapes: dict, generator) -> dict:
+def _random_inputs(declared: list[dict], shapes: dict, generator,
+                   parameters: dict | None = None) -> dict:
+    """Random inputs of the declared shapes; ids (int inputs) are 0 and 1, or only 0 where
+    a parameter has a single row (`parameters`: path -> shape; a vocabulary of one made
+    id 1 index past the embedding table, an IndexError in the forward)."""
+    ids = _id_bound(parameters or {})
     inputs = {}
     for spec in declared:
         shape = []
         for dim in spec["shape"]:
             shape += list(STAR_SHAPE) if dim == "*" else [int(shapes.get(dim, dim))]
-        if spec["dtype"].startswith("int"):  # ids: 0 and 1 are valid for any table
-            inputs[spec["name"]] = torch.randint(0, 2, shape, generator=generator,
+        if spec["dtype"].startswith("int"):
+            inputs[spec["name"]] = torch.randint(0, ids, shape, generator=generator,
                                                  dtype=torch.int32)
         else:
             inputs[spec["name"]] = torch.randn(shape, generator=generator, dtype=torch.float64)
     return inputs
+
+
+def _id_bound(parameters: dict) -> int:
+    """2 (ids 0 and 1), or 1 where some parameter's first dimension is 1: whichever table
+    an id indexes (an embedding, a head's classes) is a parameter, and its rows its first
+    dimension, so ids below the smallest first dimension index every table."""
+    rows = [int(shape[0]) for shape in parameters.values() if len(shape) > 0]
+    return 1 if rows and min(rows) < 2 else 2
 
 
 @dataclass

@@ -181,8 +181,9 @@ class _Built:
 def _forward_backward(program: Program, shapes: dict) -> None:
     generator = torch.Generator().manual_seed(0)
     model = Model(_Built(program), dtype=torch.float64, check_finite=False)
-    model.params = _random_params(parameter_shapes(program.graph), generator)
-    inputs = _random_inputs(program.metadata["inputs"], shapes, generator)
+    sizes = parameter_shapes(program.graph)
+    model.params = _random_params(sizes, generator)
+    inputs = _random_inputs(program.metadata["inputs"], shapes, generator, sizes)
     outputs = model.forward(**inputs)
     seeds = {name: torch.randn(value.shape, generator=generator, dtype=torch.float64)
              for name, value in outputs.items() if value.is_floating_point()}

@@ -117,3 +117,18 @@ def test_a_shape_that_sizes_nothing_is_an_error(tmp_path):
     assert "--shape X=3: no verified declaration's inputs have a dim `X` (their dims: B)" \
         in result.output
     assert _verify(str(source), "--shape", "B=3").exit_code == 0
+
+
+def test_ids_index_a_table_of_one_row(tmp_path):
+    """A vocabulary of one (found by the soundness test's mutant of std Mamba's verify
+    sizes, vocab_size 64 -> 1): the random ids were 0 and 1, and id 1 indexed past the
+    table, an IndexError (exit 101); ids are only 0 where a parameter has one row."""
+    source = tmp_path / "embed.module"
+    source.write_text(
+        "module Embed(vocab: int = 5, d: int = 4):\n  params:\n    table: [vocab, d]\n"
+        "  forward:\n    in: ids: [B, T, int32]\n    out: y: [B, T, d]\n    graph:\n"
+        "      (ids, table) -> embedding() -> y\n"
+        "  verify_backward:\n    shapes:\n      vocab: 1\n", encoding="utf-8")
+    result = _verify("--format", "json", str(source))
+    assert result.exit_code == 0, result.output
+    assert [(r["gradient"], r["ok"]) for r in _rows(result)] == [("d_table", True)]
