@@ -105,6 +105,12 @@ def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(
     by_op = lambda counts, op: sum(n for (_, _, o), n in counts.items() if o == op)  # noqa
     assert by_op(ref_copies, "add") > 0 and by_op(ref_copies, "zeros") > 0
     assert by_op(copies, "add") == by_op(copies, "zeros") == 0, copies
+    # concat_backward's parts are views of the stacked gradient (the planner aliases them,
+    # as split's): copied only where they are parameter gradients (cloned out of the arena)
+    graph = model.source.program_for(token_inputs(model)).graph
+    param_grads = {(f.name, g) for f in graph.functions for _, g in f.param_grads}
+    assert by_op(copies, "concat_backward") > 0 and all(
+        (f, v) in param_grads for f, v, op in copies if op == "concat_backward")
     assert sum(copies.values()) < sum(ref_copies.values())
 
 

@@ -36,9 +36,10 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32":
 HALF_BYTE = ("fp4_e2m1", "int4")
 VIEWS = ("view", "transpose", "permute", "split")
 # backward ops whose result is a view of their input gradient (a reshape, a transpose, the
-# identity of contiguous): they alias it, as the forward views alias their source
+# identity of contiguous, concat's parts: a split): they alias it, as the forward views
+# alias their source
 BACKWARD_VIEWS = ("view_backward", "transpose_backward", "permute_backward",
-                  "contiguous_backward")
+                  "contiguous_backward", "concat_backward")
 ALIASES = VIEWS + BACKWARD_VIEWS
 # ops whose kernel returns one tensor for two of its outputs: (output, the output it is)
 ONE_TENSOR = {"fused_residual_rmsnorm_backward": ((1, 0),),  # d_input is d_residual
