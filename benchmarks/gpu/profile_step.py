@@ -72,6 +72,8 @@ def main() -> None:
                                     max_name_column_width=70))
     if args.arena:
         _copies(step, tokens, args.top)
+    if args.lora:
+        _lora_paths(step, tokens)
     step.capture(warmup=1)
     replay_host, replay = _timed(step, tokens)
     print(f"eager step: host {host * 1e3:.1f} ms, wall {eager * 1e3:.1f} ms; "
@@ -122,6 +124,26 @@ def _copied_values(step, tokens) -> Counter:
     finally:
         Arena.place, Arena._into = place, into
     return seen
+
+
+def _lora_paths(step, tokens) -> None:
+    """One eager step's count of LoRA's fused paths (runtime/cuda/step_interpreter.py):
+    4 a layer each on the arena (qkv, o, gate_up, down)."""
+    runs, make = [], step.interpreter
+
+    def recorded(*args, **kwargs):
+        runs.append(make(*args, **kwargs))
+        return runs[-1]
+    step.interpreter = recorded
+    try:
+        step(tokens)
+        torch.cuda.synchronize()
+    finally:
+        del step.interpreter
+    for run in runs:
+        print(f"LoRA paths: delta + add as one addmm {run.lora_fused}, of them the delta "
+              f"first into y's bytes {run.lora_into_planned}; backward d_x sums as addmms "
+              f"{run.lora_dx_fused}")
 
 
 def _timed(step, tokens) -> tuple[float, float]:
