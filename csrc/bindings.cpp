@@ -81,11 +81,12 @@ Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight, 
   return y;
 }
 
-// (d_x, d_weight); with d_residual_out, d_x is the fused backward's g = d_residual_out + d_x
+// (d_x, d_weight); with d_residual_out, d_x is the fused backward's g = d_residual_out + d_x;
+// weight_grad false: d_weight is not computed (None; a frozen weight's)
 std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& weight,
                                      const Tensor& rstd,
                                      const std::optional<Tensor>& d_residual_out,
-                                     const Outputs& out, double offset) {
+                                     const Outputs& out, double offset, bool weight_grad) {
   const auto dt = x.scalar_type();
   check(x, "x", dt, x);
   check(d_y, "d_y", dt, x);
@@ -102,15 +103,18 @@ std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const T
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = C ? x.numel() / C : 0;
   Tensor d_x = output(out, 0, x.sizes(), x.options());
-  Tensor d_weight = at::empty_like(weight);
-  Tensor work = at::empty({modulec::rmsnorm_backward_workspace(dtype_of(x), rows, C)},
-                          x.options().dtype(at::kFloat));
+  Tensor d_weight, work;
+  if (weight_grad) {
+    d_weight = at::empty_like(weight);
+    work = at::empty({modulec::rmsnorm_backward_workspace(dtype_of(x), rows, C)},
+                     x.options().dtype(at::kFloat));
+  }
   check_launch(modulec::launch_rmsnorm_backward(
                    dtype_of(x), d_y.data_ptr(), x.data_ptr(), weight.data_ptr(),
                    static_cast<float>(offset), rstd.data_ptr<float>(),
-                   d_residual_out ? d_residual_out->data_ptr() : nullptr,
-                   d_x.data_ptr(), d_weight.data_ptr(), work.data_ptr<float>(), rows, C,
-                   stream()),
+                   d_residual_out ? d_residual_out->data_ptr() : nullptr, d_x.data_ptr(),
+                   weight_grad ? d_weight.data_ptr() : nullptr,
+                   weight_grad ? work.data_ptr<float>() : nullptr, rows, C, stream()),
                "rmsnorm backward");
   return {d_x, d_weight};
 }
@@ -701,9 +705,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "its saved statistics)",
         py::arg("x"), py::arg("rstd"), py::arg("weight"), py::arg("offset") = 0.0);
   m.def("rmsnorm_backward", &rmsnorm_backward,
-        "(d_y, x, weight, rstd, d_residual_out or None, out=[], offset=0) -> [d_x, d_weight]",
+        "(d_y, x, weight, rstd, d_residual_out or None, out=[], offset=0, weight_grad=True) "
+        "-> [d_x, d_weight or None]",
         py::arg("d_y"), py::arg("x"), py::arg("weight"), py::arg("rstd"),
-        py::arg("d_residual_out"), py::arg("out") = Outputs(), py::arg("offset") = 0.0);
+        py::arg("d_residual_out"), py::arg("out") = Outputs(), py::arg("offset") = 0.0,
+        py::arg("weight_grad") = true);
   // activation: 0 silu (swiglu), 1 tanh-form GELU, 2 erf GELU (geglu)
   m.def("swiglu_forward", &swiglu_forward,
         "(gate, up, out=[], activation=0) -> y  (row-strided inputs)", py::arg("gate"),

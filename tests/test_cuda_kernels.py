@@ -146,6 +146,27 @@ def test_fused_residual_rmsnorm(shape, dtype):
 
 @cuda
 @needs_gpu
+@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4097), (16, 8192), (300, 7), (2048, 4096)])
+def test_rms_backward_without_the_weights_gradient(shape):
+    """weight_grad=False (a frozen norm weight, the GPU step's `weight_grad` attr): d_x bit
+    for bit as with it (the partial sums only feed d_weight), d_weight None; both norms."""
+    torch.manual_seed(2)
+    bf16 = lambda *size: rand(*size, dtype=torch.bfloat16)  # noqa: E731
+    res, inp, w = bf16(*shape), bf16(*shape), bf16(shape[-1])
+    for name, fwd in (("rmsnorm", [inp, w]), ("fused_residual_rmsnorm", [res, inp, w])):
+        kernel = CUDA_KERNELS[name]
+        outs = kernel.forward(fwd, {"eps": 1e-5})
+        d_y = bf16(*shape)
+        bwd = [d_y, inp, w, outs[1]] if name == "rmsnorm" else \
+            [bf16(*shape), d_y, outs[0], w, outs[2]]
+        full = kernel.backward(bwd, {})
+        alone = kernel.backward(bwd, {"weight_grad": False})
+        assert alone[-1] is None and full[-1] is not None
+        assert all(torch.equal(a, b) for a, b in zip(alone[:-1], full[:-1]))
+
+
+@cuda
+@needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 def test_rmsnorm_apply_saved_gives_the_forward_output(shape, dtype):

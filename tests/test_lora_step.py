@@ -335,3 +335,20 @@ def test_small_adamw_updates_are_run_sixteen_a_launch(monkeypatch):
     assert all(c[12] is None for c in calls[:3]) and all(c[12] is scale for c in calls[3:])
     assert calls[3][2][-1].data_ptr() == arena_bytes.data_ptr()  # the arena's, run at once
     assert batch.pending == [] and batch.held == 0
+
+
+def test_frozen_norm_weights_gradient_is_not_asked_for():
+    """The GPU step's interpreter tells an RMSNorm backward whose d_weight is unwanted (the
+    frozen norms of a LoRA'd model) `weight_grad=False` (its kernel then skips the weight's
+    partial sums); a trained norm weight's backward is asked for it as before."""
+    path, settings = TINY["llama"]
+    for lora in (dict(rank=4, alpha=8), None):
+        model = Model.from_module(path, settings=settings, dtype=BF16, lora=lora)
+        graph = model.source.program_for(token_inputs(model)).graph
+        run = step_module._StepInterpreter(graph, model.params, BF16, check_finite=False,
+                                           kernels=train_kernels("cpu"))
+        norms = [n for f in graph.functions for n in f.nodes
+                 if n.target in ("rmsnorm_backward", "fused_residual_rmsnorm_backward")]
+        assert len(norms) == 3  # two in the (repeated) block, the final one
+        asked = [run._attrs(n).get("weight_grad", True) for n in norms]
+        assert asked == [lora is None] * len(norms)

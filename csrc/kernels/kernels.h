@@ -31,7 +31,8 @@ int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C);
 
 // d_x = rstd * (g - n * mean(g * n)) (+ d_residual_out when non-null: the fused backward),
 // g = d_y * (offset + weight), n = x * rstd; d_weight = sum over rows of d_y * n, reduced
-// in two passes through `workspace` (per-block fp32 partials, then a column sum).
+// in two passes through `workspace` (per-block fp32 partials, then a column sum); with
+// d_weight null, d_x alone (no partials, no column sum; workspace may be null).
 cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
                                     float offset, const float* rstd, const void* d_residual_out,
                                     void* d_x, void* d_weight, float* workspace, int64_t rows,

@@ -179,8 +179,10 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
     load_vec<T, VEC>(x, i, a);
     load_vec<T, VEC>(d_y, i, g);
     store_dx<T, VEC>(g, a, weight, offset, d_res, d_x, i, r, mean_gn, acc);
+    if (part) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) part[i * VEC + j] += acc[j];
+      for (int j = 0; j < VEC; ++j) part[i * VEC + j] += acc[j];
+    }
   }
 }
 
@@ -197,10 +199,11 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   const int lane = threadIdx.x % group;
   const int64_t per_block = blockDim.x / group;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / group;
-  float* part = partial + first * C;
+  float* part = partial ? partial + first * C : nullptr;  // null: no d_weight wanted
   float dw[kBwdCache][VEC] = {};
-  for (int64_t i = lane + kBwdCache * static_cast<int64_t>(group); i < nvec; i += group)
-    for (int j = 0; j < VEC; ++j) part[i * VEC + j] = 0.f;
+  if (part)
+    for (int64_t i = lane + kBwdCache * static_cast<int64_t>(group); i < nvec; i += group)
+      for (int j = 0; j < VEC; ++j) part[i * VEC + j] = 0.f;
   // the loop bound is uniform across the block: every group reaches every reduction
   for (int64_t base = first - threadIdx.x / group; base < rows; base += gridDim.x * per_block) {
     const int64_t row = base + threadIdx.x / group;
@@ -210,6 +213,7 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
                              d_res ? d_res + off : nullptr, d_x + off, part, valid ? nvec : 0,
                              C, group, lane, dw);
   }
+  if (!part) return;
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
@@ -330,7 +334,9 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
       static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), offset,
       rstd,
-      static_cast<const T*>(d_res), static_cast<T*>(d_x), workspace, rows, C, plan.cfg.group);
+      static_cast<const T*>(d_res), static_cast<T*>(d_x), d_weight ? workspace : nullptr, rows,
+      C, plan.cfg.group);
+  if (!d_weight) return cudaGetLastError();  // d_x alone: no partials, no column sums
   const unsigned col_blocks = static_cast<unsigned>((C + 31) / 32);
   column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(workspace, plan.parts(), C,
                                                                 static_cast<T*>(d_weight));
@@ -376,7 +382,8 @@ cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, co
                                     int64_t C, cudaStream_t stream) {
   if (C == 0) return cudaSuccess;
   if (rows == 0)  // no rows: d_weight is a sum over nothing
-    return cudaMemsetAsync(d_weight, 0, C * (dt == DType::BF16 ? 2 : 4), stream);
+    return d_weight ? cudaMemsetAsync(d_weight, 0, C * (dt == DType::BF16 ? 2 : 4), stream)
+                    : cudaSuccess;
   if (dt == DType::BF16)
     return backward_typed<__nv_bfloat16>(d_y, x, weight, offset, rstd, d_residual_out, d_x,
                                          d_weight, workspace, rows, C, stream);

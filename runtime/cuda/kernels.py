@@ -184,7 +184,13 @@ def _rmsnorm_fwd(ext, inputs, attrs, out=None):
 def _rmsnorm_bwd(ext, inputs, attrs, out=None):
     d_y, x, weight, rstd = inputs
     return ext.rmsnorm_backward(d_y, x, weight, rstd, None, [typed(out, 0, x.shape, x.dtype)],
-                                offset=_offset(attrs))
+                                offset=_offset(attrs), weight_grad=_weight_grad(attrs))
+
+
+def _weight_grad(attrs) -> bool:
+    """A norm backward's d_weight is wanted (the GPU step's interpreter says `weight_grad`
+    False for a frozen weight's: the kernel then skips its partial sums, ~1/3 of its bytes)."""
+    return bool(attrs.get("weight_grad", True))
 
 
 def _norm_outs(out, x, first: int) -> list:
@@ -206,7 +212,7 @@ def _fused_bwd(ext, inputs, attrs, out=None):
     d_residual_out, d_y, residual_out, weight, rstd = inputs
     g, d_weight = ext.rmsnorm_backward(d_y, residual_out, weight, rstd, d_residual_out,
                                        [typed(out, 0, d_y.shape, d_y.dtype)],
-                                       offset=_offset(attrs))
+                                       offset=_offset(attrs), weight_grad=_weight_grad(attrs))
     return [g, g, d_weight]  # d_residual and d_input are one tensor, as the reference's
 
 

@@ -367,10 +367,13 @@ class _StepInterpreter(Interpreter):
 
     def _attrs(self, node):
         """A matmul backward with an unwanted gradient (a frozen weight's d_B) is told so
-        (`train_kernels.Matmul` then computes only the wanted one)."""
+        (`train_kernels.Matmul` then computes only the wanted one); so is an RMSNorm
+        backward whose d_weight is unwanted (its kernel skips the weight's sums)."""
         attrs = super()._attrs(node)
         if node.target in MATMUL_BACKWARDS and not all(node.outputs):
             attrs["wanted_outputs"] = tuple(bool(o) for o in node.outputs)
+        if node.target in NORM_BACKWARDS and not node.outputs[-1]:
+            attrs["weight_grad"] = False  # a frozen norm weight (kernels.py `_weight_grad`)
         return attrs
 
     def _collect_param_grads(self, frame) -> None:
@@ -387,6 +390,7 @@ class _StepInterpreter(Interpreter):
 
 
 MATMUL_BACKWARDS = ("matmul_backward", "batched_matmul_backward")
+NORM_BACKWARDS = ("rmsnorm_backward", "fused_residual_rmsnorm_backward")  # d_weight last
 FP8_TARGETS = ("matmul", "matmul_backward")
 
 
