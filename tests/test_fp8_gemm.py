@@ -253,6 +253,62 @@ def test_the_step_interpreter_runs_the_recipe_as_the_emulation_does():
         torch.testing.assert_close(device.state_dict()[key], history, rtol=0.02, atol=0)
 
 
+@pytest.mark.parametrize("derive", [False, True])
+def test_the_wgrads_x_t_kept_from_the_forward_gives_the_same_bits(derive):
+    """x^T cast in the forward's pass with x and kept to the backward (Casts.keep_transposed)
+    against x^T cast again from x in the backward: the same gradients bit for bit over two
+    micro-batches of one step (bf16, the arena), one cast a linear fewer where the backward
+    reads the forward's x: all four linears with the derived backward, three with std's
+    written one (its MLP recomputes the down projection's input: nothing kept for it)."""
+    from runtime import arena as arena_module
+    from runtime.cuda.fp8_step import StepFp8
+    from runtime.cuda.lm_head import logits_cross_entropy
+    from runtime.cuda.step import next_token_labels
+    from runtime.cuda.step_interpreter import _StepInterpreter
+    from runtime.cuda.train_kernels import train_kernels
+    from runtime.inputs import fed_inputs, sized_inputs
+    from runtime.model import parameter_shapes
+    from runtime.program import ModuleSource
+
+    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8",
+                          derive_written=derive)
+    names = source.program(planned=False).input_names()
+    program = source.program_for(sized_inputs(names, 2, 16))
+    g = torch.Generator().manual_seed(0)
+    params = {p: (torch.randn(s, generator=g) * (0.2 if len(s) > 1 else 1.0)).bfloat16()
+              for p, s in parameter_shapes(program.graph).items()}
+    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
+    arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], "cpu")
+
+    def step(keep):
+        state = StepFp8(program.metadata["precision"], "cpu", program.graph)
+        state.casts.keep_transposed = keep
+        state.begin_step()
+        grads = []
+        for tokens in batches:  # two micro-batches of one step: each forward's own x^T
+            run = _StepInterpreter(program.graph, params, torch.bfloat16, check_finite=False,
+                                   keep_only_saved=True, kernels=train_kernels("cpu"),
+                                   arena=arena)
+            run.fp8_run = state
+            inputs = fed_inputs(names, tokens, None)
+            (logits,), frame = run.forward([inputs[n] for n in names])
+            _, seed = logits_cross_entropy(logits, next_token_labels(tokens))
+            grads.append({p: t.clone() for p, t in run.backward(frame, [seed])[1].items()})
+        state.end_step()
+        return grads, state.casts.counts, state.state_dict()
+
+    (kept, counts, histories), (again, before, reference) = step(True), step(False)
+    layers, linears = int(TINY["n_layers"]), 4 if derive else 3
+    assert counts["held"] == counts["held_read"] == 2 * layers * linears
+    assert before["held"] == before["held_read"] == 0
+    for ours, theirs in zip(kept, again):
+        assert ours.keys() == theirs.keys()
+        for path, grad in theirs.items():
+            assert torch.equal(ours[path], grad), path
+    assert {k: v.tolist() for k, v in histories.items()} == \
+        {k: v.tolist() for k, v in reference.items()}
+
+
 # ====================================================================== on the GPU
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -471,7 +527,8 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
     tests/fp8_forced.py.)
     Per linear (4 a layer, 3 GEMMs each) 3 amaxes (x, W, dy; and the MLP's recomputed
     hidden) and 4 casts (x; W and W^T; dy and dy^T; x^T), where each use quantizing its
-    operands took 6 and 6."""
+    operands took 6 and 6; 3 where the backward reads the forward's x (qkv, out, up: x
+    and x^T in the forward's cast, x^T kept for the wgrad), not the recomputed hidden."""
     from fp8_forced import record
     from runtime import arena as arena_module
     from runtime.cuda.fp8_step import StepFp8
@@ -514,7 +571,8 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
     forced, *ref = forced_emulation(params, tokens, records, steps=2)
     layers = int(TINY["n_layers"])  # qkv, out, up, down: forward, dgrad, wgrad each
     assert forced.checked == 2 * layers * 4 * 3
-    assert passes == {"amax_of": 2 * layers * (4 * 3 + 1), "cast": 2 * layers * 4 * 4}
+    assert passes == {"amax_of": 2 * layers * (4 * 3 + 1), "cast": 2 * layers * (4 * 4 - 3)}
+    assert state.casts.counts["held"] == state.casts.counts["held_read"] == 2 * layers * 3
     restored = StepFp8(program.metadata["precision"], "cpu", program.graph)
     restored.load_state_dict(state.state_dict())  # shared rows: each key its history
     assert {k: v.tolist() for k, v in restored.state_dict().items()} == \

@@ -14,10 +14,10 @@ the dgrad and the wgrad, an activation by its forward and its wgrad) has the sam
 each, so the same scale wherever the keys' histories are equal (`ScaleState.share`: the
 keys then share one history row). Its first use takes the amax and scale and casts, in one
 pass, every layout the matmuls of its function that read it ask for (a weight: also those
-of its backward); later uses take them as they are, or cast a layout not made yet (an
-activation's transposed copy in the backward: its fp8 copies are dropped after the last
-reader in the function that made them, so nothing activation-sized is held across the
-step). A weight's fp8 copies (both layouts) are kept to the step's end: each weight is
+of its backward); later uses take them as they are, or cast a layout not made yet. An
+activation's fp8 copies are dropped after the last reader in the function that made them,
+except x^T where the backward's wgrad reads the same saved x: cast in the forward's pass
+and kept to that backward (`KEEP_TRANSPOSED`; one read of x less a linear). A weight's fp8 copies (both layouts) are kept to the step's end: each weight is
 cast once a step, however many micro-batches read it (one byte a covered parameter per
 layout beyond the memory plan).
 """
@@ -48,20 +48,20 @@ class StepFp8:
         plan = covered(self.sites, self.recipe, node, frame, forward)
         where = f"{frame.function.name}/{node.id} (recipe `{self.recipe['name']}`)"
         if node.target == "matmul":
-            A, B = self._operands(node, frame, inputs, plan)
+            A, B = self._operands(node, frame, inputs, plan, forward)
             return [fp8_gemm.matmul(self.scales, A, B, where=where, **attrs)]
         d_C, A, B = inputs
         wanted = attrs.pop("wanted_outputs", (True, True))
         if d_C is None:  # no gradient reached C: none leaves either
             return [B.new_zeros(A.shape) if wanted[0] else None,
                     B.new_zeros(B.shape) if wanted[1] else None]
-        d_C, A, B = self._operands(node, frame, inputs, plan)
+        d_C, A, B = self._operands(node, frame, inputs, plan, forward)
         return fp8_gemm.matmul_backward(self.scales, d_C, A, B, wanted=wanted, where=where,
                                         **attrs)
 
-    def _operands(self, node, frame, inputs: list, plan: list) -> list:
+    def _operands(self, node, frame, inputs: list, plan: list, forward=None) -> list:
         return [fp8_gemm.Operand(v, fmt, key, self.casts.quantize(v, fmt, key, weight, node, i,
-                                                                  frame))
+                                                                  frame, forward))
                 for i, (v, (fmt, key, weight)) in enumerate(zip(inputs, plan))]
 
     # the step's calls
@@ -102,6 +102,14 @@ class _Cast:
     q: fp8_gemm.Quantized | None = None
     frame: int = 0
     left: int = 0
+    held: int | None = None  # id of the forward frame whose backward reads the kept x^T
+
+
+# An activation that the backward of the function reading it reads transposed (the
+# wgrad's x^T, a saved value): x^T is cast in the forward's pass with x and kept to the
+# backward, where it was cast again from x (one read of x less a linear). TrainStep turns
+# it off where its plan recomputes or swaps anything (`keep_transposed`).
+KEEP_TRANSPOSED = True
 
 
 class Casts:
@@ -112,14 +120,19 @@ class Casts:
         self.entries: dict[int, _Cast] = {}
         self._readers: dict[str, dict] = {}  # function -> value -> [readers, layouts]
         self._families: dict[str, set] = {}
-        self.counts = {"quantized": 0, "shared": 0}  # first uses, later uses
+        self._held_values: dict[str, frozenset] = {}
+        self.keep_transposed = KEEP_TRANSPOSED
+        # first uses, later uses; x^T cast in a forward and kept, and read by its backward
+        self.counts = {"quantized": 0, "shared": 0, "held": 0, "held_read": 0}
 
     def clear(self) -> None:
         self.entries = {}
 
-    def quantize(self, x, fmt: str, key: str, weight: bool, node, i: int, frame):
-        """`x`, input `i` of covered `node` in `frame`, quantized (None outside a training
-        step: fp8_gemm quantizes it at this use, as before)."""
+    def quantize(self, x, fmt: str, key: str, weight: bool, node, i: int, frame,
+                 forward=None):
+        """`x`, input `i` of covered `node` in `frame` (a backward's: `forward`, the run
+        of its forward function), quantized (None outside a training step: fp8_gemm
+        quantizes it at this use, as before)."""
         scales = self.fp8.scales
         if x is None or not scales.recording:
             return None
@@ -131,22 +144,52 @@ class Casts:
                                   or not scales.share(key, entry.row)):
             entry = None
         if entry is None:
-            entry = self.entries[id(x)] = self._first(x, fmt, key, layouts)
+            held = not weight and forward is None and self._holds(function, value)
+            entry = self.entries[id(x)] = self._first(x, fmt, key,
+                                                      (layouts[0], layouts[1] or held))
             entry.frame, entry.left = id(frame), readers
+            entry.held = id(frame) if held else None
             self.counts["quantized"] += 1
+            self.counts["held"] += held
         else:
             self.counts["shared"] += 1
         if entry.frame != id(frame):  # its first reader in this run of the function
-            entry.frame, entry.left = id(frame), readers
-            if not weight:
+            # the backward of the run that cast x^T for it: that copy is read here
+            reads_held = entry.held is not None and forward is not None \
+                and id(forward) == entry.held and entry.q is not None
+            entry.frame, entry.left, entry.held = id(frame), readers, None
+            if not weight and not reads_held:
                 entry.q = None
+            self.counts["held_read"] += reads_held
         if entry.q is None:
             entry.q = fp8_gemm.Quantized(fp8_gemm._fold(x), fmt, entry.scale, entry.inv_scale)
-        q = entry.q.prepare(*layouts)
+        q = entry.q.prepare(layouts[0], layouts[1] or entry.held is not None)
         entry.left -= 1
         if entry.left <= 0 and not weight:
-            entry.q = None  # its last reader here: the fp8 copies go with this use
+            if entry.held is None:
+                entry.q = None  # its last reader here: the fp8 copies go with this use
+            else:  # x^T stays for the backward (a new Quantized: this use's q keeps both)
+                kept = fp8_gemm.Quantized(q.x, fmt, entry.scale, entry.inv_scale)
+                kept._transposed = q._transposed
+                entry.q = kept
         return q
+
+    def _holds(self, function: str, value: str) -> bool:
+        """Whether forward `function`'s `value` is one its backward functions' covered
+        nodes read transposed as the forward's saved value (not one they make)."""
+        if not self.keep_transposed or self.graph is None:
+            return False
+        if function not in self._held_values:
+            held = set()
+            for g in self.graph.functions:
+                if g.gradient_of != function:
+                    continue
+                made = {o for n in g.nodes for o in n.outputs if o}
+                for v, (_, (_, transposed)) in self._readers_of(g.name).items():
+                    if transposed and v in set(g.saved) and v not in made:
+                        held.add(v)
+            self._held_values[function] = frozenset(held)
+        return value in self._held_values[function]
 
     def _first(self, x, fmt: str, key: str, layouts: tuple) -> _Cast:
         """x's first use this step: its scale (its amax recorded) and, for delayed scaling

@@ -186,6 +186,10 @@ class TrainStep:
         self.graph = self.split.graph if self.split else self.program.graph
         if isinstance(self.decisions, str) and self.decisions == "auto":
             self.decisions = Decisions.from_schedule(self.program.document.get("schedule", {}))
+        if self.fp8 is not None and self.decisions is not None and self.decisions.table:
+            # a value recomputed or swapped is another tensor in the backward: no wgrad x^T
+            # kept from the forward's cast (fp8_step.KEEP_TRANSPOSED) would be read
+            self.fp8.casts.keep_transposed = False
         self.swaps_kept = 0
         if self.accumulation < 1:
             raise ValueError(f"accumulation must be at least 1, not {self.accumulation}")
