@@ -106,12 +106,21 @@ def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(
     assert by_op(ref_copies, "add") > 0 and by_op(ref_copies, "zeros") > 0
     assert by_op(copies, "add") == by_op(copies, "zeros") == 0, copies
     # concat_backward's parts are views of the stacked gradient (the planner aliases them,
-    # as split's): copied only where they are parameter gradients (cloned out of the arena)
+    # as split's); the stacked d_A is in bytes of its own (its row blocks, the A
+    # gradients, are handed as they are): copied are only the B gradients, column blocks
+    # of the arena's stacked d_B, cloned out of it (5 a layer: q, k, v, gate, up)
     graph = model.source.program_for(token_inputs(model)).graph
     param_grads = {(f.name, g) for f in graph.functions for _, g in f.param_grads}
-    assert by_op(copies, "concat_backward") > 0 and all(
-        (f, v) in param_grads for f, v, op in copies if op == "concat_backward")
+    copied = [(f, v) for f, v, op in copies if op == "concat_backward"]
+    assert len(copied) == 5 and all(
+        (f, v) in param_grads and "lora_B" in _param_of(graph, f, v) for f, v in copied)
+    assert run.lora_dx_fused == 8
     assert sum(copies.values()) < sum(ref_copies.values())
+
+
+def _param_of(graph, function: str, grad: str) -> str:
+    """The parameter whose gradient value `grad` is in `function`."""
+    return next(p for p, g in graph.function(function).param_grads if g == grad)
 
 
 def _error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -164,3 +164,28 @@ def add_into(run, pair: DxPair, frame, forward) -> torch.Tensor | None:
     alpha = float(base.attr("alpha") or 1.0)
     d_x1.view(-1, w.shape[1]).addmm_(d_y.reshape(-1, w.shape[0]), w, alpha=alpha)
     return d_x1
+
+
+def stacked_param_grads(function) -> frozenset:
+    """Values of backward `function` made by a matmul_backward, read by concat_backward
+    nodes alone that split them along dim 0 into parameter gradients only (LoRA's stacked
+    d_A of a fused projection: its parts are contiguous row blocks)."""
+    if not function.gradient_of:
+        return frozenset()
+    grads = {g for _, g in function.param_grads}
+    readers: dict = {}
+    for node in function.nodes:
+        for value in node.inputs:
+            if value:
+                readers.setdefault(value, []).append(node)
+    found = set()
+    for node in function.nodes:
+        if node.kind != "op" or node.target != "matmul_backward":
+            continue
+        for value in node.outputs:
+            users = readers.get(value, [])
+            if value and value not in function.outputs and users and all(
+                    u.kind == "op" and u.target == "concat_backward" and u.attr("dim") == 0
+                    and all(not o or o in grads for o in u.outputs) for u in users):
+                found.add(value)
+    return frozenset(found)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.cuda.lora_backward import DxPairs, add_into, lora_dx_pairs, target_bytes
+from runtime.cuda.lora_backward import (DxPairs, add_into, lora_dx_pairs,
+                                        stacked_param_grads, target_bytes)
 from runtime.cuda.swaps import Stored
 from runtime.cuda.train_kernels import lora_addmm, lora_matmul_into, overlaps
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
@@ -47,6 +48,7 @@ class _StepInterpreter(Interpreter):
         self.lora_dx_fused = 0  # backward d_x sums run as an addmm (lora_backward.py)
         self._dx_pairs: dict = {}  # function name -> lora_backward.DxPairs
         self._redirects: dict = {}  # (id(frame), node id) -> the add's bytes for its d_x
+        self._own: dict = {}  # function name -> values kept out of the arena (_own_bytes)
         self._in_place: dict = {}  # function name -> node ids run in place
         self.swaps = None  # runtime.cuda.swaps.GpuSwaps: the step's, when it executes swaps
         self._released_at: dict = {}  # id(forward run) -> its release number (swaps)
@@ -278,20 +280,39 @@ class _StepInterpreter(Interpreter):
 
     def _out_bytes(self, kernel, node, frame, attrs) -> None:
         """The arena's planned bytes, but the add's for an adapter path's d_x redirected
-        there (`_lora_dx`)."""
+        there (`_lora_dx`), and none for a stacked parameter gradient (`_own_bytes`)."""
         super()._out_bytes(kernel, node, frame, attrs)
         raw = self._redirects.get((id(frame), node.id))
         if raw is not None and attrs.get("out"):
             attrs["out"][0] = raw
+        own = self._own_bytes(frame.function)
+        if attrs.get("out") and own:
+            attrs["out"] = [None if v in own else b for v, b in zip(node.outputs, attrs["out"])]
 
     def _after(self, node, frame, value, tensor):
-        """A redirected d_x (`_lora_dx`) stays in the add's bytes: its add takes it there."""
+        """A redirected d_x (`_lora_dx`) stays in the add's bytes: its add takes it there;
+        a stacked parameter gradient (`_own_bytes`) stays in its own."""
         raw = self._redirects.get((id(frame), node.id))
         if raw is not None and value == node.outputs[0] and isinstance(tensor, torch.Tensor) \
                 and tensor.data_ptr() == raw.data_ptr():
             self._finite(node, frame, value, tensor, "")
             return tensor
+        if self.hooks is None and value in self._own_bytes(frame.function) \
+                and isinstance(tensor, torch.Tensor) and not self._replaying:
+            self._finite(node, frame, value, tensor, "")
+            return tensor
         return super()._after(node, frame, value, tensor)
+
+    def _own_bytes(self, function) -> frozenset:
+        """Values of backward `function` kept in the bytes their kernel allocated, not the
+        arena's: LoRA's stacked adapter gradients (a fused projection's `[k*r, in]` d_A) read
+        by concat_backward alone whose parts are all parameter gradients (contiguous row
+        blocks: a parameter gradient in the arena is cloned out of it, one copy each; in
+        bytes of their own the parts are handed to the optimizer as they are)."""
+        if function.name not in self._own:
+            self._own[function.name] = stacked_param_grads(function) \
+                if self.arena is not None else frozenset()
+        return self._own[function.name]
 
     def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
         """A shape-only stand-in for a value never materialized (one scalar, expanded)."""
