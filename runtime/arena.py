@@ -15,11 +15,12 @@ order, so a run whose values the planner decided to recompute or swap (the layou
 released. Made by a kernel that writes into given bytes, in the forward or again in the
 backward, it goes to the records of its function's later runs (`replay_bytes`): not
 written yet in the forward, their backward done in the backward; other such values and
-swaps' copies back live outside the arena. A kernel computes out of place and its result is
-copied into the planned bytes (an in-place decision shares the input's bytes, which is
-dead by then); a view op (view, transpose, permute, split) keeps torch's view of its
-source, which is in the arena already. A plan that lets two live values share bytes
-therefore changes the results, which is what the arena tests look for.
+swaps' copies back live outside the arena, as do the saved values of ops whose kernels
+allocate their outputs where the arena is made with them (`own_bytes`, the GPU step's:
+`own_saved`). A kernel computes out of place and its result is copied into the planned
+bytes (an in-place decision shares the input's bytes, which is dead by then); a view op
+(view, transpose, permute, split) keeps torch's view of its source, which is in the arena
+already. A plan that lets two live values share bytes therefore changes the results, which is what the arena tests look for.
 
 Sizes are the plan's, computed from the IR dtypes (bf16 activations, fp32 statistics): an
 arena run uses those dtypes (`dtype=torch.bfloat16`); a value that does not fit its
@@ -62,6 +63,11 @@ class Arena:
     _replays: dict = field(default_factory=dict)  # (id(run), value) -> bytes this step
     _cursor: dict = field(default_factory=dict)  # forward function -> (run, next free byte)
     _in_place: dict = field(default_factory=dict)  # function -> its in-place node ids
+    # ops whose kernels allocate their outputs (no `out=`: `allocates_outputs`, the GPU
+    # step's grouped GEMM, attention, MoE gathers): a saved value such an op makes keeps
+    # the kernel's bytes, and records hold no bytes for it (`own_saved`)
+    own_bytes: frozenset = frozenset()
+    own: dict = field(default_factory=dict)  # forward function -> its values of own bytes
 
     def __post_init__(self):
         plan = plan_step(self.graph)
@@ -71,7 +77,8 @@ class Arena:
         self.joins = plan.joins
         self.regions = {TRANSIENT: torch.empty(plan.regions[TRANSIENT].arena,
                                                dtype=torch.uint8, device=self.device)}
-        self.records, self.ends = saved_records(self.layout, self.placements)
+        self.own = own_saved(self.graph, self.placements, self.handed, self.own_bytes)
+        self.records, self.ends = saved_records(self.layout, self.placements, self.own)
         self.rows = {(f["function"], row["value"]): row
                      for f in self.layout.get("functions", []) for row in f["values"]}
         self.regions[SAVED] = torch.empty(max(self.ends.values(), default=0),
@@ -297,16 +304,39 @@ class Arena:
         return base + blocks[placement.block] + placement.offset - block.offset
 
 
-def saved_records(layout: dict, placements: dict) -> tuple[dict, dict]:
+def own_saved(graph, placements: dict, handed: dict, targets) -> dict[str, frozenset]:
+    """{forward function: the saved storages (values no other value's view) made by an op
+    in `targets` (kernels that allocate their outputs), none of them a result the caller's
+    bytes hold}. Such a value stays in the bytes its kernel made: copying it into its
+    record would move every byte once more (the grouped GEMM's gate/up product of a
+    Mixtral-shaped layer: 352 MiB read and written), and the saved region shrinks by what
+    the allocator holds instead, so the step's bytes are the plan's either way."""
+    own = {}
+    for function in graph.functions if targets else ():
+        placed, results = placements.get(function.name, {}), handed.get(function.name, {})
+        values = frozenset(
+            value for node in function.nodes if node.kind == "op" and node.target in targets
+            for value in node.outputs
+            if value and value not in results and (p := placed.get(value)) is not None
+            and p.region == SAVED and p.block == value)
+        if values and not function.gradient_of:
+            own[function.name] = values
+    return own
+
+
+def saved_records(layout: dict, placements: dict, own: dict | None = None
+                  ) -> tuple[dict, dict]:
     """({forward function: per run, (base, {storage: offset in the record})}, {forward
     function: where its last record ends}; the last end is the saved region's bytes). A
     run's record holds the storages (a value and its views) it keeps (the layout's
-    decisions; none: keep), in the plan's order, aligned."""
+    decisions; none: keep), in the plan's order, aligned, but those of `own` (own_saved:
+    they keep their kernel's bytes)."""
     records, ends, end = {}, {}, 0
     for entry in layout.get("functions", []):
         name, runs = entry["function"], []
+        skip = (own or {}).get(name, frozenset())
         order = sorted((p.offset, value) for value, p in placements.get(name, {}).items()
-                       if p.region == SAVED and p.block == value)
+                       if p.region == SAVED and p.block == value and value not in skip)
         for instance in range(entry["instances"]):
             kept = {row.get("view_of", row["value"]) for row in entry["values"]
                     if _kind(row, instance) == "keep"}

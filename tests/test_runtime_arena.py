@@ -71,14 +71,15 @@ def test_a_value_larger_than_its_bytes_is_refused():
         model.forward(**token_inputs(model))
 
 
-def _train_kernel_run(name: str, arena: bool, derive_written: bool = False):
+def _train_kernel_run(name: str, arena: bool, derive_written: bool = False, own=False):
     """The GPU step's interpreter and kernels (their CPU paths: views stay views, RoPE is
     planned in place) with the LM head cut off, on the arena or not (`derive_written`:
-    the backward derived, not the source's)."""
+    the backward derived, not the source's; `own`: as the GPU step makes its arena, the
+    saved values of kernels that allocate their outputs in their own bytes)."""
     from runtime.arena import Arena, ParameterRegions
     from runtime.cuda.lm_head import split_head
     from runtime.cuda.step import _StepInterpreter
-    from runtime.cuda.train_kernels import train_kernels
+    from runtime.cuda.train_kernels import allocating_ops, train_kernels
 
     path, settings = TINY[name]
     model = Model.from_module(path, settings=settings, dtype=torch.bfloat16)
@@ -92,7 +93,8 @@ def _train_kernel_run(name: str, arena: bool, derive_written: bool = False):
     if arena:
         layout = program.document.get("schedule", {}).get("layout", {})
         regions = ParameterRegions.for_params(model.params)
-        options = {"arena": Arena(graph, layout), "param_regions": regions}
+        own_bytes = allocating_ops(train_kernels("cpu")) if own else frozenset()
+        options = {"arena": Arena(graph, layout, own_bytes=own_bytes), "param_regions": regions}
     params = options["param_regions"].bind(model.params) if arena else model.params
     run = _StepInterpreter(graph, params, torch.bfloat16, check_finite=False,
                            kernels=train_kernels("cpu"), keep_only_saved=True, **options)
@@ -199,6 +201,40 @@ def test_transient_outputs_of_an_allocating_kernel_stay_where_it_made_them(monke
     backward = [v for target, v in placed if target == "flash_attention_backward"]
     forward = [v for target, v in placed if target == "flash_attention"]
     assert len(backward) == 2 and len(forward) == 4  # two layers: d_v; out and lse
+
+
+def test_saved_values_of_allocating_kernels_keep_their_bytes(monkeypatch):
+    """As the GPU step makes its arena (`own_bytes`): the saved values that the grouped
+    GEMM, the MoE gathers and attention make (`allocates_outputs`, no `out=`) are not
+    copied into records, which hold no bytes for them (the saved region shrinks by those
+    bytes); the results are the plain run's bit for bit."""
+    import runtime.arena as arena_module
+
+    copied, sizes = [], {}
+    moved, init = arena_module._moved, arena_module.Arena.__post_init__
+
+    def recording(target, tensor):
+        if target.data_ptr() != tensor.data_ptr():
+            copied.append(tuple(tensor.shape))
+        return moved(target, tensor)
+
+    def made(self):
+        init(self)
+        sizes[bool(self.own_bytes)] = self.bytes_of()[SAVED]
+    monkeypatch.setattr(arena_module, "_moved", recording)
+    monkeypatch.setattr(arena_module.Arena, "__post_init__", made)
+    _train_kernel_run("mixtral", arena=True)
+    before, copied[:] = list(copied), []
+    plain_out, plain_grads = _train_kernel_run("mixtral", arena=False)
+    out, grads = _train_kernel_run("mixtral", arena=True, own=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_out, out))
+    assert _same(plain_grads, grads)
+    gate_up = (32, 96)  # 16 tokens x top-2 routed rows, 2 x d_ff 48: the largest saved value
+    assert before.count(gate_up) == 2 and gate_up not in copied  # 2 layers
+    assert len(before) - len(copied) == 2 * 6  # permuted, scatter, gate_up, expert_out,
+    # attention's out and lse: per layer
+    assert (32, 32) not in copied  # routed rows of d_model (d_rows, d_x too: transients)
+    assert sizes[True] < sizes[False]
 
 
 def _budgeted_run(program, params, arena: bool, frame_events=None):

@@ -56,6 +56,8 @@ class _Reference:
 
 
 class MoePermute(_Reference):
+    allocates_outputs = True  # the gathers make their outputs (runtime/arena.py own_saved)
+
     def __init__(self):
         super().__init__("moe_permute")
 
@@ -81,6 +83,8 @@ class MoePermute(_Reference):
 
 
 class MoeUnpermute(_Reference):
+    allocates_outputs = True  # the backward's d_rows (transient) stays where it is made
+
     def __init__(self):
         super().__init__("moe_unpermute")
 

@@ -70,7 +70,7 @@ from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, stored_dtypes, whole_update
 from runtime.cuda.state import random_params  # noqa: F401 (TrainStep.init_random; callers)
 from runtime.cuda.step_optim import AdamWBatch, NormSquares
-from runtime.cuda.train_kernels import train_kernels
+from runtime.cuda.train_kernels import allocating_ops, train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
 from runtime.decisions import Decisions
@@ -237,7 +237,8 @@ class TrainStep:
 
         layout = self.program.document.get("schedule", {}).get("layout", {})
         # no NaN over released and transient bytes (the CPU tests' check): a memset a step
-        return Arena(self.graph, layout, device="cuda", poison=False)
+        return Arena(self.graph, layout, "cuda", poison=False,
+                     own_bytes=allocating_ops(self.kernels))  # their saved values: own bytes
 
     # ------------------------------------------------------------------ weights
     def shapes(self) -> dict[str, tuple[int, ...]]:

@@ -504,4 +504,11 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     return kernels
 
 
+def allocating_ops(kernels: dict) -> frozenset:
+    """The ops whose kernels allocate their outputs (`allocates_outputs`: no `out=`): on the
+    arena their saved values keep those bytes (runtime/arena.py own_saved)."""
+    return frozenset(name for name, kernel in kernels.items()
+                     if getattr(kernel, "allocates_outputs", False))
+
+
 TRAIN_KERNELS = train_kernels()
