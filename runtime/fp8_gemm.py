@@ -293,15 +293,25 @@ def _second(flag: str) -> tuple[bool, bool]:
     return (flag == "T", flag == "N")
 
 
+# cuBLAS's fast FP8 accumulation (the partial sums not promoted to fp32 every few K
+# blocks: faster, less exact than the recipe's fp32 accumulation) for the products of a
+# forward function's covered matmuls (fp8_step.StepFp8). Off: every product accumulates
+# as the recipe says. A measurement knob (benchmarks/train_step.py's `fastaccum`), no
+# recipe setting; TransformerEngine's and torchao's FP8 training do this by default.
+FAST_ACCUM = {"forward": False}
+
+
 def scaled_product(x: Quantized, y: Quantized, mode: str, alpha: float, out_dtype,
-                   where: str = "", out: Tensor | None = None) -> Tensor:
+                   where: str = "", out: Tensor | None = None, fast: bool = False) -> Tensor:
     """alpha * op(x) @ op(y) of two quantized 2-D operands: one _scaled_mm, written into
-    `out` (the arena's planned bytes, uint8) where they fit, as the bf16 Matmul does."""
+    `out` (the arena's planned bytes, uint8) where they fit, as the bf16 Matmul does;
+    `fast`: cuBLAS's fast accumulation (FAST_ACCUM)."""
     a = x.plain() if mode[0] == "N" else x.transposed()
     b = y.plain().t() if mode[1] == "T" else y.transposed().t()
     check_dims(a.shape[0], a.shape[1], b.shape[1], where)
     into = _into(out, (a.shape[0], b.shape[1]), out_dtype, a.device)
     c = torch._scaled_mm(a, b, scale_a=x.inv_scale, scale_b=y.inv_scale, out_dtype=out_dtype,
+                         use_fast_accum=bool(fast),
                          **({"out": into} if into is not None else {}))
     return c if alpha == 1.0 else c.mul_(alpha)
 
@@ -355,11 +365,11 @@ def backward_layouts(transpose: str, wanted=(True, True)) -> list:
 
 
 def matmul(state: ScaleState, A: Operand, B: Operand, *, transpose: str = "NN",
-           alpha: float = 1.0, where: str = "", out=None, **_) -> Tensor:
+           alpha: float = 1.0, where: str = "", out=None, fast: bool = False, **_) -> Tensor:
     """C = alpha * op(A) @ op(B) in FP8 (C keeps A's leading dims in N* modes); `out`: the
-    planned bytes of C (or None)."""
+    planned bytes of C (or None); `fast`: cuBLAS's fast accumulation (FAST_ACCUM)."""
     C = scaled_product(quantized(state, A), quantized(state, B), transpose, float(alpha),
-                       A.value.dtype, where, out[0] if out else None)
+                       A.value.dtype, where, out[0] if out else None, fast)
     if transpose[0] == "N" and A.value.dim() > 2:
         C = C.view(*A.value.shape[:-1], C.shape[-1])
     return C

@@ -309,6 +309,49 @@ def test_the_wgrads_x_t_kept_from_the_forward_gives_the_same_bits(derive):
         {k: v.tolist() for k, v in reference.items()}
 
 
+def test_fast_accumulation_is_asked_for_the_forwards_products_only(monkeypatch):
+    """fp8_gemm.FAST_ACCUM["forward"] (a measurement knob, off by default): the step's
+    forward products ask _scaled_mm for cuBLAS's fast accumulation, the backward's (dgrad,
+    wgrad) never; off, none does."""
+    from runtime.cuda.fp8_step import StepFp8
+    from runtime.cuda.lm_head import logits_cross_entropy
+    from runtime.cuda.step import next_token_labels
+    from runtime.cuda.step_interpreter import _StepInterpreter
+    from runtime.inputs import fed_inputs, sized_inputs
+    from runtime.model import parameter_shapes
+    from runtime.program import ModuleSource
+
+    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8",
+                          derive_written=True)
+    names = source.program(planned=False).input_names()
+    program = source.program_for(sized_inputs(names, 2, 16))
+    g = torch.Generator().manual_seed(0)
+    params = {p: torch.randn(s, generator=g) * 0.2 for p, s in
+              parameter_shapes(program.graph).items()}
+    tokens = torch.randint(0, 64, (2, 16), generator=g)
+    asked, product = [], torch._scaled_mm
+
+    def recorded(*args, use_fast_accum=False, **kwargs):
+        asked.append(use_fast_accum)
+        return product(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    layers = int(TINY["n_layers"])
+    for fast in (True, False):
+        monkeypatch.setitem(fp8_gemm.FAST_ACCUM, "forward", fast)
+        asked.clear()
+        state = StepFp8(program.metadata["precision"], "cpu", program.graph)
+        run = _StepInterpreter(program.graph, params, torch.float32, check_finite=False)
+        run.fp8_run = state
+        state.begin_step()
+        inputs = fed_inputs(names, tokens, None)
+        (logits,), frame = run.forward([inputs[n] for n in names])
+        run.backward(frame, [logits_cross_entropy(logits, next_token_labels(tokens))[1]])
+        state.end_step()
+        assert asked[:layers * 4] == [fast] * (layers * 4)  # qkv, out, up, down
+        assert asked[layers * 4:] == [False] * (layers * 4 * 2)  # dgrad, wgrad
+
+
 # ====================================================================== on the GPU
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -339,6 +382,23 @@ def test_a_cuda_fp8_gemm_is_the_cpu_one_and_near_bf16(mode):
         (bf16,) = _matmul_forward(A.bfloat16().cuda(), B.bfloat16().cuda(), transpose=mode)
         error = float((ours - bf16.float().cpu()).norm() / bf16.float().norm())
         assert 1e-4 < error < bound, (fmt, error)  # FP8 acts, within its rounding
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_cuda_fp8_gemm_with_fast_accumulation_is_near_the_fp32_one():
+    """cuBLAS's fast FP8 accumulation (fp8_gemm.FAST_ACCUM's products, into planned bytes
+    as the step writes them): the fp32-accumulated product within 2^-6 relative (norm)
+    at K = 4096."""
+    A, B = draw(512, 4096, seed=12, scale=2.0), draw(256, 4096, seed=13, scale=0.05)
+    state = fp8_gemm.ScaleState(RECIPE, "cuda")
+    a, b = (fp8_gemm.Operand(t.cuda().bfloat16(), "fp8_e4m3", k) for t, k in ((A, "a"), (B, "b")))
+    precise = fp8_gemm.matmul(state, a, b, transpose="NT")
+    raw = torch.empty(512 * 256 * 2, dtype=torch.uint8, device="cuda")
+    fast = fp8_gemm.matmul(state, a, b, transpose="NT", out=[raw], fast=True)
+    assert fast.data_ptr() == raw.data_ptr() and fast.dtype == torch.bfloat16
+    error = float((fast.float() - precise.float()).norm() / precise.float().norm())
+    assert error < 2 ** -6, error
 
 
 @pytest.mark.cuda

@@ -17,9 +17,10 @@ pass, every layout the matmuls of its function that read it ask for (a weight: a
 of its backward); later uses take them as they are, or cast a layout not made yet. An
 activation's fp8 copies are dropped after the last reader in the function that made them,
 except x^T where the backward's wgrad reads the same saved x: cast in the forward's pass
-and kept to that backward (`KEEP_TRANSPOSED`; one read of x less a linear). A weight's fp8 copies (both layouts) are kept to the step's end: each weight is
-cast once a step, however many micro-batches read it (one byte a covered parameter per
-layout beyond the memory plan).
+and kept to that backward (`KEEP_TRANSPOSED`; one read of x less a linear). A weight's
+fp8 copies (both layouts) are kept to the step's end: each weight is cast once a step,
+however many micro-batches read it (one byte a covered parameter per layout beyond the
+memory plan).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class StepFp8:
         where = f"{frame.function.name}/{node.id} (recipe `{self.recipe['name']}`)"
         if node.target == "matmul":
             A, B = self._operands(node, frame, inputs, plan, forward)
-            return [fp8_gemm.matmul(self.scales, A, B, where=where, **attrs)]
+            fast = fp8_gemm.FAST_ACCUM["forward"] and not frame.function.gradient_of
+            return [fp8_gemm.matmul(self.scales, A, B, where=where, fast=fast, **attrs)]
         d_C, A, B = inputs
         wanted = attrs.pop("wanted_outputs", (True, True))
         if d_C is None:  # no gradient reached C: none leaves either
