@@ -136,14 +136,16 @@ def modulec_options(variant: str) -> dict:
     TrainStep(arena=False); the arena is the default), `fp8` (the std FP8 recipe,
     TrainStep.from_module(precision="fp8")), `fastaccum` (with fp8: the forward's FP8
     GEMMs with cuBLAS's fast accumulation, runtime.fp8_gemm.FAST_ACCUM; not the recipe's
-    fp32 accumulation: a measure of what it is worth),
+    fp32 accumulation: a measure of what it is worth), `recast` (with fp8: the wgrad's x^T
+    cast again from x in the backward, not kept from the forward's cast:
+    runtime.cuda.fp8_step.KEEP_TRANSPOSED off, the path before it),
     `budget<GiB>` (e.g.
     modulec_norecompute_budget20: build with that memory budget for the whole step,
     TrainStep.from_module(memory_budget=...), the planner deciding what to recompute)."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
     unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash",
-                                  "swap", "noarena", "fp8", "fastaccum"}
+                                  "swap", "noarena", "fp8", "fastaccum", "recast"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
@@ -151,8 +153,8 @@ def modulec_options(variant: str) -> dict:
                "update_in_backward": not parts & {"keepgrads", "torchadam"},
                "attention": ("flash",) if "flash" in parts else ("cudnn", "flash"),
                "arena": "noarena" not in parts}
-    if "fastaccum" in parts and "fp8" not in parts:
-        raise ValueError("the modulec variant option fastaccum needs fp8")
+    if parts & {"fastaccum", "recast"} and "fp8" not in parts:
+        raise ValueError("the modulec variant options fastaccum and recast need fp8")
     if "fp8" in parts:
         options["precision"] = "fp8"
     if budgets:
@@ -171,6 +173,10 @@ def run_modulec(args, shape, ckpt, variant="modulec"):
         from runtime import fp8_gemm
 
         fp8_gemm.FAST_ACCUM["forward"] = True
+    if "recast" in variant.split("_"):
+        from runtime.cuda import fp8_step
+
+        fp8_step.KEEP_TRANSPOSED = False
     step = TrainStep.from_module(ROOT / "std/models/llama.module", shape, batch=args.batch,
                                  seq=args.seq, **options)
     weights = load_hf_weights(step.program.weight_schema, ckpt, dtype=torch.float32, device="cuda")
