@@ -20,7 +20,8 @@ allocate their outputs where the arena is made with them (`own_bytes`, the GPU s
 `own_saved`). A kernel computes out of place and its result is copied into the planned
 bytes (an in-place decision shares the input's bytes, which is dead by then); a view op
 (view, transpose, permute, split) keeps torch's view of its source, which is in the arena
-already. A plan that lets two live values share bytes therefore changes the results, which is what the arena tests look for.
+already. A plan that lets two live values share bytes therefore changes the results,
+which is what the arena tests look for.
 
 Sizes are the plan's, computed from the IR dtypes (bf16 activations, fp32 statistics): an
 arena run uses those dtypes (`dtype=torch.bfloat16`); a value that does not fit its

@@ -2,9 +2,9 @@
 GEMM (runtime/cuda/grouped_gemm.py, torch._grouped_mm) against the reference loop in bf16,
 forward and both gradients in both modes, experts with no rows included (their weight
 gradient exactly zero on memory filled with NaN first); routing, counting, permuting and
-the grouped GEMMs captured in a CUDA graph and replayed on a new routing; tiny Mixtral and
-Qwen3-MoE GPU steps captured in one graph against eager steps; an fp32 MoE step's capture
-refused by name. The fast path needs sm90 (H100 / H200)."""
+the grouped GEMMs captured in a CUDA graph and replayed on a new routing; the bf16 router
+against the reference; tiny Mixtral and Qwen3-MoE GPU steps captured in one graph against
+eager steps; an fp32 MoE step's capture refused by name. The fast path needs sm90 (H100 / H200)."""
 
 from __future__ import annotations
 
@@ -119,6 +119,31 @@ def test_routing_and_grouped_gemms_are_captured_and_follow_a_new_routing():
             assert _rel(got, want) < 1e-3
         else:
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("use_sigmoid", [False, True])
+def test_the_bf16_router_matches_the_reference_on_the_gpu(use_sigmoid):
+    """moe_router with bf16 x and gate (runtime/cuda/moe.py router_forward_bf16 /
+    router_backward_bf16: torch.mm's fp32 output, d_logits as two bf16 halves) against the
+    reference kernel on the same tensors: the same picks, weights and statistics to fp32
+    summation order, both gradients to bf16 rounding."""
+    N, D, E, k = 4096, 256, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(N, D, device="cuda", generator=g).to(BF16)
+    gate = (torch.randn(E, D, device="cuda", generator=g) * 0.2).to(BF16)
+    attrs = {"top_k": k, "use_sigmoid": use_sigmoid}
+    kernel, ref = TRAIN_KERNELS["moe_router"], KERNELS["moe_router"]
+    got, want = kernel.forward([x, gate], dict(attrs)), ref.forward([x, gate], dict(attrs))
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    same = (got[1] == want[1]).all(-1)
+    assert same.float().mean() > 0.999  # a near-tie may flip
+    assert _rel(got[0][same], want[0][same]) < 4e-3 and _rel(got[2], want[2]) < 2e-3
+    d_weights = torch.randn(N, k, device="cuda", generator=g).to(BF16)
+    d_stats = torch.randn(2, E, device="cuda", generator=g)
+    inputs = [d_weights, d_stats, x, gate, want[1]]
+    have = kernel.backward(list(inputs), dict(attrs))
+    for a, b in zip(have, ref.backward(list(inputs), dict(attrs))):
+        assert a.dtype == b.dtype == BF16 and _rel(a, b) < 4e-3
 
 
 MOE_MODELS = {

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 from runtime.cuda import grouped_gemm as gg  # noqa: E402
 from runtime.cuda.moe import (  # noqa: E402
-    MOE_KERNELS, _offsets_forward, _router_forward, expert_counts,
+    MOE_KERNELS, _offsets_forward, _router_forward, expert_counts, mm32,
+    router_backward_bf16, router_forward_bf16, two_bf16,
 )
 from runtime.kernels import KERNELS  # noqa: E402
 
@@ -109,11 +110,76 @@ def test_sync_free_kernels_keep_the_reference_signatures_and_backward():
         kernel = MOE_KERNELS[name]
         assert kernel.reference is KERNELS[name]
         assert kernel.forward_outputs == KERNELS[name].forward_outputs
-        assert kernel.backward.__func__ is type(KERNELS[name]).backward
+        assert kernel.backward_outputs == KERNELS[name].backward_outputs
+    assert MOE_KERNELS["moe_compute_offsets"].backward.__func__ is type(
+        KERNELS["moe_compute_offsets"]).backward
+    inputs = [torch.randn(4, 2), None, torch.randn(4, 8), torch.randn(3, 8),
+              torch.zeros(4, 2, dtype=torch.int32)]  # CPU: the reference backward itself
+    got = MOE_KERNELS["moe_router"].backward(list(inputs), {"top_k": 2})
+    want = KERNELS["moe_router"].backward(list(inputs), {"top_k": 2})
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     x, gate = torch.randn(8, 16), torch.randn(4, 16)   # CPU: the reference forward itself
     got = MOE_KERNELS["moe_router"].forward([x, gate], {"top_k": 2})
     want = KERNELS["moe_router"].forward([x, gate], {"top_k": 2})
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("use_sigmoid,normalize", [(False, True), (False, False), (True, True)])
+def test_the_bf16_router_is_the_reference_in_bf16(use_sigmoid, normalize):
+    """The GPU's bf16 moe_router (no fp32 copy of x; its arithmetic on the CPU, where mm32
+    runs through fp32 copies) against the reference kernel on the same bf16 tensors: the
+    same picks and statistics, weights and both gradients equal but for the bf16
+    rounding of the outputs (d_logits split in two bf16 halves sums to nearly fp32)."""
+    g = torch.Generator().manual_seed(5)
+    N, D, E = 64, 32, 6
+    x = torch.randn(N, D, generator=g).bfloat16()
+    gate = (torch.randn(E, D, generator=g) * 0.5).bfloat16()
+    attrs = {"top_k": 2, "normalize": normalize, "use_sigmoid": use_sigmoid}
+    ref = KERNELS["moe_router"]
+    want = ref.forward([x, gate], dict(attrs))
+    got = router_forward_bf16(x, gate, **attrs)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert torch.equal(got[1], want[1])
+    assert _rel(got[0].float(), want[0].float()) < 4e-3
+    assert _rel(got[2], want[2]) < 1e-6
+    d_weights = torch.randn(N, 2, generator=g).bfloat16()
+    d_stats = torch.randn(2, E, generator=g)
+    for dw, ds in ((d_weights, d_stats), (d_weights, None), (None, d_stats)):
+        inputs = [dw, ds, x, gate, got[1]]
+        want = ref.backward(list(inputs), dict(attrs))
+        have = router_backward_bf16(*inputs, **attrs)
+        assert [t.dtype for t in have] == [torch.bfloat16, torch.bfloat16]
+        for a, b in zip(have, want):
+            assert a.shape == b.shape and _rel(a.float(), b.float()) < 4e-3
+
+
+def test_the_bf16_router_in_the_gpu_steps_interpreter(monkeypatch):
+    """A tiny bf16 Mixtral through the GPU step's interpreter and kernels on the arena,
+    its routers through the bf16 path (forward and backward: the wiring of inputs and
+    attrs), against the same run through the reference router: the same results, the
+    router gradients equal to bf16 rounding."""
+    import runtime.cuda.moe as moe
+    from tests.test_runtime_arena import _train_kernel_run
+
+    want_out, want = _train_kernel_run("mixtral", arena=True, own=True)
+    calls = []
+    monkeypatch.setattr(moe, "_router_bf16", lambda x, gate: calls.append(1) or (
+        x.dtype == gate.dtype == torch.bfloat16))
+    out, grads = _train_kernel_run("mixtral", arena=True, own=True)
+    assert len(calls) == 4  # 2 layers, forward and backward
+    assert all(torch.equal(a, b) for a, b in zip(out, want_out))
+    assert grads.keys() == want.keys()
+    for path, value in want.items():
+        assert _rel(grads[path].float(), value.float()) < 4e-3, path
+
+
+def test_two_bf16_halves_sum_to_nearly_fp32():
+    t = torch.randn(1000, 8, generator=torch.Generator().manual_seed(6)) * 1e-3
+    parts = two_bf16(t)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (1000, 16)
+    total = parts[:, :8].double() + parts[:, 8:].double()
+    assert float(((total - t.double()).abs() / t.double().abs()).max()) < 2 ** -16
+    assert _rel(mm32(parts, torch.cat([torch.eye(8)] * 2).bfloat16()), t) < 2 ** -16
 
 
 class _Always:

@@ -27,7 +27,7 @@ import torch
 from runtime.cuda.grouped_gemm import GroupedGemm
 from runtime.kernels import KERNELS
 from runtime.kernels.base import _call
-from runtime.kernels.moe import _router_probs
+from runtime.kernels.moe import _router_probs, router_d_logits, router_probs
 
 IO_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -124,12 +124,61 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def _router_forward(x, gate, *, top_k, normalize=True, use_sigmoid=False, **_):
     """runtime/kernels/moe.py's moe_router forward with `expert_counts` for bincount."""
-    E = gate.shape[0]
-    probs = _router_probs(x, gate, use_sigmoid)
+    return _route(_router_probs(x, gate, use_sigmoid), gate.shape[0], top_k, normalize)
+
+
+def _route(probs, E: int, top_k: int, normalize: bool) -> list:
     p, indices = torch.topk(probs, top_k, dim=-1)
     weights = p / p.sum(-1, keepdim=True) if normalize else p
     fraction = expert_counts(indices, E).to(probs.dtype) / indices.shape[0]
     return [weights, indices.to(torch.int32), torch.stack([fraction, probs.mean(0)])]
+
+
+def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 operands in fp32: the exact products summed in fp32, written out in
+    fp32 (torch.mm's out_dtype, cuBLAS's fp32 accumulation; CUDA only, so on the CPU the
+    same arithmetic through fp32 copies)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def two_bf16(t: torch.Tensor) -> torch.Tensor:
+    """fp32 [.., E] as [.., 2E] bf16: hi then lo, hi + lo = t to about 2^-17 |t| (a bf16
+    GEMM over both halves sums t's products to nearly fp32 accuracy)."""
+    hi = t.to(torch.bfloat16)
+    return torch.cat([hi, (t - hi.float()).to(torch.bfloat16)], -1)
+
+
+def router_forward_bf16(x, gate, *, top_k, normalize=True, use_sigmoid=False, **_):
+    """moe_router's forward with bf16 x and gate (no fp32 copy of x): the logits are the
+    fp32 ones of the reference (mm32), the rest its arithmetic on them."""
+    probs = router_probs(mm32(x, gate.t()), use_sigmoid)
+    weights, indices, stats = _route(probs, gate.shape[0], top_k, normalize)
+    return [weights.to(x.dtype), indices, stats]
+
+
+def router_backward_bf16(d_weights, d_stats, x, gate, indices, *, top_k, normalize=True,
+                         use_sigmoid=False, **_):
+    """moe_router's backward with bf16 x and gate: the reference's fp32 d_logits
+    (router_d_logits), split in two bf16 halves (two_bf16) for the products with gate and
+    x, bf16 GEMMs that read x once and write d_x once in bf16 (the reference reads an fp32
+    copy of x twice and writes d_x in fp32, then casts it)."""
+    probs = router_probs(mm32(x, gate.t()), use_sigmoid)
+    d_weights = d_weights.float() if d_weights is not None else None
+    d_stats = d_stats.float() if d_stats is not None else None
+    parts = two_bf16(router_d_logits(d_weights, d_stats, probs, indices, normalize,
+                                     use_sigmoid))
+    E = gate.shape[0]
+    d_x = torch.mm(parts, torch.cat([gate, gate]))               # [N, d] in bf16
+    d_gate = mm32(parts.t(), x)                                  # [2E, d] in fp32
+    return [d_x, (d_gate[:E] + d_gate[E:]).to(gate.dtype)]
+
+
+def _router_bf16(x, gate) -> bool:
+    return (isinstance(x, torch.Tensor) and isinstance(gate, torch.Tensor) and x.is_cuda
+            and x.dtype == gate.dtype == torch.bfloat16 and x.dim() == gate.dim() == 2
+            and x.device == gate.device)
 
 
 def _offsets_forward(indices, *, num_experts, **_):
@@ -153,7 +202,25 @@ class _SyncFree(_Reference):
         return _call(r, self.fn, r.forward_inputs, r.forward_outputs, inputs, attrs)
 
 
+class MoeRouter(_SyncFree):
+    """moe_router on the GPU: bf16 x and gate without fp32 copies (router_forward_bf16,
+    router_backward_bf16), other CUDA calls through `_SyncFree`, the rest the reference."""
+
+    def __init__(self):
+        super().__init__("moe_router", _router_forward)
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        if _router_bf16(*inputs):
+            return router_forward_bf16(*inputs, **attrs)
+        return super().forward(inputs, attrs)
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        if _router_bf16(*inputs[2:4]):
+            return router_backward_bf16(*inputs, **attrs)
+        return self.reference.backward(inputs, attrs)
+
+
 MOE_KERNELS = {"moe_permute": MoePermute(), "moe_unpermute": MoeUnpermute(),
-               "moe_router": _SyncFree("moe_router", _router_forward),
+               "moe_router": MoeRouter(),
                "moe_compute_offsets": _SyncFree("moe_compute_offsets", _offsets_forward),
                "grouped_gemm": GroupedGemm()}

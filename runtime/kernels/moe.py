@@ -18,7 +18,10 @@ from runtime.kernels.base import input_shape, register, sigmoid
 
 # --------------------------------------------------------------------------- moe_router
 def _router_probs(x, gate, use_sigmoid):
-    logits = x @ gate.T                                   # [N, E]
+    return router_probs(x @ gate.T, use_sigmoid)          # logits [N, E]
+
+
+def router_probs(logits, use_sigmoid):
     return sigmoid(logits) if use_sigmoid else softmax(logits, -1)
 
 
@@ -30,8 +33,14 @@ def _assignment_fraction(indices, num_experts, dtype):
 
 def _moe_router_backward(d_weights, d_stats, x, gate, indices, *, top_k, normalize=True,
                          use_sigmoid=False, **_):
-    N = x.shape[0]
     probs = _router_probs(x, gate, use_sigmoid)           # recomputed
+    d_logits = router_d_logits(d_weights, d_stats, probs, indices, normalize, use_sigmoid)
+    return [d_logits @ gate, d_logits.T @ x]
+
+
+def router_d_logits(d_weights, d_stats, probs, indices, normalize=True, use_sigmoid=False):
+    """The router logits' gradient from those of its weights and statistics."""
+    N = probs.shape[0]
     idx = indices.long()
     d_probs = torch.zeros_like(probs)
     if d_weights is not None:
@@ -49,7 +58,7 @@ def _moe_router_backward(d_weights, d_stats, x, gate, indices, *, top_k, normali
         d_logits = d_probs * (probs - probs * probs)
     else:
         d_logits = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
-    return [d_logits @ gate, d_logits.T @ x]
+    return d_logits
 
 
 @register("moe_router", ("x", "gate"), ("weights", "indices", "stats"),
