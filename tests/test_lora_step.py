@@ -222,6 +222,35 @@ def test_small_gradients_norms_are_summed_in_batches():
     assert norms.pending == []
 
 
+def test_a_gradient_in_the_arena_adds_its_norm_at_once(monkeypatch):
+    """TrainStep._update: a gradient in the activations' bytes (the LM head's, handed in
+    the transient region, which the backward then reuses) adds its squared norm at once,
+    not in a batch read after those bytes were written again; others wait for the batch."""
+    import types
+
+    import runtime.train.param_groups as groups
+    from runtime.cuda.step import AdamWConfig, TrainStep
+    from runtime.cuda.step_optim import NormSquares
+
+    region = torch.zeros(64, dtype=BF16)
+
+    class Arena:
+        def _in_arena(self, tensor):
+            return tensor.untyped_storage().data_ptr() == region.untyped_storage().data_ptr()
+
+    monkeypatch.setattr(groups, "hyperparameters", lambda program, path, a: (1.0, 0.0, None))
+    applied = []
+    step = types.SimpleNamespace(zero=None, program=None, adamw=AdamWConfig(),
+                                 _norms=NormSquares(torch.zeros(1)), activations=Arena(),
+                                 _apply=lambda path, grad, scale: applied.append(path))
+    region[:16] = 3.0
+    TrainStep._update(step, "head", region[:16])
+    TrainStep._update(step, "w", torch.full((4,), 2.0, dtype=BF16))
+    region.zero_()  # the backward writes the transient bytes
+    assert len(step._norms.pending) == 1 and applied == ["head", "w"]
+    assert float(step._norms.flushed()) == 16 * 9.0 + 4 * 4.0
+
+
 def test_random_params_make_adapters_as_peft_does():
     """The GPU step's first weights (TrainStep.init_random) for a LoRA'd model: B = 0 (the
     model starts as the base model, as Model.init_random and PEFT do), A ~ U(+-1/sqrt(in));

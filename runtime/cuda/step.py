@@ -69,7 +69,7 @@ from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, sp
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, stored_dtypes, whole_update
 from runtime.cuda.state import random_params  # noqa: F401 (TrainStep.init_random; callers)
-from runtime.cuda.step_optim import AdamWBatch, NormSquares
+from runtime.cuda.step_optim import AdamWBatch, NormSquares, in_activations
 from runtime.cuda.train_kernels import allocating_ops, train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
@@ -633,7 +633,8 @@ class TrainStep:
         from runtime.train.param_groups import clip_gradient, hyperparameters
 
         grad = clip_gradient(grad, hyperparameters(self.program, path, self.adamw)[2])
-        self._norms.add(grad)  # its squared norm into the step's gradient norm
+        # its squared norm into the step's gradient norm (at once: the head's in the arena)
+        self._norms.add(grad, transient=in_activations(self, grad))
         self._apply(path, grad, None)
 
     def _apply(self, path: str, grad: Tensor, scale: Tensor | None) -> None:

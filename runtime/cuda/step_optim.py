@@ -68,7 +68,9 @@ class NormSquares:
     a square and an add each (448 reductions a step on a LoRA'd Llama-3-8B: ~5 ms). A
     held gradient is one the step owns (a layer's, handed once); `flush` before reading
     `total`. The sum's order differs from one add per gradient: the last bits of
-    grad_norm may too; no update reads it (global clipping takes its own norm)."""
+    grad_norm may too; no update reads it (global clipping takes its own norm). A gradient
+    in the activations' bytes (`transient`: the LM head's, handed in the transient region
+    before the backward reuses it) adds its own at once, as AdamWBatch flushes for it."""
 
     SMALL = 1 << 20  # elements: a gradient held for a batch (2 MiB in bf16)
     BATCH = 64
@@ -77,8 +79,8 @@ class NormSquares:
         self.total = total
         self.pending: list = []
 
-    def add(self, grad: torch.Tensor) -> None:
-        if grad.numel() > self.SMALL:
+    def add(self, grad: torch.Tensor, transient: bool = False) -> None:
+        if grad.numel() > self.SMALL or transient:
             self.total.add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
             return
         self.pending.append(grad)
@@ -132,7 +134,7 @@ class AdamWBatch:
                              a.weight_decay * decay_scale(step.program, path, a)))
         self.dtype, self.scale = grad.dtype, scale
         self.held += grad.numel()
-        if len(self.pending) >= self.LIST or self.held >= self.HELD or _in_arena(step, grad):
+        if len(self.pending) >= self.LIST or self.held >= self.HELD or in_activations(step, grad):
             self.flush(step)
 
     def flush(self, step) -> None:
@@ -148,7 +150,7 @@ class AdamWBatch:
         self.pending, self.held = [], 0
 
 
-def _in_arena(step, grad: torch.Tensor) -> bool:
+def in_activations(step, grad: torch.Tensor) -> bool:
     """`grad` lies in the step's activation arena (bytes a later op may write)."""
     arena = getattr(step, "activations", None)
     return arena is not None and arena._in_arena(grad)
