@@ -375,6 +375,31 @@ def test_small_adamw_updates_are_run_sixteen_a_launch(monkeypatch):
     assert batch.pending == [] and batch.held == 0
 
 
+def test_a_step_that_fails_midway_leaves_no_queued_update():
+    """A step whose backward raises (a notebook may go on with the step) drops the updates
+    and norm terms it queued: the next step must not run them on gradients whose bytes
+    it has reused."""
+    import types
+
+    from runtime.cuda.step import TrainStep
+    from runtime.cuda.step_optim import AdamWBatch, NormSquares
+
+    batch, norms = AdamWBatch(), NormSquares(torch.zeros(1))
+    batch.pending, batch.held = [("queued",)], 4
+    norms.pending = [torch.ones(4)]
+
+    def fails(*args):
+        raise RuntimeError("out of memory in the backward")
+
+    step = types.SimpleNamespace(
+        step_count=torch.zeros(1), _norms=norms, zero=None, update_in_backward=False,
+        accumulation=1, _holds=lambda: False, _gradient_handler=lambda micro: None,
+        loss_and_gradients=fails, _adamw_batch=batch)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        TrainStep._fused_step(step)
+    assert batch.pending == [] and batch.held == 0 and norms.pending == []
+
+
 def test_frozen_norm_weights_gradient_is_not_asked_for():
     """The GPU step's interpreter tells an RMSNorm backward whose d_weight is unwanted (the
     frozen norms of a LoRA'd model) `weight_grad=False` (its kernel then skips the weight's

@@ -570,12 +570,19 @@ class TrainStep:
         in_backward = self.update_in_backward and not (self._holds() and
                                                        self.accumulation == 1)
         losses = []
-        for micro in range(self.accumulation):
-            handle = self._gradient_handler(micro)
-            loss, grads = self.loss_and_gradients(handle if in_backward else None, micro)
-            for p in [p for p in self.names if p in grads]:  # no gradient: no update
-                handle(p, grads.pop(p))
-            losses.append(loss)
+        try:
+            for micro in range(self.accumulation):
+                handle = self._gradient_handler(micro)
+                loss, grads = self.loss_and_gradients(handle if in_backward else None, micro)
+                for p in [p for p in self.names if p in grads]:  # no gradient: no update
+                    handle(p, grads.pop(p))
+                losses.append(loss)
+        except BaseException:
+            # a step that failed midway (a notebook may go on with this step) leaves no
+            # queued update or norm term for the next step to run on stale gradients
+            self._adamw_batch.discard()
+            self._norms.discard()
+            raise
         if self.zero is not None:
             self.zero.step_end()
             self.grad_norm.copy_(self.zero.grad_norm)

@@ -91,6 +91,10 @@ class NormSquares:
         self.flush()
         return self.total
 
+    def discard(self) -> None:
+        """Drop the held gradients unread (a step that failed midway)."""
+        self.pending = []
+
     def flush(self) -> None:
         if self.pending:
             norms = torch._foreach_norm(self.pending, 2, dtype=torch.float32)
@@ -136,6 +140,11 @@ class AdamWBatch:
         self.held += grad.numel()
         if len(self.pending) >= self.LIST or self.held >= self.HELD or in_activations(step, grad):
             self.flush(step)
+
+    def discard(self) -> None:
+        """Drop the queued updates unrun (a step that failed midway: the next step must
+        not apply them with gradients whose bytes it has reused)."""
+        self.pending, self.held = [], 0
 
     def flush(self, step) -> None:
         """Run the queued updates (one launch per LIST of them)."""
