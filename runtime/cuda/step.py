@@ -173,6 +173,8 @@ class TrainStep:
                                lora=lora, **parallel)
         step = cls(planned.program_for(tokens), batch, seq, **options)
         step.memory_budget, step.budget_offset = int(memory_budget), offset
+        if step.fp8 is not None:  # the planner does not count an FP8 wgrad's kept x^T
+            step.fp8.casts.keep_transposed = False
         step.unplanned, step.plan_device = program, plan_device
         return step
 
