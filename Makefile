@@ -38,8 +38,10 @@ grammar: setup
 grammar-snapshots: setup
 	$(PY) tests/grammar/run_grammar_tests.py snap --update
 
+# two workers (pytest-xdist): the suite is ~10 minutes on one core of a 2-core machine,
+# ~7 on both; each gloo test picks free ports, so workers do not collide
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 tests
 
 lint: setup
 	$(PY) -m pytest tests/test_grammar.py -q
