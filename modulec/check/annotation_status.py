@@ -239,7 +239,7 @@ STATUS: dict[str, Status] = {
     # rank's norm clip would see its slice only)
     "frozen": Status(both("modulec.check.instance:_param_value",
                           "runtime.train.param_groups:frozen_parameters",
-                          "runtime.cuda.step:frozen_paths")),
+                          "runtime.cuda.step_memory:frozen_paths")),
     "trainable": Status(both("modulec.lower.training_settings:trainable_settings",
                              "runtime.train.param_groups:hyperparameters",
                              "runtime.train.param_groups:clip_gradient",
