@@ -31,19 +31,6 @@ __device__ __forceinline__ float centred_squares(const float (&a)[VEC], float me
   return s;
 }
 
-// The row's value to normalize: x, or residual + input in fp32 (the fused kernel
-// normalizes the unrounded sum, as fused_residual_rmsnorm does).
-template <typename T, int VEC, bool FUSED>
-__device__ __forceinline__ void load_x(const T* x, const T* input, int64_t i, float (&a)[VEC]) {
-  load_vec<T, VEC>(x, i, a);
-  if constexpr (FUSED) {
-    float b[VEC];
-    load_vec<T, VEC>(input, i, b);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) a[j] += b[j];
-  }
-}
-
 template <typename T, int VEC, bool FUSED>
 __device__ __forceinline__ void store_y(const float (&a)[VEC], const T* weight, const T* bias,
                                         T* residual_out, T* y, int64_t i, float mean, float r) {
@@ -268,13 +255,6 @@ ln_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   }
 }
 
-// out[c] = sum over parts [first, end) of partial[part][c] (common.cuh column_sum_block)
-template <typename T>
-__global__ void column_sum_kernel(const float* __restrict__ partial, int64_t first, int64_t end,
-                                  int64_t C, T* __restrict__ out) {
-  column_sum_block<T>(partial, first, end, C, out);
-}
-
 // ------------------------------------------------------------------- host dispatch
 struct Forward {
   const void *x, *input, *weight, *bias;
@@ -310,29 +290,12 @@ cudaError_t forward_typed(const Forward& f, int64_t rows, int64_t C, float eps,
   return forward_vec<T, 1>(f, rows, C, eps, stream);
 }
 
-// The backward's launch shape from the sizes alone (the workspace is sized before the
-// launch, which may then take the scalar path on the same shape), as norms.cu's.
-struct BackwardPlan {
-  RowConfig cfg;
-  int grid;
-  int64_t parts() const { return static_cast<int64_t>(grid) * cfg.rows_per_block(); }
-};
-
+// The backward's launch shape (rows.cuh row_backward_plan; partials: d_weight's, d_bias's)
 template <typename T>
-BackwardPlan backward_plan(int64_t rows, int64_t C) {
+RowBackwardPlan backward_plan(int64_t rows, int64_t C) {
   constexpr int wide = 16 / sizeof(T);
-  const bool vector = C % wide == 0;
-  const RowConfig cfg = row_config(vector ? C / wide : C, kBwdCache);
-  int per_sm = 0;
-  if (vector)
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_backward_kernel<T, wide>,
-                                                  cfg.threads, 0);
-  else
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln_backward_kernel<T, 1>,
-                                                  cfg.threads, 0);
-  const int64_t needed = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
-  const int64_t resident = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
-  return {cfg, static_cast<int>(std::min(needed, resident))};
+  return row_backward_plan<wide>(rows, C, kBwdCache, ln_backward_kernel<T, wide>,
+                                 ln_backward_kernel<T, 1>);
 }
 
 struct Backward {
@@ -344,26 +307,22 @@ struct Backward {
 };
 
 template <typename T, int VEC>
-cudaError_t backward_vec(const Backward& b, int64_t rows, int64_t C, const BackwardPlan& plan,
-                         cudaStream_t stream) {
+cudaError_t backward_vec(const Backward& b, int64_t rows, int64_t C,
+                         const RowBackwardPlan& plan, cudaStream_t stream) {
   ln_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
       static_cast<const T*>(b.d_y), static_cast<const T*>(b.x), static_cast<const T*>(b.weight),
       b.mean, b.rstd, static_cast<const T*>(b.d_res), static_cast<T*>(b.d_x), b.workspace, rows,
       C, plan.cfg.group);
-  const unsigned col_blocks = static_cast<unsigned>((C + 31) / 32);
   const int64_t parts = plan.parts();
-  column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(b.workspace, 0, parts, C,
-                                                                static_cast<T*>(b.d_weight));
-  if (b.d_bias)
-    column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(
-        b.workspace, parts, 2 * parts, C, static_cast<T*>(b.d_bias));
+  launch_column_sum<T>(b.workspace, 0, parts, C, b.d_weight, stream);
+  if (b.d_bias) launch_column_sum<T>(b.workspace, parts, 2 * parts, C, b.d_bias, stream);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t backward_typed(const Backward& b, int64_t rows, int64_t C, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
-  const BackwardPlan plan = backward_plan<T>(rows, C);
+  const RowBackwardPlan plan = backward_plan<T>(rows, C);
   if (pick_vec<T>(C, {b.d_y, b.x, b.weight, b.d_res, b.d_x}) == wide)
     return backward_vec<T, wide>(b, rows, C, plan, stream);
   return backward_vec<T, 1>(b, rows, C, plan, stream);

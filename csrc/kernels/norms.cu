@@ -7,8 +7,6 @@
 // registers, then a second kernel sums the per-group partials per column. fp32
 // arithmetic throughout; bf16 or fp32 I/O. The scale is `offset + weight` (in fp32): offset
 // 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter).
-#include <algorithm>
-
 #include "rows.cuh"
 
 namespace modulec {
@@ -32,19 +30,6 @@ __device__ __forceinline__ void load_scale(const T* weight, int64_t i, float off
   load_vec<T, VEC>(weight, i, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) w[j] += offset;
-}
-
-// The row's value to normalize: x, or residual + input in fp32 for the fused kernel (the
-// reference normalizes the fp32 sum, not residual_out rounded to the I/O dtype).
-template <typename T, int VEC, bool FUSED>
-__device__ __forceinline__ void load_x(const T* x, const T* input, int64_t i, float (&a)[VEC]) {
-  load_vec<T, VEC>(x, i, a);
-  if constexpr (FUSED) {
-    float b[VEC];
-    load_vec<T, VEC>(input, i, b);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) a[j] += b[j];
-  }
 }
 
 template <typename T, int VEC, bool FUSED>
@@ -222,14 +207,6 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   }
 }
 
-// d_weight[c] = sum over the parts of partial[part][c]; a block sums 32 columns with 8
-// warps striding over the parts (coalesced 128-byte rows), then adds the 8 sums.
-template <typename T>
-__global__ void column_sum_kernel(const float* __restrict__ partial, int64_t parts, int64_t C,
-                                  T* __restrict__ out) {
-  column_sum_block<T>(partial, 0, parts, C, out);
-}
-
 // y = x * rstd[row] * weight: a norm's output from its saved input and statistics (the
 // planner's `apply_saved` replay). The same fp32 products in the same order as store_y, so
 // from the same x it gives the forward's y bit for bit. One thread: VEC elements.
@@ -299,37 +276,18 @@ cudaError_t forward_typed(const void* x, const void* input, const void* weight,
                            stream);
 }
 
-// The backward's launch shape, from the sizes alone: the workspace is sized before the
-// launch, which may then fall back to scalar access (unaligned pointers) on the same
-// shape, since a group handles rows of any length. The grid holds as many blocks as fit
-// on the GPU at once: more would only add d_weight partials.
-struct BackwardPlan {
-  RowConfig cfg;
-  int grid;
-  int64_t parts() const { return static_cast<int64_t>(grid) * cfg.rows_per_block(); }
-};
-
+// The backward's launch shape (rows.cuh row_backward_plan; partials: d_weight's)
 template <typename T>
-BackwardPlan backward_plan(int64_t rows, int64_t C) {
+RowBackwardPlan backward_plan(int64_t rows, int64_t C) {
   constexpr int wide = 16 / sizeof(T);
-  const bool vector = C % wide == 0;
-  const RowConfig cfg = row_config(vector ? C / wide : C, kBwdCache);
-  int per_sm = 0;
-  if (vector)
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rms_backward_kernel<T, wide>,
-                                                  cfg.threads, 0);
-  else
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rms_backward_kernel<T, 1>, cfg.threads,
-                                                  0);
-  const int64_t needed = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
-  const int64_t resident = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
-  return {cfg, static_cast<int>(std::min(needed, resident))};
+  return row_backward_plan<wide>(rows, C, kBwdCache, rms_backward_kernel<T, wide>,
+                                 rms_backward_kernel<T, 1>);
 }
 
 template <typename T, int VEC>
 cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, float offset,
                          const float* rstd, const void* d_res, void* d_x, void* d_weight,
-                         float* workspace, int64_t rows, int64_t C, const BackwardPlan& plan,
+                         float* workspace, int64_t rows, int64_t C, const RowBackwardPlan& plan,
                          cudaStream_t stream) {
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
       static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), offset,
@@ -337,9 +295,7 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
       static_cast<const T*>(d_res), static_cast<T*>(d_x), d_weight ? workspace : nullptr, rows,
       C, plan.cfg.group);
   if (!d_weight) return cudaGetLastError();  // d_x alone: no partials, no column sums
-  const unsigned col_blocks = static_cast<unsigned>((C + 31) / 32);
-  column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(workspace, plan.parts(), C,
-                                                                static_cast<T*>(d_weight));
+  launch_column_sum<T>(workspace, 0, plan.parts(), C, d_weight, stream);
   return cudaGetLastError();
 }
 
@@ -348,7 +304,7 @@ cudaError_t backward_typed(const void* d_y, const void* x, const void* weight, f
                            const float* rstd, const void* d_res, void* d_x, void* d_weight,
                            float* workspace, int64_t rows, int64_t C, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
-  const BackwardPlan plan = backward_plan<T>(rows, C);
+  const RowBackwardPlan plan = backward_plan<T>(rows, C);
   if (pick_vec<T>(C, {d_y, x, weight, d_res, d_x}) == wide)
     return backward_vec<T, wide>(d_y, x, weight, offset, rstd, d_res, d_x, d_weight, workspace,
                                  rows, C, plan, stream);

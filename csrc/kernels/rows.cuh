@@ -2,7 +2,8 @@
 // row of C elements is handled by a "group" of threads, the whole block for long rows or
 // a power-of-two slice of a warp for rows of at most 32 vectors (a block per short row
 // would leave most threads idle). Each thread of a group keeps the first few of its
-// vectors in registers (`per_thread`), so most rows are read from memory once.
+// vectors in registers (`per_thread`), so most rows are read from memory once. Also the
+// two norms' shared pieces: the fused input, the backward's plan and its column sums.
 #pragma once
 
 #include <algorithm>
@@ -73,6 +74,68 @@ __device__ __forceinline__ float group_max(float v, int group) {
   for (int off = group >> 1; off > 0; off >>= 1)
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
+}
+
+// ---- the norms' shared pieces (norms.cu's RMSNorm, layernorm.cu's LayerNorm)
+
+// The row's value to normalize: x, or residual + input in fp32 for the fused kernels (the
+// reference normalizes the fp32 sum, not residual_out rounded to the I/O dtype).
+template <typename T, int VEC, bool FUSED>
+__device__ __forceinline__ void load_x(const T* x, const T* input, int64_t i, float (&a)[VEC]) {
+  load_vec<T, VEC>(x, i, a);
+  if constexpr (FUSED) {
+    float b[VEC];
+    load_vec<T, VEC>(input, i, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[j] += b[j];
+  }
+}
+
+// The backward's second pass: out[c] = sum over parts [first, end) of partial[part][c]
+// (common.cuh column_sum_block; no atomics: deterministic). In an unnamed namespace: each
+// file that launches it has its own kernel, as a kernel defined in the file would be.
+namespace {
+
+template <typename T>
+__global__ void column_sum_kernel(const float* __restrict__ partial, int64_t first, int64_t end,
+                                  int64_t C, T* __restrict__ out) {
+  column_sum_block<T>(partial, first, end, C, out);
+}
+
+template <typename T>
+void launch_column_sum(const float* partial, int64_t first, int64_t end, int64_t C, void* out,
+                       cudaStream_t stream) {
+  const unsigned col_blocks = static_cast<unsigned>((C + 31) / 32);
+  column_sum_kernel<T><<<col_blocks, dim3(32, 8), 0, stream>>>(partial, first, end, C,
+                                                                static_cast<T*>(out));
+}
+
+}  // namespace
+
+// The persistent backward's launch shape, from the sizes alone: the workspace is sized
+// before the launch, which may then fall back to scalar access (unaligned pointers) on the
+// same shape, since a group handles rows of any length. The grid holds as many blocks as
+// fit on the GPU at once: more would only add partials. `cache`: the vectors a thread
+// keeps; the kernels: the vector path's (WIDE a thread) and the scalar path's.
+struct RowBackwardPlan {
+  RowConfig cfg;
+  int grid;
+  int64_t parts() const { return static_cast<int64_t>(grid) * cfg.rows_per_block(); }
+};
+
+template <int WIDE, typename VecKernel, typename ScalarKernel>
+RowBackwardPlan row_backward_plan(int64_t rows, int64_t C, int cache, VecKernel vec_kernel,
+                                  ScalarKernel scalar_kernel) {
+  const bool vector = C % WIDE == 0;
+  const RowConfig cfg = row_config(vector ? C / WIDE : C, cache);
+  int per_sm = 0;
+  if (vector)
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, vec_kernel, cfg.threads, 0);
+  else
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, scalar_kernel, cfg.threads, 0);
+  const int64_t needed = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
+  const int64_t resident = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
+  return {cfg, static_cast<int>(std::min(needed, resident))};
 }
 
 }  // namespace modulec
