@@ -7,9 +7,7 @@
 // in float64 and its reciprocal) and resets work for the next call (calls are ordered on
 // the stream: one work buffer serves them all). Where the amax reduction and fp8_scale were
 // two launches and torch's reduction, this is one launch and one read of x.
-#include <cuda_fp8.h>
-
-#include "common.cuh"
+#include "fp8.cuh"
 
 namespace modulec {
 namespace {
@@ -18,21 +16,6 @@ constexpr int kThreads = 256, kMaxBlocks = 1024;
 
 __device__ __forceinline__ unsigned magnitude_bits(float v) {
   return __float_as_uint(v) & 0x7fffffffu;
-}
-
-// fp32(top / amax) computed in float64; 1 for an amax of 0 or not finite
-__device__ __forceinline__ float scale_of(float amax, double top) {
-  const double wide = static_cast<double>(amax);
-  return (isfinite(wide) && wide > 0.0) ? static_cast<float>(top / wide) : 1.f;
-}
-
-__device__ __forceinline__ void finish(float a, float* pending, const float* past, double top,
-                                       float* scale, float* inv_scale) {
-  if (pending && !isnan(a)) *pending = fmaxf(*pending, a);
-  if (past && *past >= 0.f) a = *past;
-  const float s = scale_of(a, top);
-  *scale = s;
-  *inv_scale = 1.f / s;
 }
 
 // The block's maximum of m (every thread calls it) into work[0]; the last block of the grid
@@ -77,7 +60,7 @@ __global__ void fp8_amax_scale_kernel(const T* __restrict__ x, int64_t n, unsign
   }
   __shared__ unsigned warps[kThreads / 32];
   float a;
-  if (grid_max(m, work, warps, &a)) finish(a, pending, past, top, scale, inv_scale);
+  if (grid_max(m, work, warps, &a)) record_and_scale(a, pending, past, top, scale, inv_scale);
 }
 
 // ---- delayed scaling: the cast with the amax in one pass (fp8_cast.cu's 8-wide kernel,
@@ -87,16 +70,7 @@ __global__ void fp8_amax_scale_kernel(const T* __restrict__ x, int64_t n, unsign
 // writes the scale. Where the history is empty (a first step) it only takes the amax; the
 // last block writes the scale from it, and the second launch (!FIRST, which returns at once
 // where *past >= 0) casts at that scale. The same numbers as the amax, scale and cast
-// launches.
-constexpr int kVecTile = 64, kVecThreads = 256, kChunks = kVecTile * kVecTile / 8;
-
-__device__ __forceinline__ __nv_fp8_storage_t quantize(float x, float scale, float top,
-                                                       __nv_fp8_interpretation_t fmt) {
-  float v = x * scale;  // fp8_cast.cu's quantize
-  if (!isnan(v)) v = fminf(fmaxf(v, -top), top);
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, fmt);
-}
-
+// launches. The tile, quantize and the transposed store: fp8.cuh.
 template <bool FIRST>
 __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, unsigned* work,
                                         float* pending, const float* __restrict__ past,
@@ -105,7 +79,7 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
                                         float* inv_scale, __nv_fp8_storage_t* __restrict__ out,
                                         __nv_fp8_storage_t* __restrict__ out_t, int64_t rows,
                                         int64_t cols) {
-  __shared__ __align__(16) __nv_fp8_storage_t tile[kVecTile][kVecTile + 8];
+  __shared__ __align__(16) Fp8Tile tile;
   __shared__ unsigned warps[kVecThreads / 32];
   const bool have = *past >= 0.f;
   if (!FIRST && have) return;  // cast already
@@ -133,19 +107,12 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
   }
   if (FIRST) {
     float a;
-    if (grid_max(m, work, warps, &a)) finish(a, pending, past, top_scale, scale, inv_scale);
+    if (grid_max(m, work, warps, &a))
+      record_and_scale(a, pending, past, top_scale, scale, inv_scale);
   }
   if (!write || !out_t) return;
   __syncthreads();
-  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
-    const int c = i / 8, r = (i % 8) * 8;  // out_t row col0 + c, 8 elements from row0 + r
-    const int64_t gc = col0 + c, gr = row0 + r;
-    if (gr >= rows || gc >= cols) continue;
-    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) u.q[j] = tile[r + j][c];
-    *reinterpret_cast<uint2*>(out_t + gc * rows + gr) = u.packed;
-  }
+  store_transposed(tile, out_t, row0, col0, rows, cols);
 }
 
 template <typename T, int VEC>

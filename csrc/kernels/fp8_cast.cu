@@ -8,22 +8,12 @@
 // GEMM shapes): 64 x 64 tiles, 8 elements a thread at a time; otherwise 32 x 32 tiles, a
 // block of 32 x 8 threads reading a tile row-major (coalesced), writing `out` the same way
 // and `out_t` through shared memory, transposed.
-#include <cuda_fp8.h>
-
-#include "common.cuh"
+#include "fp8.cuh"
 
 namespace modulec {
 namespace {
 
 constexpr int kTile = 32, kRowsPerPass = 8;
-
-template <typename T>
-__device__ __forceinline__ __nv_fp8_storage_t quantize(T x, float scale, float top,
-                                                       __nv_fp8_interpretation_t fmt) {
-  float v = to_float(x) * scale;
-  if (!isnan(v)) v = fminf(fmaxf(v, -top), top);  // the clamp keeps NaN, as torch's does
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, fmt);
-}
 
 template <typename T>
 __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict__ scale_ptr,
@@ -41,7 +31,7 @@ __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict
     const int ty = threadIdx.y + k;
     const int64_t r = row0 + ty, c = col0 + tx;
     if (r < rows && c < cols) {
-      const __nv_fp8_storage_t q = quantize(x[r * cols + c], scale, top, fmt);
+      const __nv_fp8_storage_t q = quantize(to_float(x[r * cols + c]), scale, top, fmt);
       if (out) out[r * cols + c] = q;
       tile[ty][tx] = q;
     }
@@ -58,16 +48,14 @@ __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict
 
 // bf16 with rows and cols multiples of 8 (16-byte aligned x, 8-byte aligned outputs): 64 x
 // 64 tiles, each thread moving 8 elements at a time (16-byte loads, 8-byte fp8 stores, in
-// x's layout and, through shared memory, transposed).
-constexpr int kVecTile = 64, kVecThreads = 256, kChunks = kVecTile * kVecTile / 8;
-
+// x's layout and, through shared memory, transposed; fp8.cuh).
 __global__ void fp8_cast_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
                                        const float* __restrict__ scale_ptr, float top,
                                        __nv_fp8_interpretation_t fmt,
                                        __nv_fp8_storage_t* __restrict__ out,
                                        __nv_fp8_storage_t* __restrict__ out_t, int64_t rows,
                                        int64_t cols) {
-  __shared__ __align__(16) __nv_fp8_storage_t tile[kVecTile][kVecTile + 8];
+  __shared__ __align__(16) Fp8Tile tile;
   const float scale = *scale_ptr;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
@@ -79,21 +67,13 @@ __global__ void fp8_cast_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
     union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) u.q[j] = quantize(v[j], scale, top, fmt);
+    for (int j = 0; j < 8; ++j) u.q[j] = quantize(to_float(v[j]), scale, top, fmt);
     if (out) *reinterpret_cast<uint2*>(out + gr * cols + gc) = u.packed;
     *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
   }
   if (!out_t) return;
   __syncthreads();
-  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
-    const int c = i / 8, r = (i % 8) * 8;  // out_t row col0 + c, 8 elements from row0 + r
-    const int64_t gc = col0 + c, gr = row0 + r;
-    if (gr >= rows || gc >= cols) continue;
-    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) u.q[j] = tile[r + j][c];
-    *reinterpret_cast<uint2*>(out_t + gc * rows + gr) = u.packed;
-  }
+  store_transposed(tile, out_t, row0, col0, rows, cols);
 }
 
 bool aligned(const void* p, uintptr_t bytes) {
@@ -119,13 +99,7 @@ cudaError_t cast_typed(const void* x, const float* scale, float top,
 __global__ void fp8_scale_kernel(const float* __restrict__ amax, float* __restrict__ pending,
                                  const float* __restrict__ past, double top,
                                  float* __restrict__ scale, float* __restrict__ inv_scale) {
-  float a = *amax;
-  if (pending && !isnan(a)) *pending = fmaxf(*pending, a);
-  if (past && *past >= 0.f) a = *past;
-  const double wide = static_cast<double>(a);
-  const float s = (isfinite(wide) && wide > 0.0) ? static_cast<float>(top / wide) : 1.f;
-  *scale = s;
-  *inv_scale = 1.f / s;
+  record_and_scale(*amax, pending, past, top, scale, inv_scale);
 }
 
 }  // namespace
