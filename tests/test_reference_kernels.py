@@ -211,6 +211,10 @@ CASES: dict[str, list[Case]] = {
     # are tests/test_tensor_parallel.py
     "tp_copy": [Case("one_rank", lambda g: [randn(g, 3, 4)], {"size": 1})],
     "tp_all_reduce": [Case("one_rank", lambda g: [randn(g, 3, 4)], {"size": 1})],
+    "sp_all_gather": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
+    "sp_reduce_scatter": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
+    "sp_scatter": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
+    "sp_gather": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
     "add": _binary((2, 3, 4)) + [
         Case("broadcast-bias", lambda g: [randn(g, 2, 3, 4), randn(g, 4)]),
         Case("broadcast-both", lambda g: [randn(g, 3, 1), randn(g, 2, 1, 4)])],
@@ -478,6 +482,10 @@ ORACLES: dict[str, Callable] = {
         torch.narrow(x, dim, *_span(x.shape[dim], start, end))],
     "tp_copy": lambda x, **_: [x],
     "tp_all_reduce": lambda x, **_: [x],
+    "sp_all_gather": lambda x, **_: [x],
+    "sp_reduce_scatter": lambda x, **_: [x],
+    "sp_scatter": lambda x, **_: [x],
+    "sp_gather": lambda x, **_: [x],
     "add": lambda a, b, **_: [torch.add(a, b)],
     "mul": lambda a, b, **_: [torch.mul(a, b)],
     "scale": lambda x, *, factor, **_: [torch.mul(x, factor)],

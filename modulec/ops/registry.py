@@ -85,7 +85,8 @@ def op_table() -> dict[str, OpRule]:
 
 
 def _import_shape_rules() -> None:
-    from modulec.ops import shapes_linalg, shapes_special, shapes_tensor  # noqa: F401 (register)
+    from modulec.ops import (shapes_comm, shapes_linalg, shapes_special,  # noqa: F401
+                             shapes_tensor)  # (register)
 
 
 def _load(folder: Path):

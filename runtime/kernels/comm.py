@@ -1,10 +1,19 @@
-"""tp_copy, tp_all_reduce: the tensor-parallel pair (Megatron's f and g), spec §7.6.0.
+"""tp_copy, tp_all_reduce: the tensor-parallel pair (Megatron's f and g), spec §7.6.0;
+sp_all_gather, sp_reduce_scatter, sp_scatter, sp_gather: sequence parallel's (`--sp`).
 
 tp_copy is the identity forward and an all-reduce (sum) of the gradient backward;
 tp_all_reduce the other way round. The all-reduce is `torch.distributed.all_reduce` on
 the tensor-parallel process group: the one given to `set_tp_group` (a DP x TP run makes
 one group per TP slice), else the default group when its world size is the op's `size`.
 The same code runs on CPU tensors under gloo and on CUDA tensors under NCCL.
+
+Under sequence parallel a tensor is split along `dim` (the sequence) into `size` equal
+blocks, rank r (of the group) holding block r: sp_all_gather joins the blocks (its
+gradient reduce-scattered), sp_reduce_scatter sums over the ranks and keeps this rank's
+block (its gradient all-gathered); sp_scatter keeps this rank's block of a replicated
+tensor (its gradient all-gathered) and sp_gather joins blocks for replicated compute (its
+gradient: this rank's block). NCCL reduce-scatters with reduce_scatter_tensor; gloo has
+none, so there it is an all-reduce and this rank's block (the same sums).
 """
 
 from __future__ import annotations
@@ -68,3 +77,59 @@ def _tp_copy_forward(x, *, size, group="tp", **_):
           backward=lambda d_y, **_: [_identity(d_y)])
 def _tp_all_reduce_forward(x, *, size, group="tp", **_):
     return [all_reduce(x, size, group)]
+
+
+def group_rank(size: int, group: str = "tp") -> int:
+    """This process's rank in the group (0 for one rank)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(process_group(size, group)) if size > 1 else 0
+
+
+def split_rank(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
+    """This rank's block of x along `dim` (a copy)."""
+    block = x.shape[dim] // size
+    return x.narrow(dim, group_rank(size, group) * block, block).contiguous()
+
+
+def all_gather(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
+    """Every rank's x joined along `dim`, in rank order."""
+    import torch.distributed as dist
+
+    if size == 1:
+        return x.contiguous().clone()
+    x = x.contiguous()
+    blocks = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(blocks, x, group=process_group(size, group))
+    return torch.cat(blocks, dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
+    """This rank's block along `dim` of the sum of x over the group."""
+    import torch.distributed as dist
+
+    if size == 1:
+        return x.contiguous().clone()
+    handle = process_group(size, group)
+    if dist.get_backend(handle) != "nccl":  # gloo: no reduce-scatter
+        return split_rank(all_reduce(x, size, group), size, dim, group)
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // size,) + tuple(front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=handle)
+    return out.movedim(0, dim).contiguous()
+
+
+def _comm(forward, backward):
+    """A collective's kernel pair over (x, size, dim, group)."""
+    def run(fn):
+        return lambda t, *, size, dim=1, group="tp", **_: [fn(t, size, dim, group)]
+    return run(forward), run(backward)
+
+
+for _name, (_forward, _backward) in {
+        "sp_all_gather": _comm(all_gather, reduce_scatter),
+        "sp_reduce_scatter": _comm(reduce_scatter, all_gather),
+        "sp_scatter": _comm(split_rank, all_gather),
+        "sp_gather": _comm(all_gather, split_rank)}.items():
+    register(_name, ("x",), ("y",), ("d_y",), ("d_x",), backward=_backward)(_forward)
