@@ -73,8 +73,13 @@ def test_emit_schedule_prints_both_sections():
     text = result.output
     assert "distributed (dp 2 x tp 1 x pp 2, ZeRO-2" in text
     assert "  op gradients_ready s2  reduce_scatter what gradients" in text
-    assert "pipeline (2 stages, 4 micro-batches, 1f1b, partition split) {" in text
-    assert "  ops 0: F0 a0>1 | F1 a1>1 g0<1 B0 F2 a2>1 g1<1 B1 F3 a3>1 g2<1 B2 | g3<1 B3" in text
+    assert "pipeline (2 stages, 4 micro-batches, 1f1b, partition split; mesh dp 2 x pp 2 " \
+        "x tp 1) {" in text
+    # the two pipelines' gradients: one all-reduce per bucket (a layer, an entry
+    # parameter) over each stage's data-parallel group, after its last backward
+    assert "  ops 0: F0 a0>1 | F1 a1>1 g0<1 B0 F2 a2>1 g1<1 B1 F3 a3>1 g2<1 B2 | g3<1 B3 " \
+        "| AR0 AR1 AR2" in text
+    assert "    bucket 0 blocks[1]  numel 7744: blocks[1].ln1.weight +0:32, " in text
     # the blocks carry the compute dtype (`float`: bf16 on the GPU, the plan counts 2 bytes)
     assert "  boundary 0 -> 1: %3 [2, 8, 32] float, %4 [2, 8, 32] float" in text
 
@@ -86,7 +91,7 @@ def test_emit_pipeline_prints_the_simulated_timeline():
     assert "2 stages (balanced split), 8 micro-batches, 1F1B" in result.output
     assert "simulated step:" in result.output and "bubble" in result.output
     assert result.output.count("stage 0 |") == 1
-    assert "modulec train --pp P` runs it" in result.output
+    assert "`torchrun --nproc-per-node 2 -m modulec train --pp 2` runs it" in result.output
 
 
 def test_plan_dp_zero3_prints_the_per_gpu_prediction():

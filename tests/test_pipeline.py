@@ -201,3 +201,33 @@ def test_a_named_stage_is_an_error_when_the_pipeline_is_built(tmp_path):
     assert result.document is None
     assert result.failure == (f"`@partition(first)` at {path}:28: a pipeline stage must be "
                               "an integer literal")
+
+
+def test_data_parallel_pipelines_all_reduce_each_stages_buckets(pipelined):
+    """DP x PP: the section's mesh says dp 2 x pp 2, each stage's gradient buckets (a
+    layer, an entry parameter) hold its parameters once, and its ops end in one all_reduce
+    a bucket over its DP group; the verifier checks them, the simulated clock counts them."""
+    from modulec.ir.verify_parallel import verify_pipeline
+
+    one = pipeline_section(pipelined, Pipeline(microbatches=4))
+    two = pipeline_section(pipelined, Pipeline(microbatches=4, dp=2))
+    assert one["mesh"] == {"dp": 1, "pp": 2, "tp": 1} and two["mesh"]["dp"] == 2
+    assert "grad_buckets" not in one["stages"][0]
+    assert not [o for ops in one["ops"] for o in ops if o["kind"] == "all_reduce"]
+    for stage, ops in zip(two["stages"], two["ops"]):
+        buckets = stage["grad_buckets"]
+        assert sorted(p["path"] for b in buckets for p in b["params"]) == \
+            sorted(stage["params"])
+        assert [o["bucket"] for o in ops if o["kind"] == "all_reduce"] == \
+            list(range(len(buckets)))
+        assert ops[-len(buckets):] == [o for o in ops if o["kind"] == "all_reduce"]
+    assert [b["name"] for b in two["stages"][1]["grad_buckets"]] == \
+        ["lm_head", "final_norm", "blocks[3]", "blocks[2]"]  # backward order
+    assert verify_pipeline(two, pipelined) == verify_pipeline(one, pipelined) == []
+    assert simulate(two).step_s > simulate(one).step_s
+    damaged = dict(two, mesh={"dp": 1, "pp": 2, "tp": 1})
+    assert verify_pipeline(damaged, pipelined) == [
+        "stage 0: gradient buckets or all_reduce ops with mesh dp 1",
+        "stage 1: gradient buckets or all_reduce ops with mesh dp 1"]
+    assert verify_pipeline(dict(two, mesh={"dp": 2, "pp": 3, "tp": 1}), pipelined) == [
+        "`mesh` says pp 3, but the section has 2 stages"]

@@ -61,10 +61,13 @@ def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
         raise click.BadParameter("--zero auto chooses the stage that fits --memory-budget: "
                                  "give the per-GPU budget, or a stage 0-3",
                                  param_hint="--zero")
-    if dp is not None:
+    if dp is not None and not (pp is not None and zero is None):
         request.distributed = DataParallel(dp, 2 if zero is None else zero)
+    # --dp N --pp P: N data-parallel pipelines, their gradients all-reduced per stage (the
+    # pipeline section's mesh and ops); a --zero beside it also writes the distributed
+    # section (its per-stage memory in `modulec plan`), which `modulec train` refuses
     if pp is not None or microbatches is not None:
-        request.pipeline = Pipeline(pp, microbatches)
+        request.pipeline = Pipeline(pp, microbatches, dp or 1)
 
 
 def tensor_parallel_problems(graph, tp: int | None) -> list[str]:
@@ -146,6 +149,7 @@ def pipeline_report(section: dict, interconnect: str, memory: list | None = None
         row["units"] = [_unit_text(u) for u in stage["units"]]
         row["forward_s"], row["backward_s"] = stage["forward_s"], stage["backward_s"]
     summary["boundary_bytes"] = [b["activation_bytes"] for b in section["boundaries"]]
+    summary["dp"] = section.get("mesh", {}).get("dp", 1)
     return {"summary": summary, "timeline": timeline}
 
 
@@ -153,8 +157,12 @@ def print_pipeline(report: dict, model: str) -> None:
     from modulec.plan.pipeline_sim import chart
 
     s = report["summary"]
+    dp = s.get("dp", 1)
+    replicas = f"; {dp} data-parallel pipelines, each stage's gradients all-reduced over " \
+        "its replicas after its last backward" if dp > 1 else ""
     click.echo(f"pipeline: {model}, {len(s['stages'])} stages ({s['split']} split), "
-               f"{s['microbatches']} micro-batches, 1F1B, {s['interconnect']} between stages")
+               f"{s['microbatches']} micro-batches, 1F1B, {s['interconnect']} between "
+               f"stages{replicas}")
     for row in s["stages"]:
         click.echo(f"  stage {row['stage']}: {', '.join(row['units'])}")
         click.echo(f"    per micro-batch forward {row['forward_s'] * 1e3:.2f} ms, backward "
@@ -172,8 +180,9 @@ def print_pipeline(report: dict, model: str) -> None:
                f"(equal stages, free links: {s['ideal_bubble_fraction']:.1%})")
     for line in chart(report["timeline"]):
         click.echo(line)
-    click.echo("note: simulated; `torchrun --nproc-per-node P -m modulec train --pp P` runs "
-               "it (docs/distributed.md, Pipeline)")
+    click.echo(f"note: simulated; `torchrun --nproc-per-node {dp * len(s['stages'])} -m "
+               f"modulec train --pp {len(s['stages'])}` runs it (docs/distributed.md, "
+               "Pipeline)")
 
 
 def _unit_text(unit: dict) -> str:

@@ -193,13 +193,18 @@ def _pipeline(graph, document: dict, request: BuildRequest) -> None:
     """The pipeline section, when asked for or when the model has `@partition` stages; the
     distributed section's mesh then counts its stages. It needs every dim sized (the
     split's costs, the boundaries' bytes): without, a model's own stages write none."""
+    from dataclasses import replace
+
     from modulec.plan.from_graph import ShapeUnknown
     from modulec.plan.pipeline import Pipeline, PipelineError, has_partition, pipeline_section
 
     if request.pipeline is None and not has_partition(graph):
         return
+    options = request.pipeline or Pipeline()
+    if request.distributed is not None:  # its data-parallel size is the pipelines'
+        options = replace(options, dp=request.distributed.dp)
     try:
-        section = pipeline_section(graph, request.pipeline or Pipeline())
+        section = pipeline_section(graph, options)
     except ShapeUnknown as exc:
         if request.pipeline is None:
             return

@@ -8,7 +8,10 @@ trigger, stream, kind, what it acts on (`only`, `window`, `at`: which buckets, w
 pipeline: one line per stage (its units and parameter count), per boundary (the tensors
 sent), and per stage its 1F1B ops as tokens: `F3` / `B3` forward / backward of
 micro-batch 3, `a3>1` activations of micro-batch 3 sent to stage 1, `g3<1` gradients
-received from stage 1; `|` separates warm-up, steady and cool-down.
+received from stage 1; `|` separates warm-up, steady and cool-down. With data parallel
+over the pipelines (mesh dp > 1), a stage's gradient buckets follow it, one line each
+(`+offset:numel` per parameter), and its ops end in `AR0 AR1 ...`: bucket k's all-reduce
+over the stage's data-parallel group.
 """
 
 from __future__ import annotations
@@ -43,13 +46,20 @@ def _op_line(op: dict) -> str:
 
 
 def print_pipeline(section: dict) -> str:
+    mesh = section.get("mesh", {})
+    sizes = " x ".join(f"{k} {mesh[k]}" for k in ("dp", "pp", "tp") if k in mesh)
     lines = [f"pipeline ({len(section['stages'])} stages, {section['microbatches']} "
-             f"micro-batches, {section['schedule']}, {section['split']} split) {{"]
+             f"micro-batches, {section['schedule']}, {section['split']} split; mesh "
+             f"{sizes}) {{"]
     for stage in section["stages"]:
         units = ", ".join(_unit(u) for u in stage["units"])
         lines.append(f"  stage {stage['stage']}: {units}  ({len(stage['params'])} parameters; "
                      f"forward {_time(stage['forward_s'])}, backward "
                      f"{_time(stage['backward_s'])} per micro-batch)")
+        for number, bucket in enumerate(stage.get("grad_buckets", ())):
+            lines.append(f"    bucket {number} {bucket['name']}  numel {bucket['numel']}: " +
+                         ", ".join(f"{p['path']} +{p['offset']}:{p['numel']}"
+                                   for p in bucket["params"]))
     for boundary in section["boundaries"]:
         tensors = ", ".join(f"{t['value']} [{', '.join(map(str, t['shape']))}] {t['dtype']}"
                             for t in boundary["tensors"])
@@ -79,6 +89,9 @@ def _tokens(ops: list) -> str:
         if phase is not None and op["phase"] != phase:
             tokens.append("|")
         phase = op["phase"]
+        if op["kind"] == "all_reduce":  # a bucket's gradients over the stage's DP group
+            tokens.append(f"AR{op['bucket']}")
+            continue
         m = op["microbatch"]
         if op["kind"] in ("forward", "backward"):
             tokens.append(f"{op['kind'][0].upper()}{m}")

@@ -21,7 +21,9 @@ s - 1), `forward`, `send` (to s + 1); a backward is `recv` (gradients from s + 1
 `backward`, `send` (to s - 1). Compute runs on stream 0, sends and receives on stream 2;
 a `recv` completes before the stage's next op starts, a `send` does not hold the stage
 (an isend). Gradients add up over the M micro-batches; the optimizer steps once after the
-last backward.
+last backward. With `dp` pipelines (data parallel over them), the section's `mesh` says
+the sizes and each stage's op list ends in the all-reduces of its gradients over its
+data-parallel group (modulec.plan.pipeline_dp).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from modulec.plan.cost import function_seconds, node_cost, value_table
 from modulec.plan.devices import Device, H100
 from modulec.plan.from_graph import _bytes
+from modulec.plan.pipeline_dp import add_data_parallel
 
 COMPUTE, COMM = 0, 2  # streams, as the distributed section's
 SCHEDULE = "1f1b"
@@ -62,8 +65,11 @@ class Unit:
 class Pipeline:
     stages: int | None = None   # --pp; None: from the model's @partition annotations
     microbatches: int | None = None  # --microbatches; None: 4 * stages
+    dp: int = 1  # data-parallel pipelines (modulec.plan.pipeline_dp)
 
     def __post_init__(self):
+        if self.dp < 1:
+            raise ValueError(f"the data-parallel size must be at least 1, not {self.dp}")
         if self.stages is not None and self.stages < 1:
             raise ValueError(f"the pipeline needs at least 1 stage, not {self.stages}")
         if self.microbatches is not None and self.microbatches < 1:
@@ -82,12 +88,13 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
     count = max(stages) + 1
     micro = options.microbatches or MICROBATCHES_PER_STAGE * count
     boundaries = [_boundary(units, stages, s) for s in range(count - 1)]
-    return {"stages": [_stage(graph, units, stages, s) for s in range(count)],
-            "microbatches": micro, "schedule": SCHEDULE,
-            "split": "partition" if any(u.stage is not None for u in units) else "balanced",
-            "streams": {"compute": COMPUTE, "comm": COMM},
-            "boundaries": boundaries,
-            "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
+    section = {"stages": [_stage(graph, units, stages, s) for s in range(count)],
+               "microbatches": micro, "schedule": SCHEDULE,
+               "split": "partition" if any(u.stage is not None for u in units) else "balanced",
+               "streams": {"compute": COMPUTE, "comm": COMM},
+               "boundaries": boundaries,
+               "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
+    return add_data_parallel(section, graph, options.dp)
 
 
 # ---------------------------------------------------------------------- units

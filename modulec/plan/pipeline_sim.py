@@ -5,7 +5,9 @@ Each stage runs its ops in order on one clock. A `forward` or `backward` takes t
 stage's predicted time for one micro-batch (modulec.plan.cost through
 modulec.plan.pipeline); a `send` occupies the link for latency + bytes / bandwidth and
 does not hold the stage (an isend); a `recv` holds the stage until the matching send's
-data has arrived. A stage's idle time is the step time less its compute; the bubble
+data has arrived; an `all_reduce` (data parallel over the pipelines) holds the stage for
+a ring all-reduce of its bucket's bytes over the mesh's dp ranks on the same link. A
+stage's idle time is the step time less its compute; the bubble
 fraction is the idle share of all stages' time (for equal stages and free links:
 (P - 1) / (M + P - 1)). Ops that can never run (a recv whose send never comes) are a
 deadlock, reported as such.
@@ -65,13 +67,14 @@ def simulate(section: dict, link_bytes_per_s: float = NVLINK_BYTES_PER_S,
     sizes = {(b["from"], b["to"]): b for b in section["boundaries"]}
     clocks = [StageTimeline(s["stage"]) for s in stages]
     position = [0] * len(ops)
+    dp = section.get("mesh", {}).get("dp", 1)
     arrived: dict = {}  # (what, from, to, microbatch) -> arrival time
     while any(position[s] < len(ops[s]) for s in range(len(ops))):
         moved = False
         for s, stage_ops in enumerate(ops):
             while position[s] < len(stage_ops):
                 if not _run(stage_ops[position[s]], s, stages[s], clocks[s], sizes, arrived,
-                            link_bytes_per_s, latency_s):
+                            link_bytes_per_s, latency_s, dp):
                     break
                 position[s] += 1
                 moved = True
@@ -84,10 +87,15 @@ def simulate(section: dict, link_bytes_per_s: float = NVLINK_BYTES_PER_S,
     return Timeline(clocks, step, section["microbatches"])
 
 
-def _run(op, s, stage, clock, sizes, arrived, link, latency) -> bool:
+def _run(op, s, stage, clock, sizes, arrived, link, latency, dp) -> bool:
     """Run one op on its stage's clock; False when it must wait for a peer."""
-    kind, m = op["kind"], op["microbatch"]
-    if kind == "recv":
+    kind, m = op["kind"], op.get("microbatch")
+    if kind == "all_reduce":  # a gradient bucket over the stage's data-parallel group
+        from modulec.plan.pipeline_dp import all_reduce_seconds
+
+        clock.end_s += all_reduce_seconds(stage["grad_buckets"][op["bucket"]]["bytes"], dp,
+                                          link, latency)
+    elif kind == "recv":
         key = (op["what"], op["peer"], s, m)
         if key not in arrived:
             return False
@@ -106,7 +114,7 @@ def _run(op, s, stage, clock, sizes, arrived, link, latency) -> bool:
 
 def _op_text(op) -> str:
     peer = f" from stage {op['peer']}" if op["kind"] == "recv" else ""
-    return f"{op['kind']} {op.get('what', '')} of micro-batch {op['microbatch']}{peer}".replace(
+    return f"{op['kind']} {op.get('what', '')} of micro-batch {op.get('microbatch')}{peer}".replace(
         "  ", " ")
 
 

@@ -1,0 +1,90 @@
+"""Data parallel over pipeline stages (DP x PP) as Schedule IR data: the `mesh` of the
+`pipeline` section and, with dp > 1, each stage's gradient buckets and the all-reduces
+that average them over the stage's data-parallel group (docs/distributed.md, "Pipeline";
+docs/build-output.md).
+
+Rank r = ((dp_index x PP) + pp_index) x TP + tp_index: the ranks of one data-parallel
+index form a pipeline (one PP group each), and the ranks of one stage across the
+pipelines hold the same parameters (one DP group each). Every pipeline runs the whole
+1F1B op list on its own rows; after a stage's last op (its last backward and the send of
+its gradients) each of its buckets is one `all_reduce` over the stage's DP group that
+leaves the mean there, so every replica of a stage steps AdamW on the same gradients.
+
+A bucket is the parameters of one layer (`blocks[3]`, the first path component) or one
+entry parameter (`embedding`), flat in the stage's parameter order, listed in backward
+order (the last layer first: the order a backward makes them in, for a runtime that
+reduces as soon as a layer is done).
+"""
+
+from __future__ import annotations
+
+from modulec.plan.distributed import GRAD_BYTES
+
+COMM = 2  # the communication stream, as the pipeline section's
+GROUP = "dp"  # the collectives' process group: the stage's data-parallel group
+REDUCE = "avg"  # the group's mean (a sum, divided by the group's size)
+
+
+def mesh(dp: int, pp: int, tp: int = 1) -> dict:
+    return {"dp": dp, "pp": pp, "tp": tp}
+
+
+def add_data_parallel(section: dict, graph, dp: int) -> dict:
+    """`section` with its `mesh`, and for dp > 1 each stage's `grad_buckets` and its ops
+    ending in one all_reduce per bucket."""
+    section["mesh"] = mesh(dp, len(section["stages"]))
+    if dp == 1:
+        return section
+    from modulec.ir.verify_parallel import parameter_shapes
+
+    shapes = parameter_shapes(graph)
+    for stage, ops in zip(section["stages"], section["ops"]):
+        stage["grad_buckets"] = gradient_buckets(stage["params"], shapes)
+        ops += reduce_ops(stage["grad_buckets"])
+    return section
+
+
+def bucket_name(path: str) -> str:
+    """The bucket a parameter path is in: its first component (`blocks[3]`, `embedding`,
+    `final_norm`)."""
+    return path.split(".", 1)[0]
+
+
+def gradient_buckets(params: list[str], shapes: dict) -> list[dict]:
+    """The stage's parameters in buckets, backward order; each parameter at its offset in
+    its bucket's flat vector."""
+    grouped: dict[str, list[str]] = {}
+    for path in params:
+        grouped.setdefault(bucket_name(path), []).append(path)
+    buckets = []
+    for name, paths in reversed(grouped.items()):
+        rows, offset = [], 0
+        for path in paths:
+            shape = [int(d) for d in shapes[path]]
+            numel = _numel(shape)
+            rows.append({"path": path, "shape": shape, "offset": offset, "numel": numel})
+            offset += numel
+        buckets.append({"name": name, "params": rows, "numel": offset,
+                        "bytes": offset * GRAD_BYTES})
+    return buckets
+
+
+def reduce_ops(buckets: list[dict]) -> list[dict]:
+    return [{"kind": "all_reduce", "what": "gradients", "bucket": index, "group": GROUP,
+             "reduce": REDUCE, "phase": "reduce", "stream": COMM}
+            for index in range(len(buckets))]
+
+
+def all_reduce_seconds(nbytes: int, ranks: int, link_bytes_per_s: float,
+                       latency_s: float) -> float:
+    """A ring all-reduce: each rank moves 2 (n - 1) / n of the buffer, 2 (n - 1) steps."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / link_bytes_per_s
+
+
+def _numel(shape) -> int:
+    total = 1
+    for d in shape:
+        total *= int(d)
+    return total
