@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_step import _batch, _timed  # noqa: E402
+from benchmarks.harness import (Column, add_rates, finish, forward_args, header,  # noqa: E402
+                                hf_step, launch, progress, random_tokens, table_rows, timed,
+                                variant_row, versus_best, write_json)
 
 VARIANTS = ("modulec", "modulec_eager", "hf_eager", "hf_bf16")
 
@@ -73,12 +74,12 @@ def run_modulec(args, shape, ckpt, variant):
                               device="cuda")
     step.load(weights)
     del weights
-    tokens = _batch(args, shape["vocab_size"])
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"])
     step.set_batch(tokens)
     torch.cuda.reset_peak_memory_stats()
     if variant == "modulec":
         step.capture(warmup=2)
-    result = _timed(lambda: step(tokens), args.warmup, args.steps)
+    result = timed(lambda: step(tokens), args.warmup, args.steps)
     result["loss"] = float(step.loss)
     result["captured"] = step.cuda_graph is not None
     return result
@@ -94,35 +95,19 @@ def run_hf(args, shape, ckpt, variant):
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    tokens = _batch(args, shape["vocab_size"]).long()
-    box = {}
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16):
-            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        box["loss"] = loss.detach()
-
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"], dtype=torch.int64)
+    step, box = hf_step(model, opt, tokens, autocast=not bf16, use_cache=False)
     torch.cuda.reset_peak_memory_stats()
-    result = _timed(step, args.hf_warmup, args.hf_steps)
+    result = timed(step, args.hf_warmup, args.hf_steps)
     result["loss"] = float(box["loss"])
     result["hf_path"] = hf_fast_path()["path"]
     return result
 
 
 def child(args) -> None:
-    import torch
-
     shape = mamba_shape(args.layers)
-    try:
-        run = run_modulec if args.only.startswith("modulec") else run_hf
-        result = run(args, shape, args.ckpt, args.only)
-        result["peak_bytes"] = torch.cuda.max_memory_allocated()
-    except torch.cuda.OutOfMemoryError as exc:
-        result = {"error": f"out of memory: {str(exc)[:200]}"}
-    Path(args.result).write_text(json.dumps(result))
+    run = run_modulec if args.only.startswith("modulec") else run_hf
+    write_json(args.result, variant_row(lambda: run(args, shape, args.ckpt, args.only)))
 
 
 # ------------------------------------------------------------------ the run (parent)
@@ -135,41 +120,34 @@ def write_checkpoint(shape: dict, directory: Path) -> None:
 
 
 def run_variant(args, variant: str, ckpt: Path, out: Path) -> dict:
-    cmd = [sys.executable, __file__, "--only", variant, "--ckpt", str(ckpt), "--result", str(out)]
-    for name in ("batch", "seq", "layers", "steps", "warmup", "hf_steps", "hf_warmup"):
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    if done.returncode != 0 or not out.exists():
-        return {"error": (done.stderr or done.stdout)[-1500:]}
-    return json.loads(out.read_text())
+    cmd = [sys.executable, __file__, "--only", variant, "--ckpt", str(ckpt), "--result", str(out),
+           *forward_args(args, "batch", "seq", "layers", "steps", "warmup", "hf_steps",
+                         "hf_warmup")]
+    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    return launch(cmd, out, args.timeout, log)
+
+
+COLUMNS = [Column("tokens/s", 10, "tokens_per_s", ".0f"),
+           Column("step ms", 10, "step_s", ".1f", 1e3),
+           Column("peak GiB", 10, "peak_bytes", ".2f", 2**-30), Column("loss", 8, "loss", ".3f")]
+
+
+def note(name: str, r: dict) -> str:
+    if name.startswith("modulec"):
+        return "captured" if r.get("captured") else "eager"
+    return r.get("hf_path", "")
 
 
 def table(rows: dict, args) -> str:
-    tokens = args.batch * args.seq
+    """The rows' tokens/s added (they go into the JSON too), then the table."""
+    add_rates(rows, args.batch * args.seq)
     fast = hf_fast_path()
-    lines = [f"mamba-130m shape (d 768, d_state 16, expand 2), {args.layers} layers, "
-             f"B={args.batch} T={args.seq}, fwd+bwd+AdamW; transformers: {fast['path']} "
-             f"(mamba_ssm {fast['mamba_ssm']}, causal_conv1d {fast['causal_conv1d']})",
-             f"{'variant':<16}{'tokens/s':>10}{'step ms':>10}{'peak GiB':>10}{'loss':>8}  notes"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"{name:<16}  failed: {r['error'].strip().splitlines()[-1][:100]}")
-            continue
-        r["tokens_per_s"] = tokens / r["step_s"]
-        note = ("captured" if r.get("captured") else "eager") if name.startswith("modulec") \
-            else r.get("hf_path", "")
-        lines.append(f"{name:<16}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>10.1f}"
-                     f"{r['peak_bytes'] / 2**30:>10.2f}{r['loss']:>8.3f}  {note}")
-    ours = rows.get("modulec", {}).get("tokens_per_s")
-    peers = {n: r["tokens_per_s"] for n, r in rows.items()
-             if n.startswith("hf") and "tokens_per_s" in r}
-    if ours and peers:
-        best = max(peers, key=peers.get)
-        lines.append(f"modulec / best HF ({best}): {ours / peers[best]:.2f}x")
-    return "\n".join(lines)
+    return "\n".join([
+        f"mamba-130m shape (d 768, d_state 16, expand 2), {args.layers} layers, "
+        f"B={args.batch} T={args.seq}, fwd+bwd+AdamW; transformers: {fast['path']} "
+        f"(mamba_ssm {fast['mamba_ssm']}, causal_conv1d {fast['causal_conv1d']})",
+        header(COLUMNS, 16, notes=True),
+        *table_rows(rows, COLUMNS, 16, error_width=100, note=note), *versus_best(rows)])
 
 
 def parent(args) -> None:
@@ -185,14 +163,10 @@ def parent(args) -> None:
         write_checkpoint(shape, ckpt)
         for variant in args.variants.split(","):
             rows[variant] = run_variant(args, variant, ckpt, Path(tmp) / f"{variant}.json")
-            print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+            progress(variant, rows[variant])
             if args.json:  # after each variant: a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(summary, indent=2))
-    print(table(rows, args))
-    text = json.dumps(summary, indent=2)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    finish(table(rows, args), summary, args.json)
 
 
 def main() -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_step import PEAK, _batch, _timed, gemm_ceiling  # noqa: E402
+from benchmarks.harness import (PEAK, Column, add_rates, finish, forward_args,  # noqa: E402
+                                gemm_ceiling, header, hf_step, launch, progress, random_tokens,
+                                table_rows, timed, variant_row, versus_best, write_json)
 
 VARIANTS = ("modulec", "modulec_eager", "modulec_noarena", "hf_eager", "hf_compile",
             "hf_bf16", "hf_bf16_compile")
@@ -88,12 +89,12 @@ def run_modulec(args, shape, ckpt, variant):
                               device="cuda")
     step.load(weights)
     del weights
-    tokens = _batch(args, shape["vocab_size"])
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"])
     step.set_batch(tokens)
     torch.cuda.reset_peak_memory_stats()
     if variant != "modulec_eager":
         step.capture(warmup=2)
-    result = _timed(lambda: step(tokens), args.warmup, args.steps)
+    result = timed(lambda: step(tokens), args.warmup, args.steps)
     result["loss"] = float(step.loss)
     result["captured"] = step.cuda_graph is not None
     return result
@@ -111,35 +112,19 @@ def run_hf(args, shape, ckpt, variant):
     model.train()
     forward = torch.compile(model) if variant.endswith("compile") else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    tokens = _batch(args, shape["vocab_size"]).long()
-    box = {}
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        box["loss"] = loss.detach()
-
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"], dtype=torch.int64)
+    step, box = hf_step(forward, opt, tokens, autocast=not bf16)
     torch.cuda.reset_peak_memory_stats()
-    result = _timed(step, args.warmup, args.steps)
+    result = timed(step, args.warmup, args.steps)
     result["loss"] = float(box["loss"])
     result["experts_implementation"] = str(model.config._experts_implementation)
     return result
 
 
 def child(args) -> None:
-    import torch
-
     shape = mixtral_shape(args.layers)
-    try:
-        run = run_modulec if args.only.startswith("modulec") else run_hf
-        result = run(args, shape, args.ckpt, args.only)
-        result["peak_bytes"] = torch.cuda.max_memory_allocated()
-    except torch.cuda.OutOfMemoryError as exc:
-        result = {"error": f"out of memory: {str(exc)[:200]}"}
-    Path(args.result).write_text(json.dumps(result))
+    run = run_modulec if args.only.startswith("modulec") else run_hf
+    write_json(args.result, variant_row(lambda: run(args, shape, args.ckpt, args.only)))
 
 
 # ------------------------------------------------------------------ the run (parent)
@@ -153,42 +138,32 @@ def write_checkpoint(shape: dict, directory: Path) -> None:
 
 def run_variant(args, variant: str, ckpt: Path, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--only", variant, "--ckpt", str(ckpt), "--result", str(out),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers),
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    if done.returncode != 0 or not out.exists():
-        return {"error": (done.stderr or done.stdout)[-1500:]}
-    return json.loads(out.read_text())
+           *forward_args(args, "batch", "seq", "layers", "steps", "warmup")]
+    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    return launch(cmd, out, args.timeout, log)
+
+
+COLUMNS = [Column("tokens/s", 10, "tokens_per_s", ".0f"),
+           Column("step ms", 9, "step_s", ".1f", 1e3),
+           Column("peak GiB", 10, "peak_bytes", ".2f", 2**-30),
+           Column("MFU989", 8, "mfu_989", ".1%"), Column("MFUgemm", 9, "mfu_gemm", ".1%"),
+           Column("loss", 8, "loss", ".3f")]
+
+
+def note(name: str, r: dict) -> str:
+    if name.startswith("modulec"):
+        return "captured" if r.get("captured") else "eager"
+    return f"experts={r.get('experts_implementation')}"
 
 
 def table(rows: dict, args, flops: float, gemm: float) -> str:
-    tokens = args.batch * args.seq
-    lines = [f"Mixtral shape (8 experts top-2, d 2048, d_ff 5632), {args.layers} layers, "
-             f"B={args.batch} T={args.seq}, fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
-             f"{'variant':<18}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
-             f"{'MFUgemm':>9}{'loss':>8}  notes"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"{name:<18}  failed: {r['error'].splitlines()[-1][:90]}")
-            continue
-        r["tokens_per_s"] = tokens / r["step_s"]
-        r["mfu_989"] = r["tokens_per_s"] * flops / PEAK
-        r["mfu_gemm"] = r["tokens_per_s"] * flops / gemm
-        note = ("captured" if r.get("captured") else "eager") if name.startswith("modulec") \
-            else f"experts={r.get('experts_implementation')}"
-        lines.append(f"{name:<18}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}"
-                     f"{r['peak_bytes'] / 2**30:>10.2f}{r['mfu_989']:>8.1%}{r['mfu_gemm']:>9.1%}"
-                     f"{r['loss']:>8.3f}  {note}")
-    ours = rows.get("modulec", {}).get("tokens_per_s")
-    peers = {n: r["tokens_per_s"] for n, r in rows.items()
-             if n.startswith("hf") and "tokens_per_s" in r}
-    if ours and peers:
-        best = max(peers, key=peers.get)
-        lines.append(f"modulec / best HF ({best}): {ours / peers[best]:.2f}x")
-    return "\n".join(lines)
+    """The rows' tokens/s and MFU added (they go into the JSON too), then the table."""
+    add_rates(rows, args.batch * args.seq, flops, gemm)
+    return "\n".join([
+        f"Mixtral shape (8 experts top-2, d 2048, d_ff 5632), {args.layers} layers, "
+        f"B={args.batch} T={args.seq}, fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
+        header(COLUMNS, 18, notes=True), *table_rows(rows, COLUMNS, 18, note=note),
+        *versus_best(rows)])
 
 
 def parent(args) -> None:
@@ -207,14 +182,10 @@ def parent(args) -> None:
         write_checkpoint(shape, ckpt)
         for variant in args.variants.split(","):
             rows[variant] = run_variant(args, variant, ckpt, Path(tmp) / f"{variant}.json")
-            print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+            progress(variant, rows[variant])
             if args.json:  # after each variant: a run cut short keeps what it measured
                 Path(args.json).write_text(json.dumps(summary, indent=2))
-    print(table(rows, args, flops, gemm))
-    text = json.dumps(summary, indent=2)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    finish(table(rows, args, flops, gemm), summary, args.json)
 
 
 def main() -> None:

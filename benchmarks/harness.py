@@ -1,0 +1,300 @@
+"""What the step benchmarks share (benchmarks/train_step.py, benchmarks/gpu/moe_step.py,
+mamba_step.py, fusions_step.py, lora_peers.py, lora_step.py):
+
+    in the parent   launch: one variant in a process of its own (a session of its own: past
+                    the timeout the whole group is killed, so no compile worker keeps the
+                    GPU's memory), its row the JSON the child wrote to its result file;
+                    forward_args, progress, add_rates, finish
+    in the child    timed: warmup steps, then the timed ones (CUDA events between
+                    back-to-back steps on the GPU: median, min, max); variant_row (the
+                    peak memory added, out of memory made an error row); random_tokens,
+                    hf_step, gemm_ceiling
+    the table       Column, header, table_rows, versus_best: fixed-width rows, a failed
+                    variant's last error line in its row
+
+Nothing here imports torch at import time: a parent that only launches variants creates
+no CUDA context beside theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK = 989e12  # H100 / H200 dense bf16 FLOP/s
+
+
+# ------------------------------------------------------------------ the variant's process
+def sync(device: str = "cuda") -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str = "cuda") -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def timed(step: Callable[[], object], warmup: int, steps: int, device: str = "cuda") -> dict:
+    """`warmup` calls of `step`, a sync, then `steps` timed calls: on the GPU CUDA events
+    between back-to-back steps, elsewhere perf_counter around each. Seconds per step:
+    the median (step_s), min and max."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    times = sorted(_event_times(step, steps) if device == "cuda" else _wall_times(step, steps))
+    return {"step_s": times[len(times) // 2], "step_s_min": times[0], "step_s_max": times[-1]}
+
+
+def _event_times(step, steps: int) -> list[float]:
+    import torch
+
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    marks[0].record()
+    for i in range(steps):
+        step()
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
+
+
+def _wall_times(step, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - began)
+    return out
+
+
+def random_tokens(batch: int, seq: int, vocab: int, device: str = "cuda", dtype=None):
+    """The benchmarks' batch: [batch, seq] ids (int32 unless `dtype`) drawn from a
+    generator seeded 1, the same in every variant's process."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, seq), generator=g,
+                         dtype=dtype or torch.int32).to(device)
+
+
+def hf_step(forward, optimizer, tokens, device: str = "cuda", autocast: bool = True, **kw):
+    """transformers' training step as the peers run it: the loss of `forward(input_ids=tokens,
+    labels=tokens, **kw)` under autocast bf16 (unless `autocast` is off), backward, the
+    optimizer's step, gradients set to None. (step, box): box["loss"] is the last loss."""
+    import torch
+
+    box = {}
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(input_ids=tokens, labels=tokens, **kw).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        box["loss"] = loss.detach()
+
+    return step, box
+
+
+def variant_row(run: Callable[[], dict], device: str = "cuda", all_errors: bool = False) -> dict:
+    """`run()`'s row with peak_bytes (torch.cuda.max_memory_allocated) on the GPU. Out of
+    memory is the row {"error": "out of memory: ..."}; with `all_errors` every exception is
+    a row {"error": "Type: message", "oom": bool} (its traceback printed), else it
+    propagates (the process fails; launch reports its output)."""
+    try:
+        row = run()
+        if device == "cuda":
+            import torch
+
+            row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        return row
+    except Exception as exc:  # noqa: BLE001 (reported as the variant's failure)
+        oom = "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+        if all_errors:
+            import traceback
+
+            traceback.print_exc()
+            return {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "oom": oom}
+        if type(exc).__name__ != "OutOfMemoryError":
+            raise
+        return {"error": f"out of memory: {str(exc)[:200]}"}
+
+
+def write_json(path, value) -> None:
+    Path(path).write_text(json.dumps(value))
+
+
+def gemm_ceiling(n: int = 8192) -> float:
+    """FLOP/s of a bf16 n x n x n GEMM, median of 20 (the MFUgemm columns' ceiling)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    times = []
+    for _ in range(20):
+        events[0].record()
+        a @ b
+        events[1].record()
+        torch.cuda.synchronize()
+        times.append(events[0].elapsed_time(events[1]) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()  # the variants' processes get the memory back
+    return 2 * n ** 3 / sorted(times)[len(times) // 2]
+
+
+# ------------------------------------------------------------------ the parent
+def forward_args(args, *names: str) -> list[str]:
+    """`--name value` for each attribute of `args` named (underscores as dashes), those
+    that are None left out."""
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def launch(cmd: list[str], result: Path, timeout: float | None = None,
+           log: Path | None = None, env: dict | None = None) -> dict:
+    """Run `cmd` (one variant, which writes its row as JSON to `result`) in a session of
+    its own, stdout and stderr together (into `log` when given); past `timeout` seconds
+    the whole session is killed. The row: the JSON in `result` when the child wrote it,
+    else {"error": "timed out after N s"} or {"error": "exit status N: <output's end>"}."""
+    result = Path(result)
+    result.unlink(missing_ok=True)
+    env = dict(env or os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath(env))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, timed_out = proc.communicate(timeout=timeout)[0], False
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        output, timed_out = proc.communicate()[0], True
+    if log is not None:
+        Path(log).write_text(output)
+    if result.exists():
+        return json.loads(result.read_text())
+    if timed_out:
+        return {"error": f"timed out after {timeout} s"}
+    return {"error": f"exit status {proc.returncode}: {output[-1500:]}"}
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # gone between the timeout and the kill
+        pass
+
+
+def _pythonpath(env: dict | None) -> str:
+    """The repository first, so a child finds `benchmarks`, `runtime` and `modulec`."""
+    rest = (env or os.environ).get("PYTHONPATH")
+    return f"{ROOT}{os.pathsep}{rest}" if rest else str(ROOT)
+
+
+def progress(variant: str, row: dict, show: Callable[[dict], str] = str) -> None:
+    """The line on stderr after each variant (`name: row`), as the device scripts grep."""
+    print(f"{variant}: {show(row)}", file=sys.stderr, flush=True)
+
+
+def add_rates(rows: dict, tokens: int, flops: float | None = None,
+              gemm: float | None = None) -> None:
+    """tokens_per_s for each measured row; with `flops` (per token) mfu_989 against PEAK,
+    with `gemm` too mfu_gemm against the measured GEMM."""
+    for r in rows.values():
+        if "step_s" not in r:
+            continue
+        r["tokens_per_s"] = tokens / r["step_s"]
+        if flops:
+            r["mfu_989"] = r["tokens_per_s"] * flops / PEAK
+            if gemm:
+                r["mfu_gemm"] = r["tokens_per_s"] * flops / gemm
+
+
+def finish(table: str, summary: dict, path: str | None, echo: bool = True) -> None:
+    """Print the table, write the summary as JSON to `path` (if any), print it too unless
+    `echo` is off."""
+    print(table)
+    text = json.dumps(summary, indent=2)
+    if path:
+        Path(path).write_text(text)
+    if echo:
+        print(text)
+
+
+# ------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class Column:
+    """One right-aligned column: `row[key] * scale` formatted with `spec` in `width`
+    characters; a row without a number there shows `missing` (padded to the width unless
+    it is empty)."""
+
+    title: str
+    width: int
+    key: str
+    spec: str
+    scale: float = 1.0
+    missing: str = "-"
+
+    def head(self) -> str:
+        return f"{self.title:>{self.width}}"
+
+    def cell(self, row: dict) -> str:
+        value = row.get(self.key)
+        if not isinstance(value, (int, float)):
+            return f"{self.missing:>{self.width}}" if self.missing else ""
+        return format(value * self.scale if self.scale != 1.0 else value,
+                      f">{self.width}{self.spec}")
+
+
+def header(columns: list[Column], width: int, notes: bool = False) -> str:
+    return f"{'variant':<{width}}" + "".join(c.head() for c in columns) + \
+        ("  notes" if notes else "")
+
+
+def table_rows(rows: dict, columns: list[Column], width: int, error_width: int = 90,
+               note: Callable[[str, dict], str] | None = None,
+               below: Callable[[str, dict], list[str]] | None = None) -> list[str]:
+    """One line per variant: its cells (then `  note(name, row)`, then the lines of
+    `below(name, row)`), or for a row with an error `failed:` and its last line."""
+    lines = []
+    for name, r in rows.items():
+        if "error" in r:
+            last = (str(r["error"]).strip().splitlines() or ["?"])[-1]
+            lines.append(f"{name:<{width}}  failed: {last[:error_width]}")
+            continue
+        line = f"{name:<{width}}" + "".join(c.cell(r) for c in columns)
+        lines.append(line + (f"  {note(name, r)}" if note else ""))
+        lines += below(name, r) if below else []
+    return lines
+
+
+def best_peer(rows: dict, prefix: str = "hf") -> str | None:
+    """The fastest measured variant whose name starts with `prefix`."""
+    peers = {n: r["tokens_per_s"] for n, r in rows.items()
+             if n.startswith(prefix) and "tokens_per_s" in r}
+    return max(peers, key=peers.get) if peers else None
+
+
+def versus_best(rows: dict, ours: str = "modulec") -> list[str]:
+    """`modulec / best HF (name): N.NNx` when both were measured."""
+    best = best_peer(rows)
+    mine = rows.get(ours, {}).get("tokens_per_s")
+    if not (mine and best):
+        return []
+    return [f"{ours} / best HF ({best}): {mine / rows[best]['tokens_per_s']:.2f}x"]

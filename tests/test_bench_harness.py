@@ -1,0 +1,130 @@
+"""benchmarks/harness.py, what the step benchmarks share: a fake variant run in a child
+process (its JSON row, a crash, a timeout that kills the child's whole session), the
+timing loop on the CPU, the error rows and the fixed-width table."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import (PEAK, Column, add_rates, forward_args, header, launch,  # noqa: E402
+                                table_rows, timed, variant_row, versus_best)
+
+VARIANT = """
+import subprocess, sys, time
+from benchmarks.harness import timed, variant_row, write_json
+
+kind, result = sys.argv[1], sys.argv[2]
+print("the variant's own output")
+if kind == "crash":
+    raise RuntimeError("boom in the variant")
+if kind == "hang":  # a worker of its own (as torch.compile starts), then no end
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(result + ".pid", "w").write(str(worker.pid))
+    time.sleep(60)
+write_json(result, variant_row(lambda: dict(timed(lambda: time.sleep(0.001), 1, 3, "cpu"),
+                                            loss=2.5), device="cpu"))
+"""
+
+
+def fake(tmp_path: Path, kind: str, timeout: float = 20) -> tuple[dict, Path]:
+    script = tmp_path / "variant.py"
+    script.write_text(textwrap.dedent(VARIANT))
+    result, log = tmp_path / f"{kind}.json", tmp_path / f"{kind}.log"
+    return launch([sys.executable, str(script), kind, str(result)], result, timeout, log), log
+
+
+def gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "\nState:\tZ" in status.read_text()
+
+
+def test_a_variant_in_its_own_process_gives_its_json_row(tmp_path):
+    row, log = fake(tmp_path, "ok")
+    assert set(row) == {"step_s", "step_s_min", "step_s_max", "loss"}
+    assert 0.001 <= row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
+    assert "the variant's own output" in log.read_text()
+
+
+def test_a_crashed_variant_is_an_error_row_with_its_output(tmp_path):
+    row, log = fake(tmp_path, "crash")
+    assert row["error"].startswith("exit status 1: the variant's own output")
+    assert row["error"].strip().splitlines()[-1] == "RuntimeError: boom in the variant"
+    assert "Traceback" in log.read_text()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_past_the_timeout_the_whole_session_is_killed(tmp_path):
+    began = time.perf_counter()
+    row, _ = fake(tmp_path, "hang", timeout=1.0)
+    assert row == {"error": "timed out after 1.0 s"}
+    assert time.perf_counter() - began < 10
+    worker = int((tmp_path / "hang.json.pid").read_text())
+    deadline = time.perf_counter() + 3
+    while not gone(worker) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert gone(worker)
+
+
+def test_error_rows():
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def oom():
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def boom():
+        raise ValueError("boom")
+
+    assert variant_row(oom, device="cpu") == {
+        "error": "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    with pytest.raises(ValueError):
+        variant_row(boom, device="cpu")
+    assert variant_row(boom, device="cpu", all_errors=True) == {"error": "ValueError: boom",
+                                                                "oom": False}
+    assert variant_row(oom, device="cpu", all_errors=True)["oom"]
+    assert variant_row(lambda: {"step_s": 1.0}, device="cpu") == {"step_s": 1.0}
+
+
+def test_timed_on_the_cpu_counts_its_warmup_apart():
+    calls = []
+    row = timed(lambda: calls.append(1), 2, 5, "cpu")
+    assert len(calls) == 7 and row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
+
+
+def test_forward_args_leaves_unset_ones_out():
+    args = type("A", (), {"batch": 4, "hf_steps": 2, "layers": None})()
+    assert forward_args(args, "batch", "hf_steps", "layers") == ["--batch", "4",
+                                                                  "--hf-steps", "2"]
+
+
+def test_table():
+    columns = [Column("tokens/s", 10, "tokens_per_s", ".0f"),
+               Column("peak GiB", 10, "peak_bytes", ".2f", 2**-30),
+               Column("MFU989", 8, "mfu_989", ".1%"),
+               Column("trained", 9, "trained", ",d"),
+               Column("pred", 6, "pred", ".1f", missing="")]
+    rows = {"modulec": {"step_s": 0.5, "peak_bytes": 3 * 2**30, "trained": 12345, "pred": 2.0},
+            "hf_eager": {"step_s": 1.0},
+            "hf_compile": {"error": "Traceback ...\nRuntimeError: " + "x" * 200 + "\n\n"}}
+    add_rates(rows, 1000, flops=PEAK / 1000)
+    assert rows["modulec"]["tokens_per_s"] == 2000
+    assert rows["modulec"]["mfu_989"] == pytest.approx(2.0)
+    assert "mfu_gemm" not in rows["modulec"] and "tokens_per_s" not in rows["hf_compile"]
+    assert header(columns, 12, notes=True) == \
+        "variant       tokens/s  peak GiB  MFU989  trained  pred  notes"
+    lines = table_rows(rows, columns, 12, error_width=20, note=lambda name, r: name[:2])
+    assert lines == [
+        "modulec           2000      3.00  200.0%   12,345   2.0  mo",
+        "hf_eager          1000         -  100.0%        -  hf",
+        "hf_compile    failed: RuntimeError: xxxxxx"]
+    assert versus_best(rows) == ["modulec / best HF (hf_eager): 2.00x"]
+    assert versus_best({"modulec": rows["modulec"]}) == []
+
