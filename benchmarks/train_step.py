@@ -49,13 +49,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import (PEAK, Column, add_rates, finish, gemm_ceiling,  # noqa: E402
+                                header, hf_step, launch, progress, random_tokens, table_rows,
+                                timed, variant_row, write_json)
 
 VARIANTS = ("modulec", "modulec_norecompute", "hf_eager", "hf_compile", "hf_ckpt")
 # the memory/speed sweep of modulec's own options (benchmarks/gpu/run_all.sh SWEEP)
@@ -64,7 +67,7 @@ SWEEP = ("modulec", "modulec_keepgrads", "modulec_torchadam", "modulec_norecompu
 # the budget sweep (benchmarks/gpu/run_all.sh STAGES=budget): derived backward, planner decides
 BUDGETS = tuple(f"modulec_norecompute_budget{b}" for b in ("26", "24", "22", "21", "20", "19",
                                                            "18.3"))
-PEAK = 989e12
+_timed = timed  # the name benchmarks/dist_measure.py imports
 
 
 def tiny_llama(layers: int) -> dict:
@@ -105,29 +108,6 @@ def flops_per_token(shape: dict, seq: int) -> float:
 
 
 # ------------------------------------------------------------------ one variant (child)
-def _timed(step, warmup: int, steps: int) -> dict:
-    import torch
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    starts[0].record()
-    for i in range(steps):
-        step()
-        starts[i + 1].record()
-    torch.cuda.synchronize()
-    times = sorted(starts[i].elapsed_time(starts[i + 1]) / 1e3 for i in range(steps))
-    return {"step_s": times[len(times) // 2], "step_s_min": times[0], "step_s_max": times[-1]}
-
-
-def _batch(args, vocab):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, vocab, (args.batch, args.seq), generator=g, dtype=torch.int32).cuda()
-
-
 def modulec_options(variant: str) -> dict:
     """Options joined by `_` after `modulec`: `norecompute` (the derived backward),
     `keepgrads`, `torchadam`, `flash` (FlashAttention-2 instead of cuDNN first),
@@ -182,11 +162,11 @@ def run_modulec(args, shape, ckpt, variant="modulec"):
     weights = load_hf_weights(step.program.weight_schema, ckpt, dtype=torch.float32, device="cuda")
     step.load(weights)
     del weights
-    tokens = _batch(args, shape["vocab_size"])
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"])
     step.set_batch(tokens)
     torch.cuda.reset_peak_memory_stats()
     step.capture(warmup=2)
-    result = _timed(lambda: step(tokens), args.warmup, args.steps)
+    result = timed(lambda: step(tokens), args.warmup, args.steps)
     result["loss"] = float(step.loss)
     if step.activations is not None:  # the arena's regions, as the plan sizes them
         result["arena_bytes"] = step.activations.bytes_of()
@@ -220,19 +200,10 @@ def run_hf(args, shape, ckpt, variant):
     model.train()
     forward = torch.compile(model) if variant in ("hf_compile", "hf_compile_fp8") else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    tokens = _batch(args, shape["vocab_size"]).long()
-    box = {}
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        box["loss"] = loss.detach()
-
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"], dtype=torch.int64)
+    step, box = hf_step(forward, opt, tokens)
     torch.cuda.reset_peak_memory_stats()
-    result = _timed(step, args.warmup, args.steps)
+    result = timed(step, args.warmup, args.steps)
     result["loss"] = float(box["loss"])
     return result
 
@@ -247,40 +218,12 @@ def to_float8(model) -> None:
 
 
 def child(args) -> None:
-    import torch
-
     shape = model_shape(args)
-    try:
-        if args.only.startswith("modulec"):
-            result = run_modulec(args, shape, args.ckpt, args.only)
-        else:
-            result = run_hf(args, shape, args.ckpt, args.only)
-        result["peak_bytes"] = torch.cuda.max_memory_allocated()
-    except torch.cuda.OutOfMemoryError as exc:
-        result = {"error": f"out of memory: {str(exc)[:200]}"}
-    Path(args.result).write_text(json.dumps(result))
+    run = run_modulec if args.only.startswith("modulec") else run_hf
+    write_json(args.result, variant_row(lambda: run(args, shape, args.ckpt, args.only)))
 
 
 # ------------------------------------------------------------------ the run (parent)
-def gemm_ceiling() -> float:
-    import torch
-
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(20):
-        events[0].record()
-        a @ b
-        events[1].record()
-        torch.cuda.synchronize()
-        times.append(events[0].elapsed_time(events[1]) / 1e3)
-    return 2 * n ** 3 / sorted(times)[len(times) // 2]
-
-
 def write_checkpoint(shape: dict, directory: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM
@@ -294,32 +237,26 @@ def run_variant(args, variant: str, ckpt: Path, out: Path) -> dict:
            "--batch", str(args.batch), "--seq", str(args.seq), "--shape", args.shape,
            "--layers", str(model_shape(args)["n_layers"]), "--steps", str(args.steps),
            "--warmup", str(args.warmup)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or not out.exists():
-        return {"error": (done.stderr or done.stdout)[-1500:]}
-    return json.loads(out.read_text())
+    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    return launch(cmd, out, None, log)
+
+
+COLUMNS = [Column("tokens/s", 10, "tokens_per_s", ".0f"),
+           Column("step ms", 9, "step_s", ".1f", 1e3),
+           Column("peak GiB", 10, "peak_bytes", ".2f", 2**-30),
+           Column("MFU989", 8, "mfu_989", ".1%"), Column("MFUgemm", 9, "mfu_gemm", ".1%"),
+           Column("loss", 8, "loss", ".3f"),
+           Column("predicted", 10, "predicted_peak_bytes", ".2f", 2**-30, missing="")]
 
 
 def table(rows: dict, args, flops: float, gemm: float) -> str:
-    tokens = args.batch * args.seq
+    """The rows' tokens/s and MFU added (they go into the JSON too), then the table."""
+    add_rates(rows, args.batch * args.seq, flops, gemm)
     layers = model_shape(args)["n_layers"]
-    lines = [f"{SHAPES[args.shape][2]} shape, {layers} layers, B={args.batch} T={args.seq}, bf16 "
-             f"(fp32 master), fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
-             f"{'variant':<34}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
-             f"{'MFUgemm':>9}{'loss':>8}{'predicted':>10}"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"{name:<34}  failed: {r['error'].splitlines()[-1][:90]}")
-            continue
-        r["tokens_per_s"] = tokens / r["step_s"]
-        r["mfu_989"] = r["tokens_per_s"] * flops / PEAK
-        r["mfu_gemm"] = r["tokens_per_s"] * flops / gemm
-        lines.append(f"{name:<34}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}"
-                     f"{r['peak_bytes'] / 2**30:>10.2f}{r['mfu_989']:>8.1%}{r['mfu_gemm']:>9.1%}"
-                     f"{r['loss']:>8.3f}"
-                     + (f"{r['predicted_peak_bytes'] / 2**30:>10.2f}"
-                        if r.get("predicted_peak_bytes") else ""))
-    return "\n".join(lines)
+    return "\n".join([
+        f"{SHAPES[args.shape][2]} shape, {layers} layers, B={args.batch} T={args.seq}, bf16 "
+        f"(fp32 master), fwd+bwd+AdamW; GEMM ceiling {gemm / 1e12:.0f} TFLOP/s",
+        header(COLUMNS, 34), *table_rows(rows, COLUMNS, 34)])
 
 
 def parent(args) -> None:
@@ -327,21 +264,19 @@ def parent(args) -> None:
     gemm = gemm_ceiling()
     flops = flops_per_token(shape, args.seq)
     rows = {}
+    summary = {"shape": args.shape, "batch": args.batch, "seq": args.seq,
+               "layers": shape["n_layers"],
+               "flops_per_token": flops, "gemm_flops": gemm, "peak_flops": PEAK,
+               "device": _device(), "variants": rows}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         write_checkpoint(shape, ckpt)
         for variant in args.variants.split(","):
             rows[variant] = run_variant(args, variant, ckpt, Path(tmp) / f"{variant}.json")
-            print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
-    print(table(rows, args, flops, gemm))
-    summary = {"shape": args.shape, "batch": args.batch, "seq": args.seq,
-               "layers": shape["n_layers"],
-               "flops_per_token": flops, "gemm_flops": gemm, "peak_flops": PEAK,
-               "device": _device(), "variants": rows}
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+            progress(variant, rows[variant])
+            if args.json:  # after each variant: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(summary, indent=2))
+    finish(table(rows, args, flops, gemm), summary, args.json)
 
 
 def _device() -> str:
