@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import forward_args, launch, random_tokens, timed  # noqa: E402
 
 VARIANTS = ("before", "after")
 REPLACED = ("layernorm", "gelu", "softmax")  # the primitives the new kernels took over
@@ -37,7 +39,6 @@ def gpt2_small(vocab: int, seq: int) -> dict:
 def measure(args, variant: str) -> dict:
     import torch
 
-    from benchmarks.train_step import _batch, _timed
     from runtime.cuda.step import TrainStep
     from runtime.kernels import KERNELS
 
@@ -47,12 +48,12 @@ def measure(args, variant: str) -> dict:
         for name in REPLACED:
             step.kernels[name] = KERNELS[name]
     step.init_random(0)
-    tokens = _batch(args, args.vocab)
+    tokens = random_tokens(args.batch, args.seq, args.vocab)
     torch.cuda.reset_peak_memory_stats()
     first = float(step(tokens))  # eager, the first step's loss
     step.set_batch(tokens)
     step.capture(warmup=2)
-    result = _timed(lambda: step(tokens), args.warmup, args.steps)
+    result = timed(lambda: step(tokens), args.warmup, args.steps)
     result.update(variant=variant, first_loss=first, loss=float(step.loss),
                   tokens_per_s=round(args.batch * args.seq / result["step_s"]),
                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -61,14 +62,16 @@ def measure(args, variant: str) -> dict:
     return result
 
 
-def child(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--only", variant, "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--vocab", str(args.vocab)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if done.returncode:
-        return {"variant": variant, "error": done.stderr.strip().splitlines()[-5:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def child(args, variant: str, tmp: Path) -> dict:
+    """The variant in its own process; a failure is its output's last five lines."""
+    out = tmp / f"{variant}.json"
+    cmd = [sys.executable, __file__, "--only", variant, "--result", str(out),
+           *forward_args(args, "batch", "seq", "steps", "warmup", "vocab")]
+    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    row = launch(cmd, out, args.timeout, log)
+    if "error" in row:
+        return {"variant": variant, "error": row["error"].strip().splitlines()[-5:]}
+    return row
 
 
 def print_table(results: list):
@@ -96,11 +99,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--json")
     p.add_argument("--only", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.only:
-        print(json.dumps(measure(args, args.only)))
+        text = json.dumps(measure(args, args.only))
+        print(text)
+        if args.result:
+            Path(args.result).write_text(text)
         return 0
-    results = [child(args, v) for v in VARIANTS]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [child(args, v, Path(tmp)) for v in VARIANTS]
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
