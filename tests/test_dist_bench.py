@@ -1,6 +1,8 @@
 """benchmarks/train_step_dist.py on the CPU: the HF DDP and FSDP2 peers run for real on two
-gloo processes at a tiny shape, and the JSON carries every field with finite figures; the
-exposed-communication arithmetic on a hand-made trace."""
+gloo processes at a tiny shape, and the JSON carries every field with finite figures;
+modulec's DP 2 x TP 2 layout on four (the CPU trainer); the variant names and the layouts
+they are refused for; tokens/s of a TP row; the exposed-communication arithmetic on a
+hand-made trace."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +21,9 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_step_dist import comm_times, kernel_table  # noqa: E402
+from benchmarks.dist_measure import comm_times, kernel_table  # noqa: E402
+from benchmarks.dist_modulec import Layout, parse_variant  # noqa: E402
+from benchmarks.train_step_dist import LLAMA3_70B, SHAPES, derive  # noqa: E402
 
 FIELDS = ("step_s", "step_s_min", "step_s_max", "step_s_b2b", "tokens_per_s",
           "tokens_per_s_per_gpu", "peak_bytes", "mfu_989", "scaling", "loss", "gpus")
@@ -27,7 +32,7 @@ FIELDS = ("step_s", "step_s_min", "step_s_max", "step_s_b2b", "tokens_per_s",
 def test_hf_peers_on_gloo(tmp_path):
     out = tmp_path / "dist.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/train_step_dist.py"), "--device", "cpu",
-           "--shape", "tiny", "--variants", "hf_ddp,hf_fsdp2,modulec_tp2", "--steps", "2",
+           "--shape", "tiny", "--variants", "hf_ddp,hf_fsdp2", "--steps", "2",
            "--warmup", "1", "--batch", "2", "--seq", "32", "--timeout", "120",
            "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -41,8 +46,60 @@ def test_hf_peers_on_gloo(tmp_path):
         assert row["gpus"] == 2 and math.isfinite(row["loss"]) and 0 < row["loss"] < 10
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(2 * 2 * 32 /
                                                                           row["step_s"])
-    assert "step_s" not in summary["variants"]["modulec_tp2"]  # unavailable, or CUDA only
     assert "hf_ddp" in done.stdout and "tok/s/GPU" in done.stdout
+
+
+def test_modulec_dp_x_tp_on_gloo(tmp_path):
+    """DP 2 x TP 2 on four processes: each TP pair trains one batch, so a step is B x T x 2
+    tokens; both pairs report the loss of the same model on their own batch."""
+    out = tmp_path / "dist.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_step_dist.py"), "--device", "cpu",
+           "--shape", "tiny", "--gpus", "4", "--variants", "modulec_zero1_tp2", "--steps",
+           "2", "--warmup", "1", "--batch", "2", "--seq", "32", "--timeout", "120",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())["variants"]["modulec_zero1_tp2"]
+    assert "error" not in row, row
+    assert (row["gpus"], row["dp"], row["tp"]) == (4, 2, 2)
+    assert math.isfinite(row["loss"]) and 0 < row["loss"] < 10
+    assert row["tokens_per_s"] == pytest.approx(2 * 32 * 2 / row["step_s"])
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / 4)
+    assert " 2x2 " in done.stdout
+
+
+def test_variant_names_and_the_layouts_refused():
+    tiny, shape8b = SHAPES["tiny"], SHAPES["llama3-8b"]
+    assert parse_variant("modulec_1gpu_fp8", 4) == Layout(1, fp8=True)
+    assert parse_variant("modulec_zero2", 4) == Layout(4, 1, 2)
+    assert parse_variant("modulec_zero1_tp2", 4, shape8b) == Layout(4, 2, 1)
+    assert parse_variant("modulec_zero1_tp2", 4, shape8b).dp == 2
+    assert parse_variant("modulec_zero0_tp4_fp8", 4, LLAMA3_70B) == Layout(4, 4, 0, True)
+    refused = {"modulec_zero3_tp4": (4, None, "leaves one data-parallel rank"),
+               "modulec_zero1_tp3": (4, None, "does not divide the 4 GPUs"),
+               "modulec_zero0_tp4": (4, tiny, "num_kv_heads = 2"),
+               "modulec_zero1_tp1": (4, None, "plain data parallel"),
+               "modulec_zero4": (4, None, "0, 1, 2 or 3"),
+               "modulec_zero2": (1, None, "several GPUs"),
+               "modulec_tp2": (2, None, "unknown variant")}
+    for name, (gpus, shape, why) in refused.items():
+        with pytest.raises(ValueError, match=why):
+            parse_variant(name, gpus, shape)
+
+
+def test_tokens_of_a_tensor_parallel_row_count_its_data_parallel_ranks():
+    args = SimpleNamespace(batch=4, seq=1000, device="cuda")
+    rows = {"modulec_1gpu": {"step_s": 1.0, "gpus": 1, "tp": 1, "dp": 1},
+            "modulec_zero2": {"step_s": 1.0, "gpus": 4, "tp": 1, "dp": 4},
+            "modulec_zero1_tp2": {"step_s": 1.0, "gpus": 4, "tp": 2, "dp": 2},
+            "hf_fsdp2": {"step_s": 2.0, "gpus": 4}}
+    derive(rows, args, flops=1.0)
+    assert rows["modulec_zero2"]["scaling"] == pytest.approx(1.0)
+    assert rows["modulec_zero1_tp2"]["tokens_per_s"] == pytest.approx(8000)
+    assert rows["modulec_zero1_tp2"]["scaling"] == pytest.approx(0.5)
+    assert rows["modulec_zero1_tp2"]["over_1gpu_s"] is None  # not one GPU's step per rank
+    assert rows["modulec_zero2"]["over_1gpu_s"] == pytest.approx(0.0)
+    assert rows["hf_fsdp2"]["tokens_per_s"] == pytest.approx(8000)
 
 
 def test_exposed_communication_arithmetic():
