@@ -65,7 +65,7 @@ class Model:
                     search_path=(), progress: bool = False,
                     memory_budget: int | None = None, lora=None,
                     tensor_parallel: int = 1, tp_rank: int = 0,
-                    max_memory: int | None = None, precision: str | None = None) -> "Model":
+                    sequence_parallel: bool = False, max_memory: int | None = None, precision: str | None = None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
         are loaded. `lora` (a dict `rank=8, alpha=16, targets=["q", "v"]`, `{}` for the
@@ -73,7 +73,9 @@ class Model:
         `@adapter(lora)` matmuls and freezes its base weights (docs/training.md, "LoRA").
         `tensor_parallel=M` builds rank `tp_rank`'s program of M (its `@shard` parameters
         are its slices; docs/distributed.md, "Tensor parallel"); run it in a
-        torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group). Before
+        torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group);
+        `sequence_parallel=True` (`--sp`) splits the values between its sharded regions
+        along the sequence (docs/distributed.md, "Sequence parallel"). Before
         any weight is made, the model's memory is checked against the device (or
         `max_memory` bytes): runtime.memory_check. `precision="fp8"` applies the std FP8
         recipe (runtime/fp8.py)."""
@@ -90,6 +92,7 @@ class Model:
             except ValueError as exc:
                 raise RuntimeUserError(f"lora: {exc}") from None
         source.tensor_parallel = int(tensor_parallel)
+        source.sequence_parallel = bool(sequence_parallel)
         source.precision = precision
         if memory_budget is not None:  # keep / recompute / swap as the planner decides
             from modulec.lower.build_plan import PlanOptions

@@ -81,6 +81,7 @@ class ModuleSource:
     lora: object = None  # modulec.lower.lora.LoraOptions: LoRA on
     distributed: object = None  # modulec.plan.distributed.DataParallel: data parallel
     tensor_parallel: int = 1  # tensor parallel size: each rank's program (`--tp`)
+    sequence_parallel: bool = False  # `--sp`: the sequence split between the TP regions
     # modulec.plan.pipeline.Pipeline: the `pipeline` section (--pp) of the programs built at
     # given sizes (the one with free dims, read for names and parameters, has none)
     pipeline: object = None
@@ -111,6 +112,7 @@ class ModuleSource:
                                derive_written=self.derive_written, planning=planning,
                                lora=self.lora, distributed=self.distributed,
                                tensor_parallel=self.tensor_parallel,
+                               sequence_parallel=self.sequence_parallel,
                                pipeline=self.pipeline if shapes else None,
                                precision=self.precision)
         try:

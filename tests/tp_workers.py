@@ -11,9 +11,10 @@ import torch
 from tests.runtime_models import TINY, token_inputs
 
 
-def tiny_model(name: str, tensor_parallel: int = 1, rank: int = 0):
+def tiny_model(name: str, tensor_parallel: int = 1, rank: int = 0,
+               sequence_parallel: bool = False):
     """The tiny model `name` (float64); under tensor parallel, this rank's slices of the
-    same random parameters the unsharded model gets."""
+    same random parameters the unsharded model gets (`sequence_parallel`: with `--sp`)."""
     from runtime.model import Model
     from runtime.tensor_parallel import shard_params
 
@@ -23,7 +24,8 @@ def tiny_model(name: str, tensor_parallel: int = 1, rank: int = 0):
     if tensor_parallel == 1:
         return whole
     model = Model.from_module(path, settings=settings, dtype=torch.float64,
-                              tensor_parallel=tensor_parallel, tp_rank=rank)
+                              tensor_parallel=tensor_parallel, tp_rank=rank,
+                              sequence_parallel=sequence_parallel)
     model.params = shard_params(whole.params, model.source.program(planned=False), rank)
     return model
 
@@ -64,6 +66,21 @@ def run_rank(rank: int, world: int, port: int, name: str, out: str,
         torch.save(result, f"{out}.{rank}")
     finally:
         set_tp_group(None)
+        dist.destroy_process_group()
+
+
+def run_rank_sp(rank: int, world: int, port: int, runs: list, out: str) -> None:
+    """Rank `rank`'s step of each (model name, `--sp` or not) of `runs`, saved to
+    `out`.<rank> as {(name, sp): step}."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        result = {(name, sp): step(tiny_model(name, world, rank, sequence_parallel=sp))
+                  for name, sp in runs}
+        torch.save(result, f"{out}.{rank}")
+    finally:
         dist.destroy_process_group()
 
 

@@ -52,6 +52,7 @@ class BuildRequest:
     # the defaults, for a model whose forward has `@partition` stages)
     pipeline: object = None
     tensor_parallel: int = 1  # `--tp M`: this rank's program of M (modulec.lower.tensor_parallel)
+    sequence_parallel: bool = False  # `--sp`: with --tp, modulec.lower.sequence_parallel
     precision: str | None = None  # "fp8": the std FP8 recipe on the model (modulec.lower.fp8_recipe)
 
 
@@ -228,6 +229,11 @@ def _sharding_fails(world, instance, request: BuildRequest) -> bool:
 def _tensor_parallel(world, instance, request: BuildRequest):
     """With `--tp M`: the sharded parameters (E027 / E008 into world.diagnostics)."""
     if request.tensor_parallel == 1:
+        if request.sequence_parallel:
+            world.diagnostics.append(error(
+                "E008", "`--sp` splits the sequence across the tensor-parallel ranks: it "
+                "needs `--tp M` with M of at least 2", None,
+                help=["add `--tp 2` (docs/distributed.md, Sequence parallel)"]))
         return None
     from modulec.lower.lowering import function_name
     from modulec.lower.tensor_parallel import shards
@@ -237,6 +243,7 @@ def _tensor_parallel(world, instance, request: BuildRequest):
                                        "supported yet", None,
                                        help=["train LoRA on one GPU or with data parallel"]))
     found = shards(world, instance, function_name)
+    found.sequence_parallel = request.sequence_parallel
     if not found.shards:  # every rank would run the whole model
         world.diagnostics.append(error(
             "E008", f"`--tp {request.tensor_parallel}`: no parameter of `{instance.name}` "

@@ -14,6 +14,7 @@ from modulec.lower import pass_names
 from modulec.lower.backward import derive_backward
 from modulec.lower.fusion import fuse
 from modulec.lower.lora import apply_lora
+from modulec.lower.sequence_parallel import apply_sequence_parallel
 from modulec.lower.tensor_parallel import apply_tensor_parallel
 from modulec.source import SourceFile, Span
 
@@ -80,6 +81,11 @@ PIPELINE: tuple[Pass, ...] = (
          "region), tp_all_reduce after each row-sharded matmul; rewritten functions' "
          "written backwards dropped, derived with the pair (E008 on layout conflicts)",
          apply_tensor_parallel),
+    Pass("sequence_parallel", "with `--tp M --sp`: the values between the sharded regions "
+         "split along the sequence (T / M rows a rank): sp_scatter into the blocks, "
+         "sp_all_gather / sp_reduce_scatter in place of each region's tp_copy / "
+         "tp_all_reduce, sp_gather before what needs every row (the LM head); types "
+         "re-derived, backwards derived again", apply_sequence_parallel),
     Pass("lora", "with LoRA on (`--lora`): each `@adapter(lora)` matmul y = x @ W^T gets "
          "y += (alpha/rank) (x @ A^T) @ B^T per selected part of a fused weight; base "
          "parameters frozen, written backwards dropped (E008 when misplaced)", apply_lora),

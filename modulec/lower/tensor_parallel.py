@@ -58,6 +58,9 @@ class TensorParallel:
 
     size: int
     shards: dict = field(default_factory=dict)  # function name -> {param id: Shard}
+    # `--sp`: the residual stream split along the sequence between the sharded regions
+    # (modulec.lower.sequence_parallel)
+    sequence_parallel: bool = False
 
 
 # ====================================================================== reading @shard
@@ -337,7 +340,8 @@ def _span(context, at: tuple):
 def section(plan: TensorParallel) -> dict:
     """The document's `tensor_parallel` section: the size and each sharded parameter's
     layout by function (what a runtime needs to slice weights and to run the pair)."""
-    return {"size": plan.size, "group": "tp",
+    sequence = {"sequence_parallel": True} if plan.sequence_parallel else {}
+    return {"size": plan.size, "group": "tp", **sequence,
             "shards": {function: {p[len("param:"):]: s.data() for p, s in sorted(found.items())}
                        for function, found in sorted(plan.shards.items())}}
 

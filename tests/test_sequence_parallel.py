@@ -1,0 +1,155 @@
+"""Sequence parallel (`--tp M --sp`, Megatron-LM's): between the tensor-parallel regions
+each rank holds T / M rows of the residual stream (modulec.lower.sequence_parallel). On
+two CPU processes (gloo) a step's logits, loss and every gradient equal one process
+running the unsharded model and two running tensor parallel alone (float64). Also the
+rank program (sp_scatter, sp_all_gather / sp_reduce_scatter, sp_gather, local types)
+and the diagnostics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from modulec.ir.verify import verify_graph  # noqa: E402
+from modulec.lower.build import BuildRequest, build  # noqa: E402
+from runtime.tensor_parallel import unshard_params  # noqa: E402
+from tests import tp_workers  # noqa: E402
+from tests.runtime_models import TINY  # noqa: E402
+from tests.test_tensor_parallel import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sp_build(name: str = "llama", tp: int = 2, seq: int = 6, sp: bool = True, **more):
+    path, settings = TINY[name]
+    settings = {k: str(v) for k, v in (settings | more).items()}
+    return build(BuildRequest(ROOT / path, settings=settings, shapes={"B": 2, "T": seq},
+                              tensor_parallel=tp, sequence_parallel=sp))
+
+
+def _close(got, want, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=what)
+
+
+MODELS = ["llama", "qwen3", "mixtral"]  # dense; a replicated weight in a region; MoE
+RUNS = [(name, True) for name in MODELS] + [("llama", False)]  # and tensor parallel alone
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list:
+    """Both ranks' steps of every run: one spawn."""
+    out = str(tmp_path_factory.mktemp("sp") / "rank")
+    mp.spawn(tp_workers.run_rank_sp, nprocs=2, args=(2, free_port(), RUNS, out))
+    return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_with_sp_equals_one_process(name, two_ranks):
+    want = tp_workers.step(tp_workers.tiny_model(name))
+    ranks = [r[name, True] for r in two_ranks]
+    program = tp_workers.tiny_model(name, 2, 0, True).source.program(planned=False)
+    assert program.document["schedule"]["tensor_parallel"]["sequence_parallel"] is True
+    for got in ranks:
+        _close(got["logits"], want["logits"], "logits")
+        _close(got["loss"], want["loss"], "loss")
+    grads = unshard_params([r["grads"] for r in ranks], program)
+    assert set(grads) == set(want["grads"])
+    for path, value in want["grads"].items():
+        _close(grads[path], value, path)
+    # the norms' weights are read on each rank's rows: their gradients are summed over
+    # the ranks (tp_copy), whole and equal on both
+    norms = [p for p in want["grads"] if "norm" in p or p.endswith(("ln1.weight", "ln2.weight"))]
+    assert norms
+    for path in norms:
+        _close(ranks[1]["grads"][path], ranks[0]["grads"][path], path)
+
+
+def test_tp2_with_sp_equals_tp2(two_ranks):
+    for rank in two_ranks:
+        sp, tp = rank["llama", True], rank["llama", False]
+        _close(sp["logits"], tp["logits"], "logits")
+        _close(sp["loss"], tp["loss"], "loss")
+        assert set(sp["grads"]) == set(tp["grads"])
+        for path, value in tp["grads"].items():  # each rank's slices and replicas
+            _close(sp["grads"][path], value, path)
+
+
+def test_the_rank_program_splits_the_sequence_between_the_regions():
+    result = sp_build()
+    assert not [d for d in result.diagnostics if d.is_error]
+    graph = result.graph
+    assert not verify_graph(graph)
+    attention = graph.function("CausalSelfAttention#1")
+    ops = [n.target for n in attention.nodes]
+    assert ops[0] == "sp_all_gather" and ops[-1] == "sp_reduce_scatter"
+    assert "tp_copy" not in ops and "tp_all_reduce" not in ops
+    assert attention.inputs[0].shape == ("2", "3", "32")  # T / 2 rows
+    assert attention.value(attention.nodes[0].outputs[0]).shape == ("2", "6", "32")
+    block = graph.function("DenseTransformerBlock#1")
+    assert [i.shape for i in block.inputs] == [("2", "3", "32")] * 2
+    # the norms run on the local rows; their weights' gradients are summed (tp_copy)
+    assert [n.target for n in block.nodes].count("tp_copy") == 2
+    entry = graph.function(graph.entry)
+    targets = [n.target for n in entry.nodes]
+    assert "sp_scatter" in targets and targets.index("sp_gather") == targets.index("matmul") - 1
+    assert entry.value(entry.outputs[0]).shape == ("2", "6", "64")  # whole logits
+    zeros = next(n for n in entry.nodes if n.target == "zeros")
+    assert zeros.attr("shape") == [2, 3, 32]  # made local, not scattered
+    backward = graph.function("CausalSelfAttention#1.backward")
+    derived = [n.target for n in backward.nodes]
+    assert derived[0] == "sp_reduce_scatter_backward" and derived[-1] == "sp_all_gather_backward"
+    assert result.document["schedule"]["tensor_parallel"]["sequence_parallel"] is True
+
+
+def test_a_sequence_not_divisible_by_tp_names_the_tensor_and_dim():
+    result = sp_build(seq=7)
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and errors[0].code == "E027"
+    assert "dim 1 of `x0` (7, the sequence) is not divisible by tp_size 2" in errors[0].message
+
+
+def test_sp_without_tp_is_an_error():
+    result = sp_build(tp=1)
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and "`--sp`" in errors[0].message and "--tp" in errors[0].message
+
+
+def test_dropout_on_split_rows_is_refused(tmp_path):
+    source = tmp_path / "drop.module"
+    source.write_text('''module MLP(d: int = 8, f: int = 16):
+  let:
+    local_f = f // tp_size
+
+  params:
+    up: [local_f, d] @shard(column)
+    down: [d, local_f] @shard(row)
+
+  forward:
+    in: x: [B, T, d]
+    out: [B, T, d]
+
+    graph:
+      x -> matmul(up, transpose=NT) -> relu() -> h
+      h -> matmul(down, transpose=NT) -> out
+
+model Drop(d: int = 8):
+  params:
+    mlp: MLP(d)
+
+  forward:
+    in: x: [B, T, d]
+    out: y: [B, T, d]
+
+    graph:
+      x -> mlp -> h
+      h -> dropout(p=0.1) -> (y, mask)
+''')
+    result = build(BuildRequest(source, model="Drop", shapes={"B": 2, "T": 4},
+                                tensor_parallel=2, sequence_parallel=True))
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert errors and errors[0].code == "E008"
+    assert "dropout on sequence-split rows is not supported yet" in errors[0].message
