@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import (PEAK, Column, add_rates, best_peer, forward_args,  # noqa: E402
+                                header, hf_step, launch, progress, random_tokens, reset_peak,
+                                sync, table_rows, timed, variant_row, write_json)
 
 # torch.compile last: its compile time is the longest, the others' rows come first
 VARIANTS = ("modulec", "hf_peft", "hf_peft_liger", "hf_peft_compile")
@@ -62,7 +62,6 @@ SHAPES = {
 }
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PEAK = 989e12
 
 
 def shape_of(args) -> dict:
@@ -75,58 +74,6 @@ def flops_per_token(shape: dict, seq: int) -> float:
     head = d // shape["num_heads"]
     attn = d * (shape["num_heads"] + 2 * shape["num_kv_heads"]) * head + d * d
     return 4 * (L * (attn + 3 * d * ff) + V * d) + 12 * L * d * seq
-
-
-# ------------------------------------------------------------------ timing (child)
-class Clock:
-    """CUDA events on the GPU, perf_counter after a sync elsewhere."""
-
-    def __init__(self, device: str):
-        self.device = device
-
-    def sync(self) -> None:
-        import torch
-
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def times(self, step, steps: int) -> list[float]:
-        import torch
-
-        if self.device != "cuda":
-            out = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step()
-                out.append(time.perf_counter() - t0)
-            return out
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        marks[0].record()
-        for i in range(steps):
-            step()
-            marks[i + 1].record()
-        torch.cuda.synchronize()
-        return [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
-
-
-def timed(step, clock: Clock, steps: int) -> dict:
-    times = sorted(clock.times(step, steps))
-    return {"step_s": times[len(times) // 2], "step_s_min": times[0], "step_s_max": times[-1]}
-
-
-def reset_peak(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def batch_of(args, vocab: int):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=g, dtype=torch.int64)
-    return tokens.to(args.device)
 
 
 # ------------------------------------------------------------------ modulec (child)
@@ -180,14 +127,15 @@ def run_modulec(args, shape) -> dict:
                                  adamw=AdamWConfig(lr=args.lr), **budget)
     step.init_random(0)  # fp32 draw on the GPU (32 GB at 8B), bf16 copies kept
     torch.cuda.empty_cache()
-    tokens = batch_of(args, shape["vocab_size"]).to(torch.int32)
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"], dtype=torch.int64)
+    tokens = tokens.to(torch.int32)
     step.set_batch(tokens)
     step(tokens)  # one eager step: the loss at the initial weights
     loss_first = float(step.loss)
     reset_peak("cuda")
     step.capture(warmup=max(args.warmup - 1, 1))
     setup_s = time.perf_counter() - started
-    result = timed(lambda: step(tokens), Clock("cuda"), args.steps)
+    result = timed(lambda: step(tokens), 0, args.steps)
     result.update(modulec_prediction(step.program), loss_first=loss_first,
                   loss_last=float(step.loss), setup_s=setup_s)
     if step.decisions is not None:
@@ -276,26 +224,16 @@ def run_hf(args, shape, variant: str) -> dict:
             layer.compile()
     opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0, fused=args.device == "cuda")
-    tokens = batch_of(args, shape["vocab_size"])
-    box = {}
-
-    def step():
-        with torch.autocast(args.device, dtype=torch.bfloat16):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        box["loss"] = loss.detach()
-
-    clock = Clock(args.device)
+    tokens = random_tokens(args.batch, args.seq, shape["vocab_size"], args.device, torch.int64)
+    step, box = hf_step(forward, opt, tokens, args.device)
     step()
     loss_first = float(box["loss"])
     for _ in range(args.warmup - 1):
         step()
-    clock.sync()
+    sync(args.device)
     setup_s = time.perf_counter() - started
     reset_peak(args.device)
-    result = timed(step, clock, args.steps)
+    result = timed(step, 0, args.steps, args.device)
     result.update(loss_first=loss_first, loss_last=float(box["loss"]), setup_s=setup_s,
                   trained_params=sum(p.numel() for p in trained),
                   adapter_dtype=str(trained[0].dtype).replace("torch.", ""),
@@ -305,52 +243,31 @@ def run_hf(args, shape, variant: str) -> dict:
 
 
 def child(args) -> None:
+    """Every failure is the variant's error row (`oom` says whether it ran out of memory):
+    the others still run."""
     shape = shape_of(args)
-    try:
-        if args.only == "modulec":
-            result = run_modulec(args, shape)
-        else:
-            result = run_hf(args, shape, args.only)
-        if args.device == "cuda":
-            import torch
+    row = variant_row(lambda: run_modulec(args, shape) if args.only == "modulec"
+                      else run_hf(args, shape, args.only), args.device, all_errors=True)
+    if args.device == "cuda" and "error" not in row:
+        import torch
 
-            result["peak_bytes"] = torch.cuda.max_memory_allocated()
-            result["device"] = torch.cuda.get_device_name()
-    except Exception as exc:  # reported as the variant's failure; the others still run
-        traceback.print_exc()
-        oom = "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
-        result = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "oom": oom}
-    Path(args.result).write_text(json.dumps(result))
+        row["device"] = torch.cuda.get_device_name()
+    write_json(args.result, row)
 
 
 # ------------------------------------------------------------------ the run (parent)
-def launch(args, variant: str, out: Path) -> dict:
+def run_variant(args, variant: str, out: Path) -> dict:
     """The variant in its own process (a session of its own: past --timeout the whole
     group is killed, so nothing keeps the GPU's memory)."""
     cmd = [sys.executable, __file__, "--only", variant, "--result", str(out),
-           "--shape", args.shape, "--batch", str(args.batch), "--seq", str(args.seq),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--rank", str(args.rank),
-           "--alpha", str(args.alpha), "--lr", str(args.lr), "--device", args.device]
+           *forward_args(args, "shape", "batch", "seq", "steps", "warmup", "rank", "alpha",
+                         "lr", "device")]
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--budget", str(args.budget)] if args.budget else []
-    rest = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{rest}" if rest else str(ROOT))
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        output, timed_out = proc.communicate(timeout=args.timeout)[0], False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, timed_out = proc.communicate()[0], True
-    if args.json:  # each process's own output beside the JSON, for the failures
-        Path(f"{args.json}.{variant}.log").write_text(output)
-    if out.exists():
-        result = json.loads(out.read_text())
-    elif timed_out:
-        result = {"error": f"timed out after {args.timeout} s"}
-    else:
-        result = {"error": f"exit status {proc.returncode}: {output[-1500:]}"}
+    # each process's own output beside the JSON, for the failures
+    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    result = launch(cmd, out, args.timeout, log)
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -360,37 +277,38 @@ def run_all(args, tmp: Path) -> dict:
     then says so)."""
     rows = {}
     for variant in args.variants.split(","):
-        rows[variant] = launch(args, variant, tmp / f"{variant}.json")
-        print(f"{variant}: {json.dumps(rows[variant])}", file=sys.stderr, flush=True)
+        rows[variant] = run_variant(args, variant, tmp / f"{variant}.json")
+        progress(variant, rows[variant], json.dumps)
         if rows[variant].get("oom") and variant.startswith("hf_") and \
                 not variant.endswith("_ckpt") and args.ckpt_retry:
             retry = f"{variant}_ckpt"
-            rows[retry] = launch(args, retry, tmp / f"{retry}.json")
+            rows[retry] = run_variant(args, retry, tmp / f"{retry}.json")
             rows[retry]["note"] = f"gradient checkpointing: {variant} ran out of memory"
-            print(f"{retry}: {json.dumps(rows[retry])}", file=sys.stderr, flush=True)
+            progress(retry, rows[retry], json.dumps)
     return rows
 
 
 def derive(rows: dict, args, flops: float) -> None:
-    tokens = args.batch * args.seq
-    for r in rows.values():
-        if "step_s" in r:
-            r["tokens_per_s"] = tokens / r["step_s"]
-            r["mfu_989"] = r["tokens_per_s"] * flops / PEAK
-    hf = [r for name, r in rows.items() if name.startswith("hf_") and "tokens_per_s" in r]
+    add_rates(rows, args.batch * args.seq, flops)
+    hf = best_peer(rows, "hf_")
     ours = rows.get("modulec", {})
     if hf and "tokens_per_s" in ours:
-        best = max(hf, key=lambda r: r["tokens_per_s"])
+        best = rows[hf]
         ours["speedup_vs_best_hf"] = ours["tokens_per_s"] / best["tokens_per_s"]
         ours["peak_vs_best_hf"] = ours["peak_bytes"] / best["peak_bytes"] \
             if best.get("peak_bytes") else None
 
 
-def _cell(r: dict, key: str, spec: str, scale: float = 1.0) -> str:
-    value = r.get(key)
-    if not isinstance(value, (int, float)):
-        return format("-", spec.split(".")[0].rstrip(",d"))
-    return format(value * scale if scale != 1.0 else value, spec)
+COLUMNS = [Column("tokens/s", 10, "tokens_per_s", ".0f"),
+           Column("step ms", 9, "step_s", ".1f", 1e3),
+           Column("peak GiB", 10, "peak_bytes", ".2f", 2**-30),
+           Column("MFU989", 8, "mfu_989", ".1%"), Column("loss0", 8, "loss_first", ".3f"),
+           Column("lossN", 8, "loss_last", ".3f"), Column("trained", 11, "trained_params", ",d"),
+           Column("setup s", 9, "setup_s", ".0f")]
+
+
+def notes(name: str, r: dict) -> list[str]:
+    return [f"{'':<28}  {r[note]}" for note in ("skipped", "note") if r.get(note)]
 
 
 def _size(n: int) -> str:
@@ -401,20 +319,7 @@ def table(rows: dict, args, shape: dict) -> str:
     lines = [f"LoRA r={args.rank} alpha={args.alpha} on {','.join(TARGETS)}; {args.shape} shape "
              f"({shape['n_layers']} layers, d {shape['d_model']}, vocab {shape['vocab_size']}), "
              f"B={args.batch} T={args.seq}, bf16 frozen base; median of {args.steps} steps",
-             f"{'variant':<28}{'tokens/s':>10}{'step ms':>9}{'peak GiB':>10}{'MFU989':>8}"
-             f"{'loss0':>8}{'lossN':>8}{'trained':>11}{'setup s':>9}"]
-    for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"{name:<28}  failed: {r['error'].strip().splitlines()[-1][:110]}")
-            continue
-        lines.append(f"{name:<28}{_cell(r, 'tokens_per_s', '>10.0f')}"
-                     f"{_cell(r, 'step_s', '>9.1f', 1e3)}{_cell(r, 'peak_bytes', '>10.2f', 2**-30)}"
-                     f"{_cell(r, 'mfu_989', '>8.1%')}{_cell(r, 'loss_first', '>8.3f')}"
-                     f"{_cell(r, 'loss_last', '>8.3f')}{_cell(r, 'trained_params', '>11,d')}"
-                     f"{_cell(r, 'setup_s', '>9.0f')}")
-        for note in ("skipped", "note"):
-            if r.get(note):
-                lines.append(f"{'':<28}  {r[note]}")
+             header(COLUMNS, 28), *table_rows(rows, COLUMNS, 28, error_width=110, below=notes)]
     devices = sorted({r["device"] for r in rows.values() if r.get("device")})
     lines.append(f"device: {', '.join(devices) or args.device}; " + ", ".join(
         f"{k} {v}" for k, v in _versions().items() if v))
