@@ -7,6 +7,7 @@ and the diagnostics."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,30 @@ model Drop(d: int = 8):
     errors = [d for d in result.diagnostics if d.is_error]
     assert errors and errors[0].code == "E008"
     assert "dropout on sequence-split rows is not supported yet" in errors[0].message
+
+
+def test_build_and_plan_take_sp():
+    from click.testing import CliRunner
+
+    from modulec.cli.main import modulec
+
+    path, settings = TINY["llama"]
+    args = [str(ROOT / path)] + [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    shapes = ["--shape", "B=2", "--shape", "T=64"]
+    built = CliRunner().invoke(modulec, ["build", *args, "--tp", "2", "--sp", "--emit",
+                                         "graph"])
+    assert built.exit_code == 0, built.output
+    assert "op sp_all_gather(x, dim=1, group=tp, size=2)" in built.output
+    assert "[B, (T // 2), 32]" in built.output  # the split sequence, T given at run time
+    alone = CliRunner().invoke(modulec, ["build", *args, "--sp"])
+    assert alone.exit_code == 2 and "give --tp M" in alone.output
+    # per rank, sequence parallel keeps fewer activations than tensor parallel alone
+    saved = {}
+    for flags in (["--tp", "2"], ["--tp", "2", "--sequence-parallel"]):
+        planned = CliRunner().invoke(modulec, ["plan", *args, *shapes, *flags,
+                                               "--format", "json"])
+        assert planned.exit_code == 0, planned.output
+        regions = json.loads(planned.output)["regions"]
+        saved[len(flags)] = {r["region"]: r["arena_bytes"] for r in regions}
+    assert saved[3]["saved_activations"] < saved[2]["saved_activations"]
+    assert saved[3]["transient_activations"] < saved[2]["transient_activations"]

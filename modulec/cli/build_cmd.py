@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from modulec.cli.parallel import parallel_options, parallel_request
+from modulec.cli.parallel import parallel_options, parallel_request, tensor_parallel_request
 
 
 MAX_SIZE = 2 ** 40  # a size no real model comes near (modulec.check.instance.MAX_DIM)
@@ -134,7 +134,7 @@ def build_command(output_options, guarded):
     @output_options
     @guarded
     def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
-              lora, precision, budget, training, device, policies, honor_lists, dp, zero, tp, pp,
+              lora, precision, budget, training, device, policies, honor_lists, dp, zero, tp, sp, pp,
               microbatches, interconnect, fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
@@ -155,7 +155,7 @@ def build_command(output_options, guarded):
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
         parallel_request(request, dp, zero, pp, microbatches, budget)
-        request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
+        tensor_parallel_request(request, tp, sp)  # one rank's program (@shard, --tp, --sp)
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:

@@ -1,5 +1,5 @@
-"""The parallel options of `modulec build` and `modulec plan` (--dp, --zero, --tp, --pp,
---microbatches, --interconnect), and what `modulec plan` prints for them: the per-GPU
+"""The parallel options of `modulec build` and `modulec plan` (--dp, --zero, --tp, --sp,
+--pp, --microbatches, --interconnect), and what `modulec plan` prints for them: the per-GPU
 memory under data parallel with ZeRO (beside one GPU's), and the pipeline's simulated
 timeline (docs/distributed.md)."""
 
@@ -34,6 +34,10 @@ def parallel_options(command):
                           "auto: with --memory-budget, the planner chooses 2 or 3."),
         click.option("--tp", type=click.IntRange(min=1), metavar="M",
                      help="Tensor-parallel ranks (must divide the heads, KV heads and d_ff)."),
+        click.option("--sequence-parallel", "--sp", "sp", is_flag=True,
+                     help="With --tp: sequence parallel (Megatron-LM's), the norms and "
+                          "residual adds on T / M rows a rank, all-gather / reduce-scatter "
+                          "around each sharded region instead of the all-reduce."),
         click.option("--pp", type=click.IntRange(min=1), metavar="P",
                      help="Pipeline stages (1F1B): the schedule's pipeline section; a model "
                           "with @partition stages gives its own split."),
@@ -68,6 +72,15 @@ def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
     # section (its per-stage memory in `modulec plan`), which `modulec train` refuses
     if pp is not None or microbatches is not None:
         request.pipeline = Pipeline(pp, microbatches, dp or 1)
+
+
+def tensor_parallel_request(request, tp: int | None, sp: bool) -> None:
+    """Put `--tp M` (one rank's program of M) and `--sp` on a BuildRequest."""
+    if sp and not (tp and tp > 1):
+        raise click.BadParameter("--sp splits the sequence across the tensor-parallel ranks: "
+                                 "give --tp M (M of at least 2)", param_hint="--sp")
+    request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
+    request.sequence_parallel = sp
 
 
 def tensor_parallel_problems(graph, tp: int | None) -> list[str]:

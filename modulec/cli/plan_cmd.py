@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from modulec.cli.build_cmd import pairs, model_options
-from modulec.cli.parallel import parallel_options, parallel_request
+from modulec.cli.parallel import parallel_options, parallel_request, tensor_parallel_request
 from modulec.cli.shape_options import shapes_refused
 
 REGION_TITLES = {"weights": "weights", "gradients": "gradients",
@@ -44,7 +44,7 @@ def plan_command(output_options, guarded):
     @output_options
     @guarded
     def plan(file, model, settings, shapes, config, search_path, budget, training, device,
-             policies, honor_lists, picture, dp, zero, tp, pp, microbatches, interconnect,
+             policies, honor_lists, picture, dp, zero, tp, sp, pp, microbatches, interconnect,
              fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
@@ -64,7 +64,7 @@ def plan_command(output_options, guarded):
 
             request.planning = PlanOptions(budget_bytes, training, device, _policies(policies),
                                            honor_lists)
-        request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
+        tensor_parallel_request(request, tp, sp)  # one rank's program (@shard, --tp, --sp)
         result = build(request)
         Output(fmt, use_color(color)).show(FileResult(str(file), result.source, None,
                                                       result.diagnostics))
