@@ -52,3 +52,37 @@ def train_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> N
         results.append({"losses": losses, "state": trainer.stage_state()})
     torch.save(results, f"{out}.{rank}")
     context.close()
+
+
+def train_data_parallel(rank: int, world: int, port: int, run: tuple, out: str) -> None:
+    """`run` ((name, settings, steps, micro, rows, seq)) on world / 2 pipelines of two
+    stages (DP x PP), each its rows of the same windows; then a resume: the state after
+    step 1 (gathered by the first pipeline, sent to every rank) loaded into a fresh
+    trainer that runs the steps after it. Rank r saves its losses, its stage's state and
+    the resumed run's to `out`.r."""
+    import torch.distributed as dist
+
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    context = join(rank, world, port)
+    name, settings, steps, micro, rows, seq = run
+    replica, own = rank // 2, rows * micro
+
+    def trainer():
+        return PipelineTrainer(tiny_model(name, settings), rows, seq,
+                               AdamW(lr=1e-2, weight_decay=0.1), context, 2, micro)
+
+    first, batches = trainer(), windows(steps, own * world // 2, seq)
+    losses, saved = [], None
+    for step, window in enumerate(batches):
+        losses.append(first.train_step(window[replica * own:(replica + 1) * own]))
+        if step == 0:
+            saved = [first.state()]
+            dist.broadcast_object_list(saved, src=0)
+    resumed = trainer()
+    resumed.load_state(saved[0])
+    again = [resumed.train_step(w[replica * own:(replica + 1) * own]) for w in batches[1:]]
+    torch.save({"losses": losses, "state": first.stage_state(), "resumed": again,
+                "resumed_state": resumed.stage_state()}, f"{out}.{rank}")
+    context.close()

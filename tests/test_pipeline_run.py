@@ -26,14 +26,15 @@ from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 RUNS = [("pipelined", {}, 1, 2, 1, 8), ("llama", {"n_layers": 4}, 1, 2, 1, 8)]
 
 
-def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int) -> str:
+def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int = 1) -> str:
     from tests.runtime_models import TINY
     from tests.test_cli import run
 
-    path = tmp_path / "llama-pp2.ir"
+    path = tmp_path / f"llama-dp{dp}-pp2.ir"
     sets = [a for k, v in (TINY["llama"][1] | settings).items() for a in ("--set", f"{k}={v}")]
     built = run("build", TINY["llama"][0], *sets, "--shape", f"B={rows}", "--shape",
-                f"T={seq}", "--pp", "2", "--microbatches", str(micro), "-o", path)
+                f"T={seq}", "--pp", "2", "--dp", str(dp), "--microbatches", str(micro), "-o",
+                path)
     assert built.exit_code == 0, built.output
     return str(path)
 
@@ -60,13 +61,14 @@ def test_two_stages_train_as_one_process_accumulating(tmp_path):
                                            msg=f"{name} {part} {path}")
 
 
-def test_modulec_train_pp2_trains_as_one_process_and_resumes_on_one(ckpt, tmp_path):
-    """`torchrun --nproc-per-node 2 -m modulec train --pp 2 --microbatches 2`: the tiny
-    Llama's two layers on two stages; the losses are one process's with --grad-accum 2,
-    and one process resumes the pipeline's (consolidated) checkpoint."""
+def test_modulec_train_dp2_pp2_trains_as_one_process_and_resumes_on_one(ckpt, tmp_path):
+    """`torchrun --nproc-per-node 4 -m modulec train --pp 2 --microbatches 2`: two
+    data-parallel pipelines of the tiny Llama's two layers on two stages, each reading its
+    own rows; the losses are one process's with --grad-accum 4 over the same rows, and one
+    process (another data-parallel size) resumes the consolidated checkpoint."""
     from tests.test_train import _tensors, losses, train
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                "--master-port", str(free_port()), "-m", "modulec", "train", str(LLAMA),
                "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
                "--device", "cpu", "--lr", "1e-2", "--format", "json", "--hf-weights",
@@ -78,10 +80,11 @@ def test_modulec_train_pp2_trains_as_one_process_and_resumes_on_one(ckpt, tmp_pa
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     two = [r["loss"] for r in rows if r["event"] == "step"]
     # train()'s --batch 2 overridden (click keeps the last): one row a micro-batch
-    one = train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "2", "--save",
+    one = train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "4", "--save",
                 tmp_path / "one")
     assert two == pytest.approx(losses(one)[:2], rel=1e-6)
-    rest = losses(train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "2", "--resume",
+    # the checkpoint's batch is 1 row x 2 pipelines: one process takes 2 rows a micro-batch
+    rest = losses(train(ckpt, "--batch", "2", "--steps", "3", "--grad-accum", "2", "--resume",
                         tmp_path / "pp", "--save", tmp_path / "pp", weights=False))
     assert rest == pytest.approx(losses(one)[2:], rel=1e-5)
     a, b = _tensors(tmp_path / "one" / "checkpoint-3"), _tensors(tmp_path / "pp" / "checkpoint-3")
@@ -101,11 +104,12 @@ def _request(**given):
 @pytest.mark.parametrize("given, world, message", [
     (dict(pp=1, microbatches=4), 1, "--microbatches is the pipeline's: it needs --pp P"),
     (dict(), 1, "--pp 2 runs one stage per process; this is one process"),
-    (dict(), 4, "--pp 2 x --tp 1 x data parallel 1 must be the 4 processes"),
+    (dict(), 3, "--pp 2 x --tp 1 = 2 processes a pipeline does not divide the 3 processes"),
+    (dict(pp=3), 4, "--pp 3 x --tp 1 = 3 processes a pipeline does not divide the 4 "),
     (dict(microbatches=1), 2, "--microbatches 1 is fewer than the 2 pipeline stages"),
-    (dict(zero=2), 2, "--pp with --zero is not supported yet"),
-    (dict(tp=2), 2, "--pp with --tp is not supported yet"),
-    (dict(memory_budget=2**30), 2, "--pp with --memory-budget is not supported yet"),
+    (dict(zero=2), 4, "--zero with --pp: not supported yet"),
+    (dict(tp=2), 2, "--tp with --pp: not supported yet"),
+    (dict(memory_budget=2**30), 2, "--memory-budget with --pp: not supported yet"),
     (dict(grad_accum=2), 2, "--grad-accum with --pp"),
 ])
 def test_bad_pipeline_launches_are_clear_errors(given, world, message):
@@ -150,3 +154,82 @@ def test_an_ir_documents_micro_batches_are_the_default(tmp_path):
     assert request.microbatches == request.grad_accum == 6
     with pytest.raises(RuntimeUserError, match="plain.ir has no pipeline section"):
         check_launch(_request(file=without), SimpleNamespace(distributed=True, world=2))
+
+
+def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path):
+    """DP 2 x PP 2 (four gloo processes; rank r is stage r % 2 of pipeline r // 2): each
+    pipeline its own rows, each stage's gradients averaged over its two replicas. In
+    float64 the losses and every parameter and moment after two steps are one process's
+    with --grad-accum 4 over the same rows (to 1e-12), both replicas of a stage hold the
+    same bits, and a trainer resumed from the state after step 1 ends the same. The
+    program is an IR document built with `--dp 2 --pp 2`: its mesh, buckets and
+    all-reduces read as written."""
+    out = tmp_path / "dp"
+    settings, steps, micro, rows, seq = {"n_layers": 4}, 2, 2, 1, 8
+    name = _built_ir(tmp_path, settings, micro, rows, seq, dp=2)
+    mp.spawn(pipeline_workers.train_data_parallel, nprocs=4,
+             args=(4, free_port(), (name, settings, steps, micro, rows, seq), str(out)))
+    ranks = [torch.load(f"{out}.{r}") for r in range(4)]
+    want_losses, want = pipeline_workers.train_reference(name, steps, 2 * micro, rows, seq,
+                                                         settings)
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(want_losses, rel=1e-12)
+        assert rank["resumed"] == pytest.approx(want_losses[1:], rel=1e-12)
+    for stage in (0, 1):  # the replicas of a stage: ranks stage and stage + 2
+        for key in ("state", "resumed_state"):
+            a, b = ranks[stage][key], ranks[stage + 2][key]
+            for part in ("masters", "exp_avg", "exp_avg_sq"):
+                assert a[part].keys() == b[part].keys()
+                assert all(torch.equal(a[part][p], b[part][p]) for p in a[part])
+    for key in ("state", "resumed_state"):
+        for part in ("masters", "exp_avg", "exp_avg_sq"):
+            got = ranks[0][key][part] | ranks[1][key][part]
+            assert set(got) == set(want[part]), part
+            for path, value in want[part].items():
+                torch.testing.assert_close(got[path], value, rtol=1e-12, atol=1e-14,
+                                           msg=f"{key} {part} {path}")
+
+
+def test_the_irs_mesh_must_be_the_launch():
+    """An IR built for one pipeline (mesh dp 1 x pp 2) on four processes: an error naming
+    both numbers and the build that fits, before any group is made."""
+    from runtime.dist.mesh import PipelineMesh
+    from runtime.errors import RuntimeUserError
+
+    with pytest.raises(RuntimeUserError) as caught:
+        PipelineMesh.of(SimpleNamespace(world=4, rank=0), {"dp": 1, "pp": 2, "tp": 1})
+    assert caught.value.message == ("the IR's pipeline mesh is dp 1 x pp 2 x tp 1 = 2 "
+                                    "processes; this run has 4")
+    assert "modulec build ... --pp 2 --dp 2" in caught.value.help[0]
+    mesh = PipelineMesh(dp=2, pp=2, rank=3)
+    assert (mesh.stage, mesh.dp_index, mesh.rank_of(0)) == (1, 1, 2)
+
+
+def test_rows_of_a_pipeline_replica():
+    from runtime.train.pipeline import pipeline_replica
+
+    request = _request(pp=2)
+    assert pipeline_replica(request, SimpleNamespace(distributed=True, world=4, rank=3)) == \
+        (2, 1)
+    assert pipeline_replica(request, SimpleNamespace(distributed=True, world=2, rank=1)) == \
+        (1, 0)
+
+
+def test_an_ir_with_a_zero_section_is_refused_under_pp(tmp_path):
+    """`modulec build --dp 2 --zero 1 --pp 2` writes the distributed section (the plan's
+    per-stage ZeRO memory); the pipeline runtime does not shard: a clear error."""
+    from runtime.errors import RuntimeUserError
+    from runtime.inputs import sized_inputs
+    from runtime.train.pipeline import _section
+    from tests.test_cli import run
+
+    path = tmp_path / "zero.ir"
+    built = run("build", "tests/data/pipeline_llama.module", "--shape", "B=1", "--shape",
+                "T=8", "--dp", "2", "--zero", "1", "--pp", "2", "--microbatches", "2", "-o",
+                path)
+    assert built.exit_code == 0, built.output
+    model = pipeline_workers.tiny_model(str(path))
+    program = model.source.program_for(sized_inputs(["token_ids"], 1, 8))
+    with pytest.raises(RuntimeUserError, match=r"--zero with --pp: not supported yet \(the "
+                       r"IR has a `distributed` section, ZeRO-1"):
+        _section(program, 2, 2)

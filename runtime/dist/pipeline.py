@@ -1,5 +1,6 @@
 """Pipeline parallel executed from the Schedule IR's `pipeline` section
-(modulec/plan/pipeline.py says what it holds): rank s runs stage s.
+(modulec/plan/pipeline.py says what it holds): rank r runs stage r % P of pipeline r // P
+(one pipeline a data-parallel replica: runtime.dist.mesh).
 
 The section is the contract. From it a stage takes:
 - its units (entry nodes, and for a repeated call the layers [lo, hi] it runs);
@@ -20,7 +21,10 @@ A boundary tensor's gradient is found in the backward function by the same rule 
 sides: the gradient of a layer output inside a repeated call (`f2[1].0`) is the value the
 call's backward carries between those layers; the gradient of an entry value is the value
 of its gradient sum that a later stage makes and an earlier one reads (`crossing`).
-torch.distributed point-to-point calls move them (gloo on the CPU, NCCL on GPUs).
+torch.distributed point-to-point calls move them (gloo on the CPU, NCCL on GPUs), in the
+pipeline's process group. With data parallel over the pipelines (the section's mesh dp >
+1), a stage's op list ends in `all_reduce` ops: each averages one of the stage's gradient
+buckets (the section's offsets and shapes) over the stage's data-parallel group.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from runtime.interpreter import Frame, Interpreter
 
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
               "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
-KNOWN_OPS = ("recv", "send", "forward", "backward")
+KNOWN_OPS = ("recv", "send", "forward", "backward", "all_reduce")
 
 
 def layer_of(value: str) -> tuple[str, int, int] | None:
@@ -59,6 +63,7 @@ class StagePlan:
     outgoing: list  # boundary tensors to stage + 1
     ops: list
     stage_of: dict = field(default_factory=dict)  # (node id, layer or None) -> stage
+    buckets: list = field(default_factory=list)  # gradient buckets (data parallel)
 
     @classmethod
     def read(cls, section: dict, stage: int) -> "StagePlan":
@@ -73,13 +78,16 @@ class StagePlan:
                 for u in section["stages"][stage]["units"]}
         bounds = section["boundaries"]
         for op in section["ops"][stage]:
-            if op.get("kind") not in KNOWN_OPS:
+            if op.get("kind") not in KNOWN_OPS or op.get("kind") == "all_reduce" and (
+                    op.get("group"), op.get("reduce")) != ("dp", "avg"):
                 raise RuntimeUserError(f"the IR's pipeline section has an op "
-                                       f"`{op.get('kind')}` this runtime does not know",
+                                       f"`{op.get('kind')}` ({op.get('group')}, "
+                                       f"{op.get('reduce')}) this runtime does not know",
                                        help=["rebuild the IR with this checkout's modulec"])
         return cls(stage, stages, mine, bounds[stage - 1]["tensors"] if stage else [],
                    bounds[stage]["tensors"] if stage < stages - 1 else [],
-                   section["ops"][stage], stage_of)
+                   section["ops"][stage], stage_of,
+                   section["stages"][stage].get("grad_buckets", []))
 
     @property
     def last(self) -> bool:
@@ -181,8 +189,11 @@ class StageRunner:
     """Runs one stage's forwards and backwards per micro-batch and its op list."""
 
     def __init__(self, graph, section: dict, stage: int, interpreter: Interpreter,
-                 device: str, dtype: torch.dtype):
+                 device: str, dtype: torch.dtype, mesh=None):
+        """`mesh`: runtime.dist.mesh.PipelineMesh (its groups, the global rank of a stage of
+        this rank's pipeline); None: one pipeline on the default group."""
         self.graph, self.it, self.device, self.dtype = graph, interpreter, device, dtype
+        self.mesh = mesh
         self.plan = plan = StagePlan.read(section, stage)
         self.entry = graph.function(graph.entry)
         self.backward_fn = graph.function(graph.backward)
@@ -208,15 +219,17 @@ class StageRunner:
         inbox, outbox, seeds, losses, total = {}, {}, {}, [], {}
         ops, i = self.plan.ops, 0
         while i < len(ops):
-            kind, m = ops[i]["kind"], ops[i]["microbatch"]
-            if kind in ("send", "recv"):  # a run of them: one exchange
+            kind, m = ops[i]["kind"], ops[i].get("microbatch")
+            if kind == "all_reduce":  # after the last backward: total is final here
+                self._all_reduce(self.plan.buckets[ops[i]["bucket"]], total)
+            elif kind in ("send", "recv"):  # a run of them: one exchange
                 j = i
                 while j < len(ops) and ops[j]["kind"] in ("send", "recv"):
                     j += 1
                 self._exchange(ops[i:j], inbox, outbox)
                 i = j
                 continue
-            if kind == "forward":
+            elif kind == "forward":
                 outputs, outbox[("activations", m)] = self.forward(
                     m, inputs[m], inbox.pop(("activations", m), []))
                 if self.plan.last:
@@ -237,15 +250,34 @@ class StageRunner:
         one by one on NCCL's single stream per pair, 1F1B's send-then-receive on both
         sides would wait on each other), then waited for before the next compute op."""
         p2p = []
+        group = self.mesh.pp_group if self.mesh is not None else None
         for op in ops:
             key = (op["what"], op["microbatch"])
+            peer = self.mesh.rank_of(op["peer"]) if self.mesh is not None else op["peer"]
             if op["kind"] == "recv":
                 inbox[key] = self._buffers(op["what"])
-                p2p += [dist.P2POp(dist.irecv, b, op["peer"]) for b in inbox[key]]
+                p2p += [dist.P2POp(dist.irecv, b, peer, group) for b in inbox[key]]
             else:
-                p2p += [dist.P2POp(dist.isend, t, op["peer"]) for t in outbox.pop(key)]
+                p2p += [dist.P2POp(dist.isend, t, peer, group) for t in outbox.pop(key)]
         for work in dist.batch_isend_irecv(p2p) if p2p else ():
             work.wait()
+
+    def _all_reduce(self, bucket: dict, total: dict) -> None:
+        """One gradient bucket of the section averaged over the stage's data-parallel
+        group: this rank's sums over its micro-batches packed at the bucket's offsets (a
+        parameter without a gradient here adds zeros), all-reduced, divided by the group's
+        size, and handed back as views of the flat buffer."""
+        flat = torch.zeros(bucket["numel"], dtype=self.dtype, device=self.device)
+        for row in bucket["params"]:
+            grad = total.get(row["path"])
+            if grad is not None:
+                flat[row["offset"]:row["offset"] + row["numel"]].copy_(grad.reshape(-1))
+        dist.all_reduce(flat, group=self.mesh.dp_group)
+        flat /= self.mesh.dp
+        for row in bucket["params"]:
+            if row["path"] in total:
+                part = flat[row["offset"]:row["offset"] + row["numel"]].view(row["shape"])
+                total[row["path"]] = part.to(total[row["path"]].dtype)
 
     def _buffers(self, what: str) -> list[Tensor]:
         """Receive buffers for the section's tensors of `what`, in its order and shapes."""

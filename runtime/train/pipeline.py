@@ -46,14 +46,17 @@ def check_launch(request, context) -> None:
                         ("--lora", request.lora is not None),
                         ("--memory-budget", getattr(request, "memory_budget", None) is not None)):
         if given:
-            raise RuntimeUserError(f"--pp with {flag} is not supported yet",
-                                   help=["pipeline runs take a .module, every process a "
-                                         "stage, full training"])
-    if context.world != pp:
-        raise RuntimeUserError(f"--pp {pp} x --tp {request.tp} x data parallel 1 must be "
-                               f"the {context.world} processes (data parallel over "
-                               "pipelines is not supported yet)",
-                               help=[f"launch torchrun --nproc-per-node {pp}"])
+            raise RuntimeUserError(f"{flag} with --pp: not supported yet",
+                                   help=["pipeline runs train every parameter, one stage a "
+                                         "process, the pipelines data parallel (ZeRO-0: "
+                                         "each stage's gradients all-reduced)"])
+    group = pp * request.tp
+    if context.world % group:
+        raise RuntimeUserError(f"--pp {pp} x --tp {request.tp} = {group} processes a "
+                               f"pipeline does not divide the {context.world} processes "
+                               "into data-parallel pipelines",
+                               help=[f"launch a multiple of {group}: torchrun "
+                                     f"--nproc-per-node {group} (or {2 * group}, ...)"])
     if request.grad_accum != 1:
         raise RuntimeUserError("--grad-accum with --pp: the pipeline's micro-batches are "
                                "its accumulation", help=["use --microbatches M"])
@@ -65,6 +68,16 @@ def check_launch(request, context) -> None:
                                help=[f"give --microbatches {pp} or more (4 x {pp} keeps "
                                      "the idle share under 20%)"])
     request.microbatches = request.grad_accum = micro
+
+
+def pipeline_replica(request, context) -> tuple[int, int]:
+    """(data-parallel size, this rank's data-parallel index) of a pipeline run: rank r is
+    in pipeline r // (P x TP), which reads its own rows as a data-parallel rank does;
+    (1, 0) without --pp."""
+    if request.pp == 1 or not context.distributed:
+        return 1, 0
+    group = request.pp * request.tp
+    return context.world // group, context.rank // group
 
 
 def ir_microbatches(path) -> int:
@@ -84,12 +97,13 @@ def ir_microbatches(path) -> int:
     return section["microbatches"]
 
 
-def with_pipeline(model: Model, stages: int, microbatches: int) -> Model:
-    """The model rebuilt with a `pipeline` section of `stages` stages in its IR."""
+def with_pipeline(model: Model, stages: int, microbatches: int, dp: int = 1) -> Model:
+    """The model rebuilt with a `pipeline` section of `stages` stages in its IR, for `dp`
+    data-parallel pipelines."""
     from modulec.plan.pipeline import Pipeline
 
-    model.source = replace(model.source, pipeline=Pipeline(stages, microbatches), _built={},
-                           _declared=None)
+    model.source = replace(model.source, pipeline=Pipeline(stages, microbatches, dp),
+                           _built={}, _declared=None)
     return model
 
 
@@ -102,15 +116,18 @@ class PipelineTrainer:
         self.device, self.microbatches = device, microbatches
         from runtime.program import IRSource
 
+        from runtime.dist.mesh import PipelineMesh
+
         if not isinstance(model.source, IRSource):  # an IR document has its own section
-            with_pipeline(model, stages, microbatches)
+            with_pipeline(model, stages, microbatches, max(context.world // stages, 1))
         names = model.source.program(planned=False).input_names()
         program = model.source.program_for(sized_inputs(names, batch, seq))
         section = _section(program, stages, microbatches)
         context.same_program(program.document)
         _refuse_unsupported(model, program, section)
         self.model, self.program, self.inputs = model, program, names
-        self.stage = context.rank
+        self.mesh = mesh = PipelineMesh.of(context, section["mesh"])
+        self.stage = mesh.stage
         own = set(section["stages"][self.stage]["params"])
         self.names = [p for p in owned_paths(model) if p in own]
         for path in [p for p in model.params if p not in own]:
@@ -122,8 +139,7 @@ class PipelineTrainer:
                                   check_finite=model.check_finite,
                                   kernels=kernels_on(device))
         self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
-                                  model.dtype)
-        self.last = section["stages"][-1]["stage"]
+                                  model.dtype, mesh)
         self.grad_norm = None
 
     def train_step(self, window: Tensor) -> float:
@@ -138,8 +154,10 @@ class PipelineTrainer:
             fed = fed_inputs(self.inputs, tokens)
             inputs.append({i.id: fed[n] for i, n in zip(entry.inputs, self.inputs)})
             labels.append(label)
-        step = self.adamw.step  # dropout masks seeded as one process seeds them
-        self.runner.seed_of = lambda m: step * 65_536 + m
+        # dropout masks seeded as one process seeds them: replica d's micro-batch m is
+        # micro-batch d x M + m of the step's rows
+        step, first = self.adamw.step, self.mesh.dp_index * len(parts)
+        self.runner.seed_of = lambda m: step * 65_536 + first + m
         losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m]))
         total = {p: g / len(parts) for p, g in total.items() if p in self.names}
         self._update(total)
@@ -150,18 +168,19 @@ class PipelineTrainer:
         total = {p: clip_gradient(g, settings[p][2]) for p, g in total.items()
                  if p not in self.frozen}
         square = global_norm(total.values()).to(self.device, torch.float64) ** 2
-        dist.all_reduce(square)  # every stage's share of the global norm
+        # every stage's share of the global norm (the replicas' gradients are equal)
+        dist.all_reduce(square, group=self.mesh.pp_group)
         self.grad_norm = square.sqrt()
         scale = None if self.adamw.clip_grad is None else \
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
 
     def _loss(self, losses: list[float]) -> float:
-        """The last stage's mean loss, on every rank."""
-        value = torch.tensor([sum(losses) / len(losses) if losses else 0.0],
-                             dtype=torch.float64, device=self.device)
-        dist.broadcast(value, src=self.last)
-        return float(value)
+        """The mean loss over every pipeline's micro-batches (their last stages'), on
+        every rank."""
+        value = torch.tensor([sum(losses)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value)
+        return float(value) / (self.microbatches * self.mesh.dp)
 
     def set_lr(self, lr: float) -> None:
         self.adamw.lr = lr
@@ -176,13 +195,16 @@ class PipelineTrainer:
                 "step": self.adamw.step}
 
     def state(self) -> dict:
-        """The whole state, every stage's joined (a collective: each rank's goes through
-        the host to every rank, which suits the small models pipelines run here; see
-        docs/distributed.md)."""
+        """The whole state, every stage's joined (a collective in the first pipeline: each
+        rank's goes through the host to each of its ranks, which suits the small models
+        pipelines run here; see docs/distributed.md). The other pipelines' replicas hold
+        the same state, and rank 0 writes it: they return the step alone."""
+        if self.mesh.dp_index:
+            return {"step": self.adamw.step}
         mine = {part: {p: t.detach().cpu() for p, t in values.items()}
                 for part, values in self.stage_state().items() if part != "step"}
-        stages = [None] * self.context.world
-        dist.all_gather_object(stages, mine)
+        stages = [None] * self.mesh.pp
+        dist.all_gather_object(stages, mine, group=self.mesh.pp_group)
         return {part: {p: t for s in stages for p, t in s[part].items()}
                 for part in mine} | {"step": self.adamw.step}
 
@@ -256,6 +278,16 @@ def _section(program, stages: int, microbatches: int) -> dict:
     if section.get("schedule") != "1f1b":
         raise RuntimeUserError(f"pipeline schedule `{section.get('schedule')}` is not one "
                                "this runtime runs (1f1b)")
+    if "mesh" not in section:
+        raise RuntimeUserError("the IR's pipeline section has no `mesh` (built by an older "
+                               "modulec)", help=["rebuild it with `modulec build ... --pp P`"])
+    distributed = program.document["schedule"].get("distributed")
+    if distributed is not None:
+        raise RuntimeUserError(f"--zero with --pp: not supported yet (the IR has a "
+                               f"`distributed` section, ZeRO-{distributed.get('zero')}; the "
+                               "pipelines' gradients are all-reduced per stage, unsharded)",
+                               help=["build it without --zero: modulec build ... --pp P "
+                                     "--dp N"])
     return section
 
 

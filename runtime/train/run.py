@@ -20,6 +20,7 @@ from runtime.train.backends import CPUTrainer, CUDATrainer, check_device, now
 from runtime.train.checkpoint import find_checkpoint, read_optimizer, read_trainer, save_checkpoint
 from runtime.train.data import check_batch_fits, TokenData, default_token_dtype
 from runtime.train.optim import AdamW
+from runtime.train.pipeline import pipeline_replica
 from runtime.train.progress import Progress, gib
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,7 +109,7 @@ def _train(request: Request, context) -> str:
     model = _model(request, weights, context.rank % request.tp)
     sizes = _sizes(model, request)
     parallel = _parallel(request, context, model)
-    dp = parallel.dp if parallel is not None else 1
+    dp = parallel.dp if parallel is not None else pipeline_replica(request, context)[0]
     data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
                      request.seq, request.batch * request.grad_accum * dp,
                      request.seed, sizes[0], request.repeat_batch)
@@ -284,7 +285,8 @@ class Run:
         self.request, self.model, self.data = request, model, data
         self.context = context or DistContext()
         self.parallel = parallel  # runtime.dist.DataParallelRun, None on one process
-        self.dp, self.dp_rank = (parallel.dp, parallel.dp_rank) if parallel else (1, 0)
+        self.dp, self.dp_rank = (parallel.dp, parallel.dp_rank) if parallel else \
+            pipeline_replica(request, self.context)  # --pp: one pipeline a replica
         self.schema = model.source.program(planned=False).weight_schema
         self.layout = dict(model.hf_layout)
         if request.tp > 1:  # checkpoints hold the whole tensors (whole_state)
