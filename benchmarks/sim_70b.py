@@ -27,6 +27,25 @@ micro-batches of B sequences of T tokens through its 4-stage 1F1B pipeline.
 
 Step = pipeline (bubble and p2p included) + exposed DP + optimizer. Prints a table, the
 formula with the numbers, and one JSON line.
+
+A cut on one node (`--layers N --tp M --dp D --pp 1 --batch B --seq T --device h100|h200
+[--zero S] [--shape llama3-70b|llama3-8b|tinyllama]`; issue 20): the step of
+benchmarks/train_step_dist.py's `modulec_zero{S}_tp{M}` (or `modulec_zero{S}`, TP 1) on
+D x M GPUs of one node, predicted for the measured run to be set against:
+  compute   the cost model on the program one TP rank runs, built as the GPU step builds
+            it (`tensor_parallel=M`: heads, KV heads and d_ff divided; embedding, norms
+            and LM head whole on every rank), B sequences of T tokens
+  TP        each all-reduce of the program (tp_all_reduce forward, tp_copy's backward:
+            2 + 2 per layer, B x T x d bf16 each) as a ring over NVLink (450 GB/s bus
+            bandwidth), on the compute stream, not overlapped
+  DP        D > 1: the rank's bf16 gradients (ZeRO 0: all-reduced; 1-2: reduce-scattered
+            and the updated weights all-gathered; 3: the weights gathered again for the
+            forward and the backward) over NVLink, on the communication stream: what
+            exceeds the compute it overlaps (forward gathers / backward) is exposed
+  AdamW     the rank's parameters (its ZeRO share at stage >= 1), 30 bytes each at the
+            device's memory bandwidth (0.8 of 3.35 TB/s on the H100, 4.8 TB/s on the H200)
+Step = compute + TP + exposed DP + AdamW. No launch gaps, no contention between TP and DP
+traffic on the links, no rank imbalance: a lower bound of the measured step.
 """
 
 from __future__ import annotations
@@ -41,12 +60,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from modulec.lower.build import BuildRequest, build  # noqa: E402
-from modulec.plan.devices import H100  # noqa: E402
+from modulec.plan.cost import step_seconds, value_table  # noqa: E402
+from modulec.plan.devices import H100, device  # noqa: E402
+from modulec.plan.distributed import (COMPUTE_BYTES, GRAD_BYTES, LOW_BYTES,  # noqa: E402
+                                      MOMENT_BYTES)
+from modulec.plan.from_graph import _bytes  # noqa: E402
 from modulec.plan.pipeline import Pipeline, pipeline_section  # noqa: E402
 from modulec.plan.pipeline_sim import IB_BYTES_PER_S, simulate  # noqa: E402
 
 LLAMA3_70B = dict(n_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, d_ff=28672,
                   vocab_size=128256, head_dim=128)
+# benchmarks/train_step_dist.py's other shapes, for a cut's prediction (--shape)
+SHAPES = {"llama3-70b": LLAMA3_70B,
+          "llama3-8b": dict(n_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
+                            d_ff=14336, vocab_size=128256, head_dim=128),
+          "tinyllama": dict(n_layers=22, d_model=2048, num_heads=32, num_kv_heads=4,
+                            d_ff=5632, vocab_size=32000, head_dim=64)}
 NVLINK_BUS_BYTES_PER_S = 450e9
 ADAMW_BYTES_PER_PARAM = 30  # bf16 weight + grad, int16 master half, fp32 moments: r + w
 
@@ -74,9 +103,15 @@ def rank_graph(setup: Setup):
                  num_kv_heads=model["num_kv_heads"] // setup.tp,
                  d_ff=model["d_ff"] // setup.tp, vocab_size=model["vocab_size"] // setup.tp,
                  max_seq=max(setup.seq, 8192))
+    return llama_graph(shard, setup.micro_batch, setup.seq)
+
+
+def llama_graph(settings: dict, batch: int, seq: int, tp: int = 1):
+    """std/models/llama.module built at these settings for B x T (with `tp` > 1: the
+    program one tensor-parallel rank runs, its collectives in it)."""
     request = BuildRequest(ROOT / "std" / "models" / "llama.module",
-                           settings={k: str(v) for k, v in shard.items()},
-                           shapes={"B": setup.micro_batch, "T": setup.seq})
+                           settings={k: str(v) for k, v in settings.items()},
+                           shapes={"B": batch, "T": seq}, tensor_parallel=tp)
     result = build(request)
     if result.graph is None:
         raise SystemExit("build failed: " + "; ".join(d.message for d in result.diagnostics))
@@ -93,10 +128,15 @@ def ring_half_s(nbytes: float, ranks: int, link: float) -> float:
 
 
 def parameters(setup: Setup) -> int:
-    m = dict(setup.model)
+    return model_parameters(dict(setup.model))
+
+
+def model_parameters(m: dict, tp: int = 1) -> int:
+    """Parameters of the model, or with `tp` those one rank of the GPU step holds: the
+    layers' matmuls divided by TP, norms, embedding and LM head (untied) whole."""
     d, h, kv, hd, f, v, n = (m[k] for k in ("d_model", "num_heads", "num_kv_heads",
                                             "head_dim", "d_ff", "vocab_size", "n_layers"))
-    layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f + 2 * d
+    layer = (d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f) // tp + 2 * d
     return n * layer + 2 * v * d + d
 
 
@@ -170,16 +210,166 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- a cut on one node
+GPUS_PER_NODE = 8
+TP_REDUCED = ("tp_all_reduce", "tp_copy_backward")  # the ops that all-reduce over TP
+
+
+@dataclass(frozen=True)
+class Cut:
+    """`layers` of a shape's stack on dp x tp GPUs of one node (pp 1), as
+    benchmarks/train_step_dist.py runs it: `batch` sequences of `seq` tokens per
+    data-parallel rank (the ranks of a TP group share them), ZeRO stage `zero`."""
+
+    layers: int
+    tp: int = 1
+    dp: int = 1
+    batch: int = 1
+    seq: int = 4096
+    zero: int = 1
+    device: str = "h100"
+    shape: str = "llama3-70b"
+    nvlink: float = NVLINK_BUS_BYTES_PER_S
+
+    @property
+    def model(self) -> dict:
+        return dict(SHAPES[self.shape], n_layers=self.layers)
+
+
+def tp_reduced(graph) -> tuple[float, int]:
+    """(bytes, count) of the tensor-parallel all-reduces one step of `graph` runs: each
+    `tp_all_reduce` of the forward and each `tp_copy` gradient of the backward, a repeated
+    call's once per repetition."""
+    memo: dict = {}
+
+    def walk(name: str) -> tuple[float, int]:
+        if name not in memo:
+            function = graph.function(name)
+            values = value_table(graph, function)
+            total, count = 0.0, 0
+            for node in function.nodes:
+                if node.kind == "call":
+                    inner = walk(node.target)
+                    total += int(node.repeat) * inner[0]
+                    count += int(node.repeat) * inner[1]
+                elif node.kind == "op" and node.target in TP_REDUCED:
+                    total += _bytes(values.value(node.inputs[0]))
+                    count += 1
+            memo[name] = (total, count)
+        return memo[name]
+
+    forward = walk(graph.entry)
+    backward = walk(graph.backward) if graph.backward else (0.0, 0)
+    return forward[0] + backward[0], forward[1] + backward[1]
+
+
+def dp_seconds(cut: Cut, params: int) -> tuple[float, float]:
+    """(forward, backward) time of the data-parallel collectives of the rank's bf16
+    gradients / weights over NVLink: ZeRO 0 all-reduces; 1-2 reduce-scatter and all-gather
+    the updated weights; 3 also gathers the weights for the forward and the backward."""
+    if cut.dp == 1:
+        return 0.0, 0.0
+    grads = GRAD_BYTES * params
+    half = ring_half_s(grads, cut.dp, cut.nvlink)
+    if cut.zero == 0:
+        return 0.0, all_reduce_s(grads, cut.dp, cut.nvlink)
+    if cut.zero == 3:
+        return half, 3 * half
+    return 0.0, 2 * half
+
+
+def predict_cut(cut: Cut) -> dict:
+    """The predicted step of `cut` (docstring: compute + TP + exposed DP + AdamW)."""
+    if cut.tp * cut.dp > GPUS_PER_NODE:
+        raise ValueError(f"TP {cut.tp} x DP {cut.dp} is more than the "
+                         f"{GPUS_PER_NODE} GPUs of a node")
+    profile = device(cut.device)
+    model = cut.model
+    graph = llama_graph(dict(model, max_seq=max(cut.seq, 8192)), cut.batch, cut.seq, cut.tp)
+    compute = step_seconds(graph, profile)
+    tp_bytes, tp_count = tp_reduced(graph)
+    tp_s = all_reduce_s(tp_bytes, cut.tp, cut.nvlink) if cut.tp > 1 else 0.0
+    params = model_parameters(model, cut.tp)
+    dp_forward, dp_backward = dp_seconds(cut, params)
+    exposed = max(0.0, dp_forward - compute["forward_s"]) + \
+        max(0.0, dp_backward - compute["backward_s"])
+    shards = cut.dp if cut.zero >= 1 else 1
+    adamw = params / shards * ADAMW_BYTES_PER_PARAM / profile.bytes_per_s
+    step = compute["step_s"] + tp_s + exposed + adamw
+    tokens = cut.batch * cut.seq * cut.dp
+    gpus = cut.tp * cut.dp
+    state = params * (COMPUTE_BYTES / (cut.dp if cut.zero == 3 else 1) +
+                      (LOW_BYTES + MOMENT_BYTES) / shards)
+    return {"cut": asdict(cut) | {"gpus": gpus, "model": model},
+            "parameters": model_parameters(model), "parameters_per_rank": params,
+            "state_bytes_per_rank": state,
+            "compute_forward_ms": compute["forward_s"] * 1e3,
+            "compute_backward_ms": compute["backward_s"] * 1e3,
+            "tp_all_reduces": tp_count, "tp_bytes": tp_bytes, "tp_ms": tp_s * 1e3,
+            "dp_forward_ms": dp_forward * 1e3, "dp_backward_ms": dp_backward * 1e3,
+            "dp_exposed_ms": exposed * 1e3, "adamw_ms": adamw * 1e3,
+            "step_s": step, "tokens_per_step": tokens, "tokens_per_s": tokens / step,
+            "tokens_per_s_per_gpu": tokens / step / gpus,
+            "mfu": 6 * model_parameters(model) * tokens / step / (gpus * profile.peak_flops)}
+
+
+def report_cut(r: dict) -> str:
+    c = r["cut"]
+    return "\n".join([
+        f"{c['shape']} cut to {c['layers']} layers ({r['parameters'] / 1e9:.2f}B parameters, "
+        f"{r['parameters_per_rank'] / 1e9:.2f}B a rank) on {c['gpus']} {c['device']} of one "
+        f"node: DP {c['dp']} (ZeRO {c['zero']}) x TP {c['tp']}, B={c['batch']} x T="
+        f"{c['seq']} per data-parallel rank",
+        f"compute (cost model, one rank's program): forward {r['compute_forward_ms']:.2f} ms "
+        f"+ backward {r['compute_backward_ms']:.2f} ms",
+        f"TP: {r['tp_all_reduces']} all-reduces, {r['tp_bytes'] / 2 ** 30:.2f} GiB a step, "
+        f"ring over {c['nvlink'] / 1e9:.0f} GB/s: {r['tp_ms']:.2f} ms",
+        f"DP: forward {r['dp_forward_ms']:.2f} ms, backward {r['dp_backward_ms']:.2f} ms of "
+        f"collectives, exposed {r['dp_exposed_ms']:.2f} ms; AdamW {r['adamw_ms']:.2f} ms",
+        f"step = compute + TP + exposed DP + AdamW = {r['step_s'] * 1e3:.1f} ms: "
+        f"{r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_s_per_gpu']:.0f} per GPU, MFU "
+        f"{r['mfu']:.1%}; state {r['state_bytes_per_rank'] / 2 ** 30:.1f} GiB a rank "
+        f"(weights, master low halves, moments; no activations)"])
+
+
+CUT_OPTIONS = ("layers", "dp", "batch", "zero", "device", "shape")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, default in (("nodes", 64), ("tp", 8), ("pp", 4), ("microbatches", 64),
+    for name, default in (("nodes", 64), ("tp", None), ("pp", None), ("microbatches", 64),
                           ("micro-batch", 1), ("seq", 4096)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--layers", type=int, help="a cut on one node: its layers")
+    parser.add_argument("--dp", type=int, help="a cut: data-parallel ranks (default 1)")
+    parser.add_argument("--batch", type=int, help="a cut: sequences per data-parallel rank")
+    parser.add_argument("--zero", type=int, choices=range(4), help="a cut: ZeRO stage")
+    parser.add_argument("--device", choices=["h100", "h200"], help="a cut: the GPU")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a cut: the model")
     args = parser.parse_args(argv)
-    setup = Setup(nodes=args.nodes, tp=args.tp, pp=args.pp, micro_batch=args.micro_batch,
-                  seq=args.seq, microbatches=args.microbatches)
+    if any(getattr(args, name) is not None for name in CUT_OPTIONS):
+        main_cut(parser, args)
+        return
+    setup = Setup(nodes=args.nodes, tp=args.tp or 8, pp=args.pp or 4,
+                  micro_batch=args.micro_batch, seq=args.seq, microbatches=args.microbatches)
     result = simulate_step(setup)
     print(report(result))
+    print(json.dumps(result, sort_keys=True))
+
+
+def main_cut(parser, args) -> None:
+    if args.pp not in (None, 1):
+        parser.error("a cut runs on one node without a pipeline: --pp 1")
+    shape = args.shape or "llama3-70b"
+    cut = Cut(layers=args.layers or SHAPES[shape]["n_layers"], tp=args.tp or 1,
+              dp=args.dp or 1, batch=args.batch or 1, seq=args.seq,
+              zero=1 if args.zero is None else args.zero, device=args.device or "h100",
+              shape=shape)
+    try:
+        result = predict_cut(cut)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(report_cut(result))
     print(json.dumps(result, sort_keys=True))
 
 

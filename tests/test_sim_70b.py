@@ -1,6 +1,7 @@
 """benchmarks/sim_70b.py: the simulated step adds up as docs/distributed.md states it."""
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -44,3 +45,49 @@ def test_parameters_of_llama3_70b(sim):
 def test_ring_times(sim):
     assert sim.all_reduce_s(450e9, 8, 450e9) == pytest.approx(2 * 7 / 8)
     assert sim.ring_half_s(50e9, 16, 50e9) == pytest.approx(15 / 16)
+
+
+def test_a_cut_on_one_node_adds_up(sim):
+    """The 70B stack cut to N layers on TP 4 (issue 20): 2 all-reduces forward and 2
+    backward per layer of B x T x d bf16, timed as rings; the step their sum with the
+    cost model's compute and AdamW; more layers, a longer step."""
+    cuts = {n: sim.predict_cut(sim.Cut(layers=n, tp=4, batch=1, seq=256, zero=0))
+            for n in (1, 2)}
+    for n, r in cuts.items():
+        assert r["tp_all_reduces"] == 4 * n
+        assert r["tp_bytes"] == 4 * n * 1 * 256 * 8192 * 2
+        assert r["tp_ms"] == pytest.approx(sim.all_reduce_s(r["tp_bytes"], 4, 450e9) * 1e3)
+        assert r["step_s"] * 1e3 == pytest.approx(
+            r["compute_forward_ms"] + r["compute_backward_ms"] + r["tp_ms"] +
+            r["dp_exposed_ms"] + r["adamw_ms"])
+        assert r["tokens_per_step"] == 256 and r["cut"]["gpus"] == 4
+    assert cuts[2]["step_s"] > cuts[1]["step_s"]
+    assert cuts[2]["compute_backward_ms"] > cuts[1]["compute_backward_ms"]
+    # a rank holds a quarter of each layer's matmuls, the embedding and the head whole
+    per_layer = cuts[2]["parameters_per_rank"] - cuts[1]["parameters_per_rank"]
+    assert per_layer == (8192 * 80 * 128 + 64 * 128 * 8192 + 3 * 8192 * 28672) // 4 + 2 * 8192
+    assert cuts[1]["parameters_per_rank"] - per_layer == 2 * 128256 * 8192 + 8192
+
+
+def test_a_cut_on_h200_and_under_data_parallel(sim):
+    h100 = sim.predict_cut(sim.Cut(layers=1, tp=2, dp=2, zero=1, batch=1, seq=256))
+    h200 = sim.predict_cut(sim.Cut(layers=1, tp=2, dp=2, zero=1, batch=1, seq=256,
+                                   device="h200"))
+    assert h100["adamw_ms"] / h200["adamw_ms"] == pytest.approx(4.8 / 3.35)
+    assert h100["tokens_per_step"] == 2 * 256  # a TP pair shares its batch
+    # ZeRO 1: the gradients reduce-scattered and the weights all-gathered over DP 2
+    grads = 2 * h100["parameters_per_rank"]
+    assert h100["dp_backward_ms"] == pytest.approx(2 * sim.ring_half_s(grads, 2, 450e9) * 1e3)
+    with pytest.raises(ValueError, match="more than the 8 GPUs"):
+        sim.predict_cut(sim.Cut(layers=1, tp=8, dp=2))
+
+
+def test_the_cut_command_line(sim, capsys):
+    sim.main(["--layers", "1", "--tp", "4", "--dp", "1", "--pp", "1", "--batch", "1",
+              "--seq", "128", "--device", "h200", "--zero", "0"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("llama3-70b cut to 1 layers")
+    result = json.loads(lines[-1])
+    assert result["cut"]["device"] == "h200" and result["tp_all_reduces"] == 4
+    with pytest.raises(SystemExit):
+        sim.main(["--layers", "2", "--tp", "4", "--pp", "2"])
