@@ -140,6 +140,9 @@ def _options(command):
                      help="Under torchrun: tensor parallel, M consecutive processes split "
                           "each layer (the model's @shard parameters); the processes / M "
                           "slices are data parallel."),
+        click.option("--sequence-parallel", "--sp", "sp", is_flag=True,
+                     help="With --tp: sequence parallel (Megatron-LM's), the norms and "
+                          "residual adds on seq / M rows a process."),
         click.option("--pp", type=click.IntRange(1), default=1, show_default=True,
                      metavar="P",
                      help="Under torchrun: pipeline parallel, P processes each run one "

@@ -56,6 +56,7 @@ class Request:
     precision: str | None = None  # "fp8": the std FP8 recipe (runtime/fp8.py)
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
+    sp: bool = False  # sequence parallel with --tp: the norms on T / tp rows a rank
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
     # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
     lr_schedule: str = "constant"
@@ -154,6 +155,9 @@ def _context(request: Request):
     if request.tp > 1 and request.file.suffix == ".ir":
         raise RuntimeUserError("--tp with an IR document is not supported yet",
                                help=["train the .module with --tp"])
+    if request.sp and request.tp < 2:
+        raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
+                               "processes: it needs --tp M (M of at least 2)")
     return context
 
 
@@ -221,6 +225,7 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
                               memory_budget=request.memory_budget
                               if request.device == "cpu" else None, lora=request.lora,
                               tensor_parallel=request.tp, tp_rank=tp_rank,
+                              sequence_parallel=request.sp,
                               max_memory=request.max_memory, precision=request.precision)
     names = model.source.program(planned=False).input_names()
     if unfed(names):
