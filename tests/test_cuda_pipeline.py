@@ -46,3 +46,31 @@ def test_two_gpu_stages_train_as_one_process_accumulating(gpu_ckpt):
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_ckpt, tmp_path):
+    """DP 2 x PP 2 on four GPUs (NCCL: a PP group per pipeline, a DP group per stage):
+    `torchrun --nproc-per-node 4 -m modulec train --pp 2 --device cuda` trains as one CPU
+    process with --grad-accum 4 over the same rows, and its checkpoint resumes on the same
+    launch."""
+    data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+              "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data,
+              "--device", "cuda", "--pp", "2", "--microbatches", "2"]
+    args = (*ARGS, "--batch", "1")  # one row a micro-batch (click keeps the last)
+    pipeline = _rows(subprocess.run(launch + [*args, "--save", str(tmp_path / "pp"),
+                                              "--save-every", "2"],
+                                    capture_output=True, text=True, env=env, timeout=600))
+    one = _rows(subprocess.run(
+        [sys.executable, "-m", "modulec", "train", LLAMA, *data, *args, "--device", "cpu",
+         "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
+    got = [r["loss"] for r in pipeline if r["event"] == "step"]
+    want = [r["loss"] for r in one if r["event"] == "step"]
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    resumed = _rows(subprocess.run(
+        launch + [*args, "--resume", str(tmp_path / "pp" / "checkpoint-2")],
+        capture_output=True, text=True, env=env, timeout=600))
+    assert [r["loss"] for r in resumed if r["event"] == "step"] == \
+        pytest.approx(want[2:], rel=1e-4)

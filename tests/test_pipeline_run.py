@@ -104,8 +104,9 @@ def _request(**given):
 @pytest.mark.parametrize("given, world, message", [
     (dict(pp=1, microbatches=4), 1, "--microbatches is the pipeline's: it needs --pp P"),
     (dict(), 1, "--pp 2 runs one stage per process; this is one process"),
-    (dict(), 3, "--pp 2 x --tp 1 = 2 processes a pipeline does not divide the 3 processes"),
-    (dict(pp=3), 4, "--pp 3 x --tp 1 = 3 processes a pipeline does not divide the 4 "),
+    (dict(), 3, "the 3 processes are not a multiple of --pp 2 x --tp 1 = 2: each "
+                "data-parallel replica is one pipeline of 2 processes"),
+    (dict(pp=3), 4, "the 4 processes are not a multiple of --pp 3 x --tp 1 = 3"),
     (dict(microbatches=1), 2, "--microbatches 1 is fewer than the 2 pipeline stages"),
     (dict(zero=2), 4, "--zero with --pp: not supported yet"),
     (dict(tp=2), 2, "--tp with --pp: not supported yet"),

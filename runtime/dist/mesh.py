@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from runtime.errors import RuntimeUserError
@@ -57,5 +58,16 @@ class PipelineMesh:
             return cls(dp, pp, context.rank)
         pipelines = [dist.new_group(list(range(d * pp, (d + 1) * pp))) for d in range(dp)]
         replicas = [dist.new_group(list(range(s, context.world, pp))) for s in range(pp)]
-        return cls(dp, pp, context.rank, pipelines[context.rank // pp],
-                   replicas[context.rank % pp])
+        own = cls(dp, pp, context.rank, pipelines[context.rank // pp],
+                  replicas[context.rank % pp])
+        for group in (own.pp_group, own.dp_group):  # every member at once (below)
+            _warm_up(group, context.device)
+        return own
+
+
+def _warm_up(group, device: str) -> None:
+    """One small all-reduce in `group`, which all its ranks make together: NCCL sets up a
+    group's communicator at its first call, which all members must join, and a pipeline's
+    first point-to-point exchange is between two of its stages only."""
+    flag = torch.ones(1, device=device)
+    dist.all_reduce(flag, group=group)

@@ -52,9 +52,9 @@ def check_launch(request, context) -> None:
                                          "each stage's gradients all-reduced)"])
     group = pp * request.tp
     if context.world % group:
-        raise RuntimeUserError(f"--pp {pp} x --tp {request.tp} = {group} processes a "
-                               f"pipeline does not divide the {context.world} processes "
-                               "into data-parallel pipelines",
+        raise RuntimeUserError(f"the {context.world} processes are not a multiple of --pp "
+                               f"{pp} x --tp {request.tp} = {group}: each data-parallel "
+                               f"replica is one pipeline of {group} processes",
                                help=[f"launch a multiple of {group}: torchrun "
                                      f"--nproc-per-node {group} (or {2 * group}, ...)"])
     if request.grad_accum != 1:
