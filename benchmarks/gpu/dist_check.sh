@@ -6,18 +6,20 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/stages.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
-for stage in ${STAGES:-build tests probe}; do
-  case $stage in
-    build) python3 -c 'from runtime.cuda.build import load; load()' 2>&1 | tail -3 ;;
-    tests) python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
-             ${TESTS:-tests/test_cuda_dist.py} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
-    probe)
-      python3 benchmarks/gpu/dist_probe.py --zero 0 ${PROBE_ARGS:-} 2>>"$OUT/probe.err" | tee -a "$OUT/probe.jsonl"
-      for z in ${ZEROS:-1 2 3}; do
-        python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu/dist_probe.py \
-          --zero "$z" ${PROBE_ARGS:-} 2>>"$OUT/probe.err" | tee -a "$OUT/probe.jsonl"
-      done
-      tail -5 "$OUT/probe.err" ;;
-  esac
-done
+stage_build() { build_extension 3; }
+stage_tests() {
+  python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
+    ${TESTS:-tests/test_cuda_dist.py} 2>&1 | tee "$OUT/tests.log" | tail -15
+}
+stage_probe() {
+  local z
+  python3 benchmarks/gpu/dist_probe.py --zero 0 ${PROBE_ARGS:-} 2>>"$OUT/probe.err" | tee -a "$OUT/probe.jsonl"
+  for z in ${ZEROS:-1 2 3}; do
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu/dist_probe.py \
+      --zero "$z" ${PROBE_ARGS:-} 2>>"$OUT/probe.err" | tee -a "$OUT/probe.jsonl"
+  done
+  tail -5 "$OUT/probe.err"
+}
+run_stages ${STAGES:-build tests probe}

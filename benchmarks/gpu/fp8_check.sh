@@ -12,26 +12,28 @@
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/stages.sh"; STAGE_TIMES=stages.txt
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
   | tee -a "$OUT/device.txt"
-for stage in ${STAGES:-build tests gemm step}; do
-  started=$SECONDS
-  case $stage in
-    build) python3 -c 'from runtime.cuda.build import load; load()' 2>&1 | tail -3 ;;
-    tests) python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
-             ${TESTS:-tests/test_fp8_gemm.py tests/test_fp8.py} 2>&1 \
-             | tee "$OUT/fp8-tests.log" | tail -15 ;;
-    gemm) python3 benchmarks/kernels/bench_fp8_gemm.py --json "$OUT/results_fp8_gemm.json" \
-            2>&1 | tee "$OUT/fp8-gemm.txt" | grep -v '^{' ;;
-    step) for shape in ${SHAPES:-tinyllama}; do
-            python3 benchmarks/train_step.py --shape "$shape" \
-              --variants ${VARIANTS:-modulec,modulec_fp8} --steps ${STEPS:-10} \
-              --warmup ${WARMUP:-3} --json "$OUT/results_train_step_fp8_$shape.json" \
-              2>"$OUT/train-step-$shape.err" | grep -v '^[{} ]' | grep -v '^  *"' \
-              | tee "$OUT/train-step-$shape.txt"
-            tail -3 "$OUT/train-step-$shape.err"
-          done ;;
-  esac
-  echo "$stage: $((SECONDS - started)) s" | tee -a "$OUT/stages.txt"
-done
+stage_build() { build_extension 3; }
+stage_tests() {
+  python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
+    ${TESTS:-tests/test_fp8_gemm.py tests/test_fp8.py} 2>&1 | tee "$OUT/fp8-tests.log" | tail -15
+}
+stage_gemm() {
+  python3 benchmarks/kernels/bench_fp8_gemm.py --json "$OUT/results_fp8_gemm.json" \
+    2>&1 | tee "$OUT/fp8-gemm.txt" | grep -v '^{'
+}
+stage_step() {
+  local shape
+  for shape in ${SHAPES:-tinyllama}; do
+    python3 benchmarks/train_step.py --shape "$shape" \
+      --variants ${VARIANTS:-modulec,modulec_fp8} --steps ${STEPS:-10} \
+      --warmup ${WARMUP:-3} --json "$OUT/results_train_step_fp8_$shape.json" \
+      2>"$OUT/train-step-$shape.err" | grep -v '^[{} ]' | grep -v '^  *"' \
+      | tee "$OUT/train-step-$shape.txt"
+    tail -3 "$OUT/train-step-$shape.err"
+  done
+}
+run_stages ${STAGES:-build tests gemm step}

@@ -14,32 +14,29 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests kernel step"}
 source "$(dirname "$0")/device_env.sh"
-stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/fusions_check.log"; }
+source "$(dirname "$0")/stages.sh"; STAMP_LOG=fusions_check.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
   | tee -a "$OUT/device.txt"
-for stage in $STAGES; do
-  stamp "$stage"
-  case $stage in
-    build)
-      /usr/bin/time -f "extension build %e s" python3 -c \
-        'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
-    tests)  # test_cuda_kernels: the kernels whose files changed (norms.cu, swiglu.cu)
-      python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
-        ${TESTS:-tests/test_cuda_fusions.py tests/test_cuda_std_models.py \
-        tests/test_cuda_std_neox_phi.py tests/test_cuda_kernels.py \
-        -k "not test_cuda_kernels or rmsnorm or fused_residual or norms or swiglu or geglu or qk_norm or write"} \
-        2>&1 | tee "$OUT/tests.log" | tail -30 ;;
-    kernel)  # GPT-2's width by default (DIMS="768 2560" adds Phi-2's)
-      timeout "${KERNEL_TIMEOUT:-150}" python3 benchmarks/kernels/bench_fusions.py \
-        --dims ${DIMS:-768} --iters "${ITERS:-10}" ${NO_COMPILE:+--no-compile} \
-        --json "$OUT/bench_fusions.json" 2>&1 | tee "$OUT/bench_fusions.txt" | tail -30 ;;
-    step)
-      python3 benchmarks/gpu/fusions_step.py --batch "${BATCH:-8}" --seq "${SEQ:-1024}" \
-        --steps "${STEPS:-10}" --warmup 2 --timeout "${STEP_TIMEOUT:-120}" \
-        --json "$OUT/fusions_step.json" > "$OUT/fusions_step.txt" 2> "$OUT/fusions_step.err"
-      cat "$OUT/fusions_step.txt"
-      tail -3 "$OUT/fusions_step.err" ;;
-  esac
-done
+stage_build() { build_extension; }
+stage_tests() {  # test_cuda_kernels: the kernels whose files changed (norms.cu, swiglu.cu)
+  python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+    ${TESTS:-tests/test_cuda_fusions.py tests/test_cuda_std_models.py \
+    tests/test_cuda_std_neox_phi.py tests/test_cuda_kernels.py \
+    -k "not test_cuda_kernels or rmsnorm or fused_residual or norms or swiglu or geglu or qk_norm or write"} \
+    2>&1 | tee "$OUT/tests.log" | tail -30
+}
+stage_kernel() {  # GPT-2's width by default (DIMS="768 2560" adds Phi-2's)
+  timeout "${KERNEL_TIMEOUT:-150}" python3 benchmarks/kernels/bench_fusions.py \
+    --dims ${DIMS:-768} --iters "${ITERS:-10}" ${NO_COMPILE:+--no-compile} \
+    --json "$OUT/bench_fusions.json" 2>&1 | tee "$OUT/bench_fusions.txt" | tail -30
+}
+stage_step() {
+  python3 benchmarks/gpu/fusions_step.py --batch "${BATCH:-8}" --seq "${SEQ:-1024}" \
+    --steps "${STEPS:-10}" --warmup 2 --timeout "${STEP_TIMEOUT:-120}" \
+    --json "$OUT/fusions_step.json" > "$OUT/fusions_step.txt" 2> "$OUT/fusions_step.err"
+  cat "$OUT/fusions_step.txt"
+  tail -3 "$OUT/fusions_step.err"
+}
+run_stages $STAGES
 stamp done

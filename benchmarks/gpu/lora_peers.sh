@@ -14,15 +14,14 @@
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/stages.sh"; STAMP_LOG=lora_peers.log
 SHAPE=${SHAPE:-llama3-8b}; DEVICE=${DEVICE:-cuda}
 TSEQ=${SEQ:-$([ "$SHAPE" = tiny ] && echo 64 || echo 2048)}
-stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/lora_peers.log"; }
 python3 -c 'import torch, transformers, peft, accelerate; print("torch", torch.__version__,
 "transformers", transformers.__version__, "peft", peft.__version__)' | tee "$OUT/device.txt"
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/device.txt"
-  /usr/bin/time -f "extension build %e s" python3 -c \
-    'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log"
+  build_extension
 fi
 if [ "${CHECK:-0}" = 1 ]; then  # the tiny shape on the GPU first (tests/test_lora_peers.py)
   python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_lora_peers.py 2>&1 \

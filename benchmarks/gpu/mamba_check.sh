@@ -13,35 +13,31 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests kernel step"}
 source "$(dirname "$0")/device_env.sh"
-stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/mamba_check.log"; }
+source "$(dirname "$0")/stages.sh"; STAMP_LOG=mamba_check.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import importlib.util as u, torch, transformers; print("torch", torch.__version__,
 "cuda", torch.version.cuda, "transformers", transformers.__version__, "mamba_ssm",
 u.find_spec("mamba_ssm") is not None, "causal_conv1d", u.find_spec("causal_conv1d") is not None)' \
   | tee -a "$OUT/device.txt"
-for stage in $STAGES; do
-  stamp "$stage"
-  case $stage in
-    build)
-      /usr/bin/time -f "extension build %e s" python3 -c \
-        'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
-    tests)
-      timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=5 \
-        ${TESTS:-tests/test_cuda_mamba.py tests/test_cuda_std_mamba.py \
-        "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[example_mamba]" \
-        "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[mamba]"} \
-        2>&1 \
-        | tee "$OUT/tests.log" | tail -25 ;;
-    kernel)
-      timeout 90 python3 benchmarks/kernels/bench_mamba.py --json "$OUT/bench_mamba.json" \
-        2>&1 | tee "$OUT/bench_mamba.txt" ;;
-    step)
-      python3 benchmarks/gpu/mamba_step.py --layers "${LAYERS:-4}" --batch "${BATCH:-2}" \
-        --seq "${SEQ:-2048}" --steps "${STEPS:-5}" --warmup 2 --hf-steps 2 --hf-warmup 1 \
-        --timeout 75 --variants "${VARIANTS:-modulec,hf_eager}" --json "$OUT/mamba_step.json" \
-        > "$OUT/mamba_step.txt" 2> "$OUT/mamba_step.err"
-      head -6 "$OUT/mamba_step.txt"
-      tail -3 "$OUT/mamba_step.err" ;;
-  esac
-done
+stage_build() { build_extension; }
+stage_tests() {
+  timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=5 \
+    ${TESTS:-tests/test_cuda_mamba.py tests/test_cuda_std_mamba.py \
+    "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[example_mamba]" \
+    "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[mamba]"} \
+    2>&1 | tee "$OUT/tests.log" | tail -25
+}
+stage_kernel() {
+  timeout 90 python3 benchmarks/kernels/bench_mamba.py --json "$OUT/bench_mamba.json" \
+    2>&1 | tee "$OUT/bench_mamba.txt"
+}
+stage_step() {
+  python3 benchmarks/gpu/mamba_step.py --layers "${LAYERS:-4}" --batch "${BATCH:-2}" \
+    --seq "${SEQ:-2048}" --steps "${STEPS:-5}" --warmup 2 --hf-steps 2 --hf-warmup 1 \
+    --timeout 75 --variants "${VARIANTS:-modulec,hf_eager}" --json "$OUT/mamba_step.json" \
+    > "$OUT/mamba_step.txt" 2> "$OUT/mamba_step.err"
+  head -6 "$OUT/mamba_step.txt"
+  tail -3 "$OUT/mamba_step.err"
+}
+run_stages $STAGES
 stamp done

@@ -18,32 +18,29 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests kernel step"}
 source "$(dirname "$0")/device_env.sh"
-stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/moe_check.log"; }
+source "$(dirname "$0")/stages.sh"; STAMP_LOG=moe_check.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "transformers", transformers.__version__, "_grouped_mm", hasattr(torch, "_grouped_mm"))' \
   | tee -a "$OUT/device.txt"
-for stage in $STAGES; do
-  stamp "$stage"
-  case $stage in
-    build)
-      /usr/bin/time -f "extension build %e s" python3 -c \
-        'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log" ;;
-    tests)
-      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
-        ${TESTS:-tests/test_cuda_grouped_gemm.py tests/test_cuda_std_moe.py \
-        "tests/test_cuda_kernels.py::test_moe_permute_and_unpermute_match_the_reference"} 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
-    kernel)
-      timeout "${KERNEL_TIMEOUT:-240}" python3 benchmarks/kernels/bench_grouped_gemm.py --json "$OUT/grouped_gemm.json" \
-        2>&1 | tee "$OUT/grouped_gemm.txt" ;;
-    step)
-      name=moe_step${TAG:+-$TAG}
-      timeout "${STEP_TIMEOUT:-570}" python3 benchmarks/gpu/moe_step.py --layers "${LAYERS:-4}" \
-        --batch "${BATCH:-4}" --seq "${SEQ:-2048}" --steps "${STEPS:-10}" \
-        --timeout "${TIMEOUT:-240}" ${VARIANTS:+--variants "$VARIANTS"} \
-        --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.err"
-      head -14 "$OUT/$name.txt"
-      grep -v "^\s*$" "$OUT/$name.err" | cut -c1-300 | tail -8 ;;
-  esac
-done
+stage_build() { build_extension; }
+stage_tests() {
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+    ${TESTS:-tests/test_cuda_grouped_gemm.py tests/test_cuda_std_moe.py \
+    "tests/test_cuda_kernels.py::test_moe_permute_and_unpermute_match_the_reference"} 2>&1 | tee "$OUT/tests.log" | tail -30
+}
+stage_kernel() {
+  timeout "${KERNEL_TIMEOUT:-240}" python3 benchmarks/kernels/bench_grouped_gemm.py --json "$OUT/grouped_gemm.json" \
+    2>&1 | tee "$OUT/grouped_gemm.txt"
+}
+stage_step() {
+  local name=moe_step${TAG:+-$TAG}
+  timeout "${STEP_TIMEOUT:-570}" python3 benchmarks/gpu/moe_step.py --layers "${LAYERS:-4}" \
+    --batch "${BATCH:-4}" --seq "${SEQ:-2048}" --steps "${STEPS:-10}" \
+    --timeout "${TIMEOUT:-240}" ${VARIANTS:+--variants "$VARIANTS"} \
+    --json "$OUT/$name.json" > "$OUT/$name.txt" 2> "$OUT/$name.err"
+  head -14 "$OUT/$name.txt"
+  grep -v "^\s*$" "$OUT/$name.err" | cut -c1-300 | tail -8
+}
+run_stages $STAGES
 stamp done

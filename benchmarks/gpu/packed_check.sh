@@ -12,25 +12,29 @@
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/stages.sh"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
   | tee "$OUT/device.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/device.txt"
-for stage in ${STAGES:-build tests regress varlen step}; do
-  case $stage in
-    build) /usr/bin/time -f "extension build %e s" python3 -c \
-             'from runtime.cuda.build import load; load()' 2>&1 | tail -3 | tee "$OUT/build.log" ;;
-    tests) python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
-             tests/test_cuda_packed.py tests/test_cuda_varlen.py 2>&1 \
-             | tee "$OUT/tests.log" | tail -25
-           python3 -m pytest -m "not cuda" -q -p no:cacheprovider tests/test_train_packing.py \
-             tests/test_cuda_packed.py 2>&1 | tee "$OUT/tests-cpu.log" | tail -5 ;;
-    regress) python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
-               tests/test_cuda_train.py tests/test_cuda_models.py tests/test_train_cuda.py \
-               tests/test_cuda_rope_variants.py tests/test_cuda_lm_head.py 2>&1 \
-               | tee "$OUT/regress.log" | tail -15 ;;
-    varlen) python3 benchmarks/kernels/bench_varlen.py --full-capacity \
-              --json "$OUT/bench_varlen.json" 2>&1 | tee "$OUT/bench_varlen.txt" ;;
-    step) python3 benchmarks/gpu/packed_step.py ${STEP_ARGS:-} --json "$OUT/packed_step.json" \
-            2>&1 | tee "$OUT/packed_step.txt" ;;
-  esac
-done
+stage_build() { build_extension 3; }
+stage_tests() {
+  python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
+    tests/test_cuda_packed.py tests/test_cuda_varlen.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  python3 -m pytest -m "not cuda" -q -p no:cacheprovider tests/test_train_packing.py \
+    tests/test_cuda_packed.py 2>&1 | tee "$OUT/tests-cpu.log" | tail -5
+}
+stage_regress() {
+  python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
+    tests/test_cuda_train.py tests/test_cuda_models.py tests/test_train_cuda.py \
+    tests/test_cuda_rope_variants.py tests/test_cuda_lm_head.py 2>&1 \
+    | tee "$OUT/regress.log" | tail -15
+}
+stage_varlen() {
+  python3 benchmarks/kernels/bench_varlen.py --full-capacity \
+    --json "$OUT/bench_varlen.json" 2>&1 | tee "$OUT/bench_varlen.txt"
+}
+stage_step() {
+  python3 benchmarks/gpu/packed_step.py ${STEP_ARGS:-} --json "$OUT/packed_step.json" \
+    2>&1 | tee "$OUT/packed_step.txt"
+}
+run_stages ${STAGES:-build tests regress varlen step}
