@@ -156,9 +156,9 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
 
 
 def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int, seq: int,
-                        out: str) -> None:
-    """TP over `world` GPUs: the whole model's random weights sliced per rank, every rank
-    the same batch; rank 0 saves the losses."""
+                        out: str, sp: bool = False) -> None:
+    """TP over `world` GPUs (`sp`: with sequence parallel): the whole model's random
+    weights sliced per rank, every rank the same batch; rank 0 saves the losses."""
     from runtime.cuda.step import TrainStep, random_params
     from runtime.dist import DistContext
     from runtime.tensor_parallel import shard_params
@@ -167,11 +167,12 @@ def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int,
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
     context = DistContext.from_env(device="cuda", timeout_s=120)
     step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq,
-                                 dist=context.data_parallel(2, tp=world))
+                                 dist=context.data_parallel(2, tp=world, sp=sp))
     whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
     step.load(shard_params(random_params(whole.shapes(), 0), step.program, rank))
     losses = gpu_train(step, gpu_batches(steps, rows, seq))
     if rank == 0:
-        torch.save({"losses": losses}, out)
+        ops = {n.target for f in step.program.graph.functions for n in f.nodes}
+        torch.save({"losses": losses, "ops": ops}, out)
     context.close()
     context.exit_now()

@@ -158,6 +158,7 @@ class TrainStep:
         dist = options.get("dist")
         parallel = dict(distributed=dist.options() if dist is not None else None,
                         tensor_parallel=dist.tp if dist is not None else 1,
+                        sequence_parallel=getattr(dist, "sp", False),
                         precision=precision)  # "fp8": the std FP8 recipe
         source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora,
                               **parallel)

@@ -54,7 +54,8 @@ from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
 
 NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batched_matmul",
-           "tp_copy", "tp_all_reduce")  # the TP pair: NCCL reduces bf16 as it is
+           "tp_copy", "tp_all_reduce",  # the TP pair: NCCL reduces bf16 as it is
+           "sp_all_gather", "sp_reduce_scatter", "sp_scatter", "sp_gather")  # and --sp's
 CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm", "layernorm",
               "fused_residual_layernorm", "gelu", "softmax")
 CREATED = ("zeros", "ones", "fill")

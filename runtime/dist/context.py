@@ -67,14 +67,18 @@ class DistContext:
         """Rank 0: the one that prints progress and writes consolidated files."""
         return self.rank == 0
 
-    def data_parallel(self, zero: int = 2, tp: int = 1) -> "DataParallelRun":
+    def data_parallel(self, zero: int = 2, tp: int = 1, sp: bool = False) -> "DataParallelRun":
         """Data parallel over the ranks' TP slices: with `tp` > 1, ranks r and r + 1 ..
         (tp consecutive) form a tensor-parallel group each, and the ranks at the same
-        position of every slice a data-parallel group (dp = world / tp)."""
+        position of every slice a data-parallel group (dp = world / tp). `sp`: the
+        program is built with sequence parallel (`--sp`) over each TP group."""
         if tp < 1 or self.world % tp:
             raise RuntimeUserError(f"--tp {tp} does not divide the {self.world} processes",
                                    help=[f"launch a multiple of {tp} processes"])
-        return DataParallelRun(self, zero, tp, *self._groups(tp))
+        if sp and tp < 2:
+            raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
+                                   "processes: it needs --tp M (M of at least 2)")
+        return DataParallelRun(self, zero, tp, *self._groups(tp), sp=sp)
 
     def _groups(self, tp: int) -> tuple:
         """(this rank's TP group, its DP group, its rank in the DP group); None groups
@@ -168,6 +172,7 @@ class DataParallelRun:
     tp_group: object = None  # None: the default group (every rank), or no TP
     dp_group: object = None  # None: the default group (every rank)
     dp_rank: int = 0
+    sp: bool = False  # sequence parallel over each TP group (the program built with --sp)
 
     @property
     def dp(self) -> int:

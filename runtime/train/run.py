@@ -169,7 +169,7 @@ def _parallel(request: Request, context, model):
     from runtime.train.data_parallel import built_zero
 
     zero = request.zero if request.zero is not None else built_zero(model)
-    return context.data_parallel(2 if zero is None else zero, tp=request.tp)
+    return context.data_parallel(2 if zero is None else zero, tp=request.tp, sp=request.sp)
 
 
 def _check_numbers(request: Request) -> None:
