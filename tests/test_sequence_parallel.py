@@ -193,3 +193,19 @@ def test_modulec_train_tp2_sp_trains_as_one_process(ckpt):
     one = losses(train(ckpt, "--steps", "2"))
     two = torchrun(ckpt, "--steps", "2", "--tp", "2", "--sp", "--batch", "2")
     assert two == pytest.approx(one, rel=1e-5)
+
+
+def test_the_verifier_rederives_the_collectives_types():
+    """A document that lies about a gathered value's sequence dim is refused."""
+    from dataclasses import replace
+
+    graph = sp_build().graph
+    attention = graph.function("CausalSelfAttention#1")
+    gathered = attention.nodes[0].outputs[0]
+    values = tuple(replace(v, shape=("2", "3", "32")) if v.id == gathered else v
+                   for v in attention.values)
+    lied = replace(graph, functions=tuple(replace(f, values=values) if f is attention else f
+                                          for f in graph.functions))
+    problems = verify_graph(lied)
+    assert any("node f0.sp_all_gather0: `%tp_copy1` is declared [2, 3, 32, bf16], but "
+               "sp_all_gather gives [2, 6, 32, bf16]" in p for p in problems), problems

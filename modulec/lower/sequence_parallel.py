@@ -157,10 +157,10 @@ class _Function:
         if node.kind == "alias":
             return self._emit(node, self.layout.get(node.inputs[0], WHOLE))
         if node.target == "tp_copy" and LOCAL in kinds:
-            return self._emit(replace(node, target="sp_all_gather", attrs=self._attrs()),
-                              GATHERED, whole_outputs=True)
+            return self._emit(self._renamed(node, "tp_copy", "sp_all_gather"), GATHERED,
+                              whole_outputs=True)
         if node.target == "tp_all_reduce" and GATHERED in kinds:
-            return self._emit(replace(node, target="sp_reduce_scatter", attrs=self._attrs()),
+            return self._emit(self._renamed(node, "tp_all_reduce", "sp_reduce_scatter"),
                               LOCAL)
         if GATHERED in kinds:
             if LOCAL in kinds:
@@ -178,6 +178,10 @@ class _Function:
         inputs = tuple(self._gather(v, node) if self.layout.get(v) == LOCAL else v
                        for v in node.inputs)
         self._emit(replace(node, inputs=inputs), WHOLE)
+
+    def _renamed(self, node: Node, old: str, new: str) -> Node:
+        """The tensor-parallel collective `node` as its sequence-parallel counterpart."""
+        return replace(node, id=node.id.replace(old, new), target=new, attrs=self._attrs())
 
     def _call(self, node: Node) -> None:
         callee = self.owner.graph.function(node.target)
