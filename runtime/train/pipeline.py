@@ -1,12 +1,15 @@
-"""The trainer of a pipeline-parallel run (`torchrun --nproc-per-node P -m modulec train
-MODEL --pp P --microbatches M`): rank s holds stage s's parameters (the IR's `pipeline`
-section lists them) and runs its 1F1B op list (runtime.dist.pipeline) on the reference
-interpreter, on the CPU (gloo) or eagerly on a GPU (NCCL), in the model's dtype (float32).
+"""The trainer of a pipeline-parallel run (`torchrun --nproc-per-node D x P -m modulec
+train MODEL --pp P --microbatches M`): rank r holds stage r % P's parameters (the IR's
+`pipeline` section lists them) in pipeline r // P and runs its 1F1B op list
+(runtime.dist.pipeline) on the reference interpreter, on the CPU (gloo) or eagerly on a
+GPU (NCCL), in the model's dtype (float32).
 
-A step takes M micro-batches of --batch rows: the loss and the gradients are the mean over
-the micro-batches, as one process with `--grad-accum M` computes them; each stage then
-steps AdamW on its own parameters. Global gradient-norm clipping sums the stages' squares
-(an all-reduce); the loss is the last stage's, broadcast so that rank 0 reports it.
+A step takes M micro-batches of --batch rows per pipeline: the loss and the gradients are
+the mean over every pipeline's micro-batches (each stage's gradients averaged over its D
+replicas by the section's all-reduces), as one process with `--grad-accum D x M` computes
+them; each stage then steps AdamW on its own parameters. Global gradient-norm clipping
+sums the squares of one pipeline's stages (an all-reduce); the loss sums every pipeline's
+last stage's (an all-reduce), so that rank 0 reports the mean.
 """
 
 from __future__ import annotations
