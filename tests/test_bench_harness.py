@@ -128,3 +128,20 @@ def test_table():
     assert versus_best(rows) == ["modulec / best HF (hf_eager): 2.00x"]
     assert versus_best({"modulec": rows["modulec"]}) == []
 
+
+
+@pytest.mark.cuda
+def test_timed_peak_and_gemm_ceiling_on_the_gpu():
+    """The CUDA-event path: a 1024^2 matmul's step times ordered, its peak memory counted,
+    the GEMM ceiling a positive rate."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from benchmarks.harness import gemm_ceiling
+
+    a = torch.randn(1024, 1024, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    row = variant_row(lambda: timed(lambda: a @ a, 2, 5))
+    assert 0 < row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
+    assert row["peak_bytes"] >= 2 * a.numel() * 4
+    assert gemm_ceiling(1024) > 1e12
