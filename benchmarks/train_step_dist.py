@@ -10,8 +10,8 @@ the GPUs of one host, data and tensor parallel, side by side in one run (issue 1
     modulec_zero{S}_tp{M}  tensor parallel over M consecutive GPUs, data parallel with
                  ZeRO stage S over the GPUS / M TP groups: ctx.data_parallel(zero=S, tp=M)
                  (DP 2 x TP 2 on 4 GPUs: modulec_zero1_tp2; TP over all GPUs:
-                 modulec_zero0_tp{GPUS}). What the GPU step supports and refuses:
-                 benchmarks/dist_modulec.py
+                 modulec_zero0_tp{GPUS}); `_tp{M}_sp`: with sequence parallel. What the
+                 GPU step supports and refuses: benchmarks/dist_modulec.py
     modulec_1gpu train_step.py's `modulec_norecompute` on ONE of the GPUs, in the same
                  run: the denominator of the scaling efficiency
     hf_ddp       transformers LlamaForCausalLM (sdpa), fp32 weights + autocast bf16,
@@ -66,6 +66,8 @@ What is measured, per variant:
                 step, exposed communication, rank imbalance and overlap contention
   fixed         modulec under ZeRO: the fixed state a rank holds (step.zero.fixed_bytes)
   loss          the last timed step's loss, mean over ranks (each rank's own batch)
+  wall          seconds from the variant's launch to its end (start-up, build or
+                compile, warm-up, timing, profiling): what it takes of a device call
 
 --device cpu runs the variants on gloo CPU processes at --shape tiny, modulec's with the
 CPU trainer (runtime/train): a check of their code paths (tests/test_dist_bench.py), not
@@ -173,14 +175,16 @@ def launch(args, variant: str, ckpt: Path | None, out: Path, timeout: int) -> di
                NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=_pythonpath())
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
+    began = time.monotonic()
     output, timed_out = run_group(cmd, env, timeout)
+    wall = {"wall_s": round(time.monotonic() - began, 1)}  # start to end: plans a call
     if args.json:  # the processes' own output beside the JSON, for the failures
         Path(f"{args.json}.{variant}.log").write_text(output)
     if out.exists():  # a profiler that hung still leaves the timings
-        return json.loads(out.read_text())
+        return dict(json.loads(out.read_text()), **wall)
     if timed_out:
-        return {"error": f"timed out after {timeout} s", "gpus": gpus}
-    return {"error": output[-1500:], "gpus": gpus}
+        return {"error": f"timed out after {timeout} s", "gpus": gpus, **wall}
+    return {"error": output[-1500:], "gpus": gpus, **wall}
 
 
 def run_group(cmd: list[str], env: dict, timeout: int) -> tuple[str, bool]:
@@ -238,7 +242,8 @@ def table(rows: dict, args, shape: dict) -> str:
              f"parallel rank T={args.seq}, bf16 (fp32 master), fwd+bwd+AdamW, {args.device}",
              f"{'variant':<26}{'GPUs':>5}{'DPxTP':>6}{'tok/s':>9}{'tok/s/GPU':>10}"
              f"{'step ms':>9}{'b2b ms':>8}{'peak GiB':>9}{'MFU989':>7}{'scaling':>8}"
-             f"{'comm ms':>8}{'exposed':>8}{'+ms/1GPU':>9}{'loss':>8}{'fixed GiB':>10}"]
+             f"{'comm ms':>8}{'exposed':>8}{'+ms/1GPU':>9}{'loss':>8}{'fixed GiB':>10}"
+             f"{'wall s':>7}"]
     for name, r in rows.items():
         if "step_s" not in r:
             why = r.get("unavailable") or r.get("error", "?").strip().splitlines()[-1]
@@ -253,7 +258,8 @@ def table(rows: dict, args, shape: dict) -> str:
             f"{_fmt(r.get('scaling'), 8, '.2f')}{_fmt(r.get('comm_s'), 8, '.1f', 1e3)}"
             f"{_fmt(r.get('exposed_comm_s'), 8, '.1f', 1e3)}"
             f"{_fmt(r.get('over_1gpu_s'), 9, '.1f', 1e3)}{r['loss']:>8.3f}"
-            f"{_fmt(r.get('fixed_bytes'), 10, '.2f', 2 ** -30)}")
+            f"{_fmt(r.get('fixed_bytes'), 10, '.2f', 2 ** -30)}"
+            f"{_fmt(r.get('wall_s'), 7, '.0f')}")
     return "\n".join(lines)
 
 
