@@ -31,10 +31,10 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/stages.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
-/usr/bin/time -f "extension build %e s" python3 -c \
-  'from runtime.cuda.build import load; load()' 2>&1 | tail -5 | tee "$OUT/build.log"
+build_extension
 SHAPE=${SHAPE:-tinyllama}
 GPUS=${GPUS:-2}
 TAG=${TAG:-$SHAPE${LAYERS:+-${LAYERS}l}-${GPUS}gpu}
