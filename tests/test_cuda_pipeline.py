@@ -56,21 +56,24 @@ def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_c
     launch."""
     data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-              "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data,
-              "--device", "cuda", "--pp", "2", "--microbatches", "2"]
     args = (*ARGS, "--batch", "1")  # one row a micro-batch (click keeps the last)
-    pipeline = _rows(subprocess.run(launch + [*args, "--save", str(tmp_path / "pp"),
-                                              "--save-every", "2"],
-                                    capture_output=True, text=True, env=env, timeout=600))
+
+    def launch(*more):
+        return _rows(subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+             "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data,
+             *args, "--device", "cuda", "--pp", "2", "--microbatches", "2", *more],
+            capture_output=True, text=True, env=env, timeout=600))
+
+    pipeline = launch("--save", str(tmp_path / "pp"), "--save-every", "2")
     one = _rows(subprocess.run(
         [sys.executable, "-m", "modulec", "train", LLAMA, *data, *args, "--device", "cpu",
          "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
-    resumed = _rows(subprocess.run(
-        launch + [*args, "--resume", str(tmp_path / "pp" / "checkpoint-2")],
-        capture_output=True, text=True, env=env, timeout=600))
+    resumed = launch("--resume", str(tmp_path / "pp" / "checkpoint-2"))
+    assert "resumed at step 2 from the consolidated checkpoint (a pipeline's checkpoints " \
+        "are consolidated)" in [r.get("text") for r in resumed if r["event"] == "note"]
     assert [r["loss"] for r in resumed if r["event"] == "step"] == \
         pytest.approx(want[2:], rel=1e-4)

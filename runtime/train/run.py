@@ -400,7 +400,8 @@ class Run:
 
         shape = self._shard_shape()
         if shape is None:
-            why = "ZeRO-0 ranks hold the whole state" if self.context.distributed else \
+            why = "a pipeline's checkpoints are consolidated" if self.request.pp > 1 else \
+                "ZeRO-0 ranks hold the whole state" if self.context.distributed else \
                 "this run is one process"
             index = None
         else:
