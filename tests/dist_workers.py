@@ -155,6 +155,39 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
     context.exit_now()
 
 
+def gpu_dp_tp(rank: int, world: int, port: int, zero: int, steps: int, rows: int, seq: int,
+              out: str, tp: int = 2) -> None:
+    """DP x TP over `world` GPUs (TP groups of `tp` consecutive ranks, ZeRO stage `zero`
+    across them): the whole model's random weights sliced per TP rank, each data-parallel
+    rank its own rows of every batch (the ranks of a TP group the same rows); rank 0 saves
+    the losses averaged over the ranks (a TP group's are equal)."""
+    from runtime.cuda.step import TrainStep, random_params
+    from runtime.dist import DistContext
+    from runtime.tensor_parallel import shard_params
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    context = DistContext.from_env(device="cuda", timeout_s=120)
+    run = context.data_parallel(zero, tp=tp)
+    per_rank = rows // run.dp
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
+                                 dist=run)
+    whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq)
+    step.load(shard_params(random_params(whole.shapes(), 0), step.program, rank % tp))
+    del whole
+    first = run.dp_rank * per_rank
+    local = gpu_train(step, [b[first:first + per_rank] for b in gpu_batches(steps, rows, seq)])
+    losses = []
+    for loss in local:
+        value = torch.tensor([loss], device="cuda")
+        torch.distributed.all_reduce(value)
+        losses.append(float(value) / world)
+    if rank == 0:
+        torch.save({"losses": losses, "dp": run.dp}, out)
+    context.close()
+    context.exit_now()
+
+
 def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int, seq: int,
                         out: str, sp: bool = False) -> None:
     """TP over `world` GPUs (`sp`: with sequence parallel): the whole model's random

@@ -1,7 +1,8 @@
 """Data parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two): each ZeRO
 stage's step, eager and then replayed from one CUDA graph with its collectives, trains as
 one GPU does on the whole batch (bf16: losses within 1e-2, the masters' updates pointing
-the same way), holding the bytes the compiler predicts (rank_fixed_bytes)."""
+the same way), holding the bytes the compiler predicts (rank_fixed_bytes); tensor (and
+sequence) parallel on two, DP 2 x TP 2 on four (skipped with fewer)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,22 @@ def test_tensor_parallel_trains_as_one_gpu(reference, tmp_path):
              args=(2, free_port(), STEPS, ROWS, SEQ, str(out)))
     want_losses, _ = reference
     assert torch.load(out)["losses"] == pytest.approx(want_losses, rel=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+@pytest.mark.parametrize("zero", [1, 3])
+def test_dp_x_tp_trains_as_one_gpu(zero, reference, tmp_path):
+    """DP 2 x TP 2 on four GPUs (issue 20's Llama-3-8B layout): ZeRO across the two TP
+    pairs, each pair on its own half of the rows, eager and captured (two NCCL groups in
+    one CUDA graph): the losses, averaged over the pairs, within bf16 rounding of one
+    GPU's on the whole batch."""
+    out = tmp_path / f"dp_tp_zero{zero}.pt"
+    mp.spawn(dist_workers.gpu_dp_tp, nprocs=4,
+             args=(4, free_port(), zero, STEPS, ROWS, SEQ, str(out)))
+    want_losses, _ = reference
+    got = torch.load(out)
+    assert got["dp"] == 2
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
 
 
 def test_sequence_parallel_trains_as_one_gpu(reference, tmp_path):
