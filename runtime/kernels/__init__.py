@@ -11,7 +11,7 @@ formulas are the point), so autograd of a forward is an independent check of its
 Families: linalg (matmul, batched_matmul, grouped_gemm), norms, activations, attention
 (flash_attention, rope, qk_norm, qk_norm_rope), tensor (views and copies), elementwise, reductions,
 embedding, moe, mamba, utility (zeros, ones, fill), loss (cross_entropy), comm (tp_copy,
-tp_all_reduce: torch.distributed).
+tp_all_reduce; sp_all_gather, sp_reduce_scatter, sp_scatter, sp_gather: torch.distributed).
 """
 
 from __future__ import annotations
