@@ -129,6 +129,9 @@ def test_the_micro_batches_become_the_accumulation():
     request = _request()
     check_launch(request, SimpleNamespace(distributed=True, world=2))
     assert request.microbatches == request.grad_accum == 8  # 4 x pp by default
+    request = _request(zero=0)  # what the pipelines run: gradients all-reduced, unsharded
+    check_launch(request, SimpleNamespace(distributed=True, world=4))
+    assert request.microbatches == 8
 
 
 def test_a_parameter_two_stages_use_is_refused():
@@ -234,3 +237,9 @@ def test_an_ir_with_a_zero_section_is_refused_under_pp(tmp_path):
     with pytest.raises(RuntimeUserError, match=r"--zero with --pp: not supported yet \(the "
                        r"IR has a `distributed` section, ZeRO-1"):
         _section(program, 2, 2)
+    # ZeRO-0 is what the pipelines run: the pipeline section alone says it
+    built = run("build", "tests/data/pipeline_llama.module", "--shape", "B=1", "--shape",
+                "T=8", "--dp", "2", "--zero", "0", "--pp", "2", "-o", path)
+    assert built.exit_code == 0, built.output
+    schedule = json.loads(path.read_text())["schedule"]
+    assert "distributed" not in schedule and schedule["pipeline"]["mesh"]["dp"] == 2

@@ -45,7 +45,7 @@ def check_launch(request, context) -> None:
         raise RuntimeUserError(f"--pp {pp} runs one stage per process; this is one process",
                                help=[f"launch torchrun --nproc-per-node {pp} -m modulec "
                                      "train ..."])
-    for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero is not None),
+    for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero not in (None, 0)),
                         ("--lora", request.lora is not None),
                         ("--memory-budget", getattr(request, "memory_budget", None) is not None)):
         if given:
