@@ -11,20 +11,23 @@
 # variant's timeout is cut to what is left; a variant left < 20 s is not started), TAG.
 #
 # Issue 20 on 4 GPUs: the three runs in ONE device call (kind nvidia-h100-x4 or
-# nvidia-h200-x4, timeout_s 600); the DEADLINEs add up to 540 s, the rest is three
+# nvidia-h200-x4, timeout_s 600); the DEADLINEs add up to 510 s, the rest is three
 # nvidia-smi / extension checks (the first build up to ~30 s). Each run's order puts the
 # row most likely to fail or hang last, so the deadline takes the time from it alone.
-#   export GPUS=4 STEPS=8 WARMUP=2 PROFILE_STEPS=1
+# No profiler (PROFILE_STEPS=0): its traces of captured steps do not split the step
+# (docs/distributed.md), and exporting them costs seconds a variant. Each row's `wall s`
+# says what it took, for planning the next call.
+#   export GPUS=4 STEPS=8 WARMUP=2 PROFILE_STEPS=0
 #   # 1. TinyLlama DP (ZeRO-2, the best stage on 2 GPUs) vs one GPU and FSDP2 + compile
-#   VARIANTS=modulec_1gpu,modulec_zero2,hf_fsdp2_compile BATCH=4 SEQ=2048 TIMEOUT=120 \
-#     DEADLINE=170 bash benchmarks/gpu/dist_run.sh
+#   VARIANTS=modulec_1gpu,modulec_zero2,hf_fsdp2_compile BATCH=4 SEQ=2048 TIMEOUT=100 \
+#     DEADLINE=150 bash benchmarks/gpu/dist_run.sh
 #   # 2. Llama-3-8B: DP 4 ZeRO-3, FSDP2 + AC + compile, DP 2 x TP 2 ZeRO-1 (torchtitan's B=1 x 8192)
 #   SHAPE=llama3-8b VARIANTS=modulec_zero3,hf_fsdp2_ckpt_compile,modulec_zero1_tp2 BATCH=1 \
-#     SEQ=8192 TIMEOUT=150 DEADLINE=220 bash benchmarks/gpu/dist_run.sh
+#     SEQ=8192 TIMEOUT=140 DEADLINE=210 bash benchmarks/gpu/dist_run.sh
 #   # 3. Llama-3-70B cut to 8 layers: TP 4, and FSDP2 + AC + compile over the same 4 GPUs
 #   SHAPE=llama3-70b LAYERS=8 VARIANTS=modulec_zero0_tp4,hf_fsdp2_ckpt_compile BATCH=1 \
-#     SEQ=4096 TIMEOUT=120 DEADLINE=150 bash benchmarks/gpu/dist_run.sh
-# The cost model's prediction of run 3's modulec row (CPU, any machine):
+#     SEQ=4096 TIMEOUT=110 DEADLINE=150 bash benchmarks/gpu/dist_run.sh
+# The cost model's prediction of each modulec row (CPU, any machine; docs/distributed.md):
 #   python3 benchmarks/sim_70b.py --layers 8 --tp 4 --dp 1 --pp 1 --zero 0 --batch 1 \
 #     --seq 4096 --device h100    # or h200: the card the run's device.txt names
 set -uo pipefail
