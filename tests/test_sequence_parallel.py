@@ -37,7 +37,7 @@ def _close(got, want, what: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=what)
 
 
-MODELS = ["llama", "qwen3", "mixtral"]  # dense; a replicated weight in a region; MoE
+MODELS = ["llama", "qwen3", "mixtral", "example_gpt2"]  # + a region weight; MoE; biases, LayerNorm
 RUNS = [(name, True) for name in MODELS] + [("llama", False)]  # and tensor parallel alone
 
 
@@ -62,11 +62,11 @@ def test_tp2_with_sp_equals_one_process(name, two_ranks):
     assert set(grads) == set(want["grads"])
     for path, value in want["grads"].items():
         _close(grads[path], value, path)
-    # the norms' weights are read on each rank's rows: their gradients are summed over
-    # the ranks (tp_copy), whole and equal on both
-    norms = [p for p in want["grads"] if "norm" in p or p.endswith(("ln1.weight", "ln2.weight"))]
-    assert norms
-    for path in norms:
+    # a replicated parameter (the norms' weights, read on each rank's rows; biases after
+    # a region) gets its gradient summed over the ranks (tp_copy): whole and equal on both
+    replicated = [p for p in want["grads"] if ranks[0]["grads"][p].shape == grads[p].shape]
+    assert any("ln" in p or "norm" in p for p in replicated)
+    for path in replicated:
         _close(ranks[1]["grads"][path], ranks[0]["grads"][path], path)
 
 
