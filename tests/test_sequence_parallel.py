@@ -21,7 +21,6 @@ from runtime.tensor_parallel import unshard_params  # noqa: E402
 from tests import tp_workers  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
 from tests.test_tensor_parallel import free_port  # noqa: E402
-from tests.test_train import ckpt  # noqa: E402,F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,17 +181,6 @@ def test_build_and_plan_take_sp():
         saved[len(flags)] = {r["region"]: r["arena_bytes"] for r in regions}
     assert saved[3]["saved_activations"] < saved[2]["saved_activations"]
     assert saved[3]["transient_activations"] < saved[2]["transient_activations"]
-
-
-def test_modulec_train_tp2_sp_trains_as_one_process(ckpt):
-    """`torchrun --nproc-per-node 2 -m modulec train --device cpu --tp 2 --sp` (gloo):
-    the losses are one process's."""
-    from tests.test_train import losses, train
-    from tests.test_train_dist import torchrun
-
-    one = losses(train(ckpt, "--steps", "2"))
-    two = torchrun(ckpt, "--steps", "2", "--tp", "2", "--sp", "--batch", "2")
-    assert two == pytest.approx(one, rel=1e-5)
 
 
 def test_the_verifier_rederives_the_collectives_types():

@@ -156,6 +156,14 @@ def test_tensor_parallel_trains_as_one_process_and_saves_whole(ckpt, tmp_path):
     assert more == pytest.approx(one[2:], rel=1e-4)
 
 
+def test_tensor_parallel_with_sequence_parallel_trains_as_one_process(ckpt):
+    """--tp 2 --sp: the norms on half the rows a rank (docs/distributed.md, "Sequence
+    parallel"); the losses are one process's."""
+    one = losses(train(ckpt, "--steps", "2"))
+    two = torchrun(ckpt, "--steps", "2", "--tp", "2", "--sp", "--batch", "2")
+    assert two == pytest.approx(one, rel=1e-5)
+
+
 def test_data_parallel_over_tensor_parallel_slices(ckpt, tmp_path):
     """Four processes, --tp 2 --zero 3: two TP slices of two ranks, ZeRO-3 across the
     slices (each slice its row of the batch); the losses are one process's."""
