@@ -16,9 +16,12 @@ The M ranks of a TP group read one batch (B x T), so a step trains B x T x GPUS 
 tokens. What the GPU step runs under TP (runtime/cuda/step.py, runtime/dist): ZeRO 0-3
 across the TP groups (the IR's `distributed` section over each TP position's DP group),
 with `memory_budget` (the build plans one rank's program, its ZeRO share counted as
-fixed) and with the FP8 recipe (each rank its own amaxes). TP over all the GPUs leaves
-one data-parallel rank: the build then writes no `distributed` section and a ZeRO stage
-would be ignored, so only `modulec_zero0_tp{GPUS}` names that layout.
+fixed) and with the FP8 recipe (each rank its own amaxes); DP x TP on the GPU is checked
+against one GPU by tests/test_cuda_dist.py::test_dp_x_tp_trains_as_one_gpu (four GPUs).
+TP over all the GPUs leaves one data-parallel rank: the build then writes no
+`distributed` section and a ZeRO stage would be ignored, so only `modulec_zero0_tp{GPUS}`
+names that layout. Under TP the global gradient norm covers the data-parallel group's
+shards only (`modulec train` refuses --clip-grad with --tp); these steps do not clip.
 """
 
 from __future__ import annotations
