@@ -87,9 +87,10 @@ def group_rank(size: int, group: str = "tp") -> int:
 
 
 def split_rank(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
-    """This rank's block of x along `dim` (a copy)."""
+    """This rank's block of x along `dim` (a copy, never a view of x)."""
     block = x.shape[dim] // size
-    return x.narrow(dim, group_rank(size, group) * block, block).contiguous()
+    return x.narrow(dim, group_rank(size, group) * block, block).clone(
+        memory_format=torch.contiguous_format)
 
 
 def all_gather(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
