@@ -61,6 +61,22 @@ def test_zero_without_processes_is_an_error(ckpt):
     assert "--zero 2" in result.output and "torchrun --nproc-per-node" in result.output
 
 
+def test_zero_over_one_tensor_parallel_group_is_an_error():
+    """--tp 2 --zero 3 on two processes: one TP group, no data-parallel rank to shard
+    across (the stage would be dropped); on four, two ranks: accepted."""
+    from types import SimpleNamespace
+
+    from runtime.errors import RuntimeUserError
+    from runtime.train.run import check_zero
+
+    request = SimpleNamespace(zero=3, tp=2)
+    with pytest.raises(RuntimeUserError, match="one tensor-parallel group") as caught:
+        check_zero(request, SimpleNamespace(distributed=True, world=2))
+    assert "leave out --zero" in caught.value.help[0]
+    check_zero(request, SimpleNamespace(distributed=True, world=4))
+    check_zero(SimpleNamespace(zero=None, tp=2), SimpleNamespace(distributed=True, world=2))
+
+
 def test_an_ir_document_trains_as_its_module(ckpt, tmp_path):
     """The IR is the contract: `modulec train x.ir` (one process, and two with the IR's
     distributed section) gives the steps the .module gives, bit for bit on one process."""

@@ -137,11 +137,7 @@ def _context(request: Request):
     from runtime.dist import DistContext
 
     context = DistContext.from_env(request.device, timeout_s=request.dist_timeout)
-    if not context.distributed and request.zero is not None:
-        raise RuntimeUserError(f"--zero {request.zero} shards across data-parallel "
-                               "processes; this is one process",
-                               help=["launch several: torchrun --nproc-per-node N -m "
-                                     "modulec train ..., or leave out --zero"])
+    check_zero(request, context)
     if request.tp > 1 and request.lora is not None:
         raise RuntimeUserError("--lora with --tp is not supported yet",
                                help=["train LoRA data parallel (--zero) or on one GPU"])
@@ -159,6 +155,26 @@ def _context(request: Request):
         raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
                                "processes: it needs --tp M (M of at least 2)")
     return context
+
+
+def check_zero(request: Request, context) -> None:
+    """--zero needs data-parallel ranks to shard across: more than one process, and with
+    --tp M more processes than M (one TP group builds no `distributed` section, so the
+    stage would be dropped)."""
+    if request.zero is None:
+        return
+    if not context.distributed:
+        raise RuntimeUserError(f"--zero {request.zero} shards across data-parallel "
+                               "processes; this is one process",
+                               help=["launch several: torchrun --nproc-per-node N -m "
+                                     "modulec train ..., or leave out --zero"])
+    if request.tp > 1 and context.world == request.tp:
+        raise RuntimeUserError(f"--zero {request.zero} shards across data-parallel "
+                               f"processes; --tp {request.tp} makes the {context.world} "
+                               "processes one tensor-parallel group",
+                               help=[f"launch a multiple of {request.tp} processes (each "
+                                     f"{request.tp} more is one more data-parallel rank), or "
+                                     "leave out --zero"])
 
 
 def _parallel(request: Request, context, model):
