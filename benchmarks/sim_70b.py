@@ -332,7 +332,7 @@ def report_cut(r: dict) -> str:
         f"(weights, master low halves, moments; no activations)"])
 
 
-CUT_OPTIONS = ("layers", "dp", "batch", "zero", "device", "shape")
+CUT_OPTIONS = ("layers", "dp", "batch", "zero", "device", "shape", "nvlink")
 
 
 def main(argv=None) -> None:
@@ -346,6 +346,8 @@ def main(argv=None) -> None:
     parser.add_argument("--zero", type=int, choices=range(4), help="a cut: ZeRO stage")
     parser.add_argument("--device", choices=["h100", "h200"], help="a cut: the GPU")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a cut: the model")
+    parser.add_argument("--nvlink", type=float, help="a cut: NVLink bus bandwidth, GB/s "
+                        f"(default {NVLINK_BUS_BYTES_PER_S / 1e9:.0f})")
     args = parser.parse_args(argv)
     if any(getattr(args, name) is not None for name in CUT_OPTIONS):
         main_cut(parser, args)
@@ -364,7 +366,7 @@ def main_cut(parser, args) -> None:
     cut = Cut(layers=args.layers or SHAPES[shape]["n_layers"], tp=args.tp or 1,
               dp=args.dp or 1, batch=args.batch or 1, seq=args.seq,
               zero=1 if args.zero is None else args.zero, device=args.device or "h100",
-              shape=shape)
+              shape=shape, nvlink=(args.nvlink or NVLINK_BUS_BYTES_PER_S / 1e9) * 1e9)
     try:
         result = predict_cut(cut)
     except ValueError as exc:

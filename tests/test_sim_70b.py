@@ -91,3 +91,6 @@ def test_the_cut_command_line(sim, capsys):
     assert result["cut"]["device"] == "h200" and result["tp_all_reduces"] == 4
     with pytest.raises(SystemExit):
         sim.main(["--layers", "2", "--tp", "4", "--pp", "2"])
+    sim.main(["--layers", "1", "--tp", "4", "--seq", "128", "--nvlink", "225"])
+    slower = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert slower["tp_ms"] == pytest.approx(2 * result["tp_ms"])
