@@ -83,7 +83,8 @@ class _Pass:
             return seen[1]
         self.layouts[function.name] = (inputs, tuple(WHOLE for _ in function.outputs))
         done = _Function(self, function, inputs).run()
-        self.rewritten[function.name] = done.function
+        if done.function != function:  # one it left as it was keeps its own backward
+            self.rewritten[function.name] = done.function
         self.layouts[function.name] = (inputs, done.outputs)
         return done.outputs
 
