@@ -54,35 +54,41 @@ def train_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> N
     context.close()
 
 
-def train_data_parallel(rank: int, world: int, port: int, run: tuple, out: str) -> None:
-    """`run` ((name, settings, steps, micro, rows, seq)) on world / 2 pipelines of two
+def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) -> None:
+    """Each of `runs` ((IR document, steps, micro, rows, seq)) on world / 2 pipelines of two
     stages (DP x PP), each its rows of the same windows; then a resume: the state after
     step 1 (gathered by the first pipeline, sent to every rank) loaded into a fresh
-    trainer that runs the steps after it. Rank r saves its losses, its stage's state and
-    the resumed run's to `out`.r."""
+    trainer that runs the steps after it. Rank r saves per run its losses, its stage's
+    state, the whole state after the last step (rank 0's) and the resumed run's to
+    `out`.r."""
     import torch.distributed as dist
 
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
 
     context = join(rank, world, port)
-    name, settings, steps, micro, rows, seq = run
-    replica, own = rank // 2, rows * micro
+    results = []
+    for name, steps, micro, rows, seq in runs:
+        replica, own = rank // 2, rows * micro
 
-    def trainer():
-        return PipelineTrainer(tiny_model(name, settings), rows, seq,
-                               AdamW(lr=1e-2, weight_decay=0.1), context, 2, micro)
+        def trainer():
+            return PipelineTrainer(tiny_model(name), rows, seq,
+                                   AdamW(lr=1e-2, weight_decay=0.1), context, 2, micro)
 
-    first, batches = trainer(), windows(steps, own * world // 2, seq)
-    losses, saved = [], None
-    for step, window in enumerate(batches):
-        losses.append(first.train_step(window[replica * own:(replica + 1) * own]))
-        if step == 0:
-            saved = [first.state()]
-            dist.broadcast_object_list(saved, src=0)
-    resumed = trainer()
-    resumed.load_state(saved[0])
-    again = [resumed.train_step(w[replica * own:(replica + 1) * own]) for w in batches[1:]]
-    torch.save({"losses": losses, "state": first.stage_state(), "resumed": again,
-                "resumed_state": resumed.stage_state()}, f"{out}.{rank}")
+        first, batches = trainer(), windows(steps, own * world // 2, seq)
+        losses, saved = [], None
+        for step, window in enumerate(batches):
+            losses.append(first.train_step(window[replica * own:(replica + 1) * own]))
+            if step == 0:
+                saved = [first.state()]
+                dist.broadcast_object_list(saved, src=0)
+        whole = first.state()
+        resumed = trainer()
+        resumed.load_state(saved[0])
+        again = [resumed.train_step(w[replica * own:(replica + 1) * own])
+                 for w in batches[1:]]
+        results.append({"losses": losses, "state": first.stage_state(), "whole": whole,
+                        "resumed": again, "resumed_state": resumed.stage_state(),
+                        "owned": first.owned})
+    torch.save(results, f"{out}.{rank}")
     context.close()

@@ -231,3 +231,45 @@ def test_data_parallel_pipelines_all_reduce_each_stages_buckets(pipelined):
         "stage 1: gradient buckets or all_reduce ops with mesh dp 1"]
     assert verify_pipeline(dict(two, mesh={"dp": 2, "pp": 3, "tp": 1}), pipelined) == [
         "`mesh` says pp 3, but the section has 2 stages"]
+
+
+def test_zero1_pipelines_own_buckets_and_broadcast_them(pipelined):
+    """ZeRO-1 over a stage's DP group: every bucket has an owner (largest first to the
+    least loaded replica), the all-reduces are followed by the optimizer step and one
+    broadcast a bucket from its owner; the verifier checks owners and order."""
+    from modulec.ir.verify_parallel import verify_pipeline
+
+    section = pipeline_section(pipelined, Pipeline(microbatches=4, dp=2, zero=1))
+    assert section["zero"] == 1
+    buckets = section["stages"][1]["grad_buckets"]
+    assert [(b["name"], b["owner"]) for b in buckets] == \
+        [("lm_head", 0), ("final_norm", 1), ("blocks[3]", 0), ("blocks[2]", 1)]
+    ops = section["ops"][1]
+    tail = [(o["kind"], o.get("bucket"), o.get("root")) for o in ops[-9:]]
+    assert tail == [("all_reduce", k, None) for k in range(4)] + \
+        [("optimizer_step", None, None)] + [("broadcast", k, b["owner"])
+                                            for k, b in enumerate(buckets)]
+    assert verify_pipeline(section, pipelined) == []
+    assert simulate(section).step_s > 0
+    ops[-1] = dict(ops[-1], root=0)
+    buckets[0]["owner"] = 2
+    assert verify_pipeline(section, pipelined) == [
+        "stage 1: bucket 0: ZeRO-1 needs an owner in 0..1, not 2",
+        "stage 1: broadcast of bucket 0 from 0, its owner is 2",
+        "stage 1: broadcast of bucket 3 from 0, its owner is 1"]
+    with pytest.raises(ValueError, match="ZeRO 0 or 1"):
+        Pipeline(2, dp=2, zero=2)
+
+
+def test_zero1_pipelines_plan_each_stages_sharded_state():
+    from modulec.plan.pipeline_memory import stage_memory
+
+    fixed = {}
+    for zero in (0, 1):
+        result = build(BuildRequest(PIPELINED, shapes={"B": 2, "T": 8},
+                                    pipeline=Pipeline(microbatches=4, dp=2, zero=zero)))
+        assert "distributed" not in result.document["schedule"]
+        rows = stage_memory(result.graph, result.document["schedule"], transient=0)
+        fixed[zero] = [r["fixed_bytes"] for r in rows]
+    # the masters' low halves and moments (10 of the 14 bytes a parameter) halve: 9 / 14
+    assert all(0.5 * a < b < 0.75 * a for a, b in zip(fixed[0], fixed[1]))

@@ -26,15 +26,16 @@ from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 RUNS = [("pipelined", {}, 1, 2, 1, 8), ("llama", {"n_layers": 4}, 1, 2, 1, 8)]
 
 
-def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int = 1) -> str:
+def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int = 1,
+              zero: int = 0) -> str:
     from tests.runtime_models import TINY
     from tests.test_cli import run
 
-    path = tmp_path / f"llama-dp{dp}-pp2.ir"
+    path = tmp_path / f"llama-dp{dp}-zero{zero}-pp2.ir"
     sets = [a for k, v in (TINY["llama"][1] | settings).items() for a in ("--set", f"{k}={v}")]
     built = run("build", TINY["llama"][0], *sets, "--shape", f"B={rows}", "--shape",
-                f"T={seq}", "--pp", "2", "--dp", str(dp), "--microbatches", str(micro), "-o",
-                path)
+                f"T={seq}", "--pp", "2", "--dp", str(dp), "--zero", str(zero),
+                "--microbatches", str(micro), "-o", path)
     assert built.exit_code == 0, built.output
     return str(path)
 
@@ -109,6 +110,8 @@ def _request(**given):
     (dict(pp=3), 4, "the 4 processes are not a multiple of --pp 3 x --tp 1 = 3"),
     (dict(microbatches=1), 2, "--microbatches 1 is fewer than the 2 pipeline stages"),
     (dict(zero=2), 4, "--zero with --pp: not supported yet"),
+    (dict(zero=1), 2, "--zero 1 with --pp shards each stage's optimizer state over its "
+                      "data-parallel replicas; these 2 processes are one pipeline"),
     (dict(tp=2), 2, "--tp with --pp: not supported yet"),
     (dict(memory_budget=2**30), 2, "--memory-budget with --pp: not supported yet"),
     (dict(grad_accum=2), 2, "--grad-accum with --pp"),
@@ -165,33 +168,51 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
     pipeline its own rows, each stage's gradients averaged over its two replicas. In
     float64 the losses and every parameter and moment after two steps are one process's
     with --grad-accum 4 over the same rows (to 1e-12), both replicas of a stage hold the
-    same bits, and a trainer resumed from the state after step 1 ends the same. The
-    program is an IR document built with `--dp 2 --pp 2`: its mesh, buckets and
-    all-reduces read as written."""
+    same weights, and a trainer resumed from the state after step 1 ends the same. The
+    programs are IR documents built with `--dp 2 --pp 2` (ZeRO-0: every replica steps
+    its stage) and `--dp 2 --zero 1 --pp 2` (each bucket's moments on its owner alone,
+    its weights broadcast from there): their mesh, buckets and ops read as written."""
     out = tmp_path / "dp"
     settings, steps, micro, rows, seq = {"n_layers": 4}, 2, 2, 1, 8
-    name = _built_ir(tmp_path, settings, micro, rows, seq, dp=2)
+    documents = [_built_ir(tmp_path, settings, micro, rows, seq, dp=2, zero=zero)
+                 for zero in (0, 1)]
     mp.spawn(pipeline_workers.train_data_parallel, nprocs=4,
-             args=(4, free_port(), (name, settings, steps, micro, rows, seq), str(out)))
+             args=(4, free_port(), [(d, steps, micro, rows, seq) for d in documents],
+                   str(out)))
     ranks = [torch.load(f"{out}.{r}") for r in range(4)]
-    want_losses, want = pipeline_workers.train_reference(name, steps, 2 * micro, rows, seq,
-                                                         settings)
-    for rank in ranks:
-        assert rank["losses"] == pytest.approx(want_losses, rel=1e-12)
-        assert rank["resumed"] == pytest.approx(want_losses[1:], rel=1e-12)
-    for stage in (0, 1):  # the replicas of a stage: ranks stage and stage + 2
-        for key in ("state", "resumed_state"):
-            a, b = ranks[stage][key], ranks[stage + 2][key]
+    want_losses, want = pipeline_workers.train_reference(documents[0], steps, 2 * micro,
+                                                         rows, seq)
+    for run, zero in enumerate((0, 1)):
+        runs = [r[run] for r in ranks]
+        for rank in runs:
+            assert rank["losses"] == pytest.approx(want_losses, rel=1e-12)
+            assert rank["resumed"] == pytest.approx(want_losses[1:], rel=1e-12)
+        for stage in (0, 1):  # the replicas of a stage: ranks stage and stage + 2
+            for key in ("state", "resumed_state"):
+                a, b = runs[stage][key]["masters"], runs[stage + 2][key]["masters"]
+                assert a.keys() == b.keys()
+                assert all(torch.equal(a[p], b[p]) for p in a)
+        checked = [runs[0]["whole"]]  # state(): gathered over the stages (and replicas)
+        if zero == 0:  # each replica's stages hold all of it
+            checked += [{part: runs[0][key][part] | runs[1][key][part]
+                         for part in ("masters", "exp_avg", "exp_avg_sq")}
+                        for key in ("state", "resumed_state")]
+        for got in checked:
             for part in ("masters", "exp_avg", "exp_avg_sq"):
-                assert a[part].keys() == b[part].keys()
-                assert all(torch.equal(a[part][p], b[part][p]) for p in a[part])
-    for key in ("state", "resumed_state"):
-        for part in ("masters", "exp_avg", "exp_avg_sq"):
-            got = ranks[0][key][part] | ranks[1][key][part]
-            assert set(got) == set(want[part]), part
-            for path, value in want[part].items():
-                torch.testing.assert_close(got[path], value, rtol=1e-12, atol=1e-14,
-                                           msg=f"{key} {part} {path}")
+                assert set(got[part]) == set(want[part]), (zero, part)
+                for path, value in want[part].items():
+                    torch.testing.assert_close(got[part][path], value, rtol=1e-12,
+                                               atol=1e-14, msg=f"zero {zero} {part} {path}")
+        if zero == 1:  # each replica holds the moments of the buckets it owns, no others
+            for rank in runs:
+                assert rank["owned"] and set(rank["state"]["exp_avg"]) == rank["owned"]
+            assert runs[0]["owned"].isdisjoint(runs[2]["owned"])
+            resumed = {part: {p: t for r in runs for p, t in r["resumed_state"][part].items()}
+                       for part in ("masters", "exp_avg")}
+            for part, got in resumed.items():
+                for path, value in got.items():
+                    torch.testing.assert_close(value, want[part][path], rtol=1e-12,
+                                               atol=1e-14, msg=f"resumed {part} {path}")
 
 
 def test_the_irs_mesh_must_be_the_launch():
@@ -220,8 +241,8 @@ def test_rows_of_a_pipeline_replica():
 
 
 def test_an_ir_with_a_zero_section_is_refused_under_pp(tmp_path):
-    """`modulec build --dp 2 --zero 1 --pp 2` writes the distributed section (the plan's
-    per-stage ZeRO memory); the pipeline runtime does not shard: a clear error."""
+    """`modulec build --dp 2 --zero 2 --pp 2` writes the distributed section (the plan's
+    per-stage ZeRO memory); the pipeline runtime does not run it: a clear error."""
     from runtime.errors import RuntimeUserError
     from runtime.inputs import sized_inputs
     from runtime.train.pipeline import _section
@@ -229,13 +250,13 @@ def test_an_ir_with_a_zero_section_is_refused_under_pp(tmp_path):
 
     path = tmp_path / "zero.ir"
     built = run("build", "tests/data/pipeline_llama.module", "--shape", "B=1", "--shape",
-                "T=8", "--dp", "2", "--zero", "1", "--pp", "2", "--microbatches", "2", "-o",
+                "T=8", "--dp", "2", "--zero", "2", "--pp", "2", "--microbatches", "2", "-o",
                 path)
     assert built.exit_code == 0, built.output
     model = pipeline_workers.tiny_model(str(path))
     program = model.source.program_for(sized_inputs(["token_ids"], 1, 8))
     with pytest.raises(RuntimeUserError, match=r"--zero with --pp: not supported yet \(the "
-                       r"IR has a `distributed` section, ZeRO-1"):
+                       r"IR has a `distributed` section, ZeRO-2"):
         _section(program, 2, 2)
     # ZeRO-0 is what the pipelines run: the pipeline section alone says it
     built = run("build", "tests/data/pipeline_llama.module", "--shape", "B=1", "--shape",

@@ -65,14 +65,17 @@ def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
         raise click.BadParameter("--zero auto chooses the stage that fits --memory-budget: "
                                  "give the per-GPU budget, or a stage 0-3",
                                  param_hint="--zero")
-    if dp is not None and not (pp is not None and zero in (None, 0)):
+    if zero == 1 and pp is not None and dp == 1:
+        raise click.BadParameter("--zero 1 with --pp shards each stage's optimizer state "
+                                 "over --dp N > 1 pipelines", param_hint="--zero")
+    if dp is not None and not (pp is not None and zero in (None, 0, 1)):
         request.distributed = DataParallel(dp, 2 if zero is None else zero)
     # --dp N --pp P: N data-parallel pipelines, their gradients all-reduced per stage (the
-    # pipeline section's mesh and ops: ZeRO-0); a --zero 1-3 beside it also writes the
-    # distributed section (its per-stage memory in `modulec plan`), which `modulec train`
-    # refuses
+    # pipeline section's mesh and ops: ZeRO-0, or ZeRO-1 by bucket); a --zero 2-3 beside
+    # it writes the distributed section (its per-stage memory in `modulec plan`), which
+    # `modulec train` refuses
     if pp is not None or microbatches is not None:
-        request.pipeline = Pipeline(pp, microbatches, dp or 1)
+        request.pipeline = Pipeline(pp, microbatches, dp or 1, 1 if zero == 1 else 0)
 
 
 def tensor_parallel_request(request, tp: int | None, sp: bool) -> None:

@@ -12,10 +12,8 @@ per instance, for an entry bucket also the first and last repeated layer's, then
 instance first backward_begin and gradients_ready, then step_end), every `wait_event`
 finds its event recorded before.
 
-pipeline: the mesh's pp is the stage count (tp 1); with dp > 1 each stage's gradient
-buckets hold its parameters once, with the graph's shapes, packed, and its ops end with
-one all_reduce (gradients, dp group, avg, comm stream) per bucket after its last compute
-op, with dp 1 none; the stages cover the entry's forward in order, each a contiguous range; each
+pipeline: the mesh's pp is the stage count (tp 1); the data-parallel buckets and ops
+(modulec.ir.verify_pipeline_dp); the stages cover the entry's forward in order, each a contiguous range; each
 stage runs the forward and then the backward of every micro-batch once; sends and
 receives go between neighbours, carry activations forward and gradients back, on the
 comm stream, and match one for one in order; the schedule runs to the end (no deadlock).
@@ -30,7 +28,8 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "copy_in")
 DP_KINDS = COLLECTIVES + ("adamw_shard", "record_event", "wait_event", "allocate", "release")
 WINDOWS = ("start", "end", "step")  # modulec.plan.distributed
 WHAT = ("gradients", "weights")
-PP_KINDS = ("forward", "backward", "send", "recv", "all_reduce")
+DP_UPDATE_KINDS = ("all_reduce", "optimizer_step", "broadcast")  # data parallel pipelines
+PP_KINDS = ("forward", "backward", "send", "recv") + DP_UPDATE_KINDS
 
 
 def verify_parallel(schedule: dict, graph: Graph) -> list[str]:
@@ -257,7 +256,9 @@ def verify_pipeline(section, graph: Graph) -> list[str]:
         return problems
     problems = _coverage(section["stages"], graph)
     if not problems:
-        problems += _reductions(section, graph)
+        from modulec.ir.verify_pipeline_dp import verify_reductions
+
+        problems += verify_reductions(section, parameter_shapes(graph))
     if len(section["ops"]) != count:
         problems.append(f"{len(section['ops'])} op lists for {count} stages")
     if len(section["boundaries"]) != count - 1 or any(
@@ -280,72 +281,6 @@ def _pp_mesh(mesh, count: int) -> list[str]:
     if mesh["tp"] != 1:
         return [f"`mesh` tp {mesh['tp']}: tensor parallel inside pipeline stages is not "
                 "supported yet (tp must be 1)"]
-    return []
-
-
-def _reductions(section, graph: Graph) -> list[str]:
-    """With dp > 1: each stage's gradient buckets hold its parameters, each once, with the
-    graph's shapes, packed in order; its ops end in one all_reduce per bucket after its
-    last compute op. With dp 1: no buckets, no all_reduce."""
-    dp, problems = section["mesh"]["dp"], []
-    shapes = parameter_shapes(graph) if dp > 1 else {}
-    for stage, ops in zip(section["stages"], section["ops"]):
-        where = f"stage {stage['stage']}"
-        reduces = [op for op in ops if op.get("kind") == "all_reduce"]
-        buckets = stage.get("grad_buckets")
-        if dp == 1:
-            if reduces or buckets is not None:
-                problems.append(f"{where}: gradient buckets or all_reduce ops with mesh dp 1")
-            continue
-        if not isinstance(buckets, list):
-            problems.append(f"{where}: mesh dp {dp} needs `grad_buckets`")
-            continue
-        problems += [f"{where}: {m}" for m in _grad_buckets(buckets, stage["params"], shapes)]
-        problems += [f"{where}: {m}" for m in _reduce_ops(ops, len(buckets),
-                                                          section["streams"]["comm"])]
-    return problems
-
-
-def _grad_buckets(buckets: list, params: list, shapes: dict) -> list[str]:
-    problems, seen = [], []
-    for index, bucket in enumerate(buckets):
-        offset = 0
-        for row in bucket["params"]:
-            path = row["path"]
-            if shapes.get(path) != row["shape"]:
-                problems.append(f"bucket {index}: `{path}` has shape {row['shape']}, the "
-                                f"graph's is {shapes.get(path)}")
-            if row["offset"] != offset or row["numel"] != _product(row["shape"]):
-                problems.append(f"bucket {index}: `{path}` at +{row['offset']}:"
-                                f"{row['numel']}, expected +{offset}:{_product(row['shape'])}")
-            offset += row["numel"]
-            seen.append(path)
-        if bucket["numel"] != offset:
-            problems.append(f"bucket {index}: numel {bucket['numel']}, its parameters "
-                            f"hold {offset}")
-    if sorted(seen) != sorted(params):
-        problems.append("the gradient buckets do not hold the stage's parameters, each "
-                        "once")
-    return problems
-
-
-def _reduce_ops(ops: list, buckets: int, comm) -> list[str]:
-    last = max((i for i, op in enumerate(ops) if op.get("kind") in ("forward", "backward")),
-               default=-1)
-    found = []
-    for index, op in enumerate(ops):
-        if op.get("kind") != "all_reduce":
-            continue
-        if index < last:
-            return [f"op {index} (all_reduce): before the stage's last backward"]
-        if (op.get("what"), op.get("group"), op.get("reduce"), op.get("stream")) != \
-                ("gradients", "dp", "avg", comm):
-            return [f"op {index} (all_reduce): expected what gradients, group dp, reduce "
-                    f"avg on stream {comm}"]
-        found.append(op.get("bucket"))
-    if sorted(found) != list(range(buckets)):
-        return [f"all_reduce ops for buckets {found}, expected each of 0..{buckets - 1} "
-                "once"]
     return []
 
 
@@ -379,7 +314,7 @@ def _stage_ops(stage: int, ops, count: int, micro: int, streams: dict) -> list[s
     for index, op in enumerate(ops):
         kind, m = op.get("kind"), op.get("microbatch")
         where = f"op {index} ({kind} {m})"
-        if kind == "all_reduce":  # checked with the stage's buckets (_reductions)
+        if kind in DP_UPDATE_KINDS:  # checked with the stage's buckets (verify_pipeline_dp)
             continue
         if kind not in PP_KINDS:
             problems.append(f"{where}: unknown kind (known: {', '.join(PP_KINDS)})")

@@ -203,7 +203,7 @@ def _pipeline(graph, document: dict, request: BuildRequest) -> None:
         return
     options = request.pipeline or Pipeline()
     if request.distributed is not None:  # its data-parallel size is the pipelines'
-        options = replace(options, dp=request.distributed.dp)
+        options = replace(options, dp=request.distributed.dp, zero=0)
     try:
         section = pipeline_section(graph, options)
     except ShapeUnknown as exc:

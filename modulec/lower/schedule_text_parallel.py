@@ -10,11 +10,15 @@ sent), and per stage its 1F1B ops as tokens: `F3` / `B3` forward / backward of
 micro-batch 3, `a3>1` activations of micro-batch 3 sent to stage 1, `g3<1` gradients
 received from stage 1; `|` separates warm-up, steady and cool-down. With data parallel
 over the pipelines (mesh dp > 1), a stage's gradient buckets follow it, one line each
-(`+offset:numel` per parameter), and its ops end in `AR0 AR1 ...`: bucket k's all-reduce
-over the stage's data-parallel group.
+(`+offset:numel` per parameter; under ZeRO-1 its `owner`), and its ops end in `AR0 AR1
+...`: bucket k's all-reduce over the stage's data-parallel group (ZeRO-1: then `OPT`, the
+optimizer step, and `BC0 BC1 ...`, each bucket's weights broadcast from its owner).
 """
 
 from __future__ import annotations
+
+
+UPDATE_TOKENS = {"all_reduce": "AR", "optimizer_step": "OPT", "broadcast": "BC"}
 
 
 def print_distributed(section: dict) -> str:
@@ -48,6 +52,8 @@ def _op_line(op: dict) -> str:
 def print_pipeline(section: dict) -> str:
     mesh = section.get("mesh", {})
     sizes = " x ".join(f"{k} {mesh[k]}" for k in ("dp", "pp", "tp") if k in mesh)
+    if section.get("zero"):
+        sizes += f", ZeRO-{section['zero']}"
     lines = [f"pipeline ({len(section['stages'])} stages, {section['microbatches']} "
              f"micro-batches, {section['schedule']}, {section['split']} split; mesh "
              f"{sizes}) {{"]
@@ -57,7 +63,9 @@ def print_pipeline(section: dict) -> str:
                      f"forward {_time(stage['forward_s'])}, backward "
                      f"{_time(stage['backward_s'])} per micro-batch)")
         for number, bucket in enumerate(stage.get("grad_buckets", ())):
-            lines.append(f"    bucket {number} {bucket['name']}  numel {bucket['numel']}: " +
+            owner = f"  owner {bucket['owner']}" if "owner" in bucket else ""
+            lines.append(f"    bucket {number} {bucket['name']}  numel {bucket['numel']}"
+                         f"{owner}: " +
                          ", ".join(f"{p['path']} +{p['offset']}:{p['numel']}"
                                    for p in bucket["params"]))
     for boundary in section["boundaries"]:
@@ -89,8 +97,8 @@ def _tokens(ops: list) -> str:
         if phase is not None and op["phase"] != phase:
             tokens.append("|")
         phase = op["phase"]
-        if op["kind"] == "all_reduce":  # a bucket's gradients over the stage's DP group
-            tokens.append(f"AR{op['bucket']}")
+        if op["kind"] in UPDATE_TOKENS:  # the DP group's reduction and ZeRO-1's update
+            tokens.append(UPDATE_TOKENS[op["kind"]] + str(op.get("bucket", "")))
             continue
         m = op["microbatch"]
         if op["kind"] in ("forward", "backward"):

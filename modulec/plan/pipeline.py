@@ -66,10 +66,13 @@ class Pipeline:
     stages: int | None = None   # --pp; None: from the model's @partition annotations
     microbatches: int | None = None  # --microbatches; None: 4 * stages
     dp: int = 1  # data-parallel pipelines (modulec.plan.pipeline_dp)
+    zero: int = 0  # 1: the optimizer state of a stage sharded over its DP group by bucket
 
     def __post_init__(self):
         if self.dp < 1:
             raise ValueError(f"the data-parallel size must be at least 1, not {self.dp}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"a pipeline shards with ZeRO 0 or 1, not {self.zero}")
         if self.stages is not None and self.stages < 1:
             raise ValueError(f"the pipeline needs at least 1 stage, not {self.stages}")
         if self.microbatches is not None and self.microbatches < 1:
@@ -94,7 +97,8 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
                "streams": {"compute": COMPUTE, "comm": COMM},
                "boundaries": boundaries,
                "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
-    return add_data_parallel(section, graph, options.dp)
+    zero = options.zero if options.dp > 1 else 0
+    return add_data_parallel(section, graph, options.dp, zero)
 
 
 # ---------------------------------------------------------------------- units

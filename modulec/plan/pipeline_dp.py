@@ -14,13 +14,22 @@ A bucket is the parameters of one layer (`blocks[3]`, the first path component) 
 entry parameter (`embedding`), flat in the stage's parameter order, listed in backward
 order (the last layer first: the order a backward makes them in, for a runtime that
 reduces as soon as a layer is done).
+
+ZeRO-1 (`zero: 1`) shards the optimizer state over the stage's DP group by bucket: each
+bucket has an `owner` (a data-parallel index; the buckets dealt largest first to the
+least loaded replica), only the owner keeps its AdamW moments and steps it. After the
+all-reduces the op list says so: `optimizer_step` (each rank steps the buckets it owns),
+then one `broadcast` of each bucket's updated weights from its owner to the group. As
+torch's ZeroRedundancyOptimizer partitions by parameter, whole buckets keep a parameter's
+update in one rank (its `@trainable` settings, its clipping) at the cost of balance.
+Without `zero` 1 the optimizer steps every parameter after the op list.
 """
 
 from __future__ import annotations
 
 from modulec.plan.distributed import GRAD_BYTES
 
-COMM = 2  # the communication stream, as the pipeline section's
+COMPUTE, COMM = 0, 2  # streams, as the pipeline section's
 GROUP = "dp"  # the collectives' process group: the stage's data-parallel group
 REDUCE = "avg"  # the group's mean (a sum, divided by the group's size)
 
@@ -29,19 +38,41 @@ def mesh(dp: int, pp: int, tp: int = 1) -> dict:
     return {"dp": dp, "pp": pp, "tp": tp}
 
 
-def add_data_parallel(section: dict, graph, dp: int) -> dict:
-    """`section` with its `mesh`, and for dp > 1 each stage's `grad_buckets` and its ops
-    ending in one all_reduce per bucket."""
+def add_data_parallel(section: dict, graph, dp: int, zero: int = 0) -> dict:
+    """`section` with its `mesh` and ZeRO stage, and for dp > 1 each stage's
+    `grad_buckets` and its ops ending in one all_reduce per bucket (ZeRO-1: then the
+    optimizer step and one broadcast per bucket from its owner)."""
     section["mesh"] = mesh(dp, len(section["stages"]))
+    section["zero"] = zero
     if dp == 1:
         return section
     from modulec.ir.verify_parallel import parameter_shapes
 
     shapes = parameter_shapes(graph)
     for stage, ops in zip(section["stages"], section["ops"]):
-        stage["grad_buckets"] = gradient_buckets(stage["params"], shapes)
-        ops += reduce_ops(stage["grad_buckets"])
+        stage["grad_buckets"] = buckets = gradient_buckets(stage["params"], shapes)
+        ops += reduce_ops(buckets)
+        if zero == 1:
+            deal_owners(buckets, dp)
+            ops += update_ops(buckets)
     return section
+
+
+def deal_owners(buckets: list[dict], dp: int) -> None:
+    """Each bucket's owner: largest first to the replica holding the fewest elements
+    (ties: the lowest index)."""
+    load = [0] * dp
+    for bucket in sorted(buckets, key=lambda b: -b["numel"]):
+        owner = min(range(dp), key=lambda d: (load[d], d))
+        bucket["owner"] = owner
+        load[owner] += bucket["numel"]
+
+
+def update_ops(buckets: list[dict]) -> list[dict]:
+    return [{"kind": "optimizer_step", "phase": "update", "stream": COMPUTE}] + [
+        {"kind": "broadcast", "what": "weights", "bucket": index, "root": bucket["owner"],
+         "group": GROUP, "phase": "update", "stream": COMM}
+        for index, bucket in enumerate(buckets)]
 
 
 def bucket_name(path: str) -> str:
@@ -81,6 +112,14 @@ def all_reduce_seconds(nbytes: int, ranks: int, link_bytes_per_s: float,
     if ranks <= 1:
         return 0.0
     return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / link_bytes_per_s
+
+
+def broadcast_seconds(nbytes: int, ranks: int, link_bytes_per_s: float,
+                      latency_s: float) -> float:
+    """A pipelined (chunked ring) broadcast: about the buffer once over the link."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * latency_s + nbytes / link_bytes_per_s
 
 
 def _numel(shape) -> int:

@@ -18,7 +18,10 @@ from modulec.plan.distributed import (
 
 def stage_memory(graph, schedule: dict, transient: int) -> list[dict]:
     pipeline = schedule["pipeline"]
-    section = schedule.get("distributed") or data_parallel_section(graph, DataParallel(1, 0))
+    # the pipelines' own ZeRO-1 (whole buckets a replica) counted as ZeRO-1's even shards
+    sharded = DataParallel(pipeline["mesh"]["dp"], pipeline.get("zero", 0)) \
+        if "mesh" in pipeline else DataParallel(1, 0)
+    section = schedule.get("distributed") or data_parallel_section(graph, sharded)
     saved = _saved_per_microbatch(graph, schedule.get("layout"), pipeline)
     count, micro = len(pipeline["stages"]), pipeline["microbatches"]
     rows = []

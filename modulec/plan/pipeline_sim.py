@@ -6,7 +6,8 @@ stage's predicted time for one micro-batch (modulec.plan.cost through
 modulec.plan.pipeline); a `send` occupies the link for latency + bytes / bandwidth and
 does not hold the stage (an isend); a `recv` holds the stage until the matching send's
 data has arrived; an `all_reduce` (data parallel over the pipelines) holds the stage for
-a ring all-reduce of its bucket's bytes over the mesh's dp ranks on the same link. A
+a ring all-reduce of its bucket's bytes over the mesh's dp ranks on the same link (a
+ZeRO-1 `broadcast` the bytes once; the `optimizer_step` takes no time here). A
 stage's idle time is the step time less its compute; the bubble
 fraction is the idle share of all stages' time (for equal stages and free links:
 (P - 1) / (M + P - 1)). Ops that can never run (a recv whose send never comes) are a
@@ -90,11 +91,13 @@ def simulate(section: dict, link_bytes_per_s: float = NVLINK_BYTES_PER_S,
 def _run(op, s, stage, clock, sizes, arrived, link, latency, dp) -> bool:
     """Run one op on its stage's clock; False when it must wait for a peer."""
     kind, m = op["kind"], op.get("microbatch")
-    if kind == "all_reduce":  # a gradient bucket over the stage's data-parallel group
-        from modulec.plan.pipeline_dp import all_reduce_seconds
+    if kind in ("all_reduce", "broadcast"):  # a bucket over the stage's DP group
+        from modulec.plan.pipeline_dp import all_reduce_seconds, broadcast_seconds
 
-        clock.end_s += all_reduce_seconds(stage["grad_buckets"][op["bucket"]]["bytes"], dp,
-                                          link, latency)
+        cost = all_reduce_seconds if kind == "all_reduce" else broadcast_seconds
+        clock.end_s += cost(stage["grad_buckets"][op["bucket"]]["bytes"], dp, link, latency)
+    elif kind == "optimizer_step":  # AdamW is not on this clock
+        pass
     elif kind == "recv":
         key = (op["what"], op["peer"], s, m)
         if key not in arrived:

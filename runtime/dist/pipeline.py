@@ -40,7 +40,8 @@ from runtime.interpreter import Frame, Interpreter
 
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
               "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
-KNOWN_OPS = ("recv", "send", "forward", "backward", "all_reduce")
+KNOWN_OPS = ("recv", "send", "forward", "backward", "all_reduce", "optimizer_step",
+             "broadcast")
 
 
 def layer_of(value: str) -> tuple[str, int, int] | None:
@@ -79,7 +80,8 @@ class StagePlan:
         bounds = section["boundaries"]
         for op in section["ops"][stage]:
             if op.get("kind") not in KNOWN_OPS or op.get("kind") == "all_reduce" and (
-                    op.get("group"), op.get("reduce")) != ("dp", "avg"):
+                    op.get("group"), op.get("reduce")) != ("dp", "avg") or \
+                    op.get("kind") == "broadcast" and op.get("group") != "dp":
                 raise RuntimeUserError(f"the IR's pipeline section has an op "
                                        f"`{op.get('kind')}` ({op.get('group')}, "
                                        f"{op.get('reduce')}) this runtime does not know",
@@ -212,16 +214,22 @@ class StageRunner:
         return grads.node_stage(node) == self.plan.stage
 
     # ------------------------------------------------------------------ the op list
-    def step(self, inputs: list[dict], loss_of) -> tuple[list[float], dict]:
+    def step(self, inputs: list[dict], loss_of, update=None) -> tuple[list[float], dict]:
         """One step over the micro-batches: `inputs[m]` the step inputs by entry input
-        id; `loss_of(m, outputs)` (last stage) -> (loss, seeds). Returns the losses (last
-        stage) and the parameter gradients summed over the micro-batches."""
+        id; `loss_of(m, outputs)` (last stage) -> (loss, seeds); `update(total)`: the
+        optimizer, at the section's `optimizer_step` op (ZeRO-1; without one the caller
+        steps after). Returns the losses (last stage) and the parameter gradients summed
+        over the micro-batches (averaged over the DP group where the section says)."""
         inbox, outbox, seeds, losses, total = {}, {}, {}, [], {}
         ops, i = self.plan.ops, 0
         while i < len(ops):
             kind, m = ops[i]["kind"], ops[i].get("microbatch")
             if kind == "all_reduce":  # after the last backward: total is final here
                 self._all_reduce(self.plan.buckets[ops[i]["bucket"]], total)
+            elif kind == "optimizer_step":
+                update(total)
+            elif kind == "broadcast":  # ZeRO-1: the owner's updated weights
+                self._broadcast(self.plan.buckets[ops[i]["bucket"]], ops[i]["root"])
             elif kind in ("send", "recv"):  # a run of them: one exchange
                 j = i
                 while j < len(ops) and ops[j]["kind"] in ("send", "recv"):
@@ -278,6 +286,19 @@ class StageRunner:
             if row["path"] in total:
                 part = flat[row["offset"]:row["offset"] + row["numel"]].view(row["shape"])
                 total[row["path"]] = part.to(total[row["path"]].dtype)
+
+    def _broadcast(self, bucket: dict, root: int) -> None:
+        """A bucket's weights from the replica that stepped them (its owner, a data-
+        parallel index) to the stage's DP group, flat at the section's offsets."""
+        params = self.it.params
+        flat = torch.cat([params[row["path"]].detach().reshape(-1)
+                          for row in bucket["params"]])
+        dist.broadcast(flat, src=root * self.mesh.pp + self.plan.stage,
+                       group=self.mesh.dp_group)
+        with torch.no_grad():
+            for row in bucket["params"]:
+                part = flat[row["offset"]:row["offset"] + row["numel"]]
+                params[row["path"]].copy_(part.view(row["shape"]))
 
     def _buffers(self, what: str) -> list[Tensor]:
         """Receive buffers for the section's tensors of `what`, in its order and shapes."""

@@ -45,14 +45,14 @@ def check_launch(request, context) -> None:
         raise RuntimeUserError(f"--pp {pp} runs one stage per process; this is one process",
                                help=[f"launch torchrun --nproc-per-node {pp} -m modulec "
                                      "train ..."])
-    for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero not in (None, 0)),
+    for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero not in (None, 0, 1)),
                         ("--lora", request.lora is not None),
                         ("--memory-budget", getattr(request, "memory_budget", None) is not None)):
         if given:
             raise RuntimeUserError(f"{flag} with --pp: not supported yet",
                                    help=["pipeline runs train every parameter, one stage a "
-                                         "process, the pipelines data parallel (ZeRO-0: "
-                                         "each stage's gradients all-reduced)"])
+                                         "process, the pipelines data parallel (ZeRO 0 or "
+                                         "1: each stage's gradients all-reduced)"])
     group = pp * request.tp
     if context.world % group:
         raise RuntimeUserError(f"the {context.world} processes are not a multiple of --pp "
@@ -60,6 +60,12 @@ def check_launch(request, context) -> None:
                                f"replica is one pipeline of {group} processes",
                                help=[f"launch a multiple of {group}: torchrun "
                                      f"--nproc-per-node {group} (or {2 * group}, ...)"])
+    if request.zero == 1 and context.world == group:
+        raise RuntimeUserError(f"--zero 1 with --pp shards each stage's optimizer state over "
+                               f"its data-parallel replicas; these {context.world} "
+                               "processes are one pipeline",
+                               help=[f"launch {2 * group} processes or more, or leave out "
+                                     "--zero"])
     if request.grad_accum != 1:
         raise RuntimeUserError("--grad-accum with --pp: the pipeline's micro-batches are "
                                "its accumulation", help=["use --microbatches M"])
@@ -100,19 +106,22 @@ def ir_microbatches(path) -> int:
     return section["microbatches"]
 
 
-def with_pipeline(model: Model, stages: int, microbatches: int, dp: int = 1) -> Model:
+def with_pipeline(model: Model, stages: int, microbatches: int, dp: int = 1,
+                  zero: int = 0) -> Model:
     """The model rebuilt with a `pipeline` section of `stages` stages in its IR, for `dp`
-    data-parallel pipelines."""
+    data-parallel pipelines (`zero` 1: their optimizer state sharded by bucket)."""
     from modulec.plan.pipeline import Pipeline
 
-    model.source = replace(model.source, pipeline=Pipeline(stages, microbatches, dp),
+    model.source = replace(model.source, pipeline=Pipeline(stages, microbatches, dp, zero),
                            _built={}, _declared=None)
     return model
 
 
 class PipelineTrainer:
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, context,
-                 stages: int, microbatches: int, device: str = "cpu"):
+                 stages: int, microbatches: int, device: str = "cpu",
+                 zero: int | None = None):
+        """`zero`: --zero (0 or 1; None: an IR document's own, else 0)."""
         from runtime.dist.pipeline import StageRunner
 
         self.context, self.batch, self.seq, self.adamw = context, batch, seq, adamw
@@ -122,10 +131,11 @@ class PipelineTrainer:
         from runtime.dist.mesh import PipelineMesh
 
         if not isinstance(model.source, IRSource):  # an IR document has its own section
-            with_pipeline(model, stages, microbatches, max(context.world // stages, 1))
+            with_pipeline(model, stages, microbatches, max(context.world // stages, 1),
+                          zero or 0)
         names = model.source.program(planned=False).input_names()
         program = model.source.program_for(sized_inputs(names, batch, seq))
-        section = _section(program, stages, microbatches)
+        section = _section(program, stages, microbatches, zero)
         context.same_program(program.document)
         _refuse_unsupported(model, program, section)
         self.model, self.program, self.inputs = model, program, names
@@ -143,6 +153,7 @@ class PipelineTrainer:
                                   kernels=kernels_on(device))
         self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
                                   model.dtype, mesh)
+        self.owned = owned_buckets(section, mesh)
         self.grad_norm = None
 
     def train_step(self, window: Tensor) -> float:
@@ -161,9 +172,16 @@ class PipelineTrainer:
         # micro-batch d x M + m of the step's rows
         step, first = self.adamw.step, self.mesh.dp_index * len(parts)
         self.runner.seed_of = lambda m: step * 65_536 + first + m
-        losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m]))
-        total = {p: g / len(parts) for p, g in total.items() if p in self.names}
-        self._update(total)
+        stepped = []
+
+        def update(total: dict) -> None:  # the section's optimizer_step, or after it all
+            self._update({p: g / len(parts) for p, g in total.items() if p in self.names})
+            stepped.append(True)
+
+        losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m]),
+                                         update)
+        if not stepped:
+            update(total)
         return self._loss(losses)
 
     def _update(self, total: dict) -> None:
@@ -176,6 +194,8 @@ class PipelineTrainer:
         self.grad_norm = square.sqrt()
         scale = None if self.adamw.clip_grad is None else \
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
+        if self.owned is not None:  # ZeRO-1: the buckets this replica steps
+            total = {p: g for p, g in total.items() if p in self.owned}
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
 
     def _loss(self, losses: list[float]) -> float:
@@ -202,10 +222,15 @@ class PipelineTrainer:
         rank's goes through the host to each of its ranks, which suits the small models
         pipelines run here; see docs/distributed.md). The other pipelines' replicas hold
         the same state, and rank 0 writes it: they return the step alone."""
-        if self.mesh.dp_index:
-            return {"step": self.adamw.step}
         mine = {part: {p: t.detach().cpu() for p, t in values.items()}
                 for part, values in self.stage_state().items() if part != "step"}
+        if self.owned is not None:  # ZeRO-1: the replicas' moments joined first
+            replicas = [None] * self.mesh.dp
+            dist.all_gather_object(replicas, mine, group=self.mesh.dp_group)
+            mine = {part: {p: t for r in replicas for p, t in r[part].items()}
+                    for part in mine}
+        if self.mesh.dp_index:
+            return {"step": self.adamw.step}
         stages = [None] * self.mesh.pp
         dist.all_gather_object(stages, mine, group=self.mesh.pp_group)
         return {part: {p: t for s in stages for p, t in s[part].items()}
@@ -216,9 +241,11 @@ class PipelineTrainer:
         with torch.no_grad():
             for path in self.names:
                 self.model.params[path].copy_(state["masters"][path])
+        mine = self.names if self.owned is None else \
+            [p for p in self.names if p in self.owned]
         for part in ("exp_avg", "exp_avg_sq"):
             setattr(self.adamw, part, {p: state[part][p].to(self.device).clone()
-                                       for p in self.names if p in state[part]})
+                                       for p in mine if p in state[part]})
         self.adamw.step = int(state["step"])
 
     def memory(self) -> dict:
@@ -268,7 +295,17 @@ def _loss(outputs: list, labels: Tensor):
     return float(loss), [d_logits.to(logits.dtype)] + aux_seeds
 
 
-def _section(program, stages: int, microbatches: int) -> dict:
+def owned_buckets(section: dict, mesh) -> set[str] | None:
+    """Under the section's ZeRO-1, the parameter paths this replica steps (its stage's
+    buckets it owns); None: it steps every parameter of its stage."""
+    if section.get("zero", 0) != 1:
+        return None
+    buckets = section["stages"][mesh.stage].get("grad_buckets", [])
+    return {row["path"] for b in buckets if b["owner"] == mesh.dp_index
+            for row in b["params"]}
+
+
+def _section(program, stages: int, microbatches: int, zero: int | None = None) -> dict:
     section = program.document.get("schedule", {}).get("pipeline")
     if section is None:
         raise RuntimeUserError("the IR has no pipeline section",
@@ -284,6 +321,11 @@ def _section(program, stages: int, microbatches: int) -> dict:
     if "mesh" not in section:
         raise RuntimeUserError("the IR's pipeline section has no `mesh` (built by an older "
                                "modulec)", help=["rebuild it with `modulec build ... --pp P`"])
+    if zero is not None and section.get("zero", 0) != zero:
+        raise RuntimeUserError(f"the IR's pipeline was built for ZeRO-{section.get('zero', 0)}"
+                               f"; this run asks for --zero {zero}",
+                               help=["leave out --zero, or rebuild with `modulec build ... "
+                                     f"--pp P --dp N --zero {zero}`"])
     distributed = program.document["schedule"].get("distributed")
     if distributed is not None:
         raise RuntimeUserError(f"--zero with --pp: not supported yet (the IR has a "

@@ -343,7 +343,7 @@ class Run:
             from runtime.train.pipeline import PipelineTrainer
 
             return PipelineTrainer(model, r.batch, r.seq, adamw, self.context, r.pp,
-                                   r.grad_accum, r.device)
+                                   r.grad_accum, r.device, r.zero)
         if r.device == "cuda":
             from runtime.fp8 import refuse_on_gpu
 
