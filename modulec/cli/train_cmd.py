@@ -134,7 +134,8 @@ def _options(command):
         click.option("--zero", type=click.IntRange(0, 3), metavar="S",
                      help="Under torchrun: data parallel over every process, ZeRO stage S "
                           "(0 replicated, 1 optimizer state sharded, 2 + gradients "
-                          "reduce-scattered, 3 + weights sharded; default 2)."),
+                          "reduce-scattered, 3 + weights sharded; default 2). With --pp: "
+                          "0 (default) or 1 over the pipelines."),
         click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
                      metavar="M",
                      help="Under torchrun: tensor parallel, M consecutive processes split "
