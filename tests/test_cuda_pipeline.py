@@ -53,7 +53,8 @@ def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_c
     """DP 2 x PP 2 on four GPUs (NCCL: a PP group per pipeline, a DP group per stage):
     `torchrun --nproc-per-node 4 -m modulec train --pp 2 --device cuda` trains as one CPU
     process with --grad-accum 4 over the same rows, and its checkpoint resumes on the same
-    launch."""
+    launch with --zero 1 (each bucket's optimizer state on its owner, its weights
+    broadcast over NCCL) as the one process continues."""
     data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     args = (*ARGS, "--batch", "1")  # one row a micro-batch (click keeps the last)
@@ -72,8 +73,10 @@ def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_c
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
-    resumed = launch("--resume", str(tmp_path / "pp" / "checkpoint-2"))
+    resumed = launch("--resume", str(tmp_path / "pp" / "checkpoint-2"), "--zero", "1",
+                     "--save", str(tmp_path / "zero1"))
     assert "resumed at step 2 from the consolidated checkpoint (a pipeline's checkpoints " \
         "are consolidated)" in [r.get("text") for r in resumed if r["event"] == "note"]
     assert [r["loss"] for r in resumed if r["event"] == "step"] == \
         pytest.approx(want[2:], rel=1e-4)
+    assert (tmp_path / "zero1" / "checkpoint-3" / "model.safetensors").is_file()

@@ -24,7 +24,9 @@ of its gradient sum that a later stage makes and an earlier one reads (`crossing
 torch.distributed point-to-point calls move them (gloo on the CPU, NCCL on GPUs), in the
 pipeline's process group. With data parallel over the pipelines (the section's mesh dp >
 1), a stage's op list ends in `all_reduce` ops: each averages one of the stage's gradient
-buckets (the section's offsets and shapes) over the stage's data-parallel group.
+buckets (the section's offsets and shapes) over the stage's data-parallel group; under
+ZeRO-1 then `optimizer_step` (the trainer's update, given to `step`) and one `broadcast`
+per bucket of its weights from the replica that owns it.
 """
 
 from __future__ import annotations

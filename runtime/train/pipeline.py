@@ -9,7 +9,9 @@ the mean over every pipeline's micro-batches (each stage's gradients averaged ov
 replicas by the section's all-reduces), as one process with `--grad-accum D x M` computes
 them; each stage then steps AdamW on its own parameters. Global gradient-norm clipping
 sums the squares of one pipeline's stages (an all-reduce); the loss sums every pipeline's
-last stage's (an all-reduce), so that rank 0 reports the mean.
+last stage's (an all-reduce), so that rank 0 reports the mean. Under the section's ZeRO-1
+(`--zero 1`) a replica steps only the buckets it owns, at the section's `optimizer_step`
+op, and keeps only their moments; the section's broadcasts then hand the weights on.
 """
 
 from __future__ import annotations
