@@ -81,12 +81,14 @@ class StagePlan:
                 for u in section["stages"][stage]["units"]}
         bounds = section["boundaries"]
         for op in section["ops"][stage]:
-            if op.get("kind") not in KNOWN_OPS or op.get("kind") == "all_reduce" and (
-                    op.get("group"), op.get("reduce")) != ("dp", "avg") or \
-                    op.get("kind") == "broadcast" and op.get("group") != "dp":
-                raise RuntimeUserError(f"the IR's pipeline section has an op "
-                                       f"`{op.get('kind')}` ({op.get('group')}, "
-                                       f"{op.get('reduce')}) this runtime does not know",
+            kind = op.get("kind")
+            collective = kind in ("all_reduce", "broadcast")
+            if kind not in KNOWN_OPS or collective and op.get("group") != "dp" or \
+                    kind == "all_reduce" and op.get("reduce") != "avg":
+                what = f" (group {op.get('group')}, reduce {op.get('reduce')})" \
+                    if collective else ""
+                raise RuntimeUserError(f"the IR's pipeline section has an op `{kind}`{what} "
+                                       "this runtime does not know",
                                        help=["rebuild the IR with this checkout's modulec"])
         return cls(stage, stages, mine, bounds[stage - 1]["tensors"] if stage else [],
                    bounds[stage]["tensors"] if stage < stages - 1 else [],
