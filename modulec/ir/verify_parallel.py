@@ -13,8 +13,9 @@ instance first backward_begin and gradients_ready, then step_end), every `wait_e
 finds its event recorded before.
 
 pipeline: the mesh's pp is the stage count (tp 1); the data-parallel buckets and ops
-(modulec.ir.verify_pipeline_dp); the stages cover the entry's forward in order, each a contiguous range; each
-stage runs the forward and then the backward of every micro-batch once; sends and
+(modulec.ir.verify_pipeline_dp); the stages cover the entry's forward in order, each a
+contiguous range; each stage runs the forward and then the backward of every micro-batch
+once; sends and
 receives go between neighbours, carry activations forward and gradients back, on the
 comm stream, and match one for one in order; the schedule runs to the end (no deadlock).
 """

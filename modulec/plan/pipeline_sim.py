@@ -117,8 +117,8 @@ def _run(op, s, stage, clock, sizes, arrived, link, latency, dp) -> bool:
 
 def _op_text(op) -> str:
     peer = f" from stage {op['peer']}" if op["kind"] == "recv" else ""
-    return f"{op['kind']} {op.get('what', '')} of micro-batch {op.get('microbatch')}{peer}".replace(
-        "  ", " ")
+    text = f"{op['kind']} {op.get('what', '')} of micro-batch {op.get('microbatch')}{peer}"
+    return text.replace("  ", " ")
 
 
 def chart(timeline: Timeline, width: int = 96) -> list[str]:
