@@ -42,6 +42,8 @@ def test_zero_defaults_to_two_and_needs_dp(tmp_path):
     (["--dp", 0], "'--dp': 0 is not in the range x>=1"),
     (["--pp", 0], "'--pp': 0 is not in the range x>=1"),
     (["--microbatches", 0], "'--microbatches': 0 is not in the range x>=1"),
+    (["--dp", 1, "--zero", 1, "--pp", 2], "--zero 1 with --pp shards each stage's optimizer "
+                                          "state over --dp N > 1 pipelines"),
 ])
 def test_bad_settings_are_usage_errors(args, message):
     result = run("build", LLAMA, *TINY, *args)
