@@ -167,6 +167,7 @@ def pipeline_report(section: dict, interconnect: str, memory: list | None = None
         row["forward_s"], row["backward_s"] = stage["forward_s"], stage["backward_s"]
     summary["boundary_bytes"] = [b["activation_bytes"] for b in section["boundaries"]]
     summary["dp"] = section.get("mesh", {}).get("dp", 1)
+    summary["zero"] = section.get("zero", 0)
     return {"summary": summary, "timeline": timeline}
 
 
@@ -177,6 +178,8 @@ def print_pipeline(report: dict, model: str) -> None:
     dp = s.get("dp", 1)
     replicas = f"; {dp} data-parallel pipelines, each stage's gradients all-reduced over " \
         "its replicas after its last backward" if dp > 1 else ""
+    if s.get("zero"):
+        replicas += " (ZeRO-1: its optimizer state by bucket owner)"
     click.echo(f"pipeline: {model}, {len(s['stages'])} stages ({s['split']} split), "
                f"{s['microbatches']} micro-batches, 1F1B, {s['interconnect']} between "
                f"stages{replicas}")
@@ -197,8 +200,9 @@ def print_pipeline(report: dict, model: str) -> None:
                f"(equal stages, free links: {s['ideal_bubble_fraction']:.1%})")
     for line in chart(report["timeline"]):
         click.echo(line)
+    zero = " --zero 1" if s.get("zero") else ""
     click.echo(f"note: simulated; `torchrun --nproc-per-node {dp * len(s['stages'])} -m "
-               f"modulec train --pp {len(s['stages'])}` runs it (docs/distributed.md, "
+               f"modulec train --pp {len(s['stages'])}{zero}` runs it (docs/distributed.md, "
                "Pipeline)")
 
 
