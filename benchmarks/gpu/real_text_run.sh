@@ -5,6 +5,9 @@
 # and 200, a second run resumed from step 100 (the lr schedule and clipping state restored),
 # and `modulec report` drawing the curves. Logs, metrics and the PNG go to $OUT.
 #   bash benchmarks/gpu/real_text_run.sh          # STEPS=200 EVERY=25 SAVE_EVERY=100
+#   FP8=1 bash benchmarks/gpu/real_text_run.sh    # also the same run with --precision fp8,
+#       compared step by step with the bf16 one (benchmarks/compare_runs.py: every logged
+#       loss after the 20 warmup steps within 1%: issue 19's FP8 numerics)
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -22,6 +25,13 @@ COMMON=(--data "$RUNS/corpus/train.bin" --eval-data "$RUNS/corpus/eval.bin"
 python3 -m modulec train std/models/llama.module "${TINY[@]}" "${COMMON[@]}" --init random \
   --log-dir "$RUNS/tiny" --save "$RUNS/tiny" --save-every "${SAVE_EVERY:-$HALF}" \
   --save-dtype bfloat16 2>&1 | tee "$OUT/train.log" | tail -4
+if [ "${FP8:-0}" = 1 ]; then
+  python3 -m modulec train std/models/llama.module "${TINY[@]}" "${COMMON[@]}" --init random \
+    --precision fp8 --log-dir "$RUNS/tiny-fp8" 2>&1 | tee "$OUT/train-fp8.log" | tail -4
+  cp "$RUNS/tiny-fp8/metrics.jsonl" "$OUT/metrics-fp8.jsonl"
+  python3 benchmarks/compare_runs.py "$RUNS/tiny" "$RUNS/tiny-fp8" --after 20 --tol 0.01 \
+    --every 25 --json "$OUT/compare-fp8.json" | tee "$OUT/compare-fp8.txt"
+fi
 python3 -m modulec train std/models/llama.module "${COMMON[@]}" \
   --resume "$RUNS/tiny/checkpoint-$HALF" --log-dir "$RUNS/tiny-resumed" 2>&1 \
   | tee "$OUT/resume.log" | tail -3
