@@ -12,8 +12,12 @@ blocks, rank r (of the group) holding block r: sp_all_gather joins the blocks (i
 gradient reduce-scattered), sp_reduce_scatter sums over the ranks and keeps this rank's
 block (its gradient all-gathered); sp_scatter keeps this rank's block of a replicated
 tensor (its gradient all-gathered) and sp_gather joins blocks for replicated compute (its
-gradient: this rank's block). NCCL reduce-scatters with reduce_scatter_tensor; gloo has
-none, so there it is an all-reduce and this rank's block (the same sums).
+gradient: this rank's block). The gather is one all_gather_into_tensor and the reduce-
+scatter one reduce_scatter_tensor (NCCL and gloo alike), on a [size, ...] buffer whose
+block r is rank r's: the blocks along `dim` of a [B, T, ...] tensor lie apart in memory
+when B > 1, so each moves them to and from that buffer with one copy (a view, no copy,
+when every dim before `dim` is 1); nothing else is copied (no list of blocks, no
+concatenation, no copy of the result).
 """
 
 from __future__ import annotations
@@ -93,32 +97,41 @@ def split_rank(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> t
         memory_format=torch.contiguous_format)
 
 
+def blocks_first(x: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    """x with `dim` split into `size` blocks and the block index moved first: [size,
+    ..., x.shape[dim] // size, ...], block r at [r] (a view of x)."""
+    return x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0)
+
+
 def all_gather(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
-    """Every rank's x joined along `dim`, in rank order."""
-    import torch.distributed as dist
+    """Every rank's x joined along `dim`, in rank order: gathered into a [size, *x.shape]
+    buffer, then its blocks put in place along `dim` (one copy; a view of the buffer when
+    every dim before `dim` is 1)."""
+    from runtime.dist.collectives import all_gather_into
 
     if size == 1:
         return x.contiguous().clone()
     x = x.contiguous()
-    blocks = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(blocks, x, group=process_group(size, group))
-    return torch.cat(blocks, dim=dim)
+    blocks = torch.empty((size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    all_gather_into(blocks.flatten(0, 1), x, group=process_group(size, group))  # gloo:
+    # the output is the inputs joined along dim 0
+    whole = x.shape[:dim] + (size * x.shape[dim],) + x.shape[dim + 1:]
+    return blocks.movedim(0, dim).reshape(whole)
 
 
 def reduce_scatter(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
-    """This rank's block along `dim` of the sum of x over the group."""
-    import torch.distributed as dist
+    """This rank's block along `dim` of the sum of x over the group: x's blocks laid out
+    block-first (one copy; none when x is contiguous and every dim before `dim` is 1),
+    reduce-scattered straight into the result."""
+    from runtime.dist.collectives import reduce_scatter_into
 
     if size == 1:
         return x.contiguous().clone()
     handle = process_group(size, group)
-    if dist.get_backend(handle) != "nccl":  # gloo: no reduce-scatter
-        return split_rank(all_reduce(x, size, group), size, dim, group)
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((front.shape[0] // size,) + tuple(front.shape[1:]), dtype=x.dtype,
-                      device=x.device)
-    dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=handle)
-    return out.movedim(0, dim).contiguous()
+    front = blocks_first(x, size, dim).contiguous()
+    out = torch.empty(front.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, front.flatten(0, 1), group=handle)
+    return out
 
 
 def _comm(forward, backward):
