@@ -1,5 +1,8 @@
 """Ranks, timing, peak memory and communication of one variant's processes
-(benchmarks/train_step_dist.py's children): shared by its modulec and HF variants."""
+(benchmarks/train_step_dist.py's children): shared by its modulec and HF variants. What
+is not one process's (benchmarks/harness.py has those): every step started together on
+all ranks (a barrier), figures reduced over the ranks, rank 0 writing the row, and the
+profiler's communication figures."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import os
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import harness
 
 
 class Ranks:
@@ -58,11 +63,8 @@ def batch_for(args, vocab: int, ranks: Ranks, dp_rank: int | None = None):
     """Data-parallel rank r's [B, T] int32 tokens (seed 1 + r; rank 0's is train_step.py's
     batch). `dp_rank`: under tensor parallel, the ranks of one TP group share a batch
     (None: every process is its own data-parallel rank)."""
-    import torch
-
-    g = torch.Generator().manual_seed(1 + (ranks.rank if dp_rank is None else dp_rank))
-    return torch.randint(0, vocab, (args.batch, args.seq), generator=g,
-                         dtype=torch.int32).to(ranks.device)
+    return harness.random_tokens(args.batch, args.seq, vocab, ranks.device,
+                                 seed=1 + (ranks.rank if dp_rank is None else dp_rank))
 
 
 def timed(step, ranks: Ranks, warmup: int, steps: int) -> dict:
@@ -84,13 +86,11 @@ def timed(step, ranks: Ranks, warmup: int, steps: int) -> dict:
 
 
 def timed_b2b(step, ranks: Ranks, steps: int) -> float | None:
-    """train_step.py's own timer (CUDA events, back-to-back steps), max over ranks."""
+    """The harness's timer (CUDA events, back-to-back steps), max over ranks."""
     if ranks.kind != "cuda":
         return None
-    from benchmarks.train_step import _timed
-
     ranks.sync()
-    return ranks.reduce([_timed(step, 0, steps)["step_s"]], "max")[0]
+    return ranks.reduce([harness.timed(step, 0, steps)["step_s"]], "max")[0]
 
 
 def peak_bytes(ranks: Ranks) -> float | None:
@@ -108,11 +108,12 @@ def device_name(ranks: Ranks) -> str:
 
 
 def reset_peak(ranks: Ranks) -> None:
-    import torch
-
+    """The peak counted from here, the cache emptied first (what the build freed)."""
     if ranks.kind == "cuda":
+        import torch
+
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    harness.reset_peak(ranks.kind)
 
 
 # ------------------------------------------------------------------ communication exposed
@@ -225,5 +226,5 @@ def measure(step, loss_of, ranks: Ranks, args) -> dict:
 
 def save(args, ranks: Ranks, result: dict) -> None:
     if ranks.rank == 0:
-        Path(args.result).write_text(json.dumps(dict(result, gpus=ranks.world)))
+        harness.write_json(args.result, dict(result, gpus=ranks.world))
 

@@ -5,6 +5,7 @@ described in that file's docstring)."""
 from __future__ import annotations
 
 from benchmarks.dist_measure import Ranks, batch_for, measure, reset_peak
+from benchmarks.harness import hf_step
 from benchmarks.train_step import hf_config
 
 
@@ -115,17 +116,8 @@ def run_hf(args, shape, ranks: Ranks, variant: str) -> dict:
     materialize(model, ranks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     tokens = batch_for(args, shape["vocab_size"], ranks).long()
-    autocast = options["wrap"] == "ddp"  # FSDP2's policy casts the parameters itself
-    box = {}
-
-    def step():
-        with torch.autocast(ranks.kind, dtype=torch.bfloat16, enabled=autocast):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        box["loss"] = loss.detach()
-
+    # FSDP2's policy casts the parameters itself
+    step, box = hf_step(forward, opt, tokens, ranks.kind, autocast=options["wrap"] == "ddp")
     reset_peak(ranks)
     result = measure(step, lambda: float(box["loss"]), ranks, args)
     result["compile"] = options["compile"]

@@ -1,16 +1,18 @@
-"""What the step benchmarks share (benchmarks/train_step.py, benchmarks/gpu/moe_step.py,
-mamba_step.py, fusions_step.py, lora_peers.py, lora_step.py):
+"""What the step benchmarks share (benchmarks/train_step.py, train_step_dist.py,
+benchmarks/gpu/moe_step.py, mamba_step.py, fusions_step.py, lora_peers.py, lora_step.py):
 
     in the parent   launch: one variant in a process of its own (a session of its own: past
-                    the timeout the whole group is killed, so no compile worker keeps the
-                    GPU's memory), its row the JSON the child wrote to its result file;
-                    forward_args, progress, add_rates, finish
+                    the timeout it is killed with every process under it, so no compile
+                    worker or torchrun worker keeps the GPU's memory), its row the JSON the
+                    child wrote to its result file; command (python, or torchrun over N
+                    processes), Deadline (a whole run's seconds), forward_args, progress,
+                    add_rates, finish
     in the child    timed: warmup steps, then the timed ones (CUDA events between
                     back-to-back steps on the GPU: median, min, max); variant_row (the
                     peak memory added, out of memory made an error row); random_tokens,
                     hf_step, gemm_ceiling
     the table       Column, header, table_rows, versus_best: fixed-width rows, a failed
-                    variant's last error line in its row
+                    variant's last error line in its row, a variant not run its reason
 
 Nothing here imports torch at import time: a parent that only launches variants creates
 no CUDA context beside theirs.
@@ -79,12 +81,13 @@ def _wall_times(step, steps: int) -> list[float]:
     return out
 
 
-def random_tokens(batch: int, seq: int, vocab: int, device: str = "cuda", dtype=None):
+def random_tokens(batch: int, seq: int, vocab: int, device: str = "cuda", dtype=None,
+                  seed: int = 1):
     """The benchmarks' batch: [batch, seq] ids (int32 unless `dtype`) drawn from a
-    generator seeded 1, the same in every variant's process."""
+    generator seeded `seed` (1: the same batch in every variant's process)."""
     import torch
 
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g,
                          dtype=dtype or torch.int32).to(device)
 
@@ -158,6 +161,37 @@ def gemm_ceiling(n: int = 8192) -> float:
 
 
 # ------------------------------------------------------------------ the parent
+MIN_VARIANT_S = 20  # under a Deadline, a variant left less than this is not started
+
+
+class Deadline:
+    """A whole run's `seconds` (None: no bound), counted from now: `timeout(t)` is a
+    variant's timeout, `t` cut to the whole seconds left, or None when fewer than
+    MIN_VARIANT_S are left (the variant is not started: `not_run()` is its row)."""
+
+    def __init__(self, seconds: int | None):
+        self.seconds, self.began = seconds, time.monotonic()
+        self.left: int | None = seconds  # at the last timeout()
+
+    def timeout(self, timeout: float | None) -> float | None:
+        if self.seconds is None:
+            return timeout
+        self.left = int(self.seconds - (time.monotonic() - self.began))
+        if self.left < MIN_VARIANT_S:
+            return None
+        return self.left if timeout is None else min(timeout, self.left)
+
+    def not_run(self) -> dict:
+        return {"unavailable": f"not run: {self.left} s left of --deadline {self.seconds}"}
+
+
+def command(script, procs: int = 1) -> list[str]:
+    """This Python running `script`: one plain process, or `procs` under torchrun on this
+    host (--standalone), ranks in the environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    return [sys.executable, *(run if procs > 1 else []), str(script)]
+
+
 def forward_args(args, *names: str) -> list[str]:
     """`--name value` for each attribute of `args` named (underscores as dashes), those
     that are None left out."""
@@ -173,8 +207,9 @@ def launch(cmd: list[str], result: Path, timeout: float | None = None,
            log: Path | None = None, env: dict | None = None) -> dict:
     """Run `cmd` (one variant, which writes its row as JSON to `result`) in a session of
     its own, stdout and stderr together (into `log` when given); past `timeout` seconds
-    the whole session is killed. The row: the JSON in `result` when the child wrote it,
-    else {"error": "timed out after N s"} or {"error": "exit status N: <output's end>"}."""
+    it is killed with every process under it (`_kill_tree`). The row: the JSON in
+    `result` when the child wrote it, else {"error": "timed out after N s"} or
+    {"error": "exit status N: <output's end>"}."""
     result = Path(result)
     result.unlink(missing_ok=True)
     env = dict(env or os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath(env))
@@ -183,7 +218,7 @@ def launch(cmd: list[str], result: Path, timeout: float | None = None,
     try:
         output, timed_out = proc.communicate(timeout=timeout)[0], False
     except subprocess.TimeoutExpired:
-        _kill_session(proc.pid)
+        _kill_tree(proc.pid)
         output, timed_out = proc.communicate()[0], True
     if log is not None:
         Path(log).write_text(output)
@@ -194,11 +229,38 @@ def launch(cmd: list[str], result: Path, timeout: float | None = None,
     return {"error": f"exit status {proc.returncode}: {output[-1500:]}"}
 
 
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:  # gone between the timeout and the kill
-        pass
+def _kill_tree(pid: int) -> None:
+    """SIGKILL to `pid`'s session and to every process under it with its process group:
+    torchrun starts each worker in a session of its own, which a kill of torchrun's group
+    alone leaves running (holding its GPU, and the output pipe the parent reads to its
+    end). The tree is read (/proc) before anything dies, while the workers' parent is
+    still torchrun; `pid` first, so no agent restarts a worker."""
+    for p in [pid, *_descendants(pid)]:
+        for kill, target in ((os.killpg, p), (os.kill, p)):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # gone, or not a group leader
+                pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children, theirs, ...), from /proc ([] without it)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:  # ended while we read
+            continue
+        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(
+                int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
 
 
 def _pythonpath(env: dict | None) -> str:
@@ -241,8 +303,8 @@ def finish(table: str, summary: dict, path: str | None, echo: bool = True) -> No
 @dataclass(frozen=True)
 class Column:
     """One right-aligned column: `row[key] * scale` formatted with `spec` in `width`
-    characters; a row without a number there shows `missing` (padded to the width unless
-    it is empty)."""
+    characters (`value(row)` instead of `row[key]` when given; a string as it is); a row
+    without a number there shows `missing` (padded to the width unless it is empty)."""
 
     title: str
     width: int
@@ -250,12 +312,15 @@ class Column:
     spec: str
     scale: float = 1.0
     missing: str = "-"
+    value: Callable[[dict], object] | None = None
 
     def head(self) -> str:
         return f"{self.title:>{self.width}}"
 
     def cell(self, row: dict) -> str:
-        value = row.get(self.key)
+        value = self.value(row) if self.value else row.get(self.key)
+        if isinstance(value, str):
+            return f"{value:>{self.width}}"
         if not isinstance(value, (int, float)):
             return f"{self.missing:>{self.width}}" if self.missing else ""
         return format(value * self.scale if self.scale != 1.0 else value,
@@ -269,19 +334,32 @@ def header(columns: list[Column], width: int, notes: bool = False) -> str:
 
 def table_rows(rows: dict, columns: list[Column], width: int, error_width: int = 90,
                note: Callable[[str, dict], str] | None = None,
-               below: Callable[[str, dict], list[str]] | None = None) -> list[str]:
+               below: Callable[[str, dict], list[str]] | None = None,
+               failed: Callable[[str, dict, str], str] | None = None) -> list[str]:
     """One line per variant: its cells (then `  note(name, row)`, then the lines of
-    `below(name, row)`), or for a row with an error `failed:` and its last line."""
+    `below(name, row)`); for a row with an error `failed:` and its last line, for one not
+    run (`unavailable`) the reason (`failed(name, row, why)` instead when given)."""
     lines = []
     for name, r in rows.items():
-        if "error" in r:
-            last = (str(r["error"]).strip().splitlines() or ["?"])[-1]
-            lines.append(f"{name:<{width}}  failed: {last[:error_width]}")
+        why = why_not(r)
+        if why is not None:
+            lines.append(failed(name, r, why) if failed else f"{name:<{width}}  " +
+                         ("" if "unavailable" in r else "failed: ") + why[:error_width])
             continue
         line = f"{name:<{width}}" + "".join(c.cell(r) for c in columns)
         lines.append(line + (f"  {note(name, r)}" if note else ""))
         lines += below(name, r) if below else []
     return lines
+
+
+def why_not(row: dict) -> str | None:
+    """Why a row has no figures: its `unavailable` reason (not run), or its error's last
+    line; None for a measured row."""
+    if row.get("unavailable"):
+        return str(row["unavailable"])
+    if "error" in row:
+        return (str(row["error"]).strip().splitlines() or ["?"])[-1]
+    return None
 
 
 def best_peer(rows: dict, prefix: str = "hf") -> str | None:

@@ -67,7 +67,6 @@ SWEEP = ("modulec", "modulec_keepgrads", "modulec_torchadam", "modulec_norecompu
 # the budget sweep (benchmarks/gpu/run_all.sh STAGES=budget): derived backward, planner decides
 BUDGETS = tuple(f"modulec_norecompute_budget{b}" for b in ("26", "24", "22", "21", "20", "19",
                                                            "18.3"))
-_timed = timed  # the name benchmarks/dist_measure.py imports
 
 
 def tiny_llama(layers: int) -> dict:

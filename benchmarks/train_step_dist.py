@@ -34,7 +34,8 @@ Shapes (--shape): tinyllama (22 layers), llama3-8b, llama3-70b (80 layers, d_mod
 64 heads, 8 KV heads, d_ff 28672, vocabulary 128256: with --layers N a cut of its stack,
 the embedding and LM head whole), tiny (the CPU check's). Every variant runs in its own
 process group (`torchrun --standalone --nproc-per-node GPUS`, or one plain process for
-modulec_1gpu), NCCL_NVLS_ENABLE=0 always, so peak-memory counters start clean. HF
+modulec_1gpu; benchmarks/harness.py's runner: past --timeout killed with torchrun's
+workers), NCCL_NVLS_ENABLE=0 always, so peak-memory counters start clean. HF
 variants start from the HF checkpoint train_step.py writes (random weights; the llama3
 shapes are initialized on each rank instead, fp32 at 0.02, so no checkpoint is
 written); modulec's distributed variants from `init_random(0)`; data-parallel rank r
@@ -73,7 +74,8 @@ What is measured, per variant:
 CPU trainer (runtime/train): a check of their code paths (tests/test_dist_bench.py), not
 a measurement. --budget GiB builds modulec's steps with the budget planner
 (TrainStep.from_module(memory_budget=...)). --deadline S bounds the whole run: each
-variant's timeout is cut to what is left of S (a device call has a fixed length).
+variant's timeout is cut to what is left of S (a device call has a fixed length); a
+variant left less than 20 s is not started (its row says so).
 
     python benchmarks/train_step_dist.py [--variants modulec_zero2,hf_fsdp2_compile,...]
         [--steps 10] [--layers 22] [--batch 4] [--seq 2048] [--json out.json]
@@ -86,8 +88,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -96,11 +96,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import harness  # noqa: E402
 from benchmarks.dist_measure import Ranks, device_name, save  # noqa: E402
 from benchmarks.dist_modulec import parse_variant, run_modulec  # noqa: E402
 from benchmarks.dist_peers import hf_options, run_hf  # noqa: E402
-from benchmarks.train_step import (PEAK, flops_per_token, tiny_llama,  # noqa: E402
-                                   write_checkpoint)
+from benchmarks.harness import (PEAK, Column, Deadline, command, finish,  # noqa: E402
+                                forward_args, header, progress, table_rows)
+from benchmarks.train_step import flops_per_token, tiny_llama, write_checkpoint  # noqa: E402
 
 VARIANTS = ("modulec_1gpu", "modulec_zero1", "modulec_zero2", "modulec_zero3",
             "modulec_zero0_tp2", "hf_ddp", "hf_ddp_compile", "hf_fsdp2", "hf_fsdp2_compile")
@@ -156,52 +158,30 @@ def child(args) -> None:
 
 
 # ------------------------------------------------------------------ the run (parent)
-def launch(args, variant: str, ckpt: Path | None, out: Path, timeout: int) -> dict:
-    """The variant in its own process(es); NVLink multicast off always (NCCL, torch's
-    symmetric memory, NVSHMEM)."""
+def launch(args, variant: str, ckpt: Path | None, out: Path, timeout: float) -> dict:
+    """The variant in its own process(es) through harness.launch (torchrun over the GPUs,
+    or one process for modulec_1gpu; past `timeout` killed with torchrun's workers), NVLink
+    multicast off always (NCCL, torch's symmetric memory, NVSHMEM). Its row with `wall_s`
+    (launch to end: plans a device call); a row the child did not write with `gpus`."""
     gpus = parse_variant(variant, args.gpus).gpus if variant.startswith("modulec") \
         else args.gpus
-    prefix = [sys.executable]
-    if gpus > 1:
-        prefix += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
-    cmd = prefix + [__file__, "--only", variant, "--result", str(out), "--device", args.device,
-                    "--shape", args.shape, "--batch", str(args.batch), "--seq", str(args.seq),
-                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--profile-steps", str(args.profile_steps)]
-    cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd = command(__file__, gpus) + ["--only", variant, "--result", str(out), "--device",
+                                     args.device, "--shape", args.shape]
+    cmd += forward_args(args, "batch", "seq", "steps", "warmup", "profile_steps", "layers",
+                        "budget")
     cmd += ["--ckpt", str(ckpt)] if ckpt else []
-    cmd += ["--budget", str(args.budget)] if args.budget else []
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=_pythonpath())
+               NVSHMEM_DISABLE_NVLS="1")
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
     began = time.monotonic()
-    output, timed_out = run_group(cmd, env, timeout)
-    wall = {"wall_s": round(time.monotonic() - began, 1)}  # start to end: plans a call
-    if args.json:  # the processes' own output beside the JSON, for the failures
-        Path(f"{args.json}.{variant}.log").write_text(output)
-    if out.exists():  # a profiler that hung still leaves the timings
-        return dict(json.loads(out.read_text()), **wall)
-    if timed_out:
-        return {"error": f"timed out after {timeout} s", "gpus": gpus, **wall}
-    return {"error": output[-1500:], "gpus": gpus, **wall}
-
-
-def run_group(cmd: list[str], env: dict, timeout: int) -> tuple[str, bool]:
-    """Run `cmd` in a session of its own; past `timeout`, kill the whole session (torchrun's
-    workers too, so no orphan keeps a GPU's memory). (stdout + stderr, timed out)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        return proc.communicate(timeout=timeout)[0], False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate()[0], True
-
-
-def _pythonpath() -> str:
-    rest = os.environ.get("PYTHONPATH")
-    return f"{ROOT}{os.pathsep}{rest}" if rest else str(ROOT)
+    # the processes' own output beside the JSON, for the failures; a row written before a
+    # profiler hung still counts
+    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    row = harness.launch(cmd, out, timeout, log, env)
+    row.setdefault("gpus", gpus)
+    row["wall_s"] = round(time.monotonic() - began, 1)
+    return row
 
 
 def check_variant(name: str, gpus: int, shape: dict) -> None:
@@ -233,53 +213,47 @@ def derive(rows: dict, args, flops: float) -> None:
             and name.startswith("modulec_zero") and not name.endswith("_fp8") else None
 
 
-def _fmt(value, width: int, spec: str, scale: float = 1.0) -> str:
-    return f"{value * scale:>{width}{spec}}" if value is not None else f"{'-':>{width}}"
+WIDTH = 26  # the variant column
+COLUMNS = [Column("GPUs", 5, "gpus", "d"),
+           Column("DPxTP", 6, "dp", "", value=lambda r: f"{r.get('dp', r['gpus'])}x"
+                                                         f"{r.get('tp', 1)}"),
+           Column("tok/s", 9, "tokens_per_s", ".0f"),
+           Column("tok/s/GPU", 10, "tokens_per_s_per_gpu", ".0f"),
+           Column("step ms", 9, "step_s", ".1f", 1e3),
+           Column("b2b ms", 8, "step_s_b2b", ".1f", 1e3),
+           Column("peak GiB", 9, "peak_bytes", ".2f", 2 ** -30),
+           Column("MFU989", 7, "mfu_989", ".1%"), Column("scaling", 8, "scaling", ".2f"),
+           Column("comm ms", 8, "comm_s", ".1f", 1e3),
+           Column("exposed", 8, "exposed_comm_s", ".1f", 1e3),
+           Column("+ms/1GPU", 9, "over_1gpu_s", ".1f", 1e3), Column("loss", 8, "loss", ".3f"),
+           Column("fixed GiB", 10, "fixed_bytes", ".2f", 2 ** -30),
+           Column("wall s", 7, "wall_s", ".0f")]
+
+
+def _not_measured(name: str, row: dict, why: str) -> str:
+    """A failed or not-run variant: its GPUs, then why."""
+    return f"{name:<{WIDTH}}{row.get('gpus', ''):>5}  {why[:110]}"
 
 
 def table(rows: dict, args, shape: dict) -> str:
-    lines = [f"{args.shape} shape, {shape['n_layers']} layers, B={args.batch} per data-"
-             f"parallel rank T={args.seq}, bf16 (fp32 master), fwd+bwd+AdamW, {args.device}",
-             f"{'variant':<26}{'GPUs':>5}{'DPxTP':>6}{'tok/s':>9}{'tok/s/GPU':>10}"
-             f"{'step ms':>9}{'b2b ms':>8}{'peak GiB':>9}{'MFU989':>7}{'scaling':>8}"
-             f"{'comm ms':>8}{'exposed':>8}{'+ms/1GPU':>9}{'loss':>8}{'fixed GiB':>10}"
-             f"{'wall s':>7}"]
-    for name, r in rows.items():
-        if "step_s" not in r:
-            why = r.get("unavailable") or r.get("error", "?").strip().splitlines()[-1]
-            lines.append(f"{name:<26}{r.get('gpus', ''):>5}  {why[:110]}")
-            continue
-        layout = f"{r.get('dp', r['gpus'])}x{r.get('tp', 1)}"
-        lines.append(
-            f"{name:<26}{r['gpus']:>5}{layout:>6}{r['tokens_per_s']:>9.0f}"
-            f"{r['tokens_per_s_per_gpu']:>10.0f}"
-            f"{r['step_s'] * 1e3:>9.1f}{_fmt(r.get('step_s_b2b'), 8, '.1f', 1e3)}"
-            f"{_fmt(r.get('peak_bytes'), 9, '.2f', 2 ** -30)}{_fmt(r.get('mfu_989'), 7, '.1%')}"
-            f"{_fmt(r.get('scaling'), 8, '.2f')}{_fmt(r.get('comm_s'), 8, '.1f', 1e3)}"
-            f"{_fmt(r.get('exposed_comm_s'), 8, '.1f', 1e3)}"
-            f"{_fmt(r.get('over_1gpu_s'), 9, '.1f', 1e3)}{r['loss']:>8.3f}"
-            f"{_fmt(r.get('fixed_bytes'), 10, '.2f', 2 ** -30)}"
-            f"{_fmt(r.get('wall_s'), 7, '.0f')}")
-    return "\n".join(lines)
-
-
-MIN_VARIANT_S = 20  # under --deadline, a variant left less than this is not started
+    return "\n".join([
+        f"{args.shape} shape, {shape['n_layers']} layers, B={args.batch} per data-parallel "
+        f"rank T={args.seq}, bf16 (fp32 master), fwd+bwd+AdamW, {args.device}",
+        header(COLUMNS, WIDTH), *table_rows(rows, COLUMNS, WIDTH, failed=_not_measured)])
 
 
 def run_all(args, ckpt: Path | None, tmp: Path, report) -> dict:
     """Every variant in turn; `report(rows)` after each (a partial JSON survives a kill).
-    Under --deadline each variant's timeout is what is left of it, at most --timeout."""
-    rows, began = {}, time.monotonic()
+    Under --deadline each variant's timeout is what is left of it, at most --timeout; a
+    variant left less than harness.MIN_VARIANT_S is not started."""
+    rows, deadline = {}, Deadline(args.deadline or None)
     for variant in args.variants.split(","):
-        timeout = args.timeout
-        if args.deadline:
-            timeout = min(timeout, int(args.deadline - (time.monotonic() - began)))
-        if timeout < MIN_VARIANT_S:
-            rows[variant] = {"unavailable": f"not run: {timeout} s left of --deadline "
-                                            f"{args.deadline}", "gpus": args.gpus}
+        timeout = deadline.timeout(args.timeout)
+        if timeout is None:
+            rows[variant] = dict(deadline.not_run(), gpus=args.gpus)
         else:
             rows[variant] = launch(args, variant, ckpt, tmp / f"{variant}.json", timeout)
-        print(f"{variant}: {rows[variant]}", file=sys.stderr, flush=True)
+        progress(variant, rows[variant])
         report(rows)
     return rows
 
@@ -291,13 +265,14 @@ def parent(args) -> None:
             "seq": args.seq, "layers": shape["n_layers"], "gpus": args.gpus,
             "flops_per_token": flops, "peak_flops": PEAK, **_versions()}
 
-    def report(rows: dict) -> str:
+    def summary(rows: dict) -> dict:
         derive(rows, args, flops)
         devices = sorted({r["device"] for r in rows.values() if "device" in r})
-        text = json.dumps(dict(head, device=", ".join(devices), variants=rows), indent=2)
+        return dict(head, device=", ".join(devices), variants=rows)
+
+    def report(rows: dict) -> None:
         if args.json:
-            Path(args.json).write_text(text)
-        return text
+            Path(args.json).write_text(json.dumps(summary(rows), indent=2))
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = None
@@ -305,9 +280,8 @@ def parent(args) -> None:
             ckpt = Path(tmp) / "ckpt"
             write_checkpoint(shape, ckpt)
         rows = run_all(args, ckpt, Path(tmp), report)
-    text = report(rows)
-    print(table(rows, args, shape))
-    print(text)
+    final = summary(rows)
+    finish(table(rows, args, shape), final, args.json)
 
 
 def _versions() -> dict:

@@ -1,6 +1,7 @@
 """benchmarks/harness.py, what the step benchmarks share: a fake variant run in a child
-process (its JSON row, a crash, a timeout that kills the child's whole session), the
-timing loop on the CPU, the error rows and the fixed-width table."""
+process (its JSON row, a crash, a timeout that kills the child's whole session and a
+worker in a session of its own, as torchrun starts them), the timing loop on the CPU, the
+error rows, the deadline, the command lines and the fixed-width table."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (PEAK, Column, add_rates, forward_args, header, launch,  # noqa: E402
-                                table_rows, timed, variant_row, versus_best)
+from benchmarks.harness import (MIN_VARIANT_S, PEAK, Column, Deadline, add_rates,  # noqa: E402
+                                command, forward_args, header, launch, table_rows, timed,
+                                variant_row, versus_best)
 
 VARIANT = """
 import subprocess, sys, time
@@ -25,8 +27,10 @@ kind, result = sys.argv[1], sys.argv[2]
 print("the variant's own output")
 if kind == "crash":
     raise RuntimeError("boom in the variant")
-if kind == "hang":  # a worker of its own (as torch.compile starts), then no end
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+if kind.startswith("hang"):  # a worker of its own (as torch.compile starts), then no end;
+    # hang_session: the worker in a session of its own, as torchrun starts its workers
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              start_new_session=kind == "hang_session")
     open(result + ".pid", "w").write(str(worker.pid))
     time.sleep(60)
 write_json(result, variant_row(lambda: dict(timed(lambda: time.sleep(0.001), 1, 3, "cpu"),
@@ -61,12 +65,15 @@ def test_a_crashed_variant_is_an_error_row_with_its_output(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_past_the_timeout_the_whole_session_is_killed(tmp_path):
+@pytest.mark.parametrize("kind", ["hang", "hang_session"])
+def test_past_the_timeout_the_whole_session_is_killed(tmp_path, kind):
+    """The worker dies too, in the child's session or in one of its own (torchrun's);
+    the latter, left alive, would also hold the output pipe for its 60 s."""
     began = time.perf_counter()
-    row, _ = fake(tmp_path, "hang", timeout=1.0)
+    row, _ = fake(tmp_path, kind, timeout=1.0)
     assert row == {"error": "timed out after 1.0 s"}
     assert time.perf_counter() - began < 10
-    worker = int((tmp_path / "hang.json.pid").read_text())
+    worker = int((tmp_path / f"{kind}.json.pid").read_text())
     deadline = time.perf_counter() + 3
     while not gone(worker) and time.perf_counter() < deadline:
         time.sleep(0.05)
@@ -127,6 +134,40 @@ def test_table():
         "hf_compile    failed: RuntimeError: xxxxxx"]
     assert versus_best(rows) == ["modulec / best HF (hf_eager): 2.00x"]
     assert versus_best({"modulec": rows["modulec"]}) == []
+
+
+def test_table_computed_cells_and_rows_not_measured():
+    columns = [Column("GPUs", 5, "gpus", "d"),
+               Column("DPxTP", 6, "dp", "", value=lambda r: f"{r['dp']}x{r['tp']}"),
+               Column("loss", 7, "loss", ".2f")]
+    rows = {"zero1_tp2": {"gpus": 4, "dp": 2, "tp": 2, "loss": 1.5},
+            "late": {"unavailable": "not run: 12 s left of --deadline 150", "gpus": 4},
+            "crash": {"error": "Traceback\nValueError: boom", "gpus": 2}}
+    assert table_rows(rows, columns, 10) == ["zero1_tp2     4   2x2   1.50",
+                                             "late        not run: 12 s left of --deadline 150",
+                                             "crash       failed: ValueError: boom"]
+    gpus_first = lambda name, r, why: f"{name:<10}{r['gpus']:>5}  {why}"  # noqa: E731
+    assert table_rows(rows, columns, 10, failed=gpus_first)[1:] == [
+        "late          4  not run: 12 s left of --deadline 150",
+        "crash         2  ValueError: boom"]
+
+
+def test_deadline_cuts_timeouts_and_refuses_a_short_remainder():
+    assert Deadline(None).timeout(900) == 900
+    deadline = Deadline(150)
+    assert deadline.timeout(100) == 100 and deadline.timeout(None) in (149, 150)
+    deadline.began -= 150 - MIN_VARIANT_S - 5  # 25 s left
+    assert deadline.timeout(100) in (24, 25)
+    deadline.began -= 10  # 15 s left: not started
+    assert deadline.timeout(100) is None
+    assert deadline.not_run()["unavailable"] in ("not run: 14 s left of --deadline 150",
+                                                 "not run: 15 s left of --deadline 150")
+
+
+def test_command_one_process_or_torchrun():
+    assert command("b.py") == [sys.executable, "b.py"]
+    assert command("b.py", 4) == [sys.executable, "-m", "torch.distributed.run",
+                                  "--standalone", "--nproc-per-node", "4", "b.py"]
 
 
 
