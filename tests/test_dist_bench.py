@@ -1,8 +1,8 @@
 """benchmarks/train_step_dist.py on the CPU: the HF DDP and FSDP2 peers run for real on two
 gloo processes at a tiny shape, and the JSON carries every field with finite figures;
 modulec's DP 2 x TP 2 layout on four (the CPU trainer); the variant names and the layouts
-they are refused for; tokens/s of a TP row; the exposed-communication arithmetic on a
-hand-made trace."""
+they are refused for; tokens/s of a TP row; the table of the committed GPU runs; the
+exposed-communication arithmetic on a hand-made trace."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.dist_measure import comm_times, kernel_table  # noqa: E402
 from benchmarks.dist_modulec import Layout, parse_variant  # noqa: E402
-from benchmarks.train_step_dist import LLAMA3_70B, SHAPES, derive  # noqa: E402
+from benchmarks.train_step_dist import LLAMA3_70B, SHAPES, derive, table  # noqa: E402
 
 FIELDS = ("step_s", "step_s_min", "step_s_max", "step_s_b2b", "tokens_per_s",
           "tokens_per_s_per_gpu", "peak_bytes", "mfu_989", "scaling", "loss", "gpus")
@@ -102,6 +102,21 @@ def test_tokens_of_a_tensor_parallel_row_count_its_data_parallel_ranks():
     assert rows["modulec_zero1_tp2"]["over_1gpu_s"] is None  # not one GPU's step per rank
     assert rows["modulec_zero2"]["over_1gpu_s"] == pytest.approx(0.0)
     assert rows["hf_fsdp2"]["tokens_per_s"] == pytest.approx(8000)
+
+
+def test_the_table_of_the_committed_gpu_runs():
+    """The table the device scripts grep: each committed run's JSON in today's layout
+    (the DPxTP and wall columns; older runs have fewer), printed again, gives the lines of
+    its committed table."""
+    runs = [run for run in sorted((ROOT / "benchmarks/gpu").glob(
+        "results-*train_step_dist-*.json")) if "DPxTP" in run.with_suffix(".txt").read_text()]
+    assert len(runs) >= 5
+    for run in runs:
+        summary = json.loads(run.read_text())
+        args = SimpleNamespace(shape=summary["shape"], batch=summary["batch_per_gpu"],
+                               seq=summary["seq"], device="cuda")
+        lines = table(summary["variants"], args, summary["model"]).splitlines()
+        assert run.with_suffix(".txt").read_text().splitlines()[:len(lines)] == lines, run
 
 
 def test_exposed_communication_arithmetic():
