@@ -31,6 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+# the layout rules, shared with the planners' count of the FP8 buffers
+from modulec.plan.fp8_memory import (GRADIENTS, backward_layouts,  # noqa: F401 (callers)
+                                     forward_layouts)
 from runtime.errors import RuntimeUserError
 from runtime.fp8 import FORMATS
 
@@ -282,17 +285,6 @@ def _fold(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
 
 
-def _first(flag: str) -> tuple[bool, bool]:
-    """The layout (plain, transposed) of an operand that is op(q) row-major (K
-    contiguous): _scaled_mm's first operand."""
-    return (flag == "N", flag == "T")
-
-
-def _second(flag: str) -> tuple[bool, bool]:
-    """... that is op(q) column-major (K contiguous): _scaled_mm's second operand."""
-    return (flag == "T", flag == "N")
-
-
 # cuBLAS's fast FP8 accumulation (the partial sums not promoted to fp32 every few K
 # blocks: faster, less exact than the recipe's fp32 accumulation) for the products of a
 # forward function's covered matmuls (fp8_step.StepFp8). Off: every product accumulates
@@ -350,20 +342,6 @@ def quantized(state: ScaleState, operand: Operand) -> Quantized:
     return Quantized(x, operand.fmt, *state.scales(x, operand.fmt, operand.key))
 
 
-def forward_layouts(transpose: str) -> list:
-    """(plain, transposed) of A and B that C = op(A) @ op(B) reads."""
-    return [_first(transpose[0]), _second(transpose[1])]
-
-
-def backward_layouts(transpose: str, wanted=(True, True)) -> list:
-    """(plain, transposed) of d_C, A and B that the wanted gradients read."""
-    layouts = [(False, False)] * 3
-    for want, (x, y, mode) in zip(wanted, GRADIENTS[transpose]):
-        for i, need in ((x, _first(mode[0])), (y, _second(mode[1]))):
-            layouts[i] = tuple(a or (want and b) for a, b in zip(layouts[i], need))
-    return layouts
-
-
 def matmul(state: ScaleState, A: Operand, B: Operand, *, transpose: str = "NN",
            alpha: float = 1.0, where: str = "", out=None, fast: bool = False, **_) -> Tensor:
     """C = alpha * op(A) @ op(B) in FP8 (C keeps A's leading dims in N* modes); `out`: the
@@ -373,11 +351,6 @@ def matmul(state: ScaleState, A: Operand, B: Operand, *, transpose: str = "NN",
     if transpose[0] == "N" and A.value.dim() > 2:
         C = C.view(*A.value.shape[:-1], C.shape[-1])
     return C
-
-
-# (d_A, d_B) as (x, y, mode) products over (g, a, b) = (d_C, A, B): runtime/kernels/linalg.py
-GRADIENTS = {"NN": ((0, 2, "NT"), (1, 0, "TN")), "NT": ((0, 2, "NN"), (0, 1, "TN")),
-             "TN": ((2, 0, "NT"), (1, 0, "NN")), "TT": ((2, 0, "TT"), (0, 1, "TT"))}
 
 
 def matmul_backward(state: ScaleState, d_C: Operand, A: Operand, B: Operand, *,

@@ -40,12 +40,16 @@ def plan_command(output_options, guarded):
                        "fixed decisions (by default only annotations are).")
     @click.option("--picture", type=click.Path(dir_okay=False, path_type=Path),
                   help="Also draw the plan to FILE (PNG; SVG for *.svg): offset per step.")
+    @click.option("--precision", type=click.Choice(["fp8"]),
+                  help="fp8: the std FP8 recipe on the model's matmuls (as `modulec build "
+                       "--precision fp8`): the GPU step's FP8 buffers beside the plan (fp8 "
+                       "weights, the wgrad's x^T, cast buffers, scales) are counted.")
     @parallel_options
     @output_options
     @guarded
     def plan(file, model, settings, shapes, config, search_path, budget, training, device,
-             policies, honor_lists, picture, dp, zero, tp, sp, pp, microbatches, interconnect,
-             fmt, color):
+             policies, honor_lists, picture, precision, dp, zero, tp, sp, pp, microbatches,
+             interconnect, fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
@@ -58,6 +62,11 @@ def plan_command(output_options, guarded):
         budget_bytes = _budget(budget)
         request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
                                pairs(shapes, "--shape", True), config)
+        request.precision = precision  # the std FP8 recipe (modulec.lower.fp8_recipe)
+        if precision is not None and (dp or pp or microbatches):
+            raise click.UsageError("--precision fp8 with --dp / --pp: the FP8 buffers of a "
+                                   "rank or a stage are not counted yet (`modulec train` "
+                                   "runs a recipe on one process only)")
         parallel_request(request, dp, zero, pp, microbatches, budget_bytes)
         if zero == "auto":  # the build chooses the stage under the budget
             from modulec.lower.build_plan import PlanOptions
@@ -84,19 +93,27 @@ def plan_command(output_options, guarded):
                 from modulec.pictures.memory import draw_memory_plan
 
                 draw_memory_plan(result.graph, picture)
+            section = result.document["metadata"].get("precision")  # an FP8 recipe
             if budget_bytes is not None:
                 return _budget_plan(result.graph, file, search_path, budget_bytes, training,
                                     device, _policies(policies), honor_lists, fmt,
-                                    result.document["schedule"].get("distributed"))
+                                    result.document["schedule"].get("distributed"), section)
             summary = plan_step(result.graph).summary()
+            fp8 = _fp8(result.graph, section)
         except ShapeUnknown as exc:
             raise click.UsageError(str(exc)) from None
         parallel = _parallel(result, summary, interconnect, pp or microbatches)
         if fmt == "json":
-            click.echo(json.dumps(summary | {k: v["summary"] if k == "pipeline" else v
-                                             for k, v in parallel.items()}, sort_keys=True))
+            click.echo(json.dumps(summary | fp8 | {k: v["summary"] if k == "pipeline" else v
+                                                   for k, v in parallel.items()},
+                                  sort_keys=True))
             return 0
         _table(summary, result.graph.model)
+        if fp8:
+            click.echo(_fp8_line(fp8["fp8_buffers"], summary["arena_bytes"]))
+        if fp8 and parallel:
+            click.echo("note: the data-parallel and pipeline figures below do not count the "
+                       "FP8 buffers", err=True)
         if "data_parallel" in parallel:
             print_data_parallel(parallel["data_parallel"], result.graph.model)
         if "pipeline" in parallel:
@@ -126,6 +143,25 @@ def _parallel(result, summary: dict, interconnect: str, asked_pipeline) -> dict:
     return found
 
 
+def _fp8(graph, section: dict | None) -> dict:
+    """{"fp8_buffers": what the GPU step's FP8 recipe holds beside the plan} ({} without
+    a recipe): the step without a budget keeps the wgrad's x^T (modulec.plan.fp8_memory)."""
+    from modulec.plan.fp8_memory import fp8_memory
+
+    if not section:
+        return {}
+    return {"fp8_buffers": fp8_memory(graph, section).summary(held=True)}
+
+
+def _fp8_line(fp8: dict, arena: int) -> str:
+    return (f"FP8 buffers beside the plan (GPU step): fp8 weight copies "
+            f"{_gib(fp8['weights_bytes'])} + the wgrad's x^T kept forward to backward "
+            f"{_gib(fp8['held_transposed_bytes'])} + cast buffers "
+            f"{_gib(fp8['transient_bytes'])} + amax histories {_gib(fp8['scales_bytes'])} = "
+            f"{_gib(fp8['total_bytes'])}; with the plan's total: "
+            f"{_gib(arena + fp8['total_bytes'])}")
+
+
 def _budget(text: str | None) -> int | None:
     from modulec.cli.build_cmd import parsed_option
     from modulec.plan.budget import parse_size
@@ -151,18 +187,23 @@ def _policies(items) -> dict:
 
 
 def _budget_plan(graph, file, search_path, budget: int, training: str, device: str,
-                 policies: dict, honor_lists: bool, fmt: str, distributed=None) -> int:
+                 policies: dict, honor_lists: bool, fmt: str, distributed=None,
+                 precision=None) -> int:
     """`distributed` (the build's section, with --dp): the budget is one rank's, its fixed
-    state what the rank holds."""
+    state what the rank holds. `precision` (an FP8 recipe): its buffers are fixed too, as
+    a budgeted GPU step holds them (no wgrad x^T kept)."""
     from modulec.plan.budget import make_problem, plan_budget, summary
     from modulec.plan.devices import device as device_named
     from modulec.plan.distributed import planner_fixed_bytes
+    from modulec.plan.fp8_memory import fixed as fp8_fixed
     from modulec.plan.recompute import declarations
 
     problem = make_problem(graph, declarations(file, tuple(search_path)), training,
-                           device_named(device), policies, binding=5 if honor_lists else 3)
+                           device_named(device), policies, binding=5 if honor_lists else 3,
+                           precision=precision)
     if distributed is not None:
-        problem.fixed_bytes = planner_fixed_bytes(graph, distributed)
+        problem.fixed_bytes = planner_fixed_bytes(graph, distributed) | \
+            fp8_fixed(graph, precision)
     data = summary(problem, plan_budget(problem, budget))
     if fmt == "json":
         click.echo(json.dumps(data, sort_keys=True))
@@ -179,8 +220,21 @@ def _infeasible(data: dict) -> str:
     hint = ", or train with --training lora" if data["training"] == "full" else ""
     return (f"error: the memory budget {_gib(data['budget_bytes'])} cannot be met: the lowest "
             f"predicted peak is {_gib(data['minimum_peak_bytes'])} (weights, gradients and "
-            f"optimizer state alone: {_gib(fixed)}); raise the budget to at least "
+            f"optimizer state{_and_fp8(data)} alone: {_gib(fixed)}); raise the budget to at least "
             f"{_gib(data['minimum_peak_bytes'])}{hint}")
+
+
+def _and_fp8(data: dict) -> str:
+    from modulec.plan.fp8_memory import FP8_FIXED
+
+    return ", FP8 buffers" if data["fixed_bytes"].get(FP8_FIXED) else ""
+
+
+def _fp8_part(data: dict) -> str:
+    from modulec.plan.fp8_memory import FP8_FIXED
+
+    fp8 = data["fixed_bytes"].get(FP8_FIXED)
+    return f", of which the FP8 step's buffers {_gib(fp8)}" if fp8 else ""
 
 
 def _budget_table(data: dict, model: str) -> None:
@@ -212,7 +266,8 @@ def _budget_lines(data: dict) -> list[str]:
              f"({_gib(d['implicit_checkpoints']['bytes'])}); {d['fixed_by_intent']['count']} "
              f"fixed by annotations",
              f"predicted peak: {_gib(data['predicted_peak_bytes'])} {verdict} budget "
-             f"{_gib(data['budget_bytes'])} (fixed {_gib(sum(data['fixed_bytes'].values()))} + "
+             f"{_gib(data['budget_bytes'])} (fixed {_gib(sum(data['fixed_bytes'].values()))}"
+             f"{_fp8_part(data)} + "
              f"activations {_gib(peak['activations'])} + transient {_gib(peak['transient'])}, "
              f"in the {peak['phase']}); without recompute: "
              f"{_gib(data['no_recompute_peak_bytes'])}",

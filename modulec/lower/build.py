@@ -10,7 +10,7 @@ top-level keys: `ir_version`, `graph`, `schedule`, `weight_schema`, `config_sche
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from modulec.check.driver import check_program, scopes_of
@@ -138,9 +138,15 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     diagnostics += context.diagnostics
     if any(d.is_error for d in context.diagnostics):
         return BuildResult(diagnostics, source=loaded.source)
+    precision, problems = _precision(loaded.program, decl, graph, request)
+    diagnostics += problems
+    if any(d.is_error for d in problems):
+        return BuildResult(diagnostics, source=loaded.source)
     from modulec.lower.build_plan import PlanOptions, plan_for_build
 
     planning, notes = request.planning or PlanOptions(), []
+    if precision is not None:  # the planners count the FP8 buffers (plan.fp8_memory)
+        planning = replace(planning, precision=precision)
     if request.distributed is not None and planning.budget is not None:
         planning, choice = _rank_planning(planning, graph, instance, world, request, resolver)
         notes += [choice] if choice else []
@@ -158,10 +164,8 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     training = training_metadata(graph, world.param_settings)
     if training is not None:  # @frozen, @trainable(...): what each trainer reads
         document["metadata"]["training"] = training
-    problems = _precision(loaded.program, decl, graph, document, request)
-    diagnostics += problems
-    if any(d.is_error for d in problems):
-        return BuildResult(diagnostics, source=loaded.source)
+    if precision is not None:
+        document["metadata"]["precision"] = precision
     if tensor_parallel is not None:
         from modulec.lower.tensor_parallel import section, shard_weight_schema
 
@@ -177,17 +181,15 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     return BuildResult(diagnostics, document, graph, loaded.source, notes=notes)
 
 
-def _precision(program, decl, graph, document: dict, request: BuildRequest) -> list:
-    """metadata `precision`: the FP8 recipe (`@recipe(...)`, `--precision fp8`) per matmul."""
+def _precision(program, decl, graph, request: BuildRequest) -> tuple[dict | None, list]:
+    """(metadata `precision`: the FP8 recipe (`@recipe(...)`, `--precision fp8`) per matmul,
+    or None; its diagnostics)."""
     from modulec.lower.fp8_recipe import precision_section, program_recipe
 
     recipe, covered, problems = program_recipe(program, decl.name, request.precision == "fp8")
     if recipe is None or any(d.is_error for d in problems):
-        return problems
-    section = precision_section(graph, recipe, covered)
-    if section is not None:
-        document["metadata"]["precision"] = section
-    return problems
+        return None, problems
+    return precision_section(graph, recipe, covered), problems
 
 
 def _pipeline(graph, document: dict, request: BuildRequest) -> None:

@@ -30,6 +30,9 @@ class PlanOptions:
     # data parallel: what one rank holds (modulec.plan.distributed.planner_fixed_bytes),
     # counted as fixed in place of the planner's one-GPU estimate
     fixed_bytes: dict | None = None
+    # the program's metadata `precision` (an FP8 recipe): the GPU step's FP8 buffers join
+    # the fixed bytes (modulec.plan.fp8_memory; under a budget the step keeps no wgrad x^T)
+    precision: dict | None = None
 
 
 class PlanFailure(Exception):
@@ -59,13 +62,15 @@ def _decided(graph, decls: dict, options: PlanOptions):
     from modulec.lower.decided import decide
     from modulec.plan.budget import make_problem, plan_budget
     from modulec.plan.devices import device
+    from modulec.plan.fp8_memory import fixed as fp8_fixed
     from modulec.plan.mutwo import fixed_decisions
     from modulec.plan.simulate import evaluate
 
     problem = make_problem(graph, decls, options.training, device(options.device),
-                           options.policies, binding=5 if options.honor_lists else 3)
+                           options.policies, binding=5 if options.honor_lists else 3,
+                           precision=options.precision)
     if options.fixed_bytes is not None:
-        problem.fixed_bytes = dict(options.fixed_bytes)
+        problem.fixed_bytes = dict(options.fixed_bytes) | fp8_fixed(graph, options.precision)
     if options.budget is None:
         recompute, swap = fixed_decisions(problem)
         return decide(problem, recompute, swap, evaluate(problem, recompute, swap))
@@ -117,6 +122,7 @@ def choose_zero(graph, resolver, options: PlanOptions, sections: dict) -> tuple[
     from modulec.plan.budget import make_problem, plan_budget
     from modulec.plan.devices import device
     from modulec.plan.distributed import planner_fixed_bytes
+    from modulec.plan.fp8_memory import fixed as fp8_fixed
     from modulec.plan.recompute import declarations_of
     from modulec.plan.units import gib_text as gib
 
@@ -125,7 +131,8 @@ def choose_zero(graph, resolver, options: PlanOptions, sections: dict) -> tuple[
                            binding=5 if options.honor_lists else 3)
     results = {}
     for zero in (2, 3):
-        problem.fixed_bytes = planner_fixed_bytes(graph, sections[zero])
+        problem.fixed_bytes = planner_fixed_bytes(graph, sections[zero]) | \
+            fp8_fixed(graph, options.precision)
         results[zero] = plan_budget(problem, options.budget)
     two, three = results[2], results[3]
     budget = gib(options.budget - options.budget_offset)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from modulec.ir.graph import Graph
 from modulec.plan.devices import H100, Device
+from modulec.plan.fp8_memory import fixed as fp8_fixed
 from modulec.plan.from_graph import plan_step
 from modulec.plan.memory import GRADIENTS, OPTIMIZER_STATE, TRANSIENT, WEIGHTS
 from modulec.plan.mutwo import Schedule, fixed_decisions, schedule
@@ -61,7 +62,12 @@ def parse_size(text: str) -> int:
 
 def make_problem(graph: Graph, decls: dict | None = None, training: str = "full",
                  device: Device = H100, policies: dict | None = None, binding: int = 3,
-                 lora_rank: int = 16) -> Problem:
+                 lora_rank: int = 16, precision: dict | None = None,
+                 fp8_held: bool = False) -> Problem:
+    """`precision`: the program's metadata `precision` (an FP8 recipe): the buffers the GPU
+    step's FP8 GEMMs hold beside the plan join the fixed bytes (modulec.plan.fp8_memory;
+    `fp8_held`: with the wgrad's x^T kept from the forward, as a step without a budget or
+    recompute decisions keeps it)."""
     if training not in ("full", "lora"):
         raise ValueError(f"training mode `{training}`: expected full or lora")
     step = flatten(graph, device, training)
@@ -73,8 +79,8 @@ def make_problem(graph: Graph, decls: dict | None = None, training: str = "full"
         if step.storages[key].in_place:
             found.by_storage[key] = replace(found.by_storage[key], recomputable=False)
     forward, backward = step.seconds()
-    problem = Problem(graph, step, device, training, found, _fixed(graph, plan, training,
-                                                                   lora_rank),
+    fixed = _fixed(graph, plan, training, lora_rank) | fp8_fixed(graph, precision, fp8_held)
+    problem = Problem(graph, step, device, training, found, fixed,
                       _arena(plan, graph.entry), _arena(plan, graph.backward),
                       forward + backward, set(saved), {k: i for i, k in enumerate(saved)})
     return problem

@@ -20,7 +20,9 @@ except x^T where the backward's wgrad reads the same saved x: cast in the forwar
 and kept to that backward (`KEEP_TRANSPOSED`; one read of x less a linear). A weight's
 fp8 copies (both layouts) are kept to the step's end: each weight is cast once a step,
 however many micro-batches read it (one byte a covered parameter per layout beyond the
-memory plan).
+memory plan). The planners count these buffers from the IR (modulec.plan.fp8_memory:
+weights, held x^T, cast buffers, scales), so TrainStep.predicted_peak and a memory budget
+see them; a change here to what is kept, or for how long, changes that count too.
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ class StepFp8:
 
 
 def node_layouts(node) -> list:
-    """(plain, transposed) per input of covered `node` (fp8_gemm's layout rules)."""
-    transpose = node.attr("transpose") or "NN"
-    if node.target == "matmul":
-        return fp8_gemm.forward_layouts(transpose)
-    return fp8_gemm.backward_layouts(transpose, tuple(bool(o) for o in node.outputs))
+    """(plain, transposed) per input of covered `node` (fp8_gemm's layout rules, which
+    the planners' count of these buffers shares: modulec.plan.fp8_memory)."""
+    from modulec.plan.fp8_memory import node_layouts as layouts
+
+    return layouts(node)
 
 
 @dataclass

@@ -447,13 +447,17 @@ class TrainStep:
         """The planner's predicted peak of this step's memory (its fixed state replaced
         by this step's, `budget_offset`): with `memory_budget`, re-planned from the
         unbudgeted graph (the same problem when no module carries memory annotations, as
-        in std's models); without, everything kept."""
+        in std's models); without, everything kept. An FP8 recipe's buffers outside the
+        arena (fp8 weights, the wgrad's x^T where kept, cast buffers, scales) are counted
+        (modulec.plan.fp8_memory), as the budget planner counts them."""
         from modulec.plan.budget import make_problem, no_recompute, plan_budget
         from modulec.plan.devices import device
 
         base = getattr(self, "unplanned", self.program)
         problem = make_problem(base.graph, None, "full",
-                               device(getattr(self, "plan_device", "h200-noswap")))
+                               device(getattr(self, "plan_device", "h200-noswap")),
+                               precision=base.metadata.get("precision"),
+                               fp8_held=self.fp8 is not None and self.fp8.casts.keep_transposed)
         offset = getattr(self, "budget_offset", None)
         if offset is None:
             from runtime.cuda.step_optim import clipped

@@ -74,7 +74,10 @@ def planner_budget(program: Program, budget: int, optimizer: str = "auto",
     """The planner budget that stands for `budget` bytes on this step: the planner's fixed
     state (fp32 weights and gradients, AdamW moments) differs from this step's (no fp32
     gradients; bf16 compute copies; `clipped`: the gradients global clipping holds), so
-    the difference is added."""
+    the difference is added. An FP8 recipe's buffers are in neither: the planner's
+    problem counts them itself, as the step holds them (modulec.plan.fp8_memory, from the
+    program's metadata `precision`; the build plans with them), so they leave the budget's
+    room for activations and do not change the difference."""
     return budget + planner_fixed_bytes(program) - runtime_fixed_bytes(program, optimizer,
                                                                        clipped)
 
@@ -89,7 +92,8 @@ def budget_programs(path, settings: dict, inputs: dict, share: float,
 
     plain = ModuleSource(Path(path), dict(settings), derive_written=derive_written)
     program = plain.program_for(inputs)
-    problem = make_problem(program.graph, None, "full", device(device_name))
+    problem = make_problem(program.graph, None, "full", device(device_name),
+                           precision=program.metadata.get("precision"))
     lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
     budget = int(lowest + share * (peak - lowest))
     planned = ModuleSource(Path(path), dict(settings), derive_written=derive_written,
