@@ -139,3 +139,11 @@ def test_a_budgeted_build_plans_around_them(written):
     replays = [[op for ops in r.document["schedule"]["functions"].values() for op in ops
                 if op.get("kind") == "recompute"] for r in (plain, fp8)]
     assert not replays[0] and replays[1]
+
+
+def test_a_budget_below_them_says_so():
+    request = BuildRequest(LLAMA, settings=dict(TINY), shapes={"B": B, "T": T},
+                           precision="fp8", planning=PlanOptions(budget=1000,
+                                                                 device="h200-noswap"))
+    result = build(request)
+    assert result.graph is None and "with the FP8 step's buffers" in result.failure

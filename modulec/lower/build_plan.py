@@ -88,8 +88,13 @@ def _infeasible(budget: int, lowest: int, problem, offset: int = 0) -> str:
     # a real option of every caller: `build`/`train --lora`, `lora=` in Python
     hint = (", or train LoRA adapters only (`--lora`, or `lora={}` in Python)"
             if problem.training == "full" else "")
+    from modulec.plan.fp8_memory import FP8_FIXED
+
+    fp8 = problem.fixed_bytes.get(FP8_FIXED, 0)
+    what = "weights, gradients and optimizer state" + (
+        f" with the FP8 step's buffers ({gib(fp8)})" if fp8 else "")
     return (f"the memory budget {gib(budget - offset)} cannot be met: the lowest predicted "
-            f"peak is {gib(lowest - offset)} (weights, gradients and optimizer state alone: "
+            f"peak is {gib(lowest - offset)} ({what} alone: "
             f"{gib(fixed)}); raise the budget to at least {gib(lowest - offset)}{hint}")
 
 
