@@ -197,3 +197,50 @@ def test_the_verifier_rederives_the_collectives_types():
     problems = verify_graph(lied)
     assert any("node f0.sp_all_gather0: `%tp_copy1` is declared [2, 3, 32, bf16], but "
                "sp_all_gather gives [2, 6, 32, bf16]" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("bias, local", [("[B, T, d]", True), ("[1, T, d]", False),
+                                         ("[B, 1, d]", False), ("[1, 1, d]", True)])
+def test_a_row_wise_op_beside_rows_split_otherwise_reads_gathered_rows(tmp_path, bias, local):
+    """A rank's rows are a block of the B x T tokens flattened (runtime/kernels/comm.py):
+    an operand that varies along B or T stays beside them only when it is split alike
+    (the same [B, T]); else the op runs on all rows (sp_gather)."""
+    source = tmp_path / "bias.module"
+    source.write_text(f'''module MLP(d: int = 8, f: int = 16):
+  let:
+    local_f = f // tp_size
+
+  params:
+    up: [local_f, d] @shard(column)
+    down: [d, local_f] @shard(row)
+
+  forward:
+    in: x: [B, T, d]
+    out: [B, T, d]
+
+    graph:
+      x -> matmul(up, transpose=NT) -> relu() -> h
+      h -> matmul(down, transpose=NT) -> out
+
+model Bias(d: int = 8):
+  params:
+    mlp: MLP(d)
+
+  forward:
+    in: x: [B, T, d]
+    in: b: {bias}
+    out: y: [B, T, d]
+
+    graph:
+      x -> mlp -> h
+      (h, b) -> add() -> y
+''')
+    result = build(BuildRequest(source, model="Bias", shapes={"B": 2, "T": 4},
+                                tensor_parallel=2, sequence_parallel=True))
+    assert not [d for d in result.diagnostics if d.is_error]
+    entry = result.graph.function(result.graph.entry)
+    add = next(n for n in entry.nodes if n.target == "add")
+    made = {o: n.target for n in entry.nodes for o in n.outputs}
+    assert (made[add.inputs[0]] != "sp_gather") == local
+    assert entry.value(add.outputs[0]).shape[1] == ("2" if local else "4")  # T / 2 rows
+    assert not verify_graph(result.graph)

@@ -4,10 +4,11 @@ one process with the collectives faked (the other rank holds the same values), e
 copy they make counted by a dispatch mode, then summed over the comm nodes of one
 layer of the tiny Llama's rank program (forward and backward).
 
-Sequence parallel must cost no more copies of the activations than tensor parallel
-alone (an all-gather and a reduce-scatter for each all-reduce, each moving its blocks
-with one copy, none for a one-row batch); its extra collectives per layer are the norms'
-two weight gradients summed over the ranks."""
+Sequence parallel copies no activation (a rank's rows are a contiguous block of the
+tokens: NCCL gathers into and reduce-scatters from the tensors themselves) where tensor
+parallel alone makes 8 copies a layer; it issues an all-gather and a reduce-scatter for
+each all-reduce (the same bytes), and two more collectives a layer: the norms' weight
+gradients summed over the ranks."""
 
 from __future__ import annotations
 
@@ -89,25 +90,30 @@ def run(mode: Counted, op: str, direction: str, x):
 
 
 @pytest.mark.parametrize("rows", [4, 1])
-def test_the_sequence_collectives_move_their_blocks_with_at_most_one_copy(counted, rows):
+def test_the_sequence_collectives_copy_nothing(counted, rows):
+    """A rank's block is a contiguous block of the B x T tokens: gathered straight into
+    the result, reduce-scattered straight from the input."""
     local = torch.randn(rows, 3, 8, dtype=torch.float64)
     whole = torch.randn(rows, 6, 8, dtype=torch.float64)
-    mine = whole[:, 3:]  # rank 1's block of the sequence
-    copies = 0 if rows == 1 else whole.numel()  # the blocks lie apart when B > 1
-    for op, direction, x, want, copied in [
-            ("sp_all_gather", "forward", local, torch.cat([local, local], 1), copies),
-            ("sp_all_gather", "backward", whole, SIZE * mine, copies),
-            ("sp_reduce_scatter", "forward", whole, SIZE * mine, copies),
-            ("sp_reduce_scatter", "backward", local, torch.cat([local, local], 1), copies),
-            ("sp_gather", "forward", local, torch.cat([local, local], 1), copies),
-            ("sp_scatter", "backward", local, torch.cat([local, local], 1), copies)]:
+    mine = whole.reshape(2, -1)[RANK].view(rows, 3, 8)  # rank 1's half of the tokens
+    joined = torch.cat([local.reshape(1, -1)] * SIZE).view(rows, 6, 8)
+    for op, direction, x, want in [
+            ("sp_all_gather", "forward", local, joined),
+            ("sp_all_gather", "backward", whole, SIZE * mine),
+            ("sp_reduce_scatter", "forward", whole, SIZE * mine),
+            ("sp_reduce_scatter", "backward", local, joined),
+            ("sp_gather", "forward", local, joined),
+            ("sp_scatter", "backward", local, joined)]:
         out, got, collectives = run(counted, op, direction, x)
         assert torch.equal(out, want), (op, direction)
-        assert (got, collectives) == (copied, 1), (op, direction)
+        assert (got, collectives) == (0, 1), (op, direction)
         assert out.is_contiguous() and out.data_ptr() != x.data_ptr()
     # this rank's rows of a replicated tensor: a copy (a fresh value), no communication
-    out, got, collectives = run(counted, "sp_scatter", "forward", whole)
-    assert torch.equal(out, mine) and (got, collectives) == (mine.numel(), 0)
+    for op, direction in (("sp_scatter", "forward"), ("sp_gather", "backward")):
+        out, got, collectives = run(counted, op, direction, whole)
+        assert torch.equal(out, mine) and (got, collectives) == (mine.numel(), 0)
+    if rows == 1:  # one sequence: the tokens' block is the sequence's
+        assert torch.equal(mine, whole[:, 3:])
 
 
 def _layer_nodes(graph, name: str, direction: str) -> list:
@@ -143,12 +149,12 @@ def layer_cost(mode: Counted, sp: bool) -> dict:
     return cost
 
 
-def test_sequence_parallel_copies_no_more_than_tensor_parallel_per_layer(counted):
+def test_sequence_parallel_copies_no_activation_per_layer(counted):
     tp, sp = layer_cost(counted, sp=False), layer_cost(counted, sp=True)
     # TP: each region's tp_copy and tp_all_reduce copy their input, forward and backward
     assert tp == {"activation copies": 8.0, "weight elements copied": 0, "collectives": 4}
-    # SP: each region's all-gather and reduce-scatter one copy each, forward and
-    # backward (an all-gather and a reduce-scatter move an all-reduce's bytes: 8); the
-    # norms' two weights copied (tp_copy) and their gradients all-reduced (2)
-    assert sp == {"activation copies": 8.0, "weight elements copied": 4 * 32,
+    # SP: no copy; each region's all-gather and reduce-scatter forward and backward (an
+    # all-gather and a reduce-scatter move an all-reduce's bytes: 8); the norms' two
+    # weights copied (tp_copy) and their gradients all-reduced (2)
+    assert sp == {"activation copies": 0.0, "weight elements copied": 4 * 32,
                   "collectives": 10}

@@ -3,7 +3,10 @@
 After the `tensor_parallel` pass each sharded region is `tp_copy` -> column matmul ...
 row matmul -> `tp_all_reduce`, and everything between the regions (norms, residual adds,
 the embedding, the head) runs whole on every rank. This pass splits what lies between
-the regions along the sequence (dim 1 of `[B, T, ...]`): each rank keeps T / M rows.
+the regions along the sequence (dim 1 of `[B, T, ...]`): each rank keeps a
+`[B, T / M, ...]` block of the B x T tokens, rank r the r-th contiguous block of them
+flattened (runtime/kernels/comm.py: so the collectives copy nothing; with B = 1 it is
+the sequence's block r).
 
 Every value of a function is *whole* (the same on every rank), *local* (this rank's
 T / M rows) or *gathered* (all T rows inside a region entered from local rows):
@@ -16,7 +19,9 @@ T / M rows) or *gathered* (all T rows inside a region entered from local rows):
 - a row-wise op (ROW_WISE: norms, residual adds, activations) on local rows stays local,
   its types re-derived (dim 1 divided by M); a whole value it reads beside them is a
   `tp_copy` (a parameter, a broadcast operand: its gradient is a sum over the ranks'
-  rows) or, with the sequence dim, `sp_scatter`;
+  rows) or, with the sequence dim, `sp_scatter`; one whose operands would not line up
+  with a block of the tokens (one varying along B or T but not split alike: [1, T, d],
+  [B, 1, d]) reads gathered rows instead, as any other op;
 - any other op (the LM head's matmul, a router, a view) reads local rows through
   `sp_gather` (backward: this rank's rows of the whole gradient), so it sees all T rows;
   so does an output of the entry; a function reached with local rows returns local
@@ -173,12 +178,31 @@ class _Function:
         if node.target == "dropout":  # reported; kept, so that the IR stays valid
             self._fail(node, "dropout on sequence-split rows is not supported yet (each "
                        "rank would draw its rows' mask from the same state)")
-        if node.target in ROW_WISE or node.target == "dropout":
+        if (node.target in ROW_WISE and self._rows_agree(node)) or node.target == "dropout":
             return self._emit(replace(node, inputs=tuple(self._beside(v, node)
                                                          for v in node.inputs)), LOCAL)
         inputs = tuple(self._gather(v, node) if self.layout.get(v) == LOCAL else v
                        for v in node.inputs)
         self._emit(replace(node, inputs=inputs), WHOLE)
+
+    def _rows_agree(self, node: Node) -> bool:
+        """Whether a row-wise op may run on this rank's rows. A rank holds a block of the
+        B x T tokens flattened (runtime/kernels/comm.py), not of each sequence, so every
+        operand with the sequence dim must have the same batch dims (split alike), and
+        any other must not vary along B or T (a weight, a [1, 1, d] broadcast); else the
+        op reads gathered rows (always correct)."""
+        out = len(self._info(node.outputs[0]).shape) if node.outputs and node.outputs[0] \
+            else 0
+        rows = set()
+        for value in (v for v in node.inputs if v):
+            shape = self._info(value).shape
+            if self.layout.get(value) == LOCAL or self._has_seq(value):
+                rows.add(tuple(shape[:SEQ]))  # the batch dims (the sequence is T or T / M)
+                continue
+            first = out - len(shape)  # right-aligned: dims at or before SEQ must be 1
+            if any(str(d) != "1" for i, d in enumerate(shape) if first + i <= SEQ):
+                return False
+        return len(rows) <= 1
 
     def _renamed(self, node: Node, old: str, new: str) -> Node:
         """The tensor-parallel collective `node` as its sequence-parallel counterpart."""

@@ -7,17 +7,21 @@ the tensor-parallel process group: the one given to `set_tp_group` (a DP x TP ru
 one group per TP slice), else the default group when its world size is the op's `size`.
 The same code runs on CPU tensors under gloo and on CUDA tensors under NCCL.
 
-Under sequence parallel a tensor is split along `dim` (the sequence) into `size` equal
-blocks, rank r (of the group) holding block r: sp_all_gather joins the blocks (its
-gradient reduce-scattered), sp_reduce_scatter sums over the ranks and keeps this rank's
-block (its gradient all-gathered); sp_scatter keeps this rank's block of a replicated
-tensor (its gradient all-gathered) and sp_gather joins blocks for replicated compute (its
-gradient: this rank's block). The gather is one all_gather_into_tensor and the reduce-
-scatter one reduce_scatter_tensor (NCCL and gloo alike), on a [size, ...] buffer whose
-block r is rank r's: the blocks along `dim` of a [B, T, ...] tensor lie apart in memory
-when B > 1, so each moves them to and from that buffer with one copy (a view, no copy,
-when every dim before `dim` is 1); nothing else is copied (no list of blocks, no
-concatenation, no copy of the result).
+Under sequence parallel a tensor's rows (its dims up to and including `dim`, the
+sequence, flattened: the B x T tokens of a [B, T, ...] tensor) are split into `size`
+equal contiguous blocks, rank r (of the group) holding block r as a tensor shaped like x
+with dim `dim` divided by `size`. With B = 1 that is the sequence's block r; with B > 1
+a rank's [B, T / M, ...] rows are tokens r B T / M .. (r + 1) B T / M - 1 of the batch,
+not positions r T / M .. of each sequence: the ops between the regions are row-wise, so
+which tokens a rank holds does not matter as long as every split and join agrees (the
+`sequence_parallel` pass sends an op whose other operand varies along B or T through
+sp_gather). sp_all_gather joins the blocks (its gradient reduce-scattered),
+sp_reduce_scatter sums over the ranks and keeps this rank's block (its gradient
+all-gathered); sp_scatter keeps this rank's block of a replicated tensor (its gradient
+all-gathered) and sp_gather joins blocks for replicated compute (its gradient: this
+rank's block). Because each block is contiguous, the gather is one
+all_gather_into_tensor straight into the result and the reduce-scatter one
+reduce_scatter_tensor straight from x (NCCL and gloo alike): no copy on either side.
 """
 
 from __future__ import annotations
@@ -90,47 +94,50 @@ def group_rank(size: int, group: str = "tp") -> int:
     return dist.get_rank(process_group(size, group)) if size > 1 else 0
 
 
+def local_shape(shape, size: int, dim: int = 1) -> tuple:
+    """A tensor's shape with dim `dim` divided by `size` (a rank's block)."""
+    return tuple(shape[:dim]) + (shape[dim] // size,) + tuple(shape[dim + 1:])
+
+
+def _stacked(x: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    """Contiguous x (whole) as `size` blocks stacked along dim 0, block r rank r's rows
+    (gloo wants a gather's output and a reduce-scatter's input so)."""
+    block = local_shape(x.shape, size, dim)
+    return x.view((size * block[0],) + block[1:])
+
+
 def split_rank(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
-    """This rank's block of x along `dim` (a copy, never a view of x)."""
-    block = x.shape[dim] // size
-    return x.narrow(dim, group_rank(size, group) * block, block).clone(
-        memory_format=torch.contiguous_format)
-
-
-def blocks_first(x: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
-    """x with `dim` split into `size` blocks and the block index moved first: [size,
-    ..., x.shape[dim] // size, ...], block r at [r] (a view of x)."""
-    return x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0)
+    """This rank's block of x's rows (a copy, never a view of x)."""
+    x = x.contiguous()
+    block = x.numel() // size
+    return x.view(-1).narrow(0, group_rank(size, group) * block, block).clone().view(
+        local_shape(x.shape, size, dim))
 
 
 def all_gather(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
-    """Every rank's x joined along `dim`, in rank order: gathered into a [size, *x.shape]
-    buffer, then its blocks put in place along `dim` (one copy; a view of the buffer when
-    every dim before `dim` is 1)."""
+    """Every rank's rows joined in rank order, gathered straight into the result."""
     from runtime.dist.collectives import all_gather_into
 
     if size == 1:
         return x.contiguous().clone()
     x = x.contiguous()
-    blocks = torch.empty((size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    all_gather_into(blocks.flatten(0, 1), x, group=process_group(size, group))  # gloo:
-    # the output is the inputs joined along dim 0
     whole = x.shape[:dim] + (size * x.shape[dim],) + x.shape[dim + 1:]
-    return blocks.movedim(0, dim).reshape(whole)
+    out = torch.empty(whole, dtype=x.dtype, device=x.device)
+    all_gather_into(_stacked(out, size, dim), x, group=process_group(size, group))
+    return out
 
 
 def reduce_scatter(x: torch.Tensor, size: int, dim: int = 1, group: str = "tp") -> torch.Tensor:
-    """This rank's block along `dim` of the sum of x over the group: x's blocks laid out
-    block-first (one copy; none when x is contiguous and every dim before `dim` is 1),
-    reduce-scattered straight into the result."""
+    """This rank's block of the rows of the sum of x over the group, reduce-scattered
+    straight from x into the result."""
     from runtime.dist.collectives import reduce_scatter_into
 
     if size == 1:
         return x.contiguous().clone()
     handle = process_group(size, group)
-    front = blocks_first(x, size, dim).contiguous()
-    out = torch.empty(front.shape[1:], dtype=x.dtype, device=x.device)
-    reduce_scatter_into(out, front.flatten(0, 1), group=handle)
+    x = x.contiguous()
+    out = torch.empty(local_shape(x.shape, size, dim), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, _stacked(x, size, dim), group=handle)
     return out
 
 
