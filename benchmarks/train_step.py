@@ -117,14 +117,17 @@ def modulec_options(variant: str) -> dict:
     GEMMs with cuBLAS's fast accumulation, runtime.fp8_gemm.FAST_ACCUM; not the recipe's
     fp32 accumulation: a measure of what it is worth), `recast` (with fp8: the wgrad's x^T
     cast again from x in the backward, not kept from the forward's cast:
-    runtime.cuda.fp8_step.KEEP_TRANSPOSED off, the path before it),
+    runtime.cuda.fp8_step.KEEP_TRANSPOSED off, the path before it), `fusedcast` (with
+    fp8: delayed scaling's casts of the norms' and SwiGLU's outputs written by those
+    kernels in their own pass, runtime.cuda.fp8_producers.FUSED; opt-in until measured),
     `budget<GiB>` (e.g.
     modulec_norecompute_budget20: build with that memory budget for the whole step,
     TrainStep.from_module(memory_budget=...), the planner deciding what to recompute)."""
     parts = set(variant.split("_")[1:])
     budgets = {p for p in parts if p.startswith("budget")}
     unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash",
-                                  "swap", "noarena", "fp8", "fastaccum", "recast"}
+                                  "swap", "noarena", "fp8", "fastaccum", "recast",
+                                  "fusedcast"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
@@ -132,8 +135,9 @@ def modulec_options(variant: str) -> dict:
                "update_in_backward": not parts & {"keepgrads", "torchadam"},
                "attention": ("flash",) if "flash" in parts else ("cudnn", "flash"),
                "arena": "noarena" not in parts}
-    if parts & {"fastaccum", "recast"} and "fp8" not in parts:
-        raise ValueError("the modulec variant options fastaccum and recast need fp8")
+    if parts & {"fastaccum", "recast", "fusedcast"} and "fp8" not in parts:
+        raise ValueError("the modulec variant options fastaccum, recast and fusedcast need "
+                         "fp8")
     if "fp8" in parts:
         options["precision"] = "fp8"
     if budgets:
@@ -156,6 +160,10 @@ def run_modulec(args, shape, ckpt, variant="modulec"):
         from runtime.cuda import fp8_step
 
         fp8_step.KEEP_TRANSPOSED = False
+    if "fusedcast" in variant.split("_"):
+        from runtime.cuda import fp8_producers
+
+        fp8_producers.FUSED = True
     step = TrainStep.from_module(ROOT / "std/models/llama.module", shape, batch=args.batch,
                                  seq=args.seq, **options)
     weights = load_hf_weights(step.program.weight_schema, ckpt, dtype=torch.float32, device="cuda")

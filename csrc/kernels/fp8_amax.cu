@@ -6,38 +6,15 @@
 // does with that amax (record into the pending slot, the delayed window, fp32(top / amax)
 // in float64 and its reciprocal) and resets work for the next call (calls are ordered on
 // the stream: one work buffer serves them all). Where the amax reduction and fp8_scale were
-// two launches and torch's reduction, this is one launch and one read of x.
+// two launches and torch's reduction, this is one launch and one read of x. Also what
+// follows a producer that wrote its output's fp8 copy itself (launch_fp8_delayed_finish:
+// the cast where there was no history yet, or y^T from the fp8 y).
 #include "fp8.cuh"
 
 namespace modulec {
 namespace {
 
 constexpr int kThreads = 256, kMaxBlocks = 1024;
-
-__device__ __forceinline__ unsigned magnitude_bits(float v) {
-  return __float_as_uint(v) & 0x7fffffffu;
-}
-
-// The block's maximum of m (every thread calls it) into work[0]; the last block of the grid
-// to finish gets the grid's maximum (others: false) and resets work.
-__device__ __forceinline__ bool grid_max(unsigned m, unsigned* work, unsigned* warps,
-                                         float* amax) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x != 0) return false;
-  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, warps[w]);  // w 0: m
-  atomicMax(&work[0], m);
-  __threadfence();  // this block's maximum visible before its ticket
-  const unsigned blocks = gridDim.x * gridDim.y;
-  if (atomicAdd(&work[1], 1u) != blocks - 1) return false;  // not the last block
-  __threadfence();
-  *amax = __uint_as_float(atomicMax(&work[0], 0u));  // every block's, read atomically
-  work[0] = 0u;
-  work[1] = 0u;
-  return true;
-}
 
 // VEC 8: bf16 x 16-byte aligned with n a multiple of 8 (one 16-byte load a step)
 template <typename T, int VEC>
@@ -115,6 +92,28 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
   store_transposed(tile, out_t, row0, col0, rows, cols);
 }
 
+// out_t = out^T (fp8 bytes, 64 x 64 tiles through shared memory) where the history has an
+// amax (*past >= 0: the producer quantized out); else nothing (fp8_cast_delayed_kernel
+// <false> cast both layouts). launch_fp8_delayed_finish.
+__global__ void fp8_transpose_kernel(const float* __restrict__ past,
+                                     const __nv_fp8_storage_t* __restrict__ out,
+                                     __nv_fp8_storage_t* __restrict__ out_t, int64_t rows,
+                                     int64_t cols) {
+  __shared__ __align__(16) Fp8Tile tile;
+  if (!(*past >= 0.f)) return;  // the producer's test (fp8.cuh delayed_sink)
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
+  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
+    const int r = i / 8, c = (i % 8) * 8;  // 8 bytes of tile row r from column c
+    const int64_t gr = row0 + r, gc = col0 + c;
+    if (gr < rows && gc < cols)
+      *reinterpret_cast<uint2*>(&tile[r][c]) =
+          *reinterpret_cast<const uint2*>(out + gr * cols + gc);
+  }
+  __syncthreads();
+  store_transposed(tile, out_t, row0, col0, rows, cols);
+}
+
 template <typename T, int VEC>
 cudaError_t launch(const void* x, int64_t n, unsigned* work, float* pending, const float* past,
                    double top, float* scale, float* inv_scale, cudaStream_t stream) {
@@ -164,6 +163,26 @@ cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pendin
   if (err != cudaSuccess) return err;
   fp8_cast_delayed_kernel<false><<<grid, kVecThreads, 0, stream>>>(
       in, work, pending, past, top, clamp, kind, scale, inv_scale, q, q_t, rows, cols);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fp8_delayed_finish(const void* x, const Fp8Delayed& d, bool transpose_plain,
+                                      int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0 || rows % 8 || cols % 8 || !d.out || !d.past ||
+      (d.fmt != 0 && d.fmt != 1) || (cols + kVecTile - 1) / kVecTile > 65535)
+    return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
+                  static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));
+  auto* q = static_cast<__nv_fp8_storage_t*>(d.out);
+  auto* q_t = static_cast<__nv_fp8_storage_t*>(d.out_t);
+  // no history: both layouts cast from x at the scale the producer wrote (returns at once
+  // where *past >= 0)
+  fp8_cast_delayed_kernel<false><<<grid, kVecThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), d.work, d.pending, d.past, d.top,
+      fp8_clamp(d.fmt), fp8_kind(d.fmt), d.scale, d.inv_scale, q, q_t, rows, cols);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || !transpose_plain || !q_t) return err;
+  fp8_transpose_kernel<<<grid, kVecThreads, 0, stream>>>(d.past, q, q_t, rows, cols);
   return cudaGetLastError();
 }
 

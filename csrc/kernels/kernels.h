@@ -19,6 +19,14 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };  // F16: cross_entropy on
 cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
                                    void* residual_out, void* y, float* rstd, int64_t rows,
                                    int64_t C, float eps, float offset, cudaStream_t stream);
+// The same (bf16; rows and C multiples of 8, x / input / weight / residual_out / y 16-byte
+// aligned) also writing y's fp8 copy under delayed scaling (Fp8Delayed, declared with the
+// fp8 launchers below): y row-major in the same pass, y^T from it (launch_fp8_delayed_finish).
+struct Fp8Delayed;
+cudaError_t launch_rmsnorm_forward_fp8(const void* x, const void* input, const void* weight,
+                                       void* residual_out, void* y, float* rstd, int64_t rows,
+                                       int64_t C, float eps, float offset, const Fp8Delayed& d,
+                                       cudaStream_t stream);
 
 // y = x * rstd * (offset + weight) from a saved x and rstd (a norm's output replayed,
 // `apply_saved`).
@@ -102,6 +110,12 @@ cudaError_t launch_moe_combine_backward(DType dt, const void* d_out, const void*
 cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, const void* up,
                                   int64_t ld_up, void* y, int64_t ld_y, int64_t rows, int64_t C,
                                   int activation, cudaStream_t stream);
+// The same (bf16, y [rows, C] contiguous; rows, C, ld_gate, ld_up multiples of 8 and the
+// pointers 16-byte aligned) also writing y's fp8 copy under delayed scaling (Fp8Delayed):
+// y and y^T in the same pass, 64 x 64 tiles.
+cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const void* up,
+                                      int64_t ld_up, void* y, int64_t rows, int64_t C,
+                                      int activation, const Fp8Delayed& d, cudaStream_t stream);
 cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
                                    int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
                                    int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
@@ -247,5 +261,27 @@ cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pendin
                                     const float* past, double top, int fmt, float* scale,
                                     float* inv_scale, void* out, void* out_t, int64_t rows,
                                     int64_t cols, cudaStream_t stream);
+// Delayed scaling's fp8 copy of a producer's output [rows, cols] (bf16), written by the
+// producer itself (launch_rmsnorm_forward_fp8, launch_swiglu_forward_fp8): the numbers of
+// launch_fp8_cast_delayed on that output. work, past (non-null), pending (or null), top and
+// fmt as there; scale / inv_scale written; out [rows, cols] fp8 (non-null, 8-byte aligned),
+// out_t [cols, rows] fp8 or null.
+struct Fp8Delayed {
+  unsigned* work;
+  float* pending;
+  const float* past;
+  double top;
+  int fmt;
+  float* scale;
+  float* inv_scale;
+  void* out;
+  void* out_t;
+};
+// After a producer wrote `d`'s fp8 copy of x [rows, cols] (bf16, multiples of 8): where
+// *past < 0 (no history: the producer only took the amax) x cast at *scale into out and
+// out_t; else, with transpose_plain, out_t as out transposed (a byte transpose: the same
+// bits as a cast of x), else nothing.
+cudaError_t launch_fp8_delayed_finish(const void* x, const Fp8Delayed& d, bool transpose_plain,
+                                      int64_t rows, int64_t cols, cudaStream_t stream);
 
 }  // namespace modulec

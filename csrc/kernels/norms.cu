@@ -6,7 +6,10 @@
 // stride over rows, so that each thread keeps the d_weight partials of its own columns in
 // registers, then a second kernel sums the per-group partials per column. fp32
 // arithmetic throughout; bf16 or fp32 I/O. The scale is `offset + weight` (in fp32): offset
-// 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter).
+// 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter). The
+// forward's FP8 instance (bf16, 8 a vector) also writes y's fp8 copy under delayed scaling
+// and takes y's amax (fp8.cuh DelayedSink; runtime/cuda/fp8_producers.py).
+#include "fp8.cuh"
 #include "rows.cuh"
 
 namespace modulec {
@@ -32,23 +35,34 @@ __device__ __forceinline__ void load_scale(const T* weight, int64_t i, float off
   for (int j = 0; j < VEC; ++j) w[j] += offset;
 }
 
-template <typename T, int VEC, bool FUSED>
+// FP8: y's 8 values as stored (bf16) into the sink's amax and, quantized, into q8 (the
+// row's fp8 copy, one 8-byte word a vector)
+template <typename T, int VEC, bool FUSED, bool FP8>
 __device__ __forceinline__ void store_y(const float (&a)[VEC], const T* weight, T* residual_out,
-                                        T* y, int64_t i, float r, float offset) {
+                                        T* y, int64_t i, float r, float offset,
+                                        DelayedSink& sink, uint2* q8) {
   if constexpr (FUSED) store_vec<T, VEC>(residual_out, i, a);
   float w[VEC], o[VEC];
   load_scale<T, VEC>(weight, i, offset, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) o[j] = a[j] * r * w[j];  // (x * rstd) * weight, as the reference
   store_vec<T, VEC>(y, i, o);
+  if constexpr (FP8) {
+    static_assert(VEC == 8, "the fp8 copy is written 8 values a vector");
+    float b[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) b[j] = to_float(from_float<T>(o[j]));
+    const Fp8x8 u = sink8(sink, b);
+    if (sink.write) q8[i] = u.packed;
+  }
 }
 
-template <typename T, int VEC, bool FUSED>
+template <typename T, int VEC, bool FUSED, bool FP8>
 __global__ void __launch_bounds__(kRowMaxThreads)
 rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
                    const T* __restrict__ weight, T* __restrict__ residual_out,
                    T* __restrict__ y, float* __restrict__ rstd, int64_t rows, int64_t C,
-                   float eps, float offset, int group) {
+                   float eps, float offset, int group, Fp8Delayed d) {
   const int lane = threadIdx.x % group;
   const int64_t row =
       static_cast<int64_t>(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
@@ -60,6 +74,12 @@ rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
   if constexpr (FUSED) {
     input += off;
     residual_out += off;
+  }
+  DelayedSink sink{};
+  uint2* q8 = nullptr;  // this row's fp8 copy
+  if constexpr (FP8) {
+    sink = delayed_sink(d);
+    q8 = reinterpret_cast<uint2*>(static_cast<__nv_fp8_storage_t*>(d.out) + off);
   }
   // the first kFwdCache vectors of each thread stay in registers: one read from memory
   float cache[kFwdCache][VEC];
@@ -83,13 +103,15 @@ rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
 #pragma unroll
   for (int k = 0; k < kFwdCache; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
-    if (i < nvec) store_y<T, VEC, FUSED>(cache[k], weight, residual_out, y, i, r, offset);
+    if (i < nvec)
+      store_y<T, VEC, FUSED, FP8>(cache[k], weight, residual_out, y, i, r, offset, sink, q8);
   }
   for (int64_t i = lane + kFwdCache * static_cast<int64_t>(group); i < nvec; i += group) {
     float a[VEC];
     load_x<T, VEC, FUSED>(x, input, i, a);
-    store_y<T, VEC, FUSED>(a, weight, residual_out, y, i, r, offset);
+    store_y<T, VEC, FUSED, FP8>(a, weight, residual_out, y, i, r, offset, sink, q8);
   }
+  if constexpr (FP8) sink_finish<kRowMaxThreads>(sink, d);  // every thread: no return above
 }
 
 // sum over the row of g * n, g = d_y * weight, n = x * r (one vector's share)
@@ -245,22 +267,22 @@ cudaError_t apply_typed(const void* x, const float* rstd, const void* weight, fl
 }
 
 // ------------------------------------------------------------------- host dispatch
-template <typename T, int VEC>
+template <typename T, int VEC, bool FP8 = false>
 cudaError_t forward_vec(const void* x, const void* input, const void* weight,
                         void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
-                        float eps, float offset, cudaStream_t stream) {
+                        float eps, float offset, cudaStream_t stream, const Fp8Delayed& d = {}) {
   const RowConfig cfg = row_config(C / VEC, kFwdCache);
   const int64_t blocks = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
   auto args = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(blocks), cfg.threads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(input), static_cast<const T*>(weight),
         static_cast<T*>(residual_out), static_cast<T*>(y), rstd, rows, C, eps, offset,
-        cfg.group);
+        cfg.group, d);
   };
   if (input)
-    args(rms_forward_kernel<T, VEC, true>);
+    args(rms_forward_kernel<T, VEC, true, FP8>);
   else
-    args(rms_forward_kernel<T, VEC, false>);
+    args(rms_forward_kernel<T, VEC, false, FP8>);
   return cudaGetLastError();
 }
 
@@ -323,6 +345,24 @@ cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, c
                                         offset, stream);
   return forward_typed<float>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
                               stream);
+}
+
+cudaError_t launch_rmsnorm_forward_fp8(const void* x, const void* input, const void* weight,
+                                       void* residual_out, void* y, float* rstd, int64_t rows,
+                                       int64_t C, float eps, float offset, const Fp8Delayed& d,
+                                       cudaStream_t stream) {
+  using T = __nv_bfloat16;
+  const auto aligned = [](const void* p, uintptr_t n) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % n == 0;
+  };
+  if (rows <= 0 || C <= 0 || rows % 8 || C % 8 || !d.out || !d.past || !d.work ||
+      (d.fmt != 0 && d.fmt != 1) || pick_vec<T>(C, {x, input, weight, residual_out, y}) != 8 ||
+      !aligned(d.out, 8) || !aligned(d.out_t, 8))
+    return cudaErrorInvalidValue;
+  const cudaError_t err = forward_vec<T, 8, true>(x, input, weight, residual_out, y, rstd, rows,
+                                                  C, eps, offset, stream, d);
+  if (err != cudaSuccess) return err;
+  return launch_fp8_delayed_finish(y, d, true, rows, C, stream);  // y^T from the fp8 y
 }
 
 int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C) {

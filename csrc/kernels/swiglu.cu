@@ -7,8 +7,11 @@
 // d_gate / d_up into the two halves of one [.., 2 * d_ff] buffer: no copy, no concat.
 // A contiguous call passes rows = 1, C = n. One thread per VEC elements of a row; the
 // 16-byte path needs aligned bases and row strides that are multiples of VEC; the last
-// C % VEC elements of a row are done one by one by the thread that owns them.
+// C % VEC elements of a row are done one by one by the thread that owns them. The forward's
+// FP8 kernel (bf16) also writes y's fp8 copy, y and y^T, under delayed scaling and takes
+// y's amax (fp8.cuh DelayedSink; runtime/cuda/fp8_producers.py): 64 x 64 tiles of y.
 #include "activations.cuh"
+#include "fp8.cuh"
 
 namespace modulec {
 namespace {
@@ -51,6 +54,43 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ gate, int64_t ld_g,
     for (int64_t j = 0; c + j < s.C; ++j)
       o[j] = from_float<T>(swiglu_y<ACT>(to_float(g[j]), to_float(u[j])));
   }
+}
+
+// y = act(gate) * up (bf16) and its fp8 copy: fp8_cast.cu's 8-wide structure (64 x 64
+// tiles of y [rows, C], each thread 8 elements at a time), the fp8 tile kept in shared
+// memory for y^T. The same fp32 arithmetic as swiglu_forward_kernel.
+template <int ACT>
+__global__ void swiglu_forward_fp8_kernel(const __nv_bfloat16* __restrict__ gate, int64_t ld_g,
+                                          const __nv_bfloat16* __restrict__ up, int64_t ld_u,
+                                          __nv_bfloat16* __restrict__ y, int64_t rows,
+                                          int64_t C, Fp8Delayed d) {
+  using T = __nv_bfloat16;
+  __shared__ __align__(16) Fp8Tile tile;
+  DelayedSink sink = delayed_sink(d);
+  auto* q = static_cast<__nv_fp8_storage_t*>(d.out);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
+  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
+    const int r = i / 8, c = (i % 8) * 8;  // 8 elements of tile row r from column c
+    const int64_t gr = row0 + r, gc = col0 + c;
+    if (gr >= rows || gc >= C) continue;
+    float gv[8], uv[8], ov[8];
+    load_vec<T, 8>(gate + gr * ld_g + gc, 0, gv);
+    load_vec<T, 8>(up + gr * ld_u + gc, 0, uv);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ov[j] = swiglu_y<ACT>(gv[j], uv[j]);
+    store_vec<T, 8>(y + gr * C + gc, 0, ov);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ov[j] = to_float(from_float<T>(ov[j]));  // y as stored
+    const Fp8x8 u = sink8(sink, ov);
+    if (!sink.write) continue;
+    *reinterpret_cast<uint2*>(q + gr * C + gc) = u.packed;
+    *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
+  }
+  sink_finish<kVecThreads>(sink, d);  // every thread: no return above
+  if (!sink.write || !d.out_t) return;
+  __syncthreads();
+  store_transposed(tile, static_cast<__nv_fp8_storage_t*>(d.out_t), row0, col0, rows, C);
 }
 
 template <typename T, int VEC, int ACT>
@@ -198,6 +238,43 @@ cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, con
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const void* up,
+                                      int64_t ld_up, void* y, int64_t rows, int64_t C,
+                                      int activation, const Fp8Delayed& d, cudaStream_t stream) {
+  const auto aligned = [](const void* p, uintptr_t n) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % n == 0;
+  };
+  if (rows <= 0 || C <= 0 || rows % 8 || C % 8 || ld_gate % 8 || ld_up % 8 || !gate || !up ||
+      !y || !aligned(gate, 16) || !aligned(up, 16) || !aligned(y, 16) || !d.out || !d.past ||
+      !d.work || !aligned(d.out, 8) || !aligned(d.out_t, 8) || (d.fmt != 0 && d.fmt != 1) ||
+      (C + kVecTile - 1) / kVecTile > 65535)
+    return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
+                  static_cast<unsigned>((C + kVecTile - 1) / kVecTile));
+  const auto* g = static_cast<const __nv_bfloat16*>(gate);
+  const auto* u = static_cast<const __nv_bfloat16*>(up);
+  auto* o = static_cast<__nv_bfloat16*>(y);
+  switch (activation) {
+    case kSilu:
+      swiglu_forward_fp8_kernel<kSilu>
+          <<<grid, kVecThreads, 0, stream>>>(g, ld_gate, u, ld_up, o, rows, C, d);
+      break;
+    case kGeluTanh:
+      swiglu_forward_fp8_kernel<kGeluTanh>
+          <<<grid, kVecThreads, 0, stream>>>(g, ld_gate, u, ld_up, o, rows, C, d);
+      break;
+    case kGeluErf:
+      swiglu_forward_fp8_kernel<kGeluErf>
+          <<<grid, kVecThreads, 0, stream>>>(g, ld_gate, u, ld_up, o, rows, C, d);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_fp8_delayed_finish(y, d, false, rows, C, stream);  // no history: the cast
 }
 
 }  // namespace modulec

@@ -183,6 +183,8 @@ class _StepInterpreter(Interpreter):
         plain = not self._replaying and self.hooks is None and self.profiler is None
         if function.gradient_of and plain and self._lora_dx(node, frame, forward):
             return
+        if plain and not function.gradient_of and self._fp8_produced(node, frame):
+            return
         if function.gradient_of or not plain:
             return super()._op(node, frame, forward)
         if node.id in self._in_place_of(function) and self._rope_in_place(node, frame, forward):
@@ -320,6 +322,16 @@ class _StepInterpreter(Interpreter):
         if key not in self._scalars:
             self._scalars[key] = torch.empty((), dtype=like.dtype, device=like.device)
         return self._scalars[key].expand(like.shape)
+
+    def _fp8_produced(self, node, frame) -> bool:
+        """Forward `node` run with its output's fp8 copy written in its pass, where it is
+        an FP8 matmul's input under delayed scaling (runtime/cuda/fp8_producers.py, opt-in)."""
+        from runtime.cuda import fp8_producers
+
+        if self.fp8_run is None or not fp8_producers.FUSED \
+                or node.target not in fp8_producers.PRODUCERS:
+            return False
+        return fp8_producers.producers_of(self.fp8_run, self.graph).run(self, node, frame)
 
     def _fp8_op(self, node, frame, forward) -> None:
         """A matmul (or its backward) the FP8 recipe covers: FP8 GEMMs (fp8_step.py)."""
