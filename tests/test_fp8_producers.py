@@ -238,11 +238,14 @@ def test_swiglu_with_its_fp8_copy_is_swiglu_then_the_cast(rows, C, activation):
 @needs_cuda
 def test_a_tiny_fp8_step_with_the_casts_in_their_producers_has_the_same_losses(monkeypatch):
     """The GPU step (TrainStep, the std FP8 recipe's delayed scaling) with FUSED on and
-    off: the same losses bit for bit over eager steps and CUDA graph replays (the fp8
-    bytes and amaxes are the same), and the producers' copies are used."""
+    off, three steps on the same weights (loss_and_gradients: no update): the same losses
+    and forward amax histories bit for bit (the fp8 bytes and amaxes are the same; the
+    gradients' histories are left out: the attention's backward may sum in another order
+    from run to run), the producers' copies used by their first readers; then steps
+    captured in a CUDA graph run with them (losses near the eager run's)."""
     from runtime.cuda.step import TrainStep
 
-    def losses(fused):
+    def run(fused):
         monkeypatch.setattr(fp8_producers, "FUSED", fused)
         step = TrainStep.from_module("std/models/llama.module", dict(TINY), batch=2, seq=16,
                                      precision="fp8", derive_written=True)
@@ -250,14 +253,26 @@ def test_a_tiny_fp8_step_with_the_casts_in_their_producers_has_the_same_losses(m
         step.load({p: torch.randn(s, generator=g) * (0.2 if len(s) > 1 else 1.0)
                    for p, s in step.shapes().items()})
         tokens = torch.randint(0, 64, (2, 16), generator=g, dtype=torch.int32).cuda()
-        out = [float(step(tokens).clone()) for _ in range(3)]
         step.set_batch(tokens)
+        losses = []
+        for _ in range(3):
+            step.fp8.begin_step()
+            loss, _ = step.loss_and_gradients()
+            step.fp8.end_step()
+            losses.append(float(loss))
+        forward = {k: v.tolist() for k, v in step.fp8.state_dict().items()
+                   if not k.endswith(":grad")}
         step.capture(warmup=1)
-        out += [float(step(tokens).clone()) for _ in range(2)]
-        return out, step
+        graphed = [float(step(tokens).clone()) for _ in range(2)]
+        return losses, forward, graphed, step
 
-    (ours, step), (ref, plain) = losses(True), losses(False)
+    (ours, histories, graphed, step), (ref, ref_histories, ref_graphed, plain) = \
+        run(True), run(False)
     assert ours == ref
-    assert step.fp8.producers.counts["fused"] > 0
+    assert histories == ref_histories and histories
+    assert graphed == pytest.approx(ref_graphed, rel=1e-3)
+    assert step.cuda_graph is not None
+    layers = int(TINY["n_layers"])
+    assert step.fp8.producers.counts["fused"] >= 2 * 3 * layers  # steps 2 and 3 at least
     assert step.fp8.casts.counts["produced"] == step.fp8.producers.counts["fused"]
     assert not hasattr(plain.fp8, "producers")
