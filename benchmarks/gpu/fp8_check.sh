@@ -9,6 +9,10 @@
 #     SHAPES="tinyllama llama3-8b-layers" \
 #     VARIANTS=modulec_norecompute,modulec_norecompute_fp8,hf_compile,hf_compile_fp8 \
 #     bash benchmarks/gpu/fp8_check.sh        (issue 19's two FP8 targets in one call)
+#   STAGES="build tests step" TESTS="tests/test_fp8_producers.py tests/test_fp8_gemm.py" \
+#     STEPS=6 WARMUP=2 SHAPES="tinyllama llama3-8b-layers" \
+#     VARIANTS=modulec_norecompute_fp8,modulec_norecompute_fp8_fusedcast \
+#     bash benchmarks/gpu/fp8_check.sh        (the casts in their producers, opt-in, against not)
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -19,7 +23,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 stage_build() { build_extension 3; }
 stage_tests() {
   python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
-    ${TESTS:-tests/test_fp8_gemm.py tests/test_fp8.py} 2>&1 | tee "$OUT/fp8-tests.log" | tail -15
+    ${TESTS:-tests/test_fp8_gemm.py tests/test_fp8_producers.py tests/test_fp8.py} 2>&1 | tee "$OUT/fp8-tests.log" | tail -15
 }
 stage_gemm() {
   python3 benchmarks/kernels/bench_fp8_gemm.py --json "$OUT/results_fp8_gemm.json" \
