@@ -5,15 +5,18 @@ Layout: TP 8 inside a node (NVLink), PP 4 and DP 16 across nodes (InfiniBand),
 64 x 8 = 512 GPUs = DP 16 x PP 4 x TP 8. Per step each data-parallel replica runs M
 micro-batches of B sequences of T tokens through its 4-stage 1F1B pipeline.
 
-1. Compute: the cost model (modulec/plan/cost.py: roofline, GEMMs at 0.8 of 989 TFLOP/s,
-   attention at 0.54 / 0.42, memory-bound ops at 0.8 of 3.35 TB/s) on the graph one
+1. Compute: the cost model (modulec/plan/cost.py, calibrated in docs/decisions.md "Cost
+   model calibration": GEMMs at 0.78 of 989 TFLOP/s in whole waves of 256 x 128 tiles,
+   attention at 0.54 / 0.42 scaled by head dim and keys, memory-bound ops at 0.8 of 3.35
+   TB/s, norm backwards and RoPE at their measured shares) on the graph one
    tensor-parallel rank runs: the model built with heads, KV heads, d_ff and vocabulary
    divided by TP (column / row / vocab-parallel shards); norms and residual adds stay
    whole (no sequence parallelism).
 2. TP communication: per layer and micro-batch, 2 all-reduces of B x T x d bf16 in the
    forward (after attention's out projection and the MLP's down projection) and 2 in the
-   backward, ring all-reduce time = bytes x 2 (TP-1)/TP / bus bandwidth (450 GB/s NVLink),
-   not overlapped (added to the stage's compute).
+   backward, ring all-reduce time = bytes x 2 (TP-1)/TP / bus bandwidth (450 GB/s NVLink
+   x TP_EFFICIENCY 0.3: what the measured TP steps cost, see the cut below), not
+   overlapped (added to the stage's compute).
 3. Pipeline: `modulec.plan.pipeline` splits the per-rank graph into 4 stages (balanced by
    the cost model) and writes the 1F1B ops; `modulec.plan.pipeline_sim` runs them. Stage
    boundaries cross nodes: each TP rank sends 1/TP of the activations through its own
@@ -21,8 +24,10 @@ micro-batches of B sequences of T tokens through its 4-stage 1F1B pipeline.
    scatter/gather), so the link is TP x 50 GB/s for a whole activation.
 4. DP: ZeRO-1 (the distributed optimizer): per step, gradients reduce-scattered and
    updated weights all-gathered over DP ranks, bf16, ring: bytes x (DP-1)/DP / 50 GB/s
-   each (one NIC per GPU, all 8 GPUs of a node at once). The reduce-scatter overlaps the
-   last micro-batch's backward; the all-gather is exposed (conservative).
+   each (one NIC per GPU, all 8 GPUs of a node at once), plus DP_COLLECTIVE_S (0.11 ms)
+   for each of a stage's per-bucket collectives: the reduce-scatter overlaps the last
+   micro-batch's backward but costs its time all the same (measured on one node, see the
+   cut below); the all-gather is exposed.
 5. AdamW on the rank's shard: memory-bound, 16 bytes read + 14 written a parameter.
 
 Step = pipeline (bubble and p2p included) + exposed DP + optimizer. Prints a table, the
@@ -36,16 +41,27 @@ D x M GPUs of one node, predicted for the measured run to be set against:
             it (`tensor_parallel=M`: heads, KV heads and d_ff divided; embedding, norms
             and LM head whole on every rank), B sequences of T tokens
   TP        each all-reduce of the program (tp_all_reduce forward, tp_copy's backward:
-            2 + 2 per layer, B x T x d bf16 each) as a ring over NVLink (450 GB/s bus
-            bandwidth), on the compute stream, not overlapped
+            2 + 2 per layer, B x T x d bf16 each) as a ring at TP_EFFICIENCY (0.3) of the
+            NVLink bus bandwidth (450 GB/s: 135 GB/s), on the compute stream, not
+            overlapped. 0.3: what the measured TP steps leave for their all-reduces beyond
+            the rest of the model: 0.30 of 450 GB/s for the 70B cut's TP 4, 0.25 and 0.15
+            for Llama-3-8B's and the 70B cut's DP 2 x TP 2 (4 x H200), 0.55 for TinyLlama's
+            TP 2 (2 x H100, results-h100x4-train_step_dist-tp2-sp.txt)
   DP        D > 1: the rank's bf16 gradients (ZeRO 0: all-reduced; 1-2: reduce-scattered
             and the updated weights all-gathered; 3: the weights gathered again for the
-            forward and the backward) over NVLink, on the communication stream: what
-            exceeds the compute it overlaps (forward gathers / backward) is exposed
+            forward and the backward) over NVLink (450 GB/s), on the communication
+            stream, one bucket a layer or entry parameter (ZeRO 0: 1 collective a bucket,
+            1-2: 2, 3: 3): hidden under the compute, they still cost the step their ring
+            time plus DP_COLLECTIVE_S (0.11 ms) each (NCCL's kernels take SMs and HBM
+            bandwidth from the compute they overlap, each bucket syncs two streams).
+            From TinyLlama ZeRO-2 on 4 and 2 H200s: the +ms over one GPU plus the AdamW
+            share it saves is 12.8 and 10.5 ms, ring time 7.3 and 4.9 ms, 50 collectives
+  loss      cross-entropy over the vocabulary: the logits read and their gradient
+            written, bf16, at 0.5 of HBM (results_cross_entropy_h200.json: 2.4-2.8 TB/s)
   AdamW     the rank's parameters (its ZeRO share at stage >= 1), 30 bytes each at the
             device's memory bandwidth (0.8 of 3.35 TB/s on the H100, 4.8 TB/s on the H200)
-Step = compute + TP + exposed DP + AdamW. No launch gaps, no contention between TP and DP
-traffic on the links, no rank imbalance: a lower bound of the measured step.
+Step = compute + TP + DP + loss + AdamW. No launch gaps (none in a CUDA graph), no rank
+imbalance.
 """
 
 from __future__ import annotations
@@ -77,6 +93,11 @@ SHAPES = {"llama3-70b": LLAMA3_70B,
           "tinyllama": dict(n_layers=22, d_model=2048, num_heads=32, num_kv_heads=4,
                             d_ff=5632, vocab_size=32000, head_dim=64)}
 NVLINK_BUS_BYTES_PER_S = 450e9
+TP_EFFICIENCY = 0.3     # TP all-reduces' share of the bus bandwidth (measured TP steps)
+DP_COLLECTIVE_S = 0.11e-3  # a DP collective's fixed cost beyond its ring time
+ENTRY_BUCKETS = 3       # the entry parameters' buckets: embedding, final norm, LM head
+LOSS_BYTES_PER_LOGIT = 4  # bf16 logit read + its gradient written
+LOSS_BANDWIDTH = 0.5    # cross-entropy's share of HBM (results_cross_entropy_h200.json)
 ADAMW_BYTES_PER_PARAM = 30  # bf16 weight + grad, int16 master half, fp32 moments: r + w
 
 
@@ -145,7 +166,8 @@ def simulate_step(setup: Setup) -> dict:
     section = pipeline_section(graph, Pipeline(setup.pp, setup.microbatches), H100)
     model = dict(setup.model)
     activation = setup.micro_batch * setup.seq * model["d_model"] * 2  # bf16
-    tp_ar = all_reduce_s(activation, setup.tp, NVLINK_BUS_BYTES_PER_S) if setup.tp > 1 else 0
+    tp_ar = all_reduce_s(activation, setup.tp, NVLINK_BUS_BYTES_PER_S * TP_EFFICIENCY) \
+        if setup.tp > 1 else 0
     for stage in section["stages"]:  # 2 all-reduces per layer each way, exposed
         layers = sum(u["layers"][1] - u["layers"][0] + 1 for u in stage["units"]
                      if "layers" in u)
@@ -160,8 +182,9 @@ def simulate_step(setup: Setup) -> dict:
     grads = 2 * per_rank
     reduce_scatter = ring_half_s(grads, setup.dp, IB_BYTES_PER_S)
     all_gather = ring_half_s(grads, setup.dp, IB_BYTES_PER_S)
-    last_backward = max(s["backward_s"] for s in section["stages"])
-    exposed_dp = max(0.0, reduce_scatter - last_backward) + all_gather
+    layers = max(s["layers"] for s in section["stages"])  # the reduce-scatter overlaps
+    exposed_dp = reduce_scatter + all_gather + \
+        2 * (layers + ENTRY_BUCKETS) * DP_COLLECTIVE_S  # the backward, still paid
     adamw = per_rank / setup.dp * ADAMW_BYTES_PER_PARAM / H100.bytes_per_s
     step = timeline.step_s + exposed_dp + adamw
     tokens = setup.dp * setup.microbatches * setup.micro_batch * setup.seq
@@ -278,8 +301,16 @@ def dp_seconds(cut: Cut, params: int) -> tuple[float, float]:
     return 0.0, 2 * half
 
 
+def dp_collectives(cut: Cut) -> int:
+    """The DP collectives a step issues: one bucket per layer and entry parameter, ZeRO 0
+    all-reduces it, 1-2 reduce-scatter and all-gather, 3 also gathers for the forward."""
+    if cut.dp == 1:
+        return 0
+    return (cut.layers + ENTRY_BUCKETS) * {0: 1, 3: 3}.get(cut.zero, 2)
+
+
 def predict_cut(cut: Cut) -> dict:
-    """The predicted step of `cut` (docstring: compute + TP + exposed DP + AdamW)."""
+    """The predicted step of `cut` (docstring: compute + TP + DP + loss + AdamW)."""
     if cut.tp * cut.dp > GPUS_PER_NODE:
         raise ValueError(f"TP {cut.tp} x DP {cut.dp} is more than the "
                          f"{GPUS_PER_NODE} GPUs of a node")
@@ -288,14 +319,17 @@ def predict_cut(cut: Cut) -> dict:
     graph = llama_graph(dict(model, max_seq=max(cut.seq, 8192)), cut.batch, cut.seq, cut.tp)
     compute = step_seconds(graph, profile)
     tp_bytes, tp_count = tp_reduced(graph)
-    tp_s = all_reduce_s(tp_bytes, cut.tp, cut.nvlink) if cut.tp > 1 else 0.0
+    tp_s = all_reduce_s(tp_bytes, cut.tp, cut.nvlink * TP_EFFICIENCY) if cut.tp > 1 else 0.0
     params = model_parameters(model, cut.tp)
     dp_forward, dp_backward = dp_seconds(cut, params)
     exposed = max(0.0, dp_forward - compute["forward_s"]) + \
         max(0.0, dp_backward - compute["backward_s"])
+    dp_cost = dp_forward + dp_backward + dp_collectives(cut) * DP_COLLECTIVE_S
     shards = cut.dp if cut.zero >= 1 else 1
     adamw = params / shards * ADAMW_BYTES_PER_PARAM / profile.bytes_per_s
-    step = compute["step_s"] + tp_s + exposed + adamw
+    loss = cut.batch * cut.seq * model["vocab_size"] * LOSS_BYTES_PER_LOGIT / \
+        (LOSS_BANDWIDTH * profile.hbm_bytes_per_s)
+    step = compute["step_s"] + tp_s + dp_cost + loss + adamw
     tokens = cut.batch * cut.seq * cut.dp
     gpus = cut.tp * cut.dp
     state = params * (COMPUTE_BYTES / (cut.dp if cut.zero == 3 else 1) +
@@ -307,7 +341,8 @@ def predict_cut(cut: Cut) -> dict:
             "compute_backward_ms": compute["backward_s"] * 1e3,
             "tp_all_reduces": tp_count, "tp_bytes": tp_bytes, "tp_ms": tp_s * 1e3,
             "dp_forward_ms": dp_forward * 1e3, "dp_backward_ms": dp_backward * 1e3,
-            "dp_exposed_ms": exposed * 1e3, "adamw_ms": adamw * 1e3,
+            "dp_exposed_ms": exposed * 1e3, "dp_ms": dp_cost * 1e3, "loss_ms": loss * 1e3,
+            "adamw_ms": adamw * 1e3,
             "step_s": step, "tokens_per_step": tokens, "tokens_per_s": tokens / step,
             "tokens_per_s_per_gpu": tokens / step / gpus,
             "mfu": 6 * model_parameters(model) * tokens / step / (gpus * profile.peak_flops)}
@@ -323,10 +358,13 @@ def report_cut(r: dict) -> str:
         f"compute (cost model, one rank's program): forward {r['compute_forward_ms']:.2f} ms "
         f"+ backward {r['compute_backward_ms']:.2f} ms",
         f"TP: {r['tp_all_reduces']} all-reduces, {r['tp_bytes'] / 2 ** 30:.2f} GiB a step, "
-        f"ring over {c['nvlink'] / 1e9:.0f} GB/s: {r['tp_ms']:.2f} ms",
+        f"ring over {c['nvlink'] * TP_EFFICIENCY / 1e9:.0f} GB/s ({TP_EFFICIENCY} of "
+        f"{c['nvlink'] / 1e9:.0f}): {r['tp_ms']:.2f} ms",
         f"DP: forward {r['dp_forward_ms']:.2f} ms, backward {r['dp_backward_ms']:.2f} ms of "
-        f"collectives, exposed {r['dp_exposed_ms']:.2f} ms; AdamW {r['adamw_ms']:.2f} ms",
-        f"step = compute + TP + exposed DP + AdamW = {r['step_s'] * 1e3:.1f} ms: "
+        f"collectives at {c['nvlink'] / 1e9:.0f} GB/s, exposed {r['dp_exposed_ms']:.2f} ms, "
+        f"cost {r['dp_ms']:.2f} ms (+{DP_COLLECTIVE_S * 1e3:.2f} ms a collective); loss "
+        f"{r['loss_ms']:.2f} ms; AdamW {r['adamw_ms']:.2f} ms",
+        f"step = compute + TP + DP + loss + AdamW = {r['step_s'] * 1e3:.1f} ms: "
         f"{r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_s_per_gpu']:.0f} per GPU, MFU "
         f"{r['mfu']:.1%}; state {r['state_bytes_per_rank'] / 2 ** 30:.1f} GiB a rank "
         f"(weights, master low halves, moments; no activations)"])

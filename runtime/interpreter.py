@@ -255,9 +255,16 @@ class Interpreter:
             self.frame_events.frame_begin(frame.path, bool(function.gradient_of))
 
     def _zeros_for_absent(self, grads: list, child: Frame) -> list:
+        """Zeros for the gradients no one gave, shaped as the forward outputs (an output
+        the planner swapped out or dropped is restored first)."""
         outputs = child.function.outputs
-        return [g if g is not None else torch.zeros_like(child.env[o])
+        return [g if g is not None else torch.zeros_like(self._forward_output(child, o))
                 for g, o in zip(grads, outputs)]
+
+    def _forward_output(self, child: Frame, value: str):
+        if value not in child.env:
+            self._restore(child, value)
+        return child.env[value]
 
     def _child_frame(self, callee: Function, frame: Frame, node: Node, layer: int) -> Frame:
         path, indices = child_path(callee, frame.path, frame.indices, node, layer)

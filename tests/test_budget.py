@@ -2,16 +2,18 @@
 `modulec plan --memory-budget` (modulec.plan.budget and its parts)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
 
 from modulec.cli.main import modulec
-from modulec.ir.graph import Node, ValueInfo
+from modulec.ir.graph import Function, Graph, Node, ValueInfo
 from modulec.lower.build import BuildRequest, build
 from modulec.paths import REPO_DIR
 from modulec.plan.budget import make_problem, no_recompute, parse_size, plan_budget, summary
-from modulec.plan.cost import Cost, Values, node_cost, step_seconds
+from modulec.plan.cost import (Cost, Values, attention_scale, node_cost, step_seconds,
+                               value_table)
 from modulec.plan.devices import H100, H200
 from modulec.plan.from_graph import plan_step
 from modulec.plan.mutwo import prefix
@@ -90,8 +92,45 @@ def test_views_are_free_and_elementwise_ops_move_bytes():
     silu = node_cost(table, Node("f0", "op", "silu", ("x",), ("y",)))
     assert (silu.flops, silu.bytes) == (0, 2 * 4 * 256 * 2)
     assert silu.seconds(H200) == pytest.approx(silu.bytes / (4.8e12 * 0.8))
-    assert Cost(1e12, 0).seconds(H100) == pytest.approx(1 / (989 * 0.8))
+    assert Cost(1e12, 0).seconds(H100) == pytest.approx(1 / (989 * 0.78))
+    # a GEMM in whole waves of 256 x 128 tiles over 132 SMs: 264 tiles are 2 full waves,
+    # 265 a third wave for one tile
+    full = 2 * (264 * 256 * 128) * 1024
+    assert Cost(full, 0, gemms=((264 * 256, 128, 1024),)).seconds(H100) == pytest.approx(
+        full / (989e12 * 0.78))
+    assert Cost(full, 0, gemms=((265 * 256, 128, 1024),)).seconds(H100) == pytest.approx(
+        1.5 * full / (989e12 * 0.78))
     assert Cost(1e12, 0, "attention").seconds(H100) == pytest.approx(1 / (989 * 0.54))
+    rope = node_cost(table, Node("f0", "op", "rope", ("x",), ("y",)))
+    assert rope.seconds(H200) == pytest.approx(rope.bytes / (4.8e12 * 0.35))
+
+
+def test_weight_gradient_counts_every_leading_row():
+    """d_W = d_y^T x contracts over B and T both: 2 * B * T * N * K (a `TN` matmul)."""
+    table = values(dy=(2, 8, 32), x=(2, 8, 64), dw=(32, 64))
+    cost = node_cost(table, Node("b0", "op", "matmul", ("dy", "x"), ("dw",),
+                                 (("transpose", "TN"),)))
+    assert cost.flops == 2 * 2 * 8 * 32 * 64 and cost.gemms == ((32, 64, 16),)
+
+
+def test_attention_rate_scales_with_head_dim_and_keys():
+    assert attention_scale(128, 2048) == pytest.approx(1.0)
+    assert attention_scale(128, 8192) == pytest.approx(1.0)  # no faster than measured
+    assert attention_scale(64, 1024) == pytest.approx(0.356 / 0.54, rel=0.02)  # TinyLlama
+    assert attention_scale(128, 1024) == pytest.approx(429 / 530, rel=0.02)  # 8B, T 2048
+
+
+def test_concat_of_parts_made_for_it_is_free():
+    x, y = ValueInfo("x", ("4", "8"), "bf16"), ValueInfo("y", ("4", "8"), "bf16")
+    nodes = [Node("n0", "op", "silu", ("a",), ("x",)), Node("n1", "op", "silu", ("a",), ("y",)),
+             Node("n2", "op", "concat", ("x", "y"), ("z",), (("dim", -1),))]
+    joined = Function("f", "F", "", (), (), (ValueInfo("a", ("4", "8"), "bf16"),), ("z",),
+                      (x, y), tuple(nodes))
+    assert node_cost(value_table(Graph("m", "f", ""), joined), nodes[2]) == Cost()
+    saved = replace(joined, saved=("x",))  # the backward reads x: a buffer of its own
+    assert node_cost(value_table(Graph("m", "f", ""), saved), nodes[2]).bytes > 0
+    shared = replace(joined, nodes=tuple(nodes) + (Node("n3", "op", "silu", ("x",), ("w",)),))
+    assert node_cost(value_table(Graph("m", "f", ""), shared), nodes[2]).bytes > 0
 
 
 def test_step_time_and_devices(graph):

@@ -18,11 +18,16 @@ from tests.runtime_models import TINY, token_inputs  # noqa: E402
 
 BUDGETS = {"llama": 343_000, "example_gpt2": 545_000, "mixtral": 807_000,
            "gemma": 420_000}  # gemma: its `(1 + w)` norms replayed by apply_saved
+# planned for the H100 these tiny models swap (their copies hide under the GEMMs' waves,
+# modulec/plan/devices.py); planned for an executor that does not swap, they recompute
+DEVICES = {"h100": "swapped_out", "h100-noswap": "recomputed"}
 
 
-def _run(name: str, budget, dtype=torch.float64, arena=False):
+def _run(name: str, budget, dtype=torch.float64, arena=False, device="h100"):
     path, settings = TINY[name]
     model = Model.from_module(path, settings=settings, dtype=dtype, memory_budget=budget)
+    if budget is not None:
+        model.source.planning.device = device
     model.init_random(0, std=0.3)
     model.arena = arena
     outputs = model.forward(**token_inputs(model))
@@ -30,22 +35,27 @@ def _run(name: str, budget, dtype=torch.float64, arena=False):
     return outputs, model.backward(**seeds).params, model._decisions()
 
 
+@pytest.mark.parametrize("device", sorted(DEVICES))
 @pytest.mark.parametrize("name", sorted(BUDGETS))
-def test_planned_recompute_and_swap_give_the_plain_results_exactly(name):
+def test_planned_recompute_and_swap_give_the_plain_results_exactly(name, device):
     plain_out, plain_grads, none = _run(name, None)
-    out, grads, decisions = _run(name, BUDGETS[name])
+    out, grads, decisions = _run(name, BUDGETS[name], device=device)
     assert none is None
     counts = decisions.counts
-    assert counts["dropped"] > 0 and counts["recomputed"] > 0, counts
-    assert counts["swapped_out"] > 0 and counts["swapped_in"] > 0, counts
+    assert counts[DEVICES[device]] > 0, counts
+    if device == "h100":
+        assert counts["swapped_in"] > 0, counts
+    else:
+        assert counts["dropped"] > 0 and counts["swapped_out"] == 0, counts
     assert all(torch.equal(plain_out[k], out[k]) for k in plain_out)
     assert all(torch.equal(plain_grads[k], grads[k]) for k in plain_grads)
 
 
+@pytest.mark.parametrize("device", sorted(DEVICES))
 @pytest.mark.parametrize("name", sorted(BUDGETS))
-def test_on_the_arena_released_bytes_are_restored_before_they_are_read(name):
+def test_on_the_arena_released_bytes_are_restored_before_they_are_read(name, device):
     _, plain_grads, _ = _run(name, None, torch.bfloat16, arena=True)
-    _, grads, _ = _run(name, BUDGETS[name], torch.bfloat16, arena=True)
+    _, grads, _ = _run(name, BUDGETS[name], torch.bfloat16, arena=True, device=device)
     for key, want in plain_grads.items():
         got = grads[key]
         assert not got.isnan().any(), key
