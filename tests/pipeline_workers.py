@@ -92,3 +92,45 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
                         "owned": first.owned})
     torch.save(results, f"{out}.{rank}")
     context.close()
+
+
+def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> None:
+    """Each of `runs` ((sp, steps, micro, rows, seq)) on the tiny Llama, two stages of
+    --tp 2 (TP x PP, 4 ranks; 8: two pipelines), this rank's slices of the reference's
+    random weights; then the whole state after step 1 (state(): the slices and stages
+    joined on rank 0, sent to every rank, cut into each rank's slices) loaded into a fresh
+    trainer that runs the steps after it. Rank r saves per run its losses, the whole state
+    after the last step and the resumed run's losses to `out`.r."""
+    import torch.distributed as dist
+
+    from runtime.train.data_parallel import rank_state
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+    from tests.tp_workers import tiny_model as tp_model
+
+    context = join(rank, world, port)
+    results = []
+    for sp, steps, micro, rows, seq in runs:
+        replica, own = rank // 4, rows * micro
+
+        def trainer():
+            model = tp_model("llama", 2, rank % 2, sequence_parallel=sp)
+            model.check_finite = False
+            return PipelineTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1),
+                                   context, 2, micro)
+
+        first, batches = trainer(), windows(steps, own * world // 4, seq)
+        losses, saved = [], None
+        for step, window in enumerate(batches):
+            losses.append(first.train_step(window[replica * own:(replica + 1) * own]))
+            if step == 0:
+                saved = [first.state()]
+                dist.broadcast_object_list(saved, src=0)
+        whole = first.state()
+        resumed = trainer()
+        resumed.load_state(rank_state(saved[0], resumed.model, rank % 2))
+        again = [resumed.train_step(w[replica * own:(replica + 1) * own])
+                 for w in batches[1:]]
+        results.append({"losses": losses, "whole": whole, "resumed": again})
+    torch.save(results, f"{out}.{rank}")
+    context.close()

@@ -112,7 +112,8 @@ def _request(**given):
     (dict(zero=2), 4, "--zero with --pp: not supported yet"),
     (dict(zero=1), 2, "--zero 1 with --pp shards each stage's optimizer state over its "
                       "data-parallel replicas; these 2 processes are one pipeline"),
-    (dict(tp=2), 2, "--tp with --pp: not supported yet"),
+    (dict(tp=2), 6, "the 6 processes are not a multiple of --pp 2 x --tp 2 = 4: each "
+                    "data-parallel replica is one pipeline of 4 processes"),
     (dict(memory_budget=2**30), 2, "--memory-budget with --pp: not supported yet"),
     (dict(grad_accum=2), 2, "--grad-accum with --pp"),
 ])

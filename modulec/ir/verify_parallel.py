@@ -12,7 +12,8 @@ per instance, for an entry bucket also the first and last repeated layer's, then
 instance first backward_begin and gradients_ready, then step_end), every `wait_event`
 finds its event recorded before.
 
-pipeline: the mesh's pp is the stage count (tp 1); the data-parallel buckets and ops
+pipeline: the mesh's pp is the stage count, its tp the tensor_parallel section's size
+(1 without: each stage is that TP rank program); the data-parallel buckets and ops
 (modulec.ir.verify_pipeline_dp); the stages cover the entry's forward in order, each a
 contiguous range; each stage runs the forward and then the backward of every micro-batch
 once; sends and
@@ -39,14 +40,16 @@ def verify_parallel(schedule: dict, graph: Graph) -> list[str]:
         problems += [f"schedule.distributed: {m}"
                      for m in _guarded(verify_distributed, schedule["distributed"], graph)]
     if "pipeline" in schedule:
+        tp = schedule.get("tensor_parallel")
+        size = tp.get("size", 1) if isinstance(tp, dict) else 1
         problems += [f"schedule.pipeline: {m}"
-                     for m in _guarded(verify_pipeline, schedule["pipeline"], graph)]
+                     for m in _guarded(verify_pipeline, schedule["pipeline"], graph, size)]
     return problems
 
 
-def _guarded(check, section, graph) -> list[str]:
+def _guarded(check, section, graph, *more) -> list[str]:
     try:
-        return check(section, graph)
+        return check(section, graph, *more)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         return [f"malformed: {type(exc).__name__}: {exc}"]
 
@@ -242,7 +245,9 @@ def parameter_shapes(graph: Graph) -> dict:
 
 
 # ====================================================================== pipeline
-def verify_pipeline(section, graph: Graph) -> list[str]:
+def verify_pipeline(section, graph: Graph, tp: int = 1) -> list[str]:
+    """`tp`: the document's tensor-parallel size (its `tensor_parallel` section's; 1
+    without), which the mesh must say: each stage is that rank program."""
     if not isinstance(section, dict):
         return ["expected an object"]
     missing = [k for k in ("stages", "microbatches", "boundaries", "ops", "streams", "mesh")
@@ -252,7 +257,7 @@ def verify_pipeline(section, graph: Graph) -> list[str]:
     count, micro = len(section["stages"]), section["microbatches"]
     if not count or not _positive(micro):
         return [f"{count} stages and {micro!r} micro-batches: both must be at least 1"]
-    problems = _pp_mesh(section["mesh"], count)
+    problems = _pp_mesh(section["mesh"], count, tp)
     if problems:
         return problems
     problems = _coverage(section["stages"], graph)
@@ -273,15 +278,17 @@ def verify_pipeline(section, graph: Graph) -> list[str]:
     return problems
 
 
-def _pp_mesh(mesh, count: int) -> list[str]:
+def _pp_mesh(mesh, count: int, tp: int = 1) -> list[str]:
     if not isinstance(mesh, dict) or set(mesh) != {"dp", "tp", "pp"} or not all(
             _positive(v) for v in mesh.values()):
         return [f"`mesh` must be {{dp, tp, pp}} of positive integers, not {mesh!r}"]
     if mesh["pp"] != count:
         return [f"`mesh` says pp {mesh['pp']}, but the section has {count} stages"]
-    if mesh["tp"] != 1:
-        return [f"`mesh` tp {mesh['tp']}: tensor parallel inside pipeline stages is not "
-                "supported yet (tp must be 1)"]
+    if mesh["tp"] != tp:
+        built = f"a tensor_parallel section of size {tp}" if tp > 1 else \
+            "no tensor_parallel section (tp 1)"
+        return [f"`mesh` says tp {mesh['tp']}, but the document's stages are built with "
+                f"{built}"]
     return []
 
 

@@ -206,6 +206,7 @@ def _pipeline(graph, document: dict, request: BuildRequest) -> None:
     options = request.pipeline or Pipeline()
     if request.distributed is not None:  # its data-parallel size is the pipelines'
         options = replace(options, dp=request.distributed.dp, zero=0)
+    options = replace(options, tp=request.tensor_parallel)  # each stage a TP rank program
     try:
         section = pipeline_section(graph, options)
     except ShapeUnknown as exc:

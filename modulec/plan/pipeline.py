@@ -67,10 +67,13 @@ class Pipeline:
     microbatches: int | None = None  # --microbatches; None: 4 * stages
     dp: int = 1  # data-parallel pipelines (modulec.plan.pipeline_dp)
     zero: int = 0  # 1: the optimizer state of a stage sharded over its DP group by bucket
+    tp: int = 1  # each stage a tensor-parallel rank program of tp ranks (the mesh's tp)
 
     def __post_init__(self):
         if self.dp < 1:
             raise ValueError(f"the data-parallel size must be at least 1, not {self.dp}")
+        if self.tp < 1:
+            raise ValueError(f"the tensor-parallel size must be at least 1, not {self.tp}")
         if self.zero not in (0, 1):
             raise ValueError(f"a pipeline shards with ZeRO 0 or 1, not {self.zero}")
         if self.stages is not None and self.stages < 1:
@@ -98,7 +101,7 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
                "boundaries": boundaries,
                "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
     zero = options.zero if options.dp > 1 else 0
-    return add_data_parallel(section, graph, options.dp, zero)
+    return add_data_parallel(section, graph, options.dp, zero, options.tp)
 
 
 # ---------------------------------------------------------------------- units

@@ -5,7 +5,10 @@ docs/build-output.md).
 
 Rank r = ((dp_index x PP) + pp_index) x TP + tp_index: the ranks of one data-parallel
 index form a pipeline (one PP group each), and the ranks of one stage across the
-pipelines hold the same parameters (one DP group each). Every pipeline runs the whole
+pipelines hold the same parameters (one DP group each). With tp > 1 (`--pp P --tp M`)
+each stage's program is a tensor-parallel rank program: the M ranks of one stage are one
+TP group, a pipeline is the P ranks of one tp_index, and a DP group is one (stage,
+tp_index); the buckets hold that rank's slices (the graph's shapes). Every pipeline runs the whole
 1F1B op list on its own rows; after a stage's last op (its last backward and the send of
 its gradients) each of its buckets is one `all_reduce` over the stage's DP group that
 leaves the mean there, so every replica of a stage steps AdamW on the same gradients.
@@ -38,11 +41,12 @@ def mesh(dp: int, pp: int, tp: int = 1) -> dict:
     return {"dp": dp, "pp": pp, "tp": tp}
 
 
-def add_data_parallel(section: dict, graph, dp: int, zero: int = 0) -> dict:
-    """`section` with its `mesh` and ZeRO stage, and for dp > 1 each stage's
+def add_data_parallel(section: dict, graph, dp: int, zero: int = 0, tp: int = 1) -> dict:
+    """`section` with its `mesh` (`tp`: each stage a TP rank program of that many ranks,
+    its buckets that rank's slices) and ZeRO stage, and for dp > 1 each stage's
     `grad_buckets` and its ops ending in one all_reduce per bucket (ZeRO-1: then the
     optimizer step and one broadcast per bucket from its owner)."""
-    section["mesh"] = mesh(dp, len(section["stages"]))
+    section["mesh"] = mesh(dp, len(section["stages"]), tp)
     section["zero"] = zero
     if dp == 1:
         return section

@@ -1,15 +1,19 @@
-"""The process groups of a pipeline run with data parallel over its pipelines (DP x PP),
-from the `mesh` of the IR's `pipeline` section (docs/distributed.md, "Internet scale on
-paper"): rank r = ((dp_index x PP) + pp_index) x TP + tp_index, TP 1 here, so
+"""The process groups of a pipeline run, with data parallel over its pipelines (DP x PP)
+and tensor parallel inside its stages (TP x PP), from the `mesh` of the IR's `pipeline`
+section (docs/distributed.md, "Internet scale on paper"):
+rank r = ((dp_index x PP) + pp_index) x TP + tp_index, so
 
-- the PP group of data-parallel index d is ranks d x PP .. d x PP + PP - 1 (one pipeline:
-  its sends and receives),
-- the DP group of stage s is ranks s, s + PP, s + 2 PP, ... (the replicas of one stage:
-  the all-reduce of its gradients).
+- the TP group of (dp_index d, stage s) is ranks (d x PP + s) x TP .. + TP - 1
+  (consecutive: the stage's tensor-parallel ranks, its `tp_copy` / `tp_all_reduce`),
+- the PP group of (d, tp_index t) is ranks (d x PP + s) x TP + t for s = 0 .. PP - 1
+  (one pipeline: its sends and receives, each TP rank to the same tp_index of the next
+  stage),
+- the DP group of (s, t) is ranks (d x PP + s) x TP + t for d = 0 .. DP - 1 (the
+  replicas of one stage's slice: the all-reduce of its gradients).
 
 Every rank creates every group (`torch.distributed.new_group` is collective over the
-default group, in the same order everywhere) and keeps its own two. With dp 1 the
-pipeline is the default group and there is no DP group.
+default group, in the same order everywhere: TP, then PP, then DP) and keeps its own. A
+group of the whole world is the default group (None); a dimension of size 1 has none.
 """
 
 from __future__ import annotations
@@ -27,20 +31,33 @@ class PipelineMesh:
     dp: int
     pp: int
     rank: int
-    pp_group: object = None  # None: the default group (dp 1)
+    pp_group: object = None  # None: the default group (dp 1, tp 1)
     dp_group: object = None  # None: no data parallel (dp 1)
+    tp: int = 1
+    tp_group: object = None  # None: no tensor parallel (tp 1)
+
+    @property
+    def tp_index(self) -> int:
+        return self.rank % self.tp
 
     @property
     def stage(self) -> int:
-        return self.rank % self.pp
+        return self.rank // self.tp % self.pp
 
     @property
     def dp_index(self) -> int:
-        return self.rank // self.pp
+        return self.rank // (self.pp * self.tp)
 
     def rank_of(self, stage: int) -> int:
-        """The global rank of `stage` in this rank's pipeline."""
-        return self.dp_index * self.pp + stage
+        """The global rank of `stage` in this rank's pipeline (its tp_index)."""
+        return self.global_rank(self.dp_index, stage, self.tp_index)
+
+    def replica_rank(self, dp_index: int) -> int:
+        """The global rank of this stage's slice in pipeline `dp_index`."""
+        return self.global_rank(dp_index, self.stage, self.tp_index)
+
+    def global_rank(self, dp_index: int, stage: int, tp_index: int) -> int:
+        return (dp_index * self.pp + stage) * self.tp + tp_index
 
     @classmethod
     def of(cls, context, mesh: dict) -> "PipelineMesh":
@@ -52,16 +69,28 @@ class PipelineMesh:
                 f"the IR's pipeline mesh is dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp} "
                 f"processes; this run has {context.world}",
                 help=[f"launch torchrun --nproc-per-node {dp * pp * tp}, or build the IR "
-                      f"for this launch: modulec build ... --pp {pp} --dp "
-                      f"{max(context.world // (pp * tp), 1)}"])
-        if dp == 1:
+                      f"for this launch: modulec build ... --pp {pp}"
+                      + (f" --tp {tp}" if tp > 1 else "")
+                      + f" --dp {max(context.world // (pp * tp), 1)}"])
+        if dp == 1 and tp == 1:
             return cls(dp, pp, context.rank)
-        pipelines = [dist.new_group(list(range(d * pp, (d + 1) * pp))) for d in range(dp)]
-        replicas = [dist.new_group(list(range(s, context.world, pp))) for s in range(pp)]
-        own = cls(dp, pp, context.rank, pipelines[context.rank // pp],
-                  replicas[context.rank % pp])
-        for group in (own.pp_group, own.dp_group):  # every member at once (below)
-            _warm_up(group, context.device)
+        plain = cls(dp, pp, context.rank, tp=tp)
+        at = plain.global_rank
+        tp_groups = [[at(d, s, t) for t in range(tp)] for d in range(dp) for s in range(pp)]
+        pp_groups = [[at(d, s, t) for s in range(pp)] for d in range(dp) for t in range(tp)]
+        dp_groups = [[at(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)]
+        mine = {}
+        for kind, groups, size in (("tp", tp_groups, tp), ("pp", pp_groups, pp),
+                                   ("dp", dp_groups, dp)):
+            if size == 1:
+                continue
+            for ranks in groups:  # every rank makes every group, in this order
+                group = dist.new_group(ranks) if len(ranks) < context.world else None
+                if context.rank in ranks:
+                    mine[kind] = group
+        own = cls(dp, pp, context.rank, mine.get("pp"), mine.get("dp"), tp, mine.get("tp"))
+        for kind in mine:  # every member at once (below)
+            _warm_up(mine[kind], context.device)
         return own
 
 

@@ -297,7 +297,7 @@ class StageRunner:
         params = self.it.params
         flat = torch.cat([params[row["path"]].detach().reshape(-1)
                           for row in bucket["params"]])
-        dist.broadcast(flat, src=root * self.mesh.pp + self.plan.stage,
+        dist.broadcast(flat, src=self.mesh.replica_rank(root),
                        group=self.mesh.dp_group)
         with torch.no_grad():
             for row in bucket["params"]:

@@ -47,14 +47,15 @@ def check_launch(request, context) -> None:
         raise RuntimeUserError(f"--pp {pp} runs one stage per process; this is one process",
                                help=[f"launch torchrun --nproc-per-node {pp} -m modulec "
                                      "train ..."])
-    for flag, given in (("--tp", request.tp > 1), ("--zero", request.zero not in (None, 0, 1)),
+    for flag, given in (("--zero", request.zero not in (None, 0, 1)),
                         ("--lora", request.lora is not None),
                         ("--memory-budget", getattr(request, "memory_budget", None) is not None)):
         if given:
             raise RuntimeUserError(f"{flag} with --pp: not supported yet",
                                    help=["pipeline runs train every parameter, one stage a "
-                                         "process, the pipelines data parallel (ZeRO 0 or "
-                                         "1: each stage's gradients all-reduced)"])
+                                         "process (or --tp M processes), the pipelines "
+                                         "data parallel (ZeRO 0 or 1: each stage's "
+                                         "gradients all-reduced)"])
     group = pp * request.tp
     if context.world % group:
         raise RuntimeUserError(f"the {context.world} processes are not a multiple of --pp "
@@ -132,9 +133,10 @@ class PipelineTrainer:
 
         from runtime.dist.mesh import PipelineMesh
 
+        tp = getattr(model.source, "tensor_parallel", 1)  # each stage a TP rank program
         if not isinstance(model.source, IRSource):  # an IR document has its own section
-            with_pipeline(model, stages, microbatches, max(context.world // stages, 1),
-                          zero or 0)
+            with_pipeline(model, stages, microbatches,
+                          max(context.world // (stages * tp), 1), zero or 0)
         names = model.source.program(planned=False).input_names()
         program = model.source.program_for(sized_inputs(names, batch, seq))
         section = _section(program, stages, microbatches, zero)
@@ -142,6 +144,12 @@ class PipelineTrainer:
         _refuse_unsupported(model, program, section)
         self.model, self.program, self.inputs = model, program, names
         self.mesh = mesh = PipelineMesh.of(context, section["mesh"])
+        from runtime.kernels.comm import set_tp_group
+
+        set_tp_group(mesh.tp_group)  # the stage's tp_copy / tp_all_reduce (None: tp 1)
+        from runtime.tensor_parallel import sharded_paths
+
+        self.sharded = sharded_paths(program)  # path -> its shard (TP x PP), else {}
         self.stage = mesh.stage
         own = set(section["stages"][self.stage]["params"])
         self.names = [p for p in owned_paths(model) if p in own]
@@ -190,7 +198,7 @@ class PipelineTrainer:
         settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
         total = {p: clip_gradient(g, settings[p][2]) for p, g in total.items()
                  if p not in self.frozen}
-        square = global_norm(total.values()).to(self.device, torch.float64) ** 2
+        square = self._square(total)
         # every stage's share of the global norm (the replicas' gradients are equal)
         dist.all_reduce(square, group=self.mesh.pp_group)
         self.grad_norm = square.sqrt()
@@ -200,12 +208,25 @@ class PipelineTrainer:
             total = {p: g for p, g in total.items() if p in self.owned}
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
 
+    def _square(self, total: dict) -> Tensor:
+        """This stage's squared gradient norm: under TP its slices' summed over the TP
+        group, the replicated parameters' (equal on every TP rank) once."""
+        def square(grads) -> Tensor:
+            return global_norm(grads).to(self.device, torch.float64) ** 2 if grads else \
+                torch.zeros((), dtype=torch.float64, device=self.device)
+
+        if self.mesh.tp == 1:
+            return square(list(total.values()))
+        sliced = square([g for p, g in total.items() if p in self.sharded])
+        dist.all_reduce(sliced, group=self.mesh.tp_group)
+        return sliced + square([g for p, g in total.items() if p not in self.sharded])
+
     def _loss(self, losses: list[float]) -> float:
-        """The mean loss over every pipeline's micro-batches (their last stages'), on
-        every rank."""
+        """The mean loss over every pipeline's micro-batches (their last stages', each
+        TP rank's the same), on every rank."""
         value = torch.tensor([sum(losses)], dtype=torch.float64, device=self.device)
         dist.all_reduce(value)
-        return float(value) / (self.microbatches * self.mesh.dp)
+        return float(value) / (self.microbatches * self.mesh.dp * self.mesh.tp)
 
     def set_lr(self, lr: float) -> None:
         self.adamw.lr = lr
@@ -233,13 +254,30 @@ class PipelineTrainer:
                     for part in mine}
         if self.mesh.dp_index:
             return {"step": self.adamw.step}
+        if self.mesh.tp > 1:  # the stage's TP slices joined into whole tensors
+            mine = self._whole(mine)
+            if self.mesh.tp_index:
+                return {"step": self.adamw.step}
         stages = [None] * self.mesh.pp
         dist.all_gather_object(stages, mine, group=self.mesh.pp_group)
         return {part: {p: t for s in stages for p, t in s[part].items()}
                 for part in mine} | {"step": self.adamw.step}
 
+    def _whole(self, mine: dict) -> dict:
+        """This stage's state with its TP slices joined with the TP group's (a
+        collective over it)."""
+        from runtime.tensor_parallel import unshard_tensors
+
+        ranks = [None] * self.mesh.tp
+        dist.all_gather_object(ranks, mine, group=self.mesh.tp_group)
+        return {part: {p: unshard_tensors([r[part][p] for r in ranks], self.sharded[p])
+                       if p in self.sharded else t for p, t in values.items()}
+                for part, values in mine.items()}
+
     def load_state(self, state: dict) -> None:
-        """A whole state (a checkpoint's): this stage takes its parameters' part."""
+        """A whole state (a checkpoint's; under TP this rank's slices of it, as
+        runtime.train.data_parallel.rank_state cuts them): this stage takes its
+        parameters' part."""
         with torch.no_grad():
             for path in self.names:
                 self.model.params[path].copy_(state["masters"][path])
@@ -342,6 +380,13 @@ def _refuse_unsupported(model: Model, program, section: dict) -> None:
     """What the pipeline does not run yet: an error, never a wrong step."""
     from runtime.hf_weights.schema import tied_targets
 
+    built_tp = section["mesh"].get("tp", 1)
+    if built_tp != getattr(model.source, "tensor_parallel", 1):
+        raise RuntimeUserError(f"the IR's pipeline stages are tensor-parallel rank programs "
+                               f"(mesh tp {built_tp}); --tp with an IR document is not "
+                               "supported yet", help=[f"train the .module with --pp "
+                                                      f"{len(section['stages'])} --tp "
+                                                      f"{built_tp}"])
     ties = tied_targets(program.weight_schema)
     if ties:
         raise RuntimeUserError(f"--pp with tied weights ({', '.join(sorted(ties))}) is not "

@@ -525,7 +525,8 @@ class Run:
         # shards hold the moments (runtime.train.shards.replaces_optimizer)
         state = self.trainer.state(moments=False) if shards is not None and \
             shards.replaces_optimizer else self.trainer.state()
-        if self.request.tp > 1:  # the ranks' slices joined (a collective too)
+        if self.request.tp > 1 and self.request.pp == 1:  # the ranks' slices joined
+            # (a collective too; a pipeline's state() joins its stages' slices itself)
             from runtime.train.data_parallel import whole_state
 
             state = whole_state(state, self.model, self.parallel)

@@ -1,0 +1,112 @@
+"""Tensor parallel inside pipeline stages (TP x PP; issues 17 and 20): each stage's
+program is the `--tp` rank program of its units, rank r = ((dp_index x PP) + pp_index) x
+TP + tp_index; the TP collectives run in the stage's TP group, the sends between the
+ranks of one tp_index (docs/distributed.md, "Tensor parallel inside pipeline stages")."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from tests import pipeline_workers  # noqa: E402
+from tests.test_dist_zero import free_port  # noqa: E402
+
+PARTS = ("masters", "exp_avg", "exp_avg_sq")
+
+
+def test_pp2_tp2_trains_as_one_process_accumulating(tmp_path):
+    """PP 2 x TP 2 on four gloo processes (ranks 0, 1: stage 0's TP pair; 2, 3: stage
+    1's), the tiny Llama in float64, with and without --sp: the losses, and every
+    parameter and moment after two steps (the slices and stages joined by state()), are
+    one process's with --grad-accum 2 over the same rows (to 1e-10); a trainer given the
+    state after step 1, cut into its slices, ends the same."""
+    out = tmp_path / "tpp"
+    steps, micro, rows, seq = 2, 2, 2, 8
+    runs = [(False, steps, micro, rows, seq), (True, steps, micro, rows, seq)]
+    mp.spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
+             args=(4, free_port(), runs, str(out)))
+    ranks = [torch.load(f"{out}.{r}") for r in range(4)]
+    want_losses, want = pipeline_workers.train_reference("llama", steps, micro, rows, seq)
+    for index, (sp, *_) in enumerate(runs):
+        for rank in ranks:
+            assert rank[index]["losses"] == pytest.approx(want_losses, rel=1e-10), sp
+            assert rank[index]["resumed"] == pytest.approx(want_losses[1:], rel=1e-10), sp
+        got = ranks[0][index]["whole"]
+        for part in PARTS:
+            assert set(got[part]) == set(want[part]), (sp, part)
+            for path, value in want[part].items():
+                torch.testing.assert_close(got[part][path], value, rtol=1e-10, atol=1e-12,
+                                           msg=f"sp {sp} {part} {path}")
+
+
+def test_the_mesh_places_ranks_stage_major_tp_minor():
+    from runtime.dist.mesh import PipelineMesh
+
+    # rank 5 of dp 2 x pp 2 x tp 2: pipeline 1, stage 0, tp_index 1
+    mesh = PipelineMesh(dp=2, pp=2, rank=5, tp=2)
+    assert (mesh.dp_index, mesh.stage, mesh.tp_index) == (1, 0, 1)
+    assert (mesh.rank_of(1), mesh.replica_rank(0)) == (7, 1)
+
+
+def test_the_irs_mesh_counts_tp():
+    from runtime.dist.mesh import PipelineMesh
+    from runtime.errors import RuntimeUserError
+
+    with pytest.raises(RuntimeUserError) as caught:
+        PipelineMesh.of(SimpleNamespace(world=4, rank=0), {"dp": 1, "pp": 2, "tp": 4})
+    assert caught.value.message == ("the IR's pipeline mesh is dp 1 x pp 2 x tp 4 = 8 "
+                                    "processes; this run has 4")
+    assert "modulec build ... --pp 2 --tp 4 --dp 1" in caught.value.help[0]
+
+
+def _build(tmp_path, *extra):
+    from tests.runtime_models import TINY
+    from tests.test_cli import run
+
+    path, settings = TINY["llama"]
+    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    out = tmp_path / "tpp.ir"
+    return run("build", path, *sets, "--shape", "B=1", "--shape", "T=8", "--pp", "2",
+               "--microbatches", "2", "-o", out, *extra), out
+
+
+def test_the_verifier_reads_the_mesh_against_the_tp_section(tmp_path):
+    """`modulec build --pp 2 --tp 2 --dp 2`: the section's mesh says tp 2, its buckets
+    hold the rank's slices, the stages carry the TP ops; a mesh that says tp 1 (or a
+    pipeline without TP that says 2) is rejected by name."""
+    from modulec.ir.serialize import graph_from_data
+    from modulec.ir.verify_parallel import verify_parallel
+
+    built, path = _build(tmp_path, "--tp", "2", "--dp", "2")
+    assert built.exit_code == 0, built.output
+    document = json.loads(path.read_text())
+    schedule, graph = document["schedule"], graph_from_data(document["graph"])
+    section = schedule["pipeline"]
+    assert section["mesh"] == {"dp": 2, "pp": 2, "tp": 2}
+    shapes = {row["path"]: row["shape"] for stage in section["stages"]
+              for bucket in stage["grad_buckets"] for row in bucket["params"]}
+    assert shapes["blocks[0].attention.out_weight"] == [32, 16]  # [d, d / 2]
+    targets = {n.target for f in graph.functions for n in f.nodes}
+    assert {"tp_copy", "tp_all_reduce"} <= targets
+    assert verify_parallel(schedule, graph) == []
+    section["mesh"]["tp"] = 1
+    assert verify_parallel(schedule, graph) == [
+        "schedule.pipeline: `mesh` says tp 1, but the document's stages are built with a "
+        "tensor_parallel section of size 2"]
+    del schedule["tensor_parallel"]
+    section["mesh"]["tp"] = 2
+    assert verify_parallel(schedule, graph) == [
+        "schedule.pipeline: `mesh` says tp 2, but the document's stages are built with no "
+        "tensor_parallel section (tp 1)"]
+
+
+def test_tp_not_dividing_the_heads_is_named_under_pp(tmp_path):
+    built, _ = _build(tmp_path, "--tp", "3")
+    assert built.exit_code != 0
+    assert "E027" in built.output and "`num_heads` = 4 is not divisible by tp_size 3" \
+        in built.output, built.output
