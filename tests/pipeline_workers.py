@@ -26,13 +26,15 @@ def tiny_model(name: str, settings: dict | None = None):
 
 
 def train_reference(name: str, steps: int, micro: int, rows: int, seq: int,
-                    settings: dict | None = None):
-    """One process, `micro` micro-batches of `rows` accumulated: losses, state."""
+                    settings: dict | None = None, clip: float | None = None):
+    """One process, `micro` micro-batches of `rows` accumulated (`clip`: the global
+    gradient-norm clipping's largest norm): losses, state."""
     from runtime.train.backends import CPUTrainer
     from runtime.train.optim import AdamW
 
     trainer = CPUTrainer(tiny_model(name, settings), rows, seq,
-                         AdamW(lr=1e-2, weight_decay=0.1), accumulation=micro)
+                         AdamW(lr=1e-2, weight_decay=0.1, clip_grad=clip),
+                         accumulation=micro)
     losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
     return losses, trainer.state()
 
@@ -95,8 +97,8 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
 
 
 def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> None:
-    """Each of `runs` ((sp, steps, micro, rows, seq)) on the tiny Llama, two stages of
-    --tp 2 (TP x PP, 4 ranks; 8: two pipelines), this rank's slices of the reference's
+    """Each of `runs` ((sp, clip, steps, micro, rows, seq)) on the tiny Llama, two stages
+    of --tp 2 (TP x PP, 4 ranks; 8: two pipelines), this rank's slices of the reference's
     random weights; then the whole state after step 1 (state(): the slices and stages
     joined on rank 0, sent to every rank, cut into each rank's slices) loaded into a fresh
     trainer that runs the steps after it. Rank r saves per run its losses, the whole state
@@ -110,13 +112,14 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -
 
     context = join(rank, world, port)
     results = []
-    for sp, steps, micro, rows, seq in runs:
+    for sp, clip, steps, micro, rows, seq in runs:
         replica, own = rank // 4, rows * micro
 
         def trainer():
             model = tp_model("llama", 2, rank % 2, sequence_parallel=sp)
             model.check_finite = False
-            return PipelineTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1),
+            return PipelineTrainer(model, rows, seq,
+                                   AdamW(lr=1e-2, weight_decay=0.1, clip_grad=clip),
                                    context, 2, micro)
 
         first, batches = trainer(), windows(steps, own * world // 4, seq)
