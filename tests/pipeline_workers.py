@@ -97,7 +97,7 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
 
 
 def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> None:
-    """Each of `runs` ((sp, clip, steps, micro, rows, seq)) on the tiny Llama, two stages
+    """Each of `runs` ((sp, clip, steps, micro, rows, seq[, zero])) on the tiny Llama, two stages
     of --tp 2 (TP x PP, 4 ranks; 8: two pipelines), this rank's slices of the reference's
     random weights; then the whole state after step 1 (state(): the slices and stages
     joined on rank 0, sent to every rank, cut into each rank's slices) loaded into a fresh
@@ -112,7 +112,7 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -
 
     context = join(rank, world, port)
     results = []
-    for sp, clip, steps, micro, rows, seq in runs:
+    for sp, clip, steps, micro, rows, seq, *zero in runs:
         replica, own = rank // 4, rows * micro
 
         def trainer():
@@ -120,7 +120,7 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -
             model.check_finite = False
             return PipelineTrainer(model, rows, seq,
                                    AdamW(lr=1e-2, weight_decay=0.1, clip_grad=clip),
-                                   context, 2, micro)
+                                   context, 2, micro, zero=zero[0] if zero else None)
 
         first, batches = trainer(), windows(steps, own * world // 4, seq)
         losses, saved = [], None

@@ -1,4 +1,5 @@
-"""Pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two):
+"""Pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two; DP x PP
+and TP x PP on four):
 `torchrun --nproc-per-node 2 -m modulec train --pp 2 --device cuda` runs the IR's pipeline
 section eagerly (the reference interpreter on CUDA tensors, float32, send/recv over NCCL)
 and trains as one CPU process accumulating the same micro-batches (float32 rounding)."""
@@ -80,3 +81,38 @@ def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_c
     assert [r["loss"] for r in resumed if r["event"] == "step"] == \
         pytest.approx(want[2:], rel=1e-4)
     assert (tmp_path / "zero1" / "checkpoint-3" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_pp2_tp2_on_four_gpus_trains_as_one_process_accumulating(gpu_ckpt, tmp_path):
+    """PP 2 x TP 2 on four GPUs (NCCL: ranks 0, 1 stage 0's TP group, 2, 3 stage 1's; a PP
+    group per tp_index): `torchrun --nproc-per-node 4 -m modulec train --pp 2 --tp 2
+    --device cuda` runs each stage's TP rank program eagerly (tp_copy / tp_all_reduce in
+    the stage's TP group, each TP rank sending its copy of the boundary to the same
+    tp_index) and trains as one CPU process with --grad-accum 2 over the same rows; its
+    consolidated checkpoint (the slices joined) resumes on one CPU process as that process
+    continues (mirrors tests/test_pipeline_tp.py's gloo run)."""
+    data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    args = (*ARGS, "--batch", "1")  # one row a micro-batch (click keeps the last)
+    pipeline = _rows(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data, *args,
+         "--device", "cuda", "--pp", "2", "--tp", "2", "--microbatches", "2",
+         "--save", str(tmp_path / "tpp"), "--save-every", "2"],
+        capture_output=True, text=True, env=env, timeout=600))
+
+    def one(*more, start=data):
+        return _rows(subprocess.run(
+            [sys.executable, "-m", "modulec", "train", LLAMA, *start, *args, "--device",
+             "cpu", "--grad-accum", "2", *more], capture_output=True, text=True, env=env,
+            timeout=600))
+
+    done = next(r for r in pipeline if r["event"] == "done")
+    assert done["memory"] == "GPU"
+    got = [r["loss"] for r in pipeline if r["event"] == "step"]
+    want = [r["loss"] for r in one() if r["event"] == "step"]
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    resumed = one("--resume", str(tmp_path / "tpp" / "checkpoint-2"), start=data[:2])
+    assert [r["loss"] for r in resumed if r["event"] == "step"] == \
+        pytest.approx(want[2:], rel=1e-4)
