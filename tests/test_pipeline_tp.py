@@ -151,3 +151,10 @@ def test_modulec_train_pp2_tp2_trains_as_one_process_and_resumes_on_one(ckpt, tm
     # last-bit differences into ~3e-6 (a step is lr 1e-2); the float64 test is exact
     bad = [k for k in a if not torch.allclose(a[k], b[k], rtol=1e-4, atol=2e-5)]
     assert not bad, bad
+
+
+def test_emit_pipeline_names_the_tp_launch(tmp_path):
+    built, _ = _build(tmp_path, "--tp", "2", "--emit", "pipeline")
+    assert built.exit_code == 0, built.output
+    assert "`torchrun --nproc-per-node 4 -m modulec train --pp 2 --tp 2` runs it" \
+        in built.output

@@ -167,6 +167,7 @@ def pipeline_report(section: dict, interconnect: str, memory: list | None = None
         row["forward_s"], row["backward_s"] = stage["forward_s"], stage["backward_s"]
     summary["boundary_bytes"] = [b["activation_bytes"] for b in section["boundaries"]]
     summary["dp"] = section.get("mesh", {}).get("dp", 1)
+    summary["tp"] = section.get("mesh", {}).get("tp", 1)
     summary["zero"] = section.get("zero", 0)
     return {"summary": summary, "timeline": timeline}
 
@@ -201,9 +202,13 @@ def print_pipeline(report: dict, model: str) -> None:
     for line in chart(report["timeline"]):
         click.echo(line)
     zero = " --zero 1" if s.get("zero") else ""
-    click.echo(f"note: simulated; `torchrun --nproc-per-node {dp * len(s['stages'])} -m "
-               f"modulec train --pp {len(s['stages'])}{zero}` runs it (docs/distributed.md, "
-               "Pipeline)")
+    tp = s.get("tp", 1)
+    flag = f" --tp {tp}" if tp > 1 else ""
+    inside = f" (each stage {tp} tensor-parallel ranks: one rank's program timed)" \
+        if tp > 1 else ""
+    click.echo(f"note: simulated{inside}; `torchrun --nproc-per-node "
+               f"{dp * len(s['stages']) * tp} -m modulec train --pp {len(s['stages'])}{flag}"
+               f"{zero}` runs it (docs/distributed.md, Pipeline)")
 
 
 def _unit_text(unit: dict) -> str:
