@@ -55,3 +55,15 @@ def test_a_tree_too_deep_is_one_diagnostic_in_every_command(tmp_path, command):
                                                    if command[0] == "build" else []))
     assert result.exit_code == 1
     assert "error[E001]: this nests more than 128 levels deep" in result.output
+
+
+@pytest.mark.parametrize("digits,status", [(4000, 0), (4001, 1), (20000, 1)])
+def test_an_integer_literal_too_long_to_read_is_e001(tmp_path, digits, status):
+    """Found by the fuzz test: a parameter default of 20,000 digits reached Python's int
+    conversion limit (4,300 digits) in `check` (exit 101). The parser bounds the length of
+    an integer literal; a float literal of any length reads (1e999 is E003's inf)."""
+    path = tmp_path / "long.module"
+    path.write_text(HEADER.format(expr="4" * digits) + FORWARD, encoding="utf-8")
+    result = run("check", path)
+    assert result.exit_code == status, result.output
+    assert ("error[E001]: this integer literal has" in result.output) == (status == 1)

@@ -21,7 +21,7 @@ from modulec.paths import grammar_file
 from modulec.source import SourceFile
 from modulec.syntax import ast as A
 from modulec.syntax.builder import Builder
-from modulec.syntax.depth import too_deep, too_deep_at
+from modulec.syntax.depth import beyond_limits, too_deep_at
 from modulec.syntax.precedence import TooDeep
 from modulec.syntax.indenter import DedentError, Indenter
 from modulec.syntax.errors import layout_problem
@@ -108,12 +108,12 @@ def _parse_checked(source: SourceFile) -> ParseResult:
         program = p.parse_raw(text, source.name)
     except (UnexpectedInput, DedentError):
         program, diagnostics = parse_with_recovery(p, source, text)
-        deep = too_deep(program)  # what recovery kept is walked recursively too
+        deep = beyond_limits(program)  # what recovery kept is walked recursively too
         if deep is not None:
             return ParseResult(None, tuple(diagnostics) + (deep,))
         return ParseResult(program, tuple(diagnostics))
     layout = [layout_problem(problem, source).diagnostic for problem in p.indenter.problems]
-    deep = too_deep(program)  # later stages walk trees recursively: bound the depth here
+    deep = beyond_limits(program)  # later stages walk trees recursively: bound the depth here
     if deep is not None:
         return ParseResult(None, tuple(layout) + (deep,))
     return ParseResult(program, tuple(layout))

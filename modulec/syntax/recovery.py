@@ -16,7 +16,7 @@ from lark.exceptions import UnexpectedInput
 
 from modulec.source import SourceFile, Span
 from modulec.syntax import ast as A
-from modulec.syntax.depth import too_deep
+from modulec.syntax.depth import beyond_limits
 from modulec.syntax.errors import SyntaxProblem, describe, layout_problem
 from modulec.syntax.indenter import DedentError
 
@@ -68,7 +68,7 @@ def _parse_chunk(parser, source, text, start, end):
         else:
             problems += [_respan(layout_problem(p, seen), source) for p in parser.indenter.problems]
             items = _without_placeholders(program.items)
-            deep = too_deep(items)  # respan_tree below recurses: bound the depth first
+            deep = beyond_limits(items)  # respan_tree below recurses: bound the depth first
             if deep is not None:
                 return [], problems + [SyntaxProblem(deep, 0)]
             if patched_lines:  # offsets after a patched line are the patched text's
