@@ -156,11 +156,12 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
 
 
 def gpu_dp_tp(rank: int, world: int, port: int, zero: int, steps: int, rows: int, seq: int,
-              out: str, tp: int = 2) -> None:
+              out: str, tp: int = 2, clip: float | None = None) -> None:
     """DP x TP over `world` GPUs (TP groups of `tp` consecutive ranks, ZeRO stage `zero`
-    across them): the whole model's random weights sliced per TP rank, each data-parallel
-    rank its own rows of every batch (the ranks of a TP group the same rows); rank 0 saves
-    the losses averaged over the ranks (a TP group's are equal)."""
+    across them; `world` = `tp`: one TP group, no ZeRO): the whole model's random weights
+    sliced per TP rank, each data-parallel rank its own rows of every batch (the ranks of
+    a TP group the same rows); rank 0 saves the losses averaged over the ranks (a TP
+    group's are equal) and, with `clip` (global clipping), the last step's norm."""
     from runtime.cuda.step import TrainStep, random_params
     from runtime.dist import DistContext
     from runtime.tensor_parallel import shard_params
@@ -171,7 +172,7 @@ def gpu_dp_tp(rank: int, world: int, port: int, zero: int, steps: int, rows: int
     run = context.data_parallel(zero, tp=tp)
     per_rank = rows // run.dp
     step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
-                                 dist=run)
+                                 dist=run, **_optimizer(clip))
     whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq)
     step.load(shard_params(random_params(whole.shapes(), 0), step.program, rank % tp))
     del whole
@@ -183,7 +184,7 @@ def gpu_dp_tp(rank: int, world: int, port: int, zero: int, steps: int, rows: int
         torch.distributed.all_reduce(value)
         losses.append(float(value) / world)
     if rank == 0:
-        torch.save({"losses": losses, "dp": run.dp}, out)
+        torch.save({"losses": losses, "dp": run.dp, "grad_norm": step.grad_norm.cpu()}, out)
     context.close()
     context.exit_now()
 

@@ -85,6 +85,26 @@ def test_dp_x_tp_trains_as_one_gpu(zero, reference, tmp_path):
     assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
 
 
+CLIP = 0.05  # below the random model's gradient norm: every step clips
+
+
+@pytest.mark.parametrize("gpus", [2, pytest.param(4, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 4, reason="needs four GPUs"))])
+def test_tensor_parallel_clips_as_one_gpu(gpus, tmp_path):
+    """--clip-grad under TP 2 (two GPUs: the held gradients' norm, the slices' squares
+    all-reduced over the pair in the CUDA graph; four: DP 2 x TP 2 under ZeRO-1, the
+    ZeRO run's sums reduced over DP, then the slices' over TP): the losses and the last
+    step's norm within bf16 rounding of one GPU's with the same clip, which clips."""
+    out = tmp_path / f"tp_clip{gpus}.pt"
+    mp.spawn(dist_workers.gpu_dp_tp, nprocs=gpus,
+             args=(gpus, free_port(), 1, STEPS, ROWS, SEQ, str(out), 2, CLIP))
+    want_losses, want = dist_workers.gpu_reference(STEPS, ROWS, SEQ, clip=CLIP)
+    got = torch.load(out)
+    assert float(want["grad_norm"]) > CLIP
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
+    assert float(got["grad_norm"]) == pytest.approx(float(want["grad_norm"]), rel=2e-2)
+
+
 def test_sequence_parallel_trains_as_one_gpu(reference, tmp_path):
     """TP 2 with sequence parallel (`--sp`: the norms on T / 2 rows a GPU, all-gather /
     reduce-scatter on NCCL around each sharded region), eager and captured: the losses

@@ -90,7 +90,6 @@ def test_schedules_equal_transformers_and_torch():
     (["--clip-grad", "0"], "--clip-grad is 0.0: it must be a finite number > 0"),
     (["--beta2", "1"], "--beta2 is 1.0: it must be in [0, 1)"),
     (["--eps", "-1"], "--eps is -1.0"),
-    (["--clip-grad", "1", "--tp", "2"], "--clip-grad with --tp is not supported yet"),
 ])
 def test_optimizer_mistakes_are_one_clear_error(ckpt, args, message):
     result = train(ckpt, "--steps", "4", *args)

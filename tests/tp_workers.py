@@ -113,3 +113,52 @@ def train_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
         torch.save(train(tiny_model(name, world, rank)), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def train_clipped(rank: int, world: int, port: int, runs: list, out: str) -> None:
+    """Each of `runs` ((zero, clip, steps, rows, seq)) on the tiny Llama (float64) with
+    --tp 2 over `world` ranks (4: DP 2 x TP 2, each slice its rows): zero None is the CPU
+    trainer on one TP pair, else CPUDataParallelTrainer with that ZeRO stage (on one TP
+    pair, a section for one data-parallel rank). Rank r saves per run its losses, grad
+    norms and the whole state (the slices joined) to `out`.r."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from modulec.plan.distributed import DataParallel
+    from runtime.dist.context import DataParallelRun
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.data_parallel import CPUDataParallelTrainer, whole_state
+    from runtime.train.optim import AdamW
+    from tests.dist_workers import join, windows as batches
+
+    class OneRank(DataParallelRun):
+        def options(self):  # a section for one data-parallel rank (the CLI builds none)
+            return DataParallel(1, self.zero)
+
+    context = join(rank, world, port)
+    alone = [dist.new_group([r]) for r in range(world)]  # one-rank DP groups (world 2)
+    results = []
+    for zero, clip, steps, rows, seq in runs:
+        parallel = context.data_parallel(zero or 0, tp=2)
+        if parallel.dp == 1 and zero is not None:
+            parallel = OneRank(context, zero, 2, None, alone[rank], 0)
+        model = tiny_model("llama", 2, rank % 2)
+        model.check_finite = False
+        adamw = AdamW(lr=1e-2, weight_decay=0.1, clip_grad=clip)
+        own = rows // parallel.dp
+        if zero is None:
+            parallel.use_tensor_parallel_group()
+            trainer = CPUTrainer(model, own, seq, adamw)
+        else:
+            trainer = CPUDataParallelTrainer(model, own, seq, adamw, parallel)
+        part = parallel.dp_rank * own
+        losses, norms = [], []
+        for window in batches(steps, rows, seq):
+            losses.append(trainer.train_step(window[part:part + own]))
+            norms.append(trainer.step_metrics()["grad_norm"])
+        whole = whole_state(trainer.state(), model,
+                            SimpleNamespace(tp=2, tp_group=parallel.tp_group))
+        results.append({"losses": losses, "norms": norms, "whole": whole})
+    torch.save(results, f"{out}.{rank}")
+    context.close()

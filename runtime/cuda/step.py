@@ -384,6 +384,7 @@ class TrainStep:
         their own region."""
         from runtime.cuda.state import region
         from runtime.dist.streams import CudaStreams
+        from runtime.dist.tp_norm import tp_norm_options
         from runtime.dist.zero import Precision, ZeroRun, check_group
 
         section = self.program.document["schedule"].get("distributed")
@@ -395,7 +396,8 @@ class TrainStep:
         precision = Precision(self.dtype, gradient, split=True, update=self._shard_update)
         self.zero = ZeroRun(section, self.dist.dp_rank, precision, "cuda", CudaStreams(),
                             self.dist.dp_group, decay_of=self._decay_of,
-                            clip=self.adamw.clip_grad)
+                            clip=self.adamw.clip_grad,
+                            **tp_norm_options(self.program, self.dist))
         self.compute = self.zero.load({p: params[p] for p in self.zero.paths})
         rest = sorted(p for p in self.shapes() if p not in self.ties() and
                       p not in self.compute)
@@ -616,9 +618,10 @@ class TrainStep:
     def _clip_and_update(self) -> None:
         """The global norm of the held gradients, then every parameter's update with
         them scaled by min(1, clip / (norm + 1e-6)) inside the AdamW kernel."""
-        from runtime.train.param_groups import clip_coefficient, global_norm
+        from runtime.cuda.step_optim import step_norm
+        from runtime.train.param_groups import clip_coefficient
 
-        self.grad_norm.copy_(global_norm(self.held.values()).reshape(1))
+        self.grad_norm.copy_(step_norm(self, self.held))  # --tp: the whole model's
         scale = clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         for path in [p for p in self.names if p in self.held]:
             self._apply(path, self.held.pop(path), scale)

@@ -27,20 +27,35 @@ def clip_torch_grads(step) -> None:
     """optimizer='torch': `@trainable(grad_clip=)` per parameter, then the global
     norm (kept in `grad_norm`) and, with clip_grad, every gradient scaled by
     min(1, clip / (norm + 1e-6)); all on the device."""
-    from runtime.train.param_groups import (clip_coefficient, clip_gradient,
-                                            global_norm, hyperparameters)
+    from runtime.train.param_groups import clip_coefficient, clip_gradient, hyperparameters
 
-    grads = []
+    grads = {}
     for path in step.names:
         grad = step.masters[path].grad
         clip = hyperparameters(step.program, path, step.adamw)[2]
         if clip is not None:
             grad.copy_(clip_gradient(grad, clip))
-        grads.append(grad)
-    step.grad_norm.copy_(global_norm(grads).reshape(1))
+        grads[path] = grad
+    step.grad_norm.copy_(step_norm(step, grads))
+    grads = list(grads.values())
     if step.adamw.clip_grad is not None:
         scale = clip_coefficient(step.grad_norm, step.adamw.clip_grad).reshape(())
         torch._foreach_mul_(grads, scale)  # a 0-d tensor: no host sync
+
+
+def step_norm(step, grads: dict) -> torch.Tensor:
+    """The global norm of `grads` (by path; a [1] tensor): on one TP rank of a `--tp`
+    program the whole model's (runtime/dist/tp_norm.py), on the device."""
+    from runtime.train.param_groups import global_norm
+
+    tp = getattr(step.dist, "tp", 1) if step.dist is not None else 1
+    if tp == 1 or not grads:
+        return global_norm(grads.values()).reshape(1)
+    from runtime.dist.tp_norm import tp_squares
+    from runtime.tensor_parallel import sharded_paths
+
+    return tp_squares(grads, sharded_paths(step.program), step.dist.tp_group,
+                      torch.float32, step.grad_norm.device).sqrt()
 
 
 def clipped(options: dict) -> bool:

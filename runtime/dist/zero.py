@@ -108,14 +108,20 @@ class Bucket:
 class ZeroRun:
     def __init__(self, section: dict, rank: int, precision: Precision, device: str,
                  streams, group=None, decay_of: Callable | None = None,
-                 clip: float | None = None):
+                 clip: float | None = None, sharded=None, tp_group=None):
         """`decay_of(path)`: the factor of the base weight decay a parameter gets (None:
-        1 for all); `clip`: global gradient-norm clipping's largest norm (None: off)."""
+        1 for all); `clip`: global gradient-norm clipping's largest norm (None: off);
+        `sharded`: under tensor parallel, the paths this rank holds a slice of (the
+        norm sums their squares over `tp_group`: runtime/dist/tp_norm.py)."""
         self.section, self.rank, self.precision, self.device = section, rank, precision, device
         self.decay_of, self.clip = decay_of or (lambda path: 1.0), clip
         # the squares' sum, then the norm: [1] tensors (a collective's buffer), in the
         # masters' dtype (fp32 on the GPU, the CPU run's float32 or float64)
-        self.norm_sq = torch.zeros(1, dtype=precision.master, device=device)
+        # (under TP a second element: the slices' squares, summed over the TP group)
+        self.squares = torch.zeros(2 if sharded else 1, dtype=precision.master, device=device)
+        self.norm_sq = self.squares[0:1]
+        self.sliced_sq = self.squares[1:2] if sharded else None
+        self.tp_group = tp_group
         self.grad_norm = torch.zeros(1, dtype=precision.master, device=device)
         self.deferred: list[tuple] = []
         self.dp, self.zero = section["mesh"]["dp"], section["zero"]
@@ -146,6 +152,9 @@ class ZeroRun:
                     self.frames[bucket.key(i)] = (bucket, i)
         self.arrived: dict[tuple, dict] = {}
         self.scale = 1.0 / self.dp
+        # (bucket, instance) -> this rank's part as runs (start, stop, sliced) (TP only)
+        self.runs = {key: self._runs(key, set(sharded)) for key in
+                     {(b.name, i) for b, i, *_ in self.index.values()}} if sharded else {}
 
     @property
     def paths(self) -> set[str]:
@@ -281,7 +290,7 @@ class ZeroRun:
         self.streams.begin_step()
         self.arrived.clear()
         self.deferred.clear()
-        self.norm_sq.zero_()  # on the compute stream, before the step's start event
+        self.squares.zero_()  # on the compute stream, before the step's start event
         for bucket in self.buckets:
             self._run("step_begin", bucket, 0)
 
@@ -296,8 +305,14 @@ class ZeroRun:
         """The global gradient norm from every rank's squares (one all_reduce); with
         clipping, the deferred updates (scaled) and gathers."""
         if self.zero >= 1 and self.dp > 1:
-            all_reduce_(self.norm_sq, self.group)
-        torch.sqrt(self.norm_sq, out=self.grad_norm)
+            all_reduce_(self.squares, self.group)  # under TP both sums, one collective
+        if self.sliced_sq is None:
+            torch.sqrt(self.norm_sq, out=self.grad_norm)
+        else:
+            from runtime.dist.tp_norm import whole_squares
+
+            torch.sqrt(whole_squares(self.norm_sq, self.sliced_sq, self.tp_group),
+                       out=self.grad_norm)
         if self.clip is None:
             return
         from runtime.train.param_groups import clip_coefficient
@@ -399,12 +414,41 @@ class ZeroRun:
         """This rank's part of the reduced gradient: its squares added to the norm, then
         the update (with clipping: the part kept and the update deferred to step_end)."""
         grad = bucket.grad_slots[i % len(bucket.grad_slots)][self.own(bucket)]
-        self.norm_sq.add_(torch.linalg.vector_norm(grad, dtype=self.norm_sq.dtype).square())
+        self._add_squares(bucket, i, grad)
         if self.clip is not None:
             bucket.held[i].copy_(grad)
             self.deferred.append((op, bucket, i))
             return
         self._update_shard(bucket, i, grad, None)
+
+    def _add_squares(self, bucket: Bucket, i: int, grad: Tensor) -> None:
+        """The squares of this rank's part into the norm (under TP: a slice's into
+        `sliced_sq`, a replicated parameter's into `norm_sq`)."""
+        dtype = self.norm_sq.dtype
+        if self.sliced_sq is None:
+            self.norm_sq.add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
+            return
+        for start, stop, sliced in self.runs[(bucket.name, i)]:
+            target = self.sliced_sq if sliced else self.norm_sq
+            target.add_(torch.linalg.vector_norm(grad[start:stop], dtype=dtype).square())
+
+    def _runs(self, key: tuple, sharded: set) -> list[tuple[int, int, bool]]:
+        """A bucket instance's parameters within this rank's part, as runs of sliced or
+        replicated ones (start, stop relative to the part; padding left out: zeros)."""
+        bucket = next(b for b in self.buckets if b.name == key[0])
+        part = self.own(bucket)
+        rows = sorted((offset, offset + numel, path in sharded) for path, (b, i, offset,
+                      numel, _) in self.index.items() if (b.name, i) == key)
+        runs: list[list] = []
+        for lo, hi, sliced in rows:
+            lo, hi = max(lo, part.start) - part.start, min(hi, part.stop) - part.start
+            if lo >= hi:
+                continue
+            if runs and runs[-1][2] == sliced and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, sliced])
+        return [tuple(r) for r in runs]
 
     def _update_shard(self, bucket: Bucket, i: int, grad: Tensor, scale) -> None:
         """AdamW on instance i's part, a call per run of one weight-decay factor; `scale`

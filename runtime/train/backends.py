@@ -61,7 +61,7 @@ class CPUTrainer:
         settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}
         total = {p: clip_gradient(g, settings[p][2]) for p, g in total.items()
                  if p not in self.frozen}
-        self.grad_norm = global_norm(total.values())
+        self.grad_norm = self._global_norm(total)
         scale = None if self.adamw.clip_grad is None else \
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
@@ -69,15 +69,27 @@ class CPUTrainer:
             fp8.end_step()
         return sum(losses) / len(losses)
 
+    def _global_norm(self, total: dict) -> Tensor:
+        """The whole model's gradient norm: under tensor parallel the slices' squares
+        summed over the TP group, the replicated parameters' once (runtime/dist/tp_norm.py)."""
+        if not sliced(self.model) or not total:
+            return global_norm(total.values())
+        from runtime.dist.tp_norm import tp_group, tp_squares
+        from runtime.tensor_parallel import sharded_paths
+
+        dtype = torch.promote_types(next(iter(total.values())).dtype, torch.float32)
+        return tp_squares(total, sharded_paths(self.program), tp_group(), dtype).sqrt() \
+            .reshape(())
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next step (a schedule's, runtime.train.schedule)."""
         self.adamw.lr = lr
 
     def step_metrics(self) -> dict:
-        """The last step's global gradient norm (before clipping), for its record; none
-        under tensor parallel, where a rank sees its slices only."""
+        """The last step's global gradient norm (before clipping; under tensor parallel
+        the whole model's), for its record."""
         norm = getattr(self, "grad_norm", None)
-        if norm is None or sliced(self.model):
+        if norm is None:
             return {}
         return {"grad_norm": float(norm)}
 
@@ -255,8 +267,8 @@ class CUDATrainer:
 
 
 def sliced(model: Model) -> bool:
-    """The model is this rank's tensor-parallel slice (`--tp`): a gradient norm computed
-    here is not the whole model's (--clip-grad is refused with --tp)."""
+    """The model is this rank's tensor-parallel slice (`--tp`): its gradient norm sums
+    the slices' squares over the TP group (runtime/dist/tp_norm.py)."""
     return getattr(model.source, "tensor_parallel", 1) > 1
 
 

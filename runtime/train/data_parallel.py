@@ -13,6 +13,7 @@ from torch import Tensor
 
 from runtime.dist.context import DistContext
 from runtime.dist.streams import InOrder
+from runtime.dist.tp_norm import tp_norm_options
 from runtime.dist.zero import Precision, ZeroRun, check_group, refuse_parameter_settings
 from runtime.errors import RuntimeUserError
 from runtime.hf_weights.schema import tied_targets
@@ -81,7 +82,7 @@ class CPUDataParallelTrainer(CPUTrainer):
         precision = Precision(model.dtype, model.dtype, split=False, update=self._update)
         self.zero = ZeroRun(section, parallel.dp_rank, precision, "cpu", InOrder(),
                             parallel.dp_group, decay_of=self._decay_of,
-                            clip=adamw.clip_grad)
+                            clip=adamw.clip_grad, **tp_norm_options(program, parallel))
         self.ties = tied_targets(model.source.program(planned=False).weight_schema)
         self._bind(self.zero.load(model.params))
         model.frame_events = self.zero
@@ -108,11 +109,9 @@ class CPUDataParallelTrainer(CPUTrainer):
         adamw_step_(hi, grad, m, v, a.step, a.lr, a.betas, a.eps, a.weight_decay * decay)
 
     def step_metrics(self) -> dict:
-        """The last step's global gradient norm (over every rank's shards); none under
-        tensor parallel (each data-parallel group holds one slice of the model)."""
-        from runtime.train.backends import sliced
-
-        return {} if sliced(self.model) else {"grad_norm": float(self.zero.grad_norm)}
+        """The last step's global gradient norm (over every rank's shards; under tensor
+        parallel the TP slices' summed)."""
+        return {"grad_norm": float(self.zero.grad_norm)}
 
     def train_step(self, window: Tensor) -> float:
         """One optimizer step on this rank's `window` rows; returns the mean loss over

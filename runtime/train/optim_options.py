@@ -25,14 +25,6 @@ def check_optimizer_options(request) -> None:
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise RuntimeUserError(f"--clip-grad is {clip}: it must be a finite number > 0",
                                help=["for example --clip-grad 1.0"])
-    # a pipeline's stages sum their slices' squares over the TP group (pipeline.py)
-    if clip is not None and getattr(request, "tp", 1) > 1 and getattr(request, "pp", 1) == 1:
-        raise RuntimeUserError("--clip-grad with --tp is not supported yet: a rank holds "
-                               "slices of the layers, and the global norm would need their "
-                               "squares summed across the tensor-parallel group",
-                               help=["clip on data parallel (--zero), on one process, or "
-                                     "with --pp P --tp M (a pipeline's stages sum the "
-                                     "slices), or leave out --clip-grad"])
     schedule_for(request)  # its own checks
 
 

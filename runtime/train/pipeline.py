@@ -29,7 +29,7 @@ from runtime.model import Model
 from runtime.train.backends import owned_paths, split_window
 from runtime.train.optim import AdamW
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
-                                        global_norm, hyperparameters)
+                                        hyperparameters)
 
 
 def check_launch(request, context) -> None:
@@ -209,17 +209,14 @@ class PipelineTrainer:
         self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
 
     def _square(self, total: dict) -> Tensor:
-        """This stage's squared gradient norm: under TP its slices' summed over the TP
-        group, the replicated parameters' (equal on every TP rank) once."""
-        def square(grads) -> Tensor:
-            return global_norm(grads).to(self.device, torch.float64) ** 2 if grads else \
-                torch.zeros((), dtype=torch.float64, device=self.device)
+        """This stage's squared gradient norm (0-d): under TP its slices' summed over the
+        TP group, the replicated parameters' once (runtime/dist/tp_norm.py)."""
+        from runtime.dist.tp_norm import squares, tp_squares
 
         if self.mesh.tp == 1:
-            return square(list(total.values()))
-        sliced = square([g for p, g in total.items() if p in self.sharded])
-        dist.all_reduce(sliced, group=self.mesh.tp_group)
-        return sliced + square([g for p, g in total.items() if p not in self.sharded])
+            return squares(total.values(), torch.float64, self.device).reshape(())
+        return tp_squares(total, self.sharded, self.mesh.tp_group, torch.float64,
+                          self.device).reshape(())
 
     def _loss(self, losses: list[float]) -> float:
         """The mean loss over every pipeline's micro-batches (their last stages', each
