@@ -112,3 +112,26 @@ def _entry(key: str, sizes: dict) -> str | None:
         return key
     pattern = re.sub(r"\[\d+\]", "[*]", key)
     return next((e for e in sizes if re.sub(r"\[\{\w+\}\]", "[*]", e) == pattern), None)
+
+
+def vocab_outputs(program) -> list[str]:
+    """The outputs split over the vocabulary (the logits of a `@shard(vocab)` LM head):
+    each rank holds its block of the last dim ([] without `--tp`, or with a replicated
+    head)."""
+    section = program.document.get("schedule", {}).get("tensor_parallel") or {}
+    return list(section.get("vocab_outputs", ()))
+
+
+def logits_loss(program, output: str):
+    """The trainers' mean cross-entropy for `output`: fn(logits, labels, ignore_index=)
+    -> (loss, d_logits), vocab-parallel when the logits are split over the vocabulary
+    (runtime.kernels.vocab_parallel), else runtime.cuda.lm_head.logits_cross_entropy."""
+    from runtime.cuda.lm_head import logits_cross_entropy
+
+    if output not in vocab_outputs(program):
+        return logits_cross_entropy
+    from runtime.kernels.vocab_parallel import mean_cross_entropy
+
+    size = program.document["schedule"]["tensor_parallel"]["size"]
+    return lambda logits, labels, chunk_rows=None, ignore_index=-100: mean_cross_entropy(
+        logits, labels, size, ignore_index=ignore_index)

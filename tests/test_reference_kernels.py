@@ -215,6 +215,14 @@ CASES: dict[str, list[Case]] = {
     "sp_reduce_scatter": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
     "sp_scatter": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
     "sp_gather": [Case("one_rank", lambda g: [randn(g, 2, 3, 4)], {"size": 1})],
+    # one rank (the whole vocabulary); two ranks: tests/test_tensor_parallel.py
+    "vocab_parallel_embedding": [
+        Case("one_rank", lambda g: [randint(g, 7, 2, 5), randn(g, 7, 4)], {"size": 1})],
+    "vocab_parallel_cross_entropy": [
+        Case("one_rank", lambda g: [randn(g, 2, 5, 11),
+                                    torch.where(torch.rand(2, 5, generator=g) < 0.3, -100,
+                                                torch.randint(0, 11, (2, 5), generator=g)
+                                                ).to(I32)], {"size": 1})],
     "add": _binary((2, 3, 4)) + [
         Case("broadcast-bias", lambda g: [randn(g, 2, 3, 4), randn(g, 4)]),
         Case("broadcast-both", lambda g: [randn(g, 3, 1), randn(g, 2, 1, 4)])],
@@ -486,6 +494,9 @@ ORACLES: dict[str, Callable] = {
     "sp_reduce_scatter": lambda x, **_: [x],
     "sp_scatter": lambda x, **_: [x],
     "sp_gather": lambda x, **_: [x],
+    "vocab_parallel_embedding": lambda ids, w, **_: [F.embedding(ids.long(), w)],
+    "vocab_parallel_cross_entropy": lambda logits, labels, *, ignore_index=-100, **_:
+        _oracle_cross_entropy(logits, labels, ignore_index=ignore_index),
     "add": lambda a, b, **_: [torch.add(a, b)],
     "mul": lambda a, b, **_: [torch.mul(a, b)],
     "scale": lambda x, *, factor, **_: [torch.mul(x, factor)],

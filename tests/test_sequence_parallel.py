@@ -17,7 +17,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 from modulec.ir.verify import verify_graph  # noqa: E402
 from modulec.lower.build import BuildRequest, build  # noqa: E402
-from runtime.tensor_parallel import unshard_params  # noqa: E402
+from runtime.tensor_parallel import unshard_params, vocab_outputs  # noqa: E402
 from tests import tp_workers  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
 from tests.test_tensor_parallel import free_port  # noqa: E402
@@ -54,8 +54,10 @@ def test_tp2_with_sp_equals_one_process(name, two_ranks):
     ranks = [r[name, True] for r in two_ranks]
     program = tp_workers.tiny_model(name, 2, 0, True).source.program(planned=False)
     assert program.document["schedule"]["tensor_parallel"]["sequence_parallel"] is True
+    whole = torch.cat([r["logits"] for r in ranks], dim=-1)  # a @shard(vocab) head's
     for got in ranks:
-        _close(got["logits"], want["logits"], "logits")
+        _close(whole if "logits" in vocab_outputs(program) else got["logits"],
+               want["logits"], "logits")
         _close(got["loss"], want["loss"], "loss")
     grads = unshard_params([r["grads"] for r in ranks], program)
     assert set(grads) == set(want["grads"])
@@ -96,8 +98,13 @@ def test_the_rank_program_splits_the_sequence_between_the_regions():
     assert [n.target for n in block.nodes].count("tp_copy") == 2
     entry = graph.function(graph.entry)
     targets = [n.target for n in entry.nodes]
-    assert "sp_scatter" in targets and targets.index("sp_gather") == targets.index("matmul") - 1
-    assert entry.value(entry.outputs[0]).shape == ("2", "6", "64")  # whole logits
+    # the vocab-parallel embedding's partial sums reduce-scattered to the local rows; the
+    # head's input gathered (its gradient reduce-scattered), the logits every row's, this
+    # rank's half of the vocabulary
+    assert targets[:2] == ["vocab_parallel_embedding", "sp_reduce_scatter"]
+    assert "sp_scatter" not in targets
+    assert targets.index("sp_all_gather") == targets.index("matmul") - 1
+    assert entry.value(entry.outputs[0]).shape == ("2", "6", "32")
     zeros = next(n for n in entry.nodes if n.target == "zeros")
     assert zeros.attr("shape") == [2, 3, 32]  # made local, not scattered
     backward = graph.function("CausalSelfAttention#1.backward")
@@ -110,7 +117,10 @@ def test_a_sequence_not_divisible_by_tp_names_the_tensor_and_dim():
     result = sp_build(seq=7)
     errors = [d for d in result.diagnostics if d.is_error]
     assert errors and errors[0].code == "E027"
-    assert "dim 1 of `x0` (7, the sequence) is not divisible by tp_size 2" in errors[0].message
+    # the first value split before the blocks (the zeros of the residual stream; x0, the
+    # vocab-parallel embedding's sum, is reduce-scattered only where it splits)
+    assert "dim 1 of `residual0` (7, the sequence) is not divisible by tp_size 2" in \
+        errors[0].message
 
 
 def test_sp_without_tp_is_an_error():

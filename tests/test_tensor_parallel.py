@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from modulec.lower.build import BuildRequest, build  # noqa: E402
-from runtime.tensor_parallel import shard_tensor, unshard_params, unshard_tensors  # noqa: E402
+from runtime.tensor_parallel import (shard_tensor, unshard_params, unshard_tensors,  # noqa: E402
+                                     vocab_outputs)
 from tests import tp_workers  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
 
@@ -37,16 +38,22 @@ def tp_build(name: str, tp: int, **more):
 
 
 # qwen3 runs on a process group given to set_tp_group, the others on the default group
+# llama and example_gpt2 (tied: one table serves the lookup and the head) shard their
+# vocabulary (`@shard(vocab)`): vocab-parallel embedding, head and loss
 @pytest.mark.parametrize("name, own_group", [("llama", False), ("qwen3", True),
-                                             ("mixtral", False)])
+                                             ("mixtral", False), ("example_gpt2", False),
+                                             ("llama_tied", False)])
 def test_two_ranks_equal_one_process(name, own_group, tmp_path):
     want = tp_workers.step(tp_workers.tiny_model(name))
     out = str(tmp_path / "rank")
     mp.spawn(tp_workers.run_rank, nprocs=2, args=(2, free_port(), name, out, own_group))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     program = tp_workers.tiny_model(name, 2, 0).source.program(planned=False)
-    for got in ranks:
-        torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-10, atol=1e-12)
+    logits = [r["logits"] for r in ranks]
+    if "logits" in vocab_outputs(program):  # a @shard(vocab) head: each rank's block
+        logits = [torch.cat(logits, dim=-1)] * 2
+    for got, rank_logits in zip(ranks, logits):
+        torch.testing.assert_close(rank_logits, want["logits"], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-10, atol=1e-12)
     grads = unshard_params([r["grads"] for r in ranks], program)
     assert set(grads) == set(want["grads"])
@@ -76,6 +83,34 @@ def test_two_adamw_steps_on_two_ranks_equal_one_process(tmp_path):
         for path, value in want[key].items():
             torch.testing.assert_close(whole[path], value, rtol=1e-9, atol=1e-12,
                                        msg=f"{key} {path}")
+
+
+def test_the_vocab_parallel_kernels_on_two_ranks_equal_the_whole(tmp_path):
+    """The loss over two vocabulary blocks (max and sums all-reduced, the target taken by
+    its owner; ignore_index rows out) and its local gradient equal torch's cross-entropy;
+    the lookups' parts sum to the whole embedding; the padding row gets no gradient."""
+    out = str(tmp_path / "rank")
+    mp.spawn(tp_workers.vocab_kernels_rank, nprocs=2, args=(2, free_port(), out))
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5, 8, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.randint(0, 8, (3, 5), generator=g)
+    labels[0, :3] = -1
+    ids = torch.randint(0, 8, (2, 7), generator=g, dtype=torch.int32)
+    d_y = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
+    table = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 8), labels.reshape(-1),
+                                             ignore_index=-1)
+    (d_logits,) = torch.autograd.grad(loss, logits)
+    for got in ranks:
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.cat([r["d_logits"] for r in ranks], -1), d_logits,
+                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ranks[0]["part"] + ranks[1]["part"], table[ids.long()])
+    d_table = torch.zeros(8, 4, dtype=torch.float64).index_add(0, ids.reshape(-1).long(),
+                                                                d_y.reshape(-1, 4))
+    d_table[5] = 0  # padding_idx 5: rank 1's row 1
+    torch.testing.assert_close(torch.cat([r["d_table"] for r in ranks]), d_table)
 
 
 def test_the_rank_program_splits_heads_and_columns():
@@ -119,6 +154,36 @@ def test_kv_heads_not_divisible_by_tp_is_an_error_naming_the_tensor_and_dim():
     message = errors[0].message
     assert "`qkv_weight`" in message and "dim 0" in message and "num_kv_heads" in message
     assert "tp_size 4" in message
+
+
+def test_a_vocabulary_not_divisible_by_tp_is_an_error_naming_the_table_and_dim():
+    errors = [d for d in tp_build("llama", 2, vocab_size=65).diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E027", "E027"]
+    assert "`@shard(vocab)` of `embedding` cannot split across tp_size 2: dim 0 (65) is " \
+        "not divisible by tp_size 2" in errors[0].message
+    assert "`lm_head`" in errors[1].message and "padded" in errors[0].help[0]
+
+
+def test_the_rank_program_splits_the_vocabulary():
+    """Rank r's rows of the table (`@shard(vocab)`): a masked lookup all-reduced, the head
+    column-parallel, the logits this rank's block of the vocabulary (an output the
+    document names); a tied head (GPT-2) is its table's shard."""
+    for name, table, head in (("llama", "embedding", "lm_head"), ("example_gpt2", "wte",
+                                                                   "lm_head")):
+        result = tp_build(name, 2)
+        entry = result.graph.function(result.graph.entry)
+        ops = [n.target for n in entry.nodes]
+        assert ops[:2] == ["vocab_parallel_embedding", "tp_all_reduce"]
+        assert ops[-2:] == ["tp_copy", "matmul"]
+        assert entry.value(entry.outputs[0]).shape == ("2", "6", "32")
+        section = result.document["schedule"]["tensor_parallel"]
+        assert section["vocab_outputs"] == ["logits"]
+        shards = section["shards"][entry.name]
+        assert shards[table] == shards[head] == {"strategy": "vocab", "dim": 0,
+                                                 "parts": [64], "size": 2}
+        schema = {e["param"]: e for e in result.document["weight_schema"]}
+        assert schema[head]["shape"] == [64, 32]  # the checkpoint's whole table
+    assert "vocab_outputs" not in tp_build("qwen3", 2).document["schedule"]["tensor_parallel"]
 
 
 def test_d_ff_not_divisible_by_tp_is_an_error():

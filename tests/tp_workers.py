@@ -31,14 +31,22 @@ def tiny_model(name: str, tensor_parallel: int = 1, rank: int = 0,
 
 
 def step(model) -> dict:
-    """Forward, a cross-entropy loss (plus the MoE aux loss) and the backward."""
+    """Forward, a cross-entropy loss (plus the MoE aux loss) and the backward; logits split
+    over the vocabulary (`@shard(vocab)` head) get the vocab-parallel loss."""
+    from runtime.kernels.vocab_parallel import mean_cross_entropy
+    from runtime.tensor_parallel import vocab_outputs
+
     inputs = token_inputs(model, batch=2, seq=6)
     outputs = model.forward(**inputs)
-    logits = outputs["logits"].detach().requires_grad_(True)
     targets = torch.roll(inputs["token_ids"].long(), -1, dims=1)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             targets.reshape(-1))
-    (d_logits,) = torch.autograd.grad(loss, logits)
+    if "logits" in vocab_outputs(model.source.program(planned=False)):  # a rank's slice
+        loss, d_logits = mean_cross_entropy(outputs["logits"], targets,
+                                            model.source.tensor_parallel)
+    else:
+        logits = outputs["logits"].detach().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 targets.reshape(-1))
+        (d_logits,) = torch.autograd.grad(loss, logits)
     seeds = {"logits": d_logits}
     if "aux_loss" in outputs:
         loss = loss + outputs["aux_loss"]
@@ -80,6 +88,36 @@ def run_rank_sp(rank: int, world: int, port: int, runs: list, out: str) -> None:
         result = {(name, sp): step(tiny_model(name, world, rank, sequence_parallel=sp))
                   for name, sp in runs}
         torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def vocab_kernels_rank(rank: int, world: int, port: int, out: str) -> None:
+    """The vocab-parallel loss (labels partly ignored) and the lookup's gradient (a padding
+    row) on rank `rank`'s block of the same random logits / table, saved to `out`.<rank>."""
+    import torch.distributed as dist
+
+    from runtime.kernels import KERNELS
+    from runtime.kernels.vocab_parallel import mean_cross_entropy
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        g = torch.Generator().manual_seed(3)
+        logits = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, 8, (3, 5), generator=g)
+        labels[0, :3] = -1  # ignore_index
+        ids = torch.randint(0, 8, (2, 7), generator=g, dtype=torch.int32)
+        d_y = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
+        block = slice(rank * 4, (rank + 1) * 4)
+        loss, d_logits = mean_cross_entropy(logits[..., block], labels, world,
+                                            ignore_index=-1)
+        attrs = {"size": world, "padding_idx": 5, "input_shapes": {"weight": (4, 4)}}
+        (d_table,) = KERNELS["vocab_parallel_embedding"].backward_fn(d_y, ids, **attrs)
+        table = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        (part,) = KERNELS["vocab_parallel_embedding"].forward_fn(ids, table[block], size=world)
+        torch.save({"loss": loss, "d_logits": d_logits, "d_table": d_table, "part": part},
+                   f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 

@@ -207,7 +207,9 @@ STATUS: dict[str, Status] = {
     "shard": Status(both("modulec.lower.tensor_parallel:apply_tensor_parallel",
                          "runtime.kernels.comm:all_reduce",
                          note="`column` / `row` on a parameter: a `--tp M` build writes each "
-                              "rank's program (its slices, tp_copy / tp_all_reduce; with "
+                              "rank's program (its slices, tp_copy / tp_all_reduce; `vocab` "
+                              "on a [V, D] table: vocab_parallel_embedding, a column-"
+                              "parallel head, vocab-sharded logits; with "
                               "`--sp` sp_all_gather / sp_reduce_scatter and the sequence "
                               "split between the regions, build-wide); the "
                               "collectives are torch.distributed calls on CPU (gloo) or CUDA "

@@ -284,7 +284,7 @@ _SPECS = (
     ), forms=("@kernel(name)", "@kernel(name, params...)")),
     # §7.6 sharding ----------------------------------------------------------------
     Spec("shard", "§7.6.1", "partitions a tensor across devices", TENSOR | PARAM | INPUT, (
-        req("strategy", enum("column", "row", "replicated", "expert", "sequence", "batch",
+        req("strategy", enum("column", "row", "vocab", "replicated", "expert", "sequence", "batch",
                              "head"), "sharding strategy"),
         opt("tp_size", INT, "tensor parallel size"),
         opt("ep_size", INT, "expert parallel size"),

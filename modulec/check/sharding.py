@@ -11,7 +11,7 @@ from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
 
-STRATEGIES = ("column", "row")  # what tensor parallel splits
+STRATEGIES = ("column", "row", "vocab")  # what tensor parallel splits (vocab: a [V, D] table)
 
 
 def shard_note(param) -> A.Annotation | None:
@@ -25,7 +25,8 @@ def shard_strategy(note: A.Annotation) -> str:
 
 
 def sharded_dim(strategy: str, rank: int) -> int:
-    """column: the out dim of an [.., out, in] weight (a vector's only dim); row: the in dim."""
+    """column: the out dim of an [.., out, in] weight (a vector's only dim); row: the in dim;
+    vocab: the rows of a [V, D] embedding table / LM head (its dim 0, as column's)."""
     return rank - 1 if strategy == "row" else max(rank - 2, 0)
 
 

@@ -165,7 +165,10 @@ class _Function:
         if node.target == "tp_copy" and LOCAL in kinds:
             return self._emit(self._renamed(node, "tp_copy", "sp_all_gather"), GATHERED,
                               whole_outputs=True)
-        if node.target == "tp_all_reduce" and GATHERED in kinds:
+        if node.target == "vocab_parallel_embedding":  # every token's partial sum: the
+            return self._emit(node, GATHERED, whole_outputs=True)  # all-reduce scatters it
+        if node.target == "tp_all_reduce" and GATHERED in kinds and \
+                self._splits(node.outputs[0]):
             return self._emit(self._renamed(node, "tp_all_reduce", "sp_reduce_scatter"),
                               LOCAL)
         if GATHERED in kinds:
@@ -286,6 +289,13 @@ class _Function:
                                attrs, phase=before.phase, span=before.span))
         self._made(new)
         return new
+
+    def _splits(self, value: str) -> bool:
+        """Whether the value's sequence dim splits evenly (else it stays whole here, and
+        the scatter before the first region reports E027 naming it)."""
+        shape = self._info(value).shape
+        return len(shape) > SEQ and shape[0] != "*" and \
+            local_dim(parse_dim(shape[SEQ]), self.owner.size) is not None
 
     def _make_local(self, value: str) -> None:
         info = self._info(value)

@@ -61,6 +61,9 @@ class TensorParallel:
     # `--sp`: the residual stream split along the sequence between the sharded regions
     # (modulec.lower.sequence_parallel)
     sequence_parallel: bool = False
+    # the entry's outputs split over the vocabulary (the logits of a `@shard(vocab)` head),
+    # found by the pass
+    vocab_outputs: list = field(default_factory=list)
 
 
 # ====================================================================== reading @shard
@@ -75,6 +78,10 @@ def shards(world, model, function_name) -> TensorParallel:
             shard = _shard_of(world, instance, param, size)
             if shard is not None:
                 found[f"param:{param.name}"] = shard
+        for name, value in instance.params.items():  # a tied head is its table's shard
+            target = getattr(value, "tied_to", None)
+            if target is not None and f"param:{target}" in found:
+                found[f"param:{name}"] = found[f"param:{target}"]
         if found:
             plan.shards[function_name(world, instance)] = found
     return plan
@@ -167,6 +174,13 @@ def _parts(node, env, total: int, report, dim: int) -> tuple[int, ...] | None:
     return tuple(c * unit for c in counts)
 
 
+_HELP = {"column": "choose a `--tp` that divides it (num_heads and num_kv_heads for "
+                   "attention, d_ff for an MLP)",
+         "vocab": "choose a `--tp` that divides vocab_size, or build with a vocab_size "
+                  "padded to a multiple of it (a checkpoint's table then needs the same "
+                  "padding rows; the vocabulary is not padded for you)"}
+
+
 @dataclass
 class _Reporter:
     world: object
@@ -184,8 +198,7 @@ class _Reporter:
         diagnostic = error(code, f"`@shard({self.strategy})` of `{name}` cannot split "
                            f"across tp_size {self.size}: {problem}", self.param.span,
                            f"{where} in {self.instance.describe()}",
-                           help=["choose a `--tp` that divides it (num_heads and "
-                                 "num_kv_heads for attention, d_ff for an MLP)"])
+                           help=[_HELP.get(self.strategy, _HELP["column"])])
         key = (diagnostic.code, diagnostic.message, diagnostic.primary_span)
         if key not in self.world._seen:  # also while the instance was made quietly
             self.world._seen.add(key)
@@ -218,7 +231,11 @@ def apply_tensor_parallel(graph: Graph, context) -> Graph:
     for function in graph.functions:
         found = plan.shards.get(function.name)
         if found and not function.gradient_of:
-            rewritten[function.name] = _Rewrite(function, found, plan.size, context).run()
+            rewrite = _Rewrite(function, found, plan.size, context,
+                               entry=function.name == graph.entry)
+            rewritten[function.name] = rewrite.run()
+            plan.vocab_outputs += [function.value(o).name or o for o in function.outputs
+                                   if o in rewrite.vocab]  # by name, as the runtime's
     functions = tuple(rewritten.get(f.name, f) for f in graph.functions
                       if f.gradient_of not in rewritten)  # derived again, with the pair
     return Graph(graph.model, graph.entry, graph.backward if not rewritten else "",
@@ -235,12 +252,14 @@ class _Rewrite:
     values: list = field(default_factory=list)
     sharded: set = field(default_factory=set)  # values split across the ranks
     copies: dict = field(default_factory=dict)  # value -> its tp_copy
+    entry: bool = False  # the model's forward: its logits may stay split over the vocabulary
+    vocab: set = field(default_factory=set)  # values split over the vocabulary (logits)
 
     def run(self) -> Function:
         for node in self.function.nodes:
             self._node(node)
         for output in self.function.outputs:
-            if output in self.sharded:
+            if output in self.sharded and not (self.entry and output in self.vocab):
                 self._conflict(self.function.nodes[-1], f"a column-sharded value (`{output}`) "
                                f"is an output of `{self.function.module}`: a row-sharded "
                                "matmul must reduce it first")
@@ -253,8 +272,10 @@ class _Rewrite:
         if shard is not None and node.attr("transpose") != "NT":
             self._conflict(node, f"`{node.inputs[1][6:]}` is {shard.strategy}-sharded, so "
                            "it must be multiplied as x @ W^T (transpose=NT)")
-        if shard is not None and shard.strategy == "column":
+        if shard is not None and shard.strategy in ("column", "vocab"):
             self._column(node)
+            if shard.strategy == "vocab":  # an LM head: logits split over the vocabulary
+                self.vocab.update(node.outputs[:1])
         elif shard is not None:
             self._row(node)
         else:
@@ -282,6 +303,9 @@ class _Rewrite:
                                phase=node.phase, span=node.span))
 
     def _other(self, node: Node) -> None:
+        if node.kind == "op" and node.target == "embedding" and len(node.inputs) > 1 and \
+                getattr(self.shards.get(node.inputs[1]), "strategy", "") == "vocab":
+            return self._embedding(node)
         inside = any(i in self.sharded or i in self.shards for i in node.inputs if i)
         if not inside:
             return self.nodes.append(node)
@@ -299,6 +323,20 @@ class _Rewrite:
                        else i for i in node.inputs)
         self.nodes.append(replace(node, inputs=inputs))
         self.sharded.update(o for o in node.outputs if o)
+
+    def _embedding(self, node: Node) -> None:
+        """A lookup in this rank's rows of the table (zeros for other tokens), summed over
+        the ranks: the whole embedding on every rank (Megatron's VocabParallelEmbedding)."""
+        if node.inputs[0] in self.sharded:
+            self._conflict(node, "the token ids of a vocab-sharded embedding are split "
+                           "across the ranks")
+        partial = self._value_like(node.outputs[0], "partial")
+        self.nodes.append(replace(node, target="vocab_parallel_embedding",
+                                  attrs=node.attrs + self._attrs(),
+                                  outputs=(partial,), annotations=()))
+        self.nodes.append(Node(f"{node.id}.tp_all_reduce", "op", "tp_all_reduce", (partial,),
+                               node.outputs, self._attrs(), node.annotations,
+                               phase=node.phase, span=node.span))
 
     def _copy(self, value: str, before: Node) -> str:
         if value not in self.copies:
@@ -341,7 +379,8 @@ def section(plan: TensorParallel) -> dict:
     """The document's `tensor_parallel` section: the size and each sharded parameter's
     layout by function (what a runtime needs to slice weights and to run the pair)."""
     sequence = {"sequence_parallel": True} if plan.sequence_parallel else {}
-    return {"size": plan.size, "group": "tp", **sequence,
+    vocab = {"vocab_outputs": list(plan.vocab_outputs)} if plan.vocab_outputs else {}
+    return {"size": plan.size, "group": "tp", **sequence, **vocab,
             "shards": {function: {p[len("param:"):]: s.data() for p, s in sorted(found.items())}
                        for function, found in sorted(plan.shards.items())}}
 

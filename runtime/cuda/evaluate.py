@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy
+from runtime.cuda.lm_head import lm_head_cross_entropy
 from runtime.cuda.packed import exact
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.inputs import fed_inputs, positions_like
@@ -68,5 +68,5 @@ def eval_loss(step, tokens: Tensor, labels: Tensor, documents=None) -> Tensor:
         loss, _, _ = lm_head_cross_entropy(out, head, labels, step.chunk_rows,
                                            step.ignore_index, head_grad=False)
         return loss
-    loss, _ = logits_cross_entropy(out, labels, step.chunk_rows, step.ignore_index)
+    loss, _ = step.logits_loss(out, labels, step.chunk_rows, ignore_index=step.ignore_index)
     return loss

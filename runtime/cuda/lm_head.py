@@ -135,17 +135,21 @@ def logits_cross_entropy(logits: Tensor, labels: Tensor, chunk_rows: int = 2048,
     V = logits.shape[-1]
     rows, flat_labels = logits.reshape(-1, V), labels.reshape(-1)
     keep = flat_labels != ignore_index
-    inv_n = 1.0 / keep.sum().clamp(min=1).to(torch.float32)
+    # float64 logits (the reference runs) keep float64, as the cross_entropy kernel's
+    # statistics do (and the vocab-parallel loss, runtime.kernels.vocab_parallel)
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    inv_n = 1.0 / keep.sum().clamp(min=1).to(compute)
     ext = _kernel_for(rows)
     if ext is not None:
         d_rows = rows.clone(memory_format=torch.contiguous_format)
         losses = ext.cross_entropy_(d_rows, flat_labels.long(), inv_n, ignore_index)
         return losses.sum() * inv_n, d_rows.reshape(logits.shape)
-    loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    loss = torch.zeros((), dtype=compute, device=logits.device)
     d_rows = torch.empty_like(rows)
     for start in range(0, rows.shape[0], chunk_rows):
         part = slice(start, min(start + chunk_rows, rows.shape[0]))
-        d_rows[part] = _chunk(rows[part].to(torch.float32, copy=True), flat_labels[part], keep[part], inv_n, loss)
+        d_rows[part] = _chunk(rows[part].to(compute, copy=True), flat_labels[part],
+                              keep[part], inv_n, loss)
     return loss * inv_n, d_rows.reshape(logits.shape)
 
 
@@ -189,7 +193,7 @@ def _chunk(logits: Tensor, labels: Tensor, keep: Tensor, inv_n: Tensor, loss: Te
     lse = torch.logsumexp(logits, dim=-1)
     target = torch.where(keep, labels, 0).long()[:, None]
     picked = logits.gather(1, target)[:, 0]
-    keep_f = keep.to(torch.float32)
+    keep_f = keep.to(logits.dtype)
     loss.add_(((lse - picked) * keep_f).sum())
     probs = logits.sub_(lse[:, None]).exp_()
     probs.scatter_add_(1, target, -keep_f[:, None])

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
+from runtime.cuda.lm_head import lm_head_cross_entropy, split_head
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, whole_update
 from runtime.cuda.state import random_params  # noqa: F401 (TrainStep.init_random; callers)
@@ -76,6 +76,7 @@ from runtime.cuda.train_kernels import allocating_ops, train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
 from runtime.decisions import Decisions
+from runtime.tensor_parallel import logits_loss, vocab_outputs
 from runtime.errors import RuntimeUserError
 from runtime.hf_weights.schema import tied_targets
 from runtime.train.aux_loss import auxiliary_seeds
@@ -186,8 +187,14 @@ class TrainStep:
 
         # an FP8 recipe: its matmuls as FP8 GEMMs (what the GPU cannot run: refused)
         self.fp8 = step_fp8(self.program, self.dist)
+        # logits split over the vocabulary (`--tp`, a `@shard(vocab)` head) are made whole
+        # and take the vocab-parallel loss (runtime.kernels.vocab_parallel, torch ops),
+        # never the fused head's kernel, which would see one rank's slice as every token
+        output = self.program.output_names()[0]
+        self.vocab_sharded = output in vocab_outputs(self.program)
+        self.logits_loss = logits_loss(self.program, output)
         self.split = split_head(self.program.graph) if self.fused_head and not \
-            head_covered(self.fp8, self.program.graph) else None
+            self.vocab_sharded and not head_covered(self.fp8, self.program.graph) else None
         self.graph = self.split.graph if self.split else self.program.graph
         if isinstance(self.decisions, str) and self.decisions == "auto":
             self.decisions = Decisions.from_schedule(self.program.document.get("schedule", {}))
@@ -503,7 +510,8 @@ class TrainStep:
                 on_gradient(head, d_head)
                 d_head = None
         else:
-            loss, seed = logits_cross_entropy(out, labels, self.chunk_rows, self.ignore_index)
+            loss, seed = self.logits_loss(out, labels, self.chunk_rows,
+                                          ignore_index=self.ignore_index)
         del out
         if aux is not None:
             loss = loss + aux.to(loss.dtype)

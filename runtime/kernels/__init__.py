@@ -11,7 +11,8 @@ formulas are the point), so autograd of a forward is an independent check of its
 Families: linalg (matmul, batched_matmul, grouped_gemm), norms, activations, attention
 (flash_attention, rope, qk_norm, qk_norm_rope), tensor (views and copies), elementwise, reductions,
 embedding, moe, mamba, utility (zeros, ones, fill), loss (cross_entropy), comm (tp_copy,
-tp_all_reduce; sp_all_gather, sp_reduce_scatter, sp_scatter, sp_gather: torch.distributed).
+tp_all_reduce; sp_all_gather, sp_reduce_scatter, sp_scatter, sp_gather: torch.distributed), vocab_parallel
+(vocab_parallel_embedding, vocab_parallel_cross_entropy: `--tp`'s vocabulary split).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from runtime.kernels.base import KERNELS, ReferenceKernel
 from runtime.kernels import (  # noqa: F401 (each module registers its kernels)
     activations, attention, comm, elementwise, embedding, linalg, loss, mamba, moe, norms,
-    reductions, tensor, utility,
+    reductions, tensor, utility, vocab_parallel,
 )
 
 __all__ = ["KERNELS", "ReferenceKernel", "default_attrs"]

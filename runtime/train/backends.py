@@ -96,8 +96,8 @@ class CPUTrainer:
     def _loss_and_gradients(self, window: Tensor):
         """The micro-batch's mean loss over its targets (packed: those not ignored) and
         its gradients; a packed batch's documents held for both passes."""
-        from runtime.cuda.lm_head import logits_cross_entropy
         from runtime.kernels.documents import packed
+        from runtime.tensor_parallel import logits_loss
         from runtime.train.packing import split_batch
 
         tokens, labels, documents = split_batch(window, self.packing)
@@ -106,7 +106,8 @@ class CPUTrainer:
             outputs = self.model.forward(**fed_inputs(
                 self.inputs, tokens, documents.positions if documents else None))
             logits = outputs[self.output]
-            loss, d_logits = logits_cross_entropy(logits, labels, ignore_index=ignore)
+            loss, d_logits = logits_loss(self.program, self.output)(  # vocab-parallel
+                logits, labels, ignore_index=ignore)  # on a `@shard(vocab)` head's slice
             seeds = {self.output: d_logits.to(logits.dtype)}
             for name, aux in auxiliary_losses(outputs, self.output).items():  # MoE balance
                 loss = loss + aux.to(loss.dtype)

@@ -107,9 +107,9 @@ def batch_loss(trainer, window: torch.Tensor) -> float:
 def cpu_loss(trainer, window: torch.Tensor) -> float:
     """The CPU trainer's model, forward only: no dropout (`rng_seed` None), the frame it
     keeps for a backward dropped at once."""
-    from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.inputs import fed_inputs
     from runtime.kernels.documents import packed
+    from runtime.tensor_parallel import logits_loss
     from runtime.train.packing import split_batch
 
     model, packing = trainer.model, getattr(trainer, "packing", None)
@@ -122,6 +122,6 @@ def cpu_loss(trainer, window: torch.Tensor) -> float:
             )[trainer.output]
     finally:
         model.rng_seed, model._frame = seed, None
-    loss, _ = logits_cross_entropy(logits, labels, ignore_index=-100 if packing is None
-                                   else packing.ignore_index)
+    loss, _ = logits_loss(model.source.program(planned=False), trainer.output)(
+        logits, labels, ignore_index=-100 if packing is None else packing.ignore_index)
     return float(loss)

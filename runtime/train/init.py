@@ -23,6 +23,7 @@ import torch
 from modulec.lower.lora import is_adapter
 from runtime.interpreter import _join, child_path
 from runtime.kernels import KERNELS
+from runtime.train.param_groups import EMBEDDINGS
 
 NORM_OPS = frozenset({"rmsnorm", "layernorm", "fused_residual_rmsnorm",
                       "fused_residual_layernorm", "group_rmsnorm", "qk_norm", "qk_norm_rope"})
@@ -71,7 +72,8 @@ def initialize(model, seed: int, std: float = DEFAULT_STD) -> dict[str, str]:
         raise ValueError(f"parameters without sizes: {unsized[:3]}")
     ties = tied_targets(program.weight_schema)
     owned = {p: s for p, s in shapes.items() if p not in ties}
-    scales, padding = norm_scales(program.graph), padding_rows(program.graph)
+    scales = norm_scales(program.graph)
+    padding = padding_rows(program.graph, getattr(model, "tp_rank", 0), shapes)
     values = standard_values(owned, scales, seed, std, padding)
     dtypes = model.parameter_dtypes()
     model.params.update({p: v.to(dtypes[p]).to(model.device) for p, v in values.items()})
@@ -102,12 +104,17 @@ def norm_scales(graph) -> dict[str, float]:
     return found
 
 
-def padding_rows(graph) -> dict[str, int]:
-    """Embedding tables looked up with a `padding_idx`, by path: that row."""
+def padding_rows(graph, tp_rank: int = 0, shapes: dict | None = None) -> dict[str, int]:
+    """Embedding tables looked up with a `padding_idx`, by path: that row (of a table split
+    over the vocabulary, `--tp`: the local row on rank `tp_rank`, where it is this rank's;
+    `shapes` gives the local row counts)."""
     found: dict[str, int] = {}
 
     def visit(node, path: str) -> None:
-        row = node.attr("padding_idx") if node.target == "embedding" else None
+        row = node.attr("padding_idx") if node.target in EMBEDDINGS else None
+        if isinstance(row, int) and node.target == "vocab_parallel_embedding":
+            rows = (shapes or {}).get(_join(path, node.inputs[1][len("param:"):]), (0,))[0]
+            row = row - tp_rank * rows if 0 <= row - tp_rank * rows < rows else None
         if isinstance(row, int) and not isinstance(row, bool):
             found.update({_join(path, v[len("param:"):]): row for v in node.inputs
                           if v.startswith("param:")})

@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 
 
+EMBEDDINGS = ("embedding", "vocab_parallel_embedding")  # tables: no weight decay
+
 def frozen_parameters(program) -> set[str]:
     """The parameter paths a trainer does not train (nor keeps optimizer state for)."""
     metadata = program.metadata
@@ -73,7 +75,7 @@ def _no_decay(graph) -> set[str]:
            if len(shape) < 2 or p.rpartition(".")[2].endswith("bias")}
     for function, prefix in function_runs(graph, graph.function(graph.entry)):
         for node in function.nodes:
-            if node.kind == "op" and node.target == "embedding" and len(node.inputs) > 1 \
+            if node.kind == "op" and node.target in EMBEDDINGS and len(node.inputs) > 1 \
                     and node.inputs[1].startswith("param:"):
                 name = node.inputs[1][len("param:"):]
                 out.add(f"{prefix}.{name}" if prefix else name)

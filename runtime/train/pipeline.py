@@ -188,7 +188,10 @@ class PipelineTrainer:
             self._update({p: g / len(parts) for p, g in total.items() if p in self.names})
             stepped.append(True)
 
-        losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m]),
+        from runtime.tensor_parallel import logits_loss  # vocab-parallel on a vocab slice
+
+        loss_fn = logits_loss(self.program, self.program.output_names()[0])
+        losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m], loss_fn),
                                          update)
         if not stepped:
             update(total)
@@ -318,14 +321,15 @@ def kernels_on(device: str) -> dict:
     return dict(KERNELS) | {n: OnDevice(KERNELS[n], device) for n in created if n in KERNELS}
 
 
-def _loss(outputs: list, labels: Tensor):
-    """The cross-entropy of the logits plus the auxiliary losses (0-d outputs: the MoE
-    load-balancing loss, seed 1), and the seeds of the last stage's outputs."""
-    from runtime.cuda.lm_head import logits_cross_entropy
+def _loss(outputs: list, labels: Tensor, loss_fn):
+    """The cross-entropy of the logits (`loss_fn`: runtime.tensor_parallel.logits_loss's,
+    vocab-parallel on a `@shard(vocab)` head's slice) plus the auxiliary losses (0-d
+    outputs: the MoE load-balancing loss, seed 1), and the seeds of the last stage's
+    outputs."""
     from runtime.train.aux_loss import auxiliary_seeds
 
     logits = outputs[0]
-    loss, d_logits = logits_cross_entropy(logits, labels)
+    loss, d_logits = loss_fn(logits, labels)
     aux_seeds, aux = auxiliary_seeds(list(outputs[1:]))
     if aux is not None:
         loss = loss + aux.to(loss.dtype)

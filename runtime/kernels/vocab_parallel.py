@@ -1,0 +1,98 @@
+"""vocab_parallel_embedding, vocab_parallel_cross_entropy: the embedding table, the LM head
+and the loss split over the vocabulary under `--tp M` (Megatron's vocab-parallel layers;
+docs/distributed.md, Tensor parallel).
+
+Rank r of the tensor-parallel group holds rows [r V, (r + 1) V) of a [M V, D] table (V
+the local row count) and, from the column-parallel head, the logits of those tokens. The
+embedding gives zeros for tokens outside the rank's rows (the pass sums the ranks' parts);
+the cross-entropy all-reduces the row max (MAX), the sum of exp and the target logit (SUM)
+over the group, so every rank gets the whole loss; its backward is local (softmax - onehot
+on the rank's slice). `mean_cross_entropy` is the trainers' loss over such a slice (the
+mean over labels != ignore_index, and d_logits), on CPU and on CUDA alike (torch ops; one
+all-reduce of the max, one of the two sums, no host sync, so a CUDA graph captures it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime.kernels.base import input_shape, register
+from runtime.kernels.comm import group_rank, process_group
+
+
+def _reduce(x: Tensor, size: int, group: str, op: str = "sum") -> Tensor:
+    """x reduced over the group (in place on x, which the caller owns)."""
+    import torch.distributed as dist
+
+    if size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                        group=process_group(size, group))
+    return x
+
+
+def owned(indices: Tensor, rows: int, size: int, group: str) -> tuple[Tensor, Tensor]:
+    """(local row of each index (0 where not owned), mask of indices in this rank's rows)."""
+    local = indices.long() - group_rank(size, group) * rows
+    mine = (local >= 0) & (local < rows)
+    return torch.where(mine, local, 0), mine
+
+
+def _embedding_backward(d_y, indices, *, size, group="tp", padding_idx=None, **attrs):
+    V, D = input_shape(attrs, "vocab_parallel_embedding", "weight")
+    local, mine = owned(indices, V, size, group)
+    d_rows = d_y.reshape(-1, D) * mine.reshape(-1, 1).to(d_y.dtype)
+    d_weight = torch.zeros(V, D, dtype=d_y.dtype, device=d_y.device)
+    d_weight = d_weight.index_add(0, local.reshape(-1), d_rows)
+    if padding_idx is not None:
+        row = int(padding_idx) - group_rank(size, group) * V
+        if 0 <= row < V:
+            d_weight[row].zero_()
+    return [d_weight]
+
+
+@register("vocab_parallel_embedding", ("indices", "weight"), ("y",), ("d_y", "indices"),
+          ("d_weight",), backward=_embedding_backward)
+def _embedding_forward(indices, weight, *, size, group="tp", **_):
+    local, mine = owned(indices, weight.shape[0], size, group)
+    rows = weight.index_select(0, local.reshape(-1)) * mine.reshape(-1, 1).to(weight.dtype)
+    return [rows.reshape(*indices.shape, weight.shape[1])]
+
+
+def _cross_entropy_backward(d_loss, logits, labels, lse, *, size, group="tp",
+                            ignore_index=-100, **_):
+    keep = labels != ignore_index
+    local, mine = owned(torch.where(keep, labels, -1), logits.shape[-1], size, group)
+    onehot = torch.zeros_like(logits).scatter(-1, local[..., None], 1.0) * \
+        mine[..., None].to(logits.dtype)
+    d_logits = d_loss[..., None] * (torch.exp(logits - lse[..., None]) - onehot)
+    return [d_logits * keep[..., None].to(logits.dtype)]
+
+
+@register("vocab_parallel_cross_entropy", ("logits", "labels"), ("loss", "lse"),
+          ("d_loss", "logits", "labels", "lse"), ("d_logits",),
+          backward=_cross_entropy_backward, stats=("loss", "lse", "d_loss"))
+def _cross_entropy_forward(logits, labels, *, size, group="tp", ignore_index=-100, **_):
+    m = _reduce(logits.amax(-1), size, group, "max")
+    keep = labels != ignore_index
+    local, mine = owned(torch.where(keep, labels, -1), logits.shape[-1], size, group)
+    picked = torch.gather(logits, -1, local[..., None]).squeeze(-1) * mine.to(logits.dtype)
+    sums = torch.stack([torch.exp(logits - m[..., None]).sum(-1), picked])
+    sum_exp, picked = _reduce(sums, size, group)  # one all-reduce for both sums
+    lse = m + torch.log(sum_exp)
+    return [torch.where(keep, lse - picked, torch.zeros_like(lse)), lse]
+
+
+def mean_cross_entropy(logits: Tensor, labels: Tensor, size: int, group: str = "tp",
+                       ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """(loss [] fp32, d_logits like logits) of the mean token cross-entropy over labels
+    != ignore_index, from this rank's vocabulary slice of the logits (fp32 math; float64
+    stays float64). Every rank gets the same loss."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(compute)
+    keep = labels != ignore_index
+    inv_n = 1.0 / keep.sum().clamp(min=1).to(compute)
+    attrs = dict(size=size, group=group, ignore_index=ignore_index)
+    loss, lse = _cross_entropy_forward(x, labels, **attrs)
+    (d_logits,) = _cross_entropy_backward(inv_n.expand_as(loss), x, labels, lse, **attrs)
+    return loss.sum() * inv_n, d_logits.to(logits.dtype)
