@@ -175,3 +175,23 @@ def test_zero_auto_keeps_zero2_when_it_fits():
 def test_zero_auto_needs_a_budget():
     result = run("build", LLAMA, *TINY, "--dp", 2, "--zero", "auto")
     assert result.exit_code == 2 and "--zero auto chooses the stage that fits" in result.output
+
+
+def test_plan_tp_counts_one_ranks_slices_of_the_vocabulary_too():
+    """std Llama under --tp 2: every matrix is split, the embedding and LM head too
+    (`@shard(vocab)`), so the plan's weights drop by half of all the matrices' bytes;
+    the norms (and fixed buffers) stay whole."""
+    def regions(tp: int) -> dict:
+        result = run("plan", REPO_DIR / "std" / "models" / "llama.module", "--set", "n_layers=2",
+                     "--set", "d_model=32", "--set", "num_heads=4", "--set", "num_kv_heads=2",
+                     "--set", "d_ff=48", "--set", "vocab_size=64", "--shape", "B=2",
+                     "--shape", "T=6", "--tp", tp, "--format", "json")
+        assert result.exit_code == 0, result.output
+        return {r["region"]: r["arena_bytes"] for r in json.loads(result.output)["regions"]}
+
+    one, two = regions(1), regions(2)
+    table = 64 * 32  # embedding and lm_head, each [vocab, d_model]
+    layer = (32 + 16 + 16) * 32 + 32 * 32 + 2 * 48 * 32 + 32 * 48  # qkv, o, gate/up, down
+    split = 2 * table + 2 * layer  # elements; half of them leave each rank
+    assert one["weights"] - two["weights"] == split // 2 * 2  # bf16 compute copies
+    assert one["optimizer_state"] - two["optimizer_state"] == split // 2 * 12  # fp32 x 3
