@@ -107,14 +107,17 @@ class Model:
 
     @classmethod
     def from_ir(cls, path, *, hf_weights=None, dtype=torch.float64, device="cpu",
-                progress: bool = False, max_memory: int | None = None) -> "Model":
+                progress: bool = False, max_memory: int | None = None,
+                tp_rank: int = 0) -> "Model":
         """A model from an IR document written by `modulec build -o` (fixed sizes),
-        verified and its memory checked before any weight is made."""
+        verified and its memory checked before any weight is made. A document built
+        with `--tp M` is one rank's program: `tp_rank` says which rank's slices of the
+        weights it loads (run it in a TP group of M: runtime.kernels.comm)."""
         from runtime.program import IRSource
 
         source = IRSource(Path(path))
         source.program()  # read and verified first: a refused document makes no tensor
-        instance = cls(source, dtype=dtype, device=device)
+        instance = cls(source, dtype=dtype, device=device, tp_rank=int(tp_rank))
         check_memory(instance, max_memory)
         if hf_weights is not None:
             instance.load_hf(hf_weights, progress=progress)

@@ -200,6 +200,17 @@ class IRSource:
             self._program = load_ir(self.path)
         return self._program
 
+    @property
+    def tensor_parallel(self) -> int:
+        """The document's tensor-parallel size: its `tensor_parallel` section's (a rank
+        program of `modulec build --tp M`), 1 without one."""
+        return tp_size(self.program().document)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        section = self.program().document.get("schedule", {}).get("tensor_parallel") or {}
+        return bool(section.get("sequence_parallel", False))
+
     def program_for(self, inputs: dict) -> Program:
         program = self.program()
         declared = program.metadata["inputs"]
@@ -222,3 +233,9 @@ class IRSource:
                     f"{want}", help=["rebuild with other --shape sizes, or run the .module"])
         bind_dims(declared, inputs)  # missing and unknown inputs
         return program
+
+
+def tp_size(document: dict) -> int:
+    """An IR document's tensor-parallel size (its `tensor_parallel` section; 1 without)."""
+    section = document.get("schedule", {}).get("tensor_parallel") or {}
+    return int(section.get("size", 1))

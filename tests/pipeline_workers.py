@@ -137,3 +137,35 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -
         results.append({"losses": losses, "whole": whole, "resumed": again})
     torch.save(results, f"{out}.{rank}")
     context.close()
+
+
+def step_tp_from_ir(rank: int, world: int, port: int, document: str, clip: float,
+                    out: str) -> None:
+    """PP 2 x TP 2 (4 ranks): one step of the tiny Llama (float64, clipping at `clip`)
+    from the module built with --pp 2 --tp 2, then one from `document` (`modulec build
+    --pp 2 --tp 2 -o`), each rank's slices of the same random weights; rank r saves both
+    losses and states (rank 0's: the whole, joined) to `out`.r."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import shard_params
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+    from tests.tp_workers import tiny_model as tp_model
+
+    context = join(rank, world, port)
+    whole = tp_model("llama").params
+    results = []
+    for source in ("module", document):
+        if source == "module":
+            model = tp_model("llama", 2, rank % 2)
+        else:
+            model = Model.from_ir(document, dtype=torch.float64, tp_rank=rank % 2)
+            model.params = shard_params(dict(whole), model.source.program(planned=False),
+                                        rank % 2)
+        model.check_finite = False
+        trainer = PipelineTrainer(model, 1, 8, AdamW(lr=1e-2, weight_decay=0.1,
+                                                     clip_grad=clip), context, 2, 2)
+        loss = trainer.train_step(windows(1, 2, 8)[0])
+        results.append({"loss": loss, "state": trainer.state(),
+                        "norm": trainer.step_metrics()["grad_norm"]})
+    torch.save(results, f"{out}.{rank}")
+    context.close()

@@ -136,11 +136,11 @@ def _options(command):
                           "(0 replicated, 1 optimizer state sharded, 2 + gradients "
                           "reduce-scattered, 3 + weights sharded; default 2). With --pp: "
                           "0 (default) or 1 over the pipelines."),
-        click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
-                     metavar="M",
+        click.option("--tp", type=click.IntRange(1), default=None, metavar="M",
                      help="Under torchrun: tensor parallel, M consecutive processes split "
                           "each layer (the model's @shard parameters); the processes / M "
-                          "slices are data parallel."),
+                          "slices are data parallel. Default 1; an IR document's own "
+                          "(built with `modulec build --tp M`)."),
         click.option("--sequence-parallel", "--sp", "sp", is_flag=True,
                      help="With --tp: sequence parallel (Megatron-LM's), the norms and "
                           "residual adds on seq / M rows a process."),

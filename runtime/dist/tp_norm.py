@@ -35,11 +35,13 @@ def whole_squares(replicated: Tensor, sliced: Tensor, group=None) -> Tensor:
 def tp_squares(grads: dict, sharded, group=None, dtype: torch.dtype = torch.float64,
                device=None) -> Tensor:
     """The whole model's squared gradient norm (a [1] tensor) from one TP rank's `grads`
-    by path; `sharded`: the paths this rank holds a slice of; `group`: the TP group."""
+    by path (summed in path order); `sharded`: the paths this rank holds a slice of;
+    `group`: the TP group."""
     if device is None:
         device = next(iter(grads.values())).device if grads else "cpu"
-    sliced = squares([g for p, g in grads.items() if p in sharded], dtype, device)
-    replicated = squares([g for p, g in grads.items() if p not in sharded], dtype, device)
+    paths = sorted(grads)  # one summation order, whatever order the gradients came in
+    sliced = squares([grads[p] for p in paths if p in sharded], dtype, device)
+    replicated = squares([grads[p] for p in paths if p not in sharded], dtype, device)
     return whole_squares(replicated, sliced, group)
 
 

@@ -382,12 +382,12 @@ def _refuse_unsupported(model: Model, program, section: dict) -> None:
     from runtime.hf_weights.schema import tied_targets
 
     built_tp = section["mesh"].get("tp", 1)
-    if built_tp != getattr(model.source, "tensor_parallel", 1):
-        raise RuntimeUserError(f"the IR's pipeline stages are tensor-parallel rank programs "
-                               f"(mesh tp {built_tp}); --tp with an IR document is not "
-                               "supported yet", help=[f"train the .module with --pp "
-                                                      f"{len(section['stages'])} --tp "
-                                                      f"{built_tp}"])
+    if built_tp != getattr(model.source, "tensor_parallel", 1):  # `modulec ir verify`'s too
+        raise RuntimeUserError(f"the IR's pipeline mesh says tp {built_tp}, but its stages "
+                               f"are rank programs of tp "
+                               f"{getattr(model.source, 'tensor_parallel', 1)}",
+                               help=[f"rebuild it with `modulec build ... --pp "
+                                     f"{len(section['stages'])} --tp {built_tp}`"])
     ties = tied_targets(program.weight_schema)
     if ties:
         raise RuntimeUserError(f"--pp with tied weights ({', '.join(sorted(ties))}) is not "

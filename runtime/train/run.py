@@ -55,7 +55,9 @@ class Request:
     lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
     precision: str | None = None  # "fp8": the std FP8 recipe (runtime/fp8.py)
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
-    tp: int = 1  # tensor parallel: consecutive ranks split each layer (the rest is data parallel)
+    # tensor parallel: consecutive ranks split each layer (the rest is data parallel); None:
+    # 1, or an IR document's own size (document_parallel)
+    tp: int | None = 1
     sp: bool = False  # sequence parallel with --tp: the norms on T / tp rows a rank
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
     # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
@@ -86,6 +88,7 @@ class Request:
 def train_model(**kwargs) -> str:
     request = Request(**kwargs)
     check_device(request.device)
+    document_parallel(request)
     _check_numbers(request)
     context = _context(request)
     try:
@@ -141,6 +144,12 @@ def _context(request: Request):
     if request.tp > 1 and request.lora is not None:
         raise RuntimeUserError("--lora with --tp is not supported yet",
                                help=["train LoRA data parallel (--zero) or on one GPU"])
+    if request.file.suffix == ".ir" and context.world % request.tp:
+        raise RuntimeUserError(f"{request.file} is a tensor-parallel rank program of size "
+                               f"{request.tp} (its tensor_parallel section); this launch has "
+                               f"{context.world} process{'es' if context.world > 1 else ''}",
+                               help=[f"launch a multiple of {request.tp}: torchrun "
+                                     f"--nproc-per-node {request.tp} -m modulec train ..."])
     if request.tp < 1 or context.world % request.tp:
         raise RuntimeUserError(f"--tp {request.tp} must divide the {context.world} "
                                "processes", help=[f"launch a multiple of {request.tp} "
@@ -148,13 +157,38 @@ def _context(request: Request):
     from runtime.train.pipeline import check_launch
 
     check_launch(request, context)  # --pp: the micro-batches become the accumulation
-    if request.tp > 1 and request.file.suffix == ".ir":
-        raise RuntimeUserError("--tp with an IR document is not supported yet",
-                               help=["train the .module with --tp"])
     if request.sp and request.tp < 2:
         raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
                                "processes: it needs --tp M (M of at least 2)")
     return context
+
+
+def document_parallel(request: Request) -> None:
+    """The run's tensor-parallel size: --tp (default 1), or an IR document's own (the IR
+    is the contract: a document built with `modulec build --tp M [--sp]` is one rank's
+    program of M, and says so in its `tensor_parallel` section). A --tp or --sp that
+    says otherwise is an error naming both."""
+    if request.file.suffix != ".ir":
+        request.tp = 1 if request.tp is None else request.tp
+        return
+    from modulec.ir.load import read_document
+    from runtime.program import tp_size
+
+    document, problems = read_document(request.file)
+    if problems:
+        raise RuntimeUserError(f"cannot read IR: {problems[0]}")
+    size = tp_size(document)
+    sp = bool((document.get("schedule", {}).get("tensor_parallel") or {})
+              .get("sequence_parallel", False))
+    if request.tp not in (None, size):
+        raise RuntimeUserError(f"{request.file} was built with --tp {size}; this run asks "
+                               f"for --tp {request.tp}",
+                               help=[f"leave out --tp (the document's {size} is used), or "
+                                     f"rebuild it with --tp {request.tp}"])
+    if request.sp and not sp:
+        raise RuntimeUserError(f"--sp: {request.file} was built without --sp",
+                               help=["leave out --sp, or rebuild it with --tp M --sp"])
+    request.tp, request.sp = size, sp
 
 
 def check_zero(request: Request, context) -> None:
@@ -233,7 +267,7 @@ def _resumed(path):
 
 def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
     if request.file.suffix == ".ir":
-        return _model_from_ir(request, weights)
+        return _model_from_ir(request, weights, tp_rank)
     model = Model.from_module(request.file, settings=request.settings, hf_weights=weights,
                               config=request.config, dtype=torch.float32, device=HOST,
                               model=request.model, search_path=request.search_path,
@@ -264,7 +298,7 @@ def _initialized(request: Request, model: Model) -> Model:
     return model
 
 
-def _model_from_ir(request: Request, weights: Path) -> Model:
+def _model_from_ir(request: Request, weights: Path, tp_rank: int = 0) -> Model:
     """An IR document (`modulec build -o`) runs as written: its sizes, its plan's
     decisions and its distributed section; settings that would change it are refused."""
     given = [flag for flag, value in (("--set", request.settings),
@@ -278,7 +312,7 @@ def _model_from_ir(request: Request, weights: Path) -> Model:
                                help=["pass them to `modulec build` and train the new IR, "
                                      "or train the .module"])
     model = Model.from_ir(request.file, hf_weights=weights, dtype=torch.float32,
-                          device=HOST, max_memory=request.max_memory)
+                          device=HOST, max_memory=request.max_memory, tp_rank=tp_rank)
     names = model.source.program().input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
