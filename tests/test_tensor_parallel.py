@@ -278,3 +278,22 @@ def _tp2_errors(source, model: str) -> list:
     """The errors of building `model` of `source` for tensor parallel 2."""
     result = build(BuildRequest(source, model=model, shapes={"B": 2}, tensor_parallel=2))
     return [d for d in result.diagnostics if d.is_error]
+
+
+def test_the_verifier_rederives_the_vocab_parallel_types():
+    """A document that says the vocab-parallel lookup gives the table's whole width, or
+    the split head gives the whole vocabulary, is refused."""
+    from dataclasses import replace
+
+    from modulec.ir.verify import verify_graph
+
+    graph = tp_build("llama", 2).graph
+    entry = graph.function(graph.entry)
+    lookup, logits = entry.nodes[0].outputs[0], entry.outputs[0]
+    lies = {lookup: ("2", "6", "64"), logits: ("2", "6", "64")}
+    values = tuple(replace(v, shape=lies.get(v.id, v.shape)) for v in entry.values)
+    lied = replace(graph, functions=tuple(replace(f, values=values) if f is entry else f
+                                          for f in graph.functions))
+    problems = "\n".join(verify_graph(lied))
+    assert "vocab_parallel_embedding gives [2, 6, 32" in problems, problems
+    assert "matmul(transpose=NT) gives [2, 6, 32" in problems, problems

@@ -18,6 +18,11 @@ same module is the unsharded one). Then, for tp_size = M:
   else (a call, the function's outputs, a second column matmul) is a layout conflict
   (E008). A rewritten function's written backward is dropped: derive_backward derives
   it from the primitives' rules, where each collective's gradient is the other;
+- `@shard(vocab)` on a [V, D] table (the embedding, the LM head; a tied head shares its
+  table's shard): its `embedding` lookup becomes `vocab_parallel_embedding` (zeros for a
+  token outside the rank's rows) + `tp_all_reduce`, its matmul is column-parallel and the
+  result may be an output of the model's forward, split over the vocabulary (the
+  section's `vocab_outputs`: the trainers take the vocab-parallel loss on it);
 - `section` is the document's `tensor_parallel` section (each sharded parameter's
   layout, by function), and `shard_weight_schema` gives the weight schema's sharded
   entries their global shape and layout, so that each rank loads its slice.
