@@ -94,14 +94,15 @@ def gpu_train(step, batches: list) -> list[float]:
     return losses
 
 
-def gpu_reference(steps: int, rows: int, seq: int, clip: float | None = None
-                  ) -> tuple[list, dict]:
+def gpu_reference(steps: int, rows: int, seq: int, clip: float | None = None,
+                  more: dict | None = None) -> tuple[list, dict]:
     """One GPU on the whole batch; `clip`: global gradient-norm clipping with weight
-    decay 0.1 (the default exclusions), the last step's norm under `grad_norm`."""
+    decay 0.1 (the default exclusions), the last step's norm under `grad_norm`; `more`:
+    settings over GPU_LLAMA's."""
     from runtime.cuda.step import TrainStep
 
-    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq,
-                                 **_optimizer(clip))
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1] | (more or {}), batch=rows,
+                                 seq=seq, **_optimizer(clip))
     step.init_random(0)
     losses = gpu_train(step, gpu_batches(steps, rows, seq))
     masters = {p: step.masters[p].cpu() for p in step.names}
@@ -190,9 +191,11 @@ def gpu_dp_tp(rank: int, world: int, port: int, zero: int, steps: int, rows: int
 
 
 def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int, seq: int,
-                        out: str, sp: bool = False) -> None:
-    """TP over `world` GPUs (`sp`: with sequence parallel): the whole model's random
-    weights sliced per rank, every rank the same batch; rank 0 saves the losses."""
+                        out: str, sp: bool = False, more: dict | None = None) -> None:
+    """TP over `world` GPUs (`sp`: with sequence parallel; `more`: settings over
+    GPU_LLAMA's): the whole model's random weights sliced per rank, every rank the same
+    batch; rank 0 saves the losses, the program's ops and whether the step took the
+    vocab-parallel loss (no fused head split off)."""
     from runtime.cuda.step import TrainStep, random_params
     from runtime.dist import DistContext
     from runtime.tensor_parallel import shard_params
@@ -200,13 +203,15 @@ def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
     context = DistContext.from_env(device="cuda", timeout_s=120)
-    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq,
+    settings = GPU_LLAMA[1] | (more or {})
+    step = TrainStep.from_module(GPU_LLAMA[0], settings, batch=rows, seq=seq,
                                  dist=context.data_parallel(2, tp=world, sp=sp))
-    whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
+    whole = TrainStep.from_module(GPU_LLAMA[0], settings, batch=rows, seq=seq)
     step.load(shard_params(random_params(whole.shapes(), 0), step.program, rank))
     losses = gpu_train(step, gpu_batches(steps, rows, seq))
     if rank == 0:
         ops = {n.target for f in step.program.graph.functions for n in f.nodes}
-        torch.save({"losses": losses, "ops": ops}, out)
+        torch.save({"losses": losses, "ops": ops, "vocab_sharded": step.vocab_sharded,
+                    "split": step.split is not None}, out)
     context.close()
     context.exit_now()

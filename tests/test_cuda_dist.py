@@ -114,5 +114,27 @@ def test_sequence_parallel_trains_as_one_gpu(reference, tmp_path):
              args=(2, free_port(), STEPS, ROWS, SEQ, str(out), True))
     want_losses, _ = reference
     got = torch.load(out)
-    assert {"sp_scatter", "sp_all_gather", "sp_reduce_scatter", "sp_gather"} <= got["ops"]
+    # std Llama's vocab-parallel embedding: its partial sums reduce-scattered into the
+    # blocks (no sp_scatter), the head's input all-gathered (no sp_gather)
+    assert {"vocab_parallel_embedding", "sp_all_gather", "sp_reduce_scatter"} <= got["ops"]
+    assert not {"sp_scatter", "sp_gather"} & got["ops"]
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_parallel_head_and_loss_train_as_one_gpu(tied, reference, tmp_path):
+    """TP 2 with std Llama's embedding and LM head split over the vocabulary
+    (`@shard(vocab)`; tied: one table for both): the step takes the vocab-parallel loss
+    (torch ops, a MAX and a SUM all-reduce on NCCL inside the CUDA graph) instead of the
+    fused head, eager and replayed: the losses within bf16 rounding of one GPU's (whole
+    table, fused head + cross-entropy)."""
+    more = {"tie_word_embeddings": "true"} if tied else {}
+    out = tmp_path / "vocab.pt"
+    mp.spawn(dist_workers.gpu_tensor_parallel, nprocs=2,
+             args=(2, free_port(), STEPS, ROWS, SEQ, str(out), False, more))
+    want_losses, _ = dist_workers.gpu_reference(STEPS, ROWS, SEQ, more=more) if tied \
+        else reference
+    got = torch.load(out)
+    assert got["vocab_sharded"] and not got["split"]
+    assert "vocab_parallel_embedding" in got["ops"]
     assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
