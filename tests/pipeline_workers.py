@@ -96,7 +96,8 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
     context.close()
 
 
-def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> None:
+def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
+                       extra: dict | None = None) -> None:
     """Each of `runs` ((sp, clip, steps, micro, rows, seq[, zero])) on the tiny Llama, two stages
     of --tp 2 (TP x PP, 4 ranks; 8: two pipelines), this rank's slices of the reference's
     random weights; then the whole state after step 1 (state(): the slices and stages
@@ -136,22 +137,26 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str) -
                  for w in batches[1:]]
         results.append({"losses": losses, "whole": whole, "resumed": again})
     torch.save(results, f"{out}.{rank}")
+    if extra is not None:  # more work for the same four processes (their start is slow)
+        from tests.tp_workers import clipped_runs
+
+        torch.save(steps_from_ir(context, rank, extra["document"], extra["clip"]),
+                   f"{out}.ir.{rank}")
+        torch.save(clipped_runs(context, rank, world, extra["dp_tp"]), f"{out}.dptp.{rank}")
     context.close()
 
 
-def step_tp_from_ir(rank: int, world: int, port: int, document: str, clip: float,
-                    out: str) -> None:
+def steps_from_ir(context, rank: int, document: str, clip: float) -> list[dict]:
     """PP 2 x TP 2 (4 ranks): one step of the tiny Llama (float64, clipping at `clip`)
     from the module built with --pp 2 --tp 2, then one from `document` (`modulec build
-    --pp 2 --tp 2 -o`), each rank's slices of the same random weights; rank r saves both
-    losses and states (rank 0's: the whole, joined) to `out`.r."""
+    --pp 2 --tp 2 -o`), each rank's slices of the same random weights: both losses, norms
+    and states (rank 0's: the whole, joined)."""
     from runtime.model import Model
     from runtime.tensor_parallel import shard_params
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
     from tests.tp_workers import tiny_model as tp_model
 
-    context = join(rank, world, port)
     whole = tp_model("llama").params
     results = []
     for source in ("module", document):
@@ -167,5 +172,4 @@ def step_tp_from_ir(rank: int, world: int, port: int, document: str, clip: float
         loss = trainer.train_step(windows(1, 2, 8)[0])
         results.append({"loss": loss, "state": trainer.state(),
                         "norm": trainer.step_metrics()["grad_norm"]})
-    torch.save(results, f"{out}.{rank}")
-    context.close()
+    return results

@@ -18,9 +18,29 @@ from tests.test_dist_zero import free_port  # noqa: E402
 from tests.test_train import ckpt  # noqa: E402,F401
 
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
+STEPS, MICRO, ROWS, SEQ = 2, 2, 2, 8
+RUNS = [(False, None, STEPS, MICRO, ROWS, SEQ), (True, 1e-3, STEPS, MICRO, ROWS, SEQ)]
+DP_TP_RUNS = [(1, 1e-3, 2, 4, 8)]  # tests/test_tp_clip.py: DP 2 x TP 2, ZeRO-1, clipping
 
 
-def test_pp2_tp2_trains_as_one_process_accumulating(tmp_path):
+def spawn_four(tmp_path_factory) -> dict:
+    """One spawn of four gloo processes (their start is the slow part) for: RUNS (PP 2 x
+    TP 2), a step from the module and from its `--pp 2 --tp 2` IR document, and
+    DP_TP_RUNS (tests/tp_workers.py's clipped_runs); each rank's results. The session
+    fixture `four_ranks` (tests/conftest.py) runs it once for this file and
+    tests/test_tp_clip.py."""
+    folder = tmp_path_factory.mktemp("four")
+    built, document = _build(folder, "--tp", "2")
+    assert built.exit_code == 0, built.output
+    out = folder / "tpp"
+    extra = {"document": str(document), "clip": 1e-3, "dp_tp": DP_TP_RUNS}
+    mp.spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
+             args=(4, free_port(), RUNS, str(out), extra))
+    return {kind: [torch.load(f"{out}.{kind}{r}") for r in range(4)]
+            for kind in ("", "ir.", "dptp.")}
+
+
+def test_pp2_tp2_trains_as_one_process_accumulating(four_ranks):
     """PP 2 x TP 2 on four gloo processes (ranks 0, 1: stage 0's TP pair; 2, 3: stage
     1's), the tiny Llama in float64, with and without --sp: the losses, and every
     parameter and moment after two steps (the slices and stages joined by state()), are
@@ -28,13 +48,9 @@ def test_pp2_tp2_trains_as_one_process_accumulating(tmp_path):
     state after step 1, cut into its slices, ends the same. The --sp run clips (--clip-grad
     1e-3, below any norm here): its moments hold the clipped gradients, so they match only
     if the global norm sums the TP slices once and the replicated parameters once."""
-    out = tmp_path / "tpp"
-    steps, micro, rows, seq = 2, 2, 2, 8
-    runs = [(False, None, steps, micro, rows, seq), (True, 1e-3, steps, micro, rows, seq)]
-    mp.spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
-             args=(4, free_port(), runs, str(out)))
-    ranks = [torch.load(f"{out}.{r}") for r in range(4)]
-    for index, (sp, clip, *_) in enumerate(runs):
+    steps, micro, rows, seq = STEPS, MICRO, ROWS, SEQ
+    ranks = four_ranks[""]
+    for index, (sp, clip, *_) in enumerate(RUNS):
         want_losses, want = pipeline_workers.train_reference("llama", steps, micro, rows,
                                                              seq, clip=clip)
         for rank in ranks:
@@ -46,6 +62,22 @@ def test_pp2_tp2_trains_as_one_process_accumulating(tmp_path):
             for path, value in want[part].items():
                 torch.testing.assert_close(got[part][path], value, rtol=1e-10, atol=1e-12,
                                            msg=f"sp {sp} {part} {path}")
+
+
+def test_a_pp2_tp2_ir_steps_as_the_module(four_ranks):
+    """A step of the pipeline from the document `modulec build --pp 2 --tp 2` writes (its
+    tp read from the document, each rank's slices cut from the same weights) equals one
+    from the module, bit for bit, float64, clipping at 1e-3: the loss, the norm, and the
+    joined weights and moments (issue 17: the IR is the contract)."""
+    for module, ir in four_ranks["ir."]:
+        assert (ir["loss"], ir["norm"]) == (module["loss"], module["norm"])
+        assert module["norm"] > 1e-3  # it clips
+    module, ir = four_ranks["ir."][0]
+    for part in PARTS:
+        assert module["state"][part] and module["state"][part].keys() == \
+            ir["state"][part].keys()
+        for path, value in module["state"][part].items():
+            assert torch.equal(ir["state"][part][path], value), (part, path)
 
 
 def test_the_mesh_places_ranks_stage_major_tp_minor():

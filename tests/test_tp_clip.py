@@ -12,6 +12,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import tp_workers  # noqa: E402
 from tests.test_dist_zero import free_port  # noqa: E402
+from tests.test_pipeline_tp import DP_TP_RUNS  # noqa: E402
 
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
 CLIP, STEPS, ROWS, SEQ = 1e-3, 2, 2, 8
@@ -61,10 +62,9 @@ def test_tp2_clips_as_one_process(tmp_path):
     _check([torch.load(f"{out}.{r}") for r in range(2)], runs)
 
 
-def test_dp2_tp2_clips_as_one_process(tmp_path):
+def test_dp2_tp2_clips_as_one_process(four_ranks):
     """DP 2 x TP 2 on four gloo processes (ZeRO 1: both sums in one DP all_reduce, then
-    the slices' over the TP pair) equals one process on the four rows."""
-    runs = [(1, CLIP, STEPS, 2 * ROWS, SEQ)]
-    out = tmp_path / "dptp"
-    mp.spawn(tp_workers.train_clipped, nprocs=4, args=(4, free_port(), runs, str(out)))
-    _check([torch.load(f"{out}.{r}") for r in range(4)], runs)
+    the slices' over the TP pair) equals one process on the four rows (run in the four
+    processes tests/test_pipeline_tp.py starts)."""
+    assert DP_TP_RUNS == [(1, CLIP, STEPS, 2 * ROWS, SEQ)]
+    _check(four_ranks["dptp."], DP_TP_RUNS)

@@ -52,28 +52,3 @@ def test_a_tp_ir_names_its_size_against_the_launch(ckpt, tmp_path):
     assert (f"{document} is a tensor-parallel rank program of size 2 (its tensor_parallel "
             "section); this launch has 1 process") in alone.output
 
-
-def test_a_pp2_tp2_ir_steps_as_the_module(tmp_path):
-    """PP 2 x TP 2 on four gloo processes, float64, clipping at 1e-3: a step of the
-    pipeline from the document `modulec build --pp 2 --tp 2` writes equals one from the
-    module, bit for bit (the loss, the norm, and the joined weights and moments)."""
-    mp = pytest.importorskip("torch.multiprocessing")
-    from tests import pipeline_workers
-    from tests.test_dist_zero import free_port
-    from tests.test_pipeline_tp import _build as build_pipeline
-
-    built, document = build_pipeline(tmp_path, "--tp", "2")
-    assert built.exit_code == 0, built.output
-    out = tmp_path / "step"
-    mp.spawn(pipeline_workers.step_tp_from_ir, nprocs=4,
-             args=(4, free_port(), str(document), 1e-3, str(out)))
-    for rank in range(4):
-        module, ir = torch.load(f"{out}.{rank}")
-        assert (ir["loss"], ir["norm"]) == (module["loss"], module["norm"])
-        assert module["norm"] > 1e-3  # it clips
-    module, ir = torch.load(f"{out}.0")
-    for part in ("masters", "exp_avg", "exp_avg_sq"):
-        assert module["state"][part] and module["state"][part].keys() == \
-            ir["state"][part].keys()
-        for path, value in module["state"][part].items():
-            assert torch.equal(ir["state"][part][path], value), (part, path)

@@ -154,11 +154,20 @@ def train_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
 
 
 def train_clipped(rank: int, world: int, port: int, runs: list, out: str) -> None:
+    """`clipped_runs` in a gloo group of `world` ranks; rank r saves them to `out`.r."""
+    from tests.dist_workers import join
+
+    context = join(rank, world, port)
+    torch.save(clipped_runs(context, rank, world, runs), f"{out}.{rank}")
+    context.close()
+
+
+def clipped_runs(context, rank: int, world: int, runs: list) -> list[dict]:
     """Each of `runs` ((zero, clip, steps, rows, seq)) on the tiny Llama (float64) with
     --tp 2 over `world` ranks (4: DP 2 x TP 2, each slice its rows): zero None is the CPU
     trainer on one TP pair, else CPUDataParallelTrainer with that ZeRO stage (on one TP
-    pair, a section for one data-parallel rank). Rank r saves per run its losses, grad
-    norms and the whole state (the slices joined) to `out`.r."""
+    pair, a section for one data-parallel rank). Per run: its losses, grad norms and the
+    whole state (the slices joined)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -168,13 +177,12 @@ def train_clipped(rank: int, world: int, port: int, runs: list, out: str) -> Non
     from runtime.train.backends import CPUTrainer
     from runtime.train.data_parallel import CPUDataParallelTrainer, whole_state
     from runtime.train.optim import AdamW
-    from tests.dist_workers import join, windows as batches
+    from tests.dist_workers import windows as batches
 
     class OneRank(DataParallelRun):
         def options(self):  # a section for one data-parallel rank (the CLI builds none)
             return DataParallel(1, self.zero)
 
-    context = join(rank, world, port)
     alone = [dist.new_group([r]) for r in range(world)]  # one-rank DP groups (world 2)
     results = []
     for zero, clip, steps, rows, seq in runs:
@@ -198,5 +206,4 @@ def train_clipped(rank: int, world: int, port: int, runs: list, out: str) -> Non
         whole = whole_state(trainer.state(), model,
                             SimpleNamespace(tp=2, tp_group=parallel.tp_group))
         results.append({"losses": losses, "norms": norms, "whole": whole})
-    torch.save(results, f"{out}.{rank}")
-    context.close()
+    return results
