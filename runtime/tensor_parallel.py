@@ -63,9 +63,15 @@ def sharded_paths(program) -> dict[str, dict]:
 
 
 def shard_params(whole: dict[str, Tensor], program, rank: int) -> dict[str, Tensor]:
-    """This rank's parameters from the whole ones (the others are shared as they are)."""
-    shards = sharded_paths(program)
-    return {path: shard_tensor(value, shards[path], rank) if path in shards else value
+    """This rank's parameters from the whole ones (the others are shared as they are); a
+    tensor under two paths (a tied head and its table) gives one slice, still shared."""
+    shards, slices = sharded_paths(program), {}
+
+    def sliced(path: str, value: Tensor) -> Tensor:
+        if id(value) not in slices:
+            slices[id(value)] = shard_tensor(value, shards[path], rank)
+        return slices[id(value)]
+    return {path: sliced(path, value) if path in shards else value
             for path, value in whole.items()}
 
 

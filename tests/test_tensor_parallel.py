@@ -68,13 +68,15 @@ def test_two_ranks_equal_one_process(name, own_group, tmp_path):
                                    rtol=1e-10, atol=1e-12, msg=path)
 
 
-def test_two_adamw_steps_on_two_ranks_equal_one_process(tmp_path):
-    """AdamW is element-wise: each rank stepping its slices is the unsharded step."""
-    want = tp_workers.train(tp_workers.tiny_model("llama"))
+@pytest.mark.parametrize("name", ["llama", "example_gpt2"])  # GPT-2: a tied head's slice
+def test_two_adamw_steps_on_two_ranks_equal_one_process(name, tmp_path):
+    """AdamW is element-wise: each rank stepping its slices is the unsharded step (the
+    tied head stays its table's slice: one tensor, its two gradients summed)."""
+    want = tp_workers.train(tp_workers.tiny_model(name))
     out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.train_rank, nprocs=2, args=(2, free_port(), "llama", out))
+    mp.spawn(tp_workers.train_rank, nprocs=2, args=(2, free_port(), name, out))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    program = tp_workers.tiny_model("llama", 2, 0).source.program(planned=False)
+    program = tp_workers.tiny_model(name, 2, 0).source.program(planned=False)
     for got in ranks:
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-9)
     for key in ("masters", "exp_avg", "exp_avg_sq"):

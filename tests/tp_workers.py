@@ -15,12 +15,15 @@ def tiny_model(name: str, tensor_parallel: int = 1, rank: int = 0,
                sequence_parallel: bool = False):
     """The tiny model `name` (float64); under tensor parallel, this rank's slices of the
     same random parameters the unsharded model gets (`sequence_parallel`: with `--sp`)."""
+    from runtime.hf_weights.schema import tied_targets
     from runtime.model import Model
     from runtime.tensor_parallel import shard_params
 
     path, settings = TINY[name]
     settings = {k: str(v) for k, v in settings.items()}
     whole = Model.from_module(path, settings=settings, dtype=torch.float64).init_random(seed=0)
+    ties = tied_targets(whole.source.program(planned=False).weight_schema)
+    whole.params.update({p: whole.params[t] for p, t in ties.items()})  # one tensor
     if tensor_parallel == 1:
         return whole
     model = Model.from_module(path, settings=settings, dtype=torch.float64,
