@@ -56,8 +56,9 @@ D x M GPUs of one node, predicted for the measured run to be set against:
             bandwidth from the compute they overlap, each bucket syncs two streams).
             From TinyLlama ZeRO-2 on 4 and 2 H200s: the +ms over one GPU plus the AdamW
             share it saves is 12.8 and 10.5 ms, ring time 7.3 and 4.9 ms, 50 collectives
-  loss      cross-entropy over the vocabulary: the logits read and their gradient
-            written, bf16, at 0.5 of HBM (results_cross_entropy_h200.json: 2.4-2.8 TB/s)
+  loss      cross-entropy over the rank's block of the vocabulary (V / TP logits a
+            token, vocab-parallel): the logits read and their gradient written, bf16, at
+            0.5 of HBM (results_cross_entropy_h200.json: 2.4-2.8 TB/s)
   AdamW     the rank's parameters (its ZeRO share at stage >= 1), 30 bytes each at the
             device's memory bandwidth (0.8 of 3.35 TB/s on the H100, 4.8 TB/s on the H200)
 Step = compute + TP + DP + loss + AdamW. No launch gaps (none in a CUDA graph), no rank
@@ -154,11 +155,12 @@ def parameters(setup: Setup) -> int:
 
 def model_parameters(m: dict, tp: int = 1) -> int:
     """Parameters of the model, or with `tp` those one rank of the GPU step holds: the
-    layers' matmuls divided by TP, norms, embedding and LM head (untied) whole."""
+    layers' matmuls, the embedding and the LM head (untied; `@shard(vocab)`) divided by
+    TP, norms whole."""
     d, h, kv, hd, f, v, n = (m[k] for k in ("d_model", "num_heads", "num_kv_heads",
                                             "head_dim", "d_ff", "vocab_size", "n_layers"))
     layer = (d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f) // tp + 2 * d
-    return n * layer + 2 * v * d + d
+    return n * layer + 2 * v * d // tp + d
 
 
 def simulate_step(setup: Setup) -> dict:
@@ -327,7 +329,7 @@ def predict_cut(cut: Cut) -> dict:
     dp_cost = dp_forward + dp_backward + dp_collectives(cut) * DP_COLLECTIVE_S
     shards = cut.dp if cut.zero >= 1 else 1
     adamw = params / shards * ADAMW_BYTES_PER_PARAM / profile.bytes_per_s
-    loss = cut.batch * cut.seq * model["vocab_size"] * LOSS_BYTES_PER_LOGIT / \
+    loss = cut.batch * cut.seq * model["vocab_size"] // cut.tp * LOSS_BYTES_PER_LOGIT / \
         (LOSS_BANDWIDTH * profile.hbm_bytes_per_s)
     step = compute["step_s"] + tp_s + dp_cost + loss + adamw
     tokens = cut.batch * cut.seq * cut.dp
