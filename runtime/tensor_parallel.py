@@ -140,4 +140,4 @@ def logits_loss(program, output: str):
 
     size = program.document["schedule"]["tensor_parallel"]["size"]
     return lambda logits, labels, chunk_rows=None, ignore_index=-100: mean_cross_entropy(
-        logits, labels, size, ignore_index=ignore_index)
+        logits, labels, size, ignore_index=ignore_index, chunk_rows=chunk_rows)

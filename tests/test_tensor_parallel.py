@@ -89,7 +89,8 @@ def test_two_adamw_steps_on_two_ranks_equal_one_process(name, tmp_path):
 
 def test_the_vocab_parallel_kernels_on_two_ranks_equal_the_whole(tmp_path):
     """The loss over two vocabulary blocks (max and sums all-reduced, the target taken by
-    its owner; ignore_index rows out) and its local gradient equal torch's cross-entropy;
+    its owner; ignore_index rows out; in chunks of 4 rows) and its local gradient equal
+    torch's cross-entropy;
     the lookups' parts sum to the whole embedding; the padding row gets no gradient."""
     out = str(tmp_path / "rank")
     mp.spawn(tp_workers.vocab_kernels_rank, nprocs=2, args=(2, free_port(), out))

@@ -114,7 +114,7 @@ def vocab_kernels_rank(rank: int, world: int, port: int, out: str) -> None:
         d_y = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
         block = slice(rank * 4, (rank + 1) * 4)
         loss, d_logits = mean_cross_entropy(logits[..., block], labels, world,
-                                            ignore_index=-1)
+                                            ignore_index=-1, chunk_rows=4)  # 4 chunks
         attrs = {"size": world, "padding_idx": 5, "input_shapes": {"weight": (4, 4)}}
         (d_table,) = KERNELS["vocab_parallel_embedding"].backward_fn(d_y, ids, **attrs)
         table = torch.randn(8, 4, generator=g, dtype=torch.float64)

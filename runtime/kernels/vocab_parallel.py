@@ -84,15 +84,27 @@ def _cross_entropy_forward(logits, labels, *, size, group="tp", ignore_index=-10
 
 
 def mean_cross_entropy(logits: Tensor, labels: Tensor, size: int, group: str = "tp",
-                       ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+                       ignore_index: int = -100, chunk_rows: int | None = None
+                       ) -> tuple[Tensor, Tensor]:
     """(loss [] fp32, d_logits like logits) of the mean token cross-entropy over labels
     != ignore_index, from this rank's vocabulary slice of the logits (fp32 math; float64
-    stays float64). Every rank gets the same loss."""
+    stays float64), `chunk_rows` rows at a time (None: all), so the fp32 copies are one
+    chunk's (two all-reduces a chunk; every rank cuts the same chunks). Every rank gets
+    the same loss."""
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    x = logits.to(compute)
-    keep = labels != ignore_index
-    inv_n = 1.0 / keep.sum().clamp(min=1).to(compute)
+    V = logits.shape[-1]
+    rows, flat = logits.reshape(-1, V), labels.reshape(-1)
+    inv_n = 1.0 / (flat != ignore_index).sum().clamp(min=1).to(compute)
     attrs = dict(size=size, group=group, ignore_index=ignore_index)
-    loss, lse = _cross_entropy_forward(x, labels, **attrs)
-    (d_logits,) = _cross_entropy_backward(inv_n.expand_as(loss), x, labels, lse, **attrs)
-    return loss.sum() * inv_n, d_logits.to(logits.dtype)
+    loss = torch.zeros((), dtype=compute, device=logits.device)
+    d_rows = torch.empty_like(rows)
+    step = chunk_rows or max(rows.shape[0], 1)
+    for start in range(0, rows.shape[0], step):
+        part = slice(start, min(start + step, rows.shape[0]))
+        x = rows[part].to(compute)
+        token_loss, lse = _cross_entropy_forward(x, flat[part], **attrs)
+        loss = loss + token_loss.sum()
+        (d_x,) = _cross_entropy_backward(inv_n.expand_as(token_loss), x, flat[part], lse,
+                                         **attrs)
+        d_rows[part] = d_x.to(logits.dtype)
+    return loss * inv_n, d_rows.reshape(logits.shape)
