@@ -114,6 +114,9 @@ def test_the_vocab_parallel_kernels_on_two_ranks_equal_the_whole(tmp_path):
                                                                 d_y.reshape(-1, 4))
     d_table[5] = 0  # padding_idx 5: rank 1's row 1
     torch.testing.assert_close(torch.cat([r["d_table"] for r in ranks]), d_table)
+    for got in ranks:  # the GPU step's kernel (train_kernels) agrees with the reference
+        torch.testing.assert_close(got["step_d_table"], got["d_table"])
+        torch.testing.assert_close(got["step_part"], got["part"])
 
 
 def test_the_rank_program_splits_heads_and_columns():

@@ -119,8 +119,15 @@ def vocab_kernels_rank(rank: int, world: int, port: int, out: str) -> None:
         (d_table,) = KERNELS["vocab_parallel_embedding"].backward_fn(d_y, ids, **attrs)
         table = torch.randn(8, 4, generator=g, dtype=torch.float64)
         (part,) = KERNELS["vocab_parallel_embedding"].forward_fn(ids, table[block], size=world)
-        torch.save({"loss": loss, "d_logits": d_logits, "d_table": d_table, "part": part},
-                   f"{out}.{rank}")
+        # the GPU step's kernel (uncast gather; the backward through the embedding's
+        # scatter-add kernel, here its reference) on the same inputs
+        from runtime.cuda.train_kernels import train_kernels
+
+        step_kernel = train_kernels("cpu")["vocab_parallel_embedding"]
+        (step_d_table,) = step_kernel.backward([d_y, ids], dict(attrs))
+        (step_part,) = step_kernel.forward([ids, table[block]], {"size": world})
+        torch.save({"loss": loss, "d_logits": d_logits, "d_table": d_table, "part": part,
+                    "step_d_table": step_d_table, "step_part": step_part}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 

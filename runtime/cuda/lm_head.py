@@ -128,10 +128,11 @@ class _Scratch:
 
 def logits_cross_entropy(logits: Tensor, labels: Tensor, chunk_rows: int = 2048,
                          ignore_index: int = -100):
-    """(loss [] fp32, d_logits like logits): the unfused path, for graphs that do not end
-    in a head matmul. On CUDA the kernel runs once over a copy of all the logits, which
-    becomes d_logits (the output's own memory: nothing else is allocated but the [rows]
-    losses); elsewhere the torch path holds fp32 only one chunk of `chunk_rows` at a time."""
+    """(loss [] fp32 (float64 for float64 logits), d_logits like logits): the unfused
+    path, for graphs that do not end in a head matmul. On CUDA the kernel runs once over a
+    copy of all the logits, which becomes d_logits (the output's own memory: nothing else
+    is allocated but the [rows] losses); elsewhere the torch path holds fp32 (float64)
+    only one chunk of `chunk_rows` at a time."""
     V = logits.shape[-1]
     rows, flat_labels = logits.reshape(-1, V), labels.reshape(-1)
     keep = flat_labels != ignore_index

@@ -37,7 +37,9 @@ transpose cast to fp32 and back is two copies where none is needed. So:
 - a matmul's alpha is the GEMM's (cuBLAS scales in fp32), not a second pass over C.
 
 Everything else (embedding backward, cross_entropy, ...) is CUDA_KERNELS' entry; the
-embedding backward is a deterministic custom kernel there.
+embedding backward is a deterministic custom kernel there. `--tp`'s vocab-parallel lookup
+gathers uncast too and sends its backward (masked to the rank's rows) through that
+kernel (`VocabParallelEmbedding`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,30 @@ class Embedding(NoCast):
 
     def backward(self, inputs: list, attrs: dict) -> list:
         return CUDA_KERNELS["embedding"].backward(inputs, attrs)
+
+
+class VocabParallelEmbedding(NoCast):
+    """`--tp`'s lookup in this rank's rows of the table: the masked gather without a cast
+    (exact in bf16), the backward through the embedding's deterministic scatter-add kernel
+    on the local rows (the other ranks' tokens add zero rows to row 0), the global
+    `padding_idx` row zeroed where this rank holds it: no fp32 copy of the table."""
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        from runtime.kernels.base import input_shape
+        from runtime.kernels.comm import group_rank
+        from runtime.kernels.vocab_parallel import owned
+
+        d_y, indices = inputs
+        size, group = attrs["size"], attrs.get("group", "tp")
+        rows = input_shape(attrs, "vocab_parallel_embedding", "weight")[0]
+        local, mine = owned(indices, rows, size, group)
+        plain = {k: v for k, v in attrs.items() if k not in ("size", "group", "padding_idx")}
+        (d_weight,) = CUDA_KERNELS["embedding"].backward(
+            [d_y * mine[..., None].to(d_y.dtype), local.to(torch.int32)], plain)
+        padding = attrs.get("padding_idx")
+        if padding is not None and 0 <= int(padding) - group_rank(size, group) * rows < rows:
+            d_weight[int(padding) - group_rank(size, group) * rows].zero_()
+        return [d_weight]
 
 
 class Created(NoCast):
@@ -497,6 +523,8 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
     kernels["qk_norm_rope"] = QkNormRope(CUDA_KERNELS["qk_norm_rope"])
     kernels["embedding"] = Embedding(KERNELS["embedding"])
+    kernels["vocab_parallel_embedding"] = VocabParallelEmbedding(
+        KERNELS["vocab_parallel_embedding"])
     kernels.update({name: Created(KERNELS[name], device) for name in CREATED})
     kernels["flash_attention"] = FlashAttention(tuple(attention))
     kernels["dropout"] = DeviceDropout(KERNELS["dropout"])  # masks from a device seed

@@ -321,15 +321,16 @@ def kernels_on(device: str) -> dict:
     return dict(KERNELS) | {n: OnDevice(KERNELS[n], device) for n in created if n in KERNELS}
 
 
-def _loss(outputs: list, labels: Tensor, loss_fn):
+def _loss(outputs: list, labels: Tensor, loss_fn=None):
     """The cross-entropy of the logits (`loss_fn`: runtime.tensor_parallel.logits_loss's,
-    vocab-parallel on a `@shard(vocab)` head's slice) plus the auxiliary losses (0-d
-    outputs: the MoE load-balancing loss, seed 1), and the seeds of the last stage's
-    outputs."""
+    vocab-parallel on a `@shard(vocab)` head's slice; None: whole logits) plus the
+    auxiliary losses (0-d outputs: the MoE load-balancing loss, seed 1), and the seeds of
+    the last stage's outputs."""
+    from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.train.aux_loss import auxiliary_seeds
 
     logits = outputs[0]
-    loss, d_logits = loss_fn(logits, labels)
+    loss, d_logits = (loss_fn or logits_cross_entropy)(logits, labels)
     aux_seeds, aux = auxiliary_seeds(list(outputs[1:]))
     if aux is not None:
         loss = loss + aux.to(loss.dtype)
