@@ -58,3 +58,15 @@ def test_int_and_floor_make_sizes_of_floats():
     for bad in ("int(true)", "int(1.0, 2.0)", 'floor("a")'):
         with pytest.raises(NotConst):
             value(bad)
+
+
+@pytest.mark.parametrize("source,message", [
+    ("sqrt(-1)", "square root of -1.0"),  # found by the fuzz run: math domain error, exit 101
+    ("sqrt(0.0 - 2.5)", "square root of -2.5"),
+    ("ceil_div(3, 0)", "divides by zero"),  # ZeroDivisionError in the Dim path
+    ("ceil_div(3.5, 0.0)", "divides by zero"),
+])
+def test_intrinsics_outside_their_domain_are_not_const(source, message):
+    with pytest.raises(NotConst, match=message):
+        value(source)
+    assert value("sqrt(0)") == 0.0 and value("ceil_div(7, 2)") == Dim.const(4)

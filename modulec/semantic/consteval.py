@@ -259,7 +259,15 @@ def _apply_intrinsic(node, name: str, args: list) -> Value:
         return Unknown("float")
     if name == "sqrt":
         value = _as_float(args[0])
-        return Unknown("float") if isinstance(value, Unknown) else math.sqrt(value)
+        if isinstance(value, Unknown):
+            return value
+        if not value >= 0:  # a negative number, or nan
+            raise NotConst(node, f"`sqrt({_describe(node.args[0].value)})` is the square root "
+                                 f"of {value}, which has none")
+        return math.sqrt(value)
+    if name == "ceil_div" and _as_float(args[1]) == 0:
+        raise NotConst(node, f"`ceil_div({_describe(node.args[0].value)}, "
+                             f"{_describe(node.args[1].value)})` divides by zero")
     if all(isinstance(a, Dim) for a in args):
         return intrinsic(name, list(args))
     floats = [_as_float(a) for a in args]
