@@ -469,3 +469,20 @@ def test_a_declared_but_uncalled_module_is_left_out_of_the_weight_schema(tmp_pat
     out = tmp_path / "u.ir"
     out.write_text(dumps(result.document), encoding="utf-8")
     assert CliRunner().invoke(modulec, ["ir", "verify", str(out)]).exit_code == 0
+
+
+def test_a_size_past_the_limit_inside_a_library_module_is_e027_at_build(tmp_path):
+    """Found by the fuzz run (seed 2): with Mixtral's `d_ff` default at 10^26, check
+    passed and build dropped the grouped GEMM whose weights had no type (exit 101): quiet
+    instantiation of the library's MoEExperts muted the E027 on its weights' dim. A size
+    no tensor can have is now reported wherever it is found, by check and build alike."""
+    from tests.test_cli import run
+
+    text = (REPO_DIR / "examples/mixtral.module").read_text(encoding="utf-8")
+    assert "d_ff: int = 3584," in text
+    path = tmp_path / "mixtral.module"
+    path.write_text(text.replace("d_ff: int = 3584,", "d_ff: int = " + "9" * 26 + ","),
+                    encoding="utf-8")
+    for result in (run("check", path), run("build", path, "-o", tmp_path / "m.ir")):
+        assert result.exit_code == 1, result.output
+        assert "error[E027]: a dimension must be at most 1,099,511,627,776" in result.output

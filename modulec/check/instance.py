@@ -356,9 +356,9 @@ def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM
     columns: the runtime could only fail on it, or run out of memory first)."""
     if isinstance(size, Dim) and size.is_const and not 1 <= size.value <= most:
         bound = "at least 1" if size.value < 1 else f"at most {most:,}"
-        instance.world.error("E027", f"{what} must be {bound}: this is {_shown(size.value)}",
-                             node.span, help=["check the expression and the parameter "
-                                              "values it reads"])
+        instance.world.error_unmuted(
+            "E027", f"{what} must be {bound}: this is {_shown(size.value)}", node.span,
+            help=["check the expression and the parameter values it reads"])
         return False
     return True
 
@@ -378,9 +378,10 @@ def _elements_in_range(instance: Instance, dims: list, node) -> bool:
             break
     if total > MAX_ELEMENTS:
         size = f"{total:,}" if count == len(known) else f"at least {total:,}"
-        instance.world.error("E027", f"a tensor of {size} elements: the most a tensor may "
-                             f"hold is {MAX_ELEMENTS:,}", node.span,
-                             help=["check the sizes its dims read (--set, --shape, defaults)"])
+        instance.world.error_unmuted(
+            "E027", f"a tensor of {size} elements: the most a tensor may hold is "
+                    f"{MAX_ELEMENTS:,}", node.span,
+            help=["check the sizes its dims read (--set, --shape, defaults)"])
         return False
     return True
 

@@ -101,6 +101,16 @@ class World:
     def error(self, code: str, message: str, span, label: str = "", **more) -> None:
         self.report(error(code, message, span, label, **more))
 
+    def error_unmuted(self, code: str, message: str, span, label: str = "", **more) -> None:
+        """An error reported even while instantiating quietly: a size no tensor can have
+        (a dim below 1 or past the limit) is wrong whoever called the module, and muted it
+        left a parameter without a type for the lowering to trip over (exit 101)."""
+        quiet, self.quiet = self.quiet, 0
+        try:
+            self.error(code, message, span, label, **more)
+        finally:
+            self.quiet = quiet
+
     def warn(self, code: str, message: str, span, label: str = "", **more) -> None:
         self.report(warning(code, message, span, label, **more))
 
