@@ -129,9 +129,8 @@ def test_sp_without_tp_is_an_error():
     assert errors and "`--sp`" in errors[0].message and "--tp" in errors[0].message
 
 
-def test_dropout_on_split_rows_is_refused(tmp_path):
-    source = tmp_path / "drop.module"
-    source.write_text('''module MLP(d: int = 8, f: int = 16):
+# one tensor-parallel region (a column then a row matmul) for the small models below
+SHARDED_MLP = """module MLP(d: int = 8, f: int = 16):
   let:
     local_f = f // tp_size
 
@@ -147,7 +146,12 @@ def test_dropout_on_split_rows_is_refused(tmp_path):
       x -> matmul(up, transpose=NT) -> relu() -> h
       h -> matmul(down, transpose=NT) -> out
 
-model Drop(d: int = 8):
+"""
+
+
+def test_dropout_on_split_rows_is_refused(tmp_path):
+    source = tmp_path / "drop.module"
+    source.write_text(SHARDED_MLP + '''model Drop(d: int = 8):
   params:
     mlp: MLP(d)
 
@@ -216,23 +220,7 @@ def test_a_row_wise_op_beside_rows_split_otherwise_reads_gathered_rows(tmp_path,
     an operand that varies along B or T stays beside them only when it is split alike
     (the same [B, T]); else the op runs on all rows (sp_gather)."""
     source = tmp_path / "bias.module"
-    source.write_text(f'''module MLP(d: int = 8, f: int = 16):
-  let:
-    local_f = f // tp_size
-
-  params:
-    up: [local_f, d] @shard(column)
-    down: [d, local_f] @shard(row)
-
-  forward:
-    in: x: [B, T, d]
-    out: [B, T, d]
-
-    graph:
-      x -> matmul(up, transpose=NT) -> relu() -> h
-      h -> matmul(down, transpose=NT) -> out
-
-model Bias(d: int = 8):
+    source.write_text(SHARDED_MLP + f'''model Bias(d: int = 8):
   params:
     mlp: MLP(d)
 
