@@ -63,8 +63,6 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
     trainer that runs the steps after it. Rank r saves per run its losses, its stage's
     state, the whole state after the last step (rank 0's) and the resumed run's to
     `out`.r."""
-    import torch.distributed as dist
-
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
 
@@ -77,23 +75,33 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
             return PipelineTrainer(tiny_model(name), rows, seq,
                                    AdamW(lr=1e-2, weight_decay=0.1), context, 2, micro)
 
-        first, batches = trainer(), windows(steps, own * world // 2, seq)
-        losses, saved = [], None
-        for step, window in enumerate(batches):
-            losses.append(first.train_step(window[replica * own:(replica + 1) * own]))
-            if step == 0:
-                saved = [first.state()]
-                dist.broadcast_object_list(saved, src=0)
-        whole = first.state()
-        resumed = trainer()
-        resumed.load_state(saved[0])
-        again = [resumed.train_step(w[replica * own:(replica + 1) * own])
-                 for w in batches[1:]]
-        results.append({"losses": losses, "state": first.stage_state(), "whole": whole,
-                        "resumed": again, "resumed_state": resumed.stage_state(),
-                        "owned": first.owned})
+        batches = [w[replica * own:(replica + 1) * own]
+                   for w in windows(steps, own * world // 2, seq)]
+        first, resumed, run = train_and_resume(trainer, batches, lambda state, _: state)
+        results.append(dict(run, state=first.stage_state(),
+                            resumed_state=resumed.stage_state(), owned=first.owned))
     torch.save(results, f"{out}.{rank}")
     context.close()
+
+
+def train_and_resume(trainer, batches: list, to_rank) -> tuple:
+    """Train a fresh `trainer()` on this rank's `batches`; the whole state after the first
+    step (state(), rank 0's, sent to every rank) made this rank's by `to_rank(state,
+    model)` and loaded into a second trainer, which runs the steps after it. Returns both
+    trainers and {losses, whole (the state after the last step), resumed (its losses)}."""
+    import torch.distributed as dist
+
+    first, losses, saved = trainer(), [], None
+    for step, batch in enumerate(batches):
+        losses.append(first.train_step(batch))
+        if step == 0:
+            saved = [first.state()]
+            dist.broadcast_object_list(saved, src=0)
+    whole = first.state()
+    resumed = trainer()
+    resumed.load_state(to_rank(saved[0], resumed.model))
+    again = [resumed.train_step(batch) for batch in batches[1:]]
+    return first, resumed, {"losses": losses, "whole": whole, "resumed": again}
 
 
 def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
@@ -104,8 +112,6 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
     joined on rank 0, sent to every rank, cut into each rank's slices) loaded into a fresh
     trainer that runs the steps after it. Rank r saves per run its losses, the whole state
     after the last step and the resumed run's losses to `out`.r."""
-    import torch.distributed as dist
-
     from runtime.train.data_parallel import rank_state
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
@@ -123,19 +129,11 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
                                    AdamW(lr=1e-2, weight_decay=0.1, clip_grad=clip),
                                    context, 2, micro, zero=zero[0] if zero else None)
 
-        first, batches = trainer(), windows(steps, own * world // 4, seq)
-        losses, saved = [], None
-        for step, window in enumerate(batches):
-            losses.append(first.train_step(window[replica * own:(replica + 1) * own]))
-            if step == 0:
-                saved = [first.state()]
-                dist.broadcast_object_list(saved, src=0)
-        whole = first.state()
-        resumed = trainer()
-        resumed.load_state(rank_state(saved[0], resumed.model, rank % 2))
-        again = [resumed.train_step(w[replica * own:(replica + 1) * own])
-                 for w in batches[1:]]
-        results.append({"losses": losses, "whole": whole, "resumed": again})
+        batches = [w[replica * own:(replica + 1) * own]
+                   for w in windows(steps, own * world // 4, seq)]
+        _, _, run = train_and_resume(
+            trainer, batches, lambda state, model: rank_state(state, model, rank % 2))
+        results.append(run)
     torch.save(results, f"{out}.{rank}")
     if extra is not None:  # more work for the same four processes (their start is slow)
         from tests.tp_workers import clipped_runs
