@@ -24,13 +24,13 @@ comm stream, and match one for one in order; the schedule runs to the end (no de
 from __future__ import annotations
 
 from modulec.ir.graph import Graph
+from modulec.ir.verify_pipeline_dp import UPDATE_KINDS as DP_UPDATE_KINDS  # pipelines
 
 TRIGGERS = ("step_begin", "forward_begin", "backward_begin", "gradients_ready", "step_end")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "copy_in")
 DP_KINDS = COLLECTIVES + ("adamw_shard", "record_event", "wait_event", "allocate", "release")
 WINDOWS = ("start", "end", "step")  # modulec.plan.distributed
 WHAT = ("gradients", "weights")
-DP_UPDATE_KINDS = ("all_reduce", "optimizer_step", "broadcast")  # data parallel pipelines
 PP_KINDS = ("forward", "backward", "send", "recv") + DP_UPDATE_KINDS
 
 

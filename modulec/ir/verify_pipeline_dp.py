@@ -9,6 +9,8 @@ owner. With dp 1: no buckets, no such ops, ZeRO 0.
 
 from __future__ import annotations
 
+from math import prod
+
 UPDATE_KINDS = ("all_reduce", "optimizer_step", "broadcast")
 
 
@@ -42,9 +44,9 @@ def _buckets(buckets: list, params: list, shapes: dict, dp: int, zero: int) -> l
             if shapes.get(path) != row["shape"]:
                 problems.append(f"bucket {index}: `{path}` has shape {row['shape']}, the "
                                 f"graph's is {shapes.get(path)}")
-            if row["offset"] != offset or row["numel"] != _product(row["shape"]):
+            if row["offset"] != offset or row["numel"] != prod(row["shape"]):
                 problems.append(f"bucket {index}: `{path}` at +{row['offset']}:"
-                                f"{row['numel']}, expected +{offset}:{_product(row['shape'])}")
+                                f"{row['numel']}, expected +{offset}:{prod(row['shape'])}")
             offset += row["numel"]
             seen.append(path)
         if bucket["numel"] != offset:
@@ -117,9 +119,3 @@ def _counted(kinds: list) -> str:
             runs.append([kind, 1])
     return ", ".join(f"{n} {k}" for k, n in runs) or "none"
 
-
-def _product(shape) -> int:
-    total = 1
-    for d in shape:
-        total *= int(d)
-    return total

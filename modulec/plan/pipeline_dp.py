@@ -30,7 +30,7 @@ Without `zero` 1 the optimizer steps every parameter after the op list.
 
 from __future__ import annotations
 
-from modulec.plan.distributed import GRAD_BYTES
+from modulec.plan.distributed import GRAD_BYTES, _numel
 
 COMPUTE, COMM = 0, 2  # streams, as the pipeline section's
 GROUP = "dp"  # the collectives' process group: the stage's data-parallel group
@@ -125,9 +125,3 @@ def broadcast_seconds(nbytes: int, ranks: int, link_bytes_per_s: float,
         return 0.0
     return (ranks - 1) * latency_s + nbytes / link_bytes_per_s
 
-
-def _numel(shape) -> int:
-    total = 1
-    for d in shape:
-        total *= int(d)
-    return total
