@@ -137,7 +137,8 @@ def logits_loss(program, output: str):
     if output not in vocab_outputs(program):
         return logits_cross_entropy
     from runtime.kernels.vocab_parallel import mean_cross_entropy
+    from runtime.program import tp_size
 
-    size = program.document["schedule"]["tensor_parallel"]["size"]
+    size = tp_size(program.document)
     return lambda logits, labels, chunk_rows=None, ignore_index=-100: mean_cross_entropy(
         logits, labels, size, ignore_index=ignore_index, chunk_rows=chunk_rows)
