@@ -45,6 +45,11 @@ constexpr int kVecTile = 64, kVecThreads = 256, kChunks = kVecTile * kVecTile / 
 
 using Fp8Tile = __nv_fp8_storage_t[kVecTile][kVecTile + 8];
 
+union Fp8x8 {
+  __nv_fp8_storage_t q[8];
+  uint2 packed;  // one 8-byte store
+};
+
 // out_t[c][r] = tile[r][c] for the tile at (row0, col0) of q [rows, cols]: 8 elements of a
 // tile column, one 8-byte store, a step. The caller synchronizes the block first.
 __device__ __forceinline__ void store_transposed(const Fp8Tile& tile,
@@ -55,7 +60,7 @@ __device__ __forceinline__ void store_transposed(const Fp8Tile& tile,
     const int c = i / 8, r = (i % 8) * 8;  // out_t row col0 + c, 8 elements from row0 + r
     const int64_t gc = col0 + c, gr = row0 + r;
     if (gr >= rows || gc >= cols) continue;
-    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+    Fp8x8 u;
 #pragma unroll
     for (int j = 0; j < 8; ++j) u.q[j] = tile[r + j][c];
     *reinterpret_cast<uint2*>(out_t + gc * rows + gr) = u.packed;
@@ -96,11 +101,6 @@ __device__ __forceinline__ bool grid_max(unsigned m, unsigned* work, unsigned* w
   work[1] = 0u;
   return true;
 }
-
-union Fp8x8 {
-  __nv_fp8_storage_t q[8];
-  uint2 packed;  // one 8-byte store
-};
 
 // ---- a producer's fp8 copy of its output under delayed scaling (kernels.h Fp8Delayed):
 // where the history has an amax (*past >= 0) the scale is known before the producer runs,

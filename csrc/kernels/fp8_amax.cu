@@ -71,7 +71,7 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
     if (gr >= rows || gc >= cols) continue;
     const uint4 raw = *reinterpret_cast<const uint4*>(x + gr * cols + gc);
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+    Fp8x8 u;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float f = __bfloat162float(v[j]);

@@ -65,7 +65,7 @@ __global__ void fp8_cast_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
     if (gr >= rows || gc >= cols) continue;
     const uint4 raw = *reinterpret_cast<const uint4*>(x + gr * cols + gc);
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
-    union { __nv_fp8_storage_t q[8]; uint2 packed; } u;
+    Fp8x8 u;
 #pragma unroll
     for (int j = 0; j < 8; ++j) u.q[j] = quantize(to_float(v[j]), scale, top, fmt);
     if (out) *reinterpret_cast<uint2*>(out + gr * cols + gc) = u.packed;
