@@ -345,7 +345,7 @@ class _Function:
         self.nodes = [replace(n, inputs=rename(n.inputs), outputs=rename(n.outputs))
                       for n in self.nodes]
         info = self._info(output)
-        self.values.append(ValueInfo(new, self.shapes.pop(output), info.dtype))
+        self.values.append(ValueInfo(new, self.shapes.pop(output, info.shape), info.dtype))
         self.layout[new], self.layout[output] = LOCAL, WHOLE
         last = self.nodes[-1]
         self.nodes.append(Node(f"{last.id}.sp_gather{self._count}", "op", "sp_gather",
