@@ -62,6 +62,22 @@ def test_two_stages_train_as_one_process_accumulating(tmp_path):
                                            msg=f"{name} {part} {path}")
 
 
+def train_on_four(ckpt, save, *extra) -> list[float]:
+    """The step losses of `torchrun --nproc-per-node 4 -m modulec train` on the tiny Llama
+    (2 steps, --pp 2 --microbatches 2 after `extra`), its checkpoint saved in `save`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--master-port", str(free_port()), "-m", "modulec", "train", str(LLAMA),
+               "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
+               "--device", "cpu", "--lr", "1e-2", "--format", "json", "--hf-weights",
+               str(ckpt / "hf"), "--steps", "2", *extra, "--microbatches", "2",
+               "--save", str(save)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [r["loss"] for r in rows if r["event"] == "step"]
+
+
 def test_modulec_train_dp2_pp2_trains_as_one_process_and_resumes_on_one(ckpt, tmp_path):
     """`torchrun --nproc-per-node 4 -m modulec train --pp 2 --microbatches 2`: two
     data-parallel pipelines of the tiny Llama's two layers on two stages, each reading its
@@ -69,17 +85,7 @@ def test_modulec_train_dp2_pp2_trains_as_one_process_and_resumes_on_one(ckpt, tm
     process (another data-parallel size) resumes the consolidated checkpoint."""
     from tests.test_train import _tensors, losses, train
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-               "--master-port", str(free_port()), "-m", "modulec", "train", str(LLAMA),
-               "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
-               "--device", "cpu", "--lr", "1e-2", "--format", "json", "--hf-weights",
-               str(ckpt / "hf"), "--steps", "2", "--pp", "2", "--microbatches", "2",
-               "--save", str(tmp_path / "pp")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    two = [r["loss"] for r in rows if r["event"] == "step"]
+    two = train_on_four(ckpt, tmp_path / "pp", "--pp", "2")
     # train()'s --batch 2 overridden (click keeps the last): one row a micro-batch
     one = train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "4", "--save",
                 tmp_path / "one")

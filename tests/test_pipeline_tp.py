@@ -153,23 +153,10 @@ def test_modulec_train_pp2_tp2_trains_as_one_process_and_resumes_on_one(ckpt, tm
     HF weights cut into each rank's slices, the losses one process's with --grad-accum 2
     over the same rows; the consolidated checkpoint (the slices joined, the stages
     joined) resumes on one process as that process's own would."""
-    import os
-    import subprocess
-    import sys
+    from tests.test_pipeline_run import train_on_four
+    from tests.test_train import _tensors, losses, train
 
-    from tests.test_train import LLAMA, _tensors, losses, train
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-               "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA,
-               "--data", str(ckpt / "tokens.bin"), "--seq", "16", "--batch", "1",
-               "--device", "cpu", "--lr", "1e-2", "--format", "json", "--hf-weights",
-               str(ckpt / "hf"), "--steps", "2", "--pp", "2", "--tp", "2",
-               "--microbatches", "2", "--save", str(tmp_path / "tpp")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    four = [r["loss"] for r in rows if r["event"] == "step"]
+    four = train_on_four(ckpt, tmp_path / "tpp", "--pp", "2", "--tp", "2")
     one = train(ckpt, "--batch", "1", "--steps", "3", "--grad-accum", "2", "--save",
                 tmp_path / "one")
     assert four == pytest.approx(losses(one)[:2], rel=1e-6)
