@@ -47,27 +47,31 @@ def local(dim: Dim, size: int) -> Dim | None:
     return dim // size
 
 
-@shape_rule("sp_all_gather", "sp_gather")
-def gather_shape(call: OpCall) -> list[TensorType]:
+def _resized(call: OpCall, resize) -> list[TensorType]:
+    """The input with dim `dim` replaced by `resize(x, axis, size)`."""
     x, size = call.inputs[0], _size(call)
     if x is None or x.variadic:
         return [x] if x is not None else []
     axis = _axis(call, x)
-    dims = x.dims[:axis] + (gathered(x.dims[axis], size),) + x.dims[axis + 1:]
+    dims = x.dims[:axis] + (resize(x, axis, size),) + x.dims[axis + 1:]
     return [TensorType(dims, x.dtype)]
+
+
+@shape_rule("sp_all_gather", "sp_gather")
+def gather_shape(call: OpCall) -> list[TensorType]:
+    return _resized(call, lambda x, axis, size: gathered(x.dims[axis], size))
 
 
 @shape_rule("sp_reduce_scatter", "sp_scatter")
 def scatter_shape(call: OpCall) -> list[TensorType]:
-    x, size = call.inputs[0], _size(call)
-    if x is None or x.variadic:
-        return [x] if x is not None else []
-    axis = _axis(call, x)
-    part = local(x.dims[axis], size)
-    if part is None:
-        raise ShapeError(f"dim {axis} of {x} ({x.dims[axis]}) is not divisible by the "
-                         f"tensor-parallel size {size}: `{call.rule.name}` splits it into "
-                         f"{size} equal blocks", argument=0, label=f"shape {x}",
-                         code="E027", help=("choose a sequence length the `--tp` size "
-                                            "divides, or build without `--sp`",))
-    return [TensorType(x.dims[:axis] + (part,) + x.dims[axis + 1:], x.dtype)]
+    def split(x: TensorType, axis: int, size: int) -> Dim:
+        part = local(x.dims[axis], size)
+        if part is None:
+            raise ShapeError(f"dim {axis} of {x} ({x.dims[axis]}) is not divisible by the "
+                             f"tensor-parallel size {size}: `{call.rule.name}` splits it "
+                             f"into {size} equal blocks", argument=0, label=f"shape {x}",
+                             code="E027", help=("choose a sequence length the `--tp` size "
+                                                "divides, or build without `--sp`",))
+        return part
+
+    return _resized(call, split)
