@@ -196,8 +196,6 @@ def _pipeline(graph, document: dict, request: BuildRequest) -> None:
     """The pipeline section, when asked for or when the model has `@partition` stages; the
     distributed section's mesh then counts its stages. It needs every dim sized (the
     split's costs, the boundaries' bytes): without, a model's own stages write none."""
-    from dataclasses import replace
-
     from modulec.plan.from_graph import ShapeUnknown
     from modulec.plan.pipeline import Pipeline, PipelineError, has_partition, pipeline_section
 
