@@ -260,7 +260,7 @@ def _apply_intrinsic(node, name: str, args: list) -> Value:
     if name == "sqrt":
         value = _as_float(args[0])
         if isinstance(value, Unknown):
-            return value
+            return Unknown("float")
         if not value >= 0:  # a negative number, or nan
             raise NotConst(node, f"`sqrt({_describe(node.args[0].value)})` is the square root "
                                  f"of {value}, which has none")
