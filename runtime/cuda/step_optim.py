@@ -51,11 +51,10 @@ def step_norm(step, grads: dict) -> torch.Tensor:
     tp = getattr(step.dist, "tp", 1) if step.dist is not None else 1
     if tp == 1 or not grads:
         return global_norm(grads.values()).reshape(1)
-    from runtime.dist.tp_norm import tp_squares
-    from runtime.tensor_parallel import sharded_paths
+    from runtime.dist.tp_norm import tp_global_norm
 
-    return tp_squares(grads, sharded_paths(step.program), step.dist.tp_group,
-                      torch.float32, step.grad_norm.device).sqrt()
+    return tp_global_norm(grads, step.program, step.dist.tp_group, torch.float32,
+                          step.grad_norm.device)
 
 
 def clipped(options: dict) -> bool:

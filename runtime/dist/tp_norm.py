@@ -45,6 +45,14 @@ def tp_squares(grads: dict, sharded, group=None, dtype: torch.dtype = torch.floa
     return whole_squares(replicated, sliced, group)
 
 
+def tp_global_norm(grads: dict, program, group, dtype: torch.dtype, device=None) -> Tensor:
+    """The whole model's gradient norm (a [1] tensor) on one TP rank of `program`: its
+    `grads` by path, the TP `group`."""
+    from runtime.tensor_parallel import sharded_paths
+
+    return tp_squares(grads, sharded_paths(program), group, dtype, device).sqrt()
+
+
 def tp_group():
     """The group the TP kernels reduce over (runtime.kernels.comm.set_tp_group's, else
     the default group)."""

@@ -74,12 +74,10 @@ class CPUTrainer:
         summed over the TP group, the replicated parameters' once (runtime/dist/tp_norm.py)."""
         if not sliced(self.model) or not total:
             return global_norm(total.values())
-        from runtime.dist.tp_norm import tp_group, tp_squares
-        from runtime.tensor_parallel import sharded_paths
+        from runtime.dist.tp_norm import tp_global_norm, tp_group
 
         dtype = torch.promote_types(next(iter(total.values())).dtype, torch.float32)
-        return tp_squares(total, sharded_paths(self.program), tp_group(), dtype).sqrt() \
-            .reshape(())
+        return tp_global_norm(total, self.program, tp_group(), dtype).reshape(())
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next step (a schedule's, runtime.train.schedule)."""
