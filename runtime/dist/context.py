@@ -72,12 +72,7 @@ class DistContext:
         (tp consecutive) form a tensor-parallel group each, and the ranks at the same
         position of every slice a data-parallel group (dp = world / tp). `sp`: the
         program is built with sequence parallel (`--sp`) over each TP group."""
-        if tp < 1 or self.world % tp:
-            raise RuntimeUserError(f"--tp {tp} does not divide the {self.world} processes",
-                                   help=[f"launch a multiple of {tp} processes"])
-        if sp and tp < 2:
-            raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
-                                   "processes: it needs --tp M (M of at least 2)")
+        check_tensor_parallel(tp, sp, self.world)
         return DataParallelRun(self, zero, tp, *self._groups(tp), sp=sp)
 
     def _groups(self, tp: int) -> tuple:
@@ -206,3 +201,14 @@ def _env_int(name: str, default: int) -> int:
     except ValueError:
         raise RuntimeUserError(f"the environment variable {name}={text!r} is not a "
                                "number", help=["launch with torchrun, which sets it"]) from None
+
+
+def check_tensor_parallel(tp: int, sp: bool, world: int) -> None:
+    """`--tp` must divide the processes, and `--sp` needs a TP group to split over."""
+    if tp < 1 or world % tp:
+        raise RuntimeUserError(f"--tp {tp} must divide the {world} processes",
+                               help=[f"launch a multiple of {tp} processes: torchrun "
+                                     "--nproc-per-node N"])
+    if sp and tp < 2:
+        raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
+                               "processes: it needs --tp M (M of at least 2)")

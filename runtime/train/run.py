@@ -150,16 +150,12 @@ def _context(request: Request):
                                f"{context.world} process{'es' if context.world > 1 else ''}",
                                help=[f"launch a multiple of {request.tp}: torchrun "
                                      f"--nproc-per-node {request.tp} -m modulec train ..."])
-    if request.tp < 1 or context.world % request.tp:
-        raise RuntimeUserError(f"--tp {request.tp} must divide the {context.world} "
-                               "processes", help=[f"launch a multiple of {request.tp} "
-                                                  "processes: torchrun --nproc-per-node N"])
+    from runtime.dist.context import check_tensor_parallel
     from runtime.train.pipeline import check_launch
 
+    check_tensor_parallel(request.tp, request.sp, context.world)
+
     check_launch(request, context)  # --pp: the micro-batches become the accumulation
-    if request.sp and request.tp < 2:
-        raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
-                               "processes: it needs --tp M (M of at least 2)")
     return context
 
 
