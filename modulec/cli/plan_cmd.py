@@ -195,15 +195,12 @@ def _budget_plan(graph, file, search_path, budget: int, training: str, device: s
     from modulec.plan.budget import make_problem, plan_budget, summary
     from modulec.plan.devices import device as device_named
     from modulec.plan.distributed import planner_fixed_bytes
-    from modulec.plan.fp8_memory import fixed as fp8_fixed
     from modulec.plan.recompute import declarations
 
+    own = planner_fixed_bytes(graph, distributed) if distributed is not None else None
     problem = make_problem(graph, declarations(file, tuple(search_path)), training,
                            device_named(device), policies, binding=5 if honor_lists else 3,
-                           precision=precision)
-    if distributed is not None:
-        problem.fixed_bytes = planner_fixed_bytes(graph, distributed) | \
-            fp8_fixed(graph, precision)
+                           precision=precision, fixed_bytes=own)
     data = summary(problem, plan_budget(problem, budget))
     if fmt == "json":
         click.echo(json.dumps(data, sort_keys=True))

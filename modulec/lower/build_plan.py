@@ -62,15 +62,12 @@ def _decided(graph, decls: dict, options: PlanOptions):
     from modulec.lower.decided import decide
     from modulec.plan.budget import make_problem, plan_budget
     from modulec.plan.devices import device
-    from modulec.plan.fp8_memory import fixed as fp8_fixed
     from modulec.plan.mutwo import fixed_decisions
     from modulec.plan.simulate import evaluate
 
     problem = make_problem(graph, decls, options.training, device(options.device),
                            options.policies, binding=5 if options.honor_lists else 3,
-                           precision=options.precision)
-    if options.fixed_bytes is not None:
-        problem.fixed_bytes = dict(options.fixed_bytes) | fp8_fixed(graph, options.precision)
+                           precision=options.precision, fixed_bytes=options.fixed_bytes)
     if options.budget is None:
         recompute, swap = fixed_decisions(problem)
         return decide(problem, recompute, swap, evaluate(problem, recompute, swap))
@@ -127,17 +124,15 @@ def choose_zero(graph, resolver, options: PlanOptions, sections: dict) -> tuple[
     from modulec.plan.budget import make_problem, plan_budget
     from modulec.plan.devices import device
     from modulec.plan.distributed import planner_fixed_bytes
-    from modulec.plan.fp8_memory import fixed as fp8_fixed
     from modulec.plan.recompute import declarations_of
     from modulec.plan.units import gib_text as gib
 
-    problem = make_problem(graph, declarations_of(resolver), options.training,
-                           device(options.device), options.policies,
-                           binding=5 if options.honor_lists else 3)
-    results = {}
+    decls, results = declarations_of(resolver), {}
     for zero in (2, 3):
-        problem.fixed_bytes = planner_fixed_bytes(graph, sections[zero]) | \
-            fp8_fixed(graph, options.precision)
+        problem = make_problem(graph, decls, options.training, device(options.device),
+                               options.policies, binding=5 if options.honor_lists else 3,
+                               precision=options.precision,
+                               fixed_bytes=planner_fixed_bytes(graph, sections[zero]))
         results[zero] = plan_budget(problem, options.budget)
     two, three = results[2], results[3]
     budget = gib(options.budget - options.budget_offset)

@@ -63,11 +63,12 @@ def parse_size(text: str) -> int:
 def make_problem(graph: Graph, decls: dict | None = None, training: str = "full",
                  device: Device = H100, policies: dict | None = None, binding: int = 3,
                  lora_rank: int = 16, precision: dict | None = None,
-                 fp8_held: bool = False) -> Problem:
+                 fp8_held: bool = False, fixed_bytes: dict | None = None) -> Problem:
     """`precision`: the program's metadata `precision` (an FP8 recipe): the buffers the GPU
     step's FP8 GEMMs hold beside the plan join the fixed bytes (modulec.plan.fp8_memory;
     `fp8_held`: with the wgrad's x^T kept from the forward, as a step without a budget or
-    recompute decisions keeps it)."""
+    recompute decisions keeps it). `fixed_bytes`: the state one rank holds when it is not
+    the whole model's (data parallel: modulec.plan.distributed.planner_fixed_bytes)."""
     if training not in ("full", "lora"):
         raise ValueError(f"training mode `{training}`: expected full or lora")
     step = flatten(graph, device, training)
@@ -79,7 +80,9 @@ def make_problem(graph: Graph, decls: dict | None = None, training: str = "full"
         if step.storages[key].in_place:
             found.by_storage[key] = replace(found.by_storage[key], recomputable=False)
     forward, backward = step.seconds()
-    fixed = _fixed(graph, plan, training, lora_rank) | fp8_fixed(graph, precision, fp8_held)
+    own = dict(fixed_bytes) if fixed_bytes is not None else \
+        _fixed(graph, plan, training, lora_rank)
+    fixed = own | fp8_fixed(graph, precision, fp8_held)
     problem = Problem(graph, step, device, training, found, fixed,
                       _arena(plan, graph.entry), _arena(plan, graph.backward),
                       forward + backward, set(saved), {k: i for i, k in enumerate(saved)})
