@@ -208,8 +208,7 @@ class IRSource:
 
     @property
     def sequence_parallel(self) -> bool:
-        section = self.program().document.get("schedule", {}).get("tensor_parallel") or {}
-        return bool(section.get("sequence_parallel", False))
+        return tp_sequence_parallel(self.program().document)
 
     def program_for(self, inputs: dict) -> Program:
         program = self.program()
@@ -235,7 +234,18 @@ class IRSource:
         return program
 
 
+def tp_section(document: dict) -> dict:
+    """An IR document's `tensor_parallel` section (`modulec build --tp M [--sp]`: its
+    size, sequence_parallel, shards and vocab_outputs); {} without one. The one place
+    the runtime reads it."""
+    return document.get("schedule", {}).get("tensor_parallel") or {}
+
+
 def tp_size(document: dict) -> int:
     """An IR document's tensor-parallel size (its `tensor_parallel` section; 1 without)."""
-    section = document.get("schedule", {}).get("tensor_parallel") or {}
-    return int(section.get("size", 1))
+    return int(tp_section(document).get("size", 1))
+
+
+def tp_sequence_parallel(document: dict) -> bool:
+    """Whether an IR document was built with --sp (its `tensor_parallel` section says)."""
+    return bool(tp_section(document).get("sequence_parallel", False))

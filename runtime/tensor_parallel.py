@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from runtime.interpreter import _join, child_path
+from runtime.program import tp_section, tp_size
 
 
 def shard_tensor(whole: Tensor, shard: dict, rank: int) -> Tensor:
@@ -43,7 +44,7 @@ def unshard_tensors(slices: list[Tensor], shard: dict) -> Tensor:
 def sharded_paths(program) -> dict[str, dict]:
     """Concrete parameter path (`blocks[1].attention.qkv_weight`) -> its shard, for a
     program built with `--tp` ({} without)."""
-    section = program.document.get("schedule", {}).get("tensor_parallel")
+    section = tp_section(program.document)
     if not section:
         return {}
     graph, found = program.graph, {}
@@ -124,8 +125,7 @@ def vocab_outputs(program) -> list[str]:
     """The outputs split over the vocabulary (the logits of a `@shard(vocab)` LM head):
     each rank holds its block of the last dim ([] without `--tp`, or with a replicated
     head)."""
-    section = program.document.get("schedule", {}).get("tensor_parallel") or {}
-    return list(section.get("vocab_outputs", ()))
+    return list(tp_section(program.document).get("vocab_outputs", ()))
 
 
 def logits_loss(program, output: str):
@@ -137,7 +137,6 @@ def logits_loss(program, output: str):
     if output not in vocab_outputs(program):
         return logits_cross_entropy
     from runtime.kernels.vocab_parallel import mean_cross_entropy
-    from runtime.program import tp_size
 
     size = tp_size(program.document)
     return lambda logits, labels, chunk_rows=None, ignore_index=-100: mean_cross_entropy(

@@ -168,14 +168,12 @@ def document_parallel(request: Request) -> None:
         request.tp = 1 if request.tp is None else request.tp
         return
     from modulec.ir.load import read_document
-    from runtime.program import tp_size
+    from runtime.program import tp_sequence_parallel, tp_size
 
     document, problems = read_document(request.file)
     if problems:
         raise RuntimeUserError(f"cannot read IR: {problems[0]}")
-    size = tp_size(document)
-    sp = bool((document.get("schedule", {}).get("tensor_parallel") or {})
-              .get("sequence_parallel", False))
+    size, sp = tp_size(document), tp_sequence_parallel(document)
     if request.tp not in (None, size):
         raise RuntimeUserError(f"{request.file} was built with --tp {size}; this run asks "
                                f"for --tp {request.tp}",
