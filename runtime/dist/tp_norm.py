@@ -53,14 +53,6 @@ def tp_global_norm(grads: dict, program, group, dtype: torch.dtype, device=None)
     return tp_squares(grads, sharded_paths(program), group, dtype, device).sqrt()
 
 
-def tp_group():
-    """The group the TP kernels reduce over (runtime.kernels.comm.set_tp_group's, else
-    the default group)."""
-    from runtime.kernels.comm import _GROUPS
-
-    return _GROUPS.get("tp")
-
-
 def tp_norm_options(program, parallel) -> dict:
     """runtime.dist.zero.ZeroRun's tensor-parallel options for a DataParallelRun
     `parallel`: the paths this rank holds a slice of and its TP group (none without

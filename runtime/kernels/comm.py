@@ -42,6 +42,12 @@ def set_tp_group(group, name: str = "tp") -> None:
         _GROUPS[name] = group
 
 
+def group_named(name: str = "tp"):
+    """The process group the ops of group `name` use: `set_tp_group`'s, else None (the
+    default group)."""
+    return _GROUPS.get(name)
+
+
 def process_group(size: int, name: str = "tp"):
     """The process group of `size` ranks the ops of group `name` reduce over."""
     import torch.distributed as dist
@@ -50,7 +56,7 @@ def process_group(size: int, name: str = "tp"):
         raise RuntimeUserError(f"this program is one rank's of {size} (tensor parallel): "
                                "run it in a torch.distributed process group",
                                help=["torchrun, or init_process_group() in each process"])
-    group = _GROUPS.get(name)
+    group = group_named(name)
     got = dist.get_world_size(group)
     if got != size:
         raise RuntimeUserError(f"the `{name}` process group has {got} ranks, the program "

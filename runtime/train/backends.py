@@ -74,10 +74,11 @@ class CPUTrainer:
         summed over the TP group, the replicated parameters' once (runtime/dist/tp_norm.py)."""
         if not sliced(self.model) or not total:
             return global_norm(total.values())
-        from runtime.dist.tp_norm import tp_global_norm, tp_group
+        from runtime.dist.tp_norm import tp_global_norm
+        from runtime.kernels.comm import group_named
 
         dtype = torch.promote_types(next(iter(total.values())).dtype, torch.float32)
-        return tp_global_norm(total, self.program, tp_group(), dtype).reshape(())
+        return tp_global_norm(total, self.program, group_named("tp"), dtype).reshape(())
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next step (a schedule's, runtime.train.schedule)."""
