@@ -65,7 +65,9 @@ class Model:
                     search_path=(), progress: bool = False,
                     memory_budget: int | None = None, lora=None,
                     tensor_parallel: int = 1, tp_rank: int = 0,
-                    sequence_parallel: bool = False, max_memory: int | None = None, precision: str | None = None) -> "Model":
+                    sequence_parallel: bool = False, max_memory: int | None = None,
+                    precision: str | None = None,
+                    precision_overrides: dict | None = None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
         config.json sizes the model (unless `config` names another) and its safetensors
         are loaded. `lora` (a dict `rank=8, alpha=16, targets=["q", "v"]`, `{}` for the
@@ -78,7 +80,8 @@ class Model:
         along the sequence (docs/distributed.md, "Sequence parallel"). Before
         any weight is made, the model's memory is checked against the device (or
         `max_memory` bytes): runtime.memory_check. `precision="fp8"` applies the std FP8
-        recipe (runtime/fp8.py)."""
+        recipe (runtime/fp8.py), `precision_overrides` its --fp8-* changes
+        (modulec.lower.fp8_recipe.std_recipe)."""
         if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
             config = Path(hf_weights) / "config.json"
         source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
@@ -94,6 +97,7 @@ class Model:
         source.tensor_parallel = int(tensor_parallel)
         source.sequence_parallel = bool(sequence_parallel)
         source.precision = precision
+        source.precision_overrides = precision_overrides
         if memory_budget is not None:  # keep / recompute / swap as the planner decides
             from modulec.lower.build_plan import PlanOptions
 

@@ -86,6 +86,7 @@ class ModuleSource:
     # given sizes (the one with free dims, read for names and parameters, has none)
     pipeline: object = None
     precision: str | None = None  # "fp8": the std FP8 recipe on the model (--precision fp8)
+    precision_overrides: dict | None = None  # its --fp8-* changes (fp8_recipe.std_recipe)
     _built: dict = field(default_factory=dict)
     _declared: list | None = None  # the inputs as declared (dims by name)
 
@@ -114,7 +115,8 @@ class ModuleSource:
                                tensor_parallel=self.tensor_parallel,
                                sequence_parallel=self.sequence_parallel,
                                pipeline=self.pipeline if shapes else None,
-                               precision=self.precision)
+                               precision=self.precision,
+                               precision_overrides=self.precision_overrides)
         try:
             result = build(request)
         except PlanFailure as exc:

@@ -522,11 +522,15 @@ def test_the_cuda_fused_delayed_cast_is_the_separate_passes(shape, monkeypatch):
     assert torch.equal(got["fused"][1], got["separate"][1])
 
 
-def tiny_step(precision="fp8", batch=2, seq=16):
+# the std recipe, and as `--fp8-scaling current --fp8-gradient e4m3` change it
+RECIPES = {"std": None, "current-e4m3": {"scaling": "current", "gradient": "fp8_e4m3"}}
+
+
+def tiny_step(precision="fp8", batch=2, seq=16, overrides=None):
     from runtime.cuda.step import TrainStep
 
     step = TrainStep.from_module("std/models/llama.module", dict(TINY), batch=batch, seq=seq,
-                                 precision=precision)
+                                 precision=precision, precision_overrides=overrides)
     g = torch.Generator().manual_seed(0)
     params = {p: torch.randn(s, generator=g) * (0.2 if len(s) > 1 else 1.0)
               for p, s in step.shapes().items()}
@@ -534,18 +538,19 @@ def tiny_step(precision="fp8", batch=2, seq=16):
     return step.load(params), params, tokens
 
 
-def forced_emulation(params, tokens, records, steps=1):
+def forced_emulation(params, tokens, records, steps=1, overrides=None):
     """The CPU emulation (float32) replayed with every covered node forced to the step's
     recorded inputs and outputs (tests/fp8_forced.py), `steps` steps on the same weights
     and batch: (the Forced interpreter, the last step's loss and gradients, the amax
-    histories after it)."""
+    histories after it). `overrides`: the std recipe's (RECIPES)."""
     from fp8_forced import Forced
     from runtime.cuda.lm_head import logits_cross_entropy
     from runtime.cuda.step import next_token_labels
     from runtime.inputs import fed_inputs, sized_inputs
     from runtime.program import ModuleSource
 
-    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8")
+    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8",
+                          precision_overrides=overrides)
     names = source.program(planned=False).input_names()
     program = source.program_for(sized_inputs(names, *tokens.shape))
     state = Fp8State(program.metadata["precision"])
@@ -579,12 +584,13 @@ def check_forced(run, records, loss, grads, histories, ref_loss, ref, ref_histor
         torch.testing.assert_close(histories[key], history, rtol=1e-6, atol=0)
 
 
-def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_bf16_arena_step_is_the_emulation_node_by_node(recipe, monkeypatch):
     """The GPU step's interpreter as the GPU runs it (bf16, the arena's planned bytes, the
     train kernels' concat views and out= GEMMs, each tensor quantized once a step; CPU
-    tensors), two steps, against the emulation forced node by node. (End to end the two
-    are as far apart as an unquantized step: FP8 on a tiny model is chaotic,
-    tests/fp8_forced.py.)
+    tensors), two steps, against the emulation forced node by node, with the std recipe
+    and with current scaling and E4M3 gradients. (End to end the two are as far apart as
+    an unquantized step: FP8 on a tiny model is chaotic, tests/fp8_forced.py.)
     Per linear (4 a layer, 3 GEMMs each) 3 amaxes (x, W, dy; and the MLP's recomputed
     hidden) and 4 casts (x; W and W^T; dy and dy^T; x^T), where each use quantizing its
     operands took 6 and 6; 3 where the backward reads the forward's x (qkv, out, up: x
@@ -600,7 +606,8 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
     from runtime.model import parameter_shapes
     from runtime.program import ModuleSource
 
-    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8")
+    source = ModuleSource(Path("std/models/llama.module"), dict(TINY), precision="fp8",
+                          precision_overrides=RECIPES[recipe])
     names = source.program(planned=False).input_names()
     program = source.program_for(sized_inputs(names, 2, 16))
     g = torch.Generator().manual_seed(0)
@@ -608,6 +615,7 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
               for p, s in parameter_shapes(program.graph).items()}
     tokens = torch.randint(0, 64, (2, 16), generator=g)
     state = StepFp8(program.metadata["precision"], "cpu", program.graph)
+    assert state.recipe["gradient"] == ("fp8_e4m3" if RECIPES[recipe] else "fp8_e5m2")
     arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], "cpu")
     passes = {"amax_of": 0, "cast": 0}  # each a pass over its operand
     for name in passes:
@@ -616,7 +624,7 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
             return original(*args)
         monkeypatch.setattr(fp8_gemm, name, counted)
     records = record(state)
-    for _ in range(2):  # the second scaled by the first's amaxes (delayed), no update
+    for _ in range(2):  # std: the second scaled by the first's amaxes (delayed), no update
         run = _StepInterpreter(program.graph, {p: t.bfloat16() for p, t in params.items()},
                                torch.bfloat16, check_finite=False, keep_only_saved=True,
                                kernels=train_kernels("cpu"), arena=arena)
@@ -628,7 +636,8 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
         _, grads = run.backward(frame, [seed])
         state.end_step()
     monkeypatch.undo()
-    forced, *ref = forced_emulation(params, tokens, records, steps=2)
+    forced, *ref = forced_emulation(params, tokens, records, steps=2,
+                                    overrides=RECIPES[recipe])
     layers = int(TINY["n_layers"])  # qkv, out, up, down: forward, dgrad, wgrad each
     assert forced.checked == 2 * layers * 4 * 3
     assert passes == {"amax_of": 2 * layers * (4 * 3 + 1), "cast": 2 * layers * (4 * 4 - 3)}
@@ -643,17 +652,20 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(monkeypatch):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_a_tiny_llama_fp8_step_on_cuda_is_the_cpu_emulation():
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_tiny_llama_fp8_step_on_cuda_is_the_cpu_emulation(recipe):
     """The GPU step with `--precision fp8` (bf16 compute, FP8 GEMMs, the cast kernels, the
     arena, each tensor quantized once) against the CPU emulation (float32) forced node by
-    node (tests/fp8_forced.py), over two steps on the same weights (the second scaled by
-    the first's amaxes: the delayed casts that take the amax in the same pass): each FP8
-    GEMM the emulation's product of the step's own operands, each operand what the
-    emulation computes from the values upstream, then the same loss, gradients and amax
-    histories within bf16 rounding."""
+    node (tests/fp8_forced.py), over two steps on the same weights (std: the second scaled
+    by the first's amaxes, the delayed casts that take the amax in the same pass;
+    current-e4m3: each operand by its own amax, the gradients in E4M3): each FP8 GEMM the
+    emulation's product of the step's own operands, each operand what the emulation
+    computes from the values upstream, then the same loss, gradients and amax histories
+    within bf16 rounding."""
     from fp8_forced import record
 
-    step, params, tokens = tiny_step()
+    step, params, tokens = tiny_step(overrides=RECIPES[recipe])
+    assert step.fp8.scales.kind == ("current" if RECIPES[recipe] else "delayed")
     records = record(step.fp8)
     step.set_batch(tokens.cuda())
     for _ in range(2):  # no update between: loss_and_gradients only
@@ -661,7 +673,8 @@ def test_a_tiny_llama_fp8_step_on_cuda_is_the_cpu_emulation():
         loss, grads = step.loss_and_gradients()
         step.fp8.end_step()
     grads = {p: g.float().cpu() for p, g in grads.items()}
-    forced, *ref = forced_emulation(params, tokens, records, steps=2)
+    forced, *ref = forced_emulation(params, tokens, records, steps=2,
+                                    overrides=RECIPES[recipe])
     check_forced(forced, records, float(loss), grads, step.fp8.state_dict(), *ref)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from modulec.cli.fp8_options import fp8_options, fp8_overrides
 from modulec.cli.parallel import parallel_options, parallel_request, tensor_parallel_request
 
 
@@ -129,13 +130,15 @@ def build_command(output_options, guarded):
     @click.option("--precision", type=click.Choice(["fp8"]),
                   help="fp8: the std FP8 recipe on the model's matmuls, written to "
                        "metadata.precision (docs/build-output.md).")
+    @fp8_options
     @planning_options
     @parallel_options
     @output_options
     @guarded
     def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
-              lora, precision, budget, training, device, policies, honor_lists, dp, zero, tp, sp, pp,
-              microbatches, interconnect, fmt, color):
+              lora, precision, fp8_scaling, fp8_gradient, fp8_history, budget, training,
+              device, policies, honor_lists, dp, zero, tp, sp, pp, microbatches, interconnect,
+              fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
@@ -151,6 +154,8 @@ def build_command(output_options, guarded):
                                                               + print_graph(graph), nl=False))
         request.lora = _lora(lora)
         request.precision = precision  # the std FP8 recipe (modulec.lower.fp8_recipe)
+        request.precision_overrides = fp8_overrides(precision, fp8_scaling, fp8_gradient,
+                                                    fp8_history)
         if request.lora is not None and budget is not None:
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from modulec.cli.build_cmd import pairs, model_options
+from modulec.cli.fp8_options import fp8_options, fp8_overrides
 from modulec.cli.parallel import parallel_options, parallel_request, tensor_parallel_request
 from modulec.cli.shape_options import shapes_refused
 
@@ -44,12 +45,13 @@ def plan_command(output_options, guarded):
                   help="fp8: the std FP8 recipe on the model's matmuls (as `modulec build "
                        "--precision fp8`): the GPU step's FP8 buffers beside the plan (fp8 "
                        "weights, the wgrad's x^T, cast buffers, scales) are counted.")
+    @fp8_options
     @parallel_options
     @output_options
     @guarded
     def plan(file, model, settings, shapes, config, search_path, budget, training, device,
-             policies, honor_lists, picture, precision, dp, zero, tp, sp, pp, microbatches,
-             interconnect, fmt, color):
+             policies, honor_lists, picture, precision, fp8_scaling, fp8_gradient,
+             fp8_history, dp, zero, tp, sp, pp, microbatches, interconnect, fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
@@ -63,6 +65,8 @@ def plan_command(output_options, guarded):
         request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
                                pairs(shapes, "--shape", True), config)
         request.precision = precision  # the std FP8 recipe (modulec.lower.fp8_recipe)
+        request.precision_overrides = fp8_overrides(precision, fp8_scaling, fp8_gradient,
+                                                    fp8_history)
         if precision is not None and (dp or pp or microbatches):
             raise click.UsageError("--precision fp8 with --dp / --pp: the FP8 buffers of a "
                                    "rank or a stage are not counted yet (`modulec train` "

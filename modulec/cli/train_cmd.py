@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from modulec.cli.fp8_options import fp8_option_list, fp8_overrides
 from modulec.cli.runtime_call import call_runtime, model_choice_options
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -124,9 +125,10 @@ def _options(command):
                      help="cuda: bf16 compute, one CUDA graph; cpu: float32 reference."),
         click.option("--precision", type=click.Choice(["fp8"]),
                      help="fp8: the std FP8 recipe on the model's matmuls (E4M3 forward, "
-                          "E5M2 gradients, delayed scaling; the LM head in high "
-                          "precision); the CPU reference emulates it, the GPU step "
-                          "refuses it for now (docs/training.md, \"FP8\")."),
+                          "E5M2 gradients, delayed scaling, unless --fp8-* change them; "
+                          "the LM head in high precision): FP8 GEMMs on cuda, emulated "
+                          "on cpu (docs/training.md, \"FP8\")."),
+    ] + fp8_option_list() + [
         click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v],dropout=P",
                      is_flag=False, flag_value="", default=None,
                      help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "
@@ -180,13 +182,17 @@ def train_command(guarded):
     @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
     @_options
     @guarded
-    def train(file, budget, settings, lora_text, **options):
+    def train(file, budget, settings, lora_text, fp8_scaling, fp8_gradient, fp8_history,
+              **options):
         """Train FILE's language model on a token file (next-token cross-entropy, AdamW)."""
         from modulec.cli.build_cmd import _lora, pairs
         from modulec.cli.plan_cmd import _budget
 
+        overrides = fp8_overrides(options["precision"], fp8_scaling, fp8_gradient,
+                                  fp8_history)  # the std recipe's, for the build
         request = dict(options, file=file, memory_budget=_budget(budget),
-                       settings=pairs(settings, "--set", False), lora=_lora(lora_text))
+                       settings=pairs(settings, "--set", False), lora=_lora(lora_text),
+                       precision_overrides=overrides)
         return _run(request)
 
     return train

@@ -54,6 +54,8 @@ class BuildRequest:
     tensor_parallel: int = 1  # `--tp M`: this rank's program of M (modulec.lower.tensor_parallel)
     sequence_parallel: bool = False  # `--sp`: with --tp, modulec.lower.sequence_parallel
     precision: str | None = None  # "fp8": the std FP8 recipe on the model (modulec.lower.fp8_recipe)
+    # with "fp8": the --fp8-* changes to the std recipe (fp8_recipe.std_recipe); None: none
+    precision_overrides: dict | None = None
 
 
 @dataclass
@@ -186,7 +188,10 @@ def _precision(program, decl, graph, request: BuildRequest) -> tuple[dict | None
     or None; its diagnostics)."""
     from modulec.lower.fp8_recipe import precision_section, program_recipe
 
-    recipe, covered, problems = program_recipe(program, decl.name, request.precision == "fp8")
+    if request.precision_overrides and request.precision != "fp8":
+        raise ValueError("precision_overrides change the std FP8 recipe: precision='fp8' only")
+    recipe, covered, problems = program_recipe(program, decl.name, request.precision == "fp8",
+                                               request.precision_overrides)
     if recipe is None or any(d.is_error for d in problems):
         return None, problems
     return precision_section(graph, recipe, covered), problems

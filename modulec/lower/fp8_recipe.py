@@ -1,14 +1,16 @@
 """FP8 precision recipes (spec §7.4.4) resolved into the IR: metadata `precision`.
 
 A `recipe` declaration's settings become one recipe (`resolve`), the std recipe is
-`STD_RECIPE` (`modulec train --precision fp8`). `@recipe(Name)` on a declaration of the
-built file covers every `matmul` of the functions lowered from it and of what they call;
-`precision_section` lists them, one entry per matmul op, with the formats, scaling and
-granularity each one runs with, and the ops that stay in high precision (the LM head: a
-covered matmul whose result is an output of the model; embeddings and the loss are not
-matmuls and never take FP8). The CPU reference emulates it (runtime/fp8.py); the GPU step
-runs the matmuls as FP8 GEMMs (runtime/fp8_gemm.py) and refuses what it cannot run yet
-when it loads (runtime.fp8:refuse_on_gpu). decisions.md, "FP8 recipes", "FP8 on the GPU".
+`STD_RECIPE` (`modulec train --precision fp8`; `--fp8-scaling`, `--fp8-gradient` and
+`--fp8-history` change its scaling and gradient format: `std_recipe`). `@recipe(Name)` on
+a declaration of the built file covers every `matmul` of the functions lowered from it
+and of what they call; `precision_section` lists them, one entry per matmul op, with
+the formats, scaling and granularity each one runs with, and the ops that stay in high
+precision (the LM head: a covered matmul whose result is an output of the model;
+embeddings and the loss are not matmuls and never take FP8). The CPU reference emulates
+it (runtime/fp8.py); the GPU step runs the matmuls as FP8 GEMMs (runtime/fp8_gemm.py) and
+refuses what it cannot run yet when it loads (runtime.fp8:refuse_on_gpu). decisions.md,
+"FP8 recipes", "FP8 on the GPU".
 """
 
 from __future__ import annotations
@@ -28,6 +30,34 @@ STD_RECIPE = {"name": "std.FP8", "forward": "fp8_e4m3", "gradient": "fp8_e5m2",
               "scaling": {"kind": "delayed", "history_len": 16, "margin": 0},
               "granularity": {"kind": "per_tensor"},
               "high_precision": list(HIGH_PRECISION)}
+
+STD_OVERRIDES = ("scaling", "gradient", "history_len")  # what --fp8-* may change
+
+
+def std_recipe(overrides: dict | None = None) -> dict:
+    """STD_RECIPE as `--fp8-scaling` / `--fp8-gradient` / `--fp8-history` change it for one
+    build: `scaling` delayed | current, `gradient` an FP8 format, `history_len` (delayed
+    only, >= 1). None or {}: STD_RECIPE itself (the IR as without the options)."""
+    if not overrides:
+        return STD_RECIPE
+    kind = overrides.get("scaling", STD_RECIPE["scaling"]["kind"])
+    history = overrides.get("history_len", STD_RECIPE["scaling"]["history_len"])
+    problem = next((m for bad, m in (
+        (set(overrides) - set(STD_OVERRIDES), f"takes only {', '.join(STD_OVERRIDES)}"),
+        (kind not in ("delayed", "current"), "`scaling` is delayed or current"),
+        (overrides.get("gradient", "fp8_e5m2") not in FP8, "`gradient` is an FP8 format"),
+        (not isinstance(history, int) or history < 1, "`history_len` is at least 1"),
+        (kind == "current" and "history_len" in overrides,
+         "`history_len` is for delayed scaling")) if bad), None)
+    if problem:
+        raise ValueError(f"the std FP8 recipe's overrides: {problem}")
+    recipe = {k: (dict(v) if isinstance(v, dict) else v) for k, v in STD_RECIPE.items()}
+    recipe["gradient"] = overrides.get("gradient", recipe["gradient"])
+    recipe["scaling"] = {"kind": "delayed", "history_len": history, "margin": 0} \
+        if kind == "delayed" else {"kind": "current", "margin": 0}
+    recipe["high_precision"] = list(HIGH_PRECISION)
+    return recipe
+
 
 # setting -> (recipe field, allowed words or a kind)
 _WORDS = {"forward_activation_dtype": ("forward", tuple(FP8)),
@@ -147,12 +177,13 @@ def recipe_names(program: A.Program) -> dict[str, tuple[str, A.Annotation]]:
     return named
 
 
-def program_recipe(program: A.Program, model: str, std: bool):
+def program_recipe(program: A.Program, model: str, std: bool, overrides: dict | None = None):
     """(recipe, covered declaration names, diagnostics) for building `model` of
-    `program`: `std` (--precision fp8) applies STD_RECIPE to the model; else the
-    `@recipe(...)` of the file's declarations (one recipe per build). None: no recipe."""
+    `program`: `std` (--precision fp8) applies STD_RECIPE (with the --fp8-* `overrides`:
+    std_recipe) to the model; else the `@recipe(...)` of the file's declarations (one
+    recipe per build). None: no recipe."""
     if std:
-        return STD_RECIPE, {model}, []
+        return std_recipe(overrides), {model}, []
     named = recipe_names(program)
     if not named:
         return None, set(), []

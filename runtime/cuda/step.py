@@ -143,7 +143,7 @@ class TrainStep:
     def from_module(cls, path, settings: dict | None = None, *, batch: int, seq: int,
                     derive_written: bool = False, memory_budget: int | None = None,
                     plan_device: str = "h200-noswap", lora=None, precision=None,
-                    **options) -> "TrainStep":
+                    precision_overrides=None, **options) -> "TrainStep":
         """`lora`: LoRA on (a dict `rank=16, alpha=32, targets=[...]` or
         modulec.lower.lora.LoraOptions; base weights frozen). `derive_written`: ignore the
         source's written backward sections (derive every backward instead).
@@ -160,7 +160,8 @@ class TrainStep:
         parallel = dict(distributed=dist.options() if dist is not None else None,
                         tensor_parallel=dist.tp if dist is not None else 1,
                         sequence_parallel=getattr(dist, "sp", False),
-                        precision=precision)  # "fp8": the std FP8 recipe
+                        precision=precision,  # "fp8": the std FP8 recipe
+                        precision_overrides=precision_overrides)  # and its --fp8-* changes
         source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora,
                               **parallel)
         tokens = sized_inputs(source.program(planned=False).input_names(), batch, seq)

@@ -26,6 +26,8 @@ from runtime.train.progress import Progress, gib
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESUME_KEYS = ("batch", "seq", "seed", "repeat_batch", "grad_accum", "doc_sep")
 RESUME_DEFAULTS = {"grad_accum": 1, "doc_sep": None}  # checkpoints saved before the key
+FP8_FLAGS = {"scaling": "--fp8-scaling", "gradient": "--fp8-gradient",
+             "history_len": "--fp8-history"}  # Request.precision_overrides' options
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Request:
     search_path: tuple = ()
     lora: object = None  # modulec.lower.lora.LoraOptions: adapters trained, base frozen
     precision: str | None = None  # "fp8": the std FP8 recipe (runtime/fp8.py)
+    precision_overrides: dict | None = None  # --fp8-*: its scaling / gradient format
     zero: int | None = None  # data parallel under torchrun: the ZeRO stage (default 2)
     # tensor parallel: consecutive ranks split each layer (the rest is data parallel); None:
     # 1, or an IR document's own size (document_parallel)
@@ -270,7 +273,8 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
                               if request.device == "cpu" else None, lora=request.lora,
                               tensor_parallel=request.tp, tp_rank=tp_rank,
                               sequence_parallel=request.sp,
-                              max_memory=request.max_memory, precision=request.precision)
+                              max_memory=request.max_memory, precision=request.precision,
+                              precision_overrides=request.precision_overrides)
     names = model.source.program(planned=False).input_names()
     if unfed(names):
         raise RuntimeUserError(f"`modulec train` feeds token_ids (and position_ids 0 .. T-1) "
@@ -300,6 +304,7 @@ def _model_from_ir(request: Request, weights: Path, tp_rank: int = 0) -> Model:
                                       ("--lora", request.lora),
                                       ("--precision", request.precision),
                                       ("--model", request.model)) if value]
+    given += [FP8_FLAGS[k] for k in request.precision_overrides or {}]
     if given:
         raise RuntimeUserError(f"{', '.join(given)} would change {request.file}, which was "
                                "built with its settings fixed",
