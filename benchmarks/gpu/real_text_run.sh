@@ -8,6 +8,8 @@
 #   FP8=1 bash benchmarks/gpu/real_text_run.sh    # also the same run with --precision fp8,
 #       compared step by step with the bf16 one (benchmarks/compare_runs.py: every logged
 #       loss after the 20 warmup steps within 1%: issue 19's FP8 numerics)
+#   FP8=1 FP8_ARGS="--fp8-scaling current --fp8-gradient e4m3" bash ...  # the FP8 run
+#       with the std recipe as those options change it (docs/training.md, "FP8")
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -27,7 +29,9 @@ python3 -m modulec train std/models/llama.module "${TINY[@]}" "${COMMON[@]}" --i
   --save-dtype bfloat16 2>&1 | tee "$OUT/train.log" | tail -4
 if [ "${FP8:-0}" = 1 ]; then
   python3 -m modulec train std/models/llama.module "${TINY[@]}" "${COMMON[@]}" --init random \
-    --precision fp8 --log-dir "$RUNS/tiny-fp8" 2>&1 | tee "$OUT/train-fp8.log" | tail -4
+    --precision fp8 ${FP8_ARGS:-} --log-dir "$RUNS/tiny-fp8" 2>&1 | tee "$OUT/train-fp8.log" \
+    | tail -4
+  echo "FP8_ARGS=${FP8_ARGS:-}" > "$OUT/fp8-args.txt"
   cp "$RUNS/tiny-fp8/metrics.jsonl" "$OUT/metrics-fp8.jsonl"
   python3 benchmarks/compare_runs.py "$RUNS/tiny" "$RUNS/tiny-fp8" --after 20 --tol 0.01 \
     --every 25 --json "$OUT/compare-fp8.json" | tee "$OUT/compare-fp8.txt"
