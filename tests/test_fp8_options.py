@@ -136,3 +136,21 @@ def test_train_refuses_the_options_with_an_ir(tokens, tmp_path):
                  "--fp8-scaling", "current")
     assert result.exit_code == 1
     assert "--precision, --fp8-scaling would change" in result.output
+
+
+GPU_SIZES = ["--set", "d_model=64", "--set", "num_heads=2", "--set", "num_kv_heads=2",
+             "--set", "d_ff=128"]  # head_dim 32: every FP8 GEMM dim a multiple of 16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("options", [("--fp8-scaling", "current", "--fp8-gradient", "e4m3"),
+                                     ("--fp8-gradient", "e4m3", "--fp8-history", "2")])
+def test_train_on_the_gpu_runs_the_recipe_the_options_give(tokens, options):
+    """`modulec train --device cuda` (the step in a CUDA graph) with the changed recipe:
+    close to the CPU emulation's losses of the same recipe, as the std recipe is
+    (tests/test_fp8.py)."""
+    gpu = train(tokens, *GPU_SIZES, "--steps", "3", "--device", "cuda", *options)
+    cpu = train(tokens, *GPU_SIZES, "--steps", "3", *options)
+    assert len(gpu) == 3 and all(x == x for x in gpu)
+    assert all(abs(a - b) <= 0.05 * b for a, b in zip(gpu, cpu)), (gpu, cpu)
