@@ -56,7 +56,7 @@ def parallel_options(command):
 def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
     """Put the data-parallel and pipeline settings on a BuildRequest."""
     from modulec.plan.distributed import DataParallel
-    from modulec.plan.pipeline import Pipeline
+    from modulec.plan.pipeline import Pipeline, pipeline_zero
 
     if zero is not None and dp is None:
         raise click.BadParameter("--zero needs --dp N: the shards' sizes depend on it",
@@ -75,7 +75,7 @@ def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
     # it writes the distributed section (its per-stage memory in `modulec plan`), which
     # `modulec train` refuses
     if pp is not None or microbatches is not None:
-        request.pipeline = Pipeline(pp, microbatches, dp or 1, 1 if zero == 1 else 0)
+        request.pipeline = Pipeline(pp, microbatches, dp or 1, pipeline_zero(zero, dp or 1))
 
 
 def tensor_parallel_request(request, tp: int | None, sp: bool) -> None:

@@ -82,6 +82,15 @@ class Pipeline:
             raise ValueError(f"at least 1 micro-batch, not {self.microbatches}")
 
 
+def pipeline_zero(zero, dp: int) -> int:
+    """The ZeRO stage of a pipeline section for a requested `zero` (--zero: None, 0-3 or
+    auto) over `dp` data-parallel pipelines: 1 (each stage's optimizer state sharded over
+    its replicas by bucket) for ZeRO-1 over more than one pipeline, else 0 (one pipeline
+    has no replicas to shard over; ZeRO 2-3 and auto have no pipeline form: `modulec
+    build` writes their `distributed` section beside it, which `modulec train` refuses)."""
+    return 1 if zero == 1 and dp > 1 else 0
+
+
 def has_partition(graph) -> bool:
     return any(_stage_of(n) is not None for n in graph.function(graph.entry).nodes)
 
@@ -100,7 +109,7 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
                "streams": {"compute": COMPUTE, "comm": COMM},
                "boundaries": boundaries,
                "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
-    zero = options.zero if options.dp > 1 else 0
+    zero = pipeline_zero(options.zero, options.dp)
     return add_data_parallel(section, graph, options.dp, zero, options.tp)
 
 

@@ -125,6 +125,7 @@ class PipelineTrainer:
                  stages: int, microbatches: int, device: str = "cpu",
                  zero: int | None = None):
         """`zero`: --zero (0 or 1; None: an IR document's own, else 0)."""
+        from modulec.plan.pipeline import pipeline_zero
         from runtime.dist.pipeline import StageRunner
 
         self.context, self.batch, self.seq, self.adamw = context, batch, seq, adamw
@@ -135,8 +136,8 @@ class PipelineTrainer:
 
         tp = getattr(model.source, "tensor_parallel", 1)  # each stage a TP rank program
         if not isinstance(model.source, IRSource):  # an IR document has its own section
-            with_pipeline(model, stages, microbatches,
-                          max(context.world // (stages * tp), 1), zero or 0)
+            dp = max(context.world // (stages * tp), 1)
+            with_pipeline(model, stages, microbatches, dp, pipeline_zero(zero, dp))
         names = model.source.program(planned=False).input_names()
         program = model.source.program_for(sized_inputs(names, batch, seq))
         section = _section(program, stages, microbatches, zero)
