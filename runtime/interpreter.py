@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modulec.ir.graph import Function, Graph, Node
+from modulec.ir.graph import STREAM, WAIT, Function, Graph, Node
 from modulec.lower.fusion_patterns import FUSION_ATTRS
 from runtime.errors import NonFiniteError, RuntimeUserError
 from runtime.fp8 import operands as fp8_operands
@@ -32,7 +32,7 @@ from runtime.kernels import KERNELS
 from runtime.probes import describe
 
 # attrs the compiler adds for itself, not params of the primitive
-IR_ATTRS = frozenset(("forward_node",) + FUSION_ATTRS)
+IR_ATTRS = frozenset(("forward_node", STREAM) + FUSION_ATTRS)
 EXACT_DTYPES = {torch.float64: "fp64", torch.float32: "fp32"}
 FLOAT_NAMES = {"fp64", "fp32", "bf16", "fp16", "float"}
 
@@ -144,8 +144,16 @@ class Interpreter:
             self._call(node, frame, forward)
         elif node.kind == "op":
             self._op(node, frame, forward)
+        elif node.kind == WAIT:
+            self._wait(node, frame)
         else:  # an alias names an existing value
             frame.env[node.outputs[0]] = self._read(node.inputs[0], frame, forward)
+
+    def _wait(self, node: Node, frame: Frame) -> None:
+        """Where the compute stream joins an op issued on the communication stream
+        (`stream=comm`, modulec.lower.tp_overlap): here every op ran in program order,
+        the async one included, so there is nothing to wait for (the GPU step's
+        interpreter waits for its event)."""
 
     def _profiled(self, spec: dict, node: Node, frame: Frame, forward) -> None:
         """A `@profile` region (runtime.profiling) around one node."""

@@ -65,7 +65,8 @@ class Model:
                     search_path=(), progress: bool = False,
                     memory_budget: int | None = None, lora=None,
                     tensor_parallel: int = 1, tp_rank: int = 0,
-                    sequence_parallel: bool = False, max_memory: int | None = None,
+                    sequence_parallel: bool = False, tp_overlap: bool = True,
+                    max_memory: int | None = None,
                     precision: str | None = None,
                     precision_overrides: dict | None = None) -> "Model":
         """A model from a `.module` file; with `hf_weights` (a checkpoint directory) its
@@ -77,7 +78,8 @@ class Model:
         are its slices; docs/distributed.md, "Tensor parallel"); run it in a
         torch.distributed group of M ranks (runtime.kernels.comm.set_tp_group);
         `sequence_parallel=True` (`--sp`) splits the values between its sharded regions
-        along the sequence (docs/distributed.md, "Sequence parallel"). Before
+        along the sequence (docs/distributed.md, "Sequence parallel"); `tp_overlap=False`
+        (`--no-tp-overlap`) leaves the backward collectives in order. Before
         any weight is made, the model's memory is checked against the device (or
         `max_memory` bytes): runtime.memory_check. `precision="fp8"` applies the std FP8
         recipe (runtime/fp8.py), `precision_overrides` its --fp8-* changes
@@ -96,6 +98,7 @@ class Model:
                 raise RuntimeUserError(f"lora: {exc}") from None
         source.tensor_parallel = int(tensor_parallel)
         source.sequence_parallel = bool(sequence_parallel)
+        source.tp_overlap = bool(tp_overlap)
         source.precision = precision
         source.precision_overrides = precision_overrides
         if memory_budget is not None:  # keep / recompute / swap as the planner decides

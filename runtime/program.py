@@ -82,6 +82,9 @@ class ModuleSource:
     distributed: object = None  # modulec.plan.distributed.DataParallel: data parallel
     tensor_parallel: int = 1  # tensor parallel size: each rank's program (`--tp`)
     sequence_parallel: bool = False  # `--sp`: the sequence split between the TP regions
+    # with --tp: the backward collectives overlapped with the weight gradients (False:
+    # `--no-tp-overlap`, modulec.lower.tp_overlap)
+    tp_overlap: bool = True
     # modulec.plan.pipeline.Pipeline: the `pipeline` section (--pp) of the programs built at
     # given sizes (the one with free dims, read for names and parameters, has none)
     pipeline: object = None
@@ -114,6 +117,7 @@ class ModuleSource:
                                lora=self.lora, distributed=self.distributed,
                                tensor_parallel=self.tensor_parallel,
                                sequence_parallel=self.sequence_parallel,
+                               tp_overlap=self.tp_overlap,
                                pipeline=self.pipeline if shapes else None,
                                precision=self.precision,
                                precision_overrides=self.precision_overrides)

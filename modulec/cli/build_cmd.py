@@ -137,8 +137,8 @@ def build_command(output_options, guarded):
     @guarded
     def build(file, output, model, settings, shapes, config, search_path, emit, dump_after,
               lora, precision, fp8_scaling, fp8_gradient, fp8_history, budget, training,
-              device, policies, honor_lists, dp, zero, tp, sp, pp, microbatches, interconnect,
-              fmt, color):
+              device, policies, honor_lists, dp, zero, tp, sp, no_tp_overlap, pp, microbatches,
+              interconnect, fmt, color):
         """Lower a model to Graph IR (forward and derived backward) and Schedule IR."""
         from modulec.cli.output import Output, use_color
         from modulec.cli.inputs import FileResult
@@ -160,7 +160,7 @@ def build_command(output_options, guarded):
             training = "lora"
         request.planning = _planning(budget, training, device, policies, honor_lists)
         parallel_request(request, dp, zero, pp, microbatches, budget)
-        tensor_parallel_request(request, tp, sp)  # one rank's program (@shard, --tp, --sp)
+        tensor_parallel_request(request, tp, sp, no_tp_overlap)  # @shard, --tp, --sp
         result = run_build(request)
         out = Output(fmt, use_color(color))
         for notice in result.notices:

@@ -1,5 +1,5 @@
 """The parallel options of `modulec build` and `modulec plan` (--dp, --zero, --tp, --sp,
---pp, --microbatches, --interconnect), and what `modulec plan` prints for them: the per-GPU
+--no-tp-overlap, --pp, --microbatches, --interconnect), and what `modulec plan` prints for them: the per-GPU
 memory under data parallel with ZeRO (beside one GPU's), and the pipeline's simulated
 timeline (docs/distributed.md)."""
 
@@ -38,6 +38,10 @@ def parallel_options(command):
                      help="With --tp: sequence parallel (Megatron-LM's), the norms and "
                           "residual adds on T / M rows a rank, all-gather / reduce-scatter "
                           "around each sharded region instead of the all-reduce."),
+        click.option("--no-tp-overlap", "no_tp_overlap", is_flag=True,
+                     help="With --tp: run each backward all-reduce (or reduce-scatter) of "
+                          "an input gradient in order, not on the communication stream "
+                          "beside the weight gradient's GEMM (the A/B of the overlap)."),
         click.option("--pp", type=click.IntRange(min=1), metavar="P",
                      help="Pipeline stages (1F1B): the schedule's pipeline section; a model "
                           "with @partition stages gives its own split."),
@@ -78,13 +82,20 @@ def parallel_request(request, dp, zero, pp, microbatches, budget=None) -> None:
         request.pipeline = Pipeline(pp, microbatches, dp or 1, pipeline_zero(zero, dp or 1))
 
 
-def tensor_parallel_request(request, tp: int | None, sp: bool) -> None:
-    """Put `--tp M` (one rank's program of M) and `--sp` on a BuildRequest."""
+def tensor_parallel_request(request, tp: int | None, sp: bool,
+                            no_tp_overlap: bool = False) -> None:
+    """Put `--tp M` (one rank's program of M), `--sp` and `--no-tp-overlap` on a
+    BuildRequest."""
     if sp and not (tp and tp > 1):
         raise click.BadParameter("--sp splits the sequence across the tensor-parallel ranks: "
                                  "give --tp M (M of at least 2)", param_hint="--sp")
+    if no_tp_overlap and not (tp and tp > 1):
+        raise click.BadParameter("--no-tp-overlap turns off the overlap of the tensor-"
+                                 "parallel backward collectives: give --tp M (M of at "
+                                 "least 2)", param_hint="--no-tp-overlap")
     request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
     request.sequence_parallel = sp
+    request.tp_overlap = not no_tp_overlap  # modulec.lower.tp_overlap
 
 
 def tensor_parallel_problems(graph, tp: int | None) -> list[str]:

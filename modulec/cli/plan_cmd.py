@@ -51,7 +51,8 @@ def plan_command(output_options, guarded):
     @guarded
     def plan(file, model, settings, shapes, config, search_path, budget, training, device,
              policies, honor_lists, picture, precision, fp8_scaling, fp8_gradient,
-             fp8_history, dp, zero, tp, sp, pp, microbatches, interconnect, fmt, color):
+             fp8_history, dp, zero, tp, sp, no_tp_overlap, pp, microbatches, interconnect,
+             fmt, color):
         """Plan the memory of one training step: bytes per region, lower bound, baselines."""
         from modulec.cli.inputs import FileResult
         from modulec.cli.output import Output, use_color
@@ -77,7 +78,7 @@ def plan_command(output_options, guarded):
 
             request.planning = PlanOptions(budget_bytes, training, device, _policies(policies),
                                            honor_lists)
-        tensor_parallel_request(request, tp, sp)  # one rank's program (@shard, --tp, --sp)
+        tensor_parallel_request(request, tp, sp, no_tp_overlap)  # @shard, --tp, --sp
         result = build(request)
         Output(fmt, use_color(color)).show(FileResult(str(file), result.source, None,
                                                       result.diagnostics))

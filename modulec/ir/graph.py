@@ -24,7 +24,7 @@ class ValueInfo:
 @dataclass(frozen=True)
 class Node:
     id: str
-    kind: str  # "op" (a primitive) | "call" (a function) | "alias"
+    kind: str  # "op" (a primitive) | "call" (a function) | "alias" | "wait" (WAIT)
     target: str  # primitive name, or callee function name
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -37,6 +37,26 @@ class Node:
 
     def attr(self, name: str, default=None):
         return dict(self.attrs).get(name, default)
+
+
+# An op with attr STREAM = COMM runs on the communication stream, asynchronously: it starts
+# once what the compute stream issued before it is done, and the compute stream goes on.
+# A node of kind WAIT (target: that op's id, inputs: its outputs, no outputs) is where the
+# compute stream joins it; every reader of the op's outputs comes after the wait, and the
+# op's inputs and outputs keep their bytes until the wait (modulec.lower.tp_overlap).
+STREAM, COMM, WAIT = "stream", "comm", "wait"
+
+
+def is_async(node: "Node") -> bool:
+    """An op issued on the communication stream (joined by a WAIT node)."""
+    return node.kind == "op" and node.attr(STREAM) is not None
+
+
+def async_reads(function: "Function") -> dict[str, tuple[str, ...]]:
+    """{wait node id: the values its async op reads and writes}: in use until the wait."""
+    issued = {n.id: n for n in function.nodes if is_async(n)}
+    return {n.id: tuple(v for v in issued[n.target].inputs + issued[n.target].outputs if v)
+            for n in function.nodes if n.kind == WAIT and n.target in issued}
 
 
 @dataclass(frozen=True)

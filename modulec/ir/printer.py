@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modulec.ir.graph import Function, Graph, Node, ValueInfo
+from modulec.ir.graph import STREAM, WAIT, Function, Graph, Node, ValueInfo
 
 
 def print_graph(graph: Graph) -> str:
@@ -28,12 +28,19 @@ def function_lines(function: Function) -> list[str]:
 
 
 def node_text(node: Node, function: Function) -> str:
+    """`b13: %g19: [B, T, 32] = op tp_copy_backward(%g17, ...) on comm` for an op issued on
+    the communication stream; `b13.wait: wait b13(%g19)` for the compute stream's join."""
+    if node.kind == WAIT:
+        return f"{node.id}: wait {node.target}({', '.join(node.inputs)})"
     outputs = ", ".join(_typed(o, function) for o in node.outputs) or "()"
-    arguments = [i or "_" for i in node.inputs] + [f"{k}={_attr(v)}" for k, v in node.attrs]
+    arguments = [i or "_" for i in node.inputs] + [f"{k}={_attr(v)}" for k, v in node.attrs
+                                                   if k != STREAM]
     repeat = f" x{node.repeat}" if node.repeat != 1 else ""
     notes = "".join(f" @{name}({', '.join(args)})" if args else f" @{name}"
                     for name, args in node.annotations)
-    return f"{node.id}: {outputs} = {node.kind} {node.target}({', '.join(arguments)}){repeat}{notes}"
+    stream = f" on {node.attr(STREAM)}" if node.attr(STREAM) is not None else ""
+    return (f"{node.id}: {outputs} = {node.kind} {node.target}({', '.join(arguments)})"
+            f"{repeat}{stream}{notes}")
 
 
 def _typed(value: str, function: Function) -> str:

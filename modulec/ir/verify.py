@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from modulec.ir.graph import Function, Graph, Node
+from modulec.ir.graph import WAIT, Function, Graph, Node
 from modulec.ir.printer import node_text
 from modulec.ir.verify_types import graph_assumptions, type_problems
 from modulec.ops.registry import op_table
@@ -101,6 +101,10 @@ def _verify_function(function: Function, functions: dict, tables: dict,
             defined.add(output)
     found += [(None, f"output `{output}` is never defined") for output in function.outputs
               if output and output not in defined]
+    if not found:
+        from modulec.ir.verify_async import async_problems
+
+        found = async_problems(function)
     if not found:  # types are re-derived on a sound structure only
         found = type_problems(function, functions, tables, assumptions)
     return [_report(function, index, message, shown < LOCATED)
@@ -128,6 +132,9 @@ def _node_problems(node: Node, defined: set, outside: set, functions: dict) -> l
         problems.append(f"calls `{node.target}`, which is not a function of this graph")
     elif node.kind == "op":
         problems += _op_problems(node)
+    elif node.kind == WAIT:
+        problems += [] if isinstance(node.target, str) and node.target else [
+            "a wait names the op it waits for"]
     elif node.kind not in ("op", "call"):
         problems.append(f"unknown node kind `{node.kind}`")
     return problems

@@ -19,11 +19,12 @@ within the function's stride, a `result` at a position the function returns).
 
 from __future__ import annotations
 
-from modulec.ir.graph import Graph
+from modulec.ir.graph import WAIT, Graph, async_reads, is_async
 
 KINDS = ("recompute", "swap_out", "swap_in", "record_event", "wait_event")
 STREAMS = {"recompute": (0,), "swap_out": (1,), "swap_in": (1,), "record_event": (0, 1),
-           "wait_event": (0, 1), None: (0,)}
+           "wait_event": (0, 1), None: (0, 2)}  # a graph op: 2 if it is async (COMM)
+COMM_STREAM = 2  # an async collective's (modulec.ir.graph STREAM)
 PHASES = ("forward", "backward", "recompute")
 SHARED = ("view", "transpose", "permute", "split")
 
@@ -263,11 +264,13 @@ def _sweep(storages: list) -> list[str]:
 
 
 def _liveness(function) -> dict:
-    """Value -> [defining node, last reader) over node positions; outputs live to the end."""
+    """Value -> [defining node, last reader) over node positions; outputs live to the end;
+    what an async op reads and writes, to its wait at least."""
     born, last = {}, {}
     end = len(function.nodes)
+    waits = async_reads(function)
     for i, node in enumerate(function.nodes):
-        for value in node.inputs:
+        for value in node.inputs + waits.get(node.id, ()) if node.kind == WAIT else node.inputs:
             last[value] = i
         for value in node.outputs:
             born.setdefault(value, i)
@@ -296,6 +299,9 @@ def _follows_graph(name: str, ops: list, function) -> list[str]:
         if op.get("repeat", 1) != node.repeat:
             problems.append(f"{where}: repeat {op.get('repeat')!r}, the node's is "
                             f"{node.repeat!r}")
+        stream = COMM_STREAM if is_async(node) else 0
+        if op["stream"] != stream:
+            problems.append(f"{where}: stream {op['stream']}, the node runs on {stream}")
         if node.kind == "call" and op["kernel"] != f"call:{node.target}":
             problems.append(f"{where}: kernel `{op['kernel']}`, expected `call:{node.target}`")
         problems += [f"{where}: a buffer for `{b[0]}`, which is not an output of the node"

@@ -28,7 +28,7 @@ from modulec.types.tensor import DTYPES, FLOAT, TensorType
 
 # attrs the passes add beside the primitive's parameters (modulec.lower.fusion, backward)
 STRUCTURAL_ATTRS = ("fusion", "fused_from", "fused_spans", "fused_intermediates",
-                    "fusion_group", "forward_node")
+                    "fusion_group", "forward_node", "stream")
 
 
 class Types:

@@ -53,6 +53,9 @@ class BuildRequest:
     pipeline: object = None
     tensor_parallel: int = 1  # `--tp M`: this rank's program of M (modulec.lower.tensor_parallel)
     sequence_parallel: bool = False  # `--sp`: with --tp, modulec.lower.sequence_parallel
+    # with --tp: the backward collectives overlapped with the weight gradients
+    # (modulec.lower.tp_overlap); False: `--no-tp-overlap`
+    tp_overlap: bool = True
     precision: str | None = None  # "fp8": the std FP8 recipe on the model (modulec.lower.fp8_recipe)
     # with "fp8": the --fp8-* changes to the std recipe (fp8_recipe.std_recipe); None: none
     precision_overrides: dict | None = None
@@ -250,6 +253,7 @@ def _tensor_parallel(world, instance, request: BuildRequest):
                                        help=["train LoRA on one GPU or with data parallel"]))
     found = shards(world, instance, function_name)
     found.sequence_parallel = request.sequence_parallel
+    found.overlap = request.tp_overlap
     if not found.shards:  # every rank would run the whole model
         world.diagnostics.append(error(
             "E008", f"`--tp {request.tensor_parallel}`: no parameter of `{instance.name}` "

@@ -16,6 +16,7 @@ from modulec.lower.fusion import fuse
 from modulec.lower.lora import apply_lora
 from modulec.lower.sequence_parallel import apply_sequence_parallel
 from modulec.lower.tensor_parallel import apply_tensor_parallel
+from modulec.lower.tp_overlap import apply_tp_overlap
 from modulec.source import SourceFile, Span
 
 
@@ -95,6 +96,11 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("derive_backward", "reverse mode from the primitives' backward rules (a fused "
          "op's from its fused primitive's); frozen parameters and @gradient(skip) inputs "
          "pruned", lambda graph, context: derive_backward(graph)),
+    Pass("tp_overlap", "with `--tp M` (unless `--no-tp-overlap`): each backward "
+         "collective that alone reads a matmul backward's input gradient runs on the "
+         "communication stream (`stream=comm`) while the weight gradient's GEMM runs (the "
+         "node split in two), joined by a `wait` node before the gradient's first reader",
+         apply_tp_overlap),
 )
 PASS_NAMES = tuple(p.name for p in PIPELINE)
 assert PASS_NAMES == pass_names.PASS_NAMES, "update modulec/lower/pass_names.py"

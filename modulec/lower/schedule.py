@@ -7,11 +7,12 @@ their sync points; docs/build-output.md describes the format."""
 
 from __future__ import annotations
 
-from modulec.ir.graph import Graph, Node
+from modulec.ir.graph import WAIT, Graph, Node, is_async
 from modulec.ops.registry import op_table
 from modulec.syntax import ast as A
 
 COMPUTE_STREAM = 0
+COMM_STREAM = 2  # an async collective (modulec.ir.graph STREAM; runtime/dist/streams.py)
 
 
 def schedule_data(graph: Graph, plan=None, decided=None) -> dict:
@@ -59,7 +60,7 @@ def _ops(function, placed: dict, extra: dict) -> list[dict]:
 
 def _op(node: Node, placed: dict) -> dict:
     op = {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
-          "phase": node.phase, "stream": COMPUTE_STREAM}
+          "phase": node.phase, "stream": COMM_STREAM if is_async(node) else COMPUTE_STREAM}
     buffers = [_buffer_ref(value, placed[value]) for value in node.outputs if value in placed]
     group = node.attr("fusion_group")  # one kernel launch for the group (modulec.lower.fusion)
     return op | ({"buffers": buffers} if buffers else {}) | ({"fusion_group": group}
@@ -77,6 +78,8 @@ def _buffer_ref(value: str, placement) -> list:
 def kernel_of(node: Node) -> str:
     if node.kind == "call":
         return f"call:{node.target}"
+    if node.kind == WAIT:  # the compute stream waits for the op's event
+        return f"wait:{node.target}"
     backward = node.target.endswith("_backward")
     rule = op_table().get(node.target[:-9] if backward else node.target)
     impl = _impl(rule.definition.decl) if rule else None

@@ -1,7 +1,8 @@
 """The canonical text form of a Schedule IR (`modulec build --emit schedule`).
 
 One line per op: its node (`-` for swap and sync ops), phase, stream (`s0` compute, `s1`
-copy), kernel and repeat count, what it acts on (`CausalSelfAttention#1/%6[i]`: that
+copy, `s2` communication: an async collective, joined by its `wait:<node>` op), kernel
+and repeat count, what it acts on (`CausalSelfAttention#1/%6[i]`: that
 function's node or value in the instance relative to the running one `i`), its event,
 the instances it runs for (`when i in 0-17,19`) and its buffers. Then the activation
 layout, one line per record and per saved value; then the distributed and pipeline

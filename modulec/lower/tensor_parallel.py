@@ -69,6 +69,9 @@ class TensorParallel:
     # the entry's outputs split over the vocabulary (the logits of a `@shard(vocab)` head),
     # found by the pass
     vocab_outputs: list = field(default_factory=list)
+    # each backward collective after a matmul backward overlapped with its weight gradient
+    # (modulec.lower.tp_overlap; `--no-tp-overlap`: off)
+    overlap: bool = True
 
 
 # ====================================================================== reading @shard
@@ -385,7 +388,7 @@ def section(plan: TensorParallel) -> dict:
     layout by function (what a runtime needs to slice weights and to run the pair)."""
     sequence = {"sequence_parallel": True} if plan.sequence_parallel else {}
     vocab = {"vocab_outputs": list(plan.vocab_outputs)} if plan.vocab_outputs else {}
-    return {"size": plan.size, "group": "tp", **sequence, **vocab,
+    return {"size": plan.size, "group": "tp", **sequence, **vocab, "overlap": plan.overlap,
             "shards": {function: {p[len("param:"):]: s.data() for p, s in sorted(found.items())}
                        for function, found in sorted(plan.shards.items())}}
 

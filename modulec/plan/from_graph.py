@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import prod
 
-from modulec.ir.graph import Function, Graph, Node
+from modulec.ir.graph import Function, Graph, Node, async_reads
 from modulec.plan.memory import (
     GRADIENTS, OPTIMIZER_STATE, SAVED, TRANSIENT, WEIGHTS, Buffer, Op, plan_memory,
 )
@@ -142,6 +142,7 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
         for o, i in ONE_TENSOR.get(n.target, ()) if n.outputs[o] and n.outputs[i]} | \
         _call_twins(function, twins)
     ops, buffers, made = [], {}, {}
+    in_flight = async_reads(function)
     for index, node in enumerate(function.nodes):
         outputs = [o for o in node.outputs if o in own and not _is_param_grad(function, o)]
         for position, value in _sources_first(outputs, over):
@@ -153,7 +154,9 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
                 buffers[value] = _buffer(node, index, value, position, own, buffers, saved,
                                          len(function.nodes))
             made[value] = index
-        inputs = [i for i in node.inputs if i in buffers]
+        # a wait reads what its async op reads and writes: their bytes stay theirs (no op
+        # between the two may reuse them) until the compute stream has joined it
+        inputs = [i for i in node.inputs + in_flight.get(node.id, ()) if i in buffers]
         if node.kind == "call":
             outputs = outputs + [_call_block(node, arenas, metric, buffers)] + \
                 _destinations(graph, node, handed, buffers, twins)

@@ -65,6 +65,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from runtime.cuda.async_comm import InFlight, step_streams
 from runtime.cuda.lm_head import lm_head_cross_entropy, split_head
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, whole_update
@@ -160,6 +161,7 @@ class TrainStep:
         parallel = dict(distributed=dist.options() if dist is not None else None,
                         tensor_parallel=dist.tp if dist is not None else 1,
                         sequence_parallel=getattr(dist, "sp", False),
+                        tp_overlap=getattr(dist, "tp_overlap", True),  # --no-tp-overlap
                         precision=precision,  # "fp8": the std FP8 recipe
                         precision_overrides=precision_overrides)  # and its --fp8-* changes
         source = ModuleSource(Path(path), settings, derive_written=derive_written, lora=lora,
@@ -447,6 +449,9 @@ class TrainStep:
                                hooks=self.hooks, arena=self._activations(),
                                frame_events=self.zero)
         run.step, run.fp8_run = self, self.fp8
+        streams = step_streams(self)  # `--tp`: the backward collectives overlapped
+        if streams is not None:
+            run.in_flight = InFlight(streams)
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:
                 self.swaps = GpuSwaps()
@@ -545,6 +550,9 @@ class TrainStep:
         return head in self.ties() or head in {p for p, _ in backward.param_grads}
 
     def _step(self) -> None:
+        streams = step_streams(self)
+        if streams is not None:  # the compute stream: the one current now (warm-up, capture)
+            streams.begin_step()
         self.rng_step.add_(1)  # new dropout masks (captured: each replay)
         if self.fp8 is not None:  # the step's delayed scales; its amaxes recorded
             self.fp8.begin_step()

@@ -1,8 +1,9 @@
 """The GPU step's interpreter (runtime/cuda/step.py): the reference interpreter with the
 training step's early release of planned recomputes and swaps, in-place RoPE, LoRA's
 matmul + add as one addmm (and its backward's d_x sums: runtime/cuda/lora_backward.py),
-each repeated layer's parameter gradients handed on as soon as they are final, and
-dropout seeded from a device counter (runtime/cuda/dropout.py)."""
+each repeated layer's parameter gradients handed on as soon as they are final,
+dropout seeded from a device counter (runtime/cuda/dropout.py), and the collectives the
+IR marks `stream=comm` run on the communication stream (runtime/cuda/async_comm.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modulec.ir.graph import STREAM
 from runtime.cuda.lora_backward import (DxPairs, add_into, lora_dx_pairs,
                                         stacked_param_grads, target_bytes)
 from runtime.cuda.swaps import Stored
@@ -60,6 +62,9 @@ class _StepInterpreter(Interpreter):
         # salt: rank and micro-batch); None draws nothing (evaluation)
         self.rng = None
         self.fp8_run = None  # runtime.cuda.fp8_step.StepFp8: the program's FP8 recipe
+        # runtime.cuda.async_comm.InFlight: ops marked `stream=comm` run on the comm stream,
+        # joined at their `wait` (None: in program order, as the reference runs them)
+        self.in_flight = None
 
     def _seed(self, node, frame):
         """A `DeviceSeed` (runtime/cuda/dropout.py): the step's device counter and a key
@@ -177,6 +182,8 @@ class _StepInterpreter(Interpreter):
         d's GEMM writes y's planned bytes and base's adds into them, so nothing is copied
         in. In a backward, LoRA's d_x sums run as addmms (`_lora_dx`)."""
         function = frame.function
+        if self.in_flight is not None and node.attr(STREAM) is not None:
+            return self.in_flight.issue(self, node, frame, forward, super()._op)
         if self.fp8_run is not None and node.target in FP8_TARGETS and any(node.outputs) \
                 and self.fp8_run.covers(function.name, node.id):
             return self._fp8_op(node, frame, forward)
@@ -201,6 +208,11 @@ class _StepInterpreter(Interpreter):
                 return
             super()._op(source, frame, forward)  # base as written, then the addmm
         self._lora_add(node, pair, frame, forward)
+
+    def _wait(self, node, frame) -> None:
+        """The compute stream joins the async op `node.target` (runtime/cuda/async_comm.py)."""
+        if self.in_flight is not None:
+            self.in_flight.wait(node, frame)
 
     def _lora_add(self, node, pair, frame, forward) -> None:
         function = frame.function

@@ -67,13 +67,16 @@ class DistContext:
         """Rank 0: the one that prints progress and writes consolidated files."""
         return self.rank == 0
 
-    def data_parallel(self, zero: int = 2, tp: int = 1, sp: bool = False) -> "DataParallelRun":
+    def data_parallel(self, zero: int = 2, tp: int = 1, sp: bool = False,
+                      tp_overlap: bool = True) -> "DataParallelRun":
         """Data parallel over the ranks' TP slices: with `tp` > 1, ranks r and r + 1 ..
         (tp consecutive) form a tensor-parallel group each, and the ranks at the same
         position of every slice a data-parallel group (dp = world / tp). `sp`: the
-        program is built with sequence parallel (`--sp`) over each TP group."""
+        program is built with sequence parallel (`--sp`) over each TP group;
+        `tp_overlap=False`: without the backward collectives' overlap (`--no-tp-overlap`)."""
         check_tensor_parallel(tp, sp, self.world)
-        return DataParallelRun(self, zero, tp, *self._groups(tp), sp=sp)
+        return DataParallelRun(self, zero, tp, *self._groups(tp), sp=sp,
+                               tp_overlap=tp_overlap)
 
     def _groups(self, tp: int) -> tuple:
         """(this rank's TP group, its DP group, its rank in the DP group); None groups
@@ -168,6 +171,8 @@ class DataParallelRun:
     dp_group: object = None  # None: the default group (every rank)
     dp_rank: int = 0
     sp: bool = False  # sequence parallel over each TP group (the program built with --sp)
+    # the program's TP backward collectives overlapped (False: built with --no-tp-overlap)
+    tp_overlap: bool = True
 
     @property
     def dp(self) -> int:

@@ -1,0 +1,95 @@
+"""The GPU step's asynchronous collectives (modulec.lower.tp_overlap): an op the IR marks
+`stream=comm` runs on the communication stream of runtime/dist/streams.py (ZeRO's, when
+the step is data parallel: one comm stream, so every collective keeps the order all
+ranks issue them in), and the compute stream joins it at the op's `wait` node.
+
+    issue:  compute records `tp:<function>/<op>:ready`; comm waits for it (the op's
+            input is made), runs the op (its outputs placed in their planned bytes on
+            comm too) and records `...:done`
+    wait:   compute waits for `...:done`
+
+Each event is recorded every step before it is waited on, so the step stays one CUDA
+graph (ZeRO's events and NCCL calls on the comm stream are captured the same way). The
+planner keeps the op's input and output bytes until the wait (modulec.plan.from_graph);
+tensors of torch's caching allocator are marked used by the other stream
+(`record_stream`: a block freed later is not handed out before that stream's work is
+done) and held until the wait.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modulec.ir.graph import STREAM, WAIT
+
+COMPUTE, COMM = 0, 2  # runtime/dist/streams.py's stream numbers
+
+
+def has_async(graph) -> bool:
+    """Whether any function of `graph` issues an op on the communication stream."""
+    return any(n.kind == WAIT for f in graph.functions for n in f.nodes)
+
+
+def step_streams(step):
+    """The streams `step`'s async collectives run on: ZeRO's (data parallel), else the
+    step's own (made once); None when its graph has none."""
+    if getattr(step, "async_ops", None) is None:
+        step.async_ops = has_async(step.graph)
+    if not step.async_ops:
+        return None
+    if getattr(step, "zero", None) is not None:
+        return step.zero.streams
+    if getattr(step, "tp_streams", None) is None:
+        from runtime.dist.streams import CudaStreams
+
+        step.tp_streams = CudaStreams()
+    return step.tp_streams
+
+
+class InFlight:
+    """The async ops issued and not yet joined, on `streams` (CudaStreams, or InOrder)."""
+
+    def __init__(self, streams):
+        self.streams = streams
+        self.held: dict = {}  # (id(frame), op id) -> the tensors it reads and writes
+        self.issued = 0  # ops issued on the comm stream (a count for tests and reports)
+
+    def issue(self, run, node, frame, forward, op) -> None:
+        """Run `op(node, frame, forward)` (the interpreter's op) on the comm stream."""
+        if node.attr(STREAM) != "comm":
+            raise RuntimeError(f"{node.id}: `stream={node.attr(STREAM)}` is not a stream "
+                               "of this runtime")
+        key = _key(frame, node.id)
+        self.streams.record(COMPUTE, f"{key}:ready")
+        self.streams.wait(COMM, f"{key}:ready")
+        with self.streams.on(COMM):
+            op(node, frame, forward)
+            self.streams.record(COMM, f"{key}:done")
+        reads = [run._read(v, frame, forward) for v in node.inputs if v]
+        writes = [frame.env[v] for v in node.outputs if v and v in frame.env]
+        _used_by(reads, getattr(self.streams, "comm", None))
+        _used_by(writes, getattr(self.streams, "compute", None))
+        self.held[(id(frame), node.id)] = reads + writes
+        self.issued += 1
+
+    def wait(self, node, frame) -> None:
+        """The compute stream joins op `node.target` of this function run."""
+        if (id(frame), node.target) not in self.held:
+            raise RuntimeError(f"{frame.function.name}: `wait {node.target}` with no "
+                               f"{node.target} issued on the communication stream")
+        self.streams.wait(COMPUTE, f"{_key(frame, node.target)}:done")
+        del self.held[(id(frame), node.target)]
+
+
+def _key(frame, op_id: str) -> str:
+    """One pair of events per op of a function, reused by every run of it (a layer's
+    run joins its op before the next layer's records the events again)."""
+    return f"tp:{frame.function.name}/{op_id}"
+
+
+def _used_by(tensors, stream) -> None:
+    if stream is None:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            tensor.record_stream(stream)
