@@ -6,11 +6,14 @@ of the code paths and of the token accounting, not a measurement).
 
     modulec_1gpu[_fp8]            one GPU (the scaling column's denominator)
     modulec_zero{S}[_fp8]         data parallel over every GPU, ZeRO stage S (0-3)
-    modulec_zero{S}_tp{M}[_sp][_fp8]  tensor parallel over M consecutive GPUs (M >= 2: one
-                                  TP group), data parallel with ZeRO stage S across the
-                                  GPUS / M groups: ctx.data_parallel(zero=S, tp=M);
-                                  `_sp`: with sequence parallel (sp=True: the norms on
-                                  T / M rows a GPU)
+    modulec_zero{S}_tp{M}[_sp][_nooverlap][_fp8]  tensor parallel over M consecutive GPUs
+                                  (M >= 2: one TP group), data parallel with ZeRO stage S
+                                  across the GPUS / M groups: ctx.data_parallel(zero=S,
+                                  tp=M); `_sp`: with sequence parallel (sp=True: the norms
+                                  on T / M rows a GPU); `_nooverlap`: built with
+                                  `--no-tp-overlap` (the backward all-reduces / reduce-
+                                  scatters in order, not beside the weight gradients'
+                                  GEMMs: the A/B of modulec.lower.tp_overlap)
 
 The M ranks of a TP group read one batch (B x T), so a step trains B x T x GPUS / M
 tokens. What the GPU step runs under TP (runtime/cuda/step.py, runtime/dist): ZeRO 0-3
@@ -36,8 +39,9 @@ from benchmarks.train_step import modulec_options
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "std/models/llama.module"
 MODULEC_BASE = "modulec_norecompute"  # train_step.py's variant the modulec rows mirror
-NAME = re.compile(r"modulec_(?:(1gpu)|zero(\d+)(?:_tp(\d+)(_sp)?)?)(_fp8)?")
-GRAMMAR = "modulec_1gpu, modulec_zero{0..3}, modulec_zero{0..3}_tp{M}[_sp], each [_fp8]"
+NAME = re.compile(r"modulec_(?:(1gpu)|zero(\d+)(?:_tp(\d+)(_sp)?(_nooverlap)?)?)(_fp8)?")
+GRAMMAR = ("modulec_1gpu, modulec_zero{0..3}, modulec_zero{0..3}_tp{M}[_sp][_nooverlap], "
+           "each [_fp8]")
 # the model sizes tensor parallel splits (docs/distributed.md, "Tensor parallel")
 TP_DIVIDES = ("num_heads", "num_kv_heads", "d_ff")
 
@@ -46,13 +50,15 @@ TP_DIVIDES = ("num_heads", "num_kv_heads", "d_ff")
 class Layout:
     """What a modulec variant runs: `gpus` processes as TP groups of `tp`, data parallel
     with ZeRO stage `zero` across them (None: one GPU, no process group); `sp`: sequence
-    parallel inside each TP group."""
+    parallel inside each TP group; `overlap`: the TP backward collectives beside the
+    weight gradients (False: `_nooverlap`, the program built with --no-tp-overlap)."""
 
     gpus: int
     tp: int = 1
     zero: int | None = None
     fp8: bool = False
     sp: bool = False
+    overlap: bool = True
 
     @property
     def dp(self) -> int:
@@ -67,7 +73,7 @@ def parse_variant(name: str, gpus: int, shape: dict | None = None) -> Layout:
     if match is None:
         raise ValueError(f"unknown variant {name!r} ({GRAMMAR}; hf_{{ddp|fsdp2}}[_compile|"
                          "_compilewhole|_compilelayers][_ckpt][_fp8])")
-    one, zero, tp, sp, fp8 = match.groups()
+    one, zero, tp, sp, nooverlap, fp8 = match.groups()
     if one:
         return Layout(1, fp8=bool(fp8))
     zero, tp = int(zero), int(tp or 1)
@@ -88,7 +94,7 @@ def parse_variant(name: str, gpus: int, shape: dict | None = None) -> Layout:
         if shape[key] % tp:
             raise ValueError(f"{name}: TP {tp} does not divide the shape's {key} = "
                              f"{shape[key]}")
-    return Layout(gpus, tp, zero, bool(fp8), bool(sp))
+    return Layout(gpus, tp, zero, bool(fp8), bool(sp), not nooverlap)
 
 
 # ------------------------------------------------------------------ the GPU step (child)
@@ -105,8 +111,8 @@ def modulec_step(args, shape, layout: Layout):
         options["memory_budget"] = int(args.budget * 2 ** 30)
     run = None
     if layout.zero is not None:
-        run = DistContext.from_env(device="cuda").data_parallel(zero=layout.zero,
-                                                                 tp=layout.tp, sp=layout.sp)
+        run = DistContext.from_env(device="cuda").data_parallel(
+            zero=layout.zero, tp=layout.tp, sp=layout.sp, tp_overlap=layout.overlap)
         options["dist"] = run
     return TrainStep.from_module(LLAMA, shape, batch=args.batch, seq=args.seq,
                                  **options), run
@@ -153,11 +159,11 @@ def run_modulec_cpu(args, shape, ranks: Ranks, layout: Layout) -> dict:
     from runtime.train.optim import AdamW
 
     context = DistContext.from_env(device="cpu")
-    run = None if layout.zero is None else context.data_parallel(zero=layout.zero,
-                                                                  tp=layout.tp, sp=layout.sp)
+    run = None if layout.zero is None else context.data_parallel(
+        zero=layout.zero, tp=layout.tp, sp=layout.sp, tp_overlap=layout.overlap)
     model = Model.from_module(LLAMA, settings=shape, dtype=torch.float32,
                               tensor_parallel=layout.tp, tp_rank=context.rank % layout.tp,
-                              sequence_parallel=layout.sp,
+                              sequence_parallel=layout.sp, tp_overlap=layout.overlap,
                               precision="fp8" if layout.fp8 else None)
     model.init_random(0)
     if run is not None and run.dp > 1:

@@ -10,7 +10,10 @@ the GPUs of one host, data and tensor parallel, side by side in one run (issue 1
     modulec_zero{S}_tp{M}  tensor parallel over M consecutive GPUs, data parallel with
                  ZeRO stage S over the GPUS / M TP groups: ctx.data_parallel(zero=S, tp=M)
                  (DP 2 x TP 2 on 4 GPUs: modulec_zero1_tp2; TP over all GPUs:
-                 modulec_zero0_tp{GPUS}); `_tp{M}_sp`: with sequence parallel. What the
+                 modulec_zero0_tp{GPUS}); `_tp{M}_sp`: with sequence parallel;
+                 `_nooverlap` (after `_tp{M}` / `_sp`): the program built with
+                 --no-tp-overlap, each backward all-reduce / reduce-scatter in order
+                 instead of beside the weight gradient's GEMM (the overlap's A/B). What the
                  GPU step supports and refuses: benchmarks/dist_modulec.py
     modulec_1gpu train_step.py's `modulec_norecompute` on ONE of the GPUs, in the same
                  run: the denominator of the scaling efficiency

@@ -76,6 +76,11 @@ def test_variant_names_and_the_layouts_refused():
     assert parse_variant("modulec_zero1_tp2", 4, shape8b).dp == 2
     assert parse_variant("modulec_zero0_tp4_fp8", 4, LLAMA3_70B) == Layout(4, 4, 0, True)
     assert parse_variant("modulec_zero1_tp2_sp_fp8", 4, shape8b) == Layout(4, 2, 1, True, True)
+    # the A/B of the TP backward overlap (--no-tp-overlap)
+    assert parse_variant("modulec_zero0_tp2_nooverlap", 2, shape8b) == Layout(2, 2, 0,
+                                                                              overlap=False)
+    assert parse_variant("modulec_zero1_tp2_sp_nooverlap_fp8", 4, shape8b) == Layout(
+        4, 2, 1, True, True, False)
     refused = {"modulec_zero3_tp4": (4, None, "leaves one data-parallel rank"),
                "modulec_zero1_tp3": (4, None, "does not divide the 4 GPUs"),
                "modulec_zero0_tp4": (4, tiny, "num_kv_heads = 2"),
@@ -83,7 +88,8 @@ def test_variant_names_and_the_layouts_refused():
                "modulec_zero4": (4, None, "0, 1, 2 or 3"),
                "modulec_zero2": (1, None, "several GPUs"),
                "modulec_tp2": (2, None, "unknown variant"),
-               "modulec_zero1_sp": (2, None, "unknown variant")}
+               "modulec_zero1_sp": (2, None, "unknown variant"),
+               "modulec_zero2_nooverlap": (2, None, "unknown variant")}
     for name, (gpus, shape, why) in refused.items():
         with pytest.raises(ValueError, match=why):
             parse_variant(name, gpus, shape)

@@ -450,7 +450,8 @@ class TrainStep:
                                frame_events=self.zero)
         run.step, run.fp8_run = self, self.fp8
         streams = step_streams(self)  # `--tp`: the backward collectives overlapped
-        if streams is not None:
+        if streams is not None:  # compute: the stream current now (warm-up's, capture's)
+            streams.begin_step()
             run.in_flight = InFlight(streams)
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:
@@ -550,9 +551,6 @@ class TrainStep:
         return head in self.ties() or head in {p for p, _ in backward.param_grads}
 
     def _step(self) -> None:
-        streams = step_streams(self)
-        if streams is not None:  # the compute stream: the one current now (warm-up, capture)
-            streams.begin_step()
         self.rng_step.add_(1)  # new dropout masks (captured: each replay)
         if self.fp8 is not None:  # the step's delayed scales; its amaxes recorded
             self.fp8.begin_step()
