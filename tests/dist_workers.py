@@ -215,3 +215,53 @@ def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int,
                     "split": step.split is not None}, out)
     context.close()
     context.exit_now()
+
+
+def gpu_tp_overlap(rank: int, world: int, port: int, steps: int, rows: int, seq: int,
+                   out: str, sp: bool = False) -> None:
+    """TP over `world` GPUs (`sp`: with sequence parallel), built with the tp_overlap pass
+    and with --no-tp-overlap, from the same sliced weights on the same batches: each
+    one's first loss and gradients (eager, no update), then its training losses (eager,
+    captured, replayed) and masters; rank 0 saves them by overlap, with the number of
+    wait nodes of each program and the async ops its first backward issued."""
+    from runtime.cuda.step import TrainStep, random_params
+    from runtime.dist import DistContext
+    from runtime.tensor_parallel import shard_params
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    context = DistContext.from_env(device="cuda", timeout_s=120)
+    whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
+    params = random_params(whole.shapes(), 0)
+    del whole
+    batches = gpu_batches(steps, rows, seq)
+    got = {}
+    for overlap in (True, False):
+        run = context.data_parallel(2, tp=world, sp=sp, tp_overlap=overlap)
+        step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq,
+                                     dist=run)
+        step.load(shard_params(params, step.program, rank))
+        step.set_batch(batches[0].cuda())
+        issued = []
+        original = step.interpreter
+
+        def counted(on_gradient=None):  # the async ops the step's interpreter issues
+            interpreter = original(on_gradient)
+            issued.append(interpreter)
+            return interpreter
+        step.interpreter = counted
+        loss, grads = step.loss_and_gradients()
+        grads = {p: g.float().cpu() for p, g in grads.items()}
+        flights = [i.in_flight.issued for i in issued if i.in_flight is not None]
+        step.interpreter = original
+        losses = gpu_train(step, batches)
+        waits = sum(n.kind == "wait" for f in step.program.graph.functions for n in f.nodes)
+        got[overlap] = {"loss": float(loss), "grads": grads, "losses": losses,
+                        "masters": {p: step.masters[p].cpu() for p in step.names},
+                        "waits": waits, "issued": sum(flights)}
+        del step, grads
+        torch.cuda.synchronize()
+    if rank == 0:
+        torch.save(got, out)
+    context.close()
+    context.exit_now()
