@@ -486,3 +486,16 @@ def test_a_size_past_the_limit_inside_a_library_module_is_e027_at_build(tmp_path
     for result in (run("check", path), run("build", path, "-o", tmp_path / "m.ir")):
         assert result.exit_code == 1, result.output
         assert "error[E027]: a dimension must be at most 1,099,511,627,776" in result.output
+
+
+def test_an_argument_of_the_wrong_kind_at_the_models_sizes_is_e003_at_build(tmp_path):
+    """Found by the fuzz run (seed 6: GPT-2's `MLP(d_model, 1e308 * d_model)`): a block's
+    argument that is a float only once the model sizes it (`2.5 * d`) was muted in quiet
+    instantiation, so check passed and build lowered `Inner` with n = 10.0 (exit 101)."""
+    from tests.test_cli import run
+
+    path = REPO_DIR / "tests/ui/check/e003_argument_wrong_kind_at_model_sizes.module"
+    for result in (run("check", path), run("build", path, "-o", tmp_path / "m.ir")):
+        assert result.exit_code == 1, result.output
+        assert "error[E003]: `Inner` parameter `n` is declared int, given 10.0" in result.output
+        assert "note: in Outer(d=4)" in result.output

@@ -520,9 +520,13 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
         bound[key] = _const(instance, arg.value, "a module argument")
     for param in params:
         if param.name in bound and not _fits(param.type, bound[param.name]):
-            world.error("E003", f"`{decl.name}` parameter `{param.name}` is declared "
-                        f"{show(param.type)}, given {_short(bound[param.name])}", span,
-                        "argument of the wrong kind")
+            # Unmuted: the argument's kind can depend on the caller's values (`2.5 * d`
+            # is unknown while `d` is, a float once a model sizes it); muted, the child
+            # was built from it and the lowering tripped over an int that was not (exit 101).
+            world.error_unmuted("E003", f"`{decl.name}` parameter `{param.name}` is declared "
+                                f"{show(param.type)}, given {_short(bound[param.name])}",
+                                span, "argument of the wrong kind",
+                                notes=[f"in {instance.describe()}"] if world.quiet else [])
             return None
     missing = [p.name for p in params if p.name not in bound and p.default is None]
     if missing:
