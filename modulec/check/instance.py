@@ -142,15 +142,32 @@ def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
                                  "scalar type", declared.span, "not a type",
                                  help=["`[float]`, `[int]`, `[bool]` or `[string]`"])
         return
-    if not isinstance(declared, A.Name) or declared.id in PARAM_TYPES:
+    name = A.qualified_name(declared)
+    if declared is not None and name is None:  # `n: int == 36`
+        _not_a_type(instance, param, declared)
+        return
+    if declared is None or name in PARAM_TYPES:
         return
     world = instance.world
-    if declared.id in world.candidates(declared.span) or \
-            world.already_reported(declared.id, declared.span):
+    if name in world.candidates(declared.span) or world.already_reported(name, declared.span) \
+            or world.lookup_decl(name, declared.span) is not None:  # `F.Proj`
         return
-    world.error("E002", f"unknown type `{declared.id}` of parameter `{param.name}`",
-                declared.span, "not a type", help=did_you_mean(declared.id, PARAM_TYPES)
+    world.error("E002", f"unknown type `{name}` of parameter `{param.name}`",
+                declared.span, "not a type", help=did_you_mean(name, PARAM_TYPES)
                 or [f"types of parameters: {', '.join(PARAM_TYPES)}"])
+
+
+def _not_a_type(instance: Instance, param: A.DeclParam, declared) -> None:
+    """Any expression parses where a type goes; one that is not a type left the parameter
+    without a default and untyped (`n: int == 36` was a symbolic size the build could not
+    lower)."""
+    typo = isinstance(declared, A.Compare) and len(declared.rest) == 1 and \
+        declared.rest[0][0] == "==" and isinstance(declared.first, A.Name)
+    instance.world.error("E002", f"parameter `{param.name}`: `{show(declared)}` is not a type",
+                         declared.span, "not a type",
+                         help=[f"a default is written with one `=`: `{param.name}: "
+                               f"{declared.first.id} = {show(declared.rest[0][1])}`"] if typo
+                         else [f"types of parameters: {', '.join(PARAM_TYPES)}"])
 
 
 def _default(instance: Instance, param: A.DeclParam):
