@@ -217,3 +217,18 @@ def test_the_step_issues_on_comm_after_compute_and_joins_at_the_wait():
     assert not flight.held
     with pytest.raises(RuntimeError, match="with no n1 issued"):
         flight.wait(wait, frame)
+
+
+def test_the_cost_model_counts_each_half_once(overlapped):
+    """The split halves cost what the whole node did: d_x's GEMM and d_W's, once each."""
+    from modulec.plan.cost import node_cost, value_table
+
+    off = tp_build(overlap=False).graph
+    name = "SwiGLU_MLP#1.backward"
+    whole = next(n for n in off.function(name).nodes if n.id == "b4")
+    halves = [n for n in overlapped.graph.function(name).nodes if n.id in ("b4", "b4.weight")]
+    before = node_cost(value_table(off, off.function(name)), whole)
+    table = value_table(overlapped.graph, overlapped.graph.function(name))
+    after = [node_cost(table, n) for n in halves]
+    assert sum(c.flops for c in after) == before.flops > 0
+    assert sorted(g for c in after for g in c.gemms) == sorted(before.gemms)

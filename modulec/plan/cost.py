@@ -4,9 +4,10 @@
   output's last dim: each element of A meets N of B whatever the mode, so a weight
   gradient (`TN`: d_out^T x over every leading dim) counts all its rows. `<op>_backward`
   computes d_A and d_B: twice the forward, once when the weight gets no gradient (frozen,
-  or LoRA training: base weights frozen). Its time is in whole waves of output tiles
-  (devices.Device.gemm_seconds), each GEMM's rows x columns over its depth: the
-  forward's M x N over K, d_A's M x K over N, d_B's K x N over M.
+  or LoRA training: base weights frozen) or one of the two is unwanted (`_`: either half
+  of a matmul backward split by modulec.lower.tp_overlap). Its time is in whole waves of
+  output tiles (devices.Device.gemm_seconds), each GEMM's rows x columns over its depth:
+  the forward's M x N over K, d_A's M x K over N, d_B's K x N over M.
 - flash_attention: 4 * B * H * T * S * D (QK^T and PV), halved when causal, S capped by
   a sliding window; the backward is 2.5 times the forward (FlashAttention-2's ratio). Its
   rate is the device's at D=128 and >= 2048 keys a query, scaled by `attention_scale`.
@@ -126,9 +127,12 @@ def _matmul(function: Values, node: Node, backward: bool, training: str) -> Cost
     weight = node.inputs[first + 1] if len(node.inputs) > first + 1 else ""
     frozen = training == "lora" or weight in function.no_gradient
     d_a = (rows, round(depth), columns)
-    if frozen:
-        return Cost(flops, moved, gemms=(d_a,))
-    return Cost(2 * flops, moved, gemms=(d_a, (round(depth), columns, rows)))
+    # a gradient the node leaves unwanted (`_`) costs nothing: a frozen weight's d_B, or
+    # either half of a matmul backward split around a collective (modulec.lower.tp_overlap)
+    wanted = [bool(o) for o in node.outputs] + [True, True]
+    gemms = ((d_a,) if wanted[0] else ()) + \
+        ((round(depth), columns, rows),) * (wanted[1] and not frozen)
+    return Cost(flops * len(gemms), moved, gemms=gemms)
 
 
 def _attention(function: Values, node: Node, backward: bool) -> Cost:
