@@ -499,3 +499,41 @@ def test_an_argument_of_the_wrong_kind_at_the_models_sizes_is_e003_at_build(tmp_
         assert result.exit_code == 1, result.output
         assert "error[E003]: `Inner` parameter `n` is declared int, given 10.0" in result.output
         assert "note: in Outer(d=4)" in result.output
+
+
+STACK_OF_N = """\
+block Blk(d: int):
+  params:
+    w: [d]
+  forward:
+    in: x: [B, d]
+    out: [B, d]
+    graph:
+      (x, w) -> add() -> out
+
+model M(d: int = 4, n: int):
+  params:
+    blocks: [n] x Blk(d)
+  forward:
+    in: x: [B, d]
+    out: [B, d]
+    graph:
+      x -> StackedBlocks(blocks, n) -> out
+"""
+
+
+def test_a_stack_sized_by_a_model_parameter_without_a_value_is_e012_at_build(tmp_path):
+    """Found by the fuzz run (seed 4): a model parameter without a default that sizes a
+    stack checks clean (the model is checked symbolically) but the Graph IR repeats a call
+    a known number of times; build lowered `repeat=n` and the verifier refused it (exit
+    101). Now E012 naming the parameter; with `--set n=2` it builds."""
+    from tests.test_cli import run
+
+    path = tmp_path / "stack.module"
+    path.write_text(STACK_OF_N, encoding="utf-8")
+    assert run("check", path).exit_code == 0
+    result = run("build", path, "-o", tmp_path / "m.ir")
+    assert result.exit_code == 1, result.output
+    assert "error[E012]: the size of `blocks` (n) is not known in this build" in result.output
+    assert "--set n=N" in result.output
+    assert run("build", path, "--set", "n=2", "-o", tmp_path / "m.ir").exit_code == 0

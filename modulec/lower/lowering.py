@@ -16,6 +16,7 @@ from modulec.lower.recorder import Recorder, attr_value, value_info
 from modulec.lower.training_settings import trainable_settings
 from modulec.lower.value_marks import SKIP, gradient_spec
 from modulec.ops.registry import OpRule
+from modulec.types.dims import Dim
 
 
 def lower_model(world: World, model: Instance) -> Graph:
@@ -43,6 +44,7 @@ def _lower_tree(world, instance: Instance, scope: str, out: list, seen: set) -> 
         if isinstance(value, Submodule):
             _lower_tree(world, value.instance, _join(scope, name), out, seen)
         elif isinstance(value, Stack):
+            _require_count(world, name, value)
             _lower_tree(world, value.instance, _join(scope, f"{name}[*]"), out, seen)
     for callee in getattr(instance, "inline_callees", ()):  # `x -> Double() -> y`
         _lower_tree(world, callee, _join(scope, callee.name), out, seen)
@@ -53,6 +55,22 @@ def _lower_tree(world, instance: Instance, scope: str, out: list, seen: set) -> 
         written = getattr(instance, "backward_recorder", None)
         if written is not None:
             out.append(_written_backward(instance, forward, written))
+
+
+def _require_count(world: World, name: str, stack: Stack) -> None:
+    """A Graph IR call repeats a known number of times: a stack whose size reads a model
+    parameter the build gives no value (`model M(n: int)`, no `--set n=...`) cannot be
+    lowered (it was a `repeat` of `n` the verifier refused: exit 101)."""
+    count = stack.count
+    if isinstance(count, Dim) and count.is_const:
+        return
+    free = sorted(count.symbols()) if isinstance(count, Dim) else []
+    wanted = ", ".join(f"`{s}`" for s in free) or "the parameters it reads"
+    shown = f" ({count})" if isinstance(count, Dim) else ""  # not `<float>`
+    world.error("E012", f"the size of `{name}`{shown} is not known in this build",
+                stack.span, "a stack of blocks needs its size",
+                help=[f"give {wanted} a default in the model's declaration, or pass "
+                      f"{' '.join(f'--set {s}=N' for s in free) or '--set NAME=N'}"])
 
 
 def _written_backward(instance: Instance, forward: Function, recorder: Recorder) -> Function:
