@@ -232,3 +232,27 @@ def test_the_cost_model_counts_each_half_once(overlapped):
     after = [node_cost(table, n) for n in halves]
     assert sum(c.flops for c in after) == before.flops > 0
     assert sorted(g for c in after for g in c.gemms) == sorted(before.gemms)
+
+
+def test_the_step_interpreter_issues_every_async_collective_on_two_ranks(tmp_path):
+    """On two gloo processes the GPU step's interpreter, issuing the tp_overlap program's
+    collectives through InFlight (the CPU's in-order streams), gives the reference
+    interpreter's logits, loss and gradients, and joins every op it issued: the
+    backward issues one per column matmul run (2 a layer, 2 layers, and the LM head's)."""
+    torch = pytest.importorskip("torch")
+    mp = pytest.importorskip("torch.multiprocessing")
+    from tests import tp_workers
+    from tests.test_tensor_parallel import free_port
+
+    out = str(tmp_path / "rank")
+    mp.spawn(tp_workers.step_interpreter_rank, nprocs=2, args=(2, free_port(), out))
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert got["waits"] == 3  # the attention's, the MLP's, the entry's
+        assert got["issued"] == [0, 2 * 2 + 1] and got["held"] == [0, 0]
+        for key in ("logits", "loss"):
+            torch.testing.assert_close(got["got"][key], got["want"][key], rtol=0, atol=0)
+        assert set(got["got"]["grads"]) == set(got["want"]["grads"])
+        for path, grad in got["want"]["grads"].items():
+            torch.testing.assert_close(got["got"]["grads"][path], grad, rtol=1e-12,
+                                       atol=1e-14, msg=path)

@@ -217,3 +217,37 @@ def clipped_runs(context, rank: int, world: int, runs: list) -> list[dict]:
                             SimpleNamespace(tp=2, tp_group=parallel.tp_group))
         results.append({"losses": losses, "norms": norms, "whole": whole})
     return results
+
+
+def step_interpreter_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank `rank`'s step of the tiny Llama (the tp_overlap program) by the reference
+    interpreter and by the GPU step's interpreter issuing each async collective through
+    runtime.cuda.async_comm.InFlight (on InOrder, the CPU's streams), saved to
+    `out`.<rank> with the ops each backward issued and left unjoined."""
+    import torch.distributed as dist
+
+    from runtime.cuda.async_comm import InFlight
+    from runtime.cuda.step_interpreter import _StepInterpreter
+    from runtime.dist.streams import InOrder
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model = tiny_model("llama", world, rank)
+        want = step(model)
+        flights = []
+
+        def interpreter():
+            run = _StepInterpreter(model.program.graph, model.params, model.dtype,
+                                   check_finite=False)
+            run.in_flight = InFlight(InOrder())
+            flights.append(run.in_flight)
+            return run
+        model._interpreter = interpreter
+        got = step(model)
+        waits = sum(n.kind == "wait" for f in model.program.graph.functions for n in f.nodes)
+        torch.save({"want": want, "got": got, "issued": [f.issued for f in flights],
+                    "held": [len(f.held) for f in flights], "waits": waits},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
