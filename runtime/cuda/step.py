@@ -55,6 +55,9 @@ backward, AdamW), captured in one CUDA graph and replayed.
   (counted in `swaps_kept`): the `-noswap` device profile makes the planner choose none.
 - FP8 (a program with `metadata.precision`): the recipe's matmuls run as FP8 GEMMs with
   device amax histories (`fp8`, runtime/cuda/fp8_step.py), pushed at each step's end.
+- Tensor parallel (`dist`): the backward collectives the IR marks `stream=comm` (the
+  tp_overlap pass) run on the ZeRO run's communication stream, or the step's own, beside
+  the weight gradients' GEMMs, joined at their `wait` nodes (runtime/cuda/async_comm.py).
 """
 
 from __future__ import annotations
