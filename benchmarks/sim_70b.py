@@ -46,7 +46,13 @@ D x M GPUs of one node, predicted for the measured run to be set against:
             overlapped. 0.3: what the measured TP steps leave for their all-reduces beyond
             the rest of the model: 0.30 of 450 GB/s for the 70B cut's TP 4, 0.25 and 0.15
             for Llama-3-8B's and the 70B cut's DP 2 x TP 2 (4 x H200), 0.55 for TinyLlama's
-            TP 2 (2 x H100, results-h100x4-train_step_dist-tp2-sp.txt)
+            TP 2 (2 x H100, results-h100x4-train_step_dist-tp2-sp.txt). The program
+            overlaps each backward all-reduce of an input gradient with the weight
+            gradient's GEMM (modulec.lower.tp_overlap); `tp_hideable_ms` is the most that
+            can hide (per async all-reduce, the lesser of its ring time and the cost
+            model's time of the nodes before its wait), not subtracted from the step:
+            the constants above were measured in order, and what NCCL's kernels take
+            from the GEMMs beside them is not modelled
   DP        D > 1: the rank's bf16 gradients (ZeRO 0: all-reduced; 1-2: reduce-scattered
             and the updated weights all-gathered; 3: the weights gathered again for the
             forward and the backward) over NVLink (450 GB/s), on the communication
@@ -77,7 +83,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from modulec.lower.build import BuildRequest, build  # noqa: E402
-from modulec.plan.cost import step_seconds, value_table  # noqa: E402
+from modulec.plan.cost import node_cost, step_seconds, value_table  # noqa: E402
 from modulec.plan.devices import H100, device  # noqa: E402
 from modulec.plan.distributed import (COMPUTE_BYTES, GRAD_BYTES, LOW_BYTES,  # noqa: E402
                                       MOMENT_BYTES)
@@ -288,6 +294,34 @@ def tp_reduced(graph) -> tuple[float, int]:
     return forward[0] + backward[0], forward[1] + backward[1]
 
 
+def tp_hideable_s(graph, profile, ranks: int, bus: float) -> float:
+    """The most of the backward all-reduces the program overlaps (`stream=comm`,
+    modulec.lower.tp_overlap) that the compute before each one's wait can hide: per
+    async all-reduce, min(its ring time at `bus`, the cost model's time of the nodes
+    between it and its wait), a repeated call's once per repetition."""
+    memo: dict = {}
+
+    def walk(name: str) -> float:
+        if name not in memo:
+            function = graph.function(name)
+            values = value_table(graph, function)
+            waits = {n.target: i for i, n in enumerate(function.nodes) if n.kind == "wait"}
+            total = 0.0
+            for i, node in enumerate(function.nodes):
+                if node.kind == "call":
+                    total += int(node.repeat) * walk(node.target)
+                elif node.target in TP_REDUCED and node.id in waits:
+                    ring = all_reduce_s(_bytes(values.value(node.inputs[0])), ranks, bus)
+                    between = sum(node_cost(values, n).seconds(profile)
+                                  for n in function.nodes[i + 1:waits[node.id]]
+                                  if n.kind == "op")
+                    total += min(ring, between)
+            memo[name] = total
+        return memo[name]
+
+    return walk(graph.backward) if graph.backward else 0.0
+
+
 def dp_seconds(cut: Cut, params: int) -> tuple[float, float]:
     """(forward, backward) time of the data-parallel collectives of the rank's bf16
     gradients / weights over NVLink: ZeRO 0 all-reduces; 1-2 reduce-scatter and all-gather
@@ -322,6 +356,8 @@ def predict_cut(cut: Cut) -> dict:
     compute = step_seconds(graph, profile)
     tp_bytes, tp_count = tp_reduced(graph)
     tp_s = all_reduce_s(tp_bytes, cut.tp, cut.nvlink * TP_EFFICIENCY) if cut.tp > 1 else 0.0
+    hideable = tp_hideable_s(graph, profile, cut.tp, cut.nvlink * TP_EFFICIENCY) \
+        if cut.tp > 1 else 0.0
     params = model_parameters(model, cut.tp)
     dp_forward, dp_backward = dp_seconds(cut, params)
     exposed = max(0.0, dp_forward - compute["forward_s"]) + \
@@ -342,6 +378,7 @@ def predict_cut(cut: Cut) -> dict:
             "compute_forward_ms": compute["forward_s"] * 1e3,
             "compute_backward_ms": compute["backward_s"] * 1e3,
             "tp_all_reduces": tp_count, "tp_bytes": tp_bytes, "tp_ms": tp_s * 1e3,
+            "tp_hideable_ms": hideable * 1e3,
             "dp_forward_ms": dp_forward * 1e3, "dp_backward_ms": dp_backward * 1e3,
             "dp_exposed_ms": exposed * 1e3, "dp_ms": dp_cost * 1e3, "loss_ms": loss * 1e3,
             "adamw_ms": adamw * 1e3,
@@ -361,7 +398,8 @@ def report_cut(r: dict) -> str:
         f"+ backward {r['compute_backward_ms']:.2f} ms",
         f"TP: {r['tp_all_reduces']} all-reduces, {r['tp_bytes'] / 2 ** 30:.2f} GiB a step, "
         f"ring over {c['nvlink'] * TP_EFFICIENCY / 1e9:.0f} GB/s ({TP_EFFICIENCY} of "
-        f"{c['nvlink'] / 1e9:.0f}): {r['tp_ms']:.2f} ms",
+        f"{c['nvlink'] / 1e9:.0f}): {r['tp_ms']:.2f} ms, of which the backward overlap "
+        f"can hide up to {r['tp_hideable_ms']:.2f} ms (not subtracted)",
         f"DP: forward {r['dp_forward_ms']:.2f} ms, backward {r['dp_backward_ms']:.2f} ms of "
         f"collectives at {c['nvlink'] / 1e9:.0f} GB/s, exposed {r['dp_exposed_ms']:.2f} ms, "
         f"cost {r['dp_ms']:.2f} ms (+{DP_COLLECTIVE_S * 1e3:.2f} ms a collective); loss "

@@ -63,6 +63,9 @@ def test_a_cut_on_one_node_adds_up(sim):
         assert r["tp_ms"] == pytest.approx(  # at the measured share of NVLink (0.3)
             sim.all_reduce_s(r["tp_bytes"], 4, 450e9 * sim.TP_EFFICIENCY) * 1e3)
         assert r["loss_ms"] == pytest.approx(256 * 128256 // 4 * 4 / (0.5 * 3.35e12) * 1e3)
+        # the backward's 2 a layer + the head's are overlapped (tp_overlap): at most their
+        # half of the ring time hides, behind the weight gradients' GEMMs
+        assert 0 < r["tp_hideable_ms"] <= r["tp_ms"] / 2 + 1e-9
         assert r["step_s"] * 1e3 == pytest.approx(
             r["compute_forward_ms"] + r["compute_backward_ms"] + r["tp_ms"] +
             r["dp_ms"] + r["loss_ms"] + r["adamw_ms"])
