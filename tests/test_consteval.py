@@ -70,3 +70,30 @@ def test_intrinsics_outside_their_domain_are_not_const(source, message):
     with pytest.raises(NotConst, match=message):
         value(source)
     assert value("sqrt(0)") == 0.0 and value("ceil_div(7, 2)") == Dim.const(4)
+
+
+BIG = "1" + "0" * 400  # an integer no float holds (found by the fuzz run, seeds 9 and 10)
+
+
+def test_an_integer_past_the_floats_compares_exactly():
+    """`partial_rotary_factor > 0.0` with the factor a 10^400 converted it to a float
+    (OverflowError, exit 101); Python compares int with float exactly, and so does this."""
+    assert value(f"{BIG} > 1.5") is True
+    assert value(f"0.5 > -{BIG}") is True
+    assert value(f"{BIG} == 1e308") is False
+
+
+@pytest.mark.parametrize("source,message", [
+    (f"{BIG} * 1.5", "past the largest float"),
+    (f"{BIG} / 3", "past the largest float"),
+    ("1.5 ** 100000", "past the largest float"),
+    (f"max({BIG}, 1.5)", "past the largest float"),
+    (f"sqrt({BIG})", "past the largest float"),
+    ("3 ** 99999999", "more than 3,000 digits"),  # computed, it took minutes and gigabytes
+    ("(0.0 - 8.0) ** 0.5", "has no real value"),  # Python's complex result
+])
+def test_numbers_past_the_floats_and_huge_powers_are_not_const(source, message):
+    with pytest.raises(NotConst, match=message):
+        value(source)
+    assert value("(0 - 2) ** 9999") == Dim.const((-2) ** 9999) and value("1e308 * 10") == \
+        float("inf")  # a float that overflows by arithmetic is inf (E003 where it must be finite)

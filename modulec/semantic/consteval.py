@@ -21,6 +21,9 @@ from modulec.types.tensor import DTYPES
 INTRINSICS = ("sqrt", "ceil_div", "min", "max", "abs", "int", "floor")
 # float -> integer: `int` truncates toward zero (Python's int()), `floor` rounds down
 TO_INTEGER = {"int": int, "floor": math.floor}
+# `a ** b` of integers: past this many bits (some 3,000 digits, far beyond any size:
+# dims are at most 2^40) it is refused instead of computed
+MAX_POWER_BITS = 10_000
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,10 @@ def evaluate(node, env: ConstEnv) -> Value:
     handler = _HANDLERS.get(type(node))
     if handler is None:
         raise NotConst(node, f"{_describe(node)} is not a compile-time value")
-    return handler(node, env)
+    try:
+        return handler(node, env)
+    except OverflowError:  # `10 ** 400 * 1.5`, `1.5 ** 100000`: no float holds it
+        raise NotConst(node, "a number past the largest float (about 1.8e308)") from None
 
 
 def truth(value: Value) -> bool | Unknown:
@@ -159,9 +165,12 @@ def _arithmetic(node: A.Binary, left, right) -> Value:
     if isinstance(left, Unknown) or isinstance(right, Unknown):
         return Unknown("float")
     try:
-        return _FLOAT_OPS[node.op](left, right)
+        result = _FLOAT_OPS[node.op](left, right)
     except ZeroDivisionError:
         raise NotConst(node, "division by zero") from None
+    if isinstance(result, complex):  # Python's `(-8.0) ** 0.5`
+        raise NotConst(node, f"`{_describe(node)}` has no real value")
+    return result
 
 
 def _integer_arithmetic(node: A.Binary, left: Dim, right: Dim) -> Value:
@@ -174,6 +183,10 @@ def _integer_arithmetic(node: A.Binary, left: Dim, right: Dim) -> Value:
         return left // right if op == "//" else left % right
     if op == "**":
         if left.is_const and right.is_const and right.value >= 0:
+            if abs(left.value) > 1 and right.value * (abs(left.value).bit_length() - 1) \
+                    > MAX_POWER_BITS:  # `3 ** 99999999` took minutes and gigabytes
+                raise NotConst(node, f"`{_describe(node)}` is an integer of more than "
+                                     f"{MAX_POWER_BITS * 3 // 10:,} digits")
             return Dim.const(left.value ** right.value)
         return Unknown("float")
     # "/" is true division: a float
@@ -224,7 +237,7 @@ def _compare_pair(op: str, left, right) -> bool | Unknown:
             return equal if op == "==" else not equal
         else:
             return Unknown("bool")
-    left, right = _as_float(left), _as_float(right)
+    left, right = _as_real(left), _as_real(right)  # exact: `10 ** 400 > 1.5` is true
     if isinstance(left, Unknown) or isinstance(right, Unknown):
         return Unknown("bool")
     return _COMPARISONS[op](left, right)
@@ -293,6 +306,14 @@ def _to_integer(node: A.Call, name: str, value) -> Value:
 def _require_number(value, node) -> None:
     if isinstance(value, bool) or not isinstance(value, (Dim, float)):
         raise NotConst(node, f"`{_describe(node)}` is {_kind(value)}, not a number")
+
+
+def _as_real(value) -> int | float | Unknown:
+    """A number as Python compares it: an integer stays exact (no float conversion that a
+    10^400 overflows)."""
+    if isinstance(value, Dim):
+        return value.value if value.is_const else Unknown("float")
+    return value
 
 
 def _as_float(value) -> float | Unknown:
