@@ -71,3 +71,14 @@ def test_what_is_not_a_dim_is_refused(text):
 
     with pytest.raises(ValueError, match="not a dimension"):
         parse_dim(text)
+
+
+def test_a_constant_past_python_s_printing_limit_prints_its_length():
+    """Found by the fuzz run (seed 8: a `view` to 20,000 dims of 16): the element count
+    16^20000 has 24,083 digits and str() of it raised ValueError in the E004 message."""
+    from modulec.types.dims import int_text
+
+    assert str(Dim.const(12)) == "12" and int_text(10**3000) == "1" + "0" * 3000
+    big = Dim.const(16 ** 20000)
+    assert str(big) == "<an integer of about 24,082 digits>"
+    assert str(big * Dim.sym("B")) == "<an integer of about 24,082 digits>*B"

@@ -219,8 +219,17 @@ def _remove_factors(monomial: Monomial, factors: Monomial) -> Monomial | None:
 def _term_text(monomial: Monomial, coefficient: int) -> str:
     atoms = [a if isinstance(a, str) else str(a) for a in monomial]
     if not atoms:
-        return str(coefficient)
-    return "*".join(([str(coefficient)] if coefficient != 1 else []) + atoms)
+        return int_text(coefficient)
+    return "*".join(([int_text(coefficient)] if coefficient != 1 else []) + atoms)
+
+
+def int_text(number: int) -> str:
+    """An integer's digits, or `<an integer of about N digits>` past 3,000 digits: Python
+    refuses to print one of more than 4,300 (a `view` to 20,000 dims of 16 made a
+    product whose message raised ValueError, exit 101)."""
+    if number.bit_length() <= 10_000:
+        return str(number)
+    return f"<an integer of about {int(number.bit_length() * 0.30103):,} digits>"
 
 
 def _opaque_symbols(term: Opaque) -> set[str]:
