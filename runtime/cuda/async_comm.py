@@ -1,7 +1,10 @@
 """The GPU step's asynchronous collectives (modulec.lower.tp_overlap): an op the IR marks
-`stream=comm` runs on the communication stream of runtime/dist/streams.py (ZeRO's, when
-the step is data parallel: one comm stream, so every collective keeps the order all
-ranks issue them in), and the compute stream joins it at the op's `wait` node.
+`stream=comm` runs on a communication stream (runtime/dist/streams.py's CudaStreams, the
+step's own: not the ZeRO run's, where a tensor-parallel all-reduce would queue behind
+the data-parallel gradient collectives and the compute stream's wait with it), and the
+compute stream joins it at the op's `wait` node. The order of the collectives on one
+process group is the order they are issued in (ProcessGroupNCCL runs a group's on one
+NCCL stream), the same on every rank, whatever stream each is issued from.
 
     issue:  compute records `tp:<function>/<op>:ready`; comm waits for it (the op's
             input is made), runs the op (its outputs placed in their planned bytes on
@@ -31,14 +34,12 @@ def has_async(graph) -> bool:
 
 
 def step_streams(step):
-    """The streams `step`'s async collectives run on: ZeRO's (data parallel), else the
-    step's own (made once); None when its graph has none."""
+    """The streams `step`'s async collectives run on (made once; the compute stream is
+    set by each run, `begin_step`); None when its graph has none."""
     if getattr(step, "async_ops", None) is None:
         step.async_ops = has_async(step.graph)
     if not step.async_ops:
         return None
-    if getattr(step, "zero", None) is not None:
-        return step.zero.streams
     if getattr(step, "tp_streams", None) is None:
         from runtime.dist.streams import CudaStreams
 

@@ -56,7 +56,7 @@ backward, AdamW), captured in one CUDA graph and replayed.
 - FP8 (a program with `metadata.precision`): the recipe's matmuls run as FP8 GEMMs with
   device amax histories (`fp8`, runtime/cuda/fp8_step.py), pushed at each step's end.
 - Tensor parallel (`dist`): the backward collectives the IR marks `stream=comm` (the
-  tp_overlap pass) run on the ZeRO run's communication stream, or the step's own, beside
+  tp_overlap pass) run on a communication stream of the step's own (not ZeRO's) beside
   the weight gradients' GEMMs, joined at their `wait` nodes (runtime/cuda/async_comm.py).
 """
 
