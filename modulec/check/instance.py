@@ -22,7 +22,7 @@ from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
 from modulec.types.sampling import Assumptions
-from modulec.types.tensor import DTYPES, FLOAT, TensorType
+from modulec.types.tensor import DTYPES, FLOAT, MAX_RANK, TensorType
 
 
 # resource limits, checked where sizes are bound (docs/decisions.md, "Sizes")
@@ -341,6 +341,10 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     dtype = FLOAT
     if items and isinstance(items[-1], A.Name) and items[-1].id in DTYPES:
         dtype = items.pop().id
+    if len(items) > MAX_RANK:
+        instance.world.error_unmuted("E027", f"a tensor type of {len(items):,} dims: the most "
+                                     f"a tensor may have is {MAX_RANK}", node.span)
+        return None
     dims = []
     for item in items:
         value = _const(instance, item, "a dimension", free)

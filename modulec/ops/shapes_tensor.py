@@ -7,7 +7,7 @@ from modulec.check.unify import ShapeError
 from modulec.ops.registry import OpCall, shape_rule
 from modulec.semantic.consteval import Ident
 from modulec.types.dims import Dim
-from modulec.types.tensor import DTYPES, FLOAT, TensorType
+from modulec.types.tensor import DTYPES, FLOAT, MAX_RANK, TensorType
 
 
 def _axis(call: OpCall, value, rank: int, what: str = "dim") -> int:
@@ -18,6 +18,14 @@ def _axis(call: OpCall, value, rank: int, what: str = "dim") -> int:
         raise ShapeError(f"`{what}={axis}` is out of range for a tensor of rank {rank}",
                          argument=0, label=f"rank {rank}")
     return axis % rank
+
+
+def _rank_in_range(call: OpCall, shape: tuple) -> None:
+    """A `shape=[...]` of more dims than a tensor may have (MAX_RANK), before any product
+    of its dims is formed."""
+    if len(shape) > MAX_RANK:
+        raise ShapeError(f"`{call.rule.name}` to {len(shape):,} dims: the most a tensor may "
+                         f"have is {MAX_RANK}", code="E027")
 
 
 def _known(t: TensorType | None) -> bool:
@@ -33,6 +41,7 @@ def view_shape(call: OpCall) -> list[TensorType]:
     x, shape = call.inputs[0], call.param("shape")
     if not isinstance(shape, tuple):
         raise ShapeError("`view` needs `shape`, a list of dims")
+    _rank_in_range(call, shape)
     dims = list(shape)
     inferred = [i for i, d in enumerate(dims) if d.is_const and d.value == -1]
     if len(inferred) > 1:
@@ -192,6 +201,7 @@ def constructor_shape(call: OpCall) -> list[TensorType]:
     shape = call.param("shape")
     if not isinstance(shape, tuple):
         raise ShapeError(f"`{call.rule.name}` needs `shape`, a list of dims")
+    _rank_in_range(call, shape)
     if any(d.is_const and d.value < 0 for d in shape):
         raise ShapeError(f"`{call.rule.name}(shape=[{', '.join(map(str, shape))}])` has a "
                          "negative dim", code="E003")

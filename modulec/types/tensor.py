@@ -12,6 +12,9 @@ DTYPES = FLOAT_DTYPES + INT_DTYPES
 BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4,
         "int32": 32, "int8": 8, "int4": 4}
 FLOAT = "float"  # a floating tensor whose storage dtype the precision policy decides
+# the most dims a tensor type may have (docs/decisions.md, "Sizes"): models use a handful;
+# shape checks multiply dims symbolically, and 20,000 of them took minutes
+MAX_RANK = 64
 
 
 @dataclass(frozen=True)
