@@ -97,3 +97,18 @@ def test_numbers_past_the_floats_and_huge_powers_are_not_const(source, message):
         value(source)
     assert value("(0 - 2) ** 9999") == Dim.const((-2) ** 9999) and value("1e308 * 10") == \
         float("inf")  # a float that overflows by arithmetic is inf (E003 where it must be finite)
+
+
+def test_intrinsics_take_numbers_and_a_zero_divisor_is_caught_before_the_dividend():
+    """Found by the fuzz run (seeds 18, 19): `sqrt(d_model)` with d_model undefined in an
+    op's parameters (an Ident there) compared an Ident with 0 (TypeError, exit 101);
+    `d % 0.0` with d unsized was unknown, then raised at sample sizes."""
+    with pytest.raises(NotConst, match="not a number"):
+        value("sqrt(NT)", free="ident")
+    with pytest.raises(NotConst, match="not a number"):
+        value('max(1, "a")')
+    d = {"d": Dim.sym("d")}
+    for source in ("d % 0.0", "d / 0", "d // 0", "(d * 0.5) / 0.0"):
+        with pytest.raises(NotConst, match="division by zero"):
+            value(source, d)
+    assert isinstance(value("d / 2", d), Unknown) and isinstance(value("d % 2.0", d), Unknown)

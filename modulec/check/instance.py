@@ -250,7 +250,10 @@ def _assume(instance: Instance, condition: A.Expr) -> None:
     def fact(sample) -> bool:
         concrete = {k: Dim.const(v.evaluate(sample)) if isinstance(v, Dim) else v
                     for k, v in values.items()}
-        return truth(evaluate(condition, ConstEnv(concrete))) is True
+        try:
+            return truth(evaluate(condition, ConstEnv(concrete))) is True
+        except NotConst:  # undefined at these sizes (`d % (h - 4)` at h = 4): not a sample
+            return False
 
     instance.assumptions.add_fact(symbols, fact)
 

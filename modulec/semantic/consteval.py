@@ -153,9 +153,17 @@ def _binary(node: A.Binary, env: ConstEnv) -> Value:
     for value, side in ((left, node.left), (right, node.right)):
         if not isinstance(value, Unknown):
             _require_number(value, side)
+    if node.op in ("/", "//", "%") and _is_zero(right):  # whatever `left` is (`d % 0.0`)
+        raise NotConst(node, "division by zero")
     if isinstance(left, Unknown) or isinstance(right, Unknown):
         return Unknown("float")
     return _arithmetic(node, left, right)
+
+
+def _is_zero(value) -> bool:
+    if isinstance(value, Dim):
+        return value.is_const and value.value == 0
+    return isinstance(value, float) and value == 0
 
 
 def _arithmetic(node: A.Binary, left, right) -> Value:
@@ -268,6 +276,9 @@ def _apply_intrinsic(node, name: str, args: list) -> Value:
         raise NotConst(node, f"`{name}` takes {arity or 'at least one'} argument(s)")
     if name in TO_INTEGER:
         return _to_integer(node, name, args[0])
+    for value, arg in zip(args, node.args):  # `sqrt(NT)`: a name, not a number
+        if not isinstance(value, Unknown):
+            _require_number(value, arg.value)
     if any(isinstance(a, Unknown) for a in args):
         return Unknown("float")
     if name == "sqrt":
