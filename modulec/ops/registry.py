@@ -230,6 +230,8 @@ def _finite(value) -> bool:
 
 
 def _shown(value) -> str:
+    if isinstance(value, Dim) and value.is_const and value.value.bit_length() > 10_000:
+        return str(value)[1:-1]  # `an integer of about N digits` (str() of it raises)
     text = str(value.value if isinstance(value, Dim) and value.is_const else value)
     return text if len(text) <= 40 else f"an integer of {len(text)} digits"
 
