@@ -49,3 +49,26 @@ def test_check_does_not_follow_links_out_of_the_folder(tmp_path):
     result = run("check", folder)
     assert "TOP-SECRET" not in result.output and "leak.module" not in result.output
     assert result.exit_code == 0, result.output
+
+
+def test_an_output_folder_that_does_not_exist_is_a_usage_error(tmp_path):
+    source = write(tmp_path, "tiny.module", TINY)
+    result = run("build", source, "--shape", "B=1", "--shape", "T=4",
+                 "-o", tmp_path / "missing" / "tiny.ir")
+    assert result.exit_code == 2, result.output
+    assert "folder" in result.output and "does not exist" in result.output
+    assert "internal compiler error" not in result.output
+
+
+def test_a_write_that_fails_is_the_users_error_and_leaves_nothing(tmp_path):
+    import click
+    import pytest
+
+    from modulec.cli.build_cmd import _write_atomically
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(click.FileError) as failure:
+        _write_atomically(blocker / "x.ir", "{}")
+    assert "x.ir" in failure.value.format_message()
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # no temporary file left

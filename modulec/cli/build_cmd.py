@@ -148,6 +148,9 @@ def build_command(output_options, guarded):
         from modulec.lower.schedule import print_schedule
         from modulec.lower.build import BuildRequest, build as run_build
 
+        if output is not None and not output.parent.is_dir():  # before a build that may be long
+            raise click.BadParameter(f"folder `{output.parent}` does not exist",
+                                     param_hint="-o")
         request = BuildRequest(file, tuple(search_path), model, pairs(settings, "--set", False),
                                pairs(shapes, "--shape", True), config, dump_after,
                                lambda name, graph: click.echo(f"# after {name}\n"
@@ -240,11 +243,20 @@ def verify_document(path: Path) -> list[str]:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`; a
+    folder that cannot be written (permissions, a full disk) is the user's error, with
+    nothing left behind."""
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
-    with os.fdopen(handle, "w", encoding="utf-8") as stream:
-        stream.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it private; an IR file is not
-    os.replace(temporary, path)
+    temporary = None
+    try:
+        handle, temporary = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it private; an IR file is not
+        os.replace(temporary, path)
+    except OSError as exc:
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc
