@@ -97,10 +97,42 @@ def _flows_outside_graph(section: A.Section, outer: str) -> list[Diagnostic]:
 
 def _check_verify_backward(section: A.Section) -> list[Diagnostic]:
     """Its settings (spec §9.8.1; runtime/verify_config.py reads them): a `vocab_size: 64`
-    written directly in it, not under `shapes:`, would fail only at --verify-backward."""
-    return [_unknown(child.key, _key_name(child.key), VERIFY_BACKWARD_KEYS, "`verify_backward:`")
-            for child in section.body if isinstance(child, (A.Section, A.Entry))
-            and _key_name(child.key) not in VERIFY_BACKWARD_KEYS]
+    written directly in it, not under `shapes:`, would fail only at --verify-backward;
+    `epsilon: abc` crashed it, and a `shapes:` entry whose key is no name was ignored."""
+    diagnostics = []
+    for child in section.body:
+        if not isinstance(child, (A.Section, A.Entry)):
+            continue
+        name = _key_name(child.key)
+        if name not in VERIFY_BACKWARD_KEYS:
+            diagnostics.append(_unknown(child.key, name, VERIFY_BACKWARD_KEYS,
+                                        "`verify_backward:`"))
+        elif name == "shapes":
+            diagnostics += _check_shapes(child)
+        elif not (isinstance(child, A.Entry) and _positive_number(child.value)):
+            diagnostics.append(error("E003", f"`{name}` in `verify_backward:` must be a "
+                                     "positive number", child.span, "not a positive number",
+                                     help=[f"for example `{name}: 1e-6`"]))
+    return diagnostics
+
+
+def _check_shapes(shapes) -> list[Diagnostic]:
+    """`shapes:` holds `NAME: VALUE` lines: a parameter (`d_model: 32`) or a free dim
+    (`T: 8`) each."""
+    if not isinstance(shapes, A.Section):
+        return [error("E001", "`shapes:` in `verify_backward:` is a section", shapes.span,
+                      "needs its sizes on the lines below", help=["write `shapes:`, then "
+                      "one `NAME: SIZE` per line, indented"])]
+    return [error("E001", "a `shapes:` line is `NAME: SIZE`", item.span, "not a size",
+                  help=["name a parameter (`d_model: 32`) or a free dim (`T: 8`)"])
+            for item in shapes.body
+            if not (isinstance(item, A.Entry) and isinstance(item.key, A.Name)
+                    and item.default is None)]
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, A.Number) and not isinstance(value.value, bool) and \
+        0 < value.value < float("inf")
 
 
 def _gradient_or_known(section, nested) -> bool:
