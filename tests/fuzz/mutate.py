@@ -23,6 +23,7 @@ HUGE = ["99999999999999999999999999", "18446744073709551616", "4294967296", "1e3
         "1e999", "0", "-1", "0.0", "-0", "2147483648", "1" * 400, "3.4028236e38", "nan"]
 UNICODE = ["\u200b", "\u202e", "\ufeff", "\u00a0", "\U0001f600", "e\u0301", "\uff41",
            "\u0000", "\u2028", "\u03bb", "\\", "\t", "\r", "\x7f", "\udcff"]
+REPEAT_CHARS = 500_000  # about the most one repeat edit writes
 PUNCTUATION = [":", "->", "(", ")", "[", "]", ",", "=", "@", "if", "else", "x", "*", "-",
                "...", "'", '"', "in:", "out:", "graph:", "params:", "{", "}", ";", "."]
 
@@ -144,7 +145,12 @@ def _repeat(rng, parts):
     i = _pick(rng, parts)
     if i is not None:
         times = rng.choice((1000, 20000))
-        parts[i] = parts[i] * times if rng.random() < 0.5 else ", ".join([parts[i]] * times)
+        joined = rng.random() >= 0.5
+        # a token an earlier edit made long (nested 2,000 deep, repeated already) is
+        # repeated fewer times: repeats compounded to 9 MB and 1.2 GB files, which no
+        # command reads under the time cap however linear it is
+        times = max(1, min(times, REPEAT_CHARS // max(1, len(parts[i]))))
+        parts[i] = ", ".join([parts[i]] * times) if joined else parts[i] * times
         return f"repeat a token {times} times"
 
 
