@@ -403,7 +403,11 @@ def _check_stack_count(ctx, args, stack: Stack, target) -> None:
         count = evaluate(args[1].value, ctx.instance.env())
     except (NotConst, Undefined):
         return
+    from modulec.semantic.consteval import Unknown
     from modulec.types.dims import Dim
+
+    if isinstance(count, Unknown):  # `2 ** n` with n unsized: decided at the model's sizes
+        return
 
     if isinstance(count, bool) or not isinstance(count, (int, Dim)):  # None, a float, ...
         ctx.world.error("E027", f"`StackedBlocks({target.id}, {count})`: the count is not an "

@@ -430,9 +430,13 @@ def _tied(instance: Instance, node: A.Call, param: TensorParam):
 def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
     count = _const(instance, node.count, "an array size")
     if not isinstance(count, (Dim, Unknown)):  # a list, a float, None: no count of blocks
-        instance.world.error("E003", "an array of blocks' size must be an integer",
-                             node.count.span, f"this is {_short(count)}",
-                             help=_integer_help(count, node.count))
+        # unmuted: `[n / 2]` is a float only once a caller sizes n (muted, the array was
+        # dropped and the lowering tripped over its call: exit 101)
+        instance.world.error_unmuted("E003", "an array of blocks' size must be an integer",
+                                     node.count.span, f"this is {_short(count)}",
+                                     help=_integer_help(count, node.count),
+                                     notes=[f"in {instance.describe()}"] if
+                                     instance.world.quiet else [])
         return None
     if isinstance(count, Dim) and not _at_least_one(instance, count, node.count,
                                                     "an array of blocks' size", MAX_BLOCKS):
