@@ -255,3 +255,9 @@ def tp_size(document: dict) -> int:
 def tp_sequence_parallel(document: dict) -> bool:
     """Whether an IR document was built with --sp (its `tensor_parallel` section says)."""
     return bool(tp_section(document).get("sequence_parallel", False))
+
+
+def tp_overlapped(document: dict) -> bool:
+    """Whether an IR document's backward collectives overlap the weight gradients
+    (modulec.lower.tp_overlap; built without --no-tp-overlap): its section says."""
+    return bool(tp_section(document).get("overlap", False))

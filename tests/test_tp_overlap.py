@@ -256,3 +256,64 @@ def test_the_step_interpreter_issues_every_async_collective_on_two_ranks(tmp_pat
         for path, grad in got["want"]["grads"].items():
             torch.testing.assert_close(got["got"]["grads"][path], grad, rtol=1e-12,
                                        atol=1e-14, msg=path)
+
+
+def _train_args(tmp_path, file, *options) -> list:
+    path, settings = TINY["llama"]
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(2 * 200))  # uint16 zeros: train reads no sample here
+    return ["train", str(file), "--data", str(tokens), "--seq", "6", "--batch", "2",
+            "--steps", "1", "--device", "cpu", "--format", "json", *options]
+
+
+def test_train_builds_with_no_tp_overlap(tmp_path, monkeypatch):
+    """`modulec train --tp 2 --no-tp-overlap` builds its rank's program as `modulec build`
+    does (the collectives in order); without --tp a usage error as in build."""
+    from click.testing import CliRunner
+
+    from modulec.cli import train_cmd
+    from modulec.cli.main import modulec
+    from runtime.train.run import Request, _model
+
+    path, settings = TINY["llama"]
+    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    requests = []
+    monkeypatch.setattr(train_cmd, "_run", lambda request: requests.append(request) or 0)
+    for flags in (["--tp", "2", "--no-tp-overlap"], ["--tp", "2"]):
+        result = CliRunner().invoke(modulec, _train_args(tmp_path, ROOT / path, *sets, *flags))
+        assert result.exit_code == 0, result.output
+    built = [_model(Request(**r), None).source.program(planned=False) for r in requests]
+    assert [b.document["schedule"]["tensor_parallel"]["overlap"] for b in built] == [False, True]
+    assert not any(n.kind == WAIT for f in built[0].graph.functions for n in f.nodes)
+    alone = CliRunner().invoke(modulec, _train_args(tmp_path, ROOT / path, *sets,
+                                                    "--no-tp-overlap"))
+    assert alone.exit_code == 2 and "give --tp M" in alone.output and not requests[2:]
+
+
+def test_train_refuses_no_tp_overlap_unlike_its_ir(tmp_path):
+    """An IR document fixes the overlap: --no-tp-overlap on one built with it (or without
+    --tp) is an error naming both, on one built with --no-tp-overlap it agrees."""
+    from click.testing import CliRunner
+
+    from modulec.cli.main import modulec
+    from runtime.train.run import Request, document_parallel
+
+    path, settings = TINY["llama"]
+    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    shapes = ["--shape", "B=2", "--shape", "T=6"]
+    for name, flags, refusal in (("over.ir", ["--tp", "2"], "with the overlap"),
+                                 ("one.ir", [], "without --tp")):
+        built = CliRunner().invoke(modulec, ["build", str(ROOT / path), *sets, *shapes,
+                                             *flags, "-o", str(tmp_path / name)])
+        assert built.exit_code == 0, built.output
+        result = CliRunner().invoke(modulec, _train_args(tmp_path, tmp_path / name,
+                                                         "--init", "random",
+                                                         "--no-tp-overlap"))
+        assert result.exit_code == 1
+        assert f"--no-tp-overlap: {tmp_path / name} was built {refusal}" in result.output
+    built = CliRunner().invoke(modulec, ["build", str(ROOT / path), *sets, *shapes, "--tp",
+                                         "2", "--no-tp-overlap", "-o", str(tmp_path / "in.ir")])
+    assert built.exit_code == 0, built.output
+    request = Request(tmp_path / "in.ir", tmp_path, 6, 2, 1, tp=None, no_tp_overlap=True)
+    document_parallel(request)
+    assert request.tp == 2

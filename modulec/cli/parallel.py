@@ -1,5 +1,6 @@
 """The parallel options of `modulec build` and `modulec plan` (--dp, --zero, --tp, --sp,
---no-tp-overlap, --pp, --microbatches, --interconnect), and what `modulec plan` prints for them: the per-GPU
+--no-tp-overlap, --pp, --microbatches, --interconnect; `modulec train` shares
+--no-tp-overlap), and what `modulec plan` prints for them: the per-GPU
 memory under data parallel with ZeRO (beside one GPU's), and the pipeline's simulated
 timeline (docs/distributed.md)."""
 
@@ -24,6 +25,15 @@ class ZeroStage(click.ParamType):
         self.fail(f"`{value}`: expected a ZeRO stage 0, 1, 2 or 3, or auto", param, ctx)
 
 
+def no_tp_overlap_option():
+    """`--no-tp-overlap` (build, plan and train: modulec.lower.tp_overlap)."""
+    return click.option("--no-tp-overlap", "no_tp_overlap", is_flag=True,
+                        help="With --tp: run each backward all-reduce (or reduce-scatter) "
+                             "of an input gradient in order, not on the communication "
+                             "stream beside the weight gradient's GEMM (the A/B of the "
+                             "overlap).")
+
+
 def parallel_options(command):
     options = [
         click.option("--dp", type=click.IntRange(min=1), metavar="N",
@@ -38,10 +48,7 @@ def parallel_options(command):
                      help="With --tp: sequence parallel (Megatron-LM's), the norms and "
                           "residual adds on T / M rows a rank, all-gather / reduce-scatter "
                           "around each sharded region instead of the all-reduce."),
-        click.option("--no-tp-overlap", "no_tp_overlap", is_flag=True,
-                     help="With --tp: run each backward all-reduce (or reduce-scatter) of "
-                          "an input gradient in order, not on the communication stream "
-                          "beside the weight gradient's GEMM (the A/B of the overlap)."),
+        no_tp_overlap_option(),
         click.option("--pp", type=click.IntRange(min=1), metavar="P",
                      help="Pipeline stages (1F1B): the schedule's pipeline section; a model "
                           "with @partition stages gives its own split."),
@@ -89,13 +96,18 @@ def tensor_parallel_request(request, tp: int | None, sp: bool,
     if sp and not (tp and tp > 1):
         raise click.BadParameter("--sp splits the sequence across the tensor-parallel ranks: "
                                  "give --tp M (M of at least 2)", param_hint="--sp")
+    check_no_tp_overlap(tp, no_tp_overlap)
+    request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
+    request.sequence_parallel = sp
+    request.tp_overlap = not no_tp_overlap  # modulec.lower.tp_overlap
+
+
+def check_no_tp_overlap(tp: int | None, no_tp_overlap: bool) -> None:
+    """`--no-tp-overlap` needs tensor-parallel collectives to leave in order: `--tp M`."""
     if no_tp_overlap and not (tp and tp > 1):
         raise click.BadParameter("--no-tp-overlap turns off the overlap of the tensor-"
                                  "parallel backward collectives: give --tp M (M of at "
                                  "least 2)", param_hint="--no-tp-overlap")
-    request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
-    request.sequence_parallel = sp
-    request.tp_overlap = not no_tp_overlap  # modulec.lower.tp_overlap
 
 
 def tensor_parallel_problems(graph, tp: int | None) -> list[str]:

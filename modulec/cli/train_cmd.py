@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from modulec.cli.fp8_options import fp8_option_list, fp8_overrides
+from modulec.cli.parallel import check_no_tp_overlap, no_tp_overlap_option
 from modulec.cli.runtime_call import call_runtime, model_choice_options
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -146,6 +147,7 @@ def _options(command):
         click.option("--sequence-parallel", "--sp", "sp", is_flag=True,
                      help="With --tp: sequence parallel (Megatron-LM's), the norms and "
                           "residual adds on seq / M rows a process."),
+        no_tp_overlap_option(),
         click.option("--pp", type=click.IntRange(1), default=1, show_default=True,
                      metavar="P",
                      help="Under torchrun: pipeline parallel, P processes each run one "
@@ -188,6 +190,8 @@ def train_command(guarded):
         from modulec.cli.build_cmd import _lora, pairs
         from modulec.cli.plan_cmd import _budget
 
+        if file.suffix != ".ir":  # an IR document's own --tp: runtime.train.run
+            check_no_tp_overlap(options["tp"], options["no_tp_overlap"])
         overrides = fp8_overrides(options["precision"], fp8_scaling, fp8_gradient,
                                   fp8_history)  # the std recipe's, for the build
         request = dict(options, file=file, memory_budget=_budget(budget),

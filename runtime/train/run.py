@@ -62,6 +62,7 @@ class Request:
     # 1, or an IR document's own size (document_parallel)
     tp: int | None = 1
     sp: bool = False  # sequence parallel with --tp: the norms on T / tp rows a rank
+    no_tp_overlap: bool = False  # with --tp: the backward collectives in order
     dist_timeout: int = 600  # seconds a collective may take before every rank stops
     # the optimizer (runtime.train.optim_options, docs/training.md "Optimizer")
     lr_schedule: str = "constant"
@@ -165,13 +166,13 @@ def _context(request: Request):
 def document_parallel(request: Request) -> None:
     """The run's tensor-parallel size: --tp (default 1), or an IR document's own (the IR
     is the contract: a document built with `modulec build --tp M [--sp]` is one rank's
-    program of M, and says so in its `tensor_parallel` section). A --tp or --sp that
-    says otherwise is an error naming both."""
+    program of M, and says so in its `tensor_parallel` section). A --tp, --sp or
+    --no-tp-overlap that says otherwise is an error naming both."""
     if request.file.suffix != ".ir":
         request.tp = 1 if request.tp is None else request.tp
         return
     from modulec.ir.load import read_document
-    from runtime.program import tp_sequence_parallel, tp_size
+    from runtime.program import tp_overlapped, tp_sequence_parallel, tp_size
 
     document, problems = read_document(request.file)
     if problems:
@@ -185,6 +186,11 @@ def document_parallel(request: Request) -> None:
     if request.sp and not sp:
         raise RuntimeUserError(f"--sp: {request.file} was built without --sp",
                                help=["leave out --sp, or rebuild it with --tp M --sp"])
+    if request.no_tp_overlap and (size == 1 or tp_overlapped(document)):
+        raise RuntimeUserError(f"--no-tp-overlap: {request.file} was built "
+                               + ("without --tp" if size == 1 else "with the overlap"),
+                               help=["leave out --no-tp-overlap, or rebuild it with --tp M "
+                                     "--no-tp-overlap"])
     request.tp, request.sp = size, sp
 
 
@@ -216,7 +222,8 @@ def _parallel(request: Request, context, model):
     from runtime.train.data_parallel import built_zero
 
     zero = request.zero if request.zero is not None else built_zero(model)
-    return context.data_parallel(2 if zero is None else zero, tp=request.tp, sp=request.sp)
+    return context.data_parallel(2 if zero is None else zero, tp=request.tp, sp=request.sp,
+                                 tp_overlap=not request.no_tp_overlap)
 
 
 def _check_numbers(request: Request) -> None:
@@ -273,6 +280,7 @@ def _model(request: Request, weights: Path, tp_rank: int = 0) -> Model:
                               if request.device == "cpu" else None, lora=request.lora,
                               tensor_parallel=request.tp, tp_rank=tp_rank,
                               sequence_parallel=request.sp,
+                              tp_overlap=not request.no_tp_overlap,
                               max_memory=request.max_memory, precision=request.precision,
                               precision_overrides=request.precision_overrides)
     names = model.source.program(planned=False).input_names()
