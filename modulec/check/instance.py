@@ -196,9 +196,16 @@ def _const(instance: Instance, node, what: str, free: str = "error"):
         world.error("E002", f"undefined name `{exc.node.id}`", exc.node.span,
                     "not a parameter or constant of this module",
                     help=did_you_mean(exc.node.id, instance.values))
-    except NotConst as exc:
-        world.error("E003", f"{what} must be a compile-time value", exc.node.span, exc.reason)
+    except NotConst as exc:  # unmuted: `d // (d - 4)` is one only at some sizes
+        world.error_unmuted("E003", f"{what} must be a compile-time value", exc.node.span,
+                            exc.reason, notes=_where(instance))
     return Unknown("float")
+
+
+def _where(instance: Instance) -> list[str]:
+    """A note naming the instance, for an error found while instantiating it quietly
+    (its values come from a caller: `in Outer(d=4)`)."""
+    return [f"in {instance.describe()}"] if instance.world.quiet else []
 
 
 # ====================================================================== let and constraints
@@ -353,9 +360,10 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
         value = _const(instance, item, "a dimension", free)
         if isinstance(value, Unknown):
             return None
-        if not isinstance(value, Dim):
-            instance.world.error("E003", "a dimension must be an integer", item.span,
-                                 f"this is {_short(value)}", help=_integer_help(value, item))
+        if not isinstance(value, Dim):  # unmuted: `[d / 2]` is a float once d is sized
+            instance.world.error_unmuted("E003", "a dimension must be an integer", item.span,
+                                         f"this is {_short(value)}", notes=_where(instance),
+                                         help=_integer_help(value, item))
             return None
         if not _at_least_one(instance, value, item, "a dimension"):
             return None
@@ -435,8 +443,7 @@ def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
         instance.world.error_unmuted("E003", "an array of blocks' size must be an integer",
                                      node.count.span, f"this is {_short(count)}",
                                      help=_integer_help(count, node.count),
-                                     notes=[f"in {instance.describe()}"] if
-                                     instance.world.quiet else [])
+                                     notes=_where(instance))
         return None
     if isinstance(count, Dim) and not _at_least_one(instance, count, node.count,
                                                     "an array of blocks' size", MAX_BLOCKS):
@@ -554,7 +561,7 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
             world.error_unmuted("E003", f"`{decl.name}` parameter `{param.name}` is declared "
                                 f"{show(param.type)}, given {_short(bound[param.name])}",
                                 span, "argument of the wrong kind",
-                                notes=[f"in {instance.describe()}"] if world.quiet else [])
+                                notes=_where(instance))
             return None
     missing = [p.name for p in params if p.name not in bound and p.default is None]
     if missing:
