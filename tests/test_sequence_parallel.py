@@ -244,3 +244,23 @@ def test_a_row_wise_op_beside_rows_split_otherwise_reads_gathered_rows(tmp_path,
     assert (made[add.inputs[0]] != "sp_gather") == local
     assert entry.value(add.outputs[0]).shape[1] == ("2" if local else "4")  # T / 2 rows
     assert not verify_graph(result.graph)
+
+
+def test_sp_without_tp_is_one_check_with_one_message():
+    """The CLI (a usage error), the build (E008) and the runtime refuse `--sp` without
+    `--tp M` by modulec.lower.tensor_parallel.sequence_parallel_problem's message."""
+    from click.testing import CliRunner
+
+    from modulec.cli.main import modulec
+    from modulec.lower.tensor_parallel import SP_NEEDS_TP
+    from runtime.dist.context import check_tensor_parallel
+    from runtime.errors import RuntimeUserError
+
+    errors = [d for d in sp_build(tp=1).diagnostics if d.is_error]
+    assert [(d.code, d.message) for d in errors] == [("E008", SP_NEEDS_TP)]
+    with pytest.raises(RuntimeUserError, match=r"^--sp splits .* \(M of at least 2\)$"):
+        check_tensor_parallel(1, True, 2)
+    path, _ = TINY["llama"]
+    alone = CliRunner().invoke(modulec, ["build", str(ROOT / path), "--tp", "1", "--sp"])
+    assert alone.exit_code == 2 and SP_NEEDS_TP in " ".join(alone.output.split())
+    check_tensor_parallel(2, True, 2)  # and with a group to split over, none

@@ -93,9 +93,11 @@ def tensor_parallel_request(request, tp: int | None, sp: bool,
                             no_tp_overlap: bool = False) -> None:
     """Put `--tp M` (one rank's program of M), `--sp` and `--no-tp-overlap` on a
     BuildRequest."""
-    if sp and not (tp and tp > 1):
-        raise click.BadParameter("--sp splits the sequence across the tensor-parallel ranks: "
-                                 "give --tp M (M of at least 2)", param_hint="--sp")
+    from modulec.lower.tensor_parallel import sequence_parallel_problem
+
+    problem = sequence_parallel_problem(tp, sp)
+    if problem:
+        raise click.BadParameter(problem, param_hint="--sp")
     check_no_tp_overlap(tp, no_tp_overlap)
     request.tensor_parallel = tp or 1  # one rank's program (@shard, --tp)
     request.sequence_parallel = sp

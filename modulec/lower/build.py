@@ -237,15 +237,16 @@ def _sharding_fails(world, instance, request: BuildRequest) -> bool:
 
 def _tensor_parallel(world, instance, request: BuildRequest):
     """With `--tp M`: the sharded parameters (E027 / E008 into world.diagnostics)."""
+    from modulec.lower.tensor_parallel import sequence_parallel_problem, shards
+
     if request.tensor_parallel == 1:
-        if request.sequence_parallel:
+        problem = sequence_parallel_problem(request.tensor_parallel, request.sequence_parallel)
+        if problem:
             world.diagnostics.append(error(
-                "E008", "`--sp` splits the sequence across the tensor-parallel ranks: it "
-                "needs `--tp M` with M of at least 2", None,
+                "E008", problem, None,
                 help=["add `--tp 2` (docs/distributed.md, Sequence parallel)"]))
         return None
     from modulec.lower.lowering import function_name
-    from modulec.lower.tensor_parallel import shards
 
     if request.lora is not None:
         world.diagnostics.append(error("E008", "LoRA with tensor parallel (`--tp`) is not "

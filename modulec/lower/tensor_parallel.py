@@ -39,6 +39,15 @@ from modulec.semantic.consteval import NotConst, Undefined, evaluate
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
 MATMULS = ("matmul", "grouped_gemm")  # ops whose second input is an [.., out, in] weight
+SP_NEEDS_TP = ("--sp splits the sequence across the tensor-parallel ranks: give --tp M "
+               "(M of at least 2)")
+
+
+def sequence_parallel_problem(tp: int | None, sp: bool) -> str | None:
+    """`--sp` without a tensor-parallel group to split over: the one message the CLI (a
+    usage error), the build (E008) and the runtime (runtime.dist.context) give; None when
+    `sp` is off or `tp` is at least 2."""
+    return SP_NEEDS_TP if sp and not (tp and tp > 1) else None
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,8 @@ def check_tensor_parallel(tp: int, sp: bool, world: int) -> None:
         raise RuntimeUserError(f"--tp {tp} must divide the {world} processes",
                                help=[f"launch a multiple of {tp} processes: torchrun "
                                      "--nproc-per-node N"])
-    if sp and tp < 2:
-        raise RuntimeUserError("--sp splits the sequence across the tensor-parallel "
-                               "processes: it needs --tp M (M of at least 2)")
+    from modulec.lower.tensor_parallel import sequence_parallel_problem
+
+    problem = sequence_parallel_problem(tp, sp)
+    if problem:
+        raise RuntimeUserError(problem)
