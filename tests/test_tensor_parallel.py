@@ -117,6 +117,8 @@ def test_the_vocab_parallel_kernels_on_two_ranks_equal_the_whole(tmp_path):
     for got in ranks:  # the GPU step's kernel (train_kernels) agrees with the reference
         torch.testing.assert_close(got["step_d_table"], got["d_table"])
         torch.testing.assert_close(got["step_part"], got["part"])
+        maxed, summed = got["reduced"]  # all_reduce_'s op: [0, 0] and [1, -1] reduced
+        assert maxed.tolist() == [1.0, 0.0] and summed.tolist() == [1.0, -1.0]
 
 
 def test_the_rank_program_splits_heads_and_columns():

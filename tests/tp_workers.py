@@ -101,11 +101,13 @@ def vocab_kernels_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from runtime.kernels import KERNELS
-    from runtime.kernels.vocab_parallel import mean_cross_entropy
+    from runtime.kernels.vocab_parallel import _reduce, mean_cross_entropy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
+        mine = torch.tensor([rank, -rank], dtype=torch.float64)  # the loss's two reductions
+        reduced = [_reduce(mine.clone(), world, "tp", op) for op in ("max", "sum")]
         g = torch.Generator().manual_seed(3)
         logits = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
         labels = torch.randint(0, 8, (3, 5), generator=g)
@@ -127,7 +129,8 @@ def vocab_kernels_rank(rank: int, world: int, port: int, out: str) -> None:
         (step_d_table,) = step_kernel.backward([d_y, ids], dict(attrs))
         (step_part,) = step_kernel.forward([ids, table[block]], {"size": world})
         torch.save({"loss": loss, "d_logits": d_logits, "d_table": d_table, "part": part,
-                    "step_d_table": step_d_table, "step_part": step_part}, f"{out}.{rank}")
+                    "step_d_table": step_d_table, "step_part": step_part,
+                    "reduced": reduced}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
 """The three collectives of data parallel, through torch.distributed (NCCL on CUDA, gloo
-on the CPU), on flat tensors. Each is issued on the current stream: under
-`torch.cuda.stream(comm)` it runs after what that stream waited for and before what comes
-next on it, and the compute stream goes on meanwhile."""
+on the CPU), on flat tensors (all_reduce_, with its `op`, also the vocab-parallel loss's
+max and sums: runtime/kernels/vocab_parallel.py). Each is issued on the current stream:
+under `torch.cuda.stream(comm)` it runs after what that stream waited for and before what
+comes next on it, and the compute stream goes on meanwhile."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def all_reduce_(tensor: Tensor, group=None) -> None:
-    """Sum over the ranks, in place."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+def all_reduce_(tensor: Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
+    """Reduce over the ranks by `op` (a torch.distributed.ReduceOp: SUM, MAX, ..), in
+    place."""
+    dist.all_reduce(tensor, op=op, group=group)
 
 
 def reduce_scatter_into(out: Tensor, tensor: Tensor, group=None) -> None:

@@ -22,12 +22,14 @@ from runtime.kernels.comm import group_rank, process_group
 
 
 def _reduce(x: Tensor, size: int, group: str, op: str = "sum") -> Tensor:
-    """x reduced over the group (in place on x, which the caller owns)."""
+    """x reduced over the group (in place on x, which the caller owns); one rank's is x."""
     import torch.distributed as dist
 
+    from runtime.dist.collectives import all_reduce_
+
     if size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                        group=process_group(size, group))
+        all_reduce_(x, process_group(size, group),
+                    op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return x
 
 
