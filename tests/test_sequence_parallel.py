@@ -125,12 +125,6 @@ def test_a_sequence_not_divisible_by_tp_names_the_tensor_and_dim():
         errors[0].message
 
 
-def test_sp_without_tp_is_an_error():
-    result = sp_build(tp=1)
-    errors = [d for d in result.diagnostics if d.is_error]
-    assert errors and "`--sp`" in errors[0].message and "--tp" in errors[0].message
-
-
 # one tensor-parallel region (a column then a row matmul) for the small models below
 SHARDED_MLP = """module MLP(d: int = 8, f: int = 16):
   let:
@@ -246,7 +240,7 @@ def test_a_row_wise_op_beside_rows_split_otherwise_reads_gathered_rows(tmp_path,
     assert not verify_graph(result.graph)
 
 
-def test_sp_without_tp_is_one_check_with_one_message():
+def test_sp_without_tp_is_an_error():
     """The CLI (a usage error), the build (E008) and the runtime refuse `--sp` without
     `--tp M` by modulec.lower.tensor_parallel.sequence_parallel_problem's message."""
     from click.testing import CliRunner
