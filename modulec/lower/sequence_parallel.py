@@ -130,7 +130,10 @@ class _Function:
     shapes: dict = field(default_factory=dict)  # value -> its local shape
     values: list = field(default_factory=list)  # values this pass adds
     made_by: dict = field(default_factory=dict)  # value -> index in self.nodes
-    readers: dict = field(default_factory=dict)  # value -> number of nodes reading it
+    # value -> its uses: each input slot of a node and each return (not
+    # modulec.plan.in_place.readers_of, distinct reader nodes without the returns): a
+    # constant is made local in place only where the scatter is its one use
+    readers: dict = field(default_factory=dict)
     outputs: tuple = ()  # the layouts of what it returns
     returned: tuple = ()  # what it returns (a whole output with the sequence dim scattered)
     _count: int = 0
