@@ -114,6 +114,7 @@ def _verify_variant(source: ModuleSource, name, config, options, label: str):
     probe = source.program(config.shapes)
     declared = source.program(planned=False).metadata["inputs"]  # dims by name
     options.seen_dims.update(d for spec in declared for d in spec["shape"])
+    _section_dims_used(config, name, {d for spec in declared for d in spec["shape"]})
     shapes = dict(config.shapes) | _free_dims(probe.metadata["inputs"], config.shapes)
     model = Model(source, dtype=torch.float64)
     model.program = source.program(shapes)
@@ -123,6 +124,19 @@ def _verify_variant(source: ModuleSource, name, config, options, label: str):
     model.params = _random_params(sizes, generator)
     inputs = _random_inputs(model.program.metadata["inputs"], shapes, generator, sizes)
     return _Checker(model, inputs, config, options, generator, name, label).run()
+
+
+def _section_dims_used(config: VerifyConfig, name: str, dims: set) -> None:
+    """A `shapes:` line that names neither a parameter nor a dim of the inputs sized
+    nothing (found by the fuzz run: `T: 6` renamed `graph: 6` verified at T = 4)."""
+    stray = sorted(config.section_dims - dims)
+    if stray:
+        known = ", ".join(sorted(d for d in dims if d.isidentifier())) or "none"
+        raise RuntimeUserError(
+            f"`verify_backward:` of `{name}` sizes `{stray[0]}`, which is neither a "
+            f"parameter of `{name}` nor a dim of its inputs",
+            help=[f"its parameters: {', '.join(sorted(config.params)) or 'none'}; "
+                  f"its inputs' dims: {known}"])
 
 
 def _free_dims(declared: list[dict], given: dict) -> dict[str, int]:

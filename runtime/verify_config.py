@@ -32,6 +32,8 @@ class VerifyConfig:
     shapes: dict[str, int] = field(default_factory=dict)  # free dims
     # `int` parameters without a default that nobody sized: verify picks their size
     chosen: frozenset[str] = frozenset()
+    # free dims the declaration's own `shapes:` sizes: each must be a dim of its inputs
+    section_dims: frozenset[str] = frozenset()
 
     def set(self, name: str, text: str) -> None:
         if name in self.params:
@@ -45,7 +47,7 @@ class VerifyConfig:
     def merged(self, options) -> "VerifyConfig":
         """The command line over the section: --set, --shape, --epsilon, --tolerance."""
         merged = VerifyConfig(self.params, self.epsilon, self.tolerance, dict(self.settings),
-                              dict(self.shapes), self.chosen)
+                              dict(self.shapes), self.chosen, self.section_dims)
         for name, text in options.settings.items():
             if name in self.params or str(text).lstrip("-").isdigit():
                 merged.set(name, str(text))  # else: another declaration's parameter
@@ -58,7 +60,7 @@ class VerifyConfig:
         """Every chosen parameter at `size`."""
         settings = dict(self.settings) | {name: str(size) for name in self.chosen}
         return VerifyConfig(self.params, self.epsilon, self.tolerance, settings,
-                            dict(self.shapes), self.chosen)
+                            dict(self.shapes), self.chosen, self.section_dims)
 
 
 def declaration_config(decl: A.Decl) -> VerifyConfig:
@@ -71,6 +73,7 @@ def declaration_config(decl: A.Decl) -> VerifyConfig:
         if isinstance(item, A.Section) and _key(item) == "verify_backward":
             for entry in item.body:
                 _read(entry, config, decl.name)
+    config.section_dims = frozenset(config.shapes)
     return config
 
 

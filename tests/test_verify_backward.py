@@ -132,3 +132,20 @@ def test_ids_index_a_table_of_one_row(tmp_path):
     result = _verify("--format", "json", str(source))
     assert result.exit_code == 0, result.output
     assert [(r["gradient"], r["ok"]) for r in _rows(result)] == [("d_table", True)]
+
+
+def test_a_shapes_line_that_sizes_nothing_is_an_error(tmp_path):
+    """Found by the fuzz run (seed 5: examples/gpt2's `T: 6` renamed `graph: 6`): a
+    `shapes:` line naming neither a parameter nor a dim of the inputs was stored as a free
+    dim nobody read, and the declaration verified at T = 4 (accept and ignore)."""
+    source = tmp_path / "embed.module"
+    source.write_text(
+        "module Embed(vocab: int = 5, d: int = 4):\n  params:\n    table: [vocab, d]\n"
+        "  forward:\n    in: ids: [B, T, int32]\n    out: y: [B, T, d]\n    graph:\n"
+        "      (ids, table) -> embedding() -> y\n"
+        "  verify_backward:\n    shapes:\n      vocab: 3\n      Tt: 6\n", encoding="utf-8")
+    result = _verify(str(source))
+    assert result.exit_code == 1, result.output
+    assert "`verify_backward:` of `Embed` sizes `Tt`, which is neither a parameter of " \
+           "`Embed` nor a dim of its inputs" in result.output
+    assert "its inputs' dims: B, T" in result.output

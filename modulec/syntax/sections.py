@@ -123,11 +123,21 @@ def _check_shapes(shapes) -> list[Diagnostic]:
         return [error("E001", "`shapes:` in `verify_backward:` is a section", shapes.span,
                       "needs its sizes on the lines below", help=["write `shapes:`, then "
                       "one `NAME: SIZE` per line, indented"])]
-    return [error("E001", "a `shapes:` line is `NAME: SIZE`", item.span, "not a size",
-                  help=["name a parameter (`d_model: 32`) or a free dim (`T: 8`)"])
-            for item in shapes.body
-            if not (isinstance(item, A.Entry) and isinstance(item.key, A.Name)
-                    and item.default is None)]
+    diagnostics, seen = [], {}
+    for item in shapes.body:
+        if not (isinstance(item, A.Entry) and isinstance(item.key, A.Name)
+                and item.default is None):
+            diagnostics.append(error(
+                "E001", "a `shapes:` line is `NAME: SIZE`", item.span, "not a size",
+                help=["name a parameter (`d_model: 32`) or a free dim (`T: 8`)"]))
+        elif item.key.id in seen:  # the second one was read, the first dropped
+            diagnostics.append(error(
+                "E001", f"`{item.key.id}` appears twice in `shapes:`", item.key.span,
+                "second one here", secondary=[Label(seen[item.key.id], "first one here")],
+                help=["keep one size per name"]))
+        else:
+            seen[item.key.id] = item.key.span
+    return diagnostics
 
 
 def _positive_number(value) -> bool:
