@@ -125,6 +125,19 @@ def _bind_decl_params(instance: Instance, args: dict) -> None:
             instance.values[param.name] = _default(instance, param)
         else:
             instance.values[param.name] = _symbolic(param)
+        _fits_int64(instance, param, given=param.name in args)
+
+
+def _fits_int64(instance: Instance, param: A.DeclParam, given: bool) -> None:
+    """The IR's integers are int64 (spec §10): a parameter's integer past that reached
+    the build's function arguments, which could not even print it (exit 101)."""
+    value = instance.values[param.name]
+    if isinstance(value, Dim) and value.is_const and not -2**63 <= value.value < 2**63:
+        where = param.default if param.default is not None and not given else param
+        instance.world.error_unmuted(
+            "E027", f"`{param.name}` is {_shown(value.value)}: an integer must fit 64 bits",
+            where.span, notes=_where(instance),
+            help=["integers of the IR and the runtime are int64 (below 2^63)"])
 
 
 def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
