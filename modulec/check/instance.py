@@ -29,6 +29,7 @@ from modulec.types.tensor import DTYPES, FLOAT, MAX_RANK, TensorType
 MAX_DIM = 2 ** 40  # one dim: no real model comes near this
 MAX_ELEMENTS = 2 ** 40  # one tensor's elements (8 TiB in fp64)
 MAX_BLOCKS = 10_000  # the blocks of one array (real models have at most a few hundred)
+MAX_FLOAT = 1.7976931348623157e308  # a float parameter's value, when written as an integer
 
 @dataclass(frozen=True)
 class Submodule:
@@ -132,12 +133,21 @@ def _fits_int64(instance: Instance, param: A.DeclParam, given: bool) -> None:
     """The IR's integers are int64 (spec §10): a parameter's integer past that reached
     the build's function arguments, which could not even print it (exit 101)."""
     value = instance.values[param.name]
-    if isinstance(value, Dim) and value.is_const and not -2**63 <= value.value < 2**63:
-        where = param.default if param.default is not None and not given else param
-        instance.world.error_unmuted(
-            "E027", f"`{param.name}` is {_shown(value.value)}: an integer must fit 64 bits",
-            where.span, notes=_where(instance),
-            help=["integers of the IR and the runtime are int64 (below 2^63)"])
+    if not (isinstance(value, Dim) and value.is_const):
+        return
+    declared = param.type.value if isinstance(param.type, A.OptionalType) else param.type
+    if isinstance(declared, A.Name) and declared.id == "float":  # `rope_theta = 10**26`
+        if abs(value.value) <= MAX_FLOAT:
+            return
+        problem, why = "a number past the largest float", "floats are 64-bit (below 1.8e308)"
+    elif -2**63 <= value.value < 2**63:
+        return
+    else:
+        problem, why = "an integer must fit 64 bits", "integers of the IR and the runtime " \
+            "are int64 (below 2^63)"
+    where = param.default if param.default is not None and not given else param
+    instance.world.error_unmuted("E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
+                                 where.span, notes=_where(instance), help=[why])
 
 
 def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
