@@ -172,8 +172,14 @@ def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
     if declared is None or name in PARAM_TYPES:
         return
     world = instance.world
-    if name in world.candidates(declared.span) or world.already_reported(name, declared.span) \
-            or world.lookup_decl(name, declared.span) is not None:  # `F.Proj`
+    if world.already_reported(name, declared.span):
+        return
+    decl = world.lookup_decl(name, declared.span)  # `F.Proj` too
+    if decl is not None:  # `d: M`: a declaration is no value a parameter can hold
+        world.error("E002", f"parameter `{param.name}`: `{name}` is a {decl.kind}, not a "
+                    "type of parameters", declared.span, "not a type",
+                    help=[f"types of parameters: {', '.join(PARAM_TYPES)}; a {decl.kind} is "
+                          "instantiated in `params:` (`x: " + name + "(...)`), not passed"])
         return
     world.error("E002", f"unknown type `{name}` of parameter `{param.name}`",
                 declared.span, "not a type", help=did_you_mean(name, PARAM_TYPES)
