@@ -126,12 +126,14 @@ def _bind_decl_params(instance: Instance, args: dict) -> None:
             instance.values[param.name] = _default(instance, param)
         else:
             instance.values[param.name] = _symbolic(param)
-        _fits_int64(instance, param, given=param.name in args)
+        _fits_the_ir(instance, param, given=param.name in args)
 
 
-def _fits_int64(instance: Instance, param: A.DeclParam, given: bool) -> None:
-    """The IR's integers are int64 (spec §10): a parameter's integer past that reached
-    the build's function arguments, which could not even print it (exit 101)."""
+def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
+    """The IR's integers are int64 (spec §10), its floats 64-bit: a parameter's integer
+    past that reached the build's function arguments, which could not even print it
+    (exit 101). A float parameter written as an integer (`rope_theta = 10**26`) holds
+    any float."""
     value = instance.values[param.name]
     if not (isinstance(value, Dim) and value.is_const):
         return
