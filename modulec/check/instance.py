@@ -573,6 +573,8 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
     params = list(decl.params or ())
     world, bound = instance.world, {}
     positional = [a for a in args if a.key is None]
+    if _positional_after_keyword(world, decl, args):
+        return None
     if len(positional) > len(params):
         world.error("E003", f"`{decl.name}` takes {len(params)} argument(s), "
                     f"{len(positional)} given", positional[len(params)].value.span)
@@ -584,6 +586,11 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
         if key not in {p.name for p in params}:
             world.error("E003", f"`{decl.name}` has no parameter `{key}`", arg.key.span,
                         help=did_you_mean(key or "", [p.name for p in params]))
+            return None
+        if key in bound:  # `Inner(d, 5, b=7)`: the 5 was silently replaced
+            world.error("E003", f"`{decl.name}` parameter `{key}` given twice", arg.key.span,
+                        "given again here", help=["pass each parameter once, by position or "
+                                                  "by name"])
             return None
         bound[key] = _const(instance, arg.value, "a module argument")
     for param in params:
@@ -604,6 +611,18 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
                     notes=[f"`{decl.name}` is declared at {decl.span.file}:{decl.span.line}"])
         return None
     return bound
+
+
+def _positional_after_keyword(world: World, decl: A.Decl, args) -> bool:
+    """`Inner(b=3, d)`: as in Python, positional arguments come first (the `d` bound the
+    first parameter, whatever the keyword before it named)."""
+    keyword = next((i for i, a in enumerate(args) if a.key is not None), len(args))
+    late = next((a for a in args[keyword:] if a.key is None), None)
+    if late is not None:
+        world.error("E003", f"a positional argument follows a keyword argument in the call "
+                    f"of `{decl.name}`", late.value.span, "positional argument",
+                    help=["write positional arguments first, or name this one"])
+    return late is not None
 
 
 def _fits(declared, value) -> bool:
