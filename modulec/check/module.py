@@ -11,6 +11,7 @@ from modulec.check.instance import Instance
 from modulec.check.order import defined_names
 from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
+from modulec.diagnostics.diagnostic import Label
 from modulec.lower.value_marks import mark
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
@@ -28,6 +29,9 @@ def check_body(instance: Instance) -> None:
     scope = GraphScope()
     recorder = _recorder(instance)
     for index, sig in enumerate(forward.inputs):
+        if sig.name in scope.names:  # `in: (ids, ids: [B, T, int32])`: one value, two types
+            _declared_twice(instance, "input", sig, scope.names[sig.name])
+            continue
         type_ = _input_type(instance, sig, index)
         value = sig.name
         if recorder is not None:
@@ -47,6 +51,12 @@ def check_body(instance: Instance) -> None:
     saved = saved_names(instance, forward, scope)
     if _error_count(instance) == errors:  # else the backward's errors would echo the forward's
         check_backward(instance, scope, saved)
+
+
+def _declared_twice(instance: Instance, what: str, sig, first) -> None:
+    instance.world.error("E017", f"{what} `{sig.name}` is declared twice", sig.span,
+                         "declared again here", secondary=[Label(first.span, "first here")],
+                         help=[f"give each {what} its own name"])
 
 
 def _error_count(instance: Instance) -> int:
@@ -92,8 +102,12 @@ def _recorder(instance: Instance):
 
 
 def _check_outputs(instance: Instance, forward, scope: GraphScope) -> None:
-    world = instance.world
+    world, seen = instance.world, {}
     for sig in forward.outputs:
+        if sig.name in seen:  # `out: (y, y)`: two outputs, one name (and one `d_y`)
+            _declared_twice(instance, "output", sig, seen[sig.name])
+            continue
+        seen[sig.name] = sig
         tensor = scope.lookup(sig.name)
         if tensor is None:
             world.error("E002", f"the forward graph never computes its output `{sig.name}`",
