@@ -472,3 +472,19 @@ def test_dtype_on_a_matrix_warns_for_the_gpu_and_on_a_vector_not():
     assert w006("[d]") == w006("[d, fp32]") == []
     assert w006("[d, e]") == ["`@dtype` on a parameter of 2 or more dims has no effect on "
                               "the GPU backend yet"]
+
+
+def test_a_very_long_name_is_no_typo_and_costs_no_quadratic_distance():
+    """Found by the fuzz run (seed 36: `AfterAttnOutProjection` repeated 20,000 times as a
+    hook name): the edit distance to each standard hook point was 440,000 x 20 steps a
+    name, a minute in check. Names past 100 characters are never compared."""
+    import time
+
+    from modulec.diagnostics.spelling import edit_distance
+
+    long = "AfterAttention" * 30_000
+    start = time.perf_counter()
+    assert closest(long, HOOK_POINTS) is None and edit_distance(long, long + "x") == len(long) + 1
+    assert time.perf_counter() - start < 1.0
+    assert closest("AfterAtention", HOOK_POINTS) == "AfterAttention"
+    assert edit_distance("frist", "first") == 1

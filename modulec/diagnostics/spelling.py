@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 
+# Longer names are never compared: the distance costs len(a) * len(b) steps (a 440 kB
+# hook name from the fuzz run took a minute), and no one mistypes a name that long.
+LONGEST = 100
+
+
 def edit_distance(a: str, b: str) -> int:
     """Edit distance where swapping two neighbouring letters counts as one edit (optimal
-    string alignment): `frist` is one typo away from `first`, as a person sees it."""
+    string alignment): `frist` is one typo away from `first`, as a person sees it. Past
+    LONGEST characters, the longer length: an upper bound, far more than any "did you
+    mean" threshold (a third of the name) allows."""
+    if max(len(a), len(b)) > LONGEST:
+        return max(len(a), len(b))
     before, previous = None, list(range(len(b) + 1))
     for i in range(1, len(a) + 1):
         current = [i]
