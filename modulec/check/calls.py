@@ -258,7 +258,22 @@ def _shapes(ctx, rule, call, phase, actual, expr, backward):
     except ShapeError as exc:
         report_shape_error(ctx, exc, actual, expr, rule.name)
         return None
-    return types
+    return None if _empty_result(ctx, rule.name, types, expr) else types
+
+
+def _empty_result(ctx, name: str, types, expr) -> bool:
+    """A result with a dim below 1 (`split(sizes=[1536, 0, 0])` with Mamba's d_state = 0):
+    the Graph IR holds none (sizes are at least 1, as where sizes are bound), and the
+    build's verifier refused it (exit 101)."""
+    for t in types or ():
+        bad = next((d for d in t.dims if d.is_const and d.value < 1), None)
+        if bad is not None and not t.variadic:
+            ctx.world.error("E027", f"`{name}` makes a tensor of shape {t}: a dimension must "
+                            f"be at least 1, this is {bad}", expr.span,
+                            notes=[f"in {ctx.instance.describe()}"],
+                            help=["check the sizes it reads (parameters, `--set`, defaults)"])
+            return True
+    return False
 
 
 def _backward_types(ctx, call, phase, actual, expr, label) -> list[TensorType]:
