@@ -32,6 +32,9 @@ def check_body(instance: Instance) -> None:
         if sig.name in scope.names:  # `in: (ids, ids: [B, T, int32])`: one value, two types
             _declared_twice(instance, "input", sig, scope.names[sig.name])
             continue
+        if sig.type is None and instance.definition.decl.kind == "model" and \
+                index >= len(instance.call_inputs):  # the entry point: no caller types it
+            _untyped_model_input(instance, sig)
         type_ = _input_type(instance, sig, index)
         value = sig.name
         if recorder is not None:
@@ -51,6 +54,15 @@ def check_body(instance: Instance) -> None:
     saved = saved_names(instance, forward, scope)
     if _error_count(instance) == errors:  # else the backward's errors would echo the forward's
         check_backward(instance, scope, saved)
+
+
+def _untyped_model_input(instance: Instance, sig) -> None:
+    """A module's untyped input takes its caller's type; nothing calls a model, so an
+    untyped model input would take any tensor a user passes, unchecked."""
+    instance.world.error("E003", f"model input `{sig.name}` has no type", sig.span,
+                         "no type: nothing calls a model to give it one",
+                         help=[f"write its shape and dtype, e.g. `{sig.name}: [B, T, int32]` "
+                               "or `" + sig.name + ": [B, d]`"])
 
 
 def _declared_twice(instance: Instance, what: str, sig, first) -> None:
