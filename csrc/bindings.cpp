@@ -642,8 +642,7 @@ std::vector<Tensor> fp8_cast(const Tensor& x, const Tensor& scale, int64_t fmt, 
   check(scale, "scale", at::kFloat, x);
   TORCH_CHECK(x.dim() == 2, "x must be [rows, cols]");
   TORCH_CHECK(scale.numel() == 1, "scale must hold one value");
-  TORCH_CHECK(fmt == 0 || fmt == 1, "fmt must be 0 (E4M3) or 1 (E5M2)");
-  const auto dtype = fmt == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+  const auto dtype = fp8_dtype(fmt);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), cols = x.size(1);
   std::vector<Tensor> outs;

@@ -22,6 +22,12 @@ inline DType dtype_of(const Tensor& t) {
   return DType::F32;
 }
 
+// The fp8 format an FP8 binding's `fmt` names: 0 E4M3, 1 E5M2.
+inline at::ScalarType fp8_dtype(int64_t fmt) {
+  TORCH_CHECK(fmt == 0 || fmt == 1, "fmt must be 0 (E4M3) or 1 (E5M2)");
+  return fmt == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
 inline void check(const Tensor& t, const char* name, at::ScalarType dtype, const Tensor& like) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", not ", like.device());

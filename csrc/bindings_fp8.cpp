@@ -38,6 +38,20 @@ std::vector<Tensor> fp8_amax_scale(const Tensor& x, const Tensor& work,
   return {scale, inv_scale};
 }
 
+// A delayed-scaling call's state, on `like`'s device: work int32 [2], past fp32 [],
+// pending fp32 [] or None (its `fmt` is checked by fp8_dtype where the output is made).
+void check_delayed(const Tensor& like, const Tensor& work, const std::optional<Tensor>& pending,
+                   const Tensor& past) {
+  check(work, "work", at::kInt, like);
+  TORCH_CHECK(work.numel() == 2, "work must hold two ints");
+  check(past, "past", at::kFloat, like);
+  TORCH_CHECK(past.numel() == 1, "past must hold one value");
+  if (pending) {
+    check(*pending, "pending", at::kFloat, like);
+    TORCH_CHECK(pending->numel() == 1, "pending must hold one value");
+  }
+}
+
 // Delayed scaling: (scale, 1 / scale, [fp8 x if plain], [fp8 x^T if transposed]) of x
 // [rows, cols] (bf16, contiguous, both multiples of 8) at past's scale, x's amax recorded
 // into pending (fp8_amax.cu launch_fp8_cast_delayed).
@@ -46,18 +60,10 @@ std::vector<Tensor> fp8_cast_delayed(const Tensor& x, const Tensor& work,
                                      double top, int64_t fmt, bool plain, bool transposed) {
   check(x, "x", at::kBFloat16, x);
   TORCH_CHECK(x.dim() == 2, "x must be [rows, cols]");
-  check(work, "work", at::kInt, x);
-  TORCH_CHECK(work.numel() == 2, "work must hold two ints");
-  check(past, "past", at::kFloat, x);
-  TORCH_CHECK(past.numel() == 1, "past must hold one value");
-  if (pending) {
-    check(*pending, "pending", at::kFloat, x);
-    TORCH_CHECK(pending->numel() == 1, "pending must hold one value");
-  }
-  TORCH_CHECK(fmt == 0 || fmt == 1, "fmt must be 0 (E4M3) or 1 (E5M2)");
+  check_delayed(x, work, pending, past);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto options = x.options().dtype(at::kFloat);
-  const auto fp8 = x.options().dtype(fmt == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2);
+  const auto fp8 = x.options().dtype(fp8_dtype(fmt));
   const int64_t rows = x.size(0), cols = x.size(1);
   std::vector<Tensor> outs = {at::empty({}, options), at::empty({}, options)};
   Tensor out, out_t;
@@ -78,17 +84,9 @@ std::vector<Tensor> fp8_cast_delayed(const Tensor& x, const Tensor& work,
 Fp8Delayed delayed_of(const Tensor& like, int64_t rows, int64_t cols, const Tensor& work,
                       const std::optional<Tensor>& pending, const Tensor& past, double top,
                       int64_t fmt, bool transposed, std::vector<Tensor>& outs) {
-  check(work, "work", at::kInt, like);
-  TORCH_CHECK(work.numel() == 2, "work must hold two ints");
-  check(past, "past", at::kFloat, like);
-  TORCH_CHECK(past.numel() == 1, "past must hold one value");
-  if (pending) {
-    check(*pending, "pending", at::kFloat, like);
-    TORCH_CHECK(pending->numel() == 1, "pending must hold one value");
-  }
-  TORCH_CHECK(fmt == 0 || fmt == 1, "fmt must be 0 (E4M3) or 1 (E5M2)");
+  check_delayed(like, work, pending, past);
   const auto options = like.options().dtype(at::kFloat);
-  const auto fp8 = like.options().dtype(fmt == 0 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2);
+  const auto fp8 = like.options().dtype(fp8_dtype(fmt));
   const size_t first = outs.size();
   outs.push_back(at::empty({}, options));
   outs.push_back(at::empty({}, options));
