@@ -45,6 +45,8 @@ class Node:
 # compute stream joins it; every reader of the op's outputs comes after the wait, and the
 # op's inputs and outputs keep their bytes until the wait (modulec.lower.tp_overlap).
 STREAM, COMM, WAIT = "stream", "comm", "wait"
+# The Schedule IR's stream numbers: compute, the swaps' copies, the collectives.
+COMPUTE_STREAM, COPY_STREAM, COMM_STREAM = 0, 1, 2
 
 
 def is_async(node: "Node") -> bool:

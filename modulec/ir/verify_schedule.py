@@ -19,12 +19,11 @@ within the function's stride, a `result` at a position the function returns).
 
 from __future__ import annotations
 
-from modulec.ir.graph import WAIT, Graph, async_reads, is_async
+from modulec.ir.graph import COMM_STREAM, WAIT, Graph, async_reads, is_async
 
 KINDS = ("recompute", "swap_out", "swap_in", "record_event", "wait_event")
 STREAMS = {"recompute": (0,), "swap_out": (1,), "swap_in": (1,), "record_event": (0, 1),
            "wait_event": (0, 1), None: (0, 2)}  # a graph op: 2 if it is async (COMM)
-COMM_STREAM = 2  # an async collective's (modulec.ir.graph STREAM)
 PHASES = ("forward", "backward", "recompute")
 SHARED = ("view", "transpose", "permute", "split")
 

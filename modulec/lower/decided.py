@@ -26,11 +26,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from modulec.ir.graph import COMPUTE_STREAM as COMPUTE, COPY_STREAM as COPY
 from modulec.plan.memory import SAVED
 from modulec.plan.recompute import KEEP, RECOMPUTE, SWAP
 from modulec.plan.replay import APPLY, FULL, region_of, unit_reads, unit_seconds, unit_writes
 
-COMPUTE, COPY = 0, 1  # the streams
 BEFORE, AFTER = "before", "after"
 HOST = "host_activations"
 

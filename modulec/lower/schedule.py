@@ -7,12 +7,9 @@ their sync points; docs/build-output.md describes the format."""
 
 from __future__ import annotations
 
-from modulec.ir.graph import WAIT, Graph, Node, is_async
+from modulec.ir.graph import COMM_STREAM, COMPUTE_STREAM, WAIT, Graph, Node, is_async
 from modulec.ops.registry import op_table
 from modulec.syntax import ast as A
-
-COMPUTE_STREAM = 0
-COMM_STREAM = 2  # an async collective (modulec.ir.graph STREAM; runtime/dist/streams.py)
 
 
 def schedule_data(graph: Graph, plan=None, decided=None) -> dict:

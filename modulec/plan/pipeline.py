@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modulec.ir.graph import COMM_STREAM as COMM, COMPUTE_STREAM as COMPUTE
 from modulec.plan.cost import function_seconds, node_cost, value_table
 from modulec.plan.devices import Device, H100
 from modulec.plan.from_graph import _bytes
 from modulec.plan.pipeline_dp import add_data_parallel
 
-COMPUTE, COMM = 0, 2  # streams, as the distributed section's
 SCHEDULE = "1f1b"
 MICROBATCHES_PER_STAGE = 4  # default M = 4 * P: the ideal bubble (P-1)/(M+P-1) under 20 %
 

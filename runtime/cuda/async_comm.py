@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from modulec.ir.graph import STREAM, WAIT
+from modulec.ir.graph import COMM_STREAM as COMM, COMPUTE_STREAM as COMPUTE, STREAM, WAIT
 
-COMPUTE, COMM = 0, 2  # runtime/dist/streams.py's stream numbers
 
 
 def has_async(graph) -> bool:
@@ -34,16 +33,12 @@ def has_async(graph) -> bool:
 
 
 def step_streams(step):
-    """The streams `step`'s async collectives run on (made once; the compute stream is
-    set by each run, `begin_step`); None when its graph has none."""
-    if getattr(step, "async_ops", None) is None:
-        step.async_ops = has_async(step.graph)
-    if not step.async_ops:
-        return None
-    if getattr(step, "tp_streams", None) is None:
+    """The streams `step`'s async collectives run on, made at its first run (the compute
+    stream is set by each run, `begin_step`); None when its graph has none."""
+    if not hasattr(step, "tp_streams"):
         from runtime.dist.streams import CudaStreams
 
-        step.tp_streams = CudaStreams()
+        step.tp_streams = CudaStreams() if has_async(step.graph) else None
     return step.tp_streams
 
 

@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from modulec.ir.graph import COMM_STREAM as COMM  # the communication stream
 from runtime.dist.collectives import all_gather_into, all_reduce_, reduce_scatter_into
 from runtime.errors import RuntimeUserError
-
-COMM = 2  # the communication stream (modulec.plan.distributed)
 
 
 @dataclass(frozen=True)
