@@ -1,7 +1,7 @@
 """Tensor parallel inside pipeline stages (TP x PP; issues 17 and 20): each stage's
 program is the `--tp` rank program of its units, rank r = ((dp_index x PP) + pp_index) x
 TP + tp_index; the TP collectives run in the stage's TP group, the sends between the
-ranks of one tp_index (docs/distributed.md, "Tensor parallel inside pipeline stages")."""
+ranks of one tp_index (docs/pipeline.md, "Tensor parallel inside pipeline stages")."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ STATUS: dict[str, Status] = {
                                   "by `torchrun --nproc-per-node P -m modulec train --pp P` "
                                   "(one stage a process, 1F1B, send/recv on gloo or NCCL) "
                                   "through the reference interpreter: on GPUs eagerly, not "
-                                  "the CUDA-graph step (docs/distributed.md, Pipeline)"),
+                                  "the CUDA-graph step (docs/pipeline.md)"),
                         (given("micro_batch", nowhere("a pipeline step always takes "
                                                       "--microbatches micro-batches")),
                          given("recompute", nowhere("a stage keeps its micro-batches' "

@@ -233,7 +233,7 @@ def print_pipeline(report: dict, model: str) -> None:
         if tp > 1 else ""
     click.echo(f"note: simulated{inside}; `torchrun --nproc-per-node "
                f"{dp * len(s['stages']) * tp} -m modulec train --pp {len(s['stages'])}{flag}"
-               f"{zero}` runs it (docs/distributed.md, Pipeline)")
+               f"{zero}` runs it (docs/pipeline.md)")
 
 
 def _unit_text(unit: dict) -> str:

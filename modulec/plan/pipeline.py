@@ -1,5 +1,5 @@
 """Pipeline parallel (spec §7.6.2, `@partition`) as Schedule IR data: the
-`schedule["pipeline"]` section (docs/distributed.md, "Pipeline"; docs/build-output.md).
+`schedule["pipeline"]` section (docs/pipeline.md; docs/build-output.md).
 
 The forward of the entry function is a sequence of *units*: each of its nodes, except a
 repeated call (`StackedBlocks(blocks, n)`, `blocks[0:8]()`), which is one unit per

@@ -1,7 +1,7 @@
 """Data parallel over pipeline stages (DP x PP) as Schedule IR data: the `mesh` of the
 `pipeline` section and, with dp > 1, each stage's gradient buckets and the all-reduces
-that average them over the stage's data-parallel group (docs/distributed.md, "Pipeline";
-docs/build-output.md).
+that average them over the stage's data-parallel group (docs/pipeline.md, "Data parallel
+over pipelines"; docs/build-output.md).
 
 Rank r = ((dp_index x PP) + pp_index) x TP + tp_index: the ranks of one data-parallel
 index form a pipeline (one PP group each), and the ranks of one stage across the

@@ -244,7 +244,7 @@ class PipelineTrainer:
     def state(self) -> dict:
         """The whole state, every stage's joined (a collective in the first pipeline: each
         rank's goes through the host to each of its ranks, which suits the small models
-        pipelines run here; see docs/distributed.md). The other pipelines' replicas hold
+        pipelines run here; see docs/pipeline.md). The other pipelines' replicas hold
         the same state, and rank 0 writes it: they return the step alone."""
         mine = {part: {p: t.detach().cpu() for p, t in values.items()}
                 for part, values in self.stage_state().items() if part != "step"}
