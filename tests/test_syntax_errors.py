@@ -90,3 +90,15 @@ def test_misplaced_flow_is_reported():
     result = parse_text("module M():\n  x -> y\n")
     (d,) = check_sections(result.program)
     assert "a flow cannot stand directly in module `M`" == d.message
+
+
+PRIMITIVE = "primitive p:\n  forward:\n    in: x: [*]\n    out: y: [*]\n  collective: {}\n"
+
+
+def test_a_primitives_collective_section_lists_distinct_phases():
+    for good in ("[forward]", "[backward]", "[forward, backward]"):
+        assert check_sections(parse_text(PRIMITIVE.format(good)).program) == []
+    for bad in ("[forwad]", "[]", "[forward, forward]", "forward"):
+        (d,) = check_sections(parse_text(PRIMITIVE.format(bad)).program)
+        assert (d.code, d.message) == (
+            "E001", "`collective:` lists the phases whose kernel is a collective"), bad

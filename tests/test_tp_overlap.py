@@ -17,6 +17,10 @@ import pytest
 from modulec.ir.graph import COMM, STREAM, WAIT, Function, Graph, Node, ValueInfo
 from modulec.ir.printer import node_text
 from modulec.ir.verify import verify_graph
+from modulec.ir.verify_async import async_problems
+from modulec.lower.schedule import kernel_of
+from modulec.lower.tp_overlap import COLLECTIVES
+from modulec.ops.registry import collective_ops, op_table
 from modulec.lower.build import BuildRequest, build
 from tests.runtime_models import TINY
 
@@ -127,6 +131,39 @@ def test_the_verifier_rejects_a_broken_issue_or_wait(overlapped):
     other = _broken(graph, name, lambda n: n[:1] + [replace(n[1], attrs=tuple(
         (k, "copy" if k == STREAM else v) for k, v in n[1].attrs))] + n[2:])
     assert any("the only other stream is `comm`" in p for p in other), other
+
+
+# ---------------------------------------------------------------------- the op table's collectives
+def _issue_problems(target: str) -> list[str]:
+    """What the verifier says of `b = target(a)` issued on the comm stream, joined at once."""
+    value = lambda v: ValueInfo(v, ("4",), "bf16")  # noqa: E731
+    nodes = (Node("n1", "op", target, ("a",), ("b",), ((STREAM, COMM),)),
+             Node("n1.wait", WAIT, "n1", ("b",), ()))
+    function = Function("F", "F", "F", (), (), (value("a"),), ("b",), (value("b"),), nodes)
+    return [message for _, message in async_problems(function)]
+
+
+def test_the_comm_stream_takes_the_op_tables_collectives():
+    collectives = collective_ops()  # the primitives' `collective:` phases
+    assert set(COLLECTIVES) <= collectives  # the pass issues only what the verifier takes
+    for target in sorted(collectives):
+        assert _issue_problems(target) == [], target
+    for target in ("tp_copy", "sp_gather_backward", "matmul_backward"):  # no collective kernel
+        (problem,) = _issue_problems(target)
+        assert f"only a collective ({', '.join(sorted(collectives))}) runs there" in problem
+
+
+def test_every_phase_running_a_collective_kernel_is_declared_one():
+    """A phase whose kernel is one a declared collective runs (kernels.all_reduce, ...)
+    is declared too: a new op reusing a collective kernel cannot be left off the list."""
+    def kernel(target: str) -> str:
+        return kernel_of(Node("n", "op", target, (), ()))
+
+    kernels = {kernel(target) for target in collective_ops()}
+    assert kernels and all(k.startswith("kernels.") for k in kernels), kernels
+    for name, rule in op_table().items():
+        for phase, target in (("forward", name), ("backward", f"{name}_backward")):
+            assert (kernel(target) in kernels) == (phase in rule.collective), (name, phase)
 
 
 # ---------------------------------------------------------------------- the planner

@@ -23,7 +23,7 @@ SECTIONS = (
     "params", "forward", "backward", "let", "constraint", "constants", "graph", "save",
     "recompute", "in", "out", "inputs", "outputs", "pattern", "hf_config", "hf_mapping",
     "hf_export", "param_mapping", "memory", "fusion", "precision", "invariants", "verify_backward",
-    "constraints",
+    "constraints", "collective",
 )
 IMPL = "impl"
 

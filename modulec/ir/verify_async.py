@@ -6,11 +6,7 @@ wait, and a wait names an op issued before it and waits for exactly its outputs.
 from __future__ import annotations
 
 from modulec.ir.graph import COMM, STREAM, WAIT, Function, is_async
-
-# the ops whose kernels are collectives (runtime/kernels/comm.py)
-COLLECTIVES = frozenset(("tp_copy_backward", "tp_all_reduce", "sp_all_gather",
-                         "sp_all_gather_backward", "sp_reduce_scatter",
-                         "sp_reduce_scatter_backward", "sp_scatter_backward", "sp_gather"))
+from modulec.ops.registry import collective_ops, is_collective
 
 
 def async_problems(function: Function) -> list[tuple[int, str]]:
@@ -34,11 +30,13 @@ def async_problems(function: Function) -> list[tuple[int, str]]:
 
 
 def _issue_problems(node) -> list[str]:
+    """Only an op whose kernel is a collective alone runs on the communication stream: the
+    op table says which (a primitive's `collective:` phases; runtime/kernels/comm.py)."""
     if node.attr(STREAM) != COMM:
         return [f"`{STREAM}={node.attr(STREAM)}`: the only other stream is `{COMM}`"]
-    if not is_async(node) or node.target not in COLLECTIVES:
+    if not is_async(node) or not is_collective(node.target):
         return [f"`{node.target}` on the communication stream: only a collective "
-                f"({', '.join(sorted(COLLECTIVES))}) runs there"]
+                f"({', '.join(sorted(collective_ops()))}) runs there"]
     return []
 
 

@@ -33,7 +33,13 @@ from dataclasses import replace
 
 from modulec.ir.graph import COMM, STREAM, WAIT, Function, Graph, Node
 
-# the backward collectives a column-parallel matmul's input gradient goes through
+# the backward collectives a column-parallel matmul's input gradient goes through: tp_copy's
+# all-reduce (sp_all_gather's reduce-scatter under --sp). Narrower on purpose than the op
+# table's collectives (modulec.ops.registry collective_ops, all of which the verifier lets
+# run on the communication stream): the pass rewrites backwards only, and the other
+# backward collectives (sp_reduce_scatter's and sp_scatter's all-gathers) read no matmul
+# backward's input gradient: they make a gradient the next backward op reads first, so no
+# GEMM is left to run beside them. tests/test_tp_overlap.py checks this is part of the table's.
 COLLECTIVES = ("tp_copy_backward", "sp_all_gather_backward")
 
 

@@ -4,7 +4,8 @@ A primitive's signature, parameters, backward and kernels are declared once, in 
 (`std/primitives/<name>.module`); its shape rule is a Python function registered here by
 name (`modulec.ops.shapes_*`), or, for the many ops whose signature says it all, the
 generic signature matcher. Later layers add the gradient rule, the reference kernel and
-the CUDA kernel to the same entry.
+the CUDA kernel to the same entry. A primitive's `collective: [forward, backward]` says
+which of its phases' kernels is a collective alone (`collective_ops`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class OpRule:
     definition: ModuleDef
     params: tuple[ParamSpec, ...]
     file: Path
+    collective: frozenset[str] = frozenset()  # "forward" / "backward": a collective kernel
 
     @property
     def shape(self) -> ShapeRule | None:
@@ -108,8 +110,38 @@ def _load_file(path: Path) -> dict[str, OpRule]:
     for decl in result.program.decls if result.program else []:
         if decl.kind == "primitive":
             definition = module_def(decl)
-            table[decl.name] = OpRule(decl.name, definition, _param_specs(definition), path)
+            table[decl.name] = OpRule(decl.name, definition, _param_specs(definition), path,
+                                      _collective(definition))
     return table
+
+
+def _collective(definition: ModuleDef) -> frozenset[str]:
+    """The phases of `collective: [...]` (checked as E001 by modulec.syntax.sections; the
+    op table is ours, so a malformed one is an internal error)."""
+    entry = definition.sections.get("collective")
+    if entry is None:
+        return frozenset()
+    phases = [getattr(i, "id", None) for i in getattr(entry.value, "items", ())]
+    if not phases or not set(phases) <= {"forward", "backward"}:
+        raise ValueError(f"primitive `{definition.name}`: `collective:` must list forward "
+                         f"and/or backward, not {phases}")
+    return frozenset(phases)
+
+
+def is_collective(target: str) -> bool:
+    """Whether IR op `target` (`name`, or `name_backward` for its backward, as
+    modulec.lower.schedule kernel_of reads it) has a collective kernel; reads one file."""
+    backward = target.endswith("_backward")
+    rule = op_table().get(target[:-len("_backward")] if backward else target)
+    return rule is not None and ("backward" if backward else "forward") in rule.collective
+
+
+def collective_ops() -> frozenset[str]:
+    """The IR op names whose kernel is a collective alone, from the table's `collective:`
+    sections: `name` for a forward, `name_backward` for a backward (what may run on the
+    communication stream: modulec.ir.verify_async)."""
+    return frozenset(f"{rule.name}_backward" if phase == "backward" else rule.name
+                     for rule in op_table().values() for phase in rule.collective)
 
 
 def _param_specs(definition: ModuleDef) -> tuple[ParamSpec, ...]:

@@ -24,7 +24,7 @@ DECLARATION_SECTIONS: dict[str, frozenset[str] | None] = {
     "model": MODULE_SECTIONS,
     "primitive": frozenset({
         "params", "forward", "backward", "save", "impl", "invariants", "memory", "fusion",
-        "precision", "constraints",
+        "precision", "constraints", "collective",
     }),
     "recipe": None,  # a recipe is a list of settings; any key is allowed
 }
@@ -32,6 +32,9 @@ GRAPH_SECTIONS = frozenset({"in", "out", "inputs", "outputs", "graph", "save", "
                             "impl"})
 NESTED_SECTIONS = {"forward": GRAPH_SECTIONS, "backward": GRAPH_SECTIONS}
 VERIFY_BACKWARD_KEYS = frozenset({"epsilon", "tolerance", "shapes"})
+# a primitive's `collective: [forward, backward]`: the phases whose kernel is a collective
+# alone (modulec.ops.registry collective_ops; what may run on the communication stream)
+PHASES = ("forward", "backward")
 
 
 def check_sections(program: A.Program) -> list[Diagnostic]:
@@ -75,6 +78,8 @@ def _check_item(item, allowed, where, primitive) -> list[Diagnostic]:
 def _check_nested(item, name, primitive) -> list[Diagnostic]:
     if name == "verify_backward" and isinstance(item, A.Section):
         return _check_verify_backward(item)
+    if name == "collective" and primitive:
+        return _check_collective(item)
     nested = NESTED_SECTIONS.get(name)
     if nested is None or not isinstance(item, A.Section):
         return []
@@ -114,6 +119,19 @@ def _check_verify_backward(section: A.Section) -> list[Diagnostic]:
                                      "positive number", child.span, "not a positive number",
                                      help=[f"for example `{name}: 1e-6`"]))
     return diagnostics
+
+
+def _check_collective(item) -> list[Diagnostic]:
+    """`collective: [forward]`: a list of phases, each once (read by the op table)."""
+    items = item.value.items if isinstance(item, A.Entry) and isinstance(item.value,
+                                                                          A.ListExpr) else None
+    names = [i.id if isinstance(i, A.Name) else None for i in items or ()]
+    if items and all(n in PHASES for n in names) and len(set(names)) == len(names):
+        return []
+    return [error("E001", "`collective:` lists the phases whose kernel is a collective",
+                  item.span, "not a list of distinct phases",
+                  help=["write `collective: [forward]`, `[backward]` or "
+                        "`[forward, backward]`"])]
 
 
 def _check_shapes(shapes) -> list[Diagnostic]:
