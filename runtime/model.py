@@ -86,7 +86,8 @@ class Model:
         (modulec.lower.fp8_recipe.std_recipe)."""
         if hf_weights is not None and config is None and (Path(hf_weights) / "config.json").exists():
             config = Path(hf_weights) / "config.json"
-        source = ModuleSource(Path(path), {k: str(v) for k, v in (settings or {}).items()},
+        texts = {k: _setting_text(v) for k, v in (settings or {}).items()}
+        source = ModuleSource(Path(path), texts,
                               Path(config) if config else None, model,
                               tuple(Path(p) for p in search_path))
         if lora is not None:
@@ -307,6 +308,12 @@ class Model:
     def _input(self, tensor: Tensor) -> Tensor:
         tensor = torch.as_tensor(tensor).to(self.device)
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+
+def _setting_text(value) -> str:
+    """A setting as the DSL writes it: Python's True is `true` (`str(False)` was the word
+    `False`, refused as a bool; it used to count as true)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def parameter_shapes(graph: Graph) -> dict[str, tuple[int, ...]]:

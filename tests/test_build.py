@@ -112,6 +112,10 @@ def test_schedule_without_sizes_has_no_buffers():
 @pytest.mark.parametrize("argument, message", [
     ("d_modl=4096", "did you mean `d_model`"),
     ("d_model=-4", "not a usable size"),
+    # a value of the wrong kind for a parameter the build never reads was accepted silently
+    ("eps=inf", "`--set eps`: `eps` is declared float, given inf"),
+    ("tie_word_embeddings=1", "`tie_word_embeddings` is declared bool, given 1"),
+    ("eps=1e999", "`eps` is inf: a float parameter must be a finite number"),
 ])
 def test_bad_settings_fail_fast(argument, message):
     result = CliRunner().invoke(modulec, ["build", str(REPO_DIR / "std/models/llama.module"),
@@ -549,3 +553,32 @@ def test_an_array_size_that_is_a_float_at_the_models_sizes_is_e003_at_build(tmp_
     assert result.exit_code == 1, result.output
     assert "error[E003]: an array of blocks' size must be an integer" in result.output
     assert "note: in Tower(d=4, n=2)" in result.output
+
+
+FLAGGED = """\
+model M(d: int = 4, flag: bool = true):
+  params:
+    w: [d]
+    b: [d] if flag
+  forward:
+    in: a: [B, d]
+    out: [B, d]
+    graph:
+      if flag:
+        (a, b) -> add() -> out
+      else:
+        (a, w) -> mul() -> out
+"""
+
+
+def test_python_bool_settings_are_the_dsl_bools(tmp_path):
+    """`Model.from_module(settings={"flag": False})` passed the word `False`, which was
+    truthy (the model built with `b`); a word for a bool parameter is now E003, and
+    Python's bools are written `true` / `false`."""
+    from runtime.model import Model, parameter_shapes
+
+    path = tmp_path / "flag.module"
+    path.write_text(FLAGGED, encoding="utf-8")
+    for flag, names in ((False, ["w"]), (True, ["b", "w"])):
+        program = Model.from_module(path, settings={"flag": flag}).source.program(planned=False)
+        assert sorted(parameter_shapes(program.graph)) == names

@@ -9,6 +9,7 @@ that cannot be decided yet becomes an assumption for the shape checker) and read
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from modulec.check.world import World, did_you_mean
@@ -133,11 +134,16 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     """The IR's integers are int64 (spec §10), its floats 64-bit: a parameter's integer
     past that reached the build's function arguments, which could not even print it
     (exit 101). A float parameter written as an integer (`rope_theta = 10**26`) holds
-    any float."""
+    any float; a float (or a float in a list) must be finite."""
     value = instance.values[param.name]
+    declared = param.type.value if isinstance(param.type, A.OptionalType) else param.type
+    bad = [v for v in (value if isinstance(value, tuple) else (value,))
+           if isinstance(v, float) and not math.isfinite(v)]
+    if bad and fits_type(declared, value):  # `x: float = 1e999`, `[float]`, untyped (int: E003)
+        _not_finite(instance, param, bad[0], isinstance(value, tuple), given)
+        return
     if not (isinstance(value, Dim) and value.is_const):
         return
-    declared = param.type.value if isinstance(param.type, A.OptionalType) else param.type
     if isinstance(declared, A.Name) and declared.id == "float":  # `rope_theta = 10**26`
         if abs(value.value) <= MAX_FLOAT:
             return
@@ -150,6 +156,19 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     where = param.default if param.default is not None and not given else param
     instance.world.error_unmuted("E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
                                  where.span, notes=_where(instance), help=[why])
+
+
+def _not_finite(instance: Instance, param: A.DeclParam, value: float, listed: bool,
+                given: bool) -> None:
+    """`x: float = 1e999` (or `1e308 * 10`, `1e999 - 1e999`) is inf or nan: no scale, rate
+    or size, and the IR's floats are finite; unused, it was accepted silently."""
+    where = param.default if param.default is not None and not given else param
+    instance.world.error_unmuted(
+        "E027", f"`{param.name}` {'holds' if listed else 'is'} {value}: a float parameter must be "
+        "a finite number",
+        where.span, "not a finite number", notes=_where(instance),
+        help=["floats are 64-bit: a literal past 1.8e308 (`1e999`) or arithmetic past it "
+              "(`1e308 * 10`) is inf"])
 
 
 def _check_param_type(instance: Instance, param: A.DeclParam) -> None:
@@ -203,7 +222,7 @@ def _not_a_type(instance: Instance, param: A.DeclParam, declared) -> None:
 
 def _default(instance: Instance, param: A.DeclParam):
     value = _const(instance, param.default, "a default value")
-    if not _fits(param.type, value):
+    if not fits_type(param.type, value):
         instance.world.error("E003", f"the default of `{param.name}` is {_short(value)}, but "
                              f"`{param.name}` is declared {show(param.type)}",
                              param.default.span, "default of the wrong kind")
@@ -594,7 +613,7 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
             return None
         bound[key] = _const(instance, arg.value, "a module argument")
     for param in params:
-        if param.name in bound and not _fits(param.type, bound[param.name]):
+        if param.name in bound and not fits_type(param.type, bound[param.name]):
             # Unmuted: the argument's kind can depend on the caller's values (`2.5 * d`
             # is unknown while `d` is, a float once a model sizes it); muted, the child
             # was built from it and the lowering tripped over an int that was not (exit 101).
@@ -625,7 +644,7 @@ def _positional_after_keyword(world: World, decl: A.Decl, args) -> bool:
     return late is not None
 
 
-def _fits(declared, value) -> bool:
+def fits_type(declared, value) -> bool:
     """Whether a module argument suits its parameter's declared type (untyped: anything)."""
     optional = isinstance(declared, A.OptionalType)
     kind = (declared.value if optional else declared)
@@ -635,7 +654,7 @@ def _fits(declared, value) -> bool:
         return not isinstance(kind, (A.Name, A.ListExpr)) or optional
     if isinstance(kind, A.ListExpr):  # `[float]`: a list of such values
         return len(kind.items) == 1 and isinstance(value, (tuple, list)) and \
-            all(_fits(kind.items[0], v) for v in value)
+            all(fits_type(kind.items[0], v) for v in value)
     kind = kind.id if isinstance(kind, A.Name) else None
     checks = {"int": lambda v: isinstance(v, Dim),
               "float": lambda v: isinstance(v, (float, Dim)) and not isinstance(v, bool),
