@@ -3,7 +3,8 @@
 command functions, exit codes and output as the command line, without a process each).
 
 Asserted for every program: exit status 0 or 1 (never 101, the internal-error status),
-no traceback in the output, each command under a time cap. The CI test
+no traceback in the output, each command under a time cap, and no `build` error but E012
+(no model, a size to give) for a program that `check` accepted. The CI test
 (tests/test_fuzz.py) runs a fixed slice; the full run:
 
     .venv/bin/python tests/fuzz/run_fuzz.py --n 3000 [--seed 0] [--keep DIR]
@@ -71,7 +72,8 @@ def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S) -> Report:
         code = _command(report, runner, program, ["check", str(path)], cap_s)
         if code == 0:
             code = _command(report, runner, program, ["build", str(path), "-o",
-                                                      str(folder / "fuzz.ir")], cap_s)
+                                                      str(folder / "fuzz.ir")], cap_s,
+                            accepted=True)
             report.tally[f"built (exit {code})"] += 1
         else:
             report.tally[f"check exit {code}"] += 1
@@ -79,7 +81,8 @@ def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S) -> Report:
     return report
 
 
-def _command(report: Report, runner: CliRunner, program: Mutant, args: list, cap_s: float):
+def _command(report: Report, runner: CliRunner, program: Mutant, args: list, cap_s: float,
+             accepted: bool = False):
     def expire(*_):
         raise TimeCap()
 
@@ -98,7 +101,7 @@ def _command(report: Report, runner: CliRunner, program: Mutant, args: list, cap
     if seconds > report.slowest[0]:
         report.slowest = (seconds, program, args[0])
     output = result.output + (result.stderr if result.stderr_bytes is not None else "")
-    why = _wrong(result, output)
+    why = _wrong(result, output) or (_refused(output) if accepted else None)
     if why:
         report.failures.append((program, args[0], why, output))
     return result.exit_code
@@ -113,6 +116,14 @@ def _wrong(result, output: str) -> str | None:
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         return f"{type(result.exception).__name__}: {result.exception}"
     return None
+
+
+def _refused(output: str) -> str | None:
+    """`build` of a program that `check` accepted: what check accepts builds, so its only
+    errors are E012's (no model in the file, a size to give with --set)."""
+    errors = [line for line in output.splitlines() if line.startswith("error[")]
+    other = next((line for line in errors if not line.startswith("error[E012]")), None)
+    return f"check accepted, build refused: {other[:160]}" if other else None
 
 
 def main(argv=None) -> int:
