@@ -146,6 +146,7 @@ def test_a_shapes_line_that_sizes_nothing_is_an_error(tmp_path):
         "  verify_backward:\n    shapes:\n      vocab: 3\n      Tt: 6\n", encoding="utf-8")
     result = _verify(str(source))
     assert result.exit_code == 1, result.output
-    assert "`verify_backward:` of `Embed` sizes `Tt`, which is neither a parameter of " \
-           "`Embed` nor a dim of its inputs" in result.output
-    assert "its inputs' dims: B, T" in result.output
+    # `check` reports it now (E002), before --verify-backward reads the section
+    assert "error[E002]: `shapes:` sizes `Tt`, which is neither a parameter of `Embed` nor " \
+           "a dim of its inputs" in result.output
+    assert "did you mean `T`?" in result.output

@@ -11,6 +11,7 @@ from modulec.check.declarations import check_declarations
 from modulec.check.instance import Instance, Stack, Submodule, instantiate
 from modulec.check.invariants import check_invariants
 from modulec.check.module import check_body
+from modulec.check.verify_sizes import check_verify_sizes
 from modulec.check.world import LocalNames, Names, World
 from modulec.diagnostics import Diagnostic
 from modulec.syntax import ast as A
@@ -35,6 +36,7 @@ def check_program(program: A.Program, names: Names | None = None,
         if decl.kind in ("module", "block", "model") and not decl.abstract:
             instance = instantiate(world, world.definition(decl))
             check_body(instance)
+            check_verify_sizes(world, decl)
             if any(a.name == "shard" for p in instance.definition.params
                    for a in p.annotations):
                 from modulec.check.sharding import check_shard_layouts

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from modulec.check.driver import check_program, scopes_of
-from modulec.check.instance import fits_type, instantiate
+from modulec.check.given import value_problem
+from modulec.check.instance import instantiate
 from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
 from modulec.lower.backward import without_written_backward
@@ -26,11 +27,10 @@ from modulec.lower.rope_config import (config_field, is_scaling_field, rope_prob
                                        unread_by_kind, with_legacy_types)
 from modulec.lower.schedule import schedule_data
 from modulec.lower.training_settings import training_metadata
-from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, evaluate
+from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
 
-MAX_SIZE = 2 ** 40  # no dimension of a real model comes near this
 
 
 @dataclass
@@ -341,39 +341,13 @@ def _arguments(decl: A.Decl, request: BuildRequest, diagnostics, notices) -> dic
             continue
         args[name] = _value_of(text, name, diagnostics)
     for name, value in args.items():
-        if isinstance(value, Dim) and value.is_const and not _usable(value.value, known.get(name)):
-            diagnostics.append(error("E027", f"`{name} = {value.value}` is not a usable size",
-                                     None, help=["sizes are positive integers"]))
-        elif name in known and not fits_type(known[name].type, _as_text(value)):
-            diagnostics.append(_wrong_kind(known[name], value, name in request.settings))
+        problem = value_problem(known[name], value) if name in known else None
+        if problem is not None:
+            where = f"`--set {name}`" if name in request.settings else \
+                f"`{name}` from the config"
+            diagnostics.append(error(problem.code, f"{where}: {problem.message}", None,
+                                     help=[problem.help]))
     return None if any(d.is_error for d in diagnostics) else args
-
-
-def _as_text(value):
-    """`--set act=silu` reads a bare word: it may stand for a string."""
-    return value.name if isinstance(value, Ident) else value
-
-
-def _wrong_kind(param: A.DeclParam, value, from_set: bool) -> Diagnostic:
-    """`--set eps=inf` for `eps: float` (a word, not a number): unused, it was accepted
-    and ignored; a module call's argument of the wrong kind is E003 the same way."""
-    from modulec.syntax.printer import expr as show
-
-    where = f"`--set {param.name}`" if from_set else f"the config's value for `{param.name}`"
-    shown = value.name if isinstance(value, Ident) else str(value).lower() \
-        if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else str(value)
-    return error("E003", f"{where}: `{param.name}` is declared {show(param.type)}, given "
-                 f"{shown[:60]}", None, help=["a float is a number (`0.5`, `1e-6`), a bool "
-                                              "`true` or `false`, a string in quotes"])
-
-
-def _usable(value: int, param: A.DeclParam | None) -> bool:
-    """An int argument is at most MAX_SIZE; one for a plain `int` parameter is a size, at
-    least 1. An optional int (`int?`) need not be a size (Gemma's `padding_idx: int? = 0`
-    takes HF's pad_token_id 0): its declaration's constraints bound it, and a value below 1
-    that becomes a dimension is E027 where it does."""
-    optional = param is not None and isinstance(param.type, A.OptionalType)
-    return value <= MAX_SIZE and (value > 0 or optional)
 
 
 def _value_of(text: str, name: str, diagnostics):

@@ -1,0 +1,129 @@
+"""The sizes of a `verify_backward:` section (spec §9.8.1), checked by `modulec check`.
+
+`--verify-backward` builds the declaration with its `shapes:` lines: a parameter's line is
+a `--set` (the same rule: modulec.check.given), any other line sizes a dim of the inputs
+(a positive integer). What `check` accepts must build and run, so `check` reads them the
+same way and checks the declaration at those sizes (its constraints, its graph and its
+submodules' graphs, as `build` does). They were read only under --verify-backward: a
+`d_model: 30` that broke `d_model % num_heads == 0`, a `T: 0` or a `shapes:` line sizing
+nothing checked clean. Parameters the section leaves unsized stay symbolic here
+(--verify-backward tries sizes for them and says when none builds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from modulec.check.given import MAX_SIZE, shown, value_problem
+from modulec.check.instance import instantiate
+from modulec.check.world import TOPOLOGY, World, did_you_mean
+from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
+from modulec.syntax import ast as A
+from modulec.types.dims import Dim
+
+
+def check_verify_sizes(world: World, decl: A.Decl) -> None:
+    shapes = _shapes(decl)
+    if shapes is None:
+        return
+    params = {p.name: p for p in decl.params or ()}
+    dims = _input_dims(world, decl, params)
+    args, sizes, errors = {}, {}, len(world.diagnostics)
+    for entry in shapes.body:
+        if not (isinstance(entry, A.Entry) and isinstance(entry.key, A.Name)
+                and entry.default is None and entry.value is not None):
+            continue  # not `NAME: SIZE`: the section check's E001
+        name = entry.key.id
+        if name in params:
+            args[name] = _parameter(world, entry, params[name])
+        elif dims is None or name in dims:
+            sizes[name] = _dim(world, entry)
+        else:
+            _sizes_nothing(world, decl, entry, params, dims)
+    if len(world.diagnostics) == errors and (args or sizes):
+        _check_at(world, decl, args, sizes)
+
+
+def _shapes(decl: A.Decl) -> A.Section | None:
+    for item in decl.body:
+        if isinstance(item, A.Section) and _name(item.key) == "verify_backward":
+            found = [c for c in item.body if isinstance(c, A.Section) and _name(c.key) == "shapes"]
+            return found[-1] if found else None
+    return None
+
+
+def _name(key) -> str | None:
+    return key.id if isinstance(key, A.Name) else None
+
+
+def _input_dims(world: World, decl: A.Decl, params: dict) -> set[str] | None:
+    """The dims named in the forward's input types (`[B, T, d_model]`: B, T); None when an
+    input has no type (a module's untyped input takes its caller's)."""
+    definition = world.definition(decl)
+    if definition.forward is None:
+        return set()
+    known = set(params) | {b.target.id for b in definition.lets if isinstance(b.target, A.Name)}
+    dims = set()
+    for sig in definition.forward.inputs:
+        node = sig.type.value if isinstance(sig.type, A.OptionalType) else sig.type
+        if not isinstance(node, A.ListExpr):
+            return None
+        dims |= {i.id for i in node.items if isinstance(i, A.Name) and i.id not in known}
+    return dims
+
+
+def _parameter(world: World, entry: A.Entry, param: A.DeclParam):
+    """A parameter's line, read as `--set NAME=VALUE` reads its value."""
+    try:
+        value = evaluate(entry.value, ConstEnv({}, "ident"))
+    except (NotConst, Undefined) as exc:
+        world.error("E003", f"the size of `{param.name}` in `shapes:` must be a compile-time "
+                    "value", entry.value.span, getattr(exc, "reason", "not a value"))
+        return None
+    problem = value_problem(param, value)
+    if problem is not None:
+        world.error(problem.code, f"`shapes:` in `verify_backward:`: {problem.message}",
+                    entry.value.span, "not a value of this parameter", help=[problem.help])
+    return value
+
+
+def _dim(world: World, entry: A.Entry) -> int | None:
+    value = entry.value
+    number = value.value if isinstance(value, A.Number) else None
+    if not isinstance(number, int) or isinstance(number, bool):
+        world.error("E003", f"the size of dim `{entry.key.id}` in `shapes:` must be an integer",
+                    value.span, "not an integer", help=[f"for example `{entry.key.id}: 4`"])
+        return None
+    if not 1 <= number <= MAX_SIZE:
+        world.error("E027", f"dim `{entry.key.id}` sized {number:,} in `shapes:`: a size is "
+                    f"from 1 to {MAX_SIZE:,}", value.span, "not a usable size")
+        return None
+    return number
+
+
+def _sizes_nothing(world, decl, entry, params, dims) -> None:
+    """Found by the fuzz run (seed 5: `T: 6` renamed `graph: 6`): read as a free dim that
+    no input has, it sized nothing and the declaration verified at T = 4."""
+    name = entry.key.id
+    shown = ", ".join(sorted(dims)) or "none"
+    world.error("E002", f"`shapes:` sizes `{name}`, which is neither a parameter of "
+                f"`{decl.name}` nor a dim of its inputs", entry.key.span, "sizes nothing",
+                help=did_you_mean(name, [*params, *dims]) or
+                [f"its parameters: {', '.join(params) or 'none'}; its inputs' dims: {shown}"])
+
+
+def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict) -> None:
+    """The declaration instantiated and checked at the section's sizes, in a world of its
+    own; its errors reported here with a note naming those sizes (one already reported at
+    the declaration's own sizes is not repeated)."""
+    from modulec.check.driver import check_tree  # the driver imports this module
+
+    sized = World(world.names, world.scopes)
+    sized.dims = {**TOPOLOGY, **{k: Dim.const(v) for k, v in sizes.items() if v is not None}}
+    check_tree(instantiate(sized, sized.definition(decl), args))
+    note = "at the sizes of `verify_backward:` (" + ", ".join(
+        f"{k} = {shown(v)[:40]}" for k, v in {**args, **sizes}.items()) + ")"
+    for diagnostic in sized.diagnostics:
+        if diagnostic.is_error:
+            world.report(replace(diagnostic, notes=(*diagnostic.notes, note)))
+
