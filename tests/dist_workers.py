@@ -61,12 +61,19 @@ def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps:
               for w in windows(steps, rows, seq)]
     state = trainer.state()
     if rank == 0:
-        from modulec.plan.distributed import COMPUTE_BYTES, entry_buffer_bytes
+        from modulec.plan.distributed import (
+            COMPUTE_BYTES, GRAD_BYTES, entry_buffer_bytes, rank_fixed_bytes,
+        )
 
         run = trainer.zero
         held = {"parts": run.fixed_parts(), "buffer_numel_after": run.buffer_numel(),
                 "peak_buffer_numel": run.peak_buffer_numel,
-                "predicted_buffer_numel": entry_buffer_bytes(run.section) // COMPUTE_BYTES}
+                "predicted_buffer_numel": entry_buffer_bytes(run.section) // COMPUTE_BYTES,
+                "predicted_slot_numel":
+                    rank_fixed_bytes(run.section)["gradient_buffers"] // GRAD_BYTES,
+                "slot_itemsize": run.precision.gradient.itemsize,
+                "gradient_slots": {b["name"]: b.get("gradient_slot")
+                                   for b in run.section["buckets"]}}
         torch.save({"losses": losses, "state": state, "held": held}, out)
     context.close()
 

@@ -131,6 +131,19 @@ def test_zero3_holds_half_of_zero0_beside_the_buffers(runs):
 
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_head_and_embedding_reduce_through_one_gradient_slot(zero, runs):
+    """The LM head's gradients are reduced at the backward's start, the embedding's at its
+    end: they share one slot (the runs above equal one process's), and the rank holds the
+    slot bytes the compiler predicts (two layers' slots, the final norm's, one shared)."""
+    held = runs("llama", zero)["held"]
+    slots = held["gradient_slots"]
+    assert slots["lm_head"] == slots["embedding"] is not None
+    assert slots["final_norm.weight"] is None
+    assert held["parts"]["gradient_slots"] == held["predicted_slot_numel"] * \
+        held["slot_itemsize"]
+
+
 def test_sliced_calls_of_one_stack_get_buckets_of_their_own(tmp_path):
     """`blocks[0:1]()` then `blocks[1:2]()`: two buckets with names and paths of their
     own (one bucket name for both mixed their gradients up)."""

@@ -113,6 +113,10 @@ ZERO3_DAMAGE = {
                              "`at` (first or last) is for an entry bucket's forward_begin"),
     "release of a layer": (_set(_first_op(kind="release"), "only", "layered"),
                            "`release` is for entry buckets"),
+    "shared slot on a layer": (_set(_blocks, "gradient_slot", "x"),
+                               "`gradient_slot` 'x': a name, on an entry bucket only"),
+    "previous on a record": (_set(_first_op(previous="gradient_slot"), "kind", "record_event"),
+                             "`previous` (gradient_slot) is for a wait_event"),
     "gather before its buffer": (lambda s: s["distributed"]["ops"].remove(_first_op(
         kind="record_event", event="allocated", window="end")(s)),
         "bucket `lm_head`: at forward_begin of instance 0, wait_event `allocated`"),
@@ -130,6 +134,10 @@ def test_zero3_gathers_each_entry_bucket_in_the_windows_of_its_reads(zero3):
     windows = {b["name"]: b.get("windows") for b in zero3["schedule"]["distributed"]["buckets"]}
     assert windows["embedding"] == ["start"] and windows["lm_head"] == ["end"]
     assert windows["final_norm.weight"] == ["end"]
+    slots = {b["name"]: b.get("gradient_slot")
+             for b in zero3["schedule"]["distributed"]["buckets"]}
+    assert slots["embedding"] == slots["lm_head"] == "lm_head+embedding"
+    assert slots["final_norm.weight"] is None
 
 
 @pytest.mark.parametrize("name", ZERO3_DAMAGE)

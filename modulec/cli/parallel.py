@@ -141,6 +141,8 @@ def data_parallel_report(graph, section: dict, activations: int) -> dict:
     single = data_parallel_section(graph, DataParallel(1, 0), trained)
     one, per_rank = rank_fixed_bytes(single), rank_fixed_bytes(section)
     for parts, of in ((one, single), (per_rank, section)):
+        parts["model_state"] = parts["weights"] + parts["optimizer_state"]
+        parts["buffers"] = parts["gradient_buffers"] + parts["gather_slots"]
         parts["entry_buffers"] = entry_buffer_bytes(of)  # in a step only: not fixed
         parts["activations"] = activations
         parts["per_gpu"] = parts["total"] + parts["entry_buffers"] + activations
@@ -150,9 +152,10 @@ def data_parallel_report(graph, section: dict, activations: int) -> dict:
 
 ROWS = (("weights", "compute weights (bf16)"),
         ("optimizer_state", "split masters' low halves + AdamW moments"),
-        ("gradient_buffers", "gradient / communication buffers"),
+        ("model_state", "model state (what ZeRO shards)"),
+        ("gradient_buffers", "gradient slots (reductions' buffers)"),
         ("gather_slots", "ZeRO-3 gather slots"),
-        ("total", "fixed state"),
+        ("total", "fixed state (model state + slots)"),
         ("entry_buffers", "ZeRO-3 entry weights gathered at the peak"),
         ("activations", "activations (saved + transient, one micro-batch)"),
         ("per_gpu", "per GPU"))
@@ -170,10 +173,14 @@ def print_data_parallel(report: dict, model: str) -> None:
     for key, title in ROWS:
         table.add_row(title, _gib(report["one_gpu"][key]), _gib(report["per_rank"][key]))
     Console(width=100).print(table)
-    saved = report["one_gpu"]["total"] - report["per_rank"]["total"]
-    click.echo(f"fixed state per GPU: {_gib(report['per_rank']['total'])} against "
-               f"{_gib(report['one_gpu']['total'])} on one GPU ({_gib(saved)} less, "
-               f"{report['per_rank']['total'] / max(report['one_gpu']['total'], 1):.2f}x)")
+    one, rank = report["one_gpu"], report["per_rank"]
+    click.echo(f"model state per GPU: {_gib(rank['model_state'])} against "
+               f"{_gib(one['model_state'])} on one GPU "
+               f"({rank['model_state'] / max(one['model_state'], 1):.2f}x); with the "
+               f"gradient and gather slots (buffers of two layers and the entry's, not "
+               f"sharded), fixed state {_gib(rank['total'])} against {_gib(one['total'])} "
+               f"({_gib(one['total'] - rank['total'])} less, "
+               f"{rank['total'] / max(one['total'], 1):.2f}x)")
 
 
 # ---------------------------------------------------------------------- pipeline

@@ -7,10 +7,12 @@ parameters exist in the graph, in every instance, with the bucket's shapes, at a
 offsets that do not overlap and lie inside the bucket; the bucket's size is a multiple of
 dp x align and its shard is size / dp; no parameter is in two buckets; every op has a
 known trigger, kind and stream and the fields its kind needs; under ZeRO-3 every entry
-bucket lists its gather windows; walking one step (per bucket: step_begin, forward_begin
+bucket lists its gather windows; a `gradient_slot` (a slot shared by entry buckets) is
+on entry buckets only; walking one step (per bucket: step_begin, forward_begin
 per instance, for an entry bucket also the first and last repeated layer's, then last
 instance first backward_begin and gradients_ready, then step_end), every `wait_event`
-finds its event recorded before.
+finds its event recorded before (a wait for a shared slot's `previous` user is resolved
+at run time: the runtime waits only for a bucket that used the slot earlier in the step).
 
 pipeline: the mesh's pp is the stage count, its tp the tensor_parallel section's size
 (1 without: each stage is that TP rank program); the data-parallel buckets and ops
@@ -125,6 +127,10 @@ def _bucket(bucket, section, shapes: dict, owner: dict) -> list[str]:
             problems += _param_exists(bucket, first + instance, param, shapes, owner)
     if end > bucket["numel"]:
         problems.append(f"the parameters end at {end}, past numel {bucket['numel']}")
+    slot = bucket.get("gradient_slot")
+    if slot is not None and (not isinstance(slot, str) or "{i}" in bucket["path"] or
+                             count != 1):
+        problems.append(f"`gradient_slot` {slot!r}: a name, on an entry bucket only")
     windows = bucket.get("windows")
     if section["zero"] == 3 and "{i}" not in bucket["path"] and (
             not isinstance(windows, list) or not windows or
@@ -175,6 +181,10 @@ def _dp_op(op, streams: set) -> list[str]:
                                      op.get("on") != "forward_begin" or
                                      op.get("only") != "entry"):
         problems.append("`at` (first or last) is for an entry bucket's forward_begin ops")
+    if op.get("previous") is not None and (op.get("previous") != "gradient_slot" or
+                                           op.get("kind") != "wait_event"):
+        problems.append("`previous` (gradient_slot) is for a wait_event: the event of the "
+                        "bucket that used the shared gradient slot last")
     if not isinstance(op.get("instance", 0), int):
         problems.append(f"`instance` must be an integer, not {op.get('instance')!r}")
     return problems
@@ -197,7 +207,8 @@ def _events(section) -> list[str]:
         walk.append(("step_end", 0, None))
         for trigger, i, at in walk:
             for op in by_trigger[trigger]:
-                if not _applies(op, bucket, layered) or op.get("at") != at:
+                if not _applies(op, bucket, layered) or op.get("at") != at or \
+                        op.get("previous") is not None:  # another bucket's event: at run time
                     continue
                 target = i + op.get("instance", 0)
                 if not 0 <= target < count:

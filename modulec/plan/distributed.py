@@ -37,6 +37,13 @@ between steps) the rank holds the shard alone, so the buffers are no fixed state
 A reduce_scatter writes the rank's sum into its own part of the gradient slot (in place,
 as NCCL and gloo allow): no bucket has a separate shard buffer.
 
+A repeated bucket has two gradient slots (instances i and i + 2 share one), an entry bucket
+one of its own, unless it names a `gradient_slot` shared with another entry bucket: one
+whose gradients are final at the backward's start (LM head) and one final at its end
+(embedding) reuse one slot, the size of the larger (_share_gradient_slots); a copy into a
+shared slot waits for the reduction of the bucket that used it last in the step (the
+`wait_event` with `previous: gradient_slot`).
+
 No stage holds more than two bucket instances' gradients at a time: a layer's gradients
 are reduced as soon as its backward made them (the runtime's update-in-backward), so
 stages 1 and 2 differ in traffic, not memory.
@@ -89,11 +96,13 @@ def data_parallel_section(graph, options: DataParallel, trained=None,
     no bucket and stay whole on every rank. `ties`: a tied parameter's path -> its
     target's (`tied_to`; its reads are the target's)."""
     buckets = [b for b in _buckets(graph, options.dp, trained) if b["params"]]
+    reads = _entry_reads(graph, ties or {}) if any(map(is_layered, buckets)) else {}
     if options.zero == 3:
-        _gather_windows(graph, buckets, ties or {})
+        _gather_windows(buckets, reads)
+    shared = _share_gradient_slots(buckets, reads)
     return {"mesh": {"dp": options.dp, "tp": 1, "pp": 1}, "zero": options.zero,
             "streams": {"compute": COMPUTE, "comm": COMM}, "align": ALIGN,
-            "buckets": buckets, "ops": stage_ops(options.zero)}
+            "buckets": buckets, "ops": stage_ops(options.zero, shared)}
 
 
 # ---------------------------------------------------------------------- buckets
@@ -193,12 +202,17 @@ def _op(on: str, kind: str, stream: int, **more) -> dict:
     return {"on": on, "kind": kind, "stream": stream, **more}
 
 
-def stage_ops(zero: int) -> list[dict]:
+def stage_ops(zero: int, shared: bool = False) -> list[dict]:
     """The collective ops of a ZeRO stage, per trigger (the module docstring's table).
     Gradient slots alternate between instances (i and i + 2 share one: the backward runs
-    the layers last first), so a copy in waits for the reduction two instances back."""
+    the layers last first), so a copy in waits for the reduction two instances back;
+    `shared`: entry buckets share a slot (`gradient_slot`), and a copy into it waits for
+    the reduction of the bucket that used it last in this step."""
     reduce = "all_reduce" if zero in (0, 1) else "reduce_scatter"
-    ready = [_op("gradients_ready", "wait_event", COMPUTE, event="reduced", instance=2),
+    after = [_op("gradients_ready", "wait_event", COMPUTE, event="reduced",
+                 previous="gradient_slot")] if shared else []
+    ready = after + [
+             _op("gradients_ready", "wait_event", COMPUTE, event="reduced", instance=2),
              _op("gradients_ready", "copy_in", COMPUTE, what="gradients"),
              _op("gradients_ready", "record_event", COMPUTE, event="grads"),
              _op("gradients_ready", "wait_event", COMM, event="grads"),
@@ -272,14 +286,39 @@ def _release(on: str, window: str, at: str | None = None) -> list[dict]:
 WINDOWS = ("start", "end", "step")
 
 
-def _gather_windows(graph, buckets: list[dict], ties: dict) -> None:
-    """ZeRO-3: each entry bucket's `windows`, from where its parameters are read."""
+def _gather_windows(buckets: list[dict], reads: dict) -> None:
+    """ZeRO-3: each entry bucket's `windows`, from where its parameters are read
+    (`reads`: _entry_reads, empty without repeated layers)."""
     layered = any(is_layered(b) for b in buckets)
-    reads = _entry_reads(graph, ties)
     for bucket in buckets:
         if not is_layered(bucket):
-            found = set().union(*(reads.get(p, set()) for p in bucket_paths(bucket, 0)))
-            bucket["windows"] = _windows(found, layered)
+            bucket["windows"] = _windows(_bucket_reads(bucket, reads), layered)
+
+
+def _bucket_reads(bucket: dict, reads: dict) -> set:
+    return set().union(*(reads.get(p, set()) for p in bucket_paths(bucket, 0)))
+
+
+def _share_gradient_slots(buckets: list[dict], reads: dict) -> bool:
+    """Entry buckets whose gradients are final at the backward's start (read after the
+    last repeated layer only: final norm, LM head) and those final at its end (read before
+    the first one only: the embedding) are paired, largest with largest, to share one
+    gradient slot (`gradient_slot`, the pair's name; its size the larger's): the early
+    one's reduction is long done when the late one's gradients arrive. Returns whether
+    any bucket shares."""
+    early, late = [], []
+    for bucket in buckets:
+        if is_layered(bucket):
+            continue
+        found = _bucket_reads(bucket, reads)
+        if found == {"end"}:
+            early.append(bucket)
+        elif found == {"start"} or found == {"start", "end"}:  # a tied embedding and head
+            late.append(bucket)
+    by_size = lambda b: (-b["numel"], b["name"])  # noqa: E731
+    for first, then in zip(sorted(early, key=by_size), sorted(late, key=by_size)):
+        first["gradient_slot"] = then["gradient_slot"] = f"{first['name']}+{then['name']}"
+    return bool(early and late)
 
 
 def _windows(found: set, layered: bool) -> list[str]:
@@ -333,8 +372,9 @@ def rank_fixed_bytes(section: dict) -> dict[str, int]:
     """What one rank holds for the trained parameters of `section` (bytes, by part):
     compute weights (whole, or with ZeRO-3 the shards plus two gather slots per repeated
     bucket), the split masters' low halves and moments (sharded from ZeRO-1), and the
-    gradient slots (a reduce_scatter's output is the rank's part of its slot). An entry
-    bucket's ZeRO-3 buffer is no part of it (entry_buffer_bytes)."""
+    gradient slots (a reduce_scatter's output is the rank's part of its slot; a shared
+    slot counted once). An entry bucket's ZeRO-3 buffer is no part of it
+    (entry_buffer_bytes)."""
     dp, zero = section["mesh"]["dp"], section["zero"]
     parts = {"weights": 0, "optimizer_state": 0, "gradient_buffers": 0, "gather_slots": 0}
     for b in section["buckets"]:
@@ -342,12 +382,23 @@ def rank_fixed_bytes(section: dict) -> dict[str, int]:
         parts["weights"] += COMPUTE_BYTES * (shard if zero == 3 else n) * count
         parts["optimizer_state"] += (LOW_BYTES + MOMENT_BYTES) * (n if zero == 0 else shard) \
             * count
-        parts["gradient_buffers"] += GRAD_BYTES * min(2, count) * n  # i, i + 2 share one
+        if "gradient_slot" not in b:
+            parts["gradient_buffers"] += GRAD_BYTES * min(2, count) * n  # i, i + 2 share one
         if zero == 3 and is_layered(b):
             parts["gather_slots"] += COMPUTE_BYTES * 2 * n
+    parts["gradient_buffers"] += GRAD_BYTES * sum(shared_slot_numels(section).values())
     parts["total"] = sum(parts.values())
     parts["dp"] = dp
     return parts
+
+
+def shared_slot_numels(section: dict) -> dict[str, int]:
+    """Each shared gradient slot's elements: its largest bucket's."""
+    numels: dict[str, int] = {}
+    for b in section["buckets"]:
+        if "gradient_slot" in b:
+            numels[b["gradient_slot"]] = max(numels.get(b["gradient_slot"], 0), b["numel"])
+    return numels
 
 
 def entry_buffer_bytes(section: dict) -> int:

@@ -76,6 +76,7 @@ class Bucket:
     exp_avg: list = field(default_factory=list)
     exp_avg_sq: list = field(default_factory=list)
     grad_slots: list = field(default_factory=list)  # min(2, instances) whole flat gradients
+                                                    # (or a view of a shared slot)
     slots: list = field(default_factory=list)  # ZeRO-3: two whole flat weight slots
     buffer: Tensor | None = None  # ZeRO-3, an entry bucket: its whole weights while held
     absent: dict = field(default_factory=dict)  # ... and what its paths read meanwhile
@@ -127,6 +128,10 @@ class ZeroRun:
         self.streams, self.group = streams, group
         self.buckets = [Bucket(b, self.zero == 3, self.zero == 3 and "{i}" in b["path"])
                         for b in section["buckets"]]
+        # entry buckets sharing a gradient slot: its flat tensor by name (the largest
+        # user's size), and the bucket instance that copied into it last this step
+        self.shared_slots: dict[str, Tensor] = {}
+        self.slot_user: dict[str, str] = {}
         self.ops = _ops_by_trigger(section["ops"])
         layers = [(b, i) for b in self.buckets if "{i}" in b.spec["path"]
                   for i in range(b.count)]
@@ -206,8 +211,9 @@ class ZeroRun:
     def _allocate_state(self, bucket: Bucket) -> None:
         n = bucket.spec["numel"]
         prec, kw = self.precision, dict(device=self.device)
-        bucket.grad_slots = [torch.zeros(n, dtype=prec.gradient, **kw)
-                             for _ in range(min(2, bucket.count))]
+        bucket.grad_slots = [self._shared_slot(bucket)[:n]] \
+            if "gradient_slot" in bucket.spec else \
+            [torch.zeros(n, dtype=prec.gradient, **kw) for _ in range(min(2, bucket.count))]
         bucket.slots = [torch.zeros(n, dtype=prec.compute, **kw) for _ in range(2)] \
             if bucket.layered else []
         bucket.buffer = None
@@ -220,6 +226,18 @@ class ZeroRun:
         bucket.held = [torch.zeros(part.stop - part.start, dtype=prec.gradient, **kw)
                        for _ in range(bucket.count)] if self.clip is not None else []
         bucket.segments = self._segments(bucket)
+
+    def _shared_slot(self, bucket: Bucket) -> Tensor:
+        """The flat gradient slot `bucket` shares with other entry buckets, made once at
+        the size of the largest of them."""
+        name = bucket.spec["gradient_slot"]
+        if name not in self.shared_slots:
+            from modulec.plan.distributed import shared_slot_numels
+
+            numel = shared_slot_numels(self.section)[name]
+            self.shared_slots[name] = torch.zeros(numel, dtype=self.precision.gradient,
+                                                  device=self.device)
+        return self.shared_slots[name]
 
     def _segments(self, bucket: Bucket) -> list[tuple[int, int, float]]:
         """(start, stop, decay factor) covering this rank's part of the bucket, one per run
@@ -289,6 +307,7 @@ class ZeroRun:
         self.streams.begin_step()
         self.arrived.clear()
         self.deferred.clear()
+        self.slot_user.clear()  # the last step's reductions are done (step_end waited)
         self.squares.zero_()  # on the compute stream, before the step's start event
         for bucket in self.buckets:
             self._run("step_begin", bucket, 0)
@@ -383,7 +402,9 @@ class ZeroRun:
             if not 0 <= target < bucket.count:
                 continue
             kind = op["kind"]
-            if kind == "record_event":
+            if op.get("previous") == "gradient_slot":
+                self._wait_for_slot(op, bucket, target)
+            elif kind == "record_event":
                 self.streams.record(op["stream"], f"{op['event']}:{bucket.key(target)}")
             elif kind == "wait_event":
                 self.streams.wait(op["stream"], f"{op['event']}:{bucket.key(target)}")
@@ -391,9 +412,19 @@ class ZeroRun:
                 with self.streams.on(op["stream"]):
                     OPS[kind](self, op, bucket, target)
 
+    def _wait_for_slot(self, op: dict, bucket: Bucket, i: int) -> None:
+        """A shared gradient slot: wait (on the op's stream) for the event `op` names of
+        the bucket that copied into it last in this step (none yet: nothing to wait for)."""
+        name = bucket.spec.get("gradient_slot")
+        last = self.slot_user.get(name) if name is not None else None
+        if last is not None and last != bucket.key(i):
+            self.streams.wait(op["stream"], f"{op['event']}:{last}")
+
     def _copy_in(self, op: dict, bucket: Bucket, i: int) -> None:
         """This rank's gradients into the instance's slot, divided by the rank count (the
         sum over ranks is then the mean: each rank's loss is its own batch's mean)."""
+        if "gradient_slot" in bucket.spec:
+            self.slot_user[bucket.spec["gradient_slot"]] = bucket.key(i)
         slot = bucket.grad_slots[i % len(bucket.grad_slots)]
         for path, grad in self.arrived[(bucket.name, i)].items():
             _, _, offset, numel, shape = self.index[path]

@@ -143,8 +143,9 @@ def layout(trainer, parallel, context) -> dict:
     """What a shard is only valid for: the run's shape and the rank's place in it."""
     zero = zero_of(trainer)
     if zero is not None:
-        what = json.dumps({"buckets": zero.section["buckets"], "mesh": zero.section["mesh"]},
-                          sort_keys=True)
+        buckets = [{k: v for k, v in b.items() if k != "gradient_slot"}  # no shard layout
+                   for b in zero.section["buckets"]]
+        what = json.dumps({"buckets": buckets, "mesh": zero.section["mesh"]}, sort_keys=True)
     else:
         what = json.dumps({"params": _shapes(trainer)}, sort_keys=True)
     return {"world": context.world, "rank": context.rank, "dp": parallel.dp,
