@@ -582,3 +582,15 @@ def test_python_bool_settings_are_the_dsl_bools(tmp_path):
     for flag, names in ((False, ["w"]), (True, ["b", "w"])):
         program = Model.from_module(path, settings={"flag": flag}).source.program(planned=False)
         assert sorted(parameter_shapes(program.graph)) == names
+
+
+def test_two_failed_constraints_in_a_stack_are_errors_not_a_recursion():
+    """Found by a fuzz run of small sizes (std Qwen3-MoE's verify sizes with num_heads 5):
+    the failures of a stack's blocks were compared with `==`, which compared the instances
+    field by field, the world's cache of instances included: RecursionError, exit 101."""
+    sizes = {"vocab_size": "64", "d_model": "32", "n_layers": "2", "num_heads": "5",
+             "num_kv_heads": "2", "head_dim": "8", "d_ff": "48", "moe_d_ff": "16",
+             "num_experts": "4", "top_k": "2", "sparse_step": "2", "max_seq": "32"}
+    result = build(BuildRequest(REPO_DIR / "std/models/qwen3_moe.module", settings=sizes))
+    assert any(d.code == "E027" and "num_heads must be divisible by num_kv_heads" in d.message
+               for d in result.diagnostics), result.diagnostics

@@ -66,8 +66,8 @@ class TensorParamValue:
     notes: tuple = ()  # its annotations (`@gradient`, `@trainable`): lowering reads them
 
 
-@dataclass
-class Instance:
+@dataclass(eq=False)  # one object per instance: `==` compared every field, the world's
+class Instance:       # cache of instances included (a RecursionError deep in a tree)
     world: World
     definition: ModuleDef
     values: dict = field(default_factory=dict)
