@@ -204,6 +204,8 @@ def _call_declared(ctx, decl: A.Decl, consts, inputs, expr) -> Result | None:
                         help=[f"declare it under `params:` (`{decl.name.lower()}: {call}(...)`) "
                               f"and call it by that name (`x -> {decl.name.lower()} -> y`)"])
         return None
+    if child not in ctx.instance.inline_calls:  # checked at these sizes by check_tree
+        ctx.instance.inline_calls.append(child)
     return call_module(ctx, child, inputs, expr)
 
 

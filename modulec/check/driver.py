@@ -36,7 +36,6 @@ def check_program(program: A.Program, names: Names | None = None,
         if decl.kind in ("module", "block", "model") and not decl.abstract:
             instance = instantiate(world, world.definition(decl))
             check_body(instance)
-            check_verify_sizes(world, decl)
             if any(a.name == "shard" for p in instance.definition.params
                    for a in p.annotations):
                 from modulec.check.sharding import check_shard_layouts
@@ -47,18 +46,25 @@ def check_program(program: A.Program, names: Names | None = None,
 
                 check_tree(instance)
                 check_weights(instance)
+            check_verify_sizes(world, decl)  # after: an error at its own sizes says so
             if checked is not None:
                 checked.append(instance)
     return world.diagnostics
 
 
-def check_tree(instance: Instance) -> None:
+def check_tree(instance: Instance, seen: set | None = None) -> None:
     """Check every submodule's graphs at the sizes this instance gives them (a model's
-    real sizes reach every block); each distinct instance is checked once."""
+    real sizes reach every block), and those of the modules its graphs call inline (`x ->
+    MoELoadBalancingLoss(...) -> y`: only `build` checked them at those sizes, so a
+    scale that overflowed to inf there checked clean); each instance is checked once."""
+    seen = set() if seen is None else seen
+    if id(instance) in seen:
+        return
+    seen.add(id(instance))
     check_body(instance)
-    for value in instance.params.values():
-        if isinstance(value, (Submodule, Stack)):
-            check_tree(value.instance)
+    children = [v.instance for v in instance.params.values() if isinstance(v, (Submodule, Stack))]
+    for child in children + instance.inline_calls:
+        check_tree(child, seen)
 
 
 def _has_annotations(node) -> bool:

@@ -79,6 +79,7 @@ class Instance:       # cache of instances included (a RecursionError deep in a 
     inferred: list = field(default_factory=list)  # (phase, name, type, span), for --emit resolved
     call_dims: dict = field(default_factory=dict)  # lowering: free dims bound by the call site
     call_inputs: list = field(default_factory=list)  # lowering: the input types of that call
+    inline_calls: list = field(default_factory=list)  # instances its graphs call inline
 
     @property
     def name(self) -> str:
