@@ -47,7 +47,7 @@ __global__ void fp8_amax_scale_kernel(const T* __restrict__ x, int64_t n, unsign
 // writes the scale. Where the history is empty (a first step) it only takes the amax; the
 // last block writes the scale from it, and the second launch (!FIRST, which returns at once
 // where *past >= 0) casts at that scale. The same numbers as the amax, scale and cast
-// launches. The tile, quantize and the transposed store: fp8.cuh.
+// launches. The tile and its transposed store: fp8_tile.cuh; quantize: fp8.cuh.
 template <bool FIRST>
 __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, unsigned* work,
                                         float* pending, const float* __restrict__ past,
@@ -62,14 +62,10 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
   if (!FIRST && have) return;  // cast already
   const bool write = !FIRST || have;
   const float s = FIRST ? (have ? scale_of(*past, top_scale) : 0.f) : *scale;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
+  const TileAt t = block_tile();
   unsigned m = 0;
-  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
-    const int r = i / 8, c = (i % 8) * 8;  // 8 elements of tile row r from column c
-    const int64_t gr = row0 + r, gc = col0 + c;
-    if (gr >= rows || gc >= cols) continue;
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + gr * cols + gc);
+  for_each_chunk(t, rows, cols, [&](const Chunk& k) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + k.gr * cols + k.gc);
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
     Fp8x8 u;
 #pragma unroll
@@ -78,10 +74,8 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
       if (FIRST) m = max(m, magnitude_bits(f));
       if (write) u.q[j] = quantize(f, s, top, fmt);
     }
-    if (!write) continue;
-    if (out) *reinterpret_cast<uint2*>(out + gr * cols + gc) = u.packed;
-    *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
-  }
+    if (write) put8<true>(tile, out, cols, k, u);
+  });
   if (FIRST) {
     float a;
     if (grid_max(m, work, warps, &a))
@@ -89,7 +83,7 @@ __global__ void fp8_cast_delayed_kernel(const __nv_bfloat16* __restrict__ x, uns
   }
   if (!write || !out_t) return;
   __syncthreads();
-  store_transposed(tile, out_t, row0, col0, rows, cols);
+  store_transposed(tile, out_t, t, rows, cols);
 }
 
 // out_t = out^T (fp8 bytes, 64 x 64 tiles through shared memory) where the history has an
@@ -101,17 +95,13 @@ __global__ void fp8_transpose_kernel(const float* __restrict__ past,
                                      int64_t cols) {
   __shared__ __align__(16) Fp8Tile tile;
   if (!(*past >= 0.f)) return;  // the producer's test (fp8.cuh delayed_sink)
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
-  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
-    const int r = i / 8, c = (i % 8) * 8;  // 8 bytes of tile row r from column c
-    const int64_t gr = row0 + r, gc = col0 + c;
-    if (gr < rows && gc < cols)
-      *reinterpret_cast<uint2*>(&tile[r][c]) =
-          *reinterpret_cast<const uint2*>(out + gr * cols + gc);
-  }
+  const TileAt t = block_tile();
+  for_each_chunk(t, rows, cols, [&](const Chunk& k) {  // 8 bytes of tile row k.r
+    *reinterpret_cast<uint2*>(&tile[k.r][k.c]) =
+        *reinterpret_cast<const uint2*>(out + k.gr * cols + k.gc);
+  });
   __syncthreads();
-  store_transposed(tile, out_t, row0, col0, rows, cols);
+  store_transposed(tile, out_t, t, rows, cols);
 }
 
 template <typename T, int VEC>
@@ -152,8 +142,7 @@ cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pendin
     return cudaErrorInvalidValue;
   const __nv_fp8_interpretation_t kind = fmt == 0 ? __NV_E4M3 : __NV_E5M2;
   const float clamp = fmt == 0 ? 448.0f : 57344.0f;
-  const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
-                  static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));
+  const dim3 grid = tile_grid(rows, cols);
   const auto* in = static_cast<const __nv_bfloat16*>(x);
   auto* q = static_cast<__nv_fp8_storage_t*>(out);
   auto* q_t = static_cast<__nv_fp8_storage_t*>(out_t);
@@ -171,8 +160,7 @@ cudaError_t launch_fp8_delayed_finish(const void* x, const Fp8Delayed& d, bool t
   if (rows <= 0 || cols <= 0 || rows % 8 || cols % 8 || !d.out || !d.past ||
       (d.fmt != 0 && d.fmt != 1) || (cols + kVecTile - 1) / kVecTile > 65535)
     return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
-                  static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));
+  const dim3 grid = tile_grid(rows, cols);
   auto* q = static_cast<__nv_fp8_storage_t*>(d.out);
   auto* q_t = static_cast<__nv_fp8_storage_t*>(d.out_t);
   // no history: both layouts cast from x at the scale the producer wrote (returns at once

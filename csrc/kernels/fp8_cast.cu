@@ -48,7 +48,7 @@ __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict
 
 // bf16 with rows and cols multiples of 8 (16-byte aligned x, 8-byte aligned outputs): 64 x
 // 64 tiles, each thread moving 8 elements at a time (16-byte loads, 8-byte fp8 stores, in
-// x's layout and, through shared memory, transposed; fp8.cuh).
+// x's layout and, through shared memory, transposed; fp8_tile.cuh).
 __global__ void fp8_cast_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
                                        const float* __restrict__ scale_ptr, float top,
                                        __nv_fp8_interpretation_t fmt,
@@ -57,23 +57,18 @@ __global__ void fp8_cast_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
                                        int64_t cols) {
   __shared__ __align__(16) Fp8Tile tile;
   const float scale = *scale_ptr;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
-  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
-    const int r = i / 8, c = (i % 8) * 8;  // 8 elements of tile row r from column c
-    const int64_t gr = row0 + r, gc = col0 + c;
-    if (gr >= rows || gc >= cols) continue;
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + gr * cols + gc);
+  const TileAt t = block_tile();
+  for_each_chunk(t, rows, cols, [&](const Chunk& k) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + k.gr * cols + k.gc);
     const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
     Fp8x8 u;
 #pragma unroll
     for (int j = 0; j < 8; ++j) u.q[j] = quantize(to_float(v[j]), scale, top, fmt);
-    if (out) *reinterpret_cast<uint2*>(out + gr * cols + gc) = u.packed;
-    *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
-  }
+    put8<true>(tile, out, cols, k, u);
+  });
   if (!out_t) return;
   __syncthreads();
-  store_transposed(tile, out_t, row0, col0, rows, cols);
+  store_transposed(tile, out_t, t, rows, cols);
 }
 
 bool aligned(const void* p, uintptr_t bytes) {
@@ -120,9 +115,7 @@ cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt
   if (dt == DType::BF16 && rows % 8 == 0 && cols % 8 == 0 && aligned(x, 16) &&
       (!out || aligned(out, 8)) && (!out_t || aligned(out_t, 8)) &&
       (cols + kVecTile - 1) / kVecTile <= 65535) {
-    const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
-                    static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));
-    fp8_cast_bf16x8_kernel<<<grid, kVecThreads, 0, stream>>>(
+    fp8_cast_bf16x8_kernel<<<tile_grid(rows, cols), kVecThreads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(x), scale, top, kind,
         static_cast<__nv_fp8_storage_t*>(out), static_cast<__nv_fp8_storage_t*>(out_t), rows,
         cols);

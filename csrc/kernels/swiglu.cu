@@ -56,9 +56,9 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ gate, int64_t ld_g,
   }
 }
 
-// y = act(gate) * up (bf16) and its fp8 copy: fp8_cast.cu's 8-wide structure (64 x 64
-// tiles of y [rows, C], each thread 8 elements at a time), the fp8 tile kept in shared
-// memory for y^T. The same fp32 arithmetic as swiglu_forward_kernel.
+// y = act(gate) * up (bf16) and its fp8 copy: fp8_tile.cuh's 64 x 64 tiles of y [rows, C]
+// (fp8_cast.cu's 8-wide structure, each thread 8 elements at a time), the fp8 tile kept in
+// shared memory for y^T. The same fp32 arithmetic as swiglu_forward_kernel.
 template <int ACT>
 __global__ void swiglu_forward_fp8_kernel(const __nv_bfloat16* __restrict__ gate, int64_t ld_g,
                                           const __nv_bfloat16* __restrict__ up, int64_t ld_u,
@@ -68,29 +68,23 @@ __global__ void swiglu_forward_fp8_kernel(const __nv_bfloat16* __restrict__ gate
   __shared__ __align__(16) Fp8Tile tile;
   DelayedSink sink = delayed_sink(d);
   auto* q = static_cast<__nv_fp8_storage_t*>(d.out);
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
-  for (int i = threadIdx.x; i < kChunks; i += blockDim.x) {
-    const int r = i / 8, c = (i % 8) * 8;  // 8 elements of tile row r from column c
-    const int64_t gr = row0 + r, gc = col0 + c;
-    if (gr >= rows || gc >= C) continue;
+  const TileAt t = block_tile();
+  for_each_chunk(t, rows, C, [&](const Chunk& k) {
     float gv[8], uv[8], ov[8];
-    load_vec<T, 8>(gate + gr * ld_g + gc, 0, gv);
-    load_vec<T, 8>(up + gr * ld_u + gc, 0, uv);
+    load_vec<T, 8>(gate + k.gr * ld_g + k.gc, 0, gv);
+    load_vec<T, 8>(up + k.gr * ld_u + k.gc, 0, uv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) ov[j] = swiglu_y<ACT>(gv[j], uv[j]);
-    store_vec<T, 8>(y + gr * C + gc, 0, ov);
+    store_vec<T, 8>(y + k.gr * C + k.gc, 0, ov);
 #pragma unroll
     for (int j = 0; j < 8; ++j) ov[j] = to_float(from_float<T>(ov[j]));  // y as stored
     const Fp8x8 u = sink8(sink, ov);
-    if (!sink.write) continue;
-    *reinterpret_cast<uint2*>(q + gr * C + gc) = u.packed;
-    *reinterpret_cast<uint2*>(&tile[r][c]) = u.packed;
-  }
+    if (sink.write) put8<false>(tile, q, C, k, u);  // q: never null (the launch checks)
+  });
   sink_finish<kVecThreads>(sink, d);  // every thread: no return above
   if (!sink.write || !d.out_t) return;
   __syncthreads();
-  store_transposed(tile, static_cast<__nv_fp8_storage_t*>(d.out_t), row0, col0, rows, C);
+  store_transposed(tile, static_cast<__nv_fp8_storage_t*>(d.out_t), t, rows, C);
 }
 
 template <typename T, int VEC, int ACT>
@@ -251,8 +245,7 @@ cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const v
       !d.work || !aligned(d.out, 8) || !aligned(d.out_t, 8) || (d.fmt != 0 && d.fmt != 1) ||
       (C + kVecTile - 1) / kVecTile > 65535)
     return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
-                  static_cast<unsigned>((C + kVecTile - 1) / kVecTile));
+  const dim3 grid = tile_grid(rows, C);
   const auto* g = static_cast<const __nv_bfloat16*>(gate);
   const auto* u = static_cast<const __nv_bfloat16*>(up);
   auto* o = static_cast<__nv_bfloat16*>(y);
