@@ -412,6 +412,7 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     for item in items:
         value = _const(instance, item, "a dimension", free)
         if isinstance(value, Unknown):
+            _float_at_every_size(instance, item, free)
             return None
         if not isinstance(value, Dim):  # unmuted: `[d / 2]` is a float once d is sized
             instance.world.error_unmuted("E003", "a dimension must be an integer", item.span,
@@ -424,6 +425,33 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     if not _elements_in_range(instance, dims, node):
         return None
     return TensorType(tuple(dims), dtype)
+
+
+SAMPLE_SIZES = (4, 6, 8, 12)
+
+
+def _float_at_every_size(instance: Instance, item, free: str) -> None:
+    """A dim with no value yet (`[0.5 * d_ff]`, `[d / 2]` while `d` is unsized) that is a
+    float at every sampled size is no size at any: E003 where it is written. It checked
+    clean on its own and failed wherever sized (found by a fuzz run of --verify-backward:
+    std MoEExperts' `2 * local_ff` made `0.5 * local_ff`)."""
+    symbolic = {k: v for k, v in instance.values.items() if isinstance(v, Dim) and not v.is_const}
+    if not symbolic:
+        return
+    floats = []
+    for size in SAMPLE_SIZES:
+        try:
+            sample = {k: Dim.const(v.evaluate({s: size for s in v.symbols()}))
+                      for k, v in symbolic.items()}
+            value = evaluate(item, ConstEnv({**instance.values, **sample}, free))
+        except (NotConst, Undefined, KeyError, ValueError, ArithmeticError):
+            return
+        if not isinstance(value, float):
+            return
+        floats.append(value)
+    instance.world.error("E003", "a dimension must be an integer", item.span,
+                         f"a float whatever the sizes ({floats[0]} when they are "
+                         f"{SAMPLE_SIZES[0]})", help=_integer_help(floats[0], item))
 
 
 def _integer_help(value, item) -> list[str]:
