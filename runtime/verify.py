@@ -20,6 +20,7 @@ backward derived from the primitives' rules.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,8 +69,20 @@ def verify_declaration(path: Path, decl, options: VerifyOptions) -> list[Gradien
     torch.set_num_threads(1)
     config = _sized(path, decl.name, declaration_config(decl).merged(options), options)
     checks = []
-    for source, label in _variants(path, decl.name, config, options):
-        checks += _verify_variant(source, decl.name, config, options, label)
+    try:
+        for source, label in _variants(path, decl.name, config, options):
+            checks += _verify_variant(source, decl.name, config, options, label)
+    except RuntimeError as exc:  # torch.OutOfMemoryError too; a kernel's workspace (the
+        # reference attention's [B, H, T, T] scores) is no graph value _check_activations sees
+        if "can't allocate memory" not in str(exc) and \
+                not isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(exc))
+        raise RuntimeUserError(
+            f"`{decl.name}` ran out of memory at these sizes" +
+            (f" (a kernel asked for {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""),
+            help=["give it small sizes in a `verify_backward:` section (`shapes:`) or with "
+                  "--set and --shape"]) from None
     return checks
 
 
@@ -120,6 +133,7 @@ def _verify_variant(source: ModuleSource, name, config, options, label: str):
     model.program = source.program(shapes)
     sizes = parameter_shapes(model.program.graph)
     _check_size(sizes, name)
+    _check_activations(model.program, name)
     generator = torch.Generator().manual_seed(options.seed)
     model.params = _random_params(sizes, generator)
     inputs = _random_inputs(model.program.metadata["inputs"], shapes, generator, sizes)
@@ -162,6 +176,22 @@ def _check_size(shapes: dict, name: str) -> None:
             f"`{name}` has {elements:,} parameters at these sizes: too many to check by "
             "finite differences", help=["give it small sizes in a `verify_backward:` section "
                                         "(`shapes:` sets parameters and dims) or with --set"])
+
+
+def _check_activations(program, name: str) -> None:
+    """The largest forward value at these sizes, bounded as the parameters are (found by a
+    fuzz run: std DenseTransformerBlock's `T: 6` made `T: 100000` tried to allocate a
+    640 GB score matrix, and the allocator's error was an internal error, exit 101)."""
+    from runtime.memory_check import _activations
+
+    largest = max(_activations(program, torch.float64), key=lambda b: b[3], default=None)
+    if largest is not None and torch.Size(largest[1]).numel() > MAX_ELEMENTS:
+        value, shape = largest[0], list(largest[1])
+        raise RuntimeUserError(
+            f"`{name}` computes `{value}` {shape} ({torch.Size(shape).numel():,} elements) at "
+            "these sizes: too large to check by finite differences",
+            help=["give it small sizes in a `verify_backward:` section (`shapes:` sets "
+                  "parameters and dims) or with --set and --shape"])
 
 
 def _random_params(shapes: dict, generator) -> dict:

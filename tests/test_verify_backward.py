@@ -150,3 +150,18 @@ def test_a_shapes_line_that_sizes_nothing_is_an_error(tmp_path):
     assert "error[E002]: `shapes:` sizes `Tt`, which is neither a parameter of `Embed` nor " \
            "a dim of its inputs" in result.output
     assert "did you mean `T`?" in result.output
+
+
+@pytest.mark.parametrize("tokens, message", [
+    # a graph value past the bound: refused before anything is allocated
+    ("1000000", "computes `gate_up` of `SwiGLU_MLP#1` [2, 1000000, 48]"),
+    # the reference attention's [B, H, T, T] scores (a kernel's, no graph value): 1.3 TiB
+    ("150000", "`DenseTransformerBlock` ran out of memory at these sizes"),
+])
+def test_sizes_too_large_to_verify_are_an_error_not_a_crash(tokens, message):
+    """Found by a fuzz run (std DenseTransformerBlock's `T: 6` made `T: 100000`, which
+    `check` now refuses against `max_seq`): the allocator's error was an internal error,
+    exit 101."""
+    result = _verify("std/blocks/dense.module", "--shape", f"T={tokens}")
+    assert result.exit_code == 1, result.output
+    assert message in result.output

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from modulec.check.given import MAX_SIZE, shown, value_problem
+from modulec.check.given import (MAX_SIZE, SEQUENCE_BOUND, SEQUENCE_DIM, shown,
+                                  value_problem)
 from modulec.check.instance import instantiate
 from modulec.check.world import TOPOLOGY, World, did_you_mean
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
@@ -28,7 +29,7 @@ def check_verify_sizes(world: World, decl: A.Decl) -> None:
         return
     params = {p.name: p for p in decl.params or ()}
     dims = _input_dims(world, decl, params)
-    args, sizes, errors = {}, {}, len(world.diagnostics)
+    args, sizes, spans, errors = {}, {}, {}, len(world.diagnostics)
     for entry in shapes.body:
         if not (isinstance(entry, A.Entry) and isinstance(entry.key, A.Name)
                 and entry.default is None and entry.value is not None):
@@ -38,10 +39,11 @@ def check_verify_sizes(world: World, decl: A.Decl) -> None:
             args[name] = _parameter(world, entry, params[name])
         elif dims is None or name in dims:
             sizes[name] = _dim(world, entry)
+            spans[name] = entry.value.span
         else:
             _sizes_nothing(world, decl, entry, params, dims)
     if len(world.diagnostics) == errors and (args or sizes):
-        _check_at(world, decl, args, sizes)
+        _check_at(world, decl, args, sizes, spans)
 
 
 def _shapes(decl: A.Decl) -> A.Section | None:
@@ -112,7 +114,7 @@ def _sizes_nothing(world, decl, entry, params, dims) -> None:
                 [f"its parameters: {', '.join(params) or 'none'}; its inputs' dims: {shown}"])
 
 
-def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict) -> None:
+def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict, spans: dict) -> None:
     """The declaration instantiated and checked at the section's sizes, in a world of its
     own; its errors reported here with a note naming those sizes (one already reported at
     the declaration's own sizes is not repeated)."""
@@ -120,10 +122,25 @@ def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict) -> None:
 
     sized = World(world.names, world.scopes)
     sized.dims = {**TOPOLOGY, **{k: Dim.const(v) for k, v in sizes.items() if v is not None}}
-    check_tree(instantiate(sized, sized.definition(decl), args))
+    instance = instantiate(sized, sized.definition(decl), args)
+    check_tree(instance)
+    _sequence_within_bound(world, instance, sizes, spans)
     note = "at the sizes of `verify_backward:` (" + ", ".join(
         f"{k} = {shown(v)[:40]}" for k, v in {**args, **sizes}.items()) + ")"
     for diagnostic in sized.diagnostics:
         if diagnostic.is_error:
             world.report(replace(diagnostic, notes=(*diagnostic.notes, note)))
 
+
+def _sequence_within_bound(world: World, instance, sizes: dict, spans: dict) -> None:
+    """`T` past the declaration's `max_seq`, as `--shape` refuses it (found by a fuzz run:
+    DenseTransformerBlock's `T: 6` made `T: 100000` with `max_seq: 16`, and
+    --verify-backward's attention asked for 596 GiB)."""
+    bound = instance.values.get(SEQUENCE_BOUND)
+    size = sizes.get(SEQUENCE_DIM)
+    if size is None or not (isinstance(bound, Dim) and bound.is_const) or size <= bound.value:
+        return
+    world.error("E027", f"`{SEQUENCE_DIM}: {size:,}` in `shapes:` is longer than "
+                f"`{SEQUENCE_BOUND}` ({bound.value:,})", spans[SEQUENCE_DIM],
+                f"past {SEQUENCE_BOUND}", help=[f"use {SEQUENCE_DIM}: {bound.value} or less, "
+                                                f"or size `{SEQUENCE_BOUND}` in `shapes:`"])

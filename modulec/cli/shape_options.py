@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
 
+from modulec.check.given import SEQUENCE_BOUND, SEQUENCE_DIM
 from modulec.syntax import ast as A
 from modulec.types.tensor import DTYPES
 
 INPUT_KEYS = ("in", "inputs")
-SEQUENCE_DIM, SEQUENCE_BOUND = "T", "max_seq"
 
 
 def shape_problems(result, shapes: dict[str, int]) -> list[str]:
