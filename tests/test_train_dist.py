@@ -172,6 +172,15 @@ def test_tensor_parallel_trains_as_one_process_and_saves_whole(ckpt, tmp_path):
     assert more == pytest.approx(one[2:], rel=1e-4)
 
 
+def test_tensor_parallel_from_scratch_trains_as_one_process(ckpt):
+    """--init random --tp 2: each rank keeps its slices of the weights one process draws
+    from the seed (it draws the whole model), so the losses are one process's."""
+    sizes = ["--init", "random", "--seed", "4", "--config", ckpt / "hf" / "config.json"]
+    one = losses(train(ckpt, "--steps", "2", *sizes, weights=False))
+    two = torchrun(ckpt, "--steps", "2", "--tp", "2", "--batch", "2", *sizes, weights=False)
+    assert two == pytest.approx(one, rel=1e-5)
+
+
 def test_tensor_parallel_with_sequence_parallel_trains_as_one_process(ckpt):
     """--tp 2 --sp: the norms on half the rows a rank (docs/distributed.md, "Sequence
     parallel"); the losses are one process's."""

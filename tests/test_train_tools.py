@@ -469,3 +469,30 @@ def test_make_corpus_small(tmp_path):
     fast = Tokenizer.from_file(str(tmp_path / "tokenizer" / "tokenizer.json"))
     end = int(np.argmax(ids == 0))
     assert fast.decode(ids[:end].tolist()) == first
+
+
+def test_init_under_tp_gives_each_rank_its_slice_of_the_one_process_init():
+    """`--init random --tp 2`: each rank's weights are its slices of what the same seed
+    gives one process (a rank draws the whole model and keeps its part)."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import unshard_params
+    from runtime.train.init import initialize
+
+    settings = TINY
+
+    one = tiny_model(settings)
+    initialize(one, seed=3, std=0.02)
+    ranks = []
+    for rank in range(2):
+        model = Model.from_module(LLAMA, settings=settings, dtype=torch.float32,
+                                  tensor_parallel=2, tp_rank=rank)
+        initialize(model, seed=3, std=0.02)
+        ranks.append(dict(model.params))
+    program = Model.from_module(LLAMA, settings=settings, dtype=torch.float32,
+                                tensor_parallel=2).source.program(planned=False)
+    whole = unshard_params(ranks, program)
+    assert set(whole) == set(one.params)
+    for path, value in one.params.items():
+        assert torch.equal(whole[path], value), path
+    assert ranks[0]["blocks[0].attention.qkv_weight"].shape[0] * 2 == \
+        one.params["blocks[0].attention.qkv_weight"].shape[0]

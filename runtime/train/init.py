@@ -73,13 +73,36 @@ def initialize(model, seed: int, std: float = DEFAULT_STD) -> dict[str, str]:
     ties = tied_targets(program.weight_schema)
     owned = {p: s for p, s in shapes.items() if p not in ties}
     scales = norm_scales(program.graph)
-    padding = padding_rows(program.graph, getattr(model, "tp_rank", 0), shapes)
-    values = standard_values(owned, scales, seed, std, padding)
+    values = _whole_then_sliced(program, owned, scales, seed, std,
+                                getattr(model, "tp_rank", 0))
     dtypes = model.parameter_dtypes()
     model.params.update({p: v.to(dtypes[p]).to(model.device) for p, v in values.items()})
     model.params.update({p: model.params[t] for p, t in ties.items()})
     init_adapters(model, torch.Generator().manual_seed(int(seed)), only_missing=True)
     return {p: _rule(v) for p, v in values.items()}
+
+
+def _whole_then_sliced(program, shapes: dict, scales: dict, seed: int, std: float,
+                       tp_rank: int) -> dict[str, torch.Tensor]:
+    """The standard values of the whole model, drawn as one process draws them, then (a
+    `--tp` rank's program) this rank's slice of each sharded one: every TP rank holds its
+    part of the weights the same seed gives without --tp."""
+    from runtime.tensor_parallel import shard_params, sharded_paths
+
+    shards = sharded_paths(program)
+    whole = {p: _whole_shape(s, shards.get(p)) for p, s in shapes.items()}
+    padding = padding_rows(program.graph, 0, whole)  # the whole table's row
+    values = standard_values(whole, scales, seed, std, padding)
+    return shard_params(values, program, tp_rank) if shards else values
+
+
+def _whole_shape(shape, shard: dict | None) -> tuple:
+    """A rank's parameter shape before its `shard` split dim `dim` into `size` blocks."""
+    shape = tuple(int(d) for d in shape)
+    if shard is None:
+        return shape
+    dim = shard["dim"]
+    return shape[:dim] + (shape[dim] * shard["size"],) + shape[dim + 1:]
 
 
 def _rule(value: torch.Tensor) -> str:
@@ -133,10 +156,10 @@ def _walk(graph, function, path: str, indices: tuple, visit) -> None:
             visit(node, path)
 
 
-def check_init(init: str | None, hf_weights, resume, config, tp: int = 1) -> None:
-    """--init random starts from scratch: no --hf-weights, no --resume, no --tp (each
-    rank would draw its slices apart from the whole); --config (the sizes of a
-    from-scratch model) only with it."""
+def check_init(init: str | None, hf_weights, resume, config) -> None:
+    """--init random starts from scratch: no --hf-weights, no --resume; --config (the
+    sizes of a from-scratch model) only with it. Under --tp each rank draws the whole
+    model and keeps its slices (initialize)."""
     from runtime.errors import RuntimeUserError
 
     if init is None:
@@ -145,10 +168,6 @@ def check_init(init: str | None, hf_weights, resume, config, tp: int = 1) -> Non
                                    "--init random", help=["--hf-weights DIR brings its own "
                                                           "config.json"])
         return
-    if tp > 1:
-        raise RuntimeUserError("--init random with --tp is not supported yet",
-                               help=["train from scratch without --tp (data parallel "
-                                     "is fine), or start from --hf-weights"])
     for flag, value in (("--hf-weights", hf_weights), ("--resume", resume)):
         if value is not None:
             raise RuntimeUserError(f"--init random starts from scratch; {flag} gives the "

@@ -235,8 +235,7 @@ def _check_numbers(request: Request) -> None:
     _check_optimizer(request)
     from runtime.train.init import check_init
 
-    check_init(request.init, request.hf_weights, request.resume, request.config,
-               request.tp)
+    check_init(request.init, request.hf_weights, request.resume, request.config)
     from runtime.train.packing import check_options
 
     check_options(request)
