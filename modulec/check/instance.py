@@ -412,7 +412,7 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     for item in items:
         value = _const(instance, item, "a dimension", free)
         if isinstance(value, Unknown):
-            _float_at_every_size(instance, item, free)
+            _float_at_every_size(instance, item, free, "a dimension")
             return None
         if not isinstance(value, Dim):  # unmuted: `[d / 2]` is a float once d is sized
             instance.world.error_unmuted("E003", "a dimension must be an integer", item.span,
@@ -430,14 +430,14 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
 SAMPLE_SIZES = (4, 6, 8, 12)
 
 
-def _float_at_every_size(instance: Instance, item, free: str) -> None:
-    """A dim with no value yet (`[0.5 * d_ff]`, `[d / 2]` while `d` is unsized) that is a
-    float at every sampled size is no size at any: E003 where it is written. It checked
+def _float_at_every_size(instance: Instance, item, free: str, what: str) -> bool:
+    """A dim or an array's size with no value yet (`[0.5 * d_ff]`, `[d / 2]` while `d` is
+    unsized) that is a float at every sampled size is no size at any: E003 where written. It checked
     clean on its own and failed wherever sized (found by a fuzz run of --verify-backward:
     std MoEExperts' `2 * local_ff` made `0.5 * local_ff`)."""
     symbolic = {k: v for k, v in instance.values.items() if isinstance(v, Dim) and not v.is_const}
     if not symbolic:
-        return
+        return False
     floats = []
     for size in SAMPLE_SIZES:
         try:
@@ -445,13 +445,14 @@ def _float_at_every_size(instance: Instance, item, free: str) -> None:
                       for k, v in symbolic.items()}
             value = evaluate(item, ConstEnv({**instance.values, **sample}, free))
         except (NotConst, Undefined, KeyError, ValueError, ArithmeticError):
-            return
+            return False
         if not isinstance(value, float):
-            return
+            return False
         floats.append(value)
-    instance.world.error("E003", "a dimension must be an integer", item.span,
+    instance.world.error("E003", f"{what} must be an integer", item.span,
                          f"a float whatever the sizes ({floats[0]} when they are "
                          f"{SAMPLE_SIZES[0]})", help=_integer_help(floats[0], item))
+    return True
 
 
 def _integer_help(value, item) -> list[str]:
@@ -525,6 +526,9 @@ def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
                                      node.count.span, f"this is {_short(count)}",
                                      help=_integer_help(count, node.count),
                                      notes=_where(instance))
+        return None
+    if isinstance(count, Unknown) and \
+            _float_at_every_size(instance, node.count, "error", "an array of blocks' size"):
         return None
     if isinstance(count, Dim) and not _at_least_one(instance, count, node.count,
                                                     "an array of blocks' size", MAX_BLOCKS):
