@@ -7,7 +7,7 @@ runs others and prints the tally."""
 
 from __future__ import annotations
 
-from tests.fuzz.mutate import mutant, tokens
+from tests.fuzz.mutate import gentle_mutant, mutant, tokens
 from tests.fuzz.run_fuzz import fuzz
 from tests.test_cli import run
 
@@ -26,6 +26,16 @@ def test_mutants_are_a_function_of_index_and_seed():
     assert mutant(7, 0).text != mutant(7, 1).text or mutant(7, 0).edits != mutant(7, 1).edits
     text = "module M(d: int = 4):\n  let:\n    k = d * 2  # c\n"
     assert "".join(tokens(text)) == text  # every character belongs to a token
+
+
+def test_gentle_mutants_edit_models_and_verify_sizes(tmp_path):
+    """`run_fuzz.py --gentle`: small-value edits of files that build or verify; the same
+    oracle (a build error but E012 after a clean check is a failure)."""
+    programs = [gentle_mutant(i, 0) for i in range(20)]
+    assert programs[3] == gentle_mutant(3, 0)
+    assert all("\nmodel " in m.text or "verify_backward:" in m.text for m in programs)
+    report = fuzz(range(20), seed=0, folder=tmp_path, gentle=True)
+    assert not report.failures, report.summary()
 
 
 def test_a_line_of_a_thousand_errors_prints_a_hundred_cut_short(tmp_path):

@@ -23,6 +23,8 @@ HUGE = ["99999999999999999999999999", "18446744073709551616", "4294967296", "1e3
         "1e999", "0", "-1", "0.0", "-0", "2147483648", "1" * 400, "3.4028236e38", "nan"]
 UNICODE = ["\u200b", "\u202e", "\ufeff", "\u00a0", "\U0001f600", "e\u0301", "\uff41",
            "\u0000", "\u2028", "\u03bb", "\\", "\t", "\r", "\x7f", "\udcff"]
+SMALL = ["0", "1", "2", "3", "5", "6", "7", "8", "-1", "0.5", "1.5", "2.0", "1e999", "1e-30",
+         "1e20", "64", "100000", "true", "false"]
 REPEAT_CHARS = 500_000  # about the most one repeat edit writes
 PUNCTUATION = [":", "->", "(", ")", "[", "]", ",", "=", "@", "if", "else", "x", "*", "-",
                "...", "'", '"', "in:", "out:", "graph:", "params:", "{", "}", ";", "."]
@@ -45,6 +47,27 @@ def sources() -> tuple[tuple[str, str], ...]:
 
 def tokens(text: str) -> list[str]:
     return TOKEN.findall(text)
+
+
+def gentle_mutant(index: int, seed: int = 0) -> Mutant:
+    """`run_fuzz.py --gentle`: a model or a file with `verify_backward:` sizes, with one or two
+    edits that mostly keep it a program: a number or a bool replaced by a small or odd value
+    (`0`, `3`, `0.5`, `1e999`, `true`), else a token deleted, duplicated or swapped, a name
+    replaced, a line deleted or duplicated. More of these check clean, so `build` (and
+    `--verify-backward`) meet what `check` accepted at sizes it did not see."""
+    rng = random.Random(f"gentle:{seed}:{index}")
+    source, text = rng.choice(gentle_sources())
+    parts, edits = tokens(text), []
+    for _ in range(rng.choice((1, 1, 2))):
+        name, edit = rng.choice(GENTLE_EDITS)
+        edits.append(edit(rng, parts) or name)
+    return Mutant(index, source, tuple(edits), "".join(parts))
+
+
+@cache
+def gentle_sources() -> tuple[tuple[str, str], ...]:
+    return tuple((path, text) for path, text in sources()
+                 if "\nmodel " in text or "verify_backward:" in text)
 
 
 def mutant(index: int, seed: int = 0) -> Mutant:
@@ -154,6 +177,16 @@ def _repeat(rng, parts):
         return f"repeat a token {times} times"
 
 
+def _value(rng, parts):
+    i = _pick(rng, parts, lambda t: t[0].isdigit() or t in ("true", "false"))
+    if i is not None:
+        old, parts[i] = parts[i], rng.choice(SMALL)
+        return f"value {old} -> {parts[i]}"
+
+
 EDITS = [("delete", _delete), ("duplicate", _duplicate), ("swap", _swap),
          ("number", _number), ("rename", _rename), ("nest", _nest), ("unicode", _unicode),
          ("punctuation", _punctuation), ("line", _line), ("repeat", _repeat)]
+GENTLE_EDITS = [("value", _value)] * 6 + [
+    ("delete", _delete), ("duplicate", _duplicate), ("swap", _swap), ("rename", _rename),
+    ("line", _line)]

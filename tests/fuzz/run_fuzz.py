@@ -8,6 +8,7 @@ no traceback in the output, each command under a time cap, and no `build` error 
 (tests/test_fuzz.py) runs a fixed slice; the full run:
 
     .venv/bin/python tests/fuzz/run_fuzz.py --n 3000 [--seed 0] [--keep DIR]
+        [--gentle [--verify]]
 
 prints the tally, the slowest program, the process's peak memory and every failure (with
 `--keep DIR`, each failing program is written there to reproduce it).
@@ -31,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 from click.testing import CliRunner  # noqa: E402
 
 from modulec.cli.main import modulec  # noqa: E402
-from tests.fuzz.mutate import Mutant, mutant  # noqa: E402
+from tests.fuzz.mutate import Mutant, gentle_mutant, mutant  # noqa: E402
 
 CAP_S = 20.0  # one command on one program (check takes ~0.05 s, build ~0.3 s)
 
@@ -61,11 +62,16 @@ class Report:
         return "\n".join(lines)
 
 
-def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S) -> Report:
+def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S, gentle: bool = False,
+         verify: bool = False) -> Report:
+    """`gentle`: tests.fuzz.mutate.gentle_mutant's programs; `verify`: a program that
+    checks clean and has `verify_backward:` sizes also goes through --verify-backward
+    (needs torch), where a 'cannot verify' error is a failure (a FAIL row is not: a
+    mutated backward may be wrong)."""
     report = Report()
     runner = CliRunner()
     for index in indices:
-        program = mutant(index, seed)
+        program = (gentle_mutant if gentle else mutant)(index, seed)
         report.programs += 1
         path = folder / f"fuzz_{index}.module"
         path.write_text(program.text, encoding="utf-8", errors="surrogateescape")
@@ -75,6 +81,10 @@ def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S) -> Report:
                                                       str(folder / "fuzz.ir")], cap_s,
                             accepted=True)
             report.tally[f"built (exit {code})"] += 1
+            if verify and "verify_backward:" in program.text:
+                code = _command(report, runner, program, ["check", "--verify-backward",
+                                                          str(path)], cap_s * 6, accepted=True)
+                report.tally[f"verified (exit {code})"] += 1
         else:
             report.tally[f"check exit {code}"] += 1
         path.unlink()
@@ -121,9 +131,10 @@ def _wrong(result, output: str) -> str | None:
 def _refused(output: str) -> str | None:
     """`build` of a program that `check` accepted: what check accepts builds, so its only
     errors are E012's (no model in the file, a size to give with --set)."""
-    errors = [line for line in output.splitlines() if line.startswith("error[")]
+    errors = [line for line in output.splitlines()
+              if line.startswith(("error[", "error: cannot verify"))]
     other = next((line for line in errors if not line.startswith("error[E012]")), None)
-    return f"check accepted, build refused: {other[:160]}" if other else None
+    return f"check accepted, then: {other[:160]}" if other else None
 
 
 def main(argv=None) -> int:
@@ -133,11 +144,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cap", type=float, default=CAP_S, help="seconds per command")
     parser.add_argument("--keep", type=Path, help="write failing programs here")
+    parser.add_argument("--gentle", action="store_true",
+                        help="small-value edits of models and verify_backward: files")
+    parser.add_argument("--verify", action="store_true",
+                        help="also --verify-backward those with verify_backward: sizes")
     options = parser.parse_args(argv)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         report = fuzz(range(options.start, options.start + options.n), options.seed,
-                      Path(folder), options.cap)
+                      Path(folder), options.cap, options.gentle, options.verify)
     print(report.summary())
     print(f"wall time: {time.perf_counter() - start:.1f} s")
     if options.keep:
