@@ -5,6 +5,7 @@ port given by the test."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -75,6 +76,80 @@ def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps:
                 "gradient_slots": {b["name"]: b.get("gradient_slot")
                                    for b in run.section["buckets"]}}
         torch.save({"losses": losses, "state": state, "held": held}, out)
+    context.close()
+
+
+# ------------------------------------------------- packed steps and evaluation (gloo)
+SEP = 1  # the end-of-document id of the packed runs
+
+
+def packed_windows(steps: int, rows: int, seq: int, vocab: int = 64) -> list[torch.Tensor]:
+    """Windows whose rows end documents at very different rates (row k: a separator at
+    each place with probability k / rows), so the ranks' and micro-batches' counts of
+    counted targets differ."""
+    generator = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(2, vocab, (rows, seq + 1), generator=generator)
+        rate = torch.arange(rows, dtype=torch.float64)[:, None] / rows
+        ends = torch.rand(rows, seq + 1, generator=generator, dtype=torch.float64) < rate
+        out.append(torch.where(ends, SEP, ids))
+    return out
+
+
+def one_process_rows(window: torch.Tensor, world: int, accumulation: int) -> torch.Tensor:
+    """The rows of a data-parallel step's window in the order one process's micro-batches
+    hold them: micro-batch j is every rank's micro-batch j, rank by rank."""
+    ranks = window.reshape(world, accumulation, -1, window.shape[1])
+    return ranks.transpose(0, 1).reshape(window.shape)
+
+
+def packed_reference(name: str, steps: int, rows: int, seq: int, accumulation: int,
+                     world: int, eval_path: str) -> dict:
+    """One process, packed, every rank's rows (micro-batches of world x rows): the losses,
+    the state and the eval loss after each step."""
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.evaluate import EvalData, evaluate
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing
+
+    trainer = CPUTrainer(tiny_model(name), rows * world, seq,
+                         AdamW(lr=1e-2, weight_decay=0.1), accumulation, Packing(SEP))
+    data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
+    losses, evals = [], []
+    for window in packed_windows(steps, rows * world * accumulation, seq):
+        losses.append(trainer.train_step(one_process_rows(window, world, accumulation)))
+        evals.append(evaluate(trainer, data))
+    return {"losses": losses, "evals": evals, "state": trainer.state()}
+
+
+def packed_sharded(rank: int, world: int, port: int, name: str, zero: int, steps: int,
+                   rows: int, seq: int, accumulation: int, eval_path: str,
+                   out: str) -> None:
+    """`world` ranks, packed, each its rows of the same windows (as `modulec train` gives
+    them, with the denominators of runtime.train.packing), each step followed by the
+    evaluation split over the ranks; every rank saves its losses and eval losses, rank 0
+    the gathered state."""
+    from runtime.train.data_parallel import CPUDataParallelTrainer
+    from runtime.train.evaluate import EvalData, evaluate
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing, denominators
+
+    context = join(rank, world, port)
+    parallel = context.data_parallel(zero)
+    packing = Packing(SEP)
+    trainer = CPUDataParallelTrainer(tiny_model(name), rows, seq,
+                                     AdamW(lr=1e-2, weight_decay=0.1), parallel,
+                                     accumulation, packing)
+    data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
+    losses, evals, mine = [], [], rows * accumulation
+    for window in packed_windows(steps, mine * world, seq):
+        losses.append(trainer.train_step(window[rank * mine:(rank + 1) * mine],
+                                         denominators(window, packing, rows, world)))
+        evals.append(evaluate(trainer, data, parallel))
+    state = trainer.state()
+    saved = {"losses": losses, "evals": evals}
+    torch.save(saved | ({"state": state} if rank == 0 else {}), f"{out}.{rank}")
     context.close()
 
 

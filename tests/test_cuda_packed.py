@@ -102,8 +102,9 @@ def test_what_a_packed_step_does_not_run_is_refused():
     program = Model.from_module(LLAMA, settings=SIZES, dtype=torch.float32).source.program(
         planned=False)
     check_packed(SimpleNamespace(dist=None, program=program))
-    with pytest.raises(RuntimeUserError, match="with --tp, --dp or --zero"):
-        check_packed(SimpleNamespace(dist=object(), program=program))
+    check_packed(SimpleNamespace(dist=SimpleNamespace(tp=1), program=program))  # --zero
+    with pytest.raises(RuntimeUserError, match="with --tp is not supported yet"):
+        check_packed(SimpleNamespace(dist=SimpleNamespace(tp=2), program=program))
     from modulec.ir.graph import Node
 
     def attention(*kernel):

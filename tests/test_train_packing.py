@@ -191,9 +191,9 @@ def test_packing_mistakes_are_one_clear_error(data, args, message):
     assert "Traceback" not in result.output
 
 
-def test_doc_sep_on_cuda_packs_in_one_process_only(data):
-    """The GPU step packs (tests/test_cuda_packed.py); with --pp, --tp or --zero it is
-    refused, not ignored."""
+def test_doc_sep_on_cuda_packs_in_one_process_or_data_parallel(data):
+    """The GPU step packs (tests/test_cuda_packed.py), also data parallel (--zero:
+    tests/test_dist_packed_eval.py); with --pp or --tp it is refused, not ignored."""
     from runtime.errors import RuntimeUserError
     from runtime.train.packing import check_options
     from runtime.train.run import Request
@@ -201,8 +201,10 @@ def test_doc_sep_on_cuda_packs_in_one_process_only(data):
     request = Request(file=LLAMA, data=data, seq=16, batch=2, steps=1, device="cuda",
                       doc_sep=SEP)
     check_options(request)
-    for option in (dict(pp=2), dict(tp=2), dict(zero=1)):
-        with pytest.raises(RuntimeUserError, match="with --pp, --tp or --zero"):
+    check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1, device="cuda",
+                          doc_sep=SEP, zero=1))
+    for option in (dict(pp=2), dict(tp=2)):
+        with pytest.raises(RuntimeUserError, match="with --pp or --tp is not supported"):
             check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
                                   device="cuda", doc_sep=SEP, **option))
 
@@ -236,5 +238,3 @@ def test_a_model_mixing_tokens_outside_attention_is_refused(tmp_path, data):
                       doc_sep=SEP)
     with pytest.raises(RuntimeUserError, match="mixes tokens through softmax"):
         packing_for(request, 16, program)
-    with pytest.raises(RuntimeUserError, match="under torchrun is not supported yet"):
-        packing_for(request, 16, program, distributed=True)

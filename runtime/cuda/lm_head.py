@@ -75,16 +75,18 @@ def _backward_from(backward: Function, entry: Function, x_id: str, first) -> Fun
 
 def lm_head_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int = 2048,
                           ignore_index: int = -100, head_grad: bool = True,
-                          scratch: Tensor | None = None):
+                          scratch: Tensor | None = None, denominator: Tensor | None = None):
     """(loss [] fp32, d_x like x, d_weight fp32 like weight) of mean cross-entropy of
     logits = x @ weight^T against labels, in chunks of `chunk_rows` rows. `head_grad=False`
     (a frozen head, LoRA): d_weight is None, neither computed nor allocated. `scratch`
     (uint8 bytes free until the caller is done with d_weight: the arena's transient region
-    between forward and backward) holds d_weight and the chunk's logits where they fit."""
+    between forward and backward) holds d_weight and the chunk's logits where they fit.
+    `denominator` (a [] tensor on x's device): the summed loss is divided by it instead of
+    the count of labels != ignore_index (packed data parallel: runtime/train/packing.py)."""
     d = x.shape[-1]
     rows, flat_labels = x.reshape(-1, d), labels.reshape(-1)
     keep = flat_labels != ignore_index
-    inv_n = 1.0 / keep.sum().clamp(min=1).to(torch.float32)
+    inv_n = inverse_count(keep, torch.float32, denominator)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     d_rows = torch.empty_like(rows)
     room = _Scratch(scratch)
@@ -126,20 +128,31 @@ class _Scratch:
         return self.raw[start:start + n].view(dtype).view(tuple(shape))
 
 
+def inverse_count(keep: Tensor, dtype: torch.dtype, denominator=None) -> Tensor:
+    """1 / what the summed loss is divided by, a device scalar (no host sync): the count
+    of the kept targets (at least 1), or `denominator` (a number or a [] tensor)."""
+    if denominator is None:
+        return 1.0 / keep.sum().clamp(min=1).to(dtype)
+    if not isinstance(denominator, Tensor):
+        denominator = torch.tensor(float(denominator), dtype=dtype, device=keep.device)
+    return 1.0 / denominator.to(dtype)
+
+
 def logits_cross_entropy(logits: Tensor, labels: Tensor, chunk_rows: int = 2048,
-                         ignore_index: int = -100):
+                         ignore_index: int = -100, denominator=None):
     """(loss [] fp32 (float64 for float64 logits), d_logits like logits): the unfused
     path, for graphs that do not end in a head matmul. On CUDA the kernel runs once over a
     copy of all the logits, which becomes d_logits (the output's own memory: nothing else
     is allocated but the [rows] losses); elsewhere the torch path holds fp32 (float64)
-    only one chunk of `chunk_rows` at a time."""
+    only one chunk of `chunk_rows` at a time. `denominator`: as lm_head_cross_entropy's
+    (here also a number, on the CPU)."""
     V = logits.shape[-1]
     rows, flat_labels = logits.reshape(-1, V), labels.reshape(-1)
     keep = flat_labels != ignore_index
     # float64 logits (the reference runs) keep float64, as the cross_entropy kernel's
     # statistics do (and the vocab-parallel loss, runtime.kernels.vocab_parallel)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    inv_n = 1.0 / keep.sum().clamp(min=1).to(compute)
+    inv_n = inverse_count(keep, compute, denominator)
     ext = _kernel_for(rows)
     if ext is not None:
         d_rows = rows.clone(memory_format=torch.contiguous_format)

@@ -21,6 +21,12 @@
 
 Labels are the caller's: the target after a separator carries the ignore index
 (runtime/train/packing.py split_batch), which the fused cross-entropy leaves out.
+
+Data parallel (a `dist` without --tp): each rank packs its own rows, and the batch comes
+with `denominators` (runtime/train/packing.py: what each micro-batch's summed loss is
+divided by, the whole micro-batch's count over the ranks / dp), held in a static
+[accumulation] fp32 buffer the loss reads (`denominator`), so the ranks' averaged
+gradients are the one-process step's on their rows together.
 """
 
 from __future__ import annotations
@@ -74,11 +80,15 @@ class PackedBuffers:
         self.segments = torch.zeros(rows, seq, dtype=torch.int64, device=device)
         self.capacity = 0
         self.cu_seqlens = torch.zeros(accumulation, 1, dtype=torch.int32, device=device)
+        self.denominators: Tensor | None = None  # data parallel: [accumulation] fp32
 
-    def set(self, documents: Documents) -> bool:
-        """Copy `documents` ([rows, T], any device) in; True when a micro-batch held more
-        documents than the capacity, which then grew (new cu_seqlens: a graph captured
-        with the old buffer must go)."""
+    def set(self, documents: Documents, denominators=None) -> bool:
+        """Copy `documents` ([rows, T], any device) and the micro-batches' `denominators`
+        (a list of numbers, data parallel; None: each divides by its own count) in; True
+        when a micro-batch held more documents than the capacity, which then grew, or the
+        denominators' buffer was made or dropped (a graph captured with the old buffers
+        must go)."""
+        changed = self._set_denominators(denominators)
         positions = documents.positions.to("cpu", torch.int32)
         if tuple(positions.shape) != tuple(self.positions.shape):
             raise ValueError(f"the documents are {tuple(positions.shape)}, the step's "
@@ -94,7 +104,26 @@ class PackedBuffers:
         self.cu_seqlens.copy_(cu)
         self.positions.copy_(positions)
         self.segments.copy_(documents.segments)
-        return grown
+        return grown or changed
+
+    def _set_denominators(self, values) -> bool:
+        if values is None:
+            changed, self.denominators = self.denominators is not None, None
+            return changed
+        values = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        if values.shape != self.cu_seqlens.shape[:1]:
+            raise ValueError(f"{values.numel()} denominators for "
+                             f"{self.cu_seqlens.shape[0]} micro-batches")
+        made = self.denominators is None
+        if made:
+            self.denominators = torch.zeros_like(values, device=self.device)
+        self.denominators.copy_(values)
+        return made
+
+    def denominator(self, index: int) -> Tensor | None:
+        """Micro-batch `index`'s denominator (a [] view of the static buffer), or None:
+        its own count of counted targets."""
+        return None if self.denominators is None else self.denominators[index]
 
     def micro(self, index: int) -> Documents:
         """Micro-batch `index`'s documents: views of the static buffers."""
@@ -131,9 +160,10 @@ def check_packed(step) -> None:
     from runtime.errors import RuntimeUserError
     from runtime.train.packing import MIXING
 
-    if step.dist is not None:
-        raise RuntimeUserError("a packed GPU step (--doc-sep) with --tp, --dp or --zero is "
-                               "not supported yet", help=["train packed in one process"])
+    if step.dist is not None and step.dist.tp > 1:
+        raise RuntimeUserError("a packed GPU step (--doc-sep) with --tp is not supported "
+                               "yet", help=["train packed in one process, or data "
+                                            "parallel (--zero 0-3 without --tp)"])
     nodes = [node for function in step.program.graph.functions for node in function.nodes]
     pinned = [node for node in nodes if node.target == "flash_attention"
               and _pinned_to_cudnn(node)]
@@ -157,15 +187,16 @@ def _pinned_to_cudnn(node) -> bool:
     return choice is not None and choice[0].startswith("cudnn") and not choice[1]
 
 
-def set_documents(step, documents: Documents | None) -> None:
-    """TrainStep.set_batch's documents: required for a packed step, refused otherwise."""
+def set_documents(step, documents: Documents | None, denominators=None) -> None:
+    """TrainStep.set_batch's documents (and data parallel's denominators): required for
+    a packed step, refused otherwise."""
     if step.packing is None:
-        if documents is not None:
+        if documents is not None or denominators is not None:
             raise ValueError("documents for a step built unpacked: build it with "
                              "packed=True")
         return
     if documents is None:
         raise ValueError("a packed step needs each batch's documents "
                          "(runtime.train.packing.split_batch)")
-    if step.packing.set(documents):
-        step.cuda_graph = None  # captured with the smaller cu_seqlens buffer
+    if step.packing.set(documents, denominators):
+        step.cuda_graph = None  # captured with the smaller cu_seqlens buffer (or none)

@@ -510,18 +510,21 @@ class TrainStep:
         if run.swaps is not None:
             run.swaps.forward_done()
         d_head = None
+        # packed data parallel: the micro-batch's denominator (runtime/cuda/packed.py)
+        shared = self.packing.denominator(micro) if self.packing is not None else None
+        shared = {} if shared is None else {"denominator": shared}
         if self.split is not None:
             head = self.split.head_param
             trained = head not in self.frozen()
             loss, seed, d_head = lm_head_cross_entropy(
                 out, self.compute[head], labels, self.chunk_rows, self.ignore_index,
-                head_grad=trained, scratch=self._head_scratch(on_gradient))
+                head_grad=trained, scratch=self._head_scratch(on_gradient), **shared)
             if d_head is not None and on_gradient is not None and not self._head_tied():
                 on_gradient(head, d_head)
                 d_head = None
         else:
             loss, seed = self.logits_loss(out, labels, self.chunk_rows,
-                                          ignore_index=self.ignore_index)
+                                          ignore_index=self.ignore_index, **shared)
         del out
         if aux is not None:
             loss = loss + aux.to(loss.dtype)
@@ -704,10 +707,11 @@ class TrainStep:
         return self.hooks
 
     def set_batch(self, token_ids: Tensor, labels: Tensor | None = None,
-                  documents=None) -> None:
+                  documents=None, denominators=None) -> None:
         """Copy a batch into the static buffers; labels default to the next tokens. A
-        packed step takes the batch's `documents` (runtime.kernels.documents.Documents)."""
-        set_documents(self, documents)
+        packed step takes the batch's `documents` (runtime.kernels.documents.Documents),
+        under data parallel with its micro-batches' `denominators` (packed.py)."""
+        set_documents(self, documents, denominators)
         self.tokens.copy_(token_ids)
         if labels is None:
             labels = next_token_labels(token_ids)
@@ -738,9 +742,9 @@ class TrainStep:
             self.set_lr(self.adamw.lr)
 
     def __call__(self, token_ids: Tensor, labels: Tensor | None = None,
-                 documents=None) -> Tensor:
+                 documents=None, denominators=None) -> Tensor:
         self._sync_lr()
-        self.set_batch(token_ids, labels, documents)
+        self.set_batch(token_ids, labels, documents, denominators)
         if self.cuda_graph is None:
             self._step()
         else:

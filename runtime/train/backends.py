@@ -92,9 +92,10 @@ class CPUTrainer:
             return {}
         return {"grad_norm": float(norm)}
 
-    def _loss_and_gradients(self, window: Tensor):
+    def _loss_and_gradients(self, window: Tensor, denominator: float | None = None):
         """The micro-batch's mean loss over its targets (packed: those not ignored) and
-        its gradients; a packed batch's documents held for both passes."""
+        its gradients; a packed batch's documents held for both passes. `denominator`:
+        the summed loss divided by it instead (packed data parallel: packing.py)."""
         from runtime.kernels.documents import packed
         from runtime.tensor_parallel import logits_loss
         from runtime.train.packing import split_batch
@@ -105,8 +106,9 @@ class CPUTrainer:
             outputs = self.model.forward(**fed_inputs(
                 self.inputs, tokens, documents.positions if documents else None))
             logits = outputs[self.output]
+            shared = {} if denominator is None else {"denominator": denominator}
             loss, d_logits = logits_loss(self.program, self.output)(  # vocab-parallel
-                logits, labels, ignore_index=ignore)  # on a `@shard(vocab)` head's slice
+                logits, labels, ignore_index=ignore, **shared)  # on a `@shard(vocab)` slice
             seeds = {self.output: d_logits.to(logits.dtype)}
             for name, aux in auxiliary_losses(outputs, self.output).items():  # MoE balance
                 loss = loss + aux.to(loss.dtype)
@@ -177,23 +179,28 @@ class CUDATrainer:
         model.params.clear()  # the step holds the fp32 masters now
         self.steps_run = 0
 
-    def train_step(self, window: Tensor) -> float:
+    def train_step(self, window: Tensor, denominators: list[float] | None = None) -> float:
         """A replay (the first step eager; the second captures). Packed, the documents
         go with the batch; one past the step's room for documents drops the graph (that
-        step eager, the next captures again: runtime/cuda/packed.py)."""
+        step eager, the next captures again: runtime/cuda/packed.py). Packed data
+        parallel: `denominators` too, and the loss returned is the ranks' mean (one
+        all_reduce of it after the step): the mean over every rank's counted targets."""
         from runtime.train.packing import split_batch
 
         tokens, labels, documents = split_batch(window, self.packing)
         tokens, labels = tokens.cuda(non_blocking=True), labels.cuda(non_blocking=True)
         if self.step.cuda_graph is not None or self.steps_run == 0:
-            self.step(tokens, labels, documents)
+            self.step(tokens, labels, documents, denominators)
         else:
-            self.step.set_batch(tokens, labels, documents)
+            self.step.set_batch(tokens, labels, documents, denominators)
             self.step.capture(warmup=1)  # its one warm-up is this step
         self.steps_run += 1
+        both = torch.cat([self.step.loss.reshape(1), self.step.grad_norm.reshape(1)])
+        if denominators is not None:  # a rank's loss is its share: summed over ranks
+            dist = self.step.dist
+            both[0:1] = ranks_sum(both[0:1], dist.dp_group) / dist.dp
         # one read of both (the loss is read every step anyway: no sync more)
-        loss, self._norm = torch.cat([self.step.loss.reshape(1),
-                                      self.step.grad_norm.reshape(1)]).tolist()
+        loss, self._norm = both.tolist()
         return loss
 
     def set_lr(self, lr: float) -> None:
@@ -264,6 +271,15 @@ class CUDATrainer:
                 "now_bytes": torch.cuda.memory_allocated(),
                 "what": "GPU (activations in the plan's arena)" if arena else
                 "GPU (torch allocator)"}
+
+
+def ranks_sum(value: Tensor, group=None) -> Tensor:
+    """`value` summed over the ranks of `group` (an all_reduce, out of place)."""
+    import torch.distributed as dist
+
+    total = value.clone()
+    dist.all_reduce(total, group=group)
+    return total
 
 
 def sliced(model: Model) -> bool:

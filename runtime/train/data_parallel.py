@@ -67,11 +67,12 @@ def section_of(model: Model, batch: int, seq: int) -> dict:
 
 class CPUDataParallelTrainer(CPUTrainer):
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, parallel,
-                 accumulation: int = 1):
+                 accumulation: int = 1, packing=None):
         """`parallel`: runtime.dist.DataParallelRun (ZeRO over its data-parallel group; with
-        tensor parallel, the model is this rank's slice and the TP pair uses its group)."""
+        tensor parallel, the model is this rank's slice and the TP pair uses its group).
+        `packing`: --doc-sep's (runtime.train.packing.Packing), each rank its own rows."""
         with_distributed(model, parallel.options())
-        super().__init__(model, batch, seq, adamw, accumulation)
+        super().__init__(model, batch, seq, adamw, accumulation, packing)
         self.context = context = parallel.context
         parallel.use_tensor_parallel_group()
         program = program_of(model, batch, seq)
@@ -113,14 +114,21 @@ class CPUDataParallelTrainer(CPUTrainer):
         parallel the TP slices' summed)."""
         return {"grad_norm": float(self.zero.grad_norm)}
 
-    def train_step(self, window: Tensor) -> float:
+    def train_step(self, window: Tensor, denominators: list[float] | None = None) -> float:
         """One optimizer step on this rank's `window` rows; returns the mean loss over
-        every rank's rows."""
+        every rank's rows. Packed, `denominators` (runtime.train.packing.denominators)
+        divide each micro-batch's summed loss: the step is then one process's on every
+        rank's rows (the mean over their counted targets)."""
         losses, total = [], {}
         self.adamw.step += 1
         self.zero.step_begin()
-        for part in window.split(self.batch):
-            loss, grads = self._loss_and_gradients(part)
+        parts = window.split(self.batch)
+        if denominators is not None and len(denominators) != len(parts):
+            raise ValueError(f"{len(denominators)} denominators for {len(parts)} "
+                             "micro-batches")
+        for index, part in enumerate(parts):
+            loss, grads = self._loss_and_gradients(
+                part, None if denominators is None else denominators[index])
             losses.append(float(loss))
             for path, grad in grads.items():
                 total[path] = total[path] + grad if path in total else grad

@@ -10,6 +10,13 @@ mean next-token cross-entropies (every batch has B*T targets, so it is the mean 
 targets). On the CPU the reference interpreter runs the forward; on the GPU a forward-only
 interpreter over the step's bf16 compute weights (runtime/cuda/evaluate.py), outside the
 captured graph and its arena.
+
+Under torchrun, data parallel with ZeRO 0-2 (every rank holds the whole compute weights),
+the batches are split over the data-parallel ranks (batch i on rank i % dp); one
+all_reduce over the run's data-parallel group sums the ranks' sums of batch losses, and
+every rank divides by the number of batches: the one-process eval loss on every rank
+(rank 0 reports it). Refused with --tp, --pp and ZeRO-3 (a rank holds a shard of the
+weights, which a forward-only pass would have to gather): not supported yet.
 """
 
 from __future__ import annotations
@@ -59,9 +66,11 @@ class EvalData:
         return torch.from_numpy(np.stack(rows))
 
 
-def check_eval_options(eval_data, eval_every, eval_batches, distributed: bool) -> None:
+def check_eval_options(eval_data, eval_every, eval_batches, tp: int = 1,
+                       pp: int = 1) -> None:
     """--eval-every and --eval-batches need --eval-data, and --eval-data needs a positive
-    --eval-every; evaluation runs in one process only (for now)."""
+    --eval-every; evaluation runs in one process or data parallel (not with --tp or --pp,
+    for now; ZeRO-3: check_eval_zero)."""
     if eval_data is None:
         given = [f for f, v in (("--eval-every", eval_every),
                                 ("--eval-batches", eval_batches)) if v is not None]
@@ -71,10 +80,24 @@ def check_eval_options(eval_data, eval_every, eval_batches, distributed: bool) -
     if eval_every is None or eval_every < 1:
         raise RuntimeUserError("--eval-data needs --eval-every K (K >= 1): evaluate every "
                                "K optimizer steps", help=["for example --eval-every 50"])
-    if distributed:
-        raise RuntimeUserError("--eval-data under torchrun is not supported yet",
-                               help=["evaluate a saved checkpoint in one process, or "
-                                     "leave out --eval-data"])
+    given = [f"--{flag} {n}" for flag, n in (("tp", tp), ("pp", pp)) if n > 1]
+    if given:
+        raise RuntimeUserError(f"--eval-data with {' and '.join(given)} is not supported "
+                               "yet", help=["evaluate a saved checkpoint in one process, "
+                                            "or train data parallel (--zero 0-2), or leave "
+                                            "out --eval-data"])
+
+
+def check_eval_zero(eval_data, parallel) -> None:
+    """--eval-data under data parallel: ZeRO 0-2 (the stage is --zero's or an IR
+    document's, known once the model is read)."""
+    if eval_data is not None and parallel is not None and parallel.dp > 1 and \
+            parallel.zero == 3:
+        raise RuntimeUserError("--eval-data with --zero 3 is not supported yet: a rank "
+                               "holds a shard of the weights, which the evaluation's "
+                               "forward does not gather",
+                               help=["train with --zero 2 (or 0, 1) to evaluate, or "
+                                     "evaluate a saved checkpoint in one process"])
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -82,12 +105,28 @@ def due(step: int, every: int, last: int) -> bool:
     return step % every == 0 or step == last
 
 
-def evaluate(trainer, data: EvalData) -> float:
-    """The mean loss of the eval batches on the trainer's current weights."""
+def evaluate(trainer, data: EvalData, parallel=None) -> float:
+    """The mean loss of the eval batches on the trainer's current weights. `parallel`
+    (runtime.dist.DataParallelRun, data parallel): this rank evaluates batches i with
+    i % dp == its rank, and the sum over the ranks (a collective: every rank calls it)
+    is divided by the number of batches."""
+    dp, rank = (parallel.dp, parallel.dp_rank) if parallel is not None else (1, 0)
     total = 0.0
-    for index in range(data.batches):
+    for index in range(rank, data.batches, dp):
         total += batch_loss(trainer, data.batch_at(index))
+    if dp > 1:
+        total = ranks_total(total, parallel)
     return total / data.batches
+
+
+def ranks_total(value: float, parallel) -> float:
+    """`value` summed over the data-parallel ranks: one all_reduce on the run's
+    data-parallel group, in float64 (on the device NCCL needs: the context's)."""
+    import torch.distributed as dist
+
+    summed = torch.tensor([value], dtype=torch.float64, device=parallel.context.device)
+    dist.all_reduce(summed, group=parallel.dp_group)
+    return float(summed)
 
 
 def batch_loss(trainer, window: torch.Tensor) -> float:
@@ -115,13 +154,15 @@ def cpu_loss(trainer, window: torch.Tensor) -> float:
     model, packing = trainer.model, getattr(trainer, "packing", None)
     tokens, labels, documents = split_batch(window, packing)
     seed, model.rng_seed = model.rng_seed, None
+    # data parallel (ZeRO 0-2): the whole weights are bound; no ZeRO trigger runs
+    events, model.frame_events = model.frame_events, None
     try:
         with packed(documents):
             logits = model.forward(**fed_inputs(
                 trainer.inputs, tokens, documents.positions if documents else None)
             )[trainer.output]
     finally:
-        model.rng_seed, model._frame = seed, None
+        model.rng_seed, model._frame, model.frame_events = seed, None, events
     loss, _ = logits_loss(model.source.program(planned=False), trainer.output)(
         logits, labels, ignore_index=-100 if packing is None else packing.ignore_index)
     return float(loss)

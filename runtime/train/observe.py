@@ -13,10 +13,13 @@ from runtime.train.evaluate import EvalData, due, evaluate
 
 class Observer:
     def __init__(self, request, trainer, token_dtype: str, vocab_size: int | None,
-                 start: int, lr_at=None, main: bool = True):
+                 start: int, lr_at=None, main: bool = True, parallel=None):
+        """`parallel`: the run's runtime.dist.DataParallelRun (None: one process), over
+        whose ranks the evaluation's batches are split."""
         from runtime.train.metrics import MetricsLog
 
         self.request, self.trainer, self.main = request, trainer, main
+        self.parallel = parallel
         self.lr_at = lr_at or (lambda step: request.lr)
         self.began = time.perf_counter()
         self.last_eval: tuple[int, float] | None = None
@@ -31,8 +34,10 @@ class Observer:
         notes = []
         if self.eval_data is not None:
             d, r = self.eval_data, self.request
+            dp = self.parallel.dp if self.parallel is not None else 1
+            split = f", split over the {dp} data-parallel ranks" if dp > 1 else ""
             notes.append(f"eval: {d.batches} batches of {r.batch} x {r.seq} tokens from "
-                         f"{d.path} every {r.eval_every} steps and after the last")
+                         f"{d.path} every {r.eval_every} steps and after the last{split}")
         if self.log is not None:
             notes += self.log.notices
             notes.append(f"metrics: {self.log.path}")
@@ -47,7 +52,7 @@ class Observer:
             record.update(extra())
         if self.eval_data is not None and due(step, self.request.eval_every,
                                               self.request.steps):
-            loss = evaluate(self.trainer, self.eval_data)
+            loss = evaluate(self.trainer, self.eval_data, self.parallel)  # every rank
             record["eval_loss"] = loss
             self.last_eval = (step, loss)
         if self.log is not None:

@@ -6,7 +6,15 @@ separator (the next document's first token, predicted from another document) get
 the ignore index and is left out of the loss, whose mean is over the micro-batch's
 other targets. The separator itself stays a target: a document learns to end. On the
 GPU the step holds the documents in static buffers (runtime/cuda/packed.py).
-decisions.md "Packed sequences".
+
+Under torchrun, data parallel (--zero 0-3, no --tp / --pp), each rank packs its own rows
+the same way, and the step is the one-process step on the ranks' rows together: the
+ranks' micro-batches j make one micro-batch of dp x B rows whose loss is the mean over
+all its counted targets. A rank's own mean would not give that (the ranks count different
+numbers of targets, and the step averages the ranks' gradients), so each rank divides
+its summed loss by `denominators` (the whole micro-batch's count / dp), which every rank
+computes from the step's whole window (all ranks read it) without a collective.
+decisions.md "Packed sequences", "Packed data parallel: the loss's denominator".
 """
 
 from __future__ import annotations
@@ -53,6 +61,20 @@ def documents_of(ends: Tensor) -> Documents:
     return Documents(segments.contiguous(), (index - first).to(torch.int32).contiguous())
 
 
+def denominators(window: Tensor, packing: Packing, batch: int, dp: int) -> list[float]:
+    """Packed data parallel: what each rank divides micro-batch j's summed loss by, for
+    the step's whole `window` [dp * accumulation * batch, T+1] (rank r's rows are the
+    r-th dp-th of it, its micro-batch j their j-th `batch` rows): the count of counted
+    targets of every rank's micro-batch j together, over dp (at least 1 / dp: a
+    micro-batch without a counted target has a summed loss of 0). The ranks' losses then
+    average (and their gradients, each divided by dp, sum) to the mean over the whole
+    micro-batch's counted targets, as one process computes it on those rows."""
+    rows, width = window.shape
+    counted = window[:, :-1] != packing.sep  # split_batch's labels not ignored
+    per_micro = counted.reshape(dp, rows // (dp * batch), batch, width - 1).sum((0, 2, 3))
+    return [max(int(n), 1) / dp for n in per_micro]
+
+
 def check_options(request) -> None:
     """--doc-sep and --ignore-index, before the model is built."""
     sep, ignore = request.doc_sep, request.ignore_index
@@ -63,23 +85,21 @@ def check_options(request) -> None:
                                    help=["give --doc-sep ID (the end-of-document id) to "
                                          "pack documents"])
         return
-    if request.pp > 1 or request.tp > 1 or request.zero is not None:
-        raise RuntimeUserError("--doc-sep with --pp, --tp or --zero is not supported yet",
-                               help=["train packed in one process"])
+    if request.pp > 1 or request.tp > 1:
+        raise RuntimeUserError("--doc-sep with --pp or --tp is not supported yet",
+                               help=["train packed in one process, or data parallel "
+                                     "(torchrun with --zero 0-3, no --tp / --pp)"])
     if sep < 0:
         raise RuntimeUserError(f"--doc-sep {sep} is not a token id",
                                help=["give the tokenizer's end-of-document (eos) id"])
 
 
-def packing_for(request, vocab_size: int | None, program,
-                distributed: bool = False) -> Packing | None:
-    """The run's packing (None: unpacked), checked against the model and the launch."""
+def packing_for(request, vocab_size: int | None, program) -> Packing | None:
+    """The run's packing (None: unpacked), checked against the model (the launch:
+    check_options)."""
     sep, ignore = request.doc_sep, request.ignore_index
     if sep is None:
         return None
-    if distributed:
-        raise RuntimeUserError("--doc-sep under torchrun is not supported yet",
-                               help=["train packed in one process"])
     if vocab_size is not None and sep >= vocab_size:
         raise RuntimeUserError(f"--doc-sep {sep} is not a token id of the model "
                                f"(vocab_size {vocab_size})",

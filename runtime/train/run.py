@@ -117,6 +117,9 @@ def _train(request: Request, context) -> str:
     model = _model(request, weights, context.rank % request.tp)
     sizes = _sizes(model, request)
     parallel = _parallel(request, context, model)
+    from runtime.train.evaluate import check_eval_zero
+
+    check_eval_zero(request.eval_data, parallel)  # the stage may be an IR document's
     dp = parallel.dp if parallel is not None else pipeline_replica(request, context)[0]
     data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
                      request.seq, request.batch * request.grad_accum * dp,
@@ -132,7 +135,7 @@ def _check_eval(request: Request, context) -> None:
     from runtime.train.evaluate import check_eval_options
 
     check_eval_options(request.eval_data, request.eval_every, request.eval_batches,
-                       context.distributed)
+                       request.tp, request.pp)
     if request.eval_data is not None:
         check_batch_fits(request.eval_data, request.dtype_tokens, request.seq,
                          request.batch)
@@ -364,8 +367,7 @@ class Run:
         from runtime.train.packing import packing_for
 
         self.packing = packing_for(request, data.vocab_size,  # --doc-sep (None: unpacked)
-                                   model.source.program(planned=False),
-                                   self.context.distributed)
+                                   model.source.program(planned=False))
         from runtime.train.optim_options import adamw_of, schedule_for
 
         self.schedule = schedule_for(request)  # the lr of each step (set before it runs)
@@ -394,7 +396,7 @@ class Run:
             from runtime.train.data_parallel import CPUDataParallelTrainer
 
             return CPUDataParallelTrainer(model, r.batch, r.seq, adamw, parallel,
-                                          r.grad_accum)
+                                          r.grad_accum, self.packing)
         if parallel is not None:  # tensor parallel alone: the TP pair's group
             from runtime.dist.zero import refuse_parameter_settings
 
@@ -411,6 +413,16 @@ class Run:
         ranks of one tensor-parallel slice read the same rows)."""
         rows = window.shape[0] // self.dp
         return window[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+
+    def _shared(self, window) -> dict:
+        """Packed data parallel: the denominators of the step's micro-batches, from the
+        whole window every rank reads (runtime.train.packing.denominators)."""
+        if self.packing is None or self.dp == 1:
+            return {}
+        from runtime.train.packing import denominators
+
+        return {"denominators": denominators(window, self.packing, self.request.batch,
+                                             self.dp)}
 
     def _settings(self) -> dict:
         """What a resume must match. `batch` is the rows of a micro-batch over every rank
@@ -497,10 +509,10 @@ class Run:
                 progress.note(note)
             self.observer = observer
             for step in range(self.start, r.steps):
-                window = self._own_rows(self.data.batch_at(step))
+                whole = self.data.batch_at(step)
                 self.trainer.set_lr(self.schedule.lr_at(step + 1))
                 began = now()
-                loss = self.trainer.train_step(window)
+                loss = self.trainer.train_step(self._own_rows(whole), **self._shared(whole))
                 times.append(now() - began)
                 self._record(progress, step + 1, loss, times[-1], observer)
                 if r.save_every and (step + 1) % r.save_every == 0 and step + 1 < r.steps:
@@ -528,7 +540,7 @@ class Run:
         from runtime.train.observe import Observer
 
         return Observer(self.request, self.trainer, self.data.dtype, self.data.vocab_size,
-                        self.start, self._lr_at, self.context.is_main)
+                        self.start, self._lr_at, self.context.is_main, self.parallel)
 
     def _lr_at(self, step: int) -> float:
         """The learning rate optimizer step `step` took (a schedule's, where the run has

@@ -1,0 +1,97 @@
+"""Packed sequences (--doc-sep) and evaluation (--eval-data) under data parallel, on two
+CPU processes (gloo), float64: two packed optimizer steps with gradient accumulation,
+whose ranks count very different numbers of targets, equal one process's packed steps on
+every rank's rows (losses and state), and the evaluation split over the ranks equals
+one process's on every rank. The refusals that remain (--tp, --pp, ZeRO-3 evaluation)
+are one clear error each."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from tests import dist_workers  # noqa: E402
+from tests.test_dist_zero import assert_same_state, free_port  # noqa: E402
+
+STEPS, ROWS, SEQ, ACCUMULATION, WORLD = 2, 2, 8, 2, 2
+EVAL_BATCHES = 3  # odd: rank 0 evaluates two of them, rank 1 one
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory):
+    """EVAL_BATCHES whole batches of ROWS x SEQ (+1) tokens, separators among them."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(2, 64, EVAL_BATCHES * ROWS * SEQ + 1)
+    tokens[rng.random(tokens.size) < 0.2] = dist_workers.SEP
+    path = tmp_path_factory.mktemp("eval") / "eval.bin"
+    tokens.astype("<u2").tofile(path)
+    return path
+
+
+def test_packed_steps_and_evaluation_under_zero2_equal_one_process(eval_file, tmp_path):
+    out = tmp_path / "packed"
+    mp.spawn(dist_workers.packed_sharded, nprocs=WORLD,
+             args=(WORLD, free_port(), "llama", 2, STEPS, ROWS, SEQ, ACCUMULATION,
+                   str(eval_file), str(out)))
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    want = dist_workers.packed_reference("llama", STEPS, ROWS, SEQ, ACCUMULATION, WORLD,
+                                         str(eval_file))
+    for got in ranks:  # every rank has the step's loss and the eval loss
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-9)
+        assert got["evals"] == pytest.approx(want["evals"], rel=1e-9)
+    assert_same_state(ranks[0]["state"], want["state"])
+
+
+def test_the_ranks_count_different_targets_in_the_test_windows():
+    """What makes the test above one: a rank's own mean would differ (its rows hold a
+    different number of counted targets than the other rank's)."""
+    from runtime.train.packing import Packing, denominators
+
+    window = dist_workers.packed_windows(1, ROWS * ACCUMULATION * WORLD, SEQ)[0]
+    counted = (window[:, :-1] != dist_workers.SEP).reshape(WORLD, ACCUMULATION, -1).sum(-1)
+    assert counted[0].tolist() != counted[1].tolist()
+    assert denominators(window, Packing(dist_workers.SEP), ROWS, WORLD) == \
+        [float(n) / WORLD for n in counted.sum(0)]
+
+
+def _request(**options):
+    from runtime.train.run import Request
+
+    return Request(file="std/models/llama.module", data="x.bin", seq=8, batch=2, steps=1,
+                   device="cpu", **options)
+
+
+@pytest.mark.parametrize("option,message", [
+    (dict(tp=2), "--doc-sep with --pp or --tp is not supported yet"),
+    (dict(pp=2), "--doc-sep with --pp or --tp is not supported yet"),
+])
+def test_doc_sep_is_refused_with_tp_and_pp_only(option, message):
+    from runtime.errors import RuntimeUserError
+    from runtime.train.packing import check_options
+
+    check_options(_request(doc_sep=1, zero=2))  # data parallel: packs
+    with pytest.raises(RuntimeUserError, match=message) as caught:
+        check_options(_request(doc_sep=1, **option))
+    assert "data parallel" in caught.value.help[0]
+
+
+def test_eval_data_is_refused_with_tp_pp_and_zero3():
+    from types import SimpleNamespace
+
+    from runtime.errors import RuntimeUserError
+    from runtime.train.evaluate import check_eval_options, check_eval_zero
+
+    check_eval_options("e.bin", 2, None)  # one process, or data parallel
+    for tp, pp, named in ((2, 1, "--tp 2"), (1, 2, "--pp 2"), (2, 2, "--tp 2 and --pp 2")):
+        with pytest.raises(RuntimeUserError,
+                           match=f"--eval-data with {named} is not supported yet"):
+            check_eval_options("e.bin", 2, None, tp, pp)
+    for zero in (0, 1, 2):
+        check_eval_zero("e.bin", SimpleNamespace(dp=2, zero=zero))
+    check_eval_zero(None, SimpleNamespace(dp=2, zero=3))  # no evaluation: nothing to refuse
+    with pytest.raises(RuntimeUserError, match="--eval-data with --zero 3 is not supported "
+                                               "yet: a rank holds a shard"):
+        check_eval_zero("e.bin", SimpleNamespace(dp=2, zero=3))
