@@ -114,6 +114,45 @@ def test_a_head_tied_to_the_embedding_trains_under_zero3_as_under_zero0():
     assert_same_state(got[3, "state"], got[0, "state"])
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_shared_gradient_slot_reduces_no_stale_padding(zero):
+    """llama_tied: the final norm (32 of 128 elements, the rest padding) shares its
+    gradient slot with the embedding, whose gradients filled the whole slot before: the
+    padding is zeroed at each copy in, so the clipped steps' gradient norms and losses are
+    one process's (the stale padding counted in the norm: 1.5816 for 1.5642 at step 1)."""
+    import torch.distributed as dist
+
+    from modulec.plan.distributed import DataParallel
+    from runtime.dist.context import DataParallelRun, DistContext
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.data_parallel import CPUDataParallelTrainer
+    from runtime.train.optim import AdamW
+
+    class OneRank(DataParallelRun):
+        def options(self):
+            return DataParallel(1, self.zero)
+
+    def adamw():
+        return AdamW(lr=1e-2, weight_decay=0.1, clip_grad=1e-3)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        trainer = CPUDataParallelTrainer(dist_workers.tiny_model("llama_tied"), ROWS, SEQ,
+                                         adamw(), OneRank(DistContext(0, 1, 0, "cpu",
+                                                                      "gloo"), zero))
+        slots = {b["name"]: b.get("gradient_slot") for b in trainer.zero.section["buckets"]}
+        assert slots["final_norm.weight"] == slots["embedding"] is not None
+        reference = CPUTrainer(dist_workers.tiny_model("llama_tied"), ROWS, SEQ, adamw())
+        for window in dist_workers.windows(STEPS + 1, ROWS, SEQ):
+            assert trainer.train_step(window) == pytest.approx(
+                reference.train_step(window), rel=1e-12)
+            assert trainer.step_metrics()["grad_norm"] == pytest.approx(
+                reference.step_metrics()["grad_norm"], rel=1e-12)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_zero3_holds_half_of_zero0_beside_the_buffers(runs):
     """The runs above (ZeRO-3's steps equal one process's): a rank's state (compute
     weights, masters, moments) is half of ZeRO-0's, the entry parameters' included; the

@@ -82,6 +82,8 @@ class Bucket:
     absent: dict = field(default_factory=dict)  # ... and what its paths read meanwhile
                                                 # (meta tensors)
     held: list = field(default_factory=list)  # with clipping: per instance, its reduced part
+    gaps: list = field(default_factory=list)  # a shared slot: (start, stop) no parameter
+                                              # covers, zeroed at each copy in
     segments: list = field(default_factory=list)  # (start, stop, decay factor) of its part
 
     @property
@@ -226,6 +228,7 @@ class ZeroRun:
         bucket.held = [torch.zeros(part.stop - part.start, dtype=prec.gradient, **kw)
                        for _ in range(bucket.count)] if self.clip is not None else []
         bucket.segments = self._segments(bucket)
+        bucket.gaps = _gaps(bucket.spec) if "gradient_slot" in bucket.spec else []
 
     def _shared_slot(self, bucket: Bucket) -> Tensor:
         """The flat gradient slot `bucket` shares with other entry buckets, made once at
@@ -426,6 +429,8 @@ class ZeroRun:
         if "gradient_slot" in bucket.spec:
             self.slot_user[bucket.spec["gradient_slot"]] = bucket.key(i)
         slot = bucket.grad_slots[i % len(bucket.grad_slots)]
+        for start, stop in bucket.gaps:  # the slot's last user left its values there: the
+            slot[start:stop].zero_()     # padding is reduced, and counts in the norm
         for path, grad in self.arrived[(bucket.name, i)].items():
             _, _, offset, numel, shape = self.index[path]
             torch.mul(grad.reshape(shape), self.scale,
@@ -582,6 +587,16 @@ class ZeroRun:
     def buffer_numel(self) -> int:
         """The elements of the ZeRO-3 entry buffers held now (none between steps)."""
         return sum(b.buffer.numel() for b in self.buckets if b.buffer is not None)
+
+
+def _gaps(spec: dict) -> list[tuple[int, int]]:
+    """The ranges of a bucket's flat vector that no parameter covers (alignment padding)."""
+    gaps, end = [], 0
+    for p in sorted(spec["params"], key=lambda p: p["offset"]):
+        if p["offset"] > end:
+            gaps.append((end, p["offset"]))
+        end = max(end, p["offset"] + p["numel"])
+    return gaps + [(end, spec["numel"])] if end < spec["numel"] else gaps
 
 
 def _storage_bytes(tensors: list[Tensor], seen: set) -> int:
