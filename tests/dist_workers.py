@@ -123,33 +123,36 @@ def packed_reference(name: str, steps: int, rows: int, seq: int, accumulation: i
     return {"losses": losses, "evals": evals, "state": trainer.state()}
 
 
-def packed_sharded(rank: int, world: int, port: int, name: str, zero: int, steps: int,
+def packed_sharded(rank: int, world: int, port: int, name: str, zeros: tuple, steps: int,
                    rows: int, seq: int, accumulation: int, eval_path: str,
                    out: str) -> None:
     """`world` ranks, packed, each its rows of the same windows (as `modulec train` gives
-    them, with the denominators of runtime.train.packing), each step followed by the
-    evaluation split over the ranks; every rank saves its losses and eval losses, rank 0
-    the gathered state."""
+    them, with the denominators of runtime.train.packing), at each ZeRO stage of `zeros`;
+    below ZeRO-3 each step is followed by the evaluation split over the ranks. Every rank
+    saves its losses and eval losses by stage, rank 0 the gathered states."""
     from runtime.train.data_parallel import CPUDataParallelTrainer
     from runtime.train.evaluate import EvalData, evaluate
     from runtime.train.optim import AdamW
     from runtime.train.packing import Packing, denominators
 
     context = join(rank, world, port)
-    parallel = context.data_parallel(zero)
-    packing = Packing(SEP)
-    trainer = CPUDataParallelTrainer(tiny_model(name), rows, seq,
-                                     AdamW(lr=1e-2, weight_decay=0.1), parallel,
-                                     accumulation, packing)
+    packing, saved = Packing(SEP), {}
     data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
-    losses, evals, mine = [], [], rows * accumulation
-    for window in packed_windows(steps, mine * world, seq):
-        losses.append(trainer.train_step(window[rank * mine:(rank + 1) * mine],
-                                         denominators(window, packing, rows, world)))
-        evals.append(evaluate(trainer, data, parallel))
-    state = trainer.state()
-    saved = {"losses": losses, "evals": evals}
-    torch.save(saved | ({"state": state} if rank == 0 else {}), f"{out}.{rank}")
+    for zero in zeros:
+        parallel = context.data_parallel(zero)
+        trainer = CPUDataParallelTrainer(tiny_model(name), rows, seq,
+                                         AdamW(lr=1e-2, weight_decay=0.1), parallel,
+                                         accumulation, packing)
+        losses, evals, mine = [], [], rows * accumulation
+        for window in packed_windows(steps, mine * world, seq):
+            losses.append(trainer.train_step(window[rank * mine:(rank + 1) * mine],
+                                             denominators(window, packing, rows, world)))
+            if zero < 3:  # ZeRO-3's evaluation is refused (runtime/train/evaluate.py)
+                evals.append(evaluate(trainer, data, parallel))
+        state = trainer.state()
+        saved[zero] = {"losses": losses, "evals": evals} | \
+            ({"state": state} if rank == 0 else {})
+    torch.save(saved, f"{out}.{rank}")
     context.close()
 
 
@@ -345,5 +348,85 @@ def gpu_tp_overlap(rank: int, world: int, port: int, steps: int, rows: int, seq:
         torch.cuda.synchronize()
     if rank == 0:
         torch.save(got, out)
+    context.close()
+    context.exit_now()
+
+
+# ----------------------------------------- packed steps and evaluation on GPUs (NCCL)
+def _gpu_model():
+    from runtime.model import Model
+
+    model = Model.from_module(GPU_LLAMA[0], settings={k: str(v) for k, v in
+                                                      GPU_LLAMA[1].items()},
+                              dtype=torch.float32)
+    return model.init_random(0)
+
+
+def _gpu_packed_run(trainer, windows, own, evaluate_now) -> dict:
+    """The eval loss before any step and after each, the steps' losses, the masters."""
+    evals, losses = [evaluate_now(trainer)], []
+    for window in windows:
+        losses.append(trainer.train_step(*own(window)))
+        evals.append(evaluate_now(trainer))
+    masters = trainer.state()["masters"]  # data parallel: gathered (every rank)
+    return {"evals": evals, "losses": losses,
+            "masters": {p: masters[p].float().cpu() for p in masters}}
+
+
+def gpu_packed_reference(steps: int, rows: int, seq: int, accumulation: int, world: int,
+                         eval_path: str) -> dict:
+    """One GPU, packed (CUDATrainer, bf16), every rank's rows in one process's order; the
+    eval loss of its weights by a one-GPU trainer of the eval batch's `rows` (the GPU
+    step's graph has the batch's sizes); the initial weights under `initial`."""
+    from runtime.train.backends import CUDATrainer
+    from runtime.train.evaluate import EvalData, evaluate
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing
+
+    vocab = GPU_LLAMA[1]["vocab_size"]
+    model = _gpu_model()
+    initial = {p: t.detach().clone() for p, t in model.params.items()}
+    trainer = CUDATrainer(model, rows * world, seq, AdamW(lr=1e-3), accumulation=accumulation,
+                          packing=Packing(SEP))
+    judge = CUDATrainer(_gpu_model(), rows, seq, AdamW(), packing=Packing(SEP))
+    data = EvalData(Path(eval_path), "uint16", seq, rows, vocab)
+
+    def evaluate_now(trained) -> float:
+        masters = trained.state()["masters"]
+        judge.step.load({p: masters[p] for p in judge.names})
+        return evaluate(judge, data)
+    windows = packed_windows(steps, rows * world * accumulation, seq, vocab)
+    got = _gpu_packed_run(trainer, windows,
+                          lambda w: (one_process_rows(w, world, accumulation),), evaluate_now)
+    return got | {"initial": initial}
+
+
+def gpu_packed_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: int,
+                       seq: int, accumulation: int, eval_path: str, out: str) -> None:
+    """`world` GPUs, packed data parallel through CUDATrainer (each rank its rows and the
+    step's denominators, as `modulec train` gives them), the evaluation split over the
+    ranks; each rank saves its losses and eval losses, rank 0 the gathered masters."""
+    from runtime.dist import DistContext
+    from runtime.train.backends import CUDATrainer
+    from runtime.train.evaluate import EvalData, evaluate
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing, denominators
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    context = DistContext.from_env(device="cuda", timeout_s=120)
+    parallel, packing = context.data_parallel(zero), Packing(SEP)
+    vocab = GPU_LLAMA[1]["vocab_size"]
+    trainer = CUDATrainer(_gpu_model(), rows, seq, AdamW(lr=1e-3), accumulation=accumulation,
+                          dist=parallel, packing=packing)
+    data = EvalData(Path(eval_path), "uint16", seq, rows, vocab)
+    mine = rows * accumulation
+    got = _gpu_packed_run(trainer, packed_windows(steps, mine * world, seq, vocab),
+                          lambda w: (w[rank * mine:(rank + 1) * mine],
+                                     denominators(w, packing, rows, world)),
+                          lambda trained: evaluate(trained, data, parallel))
+    if rank != 0:
+        del got["masters"]
+    torch.save(got, f"{out}.{rank}")
     context.close()
     context.exit_now()

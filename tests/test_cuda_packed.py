@@ -79,6 +79,50 @@ def test_buffers_hold_each_micro_batch_and_grow_only_when_they_must():
         PackedBuffers(1, 1, 8, device="cpu").set(documents)
 
 
+def test_data_parallel_denominators_live_in_one_static_buffer():
+    """Packed data parallel: each micro-batch's denominator in a [accumulation] buffer
+    made once (a graph captured without it is dropped), then copied into in place; none
+    given: each micro-batch divides by its own count again (the buffer dropped)."""
+    buffers = PackedBuffers(accumulation=2, batch=1, seq=8, device="cpu")
+    documents = _documents(WINDOW)
+    assert buffers.denominator(0) is None
+    assert buffers.set(documents, [3.5, 4.0])
+    held = buffers.denominators
+    assert held.dtype == torch.float32 and held.tolist() == [3.5, 4.0]
+    assert buffers.denominator(1).shape == () and float(buffers.denominator(1)) == 4.0
+    assert not buffers.set(documents, [6, 2.5])  # the same buffer: a graph replays
+    assert buffers.denominators is held and held.tolist() == [6.0, 2.5]
+    with pytest.raises(ValueError, match="1 denominators for 2 micro-batches"):
+        buffers.set(documents, [1.0])
+    assert buffers.set(documents) and buffers.denominator(0) is None
+    step = SimpleNamespace(packing=None)
+    with pytest.raises(ValueError, match="built unpacked"):
+        set_documents(step, None, [1.0])
+
+
+def test_a_denominator_divides_the_summed_loss_instead_of_the_count():
+    """The cross-entropy's `denominator` (runtime/cuda/lm_head.py): loss and gradient
+    are the summed ones over it, a rank's share of the whole micro-batch's mean."""
+    from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
+    weight = torch.randn(16, 8, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 16, (2, 5), generator=generator)
+    labels[0, 1] = labels[1, 3] = -100  # 8 counted targets
+    loss, d_x, d_w = lm_head_cross_entropy(x, weight, labels)
+    shared, d_x2, d_w2 = lm_head_cross_entropy(x, weight, labels,
+                                               denominator=torch.tensor(2.0))
+    torch.testing.assert_close(shared, loss * 8 / 2)
+    torch.testing.assert_close(d_x2, d_x * 4)
+    torch.testing.assert_close(d_w2, d_w * 4)
+    logits = x @ weight.t()
+    loss, d_logits = logits_cross_entropy(logits, labels)
+    shared, d_shared = logits_cross_entropy(logits, labels, denominator=16)
+    torch.testing.assert_close(shared, loss / 2)
+    torch.testing.assert_close(d_shared, d_logits / 2)
+
+
 def test_a_packed_step_takes_documents_and_an_unpacked_one_refuses_them():
     unpacked = SimpleNamespace(packing=None)
     set_documents(unpacked, None)

@@ -31,18 +31,24 @@ def eval_file(tmp_path_factory):
     return path
 
 
-def test_packed_steps_and_evaluation_under_zero2_equal_one_process(eval_file, tmp_path):
+def test_packed_steps_and_evaluation_under_zero2_and_3_equal_one_process(eval_file,
+                                                                        tmp_path):
+    """ZeRO-2: the steps and the evaluation after each; ZeRO-3: the steps (its
+    evaluation is refused). One spawn of two processes runs both stages."""
     out = tmp_path / "packed"
     mp.spawn(dist_workers.packed_sharded, nprocs=WORLD,
-             args=(WORLD, free_port(), "llama", 2, STEPS, ROWS, SEQ, ACCUMULATION,
+             args=(WORLD, free_port(), "llama", (2, 3), STEPS, ROWS, SEQ, ACCUMULATION,
                    str(eval_file), str(out)))
     ranks = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
     want = dist_workers.packed_reference("llama", STEPS, ROWS, SEQ, ACCUMULATION, WORLD,
                                          str(eval_file))
-    for got in ranks:  # every rank has the step's loss and the eval loss
-        assert got["losses"] == pytest.approx(want["losses"], rel=1e-9)
-        assert got["evals"] == pytest.approx(want["evals"], rel=1e-9)
-    assert_same_state(ranks[0]["state"], want["state"])
+    for zero in (2, 3):
+        for got in ranks:  # every rank has the step's loss (and the eval loss)
+            assert got[zero]["losses"] == pytest.approx(want["losses"], rel=1e-9)
+        assert_same_state(ranks[0][zero]["state"], want["state"])
+    for got in ranks:
+        assert got[2]["evals"] == pytest.approx(want["evals"], rel=1e-9)
+    assert len(want["evals"]) == STEPS
 
 
 def test_the_ranks_count_different_targets_in_the_test_windows():
