@@ -496,3 +496,33 @@ def test_init_under_tp_gives_each_rank_its_slice_of_the_one_process_init():
         assert torch.equal(whole[path], value), path
     assert ranks[0]["blocks[0].attention.qkv_weight"].shape[0] * 2 == \
         one.params["blocks[0].attention.qkv_weight"].shape[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma"])
+def test_init_under_tp_keeps_the_norm_scales_and_the_padding_row(name):
+    """Qwen3's q_norm / k_norm are read through `tp_copy` in a --tp program (still ones,
+    not zeros as an unknown 1-d parameter); Gemma's vocabulary-split table zeroes its
+    padding row (40: rank 1's rows) as one process does."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import unshard_params
+    from runtime.train.init import initialize
+    from tests.runtime_models import TINY as MODELS
+
+    path, sizes = MODELS[name]
+    settings = {k: str(v) for k, v in sizes.items()} | (
+        {"padding_idx": "40"} if name == "gemma" else {})
+    one = Model.from_module(path, settings=settings, dtype=torch.float32)
+    initialize(one, seed=3)
+    ranks = [Model.from_module(path, settings=settings, dtype=torch.float32,
+                               tensor_parallel=2, tp_rank=rank) for rank in range(2)]
+    for model in ranks:
+        initialize(model, seed=3)
+    whole = unshard_params([dict(m.params) for m in ranks], ranks[0].source.program(
+        planned=False))
+    assert set(whole) == set(one.params)
+    for path_, value in one.params.items():
+        assert torch.equal(whole[path_], value), path_
+    if name == "qwen3":
+        assert bool((ranks[1].params["blocks[1].attention.q_norm"] == 1).all())
+    else:
+        assert not whole["embedding"][40].any() and whole["embedding"][39].any()

@@ -113,15 +113,20 @@ def _rule(value: torch.Tensor) -> str:
 
 def norm_scales(graph) -> dict[str, float]:
     """The parameters some norm op reads as its scale, by path: 1 - the op's `offset`
-    (1 for a plain norm, 0 for Gemma's `1 + w`), walking the calls as the runtime does."""
+    (1 for a plain norm, 0 for Gemma's `1 + w`), walking the calls as the runtime does.
+    A `--tp` program reads a replicated scale inside a TP region through `tp_copy` (Qwen3's
+    q_norm): the norm's input is then the copy's output, followed back to the parameter."""
     found: dict[str, float] = {}
+    copies: dict[tuple, str] = {}  # (path, value) -> the parameter a tp_copy passes on
 
     def visit(node, path: str) -> None:
+        if node.target == "tp_copy" and node.inputs[0].startswith("param:"):
+            copies.update({(path, o): node.inputs[0] for o in node.outputs})
         if node.target in NORM_OPS:
             start = 1.0 - float(node.attr("offset") or 0.0)
             names = KERNELS[node.target].forward_inputs  # LayerNorm's bias is no scale
-            found.update({_join(path, v[len("param:"):]): start
-                          for name, v in zip(names, node.inputs)
+            reads = [(name, copies.get((path, v), v)) for name, v in zip(names, node.inputs)]
+            found.update({_join(path, v[len("param:"):]): start for name, v in reads
                           if v.startswith("param:") and name != "bias"})
     _walk(graph, graph.function(graph.entry), "", (), visit)
     return found
