@@ -184,6 +184,7 @@ def test_doc_sep_resumes_exactly_and_a_resume_must_keep_it(data, tmp_path):
     (["--doc-sep", "64"], "--doc-sep 64 is not a token id of the model"),
     (["--doc-sep", "-2"], "--doc-sep -2 is not a token id"),
     (["--doc-sep", "1", "--ignore-index", "5"], "--ignore-index 5 is a token id"),
+    (["--doc-sep", "1", "--tp", "2"], "--doc-sep with --pp or --tp is not supported yet"),
 ])
 def test_packing_mistakes_are_one_clear_error(data, args, message):
     result = _train(data, *args)
