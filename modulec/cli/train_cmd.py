@@ -90,7 +90,8 @@ def _options(command):
                      help="With --init random: a HuggingFace config.json sizing the model "
                           "(else --set and the model's defaults)."),
         click.option("--eval-data", type=click.Path(path_type=Path), metavar="FILE",
-                     help="A token file (as --data) for the validation loss, forward only."),
+                     help="A token file (as --data) for the validation loss, forward only "
+                          "(under torchrun: --zero 0-2, not with --tp or --pp)."),
         click.option("--eval-every", type=int, metavar="K",
                      help="Evaluate every K optimizer steps and after the last."),
         click.option("--eval-batches", type=int, metavar="N",
@@ -105,7 +106,8 @@ def _options(command):
                      help="Pack documents: ID (the tokenizer's eos, which `modulec data` "
                           "writes after each document) ends a document; tokens attend "
                           "within their document only, positions restart at 0, and the "
-                          "target after ID is left out of the loss (--device cpu only)."),
+                          "target after ID is left out of the loss (not with --tp or "
+                          "--pp)."),
         click.option("--ignore-index", type=int, default=-100, show_default=True,
                      metavar="N",
                      help="With --doc-sep: the label value of the targets left out of "
