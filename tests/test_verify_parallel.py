@@ -106,6 +106,12 @@ def _first_op(**match):
     return find
 
 
+def _move_after_copy_in(schedule, op) -> None:
+    ops = schedule["distributed"]["ops"]
+    ops.remove(op)
+    ops.insert(ops.index(next(o for o in ops if o["kind"] == "copy_in")) + 1, op)
+
+
 ZERO3_DAMAGE = {
     "no windows": (lambda s: _entry(s).pop("windows"), "an entry bucket's `windows` must list"),
     "unknown window": (_set(_entry, "windows", ["later"]), "must list some of start, end"),
@@ -117,6 +123,12 @@ ZERO3_DAMAGE = {
                                "`gradient_slot` 'x': a name, on an entry bucket only"),
     "previous on a record": (_set(_first_op(previous="gradient_slot"), "kind", "record_event"),
                              "`previous` (gradient_slot) is for a wait_event"),
+    "no wait for the slot": (lambda s: s["distributed"]["ops"].remove(
+        _first_op(previous="gradient_slot")(s)), "but no wait_event `reduced` with `previous"),
+    "slot wait after the copy": (lambda s: _move_after_copy_in(
+        s, _first_op(previous="gradient_slot")(s)), "comes before gradients_ready's copy_in"),
+    "slot wait on grads": (_set(_first_op(previous="gradient_slot"), "event", "grads"),
+                           "but no wait_event `reduced` with `previous"),
     "gather before its buffer": (lambda s: s["distributed"]["ops"].remove(_first_op(
         kind="record_event", event="allocated", window="end")(s)),
         "bucket `lm_head`: at forward_begin of instance 0, wait_event `allocated`"),

@@ -12,7 +12,8 @@ on entry buckets only; walking one step (per bucket: step_begin, forward_begin
 per instance, for an entry bucket also the first and last repeated layer's, then last
 instance first backward_begin and gradients_ready, then step_end), every `wait_event`
 finds its event recorded before (a wait for a shared slot's `previous` user is resolved
-at run time: the runtime waits only for a bucket that used the slot earlier in the step).
+at run time: the runtime waits only for a bucket that used the slot earlier in the step;
+with a shared slot that wait, on `reduced`, comes before gradients_ready's copy_in).
 
 pipeline: the mesh's pp is the stage count, its tp the tensor_parallel section's size
 (1 without: each stage is that TP rank program); the data-parallel buckets and ops
@@ -71,8 +72,24 @@ def verify_distributed(section, graph: Graph) -> list[str]:
         problems += [f"op {index} ({op.get('on')} {op.get('kind')}): {m}"
                      for m in _dp_op(op, streams)]
     if not problems:
-        problems += _events(section)
+        problems += _events(section) + _slot_wait(section)
     return problems
+
+
+def _slot_wait(section) -> list[str]:
+    """Buckets sharing a gradient slot: before gradients_ready's copy_in, the compute
+    stream waits for the reduction (`reduced`) of the slot's previous user (`previous:
+    gradient_slot`); without it a copy overwrites a slot still being reduced."""
+    if not any("gradient_slot" in b for b in section["buckets"]):
+        return []
+    ready = [op for op in section["ops"] if op["on"] == "gradients_ready"]
+    copy = next((k for k, op in enumerate(ready) if op["kind"] == "copy_in"), len(ready))
+    if any(op.get("previous") == "gradient_slot" and op.get("event") == "reduced" and
+           op["stream"] == section["streams"]["compute"] and op.get("only") != "layered" and
+           "window" not in op and "instance" not in op for op in ready[:copy]):
+        return []
+    return ["buckets share a gradient slot, but no wait_event `reduced` with `previous: "
+            "gradient_slot` on the compute stream comes before gradients_ready's copy_in"]
 
 
 def _dp_header(section) -> list[str]:
