@@ -142,7 +142,6 @@ def data_parallel_report(graph, section: dict, activations: int) -> dict:
     one, per_rank = rank_fixed_bytes(single), rank_fixed_bytes(section)
     for parts, of in ((one, single), (per_rank, section)):
         parts["model_state"] = parts["weights"] + parts["optimizer_state"]
-        parts["buffers"] = parts["gradient_buffers"] + parts["gather_slots"]
         parts["entry_buffers"] = entry_buffer_bytes(of)  # in a step only: not fixed
         parts["activations"] = activations
         parts["per_gpu"] = parts["total"] + parts["entry_buffers"] + activations
