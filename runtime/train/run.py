@@ -97,6 +97,9 @@ def train_model(**kwargs) -> str:
     context = _context(request)
     try:
         summary = _train(request, context)
+        if context.backend == "gloo":  # every rank past its last collective before any
+            context.barrier()  # leaves: else a rank could abort at exit ("terminate called
+            # without an active exception", seen after the evaluation's all_reduce)
     finally:
         context.close()  # gloo: leave the group before exit (its teardown at exit aborts)
     if context.backend == "nccl":  # its shutdown can hang after captured collectives
