@@ -149,6 +149,9 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
         if abs(value.value) <= MAX_FLOAT:
             return
         problem, why = "a number past the largest float", "floats are 64-bit (below 1.8e308)"
+    elif _model_size_below_one(instance, param, value.value):
+        problem, why = "a model's `int` parameter is a size, at least 1", "`--set` refuses " \
+            "it the same way; a parameter that may be below 1 is declared `int?`"
     elif -2**63 <= value.value < 2**63:
         return
     else:
@@ -157,6 +160,13 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     where = param.default if param.default is not None and not given else param
     instance.world.error_unmuted("E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
                                  where.span, notes=_where(instance), help=[why])
+
+
+def _model_size_below_one(instance: Instance, param: A.DeclParam, value: int) -> bool:
+    """A model's plain `int` default below 1 (found by a fuzz run: Qwen3-MoE's `max_seq =
+    0` checked and built, and no sequence could run; `--set max_seq=0` was refused)."""
+    return value < 1 and instance.definition.decl.kind == "model" and \
+        isinstance(param.type, A.Name) and param.type.id == "int"
 
 
 def _not_finite(instance: Instance, param: A.DeclParam, value: float, listed: bool,
