@@ -101,3 +101,45 @@ def test_eval_data_is_refused_with_tp_pp_and_zero3():
     with pytest.raises(RuntimeUserError, match="--eval-data with --zero 3 is not supported "
                                                "yet: a rank holds a shard"):
         check_eval_zero("e.bin", SimpleNamespace(dp=2, zero=3))
+
+
+def test_torchrun_packs_and_evaluates_as_one_process(eval_file, tmp_path):
+    """`torchrun --nproc-per-node 2 -m modulec train --zero 2 --doc-sep --eval-data`
+    end to end (the run's wiring: each rank's rows, the denominators, the evaluation
+    split, rank 0 alone reporting): the packed losses are one process's on `--batch 2`
+    (float32 CPU runs: to rounding), and each evaluation is reported once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_cli import run
+
+    data = tmp_path / "train.bin"
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(2, 64, 2000)
+    tokens[rng.random(tokens.size) < 0.15] = dist_workers.SEP
+    tokens.astype("<u2").tofile(data)
+    sizes = dict(vocab_size=64, d_model=32, n_layers=2, num_heads=4, num_kv_heads=2,
+                 d_ff=48, max_seq=64)
+    args = ["std/models/llama.module", "--init", "random",
+            *[a for k, v in sizes.items() for a in ("--set", f"{k}={v}")],
+            "--data", str(data), "--seq", str(SEQ), "--device", "cpu", "--lr", "1e-2",
+            "--format", "json", "--steps", "2", "--doc-sep", str(dist_workers.SEP)]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "modulec", "train", *args, "--batch", "1",
+         "--zero", "2", "--eval-data", str(eval_file), "--eval-every", "1"],
+        capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    steps = [r for r in rows if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2]  # rank 0 alone reports
+    assert all(isinstance(r["eval_loss"], float) for r in steps)
+    assert any("split over the 2 data-parallel ranks" in r.get("text", "") for r in rows)
+    one = run("train", *args, "--batch", "2")
+    assert one.exit_code == 0, one.output
+    want = [json.loads(line)["loss"] for line in one.stdout.splitlines()
+            if line.startswith('{"event": "step"')]
+    assert [r["loss"] for r in steps] == pytest.approx(want, rel=1e-5)
