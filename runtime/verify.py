@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from modulec.check.given import VERIFY_MAX_ELEMENTS
 from runtime.errors import RuntimeUserError
 from runtime.gradient_marks import GradientMarks
 from runtime.train.param_groups import frozen_parameters
@@ -36,7 +37,7 @@ from runtime.verify_config import CANDIDATE_SIZES, VerifyConfig, declaration_con
 FREE_DIM_SIZES = {"B": 2, "T": 4}  # other free dims get OTHER_DIM_SIZE
 OTHER_DIM_SIZE = 3
 STAR_SHAPE = (2, 3)  # the leading dims given to a `[*, d]` input
-MAX_ELEMENTS = 20_000_000
+MAX_ELEMENTS = VERIFY_MAX_ELEMENTS  # parameters and the largest value
 EPS64 = 2.0 ** -52
 ROUNDING_FACTOR = 4  # f(theta + eps v) and f(theta - eps v), each rounded, and their sum  # parameters: beyond this, finite differences take too long
 

@@ -594,3 +594,20 @@ def test_two_failed_constraints_in_a_stack_are_errors_not_a_recursion():
     result = build(BuildRequest(REPO_DIR / "std/models/qwen3_moe.module", settings=sizes))
     assert any(d.code == "E027" and "num_heads must be divisible by num_kv_heads" in d.message
                for d in result.diagnostics), result.diagnostics
+
+
+def test_verify_sizes_check_the_weight_mapping_of_a_stack_empty_at_the_defaults(tmp_path):
+    """Found by a fuzz run of --verify-backward: Qwen3-MoE's dense layers are an empty stack
+    at its defaults (sparse_step 1), so a wrong `fuse(..., dim=3)` of theirs checked clean
+    and the build at the `verify_backward:` sizes (sparse_step 2) refused it (E010)."""
+    from tests.test_cli import run
+
+    text = (REPO_DIR / "std/models/qwen3_moe.module").read_text(encoding="utf-8")
+    old = 'j}.mlp.up_proj.weight",\n        dim=0'
+    assert text.count(old) == 1
+    path = tmp_path / "qwen3_moe.module"
+    path.write_text(text.replace(old, old[:-1] + "3"), encoding="utf-8")
+    result = run("check", path)
+    assert result.exit_code == 1, result.output
+    assert "error[E010]: `dim=3` is out of range for `blocks[{i}].dense[{j}].mlp.up_weight`" \
+        in result.output and "at the sizes of `verify_backward:`" in result.output

@@ -18,6 +18,8 @@ from modulec.types.dims import Dim
 
 MAX_SIZE = 2 ** 40  # no dimension of a real model comes near this (instance.MAX_DIM)
 SEQUENCE_DIM, SEQUENCE_BOUND = "T", "max_seq"  # a `T` past `max_seq` is refused
+# the most parameters (and the largest value) --verify-backward checks by finite differences
+VERIFY_MAX_ELEMENTS = 20_000_000
 KINDS_HELP = ("an int is a whole number (`32`), a float a number (`0.5`, `1e-6`), a bool "
               "`true` or `false`, a string in quotes")
 

@@ -12,11 +12,12 @@ nothing checked clean. Parameters the section leaves unsized stay symbolic here
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-from modulec.check.given import (MAX_SIZE, SEQUENCE_BOUND, SEQUENCE_DIM, shown,
-                                  value_problem)
-from modulec.check.instance import instantiate
+from modulec.check.given import (MAX_SIZE, SEQUENCE_BOUND, SEQUENCE_DIM, VERIFY_MAX_ELEMENTS,
+                                  shown, value_problem)
+from modulec.check.instance import Stack, Submodule, TensorParamValue, instantiate
 from modulec.check.world import TOPOLOGY, World, did_you_mean
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
@@ -43,7 +44,7 @@ def check_verify_sizes(world: World, decl: A.Decl) -> None:
         else:
             _sizes_nothing(world, decl, entry, params, dims)
     if len(world.diagnostics) == errors and (args or sizes):
-        _check_at(world, decl, args, sizes, spans)
+        _check_at(world, decl, args, sizes, spans, shapes.key.span)
 
 
 def _shapes(decl: A.Decl) -> A.Section | None:
@@ -114,7 +115,8 @@ def _sizes_nothing(world, decl, entry, params, dims) -> None:
                 [f"its parameters: {', '.join(params) or 'none'}; its inputs' dims: {shown}"])
 
 
-def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict, spans: dict) -> None:
+def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict, spans: dict,
+              shapes_span) -> None:
     """The declaration instantiated and checked at the section's sizes, in a world of its
     own; its errors reported here with a note naming those sizes (one already reported at
     the declaration's own sizes is not repeated)."""
@@ -124,7 +126,12 @@ def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict, spans: dict) 
     sized.dims = {**TOPOLOGY, **{k: Dim.const(v) for k, v in sizes.items() if v is not None}}
     instance = instantiate(sized, sized.definition(decl), args)
     check_tree(instance)
+    if decl.kind == "model":  # the weight mapping too: `fuse(..., dim=3)` of a stack that
+        from modulec.check.weights import check_weights  # is empty at the defaults
+
+        check_weights(instance)
     _sequence_within_bound(world, instance, sizes, spans)
+    _parameters_within_bound(world, instance, shapes_span)
     note = "at the sizes of `verify_backward:` (" + ", ".join(
         f"{k} = {shown(v)[:40]}" for k, v in {**args, **sizes}.items()) + ")"
     for diagnostic in sized.diagnostics:
@@ -144,3 +151,32 @@ def _sequence_within_bound(world: World, instance, sizes: dict, spans: dict) -> 
                 f"`{SEQUENCE_BOUND}` ({bound.value:,})", spans[SEQUENCE_DIM],
                 f"past {SEQUENCE_BOUND}", help=[f"use {SEQUENCE_DIM}: {bound.value} or less, "
                                                 f"or size `{SEQUENCE_BOUND}` in `shapes:`"])
+
+
+def _parameters_within_bound(world: World, instance, span) -> None:
+    """More parameters than --verify-backward checks by finite differences (found by a fuzz
+    run: NeoXSelfAttention's `d_model: 32` made `100000`, 40 billion parameters)."""
+    count = _parameter_count(instance)
+    if count > VERIFY_MAX_ELEMENTS:
+        world.error("E027", f"at the sizes of `verify_backward:` `{instance.name}` has "
+                    f"{count:,} parameters, more than --verify-backward checks "
+                    f"({VERIFY_MAX_ELEMENTS:,})", span,
+                    "sizes too large to verify", help=["give it small sizes: finite "
+                                                       "differences run the model per element"])
+
+
+def _parameter_count(instance) -> int:
+    """The tensor parameters' elements in the instance tree; an unsized one counts 0 (the
+    runtime counts them again)."""
+    total = 0
+    for value in instance.params.values():
+        if isinstance(value, TensorParamValue) and value.tied_to is None:
+            dims = value.type.dims
+            total += math.prod(d.value for d in dims) if all(d.is_const for d in dims) else 0
+        elif isinstance(value, Submodule):
+            total += _parameter_count(value.instance)
+        elif isinstance(value, Stack) and isinstance(value.count, Dim) and value.count.is_const:
+            total += value.count.value * _parameter_count(value.instance)
+        if total > VERIFY_MAX_ELEMENTS:
+            break
+    return total
