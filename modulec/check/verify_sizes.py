@@ -123,17 +123,21 @@ def _check_at(world: World, decl: A.Decl, args: dict, sizes: dict, spans: dict,
     from modulec.check.driver import check_tree  # the driver imports this module
 
     sized = World(world.names, world.scopes)
-    sized.dims = {**TOPOLOGY, **{k: Dim.const(v) for k, v in sizes.items() if v is not None}}
+    sized.dims = {**TOPOLOGY, **{k: Dim.const(v) for k, v in sizes.items()}}
     instance = instantiate(sized, sized.definition(decl), args)
     check_tree(instance)
     if decl.kind == "model":  # the weight mapping too: `fuse(..., dim=3)` of a stack that
         from modulec.check.weights import check_weights  # is empty at the defaults
 
         check_weights(instance)
+    _report_errors(world, sized, {**args, **sizes})
     _sequence_within_bound(world, instance, sizes, spans)
     _parameters_within_bound(world, instance, shapes_span)
+
+
+def _report_errors(world: World, sized: World, values: dict) -> None:
     note = "at the sizes of `verify_backward:` (" + ", ".join(
-        f"{k} = {shown(v)[:40]}" for k, v in {**args, **sizes}.items()) + ")"
+        f"{k} = {shown(v)[:40]}" for k, v in values.items()) + ")"
     for diagnostic in sized.diagnostics:
         if diagnostic.is_error:
             world.report(replace(diagnostic, notes=(*diagnostic.notes, note)))
