@@ -83,7 +83,8 @@ def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S, gentle: bool = 
             report.tally[f"built (exit {code})"] += 1
             if verify and "verify_backward:" in program.text:
                 code = _command(report, runner, program, ["check", "--verify-backward",
-                                                          str(path)], cap_s * 6, accepted=True)
+                                                          str(path)], cap_s * 6, accepted=True,
+                                slow_ok=True)
                 report.tally[f"verified (exit {code})"] += 1
         else:
             report.tally[f"check exit {code}"] += 1
@@ -92,7 +93,10 @@ def fuzz(indices, seed: int, folder: Path, cap_s: float = CAP_S, gentle: bool = 
 
 
 def _command(report: Report, runner: CliRunner, program: Mutant, args: list, cap_s: float,
-             accepted: bool = False):
+             accepted: bool = False, slow_ok: bool = False):
+    """`slow_ok`: over the cap is tallied, not a failure (--verify-backward's finite
+    differences grow with the sizes: Mistral's verify sizes with 64 layers, not 2, take
+    minutes, and that is no bug)."""
     def expire(*_):
         raise TimeCap()
 
@@ -102,7 +106,8 @@ def _command(report: Report, runner: CliRunner, program: Mutant, args: list, cap
     try:
         result = runner.invoke(modulec, args)
     except TimeCap:
-        report.failures.append((program, args[0], f"over {cap_s} s", ""))
+        if not slow_ok:
+            report.failures.append((program, args[0], f"over {cap_s} s", ""))
         return None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
