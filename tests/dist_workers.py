@@ -127,9 +127,10 @@ def packed_sharded(rank: int, world: int, port: int, name: str, zeros: tuple, st
                    rows: int, seq: int, accumulation: int, eval_path: str,
                    out: str) -> None:
     """`world` ranks, packed, each its rows of the same windows (as `modulec train` gives
-    them, with the denominators of runtime.train.packing), at each ZeRO stage of `zeros`;
-    below ZeRO-3 each step is followed by the evaluation split over the ranks. Every rank
-    saves its losses and eval losses by stage, rank 0 the gathered states."""
+    them, with the denominators of runtime.train.packing), at each ZeRO stage of `zeros`,
+    each step followed by the evaluation split over the ranks. Every rank saves its
+    losses, eval losses and the ZeRO-3 entry buffers held after each evaluation by stage,
+    rank 0 the gathered states."""
     from runtime.train.data_parallel import CPUDataParallelTrainer
     from runtime.train.evaluate import EvalData, evaluate
     from runtime.train.optim import AdamW
@@ -143,17 +144,44 @@ def packed_sharded(rank: int, world: int, port: int, name: str, zeros: tuple, st
         trainer = CPUDataParallelTrainer(tiny_model(name), rows, seq,
                                          AdamW(lr=1e-2, weight_decay=0.1), parallel,
                                          accumulation, packing)
-        losses, evals, mine = [], [], rows * accumulation
+        losses, evals, held, mine = [], [], [], rows * accumulation
         for window in packed_windows(steps, mine * world, seq):
             losses.append(trainer.train_step(window[rank * mine:(rank + 1) * mine],
                                              denominators(window, packing, rows, world)))
-            if zero < 3:  # ZeRO-3's evaluation is refused (runtime/train/evaluate.py)
-                evals.append(evaluate(trainer, data, parallel))
+            evals.append(evaluate(trainer, data, parallel))
+            held.append(trainer.zero.buffer_numel())
+        if zero == 3:  # the GPU evaluation's pass too (on the reference kernels)
+            held.append(_forward_only_pass(trainer, data.batch_at(rank), rows, seq))
         state = trainer.state()
-        saved[zero] = {"losses": losses, "evals": evals} | \
+        saved[zero] = {"losses": losses, "evals": evals, "held": held} | \
             ({"state": state} if rank == 0 else {})
     torch.save(saved, f"{out}.{rank}")
     context.close()
+
+
+def _forward_only_pass(trainer, window, rows: int, seq: int) -> tuple:
+    """runtime/cuda/evaluate.py's pass (the fused head split off, the step's kernels on
+    the CPU) over a ZeRO-3 trainer's sharded weights, through its ZeroRun as on the GPU:
+    (its loss, cpu_loss's, the entry-buffer elements held after it)."""
+    from types import SimpleNamespace
+
+    from runtime.cuda.evaluate import eval_loss
+    from runtime.cuda.lm_head import split_head
+    from runtime.cuda.train_kernels import train_kernels
+    from runtime.train.data_parallel import program_of
+    from runtime.train.evaluate import cpu_loss
+    from runtime.train.packing import split_batch
+
+    program = program_of(trainer.model, rows, seq)
+    split = split_head(program.graph)
+    step = SimpleNamespace(graph=split.graph, compute=trainer.model.params,
+                           dtype=torch.float64, kernels=train_kernels("cpu", ("flash",)),
+                           input_names=program.input_names(), split=split,
+                           chunk_rows=2048, ignore_index=trainer.packing.ignore_index,
+                           zero=trainer.zero)
+    tokens, labels, documents = split_batch(window, trainer.packing)
+    loss = float(eval_loss(step, tokens, labels, documents))
+    return loss, cpu_loss(trainer, window), trainer.zero.buffer_numel()
 
 
 # ---------------------------------------------------------------------- on GPUs (NCCL)
@@ -405,7 +433,8 @@ def gpu_packed_sharded(rank: int, world: int, port: int, zero: int, steps: int, 
                        seq: int, accumulation: int, eval_path: str, out: str) -> None:
     """`world` GPUs, packed data parallel through CUDATrainer (each rank its rows and the
     step's denominators, as `modulec train` gives them), the evaluation split over the
-    ranks; each rank saves its losses and eval losses, rank 0 the gathered masters."""
+    ranks; each rank saves its losses, eval losses and the entry-buffer elements held
+    after each evaluation, rank 0 the gathered masters."""
     from runtime.dist import DistContext
     from runtime.train.backends import CUDATrainer
     from runtime.train.evaluate import EvalData, evaluate
@@ -420,11 +449,16 @@ def gpu_packed_sharded(rank: int, world: int, port: int, zero: int, steps: int, 
     trainer = CUDATrainer(_gpu_model(), rows, seq, AdamW(lr=1e-3), accumulation=accumulation,
                           dist=parallel, packing=packing)
     data = EvalData(Path(eval_path), "uint16", seq, rows, vocab)
-    mine = rows * accumulation
+    mine, held = rows * accumulation, []
+
+    def evaluate_now(trained) -> float:
+        loss = evaluate(trained, data, parallel)
+        held.append(trained.step.zero.buffer_numel())  # ZeRO-3: no entry buffer kept
+        return loss
     got = _gpu_packed_run(trainer, packed_windows(steps, mine * world, seq, vocab),
                           lambda w: (w[rank * mine:(rank + 1) * mine],
-                                     denominators(w, packing, rows, world)),
-                          lambda trained: evaluate(trained, data, parallel))
+                                     denominators(w, packing, rows, world)), evaluate_now)
+    got["held"] = held
     if rank != 0:
         del got["masters"]
     torch.save(got, f"{out}.{rank}")

@@ -1,11 +1,12 @@
 """Packed sequences and evaluation under data parallel on two GPUs (NCCL; `-m cuda`,
-skipped with fewer than two), through `modulec train`'s CUDATrainer: packed ZeRO-2 steps
-with accumulation (the denominators in the step's static buffer, eager, captured and
-replayed) train as one GPU packed on every rank's rows (bf16: losses within 1e-2, the
-masters' updates pointing the same way), every rank reports the global loss, and the
-evaluation split over the ranks is one GPU's on every rank (before any step: the same
-weights, so equal up to the sums' order). The exact (float64) equalities are the CPU
-test's: tests/test_dist_packed_eval.py."""
+skipped with fewer than two), through `modulec train`'s CUDATrainer: packed ZeRO-2 and
+ZeRO-3 steps with accumulation (the denominators in the step's static buffer, eager,
+captured and replayed) train as one GPU packed on every rank's rows (bf16: losses within
+1e-2, the masters' updates pointing the same way), every rank reports the global loss,
+and the evaluation split over the ranks (3 batches: unevenly; ZeRO-3's forward gathering
+its weights between graph replays and holding no buffer after) is one GPU's on every
+rank (before any step: the same weights, so equal up to the sums' order). The exact
+(float64) equalities are the CPU test's: tests/test_dist_packed_eval.py."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def eval_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("zero", [2, 0])
+@pytest.mark.parametrize("zero", [2, 3])
 def test_packed_data_parallel_steps_and_evaluation_on_two_gpus(zero, eval_file, tmp_path):
     out = tmp_path / f"packed{zero}"
     mp.spawn(dist_workers.gpu_packed_sharded, nprocs=WORLD,
@@ -48,6 +49,7 @@ def test_packed_data_parallel_steps_and_evaluation_on_two_gpus(zero, eval_file, 
         assert got["evals"][0] == pytest.approx(want["evals"][0], rel=1e-5)
         assert got["evals"] == pytest.approx(want["evals"], rel=1e-2)
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-2)
+        assert got["held"] == [0] * (STEPS + 1)  # ZeRO-3's evaluation drops its buffers
     # the ranks' mean (one all_reduce), on every rank
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"], rel=1e-6)
     masters, initial = ranks[0]["masters"], want["initial"]

@@ -381,7 +381,7 @@ def test_the_gpu_evaluation_forward_packs_like_the_cpu_one():
     step = SimpleNamespace(graph=split.graph, compute=model.params, dtype=torch.float32,
                            kernels=train_kernels("cpu", ("cudnn", "flash")),
                            input_names=program.input_names(),
-                           split=split, chunk_rows=2048, ignore_index=-5)
+                           split=split, chunk_rows=2048, ignore_index=-5, zero=None)
     window = torch.tensor(WINDOW)
     tokens, labels, documents = split_batch(window, packing)
     got = float(eval_loss(step, tokens, labels, documents))

@@ -1,9 +1,9 @@
 """Packed sequences (--doc-sep) and evaluation (--eval-data) under data parallel, on two
 CPU processes (gloo), float64: two packed optimizer steps with gradient accumulation,
 whose ranks count very different numbers of targets, equal one process's packed steps on
-every rank's rows (losses and state), and the evaluation split over the ranks equals
-one process's on every rank. The refusals that remain (--tp, --pp, ZeRO-3 evaluation)
-are one clear error each."""
+every rank's rows (losses and state), at ZeRO-2 and ZeRO-3, and the evaluation split over
+the ranks (an odd number of batches) equals one process's on every rank. The refusals
+that remain (--tp, --pp) are one clear error each."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def eval_file(tmp_path_factory):
 
 def test_packed_steps_and_evaluation_under_zero2_and_3_equal_one_process(eval_file,
                                                                         tmp_path):
-    """ZeRO-2: the steps and the evaluation after each; ZeRO-3: the steps (its
-    evaluation is refused). One spawn of two processes runs both stages."""
+    """The steps and the evaluation after each (ZeRO-3's forward gathering its weights
+    and holding no entry buffer after it: the next step's state is still one
+    process's). One spawn of two processes runs both stages."""
     out = tmp_path / "packed"
     mp.spawn(dist_workers.packed_sharded, nprocs=WORLD,
              args=(WORLD, free_port(), "llama", (2, 3), STEPS, ROWS, SEQ, ACCUMULATION,
@@ -43,11 +44,14 @@ def test_packed_steps_and_evaluation_under_zero2_and_3_equal_one_process(eval_fi
     want = dist_workers.packed_reference("llama", STEPS, ROWS, SEQ, ACCUMULATION, WORLD,
                                          str(eval_file))
     for zero in (2, 3):
-        for got in ranks:  # every rank has the step's loss (and the eval loss)
+        for got in ranks:  # every rank has the step's loss and the eval loss
             assert got[zero]["losses"] == pytest.approx(want["losses"], rel=1e-9)
+            assert got[zero]["evals"] == pytest.approx(want["evals"], rel=1e-9)
+            assert got[zero]["held"][:STEPS] == [0] * STEPS
         assert_same_state(ranks[0][zero]["state"], want["state"])
-    for got in ranks:
-        assert got[2]["evals"] == pytest.approx(want["evals"], rel=1e-9)
+    for got in ranks:  # the GPU evaluation's pass (runtime/cuda/evaluate.py) under ZeRO-3
+        gpu_pass, cpu, held = got[3]["held"][STEPS]
+        assert gpu_pass == pytest.approx(cpu, rel=1e-6) and held == 0  # fp32 head chunks
     assert len(want["evals"]) == STEPS
 
 
@@ -84,30 +88,23 @@ def test_doc_sep_is_refused_with_tp_and_pp_only(option, message):
     assert "data parallel" in caught.value.help[0]
 
 
-def test_eval_data_is_refused_with_tp_pp_and_zero3():
-    from types import SimpleNamespace
-
+def test_eval_data_is_refused_with_tp_and_pp():
     from runtime.errors import RuntimeUserError
-    from runtime.train.evaluate import check_eval_options, check_eval_zero
+    from runtime.train.evaluate import check_eval_options
 
     check_eval_options("e.bin", 2, None)  # one process, or data parallel
     for tp, pp, named in ((2, 1, "--tp 2"), (1, 2, "--pp 2"), (2, 2, "--tp 2 and --pp 2")):
         with pytest.raises(RuntimeUserError,
                            match=f"--eval-data with {named} is not supported yet"):
             check_eval_options("e.bin", 2, None, tp, pp)
-    for zero in (0, 1, 2):
-        check_eval_zero("e.bin", SimpleNamespace(dp=2, zero=zero))
-    check_eval_zero(None, SimpleNamespace(dp=2, zero=3))  # no evaluation: nothing to refuse
-    with pytest.raises(RuntimeUserError, match="--eval-data with --zero 3 is not supported "
-                                               "yet: a rank holds a shard"):
-        check_eval_zero("e.bin", SimpleNamespace(dp=2, zero=3))
 
 
 def test_torchrun_packs_and_evaluates_as_one_process(eval_file, tmp_path):
-    """`torchrun --nproc-per-node 2 -m modulec train --zero 2 --doc-sep --eval-data`
+    """`torchrun --nproc-per-node 2 -m modulec train --zero 3 --doc-sep --eval-data`
     end to end (the run's wiring: each rank's rows, the denominators, the evaluation
-    split, rank 0 alone reporting): the packed losses are one process's on `--batch 2`
-    (float32 CPU runs: to rounding), and each evaluation is reported once."""
+    split unevenly, 5 batches, rank 0 alone reporting): the packed losses are one
+    process's on `--batch 2` (float32 CPU runs: to rounding), and each evaluation is
+    reported once."""
     import json
     import os
     import subprocess
@@ -129,7 +126,8 @@ def test_torchrun_packs_and_evaluates_as_one_process(eval_file, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), "-m", "modulec", "train", *args, "--batch", "1",
-         "--zero", "2", "--eval-data", str(eval_file), "--eval-every", "1"],
+         "--zero", "3", "--eval-data", str(eval_file), "--eval-every", "1",
+         "--eval-batches", "5"],
         capture_output=True, text=True, timeout=240,
         env=dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0"))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -206,10 +206,11 @@ def test_gpu_forward_only_path_is_the_loss_and_keeps_nothing():
     program = model.source.program_for({"token_ids": ids})
     split = split_head(program.graph)
     # the TrainStep stand-in carries every field eval_loss reads: ignore_index came with
-    # packed sequences (58ef9d1: TrainStep.ignore_index, -100 unless the step is given one)
+    # packed sequences (58ef9d1: TrainStep.ignore_index, -100 unless the step is given one),
+    # zero with data parallel (None: one process; ZeRO-3 gathers through it)
     step = types.SimpleNamespace(graph=split.graph, compute=model.params, kernels=KERNELS,
                                  dtype=torch.float32, input_names=program.input_names(),
-                                 split=split, chunk_rows=5, ignore_index=-100)
+                                 split=split, chunk_rows=5, ignore_index=-100, zero=None)
     assert float(gpu_eval.eval_loss(step, ids, labels)) == pytest.approx(float(expected),
                                                                          rel=1e-6)
     step.ignore_index = int(labels[0, 0])  # labels equal to it leave the loss

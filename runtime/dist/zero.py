@@ -33,6 +33,7 @@ decay): the update of a shard runs once per run of parameters with one factor.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -345,6 +346,23 @@ class ZeroRun:
             else:
                 self._all_gather(op, bucket, i, deferred=True)
         self.deferred.clear()
+
+    @contextmanager
+    def forward_only(self):
+        """A forward pass with no backward around it (the evaluation) under ZeRO-3: the
+        step's start (layer 0 gathered into its slot) before it, the forward's
+        `frame_begin` gathers as in a step, and after it the entry buckets' buffers the
+        backward would have released dropped. The state is left as between steps: the
+        shards untouched, the slots rewritten by the next step's gathers, no buffer
+        held."""
+        self.step_begin()
+        try:
+            yield
+        finally:
+            for bucket in self.buckets:
+                if bucket.sharded and not bucket.layered:
+                    with self.streams.on(0):  # the compute stream, as the section's release
+                        self._release({}, bucket, 0)
 
     def frame_begin(self, path: str, backward: bool) -> None:
         """A function run starts at `path`: a repeated layer's forward or backward, or

@@ -11,16 +11,18 @@ targets). On the CPU the reference interpreter runs the forward; on the GPU a fo
 interpreter over the step's bf16 compute weights (runtime/cuda/evaluate.py), outside the
 captured graph and its arena.
 
-Under torchrun, data parallel with ZeRO 0-2 (every rank holds the whole compute weights),
-the batches are split over the data-parallel ranks (batch i on rank i % dp); one
-all_reduce over the run's data-parallel group sums the ranks' sums of batch losses, and
-every rank divides by the number of batches: the one-process eval loss on every rank
-(rank 0 reports it). Refused with --tp, --pp and ZeRO-3 (a rank holds a shard of the
-weights, which a forward-only pass would have to gather): not supported yet.
+Under torchrun, data parallel (--zero 0-3), the batches are split over the data-parallel
+ranks (batch i on rank i % dp); one all_reduce over the run's data-parallel group sums the
+ranks' sums of batch losses, and every rank divides by the number of batches: the
+one-process eval loss on every rank (rank 0 reports it). ZeRO 0-2 ranks hold the whole
+compute weights; under ZeRO-3 the forward gathers them as the step's does
+(ZeroRun.forward_only), so every rank runs the same number of forwards. Refused with --tp
+and --pp: not supported yet.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +72,7 @@ def check_eval_options(eval_data, eval_every, eval_batches, tp: int = 1,
                        pp: int = 1) -> None:
     """--eval-every and --eval-batches need --eval-data, and --eval-data needs a positive
     --eval-every; evaluation runs in one process or data parallel (not with --tp or --pp,
-    for now; ZeRO-3: check_eval_zero)."""
+    for now)."""
     if eval_data is None:
         given = [f for f, v in (("--eval-every", eval_every),
                                 ("--eval-batches", eval_batches)) if v is not None]
@@ -84,20 +86,8 @@ def check_eval_options(eval_data, eval_every, eval_batches, tp: int = 1,
     if given:
         raise RuntimeUserError(f"--eval-data with {' and '.join(given)} is not supported "
                                "yet", help=["evaluate a saved checkpoint in one process, "
-                                            "or train data parallel (--zero 0-2), or leave "
-                                            "out --eval-data"])
-
-
-def check_eval_zero(eval_data, parallel) -> None:
-    """--eval-data under data parallel: ZeRO 0-2 (the stage is --zero's or an IR
-    document's, known once the model is read)."""
-    if eval_data is not None and parallel is not None and parallel.dp > 1 and \
-            parallel.zero == 3:
-        raise RuntimeUserError("--eval-data with --zero 3 is not supported yet: a rank "
-                               "holds a shard of the weights, which the evaluation's "
-                               "forward does not gather",
-                               help=["train with --zero 2 (or 0, 1) to evaluate, or "
-                                     "evaluate a saved checkpoint in one process"])
+                                            "or train data parallel (--zero), or leave out "
+                                            "--eval-data"])
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -109,14 +99,32 @@ def evaluate(trainer, data: EvalData, parallel=None) -> float:
     """The mean loss of the eval batches on the trainer's current weights. `parallel`
     (runtime.dist.DataParallelRun, data parallel): this rank evaluates batches i with
     i % dp == its rank, and the sum over the ranks (a collective: every rank calls it)
-    is divided by the number of batches."""
+    is divided by the number of batches. Under ZeRO-3 a forward gathers weights with
+    the other ranks, so every rank runs as many: one left without a batch in the last
+    round runs one whose loss it does not count."""
     dp, rank = (parallel.dp, parallel.dp_rank) if parallel is not None else (1, 0)
     total = 0.0
-    for index in range(rank, data.batches, dp):
-        total += batch_loss(trainer, data.batch_at(index))
+    for start in range(0, data.batches, dp):
+        index = start + rank
+        if index < data.batches:
+            total += batch_loss(trainer, data.batch_at(index))
+        elif gathers(trainer):  # the same collectives as the ranks that have a batch
+            batch_loss(trainer, data.batch_at(start))
     if dp > 1:
         total = ranks_total(total, parallel)
     return total / data.batches
+
+
+def gathers(trainer) -> bool:
+    """The trainer's forward gathers its weights across the ranks (ZeRO-3)."""
+    zero = zero_run(trainer)
+    return zero is not None and zero.zero == 3
+
+
+def zero_run(trainer):
+    """The trainer's runtime.dist.zero.ZeroRun (None: not data parallel)."""
+    step = getattr(trainer, "step", None)
+    return getattr(trainer, "zero", None) or getattr(step, "zero", None)
 
 
 def ranks_total(value: float, parallel) -> float:
@@ -154,10 +162,12 @@ def cpu_loss(trainer, window: torch.Tensor) -> float:
     model, packing = trainer.model, getattr(trainer, "packing", None)
     tokens, labels, documents = split_batch(window, packing)
     seed, model.rng_seed = model.rng_seed, None
-    # data parallel (ZeRO 0-2): the whole weights are bound; no ZeRO trigger runs
-    events, model.frame_events = model.frame_events, None
+    # data parallel: ZeRO 0-2 bind the whole weights (no ZeRO trigger runs); ZeRO-3
+    # gathers them as the step's forward does (ZeroRun.forward_only)
+    zero = zero_run(trainer) if gathers(trainer) else None
+    events, model.frame_events = model.frame_events, model.frame_events if zero else None
     try:
-        with packed(documents):
+        with zero.forward_only() if zero is not None else nullcontext(), packed(documents):
             logits = model.forward(**fed_inputs(
                 trainer.inputs, tokens, documents.positions if documents else None)
             )[trainer.output]

@@ -120,9 +120,6 @@ def _train(request: Request, context) -> str:
     model = _model(request, weights, context.rank % request.tp)
     sizes = _sizes(model, request)
     parallel = _parallel(request, context, model)
-    from runtime.train.evaluate import check_eval_zero
-
-    check_eval_zero(request.eval_data, parallel)  # the stage may be an IR document's
     dp = parallel.dp if parallel is not None else pipeline_replica(request, context)[0]
     data = TokenData(request.data, request.dtype_tokens or default_token_dtype(sizes[0]),
                      request.seq, request.batch * request.grad_accum * dp,
