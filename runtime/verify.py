@@ -185,7 +185,8 @@ def _check_activations(program, name: str) -> None:
     640 GB score matrix, and the allocator's error was an internal error, exit 101)."""
     from runtime.memory_check import _activations
 
-    largest = max(_activations(program, torch.float64), key=lambda b: b[3], default=None)
+    found = _activations(program, torch.float64) + _attention_scores(program)
+    largest = max(found, key=lambda b: b[3], default=None)
     if largest is not None and torch.Size(largest[1]).numel() > MAX_ELEMENTS:
         value, shape = largest[0], list(largest[1])
         raise RuntimeUserError(
@@ -193,6 +194,33 @@ def _check_activations(program, name: str) -> None:
             "these sizes: too large to check by finite differences",
             help=["give it small sizes in a `verify_backward:` section (`shapes:` sets "
                   "parameters and dims) or with --set and --shape"])
+
+
+def _attention_scores(program) -> list[tuple]:
+    """The reference attention's [B, H, T, T] scores of each `flash_attention` (a kernel's
+    workspace, no graph value), bounded with the values: left to the allocator, an
+    allocation too large to make was an error only where the machine refuses it at once,
+    and an out-of-memory kill where memory is overcommitted."""
+    found = []
+    for function in program.graph.functions:
+        if function.gradient_of:
+            continue
+        for node in function.nodes:
+            q = function.value(node.inputs[0]) if node.target == "flash_attention" and \
+                node.inputs else None
+            shape = _shape_of(q)
+            if shape is not None and len(shape) == 4:
+                scores = [shape[0], shape[1], shape[2], shape[2]]
+                found.append((f"{node.target}'s scores` of `{function.name}", scores,
+                              torch.float64, 8 * torch.Size(scores).numel()))
+    return found
+
+
+def _shape_of(value) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in value.shape) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _random_params(shapes: dict, generator) -> dict:
