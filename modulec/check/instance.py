@@ -482,7 +482,8 @@ def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM
         bound = "at least 1" if size.value < 1 else f"at most {most:,}"
         instance.world.error_unmuted(
             "E027", f"{what} must be {bound}: this is {_shown(size.value)}", node.span,
-            help=["check the expression and the parameter values it reads"])
+            notes=_where(instance), help=["check the expression and the parameter values "
+                                          "it reads"])
         return False
     return True
 
@@ -504,7 +505,7 @@ def _elements_in_range(instance: Instance, dims: list, node) -> bool:
         size = f"{total:,}" if count == len(known) else f"at least {total:,}"
         instance.world.error_unmuted(
             "E027", f"a tensor of {size} elements: the most a tensor may hold is "
-                    f"{MAX_ELEMENTS:,}", node.span,
+                    f"{MAX_ELEMENTS:,}", node.span, notes=_where(instance),
             help=["check the sizes its dims read (--set, --shape, defaults)"])
         return False
     return True
