@@ -194,7 +194,7 @@ def test_stage_memory_holds_its_own_parameters_and_its_micro_batches_in_flight()
 def test_a_named_stage_is_an_error_when_the_pipeline_is_built(tmp_path):
     text = PIPELINED.read_text(encoding="utf-8").replace(
         "x0 @partition(0)", "x0 @partition(first)").replace(
-        "model PipelineLlama(", "model PipelineLlama(first: int = 0, ")
+        "model PipelineLlama(", "model PipelineLlama(first: int = 1, ")
     path = tmp_path / "named.module"
     path.write_text(text, encoding="utf-8")
     result = build(BuildRequest(path, search_path=(REPO_DIR,), shapes={"B": 1, "T": 8}))
