@@ -117,14 +117,10 @@ def evaluate(trainer, data: EvalData, parallel=None) -> float:
 
 def gathers(trainer) -> bool:
     """The trainer's forward gathers its weights across the ranks (ZeRO-3)."""
-    zero = zero_run(trainer)
+    from runtime.train.shards import zero_of
+
+    zero = zero_of(trainer)
     return zero is not None and zero.zero == 3
-
-
-def zero_run(trainer):
-    """The trainer's runtime.dist.zero.ZeroRun (None: not data parallel)."""
-    step = getattr(trainer, "step", None)
-    return getattr(trainer, "zero", None) or getattr(step, "zero", None)
 
 
 def ranks_total(value: float, parallel) -> float:
@@ -158,13 +154,14 @@ def cpu_loss(trainer, window: torch.Tensor) -> float:
     from runtime.kernels.documents import packed
     from runtime.tensor_parallel import logits_loss
     from runtime.train.packing import split_batch
+    from runtime.train.shards import zero_of
 
     model, packing = trainer.model, getattr(trainer, "packing", None)
     tokens, labels, documents = split_batch(window, packing)
     seed, model.rng_seed = model.rng_seed, None
     # data parallel: ZeRO 0-2 bind the whole weights (no ZeRO trigger runs); ZeRO-3
     # gathers them as the step's forward does (ZeroRun.forward_only)
-    zero = zero_run(trainer) if gathers(trainer) else None
+    zero = zero_of(trainer) if gathers(trainer) else None
     events, model.frame_events = model.frame_events, model.frame_events if zero else None
     try:
         with zero.forward_only() if zero is not None else nullcontext(), packed(documents):
