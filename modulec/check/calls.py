@@ -20,7 +20,7 @@ from modulec.check.world import did_you_mean
 from modulec.resolve.std_index import import_help
 from modulec.diagnostics import Label
 from modulec.ops.registry import BindError, OpCall, OpRule, bind_params
-from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
+from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, Unknown, evaluate
 from modulec.semantic.decls import TensorSig
 from modulec.syntax import ast as A
 from modulec.types.tensor import FLOAT, TensorType
@@ -420,7 +420,6 @@ def _check_stack_count(ctx, args, stack: Stack, target) -> None:
         count = evaluate(args[1].value, ctx.instance.env())
     except (NotConst, Undefined):
         return
-    from modulec.semantic.consteval import Unknown
     from modulec.types.dims import Dim
 
     if isinstance(count, Unknown):  # `2 ** n` with n unsized: decided at the model's sizes

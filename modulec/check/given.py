@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from modulec.check.instance import fits_type
+from modulec.check.instance import MAX_DIM, fits_type
 from modulec.semantic.consteval import Ident
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
 
-MAX_SIZE = 2 ** 40  # no dimension of a real model comes near this (instance.MAX_DIM)
+MAX_SIZE = MAX_DIM  # the largest size a parameter or a dim may be given
 SEQUENCE_DIM, SEQUENCE_BOUND = "T", "max_seq"  # a `T` past `max_seq` is refused
 # the most parameters (and the largest value) --verify-backward checks by finite differences
 VERIFY_MAX_ELEMENTS = 20_000_000
