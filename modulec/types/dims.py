@@ -229,7 +229,9 @@ def int_text(number: int) -> str:
     product whose message raised ValueError, exit 101)."""
     if number.bit_length() <= 10_000:
         return str(number)
-    return f"<an integer of about {int(number.bit_length() * 0.30103):,} digits>"
+    # 2^(b-1) <= |n| < 2^b: at least floor((b-1) log10 2) + 1 digits, exact for a power of 2
+    digits = int((number.bit_length() - 1) * 0.30102999566398120) + 1
+    return f"<an integer of about {digits:,} digits>"
 
 
 def _opaque_symbols(term: Opaque) -> set[str]:
