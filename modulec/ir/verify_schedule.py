@@ -19,7 +19,7 @@ within the function's stride, a `result` at a position the function returns).
 
 from __future__ import annotations
 
-from modulec.ir.graph import COMM_STREAM, WAIT, Graph, async_reads, is_async
+from modulec.ir.graph import COMM_STREAM, Graph, async_reads, is_async
 
 KINDS = ("recompute", "swap_out", "swap_in", "record_event", "wait_event")
 STREAMS = {"recompute": (0,), "swap_out": (1,), "swap_in": (1,), "record_event": (0, 1),
@@ -269,7 +269,7 @@ def _liveness(function) -> dict:
     end = len(function.nodes)
     waits = async_reads(function)
     for i, node in enumerate(function.nodes):
-        for value in node.inputs + waits.get(node.id, ()) if node.kind == WAIT else node.inputs:
+        for value in node.inputs + waits.get(node.id, ()):  # a wait: its op's values too
             last[value] = i
         for value in node.outputs:
             born.setdefault(value, i)
