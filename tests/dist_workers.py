@@ -12,12 +12,13 @@ import torch
 from tests.runtime_models import TINY
 
 
-def join(rank: int, world: int, port: int):
+def join(rank: int, world: int, port: int, device: str = "cpu", timeout_s: int = 60):
+    """This process as rank `rank` of `world` (gloo on the CPU, NCCL on "cuda")."""
     from runtime.dist import DistContext
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    return DistContext.from_env(device="cpu", timeout_s=60)
+    return DistContext.from_env(device=device, timeout_s=timeout_s)
 
 
 def tiny_model(name: str):
@@ -233,11 +234,8 @@ def _optimizer(clip: float | None) -> dict:
 def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: int,
                 seq: int, out: str, clip: float | None = None) -> None:
     from runtime.cuda.step import TrainStep
-    from runtime.dist import DistContext
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    context = DistContext.from_env(device="cuda", timeout_s=120)
+    context = join(rank, world, port, "cuda", 120)
     per_rank = rows // world
     step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
                                  dist=context.data_parallel(zero), **_optimizer(clip))
@@ -277,12 +275,9 @@ def gpu_dp_tp(rank: int, world: int, port: int, zero: int, steps: int, rows: int
     a TP group the same rows); rank 0 saves the losses averaged over the ranks (a TP
     group's are equal) and, with `clip` (global clipping), the last step's norm."""
     from runtime.cuda.step import TrainStep, random_params
-    from runtime.dist import DistContext
     from runtime.tensor_parallel import shard_params
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    context = DistContext.from_env(device="cuda", timeout_s=120)
+    context = join(rank, world, port, "cuda", 120)
     run = context.data_parallel(zero, tp=tp)
     per_rank = rows // run.dp
     step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
@@ -310,12 +305,9 @@ def gpu_tensor_parallel(rank: int, world: int, port: int, steps: int, rows: int,
     batch; rank 0 saves the losses, the program's ops and whether the step took the
     vocab-parallel loss (no fused head split off)."""
     from runtime.cuda.step import TrainStep, random_params
-    from runtime.dist import DistContext
     from runtime.tensor_parallel import shard_params
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    context = DistContext.from_env(device="cuda", timeout_s=120)
+    context = join(rank, world, port, "cuda", 120)
     settings = GPU_LLAMA[1] | (more or {})
     step = TrainStep.from_module(GPU_LLAMA[0], settings, batch=rows, seq=seq,
                                  dist=context.data_parallel(2, tp=world, sp=sp))
@@ -338,12 +330,9 @@ def gpu_tp_overlap(rank: int, world: int, port: int, steps: int, rows: int, seq:
     captured, replayed) and masters; rank 0 saves them by overlap, with the number of
     wait nodes of each program and the async ops its first backward issued."""
     from runtime.cuda.step import TrainStep, random_params
-    from runtime.dist import DistContext
     from runtime.tensor_parallel import shard_params
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    context = DistContext.from_env(device="cuda", timeout_s=120)
+    context = join(rank, world, port, "cuda", 120)
     whole = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=rows, seq=seq)
     params = random_params(whole.shapes(), 0)
     del whole
@@ -435,15 +424,12 @@ def gpu_packed_sharded(rank: int, world: int, port: int, zero: int, steps: int, 
     step's denominators, as `modulec train` gives them), the evaluation split over the
     ranks; each rank saves its losses, eval losses and the entry-buffer elements held
     after each evaluation, rank 0 the gathered masters."""
-    from runtime.dist import DistContext
     from runtime.train.backends import CUDATrainer
     from runtime.train.evaluate import EvalData, evaluate
     from runtime.train.optim import AdamW
     from runtime.train.packing import Packing, denominators
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    context = DistContext.from_env(device="cuda", timeout_s=120)
+    context = join(rank, world, port, "cuda", 120)
     parallel, packing = context.data_parallel(zero), Packing(SEP)
     vocab = GPU_LLAMA[1]["vocab_size"]
     trainer = CUDATrainer(_gpu_model(), rows, seq, AdamW(lr=1e-3), accumulation=accumulation,
