@@ -46,7 +46,7 @@ def _lower_tree(world, instance: Instance, scope: str, out: list, seen: set) -> 
         elif isinstance(value, Stack):
             _require_count(world, name, value)
             _lower_tree(world, value.instance, _join(scope, f"{name}[*]"), out, seen)
-    for callee in getattr(instance, "inline_callees", ()):  # `x -> Double() -> y`
+    for callee in instance.inline_calls:  # `x -> Double() -> y` (recorded by the check)
         _lower_tree(world, callee, _join(scope, callee.name), out, seen)
     recorder = getattr(instance, "recorder", None)
     if recorder is not None:
@@ -156,9 +156,6 @@ def record_call(recorder: Recorder, instance: Instance, step, result, outputs):
     elif isinstance(callee, Instance):
         world = instance.world
         repeat = attr_value(result.repeat)
-        if not any(getattr(p, "instance", None) is callee for p in instance.params.values()):
-            # called inline, not through a parameter: lowered with its caller's tree
-            instance.__dict__.setdefault("inline_callees", []).append(callee)
         recorder.node("call", function_name(world, callee), inputs, ids, step,
                       attrs=call_path(instance, step.expr), repeat=repeat)
     return [type(t)(t.name, t.type, t.span, t.kind, t.accumulated, v)
