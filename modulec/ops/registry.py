@@ -19,7 +19,7 @@ from modulec.paths import data_dir
 from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, Unknown, evaluate
 from modulec.semantic.decls import ModuleDef, module_def
 from modulec.syntax import ast as A
-from modulec.types.dims import Dim
+from modulec.types.dims import Dim, int_text
 from modulec.types.sampling import Assumptions
 from modulec.types.tensor import DTYPES, TensorType
 
@@ -263,7 +263,7 @@ def _finite(value) -> bool:
 
 def _shown(value) -> str:
     if isinstance(value, Dim) and value.is_const and value.value.bit_length() > 10_000:
-        return str(value)[1:-1]  # `an integer of about N digits` (str() of it raises)
+        return int_text(value.value)[1:-1]  # `an integer of about N digits` (str() raises)
     text = str(value.value if isinstance(value, Dim) and value.is_const else value)
     return text if len(text) <= 40 else f"an integer of {len(text)} digits"
 
