@@ -10,6 +10,7 @@ that cannot be decided yet becomes an assumption for the shape checker) and read
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 from modulec.check.world import World, did_you_mean
@@ -30,7 +31,7 @@ from modulec.types.tensor import DTYPES, FLOAT, MAX_RANK, TensorType
 MAX_DIM = 2 ** 40  # one dim: no real model comes near this
 MAX_ELEMENTS = 2 ** 40  # one tensor's elements (8 TiB in fp64)
 MAX_BLOCKS = 10_000  # the blocks of one array (real models have at most a few hundred)
-MAX_FLOAT = 1.7976931348623157e308  # a float parameter's value, when written as an integer
+MAX_FLOAT = sys.float_info.max  # a float parameter's value, when written as an integer
 
 @dataclass(frozen=True)
 class Submodule:
@@ -140,8 +141,9 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     declared = param.type.value if isinstance(param.type, A.OptionalType) else param.type
     bad = [v for v in (value if isinstance(value, tuple) else (value,))
            if isinstance(v, float) and not math.isfinite(v)]
+    where = param.default if param.default is not None and not given else param
     if bad and fits_type(declared, value):  # `x: float = 1e999`, `[float]`, untyped (int: E003)
-        _not_finite(instance, param, bad[0], isinstance(value, tuple), given)
+        _not_finite(instance, param, bad[0], isinstance(value, tuple), where.span)
         return
     if not (isinstance(value, Dim) and value.is_const):
         return
@@ -157,7 +159,6 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     else:
         problem, why = "an integer must fit 64 bits", "integers of the IR and the runtime " \
             "are int64 (below 2^63)"
-    where = param.default if param.default is not None and not given else param
     _error_at_sizes(instance, "E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
                     where.span, help=[why])
 
@@ -170,13 +171,12 @@ def _model_size_below_one(instance: Instance, param: A.DeclParam, value: int) ->
 
 
 def _not_finite(instance: Instance, param: A.DeclParam, value: float, listed: bool,
-                given: bool) -> None:
+                span) -> None:
     """`x: float = 1e999` (or `1e308 * 10`, `1e999 - 1e999`) is inf or nan: no scale, rate
     or size, and the IR's floats are finite; unused, it was accepted silently."""
-    where = param.default if param.default is not None and not given else param
     _error_at_sizes(
         instance, "E027", f"`{param.name}` {'holds' if listed else 'is'} {value}: a float "
-        "parameter must be a finite number", where.span, "not a finite number",
+        "parameter must be a finite number", span, "not a finite number",
         help=["floats are 64-bit: a literal past 1.8e308 (`1e999`) or arithmetic past it "
               "(`1e308 * 10`) is inf"])
 
