@@ -1,4 +1,4 @@
-"""The three collectives of data parallel, through torch.distributed (NCCL on CUDA, gloo
+"""The three collectives of data parallel (and `summed`, a loss over the ranks), through torch.distributed (NCCL on CUDA, gloo
 on the CPU), on flat tensors (all_reduce_, with its `op`, also the vocab-parallel loss's
 max and sums: runtime/kernels/vocab_parallel.py). Each is issued on the current stream:
 under `torch.cuda.stream(comm)` it runs after what that stream waited for and before what
@@ -14,6 +14,13 @@ def all_reduce_(tensor: Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
     """Reduce over the ranks by `op` (a torch.distributed.ReduceOp: SUM, MAX, ..), in
     place."""
     dist.all_reduce(tensor, op=op, group=group)
+
+
+def summed(tensor: Tensor, group=None) -> Tensor:
+    """`tensor` summed over the ranks of `group`, out of place (one all_reduce)."""
+    total = tensor.clone()
+    all_reduce_(total, group)
+    return total
 
 
 def reduce_scatter_into(out: Tensor, tensor: Tensor, group=None) -> None:

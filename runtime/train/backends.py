@@ -197,8 +197,10 @@ class CUDATrainer:
         self.steps_run += 1
         both = torch.cat([self.step.loss.reshape(1), self.step.grad_norm.reshape(1)])
         if denominators is not None:  # a rank's loss is its share: summed over ranks
+            from runtime.dist.collectives import summed
+
             dist = self.step.dist
-            both[0:1] = ranks_sum(both[0:1], dist.dp_group) / dist.dp
+            both[0:1] = summed(both[0:1], dist.dp_group) / dist.dp
         # one read of both (the loss is read every step anyway: no sync more)
         loss, self._norm = both.tolist()
         return loss
@@ -271,15 +273,6 @@ class CUDATrainer:
                 "now_bytes": torch.cuda.memory_allocated(),
                 "what": "GPU (activations in the plan's arena)" if arena else
                 "GPU (torch allocator)"}
-
-
-def ranks_sum(value: Tensor, group=None) -> Tensor:
-    """`value` summed over the ranks of `group` (an all_reduce, out of place)."""
-    import torch.distributed as dist
-
-    total = value.clone()
-    dist.all_reduce(total, group=group)
-    return total
 
 
 def sliced(model: Model) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from runtime.dist.collectives import summed
 from runtime.dist.context import DistContext
 from runtime.dist.streams import InOrder
 from runtime.dist.tp_norm import tp_norm_options
@@ -141,9 +142,7 @@ class CPUDataParallelTrainer(CPUTrainer):
 
     def _mean_over_ranks(self, loss: float) -> float:
         """Every rank's loss averaged (a tensor-parallel slice's ranks hold the same)."""
-        value = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(value)
-        return float(value) / self.context.world
+        return float(summed(torch.tensor([loss], dtype=torch.float64))) / self.context.world
 
     def state(self, moments: bool = True) -> dict:
         """The whole state, gathered (a collective: every rank calls it); `moments=False`:

@@ -126,11 +126,10 @@ def gathers(trainer) -> bool:
 def ranks_total(value: float, parallel) -> float:
     """`value` summed over the data-parallel ranks: one all_reduce on the run's
     data-parallel group, in float64 (on the device NCCL needs: the context's)."""
-    import torch.distributed as dist
+    from runtime.dist.collectives import summed
 
-    summed = torch.tensor([value], dtype=torch.float64, device=parallel.context.device)
-    dist.all_reduce(summed, group=parallel.dp_group)
-    return float(summed)
+    return float(summed(torch.tensor([value], dtype=torch.float64,
+                                     device=parallel.context.device), parallel.dp_group))
 
 
 def batch_loss(trainer, window: torch.Tensor) -> float:
