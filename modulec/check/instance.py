@@ -151,8 +151,9 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
         if abs(value.value) <= MAX_FLOAT:
             return
         problem, why = "a number past the largest float", "floats are 64-bit (below 1.8e308)"
-    elif _model_size_below_one(instance, param, value.value):
-        problem, why = "a model's `int` parameter is a size, at least 1", "`--set` refuses " \
+    elif _model_size_unusable(instance, param, value.value):
+        bound = "at least 1" if value.value < 1 else f"at most {MAX_DIM:,}"
+        problem, why = f"a model's `int` parameter is a size, {bound}", "`--set` refuses " \
             "it the same way; a parameter that may be below 1 is declared `int?`"
     elif -2**63 <= value.value < 2**63:
         return
@@ -163,11 +164,15 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
                     where.span, help=[why])
 
 
-def _model_size_below_one(instance: Instance, param: A.DeclParam, value: int) -> bool:
-    """A model's plain `int` default below 1 (found by a fuzz run: Qwen3-MoE's `max_seq =
-    0` checked and built, and no sequence could run; `--set max_seq=0` was refused)."""
-    return value < 1 and instance.definition.decl.kind == "model" and \
-        isinstance(param.type, A.Name) and param.type.id == "int"
+def _model_size_unusable(instance: Instance, param: A.DeclParam, value: int) -> bool:
+    """A model's plain `int` is a size, as `--set` reads it (given.usable: 1 .. MAX_SIZE;
+    found by a fuzz run: Qwen3-MoE's `max_seq = 0` checked and built, and no sequence could
+    run; `--set max_seq=0` was refused, and `n: int = 2**50` checked clean while
+    `--set n=2**50` was refused)."""
+    from modulec.check.given import usable  # given reads this module's MAX_DIM
+
+    return instance.definition.decl.kind == "model" and isinstance(param.type, A.Name) and \
+        param.type.id == "int" and not usable(value, param)
 
 
 def _not_finite(instance: Instance, param: A.DeclParam, value: float, listed: bool,
