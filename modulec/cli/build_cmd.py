@@ -8,11 +8,9 @@ from pathlib import Path
 
 import click
 
+from modulec.check.given import MAX_SIZE  # a size no real model comes near
 from modulec.cli.fp8_options import fp8_options, fp8_overrides
 from modulec.cli.parallel import parallel_options, parallel_request, tensor_parallel_request
-
-
-MAX_SIZE = 2 ** 40  # a size no real model comes near (modulec.check.instance.MAX_DIM)
 
 
 def pairs(values, what: str, integer: bool) -> dict:
