@@ -70,7 +70,8 @@ def denominators(window: Tensor, packing: Packing, batch: int, dp: int) -> list[
     average (and their gradients, each divided by dp, sum) to the mean over the whole
     micro-batch's counted targets, as one process computes it on those rows."""
     rows, width = window.shape
-    counted = window[:, :-1] != packing.sep  # split_batch's labels not ignored
+    _, labels, _ = split_batch(window, packing)  # the labels the loss reads
+    counted = labels != packing.ignore_index
     per_micro = counted.reshape(dp, rows // (dp * batch), batch, width - 1).sum((0, 2, 3))
     return [max(int(n), 1) / dp for n in per_micro]
 
