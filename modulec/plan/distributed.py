@@ -66,10 +66,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modulec.ir.graph import COMM_STREAM, COMPUTE_STREAM, function_runs
+from modulec.ir.graph import COMM_STREAM as COMM, COMPUTE_STREAM as COMPUTE, function_runs
 
 ALIGN = 128  # elements: each parameter and shard starts at a 256-byte boundary in bf16
-COMPUTE, COMM = COMPUTE_STREAM, COMM_STREAM  # the IR's stream numbers
 ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"  # `--zero auto`: the budget planner chooses (modulec.lower.build_plan.choose_zero)
 # bytes per element of what a rank holds (split fp32 master = bf16 compute copy + int16

@@ -30,7 +30,8 @@ Without `zero` 1 the optimizer steps every parameter after the op list.
 
 from __future__ import annotations
 
-from modulec.plan.distributed import COMM, COMPUTE, GRAD_BYTES, _numel  # streams as there
+from modulec.ir.graph import COMM_STREAM as COMM, COMPUTE_STREAM as COMPUTE
+from modulec.plan.distributed import GRAD_BYTES, _numel
 
 GROUP = "dp"  # the collectives' process group: the stage's data-parallel group
 REDUCE = "avg"  # the group's mean (a sum, divided by the group's size)
