@@ -234,19 +234,26 @@ def test_the_step_issues_on_comm_after_compute_and_joins_at_the_wait():
     frame = Frame(function, "", ())
     frame.env["a"] = torch.ones(2)
     streams = Recording()
-    ran_on = []
+    ran_on, order = [], []
+    a = frame.env["a"]
 
     def op(node, frame, forward):
         ran_on.append(streams.current)
+        order.append("op")
         frame.env["b"] = frame.env["a"] * 2
 
     class Run:
         def _read(self, value, frame, forward):
+            order.append(f"read {value}")
             return frame.env[value]
 
     flight = InFlight(streams)
     flight.issue(Run(), issued, frame, None, op)
     assert ran_on == [2] and flight.issued == 1 and len(flight.held) == 1
+    # the inputs are read before the op is issued; it holds them and its output to the wait
+    assert order == ["read a", "op"]
+    held = flight.held[(id(frame), issued.id)]
+    assert held[0] is a and held[1] is frame.env["b"]
     flight.wait(wait, frame)
     key = "tp:F/n1"
     assert streams.calls == [("record", 0, f"{key}:ready"), ("wait", 2, f"{key}:ready"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from modulec.ir.graph import COMM_STREAM as COMM, COMPUTE_STREAM as COMPUTE, STREAM, WAIT
+from modulec.ir.graph import COMM, COMM_STREAM, COMPUTE_STREAM, STREAM, WAIT
 
 
 
@@ -32,14 +32,15 @@ def has_async(graph) -> bool:
     return any(n.kind == WAIT for f in graph.functions for n in f.nodes)
 
 
-def step_streams(step):
-    """The streams `step`'s async collectives run on, made at its first run (the compute
-    stream is set by each run, `begin_step`); None when its graph has none."""
-    if not hasattr(step, "tp_streams"):
-        from runtime.dist.streams import CudaStreams
+def step_streams(graph):
+    """The streams the async collectives of a step running `graph` run on (made once, when
+    the step is set up; the compute stream is set by each run, `begin_step`); None when
+    its graph has none."""
+    if not has_async(graph):
+        return None
+    from runtime.dist.streams import CudaStreams
 
-        step.tp_streams = CudaStreams() if has_async(step.graph) else None
-    return step.tp_streams
+    return CudaStreams()
 
 
 class InFlight:
@@ -52,16 +53,18 @@ class InFlight:
 
     def issue(self, run, node, frame, forward, op) -> None:
         """Run `op(node, frame, forward)` (the interpreter's op) on the comm stream."""
-        if node.attr(STREAM) != "comm":
+        if node.attr(STREAM) != COMM:
             raise RuntimeError(f"{node.id}: `stream={node.attr(STREAM)}` is not a stream "
                                "of this runtime")
-        key = _key(frame, node.id)
-        self.streams.record(COMPUTE, f"{key}:ready")
-        self.streams.wait(COMM, f"{key}:ready")
-        with self.streams.on(COMM):
-            op(node, frame, forward)
-            self.streams.record(COMM, f"{key}:done")
+        # the op's inputs, read before it is issued (what it reads, not what it writes);
+        # a value to restore is restored here, on the compute stream, before `ready`
         reads = [run._read(v, frame, forward) for v in node.inputs if v]
+        key = _key(frame, node.id)
+        self.streams.record(COMPUTE_STREAM, f"{key}:ready")
+        self.streams.wait(COMM_STREAM, f"{key}:ready")
+        with self.streams.on(COMM_STREAM):
+            op(node, frame, forward)
+            self.streams.record(COMM_STREAM, f"{key}:done")
         writes = [frame.env[v] for v in node.outputs if v and v in frame.env]
         _used_by(reads, getattr(self.streams, "comm", None))
         _used_by(writes, getattr(self.streams, "compute", None))
@@ -73,7 +76,7 @@ class InFlight:
         if (id(frame), node.target) not in self.held:
             raise RuntimeError(f"{frame.function.name}: `wait {node.target}` with no "
                                f"{node.target} issued on the communication stream")
-        self.streams.wait(COMPUTE, f"{_key(frame, node.target)}:done")
+        self.streams.wait(COMPUTE_STREAM, f"{_key(frame, node.target)}:done")
         del self.held[(id(frame), node.target)]
 
 

@@ -243,6 +243,8 @@ class TrainStep:
         self.activations = None  # the arena's regions, made when the step first runs (a
         # load's temporary fp32 weights are gone by then)
         self.zero = None  # runtime.dist.zero.ZeroRun under data parallel (made by load)
+        # `--tp`: the streams the backward collectives are overlapped on (None: no async op)
+        self.tp_streams = step_streams(self.graph)
 
     def _activations(self):
         """The arena (runtime/arena.py), made on first use; None off the arena."""
@@ -452,10 +454,9 @@ class TrainStep:
                                hooks=self.hooks, arena=self._activations(),
                                frame_events=self.zero)
         run.step, run.fp8_run = self, self.fp8
-        streams = step_streams(self)  # `--tp`: the backward collectives overlapped
-        if streams is not None:  # compute: the stream current now (warm-up's, capture's)
-            streams.begin_step()
-            run.in_flight = InFlight(streams)
+        if self.tp_streams is not None:  # compute: the stream current now (warm-up's,
+            self.tp_streams.begin_step()  # capture's)
+            run.in_flight = InFlight(self.tp_streams)
         if self.decisions is not None and self.execute_swaps:
             if getattr(self, "swaps", None) is None:
                 self.swaps = GpuSwaps()
