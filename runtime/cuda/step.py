@@ -512,20 +512,20 @@ class TrainStep:
             run.swaps.forward_done()
         d_head = None
         # packed data parallel: the micro-batch's denominator (runtime/cuda/packed.py)
-        shared = self.packing.denominator(micro) if self.packing is not None else None
-        shared = {} if shared is None else {"denominator": shared}
+        denominator = self.packing.denominator(micro) if self.packing is not None else None
+        loss_options = {} if denominator is None else {"denominator": denominator}
         if self.split is not None:
             head = self.split.head_param
             trained = head not in self.frozen()
             loss, seed, d_head = lm_head_cross_entropy(
                 out, self.compute[head], labels, self.chunk_rows, self.ignore_index,
-                head_grad=trained, scratch=self._head_scratch(on_gradient), **shared)
+                head_grad=trained, scratch=self._head_scratch(on_gradient), **loss_options)
             if d_head is not None and on_gradient is not None and not self._head_tied():
                 on_gradient(head, d_head)
                 d_head = None
         else:
             loss, seed = self.logits_loss(out, labels, self.chunk_rows,
-                                          ignore_index=self.ignore_index, **shared)
+                                          ignore_index=self.ignore_index, **loss_options)
         del out
         if aux is not None:
             loss = loss + aux.to(loss.dtype)
