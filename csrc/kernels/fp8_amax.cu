@@ -138,10 +138,10 @@ cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pendin
   };
   if (rows <= 0 || cols <= 0 || rows % 8 || cols % 8 || !aligned(x, 16) || !aligned(out, 8) ||
       !aligned(out_t, 8) || (!out && !out_t) || (fmt != 0 && fmt != 1) || !past ||
-      (cols + kVecTile - 1) / kVecTile > 65535)
+      !tile_grid_fits(cols))
     return cudaErrorInvalidValue;
-  const __nv_fp8_interpretation_t kind = fmt == 0 ? __NV_E4M3 : __NV_E5M2;
-  const float clamp = fmt == 0 ? 448.0f : 57344.0f;
+  const __nv_fp8_interpretation_t kind = fp8_kind(fmt);
+  const float clamp = fp8_clamp(fmt);
   const dim3 grid = tile_grid(rows, cols);
   const auto* in = static_cast<const __nv_bfloat16*>(x);
   auto* q = static_cast<__nv_fp8_storage_t*>(out);
@@ -158,7 +158,7 @@ cudaError_t launch_fp8_cast_delayed(const void* x, unsigned* work, float* pendin
 cudaError_t launch_fp8_delayed_finish(const void* x, const Fp8Delayed& d, bool transpose_plain,
                                       int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0 || rows % 8 || cols % 8 || !d.out || !d.past ||
-      (d.fmt != 0 && d.fmt != 1) || (cols + kVecTile - 1) / kVecTile > 65535)
+      (d.fmt != 0 && d.fmt != 1) || !tile_grid_fits(cols))
     return cudaErrorInvalidValue;
   const dim3 grid = tile_grid(rows, cols);
   auto* q = static_cast<__nv_fp8_storage_t*>(d.out);

@@ -110,11 +110,11 @@ cudaError_t launch_fp8_cast(DType dt, const void* x, const float* scale, int fmt
   if (rows == 0 || cols == 0 || (!out && !out_t)) return cudaSuccess;
   if ((cols + kTile - 1) / kTile > 65535) return cudaErrorInvalidValue;  // grid.y
   if (fmt != 0 && fmt != 1) return cudaErrorInvalidValue;
-  const __nv_fp8_interpretation_t kind = fmt == 0 ? __NV_E4M3 : __NV_E5M2;
-  const float top = fmt == 0 ? 448.0f : 57344.0f;
+  const __nv_fp8_interpretation_t kind = fp8_kind(fmt);
+  const float top = fp8_clamp(fmt);
   if (dt == DType::BF16 && rows % 8 == 0 && cols % 8 == 0 && aligned(x, 16) &&
       (!out || aligned(out, 8)) && (!out_t || aligned(out_t, 8)) &&
-      (cols + kVecTile - 1) / kVecTile <= 65535) {
+      tile_grid_fits(cols)) {
     fp8_cast_bf16x8_kernel<<<tile_grid(rows, cols), kVecThreads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(x), scale, top, kind,
         static_cast<__nv_fp8_storage_t*>(out), static_cast<__nv_fp8_storage_t*>(out_t), rows,

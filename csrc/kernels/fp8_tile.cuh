@@ -22,7 +22,11 @@ union Fp8x8 {
   uint2 packed;  // one 8-byte store
 };
 
-// One block a tile of [rows, cols] (the caller checks that the tiles of cols fit grid.y)
+// Whether the tiles of cols fit grid.y (at most 65535 blocks): every tile_grid launch checks
+// it first
+inline bool tile_grid_fits(int64_t cols) { return (cols + kVecTile - 1) / kVecTile <= 65535; }
+
+// One block a tile of [rows, cols] (the caller checks tile_grid_fits(cols))
 inline dim3 tile_grid(int64_t rows, int64_t cols) {
   return dim3(static_cast<unsigned>((rows + kVecTile - 1) / kVecTile),
               static_cast<unsigned>((cols + kVecTile - 1) / kVecTile));

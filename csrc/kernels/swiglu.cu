@@ -243,7 +243,7 @@ cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const v
   if (rows <= 0 || C <= 0 || rows % 8 || C % 8 || ld_gate % 8 || ld_up % 8 || !gate || !up ||
       !y || !aligned(gate, 16) || !aligned(up, 16) || !aligned(y, 16) || !d.out || !d.past ||
       !d.work || !aligned(d.out, 8) || !aligned(d.out_t, 8) || (d.fmt != 0 && d.fmt != 1) ||
-      (C + kVecTile - 1) / kVecTile > 65535)
+      !tile_grid_fits(C))
     return cudaErrorInvalidValue;
   const dim3 grid = tile_grid(rows, C);
   const auto* g = static_cast<const __nv_bfloat16*>(gate);
