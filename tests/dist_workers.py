@@ -450,3 +450,24 @@ def gpu_packed_sharded(rank: int, world: int, port: int, zero: int, steps: int, 
     torch.save(got, f"{out}.{rank}")
     context.close()
     context.exit_now()
+
+
+def gpu_unpacked_loss(rank: int, world: int, port: int, zero: int, steps: int, rows: int,
+                      seq: int, out: str) -> None:
+    """`world` GPUs, unpacked data parallel through CUDATrainer (each rank its own rows of
+    the same windows, as `modulec train` gives them), eager, captured and replayed; each
+    rank saves the loss `train_step` reported and its own step's loss (`step.loss`, the
+    mean over its rows, which the report's all_reduce leaves as it is)."""
+    from runtime.train.backends import CUDATrainer
+    from runtime.train.optim import AdamW
+
+    context = join(rank, world, port, "cuda", 120)
+    trainer = CUDATrainer(_gpu_model(), rows, seq, AdamW(lr=1e-3),
+                          dist=context.data_parallel(zero))
+    reported, own = [], []
+    for window in windows(steps, rows * world, seq, GPU_LLAMA[1]["vocab_size"]):
+        reported.append(trainer.train_step(window[rank * rows:(rank + 1) * rows]))
+        own.append(float(trainer.step.loss))
+    torch.save({"reported": reported, "own": own}, f"{out}.{rank}")
+    context.close()
+    context.exit_now()

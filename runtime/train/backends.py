@@ -182,9 +182,14 @@ class CUDATrainer:
     def train_step(self, window: Tensor, denominators: list[float] | None = None) -> float:
         """A replay (the first step eager; the second captures). Packed, the documents
         go with the batch; one past the step's room for documents drops the graph (that
-        step eager, the next captures again: runtime/cuda/packed.py). Packed data
-        parallel: `denominators` too, and the loss returned is the ranks' mean (one
-        all_reduce of it after the step): the mean over every rank's counted targets."""
+        step eager, the next captures again: runtime/cuda/packed.py). Under data
+        parallel the loss returned is the ranks' mean, as the CPU trainer's (one
+        all_reduce of it after the step, over the data-parallel group: a tensor-parallel
+        slice's ranks hold the same loss): unpacked, the mean of the ranks' losses;
+        packed (`denominators` given too), a rank's loss is its share of the step's, and
+        the shares summed over the ranks / dp is the mean over every rank's counted
+        targets as the ZeRO step's gradient is (docs/decisions.md "Packed data parallel:
+        the loss's denominator")."""
         from runtime.train.packing import split_batch
 
         tokens, labels, documents = split_batch(window, self.packing)
@@ -196,10 +201,10 @@ class CUDATrainer:
             self.step.capture(warmup=1)  # its one warm-up is this step
         self.steps_run += 1
         both = torch.cat([self.step.loss.reshape(1), self.step.grad_norm.reshape(1)])
-        if denominators is not None:  # a rank's loss is its share: summed over ranks
-            from runtime.dist.collectives import summed
+        dist = self.step.dist
+        if dist is not None and dist.dp > 1:  # the ranks' losses (packed: their shares)
+            from runtime.dist.collectives import summed  # summed over the ranks, / dp
 
-            dist = self.step.dist
             both[0:1] = summed(both[0:1], dist.dp_group) / dist.dp
         # one read of both (the loss is read every step anyway: no sync more)
         loss, self._norm = both.tolist()
