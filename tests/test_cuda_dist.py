@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
+from tests.kernel_testing import relative_error  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or
@@ -140,10 +141,6 @@ def test_vocab_parallel_head_and_loss_train_as_one_gpu(tied, reference, tmp_path
     assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
 
 
-def _relative(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
-
-
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_overlap_trains_as_in_order(sp, tmp_path):
     """TP 2 (and with --sp) built with the tp_overlap pass (each backward all-reduce /
@@ -162,7 +159,7 @@ def test_tp_overlap_trains_as_in_order(sp, tmp_path):
     assert on["loss"] == pytest.approx(off["loss"], rel=1e-3)
     assert set(on["grads"]) == set(off["grads"])
     for path, grad in off["grads"].items():
-        assert _relative(on["grads"][path], grad) < 1e-2, path
+        assert relative_error(on["grads"][path], grad) < 1e-2, path
     assert on["losses"] == pytest.approx(off["losses"], rel=1e-2)
     for path, master in off["masters"].items():
-        assert _relative(on["masters"][path], master) < 1e-2, path
+        assert relative_error(on["masters"][path], master) < 1e-2, path

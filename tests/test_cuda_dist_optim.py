@@ -13,7 +13,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
 from tests.test_cuda_dist import ROWS, SEQ, STEPS, initial  # noqa: E402,F401
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 np = pytest.importorskip("numpy")
 
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or

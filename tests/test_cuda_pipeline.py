@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or

@@ -14,7 +14,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 pytest.importorskip("transformers")
 
 from tests import shard_workers  # noqa: E402
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 from tests.test_train import LLAMA, ckpt, losses, train  # noqa: E402,F401
 
 

@@ -4,22 +4,15 @@ parameters and moments equal one process training on the whole batch (float64)."
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 
 STEPS, ROWS, SEQ = 2, 4, 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sharded(name: str, zero: int, tmp_path) -> dict:

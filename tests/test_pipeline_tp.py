@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_workers  # noqa: E402
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 from tests.test_train import ckpt  # noqa: E402,F401
 
 PARTS = ("masters", "exp_avg", "exp_avg_sq")

@@ -20,7 +20,7 @@ from modulec.lower.build import BuildRequest, build  # noqa: E402
 from runtime.tensor_parallel import unshard_params, vocab_outputs  # noqa: E402
 from tests import tp_workers  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
-from tests.test_tensor_parallel import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,6 @@ diagnostics of shardings that cannot work."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,10 @@ from modulec.lower.build import BuildRequest, build  # noqa: E402
 from runtime.tensor_parallel import (shard_tensor, unshard_params, unshard_tensors,  # noqa: E402
                                      vocab_outputs)
 from tests import tp_workers  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tp_build(name: str, tp: int, **more):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import tp_workers  # noqa: E402
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 from tests.test_pipeline_tp import DP_TP_RUNS  # noqa: E402
 
 PARTS = ("masters", "exp_avg", "exp_avg_sq")

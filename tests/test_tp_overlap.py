@@ -286,7 +286,7 @@ def test_the_step_interpreter_issues_every_async_collective_on_two_ranks(tmp_pat
     torch = pytest.importorskip("torch")
     mp = pytest.importorskip("torch.multiprocessing")
     from tests import tp_workers
-    from tests.test_tensor_parallel import free_port
+    from tests.dist_testing import free_port
 
     out = str(tmp_path / "rank")
     mp.spawn(tp_workers.step_interpreter_rank, nprocs=2, args=(2, free_port(), out))

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 from tests.test_train import LLAMA, _tensors, ckpt, events, losses, train  # noqa: E402,F401
 
 

@@ -252,7 +252,7 @@ def test_wsd_in_its_stable_phase_may_be_extended(ckpt, tmp_path):
 def _two_processes(ckpt, *args) -> list[dict]:
     """`torchrun --nproc-per-node 2 -m modulec train` (gloo, one row each): rank 0's
     step records."""
-    from tests.test_dist_zero import free_port
+    from tests.dist_testing import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA,
@@ -298,7 +298,7 @@ def test_every_zero_stage_defers_its_updates_for_clipping():
     from runtime.train.data_parallel import CPUDataParallelTrainer
     from runtime.train.optim import AdamW
     from tests.dist_workers import tiny_model, windows
-    from tests.test_dist_zero import free_port
+    from tests.dist_testing import free_port
 
     class OneRank(DataParallelRun):
         def options(self):  # a section for one rank (the CLI runs none)
