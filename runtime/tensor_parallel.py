@@ -129,9 +129,10 @@ def vocab_outputs(program) -> list[str]:
 
 
 def logits_loss(program, output: str):
-    """The trainers' mean cross-entropy for `output`: fn(logits, labels, ignore_index=)
-    -> (loss, d_logits), vocab-parallel when the logits are split over the vocabulary
-    (runtime.kernels.vocab_parallel), else runtime.cuda.lm_head.logits_cross_entropy."""
+    """The trainers' mean cross-entropy for `output`: fn(logits, labels, chunk_rows,
+    ignore_index=, denominator=) -> (loss, d_logits), vocab-parallel when the logits are
+    split over the vocabulary (runtime.kernels.vocab_parallel), else
+    runtime.cuda.lm_head.logits_cross_entropy."""
     from runtime.cuda.lm_head import logits_cross_entropy
 
     if output not in vocab_outputs(program):
@@ -139,5 +140,6 @@ def logits_loss(program, output: str):
     from runtime.kernels.vocab_parallel import mean_cross_entropy
 
     size = tp_size(program.document)
-    return lambda logits, labels, chunk_rows=None, ignore_index=-100: mean_cross_entropy(
-        logits, labels, size, ignore_index=ignore_index, chunk_rows=chunk_rows)
+    return lambda logits, labels, chunk_rows=None, ignore_index=-100, denominator=None: \
+        mean_cross_entropy(logits, labels, size, ignore_index=ignore_index,
+                           chunk_rows=chunk_rows, denominator=denominator)

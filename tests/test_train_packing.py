@@ -184,7 +184,9 @@ def test_doc_sep_resumes_exactly_and_a_resume_must_keep_it(data, tmp_path):
     (["--doc-sep", "64"], "--doc-sep 64 is not a token id of the model"),
     (["--doc-sep", "-2"], "--doc-sep -2 is not a token id"),
     (["--doc-sep", "1", "--ignore-index", "5"], "--ignore-index 5 is a token id"),
-    (["--doc-sep", "1", "--tp", "2"], "--doc-sep with --pp or --tp is not supported yet"),
+    (["--doc-sep", "1", "--pp", "2"], "--doc-sep with --pp is not supported yet"),
+    # --tp packs (tests/test_tp_packed.py): one process is the launch's mistake
+    (["--doc-sep", "1", "--tp", "2"], "--tp 2 must divide the 1 processes"),
 ])
 def test_packing_mistakes_are_one_clear_error(data, args, message):
     result = _train(data, *args)
@@ -192,9 +194,10 @@ def test_packing_mistakes_are_one_clear_error(data, args, message):
     assert "Traceback" not in result.output
 
 
-def test_doc_sep_on_cuda_packs_in_one_process_or_data_parallel(data):
+def test_doc_sep_on_cuda_packs_in_one_process_data_or_tensor_parallel(data):
     """The GPU step packs (tests/test_cuda_packed.py), also data parallel (--zero:
-    tests/test_dist_packed_eval.py); with --pp or --tp it is refused, not ignored."""
+    tests/test_dist_packed_eval.py) and tensor parallel (--tp: tests/test_tp_packed.py,
+    tests/test_cuda_tp_packed.py); with --pp it is refused, not ignored."""
     from runtime.errors import RuntimeUserError
     from runtime.train.packing import check_options
     from runtime.train.run import Request
@@ -204,8 +207,11 @@ def test_doc_sep_on_cuda_packs_in_one_process_or_data_parallel(data):
     check_options(request)
     check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1, device="cuda",
                           doc_sep=SEP, zero=1))
-    for option in (dict(pp=2), dict(tp=2)):
-        with pytest.raises(RuntimeUserError, match="with --pp or --tp is not supported"):
+    for option in (dict(tp=2), dict(tp=2, zero=1)):
+        check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
+                              device="cuda", doc_sep=SEP, **option))
+    for option in (dict(pp=2), dict(pp=2, tp=2)):
+        with pytest.raises(RuntimeUserError, match="--doc-sep with --pp is not supported"):
             check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
                                   device="cuda", doc_sep=SEP, **option))
 

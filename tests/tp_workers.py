@@ -254,3 +254,68 @@ def step_interpreter_rank(rank: int, world: int, port: int, out: str) -> None:
                    f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def packed_train(model, steps: int, rows: int, seq: int, accumulation: int) -> dict:
+    """`steps` packed AdamW steps (--doc-sep, runtime.train.packing) of the CPU trainer on
+    the windows of tests/dist_workers.packed_windows: the losses, then the masters and
+    moments."""
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing
+    from tests.dist_workers import SEP, packed_windows
+
+    model.check_finite = False
+    trainer = CPUTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1), accumulation,
+                         Packing(SEP))
+    losses = [trainer.train_step(w) for w in packed_windows(steps, rows * accumulation, seq)]
+    state = trainer.state()
+    return {"losses": losses, **{k: dict(state[k]) for k in ("masters", "exp_avg",
+                                                             "exp_avg_sq")}}
+
+
+def packed_shares(model, rows: int, seq: int, dp: int) -> dict:
+    """Packed data parallel's loss on a tensor-parallel group, the `dp` data-parallel
+    ranks' rows of one micro-batch run one after the other: each rank's summed loss
+    divided by its denominator (runtime.train.packing.denominators), then averaged over
+    the ranks as ZeRO averages their gradients (and the trainers their losses): with
+    dp = 1 one process's mean loss and gradients on the same rows."""
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing, denominators
+    from tests.dist_workers import SEP, packed_windows
+
+    model.check_finite = False
+    packing = Packing(SEP)
+    trainer = CPUTrainer(model, rows // dp, seq, AdamW(), 1, packing)
+    window = packed_windows(1, rows, seq)[0]
+    (denominator,) = denominators(window, packing, rows // dp, dp)
+    loss, grads = 0.0, {}
+    for part in window.split(rows // dp):
+        share, own = trainer._loss_and_gradients(part, denominator if dp > 1 else None)
+        loss = loss + share
+        grads = {p: grads[p] + g if p in grads else g for p, g in own.items()}
+    return {"loss": loss / dp, "grads": {p: g / dp for p, g in grads.items()}}
+
+
+def packed_rank(rank: int, world: int, port: int, runs: list, sizes: tuple,
+                out: str) -> None:
+    """Each of `runs` ((model name, `--sp` or not, shares or not)) packed over a
+    tensor-parallel group of `world` gloo ranks (float64, the same rows on every rank):
+    `packed_shares` of two data-parallel ranks (where asked), then `packed_train`'s steps;
+    saved to `out`.<rank> by (name, sp)."""
+    import torch.distributed as dist
+
+    steps, rows, seq, accumulation = sizes
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        result = {}
+        for name, sp, shares in runs:
+            model = tiny_model(name, world, rank, sequence_parallel=sp)
+            got = {"shares": packed_shares(model, 2 * rows, seq, 2)} if shares else {}
+            got["train"] = packed_train(model, steps, rows, seq, accumulation)
+            result[name, sp] = got
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()

@@ -22,7 +22,11 @@
 Labels are the caller's: the target after a separator carries the ignore index
 (runtime/train/packing.py split_batch), which the fused cross-entropy leaves out.
 
-Data parallel (a `dist` without --tp): each rank packs its own rows, and the batch comes
+Tensor parallel (a `dist` with tp > 1): the ranks of a TP group get the same rows, so
+the same buffers; each rank's varlen attention runs on its heads, and the vocab-parallel
+loss leaves the ignored targets out (and reads `denominator`) as the fused loss does.
+
+Data parallel (a `dist` with dp > 1): each rank packs its own rows, and the batch comes
 with `denominators` (runtime/train/packing.py: what each micro-batch's summed loss is
 divided by, the whole micro-batch's count over the ranks / dp), held in a static
 [accumulation] fp32 buffer the loss reads (`denominator`), so the ranks' averaged
@@ -160,10 +164,6 @@ def check_packed(step) -> None:
     from runtime.errors import RuntimeUserError
     from runtime.train.packing import MIXING
 
-    if step.dist is not None and step.dist.tp > 1:
-        raise RuntimeUserError("a packed GPU step (--doc-sep) with --tp is not supported "
-                               "yet", help=["train packed in one process, or data "
-                                            "parallel (--zero 0-3 without --tp)"])
     nodes = [node for function in step.program.graph.functions for node in function.nodes]
     pinned = [node for node in nodes if node.target == "flash_attention"
               and _pinned_to_cudnn(node)]

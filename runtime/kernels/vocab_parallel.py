@@ -86,17 +86,21 @@ def _cross_entropy_forward(logits, labels, *, size, group="tp", ignore_index=-10
 
 
 def mean_cross_entropy(logits: Tensor, labels: Tensor, size: int, group: str = "tp",
-                       ignore_index: int = -100, chunk_rows: int | None = None
-                       ) -> tuple[Tensor, Tensor]:
+                       ignore_index: int = -100, chunk_rows: int | None = None,
+                       denominator=None) -> tuple[Tensor, Tensor]:
     """(loss [] fp32, d_logits like logits) of the mean token cross-entropy over labels
     != ignore_index, from this rank's vocabulary slice of the logits (fp32 math; float64
     stays float64), `chunk_rows` rows at a time (None: all), so the fp32 copies are one
     chunk's (two all-reduces a chunk; every rank cuts the same chunks). Every rank gets
-    the same loss."""
+    the same loss. `denominator` (a number or a [] tensor): the summed loss divided by it
+    instead of the count (packed data parallel, runtime/train/packing.py: the same on
+    the ranks of a tensor-parallel group, which hold the same rows)."""
+    from runtime.cuda.lm_head import inverse_count
+
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     V = logits.shape[-1]
     rows, flat = logits.reshape(-1, V), labels.reshape(-1)
-    inv_n = 1.0 / (flat != ignore_index).sum().clamp(min=1).to(compute)
+    inv_n = inverse_count(flat != ignore_index, compute, denominator)
     attrs = dict(size=size, group=group, ignore_index=ignore_index)
     loss = torch.zeros((), dtype=compute, device=logits.device)
     d_rows = torch.empty_like(rows)

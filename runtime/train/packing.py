@@ -7,14 +7,19 @@ the ignore index and is left out of the loss, whose mean is over the micro-batch
 other targets. The separator itself stays a target: a document learns to end. On the
 GPU the step holds the documents in static buffers (runtime/cuda/packed.py).
 
-Under torchrun, data parallel (--zero 0-3, no --tp / --pp), each rank packs its own rows
+Under torchrun, data parallel (--zero 0-3, no --pp), each rank packs its own rows
 the same way, and the step is the one-process step on the ranks' rows together: the
 ranks' micro-batches j make one micro-batch of dp x B rows whose loss is the mean over
 all its counted targets. A rank's own mean would not give that (the ranks count different
 numbers of targets, and the step averages the ranks' gradients), so each rank divides
 its summed loss by `denominators` (the whole micro-batch's count / dp), which every rank
 computes from the step's whole window (all ranks read it) without a collective.
-decisions.md "Packed sequences", "Packed data parallel: the loss's denominator".
+Under tensor parallel (--tp M, alone or with data parallel) the ranks of a TP group hold
+the same rows, so the same documents: each runs the per-document attention on its heads,
+and the vocab-parallel loss (runtime.kernels.vocab_parallel.mean_cross_entropy) leaves
+the ignored targets out and takes the denominators as the one-process loss does (dp and
+dp_rank are the data-parallel group's). decisions.md "Packed sequences", "Packed data
+parallel: the loss's denominator", "Packed tensor parallel".
 """
 
 from __future__ import annotations
@@ -86,10 +91,11 @@ def check_options(request) -> None:
                                    help=["give --doc-sep ID (the end-of-document id) to "
                                          "pack documents"])
         return
-    if request.pp > 1 or request.tp > 1:
-        raise RuntimeUserError("--doc-sep with --pp or --tp is not supported yet",
-                               help=["train packed in one process, or data parallel "
-                                     "(torchrun with --zero 0-3, no --tp / --pp)"])
+    if request.pp > 1:
+        raise RuntimeUserError("--doc-sep with --pp is not supported yet",
+                               help=["train packed in one process, or data / tensor "
+                                     "parallel (torchrun with --zero 0-3 and / or --tp, "
+                                     "no --pp)"])
     if sep < 0:
         raise RuntimeUserError(f"--doc-sep {sep} is not a token id",
                                help=["give the tokenizer's end-of-document (eos) id"])
