@@ -104,7 +104,7 @@ def instantiate(world: World, definition: ModuleDef, args: dict | None = None) -
         return world.instances[key]
     instance = Instance(world, definition)
     world.instances[key] = instance
-    world.instantiating.append(definition.decl)
+    world.instantiating.append(instance)
     try:
         _bind_decl_params(instance, args or {})
         _evaluate_lets(instance)
@@ -160,8 +160,8 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     else:
         problem, why = "an integer must fit 64 bits", "integers of the IR and the runtime " \
             "are int64 (below 2^63)"
-    _error_at_sizes(instance, "E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
-                    where.span, help=[why])
+    instance.world.error_unmuted("E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
+                                 where.span, help=[why])
 
 
 def _model_size_unusable(instance: Instance, param: A.DeclParam, value: int) -> bool:
@@ -179,8 +179,8 @@ def _not_finite(instance: Instance, param: A.DeclParam, value: float, listed: bo
                 span) -> None:
     """`x: float = 1e999` (or `1e308 * 10`, `1e999 - 1e999`) is inf or nan: no scale, rate
     or size, and the IR's floats are finite; unused, it was accepted silently."""
-    _error_at_sizes(
-        instance, "E027", f"`{param.name}` {'holds' if listed else 'is'} {value}: a float "
+    instance.world.error_unmuted(
+        "E027", f"`{param.name}` {'holds' if listed else 'is'} {value}: a float "
         "parameter must be a finite number", span, "not a finite number",
         help=["floats are 64-bit: a literal past 1.8e308 (`1e999`) or arithmetic past it "
               "(`1e308 * 10`) is inf"])
@@ -262,22 +262,9 @@ def _const(instance: Instance, node, what: str, free: str = "error"):
                     "not a parameter or constant of this module",
                     help=did_you_mean(exc.node.id, instance.values))
     except NotConst as exc:  # unmuted: `d // (d - 4)` is one only at some sizes
-        _error_at_sizes(instance, "E003", f"{what} must be a compile-time value",
-                        exc.node.span, exc.reason)
+        instance.world.error_unmuted("E003", f"{what} must be a compile-time value",
+                                     exc.node.span, exc.reason)
     return Unknown("float")
-
-
-def _where(instance: Instance) -> list[str]:
-    """A note naming the instance, for an error found while instantiating it quietly
-    (its values come from a caller: `in Outer(d=4)`)."""
-    return [f"in {instance.describe()}"] if instance.world.quiet else []
-
-
-def _error_at_sizes(instance: Instance, code: str, message: str, span, label: str = "",
-                    **more) -> None:
-    """An error that depends on the sizes (World.error_unmuted: reported even while
-    instantiating quietly), naming the instance whose sizes it was found at (_where)."""
-    instance.world.error_unmuted(code, message, span, label, notes=_where(instance), **more)
 
 
 # ====================================================================== let and constraints
@@ -304,10 +291,10 @@ def _check_constraint(instance: Instance, constraint: A.Constraint) -> None:
                     help=did_you_mean(exc.node.id, instance.values))
         return
     except NotConst as exc:  # unmuted: `8 % (d - 4)` has no value only at d = 4
-        _error_at_sizes(instance, "E026", "a constraint must be a compile-time expression",
-                        exc.node.span, exc.reason,
-                        help=["constraints may use parameters, `let` constants and "
-                              "sqrt/ceil_div/min/max/abs/int/floor"])
+        instance.world.error_unmuted("E026", "a constraint must be a compile-time expression",
+                                     exc.node.span, exc.reason,
+                                     help=["constraints may use parameters, `let` constants and "
+                                           "sqrt/ceil_div/min/max/abs/int/floor"])
         return
     if verdict is False:
         instance.failures.append((instance, constraint))
@@ -391,7 +378,7 @@ def _present(instance: Instance, param: TensorParam) -> bool:
         problem = ("E016", "a parameter's `if` guard must be a compile-time expression",
                    node.span, getattr(exc, "reason", "not a constant"))
         if isinstance(exc, NotConst):  # unmuted: `8 % (d - 4)` has no value only at d = 4
-            _error_at_sizes(instance, *problem)
+            instance.world.error_unmuted(*problem)
         else:
             instance.world.error(*problem)
         return True
@@ -428,8 +415,8 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     if items and isinstance(items[-1], A.Name) and items[-1].id in DTYPES:
         dtype = items.pop().id
     if len(items) > MAX_RANK:
-        _error_at_sizes(instance, "E027", f"a tensor type of {len(items):,} dims: the most "
-                        f"a tensor may have is {MAX_RANK}", node.span)
+        instance.world.error_unmuted("E027", f"a tensor type of {len(items):,} dims: the most "
+                                     f"a tensor may have is {MAX_RANK}", node.span)
         return None
     dims = []
     for item in items:
@@ -438,8 +425,9 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
             _float_at_every_size(instance, item, free, "a dimension")
             return None
         if not isinstance(value, Dim):  # unmuted: `[d / 2]` is a float once d is sized
-            _error_at_sizes(instance, "E003", "a dimension must be an integer", item.span,
-                            f"this is {_short(value)}", help=_integer_help(value, item))
+            instance.world.error_unmuted("E003", "a dimension must be an integer", item.span,
+                                         f"this is {_short(value)}",
+                                         help=_integer_help(value, item))
             return None
         if not _at_least_one(instance, value, item, "a dimension"):
             return None
@@ -492,9 +480,9 @@ def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM
     columns: the runtime could only fail on it, or run out of memory first)."""
     if isinstance(size, Dim) and size.is_const and not 1 <= size.value <= most:
         bound = "at least 1" if size.value < 1 else f"at most {most:,}"
-        _error_at_sizes(instance, "E027", f"{what} must be {bound}: this is "
-                        f"{_shown(size.value)}", node.span,
-                        help=["check the expression and the parameter values it reads"])
+        instance.world.error_unmuted(
+            "E027", f"{what} must be {bound}: this is {_shown(size.value)}", node.span,
+            help=["check the expression and the parameter values it reads"])
         return False
     return True
 
@@ -514,9 +502,9 @@ def _elements_in_range(instance: Instance, dims: list, node) -> bool:
             break
     if total > MAX_ELEMENTS:
         size = f"{total:,}" if count == len(known) else f"at least {total:,}"
-        _error_at_sizes(
-            instance, "E027", f"a tensor of {size} elements: the most a tensor may hold is "
-                              f"{MAX_ELEMENTS:,}", node.span,
+        instance.world.error_unmuted(
+            "E027", f"a tensor of {size} elements: the most a tensor may hold is "
+                    f"{MAX_ELEMENTS:,}", node.span,
             help=["check the sizes its dims read (--set, --shape, defaults)"])
         return False
     return True
@@ -544,9 +532,9 @@ def _stack(instance: Instance, node: A.ArrayType, param: TensorParam):
     if not isinstance(count, (Dim, Unknown)):  # a list, a float, None: no count of blocks
         # unmuted: `[n / 2]` is a float only once a caller sizes n (muted, the array was
         # dropped and the lowering tripped over its call: exit 101)
-        _error_at_sizes(instance, "E003", "an array of blocks' size must be an integer",
-                        node.count.span, f"this is {_short(count)}",
-                        help=_integer_help(count, node.count))
+        instance.world.error_unmuted("E003", "an array of blocks' size must be an integer",
+                                     node.count.span, f"this is {_short(count)}",
+                                     help=_integer_help(count, node.count))
         return None
     if isinstance(count, Unknown) and \
             _float_at_every_size(instance, node.count, "error", "an array of blocks' size"):
@@ -584,8 +572,9 @@ def instantiate_call(instance: Instance, decl: A.Decl, args, span: Span) -> Inst
     if decl.abstract:
         _abstract(world, decl, span)
         return None
-    if decl in world.instantiating:
-        names = [d.name for d in world.instantiating[world.instantiating.index(decl):]]
+    decls = [i.definition.decl for i in world.instantiating]
+    if decl in decls:
+        names = [d.name for d in decls[decls.index(decl):]]
         instance.cycles.append(" -> ".join(names + [decl.name]))
         _contains_itself(world, instance.cycles[-1], span)
         return None
@@ -671,9 +660,10 @@ def bind_arguments(instance: Instance, decl: A.Decl, args, span: Span) -> dict |
             # Unmuted: the argument's kind can depend on the caller's values (`2.5 * d`
             # is unknown while `d` is, a float once a model sizes it); muted, the child
             # was built from it and the lowering tripped over an int that was not (exit 101).
-            _error_at_sizes(instance, "E003", f"`{decl.name}` parameter `{param.name}` is "
-                            f"declared {show(param.type)}, given {_short(bound[param.name])}",
-                            span, "argument of the wrong kind")
+            instance.world.error_unmuted(
+                "E003", f"`{decl.name}` parameter `{param.name}` is declared "
+                f"{show(param.type)}, given {_short(bound[param.name])}", span,
+                "argument of the wrong kind")
             return None
     missing = [p.name for p in params if p.name not in bound and p.default is None]
     if missing:

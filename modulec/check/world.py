@@ -50,9 +50,9 @@ class World:
     instances: dict = field(default_factory=dict)
     _defs: dict[int, ModuleDef] = field(default_factory=dict)
     _seen: set = field(default_factory=set)
-    quiet: int = 0  # >0 while checking an instance for its types only
+    quiet: int = 0  # >0 while checking an instance for its types only (see `report`)
     recording: bool = False  # lowering: record each instance's graph as Graph IR
-    instantiating: list = field(default_factory=list)  # declarations being instantiated
+    instantiating: list = field(default_factory=list)  # instances being made, innermost last
     # sizes a build fixes: the inputs' free dims (`--shape B=8`) and the topology's
     # `tp_size` (spec §7.6.0; `--tp`, 1 otherwise), which every module may read
     dims: dict = field(default_factory=lambda: dict(TOPOLOGY))
@@ -91,6 +91,12 @@ class World:
 
     # ------------------------------------------------------------ reporting
     def report(self, diagnostic: Diagnostic) -> None:
+        """Add a diagnostic once per (code, message, span). While quiet (a called module
+        instantiated at its caller's sizes, `hf_plan`) nothing is added: the module's own
+        check reports its errors where written, and a failed constraint or a containment
+        cycle is reported again at the call (unmuted, both were reported twice, and an
+        error that has nothing to do with the sizes was named `in Inner(d=4)` when the
+        caller came first). Errors that depend on the sizes go through `error_unmuted`."""
         if self.quiet:
             return
         key = (diagnostic.code, diagnostic.message, diagnostic.primary_span)
@@ -104,10 +110,14 @@ class World:
     def error_unmuted(self, code: str, message: str, span, label: str = "", **more) -> None:
         """An error reported even while instantiating quietly: a size no tensor can have
         (a dim below 1 or past the limit) is wrong whoever called the module, and muted it
-        left a parameter without a type for the lowering to trip over (exit 101)."""
+        left a parameter without a type for the lowering to trip over (exit 101). While
+        quiet it names the instance whose sizes it was found at (`in Outer(d=4)`: its
+        values come from a caller)."""
+        notes = [f"in {self.instantiating[-1].describe()}"] \
+            if self.quiet and self.instantiating else []
         quiet, self.quiet = self.quiet, 0
         try:
-            self.error(code, message, span, label, **more)
+            self.error(code, message, span, label, notes=notes, **more)
         finally:
             self.quiet = quiet
 
