@@ -232,13 +232,16 @@ def _optimizer(clip: float | None) -> dict:
 
 
 def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: int,
-                seq: int, out: str, clip: float | None = None) -> None:
+                seq: int, out: str, clip: float | None = None, more: dict | None = None
+                ) -> None:
+    """ZeRO stage `zero` over `world` GPUs, each rank its own rows of every batch; `clip`
+    and `more` (settings over GPU_LLAMA's) as gpu_reference takes them."""
     from runtime.cuda.step import TrainStep
 
     context = join(rank, world, port, "cuda", 120)
     per_rank = rows // world
-    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1], batch=per_rank, seq=seq,
-                                 dist=context.data_parallel(zero), **_optimizer(clip))
+    step = TrainStep.from_module(GPU_LLAMA[0], GPU_LLAMA[1] | (more or {}), batch=per_rank,
+                                 seq=seq, dist=context.data_parallel(zero), **_optimizer(clip))
     step.init_random(0)
     own = [b[rank * per_rank:(rank + 1) * per_rank] for b in gpu_batches(steps, rows, seq)]
     local = gpu_train(step, own)

@@ -2,7 +2,8 @@
 fewer than two): the norm is one all_reduce of the ranks' shard square sums and the shard
 updates wait for it (runtime/dist/zero.py); with weight decay and its default exclusions
 (per-run decay inside a shard), eager and replayed from one CUDA graph, the run trains as
-one GPU with the same clipping on the whole batch."""
+one GPU with the same clipping on the whole batch; so does std Llama with its head tied to
+the embedding under ZeRO-2 and ZeRO-3."""
 
 from __future__ import annotations
 
@@ -34,6 +35,48 @@ def test_zero_with_clipping_trains_as_one_gpu(zero, clipped_reference, initial, 
     mp.spawn(dist_workers.gpu_sharded, nprocs=2,
              args=(2, free_port(), zero, STEPS, ROWS, SEQ, str(out), CLIP))
     got = torch.load(out)
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
+    norm, want_norm = float(got["masters"]["grad_norm"]), float(want["grad_norm"])
+    assert want_norm > CLIP and norm == pytest.approx(want_norm, rel=2e-2)
+    assert set(got["masters"]) == set(want)
+    for path in [p for p in want if p != "grad_norm"]:
+        moved = got["masters"][path] - initial[path]
+        want_moved = want[path] - initial[path]
+        cos = float((moved.flatten().double() @ want_moved.flatten().double()) /
+                    (moved.norm() * want_moved.norm()).clamp(min=1e-30))
+        assert cos > 0.95, (path, cos)
+
+
+TIED, TIED_STEPS = {"tie_word_embeddings": "true"}, 3  # eager, captured, replayed
+
+
+@pytest.fixture(scope="module")
+def tied_reference():
+    """One GPU, std Llama with its head tied to the embedding, clipped: (losses, masters
+    and the last step's norm) and the first weights."""
+    from runtime.cuda.step import TrainStep
+
+    first = TrainStep.from_module(dist_workers.GPU_LLAMA[0], dist_workers.GPU_LLAMA[1] | TIED,
+                                  batch=ROWS, seq=SEQ).init_random(0)
+    initial = {p: first.masters[p].cpu() for p in first.names}
+    del first
+    return dist_workers.gpu_reference(TIED_STEPS, ROWS, SEQ, CLIP, more=TIED), initial
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_tied_head_with_clipping_trains_as_one_gpu(zero, tied_reference, tmp_path):
+    """The GPU side of tests/test_dist_zero.py's tied, clipped runs (gloo, float64): the
+    head reads the embedding's table and its gradient joins the embedding's, reduced over
+    two GPUs under ZeRO-2 and ZeRO-3 (there the table is gathered for both uses) with
+    global clipping, eager, captured and replayed: the losses and the last step's norm
+    within bf16 rounding of one GPU's on the whole batch, which clips, and every master
+    moved the same way."""
+    (want_losses, want), initial = tied_reference
+    out = tmp_path / f"tied_zero{zero}.pt"
+    mp.spawn(dist_workers.gpu_sharded, nprocs=2,
+             args=(2, free_port(), zero, TIED_STEPS, ROWS, SEQ, str(out), CLIP, TIED))
+    got = torch.load(out)
+    assert len(want_losses) == TIED_STEPS
     assert got["losses"] == pytest.approx(want_losses, rel=1e-2)
     norm, want_norm = float(got["masters"]["grad_norm"]), float(want["grad_norm"])
     assert want_norm > CLIP and norm == pytest.approx(want_norm, rel=2e-2)
