@@ -10,6 +10,11 @@ A's, |b - a| / |a|, and the same for `eval_loss` where both evaluated. Prints th
 every `--every`-th step and of the evaluations, the largest difference of each kind and
 whether every one is within `--tol`; exit status 0 when they all are, 1 when one is not,
 2 for unreadable input.
+
+Runs logged with `modulec train --log-every K` are compared at their logged steps (the
+steps both logged); a record's loss is then its window's mean. Where the two runs' records
+of a step average different windows (their `window` field, 1 where absent: e.g. K 10
+against K 1), the losses are not comparable: it says which step and exits 2.
 """
 
 from __future__ import annotations
@@ -35,8 +40,20 @@ def differences(a: dict[int, float], b: dict[int, float], after: int) -> dict[in
             for s in sorted(a.keys() & b.keys()) if s > after and a[s] != 0}
 
 
+def check_windows(ra: list[dict], rb: list[dict]) -> None:
+    """ValueError naming the first step both logged whose records average different
+    numbers of steps (`window`, 1 where absent)."""
+    wa, wb = ({r["step"]: r.get("window", 1) for r in rs} for rs in (ra, rb))
+    for step in sorted(wa.keys() & wb.keys()):
+        if wa[step] != wb[step]:
+            raise ValueError(f"step {step}: run A's record averages {wa[step]} step(s), "
+                             f"run B's {wb[step]} (--log-every differs): the losses are "
+                             "not comparable; log both with the same --log-every")
+
+
 def compare(run_a, run_b, after: int, tol: float) -> dict:
     ra, rb = read_metrics(run_a), read_metrics(run_b)
+    check_windows(ra, rb)
     result = {"after": after, "tol": tol}
     for field in ("loss", "eval_loss"):
         diffs = differences(by_step(ra, field), by_step(rb, field), after)

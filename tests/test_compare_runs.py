@@ -44,3 +44,24 @@ def test_one_step_past_tolerance_fails_and_is_named(tmp_path, capsys):
 def test_unreadable_run_is_exit_2(tmp_path, capsys):
     assert compare_runs.main([str(tmp_path / "missing"), str(tmp_path / "other")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_windows_of_log_every_compare_and_mismatched_windows_are_exit_2(tmp_path, capsys):
+    """--log-every runs compare at their logged steps; records of one step averaging
+    different numbers of steps (`window`, 1 where absent) are refused."""
+    def windowed(folder, records):
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return folder
+    a = windowed(tmp_path / "a", [{"step": 2, "loss": 5.0, "window": 2},
+                                  {"step": 4, "loss": 4.0, "window": 2},
+                                  {"step": 5, "loss": 3.0, "window": 1}])
+    b = windowed(tmp_path / "b", [{"step": 2, "loss": 5.0, "window": 2},
+                                  {"step": 4, "loss": 4.02, "window": 2},
+                                  {"step": 5, "loss": 3.0}])
+    assert compare_runs.main([str(a), str(b), "--after", "0", "--every", "1"]) == 0
+    assert "3 steps after step 0, largest difference 0.50% at step 4" in \
+        capsys.readouterr().out
+    each = write_run(tmp_path / "each", {s: 5.0 for s in range(1, 6)}, {})
+    assert compare_runs.main([str(a), str(each)]) == 2
+    assert "step 2: run A's record averages 2 step(s), run B's 1" in capsys.readouterr().err

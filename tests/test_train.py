@@ -249,6 +249,9 @@ def test_adamw_matches_torch():
     (["--lr", "nan"], "--lr is nan: it must be a finite number >= 0"),
     (["--lr", "-1"], "--lr is -1.0: it must be a finite number >= 0"),
     (["--weight-decay", "inf"], "--weight-decay is inf"),
+    (["--log-every", "0"], "--log-every must be at least 1, not 0"),
+    (["--eval-data", "eval.bin", "--eval-every", "3", "--log-every", "2"],
+     "--eval-every 3 is not a multiple of --log-every 2"),
 ])
 def test_mistakes_are_one_clear_error(ckpt, tmp_path, args, message):
     base = {"--data": str(ckpt / "tokens.bin"), "--seq": "8", "--batch": "2"}
@@ -466,3 +469,72 @@ def test_training_settings_are_in_the_program(tmp_path):
     assert hyperparameters(program, "lm_head", base) == (0.5, 0.1, None)
     assert hyperparameters(program, "embedding", base) == (1.0, 0.0, None)
     assert hyperparameters(program, "proj", base) == (1.0, 0.1, 0.001)
+
+
+# ---------------------------------------------------------------------- --log-every
+def _mean(values) -> float:
+    import math
+
+    return values[0] if len(values) == 1 else math.fsum(values) / len(values)
+
+
+def test_log_every_records_the_means_of_its_windows(ckpt, tmp_path):
+    """--log-every 2 over 5 steps: records at steps 2, 4 and 5 (the last, a partial
+    window), each the mean loss and gradient norm of its steps in the --log-every 1 run
+    (same seed and data: bit-identical steps), in the progress and in metrics.jsonl;
+    the summary's losses are the steps' own."""
+    each = events(train(ckpt, "--steps", "5"))
+    result = train(ckpt, "--steps", "5", "--log-every", "2", "--log-dir", tmp_path / "log")
+    windows = events(result)
+    assert [(r["step"], r["window"]) for r in windows] == [(2, 2), (4, 2), (5, 1)]
+    assert all("window" not in r for r in each)  # K = 1: the records as without it
+    for record, steps in zip(windows, [each[0:2], each[2:4], each[4:5]]):
+        for field in ("loss", "grad_norm"):
+            assert record[field] == pytest.approx(_mean([s[field] for s in steps]),
+                                                  rel=1e-12, abs=0)
+        assert record["lr"] == steps[-1]["lr"]
+        assert record["tokens_per_s"] == pytest.approx(
+            2 * 16 * len(steps) / (record["seconds"] * len(steps)), rel=1e-9)
+    assert windows[2]["loss"] == each[4]["loss"]  # a window of one: the step's own
+    logged = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text()
+              .splitlines()]
+    assert [(r["step"], r["window"], r["loss"]) for r in logged] == \
+        [(r["step"], r["window"], r["loss"]) for r in windows]
+    done, = events(result, "done")
+    assert (done["loss_first"], done["loss_last"]) == (each[0]["loss"], each[4]["loss"])
+
+
+def test_log_every_windows_end_at_saves_and_resume_at_global_steps(ckpt, tmp_path):
+    """A save ends a window (step 3 with --save-every 3), so the records up to a
+    checkpoint cover its steps; the run resumed from it logs at the same global steps
+    (4: the window 3..4 cut by the resume, this run's step 4 only; then 6)."""
+    each = [r["loss"] for r in events(train(ckpt, "--steps", "6"))]
+    log, save = tmp_path / "log", tmp_path / "s"
+    common = ["--log-every", "2", "--log-dir", log, "--save", save]
+    first = events(train(ckpt, "--steps", "5", "--save-every", "3", *common))
+    assert [(r["step"], r["window"]) for r in first] == [(2, 2), (3, 1), (4, 1), (5, 1)]
+    rest = events(train(ckpt, "--steps", "6", "--resume", save / "checkpoint-3", *common,
+                        weights=False))
+    assert [(r["step"], r["window"]) for r in rest] == [(4, 1), (6, 2)]
+    assert [r["loss"] for r in rest] == [each[3], pytest.approx(_mean(each[4:6]),
+                                                                rel=1e-12, abs=0)]
+    logged = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["window"]) for r in logged] == [(2, 2), (3, 1), (4, 1), (6, 2)]
+
+
+def test_a_diverged_step_stops_the_run_at_that_step_not_its_window_end():
+    from types import SimpleNamespace
+
+    from runtime.errors import RuntimeUserError
+    from runtime.train.log_window import LogWindow
+    from runtime.train.run import Run
+
+    run = SimpleNamespace(losses=[], window=LogWindow(4, 8), request=SimpleNamespace(steps=8),
+                          trainer=SimpleNamespace(step_metrics=dict),
+                          _tokens_per_step=lambda: 32, _lr_at=lambda step: 1e-2)
+    shown = []
+    progress = SimpleNamespace(step=shown.append)
+    Run._record(run, progress, 1, 2.5, 0.1)
+    with pytest.raises(RuntimeUserError, match="the loss is nan at step 2"):
+        Run._record(run, progress, 2, float("nan"), 0.1)
+    assert run.losses == [2.5] and shown == []

@@ -99,9 +99,15 @@ def _options(command):
                           "--eval-data)."),
         click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
                      metavar="RUN_DIR",
-                     help="Write RUN_DIR/metrics.jsonl (a JSON object per step) and "
+                     help="Write RUN_DIR/metrics.jsonl (a JSON object per step, or per "
+                          "--log-every window) and "
                           "TensorBoard scalars when tensorboard is installed; "
                           "`modulec report RUN_DIR` draws them."),
+        click.option("--log-every", type=int, default=1, show_default=True, metavar="K",
+                     help="One metrics record (log, TensorBoard, progress line) every K "
+                          "steps: the mean loss and gradient norm of the K, as HF "
+                          "Trainer's logging_steps; also at the last step and before a "
+                          "save. --eval-every must be a multiple of K."),
         click.option("--doc-sep", type=int, metavar="ID",
                      help="Pack documents: ID (the tokenizer's eos, which `modulec data` "
                           "writes after each document) ends a document; tokens attend "

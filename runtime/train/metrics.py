@@ -1,16 +1,18 @@
 """`modulec train --log-dir RUN_DIR`: the run's metrics, one JSON object per optimizer step
-in `RUN_DIR/metrics.jsonl`, and TensorBoard scalars in `RUN_DIR/tensorboard/` when the
+(with --log-every K, per window of K steps: runtime/train/log_window.py) in
+`RUN_DIR/metrics.jsonl`, and TensorBoard scalars in `RUN_DIR/tensorboard/` when the
 `tensorboard` package can be imported (an optional dependency: without it, one notice).
 
 A record holds `step`, `loss`, `lr`, `tokens_per_s`, `seconds`, `peak_bytes`, `time`
 (seconds since the run started) and, where the trainer has them, `grad_norm` and other
-numbers; `eval_loss` on the steps evaluated (runtime/train/evaluate.py). Every numeric
-field is also a TensorBoard scalar, `train/<field>` (`eval/loss` for the eval loss).
+numbers; `eval_loss` on the steps evaluated (runtime/train/evaluate.py); with K > 1,
+`window` (the steps its loss, norm and times average). Every numeric field is also a
+TensorBoard scalar, `train/<field>` (`eval/loss` for the eval loss).
 
 Resuming with the same RUN_DIR continues the file: records of steps after the resumed
 checkpoint (written by the run that was interrupted after its last save) are dropped
-first, so the file holds one record per step, as one uninterrupted run would have
-written it. `modulec report RUN_DIR` draws it (runtime/train/report.py).
+first, so the file holds one record per logged step, as one uninterrupted run would
+have written it (a window cut by the resume: the resumed run's steps of it only). `modulec report RUN_DIR` draws it (runtime/train/report.py).
 """
 
 from __future__ import annotations

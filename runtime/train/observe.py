@@ -1,8 +1,10 @@
 """What a training run reports beside its progress: the evaluation loss when it is due
 (runtime/train/evaluate.py) and the metrics log (runtime/train/metrics.py). `Run` makes
-one `Observer` per run and passes it each step's record; the observer adds `lr`, the
-trainer's own numbers (`trainer.step_metrics()`, e.g. `grad_norm`, where the trainer has
-it), `time` and, when evaluated, `eval_loss`, and writes the record to the log."""
+one `Observer` per run and passes it each record (one per step, or per --log-every
+window: runtime/train/log_window.py; the record holds the trainer's own numbers, e.g.
+`grad_norm`, already); the observer adds `lr`, `time` and, when evaluated, `eval_loss`,
+and writes the record to the log. An evaluation's step ends a window (--eval-every is a
+multiple of --log-every), so its record carries the window's train loss beside it."""
 
 from __future__ import annotations
 
@@ -47,9 +49,6 @@ class Observer:
         """The step's record with what the observer adds (written to the log)."""
         step = record["step"]
         record = dict(record, lr=self.lr_at(step), time=time.perf_counter() - self.began)
-        extra = getattr(self.trainer, "step_metrics", None)
-        if callable(extra):
-            record.update(extra())
         if self.eval_data is not None and due(step, self.request.eval_every,
                                               self.request.steps):
             loss = evaluate(self.trainer, self.eval_data, self.parallel)  # every rank

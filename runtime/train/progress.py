@@ -1,5 +1,6 @@
 """Progress of a training run: a rich progress bar when stderr is a terminal, otherwise a
-plain line per step on stderr; `--format json`: one JSON object per step on stdout."""
+plain line per step on stderr; `--format json`: one JSON object per step on stdout (with
+--log-every K, per record: every K steps, runtime/train/log_window.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ def gib(n: int | None) -> str:
 
 
 def line(record: dict) -> str:
-    text = (f"step {record['step']}/{record['steps']}  loss {record['loss']:.4f}  "
-            f"tokens/s {record['tokens_per_s']:,.0f}  peak {gib(record['peak_bytes'])}")
+    text = (f"step {record['step']}/{record['steps']}  loss {record['loss']:.4f}"
+            f"{_window(record)}  tokens/s {record['tokens_per_s']:,.0f}  "
+            f"peak {gib(record['peak_bytes'])}")
     if record.get("lr") is not None:  # the schedule's rate and the gradient norm
         text += f"  lr {record['lr']:.3g}"
     if record.get("grad_norm") is not None:
@@ -47,7 +49,8 @@ class Progress:
         elif self.rich is not None:
             bar, task = self.rich
             bar.update(task, completed=record["step"] - self.first,
-                       info=f"loss {record['loss']:.4f} · {record['tokens_per_s']:,.0f} tok/s"
+                       info=f"loss {record['loss']:.4f}{_window(record)} · "
+                            f"{record['tokens_per_s']:,.0f} tok/s"
                             f" · {gib(record['peak_bytes'])}{_optimizer_info(record)}")
             if record.get("eval_loss") is not None:
                 self.rich[0].console.print(f"step {record['step']}: eval loss "
@@ -64,6 +67,12 @@ class Progress:
             self.rich[0].console.print(text, highlight=False)
         else:
             print(text, file=sys.stderr, flush=True)
+
+
+def _window(record: dict) -> str:
+    """--log-every K: the loss (and norm, tokens/s) are the means of `window` steps."""
+    n = record.get("window")
+    return f" (mean of {n} steps)" if n is not None and n > 1 else ""
 
 
 def _optimizer_info(record: dict) -> str:

@@ -83,6 +83,7 @@ class Request:
     eval_every: int | None = None
     eval_batches: int | None = None
     log_dir: Path | None = None  # metrics.jsonl + TensorBoard (runtime/train/metrics.py)
+    log_every: int = 1  # a record every K steps, their means (runtime/train/log_window.py)
     pp: int = 1  # pipeline stages, one process each (runtime/train/pipeline.py)
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
     doc_sep: int | None = None  # packed sequences: the end-of-document id (packing.py)
@@ -236,6 +237,9 @@ def _check_numbers(request: Request) -> None:
     if request.save_every is not None and request.save is None:
         raise RuntimeUserError("--save-every needs --save DIR")
     _check_optimizer(request)
+    from runtime.train.log_window import check_log_every
+
+    check_log_every(request)
     from runtime.train.init import check_init
 
     check_init(request.init, request.hf_weights, request.resume, request.config)
@@ -374,6 +378,9 @@ class Run:
         self.trainer = self._trainer(adamw_of(request))
         self.start, self.losses, self.saved = 0, [], None
         self.resumed_from = ""  # which files a resume read (said at the start)
+        from runtime.train.log_window import LogWindow
+
+        self.window = LogWindow(request.log_every, request.steps, request.save_every)
 
     def _trainer(self, adamw: AdamW):
         r, model, parallel = self.request, self.model, self.parallel
@@ -550,15 +557,19 @@ class Run:
 
     def _record(self, progress: Progress, step: int, loss: float, seconds: float,
                 observer=None) -> None:
-        if not math.isfinite(loss):
+        """The step's loss checked and kept; at the end of a --log-every window its
+        record (the window's means: runtime/train/log_window.py) reported and logged."""
+        if not math.isfinite(loss):  # at the step, not at its window's end
             raise RuntimeUserError(f"the loss is {loss} at step {step}: training diverged",
                                    help=["lower --lr; nothing was saved for this step"])
         self.losses.append(loss)
+        window = self.window.add(step, loss, seconds, self._tokens_per_step(),
+                                 self.trainer.step_metrics())
+        if window is None:
+            return
         memory = self.trainer.memory()
-        record = {"step": step, "steps": self.request.steps, "loss": loss,
-                  "lr": self._lr_at(step), **self.trainer.step_metrics(),
-                  "seconds": seconds, "tokens_per_s": self._tokens_per_step() / seconds,
-                  "peak_bytes": memory["peak_bytes"]}
+        record = {"step": step, "steps": self.request.steps, "loss": window["loss"],
+                  "lr": self._lr_at(step), **window, "peak_bytes": memory["peak_bytes"]}
         progress.step(observer.after_step(record) if observer is not None else record)
 
     def _save(self, step: int, progress: Progress) -> None:
