@@ -474,3 +474,85 @@ def gpu_unpacked_loss(rank: int, world: int, port: int, zero: int, steps: int, r
     torch.save({"reported": reported, "own": own}, f"{out}.{rank}")
     context.close()
     context.exit_now()
+
+
+# ------------------------------------ packed tensor parallel on GPUs (NCCL)
+def _gpu_tp_model(world: int, rank: int, sp: bool):
+    """This rank's slices of `_gpu_model`'s weights, in the model built with --tp `world`
+    (`sp`: with --sp), as `modulec train --tp --init random` gives each rank."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import shard_params
+
+    model = Model.from_module(GPU_LLAMA[0], settings={k: str(v) for k, v in
+                                                      GPU_LLAMA[1].items()},
+                              dtype=torch.float32, tensor_parallel=world, tp_rank=rank,
+                              sequence_parallel=sp)
+    model.params = shard_params(_gpu_model().params, model.source.program(planned=False),
+                                rank)
+    return model
+
+
+def _denominator_scaling(step, window, packing, accumulation: int) -> dict:
+    """Micro-batch 0's loss and gradients (eager, no update) by the step's own count of
+    counted targets and by a given denominator (packed data parallel's, 1.5 x the count):
+    the second must be the first times count / denominator. Returns the two losses, the
+    ratio and the largest relative difference of a gradient from the scaled first."""
+    from runtime.train.packing import split_batch
+
+    tokens, labels, documents = split_batch(window, packing)
+    tokens, labels = tokens.cuda(), labels.cuda()
+    count = int((labels[:step.batch] != packing.ignore_index).sum())
+    ratio = 1 / 1.5
+    step.set_batch(tokens, labels, documents)
+    mean, grads = step.loss_and_gradients()
+    mean, grads = float(mean), {p: g.float().cpu() for p, g in grads.items()}
+    step.set_batch(tokens, labels, documents, [1.5 * count] * accumulation)
+    loss, scaled = step.loss_and_gradients()
+    worst = max(float((scaled[p].float().cpu() - g * ratio).norm() /
+                      (g * ratio).norm().clamp(min=1e-30)) for p, g in grads.items())
+    return {"mean": mean, "loss": float(loss), "ratio": ratio, "worst": worst}
+
+
+def gpu_packed_tp(rank: int, world: int, port: int, sp: bool, steps: int, rows: int,
+                  seq: int, accumulation: int, out: str) -> None:
+    """Tensor parallel over `world` GPUs (`sp`: with sequence parallel), packed through
+    CUDATrainer as `modulec train --tp --doc-sep` runs it: every rank the same rows, its
+    slices of the same weights. First `_denominator_scaling` on the first window (the
+    vocab-parallel loss taking packed data parallel's denominator from the step's static
+    buffer), then the steps (eager, captured, replayed). Each rank saves its losses, that
+    check and its masters' slices."""
+    from runtime.train.backends import CUDATrainer
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing
+
+    context = join(rank, world, port, "cuda", 120)
+    parallel, packing = context.data_parallel(2, tp=world, sp=sp), Packing(SEP)
+    trainer = CUDATrainer(_gpu_tp_model(world, rank, sp), rows, seq, AdamW(lr=1e-3),
+                          accumulation=accumulation, dist=parallel, packing=packing)
+    windows = packed_windows(steps, rows * accumulation, seq, GPU_LLAMA[1]["vocab_size"])
+    scaling = _denominator_scaling(trainer.step, windows[0], packing, accumulation)
+    losses = [trainer.train_step(window) for window in windows]
+    step = trainer.step
+    torch.save({"losses": losses, "scaling": scaling, "vocab_sharded": step.vocab_sharded,
+                "masters": {p: step.masters[p].float().cpu() for p in step.names}},
+               f"{out}.{rank}")
+    context.close()
+    context.exit_now()
+
+
+def gpu_packed_tp_reference(steps: int, rows: int, seq: int, accumulation: int) -> dict:
+    """One GPU, packed (CUDATrainer, bf16), on the rows `gpu_packed_tp` gives every rank:
+    the losses, the masters and the initial weights."""
+    from runtime.train.backends import CUDATrainer
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing
+
+    model = _gpu_model()
+    initial = {p: t.detach().clone() for p, t in model.params.items()}
+    trainer = CUDATrainer(model, rows, seq, AdamW(lr=1e-3), accumulation=accumulation,
+                          packing=Packing(SEP))
+    windows = packed_windows(steps, rows * accumulation, seq, GPU_LLAMA[1]["vocab_size"])
+    losses = [trainer.train_step(window) for window in windows]
+    step = trainer.step
+    return {"losses": losses, "initial": initial,
+            "masters": {p: step.masters[p].float().cpu() for p in step.names}}
