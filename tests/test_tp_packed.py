@@ -3,7 +3,7 @@ float64: the ranks of a TP group hold the same rows, so the same documents; each
 the per-document attention on its heads (and RoPE on the restarting positions), and the
 vocab-parallel loss leaves the target after a separator out. Two packed AdamW steps on
 the tiny Llama, Qwen3 (q/k norms) and Llama with --sp equal one process's packed steps
-(losses and state); and packed data parallel x tensor parallel's loss (each data-parallel
+(losses and state, and the evaluation's packed loss after them); and packed data parallel x tensor parallel's loss (each data-parallel
 rank's summed loss over its denominator, runtime.train.packing.denominators, averaged
 over the data-parallel ranks as ZeRO averages their gradients) is one process's mean
 over their rows, gradients too. The CLI's wiring (--tp with --doc-sep accepted, --pp
@@ -48,6 +48,7 @@ def test_packed_tensor_parallel_steps_equal_one_process(tmp_path):
         got = [r[name, sp]["train"] for r in ranks]
         for rank in got:
             assert rank["losses"] == pytest.approx(want["losses"], rel=1e-10), (name, sp)
+            assert rank["eval"] == pytest.approx(want["eval"], rel=1e-10), (name, sp)
         for key in ("masters", "exp_avg", "exp_avg_sq"):
             _close(unshard_params([r[key] for r in got], program), want[key],
                    f"{name} sp={sp} {key}")

@@ -258,9 +258,11 @@ def step_interpreter_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def packed_train(model, steps: int, rows: int, seq: int, accumulation: int) -> dict:
     """`steps` packed AdamW steps (--doc-sep, runtime.train.packing) of the CPU trainer on
-    the windows of tests/dist_workers.packed_windows: the losses, then the masters and
-    moments."""
+    the windows of tests/dist_workers.packed_windows, then the evaluation's packed loss
+    (runtime.train.evaluate.cpu_loss) of the trained weights on one more window: the
+    losses, the eval loss, then the masters and moments."""
     from runtime.train.backends import CPUTrainer
+    from runtime.train.evaluate import cpu_loss
     from runtime.train.optim import AdamW
     from runtime.train.packing import Packing
     from tests.dist_workers import SEP, packed_windows
@@ -268,10 +270,11 @@ def packed_train(model, steps: int, rows: int, seq: int, accumulation: int) -> d
     model.check_finite = False
     trainer = CPUTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1), accumulation,
                          Packing(SEP))
-    losses = [trainer.train_step(w) for w in packed_windows(steps, rows * accumulation, seq)]
+    *windows, held_out = packed_windows(steps + 1, rows * accumulation, seq)
+    losses = [trainer.train_step(w) for w in windows]
     state = trainer.state()
-    return {"losses": losses, **{k: dict(state[k]) for k in ("masters", "exp_avg",
-                                                             "exp_avg_sq")}}
+    return {"losses": losses, "eval": cpu_loss(trainer, held_out[:rows]),
+            **{k: dict(state[k]) for k in ("masters", "exp_avg", "exp_avg_sq")}}
 
 
 def packed_shares(model, rows: int, seq: int, dp: int) -> dict:
