@@ -82,3 +82,16 @@ def test_a_constant_past_python_s_printing_limit_prints_its_length():
     big = Dim.const(16 ** 20000)
     assert str(big) == "<an integer of about 24,083 digits>"
     assert str(big * Dim.sym("B")) == "<an integer of about 24,083 digits>*B"
+
+
+def test_messages_write_integers_as_dims_do():
+    """One rendering of an integer that may be huge (instance, given and the op registry had
+    their own: "a number of more than 300 digits", "an integer of 56 digits" for a list):
+    digits, grouped in a message, and the length past MESSAGE_DIGITS digits."""
+    from modulec.types.dims import MESSAGE_DIGITS, int_text
+
+    assert int_text(-2**63, MESSAGE_DIGITS, grouped=True) == "-9,223,372,036,854,775,808"
+    assert int_text(10**MESSAGE_DIGITS - 1, MESSAGE_DIGITS) == "9" * MESSAGE_DIGITS
+    assert int_text(-10**600, MESSAGE_DIGITS, grouped=True) == "<an integer of 601 digits>"
+    assert int_text(2**80000, MESSAGE_DIGITS) == int_text(2**80000) == \
+        "<an integer of about 24,083 digits>"

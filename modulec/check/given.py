@@ -14,7 +14,7 @@ from modulec.check.instance import MAX_DIM, fits_type
 from modulec.semantic.consteval import Ident
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
-from modulec.types.dims import Dim
+from modulec.types.dims import MESSAGE_DIGITS, Dim, int_text
 
 MAX_SIZE = MAX_DIM  # the largest size a parameter or a dim may be given
 SEQUENCE_DIM, SEQUENCE_BOUND = "T", "max_seq"  # a `T` past `max_seq` is refused
@@ -65,6 +65,7 @@ def usable(value: int, param: A.DeclParam | None) -> bool:
 
 
 def shown(value) -> str:
+    """A given value for a message, an integer as `dims.int_text` writes it in one."""
     if isinstance(value, Ident):
         return value.name
     if isinstance(value, bool):
@@ -72,6 +73,5 @@ def shown(value) -> str:
     if isinstance(value, str):
         return f'"{value}"'
     if isinstance(value, Dim) and value.is_const:
-        number = value.value
-        return f"{number:,}" if abs(number) < 10**300 else "a number of more than 300 digits"
+        return int_text(value.value, MESSAGE_DIGITS, grouped=True)
     return str(value)

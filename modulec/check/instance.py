@@ -22,7 +22,7 @@ from modulec.semantic.decls import ModuleDef, TensorParam
 from modulec.source import Span
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
-from modulec.types.dims import Dim
+from modulec.types.dims import MESSAGE_DIGITS, Dim, int_text
 from modulec.types.sampling import Assumptions
 from modulec.types.tensor import DTYPES, FLOAT, MAX_RANK, TensorType
 
@@ -160,8 +160,9 @@ def _fits_the_ir(instance: Instance, param: A.DeclParam, given: bool) -> None:
     else:
         problem, why = "an integer must fit 64 bits", "integers of the IR and the runtime " \
             "are int64 (below 2^63)"
-    instance.world.error_unmuted("E027", f"`{param.name}` is {_shown(value.value)}: {problem}",
-                                 where.span, help=[why])
+    shown = int_text(value.value, MESSAGE_DIGITS, grouped=True)
+    instance.world.error_unmuted("E027", f"`{param.name}` is {shown}: {problem}", where.span,
+                                 help=[why])
 
 
 def _model_size_unusable(instance: Instance, param: A.DeclParam, value: int) -> bool:
@@ -481,16 +482,11 @@ def _at_least_one(instance: Instance, size, node, what: str, most: int = MAX_DIM
     if isinstance(size, Dim) and size.is_const and not 1 <= size.value <= most:
         bound = "at least 1" if size.value < 1 else f"at most {most:,}"
         instance.world.error_unmuted(
-            "E027", f"{what} must be {bound}: this is {_shown(size.value)}", node.span,
+            "E027", f"{what} must be {bound}: this is "
+            f"{int_text(size.value, MESSAGE_DIGITS, grouped=True)}", node.span,
             help=["check the expression and the parameter values it reads"])
         return False
     return True
-
-
-def _shown(number: int) -> str:
-    """A number for a message: digits with commas, or its length when it has hundreds
-    (Python refuses to print an int of more than 4,300 digits)."""
-    return f"{number:,}" if abs(number) < 10**300 else "a number of more than 300 digits"
 
 
 def _elements_in_range(instance: Instance, dims: list, node) -> bool:

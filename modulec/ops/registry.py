@@ -19,7 +19,7 @@ from modulec.paths import data_dir
 from modulec.semantic.consteval import ConstEnv, Ident, NotConst, Undefined, Unknown, evaluate
 from modulec.semantic.decls import ModuleDef, module_def
 from modulec.syntax import ast as A
-from modulec.types.dims import Dim, int_text
+from modulec.types.dims import MESSAGE_DIGITS, Dim, int_text
 from modulec.types.sampling import Assumptions
 from modulec.types.tensor import DTYPES, TensorType
 
@@ -262,10 +262,14 @@ def _finite(value) -> bool:
 
 
 def _shown(value) -> str:
-    if isinstance(value, Dim) and value.is_const and value.value.bit_length() > 10_000:
-        return int_text(value.value)[1:-1]  # `an integer of about N digits` (str() raises)
-    text = str(value.value if isinstance(value, Dim) and value.is_const else value)
-    return text if len(text) <= 40 else f"an integer of {len(text)} digits"
+    """A float parameter's value for a message (`inf`, `[1.0, nan]`); an integer as
+    `dims.int_text` writes it in one (a list of 56 characters was "an integer of 56
+    digits")."""
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    if isinstance(value, Dim) and value.is_const:
+        return int_text(value.value, MESSAGE_DIGITS)
+    return str(value)
 
 
 KIND_NAMES = {"int": "an integer", "float": "a number", "bool": "a boolean (true/false)",

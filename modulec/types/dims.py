@@ -223,15 +223,26 @@ def _term_text(monomial: Monomial, coefficient: int) -> str:
     return "*".join(([int_text(coefficient)] if coefficient != 1 else []) + atoms)
 
 
-def int_text(number: int) -> str:
-    """An integer's digits, or `<an integer of about N digits>` past 3,000 digits: Python
-    refuses to print one of more than 4,300 (a `view` to 20,000 dims of 16 made a
-    product whose message raised ValueError, exit 101)."""
-    if number.bit_length() <= 10_000:
-        return str(number)
-    # 2^(b-1) <= |n| < 2^b: at least floor((b-1) log10 2) + 1 digits, exact for a power of 2
-    digits = int((number.bit_length() - 1) * 0.30102999566398120) + 1
-    return f"<an integer of about {digits:,} digits>"
+# a message shows an integer of up to 30 digits (an int64 has at most 19), its length past
+MESSAGE_DIGITS = 30
+
+
+def int_text(number: int, most_digits: int | None = None, grouped: bool = False) -> str:
+    """An integer's digits (`grouped`: with commas, `1,099,511,627,776`), or its length:
+    `<an integer of 351 digits>` past `most_digits` digits (a message's `MESSAGE_DIGITS`),
+    `<an integer of about N digits>` past 10,000 bits whatever `most_digits`: Python
+    refuses to print one of more than 4,300 digits (a `view` to 20,000 dims of 16 made a
+    product whose message raised ValueError, exit 101). The one way modulec writes an
+    integer that may be huge: dims, messages, settings."""
+    if number.bit_length() > 10_000:
+        # 2^(b-1) <= |n| < 2^b: at least floor((b-1) log10 2) + 1 digits, exact for a power of 2
+        digits = int((number.bit_length() - 1) * 0.30102999566398120) + 1
+        return f"<an integer of about {digits:,} digits>"
+    text = str(number)
+    length = len(text.lstrip("-"))
+    if most_digits is not None and length > most_digits:
+        return f"<an integer of {length:,} digits>"
+    return f"{number:,}" if grouped else text
 
 
 def _opaque_symbols(term: Opaque) -> set[str]:
