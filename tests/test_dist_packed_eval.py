@@ -89,15 +89,16 @@ def test_doc_sep_is_refused_with_tp_and_pp_only(option, message):
     assert "data parallel" in caught.value.help[0]
 
 
-def test_eval_data_is_refused_with_tp_and_pp():
+def test_eval_data_is_refused_with_pp_only():
+    """--tp evaluates (tests/test_tp_eval.py): check_eval_options no longer takes it."""
     from runtime.errors import RuntimeUserError
     from runtime.train.evaluate import check_eval_options
 
-    check_eval_options("e.bin", 2, None)  # one process, or data parallel
-    for tp, pp, named in ((2, 1, "--tp 2"), (1, 2, "--pp 2"), (2, 2, "--tp 2 and --pp 2")):
-        with pytest.raises(RuntimeUserError,
-                           match=f"--eval-data with {named} is not supported yet"):
-            check_eval_options("e.bin", 2, None, tp, pp)
+    check_eval_options("e.bin", 2, None)  # one process, data or tensor parallel
+    with pytest.raises(RuntimeUserError,
+                       match="--eval-data with --pp 2 is not supported yet") as caught:
+        check_eval_options("e.bin", 2, None, pp=2)
+    assert "--tp" in caught.value.help[0]
 
 
 def test_torchrun_packs_and_evaluates_as_one_process(eval_file, tmp_path):

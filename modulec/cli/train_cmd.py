@@ -91,7 +91,8 @@ def _options(command):
                           "(else --set and the model's defaults)."),
         click.option("--eval-data", type=click.Path(path_type=Path), metavar="FILE",
                      help="A token file (as --data) for the validation loss, forward only "
-                          "(under torchrun: data parallel, not with --tp or --pp)."),
+                          "(under torchrun: data and/or tensor parallel, not with "
+                          "--pp)."),
         click.option("--eval-every", type=int, metavar="K",
                      help="Evaluate every K optimizer steps and after the last."),
         click.option("--eval-batches", type=int, metavar="N",

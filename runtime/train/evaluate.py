@@ -16,8 +16,15 @@ ranks (batch i on rank i % dp); one all_reduce over the run's data-parallel grou
 ranks' sums of batch losses, and every rank divides by the number of batches: the
 one-process eval loss on every rank (rank 0 reports it). ZeRO 0-2 ranks hold the whole
 compute weights; under ZeRO-3 the forward gathers them as the step's does
-(ZeroRun.forward_only), so every rank runs the same number of forwards. Refused with --tp
-and --pp: not supported yet.
+(ZeroRun.forward_only), so every rank runs the same number of forwards.
+
+Under tensor parallel (--tp M, alone or DP x TP) the M ranks of a TP group evaluate the
+same batches together, as they train on the same rows: each runs the forward of its
+slices (the group's collectives in it), and the loss is the vocab-parallel loss's value,
+the same on every rank of the group. The batches are split over the data-parallel
+groups (batch i on the TP groups of data-parallel rank i % dp) and the all_reduce runs
+over the data-parallel group alone (one rank per TP group: the TP ranks' equal sums are
+not added). Refused with --pp: not supported yet.
 """
 
 from __future__ import annotations
@@ -68,11 +75,10 @@ class EvalData:
         return torch.from_numpy(np.stack(rows))
 
 
-def check_eval_options(eval_data, eval_every, eval_batches, tp: int = 1,
-                       pp: int = 1) -> None:
+def check_eval_options(eval_data, eval_every, eval_batches, pp: int = 1) -> None:
     """--eval-every and --eval-batches need --eval-data, and --eval-data needs a positive
-    --eval-every; evaluation runs in one process or data parallel (not with --tp or --pp,
-    for now)."""
+    --eval-every; evaluation runs in one process, data parallel, tensor parallel or both
+    (not with --pp, for now)."""
     if eval_data is None:
         given = [f for f, v in (("--eval-every", eval_every),
                                 ("--eval-batches", eval_batches)) if v is not None]
@@ -82,12 +88,11 @@ def check_eval_options(eval_data, eval_every, eval_batches, tp: int = 1,
     if eval_every is None or eval_every < 1:
         raise RuntimeUserError("--eval-data needs --eval-every K (K >= 1): evaluate every "
                                "K optimizer steps", help=["for example --eval-every 50"])
-    given = [f"--{flag} {n}" for flag, n in (("tp", tp), ("pp", pp)) if n > 1]
-    if given:
-        raise RuntimeUserError(f"--eval-data with {' and '.join(given)} is not supported "
-                               "yet", help=["evaluate a saved checkpoint in one process, "
-                                            "or train data parallel (--zero), or leave out "
-                                            "--eval-data"])
+    if pp > 1:
+        raise RuntimeUserError(f"--eval-data with --pp {pp} is not supported yet",
+                               help=["evaluate a saved checkpoint in one process, or "
+                                     "train data or tensor parallel (--zero, --tp), or "
+                                     "leave out --eval-data"])
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -97,9 +102,11 @@ def due(step: int, every: int, last: int) -> bool:
 
 def evaluate(trainer, data: EvalData, parallel=None) -> float:
     """The mean loss of the eval batches on the trainer's current weights. `parallel`
-    (runtime.dist.DataParallelRun, data parallel): this rank evaluates batches i with
-    i % dp == its rank, and the sum over the ranks (a collective: every rank calls it)
-    is divided by the number of batches. Under ZeRO-3 a forward gathers weights with
+    (runtime.dist.DataParallelRun, data and/or tensor parallel): this rank evaluates
+    batches i with i % dp == its data-parallel rank (a TP group's ranks the same ones,
+    the forward and the vocab-parallel loss collectives over the group), and the sum
+    over the data-parallel group (a collective: every rank calls it) is divided by the
+    number of batches. Under ZeRO-3 a forward gathers weights with
     the other ranks, so every rank runs as many: one left without a batch in the last
     round runs one whose loss it does not count."""
     dp, rank = (parallel.dp, parallel.dp_rank) if parallel is not None else (1, 0)

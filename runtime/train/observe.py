@@ -36,8 +36,11 @@ class Observer:
         notes = []
         if self.eval_data is not None:
             d, r = self.eval_data, self.request
-            dp = self.parallel.dp if self.parallel is not None else 1
+            dp, tp = (self.parallel.dp, self.parallel.tp) if self.parallel is not None \
+                else (1, 1)
             split = f", split over the {dp} data-parallel ranks" if dp > 1 else ""
+            if tp > 1:  # a TP group evaluates its batches together
+                split += f", each batch on the {tp} ranks of a tensor-parallel group"
             notes.append(f"eval: {d.batches} batches of {r.batch} x {r.seq} tokens from "
                          f"{d.path} every {r.eval_every} steps and after the last{split}")
         if self.log is not None:

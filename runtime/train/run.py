@@ -136,7 +136,7 @@ def _check_eval(request: Request, context) -> None:
     from runtime.train.evaluate import check_eval_options
 
     check_eval_options(request.eval_data, request.eval_every, request.eval_batches,
-                       request.tp, request.pp)
+                       request.pp)
     if request.eval_data is not None:
         check_batch_fits(request.eval_data, request.dtype_tokens, request.seq,
                          request.batch)
