@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import tp_eval_workers, tp_workers  # noqa: E402
-from tests.test_dist_zero import free_port  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
 
 STEPS, ROWS, SEQ, EVAL_BATCHES = 2, 2, 8, 3
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
@@ -96,3 +96,20 @@ def test_dp_x_tp_splits_the_evaluation_over_the_data_parallel_groups(eval_file, 
     the data-parallel group only."""
     ranks = _spawn(4, 3, eval_file, tmp_path / "dptp", again=False)
     _check(ranks, reference[1], 3)
+
+
+def test_the_run_notes_a_tensor_parallel_evaluation(eval_file):
+    """The note at the start says how the batches are split and that a TP group
+    evaluates each together (DP 2 x TP 2; --tp 2 alone)."""
+    from types import SimpleNamespace
+
+    from runtime.train.observe import Observer
+
+    request = SimpleNamespace(eval_data=eval_file, eval_every=2, eval_batches=None,
+                              batch=1, seq=SEQ, lr=1e-3, log_dir=None)
+    for dp, split in ((2, ", split over the 2 data-parallel ranks"), (1, "")):
+        notes = Observer(request, None, "uint16", 64, 0,
+                         parallel=SimpleNamespace(dp=dp, tp=2)).notes()
+        assert notes == [f"eval: {2 * EVAL_BATCHES} batches of 1 x {SEQ} tokens from "
+                         f"{eval_file} every 2 steps and after the last{split}, each batch "
+                         "on the 2 ranks of a tensor-parallel group"]
