@@ -438,31 +438,33 @@ def tensor_type(instance: Instance, node: A.ListExpr, free: str = "error") -> Te
     return TensorType(tuple(dims), dtype)
 
 
-SAMPLE_SIZES = (4, 6, 8, 12)
-
-
 def _float_at_every_size(instance: Instance, item, free: str, what: str) -> bool:
     """A dim or an array's size with no value yet (`[0.5 * d_ff]`, `[d / 2]` while `d` is
-    unsized) that is a float at every sampled size is no size at any: E003 where written. It checked
-    clean on its own and failed wherever sized (found by a fuzz run of --verify-backward:
-    std MoEExperts' `2 * local_ff` made `0.5 * local_ff`)."""
+    unsized) that is a float at every sample size is no size at any: E003 where written.
+    It checked clean on its own and failed wherever sized (found by a fuzz run of
+    --verify-backward: std MoEExperts' `2 * local_ff` made `0.5 * local_ff`). The samples
+    are the shape checker's (`Assumptions.samples`: they satisfy the constraints)."""
     symbolic = {k: v for k, v in instance.values.items() if isinstance(v, Dim) and not v.is_const}
-    if not symbolic:
-        return False
-    floats = []
-    for size in SAMPLE_SIZES:
+    symbols = set().union(*(v.symbols() for v in symbolic.values()))
+    samples = instance.assumptions.samples(symbols) if symbols else []
+    first = None
+    for env in samples:
         try:
-            sample = {k: Dim.const(v.evaluate({s: size for s in v.symbols()}))
-                      for k, v in symbolic.items()}
+            sample = {k: Dim.const(v.evaluate(env)) for k, v in symbolic.items()}
             value = evaluate(item, ConstEnv({**instance.values, **sample}, free))
         except (NotConst, Undefined, KeyError, ValueError, ArithmeticError):
             return False
         if not isinstance(value, float):
             return False
-        floats.append(value)
+        first = first or (value, sample)
+    if first is None:
+        return False
+    value, sample = first
+    read = {n.id for n in _names_in(item)}
+    at = ", ".join(f"{k} = {v}" for k, v in sorted(sample.items()) if k in read)
     instance.world.error("E003", f"{what} must be an integer", item.span,
-                         f"a float whatever the sizes ({floats[0]} when they are "
-                         f"{SAMPLE_SIZES[0]})", help=_integer_help(floats[0], item))
+                         f"a float whatever the sizes ({value}{' when ' + at if at else ''})",
+                         help=_integer_help(value, item))
     return True
 
 
