@@ -113,8 +113,8 @@ def _options(command):
                      help="Pack documents: ID (the tokenizer's eos, which `modulec data` "
                           "writes after each document) ends a document; tokens attend "
                           "within their document only, positions restart at 0, and the "
-                          "target after ID is left out of the loss (not with --tp or "
-                          "--pp)."),
+                          "target after ID is left out of the loss (one process, data "
+                          "and / or tensor parallel; not with --pp)."),
         click.option("--ignore-index", type=int, default=-100, show_default=True,
                      metavar="N",
                      help="With --doc-sep: the label value of the targets left out of "
