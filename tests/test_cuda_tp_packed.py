@@ -53,10 +53,19 @@ def test_packed_tensor_parallel_steps_on_two_gpus(sp, tmp_path):
         assert cos > 0.95, (path, cos)
 
 
-def test_torchrun_tp2_doc_sep_on_two_gpus_trains_as_one_gpu(tmp_path):
-    """`torchrun --nproc-per-node 2 -m modulec train --device cuda --tp 2 --doc-sep`
-    end to end (the run's wiring: the model's slices drawn from --seed, the same rows on
-    both ranks, rank 0 reporting): the packed losses are one GPU's packed run's (bf16)."""
+# DP 2 x TP 2 (four GPUs): a rank a row (--batch 1), one micro-batch a step (with
+# accumulation one process's micro-batch j would hold other rows than the ranks')
+LAUNCHES = {"tp2": (2, ["--tp", "2"], []),
+            "dp2-tp2": (4, ["--tp", "2", "--zero", "3", "--batch", "1", "--grad-accum", "1"],
+                        ["--grad-accum", "1"])}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_torchrun_doc_sep_with_tp_trains_as_one_gpu(launch, tmp_path):
+    """`torchrun -m modulec train --device cuda --tp 2 --doc-sep` end to end (the run's
+    wiring: the model's slices drawn from --seed, the same rows on a TP group's ranks,
+    under DP x TP each data-parallel rank its rows and the denominators, rank 0
+    reporting): the packed losses are one GPU's packed run's (bf16)."""
     import json
     import os
     import subprocess
@@ -64,6 +73,9 @@ def test_torchrun_tp2_doc_sep_on_two_gpus_trains_as_one_gpu(tmp_path):
 
     import numpy as np
 
+    processes, parallel, alone = LAUNCHES[launch]
+    if torch.cuda.device_count() < processes:
+        pytest.skip(f"needs {processes} GPUs")
     data = tmp_path / "train.bin"
     rng = np.random.default_rng(5)
     tokens = rng.integers(2, dist_workers.GPU_LLAMA[1]["vocab_size"], 20_000)
@@ -76,13 +88,13 @@ def test_torchrun_tp2_doc_sep_on_two_gpus_trains_as_one_gpu(tmp_path):
             "--doc-sep", str(dist_workers.SEP)]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
 
-    def losses(launch, *more):
-        done = subprocess.run([*launch, "-m", "modulec", "train", *args, *more], env=env,
+    def losses(launcher, more):  # click keeps an option's last value
+        done = subprocess.run([*launcher, "-m", "modulec", "train", *args, *more], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         return [r["loss"] for r in rows if r["event"] == "step"]
-    two = losses([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                  "--master-port", str(free_port())], "--tp", "2")
-    one = losses([sys.executable])
-    assert len(two) == 3 and two == pytest.approx(one, rel=2e-2)
+    got = losses([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                  str(processes), "--master-port", str(free_port())], parallel)
+    want = losses([sys.executable], alone)
+    assert len(got) == 3 and got == pytest.approx(want, rel=2e-2)
