@@ -2,8 +2,8 @@
 CPU processes (gloo), float64: two packed optimizer steps with gradient accumulation,
 whose ranks count very different numbers of targets, equal one process's packed steps on
 every rank's rows (losses and state), at ZeRO-2 and ZeRO-3, and the evaluation split over
-the ranks (an odd number of batches) equals one process's on every rank. The refusals
-that remain (--tp, --pp) are one clear error each."""
+the ranks (an odd number of batches) equals one process's on every rank. The refusal
+that remains (--pp) is one clear error."""
 
 from __future__ import annotations
 
@@ -75,18 +75,18 @@ def _request(**options):
                    device="cpu", **options)
 
 
-@pytest.mark.parametrize("option,message", [
-    (dict(tp=2), "--doc-sep with --pp or --tp is not supported yet"),
-    (dict(pp=2), "--doc-sep with --pp or --tp is not supported yet"),
-])
-def test_doc_sep_is_refused_with_tp_and_pp_only(option, message):
+@pytest.mark.parametrize("option", [dict(pp=2), dict(pp=2, tp=2)])
+def test_doc_sep_is_refused_with_pp_only(option):
     from runtime.errors import RuntimeUserError
     from runtime.train.packing import check_options
 
     check_options(_request(doc_sep=1, zero=2))  # data parallel: packs
-    with pytest.raises(RuntimeUserError, match=message) as caught:
+    check_options(_request(doc_sep=1, tp=2))  # tensor parallel (tests/test_tp_packed.py)
+    check_options(_request(doc_sep=1, tp=2, zero=3))  # both
+    with pytest.raises(RuntimeUserError,
+                       match="--doc-sep with --pp is not supported yet") as caught:
         check_options(_request(doc_sep=1, **option))
-    assert "data parallel" in caught.value.help[0]
+    assert "data / tensor parallel" in caught.value.help[0]
 
 
 def test_eval_data_is_refused_with_pp_only():
