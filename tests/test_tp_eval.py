@@ -40,8 +40,9 @@ def reference(eval_file) -> dict:
     from runtime.train.evaluate import EvalData, evaluate
     from runtime.train.optim import AdamW
 
-    trainer = CPUTrainer(tp_workers.tiny_model("llama"), ROWS, SEQ,
-                         AdamW(lr=1e-2, weight_decay=0.1))
+    model = tp_workers.tiny_model("llama")
+    initial = {p: t.detach().clone() for p, t in model.params.items()}
+    trainer = CPUTrainer(model, ROWS, SEQ, AdamW(lr=1e-2, weight_decay=0.1))
     data = {rows: EvalData(eval_file, "uint16", SEQ, rows, 64, EVAL_BATCHES)
             for rows in (1, 2)}
     evals = {rows: [evaluate(trainer, d)] for rows, d in data.items()}
@@ -50,7 +51,8 @@ def reference(eval_file) -> dict:
         losses.append(trainer.train_step(window))
         for rows, d in data.items():
             evals[rows].append(evaluate(trainer, d))
-    return {rows: {"evals": evals[rows], "losses": losses} for rows in data}
+    return {rows: {"evals": evals[rows], "losses": losses} for rows in data} | \
+        {"initial": initial}
 
 
 def _check(ranks: list, want: dict, zero) -> None:
@@ -63,9 +65,9 @@ def _check(ranks: list, want: dict, zero) -> None:
     assert ranks[0][True]["evals"][0] != ranks[0][True]["evals"][-1]  # it trained
 
 
-def _spawn(world: int, zero, eval_file, out, again: bool) -> list:
+def _spawn(world: int, whole: dict, zero, eval_file, out, again: bool) -> list:
     mp.spawn(tp_eval_workers.eval_rank, nprocs=world,
-             args=(world, free_port(), zero, STEPS, ROWS, SEQ, str(eval_file),
+             args=(world, free_port(), whole, zero, STEPS, ROWS, SEQ, str(eval_file),
                    EVAL_BATCHES, str(out), again))
     return [torch.load(f"{out}.{rank}") for rank in range(world)]
 
@@ -76,7 +78,7 @@ def test_tp2_evaluates_as_one_process_and_trains_on_unchanged(eval_file, referen
     every batch; the run without the evaluations has the same losses and state, bit
     for bit; the GPU's forward-only pass (on the CPU kernels) gives the same loss on a
     TP rank's slices."""
-    ranks = _spawn(2, None, eval_file, tmp_path / "tp", again=True)
+    ranks = _spawn(2, reference["initial"], None, eval_file, tmp_path / "tp", again=True)
     _check(ranks, reference[ROWS], None)
     for got in ranks:
         assert got[True]["losses"] == got[False]["losses"] and got[False]["evals"] == []
@@ -94,7 +96,7 @@ def test_dp_x_tp_splits_the_evaluation_over_the_data_parallel_groups(eval_file, 
     eval batches of one row split 2 + 1 over the pairs (the pair without a third batch
     runs one it does not count: ZeRO-3 gathers with the other pair), the sum reduced over
     the data-parallel group only."""
-    ranks = _spawn(4, 3, eval_file, tmp_path / "dptp", again=False)
+    ranks = _spawn(4, reference["initial"], 3, eval_file, tmp_path / "dptp", again=False)
     _check(ranks, reference[1], 3)
 
 

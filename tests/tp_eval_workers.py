@@ -8,17 +8,35 @@ from pathlib import Path
 
 import torch
 
-from tests.tp_workers import tiny_model, windows
+from tests.tp_workers import windows
 
 STATE_PARTS = ("masters", "exp_avg", "exp_avg_sq")
 
 
-def eval_rank(rank: int, world: int, port: int, zero: int | None, steps: int, rows: int,
-              seq: int, eval_path: str, batches: int, out: str, again: bool = True) -> None:
+def rank_model(whole: dict, rank: int):
+    """The tiny Llama (float64, untied) built with --tp 2: rank `rank`'s slices of
+    `whole` (the one-process model's parameters, given by the test: the whole model is
+    not built again in each process), copies of its own."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import shard_params
+    from tests.runtime_models import TINY
+
+    path, settings = TINY["llama"]
+    model = Model.from_module(path, settings={k: str(v) for k, v in settings.items()},
+                              dtype=torch.float64, tensor_parallel=2, tp_rank=rank)
+    sliced = shard_params(whole, model.source.program(planned=False), rank)
+    model.params = {p: t.clone() for p, t in sliced.items()}  # trained in place
+    model.check_finite = False
+    return model
+
+
+def eval_rank(rank: int, world: int, port: int, whole: dict, zero: int | None, steps: int,
+              rows: int, seq: int, eval_path: str, batches: int, out: str,
+              again: bool = True) -> None:
     """TP 2 over `world` gloo ranks (4: DP 2 x TP 2, ZeRO stage `zero` across the
-    slices; 2: the CPU trainer on one TP pair), the tiny Llama in float64, each
-    data-parallel rank its rows of the same windows, as `modulec train --tp 2` runs: the
-    run evaluated before the first step and after each (`batches` eval batches of its
+    slices; 2: the CPU trainer on one TP pair), the tiny Llama in float64 (its slices of
+    `whole`), each data-parallel rank its rows of the same windows, as `modulec train
+    --tp 2` runs: the run evaluated before the first step and after each (`batches` eval batches of its
     rows, split over the data-parallel ranks) and, with `again`, the same run without
     evaluation. Rank r saves to `out`.r by evaluated or not: the losses, the eval losses,
     the entry-buffer elements held after each evaluation (ZeRO-3) and the whole state
@@ -35,8 +53,7 @@ def eval_rank(rank: int, world: int, port: int, zero: int | None, steps: int, ro
     data = EvalData(Path(eval_path), "uint16", seq, own, 64, batches)
     got = {}
     for evaluating in (True, False) if again else (True,):
-        model = tiny_model("llama", 2, rank % 2)
-        model.check_finite = False
+        model = rank_model(whole, rank % 2)
         adamw = AdamW(lr=1e-2, weight_decay=0.1)
         if parallel.dp == 1:  # as runtime.train.run.Run._trainer: the TP pair's group
             parallel.use_tensor_parallel_group()
@@ -44,8 +61,8 @@ def eval_rank(rank: int, world: int, port: int, zero: int | None, steps: int, ro
         else:
             trainer = CPUDataParallelTrainer(model, own, seq, adamw, parallel)
         got[evaluating] = _run(trainer, data, parallel, steps, rows, seq, evaluating)
-        whole = whole_state(trainer.state(), model, parallel)
-        got[evaluating]["whole"] = {k: dict(whole[k]) for k in STATE_PARTS}
+        joined = whole_state(trainer.state(), model, parallel)
+        got[evaluating]["whole"] = {k: dict(joined[k]) for k in STATE_PARTS}
         if evaluating and parallel.dp == 1:
             got["gpu_pass"] = _forward_only_pass(trainer, data.batch_at(0), own, seq)
     torch.save(got, f"{out}.{rank}")
