@@ -62,16 +62,28 @@ def test_tensor_parallel_evaluation_on_two_gpus(sp, eval_file, tmp_path):
     assert ranks[0][True]["evals"][0] != ranks[0][True]["evals"][-1]  # it trained
 
 
-def test_torchrun_tp2_evaluates_on_two_gpus_as_one_gpu(eval_file, tmp_path):
-    """`torchrun --nproc-per-node 2 -m modulec train --device cuda --tp 2 --eval-data
-    --eval-every 1` end to end (the run's wiring: no refusal, rank 0 reporting each eval
-    loss once): the eval losses are one GPU's run's (bf16), and the step losses the same
-    --tp 2 run's without evaluation."""
+# processes, the parallel run's options (click keeps an option's last value): DP 2 x TP 2
+# takes --batch 1 a rank, two rows a step as one GPU's --batch 2, and evaluates 6 batches
+# of one row, whose mean is the one GPU's 3 batches of two rows
+LAUNCHES = {"tp2": (2, ["--tp", "2"]),
+            "dp2-tp2-zero3": (4, ["--tp", "2", "--zero", "3", "--batch", "1"])}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_torchrun_tp_evaluates_as_one_gpu(launch, eval_file, tmp_path):
+    """`torchrun -m modulec train --device cuda --tp 2 --eval-data --eval-every 1` end to
+    end (the run's wiring: no refusal, the note, rank 0 reporting each eval loss once;
+    DP 2 x TP 2 under ZeRO-3 on four GPUs, skipped with fewer: the batches split over the
+    data-parallel groups): the eval losses are one GPU's run's (bf16), and the step
+    losses the same parallel run's without evaluation."""
     import json
     import os
     import subprocess
     import sys
 
+    processes, parallel = LAUNCHES[launch]
+    if torch.cuda.device_count() < processes:
+        pytest.skip(f"needs {processes} GPUs")
     data = tmp_path / "train.bin"
     vocab = dist_workers.GPU_LLAMA[1]["vocab_size"]
     np.random.default_rng(5).integers(0, vocab, 20_000).astype("<u2").tofile(data)
@@ -81,21 +93,24 @@ def test_torchrun_tp2_evaluates_on_two_gpus_as_one_gpu(eval_file, tmp_path):
             "--device", "cuda", "--lr", "1e-3", "--format", "json"]
     evaluated = ["--eval-data", str(eval_file), "--eval-every", "1"]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    two = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port"]
 
-    def steps(launch, *more) -> tuple[list, list]:
-        done = subprocess.run([*launch, "-m", "modulec", "train", *args, *more], env=env,
+    def steps(launcher, more) -> tuple[list, list, list]:
+        done = subprocess.run([*launcher, "-m", "modulec", "train", *args, *more], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-        if "--tp" in more:
-            assert any("tensor-parallel group" in r.get("text", "") for r in rows)
         got = [r for r in rows if r["event"] == "step"]
-        return [r["loss"] for r in got], [r.get("eval_loss") for r in got]
-    tp_losses, tp_evals = steps([*two, str(free_port())], "--tp", "2", *evaluated)
-    plain_losses, _ = steps([*two, str(free_port())], "--tp", "2")
-    _, one_evals = steps([sys.executable], *evaluated)
-    assert len(tp_evals) == 3 and all(isinstance(e, float) for e in tp_evals)
-    assert tp_evals == pytest.approx(one_evals, rel=2e-2)
-    assert tp_losses == pytest.approx(plain_losses, rel=1e-4)
+        notes = [r["text"] for r in rows if r["event"] == "note" and "eval:" in r["text"]]
+        return [r["loss"] for r in got], [r.get("eval_loss") for r in got], notes
+
+    def torchrun():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                str(processes), "--master-port", str(free_port())]
+    losses, evals, notes = steps(torchrun(), [*evaluated, *parallel])
+    plain, _, _ = steps(torchrun(), parallel)
+    _, want, _ = steps([sys.executable], evaluated)
+    assert len(notes) == 1 and "tensor-parallel group" in notes[0]
+    assert ("split over the 2 data-parallel ranks" in notes[0]) == (processes == 4)
+    assert len(evals) == 3 and all(isinstance(e, float) for e in evals)
+    assert evals == pytest.approx(want, rel=2e-2)
+    assert losses == pytest.approx(plain, rel=1e-4)
