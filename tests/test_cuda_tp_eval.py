@@ -4,8 +4,9 @@ evaluated before the first step and after each (eager, captured, replayed: each
 evaluation a forward-only pass between two graph replays, its collectives over the TP
 pair, the loss the vocab-parallel loss's value) gives the same eval loss on both ranks,
 one GPU's on the same weights (bf16: within 1e-2), and leaves the training as it was:
-the steps' losses and the masters equal the same run's without evaluation. The exact
-(float64) equalities, and DP x TP, are the CPU test's: tests/test_tp_eval.py."""
+the steps' losses and the masters equal the same run's without evaluation; and
+`torchrun -m modulec train --tp 2 --eval-data` end to end (DP 2 x TP 2 on four GPUs).
+The exact (float64) equalities are the CPU test's: tests/test_tp_eval.py."""
 
 from __future__ import annotations
 
