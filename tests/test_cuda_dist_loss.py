@@ -28,6 +28,7 @@ def test_unpacked_data_parallel_reports_the_ranks_mean_loss(tmp_path):
     ranks = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
     for step in range(STEPS):
         own = [got["own"][step] for got in ranks]
-        assert own[0] != pytest.approx(own[1], rel=1e-3)  # other rows: other losses
+        # other rows, other losses (at initialization they lie within 1e-3 of log V)
+        assert own[0] != own[1]
         for got in ranks:
             assert got["reported"][step] == pytest.approx(sum(own) / WORLD, rel=1e-6)
