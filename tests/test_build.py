@@ -114,7 +114,7 @@ def test_schedule_without_sizes_has_no_buffers():
     ("d_modl=4096", "did you mean `d_model`"),
     ("d_model=-4", "not a usable size"),
     # a value of the wrong kind for a parameter the build never reads was accepted silently
-    ("eps=inf", "`--set eps`: `eps` is declared float, given inf"),
+    ("eps=inf", "`--set eps`: `eps` is inf: a float parameter must be a finite number"),
     ("tie_word_embeddings=1", "`tie_word_embeddings` is declared bool, given 1"),
     ("eps=1e999", "`eps` is inf: a float parameter must be a finite number"),
 ])
@@ -122,6 +122,62 @@ def test_bad_settings_fail_fast(argument, message):
     result = CliRunner().invoke(modulec, ["build", str(REPO_DIR / "std/models/llama.module"),
                                           "--set", argument])
     assert result.exit_code == 1 and message in result.stderr
+
+
+SETTINGS_MODEL = """model M(n: int = 4, k: int? = 0, eps: float = 1e-5, flag: bool = false):
+  forward:
+    in: x: [B, n]
+    out: y: [B, n]
+    graph:
+      x -> relu() -> y
+"""
+
+
+@pytest.mark.parametrize("argument, message", [
+    # a value that did not evaluate was reported twice, the second time as "given None"
+    ("n=", "`--set n=`: no value"),
+    ("n=0x10", "`--set n=0x10`: numbers are decimal: write `16`"),
+    ("n=10**10**10", "not a compile-time value (`10 ** 10 ** 10` is an integer of more than"),
+    ("n=5 6", "`--set n=5 6`: not an expression (unexpected `6`)"),
+    ("n=5\n6", "`--set n=5\\n6`: a value is one line"),  # the `6` line was ignored
+    ("n=5 # 6", "a comment (`#`) is not part of a value"),  # the comment was ignored
+    ("n=-10**20", "`n = -100,000,000,000,000,000,000` is not a usable size"),
+    ("n=10**20", "`n = 100,000,000,000,000,000,000` is not a usable size"),
+    ("n=1099511627777", "at most 1,099,511,627,776"),
+    ("n=1e3", "given 1000.0\n  |\n  = help: an int is a whole number (`32`, `4 * 1024`): write "
+     "`1000`"),
+    ("n=5.0", "write `5`; `1e3` and `5.0` are floats"),
+    ("n=[1, 2]", "`n` is declared int, given [1, 2]"),  # it showed `(Dim(1), Dim(2))`
+    ("flag=True", "given True\n  |\n  = help: a bool is `true` or `false` (lowercase)"),
+    ("flag=1", "`flag` is declared bool, given 1"),
+    ("eps=nan", "`eps` is nan: a float parameter must be a finite number"),
+    ("eps=-inf", "`eps` is -inf: a float parameter must be a finite number"),  # was E003 twice
+    # an `int?` past int64 was E027 at the declaration's default, not at `--set`
+    ("k=-10**20", "`--set k`: `k = -100,000,000,000,000,000,000` is not a usable integer"),
+])
+def test_set_value_spellings_refused(argument, message, tmp_path):
+    path = tmp_path / "m.module"
+    path.write_text(SETTINGS_MODEL)
+    result = CliRunner().invoke(modulec, ["build", str(path), "--shape", "B=2", "--set",
+                                          argument, "-o", str(tmp_path / "m.ir")])
+    assert result.exit_code == 1 and message in result.stderr, result.output
+    assert result.stderr.count("error[") == 1 and "None" not in result.stderr
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("n=1_000", "1000"), ("n=+5", "5"), ("n= 5 ", "5"), ("n=2 * 3", "6"), ("n=7 // 2", "3"),
+    ("k=-3", "-3"), ("flag=true", "True"), ("eps=5", "5"),
+])
+def test_set_value_spellings_accepted(argument, value, tmp_path):
+    """`--set` reads one compile-time expression, as a default is written in a module."""
+    path = tmp_path / "m.module"
+    path.write_text(SETTINGS_MODEL)
+    result = CliRunner().invoke(modulec, ["build", str(path), "--shape", "B=2", "--set",
+                                          argument, "-o", str(tmp_path / "m.ir")])
+    assert result.exit_code == 0, result.output
+    name = argument.partition("=")[0]
+    document = json.loads((tmp_path / "m.ir").read_text())
+    assert document["metadata"]["parameters"][name] == value
 
 
 def test_hf_config_null_field_keeps_the_default(tmp_path):

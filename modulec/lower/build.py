@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from modulec.check.driver import check_program, scopes_of
-from modulec.check.given import value_problem
+from modulec.check.given import setting_value, value_problem
 from modulec.check.instance import instantiate
 from modulec.diagnostics import Diagnostic, error
 from modulec.ir.serialize import IR_VERSION, graph_to_data
@@ -27,7 +27,6 @@ from modulec.lower.rope_config import (config_field, is_scaling_field, rope_prob
                                        unread_by_kind, with_legacy_types)
 from modulec.lower.schedule import schedule_data
 from modulec.lower.training_settings import training_metadata
-from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
 
@@ -339,7 +338,14 @@ def _arguments(decl: A.Decl, request: BuildRequest, diagnostics, notices) -> dic
                                      f"`{name}`", None, help=[f"did you mean `{close[0]}`?"]
                                      if close else [f"parameters: {', '.join(known)}"]))
             continue
-        args[name] = _value_of(text, name, diagnostics)
+        value, problem = setting_value(text)
+        if problem is not None:
+            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+            shown = shown.replace("\n", "\\n").replace("\r", "\\r")
+            diagnostics.append(error(problem.code, f"`--set {name}={shown}`: {problem.message}",
+                                     None, help=[problem.help]))
+            continue
+        args[name] = value
     for name, value in args.items():
         problem = value_problem(known[name], value) if name in known else None
         if problem is not None:
@@ -348,20 +354,6 @@ def _arguments(decl: A.Decl, request: BuildRequest, diagnostics, notices) -> dic
             diagnostics.append(error(problem.code, f"{where}: {problem.message}", None,
                                      help=[problem.help]))
     return None if any(d.is_error for d in diagnostics) else args
-
-
-def _value_of(text: str, name: str, diagnostics):
-    from modulec.syntax.parser import parse_text
-
-    result = parse_text(f"module M():\n  let:\n    v = {text}\n", f"--set {name}")
-    try:
-        binding = result.program.decls[0].body[0].body[0]
-        return evaluate(binding.value, ConstEnv({}, "ident"))
-    except (NotConst, Undefined, AttributeError, IndexError, ValueError, OverflowError):
-        shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
-        diagnostics.append(error("E003", f"`--set {name}={shown}`: not a compile-time value",
-                                 None))
-        return None
 
 
 def _from_config(decl: A.Decl, path: Path, diagnostics, notices) -> dict:
