@@ -180,6 +180,17 @@ def test_set_value_spellings_accepted(argument, value, tmp_path):
     assert document["metadata"]["parameters"][name] == value
 
 
+@pytest.mark.parametrize("option", ["--set", "--shape"])
+def test_a_name_given_twice_is_a_usage_error(option, tmp_path):
+    """`--set n=5 --set n=6` built with n = 6 and ignored `n=5`."""
+    path = tmp_path / "m.module"
+    path.write_text(SETTINGS_MODEL)
+    name = "n" if option == "--set" else "B"
+    result = CliRunner().invoke(modulec, ["build", str(path), "--shape", "B=2", option,
+                                          f"{name}=5", option, f"{name}=6"])
+    assert result.exit_code == 2 and f"`{name}` is given twice" in result.output, result.output
+
+
 def test_hf_config_null_field_keeps_the_default(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 2,
