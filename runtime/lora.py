@@ -29,12 +29,24 @@ CONFIG = "adapter_config.json"
 def init_adapters(model, generator: torch.Generator | None = None,
                   only_missing: bool = False) -> None:
     """A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0, (IA)^3 vectors 1 for every adapter parameter
-    of `model`."""
+    of `model`. A tensor-parallel rank's program (`--tp`) draws each split adapter whole,
+    as one process does, and keeps its slice: the ranks' adapters joined are one
+    process's."""
+    from runtime.tensor_parallel import shard_tensor, sharded_paths
+
     generator = generator or torch.Generator().manual_seed(0)
+    shards = sharded_paths(model.source.program(planned=False))
     for path, shape in model.parameter_shapes().items():
         if not is_adapter(path) or (only_missing and path in model.params):
             continue
-        value = adapter_value(path, shape, generator, torch.float64)
+        shard = shards.get(path)
+        if shard is None:
+            value = adapter_value(path, shape, generator, torch.float64)
+        else:
+            whole = list(shape)
+            whole[shard["dim"]] = sum(shard["parts"])
+            value = shard_tensor(adapter_value(path, whole, generator, torch.float64), shard,
+                                 getattr(model, "tp_rank", 0))
         model.params[path] = value.to(model.dtype).to(model.device)
 
 
@@ -90,10 +102,12 @@ def _match(pattern: str, path: str) -> list[str] | None:
     return list(found.groups()) if found else None
 
 
-def peft_tensors(model) -> dict[str, Tensor]:
-    """The adapters under PEFT names when every one has one, else under their paths."""
+def peft_tensors(model, values: dict | None = None) -> dict[str, Tensor]:
+    """The adapters (the model's, or `values`' by path) under PEFT names when every one
+    has one, else under their paths."""
     adapters = lora_metadata(model)["adapters"]
-    tensors = adapter_params(model)
+    tensors = adapter_params(model) if values is None else \
+        {p: t for p, t in values.items() if is_adapter(p)}
     names = {p: peft_name(p, adapters) for p in tensors}
     if any(n is None for n in names.values()):
         return tensors
@@ -114,15 +128,17 @@ def peft_config(model) -> dict:
             "inference_mode": False}
 
 
-def save_lora(model, directory) -> Path:
+def save_lora(model, directory, values: dict | None = None) -> Path:
     """Write `adapter_model.safetensors` (PEFT names where the weight schema gives HF
-    names, else parameter paths) and `adapter_config.json`; returns the safetensors path."""
+    names, else parameter paths) and `adapter_config.json`; returns the safetensors path.
+    `values` (by path) replaces the model's adapters: a tensor-parallel run's whole ones,
+    its ranks' slices joined (runtime.train.checkpoint)."""
     from safetensors.torch import save_file
 
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.detach().to("cpu").contiguous().clone()
-               for n, t in sorted(peft_tensors(model).items())}
+               for n, t in sorted(peft_tensors(model, values).items())}
     path = directory / WEIGHTS
     save_file(tensors, str(path), metadata={"format": "pt"})
     text = json.dumps(peft_config(model), indent=2, sort_keys=True) + "\n"

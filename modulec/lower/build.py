@@ -247,10 +247,6 @@ def _tensor_parallel(world, instance, request: BuildRequest):
         return None
     from modulec.lower.lowering import function_name
 
-    if request.lora is not None:
-        world.diagnostics.append(error("E008", "LoRA with tensor parallel (`--tp`) is not "
-                                       "supported yet", None,
-                                       help=["train LoRA on one GPU or with data parallel"]))
     found = shards(world, instance, function_name)
     found.sequence_parallel = request.sequence_parallel
     found.overlap = request.tp_overlap

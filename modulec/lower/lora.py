@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from modulec.diagnostics import error
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
 from modulec.lower.backward import without_written_backward
+from modulec.lower.lora_tp import adapter_shards, replicated, whole_rows
 
 DEFAULT_RANK = 16  # spec §7.3.2
 DEFAULT_ALPHA = 32.0
@@ -131,6 +132,7 @@ class Site:
     prefix: str = ""  # the function's parameter path prefix (`blocks[*].attention`)
     selected: tuple[Part, ...] = ()
     dropout: float = 0.0  # on the adapters' input x (PEFT's lora_dropout); 0: none
+    shard: object = None  # the weight's tensor-parallel Shard (modulec/lower/lora_tp.py)
 
 
 @dataclass
@@ -145,21 +147,41 @@ def apply_lora(graph: Graph, context) -> Graph:
     if options is None:
         return graph
     from modulec.lower.lora_sites import find_sites
+    from modulec.lower.lora_tp import weight_shard
 
     graph = without_written_backward(graph)
     sites = find_sites(graph, context)
     report = LoraReport()
+    plan = getattr(context, "tensor_parallel", None)
     for site in sites:
         site.selected = _selected(site, options, report)
         site.rank = options.rank or site.rank
         site.alpha = options.alpha if options.alpha is not None else site.alpha
         site.dropout = options.dropout if options.dropout is not None else site.dropout
+        site.shard = weight_shard(plan, site)
     _unmatched_targets(options, sites, report, context)
-    functions = tuple(_with_ia3(_rewrite(f, [s for s in sites if s.function == f.name
-                                             and s.selected], report), context)
+    sites = [s for s in sites if s.selected and not _split_problem(graph, s, context)]
+    functions = tuple(_with_ia3(_rewrite(f, [s for s in sites if s.function == f.name],
+                                         report, plan), context)
                       for f in graph.functions)
     context.lora_report = report
     return Graph(graph.model, graph.entry, graph.backward, functions)
+
+
+def _split_problem(graph: Graph, site: Site, context) -> bool:
+    """Whether the adapters of a tensor-parallel weight cannot split as it does (E008)."""
+    from modulec.lower.lora_tp import problem
+
+    if site.shard is None:
+        return False
+    function = graph.function(site.function)
+    found = problem(site, function.value(site.weight).shape)
+    if found is not None:
+        context.diagnostics.append(error(
+            "E008", f"LoRA on `{site.weight[len('param:'):]}` of `{function.module}` under "
+            f"tensor parallel: {found}", None,
+            help=["adapt another projection (`targets=[...]`), or train without `--tp`"]))
+    return found is not None
 
 
 def _names(part: Part, site: Site) -> set[str]:
@@ -195,7 +217,7 @@ def _unmatched_targets(options, sites, report, context) -> None:
 
 
 # ====================================================================== rewriting
-def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> Function:
+def _rewrite(function: Function, sites: list[Site], report: LoraReport, plan=None) -> Function:
     base = tuple(p.id for p in function.params)
     frozen = tuple(dict.fromkeys(function.no_gradient + base))
     if not sites:
@@ -208,6 +230,8 @@ def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> Funct
         else:
             builder.nodes.append(node)
     nodes = tuple(replace(n, id=f"f{i}") for i, n in enumerate(builder.nodes))
+    if builder.shards:  # the split adapters join the tensor_parallel section
+        plan.shards.setdefault(function.name, {}).update(builder.shards)
     return replace(function, params=function.params + tuple(builder.params),
                    values=function.values + tuple(builder.values), nodes=nodes,
                    no_gradient=frozen + tuple(builder.frozen))
@@ -260,6 +284,7 @@ class _Rewriter:
     values: list = field(default_factory=list)
     counter: int = 0
     frozen: list = field(default_factory=list)  # zero blocks (no gradient wanted)
+    shards: dict = field(default_factory=dict)  # --tp: the split adapters' Shards
 
     def value(self, like: ValueInfo, last: str) -> str:
         self.counter += 1
@@ -323,6 +348,7 @@ class _Rewriter:
                 self.params += [ValueInfo(a, (str(rank), weight.shape[1]), weight.dtype, a[6:]),
                                 ValueInfo(b, (str(part.rows), str(rank)), weight.dtype, b[6:])]
                 report.adapters.append(_entry(site, part, a[6:], b[6:]))
+                self.shards.update(adapter_shards(site, part, a, b))
                 a_parts.append(a)
                 index = selected.index(part)
                 blocks = [self.zeros(node, part.rows, rank * index, zdtype), b,
@@ -347,10 +373,25 @@ class _Rewriter:
         low = self.value(y, width)
         delta = self.value(y, y.shape[-1])
         attrs = dict(node.attrs)
-        self.op(node, "matmul", (x, a_cat), (low,), tuple(attrs.items()))
+        self.op(node, "matmul", (x, self.read(node, site, "lora_A", a_cat)), (low,),
+                tuple(attrs.items()))
         attrs["alpha"] = site.alpha / site.rank
-        self.op(node, "matmul", (low, b_blk), (delta,), tuple(attrs.items()))
+        self.op(node, "matmul", (low, self.read(node, site, "lora_B", b_blk)), (delta,),
+                tuple(attrs.items()))
         return delta
+
+    def read(self, origin: Node, site: Site, which: str, value: str) -> str:
+        """`value` (the site's A or B) as its matmul reads it: through a `tp_copy` where
+        it is whole on every rank inside a tensor-parallel region (its gradient there
+        is a partial sum over the ranks: modulec/lower/lora_tp.py)."""
+        if replicated(site) != which:
+            return value
+        info = next(v for v in self.function.params + tuple(self.params) + tuple(self.values)
+                    if v.id == value)
+        copy = self.matrix(*info.shape, info.dtype)
+        self.op(origin, "tp_copy", (value,), (copy,),
+                (("group", "tp"), ("size", site.shard.size)))
+        return copy
 
     def dropped(self, origin: Node, x: str, p: float) -> str:
         """x through dropout(p): one mask for all parts of a fused weight."""
@@ -385,10 +426,13 @@ class _Rewriter:
         low = self.value(y, rank)
         delta = self.value(y, str(part.rows))
         attrs = dict(node.attrs)
-        self.op(node, "matmul", (x, a), (low,), tuple(attrs.items()))
+        self.op(node, "matmul", (x, self.read(node, site, "lora_A", a)), (low,),
+                tuple(attrs.items()))
         attrs["alpha"] = site.alpha / site.rank
-        self.op(node, "matmul", (low, b), (delta,), tuple(attrs.items()))
+        self.op(node, "matmul", (low, self.read(node, site, "lora_B", b)), (delta,),
+                tuple(attrs.items()))
         report.adapters.append(_entry(site, part, a[6:], b[6:]))
+        self.shards.update(adapter_shards(site, part, a, b))
         return delta
 
 
@@ -396,6 +440,6 @@ def _entry(site: Site, part: Part, a: str, b: str) -> dict:
     prefix = site.prefix
     join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
     return {"weight": join(site.weight[len("param:"):]), "target": part.name,
-            "rows": [part.start, part.start + part.rows], "rank": site.rank,
+            "rows": list(whole_rows(site, part)), "rank": site.rank,
             "alpha": site.alpha, "dropout": site.dropout, "lora_A": join(a), "lora_B": join(b),
             "hf_module": part.hf_module, "placeholders": list(part.placeholders)}

@@ -3,7 +3,9 @@ weight's parts (fused projections) and the annotation's rank / alpha / targets.
 
 An annotation on a matmul `x @ W^T` (NT, W a parameter) adapts it; on `add(matmul, bias)`
 the matmul; on a module call, the matmul that produces the callee's (single) output,
-through nested calls. Anything else is E008 at the annotation.
+through nested calls; under tensor parallel, the row-parallel matmul whose partial sum a
+`tp_all_reduce` (`sp_reduce_scatter` with `--sp`) reduces. Anything else is E008 at the
+annotation.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def _site(graph, functions, function: Function, node: Node, args, context) -> Si
 
 
 # ====================================================================== the adapted matmul
+# what ends a tensor-parallel region (`--tp`, `--tp --sp`): the row-parallel matmul before
+# it is the adapted one, its delta added to the rank's partial sum (modulec/lower/lora_tp.py)
+REDUCTIONS = ("tp_all_reduce", "sp_reduce_scatter")
+
+
 def _matmul_of(functions: dict, function: Function, node: Node, depth: int):
     """(function, matmul node) the annotation adapts, or a description of what it is on."""
     if node.kind == "call" and node.target in functions and depth < 16:
@@ -67,12 +74,22 @@ def _matmul_of(functions: dict, function: Function, node: Node, depth: int):
     if node.kind == "op" and node.target == "add":
         params = [i for i in node.inputs if i.startswith("param:")]
         other = [_producer(function, i) for i in node.inputs if not i.startswith("param:")]
-        if len(params) == 1 and len(other) == 1 and other[0] is not None \
-                and _is_linear(other[0]):
-            return function, other[0]
-    if node.kind == "op" and _is_linear(node):
-        return function, node
+        linear = _linear(function, other[0]) if len(other) == 1 else None
+        if len(params) == 1 and linear is not None:
+            return function, linear
+    linear = _linear(function, node)
+    if linear is not None:
+        return function, linear
     return f"`{node.target}`"
+
+
+def _linear(function: Function, node: Node | None) -> Node | None:
+    """The matmul `x @ W^T` that `node` is, or whose partial sum it reduces (the end of a
+    tensor-parallel region: the row-parallel matmul's output summed over the ranks)."""
+    if node is not None and node.kind == "op" and node.target in REDUCTIONS and \
+            len(node.inputs) == 1:
+        node = _producer(function, node.inputs[0])
+    return node if node is not None and _is_linear(node) else None
 
 
 def _is_linear(node: Node) -> bool:

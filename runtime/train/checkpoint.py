@@ -63,7 +63,8 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
         if adapters is not None:
             from runtime.lora import save_lora
 
-            save_lora(adapters, temp)
+            # the state's: a tensor-parallel run's are its ranks' slices joined
+            save_lora(adapters, temp, dict(state["masters"]))
         if shards is None or not shards.replaces_optimizer:
             write_optimizer(temp / OPTIMIZER, state, masters)
         files = {f.name: f.stat().st_size for f in sorted(temp.iterdir())}

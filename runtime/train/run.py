@@ -149,9 +149,6 @@ def _context(request: Request):
 
     context = DistContext.from_env(request.device, timeout_s=request.dist_timeout)
     check_zero(request, context)
-    if request.tp > 1 and request.lora is not None:
-        raise RuntimeUserError("--lora with --tp is not supported yet",
-                               help=["train LoRA data parallel (--zero) or on one GPU"])
     if request.file.suffix == ".ir" and context.world % request.tp:
         raise RuntimeUserError(f"{request.file} is a tensor-parallel rank program of size "
                                f"{request.tp} (its tensor_parallel section); this launch has "

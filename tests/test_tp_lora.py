@@ -1,0 +1,156 @@
+"""LoRA under tensor parallel (`modulec train --tp 2 --lora ...`, modulec/lower/lora_tp.py,
+docs/decisions.md "LoRA under tensor parallel") on gloo CPU processes, the tiny Llama with
+adapters on every projection: the adapters of a column-parallel projection (q, k, v,
+gate, up) have B split by rows and A whole (its gradient summed by a `tp_copy`), those of
+a row-parallel one (o, down) A split by columns and B whole (likewise). Two AdamW steps
+of the TP pair (also with --sp, and DP 2 x TP 2 under ZeRO-2) equal one process's in
+float64: losses, adapters and moments joined; the base weights untouched. The adapters
+of a --tp run start as one process's (drawn whole, sliced), and `modulec train --tp 2
+--lora --save` writes the whole adapters, which a one-process resume continues from.
+On two GPUs: tests/test_cuda_tp_lora.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from modulec.lower.lora import is_adapter  # noqa: E402
+from runtime.tensor_parallel import shard_params, unshard_params  # noqa: E402
+from tests import tp_lora_workers as workers  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
+
+pytest.importorskip("transformers")
+from tests.test_train import LLAMA, ckpt  # noqa: E402,F401 (the tiny HF Llama fixture)
+
+STEPS, ROWS, SEQ = 2, 2, 8
+RUNS = [(False, None), (True, None)]  # (--sp, --zero)
+PARTS = ("masters", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def whole() -> dict:
+    return workers.whole_params()
+
+
+def _cli(ckpt, **more) -> dict:
+    """`modulec train --lora ...`'s arguments (float32 on the CPU, the tiny HF Llama)."""
+    from modulec.lower.lora import LoraOptions
+
+    return dict(file=Path(LLAMA), data=ckpt / "tokens.bin", seq=16, batch=1, device="cpu",
+                lr=1e-2, fmt="json", lora=LoraOptions.of(workers.LORA),
+                hf_weights=ckpt / "hf", steps=2) | more
+
+
+@pytest.fixture(scope="module")
+def spawned(whole, ckpt, tmp_path_factory) -> Path:
+    """One start of two gloo processes (--tp 2) for both: the float64 steps of RUNS, then
+    `modulec train --tp 2 --lora --save` (its entry, as under torchrun), saving each step."""
+    folder = tmp_path_factory.mktemp("tp_lora")
+    cli = _cli(ckpt, tp=2, save=folder / "tp", save_every=1)
+    mp.spawn(workers.lora_rank, nprocs=2,
+             args=(2, [free_port(), free_port()], whole, RUNS, (STEPS, ROWS, SEQ), [cli],
+                   str(folder / "rank")))
+    return folder
+
+
+def _close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for path, value in want.items():
+        torch.testing.assert_close(got[path], value, rtol=1e-9, atol=1e-12,
+                                   msg=f"{what} {path}")
+
+
+def _check(got: dict, want: dict, whole: dict, program, rank: int, what: str) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-10), what
+    adapters = {p for p in want["masters"] if is_adapter(p)}
+    assert adapters and set(want["exp_avg"]) == adapters  # LoRA: the adapters train
+    for part in PARTS:
+        _close({p: got[part][p] for p in adapters}, {p: want[part][p] for p in adapters},
+               f"{what} {part}")
+    for path in adapters:  # it trained: the adapters moved
+        assert not torch.equal(want["masters"][path], whole[path]), path
+    mine = shard_params(whole, program, rank)
+    for path, value in got["params"].items():  # the frozen base: this rank's slices as given
+        if not is_adapter(path):
+            assert torch.equal(value, mine[path]), (what, path)
+
+
+def test_tp_lora_steps_equal_one_process(whole, spawned):
+    """--tp 2, with and without --sp, on two processes: one process's steps."""
+    want = workers.one_process(whole, STEPS, ROWS, SEQ)
+    ranks = [torch.load(spawned / f"rank.{r}") for r in range(2)]
+    for sp, zero in RUNS:
+        program = workers.lora_model(2, 0, sp).source.program(planned=False)
+        for rank, got in enumerate(ranks):
+            _check(got[sp, zero], want, whole, program, rank, f"sp={sp} rank {rank}")
+
+
+def test_the_adapters_split_as_their_weights_and_start_as_one_processes():
+    """The program's tensor_parallel section: B of a column-parallel projection split
+    along its rows (a fused weight's part by its own rows), A of a row-parallel one along
+    its columns; A of a column-parallel and B of a row-parallel projection read through
+    a `tp_copy`. A TP rank's fresh adapters (runtime.lora.init_adapters) are its slices of
+    one process's."""
+    from runtime.lora import init_adapters
+    from runtime.program import tp_section
+
+    one = workers.lora_model()
+    init_adapters(one)
+    ranks = []
+    for rank in (0, 1):
+        model = workers.lora_model(2, rank)
+        init_adapters(model)
+        ranks.append({p: t for p, t in model.params.items()})
+    program = workers.lora_model(2, 0).source.program(planned=False)
+    shards = tp_section(program.document)["shards"]
+    attention = next(v for k, v in shards.items() if k.startswith("CausalSelfAttention"))
+    assert attention["qkv_weight.k.lora_B"] == {"strategy": "column", "dim": 0,
+                                                "parts": [16], "size": 2}
+    assert attention["out_weight.lora_A"]["dim"] == 1
+    assert "qkv_weight.q.lora_A" not in attention and "out_weight.lora_B" not in attention
+    copied = {n.inputs[0] for f in program.graph.functions for n in f.nodes
+              if n.target == "tp_copy" and n.inputs[0].startswith(("param:", "%lora"))}
+    assert "param:out_weight.lora_B" in copied and "param:down_weight.lora_B" in copied
+    joined = unshard_params(ranks, program)
+    assert set(joined) == set(one.params)
+    for path, value in one.params.items():
+        assert torch.equal(joined[path], value), path
+    assert ranks[0]["blocks[0].mlp.down_weight.lora_A"].shape == (4, 24)  # d_ff 48 / 2
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()
+            if line.startswith("{")]
+
+
+def test_tp_lora_saves_the_whole_adapters_and_resumes_on_one_process(ckpt, spawned,
+                                                                     tmp_path):
+    """`modulec train --tp 2 --lora --save` saves PEFT adapter files holding the whole A
+    and B: those of the one-process run; a one-process resume from the TP checkpoint
+    (--tp 2 -> 1) takes the step the TP run took."""
+    from safetensors.torch import load_file
+
+    from runtime.lora import CONFIG, WEIGHTS
+    from runtime.train.run import train_model
+
+    steps = [r["loss"] for r in _rows(spawned / "rank.0.0") if r["event"] == "step"]
+    one = json.loads(train_model(**_cli(ckpt, save=tmp_path / "one")))
+    assert steps[-1] == pytest.approx(one["loss_last"], rel=1e-5)
+    a = load_file(str(spawned / "tp" / "checkpoint-2" / WEIGHTS))
+    b = load_file(str(tmp_path / "one" / "checkpoint-2" / WEIGHTS))
+    assert a.keys() == b.keys() and len(a) == 2 * 2 * 7  # 2 layers, 7 projections, A and B
+    for name in b:
+        assert a[name].shape == b[name].shape, name
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert b["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 48)
+    assert bool(b["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].any())
+    config = json.loads((spawned / "tp" / "checkpoint-2" / CONFIG).read_text())
+    assert config["r"] == 4 and "down_proj" in config["target_modules"]
+    resumed = json.loads(train_model(**_cli(ckpt, resume=spawned / "tp" / "checkpoint-1",
+                                            hf_weights=None)))
+    assert resumed["loss_last"] == pytest.approx(steps[1], rel=1e-5)
