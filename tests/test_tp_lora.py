@@ -81,13 +81,18 @@ def _check(got: dict, want: dict, whole: dict, program, rank: int, what: str) ->
 
 
 def test_tp_lora_steps_equal_one_process(whole, spawned):
-    """--tp 2, with and without --sp, on two processes: one process's steps."""
+    """--tp 2, with and without --sp, on two processes: one process's steps; a step of
+    the GPU trainer's interpreter (its LoRA paths: the delta's addmm, the d_x sums) on a
+    rank's program is the reference's."""
     want = workers.one_process(whole, STEPS, ROWS, SEQ)
     ranks = [torch.load(spawned / f"rank.{r}") for r in range(2)]
     for sp, zero in RUNS:
         program = workers.lora_model(2, 0, sp).source.program(planned=False)
         for rank, got in enumerate(ranks):
             _check(got[sp, zero], want, whole, program, rank, f"sp={sp} rank {rank}")
+            paths = got[sp, zero]["gpu_paths"]  # the GPU step's interpreter, on the CPU
+            assert paths["same_grads"] and paths["loss"] < 1e-12 and paths["grads"] < 1e-12
+            assert (paths["fused"], paths["dx_fused"]) == (8, 8)  # 4 projections x 2 layers
 
 
 def test_the_adapters_split_as_their_weights_and_start_as_one_processes():

@@ -107,12 +107,40 @@ def steps_rank(rank: int, world: int, port: int, whole: dict, runs: list, sizes:
             joined = whole_state(trainer.state(), model, parallel)
             got[sp, zero] = {"losses": losses, "params": dict(model.params),
                              **{k: dict(joined[k]) for k in STATE_PARTS}}
+            if parallel.dp == 1:
+                got[sp, zero]["gpu_paths"] = gpu_paths(rank_model(whole, 2, rank % 2, sp))
     finally:
         from runtime.kernels.comm import set_tp_group
 
         set_tp_group(None)
         context.close()
     torch.save(got, f"{out}.{rank}")
+
+
+def gpu_paths(model) -> dict:
+    """One forward + backward of a rank's program by the reference interpreter and by the
+    GPU step's (runtime/cuda/step_interpreter.py: its train kernels on the CPU, LoRA's
+    addmm pairs of the forward and d_x sums of the backward): the differences, and how
+    many pairs each run fused."""
+    from runtime.cuda.step_interpreter import _StepInterpreter
+    from runtime.cuda.train_kernels import train_kernels
+    from tests.tp_workers import step
+
+    want, runs = step(model), []
+
+    def interpreter():
+        runs.append(_StepInterpreter(model.program.graph, model.params, model.dtype,
+                                     check_finite=False, kernels=train_kernels("cpu"),
+                                     keep_only_saved=True, decisions=None))
+        return runs[-1]
+    model._interpreter = interpreter
+    got = step(model)
+    return {"loss": abs(float(got["loss"] - want["loss"])),
+            "grads": max(float((got["grads"][p] - g).abs().max())
+                         for p, g in want["grads"].items()),
+            "same_grads": set(got["grads"]) == set(want["grads"]),
+            "fused": sum(r.lora_fused for r in runs),
+            "dx_fused": sum(r.lora_dx_fused for r in runs)}
 
 
 def train_runs(rank: int, world: int, ports: list, runs: list, out: str) -> None:
