@@ -142,7 +142,8 @@ def _options(command):
         click.option("--lora", "lora_text", metavar="rank=R,alpha=A,targets=[q,v],dropout=P",
                      is_flag=False, flag_value="", default=None,
                      help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "
-                          "weights frozen (on cuda and cpu)."),
+                          "weights frozen (on cuda and cpu; with --tp each adapter splits "
+                          "as its weight does, and checkpoints hold the whole adapters)."),
         click.option("--zero", type=click.IntRange(0, 3), metavar="S",
                      help="Under torchrun: data parallel over every process, ZeRO stage S "
                           "(0 replicated, 1 optimizer state sharded, 2 + gradients "
@@ -151,8 +152,9 @@ def _options(command):
         click.option("--tp", type=click.IntRange(1), default=None, metavar="M",
                      help="Under torchrun: tensor parallel, M consecutive processes split "
                           "each layer (the model's @shard parameters); the processes / M "
-                          "slices are data parallel. Default 1; an IR document's own "
-                          "(built with `modulec build --tp M`)."),
+                          "slices are data parallel; --lora adapters split alike. "
+                          "Default 1; an IR document's own (built with `modulec build "
+                          "--tp M`)."),
         click.option("--sequence-parallel", "--sp", "sp", is_flag=True,
                      help="With --tp: sequence parallel (Megatron-LM's), the norms and "
                           "residual adds on seq / M rows a process."),
