@@ -159,3 +159,42 @@ def test_tp_lora_saves_the_whole_adapters_and_resumes_on_one_process(ckpt, spawn
     resumed = json.loads(train_model(**_cli(ckpt, resume=spawned / "tp" / "checkpoint-1",
                                             hf_weights=None)))
     assert resumed["loss_last"] == pytest.approx(steps[1], rel=1e-5)
+
+
+MISALIGNED = '''
+model Halves(d: int = 8, f: int = 8):
+  let:
+    lf = f // tp_size
+  params:
+    up: [2 * lf, d] @shard(column)
+    down: [d, lf] @shard(row)
+  forward:
+    in: x: [B, d]
+    out: [B, d]
+    graph:
+      x -> matmul(up, transpose=NT) -> h @adapter(lora, targets=[a, b])
+      h -> split([lf, lf], dim=-1) -> (a, b)
+      (a, b) -> add() -> s
+      s -> matmul(down, transpose=NT) -> out
+'''
+
+
+def test_adapters_that_would_not_split_as_their_weight_are_e008(tmp_path):
+    """A fused weight's LoRA parts (two halves, a and b) that its `@shard` does not name
+    as parts (each rank holds one contiguous block of both): E008 naming the weight; the
+    same build without --tp adapts both parts."""
+    from modulec.lower.build import BuildRequest, build
+    from modulec.lower.lora import LoraOptions
+
+    source = tmp_path / "halves.module"
+    source.write_text(MISALIGNED)
+    request = dict(model="Halves", shapes={"B": 2}, lora=LoraOptions())
+    errors = [d for d in build(BuildRequest(source, tensor_parallel=2, **request)).diagnostics
+              if d.is_error]
+    assert len(errors) == 1 and errors[0].code == "E008", errors
+    assert "LoRA on `up` of `Halves` under tensor parallel" in errors[0].message
+    assert "are not the parts of its `@shard`" in errors[0].message
+    alone = build(BuildRequest(source, **request))
+    assert alone.document is not None
+    targets = [a["target"] for a in alone.document["metadata"]["lora"]["adapters"]]
+    assert targets == ["a", "b"]

@@ -33,6 +33,7 @@ from modulec.diagnostics import error
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
 from modulec.lower.backward import without_written_backward
 from modulec.lower.lora_tp import adapter_shards, replicated, whole_rows
+from modulec.types.tensor import DTYPES
 
 DEFAULT_RANK = 16  # spec §7.3.2
 DEFAULT_ALPHA = 32.0
@@ -336,8 +337,9 @@ class _Rewriter:
         gradient is its block of the stacked ones."""
         weight = self.function.value(site.weight)
         # the zero blocks in the activations' dtype (bf16): the runtime's concat promotes
-        # them to the parameters' dtype (a parameter's IR dtype, `float`, names none)
-        zdtype = y.dtype
+        # them to the parameters' dtype (a parameter's IR dtype, `float`, names none; nor
+        # does an untyped input's activation: bf16 then, promoted alike)
+        zdtype = y.dtype if y.dtype in DTYPES else "bf16"
         rank, selected = site.rank, [p for p in site.parts if p in site.selected]
         width = str(rank * len(selected))
         a_parts, b_rows = [], []
