@@ -49,11 +49,14 @@ def _cli(ckpt, **more) -> dict:
 @pytest.fixture(scope="module")
 def spawned(whole, ckpt, tmp_path_factory) -> Path:
     """One start of two gloo processes (--tp 2) for both: the float64 steps of RUNS, then
-    `modulec train --tp 2 --lora --save` (its entry, as under torchrun), saving each step."""
+    `modulec train --tp 2 --lora --save` (its entry, as under torchrun) saving each step,
+    and the same resumed from its first checkpoint."""
     folder = tmp_path_factory.mktemp("tp_lora")
-    cli = _cli(ckpt, tp=2, save=folder / "tp", save_every=1)
+    cli = [_cli(ckpt, tp=2, save=folder / "tp", save_every=1),
+           _cli(ckpt, tp=2, save=folder / "again", hf_weights=None,
+                resume=folder / "tp" / "checkpoint-1")]  # the same layout: its shards
     mp.spawn(workers.lora_rank, nprocs=2,
-             args=(2, [free_port(), free_port()], whole, RUNS, (STEPS, ROWS, SEQ), [cli],
+             args=(2, [free_port() for _ in range(3)], whole, RUNS, (STEPS, ROWS, SEQ), cli,
                    str(folder / "rank")))
     return folder
 
@@ -137,7 +140,8 @@ def test_tp_lora_saves_the_whole_adapters_and_resumes_on_one_process(ckpt, spawn
                                                                      tmp_path):
     """`modulec train --tp 2 --lora --save` saves PEFT adapter files holding the whole A
     and B: those of the one-process run; a one-process resume from the TP checkpoint
-    (--tp 2 -> 1) takes the step the TP run took."""
+    (--tp 2 -> 1) takes the step the TP run took, and a --tp 2 resume (from the ranks'
+    shards) ends with the same adapters bit for bit."""
     from safetensors.torch import load_file
 
     from runtime.lora import CONFIG, WEIGHTS
@@ -159,6 +163,12 @@ def test_tp_lora_saves_the_whole_adapters_and_resumes_on_one_process(ckpt, spawn
     resumed = json.loads(train_model(**_cli(ckpt, resume=spawned / "tp" / "checkpoint-1",
                                             hf_weights=None)))
     assert resumed["loss_last"] == pytest.approx(steps[1], rel=1e-5)
+    again = _rows(spawned / "rank.1.0")  # --tp 2 resumed from step 1's per-rank shards
+    assert "resumed at step 1 from the per-rank shards (2 ranks, --tp 2)" in \
+        [r["text"] for r in again if r["event"] == "note"]
+    assert [r["loss"] for r in again if r["event"] == "step"] == steps[1:]
+    twice = load_file(str(spawned / "again" / "checkpoint-2" / WEIGHTS))
+    assert all(torch.equal(twice[name], a[name]) for name in a)  # bit for bit
 
 
 MISALIGNED = '''
