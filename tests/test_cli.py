@@ -288,3 +288,15 @@ def test_a_submodule_called_like_a_method_gets_a_submodule_hint():
     assert result.exit_code == 1
     assert "`ln` is a parameter of `Block`, not an imported module" in result.output
     assert "import std.modules.linear as L" not in result.output
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--set", "n=3"], "--set is read only"),
+    (["--shape", "B=3", "--epsilon", "1e-3"], "--shape, --epsilon are read only"),
+    (["--tolerance", "1"], "--tolerance is read only"),
+])
+def test_check_verify_options_without_the_flag_are_usage_errors(tmp_path, args, named):
+    """`check --set n=3` (no --verify-backward) set nothing and said nothing."""
+    path = write(tmp_path, "m.module", "module M():\n  let:\n    k = 1\n")
+    result = run("check", path, *args)
+    assert result.exit_code == 2 and f"{named} with --verify-backward" in result.output

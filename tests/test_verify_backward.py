@@ -119,6 +119,20 @@ def test_a_shape_that_sizes_nothing_is_an_error(tmp_path):
     assert _verify(str(source), "--shape", "B=3").exit_code == 0
 
 
+def test_a_setting_that_sets_nothing_is_an_error(tmp_path):
+    """`--set zz=3` where no verified declaration has a parameter `zz` (nor its inputs a dim
+    `zz`) was accepted silently."""
+    source = tmp_path / "m.module"
+    source.write_text("module M(d: int = 4):\n  forward:\n    in: x: [B, d]\n"
+                      "    out: y: [B, d]\n    graph:\n      x -> relu() -> y\n",
+                      encoding="utf-8")
+    result = _verify(str(source), "--set", "zz=3")
+    assert result.exit_code == 1
+    assert "--set zz=3: no verified declaration has a parameter `zz` (their parameters: d)" \
+        in result.output
+    assert _verify(str(source), "--set", "d=3", "--set", "B=2").exit_code == 0
+
+
 def test_ids_index_a_table_of_one_row(tmp_path):
     """A vocabulary of one (found by the soundness test's mutant of std Mamba's verify
     sizes, vocab_size 64 -> 1): the random ids were 0 and 1, and id 1 indexed past the

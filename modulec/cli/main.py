@@ -123,6 +123,7 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
     """
     from modulec.resolve import Resolver
 
+    _verify_options_need_the_flag(verify_backward, settings, shapes, epsilon, tolerance)
     options = CheckOptions(search_path=search_path)
     out = Output(fmt, use_color(color))
     resolver = Resolver(options.search_path)  # one per run: each file is parsed once
@@ -148,6 +149,17 @@ def check(inputs: tuple[Path, ...], search_path: tuple[Path, ...], emit: str | N
         elif status == EXIT_OK and not emit:
             out.summary(results, "check", "checked")
     return status
+
+
+def _verify_options_need_the_flag(verify_backward: bool, settings, shapes, epsilon,
+                                  tolerance) -> None:
+    """`check --set n=3` without --verify-backward set nothing and said nothing."""
+    given = [name for name, value in (("--set", settings), ("--shape", shapes),
+                                      ("--epsilon", epsilon), ("--tolerance", tolerance))
+             if value not in (None, ())]
+    if given and not verify_backward:
+        raise click.UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} "
+                               "read only with --verify-backward")
 
 
 def _factory(module: str, name: str, *args):

@@ -24,14 +24,16 @@ def verify_files(results, options: dict, fmt: str, color: bool) -> bool:
         click.echo(f"error: --verify-backward needs the runtime (torch): {exc}", err=True)
         return False
     verify = VerifyOptions(**options)
-    rows, failures = [], []
+    rows, failures, params = [], [], set()
     for result in results:
         if result.ok and result.program is not None:
             for decl in _declarations(result.program):
+                params |= {p.name for p in decl.params or ()}
                 rows += _verify_one(Path(result.name), decl, verify, failures, fmt)
     skipped = sum(1 for r in results if not r.ok)
     _report(rows, failures, fmt, color, skipped)
-    return _shapes_used(verify) and not failures and all(r.ok for r in rows)
+    used = _shapes_used(verify) & _settings_used(verify, params)
+    return used and not failures and all(r.ok for r in rows)
 
 
 def _shapes_used(verify) -> bool:
@@ -41,6 +43,17 @@ def _shapes_used(verify) -> bool:
         dims = ", ".join(sorted(d for d in verify.seen_dims if d.isidentifier())) or "none"
         click.echo(f"error: --shape {name}={verify.shapes[name]}: no verified declaration's "
                    f"inputs have a dim `{name}` (their dims: {dims})", err=True)
+    return not unused
+
+
+def _settings_used(verify, params: set) -> bool:
+    """A `--set` that names no verified declaration's parameter (nor, a whole number, a dim
+    of their inputs, which it sizes as --shape does) set nothing and said nothing: say so."""
+    unused = sorted(set(verify.settings) - params - verify.seen_dims)
+    for name in unused:
+        known = ", ".join(sorted(params)) or "none"
+        click.echo(f"error: --set {name}={verify.settings[name]}: no verified declaration has "
+                   f"a parameter `{name}` (their parameters: {known})", err=True)
     return not unused
 
 
