@@ -208,3 +208,33 @@ def test_adapters_that_would_not_split_as_their_weight_are_e008(tmp_path):
     assert alone.document is not None
     targets = [a["target"] for a in alone.document["metadata"]["lora"]["adapters"]]
     assert targets == ["a", "b"]
+
+
+def test_a_shard_resume_reads_a_tensor_parallel_ranks_slices_of_the_frozen_base(whole,
+                                                                              tmp_path):
+    """Under DP x TP with ZeRO a resume from the ranks' shards reads LoRA's frozen base
+    from the consolidated optimizer file (whole tensors): each rank keeps its slices, on
+    the CPU trainer (its model's parameters) and the GPU trainer (its host copies)."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from runtime.train.checkpoint import OPTIMIZER
+    from runtime.train.shards import load_frozen
+
+    save_file({f"master.{p}": t.contiguous() for p, t in whole.items()},
+              str(tmp_path / OPTIMIZER))
+    model = workers.rank_model(whole, 2, 1)
+    program = model.source.program(planned=False)
+    want = shard_params(whole, program, 1)
+    base = sorted(p for p in model.params if not is_adapter(p))
+    zero = SimpleNamespace(paths={p for p in model.params if is_adapter(p)})
+    for p in base:
+        model.params[p] = torch.zeros_like(model.params[p])
+    load_frozen(SimpleNamespace(zero=zero, names=sorted(model.params), model=model), tmp_path)
+    gpu = SimpleNamespace(step=SimpleNamespace(zero=zero), model=model,
+                          frozen={p: torch.zeros_like(want[p]) for p in base})
+    load_frozen(gpu, tmp_path)
+    assert any(want[p].shape != whole[p].shape for p in base)  # some are slices
+    for p in base:
+        assert torch.equal(model.params[p], want[p]) and torch.equal(gpu.frozen[p], want[p]), p

@@ -283,18 +283,28 @@ def frozen_masters(folder: Path, paths: list[str]) -> dict[str, Tensor]:
 
 def load_frozen(trainer, folder: Path) -> None:
     """Trained-but-not-sharded parameters do not exist under ZeRO; the frozen ones (LoRA's
-    base) are read from the consolidated optimizer file, by path."""
+    base) are read from the consolidated optimizer file, by path (whole tensors: a
+    tensor-parallel rank keeps its slices)."""
     zero = zero_of(trainer)
     if zero is None:
         return
     held = getattr(trainer, "frozen", None)
     if isinstance(held, dict) and getattr(trainer, "step", None) is not None:  # the GPU
-        held.update(frozen_masters(folder, sorted(held)))
+        held.update(_rank_slices(trainer, frozen_masters(folder, sorted(held))))
         return
     paths = [p for p in trainer.names if p not in zero.paths]
     with torch.no_grad():
-        for path, value in frozen_masters(folder, paths).items():
+        for path, value in _rank_slices(trainer, frozen_masters(folder, paths)).items():
             trainer.model.params[path].copy_(value)
+
+
+def _rank_slices(trainer, whole: dict[str, Tensor]) -> dict[str, Tensor]:
+    """This tensor-parallel rank's slices of `whole` (as they are without --tp)."""
+    from runtime.tensor_parallel import shard_params
+
+    model = trainer.model
+    return shard_params(whole, model.source.program(planned=False),
+                        getattr(model, "tp_rank", 0))
 
 
 def _read_json(path: Path) -> dict:
