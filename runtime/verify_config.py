@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from modulec.syntax import ast as A
@@ -39,7 +40,7 @@ class VerifyConfig:
         if name in self.params:
             self.settings[name] = text
             self.chosen -= {name}
-        elif text.lstrip("-").isdigit():
+        elif whole(text):
             self.shapes[name] = int(text)
         else:
             raise RuntimeUserError(f"`{name}: {text}`: a dim size must be an integer")
@@ -49,7 +50,7 @@ class VerifyConfig:
         merged = VerifyConfig(self.params, self.epsilon, self.tolerance, dict(self.settings),
                               dict(self.shapes), self.chosen, self.section_dims)
         for name, text in options.settings.items():
-            if name in self.params or str(text).lstrip("-").isdigit():
+            if name in self.params or whole(str(text)):
                 merged.set(name, str(text))  # else: another declaration's parameter
         merged.shapes.update(options.shapes)
         merged.epsilon = options.epsilon or merged.epsilon
@@ -61,6 +62,12 @@ class VerifyConfig:
         settings = dict(self.settings) | {name: str(size) for name in self.chosen}
         return VerifyConfig(self.params, self.epsilon, self.tolerance, settings,
                             dict(self.shapes), self.chosen, self.section_dims)
+
+
+def whole(text: str) -> bool:
+    """ASCII digits, maybe after a `-`: `str.isdigit` is true of `²`, which int() refuses
+    (`--set B=²` exited 101)."""
+    return re.fullmatch(r"-?[0-9]+", text) is not None
 
 
 def declaration_config(decl: A.Decl) -> VerifyConfig:

@@ -131,6 +131,10 @@ def test_a_setting_that_sets_nothing_is_an_error(tmp_path):
     assert "--set zz=3: no verified declaration has a parameter `zz` (their parameters: d)" \
         in result.output
     assert _verify(str(source), "--set", "d=3", "--set", "B=2").exit_code == 0
+    for text in ("²", "2.5"):  # `²` passed str.isdigit and int() refused it: exit 101
+        result = _verify(str(source), "--set", f"B={text}")
+        assert result.exit_code == 1 and f"--set B={text}: `B` is a dim of the inputs: its " \
+            "size is a whole number" in result.output, result.output
 
 
 def test_ids_index_a_table_of_one_row(tmp_path):

@@ -32,7 +32,8 @@ def verify_files(results, options: dict, fmt: str, color: bool) -> bool:
                 rows += _verify_one(Path(result.name), decl, verify, failures, fmt)
     skipped = sum(1 for r in results if not r.ok)
     _report(rows, failures, fmt, color, skipped)
-    used = _shapes_used(verify) & _settings_used(verify, params)
+    # a declaration that failed saw none of its dims: a `--set B=-3` was used, and failed
+    used = _shapes_used(verify) & (bool(failures) or _settings_used(verify, params))
     return used and not failures and all(r.ok for r in rows)
 
 
@@ -47,13 +48,18 @@ def _shapes_used(verify) -> bool:
 
 
 def _settings_used(verify, params: set) -> bool:
-    """A `--set` that names no verified declaration's parameter (nor, a whole number, a dim
-    of their inputs, which it sizes as --shape does) set nothing and said nothing: say so."""
-    unused = sorted(set(verify.settings) - params - verify.seen_dims)
+    """A `--set` that names no verified declaration's parameter (nor a dim of their inputs,
+    which a whole number sizes as --shape does) set nothing and said nothing: say so."""
+    from runtime.verify_config import whole
+
+    unused = sorted(n for n in set(verify.settings) - params
+                    if n not in verify.seen_dims or not whole(verify.settings[n]))
     for name in unused:
         known = ", ".join(sorted(params)) or "none"
-        click.echo(f"error: --set {name}={verify.settings[name]}: no verified declaration has "
-                   f"a parameter `{name}` (their parameters: {known})", err=True)
+        why = f"`{name}` is a dim of the inputs: its size is a whole number" if name in \
+            verify.seen_dims else f"no verified declaration has a parameter `{name}` (their " \
+            f"parameters: {known})"
+        click.echo(f"error: --set {name}={verify.settings[name]}: {why}", err=True)
     return not unused
 
 
