@@ -22,7 +22,9 @@ first; `_with_ia3`). Only existing primitives (matmul with alpha, zeros, split, 
 concat, dropout, mul), so the derived backward differentiates it; every base parameter is
 frozen (`no_gradient`) and the backward functions written in the source are dropped (the
 forward changed; all backward is derived). rank/alpha/targets come from the annotation;
-the build option overrides them.
+the build option overrides them. Under tensor parallel (`--tp M`) the pass adapts one
+rank's program: each adapter splits as its weight does, the other matrix read through a
+`tp_copy` (modulec/lower/lora_tp.py).
 """
 
 from __future__ import annotations

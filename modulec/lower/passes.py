@@ -89,7 +89,8 @@ PIPELINE: tuple[Pass, ...] = (
          "re-derived, backwards derived again", apply_sequence_parallel),
     Pass("lora", "with LoRA on (`--lora`): each `@adapter(lora)` matmul y = x @ W^T gets "
          "y += (alpha/rank) (x @ A^T) @ B^T per selected part of a fused weight; base "
-         "parameters frozen, written backwards dropped (E008 when misplaced)", apply_lora),
+         "parameters frozen, written backwards dropped (E008 when misplaced); with `--tp` "
+         "A or B split as W is, the other read through a tp_copy", apply_lora),
     Pass("fuse", "chains of ops -> fused ops (fusion_patterns.py): `@fuse` requests (E013 "
          "when one cannot apply), then the patterns the runtime has kernels for; `@nofuse`, "
          "modify/replace hooks and intermediates read elsewhere are barriers", fuse),
