@@ -141,6 +141,8 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
         torch.save(steps_from_ir(context, rank, extra["document"], extra["clip"]),
                    f"{out}.ir.{rank}")
         torch.save(clipped_runs(context, rank, world, extra["dp_tp"]), f"{out}.dptp.{rank}")
+        torch.save(packed_and_evaluated(context, rank, world, *extra["packed_eval"]),
+                   f"{out}.pe.{rank}")  # tests/test_pipeline_packed_eval.py
     context.close()
 
 
@@ -170,4 +172,44 @@ def steps_from_ir(context, rank: int, document: str, clip: float) -> list[dict]:
         loss = trainer.train_step(windows(1, 2, 8)[0])
         results.append({"loss": loss, "state": trainer.state(),
                         "norm": trainer.step_metrics()["grad_norm"]})
+    return results
+
+
+
+def packed_and_evaluated(context, rank: int, world: int, runs: list,
+                         eval_path: str) -> list[dict]:
+    """Each of `runs` ((name, tp, packed, steps, micro, rows, seq)) on the `world` gloo
+    ranks of `context`: two stages of `tp` ranks each (world / (2 x tp) data-parallel
+    pipelines; "llama" with tp 2: this rank's slices of the reference weights), float64;
+    packed (--doc-sep dist_workers.SEP) or not, each pipeline its rows of the same windows
+    (packed, with the denominators `modulec train` gives), the evaluation
+    (runtime.train.evaluate.evaluate, as the run's Observer calls it) after each step.
+    Per run: this rank's losses, its eval losses and the whole state after the last step."""
+    from pathlib import Path
+
+    from runtime.train.evaluate import EvalData, evaluate
+    from runtime.train.optim import AdamW
+    from runtime.train.packing import Packing, denominators
+    from runtime.train.pipeline import PipelineTrainer
+    from tests.dist_workers import SEP, packed_windows
+    from tests.tp_workers import tiny_model as tp_model
+
+    results = []
+    for name, tp, packed, steps, micro, rows, seq in runs:
+        model = tp_model(name, 2, rank % 2) if tp > 1 else tiny_model(name)
+        model.check_finite = False
+        packing = Packing(SEP) if packed else None
+        trainer = PipelineTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1),
+                                  context, 2, micro, packing=packing)
+        data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
+        dp, own = world // (2 * tp), rows * micro
+        replica = rank // (2 * tp)
+        losses, evals = [], []
+        for window in (packed_windows if packed else windows)(steps, own * dp, seq):
+            shared = {"denominators": denominators(window, packing, rows, dp)} \
+                if packed and dp > 1 else {}
+            losses.append(trainer.train_step(window[replica * own:(replica + 1) * own],
+                                             **shared))
+            evals.append(evaluate(trainer, data))
+        results.append({"losses": losses, "evals": evals, "whole": trainer.state()})
     return results

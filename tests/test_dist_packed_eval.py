@@ -2,8 +2,8 @@
 CPU processes (gloo), float64: two packed optimizer steps with gradient accumulation,
 whose ranks count very different numbers of targets, equal one process's packed steps on
 every rank's rows (losses and state), at ZeRO-2 and ZeRO-3, and the evaluation split over
-the ranks (an odd number of batches) equals one process's on every rank. The refusal
-that remains (--pp) is one clear error."""
+the ranks (an odd number of batches) equals one process's on every rank. Under --pp:
+tests/test_pipeline_packed_eval.py."""
 
 from __future__ import annotations
 
@@ -75,30 +75,17 @@ def _request(**options):
                    device="cpu", **options)
 
 
-@pytest.mark.parametrize("option", [dict(pp=2), dict(pp=2, tp=2)])
-def test_doc_sep_is_refused_with_pp_only(option):
-    from runtime.errors import RuntimeUserError
+def test_doc_sep_and_eval_data_are_taken_with_every_parallelism():
+    """--doc-sep and --eval-data in one process, data, tensor and pipeline parallel
+    (tests/test_tp_packed.py, tests/test_tp_eval.py, tests/test_pipeline_packed_eval.py):
+    neither check refuses a layout."""
+    from runtime.train.evaluate import check_eval_options
     from runtime.train.packing import check_options
 
-    check_options(_request(doc_sep=1, zero=2))  # data parallel: packs
-    check_options(_request(doc_sep=1, tp=2))  # tensor parallel (tests/test_tp_packed.py)
-    check_options(_request(doc_sep=1, tp=2, zero=3))  # both
-    with pytest.raises(RuntimeUserError,
-                       match="--doc-sep with --pp is not supported yet") as caught:
+    for option in (dict(zero=2), dict(tp=2), dict(tp=2, zero=3), dict(pp=2),
+                   dict(pp=2, tp=2)):
         check_options(_request(doc_sep=1, **option))
-    assert "data / tensor parallel" in caught.value.help[0]
-
-
-def test_eval_data_is_refused_with_pp_only():
-    """--tp evaluates (tests/test_tp_eval.py): check_eval_options no longer takes it."""
-    from runtime.errors import RuntimeUserError
-    from runtime.train.evaluate import check_eval_options
-
-    check_eval_options("e.bin", 2, None)  # one process, data or tensor parallel
-    with pytest.raises(RuntimeUserError,
-                       match="--eval-data with --pp 2 is not supported yet") as caught:
-        check_eval_options("e.bin", 2, None, pp=2)
-    assert "--tp" in caught.value.help[0]
+    check_eval_options("e.bin", 2, None)
 
 
 def test_torchrun_packs_and_evaluates_as_one_process(eval_file, tmp_path):

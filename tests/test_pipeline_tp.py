@@ -25,19 +25,24 @@ DP_TP_RUNS = [(1, 1e-3, 2, 4, 8)]  # tests/test_tp_clip.py: DP 2 x TP 2, ZeRO-1,
 
 def spawn_four(tmp_path_factory) -> dict:
     """One spawn of four gloo processes (their start is the slow part) for: RUNS (PP 2 x
-    TP 2), a step from the module and from its `--pp 2 --tp 2` IR document, and
-    DP_TP_RUNS (tests/tp_workers.py's clipped_runs); each rank's results. The session
-    fixture `four_ranks` (tests/conftest.py) runs it once for this file and
-    tests/test_tp_clip.py."""
+    TP 2), a step from the module and from its `--pp 2 --tp 2` IR document, DP_TP_RUNS
+    (tests/tp_workers.py's clipped_runs) and the packed and evaluated pipeline runs of
+    tests/test_pipeline_packed_eval.py; each rank's results. The session fixture
+    `four_ranks` (tests/conftest.py) runs it once for this file, tests/test_tp_clip.py
+    and tests/test_pipeline_packed_eval.py."""
+    from tests.test_pipeline_packed_eval import PACKED_EVAL_RUNS, write_eval_file
+
     folder = tmp_path_factory.mktemp("four")
     built, document = _build(folder, "--tp", "2")
     assert built.exit_code == 0, built.output
     out = folder / "tpp"
-    extra = {"document": str(document), "clip": 1e-3, "dp_tp": DP_TP_RUNS}
+    extra = {"document": str(document), "clip": 1e-3, "dp_tp": DP_TP_RUNS,
+             "packed_eval": (PACKED_EVAL_RUNS, str(write_eval_file(folder)))}
     mp.spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
              args=(4, free_port(), RUNS, str(out), extra))
-    return {kind: [torch.load(f"{out}.{kind}{r}") for r in range(4)]
-            for kind in ("", "ir.", "dptp.")}
+    results = {kind: [torch.load(f"{out}.{kind}{r}") for r in range(4)]
+               for kind in ("", "ir.", "dptp.", "pe.")}
+    return results | {"eval_file": folder / "eval.bin"}
 
 
 def test_pp2_tp2_trains_as_one_process_accumulating(four_ranks):

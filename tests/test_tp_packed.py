@@ -6,8 +6,8 @@ the tiny Llama, Qwen3 (q/k norms) and Llama with --sp equal one process's packed
 (losses and state, and the evaluation's packed loss after them); and packed data parallel x tensor parallel's loss (each data-parallel
 rank's summed loss over its denominator, runtime.train.packing.denominators, averaged
 over the data-parallel ranks as ZeRO averages their gradients) is one process's mean
-over their rows, gradients too. The CLI's wiring (--tp with --doc-sep accepted, --pp
-refused): tests/test_train_packing.py; on two GPUs: tests/test_cuda_tp_packed.py."""
+over their rows, gradients too. The CLI's wiring (--tp with --doc-sep accepted):
+tests/test_train_packing.py; with --pp: tests/test_pipeline_packed_eval.py; on two GPUs: tests/test_cuda_tp_packed.py."""
 
 from __future__ import annotations
 

@@ -184,7 +184,9 @@ def test_doc_sep_resumes_exactly_and_a_resume_must_keep_it(data, tmp_path):
     (["--doc-sep", "64"], "--doc-sep 64 is not a token id of the model"),
     (["--doc-sep", "-2"], "--doc-sep -2 is not a token id"),
     (["--doc-sep", "1", "--ignore-index", "5"], "--ignore-index 5 is a token id"),
-    (["--doc-sep", "1", "--pp", "2"], "--doc-sep with --pp is not supported yet"),
+    # --pp packs (tests/test_pipeline_packed_eval.py): one process is the launch's mistake
+    (["--doc-sep", "1", "--pp", "2"], "--pp 2 runs one stage per process; this is one "
+                                      "process"),
     # --tp packs (tests/test_tp_packed.py): one process is the launch's mistake
     (["--doc-sep", "1", "--tp", "2"], "--tp 2 must divide the 1 processes"),
 ])
@@ -194,11 +196,11 @@ def test_packing_mistakes_are_one_clear_error(data, args, message):
     assert "Traceback" not in result.output
 
 
-def test_doc_sep_on_cuda_packs_in_one_process_data_or_tensor_parallel(data):
+def test_doc_sep_on_cuda_packs_in_one_process_data_tensor_or_pipeline_parallel(data):
     """The GPU step packs (tests/test_cuda_packed.py), also data parallel (--zero:
-    tests/test_dist_packed_eval.py) and tensor parallel (--tp: tests/test_tp_packed.py,
-    tests/test_cuda_tp_packed.py); with --pp it is refused, not ignored."""
-    from runtime.errors import RuntimeUserError
+    tests/test_dist_packed_eval.py), tensor parallel (--tp: tests/test_tp_packed.py,
+    tests/test_cuda_tp_packed.py) and pipeline parallel (--pp, alone or with --tp:
+    tests/test_pipeline_packed_eval.py, tests/test_cuda_pipeline_packed_eval.py)."""
     from runtime.train.packing import check_options
     from runtime.train.run import Request
 
@@ -211,9 +213,8 @@ def test_doc_sep_on_cuda_packs_in_one_process_data_or_tensor_parallel(data):
         check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
                               device="cuda", doc_sep=SEP, **option))
     for option in (dict(pp=2), dict(pp=2, tp=2)):
-        with pytest.raises(RuntimeUserError, match="--doc-sep with --pp is not supported"):
-            check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
-                                  device="cuda", doc_sep=SEP, **option))
+        check_options(Request(file=LLAMA, data=data, seq=16, batch=2, steps=1,
+                              device="cuda", doc_sep=SEP, **option))
 
 
 MIXER = """\

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from runtime.errors import RuntimeUserError
 from runtime.interpreter import Frame, Interpreter
+from runtime.kernels.documents import packed
 
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
               "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
@@ -210,6 +211,9 @@ class StageRunner:
                                if self._runs_here(n, grads)]
         self.frames: dict[int, Frame] = {}
         self.seed_of = None  # micro-batch -> the random ops' seed (dropout), None: off
+        # micro-batch -> its packed documents (--doc-sep: runtime.kernels.documents, held
+        # around its forward and its backward), None: unpacked
+        self.documents_of = None
 
     def _runs_here(self, node, grads: GradientMap) -> bool:
         origin = node.attr("forward_node")
@@ -242,19 +246,44 @@ class StageRunner:
                 i = j
                 continue
             elif kind == "forward":
-                outputs, outbox[("activations", m)] = self.forward(
-                    m, inputs[m], inbox.pop(("activations", m), []))
+                with packed(self._documents(m)):
+                    outputs, outbox[("activations", m)] = self.forward(
+                        m, inputs[m], inbox.pop(("activations", m), []))
                 if self.plan.last:
                     loss, seeds[m] = loss_of(m, outputs)
                     losses.append(loss)
             else:
-                grads, outbox[("gradients", m)] = self.backward(
-                    m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
+                with packed(self._documents(m)):
+                    grads, outbox[("gradients", m)] = self.backward(
+                        m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
                 for path, grad in grads.items():
                     total[path] = total[path] + grad if path in total else grad
             i += 1
         self.it.rng_seed = None
         return losses, total
+
+    def _documents(self, m: int):
+        return self.documents_of(m) if self.documents_of is not None else None
+
+    @torch.no_grad()
+    def forward_only(self, inputs: dict, documents=None) -> list | None:
+        """One batch's forward through the pipeline, as the schedule's forwards run and
+        send (evaluation): the activations received from stage s - 1, this stage's units
+        run (no dropout, no frame kept for a backward), the boundary tensors sent to
+        stage s + 1; the entry's outputs on the last stage, else None."""
+        inbox, outbox, stage = {}, {}, self.plan.stage
+        if stage:
+            self._exchange([{"kind": "recv", "what": "activations", "microbatch": -1,
+                             "peer": stage - 1}], inbox, outbox)
+        with packed(documents):
+            outputs, sent = self.forward(-1, inputs, inbox.pop(("activations", -1), []),
+                                         train=False)
+        if not self.plan.last:
+            outbox[("activations", -1)] = sent
+            self._exchange([{"kind": "send", "what": "activations", "microbatch": -1,
+                             "peer": stage + 1}], inbox, outbox)
+        self.it.rng_seed = None
+        return outputs
 
     def _exchange(self, ops: list[dict], inbox: dict, outbox: dict) -> None:
         """Consecutive sends and receives as one `batch_isend_irecv` (on NCCL one group:
@@ -312,10 +341,13 @@ class StageRunner:
                             device=self.device) for spec in tensors]
 
     # ------------------------------------------------------------------ forward
-    def forward(self, m: int, inputs: dict, received: list) -> tuple[list | None, list]:
+    def forward(self, m: int, inputs: dict, received: list,
+                train: bool = True) -> tuple[list | None, list]:
         """Micro-batch m's forward of this stage's units: (the entry's outputs on the last
-        stage, else None; the tensors to send on)."""
-        self.it.rng_seed = self.seed_of(m) if self.seed_of is not None else None
+        stage, else None; the tensors to send on). `train` False: no dropout, and its
+        frame is not kept for a backward (evaluation)."""
+        seeded = train and self.seed_of is not None
+        self.it.rng_seed = self.seed_of(m) if seeded else None
         frame = Frame(self.entry, "", ())
         frame.env.update(inputs)
         frame.env.update({t["value"]: v for t, v in zip(self.plan.incoming, received)})
@@ -329,7 +361,8 @@ class StageRunner:
                     self.it._dispatch(node, frame, None)
                 else:
                     self._forward_layers(node, frame, *layers)
-        self.frames[m] = frame
+        if train:
+            self.frames[m] = frame
         sent = [frame.env[t["value"]].contiguous() for t in self.plan.outgoing]
         outputs = [frame.env.get(o) for o in self.entry.outputs] if self.plan.last else None
         return outputs, sent

@@ -75,10 +75,10 @@ class EvalData:
         return torch.from_numpy(np.stack(rows))
 
 
-def check_eval_options(eval_data, eval_every, eval_batches, pp: int = 1) -> None:
+def check_eval_options(eval_data, eval_every, eval_batches) -> None:
     """--eval-every and --eval-batches need --eval-data, and --eval-data needs a positive
-    --eval-every; evaluation runs in one process, data parallel, tensor parallel or both
-    (not with --pp, for now)."""
+    --eval-every; evaluation runs in one process, data parallel, tensor parallel,
+    pipeline parallel, or any of them together."""
     if eval_data is None:
         given = [f for f, v in (("--eval-every", eval_every),
                                 ("--eval-batches", eval_batches)) if v is not None]
@@ -88,11 +88,6 @@ def check_eval_options(eval_data, eval_every, eval_batches, pp: int = 1) -> None
     if eval_every is None or eval_every < 1:
         raise RuntimeUserError("--eval-data needs --eval-every K (K >= 1): evaluate every "
                                "K optimizer steps", help=["for example --eval-every 50"])
-    if pp > 1:
-        raise RuntimeUserError(f"--eval-data with --pp {pp} is not supported yet",
-                               help=["evaluate a saved checkpoint in one process, or "
-                                     "train data or tensor parallel (--zero, --tp), or "
-                                     "leave out --eval-data"])
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -109,6 +104,10 @@ def evaluate(trainer, data: EvalData, parallel=None) -> float:
     number of batches. Under ZeRO-3 a forward gathers weights with
     the other ranks, so every rank runs as many: one left without a batch in the last
     round runs one whose loss it does not count."""
+    from runtime.train.pipeline import PipelineTrainer
+
+    if isinstance(trainer, PipelineTrainer):  # --pp: through the stages, every pipeline
+        return trainer.evaluate(data)
     dp, rank = (parallel.dp, parallel.dp_rank) if parallel is not None else (1, 0)
     total = 0.0
     for start in range(0, data.batches, dp):

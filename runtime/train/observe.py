@@ -41,6 +41,9 @@ class Observer:
             split = f", split over the {dp} data-parallel ranks" if dp > 1 else ""
             if tp > 1:  # a TP group evaluates its batches together
                 split += f", each batch on the {tp} ranks of a tensor-parallel group"
+            mesh = getattr(self.trainer, "mesh", None)  # --pp: runtime.dist.mesh's
+            if mesh is not None:
+                split = pipeline_split(mesh)
             notes.append(f"eval: {d.batches} batches of {r.batch} x {r.seq} tokens from "
                          f"{d.path} every {r.eval_every} steps and after the last{split}")
         if self.log is not None:
@@ -70,3 +73,13 @@ class Observer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def pipeline_split(mesh) -> str:
+    """How a pipeline run evaluates its batches (the eval note's end)."""
+    split = f", each batch forward through the {mesh.pp} pipeline stages"
+    if mesh.tp > 1:
+        split += f" (each on {mesh.tp} tensor-parallel ranks)"
+    if mesh.dp > 1:
+        split += f", split over the {mesh.dp} data-parallel pipelines"
+    return split

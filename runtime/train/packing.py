@@ -91,11 +91,6 @@ def check_options(request) -> None:
                                    help=["give --doc-sep ID (the end-of-document id) to "
                                          "pack documents"])
         return
-    if request.pp > 1:
-        raise RuntimeUserError("--doc-sep with --pp is not supported yet",
-                               help=["train packed in one process, or data / tensor "
-                                     "parallel (torchrun with --zero 0-3 and / or --tp, "
-                                     "no --pp)"])
     if sep < 0:
         raise RuntimeUserError(f"--doc-sep {sep} is not a token id",
                                help=["give the tokenizer's end-of-document (eos) id"])

@@ -26,7 +26,7 @@ from runtime.errors import RuntimeUserError
 from runtime.inputs import fed_inputs, sized_inputs
 from runtime.interpreter import Interpreter
 from runtime.model import Model
-from runtime.train.backends import owned_paths, split_window
+from runtime.train.backends import owned_paths
 from runtime.train.optim import AdamW
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
                                         hyperparameters)
@@ -123,13 +123,14 @@ def with_pipeline(model: Model, stages: int, microbatches: int, dp: int = 1,
 class PipelineTrainer:
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, context,
                  stages: int, microbatches: int, device: str = "cpu",
-                 zero: int | None = None):
-        """`zero`: --zero (0 or 1; None: an IR document's own, else 0)."""
+                 zero: int | None = None, packing=None):
+        """`zero`: --zero (0 or 1; None: an IR document's own, else 0); `packing`:
+        --doc-sep's (runtime.train.packing.Packing; None: unpacked)."""
         from modulec.plan.pipeline import pipeline_zero
         from runtime.dist.pipeline import StageRunner
 
         self.context, self.batch, self.seq, self.adamw = context, batch, seq, adamw
-        self.device, self.microbatches = device, microbatches
+        self.device, self.microbatches, self.packing = device, microbatches, packing
         from runtime.program import IRSource
 
         from runtime.dist.mesh import PipelineMesh
@@ -167,18 +168,21 @@ class PipelineTrainer:
         self.owned = owned_buckets(section, mesh)
         self.grad_norm = None
 
-    def train_step(self, window: Tensor) -> float:
+    def train_step(self, window: Tensor, denominators: list[float] | None = None) -> float:
+        """One step on this pipeline's M x B rows. Packed (--doc-sep), each micro-batch's
+        documents are held around its forward and backward on every stage (each computes
+        them from the rows), and the last stage's loss leaves the ignored targets out: a
+        micro-batch's mean over its counted targets, or with `denominators`
+        (runtime.train.packing.denominators, data-parallel pipelines) its summed loss
+        divided by micro-batch m's, as packed data parallel does."""
         parts = window.split(self.batch)
         if len(parts) != self.microbatches:
             raise RuntimeUserError(f"a pipeline step takes {self.microbatches} micro-batches "
                                    f"of {self.batch} rows; got {window.shape[0]} rows")
-        entry = self.program.graph.function(self.program.graph.entry)
-        inputs, labels = [], []
-        for part in parts:
-            tokens, label = (t.to(self.device) for t in split_window(part))
-            fed = fed_inputs(self.inputs, tokens)
-            inputs.append({i.id: fed[n] for i, n in zip(entry.inputs, self.inputs)})
-            labels.append(label)
+        batches = [self._batch(part) for part in parts]
+        inputs = [inputs for inputs, _, _ in batches]
+        labels = [labels for _, labels, _ in batches]
+        self.runner.documents_of = lambda m: batches[m][2]
         # dropout masks seeded as one process seeds them: replica d's micro-batch m is
         # micro-batch d x M + m of the step's rows
         step, first = self.adamw.step, self.mesh.dp_index * len(parts)
@@ -189,14 +193,61 @@ class PipelineTrainer:
             self._update({p: g / len(parts) for p, g in total.items() if p in self.names})
             stepped.append(True)
 
-        from runtime.tensor_parallel import logits_loss  # vocab-parallel on a vocab slice
+        def loss_of(m: int, outputs: list):
+            shared = {} if denominators is None else {"denominator": denominators[m]}
+            return _loss(outputs, labels[m], self._loss_fn(shared))
 
-        loss_fn = logits_loss(self.program, self.program.output_names()[0])
-        losses, total = self.runner.step(inputs, lambda m, out: _loss(out, labels[m], loss_fn),
-                                         update)
+        try:
+            losses, total = self.runner.step(inputs, loss_of, update)
+        finally:
+            self.runner.documents_of = None
         if not stepped:
             update(total)
         return self._loss(losses)
+
+    def _batch(self, rows: Tensor) -> tuple[dict, Tensor, object]:
+        """A micro-batch's rows -> (the entry's inputs by input id, the labels (packed:
+        the ignored targets marked), its documents (None: unpacked)), on the device."""
+        from runtime.kernels.documents import Documents
+        from runtime.train.packing import split_batch
+
+        tokens, labels, documents = split_batch(rows, self.packing)
+        if documents is not None:
+            documents = Documents(documents.segments.to(self.device),
+                                  documents.positions.to(self.device))
+        fed = fed_inputs(self.inputs, tokens.to(self.device),
+                         documents.positions if documents is not None else None)
+        entry = self.program.graph.function(self.program.graph.entry)
+        return ({i.id: fed[n] for i, n in zip(entry.inputs, self.inputs)},
+                labels.to(self.device), documents)
+
+    def _loss_fn(self, shared: dict):
+        """The last stage's loss of the logits: vocab-parallel on a `@shard(vocab)`
+        head's slice (runtime.tensor_parallel.logits_loss), packed: the ignored targets
+        left out (`shared`: a denominator)."""
+        from runtime.tensor_parallel import logits_loss
+
+        loss_fn = logits_loss(self.program, self.program.output_names()[0])
+        ignore = -100 if self.packing is None else self.packing.ignore_index
+        return lambda logits, labels: loss_fn(logits, labels, ignore_index=ignore, **shared)
+
+    def evaluate(self, data) -> float:
+        """The mean eval loss of `data`'s batches (runtime.train.evaluate.EvalData; a
+        collective: every rank calls it) on every rank: pipeline d runs batches i with
+        i % D == d, each one forward through the stages (StageRunner.forward_only: no
+        dropout, nothing kept), the last stage's loss; one all_reduce over every rank
+        sums the last stages' sums (one TP rank's each)."""
+        total = 0.0
+        for index in range(self.mesh.dp_index, data.batches, self.mesh.dp):
+            inputs, labels, documents = self._batch(data.batch_at(index))
+            outputs = self.runner.forward_only(inputs, documents)
+            if outputs is not None:
+                total += _loss(outputs, labels, self._loss_fn({}))[0]
+        counted = self.runner.plan.last and self.mesh.tp_index == 0
+        value = torch.tensor([total if counted else 0.0], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(value)
+        return float(value) / data.batches
 
     def _update(self, total: dict) -> None:
         settings = {p: hyperparameters(self.program, p, self.adamw) for p in total}

@@ -135,8 +135,7 @@ def _check_eval(request: Request, context) -> None:
     """The evaluation options, and the eval file's size, before the model is built."""
     from runtime.train.evaluate import check_eval_options
 
-    check_eval_options(request.eval_data, request.eval_every, request.eval_batches,
-                       request.pp)
+    check_eval_options(request.eval_data, request.eval_every, request.eval_batches)
     if request.eval_data is not None:
         check_batch_fits(request.eval_data, request.dtype_tokens, request.seq,
                          request.batch)
@@ -389,7 +388,7 @@ class Run:
             from runtime.train.pipeline import PipelineTrainer
 
             return PipelineTrainer(model, r.batch, r.seq, adamw, self.context, r.pp,
-                                   r.grad_accum, r.device, r.zero)
+                                   r.grad_accum, r.device, r.zero, self.packing)
         if r.device == "cuda":
             from runtime.fp8 import refuse_on_gpu
 
