@@ -91,8 +91,8 @@ def _options(command):
                           "(else --set and the model's defaults)."),
         click.option("--eval-data", type=click.Path(path_type=Path), metavar="FILE",
                      help="A token file (as --data) for the validation loss, forward only "
-                          "(under torchrun: data and/or tensor parallel, not with "
-                          "--pp)."),
+                          "(under torchrun: data, tensor and / or pipeline parallel; "
+                          "with --pp each batch goes forward through the stages)."),
         click.option("--eval-every", type=int, metavar="K",
                      help="Evaluate every K optimizer steps and after the last."),
         click.option("--eval-batches", type=int, metavar="N",
@@ -113,8 +113,8 @@ def _options(command):
                      help="Pack documents: ID (the tokenizer's eos, which `modulec data` "
                           "writes after each document) ends a document; tokens attend "
                           "within their document only, positions restart at 0, and the "
-                          "target after ID is left out of the loss (one process, data "
-                          "and / or tensor parallel; not with --pp)."),
+                          "target after ID is left out of the loss (one process, data, "
+                          "tensor and / or pipeline parallel)."),
         click.option("--ignore-index", type=int, default=-100, show_default=True,
                      metavar="N",
                      help="With --doc-sep: the label value of the targets left out of "

@@ -27,6 +27,11 @@ pipeline's process group. With data parallel over the pipelines (the section's m
 buckets (the section's offsets and shapes) over the stage's data-parallel group; under
 ZeRO-1 then `optimizer_step` (the trainer's update, given to `step`) and one `broadcast`
 per bucket of its weights from the replica that owns it.
+
+Packed (--doc-sep), a micro-batch's documents (`documents_of`) are held around its
+forward and its backward. `forward_only` runs one batch forward through the stages
+outside the op list (evaluation): the activations received and sent as the schedule's
+forwards do, no dropout, nothing kept.
 """
 
 from __future__ import annotations

@@ -24,7 +24,12 @@ slices (the group's collectives in it), and the loss is the vocab-parallel loss'
 the same on every rank of the group. The batches are split over the data-parallel
 groups (batch i on the TP groups of data-parallel rank i % dp) and the all_reduce runs
 over the data-parallel group alone (one rank per TP group: the TP ranks' equal sums are
-not added). Refused with --pp: not supported yet.
+not added).
+
+Under pipeline parallel (--pp P, with or without --tp and data-parallel pipelines) the
+trainer evaluates itself (PipelineTrainer.evaluate): each batch forward through the
+stages, the batches split over the pipelines, the last stages' sums all-reduced over
+every rank.
 """
 
 from __future__ import annotations

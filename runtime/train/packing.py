@@ -7,7 +7,7 @@ the ignore index and is left out of the loss, whose mean is over the micro-batch
 other targets. The separator itself stays a target: a document learns to end. On the
 GPU the step holds the documents in static buffers (runtime/cuda/packed.py).
 
-Under torchrun, data parallel (--zero 0-3, no --pp), each rank packs its own rows
+Under torchrun, data parallel (--zero 0-3), each rank packs its own rows
 the same way, and the step is the one-process step on the ranks' rows together: the
 ranks' micro-batches j make one micro-batch of dp x B rows whose loss is the mean over
 all its counted targets. A rank's own mean would not give that (the ranks count different
@@ -18,8 +18,12 @@ Under tensor parallel (--tp M, alone or with data parallel) the ranks of a TP gr
 the same rows, so the same documents: each runs the per-document attention on its heads,
 and the vocab-parallel loss (runtime.kernels.vocab_parallel.mean_cross_entropy) leaves
 the ignored targets out and takes the denominators as the one-process loss does (dp and
-dp_rank are the data-parallel group's). decisions.md "Packed sequences", "Packed data
-parallel: the loss's denominator", "Packed tensor parallel".
+dp_rank are the data-parallel group's). Under pipeline parallel (--pp) each stage
+computes a micro-batch's documents from its rows, the last stage its ignored targets, and
+data-parallel pipelines take the denominators as data-parallel ranks do
+(runtime/train/pipeline.py). decisions.md "Packed sequences", "Packed data parallel: the
+loss's denominator", "Packed tensor parallel", "Packed pipeline parallel and evaluation
+through the stages".
 """
 
 from __future__ import annotations

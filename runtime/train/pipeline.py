@@ -12,6 +12,12 @@ sums the squares of one pipeline's stages (an all-reduce); the loss sums every p
 last stage's (an all-reduce), so that rank 0 reports the mean. Under the section's ZeRO-1
 (`--zero 1`) a replica steps only the buckets it owns, at the section's `optimizer_step`
 op, and keeps only their moments; the section's broadcasts then hand the weights on.
+
+Packed (--doc-sep), every stage computes each micro-batch's documents from its rows and
+the last stage leaves the ignored targets out (data-parallel pipelines divide by
+runtime.train.packing.denominators, as data-parallel ranks do); --eval-data runs each
+eval batch forward through the stages (`evaluate`). docs/pipeline.md "Packed sequences
+and evaluation".
 """
 
 from __future__ import annotations
