@@ -185,7 +185,8 @@ def packed_and_evaluated(context, rank: int, world: int, runs: list,
     packed (--doc-sep dist_workers.SEP) or not, each pipeline its rows of the same windows
     (packed, with the denominators `modulec train` gives), the evaluation
     (runtime.train.evaluate.evaluate, as the run's Observer calls it) after each step.
-    Per run: this rank's losses, its eval losses and the whole state after the last step."""
+    Per run: this rank's losses, its eval losses, the forward frames its stage holds after
+    each evaluation and the whole state after the last step."""
     from pathlib import Path
 
     from runtime.train.evaluate import EvalData, evaluate
@@ -205,12 +206,14 @@ def packed_and_evaluated(context, rank: int, world: int, runs: list,
         data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
         dp, own = world // (2 * tp), rows * micro
         replica = rank // (2 * tp)
-        losses, evals = [], []
+        losses, evals, kept = [], [], []
         for window in (packed_windows if packed else windows)(steps, own * dp, seq):
             shared = {"denominators": denominators(window, packing, rows, dp)} \
                 if packed and dp > 1 else {}
             losses.append(trainer.train_step(window[replica * own:(replica + 1) * own],
                                              **shared))
             evals.append(evaluate(trainer, data))
-        results.append({"losses": losses, "evals": evals, "whole": trainer.state()})
+            kept.append(len(trainer.runner.frames))  # forward frames held after it
+        results.append({"losses": losses, "evals": evals, "kept": kept,
+                        "whole": trainer.state()})
     return results

@@ -67,6 +67,7 @@ def test_packed_steps_and_evaluation_through_the_stages_equal_one_process(four_r
             got = rank[index]
             assert got["losses"] == pytest.approx(want["losses"], rel=1e-10), (index, rank)
             assert got["evals"] == pytest.approx(want["evals"], rel=1e-10), index
+            assert got["kept"] == [0] * steps  # the evaluation keeps no frame
         whole = ranks[0][index]["whole"]
         for part in ("masters", "exp_avg", "exp_avg_sq"):
             assert set(whole[part]) == set(want["state"][part]), (index, part)
