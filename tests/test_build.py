@@ -180,6 +180,28 @@ def test_set_value_spellings_accepted(argument, value, tmp_path):
     assert document["metadata"]["parameters"][name] == value
 
 
+@pytest.mark.parametrize("field, message", [
+    ('"hidden_size": 1e3', "given 1000.0\n  |\n  = help: an int is a whole number (`32`, "
+     "`4 * 1024`): write `1000`"),
+    ('"hidden_size": -1e20', "given -1e+20\n  |\n  = help: an int is a whole number (`32`, "
+     "`4 * 1024`)\n"),  # no "write `-100000000000000000000`": no size either
+    ('"hidden_size": {"a": 1}', "`n` is declared int, given a JSON object"),  # was {'a': 1}
+    ('"rms_norm_eps": -Infinity', "`eps` is -inf: a float parameter must be a finite number"),
+    ('"pad_token_id": -100000000000000000000', "`pad = -100,000,000,000,000,000,000` is "
+     "not a usable integer"),  # an int? past int64: E027 at the declaration's default
+])
+def test_config_value_spellings_refused(field, message, tmp_path):
+    path, config = tmp_path / "m.module", tmp_path / "config.json"
+    path.write_text("model M(n: int = 4, eps: float = 1e-5, pad: int? = 0):\n  hf_config:\n"
+                    "    param_mapping:\n      n: hidden_size\n      eps: rms_norm_eps\n"
+                    "      pad: pad_token_id\n" + SETTINGS_MODEL.split(":\n", 1)[1])
+    config.write_text("{" + field + "}")
+    result = CliRunner().invoke(modulec, ["build", str(path), "--shape", "B=2", "--config",
+                                          str(config), "-o", str(tmp_path / "m.ir")])
+    assert result.exit_code == 1 and message in result.stderr, result.output
+    assert result.stderr.count("error[") == 1
+
+
 @pytest.mark.parametrize("option", ["--set", "--shape"])
 def test_a_name_given_twice_is_a_usage_error(option, tmp_path):
     """`--set n=5 --set n=6` built with n = 6 and ignored `n=5`."""

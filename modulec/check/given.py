@@ -67,7 +67,7 @@ def value_problem(param: A.DeclParam, value) -> Problem | None:
 
 def _kind_help(kind: str | None, value) -> str:
     if kind == "int" and isinstance(value, float) and math.isfinite(value) and \
-            value.is_integer():  # `1e3`, `5.0`: a float, whatever its digits
+            value.is_integer() and abs(value) <= MAX_SIZE:  # `1e3`, `5.0`: a float
         return f"{KIND_HELP['int']}: write `{int(value)}`; `1e3` and `5.0` are floats"
     if kind == "bool" and isinstance(value, Ident) and value.name.lower() in ("true", "false"):
         return f"{KIND_HELP['bool']} (lowercase): write `{value.name.lower()}`"
@@ -104,7 +104,9 @@ def shown(value) -> str:
         return int_text(value.value, MESSAGE_DIGITS, grouped=True)
     if isinstance(value, tuple):  # `--set n=[1, 2]`: it showed `(Dim(1), Dim(2))`
         return f"[{', '.join(shown(v) for v in value)}]"
-    return "none" if value is None else str(value)
+    if isinstance(value, dict):  # a config.json field that is an object
+        return "a JSON object"
+    return "None" if value is None else str(value)
 
 
 def setting_value(text: str):
