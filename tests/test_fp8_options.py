@@ -99,8 +99,8 @@ def tokens(tmp_path_factory) -> Path:
     return path
 
 
-def train(tokens, *options):
-    result = run("train", LLAMA, *TINY, "--data", tokens, "--seq", "16", "--batch", "2",
+def train(tokens, *options, sizes=TINY):
+    result = run("train", LLAMA, *sizes, "--data", tokens, "--seq", "16", "--batch", "2",
                  "--device", "cpu", "--init", "random", "--lr", "1e-2", "--format", "json",
                  "--precision", "fp8", *options)
     assert result.exit_code == 0, result.output
@@ -138,7 +138,8 @@ def test_train_refuses_the_options_with_an_ir(tokens, tmp_path):
     assert "--precision, --fp8-scaling would change" in result.output
 
 
-GPU_SIZES = ["--set", "d_model=64", "--set", "num_heads=2", "--set", "num_kv_heads=2",
+GPU_SIZES = ["--set", "vocab_size=64", "--set", "d_model=64", "--set", "n_layers=2",
+             "--set", "num_heads=2", "--set", "num_kv_heads=2",
              "--set", "d_ff=128"]  # head_dim 32: every FP8 GEMM dim a multiple of 16
 
 
@@ -150,7 +151,7 @@ def test_train_on_the_gpu_runs_the_recipe_the_options_give(tokens, options):
     """`modulec train --device cuda` (the step in a CUDA graph) with the changed recipe:
     close to the CPU emulation's losses of the same recipe, as the std recipe is
     (tests/test_fp8.py)."""
-    gpu = train(tokens, *GPU_SIZES, "--steps", "3", "--device", "cuda", *options)
-    cpu = train(tokens, *GPU_SIZES, "--steps", "3", *options)
+    gpu = train(tokens, "--steps", "3", "--device", "cuda", *options, sizes=GPU_SIZES)
+    cpu = train(tokens, "--steps", "3", *options, sizes=GPU_SIZES)
     assert len(gpu) == 3 and all(x == x for x in gpu)
     assert all(abs(a - b) <= 0.05 * b for a, b in zip(gpu, cpu)), (gpu, cpu)
