@@ -77,6 +77,31 @@ def test_zero_over_one_tensor_parallel_group_is_an_error():
     check_zero(SimpleNamespace(zero=None, tp=2), SimpleNamespace(distributed=True, world=2))
 
 
+def test_lora_with_tp_under_data_parallel_is_refused_on_the_gpu(monkeypatch):
+    """--device cuda --lora --tp 2 on four processes (DP 2 x TP 2) is refused before any
+    CUDA or NCCL work (it exited 101 on four H100s, D9); --tp alone, data parallel alone,
+    the CPU, and no --lora are let through."""
+    from types import SimpleNamespace
+
+    from runtime.errors import RuntimeUserError
+    from runtime.train.run import _context, check_lora_parallel
+
+    def request(**given):
+        return SimpleNamespace(**{"device": "cuda", "lora": object(), "tp": 2, "pp": 1,
+                                  **given})
+
+    with pytest.raises(RuntimeUserError, match="--lora with --tp under data parallel is "
+                       "not supported on the GPU yet") as caught:
+        check_lora_parallel(request(), 4)
+    assert "--device cpu" in caught.value.help[0] and "--tp alone" in caught.value.help[0]
+    for given, world in (({}, 2), ({"device": "cpu"}, 4), ({"lora": None}, 4),
+                         ({"tp": 1}, 4), ({}, 3), ({"pp": 2}, 8)):
+        check_lora_parallel(request(**given), world)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # no GPU here: from_env would refuse first
+    with pytest.raises(RuntimeUserError, match="not supported on the GPU yet"):
+        _context(request())
+
+
 def test_an_ir_document_trains_as_its_module(ckpt, tmp_path):
     """The IR is the contract: `modulec train x.ir` (one process, and two with the IR's
     distributed section) gives the steps the .module gives, bit for bit on one process."""

@@ -197,6 +197,12 @@ class DataParallelRun:
             set_tp_group(self.tp_group)
 
 
+def launch_world() -> int:
+    """The processes torchrun launched (WORLD_SIZE; 1 without torchrun), read before any
+    process group is joined."""
+    return _env_int("WORLD_SIZE", 1)
+
+
 def _env_int(name: str, default: int) -> int:
     text = os.environ.get(name)
     if text is None:

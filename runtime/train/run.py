@@ -145,7 +145,9 @@ def _context(request: Request):
     """The process group torchrun set up (one process: none). Data parallel takes every
     rank: the data-parallel size is the world size."""
     from runtime.dist import DistContext
+    from runtime.dist.context import launch_world
 
+    check_lora_parallel(request, launch_world())  # before any CUDA or NCCL work
     context = DistContext.from_env(request.device, timeout_s=request.dist_timeout)
     check_zero(request, context)
     if request.file.suffix == ".ir" and context.world % request.tp:
@@ -212,6 +214,24 @@ def check_zero(request: Request, context) -> None:
                                help=[f"launch a multiple of {request.tp} processes (each "
                                      f"{request.tp} more is one more data-parallel rank), or "
                                      "leave out --zero"])
+
+
+def check_lora_parallel(request: Request, world: int) -> None:
+    """--lora with --tp M under data parallel (more processes than M x --pp) on the GPU:
+    refused until the four-GPU run trains (device run D9: rank 0 exited 101 there;
+    docs/distributed.md "LoRA under tensor parallel"). The CPU (gloo) runs it. A launch
+    --tp does not divide, and --lora with --pp, are check_tensor_parallel's and
+    check_launch's errors."""
+    if request.device != "cuda" or request.lora is None or request.tp <= 1:
+        return
+    if request.pp > 1 or world <= request.tp or world % request.tp:
+        return
+    raise RuntimeUserError(f"--lora with --tp under data parallel is not supported on the "
+                           f"GPU yet (--tp {request.tp} on {world} processes: "
+                           f"{world // request.tp} data-parallel replicas)",
+                           help=["run it with --device cpu, or with --tp alone "
+                                 f"(torchrun --nproc-per-node {request.tp}), or data "
+                                 "parallel alone (without --tp)"])
 
 
 def _parallel(request: Request, context, model):
