@@ -93,6 +93,10 @@ def test_tp_lora_steps_equal_one_process(whole, spawned):
         program = workers.lora_model(2, 0, sp).source.program(planned=False)
         for rank, got in enumerate(ranks):
             _check(got[sp, zero], want, whole, program, rank, f"sp={sp} rank {rank}")
+            gathered = got[sp, zero]["gpu_gathered"]  # the GPU trainer's save, joined
+            if rank == 0:  # (the main rank's: the one the checkpoint writes)
+                for part in PARTS:
+                    _close(gathered[part], got[sp, zero][part], f"gathered {part}")
             paths = got[sp, zero]["gpu_paths"]  # the GPU step's interpreter, on the CPU
             assert paths["same_grads"] and paths["loss"] < 1e-12 and paths["grads"] < 1e-12
             assert (paths["fused"], paths["dx_fused"]) == (8, 8)  # 4 projections x 2 layers

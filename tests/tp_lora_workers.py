@@ -107,6 +107,7 @@ def steps_rank(rank: int, world: int, port: int, whole: dict, runs: list, sizes:
             joined = whole_state(trainer.state(), model, parallel)
             got[sp, zero] = {"losses": losses, "params": dict(model.params),
                              **{k: dict(joined[k]) for k in STATE_PARTS}}
+            got[sp, zero]["gpu_gathered"] = gpu_gathered(trainer, model, parallel)
             if parallel.dp == 1:
                 got[sp, zero]["gpu_paths"] = gpu_paths(rank_model(whole, 2, rank % 2, sp))
     finally:
@@ -115,6 +116,32 @@ def steps_rank(rank: int, world: int, port: int, whole: dict, runs: list, sizes:
         set_tp_group(None)
         context.close()
     torch.save(got, f"{out}.{rank}")
+
+
+def gpu_gathered(trainer, model, parallel) -> dict:
+    """The GPU trainer's checkpoint state under data parallel (CUDATrainer._gathered_state:
+    the adapters from its ZeRO run, here one that yields the CPU trainer's state as the
+    gathered shards would, the frozen base from its host copy) joined over the TP pair
+    as runtime.train.run.Run._save does: the whole masters and moments. The TP partner
+    of rank 0 is not the main rank; it once kept nothing, so rank 0's join raised."""
+    from types import SimpleNamespace
+
+    from runtime.train.backends import CUDATrainer
+    from runtime.train.data_parallel import whole_state
+    from runtime.train.param_groups import frozen_parameters
+
+    state = trainer.state()
+    frozen = frozen_parameters(model.source.program(planned=False))
+    trained = [p for p in state["masters"] if p not in frozen]
+    zero = SimpleNamespace(full_state=lambda moments: (
+        (p, state["masters"][p].detach().clone(), state["exp_avg"][p], state["exp_avg_sq"][p])
+        for p in trained))
+    step = SimpleNamespace(zero=zero, dist=parallel, step_count=torch.tensor(2.0))
+    gpu = SimpleNamespace(step=step, model=SimpleNamespace(params={}),
+                          frozen={p: state["masters"][p] for p in state["masters"]
+                                  if p in frozen})
+    joined = whole_state(CUDATrainer._gathered_state(gpu), model, parallel)
+    return {k: dict(joined[k]) for k in STATE_PARTS}
 
 
 def gpu_paths(model) -> dict:

@@ -238,8 +238,11 @@ class CUDATrainer:
 
     def _gathered_state(self, moments: bool = True) -> dict:
         """Data parallel: the whole state, gathered shard by shard onto the host (a
-        collective: every rank runs it; only the main rank keeps what it gathers)."""
-        s, keep = self.step, on_main_rank(self.step)
+        collective: every rank runs it). The first data-parallel replica keeps what it
+        gathers: the main rank, and under --tp its TP partners, whose slices
+        `whole_state` joins with the main rank's (kept on the main rank alone, a partner
+        sent none and the join failed on rank 0, exit 101: DP 2 x TP 2, D9)."""
+        s, keep = self.step, keeps_gathered(self.step)
         masters, exp_avg, exp_avg_sq = {}, {}, {}
         for path, master, m, v in s.zero.full_state(moments):
             if keep:
@@ -286,8 +289,11 @@ def sliced(model: Model) -> bool:
     return getattr(model.source, "tensor_parallel", 1) > 1
 
 
-def on_main_rank(step) -> bool:
-    return step.dist is None or step.dist.context.is_main
+def keeps_gathered(step) -> bool:
+    """Whether this rank keeps the gathered whole state: one process, or the first
+    data-parallel replica (data-parallel rank 0: rank 0 and, under --tp M, ranks 1 ..
+    M-1, the slices rank 0 joins)."""
+    return step.dist is None or step.dist.dp_rank == 0
 
 
 def gpu_program(model: Model, batch: int, seq: int, memory_budget: int | None,
