@@ -32,7 +32,8 @@ from runtime.gradient_marks import GradientMarks
 from runtime.train.param_groups import frozen_parameters
 from runtime.model import Model, parameter_shapes
 from runtime.program import ModuleSource
-from runtime.verify_config import CANDIDATE_SIZES, VerifyConfig, declaration_config
+from runtime.verify_config import (CANDIDATE_SIZES, MIXED_SIZES, VerifyConfig,
+                                   declaration_config, mixed_sizes)
 
 FREE_DIM_SIZES = {"B": 2, "T": 4}  # other free dims get OTHER_DIM_SIZE
 OTHER_DIM_SIZE = 3
@@ -89,12 +90,14 @@ def verify_declaration(path: Path, decl, options: VerifyOptions) -> list[Gradien
 
 def _sized(path, name: str, config: VerifyConfig, options) -> VerifyConfig:
     """Sizes for the `int` parameters nobody sized that satisfy the declaration's
-    constraints (tried alike: 4, 8, 16, ...); when none does, say which to size."""
+    constraints (tried alike: 4, 8, 16, ...; then, for several, mixes of small sizes);
+    when none does, say which to size."""
     if not config.chosen:
         return config
     first = None
-    for size in CANDIDATE_SIZES:
-        trial = config.with_size(size)
+    trials = [config.with_size(size) for size in CANDIDATE_SIZES] + \
+        [config.with_sizes(sizes) for sizes in mixed_sizes(config.chosen)]
+    for trial in trials:
         try:
             _source(path, name, trial, options, False).program(trial.shapes, planned=False)
             return trial
@@ -102,8 +105,10 @@ def _sized(path, name: str, config: VerifyConfig, options) -> VerifyConfig:
             first = first or exc
     names = " and ".join(f"`{n}`" for n in sorted(config.chosen))
     sizes = ", ".join(map(str, CANDIDATE_SIZES))
+    mixes = len(trials) - len(CANDIDATE_SIZES)
     raise RuntimeUserError(
-        f"`{name}` does not build with {names} at any of the sizes {sizes}",
+        f"`{name}` does not build with {names} at any of the sizes {sizes}" +
+        (f", nor at {mixes} mixes of {', '.join(map(str, MIXED_SIZES))}" if mixes else ""),
         help=[f"give {names} sizes that satisfy the constraints in a `verify_backward:` "
               "section (`shapes:`) or with --set NAME=VALUE", *first.help])
 

@@ -21,6 +21,9 @@ EPSILON, TOLERANCE = 1e-6, 1e-6
 REQUIRED_INT_SIZE = "4"  # an `int` parameter without default, unless the section says
 # then these, alike for every such parameter, until one satisfies the constraints
 CANDIDATE_SIZES = (4, 8, 16, 2, 32, 64, 6, 12, 3, 1)
+# then, for two or more parameters, mixes of these (a head count below the model width:
+# GPT2Block with RoPE built at no size alike, its head dim d_model / num_heads being 1)
+MIXED_SIZES, MIXED_TRIALS = (2, 4, 8, 16), 64
 KEYS = ("epsilon", "tolerance", "shapes")
 
 
@@ -59,7 +62,11 @@ class VerifyConfig:
 
     def with_size(self, size: int) -> "VerifyConfig":
         """Every chosen parameter at `size`."""
-        settings = dict(self.settings) | {name: str(size) for name in self.chosen}
+        return self.with_sizes({name: size for name in self.chosen})
+
+    def with_sizes(self, sizes: dict[str, int]) -> "VerifyConfig":
+        """The chosen parameters at these sizes."""
+        settings = dict(self.settings) | {name: str(size) for name, size in sizes.items()}
         return VerifyConfig(self.params, self.epsilon, self.tolerance, settings,
                             dict(self.shapes), self.chosen, self.section_dims)
 
@@ -104,3 +111,16 @@ def _text(expr) -> str:
     from modulec.syntax.printer import expr as show
 
     return show(expr)
+
+
+def mixed_sizes(names) -> list[dict[str, int]]:
+    """Sizes for `names` from MIXED_SIZES that are not all alike, small ones first (by
+    largest, then total), at most MIXED_TRIALS of them."""
+    import itertools
+
+    names = sorted(names)
+    if len(names) < 2:
+        return []
+    mixes = [m for m in itertools.product(MIXED_SIZES, repeat=len(names)) if len(set(m)) > 1]
+    mixes.sort(key=lambda m: (max(m), sum(m), m))
+    return [dict(zip(names, m)) for m in mixes[:MIXED_TRIALS]]
