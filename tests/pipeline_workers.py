@@ -9,6 +9,9 @@ from tests.runtime_models import TINY
 
 # stages from @partition, cut between two calls; with dropout on both stages
 MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama_dropout.module", {})}
+# `NAME+lora`: the model with these adapters (every projection, dropout on their input)
+LORA = dict(rank=4, alpha=8, targets=["qkv", "out", "up", "down"],
+            dropout=0.25)
 
 
 def tiny_model(name: str, settings: dict | None = None):
@@ -18,9 +21,10 @@ def tiny_model(name: str, settings: dict | None = None):
         model = Model.from_ir(name, dtype=torch.float64)
         model.check_finite = False
         return model.init_random(seed=0)
+    name, lora = (name[:-len("+lora")], LORA) if name.endswith("+lora") else (name, None)
     path, defaults = MODELS[name]
     merged = {k: str(v) for k, v in (defaults | (settings or {})).items()}
-    model = Model.from_module(path, settings=merged, dtype=torch.float64)
+    model = Model.from_module(path, settings=merged, dtype=torch.float64, lora=lora)
     model.check_finite = False
     return model.init_random(seed=0)
 
@@ -39,9 +43,12 @@ def train_reference(name: str, steps: int, micro: int, rows: int, seq: int,
     return losses, trainer.state()
 
 
-def train_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> None:
+def train_pipelined(rank: int, world: int, port: int, runs: list, out: str,
+                    cli: tuple | None = None) -> None:
     """Each of `runs` ((name, settings, steps, micro, rows, seq)) on `world` stages in one
-    process group; rank r saves its losses and its stage's state to `out`.r."""
+    process group; rank r saves its losses, its stage's state, its stage's parameters
+    and the whole state (state(), rank 0's joined) to `out`.r. Then `cli` ((ports,
+    train_model's arguments), tests.tp_lora_workers.train_runs) in the same processes."""
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
 
@@ -51,9 +58,14 @@ def train_pipelined(rank: int, world: int, port: int, runs: list, out: str) -> N
         trainer = PipelineTrainer(tiny_model(name, settings), rows, seq,
                                   AdamW(lr=1e-2, weight_decay=0.1), context, world, micro)
         losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
-        results.append({"losses": losses, "state": trainer.stage_state()})
+        results.append({"losses": losses, "state": trainer.stage_state(),
+                        "params": dict(trainer.model.params), "whole": trainer.state()})
     torch.save(results, f"{out}.{rank}")
     context.close()
+    if cli is not None:  # `modulec train --pp` (its entry, as under torchrun)
+        from tests.tp_lora_workers import train_runs
+
+        train_runs(rank, world, *cli, out)
 
 
 def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) -> None:

@@ -24,6 +24,10 @@ from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 # IR document built with `--pp 2` (its section read as written), whose balanced split cuts
 # the stack of layers
 RUNS = [("pipelined", {}, 1, 2, 1, 8), ("llama", {"n_layers": 4}, 1, 2, 1, 8)]
+# the @partition model with LoRA on every projection, dropout on the adapters' input too
+# (pipeline_workers.LORA), two AdamW steps; and `modulec train --pp 2 --lora`'s adapters
+LORA_RUN = ("pipelined+lora", {}, 2, 2, 1, 8)
+LORA_TEXT = "rank=4,alpha=8,targets=[q,v,down],dropout=0.25"
 
 
 def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int = 1,
@@ -40,14 +44,26 @@ def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int
     return str(path)
 
 
-def test_two_stages_train_as_one_process_accumulating(tmp_path):
-    out = tmp_path / "stage"
+@pytest.fixture(scope="module")
+def spawned(ckpt, tmp_path_factory):
+    """One start of two gloo processes for the pipeline's steps (RUNS, the first one's
+    `--pp 2` IR document, LORA_RUN), then `modulec train --pp 2 --lora --save` (its entry,
+    as under torchrun) saving each step, and the same resumed from its first checkpoint."""
+    folder = tmp_path_factory.mktemp("pipeline")
     _, settings, steps, micro, rows, seq = RUNS[1]
-    document = _built_ir(tmp_path, settings, micro, rows, seq)
-    runs = [RUNS[0], (document, settings, steps, micro, rows, seq)]
+    document = _built_ir(folder, settings, micro, rows, seq)
+    runs = [RUNS[0], (document, settings, steps, micro, rows, seq), LORA_RUN]
+    cli = [_lora_cli(ckpt, save=folder / "pp", save_every=1),
+           _lora_cli(ckpt, save=folder / "again", hf_weights=None,
+                     resume=folder / "pp" / "checkpoint-1")]
     mp.spawn(pipeline_workers.train_pipelined, nprocs=2,
-             args=(2, free_port(), runs, str(out)))
-    stages = [torch.load(f"{out}.{r}") for r in (0, 1)]
+             args=(2, free_port(), runs, str(folder / "stage"),
+                   ([free_port() for _ in cli], cli)))
+    return folder
+
+
+def test_two_stages_train_as_one_process_accumulating(spawned):
+    stages = [torch.load(spawned / f"stage.{r}") for r in (0, 1)]
     for index, (name, settings, steps, micro, rows, seq) in enumerate(RUNS):
         want_losses, want = pipeline_workers.train_reference(name, steps, micro, rows, seq,
                                                              settings)
@@ -141,6 +157,9 @@ def test_the_micro_batches_become_the_accumulation():
     assert request.microbatches == request.grad_accum == 8  # 4 x pp by default
     request = _request(zero=0)  # what the pipelines run: gradients all-reduced, unsharded
     check_launch(request, SimpleNamespace(distributed=True, world=4))
+    assert request.microbatches == 8
+    request = _request(lora=object(), tp=2)  # LoRA, also with --tp: each stage's adapters
+    check_launch(request, SimpleNamespace(distributed=True, world=8))
     assert request.microbatches == 8
 
 
@@ -271,3 +290,90 @@ def test_an_ir_with_a_zero_section_is_refused_under_pp(tmp_path):
     assert built.exit_code == 0, built.output
     schedule = json.loads(path.read_text())["schedule"]
     assert "distributed" not in schedule and schedule["pipeline"]["mesh"]["dp"] == 2
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()
+            if line.startswith("{")]
+
+
+def _lora_cli(ckpt, **more) -> dict:
+    """`modulec train --pp 2 --microbatches 2 --lora LORA_TEXT`'s arguments (the tiny HF
+    Llama, float32 on the CPU, 2 steps of one row a micro-batch)."""
+    from pathlib import Path
+
+    from modulec.lower.lora import LoraOptions
+
+    return dict(file=Path(LLAMA), data=ckpt / "tokens.bin", seq=16, batch=1, device="cpu",
+                lr=1e-2, fmt="json", lora=LoraOptions.of(LORA_TEXT), hf_weights=ckpt / "hf",
+                steps=2, pp=2, microbatches=2) | more
+
+
+def test_pp_lora_trains_each_stages_adapters_as_one_process(spawned):
+    """--pp 2 with LoRA (float64, dropout on the model and on the adapters' input): two
+    AdamW steps equal one process's accumulating the two micro-batches (losses, adapters
+    and moments, to 1e-10); each stage trains (and keeps moments for) its own layers'
+    adapters only, drawn as one process draws them; the frozen base is untouched."""
+    from modulec.lower.lora import is_adapter
+
+    name, settings, steps, micro, rows, seq = LORA_RUN
+    stages = [torch.load(spawned / f"stage.{r}")[2] for r in (0, 1)]
+    want_losses, want = pipeline_workers.train_reference(name, steps, micro, rows, seq,
+                                                         settings)
+    first = pipeline_workers.tiny_model(name, settings).params  # one process's start
+    adapters = {p for p in want["masters"] if is_adapter(p)}
+    assert adapters and set(want["exp_avg"]) == adapters  # LoRA: the adapters train
+    trained = [set(s["state"]["exp_avg"]) for s in stages]
+    assert all(trained) and not trained[0] & trained[1] and trained[0] | trained[1] == adapters
+    for stage, mine in zip(stages, trained):
+        assert stage["losses"] == pytest.approx(want_losses, rel=1e-10)
+        assert {p for p in stage["params"] if is_adapter(p)} == mine  # its layers' alone
+        for path, value in stage["params"].items():
+            if is_adapter(path):
+                torch.testing.assert_close(value, want["masters"][path], rtol=1e-10,
+                                           atol=1e-12, msg=path)
+            else:  # the frozen base, bit for bit
+                assert torch.equal(value, first[path]), path
+    whole = stages[0]["whole"]  # state(): the stages gathered on rank 0
+    for part in ("masters", "exp_avg", "exp_avg_sq"):
+        assert set(whole[part]) == set(want[part]), part
+        for path, value in want[part].items():
+            torch.testing.assert_close(whole[part][path], value, rtol=1e-10, atol=1e-12,
+                                       msg=f"{part} {path}")
+    assert all(bool(want["masters"][p].any()) for p in adapters if p.endswith("lora_B"))
+
+
+def test_pp_lora_saves_one_processes_adapter_file_and_resumes(ckpt, spawned, tmp_path):
+    """`modulec train --pp 2 --lora --save` writes one PEFT adapter file of both stages'
+    adapters (gathered on rank 0) beside the base: one process's (`--grad-accum 2`), the
+    base bit for bit; a --pp 2 resume from step 1 ends with the same adapters bit for
+    bit, and a one-process resume from it takes the step the pipeline took."""
+    from safetensors.torch import load_file
+
+    from runtime.lora import CONFIG, WEIGHTS
+    from tests.test_train import losses, train
+
+    steps = [r["loss"] for r in _rows(spawned / "stage.0.0") if r["event"] == "step"]
+    lora = ("--batch", "1", "--grad-accum", "2", "--steps", "2", "--lora", LORA_TEXT)
+    one = train(ckpt, *lora, "--save", tmp_path / "one")
+    assert steps == pytest.approx(losses(one), rel=1e-5)
+    pp, ref = spawned / "pp" / "checkpoint-2", tmp_path / "one" / "checkpoint-2"
+    a, b = load_file(str(pp / WEIGHTS)), load_file(str(ref / WEIGHTS))
+    assert a.keys() == b.keys() and len(a) == 2 * 3 * 2  # 2 layers, 3 projections, A and B
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert json.loads((pp / CONFIG).read_text()) == json.loads((ref / CONFIG).read_text())
+    base, want = load_file(str(pp / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert base.keys() == want.keys() and all(torch.equal(base[k], want[k]) for k in want)
+    again = _rows(spawned / "stage.1.0")  # --pp 2 resumed from step 1
+    assert any(r["event"] == "note" and r["text"].startswith("resumed at step 1")
+               for r in again)
+    assert [r["loss"] for r in again if r["event"] == "step"] == steps[1:]
+    twice = load_file(str(spawned / "again" / "checkpoint-2" / WEIGHTS))
+    assert all(torch.equal(twice[name], a[name]) for name in a)  # bit for bit
+    resumed = losses(train(ckpt, *lora, "--resume", spawned / "pp" / "checkpoint-1",
+                           "--save", tmp_path / "r", weights=False))
+    assert resumed == pytest.approx(steps[1:], rel=1e-5)
+    onward = load_file(str(tmp_path / "r" / "checkpoint-2" / WEIGHTS))
+    for name in a:
+        torch.testing.assert_close(onward[name], a[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -143,7 +143,8 @@ def _options(command):
                      is_flag=False, flag_value="", default=None,
                      help="Train LoRA adapters on the `@adapter(lora)` matmuls, base "
                           "weights frozen (on cuda and cpu; with --tp each adapter splits "
-                          "as its weight does, and checkpoints hold the whole adapters)."),
+                          "as its weight does, with --pp each stage trains its layers' "
+                          "adapters; checkpoints hold the whole adapters)."),
         click.option("--zero", type=click.IntRange(0, 3), metavar="S",
                      help="Under torchrun: data parallel over every process, ZeRO stage S "
                           "(0 replicated, 1 optimizer state sharded, 2 + gradients "

@@ -18,6 +18,11 @@ the last stage leaves the ignored targets out (data-parallel pipelines divide by
 runtime.train.packing.denominators, as data-parallel ranks do); --eval-data runs each
 eval batch forward through the stages (`evaluate`). docs/pipeline.md "Packed sequences
 and evaluation".
+
+With --lora the stages run the LoRA program (its base frozen: no gradient, no moments):
+the model is built and its adapters drawn whole, as one process draws them, before each
+stage drops the other stages' parameters, so a stage trains its layers' adapters, and
+`state()` gathers them with the base for the PEFT adapter file (docs/pipeline.md "LoRA").
 """
 
 from __future__ import annotations
@@ -54,14 +59,13 @@ def check_launch(request, context) -> None:
                                help=[f"launch torchrun --nproc-per-node {pp} -m modulec "
                                      "train ..."])
     for flag, given in (("--zero", request.zero not in (None, 0, 1)),
-                        ("--lora", request.lora is not None),
                         ("--memory-budget", getattr(request, "memory_budget", None) is not None)):
         if given:
             raise RuntimeUserError(f"{flag} with --pp: not supported yet",
-                                   help=["pipeline runs train every parameter, one stage a "
-                                         "process (or --tp M processes), the pipelines "
-                                         "data parallel (ZeRO 0 or 1: each stage's "
-                                         "gradients all-reduced)"])
+                                   help=["pipeline runs train every parameter (with --lora "
+                                         "the adapters), one stage a process (or --tp M "
+                                         "processes), the pipelines data parallel (ZeRO 0 "
+                                         "or 1: each stage's gradients all-reduced)"])
     group = pp * request.tp
     if context.world % group:
         raise RuntimeUserError(f"the {context.world} processes are not a multiple of --pp "

@@ -220,8 +220,8 @@ def check_lora_parallel(request: Request, world: int) -> None:
     """--lora with --tp M under data parallel (more processes than M x --pp) on the GPU:
     refused until the four-GPU run trains (device run D9: rank 0 exited 101 there;
     docs/distributed.md "LoRA under tensor parallel"). The CPU (gloo) runs it. A launch
-    --tp does not divide, and --lora with --pp, are check_tensor_parallel's and
-    check_launch's errors."""
+    --tp does not divide is check_tensor_parallel's error; with --pp the pipeline's own
+    trainer runs (runtime.train.pipeline, eager on both devices), LoRA included."""
     if request.device != "cuda" or request.lora is None or request.tp <= 1:
         return
     if request.pp > 1 or world <= request.tp or world % request.tp:
