@@ -10,8 +10,9 @@ from tests.runtime_models import TINY
 # stages from @partition, cut between two calls; with dropout on both stages
 MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama_dropout.module", {})}
 # `NAME+lora`: the model with these adapters (every projection, dropout on their input)
-LORA = dict(rank=4, alpha=8, targets=["qkv", "out", "up", "down"],
-            dropout=0.25)
+LORA = dict(rank=4, alpha=8, dropout=0.25)
+LORA_TARGETS = {"pipelined": ["qkv", "out", "up", "down"],  # weight names: no HF names
+                "llama": ["q", "k", "v", "o", "gate", "up", "down"]}
 
 
 def tiny_model(name: str, settings: dict | None = None):
@@ -21,7 +22,8 @@ def tiny_model(name: str, settings: dict | None = None):
         model = Model.from_ir(name, dtype=torch.float64)
         model.check_finite = False
         return model.init_random(seed=0)
-    name, lora = (name[:-len("+lora")], LORA) if name.endswith("+lora") else (name, None)
+    name, lora = (name[:-len("+lora")], True) if name.endswith("+lora") else (name, None)
+    lora = LORA | {"targets": LORA_TARGETS[name]} if lora else None
     path, defaults = MODELS[name]
     merged = {k: str(v) for k, v in (defaults | (settings or {})).items()}
     model = Model.from_module(path, settings=merged, dtype=torch.float64, lora=lora)
@@ -156,6 +158,9 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
         if "packed_eval" in extra:  # tests/test_pipeline_packed_eval.py
             torch.save(packed_and_evaluated(context, rank, world, *extra["packed_eval"]),
                        f"{out}.pe.{rank}")
+        if "lora" in extra:  # PP 2 x TP 2 with LoRA (tests/test_pipeline_tp.py)
+            torch.save(lora_tp_pipelined(context, rank, *extra["lora"]),
+                       f"{out}.lora.{rank}")
     context.close()
 
 
@@ -229,3 +234,24 @@ def packed_and_evaluated(context, rank: int, world: int, runs: list,
         results.append({"losses": losses, "evals": evals, "kept": kept,
                         "whole": trainer.state()})
     return results
+
+
+def lora_tp_pipelined(context, rank: int, document: str, whole: dict, steps: int,
+                      micro: int, rows: int, seq: int) -> dict:
+    """PP 2 x TP 2 (4 ranks) with LoRA: `document` (`modulec build --pp 2 --tp 2 --lora`)
+    with this rank's slices of `whole` (tests/tp_lora_workers.whole_params: random base
+    and adapters, B != 0), float64: the losses, the whole state after the last step
+    (state(): slices and stages joined, rank 0's) and the rank's parameters."""
+    from runtime.model import Model
+    from runtime.tensor_parallel import shard_params
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    model = Model.from_ir(document, dtype=torch.float64, tp_rank=rank % 2)
+    mine = shard_params(dict(whole), model.source.program(planned=False), rank % 2)
+    model.params = {p: t.clone() for p, t in mine.items()}  # trained in place
+    model.check_finite = False
+    trainer = PipelineTrainer(model, rows, seq, AdamW(lr=1e-2, weight_decay=0.1), context,
+                              2, micro)
+    losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
+    return {"losses": losses, "whole": trainer.state(), "params": dict(model.params)}

@@ -31,15 +31,17 @@ LORA_TEXT = "rank=4,alpha=8,targets=[q,v,down],dropout=0.25"
 
 
 def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int = 1,
-              zero: int = 0) -> str:
+              zero: int = 0, lora: tuple = ()) -> str:
+    """`modulec build --pp 2 --dp DP --zero Z` of the tiny Llama (`lora`: its --lora
+    arguments) to an IR document."""
     from tests.runtime_models import TINY
     from tests.test_cli import run
 
-    path = tmp_path / f"llama-dp{dp}-zero{zero}-pp2.ir"
+    path = tmp_path / f"llama-dp{dp}-zero{zero}{'-lora' if lora else ''}-pp2.ir"
     sets = [a for k, v in (TINY["llama"][1] | settings).items() for a in ("--set", f"{k}={v}")]
     built = run("build", TINY["llama"][0], *sets, "--shape", f"B={rows}", "--shape",
                 f"T={seq}", "--pp", "2", "--dp", str(dp), "--zero", str(zero),
-                "--microbatches", str(micro), "-o", path)
+                "--microbatches", str(micro), *lora, "-o", path)
     assert built.exit_code == 0, built.output
     return str(path)
 
@@ -202,10 +204,12 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
     settings, steps, micro, rows, seq = {"n_layers": 4}, 2, 2, 1, 8
     documents = [_built_ir(tmp_path, settings, micro, rows, seq, dp=2, zero=zero)
                  for zero in (0, 1)]
+    lora = _built_ir(tmp_path, {}, micro, rows, seq, dp=2, lora=("--lora", LORA_TEXT))
     mp.spawn(pipeline_workers.train_data_parallel, nprocs=4,
-             args=(4, free_port(), [(d, steps, micro, rows, seq) for d in documents],
-                   str(out)))
+             args=(4, free_port(), [(d, steps, micro, rows, seq)
+                                    for d in documents + [lora]], str(out)))
     ranks = [torch.load(f"{out}.{r}") for r in range(4)]
+    _check_dp_lora(lora, [r[2] for r in ranks], steps, micro, rows, seq)
     want_losses, want = pipeline_workers.train_reference(documents[0], steps, 2 * micro,
                                                          rows, seq)
     for run, zero in enumerate((0, 1)):
@@ -239,6 +243,31 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
                 for path, value in got.items():
                     torch.testing.assert_close(value, want[part][path], rtol=1e-12,
                                                atol=1e-14, msg=f"resumed {part} {path}")
+
+
+def _check_dp_lora(document: str, runs: list, steps: int, micro: int, rows: int,
+                   seq: int) -> None:
+    """DP 2 x PP 2 with LoRA (`modulec build --pp 2 --dp 2 --lora LORA_TEXT`'s document,
+    ZeRO-0): each stage's adapter gradients averaged over its replicas as its other
+    gradients are; one process's steps with --grad-accum 4 (float64, 1e-10), the
+    replicas of a stage equal, a resume from step 1 the same."""
+    from modulec.lower.lora import is_adapter
+
+    want_losses, want = pipeline_workers.train_reference(document, steps, 2 * micro,
+                                                         rows, seq)
+    for rank in runs:
+        assert rank["losses"] == pytest.approx(want_losses, rel=1e-10)
+        assert rank["resumed"] == pytest.approx(want_losses[1:], rel=1e-10)
+    for stage in (0, 1):
+        a, b = runs[stage]["state"]["masters"], runs[stage + 2]["state"]["masters"]
+        assert a.keys() == b.keys() and all(torch.equal(a[p], b[p]) for p in a)
+    got = runs[0]["whole"]
+    assert set(got["exp_avg"]) == {p for p in want["masters"] if is_adapter(p)}
+    for part in ("masters", "exp_avg", "exp_avg_sq"):
+        assert set(got[part]) == set(want[part]), part
+        for path, value in want[part].items():
+            torch.testing.assert_close(got[part][path], value, rtol=1e-10, atol=1e-12,
+                                       msg=f"dp lora {part} {path}")
 
 
 def test_the_irs_mesh_must_be_the_launch():

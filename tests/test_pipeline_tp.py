@@ -21,6 +21,7 @@ PARTS = ("masters", "exp_avg", "exp_avg_sq")
 STEPS, MICRO, ROWS, SEQ = 2, 2, 2, 8
 RUNS = [(False, None, STEPS, MICRO, ROWS, SEQ), (True, 1e-3, STEPS, MICRO, ROWS, SEQ)]
 DP_TP_RUNS = [(1, 1e-3, 2, 4, 8)]  # tests/test_tp_clip.py: DP 2 x TP 2, ZeRO-1, clipping
+LORA_TEXT = "rank=4,alpha=8,targets=[q,k,v,o,gate,up,down]"  # tp_lora_workers.LORA
 
 
 def spawn_four(tmp_path_factory) -> dict:
@@ -35,13 +36,18 @@ def spawn_four(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("four")
     built, document = _build(folder, "--tp", "2")
     assert built.exit_code == 0, built.output
+    (folder / "lora").mkdir()  # the LoRA one (tests/tp_lora_workers.py's adapters)
+    built, lora = _build(folder / "lora", "--tp", "2", "--lora", LORA_TEXT)
+    assert built.exit_code == 0, built.output
+    from tests.tp_lora_workers import whole_params
     out = folder / "tpp"
     extra = {"document": str(document), "clip": 1e-3, "dp_tp": DP_TP_RUNS,
-             "packed_eval": (PACKED_EVAL_RUNS, str(write_eval_file(folder)))}
+             "packed_eval": (PACKED_EVAL_RUNS, str(write_eval_file(folder))),
+             "lora": (str(lora), whole_params(), STEPS, MICRO, 1, SEQ)}
     mp.spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
              args=(4, free_port(), RUNS, str(out), extra))
     results = {kind: [torch.load(f"{out}.{kind}{r}") for r in range(4)]
-               for kind in ("", "ir.", "dptp.", "pe.")}
+               for kind in ("", "ir.", "dptp.", "pe.", "lora.")}
     return results | {"eval_file": folder / "eval.bin"}
 
 
@@ -67,6 +73,44 @@ def test_pp2_tp2_trains_as_one_process_accumulating(four_ranks):
             for path, value in want[part].items():
                 torch.testing.assert_close(got[part][path], value, rtol=1e-10, atol=1e-12,
                                            msg=f"sp {sp} {part} {path}")
+
+
+def test_pp2_tp2_lora_trains_as_one_process_accumulating(four_ranks):
+    """--pp 2 --tp 2 --lora (the document `modulec build --pp 2 --tp 2 --lora` writes):
+    each stage's TP pair trains its layers' adapters (split as their weights are,
+    modulec/lower/lora_tp.py); the losses, adapters and moments
+    (joined by state()) after two steps equal one process's with --grad-accum 2
+    (float64, 1e-10), and the frozen base slices are untouched."""
+    from modulec.lower.lora import is_adapter
+    from runtime.tensor_parallel import shard_params
+    from runtime.train.backends import CPUTrainer
+    from runtime.train.optim import AdamW
+    from tests import tp_lora_workers
+    from tests.dist_workers import windows
+
+    whole = tp_lora_workers.whole_params()
+    model = tp_lora_workers.lora_model()
+    model.params = {p: t.clone() for p, t in whole.items()}
+    trainer = CPUTrainer(model, 1, SEQ, AdamW(lr=1e-2, weight_decay=0.1),
+                         accumulation=MICRO)
+    want_losses = [trainer.train_step(w) for w in windows(STEPS, MICRO, SEQ)]
+    want = trainer.state()
+    ranks = four_ranks["lora."]
+    for rank, got in enumerate(ranks):
+        assert got["losses"] == pytest.approx(want_losses, rel=1e-10), rank
+        mine = shard_params(whole, tp_lora_workers.lora_model(2, rank % 2)
+                            .source.program(planned=False), rank % 2)
+        assert any(is_adapter(p) for p in got["params"])
+        for path, value in got["params"].items():
+            if not is_adapter(path):
+                assert torch.equal(value, mine[path]), (rank, path)
+    got = ranks[0]["whole"]
+    assert set(got["exp_avg"]) == {p for p in want["masters"] if is_adapter(p)}
+    for part in PARTS:
+        assert set(got[part]) == set(want[part]), part
+        for path, value in want[part].items():
+            torch.testing.assert_close(got[part][path], value, rtol=1e-10, atol=1e-12,
+                                       msg=f"{part} {path}")
 
 
 def test_a_pp2_tp2_ir_steps_as_the_module(four_ranks):
