@@ -205,7 +205,7 @@ def test_a_named_stage_is_an_error_when_the_pipeline_is_built(tmp_path):
 
 def test_data_parallel_pipelines_all_reduce_each_stages_buckets(pipelined):
     """DP x PP: the section's mesh says dp 2 x pp 2, each stage's gradient buckets (a
-    layer, an entry parameter) hold its parameters once, and its ops end in one all_reduce
+    layer, an entry parameter) hold its (trained) parameters once, and its ops end in one all_reduce
     a bucket over its DP group; the verifier checks them, the simulated clock counts them."""
     from modulec.ir.verify_parallel import verify_pipeline
 
@@ -259,6 +259,31 @@ def test_zero1_pipelines_own_buckets_and_broadcast_them(pipelined):
         "stage 1: broadcast of bucket 3 from 0, its owner is 1"]
     with pytest.raises(ValueError, match="ZeRO 0 or 1"):
         Pipeline(2, dp=2, zero=2)
+
+
+def test_lora_pipelines_bucket_the_adapters_alone():
+    """DP x PP of a LoRA build (ZeRO-1): the frozen base is in no gradient bucket (nothing
+    to reduce, nothing to broadcast), each stage's adapters are, each once; the verifier
+    refuses a bucket that holds a frozen weight."""
+    from modulec.ir.verify_parallel import verify_pipeline
+    from modulec.lower.lora import LoraOptions, is_adapter
+
+    result = build(BuildRequest(PIPELINED, shapes={"B": 1, "T": 8},
+                                pipeline=Pipeline(microbatches=2, dp=2, zero=1),
+                                lora=LoraOptions(rank=4, targets=("qkv", "down"))))
+    section = result.document["schedule"]["pipeline"]
+    for stage in section["stages"]:
+        bucketed = [r["path"] for b in stage["grad_buckets"] for r in b["params"]]
+        assert bucketed and sorted(bucketed) == sorted(p for p in stage["params"]
+                                                       if is_adapter(p))
+    assert verify_pipeline(section, result.graph) == []
+    bucket = section["stages"][0]["grad_buckets"][0]
+    bucket["params"].append({"path": "embedding", "shape": [64, 32], "offset": bucket["numel"],
+                             "numel": 64 * 32})
+    bucket["numel"] += 64 * 32
+    assert verify_pipeline(section, result.graph) == [
+        "stage 0: the gradient buckets do not hold the stage's trained parameters (those "
+        "with a gradient), each once"]
 
 
 def test_zero1_pipelines_plan_each_stages_sharded_state():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -253,6 +254,9 @@ def _check_dp_lora(document: str, runs: list, steps: int, micro: int, rows: int,
     replicas of a stage equal, a resume from step 1 the same."""
     from modulec.lower.lora import is_adapter
 
+    section = json.loads(Path(document).read_text())["schedule"]["pipeline"]
+    assert all(is_adapter(r["path"]) for s in section["stages"]  # the base: no reduction
+               for b in s["grad_buckets"] for r in b["params"])
     want_losses, want = pipeline_workers.train_reference(document, steps, 2 * micro,
                                                          rows, seq)
     for rank in runs:
@@ -329,8 +333,6 @@ def _rows(path) -> list[dict]:
 def _lora_cli(ckpt, **more) -> dict:
     """`modulec train --pp 2 --microbatches 2 --lora LORA_TEXT`'s arguments (the tiny HF
     Llama, float32 on the CPU, 2 steps of one row a micro-batch)."""
-    from pathlib import Path
-
     from modulec.lower.lora import LoraOptions
 
     return dict(file=Path(LLAMA), data=ckpt / "tokens.bin", seq=16, batch=1, device="cpu",

@@ -249,15 +249,26 @@ def _applies(op: dict, bucket: dict, layered: bool) -> bool:
 
 def parameter_shapes(graph: Graph) -> dict:
     """Every parameter path of the model with its shape (ints where sized)."""
-    shapes: dict = {}
+    return {path: [int(d) if str(d).isdigit() else d for d in p.shape]
+            for path, p, _ in parameters(graph)}
+
+
+def frozen_paths(graph: Graph) -> set[str]:
+    """The parameter paths with no gradient (`no_gradient` of their function: `@frozen`,
+    a LoRA program's base weights): in no gradient bucket."""
+    return {path for path, p, function in parameters(graph) if p.id in function.no_gradient}
+
+
+def parameters(graph: Graph) -> list[tuple]:
+    """(path, parameter value, its function) of every parameter of the model."""
+    found: list = []
 
     def visit(function, prefix: str, depth: int) -> None:
         if depth > 64:
             return
         for p in function.params:
             name = p.id[len("param:"):]
-            shapes[f"{prefix}.{name}" if prefix else name] = [
-                int(d) if str(d).isdigit() else d for d in p.shape]
+            found.append((f"{prefix}.{name}" if prefix else name, p, function))
         for node in function.nodes:
             if node.kind != "call":
                 continue
@@ -269,7 +280,7 @@ def parameter_shapes(graph: Graph) -> dict:
                       f"{prefix}.{inner}" if prefix and inner else prefix or inner, depth + 1)
 
     visit(graph.function(graph.entry), "", 0)
-    return shapes
+    return found
 
 
 # ====================================================================== pipeline
@@ -292,7 +303,7 @@ def verify_pipeline(section, graph: Graph, tp: int = 1) -> list[str]:
     if not problems:
         from modulec.ir.verify_pipeline_dp import verify_reductions
 
-        problems += verify_reductions(section, parameter_shapes(graph))
+        problems += verify_reductions(section, parameter_shapes(graph), frozen_paths(graph))
     if len(section["ops"]) != count:
         problems.append(f"{len(section['ops'])} op lists for {count} stages")
     if len(section["boundaries"]) != count - 1 or any(

@@ -1,8 +1,8 @@
 """`modulec ir verify` for data parallel over a pipeline's stages (the `pipeline`
 section's mesh dp > 1; modulec/plan/pipeline_dp.py): each stage's gradient buckets hold
-its parameters once, with the graph's shapes, packed in order; its op list ends, after
-its last compute op, in one all_reduce per bucket (gradients, dp group, avg, comm
-stream); under ZeRO-1 every bucket has an owner among the dp replicas, and the
+its trained parameters once (not a frozen one: `@frozen`, a LoRA program's base), with
+the graph's shapes, packed in order; its op list ends, after its last compute op, in
+one all_reduce per bucket (gradients, dp group, avg, comm stream); under ZeRO-1 every bucket has an owner among the dp replicas, and the
 all-reduces are followed by one optimizer_step and one broadcast per bucket from its
 owner. With dp 1: no buckets, no such ops, ZeRO 0.
 """
@@ -14,7 +14,9 @@ from math import prod
 UPDATE_KINDS = ("all_reduce", "optimizer_step", "broadcast")
 
 
-def verify_reductions(section, shapes: dict) -> list[str]:
+def verify_reductions(section, shapes: dict, frozen: set = frozenset()) -> list[str]:
+    """`frozen`: the parameter paths without a gradient (modulec.ir.verify_parallel
+    .frozen_paths), in no bucket."""
     dp, zero = section["mesh"]["dp"], section.get("zero", 0)
     if zero not in (0, 1) or (zero == 1 and dp == 1):
         return [f"`zero` {zero!r}: a pipeline shards with ZeRO 0, or 1 over dp > 1"]
@@ -29,8 +31,8 @@ def verify_reductions(section, shapes: dict) -> list[str]:
         if not isinstance(buckets, list):
             problems.append(f"{where}: mesh dp {dp} needs `grad_buckets`")
             continue
-        problems += [f"{where}: {m}" for m in _buckets(buckets, stage["params"], shapes,
-                                                       dp, zero)]
+        trained = [p for p in stage["params"] if p not in frozen]
+        problems += [f"{where}: {m}" for m in _buckets(buckets, trained, shapes, dp, zero)]
         problems += [f"{where}: {m}" for m in _ops(ops, buckets, section["streams"], zero)]
     return problems
 
@@ -59,8 +61,8 @@ def _buckets(buckets: list, params: list, shapes: dict, dp: int, zero: int) -> l
         elif zero == 0 and owner is not None:
             problems.append(f"bucket {index}: an owner without ZeRO-1")
     if sorted(seen) != sorted(params):
-        problems.append("the gradient buckets do not hold the stage's parameters, each "
-                        "once")
+        problems.append("the gradient buckets do not hold the stage's trained parameters "
+                        "(those with a gradient), each once")
     return problems
 
 

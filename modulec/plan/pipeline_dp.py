@@ -13,7 +13,9 @@ tp_index); the buckets hold that rank's slices (the graph's shapes). Every pipel
 its gradients) each of its buckets is one `all_reduce` over the stage's DP group that
 leaves the mean there, so every replica of a stage steps AdamW on the same gradients.
 
-A bucket is the parameters of one layer (`blocks[3]`, the first path component) or one
+Only trained parameters are in buckets: a frozen one (`@frozen`, a LoRA program's base
+weights: no gradient) is neither reduced nor, under ZeRO-1, broadcast. A bucket is the
+parameters of one layer (`blocks[3]`, the first path component) or one
 entry parameter (`embedding`), flat in the stage's parameter order, listed in backward
 order (the last layer first: the order a backward makes them in, for a runtime that
 reduces as soon as a layer is done).
@@ -50,11 +52,12 @@ def add_data_parallel(section: dict, graph, dp: int, zero: int = 0, tp: int = 1)
     section["zero"] = zero
     if dp == 1:
         return section
-    from modulec.ir.verify_parallel import parameter_shapes
+    from modulec.ir.verify_parallel import frozen_paths, parameter_shapes
 
-    shapes = parameter_shapes(graph)
+    shapes, frozen = parameter_shapes(graph), frozen_paths(graph)
     for stage, ops in zip(section["stages"], section["ops"]):
-        stage["grad_buckets"] = buckets = gradient_buckets(stage["params"], shapes)
+        trained = [p for p in stage["params"] if p not in frozen]  # LoRA: the adapters
+        stage["grad_buckets"] = buckets = gradient_buckets(trained, shapes)
         ops += reduce_ops(buckets)
         if zero == 1:
             deal_owners(buckets, dp)
