@@ -2,9 +2,10 @@
 section's mesh dp > 1; modulec/plan/pipeline_dp.py): each stage's gradient buckets hold
 its trained parameters once (not a frozen one: `@frozen`, a LoRA program's base), with
 the graph's shapes, packed in order; its op list ends, after its last compute op, in
-one all_reduce per bucket (gradients, dp group, avg, comm stream); under ZeRO-1 every bucket has an owner among the dp replicas, and the
-all-reduces are followed by one optimizer_step and one broadcast per bucket from its
-owner. With dp 1: no buckets, no such ops, ZeRO 0.
+one all_reduce per bucket (gradients, dp group, avg, comm stream); under ZeRO-1 every
+bucket has an owner among the dp replicas, and the all-reduces are followed by one
+optimizer_step and one broadcast per bucket from its owner. With dp 1: no buckets, no
+such ops, ZeRO 0.
 """
 
 from __future__ import annotations

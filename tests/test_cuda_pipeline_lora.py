@@ -1,0 +1,77 @@
+"""LoRA under pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two):
+`torchrun --nproc-per-node 2 -m modulec train --pp 2 --lora ... --device cuda` runs each
+stage eagerly (the reference interpreter on CUDA tensors, float32), training its own
+layers' adapters, the base frozen. It trains as one CPU process with --grad-accum M over
+the same rows (float32 rounding), `--save` writes one PEFT adapter file of both stages'
+adapters (gathered on rank 0) that is the CPU run's, beside the untouched base, and the
+checkpoint resumes on the two GPUs (--pp 2) and on one CPU process as the CPU run
+continues. The exact (float64) equalities are the CPU test's: tests/test_pipeline_run.py
+(`test_pp_lora_*`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.dist_testing import free_port  # noqa: E402
+from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available() or
+                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+LORA = "rank=8,alpha=16,targets=[q,v,down]"
+ARGS = ("--seq", "64", "--batch", "1", "--lr", "1e-3", "--format", "json", "--steps", "3",
+        "--lora", LORA)
+
+
+def _run(processes: int, *args) -> list[dict]:
+    """The JSON records of `modulec train` on `processes` (1: no torchrun)."""
+    head = [sys.executable, "-m", "modulec"] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+         "--master-port", str(free_port()), "-m", "modulec"]
+    done = subprocess.run([*head, "train", LLAMA, *args], capture_output=True, text=True,
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def _losses(rows: list[dict]) -> list[float]:
+    return [r["loss"] for r in rows if r["event"] == "step"]
+
+
+def test_two_gpu_stages_train_lora_as_one_process_and_resume(gpu_ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    from runtime.lora import WEIGHTS
+
+    data = ("--data", str(gpu_ckpt / "tokens.bin"))
+    weights = ("--hf-weights", str(gpu_ckpt / "hf"))
+    pipeline = _run(2, *data, *weights, *ARGS, "--device", "cuda", "--pp", "2",
+                    "--microbatches", "4", "--save", str(tmp_path / "pp"), "--save-every", "2")
+    one = _run(1, *data, *weights, *ARGS, "--device", "cpu", "--grad-accum", "4", "--save",
+               str(tmp_path / "one"), "--save-every", "2")
+    assert next(r for r in pipeline if r["event"] == "done")["memory"] == "GPU"
+    want = _losses(one)
+    assert len(want) == 3 and _losses(pipeline) == pytest.approx(want, rel=1e-4)
+    pp, ref = tmp_path / "pp" / "checkpoint-3", tmp_path / "one" / "checkpoint-3"
+    a, b = load_file(str(pp / WEIGHTS)), load_file(str(ref / WEIGHTS))
+    assert a.keys() == b.keys() and len(a) == 3 * 3 * 2  # 3 layers, q v down, A and B
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5, msg=name)
+    base, frozen = load_file(str(pp / "model.safetensors")), \
+        load_file(str(ref / "model.safetensors"))
+    assert base.keys() == frozen.keys() and all(torch.equal(base[k], frozen[k]) for k in base)
+    resumed = _run(2, *data, *ARGS, "--device", "cuda", "--pp", "2", "--microbatches", "4",
+                   "--resume", str(tmp_path / "pp" / "checkpoint-2"))
+    assert _losses(resumed) == pytest.approx(want[2:], rel=1e-4)
+    on_cpu = _run(1, *data, *ARGS, "--device", "cpu", "--grad-accum", "4", "--resume",
+                  str(tmp_path / "pp" / "checkpoint-2"))
+    assert _losses(on_cpu) == pytest.approx(want[2:], rel=1e-4)
