@@ -9,10 +9,6 @@ from tests.runtime_models import TINY
 
 # stages from @partition, cut between two calls; with dropout on both stages
 MODELS = TINY | {"pipelined": ("tests/data/pipeline_llama_dropout.module", {})}
-# `NAME+lora`: the model with these adapters (every projection, dropout on their input)
-LORA = dict(rank=4, alpha=8, dropout=0.25)
-LORA_TARGETS = {"pipelined": ["qkv", "out", "up", "down"],  # weight names: no HF names
-                "llama": ["q", "k", "v", "o", "gate", "up", "down"]}
 
 
 def tiny_model(name: str, settings: dict | None = None):
@@ -22,11 +18,9 @@ def tiny_model(name: str, settings: dict | None = None):
         model = Model.from_ir(name, dtype=torch.float64)
         model.check_finite = False
         return model.init_random(seed=0)
-    name, lora = (name[:-len("+lora")], True) if name.endswith("+lora") else (name, None)
-    lora = LORA | {"targets": LORA_TARGETS[name]} if lora else None
     path, defaults = MODELS[name]
     merged = {k: str(v) for k, v in (defaults | (settings or {})).items()}
-    model = Model.from_module(path, settings=merged, dtype=torch.float64, lora=lora)
+    model = Model.from_module(path, settings=merged, dtype=torch.float64)
     model.check_finite = False
     return model.init_random(seed=0)
 

@@ -18,6 +18,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_workers  # noqa: E402
 from tests.dist_testing import free_port  # noqa: E402
+from tests.pipeline_workers import MODELS  # noqa: E402
 from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 
 # (model, settings, steps, micro-batches, rows, seq): @partition stages cut between two
@@ -25,9 +26,10 @@ from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 # IR document built with `--pp 2` (its section read as written), whose balanced split cuts
 # the stack of layers
 RUNS = [("pipelined", {}, 1, 2, 1, 8), ("llama", {"n_layers": 4}, 1, 2, 1, 8)]
-# the @partition model with LoRA on every projection, dropout on the adapters' input too
-# (pipeline_workers.LORA), two AdamW steps; and `modulec train --pp 2 --lora`'s adapters
-LORA_RUN = ("pipelined+lora", {}, 2, 2, 1, 8)
+# the @partition model with LoRA on every projection, dropout on the adapters' input too,
+# built with --pp 2 (PIPELINED_LORA: two AdamW steps of (steps, micro, rows, seq)); and
+# `modulec train --pp 2 --lora LORA_TEXT`'s adapters
+PIPELINED_LORA = ("rank=4,alpha=8,targets=[qkv,out,up,down],dropout=0.25", 2, 2, 1, 8)
 LORA_TEXT = "rank=4,alpha=8,targets=[q,v,down],dropout=0.25"
 
 
@@ -50,12 +52,20 @@ def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int
 @pytest.fixture(scope="module")
 def spawned(ckpt, tmp_path_factory):
     """One start of two gloo processes for the pipeline's steps (RUNS, the first one's
-    `--pp 2` IR document, LORA_RUN), then `modulec train --pp 2 --lora --save` (its entry,
+    `--pp 2` IR document, PIPELINED_LORA's), then `modulec train --pp 2 --lora --save` (its entry,
     as under torchrun) saving each step, and the same resumed from its first checkpoint."""
+    from tests.test_cli import run
+
     folder = tmp_path_factory.mktemp("pipeline")
     _, settings, steps, micro, rows, seq = RUNS[1]
     document = _built_ir(folder, settings, micro, rows, seq)
-    runs = [RUNS[0], (document, settings, steps, micro, rows, seq), LORA_RUN]
+    lora, *sizes = PIPELINED_LORA
+    built = run("build", MODELS["pipelined"][0], "--lora", lora, "--shape", f"B={sizes[2]}",
+                "--shape", f"T={sizes[3]}", "--pp", "2", "--microbatches", str(sizes[1]),
+                "-o", folder / "lora.ir")
+    assert built.exit_code == 0, built.output
+    runs = [RUNS[0], (document, settings, steps, micro, rows, seq),
+            (str(folder / "lora.ir"), {}, *sizes)]
     cli = [_lora_cli(ckpt, save=folder / "pp", save_every=1),
            _lora_cli(ckpt, save=folder / "again", hf_weights=None,
                      resume=folder / "pp" / "checkpoint-1")]
@@ -341,17 +351,17 @@ def _lora_cli(ckpt, **more) -> dict:
 
 
 def test_pp_lora_trains_each_stages_adapters_as_one_process(spawned):
-    """--pp 2 with LoRA (float64, dropout on the model and on the adapters' input): two
-    AdamW steps equal one process's accumulating the two micro-batches (losses, adapters
-    and moments, to 1e-10); each stage trains (and keeps moments for) its own layers'
-    adapters only, drawn as one process draws them; the frozen base is untouched."""
+    """--pp 2 with LoRA (`modulec build --pp 2 --lora`'s document of the @partition model;
+    float64, dropout on the model and on the adapters' input): two AdamW steps equal one
+    process's accumulating the two micro-batches (losses, adapters and moments, to
+    1e-10); each stage trains (and keeps moments for) its own layers' adapters only,
+    drawn as one process draws them; the frozen base is untouched."""
     from modulec.lower.lora import is_adapter
 
-    name, settings, steps, micro, rows, seq = LORA_RUN
+    name, (_, steps, micro, rows, seq) = str(spawned / "lora.ir"), PIPELINED_LORA
     stages = [torch.load(spawned / f"stage.{r}")[2] for r in (0, 1)]
-    want_losses, want = pipeline_workers.train_reference(name, steps, micro, rows, seq,
-                                                         settings)
-    first = pipeline_workers.tiny_model(name, settings).params  # one process's start
+    want_losses, want = pipeline_workers.train_reference(name, steps, micro, rows, seq)
+    first = pipeline_workers.tiny_model(name).params  # one process's start
     adapters = {p for p in want["masters"] if is_adapter(p)}
     assert adapters and set(want["exp_avg"]) == adapters  # LoRA: the adapters train
     trained = [set(s["state"]["exp_avg"]) for s in stages]
