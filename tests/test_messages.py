@@ -186,6 +186,16 @@ def test_readme_opens_with_setup_test_and_the_way_to_the_command():
     assert "source .venv/bin/activate" in first and "modulec" in lines[2]
 
 
+def test_readme_listing_is_examples_llama_module():
+    """The program README.md shows as `examples/llama.module` is that file's text (less its
+    docstring and `verify_backward:` sizes): it had kept the file from before @shard(vocab)."""
+    readme = Path("README.md").read_text(encoding="utf-8")
+    shown = readme.split("(`examples/llama.module`", 1)[1].split("```\n", 1)[1].split("```")[0]
+    source = Path("examples/llama.module").read_text(encoding="utf-8")
+    body = source.split('"""\n', 1)[1].split("\n  # `modulec check --verify-backward`")[0]
+    assert shown.strip() == body.strip()
+
+
 @pytest.mark.parametrize("command", ["plan", "graph"])
 def test_plan_and_graph_check_shapes_too(command):
     result = run(command, LLAMA, "--set", "max_seq=64", "--shape", "B=1", "--shape", "T=8",
