@@ -386,18 +386,26 @@ def test_pp_lora_trains_each_stages_adapters_as_one_process(spawned):
 
 def test_pp_lora_saves_one_processes_adapter_file_and_resumes(ckpt, spawned, tmp_path):
     """`modulec train --pp 2 --lora --save` writes one PEFT adapter file of both stages'
-    adapters (gathered on rank 0) beside the base: one process's (`--grad-accum 2`), the
+    adapters (gathered on rank 0) beside the base: one process's (`--grad-accum 2`, an IR
+    document built with `--lora`, whose checkpoint holds the adapter files too), the
     base bit for bit; a --pp 2 resume from step 1 ends with the same adapters bit for
     bit, and a one-process resume from it takes the step the pipeline took."""
     from safetensors.torch import load_file
 
     from runtime.lora import CONFIG, WEIGHTS
+    from tests.test_cli import run
     from tests.test_train import losses, train
 
     steps = [r["loss"] for r in _rows(spawned / "stage.0.0") if r["event"] == "step"]
-    lora = ("--batch", "1", "--grad-accum", "2", "--steps", "2", "--lora", LORA_TEXT)
-    one = train(ckpt, *lora, "--save", tmp_path / "one")
+    built = run("build", LLAMA, "--config", ckpt / "hf" / "config.json", "--shape", "B=1",
+                "--shape", "T=16", "--lora", LORA_TEXT, "-o", tmp_path / "lora.ir")
+    assert built.exit_code == 0, built.output
+    one = run("train", tmp_path / "lora.ir", "--data", ckpt / "tokens.bin", "--seq", "16",
+              "--batch", "1", "--device", "cpu", "--lr", "1e-2", "--format", "json",
+              "--hf-weights", ckpt / "hf", "--grad-accum", "2", "--steps", "2", "--save",
+              tmp_path / "one")
     assert steps == pytest.approx(losses(one), rel=1e-5)
+    lora = ("--batch", "1", "--grad-accum", "2", "--steps", "2", "--lora", LORA_TEXT)
     pp, ref = spawned / "pp" / "checkpoint-2", tmp_path / "one" / "checkpoint-2"
     a, b = load_file(str(pp / WEIGHTS)), load_file(str(ref / WEIGHTS))
     assert a.keys() == b.keys() and len(a) == 2 * 3 * 2  # 2 layers, 3 projections, A and B

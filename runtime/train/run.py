@@ -475,6 +475,9 @@ class Run:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
                                    f"{self.request.steps} leaves nothing to run",
                                    help=["--steps is the total step count; give more"])
+        from runtime.lora import check_resume
+
+        pass  # check_resume(folder, self.model if self.request.lora is not None else None)
         if self._resume_from_shards(folder):
             return
         state = read_optimizer(folder)
@@ -617,13 +620,19 @@ class Run:
             self.saved = save_checkpoint(r.save, state, trainer,
                                          schema=self.schema, layout=self.layout,
                                          config=self.config, dtype=self.save_dtype,
-                                         adapters=self.model if r.lora is not None else None,
+                                         adapters=self.model if self._lora() else None,
                                          shards=shards)
         except OSError as exc:
             raise RuntimeUserError(f"cannot write the checkpoint of step {step} under "
                                    f"{r.save}: {exc}",
                                    help=["no partial checkpoint was left behind"]) from None
         progress.note(f"saved {self.saved}")
+
+    def _lora(self) -> bool:
+        """Whether the program trains LoRA adapters: --lora, or an IR document built with
+        it (its `metadata.lora`): the checkpoint then holds PEFT's adapter files too."""
+        metadata = self.model.source.program(planned=False).metadata
+        return self.request.lora is not None or bool(metadata.get("lora"))
 
     def _shard_save(self, trainer: dict):
         """The per-rank shards' part of a save (runtime.train.shards), None without."""
