@@ -475,9 +475,6 @@ class Run:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
                                    f"{self.request.steps} leaves nothing to run",
                                    help=["--steps is the total step count; give more"])
-        from runtime.lora import check_resume
-
-        pass  # check_resume(folder, self.model if self.request.lora is not None else None)
         if self._resume_from_shards(folder):
             return
         state = read_optimizer(folder)
