@@ -159,3 +159,47 @@ def load_lora(model, directory) -> None:
         tensor = loaded.get(name) if name in loaded else loaded.get(path)
         if tensor is not None:
             model.params[path] = tensor.to(model.dtype).to(model.device)
+
+
+RESUMED = ("r", "lora_alpha", "target_modules")  # what the adapters' shapes and sum read
+
+
+def check_resume(folder: Path, model) -> None:
+    """A resume trains what the checkpoint in `folder` trained: its adapters (PEFT's
+    adapter_config.json) with the same rank, alpha and targets when the run trains LoRA
+    (`model`: --lora, or an IR document built with it), none when it does not (None). Else a different rank was copied into
+    the adapters (exit 101) and a run without --lora dropped them unsaid."""
+    from runtime.errors import RuntimeUserError
+
+    saved = Path(folder) / CONFIG
+    if model is None:
+        if saved.is_file():
+            raise RuntimeUserError(f"{folder} holds LoRA adapters "
+                                   f"({_described(_read(saved))}); this run has no --lora",
+                                   help=["resume with the --lora of the run that saved it, "
+                                         "or train the whole model from its weights: "
+                                         f"--hf-weights {folder} (the base, no adapters)"])
+        return
+    now = peft_config(model)
+    if not saved.is_file():
+        raise RuntimeUserError(f"--lora: {folder} was trained without LoRA (no {CONFIG})",
+                               help=[f"start LoRA from its weights: --hf-weights {folder}"])
+    then = _read(saved)
+    if any(then.get(key) != now[key] for key in RESUMED):
+        raise RuntimeUserError(f"--lora gives {_described(now)}, but {folder} was trained "
+                               f"with {_described(then)}",
+                               help=["resume with the --lora of the run that saved it"])
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        from runtime.errors import RuntimeUserError
+
+        raise RuntimeUserError(f"cannot read {path}: {exc}") from None
+
+
+def _described(config: dict) -> str:
+    targets = ",".join(config.get("target_modules") or []) or "none"
+    return f"rank {config.get('r')}, alpha {config.get('lora_alpha')}, targets {targets}"

@@ -366,6 +366,25 @@ def test_lora_resume_continues_exactly(ckpt, tmp_path):
     assert losses(first) + losses(rest) == losses(whole)
 
 
+def test_a_resume_trains_the_adapters_its_checkpoint_holds(ckpt, tmp_path):
+    """--resume with another --lora rank (or targets, alpha) was an internal error (a
+    rank-16 A copied into a rank-4 one: exit 101); without --lora it trained the whole
+    model and dropped the checkpoint's adapters unsaid; --lora from a checkpoint without
+    adapters is refused too (its weights start LoRA through --hf-weights)."""
+    lora = train(ckpt, "--steps", "1", "--lora", "rank=4,alpha=8", "--save", tmp_path / "l")
+    plain = train(ckpt, "--steps", "1", "--save", tmp_path / "p")
+    assert lora.exit_code == 0 and plain.exit_code == 0
+    cases = [(("--lora", "rank=2,alpha=8"), tmp_path / "l",
+              "--lora gives rank 2, alpha 8.0, targets"),
+             (("--lora", "rank=4,alpha=8,targets=[q]"), tmp_path / "l", "targets q_proj, but"),
+             ((), tmp_path / "l", "holds LoRA adapters (rank 4, alpha 8.0, targets"),
+             (("--lora", "rank=4,alpha=8"), tmp_path / "p", "was trained without LoRA")]
+    for args, folder, message in cases:
+        result = train(ckpt, "--steps", "2", *args, "--resume", folder, weights=False)
+        assert result.exit_code == 1, (args, result.output)
+        assert message in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_train_cuda.py runs it")
 def test_lora_on_the_gpu_needs_a_cuda_device_only(ckpt):
     result = run("train", LLAMA, "--hf-weights", ckpt / "hf", "--data", ckpt / "tokens.bin",

@@ -475,6 +475,9 @@ class Run:
             raise RuntimeUserError(f"{folder} is at step {self.start}: --steps "
                                    f"{self.request.steps} leaves nothing to run",
                                    help=["--steps is the total step count; give more"])
+        from runtime.lora import check_resume
+
+        check_resume(folder, self.model if self._lora() else None)
         if self._resume_from_shards(folder):
             return
         state = read_optimizer(folder)
