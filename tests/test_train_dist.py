@@ -94,6 +94,8 @@ def test_lora_with_tp_under_data_parallel_is_refused_on_the_gpu(monkeypatch):
                        "not supported on the GPU yet") as caught:
         check_lora_parallel(request(), 4)
     assert "--device cpu" in caught.value.help[0] and "--tp alone" in caught.value.help[0]
+    with pytest.raises(RuntimeUserError, match="not supported on the GPU yet"):
+        check_lora_parallel(request(lora=None, built_lora=True), 4)  # an IR built --lora
     for given, world in (({}, 2), ({"device": "cpu"}, 4), ({"lora": None}, 4),
                          ({"tp": 1}, 4), ({}, 3), ({"pp": 2}, 8)):
         check_lora_parallel(request(**given), world)
@@ -235,3 +237,21 @@ def test_lora_data_parallel_trains_as_one_process(ckpt, tmp_path):
             for d in ("one", "two"))
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
+
+
+def test_an_ir_built_with_lora_counts_as_lora_for_the_gpu_refusal(tmp_path):
+    """document_parallel records that an IR document was built with --lora, so
+    check_lora_parallel refuses `modulec train x.ir` under DP x TP on the GPU as it refuses
+    --lora (an IR built --lora trains LoRA without the flag)."""
+    from runtime.train.run import Request, document_parallel
+    from tests.test_cli import run
+
+    built = tmp_path / "lora-tp2.ir"
+    sizes = [a for k, v in {"vocab_size": 64, "d_model": 32, "n_layers": 1, "num_heads": 4,
+                            "num_kv_heads": 2, "d_ff": 48}.items() for a in ("--set", f"{k}={v}")]
+    assert run("build", LLAMA, *sizes, "--shape", "B=1", "--shape", "T=8", "--tp", "2",
+               "--lora", "rank=2,alpha=4,targets=[q,v]", "-o", built).exit_code == 0
+    request = Request(file=built, data=tmp_path / "none.bin", seq=8, batch=1, steps=1,
+                      device="cuda", tp=None)
+    document_parallel(request)
+    assert request.tp == 2 and request.built_lora

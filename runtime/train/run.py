@@ -88,6 +88,7 @@ class Request:
     microbatches: int | None = None  # with --pp: micro-batches per step (default 4 x pp)
     doc_sep: int | None = None  # packed sequences: the end-of-document id (packing.py)
     ignore_index: int = -100  # packed: the label of the targets left out of the loss
+    built_lora: bool = False  # an IR document built with --lora (document_parallel)
 
 
 def train_model(**kwargs) -> str:
@@ -194,6 +195,7 @@ def document_parallel(request: Request) -> None:
                                help=["leave out --no-tp-overlap, or rebuild it with --tp M "
                                      "--no-tp-overlap"])
     request.tp, request.sp = size, sp
+    request.built_lora = bool(document.get("metadata", {}).get("lora"))
 
 
 def check_zero(request: Request, context) -> None:
@@ -221,8 +223,10 @@ def check_lora_parallel(request: Request, world: int) -> None:
     refused until the four-GPU run trains (device run D9: rank 0 exited 101 there;
     docs/distributed.md "LoRA under tensor parallel"). The CPU (gloo) runs it. A launch
     --tp does not divide is check_tensor_parallel's error; with --pp the pipeline's own
-    trainer runs (runtime.train.pipeline, eager on both devices), LoRA included."""
-    if request.device != "cuda" or request.lora is None or request.tp <= 1:
+    trainer runs (runtime.train.pipeline, eager on both devices), LoRA included. An IR
+    document built with --lora counts as --lora (document_parallel reads it)."""
+    lora = request.lora is not None or getattr(request, "built_lora", False)
+    if request.device != "cuda" or not lora or request.tp <= 1:
         return
     if request.pp > 1 or world <= request.tp or world % request.tp:
         return
