@@ -450,18 +450,23 @@ def test_cuda_eval_loss_is_the_steps_loss_before_its_update():
         assert float(step(ids, labels)) == pytest.approx(before, rel=2e-3)
 
 
-def test_make_corpus_small(tmp_path):
+def test_make_corpus_small(tmp_path, monkeypatch):
     """benchmarks/data/make_corpus.py at a small size: a tokenizer, train and eval token
-    files whose ids decode back to the documents, and a manifest."""
+    files whose ids decode back to the documents, and a manifest. Run from another folder
+    with a relative OUT (its `modulec data` steps run in the repository root, where a
+    relative OUT was not found: a traceback)."""
     import importlib.util
+    from pathlib import Path
 
     from tokenizers import Tokenizer
 
-    spec = importlib.util.spec_from_file_location("make_corpus",
-                                                  "benchmarks/data/make_corpus.py")
+    script = Path("benchmarks/data/make_corpus.py").resolve()
+    spec = importlib.util.spec_from_file_location("make_corpus", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main([str(tmp_path), "--vocab", "400", "--max-mb", "0.3"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert module.main(["corpus", "--vocab", "400", "--max-mb", "0.3"]) == 0
+    tmp_path = tmp_path / "corpus"
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["documents"]["train"] > 0 and "train.bin" in manifest["files"]
     ids = np.fromfile(tmp_path / "train.bin", "<u2")

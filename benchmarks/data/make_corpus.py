@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from runtime.train.bpe import train_bpe
 
-    out = args.out
+    out = args.out.resolve()  # the `modulec data` runs below run in ROOT
     out.mkdir(parents=True, exist_ok=True)
     docs = documents(args.max_mb)
     evals = [d for d in docs if rank(d[0]) % 1000 < EVAL_PER_MILLE]
