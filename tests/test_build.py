@@ -203,14 +203,23 @@ def test_config_value_spellings_refused(field, message, tmp_path):
 
 
 @pytest.mark.parametrize("option", ["--set", "--shape"])
-def test_a_name_given_twice_is_a_usage_error(option, tmp_path):
-    """`--set n=5 --set n=6` built with n = 6 and ignored `n=5`."""
+def test_a_name_given_twice_takes_the_last_value_and_says_so(option, tmp_path):
+    """`--set n=5 --set n=6` builds with n = 6, as a repeated option does (a script's base
+    settings and an override), and a note names the value used."""
     path = tmp_path / "m.module"
     path.write_text(SETTINGS_MODEL)
     name = "n" if option == "--set" else "B"
+    out = tmp_path / "m.ir"
     result = CliRunner().invoke(modulec, ["build", str(path), "--shape", "B=2", option,
-                                          f"{name}=5", option, f"{name}=6"])
-    assert result.exit_code == 2 and f"`{name}` is given twice" in result.output, result.output
+                                          f"{name}=5", option, f"{name}=6", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"{option} `{name}` is given more than once; the last value, `6`, is used" \
+        in result.output
+    once = tmp_path / "once.ir"  # builds are byte-identical: the same as given once
+    given = ["--shape", "B=6"] if option == "--shape" else ["--shape", "B=2", "--set", "n=6"]
+    assert CliRunner().invoke(modulec, ["build", str(path), *given, "-o",
+                                        str(once)]).exit_code == 0
+    assert out.read_bytes() == once.read_bytes()
 
 
 def test_hf_config_null_field_keeps_the_default(tmp_path):

@@ -19,9 +19,9 @@ def pairs(values, what: str, integer: bool) -> dict:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
             raise click.BadParameter(f"expected NAME=VALUE, got `{item}`", param_hint=what)
-        if name.strip() in pairs:  # the last one won, the others were ignored
-            raise click.BadParameter(f"`{name.strip()}` is given twice; give each name once",
-                                     param_hint=what)
+        if name.strip() in pairs:  # a repeated option: the last wins, as click's own do
+            click.echo(f"note: {what} `{name.strip()}` is given more than once; the last "
+                       f"value, `{value.strip()}`, is used", err=True)
         if integer:
             try:
                 pairs[name.strip()] = int(value)
