@@ -713,3 +713,12 @@ def test_verify_sizes_check_the_weight_mapping_of_a_stack_empty_at_the_defaults(
     assert result.exit_code == 1, result.output
     assert "error[E010]: `dim=3` is out of range for `blocks[{i}].dense[{j}].mlp.up_weight`" \
         in result.output and "at the sizes of `verify_backward:`" in result.output
+
+
+@pytest.mark.parametrize("value,want", [(2, "2"), (True, "true"), (1e-05, "1e-05")])
+def test_settings_given_from_python_are_read_as_their_text(value, want):
+    """`Model.from_module(settings={"n_layers": 2})` gives numbers and bools, not text:
+    they read as the `--set` text they print as (an int had no `.strip()`: exit 101)."""
+    from modulec.check.given import setting_value
+
+    assert setting_value(value) == setting_value(want)

@@ -109,6 +109,14 @@ def shown(value) -> str:
     return "None" if value is None else str(value)
 
 
+def _as_text(value) -> str:
+    """A setting given from Python (`Model.from_module(settings={"n_layers": 2})`) as the
+    text a `--set` would hold: a bool as `true` / `false`, a number as written."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else repr(value)
+
+
 def setting_value(text: str):
     """The value of `--set NAME=TEXT`: one compile-time expression, written as a default is
     in a module (`32`, `4 * 1024`, `1e-6`, `true`, `"silu"`, a bare word for a string).
@@ -119,7 +127,7 @@ def setting_value(text: str):
     from modulec.syntax.comments import comments_of
     from modulec.syntax.parser import parse_text
 
-    stripped = text.strip()
+    stripped = _as_text(text).strip()
     if stripped.lower().lstrip("+-") in NOT_FINITE:  # `-inf` did not evaluate (a word)
         return Ident(stripped), None
     why = "no value" if not stripped else "a value is one line" if "\n" in stripped or \
