@@ -147,8 +147,7 @@ def test_what_a_packed_step_does_not_run_is_refused():
         planned=False)
     check_packed(SimpleNamespace(dist=None, program=program))
     check_packed(SimpleNamespace(dist=SimpleNamespace(tp=1), program=program))  # --zero
-    with pytest.raises(RuntimeUserError, match="with --tp is not supported yet"):
-        check_packed(SimpleNamespace(dist=SimpleNamespace(tp=2), program=program))
+    check_packed(SimpleNamespace(dist=SimpleNamespace(tp=2), program=program))  # --tp packs
     from modulec.ir.graph import Node
 
     def attention(*kernel):
