@@ -11,3 +11,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def assert_moved_alike(masters: dict, want: dict, initial: dict, skip=(),
+                       least: float = 0.95) -> None:
+    """A sharded bf16 run's masters hold the paths of one GPU's (`want`, `skip` left out of
+    the comparison), and each moved from `initial` the way one GPU's did (cosine > least):
+    bf16 rounding differs between the layouts, the update's direction must not."""
+    from tests.bf16_parity import cosine
+
+    assert set(masters) == set(want)
+    for path in [p for p in want if p not in skip]:
+        cos = cosine(masters[path] - initial[path], want[path] - initial[path])
+        assert cos > least, (path, cos)
+
+
+def needs_gpus(count: int) -> list:
+    """The marks of a test module that runs on `count` GPUs: `-m cuda`, and skipped where
+    this machine has fewer (or no CUDA)."""
+    import pytest
+    import torch
+
+    return [pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available() or
+                               torch.cuda.device_count() < count,
+                               reason=f"needs {count} GPUs")]

@@ -17,11 +17,9 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import assert_moved_alike, free_port, needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available() or
-                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = needs_gpus(2)
 
 STEPS, ROWS, SEQ, ACCUMULATION, WORLD = 4, 2, 128, 2, 2
 
@@ -53,9 +51,4 @@ def test_packed_data_parallel_steps_and_evaluation_on_two_gpus(zero, eval_file, 
     # the ranks' mean (one all_reduce), on every rank
     assert ranks[0]["losses"] == pytest.approx(ranks[1]["losses"], rel=1e-6)
     masters, initial = ranks[0]["masters"], want["initial"]
-    assert set(masters) == set(want["masters"])
-    for path, master in want["masters"].items():
-        moved, want_moved = masters[path] - initial[path], master - initial[path]
-        cos = float((moved.flatten().double() @ want_moved.flatten().double()) /
-                    (moved.norm() * want_moved.norm()).clamp(min=1e-30))
-        assert cos > 0.95, (path, cos)
+    assert_moved_alike(masters, want["masters"], initial)

@@ -16,11 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 np = pytest.importorskip("numpy")
 
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available() or
-                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = needs_gpus(2)
 
 LLAMA = "std/models/llama.module"
 

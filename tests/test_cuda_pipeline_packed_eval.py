@@ -21,12 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, needs_gpus  # noqa: E402
 from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available() or
-                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = needs_gpus(2)
 
 SEP = 1
 ARGS = ("--seq", "64", "--lr", "1e-3", "--format", "json", "--steps", "3",

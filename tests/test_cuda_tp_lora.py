@@ -20,11 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests import dist_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available() or
-                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = needs_gpus(2)
 
 SEQ, STEPS, LR = 128, 4, 1e-3
 LORA = "rank=8,alpha=16,targets=[q,k,v,o,gate,up,down]"

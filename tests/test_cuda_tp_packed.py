@@ -16,11 +16,9 @@ torch = pytest.importorskip("torch")
 mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import assert_moved_alike, free_port, needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available() or
-                                 torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = needs_gpus(2)
 
 STEPS, ROWS, SEQ, ACCUMULATION, WORLD = 4, 2, 128, 2, 2
 
@@ -45,12 +43,7 @@ def test_packed_tensor_parallel_steps_on_two_gpus(sp, tmp_path):
     program = dist_workers._gpu_tp_model(WORLD, 0, sp).source.program(planned=False)
     masters = unshard_params([r["masters"] for r in ranks], program)
     initial = want["initial"]
-    assert set(masters) == set(want["masters"])
-    for path, master in want["masters"].items():
-        moved, want_moved = masters[path] - initial[path], master - initial[path]
-        cos = float((moved.flatten().double() @ want_moved.flatten().double()) /
-                    (moved.norm() * want_moved.norm()).clamp(min=1e-30))
-        assert cos > 0.95, (path, cos)
+    assert_moved_alike(masters, want["masters"], initial)
 
 
 # DP 2 x TP 2 (four GPUs): a rank a row (--batch 1), one micro-batch a step (with
