@@ -36,3 +36,21 @@ def needs_gpus(count: int) -> list:
             pytest.mark.skipif(not torch.cuda.is_available() or
                                torch.cuda.device_count() < count,
                                reason=f"needs {count} GPUs")]
+
+
+def train_records(processes: int, *args: str) -> list[dict]:
+    """The JSON records (`--format json` lines) of `modulec train ARGS` on `processes`
+    (1: one process, else under torchrun), NVLink multicast off. A failed run's whole
+    stderr is the assertion's message: the first failing rank's error is not at its end."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    head = [sys.executable, "-m", "modulec"] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+         "--master-port", str(free_port()), "-m", "modulec"]
+    done = subprocess.run([*head, "train", *args], capture_output=True, text=True,
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), timeout=600)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -10,17 +10,12 @@ continues. The exact (float64) equalities are the CPU test's: tests/test_pipelin
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.dist_testing import free_port, needs_gpus  # noqa: E402
+from tests.dist_testing import needs_gpus, train_records  # noqa: E402
 from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
 
 pytestmark = needs_gpus(2)
@@ -31,14 +26,7 @@ ARGS = ("--seq", "64", "--batch", "1", "--lr", "1e-3", "--format", "json", "--st
 
 
 def _run(processes: int, *args) -> list[dict]:
-    """The JSON records of `modulec train` on `processes` (1: no torchrun)."""
-    head = [sys.executable, "-m", "modulec"] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-         "--master-port", str(free_port()), "-m", "modulec"]
-    done = subprocess.run([*head, "train", LLAMA, *args], capture_output=True, text=True,
-                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return train_records(processes, LLAMA, *args)
 
 
 def _losses(rows: list[dict]) -> list[float]:

@@ -10,18 +10,13 @@ tests/test_pipeline_packed_eval.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.dist_testing import free_port, needs_gpus  # noqa: E402
+from tests.dist_testing import needs_gpus, train_records  # noqa: E402
 from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
 
 pytestmark = needs_gpus(2)
@@ -48,14 +43,7 @@ def packed(gpu_ckpt, tmp_path_factory):
 def _launch(processes: int, *args) -> list[dict]:
     """The step records (loss, eval_loss) of `modulec train` on `processes` (1: no
     torchrun)."""
-    head = [sys.executable, "-m", "modulec"] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-         "--master-port", str(free_port()), "-m", "modulec"]
-    done = subprocess.run([*head, "train", LLAMA, *args], capture_output=True, text=True,
-                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return [r for r in rows if r["event"] == "step"]
+    return [r for r in train_records(processes, LLAMA, *args) if r["event"] == "step"]
 
 
 def _same(got: list[dict], want: list[dict]) -> None:

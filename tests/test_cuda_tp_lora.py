@@ -56,7 +56,7 @@ def _args(data) -> list:
 
 def _train(launcher: list, args: list, save) -> list[float]:
     done = _launch(launcher, args, save)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr  # whole: the failing rank's error is not last
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return [r["loss"] for r in rows if r["event"] == "step"]
 
