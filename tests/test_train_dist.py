@@ -87,8 +87,8 @@ def test_lora_with_tp_under_data_parallel_is_refused_on_the_gpu(monkeypatch):
     from runtime.train.run import _context, check_lora_parallel
 
     def request(**given):
-        return SimpleNamespace(**{"device": "cuda", "lora": object(), "tp": 2, "pp": 1,
-                                  **given})
+        return SimpleNamespace(**{"device": "cuda", "lora": object(), "built_lora": False,
+                                  "tp": 2, "pp": 1, **given})
 
     with pytest.raises(RuntimeUserError, match="--lora with --tp under data parallel is "
                        "not supported on the GPU yet") as caught:

@@ -40,6 +40,10 @@ def check_log_every(request) -> None:
 class LogWindow:
     def __init__(self, every: int, last: int, save_every: int | None = None):
         self.every, self.last, self.save_every = every, last, save_every
+        self._start()
+
+    def _start(self) -> None:
+        """An empty window."""
         self.losses: list[float] = []
         self.seconds: list[float] = []
         self.tokens = 0
@@ -62,7 +66,7 @@ class LogWindow:
         if not self.ends(step):
             return None
         record = self._averaged()
-        self.__init__(self.every, self.last, self.save_every)
+        self._start()
         return record
 
     def _averaged(self) -> dict:

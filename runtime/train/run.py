@@ -225,7 +225,7 @@ def check_lora_parallel(request: Request, world: int) -> None:
     --tp does not divide is check_tensor_parallel's error; with --pp the pipeline's own
     trainer runs (runtime.train.pipeline, eager on both devices), LoRA included. An IR
     document built with --lora counts as --lora (document_parallel reads it)."""
-    lora = request.lora is not None or getattr(request, "built_lora", False)
+    lora = request.lora is not None or request.built_lora
     if request.device != "cuda" or not lora or request.tp <= 1:
         return
     if request.pp > 1 or world <= request.tp or world % request.tp:
@@ -635,8 +635,7 @@ class Run:
     def _lora(self) -> bool:
         """Whether the program trains LoRA adapters: --lora, or an IR document built with
         it (its `metadata.lora`): the checkpoint then holds PEFT's adapter files too."""
-        metadata = self.model.source.program(planned=False).metadata
-        return self.request.lora is not None or bool(metadata.get("lora"))
+        return self.request.lora is not None or self.request.built_lora
 
     def _shard_save(self, trainer: dict):
         """The per-rank shards' part of a save (runtime.train.shards), None without."""
