@@ -23,6 +23,7 @@ from modulec.lower.lora import is_adapter  # noqa: E402
 from runtime.tensor_parallel import shard_params, unshard_params  # noqa: E402
 from tests import tp_lora_workers as workers  # noqa: E402
 from tests.dist_testing import free_port  # noqa: E402
+from tests.runtime_models import TINY  # noqa: E402
 
 pytest.importorskip("transformers")
 from tests.test_train import LLAMA, ckpt  # noqa: E402,F401 (the tiny HF Llama fixture)
@@ -242,3 +243,39 @@ def test_a_shard_resume_reads_a_tensor_parallel_ranks_slices_of_the_frozen_base(
     assert any(want[p].shape != whole[p].shape for p in base)  # some are slices
     for p in base:
         assert torch.equal(model.params[p], want[p]) and torch.equal(gpu.frozen[p], want[p]), p
+
+
+def test_the_lora_pass_returns_its_shards_and_writes_no_plan(monkeypatch):
+    """No pass writes the tensor-parallel plan it reads (modulec/lower/pass_result.py): the
+    plan the build hands the pipeline is unchanged after it, and the plan run_pipeline
+    leaves in the context is that one with the `lora` pass's split adapters and the
+    `tensor_parallel` pass's vocabulary-split logits added (what the section holds)."""
+    from modulec.lower import build as build_module
+    from modulec.lower.build import BuildRequest, build
+    from modulec.lower.lora import LoraOptions, is_adapter
+
+    seen, real = {}, build_module.run_pipeline
+
+    def spy(graph, dump_after, dump, context):
+        given = context.tensor_parallel
+        before = ({f: dict(s) for f, s in given.shards.items()}, list(given.vocab_outputs))
+        graph = real(graph, dump_after, dump, context)
+        seen.update(given=given, before=before, after=context.tensor_parallel)
+        return graph
+
+    monkeypatch.setattr(build_module, "run_pipeline", spy)
+    path, settings = TINY["llama"]
+    built = build(BuildRequest(Path(path), settings={k: str(v) for k, v in settings.items()},
+                               shapes={"B": 2, "T": 8}, tensor_parallel=2,
+                               lora=LoraOptions.of(workers.LORA)))
+    assert built.document is not None, built.diagnostics
+    given, after = seen["given"], seen["after"]
+    assert (given.shards, given.vocab_outputs) == seen["before"]  # nothing written into it
+    assert not any(is_adapter(p) for found in given.shards.values() for p in found)
+    added = {(f, p) for f, found in after.shards.items() for p in found} - \
+        {(f, p) for f, found in given.shards.items() for p in found}
+    assert added and all(is_adapter(p) for _, p in added)
+    assert after.vocab_outputs == ["logits"] and given.vocab_outputs == []
+    section = built.document["schedule"]["tensor_parallel"]["shards"]
+    assert {(f, p[len("param:"):]) for f, p in added} <= \
+        {(f, p) for f, found in section.items() for p in found}

@@ -139,6 +139,7 @@ def _lower(decl, loaded, resolver, args, request, diagnostics) -> BuildResult:
     if request.lora is not None:
         context.weight_schema = _weight_schema(instance)
     graph = run_pipeline(graph, request.dump_after, request.dump, context)
+    tensor_parallel = context.tensor_parallel  # with what the passes added (the adapters')
     diagnostics += context.diagnostics
     if any(d.is_error for d in context.diagnostics):
         return BuildResult(diagnostics, source=loaded.source)

@@ -35,6 +35,7 @@ from modulec.diagnostics import error
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
 from modulec.lower.backward import without_written_backward
 from modulec.lower.lora_tp import adapter_shards, replicated, whole_rows
+from modulec.lower.pass_result import PassResult
 from modulec.types.tensor import DTYPES
 
 DEFAULT_RANK = 16  # spec §7.3.2
@@ -145,7 +146,9 @@ class LoraReport:
     matched: set = field(default_factory=set)  # option targets some part answered to
 
 
-def apply_lora(graph: Graph, context) -> Graph:
+def apply_lora(graph: Graph, context) -> Graph | PassResult:
+    """The graph with each selected site adapted; beside it (a PassResult) the report and,
+    with `--tp`, the split adapters' shards, which join the tensor-parallel plan."""
     options = getattr(context, "lora", None)
     if options is None:
         return graph
@@ -164,11 +167,15 @@ def apply_lora(graph: Graph, context) -> Graph:
         site.shard = weight_shard(plan, site)
     _unmatched_targets(options, sites, report, context)
     sites = [s for s in sites if s.selected and not _split_problem(graph, s, context)]
-    functions = tuple(_with_ia3(_rewrite(f, [s for s in sites if s.function == f.name],
-                                         report, plan), context)
-                      for f in graph.functions)
-    context.lora_report = report
-    return Graph(graph.model, graph.entry, graph.backward, functions)
+    functions, shards = [], {}
+    for function in graph.functions:
+        rewritten, found = _rewrite(function, [s for s in sites if s.function == function.name],
+                                    report)
+        functions.append(_with_ia3(rewritten, context))
+        if found:  # the split adapters (--tp) join the tensor_parallel section
+            shards[function.name] = found
+    return PassResult(Graph(graph.model, graph.entry, graph.backward, tuple(functions)),
+                      shards=shards, lora_report=report)
 
 
 def _split_problem(graph: Graph, site: Site, context) -> bool:
@@ -220,11 +227,13 @@ def _unmatched_targets(options, sites, report, context) -> None:
 
 
 # ====================================================================== rewriting
-def _rewrite(function: Function, sites: list[Site], report: LoraReport, plan=None) -> Function:
+def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> tuple[Function, dict]:
+    """(the function with its sites adapted and its base parameters frozen, param id ->
+    Shard of its adapters that are split under `--tp`)."""
     base = tuple(p.id for p in function.params)
     frozen = tuple(dict.fromkeys(function.no_gradient + base))
     if not sites:
-        return replace(function, no_gradient=frozen)
+        return replace(function, no_gradient=frozen), {}
     builder = _Rewriter(function)
     by_node = {s.node: s for s in sites}
     for node in function.nodes:
@@ -233,11 +242,9 @@ def _rewrite(function: Function, sites: list[Site], report: LoraReport, plan=Non
         else:
             builder.nodes.append(node)
     nodes = tuple(replace(n, id=f"f{i}") for i, n in enumerate(builder.nodes))
-    if builder.shards:  # the split adapters join the tensor_parallel section
-        plan.shards.setdefault(function.name, {}).update(builder.shards)
     return replace(function, params=function.params + tuple(builder.params),
                    values=function.values + tuple(builder.values), nodes=nodes,
-                   no_gradient=frozen + tuple(builder.frozen))
+                   no_gradient=frozen + tuple(builder.frozen)), builder.shards
 
 
 def _with_ia3(function: Function, context) -> Function:

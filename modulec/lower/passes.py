@@ -1,7 +1,12 @@
 """The pass pipeline: a flat, named list. Each pass maps Graph IR to Graph IR; the verifier
 runs after every pass (a pass that breaks the IR is a compiler bug, caught where it
 happens), and `--dump-after NAME` prints the IR a pass produced. A pass reports problems
-with the source (E013 for a `@fuse` that cannot apply) into its `PassContext`."""
+with the source (E013 for a `@fuse` that cannot apply) into its `PassContext`.
+
+A pass reads the context and never writes it otherwise: what it finds beside the graph
+(the `lora` pass's adapters and their tensor-parallel shards, the `tensor_parallel`
+pass's vocabulary-split outputs) it returns in a `PassResult` (modulec/lower/pass_result.py),
+which `run_pipeline` merges into the context for the passes after it and for the build."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from modulec.lower import pass_names
 from modulec.lower.backward import derive_backward
 from modulec.lower.fusion import fuse
 from modulec.lower.lora import apply_lora
+from modulec.lower.pass_result import PassResult
 from modulec.lower.sequence_parallel import apply_sequence_parallel
 from modulec.lower.tensor_parallel import apply_tensor_parallel
 from modulec.lower.tp_overlap import apply_tp_overlap
@@ -71,7 +77,7 @@ def _annotation_end(text: str, start: int) -> int:
 class Pass:
     name: str
     summary: str
-    run: Callable[[Graph, PassContext], Graph]
+    run: Callable[[Graph, PassContext], Graph | PassResult]
 
 
 PIPELINE: tuple[Pass, ...] = (
@@ -112,7 +118,7 @@ def run_pipeline(graph: Graph, dump_after: str | None = None,
                  context: PassContext | None = None) -> Graph:
     context = context if context is not None else PassContext()
     for step in PIPELINE:
-        graph = step.run(graph, context)
+        graph = _merged(step.run(graph, context), context)
         problems = verify_graph(graph)
         if problems:
             raise AssertionError(f"pass `{step.name}` produced invalid Graph IR:\n"
@@ -120,3 +126,16 @@ def run_pipeline(graph: Graph, dump_after: str | None = None,
         if dump is not None and step.name == dump_after:
             dump(step.name, graph)
     return graph
+
+
+def _merged(result: Graph | PassResult, context: PassContext) -> Graph:
+    """The graph a pass returned; its findings merged into the context (a new
+    tensor-parallel plan with the shards and outputs added, the LoRA report)."""
+    if isinstance(result, Graph):
+        return result
+    if result.shards or result.vocab_outputs:
+        context.tensor_parallel = context.tensor_parallel.extended(result.shards,
+                                                                   result.vocab_outputs)
+    if result.lora_report is not None:
+        context.lora_report = result.lora_report
+    return result.graph

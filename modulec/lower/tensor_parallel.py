@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from modulec.check.sharding import STRATEGIES, dims_at
 from modulec.diagnostics import error
 from modulec.ir.graph import Function, Graph, Node, ValueInfo
+from modulec.lower.pass_result import PassResult
 from modulec.semantic.consteval import NotConst, Undefined, evaluate
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import Dim
@@ -81,6 +82,15 @@ class TensorParallel:
     # each backward collective after a matmul backward overlapped with its weight gradient
     # (modulec.lower.tp_overlap; `--no-tp-overlap`: off)
     overlap: bool = True
+
+    def extended(self, shards: dict, vocab_outputs=()) -> "TensorParallel":
+        """A new plan with more sharded parameters (function -> {param id: Shard}) and
+        vocabulary-split outputs: what a pass returns, merged by run_pipeline."""
+        merged = {name: dict(found) for name, found in self.shards.items()}
+        for name, found in shards.items():
+            merged.setdefault(name, {}).update(found)
+        return replace(self, shards=merged,
+                       vocab_outputs=list(self.vocab_outputs) + list(vocab_outputs))
 
 
 # ====================================================================== reading @shard
@@ -240,23 +250,24 @@ def _int(node, env) -> int | None:
 
 
 # ====================================================================== the pass
-def apply_tensor_parallel(graph: Graph, context) -> Graph:
+def apply_tensor_parallel(graph: Graph, context) -> Graph | PassResult:
     plan = getattr(context, "tensor_parallel", None)
     if plan is None or plan.size == 1 or not plan.shards:
         return graph
     rewritten: dict[str, Function] = {}
+    vocab: list = []  # the outputs split over the vocabulary, by name (as the runtime's)
     for function in graph.functions:
         found = plan.shards.get(function.name)
         if found and not function.gradient_of:
             rewrite = _Rewrite(function, found, plan.size, context,
                                entry=function.name == graph.entry)
             rewritten[function.name] = rewrite.run()
-            plan.vocab_outputs += [function.value(o).name or o for o in function.outputs
-                                   if o in rewrite.vocab]  # by name, as the runtime's
+            vocab += [function.value(o).name or o for o in function.outputs
+                      if o in rewrite.vocab]
     functions = tuple(rewritten.get(f.name, f) for f in graph.functions
                       if f.gradient_of not in rewritten)  # derived again, with the pair
-    return Graph(graph.model, graph.entry, graph.backward if not rewritten else "",
-                 functions)
+    return PassResult(Graph(graph.model, graph.entry, graph.backward if not rewritten else "",
+                            functions), vocab_outputs=tuple(vocab))
 
 
 @dataclass
