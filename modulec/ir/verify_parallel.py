@@ -313,7 +313,10 @@ def verify_pipeline(section, graph: Graph, tp: int = 1) -> list[str]:
         problems += [f"stage {stage}: {m}" for m in _stage_ops(stage, ops, count, micro,
                                                                  section["streams"])]
     if not problems:
-        problems += _matched(section["ops"]) or _runs(section)
+        from modulec.ir.verify_pipeline_outputs import verify_outputs
+
+        problems += verify_outputs(section, graph) or _matched(section["ops"]) or \
+            _runs(section)
     return problems
 
 

@@ -13,6 +13,11 @@ Stage s sends to stage s + 1, per micro-batch, every tensor made at or before s 
 after s (a tensor skipping a stage is carried through it: sends are between neighbours
 only), and receives their gradients back (not for integer tensors). Step inputs are read
 by every stage that needs them from the data loader, never sent; parameters never move.
+The entry's outputs are read by the last stage, where the loss is: one made earlier (an
+auxiliary loss computed before the final norm and head) is carried there, and its
+gradient (the loss's seed) back. The section's `outputs` say how the loss takes each: the
+logits by cross-entropy, a 0-d floating output as an auxiliary loss (the MoE
+load-balancing loss, whose router statistics reach it as the stack's carried tensor).
 
 The schedule is 1F1B (PipeDream-Flush, as Megatron-LM runs it): stage s of P runs
 min(P - s - 1, M) warm-up forwards, then pairs of one forward and one backward, then the
@@ -102,7 +107,8 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
     stages = _split(units, options.stages)
     count = max(stages) + 1
     micro = options.microbatches or MICROBATCHES_PER_STAGE * count
-    boundaries = [_boundary(units, stages, s) for s in range(count - 1)]
+    outputs = entry_outputs(graph)
+    boundaries = [_boundary(units, stages, s, outputs) for s in range(count - 1)]
     section = {"stages": [_stage(graph, units, stages, s) for s in range(count)],
                "microbatches": micro, "schedule": SCHEDULE,
                "split": "partition" if any(u.stage is not None for u in units) else "balanced",
@@ -116,6 +122,7 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
 # ---------------------------------------------------------------------- units
 def entry_units(graph, device: Device = H100, training: str = "full") -> list[Unit]:
     entry = graph.function(graph.entry)
+               "outputs": _outputs(graph, units, stages, outputs),
     table = value_table(graph, entry)
     memo: dict = {}
     units, carried = [], {}
@@ -174,6 +181,19 @@ def _resolve_aliases(units: list[Unit], carried: dict) -> list[Unit]:
         return units
     return [Unit(u.node, u.target, u.layer, u.block, u.stage, u.forward_s, u.backward_s,
                  tuple((carried.get(n, n), v) for n, v in u.reads), u.writes) for u in units]
+
+def entry_outputs(graph) -> list[str]:
+    """The entry's outputs, in order, each by the value that makes it (an alias's
+    input)."""
+    entry = graph.function(graph.entry)
+    carried = {n.outputs[0]: n.inputs[0] for n in entry.nodes if n.kind == "alias"}
+    resolved = []
+    for value in entry.outputs:
+        while value in carried:
+            value = carried[value]
+        resolved.append(value)
+    return resolved
+
 
 
 def _stage_of(node) -> int | None:
@@ -298,8 +318,8 @@ def _param_paths(graph, function, prefix: str) -> list[str]:
     return paths
 
 
-def _boundary(units, stages, s) -> dict:
-    """What crosses from stage s to s + 1: tensors made at or before s, read after s."""
+def _made(units, stages) -> dict:
+    """Each value the units make -> (its stage, its ValueInfo)."""
     made = {}
     for unit, st in zip(units, stages):
         for name, info in unit.writes:
@@ -314,11 +334,21 @@ def _boundary(units, stages, s) -> dict:
                for n, v in crossing.items()]
     return {"from": s, "to": s + 1, "tensors": tensors,
             "activation_bytes": sum(t["bytes"] for t in tensors),
+    return made
+
+
+def _boundary(units, stages, s, outputs=()) -> dict:
+    """What crosses from stage s to s + 1: tensors made at or before s, read after s; the
+    entry's `outputs` count as read by the last stage (the loss is there)."""
+    made = _made(units, stages)
             "gradient_bytes": sum(t["bytes"] for t in tensors if t["gradient"])}
 
 
 # ---------------------------------------------------------------------- 1F1B
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[dict]:
+    for name in outputs:
+        if name in made and made[name][0] <= s:
+            crossing.setdefault(name, made[name][1])
     """The ops of one stage, in order (the module docstring)."""
     warmup = min(stages - stage - 1, microbatches)
     order = [("forward", m, "warmup") for m in range(warmup)]
@@ -327,6 +357,23 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[dict]:
     order += [("backward", m, "cooldown") for m in range(microbatches - warmup, microbatches)]
     ops: list[dict] = []
     for kind, m, phase in order:
+def _outputs(graph, units, stages, outputs) -> list[dict]:
+    """The entry's outputs as the last stage's loss takes them: the first (the logits)
+    by cross-entropy, a 0-d floating one as an auxiliary loss (added, gradient seed 1:
+    runtime/train/aux_loss.py's rule), any other by nothing; `stage`: where it is made
+    (one made before the last stage crosses every boundary after it)."""
+    made, entry = _made(units, stages), graph.function(graph.entry)
+    rows = []
+    for index, (name, value) in enumerate(zip(entry.outputs, outputs)):
+        info = entry.value(name)
+        auxiliary = not info.shape and not info.dtype.startswith(("int", "uint", "bool"))
+        loss = "cross_entropy" if index == 0 else "auxiliary" if auxiliary else "none"
+        rows.append({"name": info.name or name, "value": value,
+                     "stage": made[value][0] if value in made else len(set(stages)) - 1,
+                     "loss": loss})
+    return rows
+
+
         ops += _compute_ops(kind, m, phase, stage, stages)
     return ops
 

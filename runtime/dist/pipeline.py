@@ -132,10 +132,8 @@ class GradientMap:
 
     def value_stage(self, value: str) -> int:
         if value not in self._stages:
-            if value in self.inputs:  # an output's seed: where the output is made
-                producer = self.forward_made_by[value[len("d:"):]]
-                layer = int(producer.repeat) - 1 if producer.kind == "call" else None
-                self._stages[value] = self.plan.stage_of[(producer.id, layer)]
+            if value in self.inputs:  # an output's seed: given by the loss, on the last
+                self._stages[value] = self.plan.stages - 1  # stage (outputs are sent there)
             elif value in self.made_by:
                 self._stages[value] = self.node_stage(self.made_by[value])
             else:  # a forward value read by the backward: not a gradient

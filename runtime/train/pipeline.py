@@ -251,8 +251,8 @@ class PipelineTrainer:
         for index in range(self.mesh.dp_index, data.batches, self.mesh.dp):
             inputs, labels, documents = self._batch(data.batch_at(index))
             outputs = self.runner.forward_only(inputs, documents)
-            if outputs is not None:
-                total += _loss(outputs, labels, self._loss_fn({}))[0]
+            if outputs is not None:  # the cross-entropy alone, as one process evaluates
+                total += float(self._loss_fn({})(outputs[0], labels)[0])
         counted = self.runner.plan.last and self.mesh.tp_index == 0
         value = torch.tensor([total if counted else 0.0], dtype=torch.float64,
                              device=self.device)
@@ -393,9 +393,10 @@ def _loss(outputs: list, labels: Tensor, loss_fn=None):
 
     logits = outputs[0]
     loss, d_logits = (loss_fn or logits_cross_entropy)(logits, labels)
-    aux_seeds, aux = auxiliary_seeds(list(outputs[1:]))
-    if aux is not None:
-        loss = loss + aux.to(loss.dtype)
+    aux_seeds, _ = auxiliary_seeds(list(outputs[1:]))
+    for value, seed in zip(outputs[1:], aux_seeds):  # each in the loss's dtype, in order,
+        if seed is not None:                         # as one process adds them
+            loss = loss + value.to(loss.dtype)
     return float(loss), [d_logits.to(logits.dtype)] + aux_seeds
 
 
@@ -463,8 +464,21 @@ def _refuse_unsupported(model: Model, program, section: dict) -> None:
         raise RuntimeUserError(f"--pp: parameters used by two stages ({', '.join(shared[:3])})"
                                " are not supported yet: each stage would train its own copy",
                                help=["place their uses in one stage with @partition"])
-    outputs = program.output_names()
-    if len(outputs) != 1:
-        raise RuntimeUserError(f"--pp trains a model with one output (the logits); this "
-                               f"one has {', '.join(outputs)} (auxiliary losses) and is not "
-                               "supported yet")
+    _refuse_outputs(program, section)
+
+
+def _refuse_outputs(program, section: dict) -> None:
+    """The last stage's loss takes the logits and the auxiliary losses (the section's
+    `outputs`); another output (not a 0-d float) is not trained under --pp yet."""
+    names = program.output_names()
+    rows = section.get("outputs")
+    if rows is None and len(names) > 1:  # a document built before `outputs`
+        raise RuntimeUserError(f"the IR's pipeline section does not say how its loss takes "
+                               f"the outputs {', '.join(names)}",
+                               help=["rebuild it with `modulec build ... --pp P`"])
+    other = [r["name"] for r in rows or () if r["loss"] not in ("cross_entropy", "auxiliary")]
+    if other:
+        raise RuntimeUserError(f"--pp trains the logits and auxiliary losses (0-d float "
+                               f"outputs); this model's output {', '.join(other)} is neither "
+                               "and is not supported yet",
+                               help=["train it on one process or data parallel (--zero)"])
