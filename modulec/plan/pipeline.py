@@ -114,6 +114,7 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
                "split": "partition" if any(u.stage is not None for u in units) else "balanced",
                "streams": {"compute": COMPUTE, "comm": COMM},
                "boundaries": boundaries,
+               "outputs": _outputs(graph, units, stages, outputs),
                "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
     zero = pipeline_zero(options.zero, options.dp)
     return add_data_parallel(section, graph, options.dp, zero, options.tp)
@@ -122,7 +123,6 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
 # ---------------------------------------------------------------------- units
 def entry_units(graph, device: Device = H100, training: str = "full") -> list[Unit]:
     entry = graph.function(graph.entry)
-               "outputs": _outputs(graph, units, stages, outputs),
     table = value_table(graph, entry)
     memo: dict = {}
     units, carried = [], {}
@@ -172,16 +172,6 @@ def _entry_backward_scale(graph, op_seconds, device, training, memo) -> float:
     return own / sum(op_seconds.values())
 
 
-def _named(function, ids) -> tuple:
-    return tuple((i, function.value(i)) for i in ids if i and function.value(i) is not None)
-
-
-def _resolve_aliases(units: list[Unit], carried: dict) -> list[Unit]:
-    if not carried:
-        return units
-    return [Unit(u.node, u.target, u.layer, u.block, u.stage, u.forward_s, u.backward_s,
-                 tuple((carried.get(n, n), v) for n, v in u.reads), u.writes) for u in units]
-
 def entry_outputs(graph) -> list[str]:
     """The entry's outputs, in order, each by the value that makes it (an alias's
     input)."""
@@ -194,6 +184,16 @@ def entry_outputs(graph) -> list[str]:
         resolved.append(value)
     return resolved
 
+
+def _named(function, ids) -> tuple:
+    return tuple((i, function.value(i)) for i in ids if i and function.value(i) is not None)
+
+
+def _resolve_aliases(units: list[Unit], carried: dict) -> list[Unit]:
+    if not carried:
+        return units
+    return [Unit(u.node, u.target, u.layer, u.block, u.stage, u.forward_s, u.backward_s,
+                 tuple((carried.get(n, n), v) for n, v in u.reads), u.writes) for u in units]
 
 
 def _stage_of(node) -> int | None:
@@ -324,16 +324,6 @@ def _made(units, stages) -> dict:
     for unit, st in zip(units, stages):
         for name, info in unit.writes:
             made.setdefault(name, (st, info))
-    crossing = {}
-    for unit, st in zip(units, stages):
-        for name, _ in unit.reads:
-            if st > s and name in made and made[name][0] <= s:
-                crossing.setdefault(name, made[name][1])
-    tensors = [{"value": n, "shape": [int(d) for d in v.shape], "dtype": v.dtype,
-                "bytes": _bytes(v), "gradient": not v.dtype.startswith(("int", "uint", "bool"))}
-               for n, v in crossing.items()]
-    return {"from": s, "to": s + 1, "tensors": tensors,
-            "activation_bytes": sum(t["bytes"] for t in tensors),
     return made
 
 
@@ -341,22 +331,22 @@ def _boundary(units, stages, s, outputs=()) -> dict:
     """What crosses from stage s to s + 1: tensors made at or before s, read after s; the
     entry's `outputs` count as read by the last stage (the loss is there)."""
     made = _made(units, stages)
-            "gradient_bytes": sum(t["bytes"] for t in tensors if t["gradient"])}
-
-
-# ---------------------------------------------------------------------- 1F1B
-def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[dict]:
+    crossing = {}
+    for unit, st in zip(units, stages):
+        for name, _ in unit.reads:
+            if st > s and name in made and made[name][0] <= s:
+                crossing.setdefault(name, made[name][1])
     for name in outputs:
         if name in made and made[name][0] <= s:
             crossing.setdefault(name, made[name][1])
-    """The ops of one stage, in order (the module docstring)."""
-    warmup = min(stages - stage - 1, microbatches)
-    order = [("forward", m, "warmup") for m in range(warmup)]
-    for i in range(microbatches - warmup):
-        order += [("forward", warmup + i, "steady"), ("backward", i, "steady")]
-    order += [("backward", m, "cooldown") for m in range(microbatches - warmup, microbatches)]
-    ops: list[dict] = []
-    for kind, m, phase in order:
+    tensors = [{"value": n, "shape": [int(d) for d in v.shape], "dtype": v.dtype,
+                "bytes": _bytes(v), "gradient": not v.dtype.startswith(("int", "uint", "bool"))}
+               for n, v in crossing.items()]
+    return {"from": s, "to": s + 1, "tensors": tensors,
+            "activation_bytes": sum(t["bytes"] for t in tensors),
+            "gradient_bytes": sum(t["bytes"] for t in tensors if t["gradient"])}
+
+
 def _outputs(graph, units, stages, outputs) -> list[dict]:
     """The entry's outputs as the last stage's loss takes them: the first (the logits)
     by cross-entropy, a 0-d floating one as an auxiliary loss (added, gradient seed 1:
@@ -374,6 +364,16 @@ def _outputs(graph, units, stages, outputs) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------- 1F1B
+def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[dict]:
+    """The ops of one stage, in order (the module docstring)."""
+    warmup = min(stages - stage - 1, microbatches)
+    order = [("forward", m, "warmup") for m in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [("forward", warmup + i, "steady"), ("backward", i, "steady")]
+    order += [("backward", m, "cooldown") for m in range(microbatches - warmup, microbatches)]
+    ops: list[dict] = []
+    for kind, m, phase in order:
         ops += _compute_ops(kind, m, phase, stage, stages)
     return ops
 
