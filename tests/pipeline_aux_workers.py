@@ -49,24 +49,26 @@ def reference(name: str, steps: int, micro: int, rows: int, seq: int, eval_path:
 
 
 def train_pipelined(rank: int, world: int, port: int, runs: list, eval_path: str,
-                    out: str) -> None:
-    """Each of `runs` ((name, steps, micro, rows, seq)) on `world` stages: rank r saves
-    per run the step losses it reports, the eval loss after the last step and its
-    stage's state to `out`.r."""
+                    out: str, device: str = "cpu") -> None:
+    """Each of `runs` ((name, steps, micro, rows, seq)) on `world` stages (gloo on the
+    CPU, NCCL on "cuda": GPU `rank`): rank r saves per run the step losses it reports,
+    the eval loss after the last step and its stage's state (on the CPU) to `out`.r."""
     from pathlib import Path
 
     from runtime.train.evaluate import EvalData, evaluate
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
 
-    context = join(rank, world, port)
+    context = join(rank, world, port, device)
     results = []
     for name, steps, micro, rows, seq in runs:
         trainer = PipelineTrainer(moe_model(name), rows, seq,
-                                  AdamW(lr=1e-2, weight_decay=0.1), context, world, micro)
+                                  AdamW(lr=1e-2, weight_decay=0.1), context, world, micro,
+                                  device=device)
         losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
         data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
-        results.append({"losses": losses, "eval": evaluate(trainer, data),
-                        "state": trainer.stage_state()})
+        state = {part: {p: t.detach().cpu() for p, t in values.items()}
+                 for part, values in trainer.stage_state().items() if part != "step"}
+        results.append({"losses": losses, "eval": evaluate(trainer, data), "state": state})
     torch.save(results, f"{out}.{rank}")
     context.close()

@@ -20,7 +20,9 @@ a fan-out's gradients) runs on the earliest stage any of its inputs comes from.
 A boundary tensor's gradient is found in the backward function by the same rule on both
 sides: the gradient of a layer output inside a repeated call (`f2[1].0`) is the value the
 call's backward carries between those layers; the gradient of an entry value is the value
-of its gradient sum that a later stage makes and an earlier one reads (`crossing`).
+of its gradient sum that a later stage makes and an earlier one reads (`crossing`). The
+entry's outputs go to the last stage, where the loss is (an auxiliary loss made earlier
+crosses as a boundary tensor); an output's gradient seed is given there.
 torch.distributed point-to-point calls move them (gloo on the CPU, NCCL on GPUs), in the
 pipeline's process group. With data parallel over the pipelines (the section's mesh dp >
 1), a stage's op list ends in `all_reduce` ops: each averages one of the stage's gradient
