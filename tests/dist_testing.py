@@ -1,5 +1,6 @@
 """Shared by the distributed tests (CPU gloo and GPU NCCL): a free TCP port on this host for
-a process group's rendezvous (`tcp://127.0.0.1:<port>`, `--master-port`)."""
+a process group's rendezvous (`tcp://127.0.0.1:<port>`, `--master-port`); and by every GPU
+test, one GPU or several: `needs_gpus(n)`, the `cuda` mark and the skip without n GPUs."""
 
 from __future__ import annotations
 
@@ -26,16 +27,26 @@ def assert_moved_alike(masters: dict, want: dict, initial: dict, skip=(),
         assert cos > least, (path, cos)
 
 
-def needs_gpus(count: int) -> list:
-    """The marks of a test module that runs on `count` GPUs: `-m cuda`, and skipped where
-    this machine has fewer (or no CUDA)."""
+def needs_gpus(count: int) -> "Marks":
+    """The marks of a test that runs on `count` GPUs: `-m cuda`, and skipped where this
+    machine has fewer (or no CUDA). A module's `pytestmark = needs_gpus(2)`, or one
+    test's decorator `@needs_gpus(1)`."""
     import pytest
     import torch
 
-    return [pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available() or
-                               torch.cuda.device_count() < count,
-                               reason=f"needs {count} GPUs")]
+    return Marks([pytest.mark.cuda,
+                  pytest.mark.skipif(not torch.cuda.is_available() or
+                                     torch.cuda.device_count() < count,
+                                     reason=f"needs {count} GPU{'s' if count > 1 else ''}")])
+
+
+class Marks(list):
+    """pytest marks that are also one decorator (a list is a module's `pytestmark`)."""
+
+    def __call__(self, test):
+        for mark in reversed(self):
+            test = mark(test)
+        return test
 
 
 def train_records(processes: int, *args: str) -> list[dict]:

@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 
 from runtime.cuda.dropout import DeviceDropout, DeviceSeed, fmix32, mul32, uniform  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 F64 = torch.float64
-NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def _seed(step: int, key: int = 7, device: str = "cpu") -> DeviceSeed:
@@ -140,8 +140,7 @@ SMALL = dict(vocab_size=512, d_model=256, n_layers=2, num_heads=8, num_kv_heads=
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_gpu_masks_equal_the_cpu_hash_and_scale(p):
     kernel = DeviceDropout(KERNELS["dropout"])
@@ -182,8 +181,7 @@ def _tokens():
     return torch.randint(0, 512, (2, 128), generator=g, dtype=torch.int32).cuda()
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 def test_gpu_lora_step_with_dropout_0_is_the_step_without():
     from runtime.cuda.step import TrainStep
 
@@ -202,8 +200,7 @@ def test_gpu_lora_step_with_dropout_0_is_the_step_without():
         assert float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)) > 0.9999, p
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 def test_gpu_lora_step_draws_a_new_mask_each_replay():
     """dropout=0.5 with lr 0 (the weights stay): each replay of the captured step gives
     another loss (another mask); setting the device counter back replays a step's mask
@@ -242,8 +239,7 @@ model Tiny(vocab_size: int = 64, d: int = 32):
 IA3_LM = TINY_LM.format(middle="matmul(w, transpose=NT) -> k @adapter(ia3)")
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 def test_gpu_ia3_step_matches_the_cpu_reference_and_trains_the_vector_alone(tmp_path):
     """`@adapter(ia3)` on the GPU step (adapters on: `lora={}`): the vector `w.ia3_l` is
     the one trained parameter; loss and gradient match the fp32 CPU reference; captured
@@ -285,8 +281,7 @@ def test_gpu_ia3_step_matches_the_cpu_reference_and_trains_the_vector_alone(tmp_
 KERNEL_LM = TINY_LM.format(middle="matmul(w, transpose=NT) {choice} -> k")
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 def test_gpu_step_runs_the_kernel_named_by_kernel(tmp_path, monkeypatch):
     """`@kernel("reference")` on a matmul: the GPU step runs the reference kernel for it,
     forward and derived backward (not the train registry's cuBLAS Matmul), eagerly and in
@@ -424,8 +419,7 @@ def test_split_masters_hold_fp32_parameters_whole():
     assert copy.data_ptr() != fp32["n"].data_ptr()  # a copy, as a joined master is
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 def test_gpu_step_holds_an_fp32_norm_weight_in_fp32(tmp_path):
     """`norm: [d] @dtype(fp32)` on the GPU step: its compute copy is fp32 and is its
     master; loss and gradients match the fp32 CPU reference; captured steps update it in
@@ -464,8 +458,7 @@ def test_gpu_step_holds_an_fp32_norm_weight_in_fp32(tmp_path):
     assert float(moved.abs().max()) < 1e-4
 
 
-@pytest.mark.cuda
-@NO_CUDA
+@needs_gpus(1)
 def test_gpu_step_refuses_an_fp32_matrix(tmp_path):
     from runtime.cuda.step import TrainStep
     from runtime.errors import RuntimeUserError

@@ -19,8 +19,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+from tests.dist_testing import needs_gpus  # noqa: E402
+
+pytestmark = needs_gpus(1)
 
 LLAMA = "std/models/llama.module"
 # every FP8 GEMM dim a multiple of 16; big enough that the FP8 buffers (~0.2 GiB) stand

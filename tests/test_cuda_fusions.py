@@ -17,9 +17,9 @@ from test_cuda_kernels import DTYPES, NORM_SHAPES, TOL, check, rand  # noqa: E40
 
 from runtime.cuda.kernels import CUDA_KERNELS  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = needs_gpus(1)
 
 # the vector path, C % 8 (scalar), one element, long rows, a partial last vector
 ELEMENTWISE_SHAPES = [(4, 64), (3, 5, 1001), (1,), (7, 4097), (2, 3, 8192), (13,)]

@@ -12,8 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+from tests.dist_testing import needs_gpus  # noqa: E402
+
+pytestmark = needs_gpus(1)
 
 from runtime.cuda import grouped_gemm as gg  # noqa: E402
 from runtime.cuda.train_kernels import TRAIN_KERNELS  # noqa: E402

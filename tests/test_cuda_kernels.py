@@ -19,12 +19,11 @@ torch = pytest.importorskip("torch")
 
 from runtime.cuda.kernels import CUDA_KERNELS, CUSTOM, CudaKernel  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CU_FILES = sorted((ROOT / "csrc" / "kernels").glob("*.cu"))
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -89,8 +88,7 @@ NORM_SHAPES = [(4, 64), (3, 5, 1000), (7, 4097), (2, 33), (16, 8192), (5, 20000)
                (300, 7), (1000, 128), (3, 40, 72)]
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 def test_rmsnorm(shape, dtype):
@@ -100,8 +98,7 @@ def test_rmsnorm(shape, dtype):
     check("rmsnorm", "backward", [rand(*shape, dtype=dtype), x, w, rstd], {}, dtype)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("name", ["rmsnorm", "fused_residual_rmsnorm", "swiglu"])
 def test_kernels_write_into_the_bytes_they_are_given(name):
     """`out` (the arena's planned bytes, uint8, with room to spare): the outputs are views
@@ -132,8 +129,7 @@ def test_kernels_write_into_the_bytes_they_are_given(name):
         assert g.data_ptr() == r.data_ptr() and torch.equal(g, w)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 def test_fused_residual_rmsnorm(shape, dtype):
@@ -144,8 +140,7 @@ def test_fused_residual_rmsnorm(shape, dtype):
     check("fused_residual_rmsnorm", "backward", [d_res_out, d_y, res_out, w, rstd], {}, dtype)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4097), (16, 8192), (300, 7), (2048, 4096)])
 def test_rms_backward_without_the_weights_gradient(shape):
     """weight_grad=False (a frozen norm weight, the GPU step's `weight_grad` attr): d_x bit
@@ -165,8 +160,7 @@ def test_rms_backward_without_the_weights_gradient(shape):
         assert all(torch.equal(a, b) for a, b in zip(alone[:-1], full[:-1]))
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 def test_rmsnorm_apply_saved_gives_the_forward_output(shape, dtype):
@@ -189,8 +183,7 @@ def test_rmsnorm_apply_saved_gives_the_forward_output(shape, dtype):
 OFFSET_SHAPES = [(4, 64), (3, 5, 1000), (7, 4097), (300, 7), (3, 40, 320)]
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", OFFSET_SHAPES)
 def test_norms_with_offset(shape, dtype):
@@ -213,8 +206,7 @@ def test_norms_with_offset(shape, dtype):
     check("fused_residual_rmsnorm", "backward", [d_res_out, d_y, res_out, w, rstd], attrs, dtype)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_embedding_backward_gives_the_padding_row_no_gradient():
     """`embedding(padding_idx=p)`: the custom kernel's d_weight with row p zeroed, as the
     reference and torch.nn.Embedding's padding_idx give."""
@@ -231,8 +223,7 @@ def test_embedding_backward_gives_the_padding_row_no_gradient():
                  "embedding backward with padding_idx")
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T, V, D", [(2, 64, 100, 256), (4, 33, 7, 37), (1, 5, 50000, 64)])
 def test_embedding_backward_is_deterministic_and_matches_the_reference(B, T, V, D, dtype):
@@ -252,8 +243,7 @@ def test_embedding_backward_is_deterministic_and_matches_the_reference(B, T, V, 
     assert not got[0][unused].any()
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N, top_k, E, C", [(64, 2, 8, 128), (37, 1, 4, 37), (5, 3, 3, 2048)])
 def test_moe_permute_and_unpermute_match_the_reference(N, top_k, E, C, dtype):
@@ -287,8 +277,7 @@ def test_moe_permute_and_unpermute_match_the_reference(N, top_k, E, C, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7,), (3, 1001), (64, 4096), (2, 3, 37), (5,)])
 def test_swiglu(shape, dtype):
@@ -298,8 +287,7 @@ def test_swiglu(shape, dtype):
     check("swiglu", "backward", [rand(*shape, dtype=dtype), gate, up], {}, dtype)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "erf"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 1001), (64, 4096), (2, 3, 37)])
@@ -325,8 +313,7 @@ ROPE_CASES = [(2, 4, 2, 16, 128, None), (1, 3, 1, 7, 6, None), (2, 5, 5, 9, 80, 
               (3, 2, 1, 5, 64, "shared"), (1, 8, 2, 33, 20, "batch")]
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROPE_CASES)
 def test_rope(case, dtype):
@@ -343,8 +330,7 @@ def test_rope(case, dtype):
     check("rope", "backward", [d_q, d_k, pos], attrs, dtype)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, Hq, Hkv, T, D", [(2, 4, 2, 16, 128), (1, 3, 1, 5, 72)])
 def test_qk_norm(B, Hq, Hkv, T, D, dtype):
@@ -356,8 +342,7 @@ def test_qk_norm(B, Hq, Hkv, T, D, dtype):
     check("qk_norm", "backward", [d_q, d_k, q, k, qw, kw, q_rstd, k_rstd], {}, dtype)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_mixed_dtypes_fall_back():
     """bf16 activations with fp32 weights are not covered: the reference runs them."""
     x, w = rand(4, 64, dtype=torch.bfloat16), rand(64, dtype=torch.float32)
@@ -367,8 +352,7 @@ def test_mixed_dtypes_fall_back():
 
 
 # ----------------------------------------------------------- strided calls (no copies)
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 3, 64), (5, 37), (4, 7, 1024), (3, 8)])
 def test_swiglu_on_the_halves_of_a_fused_projection(shape, dtype):
@@ -392,8 +376,7 @@ def test_swiglu_on_the_halves_of_a_fused_projection(shape, dtype):
     assert_close([both], [torch.cat(want, dim=-1)], TOL[dtype], "joined d_gate_up")
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", [(2, 8, 2, 16, 64), (1, 3, 1, 7, 6), (2, 5, 5, 9, 80),
                                   (1, 32, 4, 33, 64)])
@@ -442,8 +425,7 @@ def _positions(kind, B, T):
     return torch.randint(0, 64, (B if kind == "batch" else 1, T), device="cuda", dtype=torch.int32)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", QK_ROPE_CASES)
 def test_qk_norm_rope(case, dtype):
@@ -465,8 +447,7 @@ def test_qk_norm_rope(case, dtype):
     assert_close(first, want, TOL[dtype], "qk_norm_rope backward (second call)")
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", [(2, 4, 2, 16, 128), (1, 6, 3, 9, 64), (2, 3, 1, 5, 72)])
 def test_qk_norm_rope_on_the_heads_of_a_fused_qkv(case, dtype):
@@ -501,8 +482,7 @@ def test_qk_norm_rope_on_the_heads_of_a_fused_qkv(case, dtype):
     assert_close([fused], [ref], TOL[dtype], "fused qkv gradient")
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_qk_norm_rope_head_dims_it_does_not_take_fall_back():
     """A head dim over 256 is not the kernel's: the reference runs it."""
     q, k = rand(1, 2, 3, 258, dtype=torch.bfloat16), rand(1, 1, 3, 258, dtype=torch.bfloat16)
@@ -525,8 +505,7 @@ def test_join_refuses_parts_that_are_not_side_by_side():
     assert join([left[:, :5], right], -1) is None  # a gap
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("n", [1, 7, 4096, 100003])
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 def test_adamw_matches_torch(n, grad_dtype):
@@ -550,8 +529,7 @@ def test_adamw_matches_torch(n, grad_dtype):
     assert torch.equal(compute, p.to(torch.bfloat16))
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("n", [1, 7, 4096, 100003])
 @pytest.mark.parametrize("grad_dtype", DTYPES)
 def test_adamw_on_a_split_master_matches_the_fp32_master(n, grad_dtype):
@@ -579,8 +557,7 @@ def test_adamw_on_a_split_master_matches_the_fp32_master(n, grad_dtype):
     assert bool((lo[differs] == -2**15).all())
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_swiglu_writes_the_halves_of_a_planned_concat():
     """A concat planned in place (modulec.plan.joins) gives swiglu's backward d_gate and
     d_up as the strided halves of each row of one [.., 2C] buffer (and the forward a
@@ -599,8 +576,7 @@ def test_swiglu_writes_the_halves_of_a_planned_concat():
     assert y.data_ptr() == halves[0].data_ptr() and torch.equal(y, kernel.forward([gate, up], {})[0])
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_rope_backward_writes_the_head_slots_of_a_planned_d_qkv():
     """On the arena the attention's (d_q, d_k, d_v) concat is planned in place: rope's
     backward gets the q and k head slots of the [B, T, Hq + 2 Hk, D] gradient as

@@ -15,9 +15,8 @@ torch = pytest.importorskip("torch")
 import runtime.cuda.lm_head as lm_head  # noqa: E402
 from runtime.cuda.lm_head import (_add_head_grad, _chunk, _kernel_for,  # noqa: E402
                                   lm_head_cross_entropy, logits_cross_entropy, reference_loss)
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 IGNORE = -100
 # |kernel - reference| <= RTOL * |reference| + ATOL * scale: the gradient is rounded to the
 # logits' dtype once (bf16: half an ulp is 2^-9), the fp32 arithmetic differs in the order
@@ -103,8 +102,7 @@ def _ext():
     return ext
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("magnitude", [1.0, 30.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -124,8 +122,7 @@ def test_cross_entropy_kernel_matches_the_torch_path(V, rows, dtype, magnitude):
     _check_grad(d, want, dtype, float(inv_n))
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_cross_entropy_kernel_with_every_row_ignored():
     x = torch.randn(5, 300, device="cuda", dtype=torch.bfloat16)
     labels = torch.full((5,), IGNORE, device="cuda")
@@ -133,8 +130,7 @@ def test_cross_entropy_kernel_with_every_row_ignored():
     assert torch.all(losses == 0) and torch.all(x == 0)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_cross_entropy_kernel_out_of_range_labels_read_nothing():
     """A label outside [0, V) (not ignore_index) gives a NaN loss, no one-hot term, and no
     memory error."""
@@ -150,8 +146,7 @@ def test_cross_entropy_kernel_out_of_range_labels_read_nothing():
     _check_grad(d[:2], softmax[:2], torch.bfloat16, 0.25)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_cross_entropy_kernel_is_deterministic():
     x, labels = _logits(64, 32001, torch.bfloat16, 4.0, seed=5)
     scale = torch.full((), 1 / 40, device="cuda")
@@ -161,8 +156,7 @@ def test_cross_entropy_kernel_is_deterministic():
     assert torch.equal(la, lb) and torch.equal(a, b)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_cross_entropy_kernel_replays_in_a_cuda_graph_with_the_scale_read_on_device():
     ext = _ext()
     x, labels = _logits(16, 4099, torch.bfloat16, 2.0, seed=6)
@@ -189,8 +183,7 @@ def _no_kernel(monkeypatch):
     monkeypatch.setattr(lm_head, "_kernel_for", lambda logits: None)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,V,chunk", [(300, 1000, 128), (130, 32001, 64), (64, 50257, 2048)])
 def test_lm_head_cross_entropy_with_the_kernel_matches_the_torch_path(rows, V, chunk, dtype,
@@ -213,8 +206,7 @@ def test_lm_head_cross_entropy_with_the_kernel_matches_the_torch_path(rows, V, c
     assert frozen[2] is None and torch.equal(frozen[0], loss) and torch.equal(frozen[1], d_x)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logits_cross_entropy_with_the_kernel_matches_the_torch_path(dtype, monkeypatch):
     x, labels = _logits(96, 32001, dtype, 3.0, seed=7)
@@ -232,8 +224,7 @@ def test_logits_cross_entropy_with_the_kernel_matches_the_torch_path(dtype, monk
                 1.0 / float(keep.sum()), rtol=2 * RTOL[dtype])
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_head_grad_accumulates_bf16_operands_into_fp32():
     """Either CUDA path of `_add_head_grad` (addmm with out_dtype=fp32, or the bf16 product
     added) against float64."""

@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 
 from runtime.cuda.mamba import MAMBA_KERNELS, conv_state_out  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 F64, BF16, F32 = torch.float64, torch.bfloat16, torch.float32
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 TOL = {F32: 1e-4, BF16: 2e-2}  # relative (norm) error of the kernel vs float64
 
 
@@ -64,8 +64,7 @@ CONV_CASES = [  # (B, D, T, W, bias, state, activation)
 ]
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_conv1d_matches_the_reference(case, dtype):
@@ -106,8 +105,7 @@ SCAN_CASES = [  # (batch, channels, G, N, T, chunk_size, state)
 SCAN_GRADS = ["d_u", "d_delta", "d_A", "d_B", "d_C", "d_D", "d_dt_bias"]
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("case", SCAN_CASES)
 def test_selective_scan_matches_the_reference(case, dtype):
@@ -124,8 +122,7 @@ def test_selective_scan_matches_the_reference(case, dtype):
     _compare(ours, ref, dtype, SCAN_GRADS)
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 def test_the_gpu_registries_run_the_kernels_with_fp32_parameters_and_strided_delta():
     """CUDA_KERNELS / TRAIN_KERNELS hold these entries; bf16 activations with fp32 A, D,
     dt_bias (a parameter held in fp32) and a transposed delta still take the kernel, and

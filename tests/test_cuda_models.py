@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from runtime_models import GPU_ONLY, TINY, token_inputs  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = needs_gpus(1)
 
 B, T = 2, 16
 

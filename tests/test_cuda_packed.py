@@ -19,9 +19,8 @@ from runtime.cuda.packed import (PackedBuffers, capacity_for, check_packed,  # n
                                  document_counts, padded_cu_seqlens, set_documents)
 from runtime.kernels.documents import Documents, packed  # noqa: E402
 from runtime.train.packing import Packing, split_batch  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 SEP = 1
 LLAMA = "std/models/llama.module"
 # head dim 16: FlashAttention's varlen kernel covers it (a multiple of 8)
@@ -246,8 +245,7 @@ def varlen_calls(monkeypatch):
     return calls
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_a_packed_gpu_step_equals_its_documents_steps(varlen_calls):
     """bf16: the packed mean loss and gradients against the documents' own steps (each
     unpacked, its own T), weighted by their kept targets."""
@@ -272,8 +270,7 @@ def test_a_packed_gpu_step_equals_its_documents_steps(varlen_calls):
     _close(loss, grads, total, want)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_the_gpu_packed_step_matches_the_cpu_reference():
     """Two rows of documents of random lengths, a non-default ignore index: the bf16 GPU
     step's loss and gradients against the CPU trainer's float32 packed step."""
@@ -298,8 +295,7 @@ def test_the_gpu_packed_step_matches_the_cpu_reference():
     _close(loss, grads, float(want_loss), want)
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_a_captured_packed_step_replays_other_documents():
     """lr 0 (the weights stay): a captured packed step replayed on a batch of other
     documents gives the eager step's loss on it; a batch with more documents than the
@@ -328,8 +324,7 @@ def test_a_captured_packed_step_replays_other_documents():
     assert captured.cuda_graph is None and captured.packing.capacity == 32
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_modulec_train_packs_on_cuda(tmp_path):
     """`modulec train --device cuda --doc-sep`: three packed steps and a packed
     evaluation; its first loss (before any update) is the CPU run's within bf16."""

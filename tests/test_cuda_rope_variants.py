@@ -15,9 +15,8 @@ torch = pytest.importorskip("torch")
 
 from runtime.cuda.kernels import CUDA_KERNELS  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 M = 64
@@ -58,8 +57,7 @@ CASES = [
 ]
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
 def test_rope_variants_match_the_reference(case, dtype):
@@ -81,8 +79,7 @@ def test_rope_variants_match_the_reference(case, dtype):
     assert_close(got, KERNELS["rope"].forward([q, k, None], dict(attrs)), TOL[dtype], "no pos")
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", [(2, 4, 2, 16, 64, "llama3", 0.5, False),
                                   (1, 6, 2, 9, 64, "yarn", 1.0, True),
@@ -115,8 +112,7 @@ def test_rope_variants_on_the_heads_of_a_fused_qkv_and_in_place(case, dtype):
     assert torch.equal(q[..., R:], before[..., R:])
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["llama3", "yarn", "longrope"])
 def test_qk_norm_rope_with_scaled_frequencies(name, dtype):
@@ -148,8 +144,7 @@ QK_CASES = [(2, 4, 2, 16, 128, 0.5, False), (1, 3, 1, 9, 128, 0.25, False),
             (2, 3, 1, 5, 72, 0.5, False), (1, 2, 1, 5, 20, 0.5, True)]
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", QK_CASES)
 def test_qk_norm_rope_partial_and_interleaved(case, dtype):
@@ -181,8 +176,7 @@ def test_qk_norm_rope_partial_and_interleaved(case, dtype):
                      TOL[dtype], f"qk_norm_rope backward into heads {case} {dtype}")
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_length_dependent_frequencies_take_no_host_read_under_capture():
     """dynamic with position_ids: the frequencies are computed on the device, so a CUDA
     graph captures the call and its replay follows new positions."""
@@ -221,8 +215,7 @@ SCALED_MODELS = {  # std models with scaled RoPE: the unfused rope and the fused
 }
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("name", sorted(SCALED_MODELS))
 def test_fp32_step_with_scaled_rope_matches_the_cpu_reference(name):
     """One fp32 training step on the GPU (in-place rope / fused qk_norm_rope with the
@@ -268,8 +261,7 @@ HF_SCALED = {  # name: (module, HF config class, model class, HF config, our set
 }
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("name", sorted(HF_SCALED))
 def test_bf16_step_with_scaled_rope_matches_transformers(name, tmp_path):
     """One bf16 GPU training step of std Llama (llama3 rope) and Qwen3 (yarn, cos/sin scaled,

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 from tests.bf16_parity import (  # noqa: E402
     far_gradients, fp32_and_bf16, hf_loss_and_gradients, step_gradients, tiny_hf_checkpoint,
 )
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = needs_gpus(1)
 
 B, T, VOCAB = 2, 300, 512
 MODULE = "std/models/mamba.module"

@@ -17,9 +17,9 @@ from tests.bf16_parity import (  # noqa: E402
     cosine, far_gradients, fp32_and_bf16, hf_loss_and_gradients, step_gradients,
     tiny_hf_checkpoint,
 )
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = needs_gpus(1)
 
 B, T, VOCAB, COEF = 2, 128, 512, 0.01
 ATTENTION = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,

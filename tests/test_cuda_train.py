@@ -9,8 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+from tests.dist_testing import needs_gpus  # noqa: E402
+
+pytestmark = needs_gpus(1)
 
 LLAMA = "std/models/llama.module"
 SMALL = dict(vocab_size=512, d_model=256, n_layers=2, num_heads=8, num_kv_heads=2, d_ff=512,

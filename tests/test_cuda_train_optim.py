@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 
 from tests.test_cuda_train import (B, LLAMA, SMALL, T, _hf_checkpoint, _rel,  # noqa: E402
                                    _tokens, _without_ties)
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = needs_gpus(1)
 
 
 def test_adamw_kernels_read_the_device_lr_and_gradient_scale():

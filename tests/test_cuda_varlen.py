@@ -12,9 +12,8 @@ torch = pytest.importorskip("torch")
 
 from runtime.cuda.varlen import cu_seqlens  # noqa: E402
 from runtime.train.packing import Packing, split_batch  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def test_cu_seqlens_are_the_documents_of_every_row_in_order():
@@ -33,8 +32,7 @@ def _packed(B, T, generator):
     return split_batch(ids.masked_fill(ends, 1), Packing(1))[2]
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 @pytest.mark.parametrize("window", [None, 16])
 def test_varlen_attention_matches_the_masked_reference(window):
     from runtime.cuda.varlen import varlen_backward, varlen_forward
@@ -64,8 +62,7 @@ def test_varlen_attention_matches_the_masked_reference(window):
         assert err < 2e-2, f"{name}: max relative error {float(err):.3g}"
 
 
-@cuda
-@needs_gpu
+@needs_gpus(1)
 def test_empty_padding_documents_and_max_seqlen_t_change_nothing():
     """The packed step's call: cu_seqlens repeated B*T to a fixed capacity (empty
     sequences) and T as the longest document give the exact call's out, lse and

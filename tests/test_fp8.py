@@ -18,6 +18,7 @@ from modulec.lower.fp8_recipe import section_problems  # noqa: E402
 from runtime.errors import RuntimeUserError  # noqa: E402
 from runtime.fp8 import (GPU_REFUSAL, Fp8State, quantize, quantize_blocks,  # noqa: E402
                          refuse_on_gpu, scale_for)
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 TINY = {"vocab_size": "64", "d_model": "32", "n_layers": "2", "num_heads": "4",
         "num_kv_heads": "2", "d_ff": "48"}
@@ -323,8 +324,7 @@ def test_the_amax_histories_go_through_a_checkpoint(ckpt, tmp_path):
     assert first + rest == whole
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 def test_the_gpu_train_step_refuses_per_block_scaling_when_it_loads():
     """On the GPU: TrainStep given a program whose recipe scales per block stops at once."""
     from runtime.cuda.step import TrainStep
@@ -340,8 +340,7 @@ def test_the_gpu_train_step_refuses_per_block_scaling_when_it_loads():
         TrainStep(program, 2, 16)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 def test_fp8_trains_on_the_gpu_and_its_histories_go_through_a_checkpoint(tmp_path_factory,
                                                                          tmp_path):
     """`modulec train --device cuda --precision fp8` (a tiny Llama of head_dim 32, every

@@ -18,6 +18,7 @@ from runtime import fp8_gemm  # noqa: E402
 from runtime.errors import RuntimeUserError  # noqa: E402
 from runtime.fp8 import GPU_REFUSAL, Fp8State, quantize, refuse_on_gpu, scale_for  # noqa: E402
 from runtime.kernels.linalg import _matmul_backward, _matmul_forward  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 TINY = {"vocab_size": "64", "d_model": "32", "n_layers": "2", "num_heads": "2",
         "num_kv_heads": "2", "d_ff": "32"}  # every FP8 GEMM dim a multiple of 16
@@ -353,11 +354,9 @@ def test_fast_accumulation_is_asked_for_the_forwards_products_only(monkeypatch):
 
 
 # ====================================================================== on the GPU
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("mode", ["NT", "NN", "TN"])
 def test_a_cuda_fp8_gemm_is_the_cpu_one_and_near_bf16(mode):
     """On the GPU (cuBLAS's FP8 GEMM, bf16 output): the CPU FP8 GEMM's result within bf16
@@ -384,8 +383,7 @@ def test_a_cuda_fp8_gemm_is_the_cpu_one_and_near_bf16(mode):
         assert 1e-4 < error < bound, (fmt, error)  # FP8 acts, within its rounding
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 def test_a_cuda_fp8_gemm_with_fast_accumulation_is_near_the_fp32_one():
     """cuBLAS's fast FP8 accumulation (fp8_gemm.FAST_ACCUM's products, into planned bytes
     as the step writes them): the fp32-accumulated product within 2^-6 relative (norm)
@@ -401,8 +399,7 @@ def test_a_cuda_fp8_gemm_with_fast_accumulation_is_near_the_fp32_one():
     assert error < 2 ** -6, error
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cols", [70, 136])
 def test_the_cuda_cast_kernel_is_the_torch_ops_bit_for_bit(dtype, cols, monkeypatch):
@@ -427,8 +424,7 @@ def test_the_cuda_cast_kernel_is_the_torch_ops_bit_for_bit(dtype, cols, monkeypa
         assert len(only) == 1 and torch.equal(only[0].view(torch.uint8), made[1].view(torch.uint8))
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("kind", ["delayed", "current"])
 def test_the_cuda_scale_kernel_is_the_torch_ops(kind, monkeypatch):
     """csrc/kernels/fp8_cast.cu's fp8_scale (record, delayed window, scale and its
@@ -453,8 +449,7 @@ def test_the_cuda_scale_kernel_is_the_torch_ops(kind, monkeypatch):
     assert torch.equal(states["kernel"].history, states["torch"].history)
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 def test_the_cuda_amax_kernel_is_torchs_amax(monkeypatch):
     """csrc/kernels/fp8_amax.cu (max |x|, record and scale in one launch, a grid of blocks
     meeting in the last one): the torch ops' scales and pending amaxes bit for bit, call
@@ -480,8 +475,7 @@ def test_the_cuda_amax_kernel_is_torchs_amax(monkeypatch):
     torch.testing.assert_close(got["kernel"][1], got["torch"][1], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("shape", [(256, 128), (200, 136), (8, 8)])
 def test_the_cuda_fused_delayed_cast_is_the_separate_passes(shape, monkeypatch):
     """Delayed scaling's cast with the amax in one pass (fp8_amax.cu fp8_cast_delayed)
@@ -650,8 +644,7 @@ def test_the_bf16_arena_step_is_the_emulation_node_by_node(recipe, monkeypatch):
                  state.state_dict(), *ref)
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_a_tiny_llama_fp8_step_on_cuda_is_the_cpu_emulation(recipe):
     """The GPU step with `--precision fp8` (bf16 compute, FP8 GEMMs, the cast kernels, the
@@ -678,8 +671,7 @@ def test_a_tiny_llama_fp8_step_on_cuda_is_the_cpu_emulation(recipe):
     check_forced(forced, records, float(loss), grads, step.fp8.state_dict(), *ref)
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 def test_an_fp8_step_captures_in_a_cuda_graph():
     """Eager steps and graph replays of the same step give the same losses (the delayed
     scales are read from the device histories at each replay, not baked in), and the

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from modulec.lower.fp8_recipe import STD_RECIPE, std_recipe  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 from tests.test_cli import run  # noqa: E402
 
 LLAMA = "std/models/llama.module"
@@ -143,8 +144,7 @@ GPU_SIZES = ["--set", "vocab_size=64", "--set", "d_model=64", "--set", "n_layers
              "--set", "d_ff=128"]  # head_dim 32: every FP8 GEMM dim a multiple of 16
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 @pytest.mark.parametrize("options", [("--fp8-scaling", "current", "--fp8-gradient", "e4m3"),
                                      ("--fp8-gradient", "e4m3", "--fp8-history", "2")])
 def test_train_on_the_gpu_runs_the_recipe_the_options_give(tokens, options):

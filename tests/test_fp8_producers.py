@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 
 from runtime import fp8_gemm  # noqa: E402
 from runtime.cuda import fp8_producers  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 TINY = {"vocab_size": "64", "d_model": "32", "n_layers": "2", "num_heads": "2",
         "num_kv_heads": "2", "d_ff": "32"}  # every FP8 GEMM dim a multiple of 16
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def emulated_launch(kernels):
@@ -160,8 +160,7 @@ def _same(ours, ref, what):
 SLOTS = [(2.5, -1.0), (-1.0, 3.0), (0.7, None)]  # (past, pending): a history / none
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("rows,C", [(64, 64), (200, 136), (16, 24576), (8, 8)])
 @pytest.mark.parametrize("fused_residual", [False, True])
 @pytest.mark.parametrize("code", [0, 1])
@@ -201,8 +200,7 @@ def test_the_norm_with_its_fp8_copy_is_the_norm_then_the_cast(rows, C, fused_res
         assert work.tolist() == [0, 0]
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("rows,C", [(64, 64), (200, 136), (8, 8)])
 @pytest.mark.parametrize("activation", [0, 1, 2])
 def test_swiglu_with_its_fp8_copy_is_swiglu_then_the_cast(rows, C, activation):
@@ -234,8 +232,7 @@ def test_swiglu_with_its_fp8_copy_is_swiglu_then_the_cast(rows, C, activation):
             _same(plain_only[3], ref[2], "fp8 y alone")
 
 
-@pytest.mark.cuda
-@needs_cuda
+@needs_gpus(1)
 def test_a_tiny_fp8_step_with_the_casts_in_their_producers_has_the_same_losses(monkeypatch):
     """The GPU step (TrainStep, the std FP8 recipe's delayed scaling) with FUSED on and
     off, three steps on the same weights (loss_and_gradients: no update): the same losses

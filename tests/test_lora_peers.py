@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.lora_peers import (SHAPES, derive, flops_per_token, hf_options,  # noqa: E402
                                        table)
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 
 def adapter_count(shape: dict, rank: int) -> int:
@@ -73,8 +74,7 @@ def test_speedup_against_the_fastest_peer():
     assert "failed: RuntimeError: boom" in text and "1.60x tokens/s at 0.62x" in text
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 def test_tiny_on_gpu(tmp_path):
     """The GPU code paths at the tiny shape: modulec's captured LoRA step and HF + PEFT
     (peft from .whl/ via benchmarks/gpu/device_env.sh) give full rows, the same count of

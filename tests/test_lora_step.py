@@ -18,6 +18,7 @@ from runtime.cuda.train_kernels import Add, train_kernels  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from runtime_models import TINY, token_inputs  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 BF16 = torch.bfloat16
@@ -77,8 +78,7 @@ def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device")])])
+    "cpu", pytest.param("cuda", marks=needs_gpus(1))])
 def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(
         monkeypatch, device):
     """On the GPU too (its custom kernels, cuBLAS): the old path's values to bf16 rounding

@@ -15,6 +15,7 @@ from runtime import memory_check  # noqa: E402
 from runtime.errors import RuntimeUserError  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from tests.runtime_models import DENSE  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 from tests.test_cli import run  # noqa: E402
 
 LLAMA = "std/models/llama.module"
@@ -98,10 +99,8 @@ def test_the_host_reports_some_memory():
     assert available > 0 and where == "this machine has available"
 
 
-@pytest.mark.cuda
+@needs_gpus(1)
 def test_a_model_larger_than_the_gpu_is_refused_before_allocating():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA")
     gc.collect()  # earlier tests' garbage would be freed inside the measured span
     before = torch.cuda.memory_allocated()
     with pytest.raises(RuntimeUserError, match=r"`embedding` \[17179869184, 32\] bfloat16 "

@@ -13,9 +13,9 @@ np = pytest.importorskip("numpy")
 transformers = pytest.importorskip("transformers")
 
 from tests.test_cli import run  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = needs_gpus(1)
 
 LLAMA = "std/models/llama.module"
 VOCAB, B, T = 512, 2, 128

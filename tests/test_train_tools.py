@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("tokenizers")
 
+from tests.dist_testing import needs_gpus  # noqa: E402
 from tests.test_cli import run  # noqa: E402
 
 LLAMA = "std/models/llama.module"
@@ -400,8 +401,7 @@ def masters(folder) -> dict:
     return {k: v for k, v in tensors.items() if k.startswith("master.")}
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 def test_cuda_scratch_init_is_the_cpus_and_evaluates(tokens, tmp_path):
     """The same seed gives the same weights on both devices (one step at lr 0 saves the
     init unchanged: the masters are bit for bit the CPU's), and the GPU's forward-only
@@ -416,8 +416,7 @@ def test_cuda_scratch_init_is_the_cpus_and_evaluates(tokens, tmp_path):
     assert gpu[0]["loss"] == pytest.approx(cpu[0]["loss"], rel=1e-2)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 def test_cuda_evaluation_leaves_the_training_curve_alone(tokens):
     """Evaluating every 2 steps (eagerly, between replays of the captured graph) gives
     the curve of the run without evaluation, within the backward's bf16 noise."""
@@ -430,8 +429,7 @@ def test_cuda_evaluation_leaves_the_training_curve_alone(tokens):
                                                            rel=5e-3)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@needs_gpus(1)
 def test_cuda_eval_loss_is_the_steps_loss_before_its_update():
     """On the captured step: eval_loss(batch) equals the loss the next replay reports for
     that batch (computed before its update), within bf16 noise."""
