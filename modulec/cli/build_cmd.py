@@ -209,10 +209,11 @@ def _emit_pipeline(result, interconnect: str) -> None:
     from modulec.cli.parallel import pipeline_report, print_pipeline
     from modulec.plan.from_graph import ShapeUnknown
     from modulec.plan.pipeline import Pipeline, pipeline_section
+    from modulec.plan.pipeline_shared import schema_ties
 
     try:
-        section = result.document["schedule"].get("pipeline") or \
-            pipeline_section(result.graph, Pipeline())
+        section = result.document["schedule"].get("pipeline") or pipeline_section(
+            result.graph, Pipeline(), ties=schema_ties(result.document["weight_schema"]))
     except ShapeUnknown as exc:
         raise click.UsageError(f"--emit pipeline: {exc}") from None
     print_pipeline(pipeline_report(section, interconnect), result.graph.model)

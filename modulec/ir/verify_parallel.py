@@ -17,8 +17,9 @@ with a shared slot that wait, on `reduced`, comes before gradients_ready's copy_
 
 pipeline: the mesh's pp is the stage count, its tp the tensor_parallel section's size
 (1 without: each stage is that TP rank program); the data-parallel buckets and ops
-(modulec.ir.verify_pipeline_dp); the stages cover the entry's forward in order, each a
-contiguous range; each stage runs the forward and then the backward of every micro-batch
+(modulec.ir.verify_pipeline_dp); the parameters the stages share and their all-reduces
+(modulec.ir.verify_pipeline_shared); the stages cover the entry's forward in order, each
+a contiguous range; each stage runs the forward and then the backward of every micro-batch
 once; sends and
 receives go between neighbours, carry activations forward and gradients back, on the
 comm stream, and match one for one in order; the schedule runs to the end (no deadlock).
@@ -303,7 +304,11 @@ def verify_pipeline(section, graph: Graph, tp: int = 1) -> list[str]:
     if not problems:
         from modulec.ir.verify_pipeline_dp import verify_reductions
 
-        problems += verify_reductions(section, parameter_shapes(graph), frozen_paths(graph))
+        from modulec.ir.verify_pipeline_shared import verify_shared
+
+        shapes, frozen = parameter_shapes(graph), frozen_paths(graph)
+        problems += verify_shared(section, shapes, frozen) or \
+            verify_reductions(section, shapes, frozen)
     if len(section["ops"]) != count:
         problems.append(f"{len(section['ops'])} op lists for {count} stages")
     if len(section["boundaries"]) != count - 1 or any(

@@ -1,11 +1,13 @@
 """`modulec ir verify` for data parallel over a pipeline's stages (the `pipeline`
 section's mesh dp > 1; modulec/plan/pipeline_dp.py): each stage's gradient buckets hold
-its trained parameters once (not a frozen one: `@frozen`, a LoRA program's base), with
+its trained parameters once (by their owners' names: a tied path's `shared` entry's
+`param`; not a frozen one: `@frozen`, a LoRA program's base), with
 the graph's shapes, packed in order; its op list ends, after its last compute op, in
 one all_reduce per bucket (gradients, dp group, avg, comm stream); under ZeRO-1 every
 bucket has an owner among the dp replicas, and the all-reduces are followed by one
 optimizer_step and one broadcast per bucket from its owner. With dp 1: no buckets, no
-such ops, ZeRO 0.
+such ops, ZeRO 0. The `shared` entries' all-reduces (group shared) are checked apart
+(modulec.ir.verify_pipeline_shared).
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ def verify_reductions(section, shapes: dict, frozen: set = frozenset()) -> list[
     dp, zero = section["mesh"]["dp"], section.get("zero", 0)
     if zero not in (0, 1) or (zero == 1 and dp == 1):
         return [f"`zero` {zero!r}: a pipeline shards with ZeRO 0, or 1 over dp > 1"]
+    from modulec.plan.pipeline_dp import trained_params
+    from modulec.plan.pipeline_shared import is_shared_op
+
     problems = []
     for stage, ops in zip(section["stages"], section["ops"]):
         where = f"stage {stage['stage']}"
         buckets = stage.get("grad_buckets")
+        ops = [op for op in ops if not is_shared_op(op)]  # modulec.ir.verify_pipeline_shared
         if dp == 1:
             if buckets is not None or any(op.get("kind") in UPDATE_KINDS for op in ops):
                 problems.append(f"{where}: gradient buckets or all_reduce ops with mesh dp 1")
@@ -32,7 +38,7 @@ def verify_reductions(section, shapes: dict, frozen: set = frozenset()) -> list[
         if not isinstance(buckets, list):
             problems.append(f"{where}: mesh dp {dp} needs `grad_buckets`")
             continue
-        trained = [p for p in stage["params"] if p not in frozen]
+        trained = trained_params(section, stage, frozen)  # a tied path: its owner's
         problems += [f"{where}: {m}" for m in _buckets(buckets, trained, shapes, dp, zero)]
         problems += [f"{where}: {m}" for m in _ops(ops, buckets, section["streams"], zero)]
     return problems

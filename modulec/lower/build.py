@@ -213,8 +213,11 @@ def _pipeline(graph, document: dict, request: BuildRequest) -> None:
     if request.distributed is not None:  # its data-parallel size is the pipelines'
         options = replace(options, dp=request.distributed.dp, zero=0)
     options = replace(options, tp=request.tensor_parallel)  # each stage a TP rank program
-    try:
-        section = pipeline_section(graph, options)
+    from modulec.plan.pipeline_shared import schema_ties
+
+    try:  # a tied parameter's stages share its target's tensor
+        section = pipeline_section(graph, options,
+                                   ties=schema_ties(document["weight_schema"]))
     except ShapeUnknown as exc:
         if request.pipeline is None:
             return

@@ -12,7 +12,9 @@ received from stage 1; `|` separates warm-up, steady and cool-down. With data pa
 over the pipelines (mesh dp > 1), a stage's gradient buckets follow it, one line each
 (`+offset:numel` per parameter; under ZeRO-1 its `owner`), and its ops end in `AR0 AR1
 ...`: bucket k's all-reduce over the stage's data-parallel group (ZeRO-1: then `OPT`, the
-optimizer step, and `BC0 BC1 ...`, each bucket's weights broadcast from its owner).
+optimizer step, and `BC0 BC1 ...`, each bucket's weights broadcast from its owner). A
+parameter the stages share is one line (`shared 0 wte (wte, lm_head) [64, 32]: a copy on
+stages 0, 1`), and `SAR0` in a stage's ops is its gradients' sum over those stages.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ def print_pipeline(section: dict) -> str:
                          f"{owner}: " +
                          ", ".join(f"{p['path']} +{p['offset']}:{p['numel']}"
                                    for p in bucket["params"]))
+    for number, entry in enumerate(section.get("shared", ())):
+        names = f" ({', '.join(entry['paths'])})" if len(entry["paths"]) > 1 else ""
+        lines.append(f"  shared {number} {entry['param']}{names} "
+                     f"[{', '.join(map(str, entry['shape']))}]: a copy on stages "
+                     f"{', '.join(map(str, entry['stages']))}")
     for boundary in section["boundaries"]:
         tensors = ", ".join(f"{t['value']} [{', '.join(map(str, t['shape']))}] {t['dtype']}"
                             for t in boundary["tensors"])
@@ -97,6 +104,9 @@ def _tokens(ops: list) -> str:
         if phase is not None and op["phase"] != phase:
             tokens.append("|")
         phase = op["phase"]
+        if op.get("group") == "shared":  # a shared parameter's sum over its stages
+            tokens.append(f"SAR{op['shared']}")
+            continue
         if op["kind"] in UPDATE_TOKENS:  # the DP group's reduction and ZeRO-1's update
             tokens.append(UPDATE_TOKENS[op["kind"]] + str(op.get("bucket", "")))
             continue

@@ -28,7 +28,10 @@ a `recv` completes before the stage's next op starts, a `send` does not hold the
 (an isend). Gradients add up over the M micro-batches; the optimizer steps once after the
 last backward. With `dp` pipelines (data parallel over them), the section's `mesh` says
 the sizes and each stage's op list ends in the all-reduces of its gradients over its
-data-parallel group (modulec.plan.pipeline_dp).
+data-parallel group (modulec.plan.pipeline_dp). A parameter two stages read (a tied
+LM head reading the embedding) or two paths name (`tied_to`) is one `shared` entry: each
+of its stages holds a copy, and their gradients are summed over those stages before the
+optimizer steps (modulec.plan.pipeline_shared).
 """
 
 from __future__ import annotations
@@ -101,8 +104,13 @@ def has_partition(graph) -> bool:
 
 
 def pipeline_section(graph, options: Pipeline, device: Device = H100,
-                     training: str = "full") -> dict:
-    """The `pipeline` section of `graph` (built at one micro-batch's shape)."""
+                     training: str = "full", ties: dict | None = None) -> dict:
+    """The `pipeline` section of `graph` (built at one micro-batch's shape). `ties`: the
+    weight schema's tied parameter paths -> their targets (modulec.plan.pipeline_shared
+    .schema_ties), whose tensors the stages share."""
+    from modulec.ir.verify_parallel import parameter_shapes
+    from modulec.plan.pipeline_shared import shared_parameters
+
     units = entry_units(graph, device, training)
     stages = _split(units, options.stages)
     count = max(stages) + 1
@@ -116,6 +124,8 @@ def pipeline_section(graph, options: Pipeline, device: Device = H100,
                "boundaries": boundaries,
                "outputs": _outputs(graph, units, stages, outputs),
                "ops": [one_f_one_b(s, count, micro) for s in range(count)]}
+    section["shared"] = shared_parameters(section["stages"], ties or {},
+                                          parameter_shapes(graph))
     zero = pipeline_zero(options.zero, options.dp)
     return add_data_parallel(section, graph, options.dp, zero, options.tp)
 

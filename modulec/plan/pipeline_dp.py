@@ -13,12 +13,15 @@ tp_index); the buckets hold that rank's slices (the graph's shapes). Every pipel
 its gradients) each of its buckets is one `all_reduce` over the stage's DP group that
 leaves the mean there, so every replica of a stage steps AdamW on the same gradients.
 
-Only trained parameters are in buckets: a frozen one (`@frozen`, a LoRA program's base
-weights: no gradient) is neither reduced nor, under ZeRO-1, broadcast. A bucket is the
-parameters of one layer (`blocks[3]`, the first path component) or one
-entry parameter (`embedding`), flat in the stage's parameter order, listed in backward
-order (the last layer first: the order a backward makes them in, for a runtime that
-reduces as soon as a layer is done).
+Only trained parameters are in buckets, each once and by its owner's name (a tied
+path's `shared` entry's `param`: modulec.plan.pipeline_shared): a frozen one (`@frozen`,
+a LoRA program's base weights: no gradient) is neither reduced nor, under ZeRO-1,
+broadcast. A bucket is the parameters of one layer (`blocks[3]`, the first path
+component) or one entry parameter (`embedding`), flat in the stage's parameter order,
+listed in backward order (the last layer first: the order a backward makes them in, for
+a runtime that reduces as soon as a layer is done). The all-reduces that sum a stage's
+`shared` entries over their stages (with dp 1 too) follow its buckets' and come before
+ZeRO-1's update.
 
 ZeRO-1 (`zero: 1`) shards the optimizer state over the stage's DP group by bucket: each
 bucket has an `owner` (a data-parallel index; the buckets dealt largest first to the
@@ -50,19 +53,31 @@ def add_data_parallel(section: dict, graph, dp: int, zero: int = 0, tp: int = 1)
     optimizer step and one broadcast per bucket from its owner)."""
     section["mesh"] = mesh(dp, len(section["stages"]), tp)
     section["zero"] = zero
-    if dp == 1:
-        return section
     from modulec.ir.verify_parallel import frozen_paths, parameter_shapes
+    from modulec.plan.pipeline_shared import shared_ops
 
     shapes, frozen = parameter_shapes(graph), frozen_paths(graph)
     for stage, ops in zip(section["stages"], section["ops"]):
-        trained = [p for p in stage["params"] if p not in frozen]  # LoRA: the adapters
-        stage["grad_buckets"] = buckets = gradient_buckets(trained, shapes)
-        ops += reduce_ops(buckets)
-        if zero == 1:
+        if dp > 1:
+            stage["grad_buckets"] = buckets = gradient_buckets(
+                trained_params(section, stage, frozen), shapes)
+            ops += reduce_ops(buckets)
+        ops += shared_ops(section, stage["stage"], frozen)  # the shared copies' sums
+        if dp > 1 and zero == 1:
             deal_owners(buckets, dp)
             ops += update_ops(buckets)
     return section
+
+
+def trained_params(section: dict, stage: dict, frozen) -> list[str]:
+    """The parameters a stage's optimizer steps: each path it reads by its owner's name
+    (a tied path: its `shared` entry's `param`), once, not a frozen one (LoRA: the
+    adapters)."""
+    from modulec.plan.pipeline_shared import owners
+
+    owner = owners(section)
+    named = dict.fromkeys(owner.get(p, p) for p in stage["params"])
+    return [p for p in named if p not in frozen]
 
 
 def deal_owners(buckets: list[dict], dp: int) -> None:

@@ -7,7 +7,9 @@ modulec.plan.pipeline); a `send` occupies the link for latency + bytes / bandwid
 does not hold the stage (an isend); a `recv` holds the stage until the matching send's
 data has arrived; an `all_reduce` (data parallel over the pipelines) holds the stage for
 a ring all-reduce of its bucket's bytes over the mesh's dp ranks on the same link (a
-ZeRO-1 `broadcast` the bytes once; the `optimizer_step` takes no time here). A
+ZeRO-1 `broadcast` the bytes once; the `optimizer_step` takes no time here); a `shared`
+entry's all-reduce waits for every stage of the entry to reach it and then takes a ring
+all-reduce of its bytes over those stages. A
 stage's idle time is the step time less its compute; the bubble
 fraction is the idle share of all stages' time (for equal stages and free links:
 (P - 1) / (M + P - 1)). Ops that can never run (a recv whose send never comes) are a
@@ -75,7 +77,7 @@ def simulate(section: dict, link_bytes_per_s: float = NVLINK_BYTES_PER_S,
         for s, stage_ops in enumerate(ops):
             while position[s] < len(stage_ops):
                 if not _run(stage_ops[position[s]], s, stages[s], clocks[s], sizes, arrived,
-                            link_bytes_per_s, latency_s, dp):
+                            link_bytes_per_s, latency_s, dp, section.get("shared", [])):
                     break
                 position[s] += 1
                 moved = True
@@ -88,9 +90,12 @@ def simulate(section: dict, link_bytes_per_s: float = NVLINK_BYTES_PER_S,
     return Timeline(clocks, step, section["microbatches"])
 
 
-def _run(op, s, stage, clock, sizes, arrived, link, latency, dp) -> bool:
+def _run(op, s, stage, clock, sizes, arrived, link, latency, dp, shared) -> bool:
     """Run one op on its stage's clock; False when it must wait for a peer."""
     kind, m = op["kind"], op.get("microbatch")
+    if op.get("group") == "shared":  # a shared parameter's gradients over its stages
+        return _shared_all_reduce(shared[op["shared"]], op["shared"], s, clock, arrived,
+                                  link, latency)
     if kind in ("all_reduce", "broadcast"):  # a bucket over the stage's DP group
         from modulec.plan.pipeline_dp import all_reduce_seconds, broadcast_seconds
 
@@ -115,7 +120,24 @@ def _run(op, s, stage, clock, sizes, arrived, link, latency, dp) -> bool:
     return True
 
 
+def _shared_all_reduce(entry: dict, index: int, s: int, clock, arrived: dict, link: float,
+                       latency: float) -> bool:
+    """A collective of the entry's stages: it starts when the last of them reaches it and
+    takes a ring all-reduce of the entry's bytes over them."""
+    from modulec.plan.pipeline_dp import all_reduce_seconds
+
+    reached = arrived.setdefault(("shared", index), {})
+    reached.setdefault(s, clock.end_s)
+    if len(reached) < len(entry["stages"]):
+        return False
+    clock.end_s = max(reached.values()) + all_reduce_seconds(
+        entry["bytes"], len(entry["stages"]), link, latency)
+    return True
+
+
 def _op_text(op) -> str:
+    if op.get("group") == "shared":
+        return f"the all_reduce of shared parameter {op.get('shared')}"
     peer = f" from stage {op['peer']}" if op["kind"] == "recv" else ""
     text = f"{op['kind']} {op.get('what', '')} of micro-batch {op.get('microbatch')}{peer}"
     return text.replace("  ", " ")

@@ -11,14 +11,20 @@ rank r = ((dp_index x PP) + pp_index) x TP + tp_index, so
 - the DP group of (s, t) is ranks (d x PP + s) x TP + t for d = 0 .. DP - 1 (the
   replicas of one stage's slice: the all-reduce of its gradients).
 
+- the shared group of entry k of the section's `shared` list, for (d, t), is ranks
+  (d x PP + s) x TP + t for the entry's stages s (the sum of a shared parameter's
+  copies' gradients: Megatron-LM's embedding group), made only for an entry whose
+  copies are summed (its stages' op lists say so).
+
 Every rank creates every group (`torch.distributed.new_group` is collective over the
-default group, in the same order everywhere: TP, then PP, then DP) and keeps its own. A
-group of the whole world is the default group (None); a dimension of size 1 has none.
+default group, in the same order everywhere: TP, then PP, then DP, then the shared
+entries in order, each for every (d, t)) and keeps its own. A group of the whole world
+is the default group (None); a dimension of size 1 has none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,7 @@ class PipelineMesh:
     dp_group: object = None  # None: no data parallel (dp 1)
     tp: int = 1
     tp_group: object = None  # None: no tensor parallel (tp 1)
+    shared_groups: dict = field(default_factory=dict)  # shared entry -> its group here
 
     @property
     def tp_index(self) -> int:
@@ -60,9 +67,10 @@ class PipelineMesh:
         return (dp_index * self.pp + stage) * self.tp + tp_index
 
     @classmethod
-    def of(cls, context, mesh: dict) -> "PipelineMesh":
+    def of(cls, context, mesh: dict, shared: dict | None = None) -> "PipelineMesh":
         """This rank's place in the IR's `mesh` ({dp, pp, tp}), whose product must be the
-        number of processes."""
+        number of processes; `shared`: the section's shared entries whose gradients are
+        summed (index -> their stages), each a group of this rank's if it holds it."""
         dp, pp, tp = (int(mesh[k]) for k in ("dp", "pp", "tp"))
         if dp * pp * tp != context.world:
             raise RuntimeUserError(
@@ -72,7 +80,8 @@ class PipelineMesh:
                       f"for this launch: modulec build ... --pp {pp}"
                       + (f" --tp {tp}" if tp > 1 else "")
                       + f" --dp {max(context.world // (pp * tp), 1)}"])
-        if dp == 1 and tp == 1:
+        shared = shared or {}
+        if dp == 1 and tp == 1 and not shared:
             return cls(dp, pp, context.rank)
         plain = cls(dp, pp, context.rank, tp=tp)
         at = plain.global_rank
@@ -88,10 +97,26 @@ class PipelineMesh:
                 group = dist.new_group(ranks) if len(ranks) < context.world else None
                 if context.rank in ranks:
                     mine[kind] = group
-        own = cls(dp, pp, context.rank, mine.get("pp"), mine.get("dp"), tp, mine.get("tp"))
-        for kind in mine:  # every member at once (below)
-            _warm_up(mine[kind], context.device)
+        groups = _shared_groups(plain, shared, context)
+        own = cls(dp, pp, context.rank, mine.get("pp"), mine.get("dp"), tp, mine.get("tp"),
+                  groups)
+        for group in list(mine.values()) + list(groups.values()):  # every member at once
+            _warm_up(group, context.device)  # (below)
         return own
+
+
+def _shared_groups(plain: PipelineMesh, shared: dict, context) -> dict:
+    """The groups of the shared entries (index -> stages), every rank making each entry's
+    for every (dp_index, tp_index), entries in index order: this rank's by entry."""
+    at, mine = plain.global_rank, {}
+    for index in sorted(shared):
+        for d in range(plain.dp):
+            for t in range(plain.tp):
+                ranks = [at(d, s, t) for s in shared[index]]
+                group = dist.new_group(ranks) if len(ranks) < context.world else None
+                if context.rank in ranks:
+                    mine[index] = group
+    return mine
 
 
 def _warm_up(group, device: str) -> None:
