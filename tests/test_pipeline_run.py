@@ -34,13 +34,13 @@ LORA_TEXT = "rank=4,alpha=8,targets=[q,v,down],dropout=0.25"
 
 
 def _built_ir(tmp_path, settings: dict, micro: int, rows: int, seq: int, dp: int = 1,
-              zero: int = 0, lora: tuple = ()) -> str:
+              zero: int = 0, lora: tuple = (), name: str = "llama") -> str:
     """`modulec build --pp 2 --dp DP --zero Z` of the tiny Llama (`lora`: its --lora
-    arguments) to an IR document."""
+    arguments; `name`: the document's name) to an IR document."""
     from tests.runtime_models import TINY
     from tests.test_cli import run
 
-    path = tmp_path / f"llama-dp{dp}-zero{zero}{'-lora' if lora else ''}-pp2.ir"
+    path = tmp_path / f"{name}-dp{dp}-zero{zero}{'-lora' if lora else ''}-pp2.ir"
     sets = [a for k, v in (TINY["llama"][1] | settings).items() for a in ("--set", f"{k}={v}")]
     built = run("build", TINY["llama"][0], *sets, "--shape", f"B={rows}", "--shape",
                 f"T={seq}", "--pp", "2", "--dp", str(dp), "--zero", str(zero),
@@ -176,16 +176,30 @@ def test_the_micro_batches_become_the_accumulation():
     assert request.microbatches == 8
 
 
-def test_a_parameter_two_stages_use_is_refused():
-    """Tied embeddings: the embedding is read on stage 0 and by the head on stage 1."""
+def test_sharing_the_section_does_not_record_is_refused():
+    """Tied embeddings (the embedding read on stage 0 and by the head on stage 1) run as
+    the section's `shared` entry (tests/test_pipeline_shared.py); a parameter two stages
+    hold without one (a document of an older modulec), or a tie the section does not
+    record (inside repeated layers), is an error, never two copies trained apart."""
     from runtime.errors import RuntimeUserError
     from runtime.inputs import sized_inputs
-    from runtime.train.pipeline import _refuse_unsupported, _section, with_pipeline
+    from runtime.train.pipeline import (_refuse_unrecorded_sharing, _refuse_unsupported,
+                                        _section, with_pipeline)
 
     model = with_pipeline(pipeline_workers.tiny_model("llama_tied"), 2, 2)
     program = model.source.program_for(sized_inputs(["token_ids"], 1, 8))
-    with pytest.raises(RuntimeUserError, match=r"parameters used by two stages \(embedding\)"):
-        _refuse_unsupported(model, program, _section(program, 2, 2))
+    section = _section(program, 2, 2)
+    assert [e["param"] for e in section["shared"]] == ["embedding"]
+    _refuse_unsupported(model, program, section)
+    with pytest.raises(RuntimeUserError, match=r"parameters two stages hold \(embedding\) "
+                       r"but no `shared` entry"):
+        _refuse_unsupported(model, program, dict(section, shared=[]))
+    with pytest.raises(RuntimeUserError, match="has no `shared`"):
+        _section(SimpleNamespace(document={"schedule": {"pipeline": {
+            k: v for k, v in section.items() if k != "shared"}}}), 2, 2)
+    with pytest.raises(RuntimeUserError, match=r"tied weights inside repeated layers "
+                       r"\(blocks\[1\].x\) is not supported yet"):
+        _refuse_unrecorded_sharing({"blocks[1].x": "blocks[1].y"}, section)
 
 
 def test_an_ir_documents_micro_batches_are_the_default(tmp_path):
@@ -216,11 +230,14 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
     documents = [_built_ir(tmp_path, settings, micro, rows, seq, dp=2, zero=zero)
                  for zero in (0, 1)]
     lora = _built_ir(tmp_path, {}, micro, rows, seq, dp=2, lora=("--lora", LORA_TEXT))
+    tied = _built_ir(tmp_path, settings | {"tie_word_embeddings": "true"}, micro, rows, seq,
+                     dp=2, zero=1, name="tied")
     mp.spawn(pipeline_workers.train_data_parallel, nprocs=4,
              args=(4, free_port(), [(d, steps, micro, rows, seq)
-                                    for d in documents + [lora]], str(out)))
+                                    for d in documents + [lora, tied]], str(out)))
     ranks = [torch.load(f"{out}.{r}") for r in range(4)]
     _check_dp_lora(lora, [r[2] for r in ranks], steps, micro, rows, seq)
+    _check_dp_tied(tied, [r[3] for r in ranks], steps, micro, rows, seq)
     want_losses, want = pipeline_workers.train_reference(documents[0], steps, 2 * micro,
                                                          rows, seq)
     for run, zero in enumerate((0, 1)):
@@ -254,6 +271,26 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
                 for path, value in got.items():
                     torch.testing.assert_close(value, want[part][path], rtol=1e-12,
                                                atol=1e-14, msg=f"resumed {part} {path}")
+
+
+def _check_dp_tied(document: str, runs: list, steps: int, micro: int, rows: int,
+                   seq: int) -> None:
+    """DP 2 x PP 2 of tied embeddings (ZeRO-1; tests/test_pipeline_shared.py): each
+    pipeline sums its two stages' embedding gradients in its own group after the DP
+    all-reduces; one process's steps with --grad-accum 4 (float64, 1e-12), every rank's
+    copy of the embedding the same, a resume from step 1 the same."""
+    want_losses, want = pipeline_workers.train_reference(document, steps, 2 * micro,
+                                                         rows, seq)
+    for rank in runs:
+        assert rank["losses"] == pytest.approx(want_losses, rel=1e-12)
+        assert rank["resumed"] == pytest.approx(want_losses[1:], rel=1e-12)
+    copies = [rank["state"]["masters"]["embedding"] for rank in runs]
+    assert all(torch.equal(copy, copies[0]) for copy in copies)
+    for part in ("masters", "exp_avg", "exp_avg_sq"):
+        assert set(runs[0]["whole"][part]) == set(want[part]), part
+        for path, value in want[part].items():
+            torch.testing.assert_close(runs[0]["whole"][part][path], value, rtol=1e-12,
+                                       atol=1e-14, msg=f"dp tied {part} {path}")
 
 
 def _check_dp_lora(document: str, runs: list, steps: int, micro: int, rows: int,

@@ -30,6 +30,11 @@ buckets (the section's offsets and shapes) over the stage's data-parallel group;
 ZeRO-1 then `optimizer_step` (the trainer's update, given to `step`) and one `broadcast`
 per bucket of its weights from the replica that owns it.
 
+A parameter two stages read, or two paths name (a tied LM head), is a `shared` entry of
+the section: every stage holding it has a copy, its gradients of the entry's paths add up
+under the entry's `param` (the tied target), and an `all_reduce` of group `shared` sums
+them over the entry's stages (the mesh's group for it) before the optimizer steps.
+
 Packed (--doc-sep), a micro-batch's documents (`documents_of`) are held around its
 forward and its backward. `forward_only` runs one batch forward through the stages
 outside the op list (evaluation): the activations received and sent as the schedule's
@@ -75,6 +80,13 @@ class StagePlan:
     ops: list
     stage_of: dict = field(default_factory=dict)  # (node id, layer or None) -> stage
     buckets: list = field(default_factory=list)  # gradient buckets (data parallel)
+    shared: list = field(default_factory=list)  # the section's shared parameters
+
+    @property
+    def owners(self) -> dict[str, str]:
+        """Each path of a shared entry -> the entry's `param` (a tied path: its target),
+        the name the stage's gradient of it goes by."""
+        return {path: entry["param"] for entry in self.shared for path in entry["paths"]}
 
     @classmethod
     def read(cls, section: dict, stage: int) -> "StagePlan":
@@ -91,8 +103,9 @@ class StagePlan:
         for op in section["ops"][stage]:
             kind = op.get("kind")
             collective = kind in ("all_reduce", "broadcast")
-            if kind not in KNOWN_OPS or collective and op.get("group") != "dp" or \
-                    kind == "all_reduce" and op.get("reduce") != "avg":
+            known = (op.get("group"), op.get("reduce")) in (("dp", "avg"), ("shared", "sum")) \
+                if kind == "all_reduce" else op.get("group") == "dp"
+            if kind not in KNOWN_OPS or collective and not known:
                 what = f" (group {op.get('group')}, reduce {op.get('reduce')})" \
                     if collective else ""
                 raise RuntimeUserError(f"the IR's pipeline section has an op `{kind}`{what} "
@@ -101,7 +114,8 @@ class StagePlan:
         return cls(stage, stages, mine, bounds[stage - 1]["tensors"] if stage else [],
                    bounds[stage]["tensors"] if stage < stages - 1 else [],
                    section["ops"][stage], stage_of,
-                   section["stages"][stage].get("grad_buckets", []))
+                   section["stages"][stage].get("grad_buckets", []),
+                   section.get("shared", []))
 
     @property
     def last(self) -> bool:
@@ -197,6 +211,19 @@ class GradientMap:
         return None
 
 
+def shared_sums(backward, made_by: dict, owners: dict) -> dict:
+    """The `add` nodes (no `forward_node`) that sum the gradient contributions of a shared
+    parameter (one of `owners`' paths) in the entry's backward, by the value each makes:
+    its contributions may come from several stages."""
+    found, todo = {}, [v for name, v in backward.param_grads if name in owners]
+    while todo:
+        node = made_by.get(todo.pop())
+        if node is not None and node.attr("forward_node") is None and node.target == "add":
+            found.update({o: node for o in node.outputs if o})
+            todo += [v for v in node.inputs if v]
+    return found
+
+
 class StageRunner:
     """Runs one stage's forwards and backwards per micro-batch and its op list."""
 
@@ -212,8 +239,12 @@ class StageRunner:
         grads = GradientMap(graph, plan)
         self.grad_in = [grads.of(t, stage) for t in plan.outgoing if t["gradient"]]
         self.grad_out = [grads.of(t, stage - 1) for t in plan.incoming if t["gradient"]]
+        # the sums of a shared parameter's gradient contributions (each stage adds its own
+        # and the section's shared all-reduce the stages'): value -> its `add` node
+        self.shared_sums = shared_sums(self.backward_fn, grads.made_by, plan.owners)
+        skipped = {id(n) for n in self.shared_sums.values()}
         self.backward_nodes = [n for n in self.backward_fn.nodes
-                               if self._runs_here(n, grads)]
+                               if id(n) not in skipped and self._runs_here(n, grads)]
         self.frames: dict[int, Frame] = {}
         self.seed_of = None  # micro-batch -> the random ops' seed (dropout), None: off
         # micro-batch -> its packed documents (--doc-sep: runtime.kernels.documents, held
@@ -234,10 +265,12 @@ class StageRunner:
         steps after). Returns the losses (last stage) and the parameter gradients summed
         over the micro-batches (averaged over the DP group where the section says)."""
         inbox, outbox, seeds, losses, total = {}, {}, {}, [], {}
-        ops, i = self.plan.ops, 0
+        ops, i, owners = self.plan.ops, 0, self.plan.owners
         while i < len(ops):
             kind, m = ops[i]["kind"], ops[i].get("microbatch")
-            if kind == "all_reduce":  # after the last backward: total is final here
+            if ops[i].get("group") == "shared":  # a shared parameter's copies' sum
+                self._sum_shared(ops[i]["shared"], total)
+            elif kind == "all_reduce":  # after the last backward: total is final here
                 self._all_reduce(self.plan.buckets[ops[i]["bucket"]], total)
             elif kind == "optimizer_step":
                 update(total)
@@ -261,7 +294,8 @@ class StageRunner:
                 with packed(self._documents(m)):
                     grads, outbox[("gradients", m)] = self.backward(
                         m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
-                for path, grad in grads.items():
+                for path, grad in grads.items():  # a tied path's: its owner's
+                    path = owners.get(path, path)
                     total[path] = total[path] + grad if path in total else grad
             i += 1
         self.it.rng_seed = None
@@ -324,6 +358,18 @@ class StageRunner:
             if row["path"] in total:
                 part = flat[row["offset"]:row["offset"] + row["numel"]].view(row["shape"])
                 total[row["path"]] = part.to(total[row["path"]].dtype)
+
+    def _sum_shared(self, index: int, total: dict) -> None:
+        """Shared entry `index`'s gradient summed over the stages that hold a copy (its
+        group in this rank's pipeline; a stage that made none adds zeros), so that every
+        copy steps alike."""
+        entry = self.plan.shared[index]
+        grad = total.get(entry["param"])
+        if grad is None:
+            grad = torch.zeros(entry["shape"], dtype=self.dtype, device=self.device)
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=self.mesh.shared_groups[index])
+        total[entry["param"]] = grad
 
     def _broadcast(self, bucket: dict, root: int) -> None:
         """A bucket's weights from the replica that stepped them (its owner, a data-
@@ -410,8 +456,31 @@ class StageRunner:
             else:
                 self.it._dispatch(node, frame, forward)
         self.it._collect_param_grads(frame)
+        self._collect_shared(frame)
         return self.it.grads, [self._gradient_out(g, t, frame, carried) for g, t in
                                zip(self.grad_out, self._incoming_with_gradient())]
+
+    def _collect_shared(self, frame: Frame) -> None:
+        """This stage's part of each shared parameter's gradient: its own contributions
+        to the gradient sum (the `add`s of the others' are not run here)."""
+        for name, value in self.backward_fn.param_grads:
+            if value in self.shared_sums:
+                part = self._local_sum(value, frame)
+                if part is not None:
+                    grads = self.it.grads
+                    grads[name] = grads[name] + part if name in grads else part
+
+    def _local_sum(self, value: str, frame: Frame) -> Tensor | None:
+        """The sum's terms made on this stage, added in the sum's own order (None: none)."""
+        node = self.shared_sums.get(value)
+        if node is None:  # a contribution: made here, or on another stage (absent)
+            return frame.env.get(value)
+        parts = [self._local_sum(v, frame) for v in node.inputs if v]
+        parts = [p for p in parts if p is not None]
+        total = parts[0] if parts else None
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def _incoming_with_gradient(self) -> list:
         return [t for t in self.plan.incoming if t["gradient"]]

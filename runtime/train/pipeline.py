@@ -155,7 +155,7 @@ class PipelineTrainer:
         context.same_program(program.document)
         _refuse_unsupported(model, program, section)
         self.model, self.program, self.inputs = model, program, names
-        self.mesh = mesh = PipelineMesh.of(context, section["mesh"])
+        self.mesh = mesh = PipelineMesh.of(context, section["mesh"], summed_shared(section))
         from runtime.kernels.comm import set_tp_group
 
         set_tp_group(mesh.tp_group)  # the stage's tp_copy / tp_all_reduce (None: tp 1)
@@ -163,12 +163,14 @@ class PipelineTrainer:
 
         self.sharded = sharded_paths(program)  # path -> its shard (TP x PP), else {}
         self.stage = mesh.stage
-        own = set(section["stages"][self.stage]["params"])
+        shared = [e for e in section["shared"] if self.stage in e["stages"]]
+        own = set(section["stages"][self.stage]["params"]) | {e["param"] for e in shared}
         self.names = [p for p in owned_paths(model) if p in own]
         for path in [p for p in model.params if p not in own]:
             del model.params[path]  # another stage's
-        for path, value in model.params.items():
-            model.params[path] = value.to(device)
+        _to_device(model.params, device)
+        # a shared parameter's gradient is summed over its stages: the norm counts it once
+        self.counted_elsewhere = {e["param"] for e in shared if e["stages"][0] != self.stage}
         self.frozen = frozen_parameters(program)
         interpreter = Interpreter(program.graph, model.params, model.dtype,
                                   check_finite=model.check_finite,
@@ -275,9 +277,11 @@ class PipelineTrainer:
 
     def _square(self, total: dict) -> Tensor:
         """This stage's squared gradient norm (0-d): under TP its slices' summed over the
-        TP group, the replicated parameters' once (runtime/dist/tp_norm.py)."""
+        TP group, the replicated parameters' once (runtime/dist/tp_norm.py); a shared
+        parameter's on the first of its stages only."""
         from runtime.dist.tp_norm import squares, tp_squares
 
+        total = {p: g for p, g in total.items() if p not in self.counted_elsewhere}
         if self.mesh.tp == 1:
             return squares(total.values(), torch.float64, self.device).reshape(())
         return tp_squares(total, self.sharded, self.mesh.tp_group, torch.float64,
@@ -359,6 +363,24 @@ class PipelineTrainer:
                 "what": "host RSS"}
 
 
+def _to_device(params: dict, device: str) -> None:
+    """Every parameter on `device`, a tensor two paths share (a tied one and its target)
+    moved once and still shared."""
+    moved: dict = {}
+    for path, value in params.items():
+        if id(value) not in moved:
+            moved[id(value)] = value.to(device)
+        params[path] = moved[id(value)]
+
+
+def summed_shared(section: dict) -> dict[int, list[int]]:
+    """The shared entries whose copies' gradients the section's ops sum (index -> their
+    stages): each needs a process group."""
+    summed = {op["shared"] for ops in section["ops"] for op in ops
+              if op.get("group") == "shared"}
+    return {i: section["shared"][i]["stages"] for i in sorted(summed)}
+
+
 class OnDevice:
     """A reference kernel that creates its tensor (zeros, ones, fill) on `device`: the
     reference makes them on the CPU unless told."""
@@ -423,9 +445,11 @@ def _section(program, stages: int, microbatches: int, zero: int | None = None) -
     if section.get("schedule") != "1f1b":
         raise RuntimeUserError(f"pipeline schedule `{section.get('schedule')}` is not one "
                                "this runtime runs (1f1b)")
-    if "mesh" not in section:
-        raise RuntimeUserError("the IR's pipeline section has no `mesh` (built by an older "
-                               "modulec)", help=["rebuild it with `modulec build ... --pp P`"])
+    for key in ("mesh", "shared"):
+        if key not in section:
+            raise RuntimeUserError(f"the IR's pipeline section has no `{key}` (built by an "
+                                   "older modulec)",
+                                   help=["rebuild it with `modulec build ... --pp P`"])
     if zero is not None and section.get("zero", 0) != zero:
         raise RuntimeUserError(f"the IR's pipeline was built for ZeRO-{section.get('zero', 0)}"
                                f"; this run asks for --zero {zero}",
@@ -441,6 +465,28 @@ def _section(program, stages: int, microbatches: int, zero: int | None = None) -
     return section
 
 
+def _refuse_unrecorded_sharing(ties: dict, section: dict) -> None:
+    """A tie (`tied_to`) or a parameter two stages hold that the section's `shared` list
+    does not record (a tie inside repeated layers, which the build does not record): an
+    error, never two copies trained apart."""
+    recorded = {p for entry in section["shared"] for p in entry["paths"]}
+    held: dict[str, list[int]] = {}
+    for stage in section["stages"]:
+        for path in stage["params"]:
+            held.setdefault(path, []).append(stage["stage"])
+    unrecorded = sorted(p for p in ties if p not in recorded)
+    if unrecorded:
+        raise RuntimeUserError(f"--pp with tied weights inside repeated layers "
+                               f"({', '.join(unrecorded[:3])}) is not supported yet: the "
+                               "IR's pipeline section records entry-level ties only",
+                               help=["train it data parallel (--zero) or on one process"])
+    apart = sorted(p for p, stages in held.items() if len(stages) > 1 and p not in recorded)
+    if apart:
+        raise RuntimeUserError(f"the IR's pipeline section has parameters two stages hold "
+                               f"({', '.join(apart[:3])}) but no `shared` entry for them",
+                               help=["rebuild it with `modulec build ... --pp P`"])
+
+
 def _refuse_unsupported(model: Model, program, section: dict) -> None:
     """What the pipeline does not run yet: an error, never a wrong step."""
     from runtime.hf_weights.schema import tied_targets
@@ -452,18 +498,7 @@ def _refuse_unsupported(model: Model, program, section: dict) -> None:
                                f"{getattr(model.source, 'tensor_parallel', 1)}",
                                help=[f"rebuild it with `modulec build ... --pp "
                                      f"{len(section['stages'])} --tp {built_tp}`"])
-    ties = tied_targets(program.weight_schema)
-    if ties:
-        raise RuntimeUserError(f"--pp with tied weights ({', '.join(sorted(ties))}) is not "
-                               "supported yet: the stages would hold two copies",
-                               help=["train it data parallel (--zero) or on one process"])
-    held = [set(stage["params"]) for stage in section["stages"]]
-    shared = sorted(set.union(*[a & b for i, a in enumerate(held) for b in held[i + 1:]]
-                              or [set()]))
-    if shared:
-        raise RuntimeUserError(f"--pp: parameters used by two stages ({', '.join(shared[:3])})"
-                               " are not supported yet: each stage would train its own copy",
-                               help=["place their uses in one stage with @partition"])
+    _refuse_unrecorded_sharing(tied_targets(program.weight_schema), section)
     _refuse_outputs(program, section)
 
 
