@@ -23,6 +23,12 @@ With --lora the stages run the LoRA program (its base frozen: no gradient, no mo
 the model is built and its adapters drawn whole, as one process draws them, before each
 stage drops the other stages' parameters, so a stage trains its layers' adapters, and
 `state()` gathers them with the base for the PEFT adapter file (docs/pipeline.md "LoRA").
+
+A parameter the section's `shared` list names (a tied LM head's embedding, a `tied_to`
+target) is kept by each of its stages under the owner's name, its tied paths reading
+that copy; the runner sums the copies' gradients over their stages, so each steps alike,
+the clipping norm counts it on its first stage only, and `state()` joins the stages by
+path, the owner once (docs/pipeline.md "Shared and tied parameters").
 """
 
 from __future__ import annotations
