@@ -64,7 +64,7 @@ def train_pipelined(rank: int, world: int, port: int, runs: list, eval_path: str
     for name, steps, micro, rows, seq in runs:
         trainer = PipelineTrainer(moe_model(name), rows, seq,
                                   AdamW(lr=1e-2, weight_decay=0.1), context, world, micro,
-                                  device=device)
+                                  device=device, mixed=False)  # float64 on NCCL too
         losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
         data = EvalData(Path(eval_path), "uint16", seq, rows, 64)
         state = {part: {p: t.detach().cpu() for p, t in values.items()}

@@ -1,8 +1,12 @@
 """Pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two; DP x PP
 and TP x PP on four):
 `torchrun --nproc-per-node 2 -m modulec train --pp 2 --device cuda` runs the IR's pipeline
-section eagerly (the reference interpreter on CUDA tensors, float32, send/recv over NCCL)
-and trains as one CPU process accumulating the same micro-batches (float32 rounding)."""
+section eagerly (each stage through the GPU step's kernels on bf16 copies of fp32
+masters, runtime/train/pipeline_precision.py; send/recv over NCCL) and trains as one CPU
+process accumulating the same micro-batches in float32, within bf16 rounding (`BF16`),
+and as one GPU accumulating them (`modulec train --device cuda --grad-accum M`). The
+exact equalities are the CPU tests' (tests/test_pipeline_run.py, float64;
+tests/test_pipeline_precision.py, the mixed-precision bookkeeping bit for bit)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from tests.dist_testing import free_port, needs_gpus  # noqa: E402
 pytestmark = needs_gpus(2)
 
 ARGS = ("--seq", "64", "--batch", "2", "--lr", "1e-3", "--format", "json", "--steps", "3")
+BF16 = 1e-2  # relative: a bf16 step's loss against float32's over three steps
 
 
 def _rows(done) -> list[dict]:
@@ -40,11 +45,16 @@ def test_two_gpu_stages_train_as_one_process_accumulating(gpu_ckpt):
     one = _rows(subprocess.run(
         [sys.executable, "-m", "modulec", "train", LLAMA, *data, *ARGS, "--device", "cpu",
          "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
+    one_gpu = _rows(subprocess.run(
+        [sys.executable, "-m", "modulec", "train", LLAMA, *data, *ARGS, "--device", "cuda",
+         "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
     done = next(r for r in pipeline if r["event"] == "done")
     assert done["memory"] == "GPU"
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    assert len(got) == 3 and got == pytest.approx(want, rel=BF16)
+    assert got == pytest.approx([r["loss"] for r in one_gpu if r["event"] == "step"],
+                                rel=BF16)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
@@ -71,13 +81,13 @@ def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_c
          "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    assert len(got) == 3 and got == pytest.approx(want, rel=BF16)
     resumed = launch("--resume", str(tmp_path / "pp" / "checkpoint-2"), "--zero", "1",
                      "--save", str(tmp_path / "zero1"))
     assert "resumed at step 2 from the consolidated checkpoint (a pipeline's checkpoints " \
         "are consolidated)" in [r.get("text") for r in resumed if r["event"] == "note"]
     assert [r["loss"] for r in resumed if r["event"] == "step"] == \
-        pytest.approx(want[2:], rel=1e-4)
+        pytest.approx(want[2:], rel=BF16)
     assert (tmp_path / "zero1" / "checkpoint-3" / "model.safetensors").is_file()
 
 
@@ -110,7 +120,7 @@ def test_pp2_tp2_on_four_gpus_trains_as_one_process_accumulating(gpu_ckpt, tmp_p
     assert done["memory"] == "GPU"
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one() if r["event"] == "step"]
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    assert len(got) == 3 and got == pytest.approx(want, rel=BF16)
     resumed = one("--resume", str(tmp_path / "tpp" / "checkpoint-2"), start=data[:2])
     assert [r["loss"] for r in resumed if r["event"] == "step"] == \
-        pytest.approx(want[2:], rel=1e-4)
+        pytest.approx(want[2:], rel=BF16)

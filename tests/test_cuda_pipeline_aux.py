@@ -1,11 +1,13 @@
 """Auxiliary losses under pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with
-fewer than two): the stages run eagerly on CUDA tensors (the reference interpreter), the
-router statistics and an early `aux_loss` cross over NCCL as on gloo. The CPU test's
+fewer than two): the router statistics and an early `aux_loss` cross over NCCL as on
+gloo. The CPU test's
 runs (tests/test_pipeline_aux.py: std Mixtral cut inside its stack, Qwen3-MoE, an
-`@partition` Mixtral whose aux loss is made on stage 0) in float64 on two GPUs equal
-one CPU process with --grad-accum 2; and `torchrun --nproc-per-node 2 -m modulec train
---pp 2 --device cuda` of a tiny std Mixtral with its load-balancing loss reports one
-CPU process's --grad-accum 4 losses (float32), the aux term included."""
+`@partition` Mixtral whose aux loss is made on stage 0) in float64 on two GPUs (the
+reference interpreter on CUDA tensors, `mixed=False`) equal one CPU process with
+--grad-accum 2; and `torchrun --nproc-per-node 2 -m modulec train --pp 2 --device cuda`
+of a tiny std Mixtral with its load-balancing loss (bf16 stages:
+runtime/train/pipeline_precision.py) reports one CPU process's --grad-accum 4 losses
+(float32) within bf16 rounding, the aux term included."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def test_modulec_train_pp2_on_gpus_reports_the_aux_loss_as_one_process(tmp_path)
 
     got = losses(2, "--device", "cuda", "--pp", "2", "--microbatches", "4")
     want = losses(1, "--device", "cpu", "--grad-accum", "4")
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    # bf16 stages (runtime/train/pipeline_precision.py) against float32: bf16 rounding
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-2)
     without = losses(1, "--device", "cpu", "--grad-accum", "4", "--set", "aux_loss_coef=0")
     assert min(a - b for a, b in zip(want, without)) > 0.1  # the aux term is in the loss

@@ -60,9 +60,10 @@ def test_modulec_train_pp2_on_gpus_trains_a_tied_gpt2_as_one_process(tmp_path):
     got = losses(2, "--init", "random", "--device", "cuda", "--pp", "2", "--microbatches",
                  "4", "--save", str(tmp_path / "pp"), "--save-every", "2")
     want = losses(1, "--init", "random", "--device", "cpu", "--grad-accum", "4")
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+    # bf16 stages (runtime/train/pipeline_precision.py) against float32: bf16 rounding
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-2)
     saved = load_file(str(tmp_path / "pp" / "checkpoint-2" / "model.safetensors"))
     assert "transformer.wte.weight" in saved and not [k for k in saved if "lm_head" in k]
     resumed = losses(1, "--resume", str(tmp_path / "pp" / "checkpoint-2"), "--device",
                      "cpu", "--grad-accum", "4")
-    assert resumed == pytest.approx(want[2:], rel=1e-4)
+    assert resumed == pytest.approx(want[2:], rel=1e-2)

@@ -232,6 +232,10 @@ class StageRunner:
         """`mesh`: runtime.dist.mesh.PipelineMesh (its groups, the global rank of a stage of
         this rank's pipeline); None: one pipeline on the default group."""
         self.graph, self.it, self.device, self.dtype = graph, interpreter, device, dtype
+        # the dtype a step's parameter gradients are summed and bucketed in, and the fp32
+        # masters the interpreter's compute copies are made from (runtime/train/
+        # pipeline_precision.py: mixed precision on the GPU; else the dtype, no masters)
+        self.grad_dtype, self.masters = dtype, {}
         self.mesh = mesh
         self.plan = plan = StagePlan.read(section, stage)
         self.entry = graph.function(graph.entry)
@@ -295,7 +299,7 @@ class StageRunner:
                     grads, outbox[("gradients", m)] = self.backward(
                         m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
                 for path, grad in grads.items():  # a tied path's: its owner's
-                    path = owners.get(path, path)
+                    path, grad = owners.get(path, path), grad.to(self.grad_dtype)
                     total[path] = total[path] + grad if path in total else grad
             i += 1
         self.it.rng_seed = None
@@ -347,7 +351,7 @@ class StageRunner:
         group: this rank's sums over its micro-batches packed at the bucket's offsets (a
         parameter without a gradient here adds zeros), all-reduced, divided by the group's
         size, and handed back as views of the flat buffer."""
-        flat = torch.zeros(bucket["numel"], dtype=self.dtype, device=self.device)
+        flat = torch.zeros(bucket["numel"], dtype=self.grad_dtype, device=self.device)
         for row in bucket["params"]:
             grad = total.get(row["path"])
             if grad is not None:
@@ -366,15 +370,16 @@ class StageRunner:
         entry = self.plan.shared[index]
         grad = total.get(entry["param"])
         if grad is None:
-            grad = torch.zeros(entry["shape"], dtype=self.dtype, device=self.device)
+            grad = torch.zeros(entry["shape"], dtype=self.grad_dtype, device=self.device)
         grad = grad.contiguous()
         dist.all_reduce(grad, group=self.mesh.shared_groups[index])
         total[entry["param"]] = grad
 
     def _broadcast(self, bucket: dict, root: int) -> None:
         """A bucket's weights from the replica that stepped them (its owner, a data-
-        parallel index) to the stage's DP group, flat at the section's offsets."""
-        params = self.it.params
+        parallel index) to the stage's DP group, flat at the section's offsets (the fp32
+        masters where the stage has them, its compute copies made from them after)."""
+        params = self.it.params | self.masters
         flat = torch.cat([params[row["path"]].detach().reshape(-1)
                           for row in bucket["params"]])
         dist.broadcast(flat, src=self.mesh.replica_rank(root),
@@ -383,6 +388,8 @@ class StageRunner:
             for row in bucket["params"]:
                 part = flat[row["offset"]:row["offset"] + row["numel"]]
                 params[row["path"]].copy_(part.view(row["shape"]))
+                if row["path"] in self.masters:
+                    self.it.params[row["path"]].copy_(self.masters[row["path"]])
 
     def _buffers(self, what: str) -> list[Tensor]:
         """Receive buffers for the section's tensors of `what`, in its order and shapes."""

@@ -45,6 +45,7 @@ from runtime.interpreter import Interpreter
 from runtime.model import Model
 from runtime.train.backends import owned_paths
 from runtime.train.optim import AdamW
+from runtime.train.pipeline_precision import StagePrecision
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
                                         hyperparameters)
 
@@ -139,9 +140,11 @@ def with_pipeline(model: Model, stages: int, microbatches: int, dp: int = 1,
 class PipelineTrainer:
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, context,
                  stages: int, microbatches: int, device: str = "cpu",
-                 zero: int | None = None, packing=None):
+                 zero: int | None = None, packing=None, mixed: bool | None = None):
         """`zero`: --zero (0 or 1; None: an IR document's own, else 0); `packing`:
-        --doc-sep's (runtime.train.packing.Packing; None: unpacked)."""
+        --doc-sep's (runtime.train.packing.Packing; None: unpacked); `mixed`:
+        bf16 compute copies of fp32 masters through the GPU step's kernels
+        (runtime/train/pipeline_precision.py; None: on cuda, not on the CPU)."""
         from modulec.plan.pipeline import pipeline_zero
         from runtime.dist.pipeline import StageRunner
 
@@ -178,11 +181,16 @@ class PipelineTrainer:
         # a shared parameter's gradient is summed over its stages: the norm counts it once
         self.counted_elsewhere = {e["param"] for e in shared if e["stages"][0] != self.stage}
         self.frozen = frozen_parameters(program)
-        interpreter = Interpreter(program.graph, model.params, model.dtype,
-                                  check_finite=model.check_finite,
-                                  kernels=kernels_on(device))
+        self.precision = precision = StagePrecision.of(device, model.dtype, mixed)
+        precision.hold(model.params, [p for p in self.names if p not in self.frozen],
+                       [p for p in self.names if p in self.frozen])
+        interpreter = Interpreter(program.graph, model.params, precision.compute,
+                                  check_finite=model.check_finite and not precision.mixed,
+                                  kernels=precision.kernels(),
+                                  keep_only_saved=precision.mixed)
         self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
-                                  model.dtype, mesh)
+                                  precision.compute, mesh)
+        self.runner.grad_dtype, self.runner.masters = precision.grads, precision.masters
         self.owned = owned_buckets(section, mesh)
         self.grad_norm = None
 
@@ -279,7 +287,9 @@ class PipelineTrainer:
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         if self.owned is not None:  # ZeRO-1: the buckets this replica steps
             total = {p: g for p, g in total.items() if p in self.owned}
-        self.adamw.update(self.model.params, total, lambda p: settings[p][:2], scale)
+        self.adamw.update(self.precision.weights(self.model.params), total,
+                          lambda p: settings[p][:2], scale)
+        self.precision.refresh(self.model.params, total)
 
     def _square(self, total: dict) -> Tensor:
         """This stage's squared gradient norm (0-d): under TP its slices' summed over the
@@ -308,7 +318,8 @@ class PipelineTrainer:
 
     def stage_state(self) -> dict:
         """This stage's state (its parameters only)."""
-        return {"masters": {p: self.model.params[p] for p in self.names},
+        weights = self.precision.weights(self.model.params)
+        return {"masters": {p: weights[p] for p in self.names},
                 "exp_avg": self.adamw.exp_avg, "exp_avg_sq": self.adamw.exp_avg_sq,
                 "step": self.adamw.step}
 
@@ -352,7 +363,7 @@ class PipelineTrainer:
         parameters' part."""
         with torch.no_grad():
             for path in self.names:
-                self.model.params[path].copy_(state["masters"][path])
+                self.precision.load(self.model.params, path, state["masters"][path])
         mine = self.names if self.owned is None else \
             [p for p in self.names if p in self.owned]
         for part in ("exp_avg", "exp_avg_sq"):

@@ -1,0 +1,98 @@
+"""How a pipeline stage holds, computes with and steps its parameters.
+
+On the GPU a stage trains as the one-GPU trainer does (runtime/cuda/step.py): the kernels
+of the GPU step's registry (runtime.cuda.train_kernels: cuDNN attention, the fused norms,
+SwiGLU and RoPE) read bf16 compute copies of the weights, the boundary tensors travel in
+bf16, each micro-batch's parameter gradients are summed in fp32, and AdamW steps fp32
+masters, whose bf16 copies the next forward reads. On the CPU (the gloo tests) a stage
+computes in the model's dtype through the reference kernels and its parameters are their
+own masters: one process's arithmetic, bit for bit.
+
+`mixed` chooses between the two; the trainer takes the GPU's on `--device cuda`. Mixed on
+the CPU (the GPU registry's CPU fallbacks in bf16) is what the CPU tests use to check the
+masters' bookkeeping against one process doing the same arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+MASTER = torch.float32
+
+
+@dataclass
+class StagePrecision:
+    compute: torch.dtype  # compute copies, activations, boundary tensors
+    grads: torch.dtype  # a step's summed gradients and their buckets
+    mixed: bool = False
+    device: str = "cpu"
+    # trained path -> its fp32 master (mixed); empty: the parameters are their own masters
+    masters: dict[str, Tensor] = field(default_factory=dict)
+    # a frozen path (LoRA's base) -> its fp32 value on the host (mixed): a checkpoint
+    # writes what was loaded, not its bf16 copy (as the one-GPU trainer keeps it)
+    frozen: dict[str, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, device: str, dtype: torch.dtype, mixed: bool | None = None
+           ) -> "StagePrecision":
+        """`mixed` None: the GPU's (bf16 compute, fp32 masters) on cuda, the model's
+        `dtype` throughout elsewhere."""
+        mixed = device.startswith("cuda") if mixed is None else mixed
+        if mixed:
+            return cls(torch.bfloat16, MASTER, True, device)
+        return cls(dtype, dtype, False, device)
+
+    def kernels(self) -> dict:
+        """The kernel registry a stage runs: the GPU step's (mixed), else the reference's
+        with the tensors it creates made on the stage's device."""
+        if self.mixed:
+            from runtime.cuda.train_kernels import train_kernels
+
+            return train_kernels("cuda" if self.device.startswith("cuda") else "cpu",
+                                 attention=("cudnn", "flash"))
+        from runtime.train.pipeline import kernels_on
+
+        return kernels_on(self.device)
+
+    def hold(self, params: dict[str, Tensor], trained: list[str], frozen=()) -> None:
+        """Mixed: `trained`'s fp32 masters on the device and `frozen`'s fp32 values on the
+        host kept here, and every floating parameter replaced by its compute copy (a
+        tensor two paths share stays shared)."""
+        if not self.mixed:
+            return
+        self.masters = {p: params[p].detach().to(MASTER, copy=True) for p in trained}
+        self.frozen = {p: params[p].detach().to("cpu", MASTER, copy=True) for p in frozen
+                       if params[p].is_floating_point()}
+        copies: dict[int, Tensor] = {}
+        for path, value in params.items():
+            if value.is_floating_point() and id(value) not in copies:
+                copies[id(value)] = value.detach().to(self.compute)
+            params[path] = copies.get(id(value), value)
+
+    def weights(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What the optimizer steps and a checkpoint holds, by path: the masters, the
+        frozen parameters' host values, the parameters themselves elsewhere (unmixed)."""
+        if not self.mixed:
+            return params
+        return {p: self.masters.get(p, self.frozen.get(p, value))
+                for p, value in params.items()}
+
+    @torch.no_grad()
+    def refresh(self, params: dict[str, Tensor], paths) -> None:
+        """The compute copies of `paths` made from their masters again (after a step or a
+        load; the copy rounds to nearest, as the GPU step's own update does)."""
+        for path in paths:
+            master = self.masters.get(path)
+            if master is not None:
+                params[path].copy_(master)
+
+    @torch.no_grad()
+    def load(self, params: dict[str, Tensor], path: str, value: Tensor) -> None:
+        """A checkpoint's value of `path` into its master or host value (where it has
+        one) and its compute copy."""
+        kept = self.masters.get(path, self.frozen.get(path))
+        if kept is not None:
+            kept.copy_(value)
+        params[path].copy_(kept if kept is not None else value)

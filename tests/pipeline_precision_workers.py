@@ -1,0 +1,80 @@
+"""Work for tests/test_pipeline_precision.py: a pipeline whose stages hold their weights as
+the GPU does (bf16 compute copies of fp32 masters, the GPU step's kernel registry, fp32
+gradient sums: runtime/train/pipeline_precision.py), on gloo processes, and one process
+doing the same arithmetic."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist_workers import join, windows
+from tests.pipeline_workers import tiny_model
+
+LR, DECAY = 1e-2, 0.1
+
+
+def mixed_pipelined(rank: int, world: int, port: int, name: str, steps: int, micro: int,
+                    rows: int, seq: int, clip: float | None, out: str) -> None:
+    """`steps` steps of `name` on `world` mixed-precision stages; rank r saves its losses,
+    its stage's state (fp32 masters) and its compute copies to `out`.r."""
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    context = join(rank, world, port)
+    trainer = PipelineTrainer(tiny_model(name), rows, seq,
+                              AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip), context,
+                              world, micro, mixed=True)
+    losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
+    state = trainer.stage_state()
+    copies = dict(trainer.model.params)
+    torch.save({"losses": losses, "state": state, "copies": copies,
+                "whole": trainer.state()}, f"{out}.{rank}")
+    context.close()
+
+
+def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
+                    clip: float | None) -> tuple[list[float], dict]:
+    """One process, the same arithmetic: each micro-batch forward and backward through
+    the GPU registry's kernels on bf16 copies, gradients summed in fp32 in micro-batch
+    order, divided by their count, AdamW on the fp32 masters. Returns the losses and the
+    masters."""
+    from runtime.inputs import fed_inputs, sized_inputs
+    from runtime.dist.tp_norm import squares
+    from runtime.interpreter import Interpreter
+    from runtime.train.backends import owned_paths
+    from runtime.train.optim import AdamW
+    from runtime.train.param_groups import clip_coefficient, hyperparameters
+    from runtime.train.packing import split_batch
+    from runtime.train.pipeline import _loss
+    from runtime.train.pipeline_precision import StagePrecision
+
+    model = tiny_model(name)
+    names = model.source.program(planned=False).input_names()
+    program = model.source.program_for(sized_inputs(names, rows, seq))
+    params = dict(model.params)
+    precision = StagePrecision.of("cpu", torch.float64, mixed=True)
+    precision.hold(params, owned_paths(model))
+    run = Interpreter(program.graph, params, precision.compute, check_finite=False,
+                      kernels=precision.kernels(), keep_only_saved=True)
+    adamw = AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip)
+    losses = []
+    for window in windows(steps, rows * micro, seq):
+        total, step_losses = {}, []
+        for part in window.split(rows):
+            tokens, labels, _ = split_batch(part, None)
+            fed = fed_inputs(names, tokens)
+            outputs, frame = run.forward([fed[n] for n in names])
+            loss, seeds = _loss(outputs, labels)
+            step_losses.append(loss)
+            _, grads = run.backward(frame, seeds)
+            for path, grad in grads.items():
+                grad = grad.to(torch.float32)
+                total[path] = total[path] + grad if path in total else grad
+        total = {p: g / micro for p, g in total.items()}
+        settings = {p: hyperparameters(program, p, adamw) for p in total}
+        norm = squares(total.values(), torch.float64, "cpu").reshape(()).sqrt()
+        scale = None if clip is None else clip_coefficient(norm, clip)
+        adamw.update(precision.weights(params), total, lambda p: settings[p][:2], scale)
+        precision.refresh(params, total)
+        losses.append(sum(step_losses) / micro)
+    return losses, dict(precision.masters)

@@ -1,0 +1,60 @@
+"""A pipeline stage holding its weights as the GPU does (bf16 compute copies of fp32
+masters, the GPU step's kernel registry, gradients summed in fp32:
+runtime/train/pipeline_precision.py), checked on two gloo processes against one process
+doing the same arithmetic, so that the masters' bookkeeping (hold, step, refresh, state)
+is tested without a GPU. `--device cuda --pp` runs this way (tests/test_cuda_pipeline.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from tests import pipeline_precision_workers as workers  # noqa: E402
+from tests.dist_testing import free_port  # noqa: E402
+
+SIZES = dict(steps=2, micro=2, rows=1, seq=8)
+
+
+@pytest.fixture(scope="module", params=[None, 0.05], ids=["unclipped", "clipped"])
+def runs(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_precision") / "stage"
+    clip = request.param
+    mp.spawn(workers.mixed_pipelined, nprocs=2,
+             args=(2, free_port(), "llama", *SIZES.values(), clip, str(out)))
+    stages = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    return stages, workers.mixed_reference("llama", *SIZES.values(), clip), clip
+
+
+def test_mixed_stages_train_as_one_process_doing_the_same_arithmetic(runs):
+    (first, second), (losses, masters), clip = runs
+    assert first["losses"] == second["losses"] == pytest.approx(losses, rel=1e-12)
+    got = first["state"]["masters"] | second["state"]["masters"]
+    assert set(got) == set(masters)
+    exact = clip is None  # clipping's norm sums the stages' squares in another order
+    for path, want in masters.items():
+        assert got[path].dtype == torch.float32, path
+        if exact:
+            assert torch.equal(got[path], want), path
+        else:
+            torch.testing.assert_close(got[path], want, rtol=1e-6, atol=1e-8, msg=path)
+
+
+def test_stages_compute_with_bf16_copies_of_fp32_state(runs):
+    """The kernels read bf16 copies, each its master rounded to nearest; the masters and
+    moments stay fp32 and hold more than bf16 does (an update of the copies themselves
+    would have rounded it away)."""
+    (first, second), _, _ = runs
+    for stage in (first, second):
+        masters = stage["state"]["masters"]
+        for path, copy in stage["copies"].items():
+            assert copy.dtype == torch.bfloat16, path
+            if path in masters:
+                assert torch.equal(copy, masters[path].to(torch.bfloat16)), path
+        finer = sum(int((m != m.to(torch.bfloat16).float()).sum()) for m in masters.values())
+        assert finer > 0
+        for part in ("exp_avg", "exp_avg_sq"):
+            assert {str(t.dtype) for t in stage["state"][part].values()} == {"torch.float32"}
+    whole = first["whole"]["masters"]
+    assert {str(t.dtype) for t in whole.values()} == {"torch.float32"}
