@@ -20,13 +20,15 @@ backward derived from the primitives' rules.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from modulec.check.given import VERIFY_MAX_ELEMENTS
+from modulec.check.given import FREE_DIM_SIZES, OTHER_DIM_SIZE, VERIFY_MAX_ELEMENTS
+from modulec.check.verify_sizes import largest_value
 from runtime.errors import RuntimeUserError
 from runtime.gradient_marks import GradientMarks
 from runtime.train.param_groups import frozen_parameters
@@ -35,8 +37,6 @@ from runtime.program import ModuleSource
 from runtime.verify_config import (CANDIDATE_SIZES, MIXED_SIZES, VerifyConfig,
                                    declaration_config, mixed_sizes)
 
-FREE_DIM_SIZES = {"B": 2, "T": 4}  # other free dims get OTHER_DIM_SIZE
-OTHER_DIM_SIZE = 3
 STAR_SHAPE = (2, 3)  # the leading dims given to a `[*, d]` input
 MAX_ELEMENTS = VERIFY_MAX_ELEMENTS  # parameters and the largest value
 EPS64 = 2.0 ** -52
@@ -185,47 +185,19 @@ def _check_size(shapes: dict, name: str) -> None:
 
 
 def _check_activations(program, name: str) -> None:
-    """The largest forward value at these sizes, bounded as the parameters are (found by a
-    fuzz run: std DenseTransformerBlock's `T: 6` made `T: 100000` tried to allocate a
-    640 GB score matrix, and the allocator's error was an internal error, exit 101)."""
-    from runtime.memory_check import _activations
-
-    found = _activations(program, torch.float64) + _attention_scores(program)
-    largest = max(found, key=lambda b: b[3], default=None)
-    if largest is not None and torch.Size(largest[1]).numel() > MAX_ELEMENTS:
-        value, shape = largest[0], list(largest[1])
+    """The largest forward value at these sizes (or the reference attention's scores),
+    bounded as the parameters are, by the rule `check` applies at the `verify_backward:`
+    sizes (modulec.check.verify_sizes.largest_value; found by a fuzz run: std
+    DenseTransformerBlock's `T: 6` made `T: 100000` tried to allocate a 640 GB score
+    matrix, and the allocator's error was an internal error, exit 101)."""
+    largest = largest_value(program.graph)
+    if largest is not None and math.prod(largest[1]) > MAX_ELEMENTS:
+        value, shape = largest
         raise RuntimeUserError(
-            f"`{name}` computes `{value}` {shape} ({torch.Size(shape).numel():,} elements) at "
+            f"`{name}` computes `{value}` {shape} ({math.prod(shape):,} elements) at "
             "these sizes: too large to check by finite differences",
             help=["give it small sizes in a `verify_backward:` section (`shapes:` sets "
                   "parameters and dims) or with --set and --shape"])
-
-
-def _attention_scores(program) -> list[tuple]:
-    """The reference attention's [B, H, T, T] scores of each `flash_attention` (a kernel's
-    workspace, no graph value), bounded with the values: left to the allocator, an
-    allocation too large to make was an error only where the machine refuses it at once,
-    and an out-of-memory kill where memory is overcommitted."""
-    found = []
-    for function in program.graph.functions:
-        if function.gradient_of:
-            continue
-        for node in function.nodes:
-            q = function.value(node.inputs[0]) if node.target == "flash_attention" and \
-                node.inputs else None
-            shape = _shape_of(q)
-            if shape is not None and len(shape) == 4:
-                scores = [shape[0], shape[1], shape[2], shape[2]]
-                found.append((f"{node.target}'s scores` of `{function.name}", scores,
-                              torch.float64, 8 * torch.Size(scores).numel()))
-    return found
-
-
-def _shape_of(value) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(d) for d in value.shape) if value is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 def _random_params(shapes: dict, generator) -> dict:

@@ -20,6 +20,8 @@ MAX_SIZE = MAX_DIM  # the largest size a parameter or a dim may be given
 SEQUENCE_DIM, SEQUENCE_BOUND = "T", "max_seq"  # a `T` past `max_seq` is refused
 # the most parameters (and the largest value) --verify-backward checks by finite differences
 VERIFY_MAX_ELEMENTS = 20_000_000
+# the sizes --verify-backward gives the dims of the inputs nobody sized (B, T, other)
+FREE_DIM_SIZES, OTHER_DIM_SIZE = {"B": 2, "T": 4}, 3
 KIND_HELP = {"int": "an int is a whole number (`32`, `4 * 1024`)",
              "float": "a float is a finite number (`0.5`, `1e-6`)",
              "bool": "a bool is `true` or `false`",

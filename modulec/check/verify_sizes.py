@@ -4,7 +4,8 @@
 a `--set` (the same rule: modulec.check.given), any other line sizes a dim of the inputs
 (a positive integer). What `check` accepts must build and run, so `check` reads them the
 same way and checks the declaration at those sizes (its constraints, its graph and its
-submodules' graphs, as `build` does). They were read only under --verify-backward: a
+submodules' graphs, as `build` does), and bounds what --verify-backward would compute
+there by its rule (`largest_value`). They were read only under --verify-backward: a
 `d_model: 30` that broke `d_model % num_heads == 0`, a `T: 0` or a `shapes:` line sizing
 nothing checked clean. Parameters the section leaves unsized stay symbolic here
 (--verify-backward tries sizes for them and says when none builds).
@@ -15,13 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from modulec.check.given import (MAX_SIZE, SEQUENCE_BOUND, SEQUENCE_DIM, VERIFY_MAX_ELEMENTS,
-                                  shown, value_problem)
+from modulec.check.given import (FREE_DIM_SIZES, MAX_SIZE, OTHER_DIM_SIZE, SEQUENCE_BOUND,
+                                  SEQUENCE_DIM, VERIFY_MAX_ELEMENTS, shown, value_problem)
 from modulec.check.instance import Stack, Submodule, TensorParamValue, instantiate
 from modulec.check.world import TOPOLOGY, World, did_you_mean
 from modulec.semantic.consteval import ConstEnv, NotConst, Undefined, evaluate
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
+from modulec.types.tensor import DTYPES
 
 
 def check_verify_sizes(world: World, decl: A.Decl) -> None:
@@ -45,6 +47,9 @@ def check_verify_sizes(world: World, decl: A.Decl) -> None:
             _sizes_nothing(world, decl, entry, params, dims)
     if len(world.diagnostics) == errors and (args or sizes):
         _check_at(world, decl, args, sizes, spans, shapes.key.span)
+    if len(world.diagnostics) == errors and (args or sizes):
+        free = {d: FREE_DIM_SIZES.get(d, OTHER_DIM_SIZE) for d in dims or () if d not in sizes}
+        _values_within_bound(world, decl, args, {**free, **sizes}, shapes.key.span)
 
 
 def _shapes(decl: A.Decl) -> A.Section | None:
@@ -71,7 +76,9 @@ def _input_dims(world: World, decl: A.Decl, params: dict) -> set[str] | None:
         node = sig.type.value if isinstance(sig.type, A.OptionalType) else sig.type
         if not isinstance(node, A.ListExpr):
             return None
-        dims |= {i.id for i in node.items if isinstance(i, A.Name) and i.id not in known}
+        items = node.items[:-1] if node.items and isinstance(node.items[-1], A.Name) and \
+            node.items[-1].id in DTYPES else node.items  # `[B, T, int32]`: no dim `int32`
+        dims |= {i.id for i in items if isinstance(i, A.Name) and i.id not in known}
     return dims
 
 
@@ -184,3 +191,57 @@ def _parameter_count(instance) -> int:
         if total > VERIFY_MAX_ELEMENTS:
             break
     return total
+
+
+def _values_within_bound(world: World, decl: A.Decl, args: dict, sizes: dict, span) -> None:
+    """The largest value --verify-backward computes, bounded as it bounds it: the
+    declaration lowered as it builds it (the input dims the section leaves unsized at
+    FREE_DIM_SIZES), by the same rule (`largest_value`). Found by a gentle fuzz run (seed
+    32): std Mamba's `T: 6` made `T: 100000` (Mamba has no `max_seq`) checked clean, and
+    --verify-backward refused `proj` [2, 100000, 128]. A declaration that does not lower
+    here is left to --verify-backward (its unsized parameters get sizes there)."""
+    from modulec.lower.lowering import lower_model, recording_world
+
+    lowering = recording_world(world.names, world.scopes)
+    lowering.dims = {**TOPOLOGY, **{k: Dim.const(v) for k, v in sizes.items()}}
+    graph = lower_model(lowering, instantiate(lowering, lowering.definition(decl), args))
+    largest = None if any(d.is_error for d in lowering.diagnostics) else largest_value(graph)
+    if largest is None or math.prod(largest[1]) <= VERIFY_MAX_ELEMENTS:
+        return
+    value, shape = largest
+    world.error("E027", f"at the sizes of `verify_backward:` `{decl.name}` computes `{value}` "
+                f"{shape} ({math.prod(shape):,} elements), more than --verify-backward "
+                f"checks ({VERIFY_MAX_ELEMENTS:,})", span, "sizes too large to verify",
+                notes=["at " + ", ".join(f"{k} = {shown(v)[:40]}" for k, v in
+                                         {**args, **sizes}.items())],
+                help=["give it small sizes: finite differences run the model per element"])
+
+
+def largest_value(graph) -> tuple[str, list[int]] | None:
+    """(what it is, its shape) of the forward value of `graph` (Graph IR) with the most
+    elements among those of known shape, or of a `flash_attention`'s [B, H, T, T] scores
+    (the reference kernel's workspace, no graph value: left to the allocator, one too large
+    was an error only where the machine refuses it at once, an out-of-memory kill where
+    it overcommits); None when none is known. The one rule of `check` at the
+    `verify_backward:` sizes and of --verify-backward before it allocates
+    (runtime/verify.py)."""
+    found = []
+    for function in (f for f in graph.functions if not f.gradient_of):
+        for value in function.inputs + function.values:
+            shape = _known(value.shape)
+            if shape is not None:
+                found.append((f"{value.name or value.id}` of `{function.name}", shape))
+        for node in function.nodes:
+            q = _known(function.value(node.inputs[0]).shape) \
+                if node.target == "flash_attention" and node.inputs else None
+            if q is not None and len(q) == 4:
+                found.append((f"{node.target}'s scores` of `{function.name}",
+                              [q[0], q[1], q[2], q[2]]))
+    return max(found, key=lambda item: math.prod(item[1]), default=None)
+
+
+def _known(shape) -> list[int] | None:
+    try:
+        return [int(d) for d in shape]
+    except (TypeError, ValueError):  # a dim without a size (a name)
+        return None
