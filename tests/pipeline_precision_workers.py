@@ -24,24 +24,38 @@ def mixed_pipelined(rank: int, world: int, port: int, name: str, steps: int, mic
     trainer = PipelineTrainer(tiny_model(name), rows, seq,
                               AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip), context,
                               world, micro, mixed=True)
-    losses = [trainer.train_step(w) for w in windows(steps, rows * micro, seq)]
+    losses, frames = [], []
+    for window in windows(steps, rows * micro, seq):
+        losses.append(trainer.train_step(window))
+        frames.append(live_frames())
     state = trainer.stage_state()
     copies = dict(trainer.model.params)
-    torch.save({"losses": losses, "state": state, "copies": copies,
+    torch.save({"losses": losses, "frames": frames, "state": state, "copies": copies,
                 "whole": trainer.state()}, f"{out}.{rank}")
     context.close()
+
+
+def live_frames() -> int:
+    """The interpreter frames alive now (a step's must all be gone after it)."""
+    import gc
+
+    from runtime.interpreter import Frame
+
+    gc.collect()
+    return sum(isinstance(o, Frame) for o in gc.get_objects())
 
 
 def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
                     clip: float | None) -> tuple[list[float], dict]:
     """One process, the same arithmetic: each micro-batch forward and backward through
     the GPU registry's kernels on bf16 copies, gradients summed in fp32 in micro-batch
-    order, divided by their count, AdamW on the fp32 masters. Returns the losses and the
+    order (a tied path's added to its owner's), divided by their count, AdamW on the fp32
+    masters; an auxiliary loss (MoE) joins the loss as the trainers add it. Returns the losses and the
     masters."""
     from runtime.inputs import fed_inputs, sized_inputs
     from runtime.dist.tp_norm import squares
     from runtime.interpreter import Interpreter
-    from runtime.train.backends import owned_paths
+    from runtime.train.backends import owned_paths, tied_sums
     from runtime.train.optim import AdamW
     from runtime.train.param_groups import clip_coefficient, hyperparameters
     from runtime.train.packing import split_batch
@@ -53,7 +67,8 @@ def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
     program = model.source.program_for(sized_inputs(names, rows, seq))
     params = dict(model.params)
     precision = StagePrecision.of("cpu", torch.float64, mixed=True)
-    precision.hold(params, owned_paths(model))
+    owned = owned_paths(model)
+    precision.hold(params, owned)
     run = Interpreter(program.graph, params, precision.compute, check_finite=False,
                       kernels=precision.kernels(), keep_only_saved=True)
     adamw = AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip)
@@ -67,8 +82,8 @@ def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
             loss, seeds = _loss(outputs, labels)
             step_losses.append(loss)
             _, grads = run.backward(frame, seeds)
-            for path, grad in grads.items():
-                grad = grad.to(torch.float32)
+            grads = {p: g.to(torch.float32) for p, g in grads.items()}
+            for path, grad in tied_sums(params, grads, owned).items():
                 total[path] = total[path] + grad if path in total else grad
         total = {p: g / micro for p, g in total.items()}
         settings = {p: hyperparameters(program, p, adamw) for p in total}
@@ -76,5 +91,5 @@ def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
         scale = None if clip is None else clip_coefficient(norm, clip)
         adamw.update(precision.weights(params), total, lambda p: settings[p][:2], scale)
         precision.refresh(params, total)
-        losses.append(sum(step_losses) / micro)
+        losses.append(sum(float(loss) for loss in step_losses) / micro)
     return losses, dict(precision.masters)

@@ -50,7 +50,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime.errors import RuntimeUserError
-from runtime.interpreter import Frame, Interpreter
+from runtime.interpreter import EXACT_DTYPES, Frame, Interpreter
+from runtime.kernels.utility import TORCH_DTYPES
 from runtime.kernels.documents import packed
 
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
@@ -395,8 +396,20 @@ class StageRunner:
         """Receive buffers for the section's tensors of `what`, in its order and shapes."""
         tensors = self.plan.incoming if what == "activations" else \
             [t for t in self.plan.outgoing if t["gradient"]]
-        return [torch.empty(spec["shape"], dtype=INT_DTYPES.get(spec["dtype"], self.dtype),
-                            device=self.device) for spec in tensors]
+        return [torch.empty(spec["shape"], dtype=self._wire_dtype(spec), device=self.device)
+                for spec in tensors]
+
+    def _wire_dtype(self, spec: dict) -> torch.dtype:
+        """The dtype boundary tensor `spec` (and its gradient) has on both sides, by the
+        interpreter's own rule: in an exact mode (float64 / float32) every float is
+        made in that dtype; otherwise (bf16 stages) as the IR declares it, so the MoE
+        router statistics' fp32 sums cross as fp32."""
+        name = spec["dtype"]
+        if name in INT_DTYPES:
+            return INT_DTYPES[name]
+        if self.dtype in EXACT_DTYPES:
+            return self.dtype
+        return TORCH_DTYPES.get(name, self.dtype)
 
     # ------------------------------------------------------------------ forward
     def forward(self, m: int, inputs: dict, received: list,
@@ -407,6 +420,10 @@ class StageRunner:
         seeded = train and self.seed_of is not None
         self.it.rng_seed = self.seed_of(m) if seeded else None
         frame = Frame(self.entry, "", ())
+        # as Interpreter.forward starts each run: its record of the callees' argument
+        # sources (for recompute decisions, which stages do not run) would otherwise keep
+        # every micro-batch's layer frames, saved activations and all, alive for good
+        self.it._runs, self.it._sinks = {}, {}
         frame.env.update(inputs)
         frame.env.update({t["value"]: v for t, v in zip(self.plan.incoming, received)})
         for node in self.entry.nodes:
@@ -421,7 +438,8 @@ class StageRunner:
                     self._forward_layers(node, frame, *layers)
         if train:
             self.frames[m] = frame
-        sent = [frame.env[t["value"]].contiguous() for t in self.plan.outgoing]
+        sent = [frame.env[t["value"]].to(self._wire_dtype(t)).contiguous()
+                for t in self.plan.outgoing]
         outputs = [frame.env.get(o) for o in self.entry.outputs] if self.plan.last else None
         return outputs, sent
 
@@ -494,12 +512,13 @@ class StageRunner:
 
     def _gradient_out(self, where: tuple, spec: dict, frame: Frame, carried: dict) -> Tensor:
         kind = where[0]
+        dtype = self._wire_dtype(spec)
         if kind == "none":
-            return torch.zeros(spec["shape"], dtype=self.dtype, device=self.device)
+            return torch.zeros(spec["shape"], dtype=dtype, device=self.device)
         value = frame.env.get(where[1]) if kind == "value" else carried.get(where[1:])
         if value is None:  # no gradient reached it this step: zero
-            return torch.zeros(spec["shape"], dtype=self.dtype, device=self.device)
-        return value.contiguous()
+            return torch.zeros(spec["shape"], dtype=dtype, device=self.device)
+        return value.to(dtype).contiguous()
 
     def _backward_layers(self, node, frame: Frame, forward: Frame, loops: dict, lo: int,
                          hi: int) -> dict:

@@ -303,10 +303,12 @@ class PipelineTrainer:
         return tp_squares(total, self.sharded, self.mesh.tp_group, torch.float64,
                           self.device).reshape(())
 
-    def _loss(self, losses: list[float]) -> float:
+    def _loss(self, losses: list[Tensor]) -> float:
         """The mean loss over every pipeline's micro-batches (their last stages', each
-        TP rank's the same), on every rank."""
-        value = torch.tensor([sum(losses)], dtype=torch.float64, device=self.device)
+        TP rank's the same), on every rank: one host sync a step."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for loss in losses:  # in order, as a Python sum of the floats would add them
+            value += loss.to(torch.float64)
         dist.all_reduce(value)
         return float(value) / (self.microbatches * self.mesh.dp * self.mesh.tp)
 
@@ -436,7 +438,8 @@ def _loss(outputs: list, labels: Tensor, loss_fn=None):
     for value, seed in zip(outputs[1:], aux_seeds):  # each in the loss's dtype, in order,
         if seed is not None:                         # as one process adds them
             loss = loss + value.to(loss.dtype)
-    return float(loss), [d_logits.to(logits.dtype)] + aux_seeds
+    # the loss stays on the device (no host sync per micro-batch: the GPU keeps queueing)
+    return loss.detach(), [d_logits.to(logits.dtype)] + aux_seeds
 
 
 def owned_buckets(section: dict, mesh) -> set[str] | None:
