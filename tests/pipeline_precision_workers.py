@@ -50,17 +50,17 @@ def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
     """One process, the same arithmetic: each micro-batch forward and backward through
     the GPU registry's kernels on bf16 copies, gradients summed in fp32 in micro-batch
     order (a tied path's added to its owner's), divided by their count, AdamW on the fp32
-    masters; an auxiliary loss (MoE) joins the loss as the trainers add it. Returns the losses and the
+    masters (its rate and step count device scalars, as the GPU's); an auxiliary loss (MoE) joins the loss as the trainers add it. Returns the losses and the
     masters."""
     from runtime.inputs import fed_inputs, sized_inputs
     from runtime.dist.tp_norm import squares
     from runtime.interpreter import Interpreter
     from runtime.train.backends import owned_paths, tied_sums
     from runtime.train.optim import AdamW
-    from runtime.train.param_groups import clip_coefficient, hyperparameters
+    from runtime.train.param_groups import clip_coefficient, hyperparameters, lr_scale
     from runtime.train.packing import split_batch
     from runtime.train.pipeline import _loss
-    from runtime.train.pipeline_precision import StagePrecision
+    from runtime.train.pipeline_precision import DeviceAdamW, StagePrecision
 
     model = tiny_model(name)
     names = model.source.program(planned=False).input_names()
@@ -72,6 +72,7 @@ def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
     run = Interpreter(program.graph, params, precision.compute, check_finite=False,
                       kernels=precision.kernels(), keep_only_saved=True)
     adamw = AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip)
+    device_adamw = DeviceAdamW(adamw, "cpu")
     losses = []
     for window in windows(steps, rows * micro, seq):
         total, step_losses = {}, []
@@ -89,7 +90,36 @@ def mixed_reference(name: str, steps: int, micro: int, rows: int, seq: int,
         settings = {p: hyperparameters(program, p, adamw) for p in total}
         norm = squares(total.values(), torch.float64, "cpu").reshape(()).sqrt()
         scale = None if clip is None else clip_coefficient(norm, clip)
-        adamw.update(precision.weights(params), total, lambda p: settings[p][:2], scale)
+        device_adamw.update(precision.weights(params), total,
+                            lambda p: (lr_scale(program, p), settings[p][1]), scale)
         precision.refresh(params, total)
         losses.append(sum(float(loss) for loss in step_losses) / micro)
     return losses, dict(precision.masters)
+
+
+def graph_and_eager(rank: int, world: int, port: int, out: str) -> None:
+    """On `world` GPUs (NCCL): the tiny Llama trained 5 steps (a falling learning rate,
+    clipping) by a pipeline whose steps 3+ replay one captured CUDA graph, then by one
+    that runs every step eagerly; rank r saves both runs' losses, masters, host step
+    counts and whether a graph was captured to `out`.r."""
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    context = join(rank, world, port, "cuda")
+    results = {}
+    for graph in (True, False):
+        trainer = PipelineTrainer(tiny_model("llama"), 2, 16,
+                                  AdamW(lr=LR, weight_decay=DECAY, clip_grad=0.5), context,
+                                  world, 4, device="cuda", graph=graph)
+        losses = []
+        for step, window in enumerate(windows(5, 8, 16)):
+            trainer.set_lr(LR * (1 - 0.15 * step))  # a replay must read each step's rate
+            losses.append(trainer.train_step(window))
+        masters = trainer.stage_state()["masters"]
+        results[graph] = {
+            "losses": losses, "step": trainer.adamw.step,
+            "masters": {p: t.detach().cpu() for p, t in masters.items()},
+            "captured": trainer.graph is not None and trainer.graph.graph is not None,
+            "eager_because": trainer.eager_because}
+    torch.save(results, f"{out}.{rank}")
+    context.close()

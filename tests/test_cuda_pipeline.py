@@ -57,6 +57,29 @@ def test_two_gpu_stages_train_as_one_process_accumulating(gpu_ckpt):
                                 rel=BF16)
 
 
+def test_a_captured_pipeline_step_trains_as_the_eager_one(tmp_path):
+    """From step 3 each rank replays one CUDA graph of its whole step (runtime/train/
+    pipeline_graph.py): its losses and masters follow the eager run's (within the
+    attention backward's nondeterminism), reading each step's learning rate."""
+    from tests import pipeline_precision_workers as workers
+    from tests.bf16_parity import cosine
+
+    out = tmp_path / "graph"
+    torch.multiprocessing.spawn(workers.graph_and_eager, nprocs=2,
+                                args=(2, free_port(), str(out)))
+    start = workers.tiny_model("llama").params
+    for rank in (0, 1):
+        runs = torch.load(f"{out}.{rank}")
+        graphed, eager = runs[True], runs[False]
+        assert graphed["captured"] and graphed["eager_because"] is None
+        assert not eager["captured"] and graphed["step"] == eager["step"] == 5
+        assert graphed["losses"] == pytest.approx(eager["losses"], rel=2e-3)
+        assert set(graphed["masters"]) == set(eager["masters"])
+        for path, master in eager["masters"].items():
+            moved = graphed["masters"][path] - start[path].float()
+            assert cosine(moved, master - start[path].float()) > 0.99, path
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
 def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_ckpt, tmp_path):
     """DP 2 x PP 2 on four GPUs (NCCL: a PP group per pipeline, a DP group per stage):

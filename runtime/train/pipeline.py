@@ -45,9 +45,10 @@ from runtime.interpreter import Interpreter
 from runtime.model import Model
 from runtime.train.backends import owned_paths
 from runtime.train.optim import AdamW
-from runtime.train.pipeline_precision import StagePrecision
+from runtime.train.pipeline_graph import PipelineGraph, capturable
+from runtime.train.pipeline_precision import DeviceAdamW, StagePrecision
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
-                                        hyperparameters)
+                                        hyperparameters, lr_scale)
 
 
 def check_launch(request, context) -> None:
@@ -140,11 +141,14 @@ def with_pipeline(model: Model, stages: int, microbatches: int, dp: int = 1,
 class PipelineTrainer:
     def __init__(self, model: Model, batch: int, seq: int, adamw: AdamW, context,
                  stages: int, microbatches: int, device: str = "cpu",
-                 zero: int | None = None, packing=None, mixed: bool | None = None):
+                 zero: int | None = None, packing=None, mixed: bool | None = None,
+                 graph: bool = True):
         """`zero`: --zero (0 or 1; None: an IR document's own, else 0); `packing`:
         --doc-sep's (runtime.train.packing.Packing; None: unpacked); `mixed`:
         bf16 compute copies of fp32 masters through the GPU step's kernels
-        (runtime/train/pipeline_precision.py; None: on cuda, not on the CPU)."""
+        (runtime/train/pipeline_precision.py; None: on cuda, not on the CPU); `graph`:
+        capture the step in one CUDA graph where it can be (runtime/train/
+        pipeline_graph.py; False: every step eager)."""
         from modulec.plan.pipeline import pipeline_zero
         from runtime.dist.pipeline import StageRunner
 
@@ -191,6 +195,10 @@ class PipelineTrainer:
         self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
                                   precision.compute, mesh)
         self.runner.grad_dtype, self.runner.masters = precision.grads, precision.masters
+        # mixed: the rate and the step count on the device, which a captured step reads
+        self.device_adamw = DeviceAdamW(adamw, device) if precision.mixed else None
+        self.eager_because = capturable(self) if graph else "asked for (graph=False)"
+        self.graph = None if self.eager_because else PipelineGraph(self._step_body, device)
         self.owned = owned_buckets(section, mesh)
         self.grad_norm = None
 
@@ -201,10 +209,21 @@ class PipelineTrainer:
         micro-batch's mean over its counted targets, or with `denominators`
         (runtime.train.packing.denominators, data-parallel pipelines) its summed loss
         divided by micro-batch m's, as packed data parallel does."""
-        parts = window.split(self.batch)
-        if len(parts) != self.microbatches:
+        if window.shape[0] != self.batch * self.microbatches:
             raise RuntimeUserError(f"a pipeline step takes {self.microbatches} micro-batches "
                                    f"of {self.batch} rows; got {window.shape[0]} rows")
+        if self.graph is not None:  # the rows into the static window, then a replay
+            loss = self.graph(window)
+        else:
+            loss = self._step_body(window, denominators)
+        if self.device_adamw is not None:
+            self.adamw.step += 1  # the host's count; the device counted in the update
+        return float(loss) / (self.microbatches * self.mesh.dp * self.mesh.tp)
+
+    def _step_body(self, window: Tensor, denominators: list[float] | None = None) -> Tensor:
+        """The step on `window`'s rows (on the host or, captured, in the static device
+        window): the losses' sum over every pipeline (a device tensor)."""
+        parts = window.split(self.batch)
         batches = [self._batch(part) for part in parts]
         inputs = [inputs for inputs, _, _ in batches]
         labels = [labels for _, labels, _ in batches]
@@ -229,7 +248,7 @@ class PipelineTrainer:
             self.runner.documents_of = None
         if not stepped:
             update(total)
-        return self._loss(losses)
+        return self._loss_sum(losses)
 
     def _batch(self, rows: Tensor) -> tuple[dict, Tensor, object]:
         """A micro-batch's rows -> (the entry's inputs by input id, the labels (packed:
@@ -287,8 +306,12 @@ class PipelineTrainer:
             clip_coefficient(self.grad_norm, self.adamw.clip_grad)
         if self.owned is not None:  # ZeRO-1: the buckets this replica steps
             total = {p: g for p, g in total.items() if p in self.owned}
-        self.adamw.update(self.precision.weights(self.model.params), total,
-                          lambda p: settings[p][:2], scale)
+        weights = self.precision.weights(self.model.params)
+        if self.device_adamw is not None:
+            self.device_adamw.update(
+                weights, total, lambda p: (lr_scale(self.program, p), settings[p][1]), scale)
+        else:
+            self.adamw.update(weights, total, lambda p: settings[p][:2], scale)
         self.precision.refresh(self.model.params, total)
 
     def _square(self, total: dict) -> Tensor:
@@ -303,17 +326,19 @@ class PipelineTrainer:
         return tp_squares(total, self.sharded, self.mesh.tp_group, torch.float64,
                           self.device).reshape(())
 
-    def _loss(self, losses: list[Tensor]) -> float:
-        """The mean loss over every pipeline's micro-batches (their last stages', each
-        TP rank's the same), on every rank: one host sync a step."""
+    def _loss_sum(self, losses: list[Tensor]) -> Tensor:
+        """The sum of every pipeline's micro-batch losses (their last stages', each TP
+        rank's the same), on every rank, on the device (train_step reads it once)."""
         value = torch.zeros(1, dtype=torch.float64, device=self.device)
         for loss in losses:  # in order, as a Python sum of the floats would add them
             value += loss.to(torch.float64)
         dist.all_reduce(value)
-        return float(value) / (self.microbatches * self.mesh.dp * self.mesh.tp)
+        return value
 
     def set_lr(self, lr: float) -> None:
         self.adamw.lr = lr
+        if self.device_adamw is not None:  # what the (captured) update reads
+            self.device_adamw.lr.fill_(float(lr))
 
     def step_metrics(self) -> dict:
         return {} if self.grad_norm is None else {"grad_norm": float(self.grad_norm)}
@@ -372,6 +397,8 @@ class PipelineTrainer:
             setattr(self.adamw, part, {p: state[part][p].to(self.device).clone()
                                        for p in mine if p in state[part]})
         self.adamw.step = int(state["step"])
+        if self.device_adamw is not None:
+            self.device_adamw.sync()
 
     def memory(self) -> dict:
         import resource

@@ -96,3 +96,48 @@ class StagePrecision:
         if kept is not None:
             kept.copy_(value)
         params[path].copy_(kept if kept is not None else value)
+
+
+class DeviceAdamW:
+    """AdamW (runtime.train.optim's arithmetic) for mixed stages, with the learning rate
+    and the step count held on the device: a captured step (runtime/train/
+    pipeline_graph.py) reads the rate `set_lr` writes and counts its own steps. The
+    moments live in the wrapped AdamW's dicts (checkpoints read them there); its host
+    `step` the trainer counts."""
+
+    def __init__(self, adamw, device: str):
+        self.adamw = adamw
+        self.lr = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.sync()
+
+    def sync(self) -> None:
+        """The device scalars from the host's rate and step (at the start, after set_lr,
+        after a load): kernels, no host sync."""
+        self.lr.fill_(float(self.adamw.lr))
+        self.count.fill_(float(self.adamw.step))
+
+    @torch.no_grad()
+    def update(self, params: dict[str, Tensor], grads: dict[str, Tensor], settings,
+               scale: Tensor | None = None) -> None:
+        """One step of every parameter with a gradient; `settings(path)`: its (lr scale,
+        weight decay); `scale`: global clipping's factor."""
+        a = self.adamw
+        beta1, beta2 = a.betas
+        self.count += 1
+        bias1 = 1 - beta1 ** self.count
+        bias2_sqrt = (1 - beta2 ** self.count).sqrt()
+        for path, grad in grads.items():
+            param = params[path]
+            lr_scale, weight_decay = settings(path)
+            lr = self.lr * lr_scale
+            if scale is not None:
+                grad = grad * scale.to(grad.dtype)
+            m = a.exp_avg.setdefault(path, torch.zeros_like(param))
+            v = a.exp_avg_sq.setdefault(path, torch.zeros_like(param))
+            if weight_decay:
+                param.mul_((1 - lr * weight_decay).to(param.dtype))
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / bias2_sqrt.to(v.dtype)).add_(a.eps)
+            param.add_(m / denom * (-lr / bias1).to(param.dtype))
