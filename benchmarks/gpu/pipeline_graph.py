@@ -70,15 +70,18 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     context = DistContext.from_env(device="cuda")
-    results = [run(context, args, graph) for graph in (False, True)]
     if context.is_main:
         print(f"--pp {context.world} --batch {args.batch} --microbatches {args.microbatches}"
               f", T={args.seq}, {torch.cuda.get_device_name()}")
         print("| step | tokens/s | step ms | peak GiB (rank 0) |\n| --- | ---: | ---: | ---: |")
-        for r in results:
+    results = []
+    for graph in (False, True):  # each row printed as it is measured
+        results.append(r := run(context, args, graph))
+        if context.is_main:
             name = "one CUDA graph" if r["graph"] else "eager"
             print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
-                  f"{r['peak_gib']:.2f} |")
+                  f"{r['peak_gib']:.2f} |", flush=True)
+    if context.is_main:
         if args.json:
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                              "device": torch.cuda.get_device_name(),
