@@ -223,7 +223,7 @@ def check_lora_parallel(request: Request, world: int) -> None:
     refused until the four-GPU run trains (device run D9: rank 0 exited 101 there;
     docs/distributed.md "LoRA under tensor parallel"). The CPU (gloo) runs it. A launch
     --tp does not divide is check_tensor_parallel's error; with --pp the pipeline's own
-    trainer runs (runtime.train.pipeline, eager on both devices), LoRA included. An IR
+    trainer runs (runtime.train.pipeline), LoRA included. An IR
     document built with --lora counts as --lora (document_parallel reads it)."""
     lora = request.lora is not None or request.built_lora
     if request.device != "cuda" or not lora or request.tp <= 1:
