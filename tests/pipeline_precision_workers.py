@@ -31,8 +31,30 @@ def mixed_pipelined(rank: int, world: int, port: int, name: str, steps: int, mic
     state = trainer.stage_state()
     copies = dict(trainer.model.params)
     torch.save({"losses": losses, "frames": frames, "state": state, "copies": copies,
+                "held": held_bytes(trainer), "planned": planned_bytes(trainer),
                 "whole": trainer.state()}, f"{out}.{rank}")
     context.close()
+
+
+def held_bytes(trainer) -> dict[str, int]:
+    """What the stage holds between steps, by modulec.plan.pipeline_memory's parts: its
+    trained parameters' compute copies, their masters and AdamW's moments."""
+    trained = {p for p in trainer.names if p not in trainer.frozen}
+    copies = {id(t): t for p, t in trainer.model.params.items() if p in trained}
+    return {"weights": sum(t.nbytes for t in copies.values()),
+            "masters": sum(t.nbytes for t in trainer.precision.masters.values()),
+            "optimizer_state": sum(t.nbytes for part in (trainer.adamw.exp_avg,
+                                                          trainer.adamw.exp_avg_sq)
+                                   for t in part.values())}
+
+
+def planned_bytes(trainer) -> dict[str, int]:
+    """`modulec plan`'s prediction of the same parts for this rank's stage."""
+    from modulec.plan.pipeline_memory import stage_memory
+
+    rows = stage_memory(trainer.program.graph, trainer.program.document["schedule"], 0)
+    parts = rows[trainer.stage]["fixed_parts"]
+    return {k: parts[k] for k in ("weights", "masters", "optimizer_state")}
 
 
 def live_frames() -> int:

@@ -77,3 +77,11 @@ def test_a_step_leaves_no_frame_of_its_micro_batches_alive(runs):
     (first, second), _, _ = runs
     for stage in (first, second):
         assert stage["frames"][1] == stage["frames"][0], stage["frames"]
+
+
+def test_modulec_plan_counts_what_a_mixed_stage_holds(runs):
+    """The plan's per-stage fixed state (modulec/plan/pipeline_memory.py) is the bytes a
+    stage holds after a step: compute copies, fp32 masters and moments, to the byte."""
+    (first, second), _, _ = runs
+    for stage in (first, second):
+        assert stage["held"] == stage["planned"]

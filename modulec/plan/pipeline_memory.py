@@ -1,8 +1,9 @@
 """Per-GPU memory of each pipeline stage (`modulec plan --pp P [--dp N --zero S]`).
 
-A stage's ranks hold the fixed state of its own parameters (rank_fixed_bytes of the
-distributed section's buckets cut to the stage's layers; without --dp, one rank at
-ZeRO-0) and, under 1F1B, the saved activations of up to min(P - s, M) micro-batches at
+A stage's ranks hold the fixed state of its own parameters as a GPU stage holds it
+(stage_fixed_bytes of the section's buckets cut to the stage's layers: runtime/train/
+pipeline_precision.py's bf16 copies of fp32 masters, AdamW's moments, whose buckets the
+pipelines' ZeRO-1 shards over the replicas, and the step's gradients) and, under 1F1B, the saved activations of up to min(P - s, M) micro-batches at
 once (stage 0 the most: a forward of every stage ahead is in flight before its first
 backward). A micro-batch's saved bytes per layer come from the schedule's activation
 layout (each function's record stride), the entry's own values from its record, each
@@ -11,9 +12,13 @@ in the stage of the node that makes it; plus the step's largest transient arena.
 
 from __future__ import annotations
 
-from modulec.plan.distributed import (
-    DataParallel, bucket_paths, data_parallel_section, rank_fixed_bytes,
-)
+from modulec.plan.distributed import DataParallel, bucket_paths, data_parallel_section
+
+# bytes a GPU stage holds per trained element (runtime/train/pipeline_precision.py): its
+# bf16 compute copy, its fp32 master, the step's fp32 gradient sum, one micro-batch's bf16
+# gradients before they are added in, and AdamW's two fp32 moments (under the pipelines'
+# ZeRO-1 only for the buckets the replica owns)
+COPY, MASTER, GRADIENT_SUM, MICRO_GRADIENTS, MOMENTS = 2, 4, 4, 2, 8
 
 
 def stage_memory(graph, schedule: dict, transient: int) -> list[dict]:
@@ -27,14 +32,34 @@ def stage_memory(graph, schedule: dict, transient: int) -> list[dict]:
     rows = []
     for stage in pipeline["stages"]:
         s = stage["stage"]
-        fixed = rank_fixed_bytes(_cut(section, set(stage["params"])))
+        fixed = stage_fixed_bytes(_cut(section, set(stage["params"])))
         in_flight = min(count - s, micro)
         activations = saved[s] * in_flight + transient
-        rows.append({"stage": s, "fixed_bytes": fixed["total"],
+        rows.append({"stage": s, "fixed_bytes": fixed["total"], "fixed_parts": fixed,
                      "saved_per_microbatch_bytes": saved[s], "in_flight": in_flight,
                      "activation_bytes": activations,
                      "per_gpu_bytes": fixed["total"] + activations})
     return rows
+
+
+def stage_fixed_bytes(section: dict) -> dict[str, int]:
+    """What one rank of a stage holds for the trained parameters of `section`'s buckets
+    (bytes, by part; `total`). The weights, masters and moments live for the whole run;
+    the gradient parts during a step."""
+    parts = {"weights": 0, "masters": 0, "optimizer_state": 0, "gradient_sums": 0,
+             "micro_batch_gradients": 0}
+    replicas = section["mesh"]["dp"]
+    for bucket in section["buckets"]:
+        # the parameters' own elements (a stage holds each as a tensor: no bucket padding)
+        n = sum(row["numel"] for row in bucket["params"]) * bucket["instances"]
+        owned = n if section["zero"] == 0 else -(-n // replicas)  # the replica's share
+        parts["weights"] += COPY * n
+        parts["masters"] += MASTER * n
+        parts["optimizer_state"] += MOMENTS * owned
+        parts["gradient_sums"] += GRADIENT_SUM * n
+        parts["micro_batch_gradients"] += MICRO_GRADIENTS * n
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def _cut(section: dict, params: set) -> dict:
