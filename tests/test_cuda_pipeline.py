@@ -50,6 +50,9 @@ def test_two_gpu_stages_train_as_one_process_accumulating(gpu_ckpt):
          "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
     done = next(r for r in pipeline if r["event"] == "done")
     assert done["memory"] == "GPU"
+    notes = [r.get("text", "") for r in pipeline if r["event"] == "note"]
+    assert "--pp on the GPU: bf16 stages with fp32 masters; from step 3 each rank replays " \
+        "its whole step as one CUDA graph" in notes
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
     assert len(got) == 3 and got == pytest.approx(want, rel=BF16)

@@ -45,7 +45,7 @@ from runtime.interpreter import Interpreter
 from runtime.model import Model
 from runtime.train.backends import owned_paths
 from runtime.train.optim import AdamW
-from runtime.train.pipeline_graph import PipelineGraph, capturable
+from runtime.train.pipeline_graph import WARMUP, PipelineGraph, capturable
 from runtime.train.pipeline_precision import DeviceAdamW, StagePrecision
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
                                         hyperparameters, lr_scale)
@@ -168,6 +168,7 @@ class PipelineTrainer:
         context.same_program(program.document)
         _refuse_unsupported(model, program, section)
         self.model, self.program, self.inputs = model, program, names
+        self.section = section  # the per-rank shards' layout (runtime/train/pipeline_shards.py)
         self.mesh = mesh = PipelineMesh.of(context, section["mesh"], summed_shared(section))
         from runtime.kernels.comm import set_tp_group
 
@@ -335,6 +336,14 @@ class PipelineTrainer:
         dist.all_reduce(value)
         return value
 
+    def graph_note(self) -> str:
+        """What the run says of its steps on the GPU: captured, or eager and why."""
+        if self.eager_because is None:
+            return ("--pp on the GPU: bf16 stages with fp32 masters; from step "
+                    f"{WARMUP + 1} each rank replays its whole step as one CUDA graph")
+        return f"--pp on the GPU: bf16 stages with fp32 masters, every step eager: " \
+               f"{self.eager_because}"
+
     def set_lr(self, lr: float) -> None:
         self.adamw.lr = lr
         if self.device_adamw is not None:  # what the (captured) update reads
@@ -350,14 +359,16 @@ class PipelineTrainer:
                 "exp_avg": self.adamw.exp_avg, "exp_avg_sq": self.adamw.exp_avg_sq,
                 "step": self.adamw.step}
 
-    def state(self) -> dict:
+    def state(self, moments: bool = True) -> dict:
         """The whole state, every stage's joined (a collective in the first pipeline: each
-        rank's goes through the host to each of its ranks, which suits the small models
-        pipelines run here; see docs/pipeline.md). The other pipelines' replicas hold
-        the same state, and rank 0 writes it: they return the step alone."""
+        rank's goes through the host to each of its ranks, pickled; see docs/pipeline.md
+        "Checkpoints"). The other pipelines' replicas hold the same state, and rank 0
+        writes it: they return the step alone. `moments=False`: the masters alone (the
+        ranks' shards hold the moments)."""
         mine = {part: {p: t.detach().cpu() for p, t in values.items()}
-                for part, values in self.stage_state().items() if part != "step"}
-        if self.owned is not None:  # ZeRO-1: the replicas' moments joined first
+                for part, values in self.stage_state().items()
+                if part != "step" and (moments or part == "masters")}
+        if self.owned is not None and moments:  # ZeRO-1: the replicas' moments joined
             replicas = [None] * self.mesh.dp
             dist.all_gather_object(replicas, mine, group=self.mesh.dp_group)
             mine = {part: {p: t for r in replicas for p, t in r[part].items()}
@@ -370,8 +381,21 @@ class PipelineTrainer:
                 return {"step": self.adamw.step}
         stages = [None] * self.mesh.pp
         dist.all_gather_object(stages, mine, group=self.mesh.pp_group)
-        return {part: {p: t for s in stages for p, t in s[part].items()}
-                for part in mine} | {"step": self.adamw.step}
+        joined = {part: {p: t for s in stages for p, t in s[part].items()} for part in mine}
+        return {"exp_avg": {}, "exp_avg_sq": {}} | joined | {"step": self.adamw.step}
+
+    def shard_state(self) -> dict:
+        """What this rank's shard keeps (runtime/train/pipeline_shards.py)."""
+        from runtime.train.pipeline_shards import held_state
+
+        return held_state(self)
+
+    def load_shard(self, state: dict) -> None:
+        """This rank's shard back (the same layout; a collective over the stage's
+        replicas)."""
+        from runtime.train.pipeline_shards import load_held
+
+        load_held(self, state)
 
     def _whole(self, mine: dict) -> dict:
         """This stage's state with its TP slices joined with the TP group's (a

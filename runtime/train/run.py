@@ -498,8 +498,7 @@ class Run:
 
         shape = self._shard_shape()
         if shape is None:
-            why = "a pipeline's checkpoints are consolidated" if self.request.pp > 1 else \
-                "ZeRO-0 ranks hold the whole state" if self.context.distributed else \
+            why = "ZeRO-0 ranks hold the whole state" if self.context.distributed else \
                 "this run is one process"
             index = None
         else:
@@ -516,6 +515,10 @@ class Run:
     def _shard_shape(self) -> dict | None:
         from runtime.train import shards
 
+        if self.request.pp > 1:  # every rank holds a stage (runtime/train/pipeline_shards.py)
+            from runtime.train.pipeline_shards import layout
+
+            return layout(self.trainer, self.context)
         if not shards.wants_shards(self.parallel):
             return None
         return shards.layout(self.trainer, self.parallel, self.context)
@@ -559,6 +562,9 @@ class Run:
             progress.note(f"packed: id {self.packing.sep} ends each document; attention "
                           "and positions stay within a document, the target after it is "
                           "left out of the loss")
+        graph_note = getattr(self.trainer, "graph_note", None)
+        if graph_note is not None and r.device == "cuda":
+            progress.note(graph_note())
         if r.memory_budget is not None and r.device == "cuda":
             counts = _decision_counts(self.trainer.step.decisions)
             progress.note(f"--memory-budget {gib(r.memory_budget)}: the plan recomputes "
