@@ -95,21 +95,32 @@ def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) 
 def train_and_resume(trainer, batches: list, to_rank) -> tuple:
     """Train a fresh `trainer()` on this rank's `batches`; the whole state after the first
     step (state(), rank 0's, sent to every rank) made this rank's by `to_rank(state,
-    model)` and loaded into a second trainer, which runs the steps after it. Returns both
-    trainers and {losses, whole (the state after the last step), resumed (its losses)}."""
+    model)` and loaded into a second trainer, which runs the steps after it; and this
+    rank's shard after the first step (runtime.train.shards.rank_tensors, as a --save
+    writes it) loaded into a third (load_rank_tensors, as a resume on the same layout).
+    Returns the first two trainers and {losses, whole (the state after the last step),
+    resumed (its losses), from_shards (the third's losses), shard_state (its stage's
+    state after the last step)}."""
     import torch.distributed as dist
 
-    first, losses, saved = trainer(), [], None
+    from runtime.train.shards import load_rank_tensors, rank_tensors
+
+    first, losses, saved, shard = trainer(), [], None, None
     for step, batch in enumerate(batches):
         losses.append(first.train_step(batch))
         if step == 0:
             saved = [first.state()]
             dist.broadcast_object_list(saved, src=0)
+            shard = rank_tensors(first)
     whole = first.state()
     resumed = trainer()
     resumed.load_state(to_rank(saved[0], resumed.model))
     again = [resumed.train_step(batch) for batch in batches[1:]]
-    return first, resumed, {"losses": losses, "whole": whole, "resumed": again}
+    third = trainer()
+    load_rank_tensors(third, shard, 1)
+    from_shards = [third.train_step(batch) for batch in batches[1:]]
+    return first, resumed, {"losses": losses, "whole": whole, "resumed": again,
+                            "from_shards": from_shards, "shard_state": third.stage_state()}
 
 
 def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,

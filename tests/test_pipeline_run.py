@@ -236,6 +236,9 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
              args=(4, free_port(), [(d, steps, micro, rows, seq)
                                     for d in documents + [lora, tied]], str(out)))
     ranks = [torch.load(f"{out}.{r}") for r in range(4)]
+    for rank in ranks:
+        for run in rank:
+            _check_shard_resume(run)
     _check_dp_lora(lora, [r[2] for r in ranks], steps, micro, rows, seq)
     _check_dp_tied(tied, [r[3] for r in ranks], steps, micro, rows, seq)
     want_losses, want = pipeline_workers.train_reference(documents[0], steps, 2 * micro,
@@ -271,6 +274,15 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
                 for path, value in got.items():
                     torch.testing.assert_close(value, want[part][path], rtol=1e-12,
                                                atol=1e-14, msg=f"resumed {part} {path}")
+
+
+def _check_shard_resume(run: dict) -> None:
+    """A trainer given this rank's shard after step 1 (runtime.train.shards, each path
+    from the replica that keeps it) runs the later steps bit for bit as the first did."""
+    assert run["from_shards"] == run["losses"][1:]
+    for part in ("masters", "exp_avg", "exp_avg_sq"):
+        a, b = run["state"][part], run["shard_state"][part]
+        assert a.keys() == b.keys() and all(torch.equal(a[p], b[p]) for p in a), part
 
 
 def _check_dp_tied(document: str, runs: list, steps: int, micro: int, rows: int,

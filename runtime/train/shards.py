@@ -72,8 +72,9 @@ def rank_tensors(trainer) -> dict[str, Tensor]:
     zero = zero_of(trainer)
     if zero is not None:
         tensors = zero_tensors(zero)
-    else:  # tensor parallel alone: the rank's slices, whole
-        state = trainer.state()
+    else:  # tensor parallel alone: the rank's slices, whole; a pipeline stage's own
+        held = getattr(trainer, "shard_state", None)
+        state = held() if held is not None else trainer.state()
         tensors = {f"{part}.{p}": t.detach().cpu().clone().contiguous()
                    for part in PARTS for p, t in state[part].items()}
     tensors["rng.cpu"] = torch.get_rng_state()
@@ -103,7 +104,7 @@ def load_rank_tensors(trainer, tensors: dict[str, Tensor], step: int) -> None:
     else:
         state = {part: {k[len(part) + 1:]: t for k, t in tensors.items()
                         if k.startswith(part + ".")} for part in PARTS}
-        trainer.load_state(state | {"step": step})
+        getattr(trainer, "load_shard", trainer.load_state)(state | {"step": step})
     torch.set_rng_state(tensors["rng.cpu"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
@@ -164,7 +165,7 @@ def _shapes(trainer) -> dict:
 def describe(shape: dict | None) -> str:
     if not shape:
         return "one process"
-    text = f"{shape['world']} ranks"
+    text = f"{shape['world']} ranks" + (f", --pp {shape['pp']}" if "pp" in shape else "")
     if shape.get("zero") is not None:
         text += f", ZeRO {shape['zero']}"
     return text + (f", --tp {shape['tp']}" if shape.get("tp", 1) > 1 else "")
@@ -221,6 +222,8 @@ def replaces_optimizer(trainer, shape: dict) -> bool:
     """Whether the shards hold the whole optimizer state: ZeRO over every trained
     parameter, no tensor parallel and nothing frozen (LoRA's base masters are in no
     shard)."""
+    if "pp" in shape:  # a pipeline's shards: every path whole in its keeper's, unless --tp
+        return shape["tp"] == 1
     zero = zero_of(trainer)
     if zero is None or shape.get("tp", 1) > 1 or getattr(trainer, "frozen", None):
         return False
@@ -240,8 +243,7 @@ def own_shard(folder: Path, shape: dict | None) -> tuple[dict | None, str]:
         other = _read_json(saved[0])
         return None, f"its shards are for {describe(other)}, this run is {describe(shape)}"
     index = _read_json(path)
-    keys = ("world", "rank", "dp", "dp_rank", "zero", "tp", "tp_rank", "layout")
-    differ = [k for k in keys if index.get(k) != shape[k]]
+    differ = [k for k in shape if index.get(k) != shape[k]]  # a pipeline's: pp, stage too
     if index.get("format") != FORMAT:
         return None, f"{path.name} is not a {FORMAT} index"
     if differ:
@@ -328,6 +330,8 @@ def whole_state(folder: Path) -> dict:
 
     indexes = sorted((_read_json(p) for p in folder.glob("shard-rank*.json")),
                      key=lambda index: index.get("dp_rank", -1))
+    if indexes and "pp" in indexes[0]:
+        return _pipeline_state(folder, indexes)
     if not indexes or any("buckets" not in index for index in indexes) or \
             [index.get("dp_rank") for index in indexes] != list(range(indexes[0]["dp"])):
         raise RuntimeUserError(f"checkpoint {folder} has no optimizer.safetensors and not "
@@ -347,6 +351,21 @@ def whole_state(folder: Path) -> dict:
                                    ("exp_avg_sq", joined["exp_avg_sq"])):
                     state[part][path] = flat[cut].float().view(p["shape"]).clone()
     return state
+
+
+def _pipeline_state(folder: Path, indexes: list[dict]) -> dict:
+    """A pipeline's optimizer state joined from its ranks' shards (every rank's there)."""
+    from runtime.errors import RuntimeUserError
+    from runtime.train.pipeline_shards import joined_state
+
+    world = indexes[0].get("world")
+    if sorted(index.get("rank") for index in indexes) != list(range(world or 0)) or \
+            any(index.get("tp", 1) != 1 for index in indexes):
+        raise RuntimeUserError(f"checkpoint {folder} has no optimizer.safetensors and not "
+                               f"every rank's pipeline shard", help=["resume from a "
+                                                                     "complete checkpoint "
+                                                                     "folder"])
+    return joined_state(folder, indexes)
 
 
 def _joined(handles, name: str):
