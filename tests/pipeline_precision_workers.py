@@ -24,16 +24,31 @@ def mixed_pipelined(rank: int, world: int, port: int, name: str, steps: int, mic
     trainer = PipelineTrainer(tiny_model(name), rows, seq,
                               AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip), context,
                               world, micro, mixed=True)
-    losses, frames = [], []
+    losses, frames, first = [], [], None
     for window in windows(steps, rows * micro, seq):
         losses.append(trainer.train_step(window))
         frames.append(live_frames())
+        first = first or trainer.state()  # step 1's, loaded again below
     state = trainer.stage_state()
     copies = dict(trainer.model.params)
     torch.save({"losses": losses, "frames": frames, "state": state, "copies": copies,
                 "held": held_bytes(trainer), "planned": planned_bytes(trainer),
                 "whole": trainer.state()}, f"{out}.{rank}")
+    torch.save(reloaded(trainer, first), f"{out}.{rank}.reloaded")
     context.close()
+
+
+def reloaded(trainer, state: dict) -> dict:
+    """`state` loaded into a trainer that has stepped: whether every moment and master
+    is still the tensor it held (a captured step updates those), and what they hold."""
+    held = [trainer.adamw.exp_avg, trainer.adamw.exp_avg_sq, trainer.precision.masters]
+    before = [dict(part) for part in held]
+    trainer.load_state(state)
+    return {"same_tensors": all(part[p] is was[p] for part, was in zip(held, before)
+                                for p in was),
+            "state": {name: {p: t.detach().cpu().clone() for p, t in part.items()}
+                      for name, part in zip(("exp_avg", "exp_avg_sq", "masters"), held)},
+            "step": trainer.adamw.step, "device_step": float(trainer.device_adamw.count)}
 
 
 def held_bytes(trainer) -> dict[str, int]:
@@ -143,5 +158,31 @@ def graph_and_eager(rank: int, world: int, port: int, out: str) -> None:
             "masters": {p: t.detach().cpu() for p, t in masters.items()},
             "captured": trainer.graph is not None and trainer.graph.graph is not None,
             "eager_because": trainer.eager_because}
+    torch.save(results, f"{out}.{rank}")
+    context.close()
+
+
+def mixed_zero1(rank: int, world: int, port: int, out: str) -> None:
+    """Two data-parallel pipelines of two mixed stages on four gloo processes, trained
+    two steps at ZeRO-0 and at the pipelines' ZeRO-1 (each bucket's moments on one replica,
+    its fp32 masters broadcast from there); rank r saves both runs' losses, masters and
+    compute copies to `out`.r."""
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    context = join(rank, world, port)
+    rows, micro, seq = 1, 2, 8
+    replica, own = rank // 2, rows * micro
+    batches = [w[replica * own:(replica + 1) * own]
+               for w in windows(2, own * world // 2, seq)]
+    results = {}
+    for zero in (0, 1):
+        trainer = PipelineTrainer(tiny_model("llama"), rows, seq,
+                                  AdamW(lr=LR, weight_decay=DECAY), context, 2, micro,
+                                  zero=zero, mixed=True)
+        losses = [trainer.train_step(batch) for batch in batches]
+        results[zero] = {"losses": losses, "owned": trainer.owned,
+                         "masters": dict(trainer.precision.masters),
+                         "copies": dict(trainer.model.params)}
     torch.save(results, f"{out}.{rank}")
     context.close()

@@ -71,6 +71,22 @@ def test_stages_compute_with_bf16_copies_of_fp32_state(runs):
     assert {str(t.dtype) for t in whole.values()} == {"torch.float32"}
 
 
+def test_a_state_loads_into_the_tensors_a_captured_step_updates(runs, request):
+    """load_state after steps (step 1's state) copies into the moments and masters the
+    stage holds, never new tensors: a captured CUDA graph keeps updating the ones it
+    recorded (runtime/train/pipeline_graph.py); the device's step count follows."""
+    (first, second), _, _ = runs
+    for rank, stage in enumerate((first, second)):
+        got = torch.load(f"{stage['out']}.{rank}.reloaded")
+        assert got["same_tensors"]
+        want = stage["first"]
+        assert got["step"] == got["device_step"] == want["step"] == 1
+        for part in ("exp_avg", "exp_avg_sq", "masters"):
+            assert got["state"][part], part
+            for path, value in got["state"][part].items():
+                assert torch.equal(value, want[part][path].to(value.dtype)), (part, path)
+
+
 def test_a_step_leaves_no_frame_of_its_micro_batches_alive(runs):
     """Every micro-batch's frames (and the saved activations they hold) are gone after
     its step: the count of live frames does not grow from step to step."""
@@ -85,3 +101,23 @@ def test_modulec_plan_counts_what_a_mixed_stage_holds(runs):
     (first, second), _, _ = runs
     for stage in (first, second):
         assert stage["held"] == stage["planned"]
+
+
+def test_zero1_pipelines_broadcast_the_masters_and_train_as_zero0(tmp_path):
+    """DP 2 x PP 2, mixed stages: under the pipelines' ZeRO-1 a replica steps only its
+    buckets and the others receive the owner's fp32 masters (their bf16 copies remade):
+    every rank ends where ZeRO-0's ends, bit for bit."""
+    out = tmp_path / "zero1"
+    mp.spawn(workers.mixed_zero1, nprocs=4, args=(4, free_port(), str(out)))
+    ranks = [torch.load(f"{out}.{r}") for r in range(4)]
+    for rank in ranks:
+        zero0, zero1 = rank[0], rank[1]
+        assert zero0["owned"] is None and zero1["owned"]  # ZeRO-1 owns some buckets only
+        assert zero1["losses"] == zero0["losses"]
+        assert zero1["masters"].keys() == zero0["masters"].keys()
+        for path, master in zero0["masters"].items():
+            assert torch.equal(zero1["masters"][path], master), path
+            assert torch.equal(zero1["copies"][path], master.to(torch.bfloat16)), path
+    for a, b in ((0, 2), (1, 3)):  # a stage's two replicas hold the same masters
+        for path, master in ranks[a][1]["masters"].items():
+            assert torch.equal(ranks[b][1]["masters"][path], master), path
