@@ -469,9 +469,76 @@ def test_pp_lora_saves_one_processes_adapter_file_and_resumes(ckpt, spawned, tmp
     assert [r["loss"] for r in again if r["event"] == "step"] == steps[1:]
     twice = load_file(str(spawned / "again" / "checkpoint-2" / WEIGHTS))
     assert all(torch.equal(twice[name], a[name]) for name in a)  # bit for bit
-    resumed = losses(train(ckpt, *lora, "--resume", spawned / "pp" / "checkpoint-1",
-                           "--save", tmp_path / "r", weights=False))
-    assert resumed == pytest.approx(steps[1:], rel=1e-5)
+    one = train(ckpt, *lora, "--resume", spawned / "pp" / "checkpoint-1", "--save",
+                tmp_path / "r", weights=False)
+    assert losses(one) == pytest.approx(steps[1:], rel=1e-5)
+    notes = [json.loads(line)["text"] for line in one.stdout.splitlines() if '"note"' in line]
+    assert "resumed at step 1 from the consolidated checkpoint (this run is one process)" \
+        in notes  # the pipeline's shards joined (no optimizer.safetensors)
     onward = load_file(str(tmp_path / "r" / "checkpoint-2" / WEIGHTS))
     for name in a:
         torch.testing.assert_close(onward[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_pp_saves_per_rank_shards_and_resumes_from_them(spawned):
+    """`modulec train --pp 2 --save` (the LoRA run above, a save each step) writes each
+    rank's shard and its layout into the checkpoint, no consolidated optimizer file (the
+    shards hold it all); the --pp 2 resume from step 1 reads the shards, says so, and
+    its step-2 checkpoint is the uninterrupted run's bit for bit (weights and shards)."""
+    from safetensors.torch import load_file
+
+    saved = spawned / "pp" / "checkpoint-1"
+    names = sorted(f.name for f in saved.glob("shard-rank*"))
+    assert names == [f"shard-rank0000{r}.{ext}" for r in (0, 1) for ext in ("json",
+                                                                             "safetensors")]
+    assert not (saved / "optimizer.safetensors").exists()
+    for rank in (0, 1):
+        index = json.loads((saved / f"shard-rank0000{rank}.json").read_text())
+        assert {k: index[k] for k in ("world", "rank", "pp", "stage", "dp", "tp", "zero",
+                                      "step")} == dict(world=2, rank=rank, pp=2, stage=rank,
+                                                       dp=1, tp=1, zero=None, step=1)
+        assert index["data"] == {"step": 1, "samples": 2} and len(index["layout"]) == 16
+        held = load_file(str(saved / index["file"]))
+        masters = {k for k in held if k.startswith("masters.")}
+        assert masters and {k.partition(".")[2] for k in held if k.startswith("exp_avg.")} \
+            == {k.partition(".")[2] for k in masters if "lora_" in k}  # base: no moments
+    notes = [r["text"] for r in _rows(spawned / "stage.1.0") if r["event"] == "note"]
+    assert "resumed at step 1 from the per-rank shards (2 ranks, --pp 2)" in notes
+    whole, again = spawned / "pp" / "checkpoint-2", spawned / "again" / "checkpoint-2"
+    files = sorted(f.name for f in whole.glob("*.safetensors"))
+    assert files == sorted(f.name for f in again.glob("*.safetensors"))
+    for name in files:
+        a, b = load_file(str(whole / name)), load_file(str(again / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_pipeline_shard_of_another_layout_is_not_read(spawned, tmp_path):
+    """A shard whose layout is not this run's (another stage here) is refused with the
+    key that differs, and the run reads the consolidated state (joined from every rank's
+    shard); a checkpoint missing a rank's shard is an error naming the folder, a cut one
+    is a damaged checkpoint."""
+    import shutil
+
+    from runtime.errors import RuntimeUserError
+    from runtime.train.checkpoint import read_optimizer, read_trainer
+    from runtime.train.shards import own_shard
+
+    folder = tmp_path / "checkpoint-1"
+    shutil.copytree(spawned / "pp" / "checkpoint-1", folder)
+    shape = json.loads((folder / "shard-rank00001.json").read_text())
+    shape = {k: shape[k] for k in ("world", "rank", "pp", "stage", "dp", "dp_rank", "zero",
+                                   "tp", "tp_rank", "layout")}
+    index, why = own_shard(folder, shape)
+    assert index is not None and why == ""
+    index, why = own_shard(folder, shape | {"stage": 0, "layout": "0" * 16})
+    assert index is None and "layout differs: stage, layout" in why and "--pp 2" in why
+    state = read_optimizer(folder)  # every rank's shard, joined by path
+    assert state["step"] == 1 and state["exp_avg"].keys() < state["masters"].keys()
+    with open(folder / "shard-rank00001.safetensors", "r+b") as file:
+        file.truncate(100)
+    with pytest.raises(RuntimeUserError, match="damaged: shard-rank00001.safetensors"):
+        read_trainer(folder)
+    for name in ("shard-rank00001.safetensors", "shard-rank00001.json"):
+        (folder / name).unlink()
+    with pytest.raises(RuntimeUserError, match="not every rank's pipeline shard"):
+        read_optimizer(folder)
