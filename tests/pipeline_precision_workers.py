@@ -48,7 +48,8 @@ def reloaded(trainer, state: dict) -> dict:
                                 for p in was),
             "state": {name: {p: t.detach().cpu().clone() for p, t in part.items()}
                       for name, part in zip(("exp_avg", "exp_avg_sq", "masters"), held)},
-            "step": trainer.adamw.step, "device_step": float(trainer.device_adamw.count)}
+            "step": trainer.adamw.step, "device_step": float(trainer.device_adamw.count),
+            "loaded": state}
 
 
 def held_bytes(trainer) -> dict[str, int]:

@@ -28,7 +28,8 @@ def runs(request, tmp_path_factory):
     name, clip = request.param
     mp.spawn(workers.mixed_pipelined, nprocs=2,
              args=(2, free_port(), name, *SIZES.values(), clip, str(out)))
-    stages = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    stages = [torch.load(f"{out}.{r}") | {"reloaded": torch.load(f"{out}.{r}.reloaded")}
+              for r in (0, 1)]
     # bit for bit where both sum in the same order: clipping's norm sums the stages'
     # squares in another, and a tied head's two stages' fp32 sums add at the end
     exact = clip is None and name != "llama_tied"
@@ -71,15 +72,15 @@ def test_stages_compute_with_bf16_copies_of_fp32_state(runs):
     assert {str(t.dtype) for t in whole.values()} == {"torch.float32"}
 
 
-def test_a_state_loads_into_the_tensors_a_captured_step_updates(runs, request):
+def test_a_state_loads_into_the_tensors_a_captured_step_updates(runs):
     """load_state after steps (step 1's state) copies into the moments and masters the
     stage holds, never new tensors: a captured CUDA graph keeps updating the ones it
     recorded (runtime/train/pipeline_graph.py); the device's step count follows."""
     (first, second), _, _ = runs
-    for rank, stage in enumerate((first, second)):
-        got = torch.load(f"{stage['out']}.{rank}.reloaded")
+    for stage in (first, second):
+        got = stage["reloaded"]
         assert got["same_tensors"]
-        want = stage["first"]
+        want = got["loaded"]
         assert got["step"] == got["device_step"] == want["step"] == 1
         for part in ("exp_avg", "exp_avg_sq", "masters"):
             assert got["state"][part], part

@@ -46,7 +46,7 @@ from runtime.model import Model
 from runtime.train.backends import owned_paths
 from runtime.train.optim import AdamW
 from runtime.train.pipeline_graph import WARMUP, PipelineGraph, capturable
-from runtime.train.pipeline_precision import DeviceAdamW, StagePrecision
+from runtime.train.pipeline_precision import DeviceAdamW, StagePrecision, load_moments
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
                                         hyperparameters, lr_scale)
 
@@ -417,9 +417,8 @@ class PipelineTrainer:
                 self.precision.load(self.model.params, path, state["masters"][path])
         mine = self.names if self.owned is None else \
             [p for p in self.names if p in self.owned]
-        for part in ("exp_avg", "exp_avg_sq"):
-            setattr(self.adamw, part, {p: state[part][p].to(self.device).clone()
-                                       for p in mine if p in state[part]})
+        for part in ("exp_avg", "exp_avg_sq"):  # into the tensors a captured step updates
+            load_moments(getattr(self.adamw, part), state[part], mine, self.device)
         self.adamw.step = int(state["step"])
         if self.device_adamw is not None:
             self.device_adamw.sync()

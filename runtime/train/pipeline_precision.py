@@ -133,11 +133,36 @@ class DeviceAdamW:
             lr = self.lr * lr_scale
             if scale is not None:
                 grad = grad * scale.to(grad.dtype)
-            m = a.exp_avg.setdefault(path, torch.zeros_like(param))
-            v = a.exp_avg_sq.setdefault(path, torch.zeros_like(param))
+            m, v = (_moment(held, param, path) for held in (a.exp_avg, a.exp_avg_sq))
             if weight_decay:
                 param.mul_((1 - lr * weight_decay).to(param.dtype))
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (v.sqrt() / bias2_sqrt.to(v.dtype)).add_(a.eps)
             param.add_(m / denom * (-lr / bias1).to(param.dtype))
+
+
+def _moment(held: dict[str, Tensor], param: Tensor, path: str) -> Tensor:
+    """`path`'s moment, zeros made at its first step only (a captured step would
+    otherwise fill a fresh tensor it never reads on every replay)."""
+    moment = held.get(path)
+    if moment is None:
+        moment = held[path] = torch.zeros_like(param)
+    return moment
+
+
+@torch.no_grad()
+def load_moments(held: dict[str, Tensor], loaded: dict[str, Tensor], paths,
+                 device: str) -> None:
+    """A checkpoint's moments of `paths` into `held` (AdamW's dict), copied into the
+    tensors held where there are any: a captured step (runtime/train/pipeline_graph.py)
+    updates those, so a new tensor would never be stepped and a checkpoint would write
+    the loaded values for good. A path the checkpoint lacks starts again from zeros."""
+    for path in paths:
+        value = loaded.get(path)
+        if path in held and value is None:
+            held[path].zero_()
+        elif path in held:
+            held[path].copy_(value)
+        elif value is not None:
+            held[path] = value.to(device, copy=True)
