@@ -50,13 +50,9 @@ def verify_outputs(section: dict, graph: Graph) -> list[str]:
 def _made_at(section: dict, graph: Graph) -> dict[str, int]:
     """Each value an entry node makes -> the stage of its unit (a repeated call's
     outputs: its last layer's)."""
-    stage_of = {}
-    for s, row in enumerate(section["stages"]):
-        for unit in row["units"]:
-            lo, hi = unit.get("layers", (None, None))
-            for layer in ([None] if lo is None else range(lo, hi + 1)):
-                stage_of[(unit["node"], layer)] = s
-    made = {}
+    from modulec.plan.pipeline import unit_stages
+
+    stage_of, made = unit_stages(section), {}
     for node in graph.function(graph.entry).nodes:
         layer = int(node.repeat) - 1 if node.kind == "call" else None
         if (node.id, layer) in stage_of:

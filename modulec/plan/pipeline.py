@@ -182,6 +182,18 @@ def _entry_backward_scale(graph, op_seconds, device, training, memo) -> float:
     return own / sum(op_seconds.values())
 
 
+def unit_stages(section: dict) -> dict[tuple, int]:
+    """Each unit of the section's stages -> its stage, by (entry node id, layer): a
+    repeated call's layers one by one (0-based), another node with layer None."""
+    stage_of = {}
+    for s, row in enumerate(section["stages"]):
+        for unit in row["units"]:
+            lo, hi = unit.get("layers", (None, None))
+            for layer in ([None] if lo is None else range(lo, hi + 1)):
+                stage_of[(unit["node"], layer)] = s
+    return stage_of
+
+
 def entry_outputs(graph) -> list[str]:
     """The entry's outputs, in order, each by the value that makes it (an alias's
     input)."""

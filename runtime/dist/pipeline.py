@@ -87,17 +87,15 @@ class StagePlan:
     def owners(self) -> dict[str, str]:
         """Each path of a shared entry -> the entry's `param` (a tied path: its target),
         the name the stage's gradient of it goes by."""
-        return {path: entry["param"] for entry in self.shared for path in entry["paths"]}
+        from modulec.plan.pipeline_shared import owners
+
+        return owners({"shared": self.shared})
 
     @classmethod
     def read(cls, section: dict, stage: int) -> "StagePlan":
-        stages = len(section["stages"])
-        stage_of = {}
-        for s, row in enumerate(section["stages"]):
-            for unit in row["units"]:
-                lo, hi = unit.get("layers", (None, None))
-                for layer in ([None] if lo is None else range(lo, hi + 1)):
-                    stage_of[(unit["node"], layer)] = s
+        from modulec.plan.pipeline import unit_stages
+
+        stages, stage_of = len(section["stages"]), unit_stages(section)
         mine = {u["node"]: tuple(u["layers"]) if "layers" in u else None
                 for u in section["stages"][stage]["units"]}
         bounds = section["boundaries"]
@@ -300,8 +298,11 @@ class StageRunner:
                     grads, outbox[("gradients", m)] = self.backward(
                         m, seeds.pop(m, None), inbox.pop(("gradients", m), []))
                 for path, grad in grads.items():  # a tied path's: its owner's
-                    path, grad = owners.get(path, path), grad.to(self.grad_dtype)
-                    total[path] = total[path] + grad if path in total else grad
+                    path = owners.get(path, path)
+                    if path in total:  # in place, converting as it adds (one pass)
+                        total[path].add_(grad)
+                    else:  # a sum of its own: never the interpreter's tensor
+                        total[path] = grad.to(self.grad_dtype, copy=True)
             i += 1
         self.it.rng_seed = None
         return losses, total
