@@ -1,8 +1,9 @@
 """Pipeline parallel on two GPUs (NCCL; `-m cuda`, skipped with fewer than two; DP x PP
 and TP x PP on four):
 `torchrun --nproc-per-node 2 -m modulec train --pp 2 --device cuda` runs the IR's pipeline
-section eagerly (each stage through the GPU step's kernels on bf16 copies of fp32
-masters, runtime/train/pipeline_precision.py; send/recv over NCCL) and trains as one CPU
+section (each stage through the GPU step's kernels on bf16 copies of fp32 masters,
+runtime/train/pipeline_precision.py; send/recv over NCCL; from step 3 one captured CUDA
+graph a step, runtime/train/pipeline_graph.py) and trains as one CPU
 process accumulating the same micro-batches in float32, within bf16 rounding (`BF16`),
 and as one GPU accumulating them (`modulec train --device cuda --grad-accum M`). The
 exact equalities are the CPU tests' (tests/test_pipeline_run.py, float64;

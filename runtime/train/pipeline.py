@@ -1,8 +1,10 @@
 """The trainer of a pipeline-parallel run (`torchrun --nproc-per-node D x P -m modulec
 train MODEL --pp P --microbatches M`): rank r holds stage r % P's parameters (the IR's
 `pipeline` section lists them) in pipeline r // P and runs its 1F1B op list
-(runtime.dist.pipeline) on the reference interpreter, on the CPU (gloo) or eagerly on a
-GPU (NCCL), in the model's dtype (float32).
+(runtime.dist.pipeline) on the interpreter: on the CPU (gloo) in the model's dtype with
+the reference kernels; on a GPU (NCCL) with bf16 compute copies of fp32 masters through
+the GPU step's kernels (runtime/train/pipeline_precision.py), the whole step captured in
+one CUDA graph from step 3 where it can be (runtime/train/pipeline_graph.py).
 
 A step takes M micro-batches of --batch rows per pipeline: the loss and the gradients are
 the mean over every pipeline's micro-batches (each stage's gradients averaged over its D

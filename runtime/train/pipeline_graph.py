@@ -6,9 +6,12 @@ receive, backward, gradient sum, all-reduce, AdamW update of the stage's masters
 loss's all-reduce, with no Python per kernel. The host reads the loss once a step.
 
 What a replay would get wrong stays eager (`capturable`): dropout (its seeds are Python
-ints per step), packed sequences (their documents are made per step) and hooks; and the
-CPU (gloo), which has no graphs. The learning rate and the step count the updates read
-are device scalars (runtime/train/pipeline_precision.py DeviceAdamW)."""
+ints per step) and packed sequences (their documents are made per step); and the CPU
+(gloo), which has no graphs. A replay reads and writes the tensors it recorded, so what
+the host changes between steps goes into those, never into new ones: the learning rate
+and the step count the updates read are device scalars (runtime/train/
+pipeline_precision.py DeviceAdamW: `set_lr` fills the rate), and a loaded state is
+copied into the masters, compute copies and moments the stage holds."""
 
 from __future__ import annotations
 
