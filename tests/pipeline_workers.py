@@ -150,9 +150,9 @@ def train_tp_pipelined(rank: int, world: int, port: int, runs: list, out: str,
 
         batches = [w[replica * own:(replica + 1) * own]
                    for w in windows(steps, own * world // 4, seq)]
-        _, _, run = train_and_resume(
+        first, _, run = train_and_resume(
             trainer, batches, lambda state, model: rank_state(state, model, rank % 2))
-        results.append(run)
+        results.append(dict(run, state=first.stage_state()))
     torch.save(results, f"{out}.{rank}")
     if extra is not None:  # more work for the same four processes (their start is slow)
         from tests.tp_workers import clipped_runs

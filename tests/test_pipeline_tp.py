@@ -15,6 +15,7 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_workers  # noqa: E402
 from tests.dist_testing import free_port  # noqa: E402
+from tests.test_pipeline_run import _check_shard_resume  # noqa: E402
 from tests.test_train import ckpt  # noqa: E402,F401
 
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
@@ -67,6 +68,7 @@ def test_pp2_tp2_trains_as_one_process_accumulating(four_ranks):
         for rank in ranks:
             assert rank[index]["losses"] == pytest.approx(want_losses, rel=1e-10), sp
             assert rank[index]["resumed"] == pytest.approx(want_losses[1:], rel=1e-10), sp
+            _check_shard_resume(rank[index])  # its slices' shard: bit for bit
         got = ranks[0][index]["whole"]
         for part in PARTS:
             assert set(got[part]) == set(want[part]), (sp, part)
