@@ -122,3 +122,39 @@ def test_zero1_pipelines_broadcast_the_masters_and_train_as_zero0(tmp_path):
     for a, b in ((0, 2), (1, 3)):  # a stage's two replicas hold the same masters
         for path, master in ranks[a][1]["masters"].items():
             assert torch.equal(ranks[b][1]["masters"][path], master), path
+
+
+def test_device_adamw_steps_as_torch_adamw():
+    """DeviceAdamW (the rate and step count device scalars a captured step reads) takes
+    torch.optim.AdamW's steps: per-parameter lr scale and weight decay, a rate changed
+    between steps through its scalar, and a clipping factor on the gradients."""
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline_precision import DeviceAdamW
+
+    generator = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(16, 8, generator=generator),
+             "b": torch.randn(8, generator=generator)}
+    grads = [{p: torch.randn(v.shape, generator=generator) for p, v in start.items()}
+             for _ in range(4)]
+    settings = {"w": (0.5, 0.1), "b": (1.0, 0.0)}  # (lr scale, weight decay)
+    params = {p: v.clone() for p, v in start.items()}
+    adamw = AdamW(lr=1e-2)
+    device = DeviceAdamW(adamw, "cpu")
+    torch_params = {p: torch.nn.Parameter(v.clone()) for p, v in start.items()}
+    optimizer = torch.optim.AdamW(
+        [{"params": [torch_params[p]], "scale": s, "weight_decay": wd}
+         for p, (s, wd) in settings.items()], lr=1e-2, betas=adamw.betas, eps=adamw.eps)
+    scale = torch.tensor(0.5, dtype=torch.float64)
+    for step, grad in enumerate(grads):
+        lr = 1e-2 * (1 - 0.2 * step)
+        device.lr.fill_(lr)  # what PipelineTrainer.set_lr writes
+        device.update(params, grad, settings.get, scale)
+        for group, path in zip(optimizer.param_groups, settings):
+            group["lr"] = lr * group["scale"]
+            torch_params[path].grad = grad[path] * 0.5
+        optimizer.step()
+    assert float(device.count) == len(grads)
+    for path, value in torch_params.items():
+        assert not torch.equal(params[path], start[path]), path
+        torch.testing.assert_close(params[path], value.detach(), rtol=0, atol=1e-6,
+                                   msg=path)
