@@ -365,8 +365,15 @@ class PipelineTrainer:
         """The whole state, every stage's joined (a collective in the first pipeline: each
         rank's goes through the host to each of its ranks, pickled; see docs/pipeline.md
         "Checkpoints"). The other pipelines' replicas hold the same state, and rank 0
-        writes it: they return the step alone. `moments=False`: the masters alone (the
-        ranks' shards hold the moments)."""
+        writes it: they return the step alone. `moments=False` (a save beside the
+        per-rank shards, which hold the moments): the masters alone, without --tp sent
+        as tensors to rank 0 only (the others return none; runtime/train/
+        pipeline_shards.py)."""
+        if not moments and self.mesh.tp == 1:
+            from runtime.train.pipeline_shards import gathered_masters
+
+            return {"masters": gathered_masters(self), "exp_avg": {}, "exp_avg_sq": {},
+                    "step": self.adamw.step}
         mine = {part: {p: t.detach().cpu() for p, t in values.items()}
                 for part, values in self.stage_state().items()
                 if part != "step" and (moments or part == "masters")}

@@ -131,3 +131,31 @@ def joined_state(folder: Path, indexes: list[dict]) -> dict:
                 if part in PARTS:
                     state[part].setdefault(path, handle.get_tensor(key).float())
     return state
+
+
+def gathered_masters(trainer) -> dict[str, Tensor]:
+    """Every stage's masters on the first pipeline's first rank (rank 0, which writes
+    `model.safetensors`), for a save beside the shards without --tp: each stage's rank
+    sends its tensors one at a time on the trainer's device, after a small pickled
+    header (paths, shapes, dtypes); the other ranks return {}. A shared parameter's
+    copies are equal: the first stage's is kept."""
+    mesh = trainer.mesh
+    if mesh.dp_index or mesh.tp_index:  # the replicas hold the same masters
+        return {}
+    weights = trainer.precision.weights(trainer.model.params)
+    mine = {p: weights[p].detach() for p in trainer.names}
+    first = mesh.rank_of(0)
+    header = [(p, list(t.shape), str(t.dtype).removeprefix("torch.")) for p, t in mine.items()]
+    headers = [None] * mesh.pp if mesh.stage == 0 else None
+    dist.gather_object(header, headers, dst=first, group=mesh.pp_group)
+    if mesh.stage:
+        for value in mine.values():
+            dist.send(value.to(trainer.device).contiguous(), dst=first, group=mesh.pp_group)
+        return {}
+    whole = {p: t.cpu() for p, t in mine.items()}
+    for stage, rows in enumerate(headers[1:], 1):
+        for path, shape, dtype in rows:
+            buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=trainer.device)
+            dist.recv(buffer, src=mesh.rank_of(stage), group=mesh.pp_group)
+            whole.setdefault(path, buffer.cpu())
+    return whole
