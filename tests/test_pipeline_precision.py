@@ -158,3 +158,22 @@ def test_device_adamw_steps_as_torch_adamw():
         assert not torch.equal(params[path], start[path]), path
         torch.testing.assert_close(params[path], value.detach(), rtol=0, atol=1e-6,
                                    msg=path)
+
+
+def test_mixed_stages_refuse_a_parameter_stored_in_its_own_dtype(tmp_path):
+    """`norm: [d] @dtype(fp32)`: the one-GPU step holds it in fp32; a mixed stage, which
+    makes a bf16 copy of every parameter, refuses it rather than run it in bf16 (a stage
+    without it, and the CPU's stages in the model's dtype, take the model)."""
+    from runtime.errors import RuntimeUserError
+    from runtime.train.pipeline_precision import StagePrecision
+    from tests.test_cuda_annotations import _dtype_program
+
+    _, program = _dtype_program(tmp_path)
+    paths = ["emb", "norm", "w", "head"]
+    mixed = StagePrecision.of("cpu", torch.float32, mixed=True)
+    StagePrecision.of("cpu", torch.float32, mixed=False).refuse_own_dtypes(program, paths)
+    mixed.refuse_own_dtypes(program, ["emb", "w"])
+    with pytest.raises(RuntimeUserError, match=r"`norm` is stored in float32 \(`@dtype`\)"
+                       r": not supported yet") as error:
+        mixed.refuse_own_dtypes(program, paths)
+    assert "--device cpu" in error.value.help[0]

@@ -189,6 +189,7 @@ class PipelineTrainer:
         self.counted_elsewhere = {e["param"] for e in shared if e["stages"][0] != self.stage}
         self.frozen = frozen_parameters(program)
         self.precision = precision = StagePrecision.of(device, model.dtype, mixed)
+        precision.refuse_own_dtypes(program, self.names)
         precision.hold(model.params, [p for p in self.names if p not in self.frozen],
                        [p for p in self.names if p in self.frozen])
         interpreter = Interpreter(program.graph, model.params, precision.compute,

@@ -56,6 +56,28 @@ class StagePrecision:
 
         return kernels_on(self.device)
 
+    def refuse_own_dtypes(self, program, paths) -> None:
+        """Mixed: every floating parameter of `paths` computes through a bf16 copy, so one
+        the program stores in a dtype of its own (`@dtype(fp32)`, `[d, fp32]`; the
+        one-GPU step holds it so: runtime/cuda/param_dtypes.py) is an error, never run
+        in bf16."""
+        if not self.mixed:
+            return
+        from runtime.errors import RuntimeUserError
+        from runtime.model import parameter_dtypes
+
+        stored = parameter_dtypes(program.graph, self.compute)
+        own = sorted(p for p in paths if stored.get(p, self.compute) != self.compute)
+        if own:
+            raise RuntimeUserError(
+                f"--pp on the GPU holds every parameter as a bf16 copy of an fp32 master; "
+                f"{', '.join(f'`{p}`' for p in own[:3])} "
+                f"{'is' if len(own) == 1 else 'are'} stored in "
+                f"{str(stored[own[0]]).replace('torch.', '')} (`@dtype`): not supported "
+                "yet", help=["drop the `@dtype` (the parameter then has a bf16 copy and an "
+                             "fp32 master), train it on one GPU, or on the CPU "
+                             "(`--device cpu`), which stores it as declared"])
+
     def hold(self, params: dict[str, Tensor], trained: list[str], frozen=()) -> None:
         """Mixed: `trained`'s fp32 masters on the device and `frozen`'s fp32 values on the
         host kept here, and every floating parameter replaced by its compute copy (a
