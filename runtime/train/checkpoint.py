@@ -5,9 +5,10 @@ directory (`model.safetensors`, `config.json`) plus what resuming needs:
   parameter path (tied parameters: their owner only), the optimizer step in the metadata;
 - `trainer_state.json`, written last: the step, the data position, the run's settings, the
   losses so far, and the size of every other file (checked on resume);
-- under data parallel with ZeRO >= 1 or tensor parallel, every rank's own shard
-  (`shard-rank<r>.safetensors` + `.json`, runtime.train.shards), written into the same
-  temporary folder before it is published.
+- under data parallel with ZeRO >= 1, tensor parallel or pipeline parallel, every rank's
+  own shard (`shard-rank<r>.safetensors` + `.json`, runtime.train.shards; a pipeline's,
+  runtime.train.pipeline_shards), written into the same temporary folder before it is
+  published.
 
 A checkpoint is written into a temporary folder next to it (`.checkpoint-<step>.*.tmp`),
 each file through a temp file + os.replace and fsynced, then the folder is renamed into

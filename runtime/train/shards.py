@@ -24,6 +24,10 @@ the same atomic checkpoint. A resume on the same layout (every rank finds its ow
 and the layouts match) loads the shards with no gathering; any other resume (another
 world size, stage or tensor-parallel size) reads the consolidated files. Every rank must
 agree, so the choice is made together (one all_gather of the ranks' verdicts).
+
+A pipeline (`--pp`) uses the same save and resume with its own layout and state
+(runtime/train/pipeline_shards.py: the trainer's `shard_state` / `load_shard`); without
+--tp its shards replace `optimizer.safetensors` too, joined by path on another layout.
 """
 
 from __future__ import annotations
