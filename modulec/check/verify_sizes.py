@@ -5,9 +5,10 @@ a `--set` (the same rule: modulec.check.given), any other line sizes a dim of th
 (a positive integer). What `check` accepts must build and run, so `check` reads them the
 same way and checks the declaration at those sizes (its constraints, its graph and its
 submodules' graphs, as `build` does), and bounds what --verify-backward would compute
-there by its rule (`largest_value`). They were read only under --verify-backward: a
-`d_model: 30` that broke `d_model % num_heads == 0`, a `T: 0` or a `shapes:` line sizing
-nothing checked clean. Parameters the section leaves unsized stay symbolic here
+there by its rule (`largest_value`): a `d_model: 30` that breaks `d_model % num_heads
+== 0`, a `T: 0`, a `shapes:` line sizing nothing or a `T` too large to verify is an
+error here, not when --verify-backward runs. Parameters the section leaves unsized stay
+symbolic here
 (--verify-backward tries sizes for them and says when none builds).
 """
 
@@ -196,10 +197,10 @@ def _parameter_count(instance) -> int:
 def _values_within_bound(world: World, decl: A.Decl, args: dict, sizes: dict, span) -> None:
     """The largest value --verify-backward computes, bounded as it bounds it: the
     declaration lowered as it builds it (the input dims the section leaves unsized at
-    FREE_DIM_SIZES), by the same rule (`largest_value`). Found by a gentle fuzz run (seed
-    32): std Mamba's `T: 6` made `T: 100000` (Mamba has no `max_seq`) checked clean, and
-    --verify-backward refused `proj` [2, 100000, 128]. A declaration that does not lower
-    here is left to --verify-backward (its unsized parameters get sizes there)."""
+    FREE_DIM_SIZES), by the same rule (`largest_value`), so that what `check` accepts
+    --verify-backward runs (a `T` no `max_seq` bounds may be sized past it). A
+    declaration that does not lower here is left to --verify-backward (its unsized
+    parameters get sizes there)."""
     from modulec.lower.lowering import lower_model, recording_world
 
     lowering = recording_world(world.names, world.scopes)
