@@ -163,6 +163,53 @@ def graph_and_eager(rank: int, world: int, port: int, out: str) -> None:
     context.close()
 
 
+def graph_eval_reload(rank: int, world: int, port: int, out: str) -> None:
+    """On `world` GPUs (NCCL): the tiny Llama's captured pipeline (as graph_and_eager's)
+    trained 5 steps twice, the second evaluating after every step (eager forwards between
+    replays); then the second loads its state after step 3 and takes steps 4 and 5 again
+    (replays: the state copied into the tensors the graph updates). Rank r saves both
+    runs' losses, the eval losses, the repeated steps' losses, masters and moments."""
+    from types import SimpleNamespace
+
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+
+    context = join(rank, world, port, "cuda")
+    steps, held_out = windows(5, 8, 16), windows(2, 2, 16)
+    data = SimpleNamespace(batches=len(held_out), batch_at=held_out.__getitem__)
+    results = {}
+    for evaluating in (False, True):
+        trainer = PipelineTrainer(tiny_model("llama"), 2, 16,
+                                  AdamW(lr=LR, weight_decay=DECAY, clip_grad=0.5), context,
+                                  world, 4, device="cuda")
+        run, kept = {"losses": [], "evals": []}, None
+        for step, window in enumerate(steps):
+            trainer.set_lr(LR * (1 - 0.15 * step))
+            run["losses"].append(trainer.train_step(window))
+            if evaluating:
+                run["evals"].append(trainer.evaluate(data))
+            if step == 2:  # a replay's state (step 3 is the first captured one)
+                kept = trainer.state()
+        run |= {"captured": trainer.graph is not None and trainer.graph.graph is not None,
+                "masters": _on_host(trainer.stage_state()["masters"])}
+        if evaluating:
+            trainer.load_state(kept)
+            run["loaded"] = _on_host(trainer.adamw.exp_avg)
+            run["again"] = []
+            for step in (3, 4):
+                trainer.set_lr(LR * (1 - 0.15 * step))
+                run["again"].append(trainer.train_step(steps[step]))
+            run |= {"again_masters": _on_host(trainer.stage_state()["masters"]),
+                    "moments": _on_host(trainer.adamw.exp_avg), "step": trainer.adamw.step}
+        results[evaluating] = run
+    torch.save(results, f"{out}.{rank}")
+    context.close()
+
+
+def _on_host(tensors: dict) -> dict:
+    return {p: t.detach().cpu().clone() for p, t in tensors.items()}
+
+
 def mixed_zero1(rank: int, world: int, port: int, out: str) -> None:
     """Two data-parallel pipelines of two mixed stages on four gloo processes, trained
     two steps at ZeRO-0 and at the pipelines' ZeRO-1 (each bucket's moments on one replica,

@@ -12,6 +12,7 @@ tests/test_pipeline_precision.py, the mixed-precision bookkeeping bit for bit)."
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -81,6 +82,33 @@ def test_a_captured_pipeline_step_trains_as_the_eager_one(tmp_path):
         assert set(graphed["masters"]) == set(eager["masters"])
         for path, master in eager["masters"].items():
             moved = graphed["masters"][path] - start[path].float()
+            assert cosine(moved, master - start[path].float()) > 0.99, path
+
+
+def test_a_captured_pipeline_evaluates_between_replays_and_loads_a_state(tmp_path):
+    """Evaluating after every step (eager forwards between replays) leaves the captured
+    run's losses as they were; a state loaded after the graph was captured goes into the
+    tensors its replays update: steps 4 and 5 taken again from step 3's state repeat
+    their losses and move the loaded moments (a new tensor would stay as loaded)."""
+    from tests import pipeline_precision_workers as workers
+    from tests.bf16_parity import cosine
+
+    out = tmp_path / "reload"
+    torch.multiprocessing.spawn(workers.graph_eval_reload, nprocs=2,
+                                args=(2, free_port(), str(out)))
+    start = workers.tiny_model("llama").params
+    for rank in (0, 1):
+        plain, evaluated = (torch.load(f"{out}.{rank}")[e] for e in (False, True))
+        assert plain["captured"] and evaluated["captured"]
+        assert evaluated["losses"] == pytest.approx(plain["losses"], rel=2e-3)
+        assert len(evaluated["evals"]) == 5 and all(map(math.isfinite, evaluated["evals"]))
+        assert evaluated["again"] == pytest.approx(evaluated["losses"][3:], rel=2e-3)
+        assert evaluated["step"] == 5 and evaluated["moments"].keys() == \
+            evaluated["loaded"].keys()
+        for path, moment in evaluated["moments"].items():
+            assert not torch.equal(moment, evaluated["loaded"][path]), path
+        for path, master in evaluated["masters"].items():
+            moved = evaluated["again_masters"][path] - start[path].float()
             assert cosine(moved, master - start[path].float()) > 0.99, path
 
 
