@@ -57,11 +57,57 @@ def train_pipelined(rank: int, world: int, port: int, runs: list, out: str,
         results.append({"losses": losses, "state": trainer.stage_state(),
                         "params": dict(trainer.model.params), "whole": trainer.state()})
     torch.save(results, f"{out}.{rank}")
+    torch.save(mixed_shard(context, world, *runs[1]), f"{out}.mixed.{rank}")
     context.close()
     if cli is not None:  # `modulec train --pp` (its entry, as under torchrun)
         from tests.tp_lora_workers import train_runs
 
         train_runs(rank, world, *cli, out)
+
+
+def mixed_shard(context, world: int, name: str, settings: dict, steps: int, micro: int,
+                rows: int, seq: int) -> dict:
+    """Stages held as the GPU holds them (bf16 copies of fp32 masters, mixed=True on the
+    CPU): this rank's shard after step 1 (runtime.train.shards.rank_tensors) loaded into a
+    fresh trainer (load_rank_tensors) that takes step 2, and into the first trainer after
+    its step 2 (whether its masters, moments and compute copies stay the same tensors, as
+    a captured step needs). Returns both runs' step-2 losses and states, the first's
+    state and compute copies after the load, the shard, the loaded trainer's host and
+    device step counts."""
+    from runtime.train.optim import AdamW
+    from runtime.train.pipeline import PipelineTrainer
+    from runtime.train.shards import load_rank_tensors, rank_tensors
+
+    def trainer():
+        return PipelineTrainer(tiny_model(name, settings), rows, seq,
+                               AdamW(lr=1e-2, weight_decay=0.1), context, world, micro,
+                               mixed=True)
+
+    first, (one, two) = trainer(), windows(2, rows * micro, seq)
+    first.train_step(one)
+    shard = rank_tensors(first)
+    loss = first.train_step(two)
+    after = trainer_state(first)
+    second = trainer()
+    load_rank_tensors(second, shard, 1)
+    counts = (second.adamw.step, float(second.device_adamw.count))
+    again = second.train_step(two)
+    held = [first.adamw.exp_avg, first.adamw.exp_avg_sq, first.precision.masters,
+            first.model.params]
+    before = [dict(part) for part in held]
+    load_rank_tensors(first, shard, 1)
+    return {"losses": [loss, again], "counts": counts,
+            "dtypes": {k: t.dtype for k, t in shard.items() if not k.startswith("rng.")},
+            "states": [after, trainer_state(second), trainer_state(first)],
+            "shard": {k: t for k, t in shard.items() if not k.startswith("rng.")},
+            "copies": {p: t.detach().clone() for p, t in first.model.params.items()},
+            "same_tensors": all(part[p] is was[p] for part, was in zip(held, before)
+                                for p in was)}
+
+
+def trainer_state(trainer) -> dict:
+    return {part: {p: t.detach().clone() for p, t in values.items()}
+            for part, values in trainer.stage_state().items() if part != "step"}
 
 
 def train_data_parallel(rank: int, world: int, port: int, runs: list, out: str) -> None:

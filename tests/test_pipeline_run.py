@@ -542,3 +542,25 @@ def test_a_pipeline_shard_of_another_layout_is_not_read(spawned, tmp_path):
         (folder / name).unlink()
     with pytest.raises(RuntimeUserError, match="not every rank's pipeline shard"):
         read_optimizer(folder)
+
+
+def test_a_mixed_stages_shard_holds_its_fp32_masters_and_loads_in_place(spawned):
+    """Stages held as on the GPU (bf16 compute copies of fp32 masters, on gloo): each
+    rank's shard holds the fp32 masters and moments; a fresh trainer given it takes step
+    2 bit for bit as the first did (the device step count synced), and loading it into a
+    trainer that has stepped copies into its masters, moments and compute copies (the
+    tensors a captured step reads) and makes each copy its master rounded."""
+    for rank in (0, 1):
+        got = torch.load(spawned / f"stage.mixed.{rank}")
+        assert got["dtypes"] and set(got["dtypes"].values()) == {torch.float32}
+        assert got["losses"][0] == got["losses"][1] and got["counts"] == (1, 1.0)
+        after, again, reloaded = got["states"]
+        assert after["masters"] and after["exp_avg"]
+        for part in ("masters", "exp_avg", "exp_avg_sq"):  # step 2: the same bits
+            assert after[part].keys() == again[part].keys()
+            assert all(torch.equal(after[part][p], again[part][p]) for p in after[part])
+            assert all(torch.equal(t, got["shard"][f"{part}.{p}"])  # step 1's, back in
+                       for p, t in reloaded[part].items())
+        assert got["same_tensors"]
+        for path, master in reloaded["masters"].items():
+            assert torch.equal(got["copies"][path], master.to(got["copies"][path].dtype))
