@@ -460,30 +460,6 @@ def summed_shared(section: dict) -> dict[int, list[int]]:
     return {i: section["shared"][i]["stages"] for i in sorted(summed)}
 
 
-class OnDevice:
-    """A reference kernel that creates its tensor (zeros, ones, fill) on `device`: the
-    reference makes them on the CPU unless told."""
-
-    def __init__(self, kernel, device: str):
-        self.kernel, self.device = kernel, device
-
-    def __getattr__(self, name: str):
-        return getattr(self.kernel, name)
-
-    def forward(self, inputs: list, attrs: dict) -> list:
-        return self.kernel.forward(inputs, attrs | {"device": self.device})
-
-
-def kernels_on(device: str) -> dict:
-    """The reference kernels, with the ones that create tensors making them on `device`."""
-    from runtime.kernels import KERNELS
-
-    if device == "cpu":
-        return KERNELS
-    created = ("zeros", "ones", "fill")
-    return dict(KERNELS) | {n: OnDevice(KERNELS[n], device) for n in created if n in KERNELS}
-
-
 def _loss(outputs: list, labels: Tensor, loss_fn=None):
     """The cross-entropy of the logits (`loss_fn`: runtime.tensor_parallel.logits_loss's,
     vocab-parallel on a `@shard(vocab)` head's slice; None: whole logits) plus the

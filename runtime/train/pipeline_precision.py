@@ -52,8 +52,6 @@ class StagePrecision:
 
             return train_kernels("cuda" if self.device.startswith("cuda") else "cpu",
                                  attention=("cudnn", "flash"))
-        from runtime.train.pipeline import kernels_on
-
         return kernels_on(self.device)
 
     def refuse_own_dtypes(self, program, paths) -> None:
@@ -118,6 +116,30 @@ class StagePrecision:
         if kept is not None:
             kept.copy_(value)
         params[path].copy_(kept if kept is not None else value)
+
+
+class OnDevice:
+    """A reference kernel that creates its tensor (zeros, ones, fill) on `device`: the
+    reference makes them on the CPU unless told."""
+
+    def __init__(self, kernel, device: str):
+        self.kernel, self.device = kernel, device
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        return self.kernel.forward(inputs, attrs | {"device": self.device})
+
+
+def kernels_on(device: str) -> dict:
+    """The reference kernels, with the ones that create tensors making them on `device`."""
+    from runtime.kernels import KERNELS
+
+    if device == "cpu":
+        return KERNELS
+    created = ("zeros", "ones", "fill")
+    return dict(KERNELS) | {n: OnDevice(KERNELS[n], device) for n in created if n in KERNELS}
 
 
 class DeviceAdamW:
