@@ -11,11 +11,7 @@ tests/test_pipeline_precision.py, the mixed-precision bookkeeping bit for bit)."
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -23,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.test_cuda_dist_shards import LLAMA, gpu_ckpt  # noqa: E402,F401
-from tests.dist_testing import free_port, needs_gpus  # noqa: E402
+from tests.dist_testing import free_port, needs_gpus, train_records  # noqa: E402
 
 pytestmark = needs_gpus(2)
 
@@ -31,25 +27,21 @@ ARGS = ("--seq", "64", "--batch", "2", "--lr", "1e-3", "--format", "json", "--st
 BF16 = 1e-2  # relative: a bf16 step's loss against float32's over three steps
 
 
-def _rows(done) -> list[dict]:
-    assert done.returncode == 0, done.stderr  # whole: the failing rank's error is not last
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def _pipeline(processes: int, *args: str) -> list[dict]:
+    """`modulec train LLAMA ARGS` on `processes` GPUs as pipeline stages (--device cuda)."""
+    return train_records(processes, LLAMA, *args, "--device", "cuda")
+
+
+def _one(*args: str) -> list[dict]:
+    """`modulec train LLAMA ARGS` on one process."""
+    return train_records(1, LLAMA, *args)
 
 
 def test_two_gpu_stages_train_as_one_process_accumulating(gpu_ckpt):
     data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    pipeline = _rows(subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data, *ARGS,
-         "--device", "cuda", "--pp", "2", "--microbatches", "4"],
-        capture_output=True, text=True, env=env, timeout=600))
-    one = _rows(subprocess.run(
-        [sys.executable, "-m", "modulec", "train", LLAMA, *data, *ARGS, "--device", "cpu",
-         "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
-    one_gpu = _rows(subprocess.run(
-        [sys.executable, "-m", "modulec", "train", LLAMA, *data, *ARGS, "--device", "cuda",
-         "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
+    pipeline = _pipeline(2, *data, *ARGS, "--pp", "2", "--microbatches", "4")
+    one = _one(*data, *ARGS, "--device", "cpu", "--grad-accum", "4")
+    one_gpu = _one(*data, *ARGS, "--device", "cuda", "--grad-accum", "4")
     done = next(r for r in pipeline if r["event"] == "done")
     assert done["memory"] == "GPU"
     notes = [r.get("text", "") for r in pipeline if r["event"] == "note"]
@@ -120,14 +112,9 @@ def test_two_gpu_stages_resume_from_their_shards(gpu_ckpt, tmp_path):
     from safetensors.torch import load_file
 
     data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
 
     def launch(*more):
-        return _rows(subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data,
-             *ARGS, "--device", "cuda", "--pp", "2", "--microbatches", "4", *more],
-            capture_output=True, text=True, env=env, timeout=600))
+        return _pipeline(2, *data, *ARGS, "--pp", "2", "--microbatches", "4", *more)
 
     whole = launch("--save", str(tmp_path / "pp"), "--save-every", "1")
     saved = tmp_path / "pp" / "checkpoint-1"
@@ -154,20 +141,13 @@ def test_two_gpu_pipelines_of_two_stages_train_as_one_process_accumulating(gpu_c
     launch with --zero 1 (each bucket's optimizer state on its owner, its weights
     broadcast over NCCL) as the one process continues."""
     data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     args = (*ARGS, "--batch", "1")  # one row a micro-batch (click keeps the last)
 
     def launch(*more):
-        return _rows(subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-             "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data,
-             *args, "--device", "cuda", "--pp", "2", "--microbatches", "2", *more],
-            capture_output=True, text=True, env=env, timeout=600))
+        return _pipeline(4, *data, *args, "--pp", "2", "--microbatches", "2", *more)
 
     pipeline = launch("--save", str(tmp_path / "pp"), "--save-every", "2")
-    one = _rows(subprocess.run(
-        [sys.executable, "-m", "modulec", "train", LLAMA, *data, *args, "--device", "cpu",
-         "--grad-accum", "4"], capture_output=True, text=True, env=env, timeout=600))
+    one = _one(*data, *args, "--device", "cpu", "--grad-accum", "4")
     got = [r["loss"] for r in pipeline if r["event"] == "step"]
     want = [r["loss"] for r in one if r["event"] == "step"]
     assert len(got) == 3 and got == pytest.approx(want, rel=BF16)
@@ -192,20 +172,12 @@ def test_pp2_tp2_on_four_gpus_trains_as_one_process_accumulating(gpu_ckpt, tmp_p
     consolidated checkpoint (the slices joined) resumes on one CPU process as that process
     continues (mirrors tests/test_pipeline_tp.py's gloo run)."""
     data = ("--data", str(gpu_ckpt / "tokens.bin"), "--hf-weights", str(gpu_ckpt / "hf"))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     args = (*ARGS, "--batch", "1")  # one row a micro-batch (click keeps the last)
-    pipeline = _rows(subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--master-port", str(free_port()), "-m", "modulec", "train", LLAMA, *data, *args,
-         "--device", "cuda", "--pp", "2", "--tp", "2", "--microbatches", "2",
-         "--save", str(tmp_path / "tpp"), "--save-every", "2"],
-        capture_output=True, text=True, env=env, timeout=600))
+    pipeline = _pipeline(4, *data, *args, "--pp", "2", "--tp", "2", "--microbatches", "2",
+                         "--save", str(tmp_path / "tpp"), "--save-every", "2")
 
     def one(*more, start=data):
-        return _rows(subprocess.run(
-            [sys.executable, "-m", "modulec", "train", LLAMA, *start, *args, "--device",
-             "cpu", "--grad-accum", "2", *more], capture_output=True, text=True, env=env,
-            timeout=600))
+        return _one(*start, *args, "--device", "cpu", "--grad-accum", "2", *more)
 
     done = next(r for r in pipeline if r["event"] == "done")
     assert done["memory"] == "GPU"
