@@ -67,14 +67,19 @@ class Assumptions:
         return symbols
 
     def _draw(self, symbols: list[str], divisions: tuple) -> list[dict[str, int]]:
+        """Samples where no two symbols share a value first: a coincidence (`B` and
+        `tied_to` both drawn 56) made two free dims "maybe equal", so whether `[A, d] +
+        [B, d]` was refused (E004) depended on the names' spelling. Samples with a shared
+        value fill in only where the facts leave too few without (`a == b`)."""
         rng = random.Random(" ".join(symbols))
         found: list[dict[str, int]] = []
+        coincident: list[dict[str, int]] = []
         for env in itertools.islice(self._candidates(symbols, rng), TRIES):
             if self._holds(env) and all(_exact(term, env) for term in divisions):
-                found.append(env)
+                (found if len(set(env.values())) == len(env) else coincident).append(env)
                 if len(found) == SAMPLES:
                     break
-        return found
+        return found + coincident[:SAMPLES - len(found)]
 
     def _candidates(self, symbols, rng):
         while True:
