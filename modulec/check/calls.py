@@ -228,7 +228,12 @@ def _call_primitive(ctx, rule: OpRule, consts, inputs, expr, backward: bool) -> 
     try:
         params = bind_params(rule, *values)
     except BindError as exc:
-        world.error("E003", exc.message, exc.span or expr.span, help=list(exc.help))
+        if exc.by_value and world.quiet:  # a value from a caller (check_children)
+            world.error_unmuted("E003", exc.message, exc.span or expr.span,
+                                help=list(exc.help),
+                                notes=[f"in {ctx.instance.describe()}"])
+        else:
+            world.error("E003", exc.message, exc.span or expr.span, help=list(exc.help))
         return None
     phase = rule.definition.backward if backward else rule.definition.forward
     label = f"{rule.name}_backward" if backward else rule.name

@@ -46,10 +46,30 @@ def check_program(program: A.Program, names: Names | None = None,
 
                 check_tree(instance)
                 check_weights(instance)
+            elif decl.kind != "model":
+                check_children(instance)
             check_verify_sizes(world, decl)  # after: an error at its own sizes says so
             if checked is not None:
                 checked.append(instance)
     return world.diagnostics
+
+
+def check_children(instance: Instance) -> None:
+    """A module's or block's submodules at the values it gives them, its own parameters
+    left symbolic: a callee's graph was checked only at its own declaration, so a value
+    it cannot take (`LayerNormParams(d, eps)` with `eps: float = -1` in the block)
+    checked clean and the block did not build at any size (a gentle fuzz run). Quietly:
+    at symbolic sizes much is unknown (`head_dim == None`), so only the errors that no
+    caller's sizes can mend are reported (`World.error_unmuted`: a value an op cannot
+    take, a size no tensor can have)."""
+    seen = {id(instance)}
+    children = [v.instance for v in instance.params.values() if isinstance(v, (Submodule, Stack))]
+    instance.world.quiet += 1
+    try:
+        for child in children + instance.inline_calls:
+            check_tree(child, seen)
+    finally:
+        instance.world.quiet -= 1
 
 
 def check_tree(instance: Instance, seen: set | None = None) -> None:

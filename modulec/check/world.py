@@ -114,7 +114,8 @@ class World:
         quiet it names the instance whose sizes it was found at (`in Outer(d=4)`: its
         values come from a caller)."""
         notes = [f"in {self.instantiating[-1].describe()}"] \
-            if self.quiet and self.instantiating else []
+            if self.quiet and self.instantiating and "notes" not in more else []
+        notes += more.pop("notes", [])
         quiet, self.quiet = self.quiet, 0
         try:
             self.error(code, message, span, label, notes=notes, **more)

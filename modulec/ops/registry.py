@@ -183,9 +183,11 @@ def _default(expr):
 class BindError(Exception):
     """A call's arguments do not fit the primitive's parameters (E003)."""
 
-    def __init__(self, message: str, span=None, help: tuple[str, ...] = ()):
+    def __init__(self, message: str, span=None, help: tuple[str, ...] = (),
+                 by_value: bool = False):
         super().__init__(message)
         self.message, self.span, self.help = message, span, help
+        self.by_value = by_value  # a value of the right kind that no call may give
 
 
 def bind_params(rule: OpRule, positional: list[tuple[object, object]],
@@ -240,10 +242,10 @@ def _checked(rule: OpRule, spec: ParamSpec, value, span):
         raise BindError(f"parameter `{spec.name}` of `{rule.name}` must be {wanted}", span, helps)
     if spec.kind in ("float", "floats") and not all(map(_finite, _numbers(value))):
         raise BindError(f"parameter `{spec.name}` of `{rule.name}` is {_shown(value)}: it "
-                        "must be a finite number (a 64-bit float)", span)
+                        "must be a finite number (a 64-bit float)", span, by_value=True)
     if spec.name in NOT_NEGATIVE and spec.kind == "float" and _below_zero(value):
         raise BindError(f"parameter `{spec.name}` of `{rule.name}` is {_shown(value)}: "
-                        f"{NOT_NEGATIVE[spec.name]}", span)
+                        f"{NOT_NEGATIVE[spec.name]}", span, by_value=True)
     return value
 
 
