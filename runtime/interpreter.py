@@ -218,7 +218,11 @@ class Interpreter:
             self.arena.enter(frame, parent, node, remaining)
 
     def _sink(self, source: tuple, child: Frame) -> None:
-        """Remember where each argument of `child` came from (runtime.decisions)."""
+        """Remember where each argument of `child` came from (runtime.decisions). Only
+        recompute / swap decisions read it: without them nothing is kept (each record
+        holds its run's frame, and a run that never calls `forward` would hold them all)."""
+        if self.decisions is None:
+            return
         owner, values = source
         for argument, value in zip(child.function.inputs, values):
             if value:
@@ -348,6 +352,15 @@ class Interpreter:
         if exact and attrs.get("dtype") in FLOAT_NAMES:
             attrs["dtype"] = exact
         return attrs
+
+    def float_dtype(self, declared: str) -> torch.dtype:
+        """The dtype this run makes a float the IR declares `declared`: in an exact mode
+        (float64 / float32) that dtype for every float (`_attrs`), else as declared."""
+        from runtime.kernels.utility import TORCH_DTYPES
+
+        if self.dtype in EXACT_DTYPES:
+            return self.dtype
+        return TORCH_DTYPES.get(declared, self.dtype)
 
     def _backward_context(self, kernel, node: Node, inputs: list, attrs: dict, forward,
                           frame_function: Function):

@@ -95,11 +95,10 @@ def test_torchrun_lora_with_tp_trains_and_saves_as_one_gpu(launch, tmp_path):
     assert moved[1].norm() > 0 and cos > 0.9, cos
 
 
+@needs_gpus(4)
 def test_torchrun_lora_with_dp_and_tp_is_refused_on_gpus(tmp_path):
     """DP 2 x TP 2 with --lora on four GPUs: every rank exits 1 (a user error, no
     traceback, not modulec's internal-error 101) with the refusal and its way out."""
-    if torch.cuda.device_count() < 4:
-        pytest.skip("needs 4 GPUs")
     done = _launch(_torchrun(4), _args(tmp_path / "train.bin") + DP_TP, tmp_path / "tp")
     assert done.returncode != 0
     assert "--lora with --tp under data parallel is not supported on the GPU yet" in \

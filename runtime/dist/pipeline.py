@@ -50,8 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime.errors import RuntimeUserError
-from runtime.interpreter import EXACT_DTYPES, Frame, Interpreter
-from runtime.kernels.utility import TORCH_DTYPES
+from runtime.interpreter import Frame, Interpreter
 from runtime.kernels.documents import packed
 
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
@@ -227,14 +226,15 @@ class StageRunner:
     """Runs one stage's forwards and backwards per micro-batch and its op list."""
 
     def __init__(self, graph, section: dict, stage: int, interpreter: Interpreter,
-                 device: str, dtype: torch.dtype, mesh=None):
-        """`mesh`: runtime.dist.mesh.PipelineMesh (its groups, the global rank of a stage of
-        this rank's pipeline); None: one pipeline on the default group."""
-        self.graph, self.it, self.device, self.dtype = graph, interpreter, device, dtype
-        # the dtype a step's parameter gradients are summed and bucketed in, and the fp32
-        # masters the interpreter's compute copies are made from (runtime/train/
-        # pipeline_precision.py: mixed precision on the GPU; else the dtype, no masters)
-        self.grad_dtype, self.masters = dtype, {}
+                 device: str, precision, mesh=None):
+        """`precision`: runtime.train.pipeline_precision.StagePrecision (the compute dtype,
+        the dtype a step's gradients are summed and bucketed in, the fp32 masters the
+        interpreter's compute copies are made from); `mesh`: runtime.dist.mesh.PipelineMesh
+        (its groups, the global rank of a stage of this rank's pipeline); None: one
+        pipeline on the default group."""
+        self.graph, self.it, self.device = graph, interpreter, device
+        self.precision, self.dtype, self.grad_dtype = precision, precision.compute, \
+            precision.grads
         self.mesh = mesh
         self.plan = plan = StagePlan.read(section, stage)
         self.entry = graph.function(graph.entry)
@@ -381,7 +381,7 @@ class StageRunner:
         """A bucket's weights from the replica that stepped them (its owner, a data-
         parallel index) to the stage's DP group, flat at the section's offsets (the fp32
         masters where the stage has them, its compute copies made from them after)."""
-        params = self.it.params | self.masters
+        params = self.precision.weights(self.it.params)
         flat = torch.cat([params[row["path"]].detach().reshape(-1)
                           for row in bucket["params"]])
         dist.broadcast(flat, src=self.mesh.replica_rank(root),
@@ -390,8 +390,7 @@ class StageRunner:
             for row in bucket["params"]:
                 part = flat[row["offset"]:row["offset"] + row["numel"]]
                 params[row["path"]].copy_(part.view(row["shape"]))
-                if row["path"] in self.masters:
-                    self.it.params[row["path"]].copy_(self.masters[row["path"]])
+        self.precision.refresh(self.it.params, [row["path"] for row in bucket["params"]])
 
     def _buffers(self, what: str) -> list[Tensor]:
         """Receive buffers for the section's tensors of `what`, in its order and shapes."""
@@ -401,16 +400,11 @@ class StageRunner:
                 for spec in tensors]
 
     def _wire_dtype(self, spec: dict) -> torch.dtype:
-        """The dtype boundary tensor `spec` (and its gradient) has on both sides, by the
-        interpreter's own rule: in an exact mode (float64 / float32) every float is
-        made in that dtype; otherwise (bf16 stages) as the IR declares it, so the MoE
-        router statistics' fp32 sums cross as fp32."""
+        """The dtype boundary tensor `spec` (and its gradient) has on both sides: the one
+        the interpreter makes it in (bf16 stages: the MoE router statistics' fp32 sums
+        cross as fp32)."""
         name = spec["dtype"]
-        if name in INT_DTYPES:
-            return INT_DTYPES[name]
-        if self.dtype in EXACT_DTYPES:
-            return self.dtype
-        return TORCH_DTYPES.get(name, self.dtype)
+        return INT_DTYPES[name] if name in INT_DTYPES else self.it.float_dtype(name)
 
     # ------------------------------------------------------------------ forward
     def forward(self, m: int, inputs: dict, received: list,
@@ -421,10 +415,6 @@ class StageRunner:
         seeded = train and self.seed_of is not None
         self.it.rng_seed = self.seed_of(m) if seeded else None
         frame = Frame(self.entry, "", ())
-        # as Interpreter.forward starts each run: its record of the callees' argument
-        # sources (for recompute decisions, which stages do not run) would otherwise keep
-        # every micro-batch's layer frames, saved activations and all, alive for good
-        self.it._runs, self.it._sinks = {}, {}
         frame.env.update(inputs)
         frame.env.update({t["value"]: v for t, v in zip(self.plan.incoming, received)})
         for node in self.entry.nodes:

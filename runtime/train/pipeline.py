@@ -48,7 +48,8 @@ from runtime.model import Model
 from runtime.train.backends import owned_paths
 from runtime.train.optim import AdamW
 from runtime.train.pipeline_graph import WARMUP, PipelineGraph, capturable
-from runtime.train.pipeline_precision import DeviceAdamW, StagePrecision, load_moments
+from runtime.train.pipeline_precision import (DeviceAdamW, StagePrecision, convert_shared,
+                                              load_moments)
 from runtime.train.param_groups import (clip_coefficient, clip_gradient, frozen_parameters,
                                         hyperparameters, lr_scale)
 
@@ -184,7 +185,7 @@ class PipelineTrainer:
         self.names = [p for p in owned_paths(model) if p in own]
         for path in [p for p in model.params if p not in own]:
             del model.params[path]  # another stage's
-        _to_device(model.params, device)
+        convert_shared(model.params, lambda value: value.to(device))
         # a shared parameter's gradient is summed over its stages: the norm counts it once
         self.counted_elsewhere = {e["param"] for e in shared if e["stages"][0] != self.stage}
         self.frozen = frozen_parameters(program)
@@ -197,8 +198,7 @@ class PipelineTrainer:
                                   kernels=precision.kernels(),
                                   keep_only_saved=precision.mixed)
         self.runner = StageRunner(program.graph, section, self.stage, interpreter, device,
-                                  precision.compute, mesh)
-        self.runner.grad_dtype, self.runner.masters = precision.grads, precision.masters
+                                  precision, mesh)
         # mixed: the rate and the step count on the device, which a captured step reads
         self.device_adamw = DeviceAdamW(adamw, device) if precision.mixed else None
         self.eager_because = capturable(self) if graph else "asked for (graph=False)"
@@ -440,16 +440,6 @@ class PipelineTrainer:
             return {"peak_bytes": torch.cuda.max_memory_allocated(), "what": "GPU"}
         return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "what": "host RSS"}
-
-
-def _to_device(params: dict, device: str) -> None:
-    """Every parameter on `device`, a tensor two paths share (a tied one and its target)
-    moved once and still shared."""
-    moved: dict = {}
-    for path, value in params.items():
-        if id(value) not in moved:
-            moved[id(value)] = value.to(device)
-        params[path] = moved[id(value)]
 
 
 def summed_shared(section: dict) -> dict[int, list[int]]:

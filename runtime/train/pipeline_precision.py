@@ -85,11 +85,8 @@ class StagePrecision:
         self.masters = {p: params[p].detach().to(MASTER, copy=True) for p in trained}
         self.frozen = {p: params[p].detach().to("cpu", MASTER, copy=True) for p in frozen
                        if params[p].is_floating_point()}
-        copies: dict[int, Tensor] = {}
-        for path, value in params.items():
-            if value.is_floating_point() and id(value) not in copies:
-                copies[id(value)] = value.detach().to(self.compute)
-            params[path] = copies.get(id(value), value)
+        convert_shared(params, lambda value: value.detach().to(self.compute)
+                       if value.is_floating_point() else value)
 
     def weights(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """What the optimizer steps and a checkpoint holds, by path: the masters, the
@@ -116,6 +113,16 @@ class StagePrecision:
         if kept is not None:
             kept.copy_(value)
         params[path].copy_(kept if kept is not None else value)
+
+
+def convert_shared(params: dict[str, Tensor], convert) -> None:
+    """Every parameter replaced by `convert(it)`, a tensor two paths share (a tied one and
+    its target) converted once and still shared."""
+    done: dict[int, Tensor] = {}
+    for path, value in params.items():
+        if id(value) not in done:
+            done[id(value)] = convert(value)
+        params[path] = done[id(value)]
 
 
 class OnDevice:
