@@ -75,6 +75,14 @@ class _Steps:
             return function(*args, **kwargs)
         return wrapped
 
+    def halfway(self, write):
+        """A streamed file's write, killable once: halfway through its tensors."""
+        def wrapped(file, name, tensor):
+            if len(file.left) == (len(file.specs) + 1) // 2:
+                self.hit()
+            return write(file, name, tensor)
+        return wrapped
+
     def save_file(self, tensors, path, metadata=None):
         """safetensors' save_file, killable before, halfway through and after the bytes."""
         from safetensors.torch import save
@@ -91,13 +99,13 @@ class _Steps:
 def _patch(steps: _Steps) -> None:
     import safetensors.torch
 
-    import runtime.hf_weights.export as export
+    import runtime.hf_weights.stream as stream
 
     for module, name in ((os, "replace"), (os, "fsync"), (os, "chmod"), (shutil, "rmtree"),
                          (tempfile, "mkdtemp")):
         setattr(module, name, steps.wrap(getattr(module, name)))
     safetensors.torch.save_file = steps.save_file
-    export.save_file = steps.save_file
+    stream.StreamFile.write = steps.halfway(stream.StreamFile.write)
 
 
 def _in_child(work, kill_at: int, count_file=None) -> int:

@@ -112,7 +112,7 @@ def test_saved_checkpoint_loads_in_transformers_with_our_logits(ckpt, tmp_path):
 
 
 def test_a_failed_save_leaves_no_checkpoint(ckpt, tmp_path, monkeypatch):
-    import runtime.train.checkpoint as checkpoint
+    from runtime.hf_weights.stream import StreamFile
 
     events(train(ckpt, "--steps", "2", "--save", tmp_path / "s"))
     before = _tensors(tmp_path / "s" / "checkpoint-2")
@@ -120,7 +120,7 @@ def test_a_failed_save_leaves_no_checkpoint(ckpt, tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "write_optimizer", disk_full)
+    monkeypatch.setattr(StreamFile, "write", disk_full)  # mid-file, tensor by tensor
     result = train(ckpt, "--steps", "4", "--resume", tmp_path / "s", "--save", tmp_path / "s",
                    weights=False)
     assert result.exit_code == 1 and "No space left on device" in result.output

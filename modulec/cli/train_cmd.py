@@ -128,6 +128,12 @@ def _options(command):
         click.option("--save-dtype", type=click.Choice(SAVE_DTYPES), default="auto",
                      show_default=True,
                      help="model.safetensors dtype (auto: the source config's)."),
+        click.option("--max-shard-size", "max_shard_text", default="5GB", show_default=True,
+                     metavar="SIZE",
+                     help="Above SIZE of weights a checkpoint holds HF's sharded form "
+                          "(model-0000i-of-0000N.safetensors and "
+                          "model.safetensors.index.json), as save_pretrained's "
+                          "max_shard_size."),
         click.option("--resume", type=click.Path(path_type=Path), metavar="DIR",
                      help="Continue from a checkpoint (or a --save folder's latest)."),
         click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda",
@@ -197,7 +203,7 @@ def train_command(guarded):
     @_options
     @guarded
     def train(file, budget, settings, lora_text, fp8_scaling, fp8_gradient, fp8_history,
-              **options):
+              max_shard_text, **options):
         """Train FILE's language model on a token file (next-token cross-entropy, AdamW)."""
         from modulec.cli.build_cmd import _lora, pairs
         from modulec.cli.plan_cmd import _budget
@@ -207,11 +213,19 @@ def train_command(guarded):
         overrides = fp8_overrides(options["precision"], fp8_scaling, fp8_gradient,
                                   fp8_history)  # the std recipe's, for the build
         request = dict(options, file=file, memory_budget=_budget(budget),
+                       max_shard_size=_shard_size(max_shard_text),
                        settings=pairs(settings, "--set", False), lora=_lora(lora_text),
                        precision_overrides=overrides)
         return _run(request)
 
     return train
+
+
+def _shard_size(text: str) -> int:
+    from modulec.cli.build_cmd import parsed_option
+    from modulec.plan.budget import parse_size
+
+    return parsed_option(text, parse_size, "--max-shard-size")
 
 
 def _run(request: dict) -> int:

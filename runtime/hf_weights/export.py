@@ -10,17 +10,15 @@ parameter's gradient is added to its target's (one checkpoint tensor, two uses).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from runtime.hf_weights.checkpoint import SINGLE
 from runtime.hf_weights.errors import (SHOWN, WeightLoadError, did_you_mean, listing,
                                        shape_text)
 from runtime.hf_weights.schema import Item, expand, fits, transform_of
+from runtime.hf_weights.stream import (MAX_SHARD_SIZE, Spec, StreamCheckpoint,
+                                        atomic_text)
 
 
 def export_hf_tensors(schema: list[dict], tensors: dict[str, torch.Tensor], *,
@@ -51,42 +49,84 @@ def export_hf_tensors(schema: list[dict], tensors: dict[str, torch.Tensor], *,
 
 def save_hf_weights(schema: list[dict], tensors: dict[str, torch.Tensor], directory,
                     config: dict | None = None, *, dtype: torch.dtype | None = None,
-                    layout: dict[str, list[int]] | None = None) -> Path:
-    """Export the parameters and write `directory/model.safetensors` (cast to `dtype` when
-    given) and, with `config`, `config.json`; each file is written whole to a temporary
-    file and renamed into place, so a crash never leaves half a checkpoint. Returns the
-    safetensors path."""
-    exported = export_hf_tensors(schema, tensors, layout=layout)
+                    layout: dict[str, list[int]] | None = None,
+                    max_shard_size: int = MAX_SHARD_SIZE) -> Path:
+    """Export the parameters and write `directory/model.safetensors` (above
+    `max_shard_size` bytes, HF's shards and index: runtime.hf_weights.stream), cast to
+    `dtype` when given, and, with `config`, `config.json`; each file goes through a
+    temporary file renamed into place, so a crash never leaves half a checkpoint. The
+    tensors are converted and written one at a time. Returns the (first) safetensors
+    path."""
+    shapes = {p: tuple(t.shape) for p, t in tensors.items()}
+    layout = {**getattr(tensors, "layout", {}), **(layout or {})}
+    plan = StreamExport(schema, shapes, layout,
+                        dtype or {p: t.dtype for p, t in tensors.items()})
+    plan.check_tied(tensors)
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
-    ready = {name: _own(t.detach().to(dtype=dtype or t.dtype, device="cpu"))
-             for name, t in exported.items()}
-    path = directory / SINGLE
-    _atomic(path, lambda tmp: save_file(ready, tmp, metadata={"format": "pt"}))
-    if config is not None:
-        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-        _atomic(directory / "config.json", lambda tmp: Path(tmp).write_text(text, "utf-8"))
-    return path
-
-
-def _own(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor with storage of its own: safetensors refuses views that share
-    memory (the parts of a split fused weight do)."""
-    tensor = tensor.contiguous()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
-
-
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    out = StreamCheckpoint(directory, plan.specs, max_shard_size)
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in plan.paths:
+            for name, tensor in plan.convert(path, tensors[path]):
+                out.write(name, tensor)
+        written = out.close()
+    except BaseException:
+        out.abort()
+        raise
+    if config is not None:
+        write_config(directory, config)
+    return written
+
+
+def write_config(directory: Path, config: dict) -> None:
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    atomic_text(Path(directory) / "config.json", text)
+
+
+class StreamExport:
+    """The checkpoint's tensors of parameters given by shape alone (`shapes`, path ->
+    shape): their names, shapes and `dtype` in schema order (`specs`, for the header of
+    a streamed file), checked as export_hf_tensors checks; then `convert(path, value)`
+    gives one parameter's tensors, cast to `dtype` (or a dict: each path's), as
+    export_hf_tensors would."""
+
+    def __init__(self, schema: list[dict], shapes: dict, layout: dict | None,
+                 dtype: torch.dtype | dict):
+        items = expand(schema)
+        self.dtype, self.export = dtype, _Export(items, False, layout or {}, {})
+        tied = self.export.items
+        metas = self.export.prepare({p: torch.empty(s, device="meta")  # ties: check_tied
+                                     for p, s in shapes.items()
+                                     if p not in tied or tied[p].kind != "tied"})
+        self.paths, self.specs, names = [], [], set()
+        for item in items:
+            if item.kind == "tied" or item.path not in metas:
+                continue
+            self.paths.append(item.path)
+            for name, meta in self.export.item(item, metas[item.path]):
+                if name in names:
+                    self.export.problem("tied", f"`{item.path}` exports `{name}` again")
+                names.add(name)
+                self.specs.append(Spec(name, tuple(meta.shape), self.dtype_of(item.path)))
+        self.export.report()
+
+    def check_tied(self, tensors: dict) -> None:
+        """Tied parameters given with the others must equal their targets (as
+        export_hf_tensors checks)."""
+        for path, item in self.export.items.items():
+            if item.kind == "tied" and path in tensors:
+                self.export.tied(tensors, item)
+        self.export.report()
+
+    def convert(self, path: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        item = self.export.items[path]
+        pairs = self.export.item(item, value.detach())
+        self.export.report()
+        dtype = self.dtype_of(path)
+        return [(name, t.to(dtype=dtype, device="cpu").contiguous()) for name, t in pairs]
+
+    def dtype_of(self, path: str) -> torch.dtype:
+        return self.dtype[path] if isinstance(self.dtype, dict) else self.dtype
 
 
 # ====================================================================== the export

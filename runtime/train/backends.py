@@ -122,6 +122,13 @@ class CPUTrainer:
                 "exp_avg": self.adamw.exp_avg, "exp_avg_sq": self.adamw.exp_avg_sq,
                 "step": self.adamw.step} | ({"fp8": fp8.state_dict()} if fp8 else {})
 
+    def checkpoint_source(self, moments: bool = True):
+        """What a checkpoint's consolidated files are written from (runtime/train/
+        consolidated.py): the state, held here whole."""
+        from runtime.train.consolidated import LocalSource
+
+        return LocalSource(self.state(), moments)
+
     def load_state(self, state: dict) -> None:
         with torch.no_grad():
             for path in self.names:
@@ -235,6 +242,21 @@ class CUDATrainer:
         return {"masters": ChainMap(s.masters.on("cpu"), self.frozen), "exp_avg": s.exp_avg,
                 "exp_avg_sq": s.exp_avg_sq, "step": int(s.step_count.item())} | \
             ({"fp8": s.fp8.state_dict()} if s.fp8 is not None else {})  # amax histories
+
+    def checkpoint_source(self, moments: bool = True):
+        """What a checkpoint's consolidated files are written from (runtime/train/
+        consolidated.py): under data parallel the ZeRO buckets gathered one at a time (a
+        collective: every rank runs it), else the masters joined on the host one at a
+        time from their halves."""
+        from runtime.train.consolidated import LocalSource, ZeroSource
+
+        s = self.step
+        if s.zero is not None:
+            return ZeroSource(s.zero, moments, keeps_gathered(s), self.frozen,
+                              int(s.step_count.item()))
+        state = self.state()
+        return LocalSource(state, moments, shapes=s.shapes() | {
+            p: t.shape for p, t in self.frozen.items()})
 
     def _gathered_state(self, moments: bool = True) -> dict:
         """Data parallel: the whole state, gathered shard by shard onto the host (a

@@ -1,5 +1,6 @@
 """Training checkpoints: `SAVE/checkpoint-<step>/`, each a HuggingFace checkpoint
-directory (`model.safetensors`, `config.json`) plus what resuming needs:
+directory (`model.safetensors`, or above --max-shard-size HF's `model-0000i-of-0000N.
+safetensors` + `model.safetensors.index.json`; `config.json`) plus what resuming needs:
 
 - `optimizer.safetensors`: fp32 `master.<path>`, `exp_avg.<path>`, `exp_avg_sq.<path>` by
   parameter path (tied parameters: their owner only), the optimizer step in the metadata;
@@ -9,6 +10,9 @@ directory (`model.safetensors`, `config.json`) plus what resuming needs:
   own shard (`shard-rank<r>.safetensors` + `.json`, runtime.train.shards; a pipeline's,
   runtime.train.pipeline_shards), written into the same temporary folder before it is
   published.
+
+Rank 0 writes the consolidated files tensor by tensor as the parameters are gathered
+(runtime/train/consolidated.py): its host memory holds one bucket or tensor at a time.
 
 A checkpoint is written into a temporary folder next to it (`.checkpoint-<step>.*.tmp`),
 each file through a temp file + os.replace and fsynced, then the folder is renamed into
@@ -30,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from modulec.lower.lora import is_adapter
 from runtime.errors import RuntimeUserError
+from runtime.hf_weights.export import write_config
+from runtime.hf_weights.stream import MAX_SHARD_SIZE, StreamFile
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -40,16 +45,23 @@ FORMAT = "modulec-train/1"
 PARTS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: dict,
+def save_checkpoint(root, source, trainer: dict, *, schema: list, layout: dict,
                     config: dict | None, dtype: torch.dtype, adapters=None,
-                    shards=None) -> Path:
-    """Write checkpoint-<step> under `root` from the trainer's `state` (masters, exp_avg,
-    exp_avg_sq, step) and `trainer` (the JSON state); returns its folder. `adapters` (a
-    LoRA model): its adapters go to PEFT's adapter files beside the (frozen) base.
+                    shards=None, optimizer: bool = True,
+                    max_shard_size: int = MAX_SHARD_SIZE, opener=None) -> Path:
+    """Write checkpoint-<step> under `root` from `source` (runtime/train/consolidated.py:
+    the parameters one at a time; a state dict, masters, exp_avg, exp_avg_sq and step,
+    is read as one) and `trainer` (the JSON state); returns its folder. `optimizer`:
+    write `optimizer.safetensors` (not where the ranks' shards replace it). `adapters`
+    (a LoRA model): its adapters go to PEFT's adapter files beside the (frozen) base.
     `shards` (runtime.train.shards.ShardSave): every rank's shard is written into the
-    temporary folder before it is published, and the other ranks are told after."""
-    from runtime.hf_weights import save_hf_weights
+    temporary folder before it is published, and the other ranks are told after.
+    `max_shard_size`: above it the weights are HF's shards and index. `opener`: each
+    streamed file's writer (runtime.hf_weights.stream.StreamFile; a test's probe)."""
+    from runtime.train.consolidated import LocalSource, write_consolidated
 
+    if isinstance(source, dict):
+        source = LocalSource(source, optimizer)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     recover(root)
@@ -58,16 +70,17 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
     try:
         if shards is not None:
             shards.leader(temp)
-        masters = {p: t.detach().float().cpu() for p, t in state["masters"].items()}
-        base = {p: t for p, t in masters.items() if not is_adapter(p)}
-        save_hf_weights(schema, base, temp, config, dtype=dtype, layout=layout)
+        adapter_masters = write_consolidated(
+            source, temp, schema=schema, layout=layout, dtype=dtype,
+            optimizer=OPTIMIZER if optimizer else None, optimizer_format=FORMAT,
+            max_shard_size=max_shard_size, opener=opener or StreamFile)
+        if config is not None:
+            write_config(temp, config)
         if adapters is not None:
             from runtime.lora import save_lora
 
-            # the state's: a tensor-parallel run's are its ranks' slices joined
-            save_lora(adapters, temp, dict(state["masters"]))
-        if shards is None or not shards.replaces_optimizer:
-            write_optimizer(temp / OPTIMIZER, state, masters)
+            # whole: a tensor-parallel run's are its ranks' slices joined
+            save_lora(adapters, temp, adapter_masters)
         files = {f.name: f.stat().st_size for f in sorted(temp.iterdir())}
         text = json.dumps(trainer | {"format": FORMAT, "files": files}, indent=2) + "\n"
         atomic_write(temp / STATE, lambda tmp: Path(tmp).write_text(text, "utf-8"))
@@ -80,18 +93,6 @@ def save_checkpoint(root, state: dict, trainer: dict, *, schema: list, layout: d
         if temp.exists():
             shutil.rmtree(temp, ignore_errors=True)
     return final
-
-
-def write_optimizer(path: Path, state: dict, masters: dict) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {f"master.{p}": t for p, t in masters.items()}
-    for part in PARTS[1:]:
-        tensors |= {f"{part}.{p}": t.detach().float().cpu().contiguous()
-                    for p, t in state[part].items()}
-    tensors |= {f"fp8.{key}": t for key, t in state.get("fp8", {}).items()}  # runtime.fp8
-    metadata = {"step": str(int(state["step"])), "format": FORMAT}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def find_checkpoint(path) -> Path:

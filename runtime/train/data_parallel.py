@@ -75,6 +75,7 @@ class CPUDataParallelTrainer(CPUTrainer):
         with_distributed(model, parallel.options())
         super().__init__(model, batch, seq, adamw, accumulation, packing)
         self.context = context = parallel.context
+        self.dp_rank = parallel.dp_rank
         parallel.use_tensor_parallel_group()
         program = program_of(model, batch, seq)
         context.same_program(program.document)
@@ -157,6 +158,15 @@ class CPUDataParallelTrainer(CPUTrainer):
                 masters[path] = self.model.params[path]
         return {"masters": masters, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
                 "step": self.adamw.step}
+
+    def checkpoint_source(self, moments: bool = True):
+        """The ZeRO buckets gathered one at a time for a checkpoint's consolidated files
+        (a collective: every rank runs it; data-parallel rank 0, with its TP partners,
+        keeps them), then the parameters in no bucket (frozen)."""
+        from runtime.train.consolidated import ZeroSource
+
+        others = {p: self.model.params[p] for p in self.names if p not in self.zero.paths}
+        return ZeroSource(self.zero, moments, self.dp_rank == 0, others, self.adamw.step)
 
     def load_state(self, state: dict) -> None:
         masters = {p: state["masters"][p] for p in self.zero.paths}

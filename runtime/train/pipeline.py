@@ -366,15 +366,9 @@ class PipelineTrainer:
         """The whole state, every stage's joined (a collective in the first pipeline: each
         rank's goes through the host to each of its ranks, pickled; see docs/pipeline.md
         "Checkpoints"). The other pipelines' replicas hold the same state, and rank 0
-        writes it: they return the step alone. `moments=False` (a save beside the
-        per-rank shards, which hold the moments): the masters alone, without --tp sent
-        as tensors to rank 0 only (the others return none; runtime/train/
-        pipeline_shards.py)."""
-        if not moments and self.mesh.tp == 1:
-            from runtime.train.pipeline_shards import gathered_masters
-
-            return {"masters": gathered_masters(self), "exp_avg": {}, "exp_avg_sq": {},
-                    "step": self.adamw.step}
+        writes it: they return the step alone. `moments=False`: the masters alone. (A
+        checkpoint does not take this whole state: runtime/train/pipeline_shards.py's
+        PipelineSource streams the masters to rank 0 one at a time.)"""
         mine = {part: {p: t.detach().cpu() for p, t in values.items()}
                 for part, values in self.stage_state().items()
                 if part != "step" and (moments or part == "masters")}
@@ -393,6 +387,15 @@ class PipelineTrainer:
         dist.all_gather_object(stages, mine, group=self.mesh.pp_group)
         joined = {part: {p: t for s in stages for p, t in s[part].items()} for part in mine}
         return {"exp_avg": {}, "exp_avg_sq": {}} | joined | {"step": self.adamw.step}
+
+    def checkpoint_source(self, moments: bool = False):
+        """Every stage's masters streamed to rank 0 for `model.safetensors`
+        (runtime/train/pipeline_shards.py); the shards hold the optimizer state."""
+        from runtime.train.pipeline_shards import PipelineSource
+
+        if moments:  # the shards replace optimizer.safetensors (shards.replaces_optimizer)
+            raise ValueError("a pipeline's checkpoint streams the masters alone")
+        return PipelineSource(self)
 
     def shard_state(self) -> dict:
         """What this rank's shard keeps (runtime/train/pipeline_shards.py)."""

@@ -11,9 +11,11 @@ one replica only (`keeper`): under the section's ZeRO-1 the replica that owns it
 (which alone holds its moments), else replica 0. A resume on the same layout reads each
 rank's own shard and hands each path from its keeper to the stage's other replicas (a
 broadcast of tensors over the data-parallel group, in path order), the values copied into
-the tensors the trainer holds. Without --tp the shards hold the whole optimizer state, so
-the consolidated `optimizer.safetensors` is not written (`joined_state` reads a resume on
-another layout from the shards: each path from its keeper's file)."""
+the tensors the trainer holds. The shards hold the whole optimizer state, so the
+consolidated `optimizer.safetensors` is not written (`joined_state` reads a resume on
+another layout from the shards: each path from its keeper's file, under --tp its TP
+ranks' slices joined by the `sharded` table of the index); rank 0 writes
+`model.safetensors` from the masters streamed to it (`PipelineSource`)."""
 
 from __future__ import annotations
 
@@ -119,43 +121,112 @@ def _handed(trainer, value: Tensor | None, like: Tensor, keeper: int) -> Tensor:
 
 def joined_state(folder: Path, indexes: list[dict]) -> dict:
     """The consolidated optimizer state (masters, exp_avg, exp_avg_sq by path, step) from
-    every pipeline rank's shard (without --tp: each path's whole tensor is in its keeper's
-    shard; a shared parameter's stages hold equal copies)."""
-    from safetensors import safe_open
-
+    every pipeline rank's shard: each path from its keeper's shard, under --tp the slices
+    of the keeper's TP ranks joined (the index's `sharded`); a shared parameter's stages
+    hold equal copies (the first stage's is kept)."""
     state = {part: {} for part in PARTS} | {"step": int(indexes[0]["step"])}
+    groups: dict = {}
     for index in indexes:
-        with safe_open(str(folder / index["file"]), framework="pt") as handle:
-            for key in handle.keys():
-                part, _, path = key.partition(".")
-                if part in PARTS:
-                    state[part].setdefault(path, handle.get_tensor(key).float())
+        groups.setdefault((index.get("stage", 0), index.get("dp_rank", 0)), []).append(index)
+    for key in sorted(groups):
+        _join_group(folder, sorted(groups[key], key=lambda i: i.get("tp_rank", 0)), state)
     return state
 
 
-def gathered_masters(trainer) -> dict[str, Tensor]:
-    """Every stage's masters on the first pipeline's first rank (rank 0, which writes
-    `model.safetensors`), for a save beside the shards without --tp: each stage's rank
-    sends its tensors one at a time on the trainer's device, after a small pickled
-    header (paths, shapes, dtypes); the other ranks return {}. A shared parameter's
-    copies are equal: the first stage's is kept."""
-    mesh = trainer.mesh
-    if mesh.dp_index or mesh.tp_index:  # the replicas hold the same masters
-        return {}
-    weights = trainer.precision.weights(trainer.model.params)
-    mine = {p: weights[p].detach() for p in trainer.names}
-    first = mesh.rank_of(0)
-    header = [(p, list(t.shape), str(t.dtype).removeprefix("torch.")) for p, t in mine.items()]
-    headers = [None] * mesh.pp if mesh.stage == 0 else None
-    dist.gather_object(header, headers, dst=first, group=mesh.pp_group)
-    if mesh.stage:
-        for value in mine.values():
-            dist.send(value.to(trainer.device).contiguous(), dst=first, group=mesh.pp_group)
-        return {}
-    whole = {p: t.cpu() for p, t in mine.items()}
-    for stage, rows in enumerate(headers[1:], 1):
-        for path, shape, dtype in rows:
-            buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=trainer.device)
-            dist.recv(buffer, src=mesh.rank_of(stage), group=mesh.pp_group)
-            whole.setdefault(path, buffer.cpu())
-    return whole
+def _join_group(folder: Path, ranks: list[dict], state: dict) -> None:
+    """One stage replica's TP ranks' shards (tp_rank order) into `state`."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from runtime.tensor_parallel import unshard_tensors
+
+    sharded = ranks[0].get("sharded", {})
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(folder / i["file"]), framework="pt"))
+                   for i in ranks]
+        for key in handles[0].keys():
+            part, _, path = key.partition(".")
+            if part not in PARTS or path in state[part]:
+                continue
+            value = unshard_tensors([h.get_tensor(key) for h in handles], sharded[path]) \
+                if path in sharded else handles[0].get_tensor(key)
+            state[part][path] = value.float()
+
+
+class PipelineSource:
+    """Every stage's masters for rank 0's consolidated write (runtime/train/
+    consolidated.py), beside the shards (which hold the optimizer state): the first
+    pipeline's ranks take part, the replicas hold the same masters. Under --tp each of a
+    stage's parameters is first joined over its TP group (an all_gather of the slices);
+    each stage's first TP rank sends its parameters one at a time on the trainer's device
+    to rank 0, after a small pickled header (paths, whole shapes, dtypes). A shared
+    parameter's copies are equal: the first stage's is kept."""
+
+    moments: set = frozenset()
+    extra: dict = {}
+
+    def __init__(self, trainer):
+        self.trainer, self.mesh, self.headers = trainer, trainer.mesh, None
+
+    def shapes(self) -> dict:
+        from runtime.train.consolidated import whole_shape
+
+        mesh, trainer = self.mesh, self.trainer
+        if mesh.dp_index or mesh.tp_index:
+            return {}
+        weights = trainer.precision.weights(trainer.model.params)
+        header = [(p, list(whole_shape(weights[p].shape, trainer.sharded.get(p))),
+                   str(weights[p].dtype).removeprefix("torch.")) for p in trainer.names]
+        self.headers = [None] * mesh.pp if mesh.stage == 0 else None
+        dist.gather_object(header, self.headers, dst=mesh.rank_of(0), group=mesh.pp_group)
+        if mesh.stage:
+            return {}
+        shapes = {}
+        for rows in self.headers:
+            for path, shape, _ in rows:
+                shapes.setdefault(path, tuple(shape))
+        return shapes
+
+    def entries(self):
+        mesh = self.mesh
+        if mesh.dp_index:  # the replicas hold the same masters
+            return
+        first = mesh.rank_of(0)
+        for path, value in self._own():
+            if mesh.stage:
+                dist.send(value.to(self.trainer.device).contiguous(), dst=first,
+                          group=mesh.pp_group)
+            else:
+                yield path, {"masters": value.cpu()}
+        if mesh.stage or mesh.tp_index:
+            return
+        seen = {path for path, _, _ in self.headers[0]}
+        for stage, rows in enumerate(self.headers[1:], 1):
+            for path, shape, dtype in rows:
+                buffer = torch.empty(shape, dtype=getattr(torch, dtype),
+                                     device=self.trainer.device)
+                dist.recv(buffer, src=mesh.rank_of(stage), group=mesh.pp_group)
+                if path not in seen:
+                    seen.add(path)
+                    yield path, {"masters": buffer.cpu()}
+                del buffer
+
+    def _own(self):
+        """This stage's masters, whole (joined over the TP group: every TP rank runs
+        it), on its first TP rank; the others get none."""
+        from runtime.train.consolidated import joined
+
+        trainer, mesh = self.trainer, self.mesh
+        weights = trainer.precision.weights(trainer.model.params)
+        for path in trainer.names:
+            value = weights[path].detach()
+            if path in trainer.sharded:
+                value = joined(value, trainer.sharded[path], mesh.tp_group, mesh.tp)
+            if not mesh.tp_index:
+                yield path, value
+
+    def drain(self) -> None:
+        self.shapes()
+        for _ in self.entries():
+            pass

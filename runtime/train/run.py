@@ -46,6 +46,7 @@ class Request:
     save: Path | None = None
     save_every: int | None = None
     save_dtype: str = "auto"
+    max_shard_size: int = 5_000_000_000  # bytes of weights above which HF's sharded form
     resume: Path | None = None
     device: str = "cuda"
     memory_budget: int | None = None
@@ -613,30 +614,38 @@ class Run:
 
         trainer |= saved_optimizer(r, self.schedule) | self._settings()
         shards = self._shard_save(trainer)
-        # under data parallel a collective: every rank; the masters alone when the ranks'
-        # shards hold the moments (runtime.train.shards.replaces_optimizer)
-        state = self.trainer.state(moments=False) if shards is not None and \
-            shards.replaces_optimizer else self.trainer.state()
-        if self.request.tp > 1 and self.request.pp == 1:  # the ranks' slices joined
-            # (a collective too; a pipeline's state() joins its stages' slices itself)
-            from runtime.train.data_parallel import whole_state
-
-            state = whole_state(state, self.model, self.parallel)
-        if not self.context.is_main:
+        # the moments too unless the ranks' shards hold them (shards.replaces_optimizer)
+        optimizer = shards is None or not shards.replaces_optimizer
+        source = self._checkpoint_source(optimizer)
+        if not self.context.is_main:  # the gathers rank 0 writes from: a collective
             if shards is not None:  # into rank 0's folder, before it is published
-                shards.follower()
+                shards.follower(source.drain)
+            else:
+                source.drain()
             return
         try:
-            self.saved = save_checkpoint(r.save, state, trainer,
+            self.saved = save_checkpoint(r.save, source, trainer,
                                          schema=self.schema, layout=self.layout,
                                          config=self.config, dtype=self.save_dtype,
                                          adapters=self.model if self._lora() else None,
-                                         shards=shards)
+                                         shards=shards, optimizer=optimizer,
+                                         max_shard_size=r.max_shard_size)
         except OSError as exc:
             raise RuntimeUserError(f"cannot write the checkpoint of step {step} under "
                                    f"{r.save}: {exc}",
                                    help=["no partial checkpoint was left behind"]) from None
         progress.note(f"saved {self.saved}")
+
+    def _checkpoint_source(self, moments: bool):
+        """What rank 0 writes the consolidated files from, one parameter or bucket at a
+        time (runtime/train/consolidated.py); under --tp without --pp the slices joined
+        over the TP group (a pipeline joins its stages' itself)."""
+        source = self.trainer.checkpoint_source(moments)
+        if self.request.tp > 1 and self.request.pp == 1:
+            from runtime.train.consolidated import tensor_parallel
+
+            source = tensor_parallel(source, self.model, self.parallel, self.context.rank)
+        return source
 
     def _lora(self) -> bool:
         """Whether the program trains LoRA adapters: --lora, or an IR document built with

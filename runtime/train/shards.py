@@ -13,8 +13,10 @@ the same `checkpoint-<step>/` folder:
 
 Under ZeRO alone (no tensor parallel, nothing frozen) the shards replace the consolidated
 `optimizer.safetensors` (rank 0 gathers and writes the masters only, for
-`model.safetensors`): an 8B model's optimizer state is 96 GB, which would otherwise be on
-disk twice. Each index then carries the bucket layout, and a resume on another layout joins
+`model.safetensors`, one bucket at a time: runtime/train/consolidated.py): an 8B model's
+optimizer state is 96 GB, which would otherwise be on disk twice. Elsewhere (tensor
+parallel without --pp, a LoRA run's frozen base) rank 0 streams the consolidated
+optimizer file in the same pass as the weights. Each index then carries the bucket layout, and a resume on another layout joins
 the shards back into whole tensors (`whole_state`); bucket offsets do not depend on the
 number of ranks, only the padding does.
 
@@ -26,8 +28,9 @@ world size, stage or tensor-parallel size) reads the consolidated files. Every r
 agree, so the choice is made together (one all_gather of the ranks' verdicts).
 
 A pipeline (`--pp`) uses the same save and resume with its own layout and state
-(runtime/train/pipeline_shards.py: the trainer's `shard_state` / `load_shard`); without
---tp its shards replace `optimizer.safetensors` too, joined by path on another layout.
+(runtime/train/pipeline_shards.py: the trainer's `shard_state` / `load_shard`); its
+shards replace `optimizer.safetensors` too (under --tp with each path's slices and how
+they join), joined by path on another layout.
 """
 
 from __future__ import annotations
@@ -192,6 +195,9 @@ def write_shard(folder: Path, trainer, shape: dict, data: dict) -> None:
     zero = zero_of(trainer)
     if zero is not None:  # what whole_state needs to join the shards on another layout
         index["buckets"] = zero.section["buckets"]
+    if "pp" in shape and shape["tp"] > 1:  # a pipeline stage's slices: how they join
+        index["sharded"] = {p: trainer.sharded[p] for p in trainer.names
+                            if p in trainer.sharded}
     text = json.dumps(index, indent=2) + "\n"
     atomic_write(folder / f"{name}.json", lambda tmp: Path(tmp).write_text(text, "utf-8"))
 
@@ -210,12 +216,16 @@ class ShardSave:
         write_shard(temp, self.trainer, self.shape, self.data)
         dist.barrier()  # every shard is in
 
-    def follower(self) -> None:
-        """Any other rank: write into rank 0's folder, then wait until it is published."""
+    def follower(self, between=None) -> None:
+        """Any other rank: write into rank 0's folder, run `between` (its part of the
+        gathers rank 0 writes the consolidated files from), then wait until it is
+        published."""
         box = [None]
         dist.broadcast_object_list(box, src=0)
         write_shard(Path(box[0]), self.trainer, self.shape, self.data)
         dist.barrier()  # every shard is in
+        if between is not None:
+            between()
         dist.barrier()  # rank 0 published the checkpoint
 
     def published(self) -> None:
@@ -226,8 +236,8 @@ def replaces_optimizer(trainer, shape: dict) -> bool:
     """Whether the shards hold the whole optimizer state: ZeRO over every trained
     parameter, no tensor parallel and nothing frozen (LoRA's base masters are in no
     shard)."""
-    if "pp" in shape:  # a pipeline's shards: every path whole in its keeper's, unless --tp
-        return shape["tp"] == 1
+    if "pp" in shape:  # a pipeline's shards: every path in its keeper's (under --tp its
+        return True  # TP ranks' slices, joined by the index's `sharded`)
     zero = zero_of(trainer)
     if zero is None or shape.get("tp", 1) > 1 or getattr(trainer, "frozen", None):
         return False
@@ -363,8 +373,7 @@ def _pipeline_state(folder: Path, indexes: list[dict]) -> dict:
     from runtime.train.pipeline_shards import joined_state
 
     world = indexes[0].get("world")
-    if sorted(index.get("rank") for index in indexes) != list(range(world or 0)) or \
-            any(index.get("tp", 1) != 1 for index in indexes):
+    if sorted(index.get("rank") for index in indexes) != list(range(world or 0)):
         raise RuntimeUserError(f"checkpoint {folder} has no optimizer.safetensors and not "
                                f"every rank's pipeline shard", help=["resume from a "
                                                                      "complete checkpoint "
