@@ -161,3 +161,51 @@ def test_max_shard_size_on_the_command_line(ckpt, tmp_path):
                           hf(input_ids=ids.long()).logits, atol=1e-4, rtol=1e-4)
     bad = train(ckpt, "--steps", "1", "--max-shard-size", "lots")
     assert bad.exit_code == 2 and "--max-shard-size" in bad.output
+
+
+def test_one_process_save_writes_the_whole_state_writes_bytes(ckpt, tmp_path):
+    """save_checkpoint from a state held whole: model.safetensors (bf16) and
+    optimizer.safetensors are the bytes of save_file of the whole exported weights and of
+    the whole optimizer state, and the write path holds one parameter at a time."""
+    from safetensors.torch import save
+
+    from runtime.hf_weights import export_hf_tensors
+    from runtime.hf_weights.schema import tied_targets
+    from runtime.model import Model
+    from runtime.train.checkpoint import FORMAT, save_checkpoint
+    from tests.consolidated_workers import Probe
+
+    model = Model.from_module(LLAMA, hf_weights=ckpt / "hf", dtype=torch.float32)
+    schema = model.source.program(planned=False).weight_schema
+    generator = torch.Generator().manual_seed(3)
+    ties = tied_targets(schema)
+    masters = {p: t for p, t in model.params.items() if p not in ties}
+    moments = {part: {p: torch.randn(t.shape, generator=generator) for p, t in masters.items()}
+               for part in ("exp_avg", "exp_avg_sq")}
+    state = {"masters": masters, **moments, "step": 3}
+    Probe.reset()
+    folder = save_checkpoint(tmp_path, state, {"step": 3}, schema=schema,
+                             layout=model.hf_layout, config=None, dtype=torch.bfloat16,
+                             opener=Probe)
+    weights = export_hf_tensors(schema, masters, layout=model.hf_layout)
+    want = save({n: t.to(torch.bfloat16).contiguous().clone() for n, t in weights.items()},
+                metadata={"format": "pt"})
+    assert (folder / "model.safetensors").read_bytes() == want
+    optimizer = {f"master.{p}": t for p, t in masters.items()}
+    optimizer |= {f"{part}.{p}": t for part in moments for p, t in moments[part].items()}
+    # two metadata keys: safetensors writes them in a Rust HashMap's order, which varies
+    # from one call to the next; the rest of the header and the data are the same bytes
+    assert _parts((folder / "optimizer.safetensors").read_bytes()) == \
+        _parts(save(optimizer, metadata={"step": "3", "format": FORMAT}))
+    # one parameter's master, moments and converted tensors at a time
+    largest = max(t.numel() * 4 for t in masters.values())
+    assert Probe.peak <= 4 * largest < Probe.written / 4, (Probe.peak, Probe.written)
+
+
+def _parts(data: bytes) -> tuple:
+    """(the header's metadata, its tensor entries in order, the data bytes)."""
+    import struct
+
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    return header.pop("__metadata__"), list(header.items()), data[8 + size:]
