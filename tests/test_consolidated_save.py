@@ -147,7 +147,7 @@ def test_shards_split_as_huggingface_hub_splits():
 def test_max_shard_size_on_the_command_line(ckpt, tmp_path):
     """One process, `--max-shard-size 20KB`: HF's sharded form, which our loader reads
     back as the weights a resume starts from; a value that is not a size is a usage
-    error."""
+    error, and the option without --save an error."""
     from runtime.model import Model
 
     losses(train(ckpt, "--steps", "1", "--save", tmp_path / "s", "--max-shard-size", "20KB"))
@@ -161,6 +161,8 @@ def test_max_shard_size_on_the_command_line(ckpt, tmp_path):
                           hf(input_ids=ids.long()).logits, atol=1e-4, rtol=1e-4)
     bad = train(ckpt, "--steps", "1", "--max-shard-size", "lots")
     assert bad.exit_code == 2 and "--max-shard-size" in bad.output
+    unsaved = train(ckpt, "--steps", "1", "--max-shard-size", "1MB")  # not ignored
+    assert unsaved.exit_code == 1 and "--max-shard-size needs --save DIR" in unsaved.output
 
 
 def test_one_process_save_writes_the_whole_state_writes_bytes(ckpt, tmp_path):

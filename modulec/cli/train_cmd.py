@@ -128,10 +128,9 @@ def _options(command):
         click.option("--save-dtype", type=click.Choice(SAVE_DTYPES), default="auto",
                      show_default=True,
                      help="model.safetensors dtype (auto: the source config's)."),
-        click.option("--max-shard-size", "max_shard_text", default="5GB", show_default=True,
-                     metavar="SIZE",
-                     help="Above SIZE of weights a checkpoint holds HF's sharded form "
-                          "(model-0000i-of-0000N.safetensors and "
+        click.option("--max-shard-size", "max_shard_text", metavar="SIZE",
+                     help="With --save: above SIZE of weights (default 5GB) a checkpoint "
+                          "holds HF's sharded form (model-0000i-of-0000N.safetensors and "
                           "model.safetensors.index.json), as save_pretrained's "
                           "max_shard_size."),
         click.option("--resume", type=click.Path(path_type=Path), metavar="DIR",
@@ -221,7 +220,7 @@ def train_command(guarded):
     return train
 
 
-def _shard_size(text: str) -> int:
+def _shard_size(text: str | None) -> int | None:
     from modulec.cli.build_cmd import parsed_option
     from modulec.plan.budget import parse_size
 

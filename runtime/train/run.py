@@ -46,7 +46,7 @@ class Request:
     save: Path | None = None
     save_every: int | None = None
     save_dtype: str = "auto"
-    max_shard_size: int = 5_000_000_000  # bytes of weights above which HF's sharded form
+    max_shard_size: int | None = None  # --save: HF's sharded form above it (None: 5GB)
     resume: Path | None = None
     device: str = "cuda"
     memory_budget: int | None = None
@@ -255,8 +255,9 @@ def _check_numbers(request: Request) -> None:
     for name in ("seq", "batch", "steps", "grad_accum"):
         if getattr(request, name) < 1:
             raise RuntimeUserError(f"--{name.replace('_', '-')} must be at least 1")
-    if request.save_every is not None and request.save is None:
-        raise RuntimeUserError("--save-every needs --save DIR")
+    for option in ("save_every", "max_shard_size"):
+        if getattr(request, option) is not None and request.save is None:
+            raise RuntimeUserError(f"--{option.replace('_', '-')} needs --save DIR")
     _check_optimizer(request)
     from runtime.train.log_window import check_log_every
 
@@ -629,7 +630,7 @@ class Run:
                                          config=self.config, dtype=self.save_dtype,
                                          adapters=self.model if self._lora() else None,
                                          shards=shards, optimizer=optimizer,
-                                         max_shard_size=r.max_shard_size)
+                                         max_shard_size=_shard_size(r.max_shard_size))
         except OSError as exc:
             raise RuntimeUserError(f"cannot write the checkpoint of step {step} under "
                                    f"{r.save}: {exc}",
@@ -725,6 +726,12 @@ def _config(weights: Path, name: str = "config.json") -> dict | None:
         raise RuntimeUserError(f"{path} is a JSON {type(config).__name__}, not an object",
                                help=["config.json holds one object of fields"])
     return config
+
+
+def _shard_size(given: int | None) -> int:
+    from runtime.hf_weights.stream import MAX_SHARD_SIZE
+
+    return MAX_SHARD_SIZE if given is None else given
 
 
 def _save_dtype(choice: str, config: dict | None) -> torch.dtype:
