@@ -38,10 +38,12 @@ grammar: setup
 grammar-snapshots: setup
 	$(PY) tests/grammar/run_grammar_tests.py snap --update
 
-# two workers (pytest-xdist): the suite is ~10 minutes on one core of a 2-core machine,
-# ~7 on both; each gloo test picks free ports, so workers do not collide
+# two workers (pytest-xdist), each gloo test picks free ports, so workers do not collide;
+# --dist worksteal: a worker that runs out takes half of the other's queue, so both end
+# together (tests/conftest.py runs the files of the longest tests first; the budget and how
+# to measure it: docs/decisions.md, "CI time budget")
 test: setup
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist worksteal tests
 
 lint: setup
 	$(PY) -m pytest tests/test_grammar.py -q

@@ -1,8 +1,27 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the order `make test` runs the files in."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+# The files that hold the longest tests (`--durations` on the 2-core CI machine; docs/
+# decisions.md, "CI time budget"), longest first, run before the others: under `make
+# test`'s two workers (--dist worksteal) a minute-long test started last leaves the other
+# core idle for that minute; started first, the short tests of both workers fill in
+# around it. Whole files move, so their module fixtures are still built once a worker.
+FIRST = ("test_soundness.py", "test_fuzz.py", "test_check_properties.py",
+         "test_train_dist.py", "test_cuda_kernels.py", "test_tutorial.py",
+         "test_dist_bench.py", "test_dist_zero.py", "test_train.py", "test_pipeline_run.py",
+         "test_pipeline_precision.py", "test_pipeline_packed_eval.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The files of FIRST first, in its order; every other test keeps its place (the sort
+    is stable, so each file's tests keep theirs)."""
+    rank = {name: index for index, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).name, len(FIRST)))
 
 
 @pytest.fixture(scope="session")
