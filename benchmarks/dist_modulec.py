@@ -14,6 +14,10 @@ of the code paths and of the token accounting, not a measurement).
                                   `--no-tp-overlap` (the backward all-reduces / reduce-
                                   scatters in order, not beside the weight gradients'
                                   GEMMs: the A/B of modulec.lower.tp_overlap)
+    ..._fa4 / ..._cudnn (before _fp8): attention by FlashAttention-4's kernels / by
+                                  cuDNN's, both ways; without either suffix the GPU
+                                  step's default (FA4's backward at head dim 64 where
+                                  flash-attn-4 is installed: runtime/cuda/attention.py)
 
 The M ranks of a TP group read one batch (B x T), so a step trains B x T x GPUS / M
 tokens. What the GPU step runs under TP (runtime/cuda/step.py, runtime/dist): ZeRO 0-3
@@ -34,14 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.dist_measure import Ranks, batch_for, measure, reset_peak
-from benchmarks.train_step import modulec_options
+from benchmarks.train_step import attention_order, modulec_options
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "std/models/llama.module"
 MODULEC_BASE = "modulec_norecompute"  # train_step.py's variant the modulec rows mirror
-NAME = re.compile(r"modulec_(?:(1gpu)|zero(\d+)(?:_tp(\d+)(_sp)?(_nooverlap)?)?)(_fp8)?")
+NAME = re.compile(r"modulec_(?:(1gpu)|zero(\d+)(?:_tp(\d+)(_sp)?(_nooverlap)?)?)(_fa4|_cudnn)?(_fp8)?")
 GRAMMAR = ("modulec_1gpu, modulec_zero{0..3}, modulec_zero{0..3}_tp{M}[_sp][_nooverlap], "
-           "each [_fp8]")
+           "each [_fa4|_cudnn][_fp8]")
 # the model sizes tensor parallel splits (docs/distributed.md, "Tensor parallel")
 TP_DIVIDES = ("num_heads", "num_kv_heads", "d_ff")
 
@@ -59,6 +63,9 @@ class Layout:
     fp8: bool = False
     sp: bool = False
     overlap: bool = True
+    # "fa4": FlashAttention-4's kernels both ways, "cudnn": cuDNN's both ways, "": the
+    # GPU step's default (benchmarks/train_step.py attention_order)
+    attention: str = ""
 
     @property
     def dp(self) -> int:
@@ -73,9 +80,10 @@ def parse_variant(name: str, gpus: int, shape: dict | None = None) -> Layout:
     if match is None:
         raise ValueError(f"unknown variant {name!r} ({GRAMMAR}; hf_{{ddp|fsdp2}}[_compile|"
                          "_compilewhole|_compilelayers][_ckpt][_fp8])")
-    one, zero, tp, sp, nooverlap, fp8 = match.groups()
+    one, zero, tp, sp, nooverlap, attention, fp8 = match.groups()
+    attention = (attention or "_")[1:]
     if one:
-        return Layout(1, fp8=bool(fp8))
+        return Layout(1, fp8=bool(fp8), attention=attention)
     zero, tp = int(zero), int(tp or 1)
     if zero > 3:
         raise ValueError(f"{name}: the ZeRO stage is 0, 1, 2 or 3, not {zero}")
@@ -94,7 +102,7 @@ def parse_variant(name: str, gpus: int, shape: dict | None = None) -> Layout:
         if shape[key] % tp:
             raise ValueError(f"{name}: TP {tp} does not divide the shape's {key} = "
                              f"{shape[key]}")
-    return Layout(gpus, tp, zero, bool(fp8), bool(sp), not nooverlap)
+    return Layout(gpus, tp, zero, bool(fp8), bool(sp), not nooverlap, attention)
 
 
 # ------------------------------------------------------------------ the GPU step (child)
@@ -107,6 +115,8 @@ def modulec_step(args, shape, layout: Layout):
     options = modulec_options(MODULEC_BASE)
     if layout.fp8:
         options["precision"] = "fp8"
+    if layout.attention:
+        options["attention"] = attention_order({layout.attention})
     if args.budget:
         options["memory_budget"] = int(args.budget * 2 ** 30)
     run = None

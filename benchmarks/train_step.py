@@ -107,6 +107,20 @@ def flops_per_token(shape: dict, seq: int) -> float:
 
 
 # ------------------------------------------------------------------ one variant (child)
+def attention_order(parts: set) -> tuple:
+    """The variant's attention backends (runtime/cuda/attention.py): `flash`
+    FlashAttention-2 alone, `cudnn` cuDNN's both ways, `fa4` FlashAttention-4's both ways;
+    else the GPU step's default (FA4's backward at head dim 64 where flash-attn-4 is
+    installed, cuDNN's otherwise)."""
+    from runtime.cuda.attention import DEFAULT_ORDER
+
+    if "flash" in parts:
+        return ("flash",)
+    if "cudnn" in parts:
+        return ("cudnn", "flash")
+    return ("fa4", "cudnn", "flash") if "fa4" in parts else DEFAULT_ORDER
+
+
 def modulec_options(variant: str) -> dict:
     """Options joined by `_` after `modulec`: `norecompute` (the derived backward),
     `keepgrads`, `torchadam`, `flash` (FlashAttention-2 instead of cuDNN first),
@@ -127,13 +141,13 @@ def modulec_options(variant: str) -> dict:
     budgets = {p for p in parts if p.startswith("budget")}
     unknown = parts - budgets - {"norecompute", "keepgrads", "torchadam", "flash",
                                   "swap", "noarena", "fp8", "fastaccum", "recast",
-                                  "fusedcast"}
+                                  "fusedcast", "fa4", "cudnn"}
     if unknown:
         raise ValueError(f"unknown modulec variant option(s) {sorted(unknown)}")
     options = {"derive_written": "norecompute" in parts,
                "optimizer": "torch" if "torchadam" in parts else "fused",
                "update_in_backward": not parts & {"keepgrads", "torchadam"},
-               "attention": ("flash",) if "flash" in parts else ("cudnn", "flash"),
+               "attention": attention_order(parts),
                "arena": "noarena" not in parts}
     if parts & {"fastaccum", "recast", "fusedcast"} and "fp8" not in parts:
         raise ValueError("the modulec variant options fastaccum, recast and fusedcast need "

@@ -38,8 +38,9 @@ def select(kernels: dict, op: str, node, default):
         from runtime.kernels import KERNELS
 
         chosen = KERNELS.get(op)
-    if chosen is not None:
-        return chosen
+    if chosen is not None:  # pinned: a kernel that may not cover a call says so
+        strict = getattr(chosen, "strict", None)
+        return chosen if fallback or strict is None else strict(name)
     if fallback:
         return default
     raise RuntimeUserError(f"`@kernel(\"{name}\", fallback=false)`: this backend has no "

@@ -156,8 +156,9 @@ def test_what_a_packed_step_does_not_run_is_refused():
 
     check_packed(attention('"cudnn"'))  # a preference: falls back to the varlen kernel
     check_packed(attention('"flash"', "fallback=false"))
-    with pytest.raises(RuntimeUserError, match="cuDNN's attention takes no packed"):
-        check_packed(attention('"cudnn"', "fallback=false"))
+    for name in ("cudnn", "fa4_bwd"):
+        with pytest.raises(RuntimeUserError, match=f"{name} takes no packed"):
+            check_packed(attention(f'"{name}"', "fallback=false"))
 
 
 def test_rope_nodes_get_the_documents_positions_where_they_have_none():

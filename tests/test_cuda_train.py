@@ -56,6 +56,27 @@ def test_flash_attention_matches_the_reference(hq, hkv, t, d, window, order):
         assert _rel(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("first", ["fa4", "fa4_bwd"])
+@pytest.mark.parametrize("hq,hkv,t,d,window", [(8, 2, 128, 64, None), (8, 1, 200, 128, None),
+                                               (4, 2, 96, 64, 16), (4, 4, 77, 32, None)])
+def test_fa4_attention_matches_the_reference(hq, hkv, t, d, window, first):
+    """FlashAttention-4's kernels where the flash-attn-4 package is installed (an optional
+    dependency): `fa4` runs them both ways for head dims 64-128 (windows included),
+    `fa4_bwd` cuDNN's forward and FA4's backward at head dim 64 without a window; each
+    matches the reference, and what they do not cover goes on to cuDNN / FlashAttention-2."""
+    from runtime.cuda.attention import BACKENDS, FA4
+
+    if not FA4.interface():
+        pytest.skip(f"flash-attn-4 not importable here: {FA4.unavailable}")
+    g = torch.Generator(device="cuda").manual_seed(t)
+    qkv = torch.randn(2, t, hq + 2 * hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([hq, hkv, hkv], dim=2))
+    attrs = {"causal": True, "softmax_scale": None, "window_size": window}
+    covered = d == 64 and window is None if first == "fa4_bwd" else d >= 64
+    assert BACKENDS[first].covers(q, k, v, attrs) == covered
+    test_flash_attention_matches_the_reference(hq, hkv, t, d, window, (first, "cudnn", "flash"))
+
+
 # ------------------------------------------------------------------ whole step
 def _hf_checkpoint(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM

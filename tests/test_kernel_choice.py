@@ -67,6 +67,27 @@ def test_a_missing_kernel_without_fallback_is_an_error_naming_the_available_ones
         select(registry, "flash_attention", _node('"flash"', "fallback=false"), "default")
 
 
+def test_an_attention_kernel_that_does_not_cover_a_call_falls_back_to_the_steps_or_errs():
+    """`@kernel("fa4")` where FA4 cannot run (here: CPU tensors, no flash-attn-4) runs the
+    step's own attention entry (which falls to the reference here); with fallback=false the
+    call is an error naming the kernel, not a silent reference run."""
+    from runtime.cuda.train_kernels import train_kernels
+
+    registry = train_kernels(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    attrs = {"causal": True}
+    want = KERNELS["flash_attention"].forward([q, k, v, None], attrs)
+    for name in ("fa4", "fa4_bwd", "cudnn"):
+        loose = select(registry, "flash_attention", _node(f'"{name}"'), "default")
+        assert all(torch.equal(a, b) for a, b in zip(loose.forward([q, k, v, None], attrs),
+                                                       want))
+        strict = select(registry, "flash_attention", _node(f'"{name}"', "fallback=false"),
+                        "default")
+        with pytest.raises(RuntimeUserError, match=f"{name} does not cover"):
+            strict.forward([q, k, v, None], attrs)
+
+
 @pytest.mark.parametrize("where", ["op", "flow"])
 def test_the_choice_reaches_the_forward_and_the_derived_backward_node(tmp_path, where):
     path = _write(tmp_path, **{where: '@kernel("reference")'})

@@ -1,5 +1,6 @@
 """Time causal attention forward + backward through the backends the GPU step can use
-(runtime/cuda/attention.py): torch's FlashAttention-2 aten ops and cuDNN's SDPA ops, at
+(runtime/cuda/attention.py): torch's FlashAttention-2 aten ops, cuDNN's SDPA ops and
+FlashAttention-4's CuTe kernels where the flash-attn-4 package is installed, at
 LLM shapes in bf16, with the step's layouts (q, k, v transposed views of one fused QKV
 projection output; GQA). Each backend is checked against the fp32 math reference first.
 
@@ -84,6 +85,11 @@ def main(argv=None) -> int:
     rows = []
     for name, backend in attention.BACKENDS.items():
         row = {"backend": name}
+        if not backend.covers(q, k, v, attrs):  # fa4 without its package or off Hopper
+            row["error"] = getattr(backend, "unavailable", None) or \
+                "does not cover this call on this machine"
+            rows.append(row)
+            continue
         try:
             row["max_rel_error"] = check(backend, *small, d_small, attrs, ref)
             row["fwd_ms"], row["bwd_ms"] = time_backend(backend, q, k, v, d_out, attrs, args.iters)

@@ -7,6 +7,13 @@
   0.278, backward 0.575 against 0.880: benchmarks/kernels/bench_attention.py).
 - `cudnn_expand`: the same with K/V heads repeated (for a cuDNN without native GQA).
 - `flash`: FlashAttention-2 (`aten::_flash_attention_forward` / `_backward`), below.
+- `fa4`: FlashAttention-4's CuTe kernels (`flash_attn.cute`, the `flash-attn-4` package,
+  an optional dependency) on Hopper and Blackwell: causal or not, sliding windows, native
+  GQA, head dims 64 to 128. It covers a call only where the package imports on an SM90 /
+  SM100 card; elsewhere the next backend of the order runs.
+- `fa4_bwd`: cuDNN's forward with FA4's backward, at head dim 64 (the faster pair on an
+  H100, below). The GPU step's default order is `DEFAULT_ORDER`: `fa4_bwd`, `cudnn`,
+  `flash`, so without flash-attn-4 installed the step runs cuDNN as before.
 
 Layouts: our primitive takes q [B, Hq, T, D], k, v [B, Hkv, T, D] and returns out
 [B, Hq, T, D] and lse [B, Hq, T] (fp32, natural log). The aten ops take [B, T, H, D] with
@@ -145,7 +152,68 @@ class Cudnn:
         return d.view(B, H, d.shape[1] // H, S, D).sum(2)
 
 
-BACKENDS = {b.name: b for b in (Cudnn(), Cudnn(expand_kv=True), Flash())}
+class FA4:
+    """FlashAttention-4's CuTe kernels (`flash_attn.cute.interface`), when installed: our
+    [B, H, T, D] layout read as [B, T, H, D] views (no copy for the fused QKV projection's
+    heads), lse [B, H, T] in fp32 as ours; d_k, d_v come back with Hkv heads."""
+
+    name = "fa4"
+    _module = None
+    unavailable = None  # why the package did not import (benchmarks print it)
+
+    @classmethod
+    def interface(cls):
+        if cls._module is None:
+            try:
+                from flash_attn.cute import interface
+            except Exception as error:  # not installed, or its CUDA toolchain does not load
+                cls.unavailable = f"{type(error).__name__}: {error}"[:300]
+                interface = False
+            cls._module = interface
+        return cls._module
+
+    def covers(self, q, k, v, attrs) -> bool:
+        D = q.shape[-1]
+        if D % 16 or not 64 <= D <= 128 or not self.interface():
+            return False
+        return torch.cuda.get_device_capability(q.device)[0] in (9, 10)
+
+    def forward(self, q, k, v, attrs):
+        out, lse, *_ = self.interface()._flash_attn_fwd(
+            _bthd(q), _bthd(k), _bthd(v), softmax_scale=_scale(q, attrs),
+            causal=bool(attrs.get("causal", True)), return_lse=True, **_window(attrs))
+        return [out.transpose(1, 2), lse]
+
+    def backward(self, d_out, q, k, v, out, lse, attrs):
+        d_q, d_k, d_v = self.interface()._flash_attn_bwd(
+            _bthd(q), _bthd(k), _bthd(v), _bthd(out), _bthd(d_out.to(q.dtype)), lse,
+            softmax_scale=_scale(q, attrs), causal=bool(attrs.get("causal", True)),
+            **_window(attrs))[:3]
+        return [d_q.transpose(1, 2), d_k.transpose(1, 2), d_v.transpose(1, 2)]
+
+
+class FA4Backward(FA4):
+    """cuDNN's forward and FlashAttention-4's backward, at head dim 64 only: on an H100 at
+    the TinyLlama shape FA4's backward ran 1.29x cuDNN's (0.519 against 0.667 ms) while
+    its forward ran 0.86x (0.214 against 0.184 ms); at head dim 128 cuDNN was as fast or
+    faster both ways (benchmarks/kernels/bench_attention.py, docs/gpu.md). The backward
+    reads the forward's out and lse, which cuDNN computes as FA4 does (natural-log lse of
+    the scaled scores, fp32)."""
+
+    name = "fa4_bwd"
+
+    def covers(self, q, k, v, attrs) -> bool:
+        return q.shape[-1] == 64 and attrs.get("window_size") is None and \
+            super().covers(q, k, v, attrs)
+
+    def forward(self, q, k, v, attrs):
+        return BACKENDS["cudnn"].forward(q, k, v, attrs)
+
+
+BACKENDS = {b.name: b for b in (Cudnn(), Cudnn(expand_kv=True), Flash(), FA4(), FA4Backward())}
+# the GPU step's order: FA4's backward where it is installed and faster, else cuDNN,
+# FlashAttention-2 for what cuDNN does not cover (sliding windows)
+DEFAULT_ORDER = ("fa4_bwd", "cudnn", "flash")
 
 
 class FlashAttention:
@@ -159,8 +227,28 @@ class FlashAttention:
 
     allocates_outputs = True
 
-    def __init__(self, order=("flash",)):
+    def __init__(self, order=("flash",), fallback=None, pinned: str | None = None):
         self.order = [BACKENDS[name] for name in order]
+        self.fallback = fallback  # a `@kernel` choice's: the step's own entry
+        self.pinned = pinned  # `@kernel(name, fallback=false)`: a call not covered is an error
+
+    def strict(self, name: str) -> "FlashAttention":
+        """This entry under `@kernel(name, fallback=false)`."""
+        return FlashAttention(tuple(b.name for b in self.order), pinned=name)
+
+    def _uncovered(self, direction: str, inputs: list, attrs: dict) -> list:
+        if self.pinned is not None:
+            from runtime.errors import RuntimeUserError
+
+            why = getattr(self.order[0], "unavailable", None)
+            raise RuntimeUserError(
+                f"`@kernel(\"{self.pinned}\", fallback=false)`: {self.pinned} does not cover "
+                f"this flash_attention call (head dim, window, dtype or card)"
+                + (f"; {why}" if why else ""), help=["drop fallback=false to run the "
+                                                      "step's default attention there"])
+        if self.fallback is not None:
+            return getattr(self.fallback, direction)(inputs, attrs)
+        return getattr(REFERENCE, direction)(inputs, attrs)
 
     def __getattr__(self, attr):  # name, forward_inputs, stats, ... as the reference's
         return getattr(REFERENCE, attr)
@@ -188,9 +276,11 @@ class FlashAttention:
 
             return list(varlen_forward(q, k, v, documents.cu_seqlens, documents.max_seqlen,
                                        attrs))
-        backend = None if packed else self._backend(q, k, v, alibi, attrs)
-        if backend is None:
+        if packed:  # documents the varlen kernel cannot take: the reference masks them
             return REFERENCE.forward(inputs, attrs)
+        backend = self._backend(q, k, v, alibi, attrs)
+        if backend is None:
+            return self._uncovered("forward", inputs, attrs)
         return backend.forward(q, k, v, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
@@ -201,7 +291,9 @@ class FlashAttention:
 
             return varlen_backward(d_out, q, k, v, out, lse, documents.cu_seqlens,
                                    documents.max_seqlen, attrs)
-        backend = None if packed else self._backend(q, k, v, alibi, attrs)
-        if backend is None:
+        if packed:
             return REFERENCE.backward(inputs, attrs)
+        backend = self._backend(q, k, v, alibi, attrs)
+        if backend is None:
+            return self._uncovered("backward", inputs, attrs)
         return backend.backward(d_out, q, k, v, out, lse, attrs)

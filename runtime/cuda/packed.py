@@ -165,12 +165,12 @@ def check_packed(step) -> None:
     from runtime.train.packing import MIXING
 
     nodes = [node for function in step.program.graph.functions for node in function.nodes]
-    pinned = [node for node in nodes if node.target == "flash_attention"
-              and _pinned_to_cudnn(node)]
+    pinned = sorted({_pinned_dense(node) for node in nodes
+                     if node.target == "flash_attention"} - {None})
     if pinned:
-        raise RuntimeUserError("`@kernel(\"cudnn\", fallback=false)` on flash_attention: "
-                               "cuDNN's attention takes no packed documents (a packed step "
-                               "runs FlashAttention-2's varlen kernel)",
+        raise RuntimeUserError(f"`@kernel(\"{pinned[0]}\", fallback=false)` on flash_attention: "
+                               f"{pinned[0]} takes no packed documents (a packed step runs "
+                               "FlashAttention-2's varlen kernel)",
                                help=["drop fallback=false, or train unpacked"])
     found = sorted({node.target for node in nodes if node.target in MIXING})
     if found:
@@ -180,11 +180,15 @@ def check_packed(step) -> None:
                                      "model unpacked"])
 
 
-def _pinned_to_cudnn(node) -> bool:
+def _pinned_dense(node) -> str | None:
+    """The dense attention kernel (cuDNN's, FA4's) a node's `@kernel(..., fallback=false)`
+    pins it to, or None."""
     from runtime.kernel_choice import requested
 
     choice = requested(node)
-    return choice is not None and choice[0].startswith("cudnn") and not choice[1]
+    if choice is None or choice[1] or not choice[0].startswith(("cudnn", "fa4")):
+        return None
+    return choice[0]
 
 
 def set_documents(step, documents: Documents | None, denominators=None) -> None:

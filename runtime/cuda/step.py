@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from runtime.cuda.async_comm import InFlight, step_streams
+from runtime.cuda.attention import DEFAULT_ORDER
 from runtime.cuda.lm_head import lm_head_cross_entropy, split_head
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, whole_update
@@ -124,10 +125,11 @@ class TrainStep:
     accumulation: int = 1
     # execute the planner's swap decisions (runtime/cuda/swaps.py); False keeps them on the GPU
     execute_swaps: bool = True
-    # attention backends tried in order (runtime/cuda/attention.py BACKENDS): cuDNN's
-    # fused attention is 1.5x FlashAttention-2's speed on an H200 (benchmarks/kernels/
-    # bench_attention.py); FlashAttention-2 takes what cuDNN does not cover (windows)
-    attention: tuple = ("cudnn", "flash")
+    # attention backends tried in order (runtime/cuda/attention.py BACKENDS): FA4's
+    # backward at head dim 64 where flash-attn-4 is installed, cuDNN's fused attention
+    # (1.5x FlashAttention-2's speed on an H200: benchmarks/kernels/bench_attention.py),
+    # FlashAttention-2 for what cuDNN does not cover (windows)
+    attention: tuple = DEFAULT_ORDER
     # activations at the plan's offsets (runtime/arena.py): the transient and saved regions
     # one allocation each, the saved records holding what each run keeps (a budget's
     # recompute / swap decisions take no bytes there); kernels with `out` write into their

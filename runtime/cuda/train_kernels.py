@@ -528,8 +528,10 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels.update({name: Created(KERNELS[name], device) for name in CREATED})
     kernels["flash_attention"] = FlashAttention(tuple(attention))
     kernels["dropout"] = DeviceDropout(KERNELS["dropout"])  # masks from a device seed
-    # `@kernel("cudnn")` etc. (runtime/kernel_choice.py): one attention backend alone
-    kernels.update({f"flash_attention@{name}": FlashAttention((name,)) for name in BACKENDS})
+    # `@kernel("cudnn")` etc. (runtime/kernel_choice.py): one attention backend, the
+    # step's order for a call it does not cover (an error with fallback=false)
+    kernels.update({f"flash_attention@{name}": FlashAttention(
+        (name,), fallback=kernels["flash_attention"]) for name in BACKENDS})
     return kernels
 
 

@@ -48,10 +48,11 @@ class StagePrecision:
         """The kernel registry a stage runs: the GPU step's (mixed), else the reference's
         with the tensors it creates made on the stage's device."""
         if self.mixed:
+            from runtime.cuda.attention import DEFAULT_ORDER
             from runtime.cuda.train_kernels import train_kernels
 
             return train_kernels("cuda" if self.device.startswith("cuda") else "cpu",
-                                 attention=("cudnn", "flash"))
+                                 attention=DEFAULT_ORDER)
         return kernels_on(self.device)
 
     def refuse_own_dtypes(self, program, paths) -> None:
