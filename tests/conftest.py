@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread a process (set before any test imports torch; the gloo ranks and
+# subprocesses the tests start inherit it): the tensors are tiny, and with two workers on
+# two cores torch's second thread only spins waiting for the first (tests/test_train.py
+# under -n 2: 33 -> 23 CPU-s). Set it yourself to run with others.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The files that hold the longest tests (`--durations` on the 2-core CI machine; docs/
 # decisions.md, "CI time budget"), longest first, run before the others: under `make
