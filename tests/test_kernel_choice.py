@@ -88,6 +88,29 @@ def test_an_attention_kernel_that_does_not_cover_a_call_falls_back_to_the_steps_
             strict.forward([q, k, v, None], attrs)
 
 
+def test_the_attention_entry_records_what_ran_for_the_trainers_note():
+    """The entry records (direction, kernel, head dim) of each eager call; `modulec train`
+    prints them after its first step, with the flash-attn-4 hint where cuDNN ran a head
+    dim 64 backward and the package is missing."""
+    from runtime.cuda.attention import FA4, ran_note
+    from runtime.cuda.train_kernels import train_kernels
+
+    entry = train_kernels(device="cpu")["flash_attention"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    out, lse = entry.forward([q, k, v, None], {"causal": True})
+    entry.backward([torch.ones_like(out), q, k, v, out, lse, None], {"causal": True})
+    assert entry.ran == {("forward", "reference", 16), ("backward", "reference", 16)}
+    assert ran_note(entry.ran) == ("attention: forward the reference kernel; backward the "
+                                   "reference kernel")
+    gpu_like = {("forward", "cudnn", 64), ("backward", "cudnn", 64)}
+    hint = 'pip install "modulec[fa4]"'
+    assert (hint in ran_note(gpu_like)) == (not FA4.interface())
+    assert ran_note({("forward", "cudnn", 64), ("backward", "fa4", 64)}).startswith(
+        "attention: forward cuDNN; backward FlashAttention-4")
+    assert ran_note(set()) is None
+
+
 @pytest.mark.parametrize("where", ["op", "flow"])
 def test_the_choice_reaches_the_forward_and_the_derived_backward_node(tmp_path, where):
     path = _write(tmp_path, **{where: '@kernel("reference")'})

@@ -201,6 +201,7 @@ class FA4Backward(FA4):
     the scaled scores, fp32)."""
 
     name = "fa4_bwd"
+    forward_name = "cudnn"
 
     def covers(self, q, k, v, attrs) -> bool:
         return q.shape[-1] == 64 and attrs.get("window_size") is None and \
@@ -231,6 +232,7 @@ class FlashAttention:
         self.order = [BACKENDS[name] for name in order]
         self.fallback = fallback  # a `@kernel` choice's: the step's own entry
         self.pinned = pinned  # `@kernel(name, fallback=false)`: a call not covered is an error
+        self.ran: set[tuple[str, str, int]] = set()  # (direction, kernel, head dim)
 
     def strict(self, name: str) -> "FlashAttention":
         """This entry under `@kernel(name, fallback=false)`."""
@@ -248,7 +250,13 @@ class FlashAttention:
                                                       "step's default attention there"])
         if self.fallback is not None:
             return getattr(self.fallback, direction)(inputs, attrs)
+        self._ran(direction, "reference", inputs[0 if direction == "forward" else 1])
         return getattr(REFERENCE, direction)(inputs, attrs)
+
+    def _ran(self, direction: str, kernel: str, q) -> None:
+        """What ran, for `modulec train`'s note (eager calls only: a replay runs no Python,
+        and runs what its capture ran)."""
+        self.ran.add((direction, kernel, int(q.shape[-1])))
 
     def __getattr__(self, attr):  # name, forward_inputs, stats, ... as the reference's
         return getattr(REFERENCE, attr)
@@ -274,13 +282,16 @@ class FlashAttention:
         if documents is not None:
             from runtime.cuda.varlen import varlen_forward
 
+            self._ran("forward", "varlen", q)
             return list(varlen_forward(q, k, v, documents.cu_seqlens, documents.max_seqlen,
                                        attrs))
         if packed:  # documents the varlen kernel cannot take: the reference masks them
+            self._ran("forward", "reference", q)
             return REFERENCE.forward(inputs, attrs)
         backend = self._backend(q, k, v, alibi, attrs)
         if backend is None:
             return self._uncovered("forward", inputs, attrs)
+        self._ran("forward", getattr(backend, "forward_name", backend.name), q)
         return backend.forward(q, k, v, attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
@@ -289,11 +300,44 @@ class FlashAttention:
         if documents is not None:
             from runtime.cuda.varlen import varlen_backward
 
+            self._ran("backward", "varlen", q)
             return varlen_backward(d_out, q, k, v, out, lse, documents.cu_seqlens,
                                    documents.max_seqlen, attrs)
         if packed:
+            self._ran("backward", "reference", q)
             return REFERENCE.backward(inputs, attrs)
         backend = self._backend(q, k, v, alibi, attrs)
         if backend is None:
             return self._uncovered("backward", inputs, attrs)
+        self._ran("backward", backend.name.removesuffix("_bwd"), q)
         return backend.backward(d_out, q, k, v, out, lse, attrs)
+
+
+KERNEL_WORDS = {"cudnn": "cuDNN", "cudnn_expand": "cuDNN (K/V heads repeated)",
+                "flash": "FlashAttention-2", "varlen": "FlashAttention-2's varlen kernel",
+                "fa4": "FlashAttention-4", "reference": "the reference kernel"}
+
+
+def ran_note(ran: set) -> str | None:
+    """`modulec train`'s line on the attention kernels its first step ran, with where
+    flash-attn-4 would make the backward faster (FA4Backward's head dim) and is missing."""
+    if not ran:
+        return None
+    parts = []
+    for direction in ("forward", "backward"):
+        kernels = sorted({KERNEL_WORDS.get(k, k) for d, k, _ in ran if d == direction})
+        if kernels:
+            parts.append(f"{direction} {', '.join(kernels)}")
+    line = "attention: " + "; ".join(parts)
+    if any(k == "fa4" for _, k, _ in ran):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            line += f" (flash-attn-4 {version('flash-attn-4')})"
+        except PackageNotFoundError:
+            pass
+    elif any(d == "backward" and k == "cudnn" and dim == 64 for d, k, dim in ran) and \
+            not FA4.interface():
+        line += " (pip install \"modulec[fa4]\": FlashAttention-4's backward runs 1.35x " \
+                "cuDNN's at head dim 64 on an H100)"
+    return line

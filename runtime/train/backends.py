@@ -230,6 +230,14 @@ class CUDATrainer:
             return {}
         return {"grad_norm": norm}
 
+    def attention_note(self) -> str | None:
+        """Which attention kernels the steps so far ran (runtime/cuda/attention.py)."""
+        from runtime.cuda.attention import ran_note
+
+        return ran_note(set().union(*(getattr(kernel, "ran", set()) for name, kernel
+                                      in self.step.kernels.items()
+                                      if name.partition("@")[0] == "flash_attention")))
+
     def state(self, moments: bool = True) -> dict:
         """The whole state; `moments=False` under data parallel: the masters alone are
         gathered (the ranks' shards hold the moments: runtime.train.shards)."""

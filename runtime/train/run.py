@@ -550,6 +550,8 @@ class Run:
                 loss = self.trainer.train_step(self._own_rows(whole), **self._shared(whole))
                 times.append(now() - began)
                 self._record(progress, step + 1, loss, times[-1], observer)
+                if step == self.start:
+                    self._attention_note(progress)
                 if r.save_every and (step + 1) % r.save_every == 0 and step + 1 < r.steps:
                     self._save(step + 1, progress)
             if r.save is not None:
@@ -572,6 +574,13 @@ class Run:
             progress.note(f"--memory-budget {gib(r.memory_budget)}: the plan recomputes "
                           f"{counts['recompute']} and keeps {counts['keep']} activation "
                           "decisions (no swaps on the GPU)")
+
+    def _attention_note(self, progress: Progress) -> None:
+        """After the first step on the GPU: the attention kernels it ran."""
+        note = getattr(self.trainer, "attention_note", None)
+        line = note() if note is not None and self.request.device == "cuda" else None
+        if line:
+            progress.note(line)
 
     def _observer(self):
         """Evaluation and the metrics log (runtime/train/observe.py)."""
