@@ -150,3 +150,23 @@ def test_kernel_table_splits_busy_time_by_stream():
     assert table["stream_busy_ms"] == {"20": 1.0, "7": 1.0}
     assert table["top"][0] == {"name": "gemm", "ms": 1.0, "calls": 1, "streams": ["7"]}
     assert kernel_table([], steps=1) == {}
+
+
+def test_the_ratio_over_several_same_run_measurements(tmp_path, capsys):
+    """benchmarks/dist_ratio.py on the four committed FA4 runs: each run's ratio, the
+    median, and the conservative pairing (the peer's fastest run against our slowest)."""
+    from benchmarks.dist_ratio import main
+
+    runs = sorted(str(p) for p in (ROOT / "benchmarks/gpu").glob(
+        "results-h100x2-train_step_dist-fa4-d1*.json"))
+    assert len(runs) == 4
+    out = tmp_path / "ratio.json"
+    assert main(runs + ["--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    ratios = [round(r["ratio"], 2) for r in summary["rows"]]
+    assert ratios == [1.42, 1.34, 1.5, 1.3]
+    assert round(summary["summary"]["median"], 2) == 1.38
+    assert round(summary["summary"]["conservative"], 2) == 1.3
+    assert main(runs + ["--target", "1.4"]) == 1
+    assert main(runs + ["--peer", "hf_ddp"]) == 2
+    assert "no hf_ddp row" in capsys.readouterr().err

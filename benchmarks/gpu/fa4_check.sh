@@ -18,7 +18,7 @@
 # Stages: tests (the fa4 / flash_attention cuda tests), attention (bench_attention.py at
 # head dims 64 and 128), step (train_step.py: the default order against cuDNN both ways
 # and FA4 both ways, one GPU), dist (dist_run.sh: one GPU and ZeRO-2 with and without
-# FA4's backward beside FSDP2 + compile).
+# FA4's backward beside FSDP2 + compile; REPEAT=N runs it N times and gives the ratios).
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -64,10 +64,19 @@ stage_step() {
     --json "$OUT/train_step_fa4.json" 2>/dev/null | tail -8
 }
 
+# REPEAT runs of the variants (the first with VARIANTS, the others with REPEAT_VARIANTS:
+# ZeRO-2 and its peer), then each run's ratio and their median (benchmarks/dist_ratio.py):
+# FSDP2 + compile's median step moved by 23 ms between runs on one machine
 stage_dist() {
-  OUT=$OUT GPUS=${GPUS:-2} TAG=fa4 STEPS=8 WARMUP=2 PROFILE_STEPS=0 BATCH=4 SEQ=2048 \
-    VARIANTS=${VARIANTS:-modulec_1gpu_cudnn,modulec_1gpu,modulec_zero2_cudnn,modulec_zero2,hf_fsdp2_compile} \
-    TIMEOUT=${TIMEOUT:-130} DEADLINE=${DEADLINE:-300} bash "$(dirname "$0")/dist_run.sh"
+  local k variants
+  for k in $(seq 1 "${REPEAT:-1}"); do
+    variants=${VARIANTS:-modulec_1gpu_cudnn,modulec_1gpu,modulec_zero2_cudnn,modulec_zero2,hf_fsdp2_compile}
+    [ "$k" -gt 1 ] && variants=${REPEAT_VARIANTS:-modulec_zero2,hf_fsdp2_compile}
+    OUT=$OUT GPUS=${GPUS:-2} TAG=fa4-r$k STEPS=${STEPS:-8} WARMUP=2 PROFILE_STEPS=0 BATCH=4 \
+      SEQ=2048 VARIANTS=$variants TIMEOUT=${TIMEOUT:-130} DEADLINE=${DEADLINE:-300} \
+      bash "$(dirname "$0")/dist_run.sh"
+  done
+  python3 benchmarks/dist_ratio.py "$OUT"/train_step_dist-fa4-r*.json | tee "$OUT/dist_ratio.txt"
 }
 
 run_stages ${STAGES:-tests attention step dist}
