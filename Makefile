@@ -39,11 +39,11 @@ grammar-snapshots: setup
 	$(PY) tests/grammar/run_grammar_tests.py snap --update
 
 # two workers (pytest-xdist), each gloo test picks free ports, so workers do not collide;
-# --dist worksteal: a worker that runs out takes half of the other's queue, so both end
-# together (tests/conftest.py runs the files of the longest tests first; the budget and how
-# to measure it: docs/decisions.md, "CI time budget")
+# whole files handed out in collection order, where tests/conftest.py puts the files of the
+# longest tests first, so that both workers end together (the budget and how to measure
+# it: docs/decisions.md, "CI time budget")
 test: setup
-	$(PY) -m pytest -n 2 --dist worksteal tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: setup
 	$(PY) -m pytest tests/test_grammar.py -q

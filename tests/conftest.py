@@ -13,22 +13,43 @@ import pytest
 # under -n 2: 33 -> 23 CPU-s). Set it yourself to run with others.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The files that hold the longest tests (`--durations` on the 2-core CI machine; docs/
-# decisions.md, "CI time budget"), longest first, run before the others: under `make
-# test`'s two workers (--dist worksteal) a minute-long test started last leaves the other
-# core idle for that minute; started first, the short tests of both workers fill in
-# around it. Whole files move, so their module fixtures are still built once a worker.
-FIRST = ("test_soundness.py", "test_fuzz.py", "test_check_properties.py",
-         "test_train_dist.py", "test_cuda_kernels.py", "test_tutorial.py",
-         "test_dist_bench.py", "test_dist_zero.py", "test_train.py", "test_pipeline_run.py",
-         "test_pipeline_precision.py", "test_pipeline_packed_eval.py")
+# The files that hold the longest tests (`--durations` on the 2-core CI machine, the slowest
+# file first; docs/decisions.md, "CI time budget") run before the others. `make test` hands
+# whole files to its two workers in collection order (--dist loadfile
+# --no-loadscope-reorder): a minute-long file handed out last leaves the other core idle
+# for that minute, handed out first the short files of both workers fill in around it. A
+# file is one unit, so its module fixtures are built once; the three files of the session
+# fixture `four_ranks` (four gloo processes, 23 s) are one unit (pytest_xdist_make_scheduler
+# below), so that one worker starts them.
+FIRST = ("test_soundness.py", "test_check_properties.py", "test_train_dist.py",
+         "test_fuzz.py", "test_cuda_kernels.py",
+         "test_pipeline_packed_eval.py", "test_pipeline_tp.py", "test_tp_clip.py",
+         "test_dist_zero.py", "test_tutorial.py", "test_dist_bench.py", "test_train.py",
+         "test_tensor_parallel.py", "test_pipeline_run.py", "test_pipeline_precision.py",
+         "test_tp_eval.py", "test_train_optim.py", "test_dist_packed_eval.py",
+         "test_tp_packed.py", "test_syntax_properties.py")
+FOUR_RANKS = ("test_pipeline_packed_eval.py", "test_pipeline_tp.py", "test_tp_clip.py")
 
 
 def pytest_collection_modifyitems(items):
-    """The files of FIRST first, in its order; every other test keeps its place (the sort
+    """The files of FIRST first, in its order; every other file keeps its place (the sort
     is stable, so each file's tests keep theirs)."""
     rank = {name: index for index, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.path)).name, len(FIRST)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of FOUR_RANKS one unit (their session fixture)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "four_ranks" if Path(scope).name in FOUR_RANKS else scope
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
