@@ -34,14 +34,26 @@ def tp_build(name: str, tp: int, **more):
 # qwen3 runs on a process group given to set_tp_group, the others on the default group
 # every one shards its vocabulary (`@shard(vocab)`: vocab-parallel embedding, head and
 # loss); llama_tied and example_gpt2: one table serves the lookup and the head
-@pytest.mark.parametrize("name, own_group", [("llama", False), ("qwen3", True),
-                                             ("mixtral", False), ("example_gpt2", False),
-                                             ("llama_tied", False)])
-def test_two_ranks_equal_one_process(name, own_group, tmp_path):
+STEPS = [("llama", False), ("qwen3", True), ("mixtral", False), ("example_gpt2", False),
+         ("llama_tied", False)]
+TRAINED = ["llama", "example_gpt2"]  # GPT-2: a tied head's slice
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The two ranks' results of every case of this file's tests, from one spawn
+    (tests/tp_workers.py run_cases): [rank 0's, rank 1's], each {case: result}."""
+    out = str(tmp_path_factory.mktemp("tp") / "rank")
+    cases = [("step", name, own) for name, own in STEPS] + \
+        [("train", name) for name in TRAINED] + [("vocab",)]
+    mp.spawn(tp_workers.run_cases, nprocs=2, args=(2, free_port(), cases, out))
+    return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+@pytest.mark.parametrize("name, own_group", STEPS)
+def test_two_ranks_equal_one_process(name, own_group, two_ranks):
     want = tp_workers.step(tp_workers.tiny_model(name))
-    out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.run_rank, nprocs=2, args=(2, free_port(), name, out, own_group))
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = [rank[("step", name, own_group)] for rank in two_ranks]
     program = tp_workers.tiny_model(name, 2, 0).source.program(planned=False)
     logits = [r["logits"] for r in ranks]
     if "logits" in vocab_outputs(program):  # a @shard(vocab) head: each rank's block
@@ -62,14 +74,12 @@ def test_two_ranks_equal_one_process(name, own_group, tmp_path):
                                    rtol=1e-10, atol=1e-12, msg=path)
 
 
-@pytest.mark.parametrize("name", ["llama", "example_gpt2"])  # GPT-2: a tied head's slice
-def test_two_adamw_steps_on_two_ranks_equal_one_process(name, tmp_path):
+@pytest.mark.parametrize("name", TRAINED)
+def test_two_adamw_steps_on_two_ranks_equal_one_process(name, two_ranks):
     """AdamW is element-wise: each rank stepping its slices is the unsharded step (the
     tied head stays its table's slice: one tensor, its two gradients summed)."""
     want = tp_workers.train(tp_workers.tiny_model(name))
-    out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.train_rank, nprocs=2, args=(2, free_port(), name, out))
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = [rank[("train", name)] for rank in two_ranks]
     program = tp_workers.tiny_model(name, 2, 0).source.program(planned=False)
     for got in ranks:
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-9)
@@ -81,14 +91,12 @@ def test_two_adamw_steps_on_two_ranks_equal_one_process(name, tmp_path):
                                        msg=f"{key} {path}")
 
 
-def test_the_vocab_parallel_kernels_on_two_ranks_equal_the_whole(tmp_path):
+def test_the_vocab_parallel_kernels_on_two_ranks_equal_the_whole(two_ranks):
     """The loss over two vocabulary blocks (max and sums all-reduced, the target taken by
     its owner; ignore_index rows out; in chunks of 4 rows) and its local gradient equal
     torch's cross-entropy;
     the lookups' parts sum to the whole embedding; the padding row gets no gradient."""
-    out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.vocab_kernels_rank, nprocs=2, args=(2, free_port(), out))
-    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = [rank[("vocab",)] for rank in two_ranks]
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 5, 8, generator=g, dtype=torch.float64).requires_grad_(True)
     labels = torch.randint(0, 8, (3, 5), generator=g)

@@ -58,26 +58,41 @@ def step(model) -> dict:
     return {"logits": outputs["logits"], "loss": loss.detach(), "grads": grads.params}
 
 
-def run_rank(rank: int, world: int, port: int, name: str, out: str,
-             own_group: bool = False) -> None:
-    """Rank `rank`'s step, saved to `out`.<rank>; with `own_group` the collectives run on
-    a group made for them (as a DP x TP run gives each TP slice its own), else on the
-    default group."""
+def run_cases(rank: int, world: int, port: int, cases: list, out: str) -> None:
+    """Each of `cases` on rank `rank` of one gloo group (one spawn serves all of
+    tests/test_tensor_parallel.py: starting the processes was most of each case's time),
+    saved to `out`.<rank> as {case: result}. A case is ("step", name, own_group): the
+    model's step, with `own_group` on a group made for the collectives (as a DP x TP run
+    gives each TP slice its own), else on the default group; ("train", name): its AdamW
+    steps; ("vocab",): the vocab-parallel kernels (vocab_kernels)."""
     import torch.distributed as dist
-
-    from runtime.kernels.comm import set_tp_group
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
+        torch.save({case: _case(case, rank, world) for case in cases}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _case(case: tuple, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from runtime.kernels.comm import set_tp_group
+
+    kind, *args = case
+    if kind == "vocab":
+        return vocab_kernels(rank, world)
+    if kind == "train":
+        return train(tiny_model(args[0], world, rank))
+    name, own_group = args
+    try:
         if own_group:
             set_tp_group(dist.new_group(list(range(world))))
-        result = step(tiny_model(name, world, rank))
-        torch.save(result, f"{out}.{rank}")
+        return step(tiny_model(name, world, rank))
     finally:
         set_tp_group(None)
-        dist.destroy_process_group()
 
 
 def run_rank_sp(rank: int, world: int, port: int, runs: list, out: str) -> None:
@@ -95,44 +110,37 @@ def run_rank_sp(rank: int, world: int, port: int, runs: list, out: str) -> None:
         dist.destroy_process_group()
 
 
-def vocab_kernels_rank(rank: int, world: int, port: int, out: str) -> None:
+def vocab_kernels(rank: int, world: int) -> dict:
     """The vocab-parallel loss (labels partly ignored) and the lookup's gradient (a padding
-    row) on rank `rank`'s block of the same random logits / table, saved to `out`.<rank>."""
-    import torch.distributed as dist
-
+    row) on rank `rank`'s block of the same random logits / table (in a gloo group of
+    `world` ranks)."""
     from runtime.kernels import KERNELS
     from runtime.kernels.vocab_parallel import _reduce, mean_cross_entropy
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        mine = torch.tensor([rank, -rank], dtype=torch.float64)  # the loss's two reductions
-        reduced = [_reduce(mine.clone(), world, "tp", op) for op in ("max", "sum")]
-        g = torch.Generator().manual_seed(3)
-        logits = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
-        labels = torch.randint(0, 8, (3, 5), generator=g)
-        labels[0, :3] = -1  # ignore_index
-        ids = torch.randint(0, 8, (2, 7), generator=g, dtype=torch.int32)
-        d_y = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
-        block = slice(rank * 4, (rank + 1) * 4)
-        loss, d_logits = mean_cross_entropy(logits[..., block], labels, world,
-                                            ignore_index=-1, chunk_rows=4)  # 4 chunks
-        attrs = {"size": world, "padding_idx": 5, "input_shapes": {"weight": (4, 4)}}
-        (d_table,) = KERNELS["vocab_parallel_embedding"].backward_fn(d_y, ids, **attrs)
-        table = torch.randn(8, 4, generator=g, dtype=torch.float64)
-        (part,) = KERNELS["vocab_parallel_embedding"].forward_fn(ids, table[block], size=world)
-        # the GPU step's kernel (uncast gather; the backward through the embedding's
-        # scatter-add kernel, here its reference) on the same inputs
-        from runtime.cuda.train_kernels import train_kernels
+    mine = torch.tensor([rank, -rank], dtype=torch.float64)  # the loss's two reductions
+    reduced = [_reduce(mine.clone(), world, "tp", op) for op in ("max", "sum")]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 8, (3, 5), generator=g)
+    labels[0, :3] = -1  # ignore_index
+    ids = torch.randint(0, 8, (2, 7), generator=g, dtype=torch.int32)
+    d_y = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
+    block = slice(rank * 4, (rank + 1) * 4)
+    loss, d_logits = mean_cross_entropy(logits[..., block], labels, world,
+                                        ignore_index=-1, chunk_rows=4)  # 4 chunks
+    attrs = {"size": world, "padding_idx": 5, "input_shapes": {"weight": (4, 4)}}
+    (d_table,) = KERNELS["vocab_parallel_embedding"].backward_fn(d_y, ids, **attrs)
+    table = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    (part,) = KERNELS["vocab_parallel_embedding"].forward_fn(ids, table[block], size=world)
+    # the GPU step's kernel (uncast gather; the backward through the embedding's
+    # scatter-add kernel, here its reference) on the same inputs
+    from runtime.cuda.train_kernels import train_kernels
 
-        step_kernel = train_kernels("cpu")["vocab_parallel_embedding"]
-        (step_d_table,) = step_kernel.backward([d_y, ids], dict(attrs))
-        (step_part,) = step_kernel.forward([ids, table[block]], {"size": world})
-        torch.save({"loss": loss, "d_logits": d_logits, "d_table": d_table, "part": part,
-                    "step_d_table": step_d_table, "step_part": step_part,
-                    "reduced": reduced}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    step_kernel = train_kernels("cpu")["vocab_parallel_embedding"]
+    (step_d_table,) = step_kernel.backward([d_y, ids], dict(attrs))
+    (step_part,) = step_kernel.forward([ids, table[block]], {"size": world})
+    return {"loss": loss, "d_logits": d_logits, "d_table": d_table, "part": part,
+            "step_d_table": step_d_table, "step_part": step_part, "reduced": reduced}
 
 
 def windows(steps: int, rows: int, seq: int, vocab: int = 64) -> list[torch.Tensor]:
@@ -151,19 +159,6 @@ def train(model, steps: int = 2, rows: int = 2, seq: int = 6) -> dict:
     state = trainer.state()
     return {"losses": losses, **{k: dict(state[k]) for k in ("masters", "exp_avg",
                                                              "exp_avg_sq")}}
-
-
-def train_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
-    """Rank `rank` training its slices (the same batches on every rank)."""
-    import torch.distributed as dist
-
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        torch.save(train(tiny_model(name, world, rank)), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def train_clipped(rank: int, world: int, port: int, runs: list, out: str) -> None:
