@@ -21,13 +21,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # file is one unit, so its module fixtures are built once; the three files of the session
 # fixture `four_ranks` (four gloo processes, 23 s) are one unit (pytest_xdist_make_scheduler
 # below), so that one worker starts them.
-FIRST = ("test_soundness.py", "test_check_properties.py", "test_train_dist.py",
-         "test_fuzz.py", "test_cuda_kernels.py",
+FIRST = ("test_fuzz.py", "test_soundness.py", "test_train_dist.py",
+         "test_check_properties.py", "test_pipeline_precision.py", "test_pipeline_run.py",
+         "test_dist_bench.py", "test_dist_zero.py",
          "test_pipeline_packed_eval.py", "test_pipeline_tp.py", "test_tp_clip.py",
-         "test_dist_zero.py", "test_tutorial.py", "test_dist_bench.py", "test_train.py",
-         "test_tensor_parallel.py", "test_pipeline_run.py", "test_pipeline_precision.py",
-         "test_tp_eval.py", "test_train_optim.py", "test_dist_packed_eval.py",
-         "test_tp_packed.py", "test_syntax_properties.py")
+         "test_cuda_kernels.py", "test_tutorial.py", "test_tensor_parallel.py",
+         "test_tp_eval.py", "test_train.py", "test_syntax_properties.py", "test_tp_ir.py",
+         "test_train_optim.py", "test_dist_packed_eval.py", "test_tp_packed.py")
 FOUR_RANKS = ("test_pipeline_packed_eval.py", "test_pipeline_tp.py", "test_tp_clip.py")
 
 
