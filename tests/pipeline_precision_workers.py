@@ -13,14 +13,24 @@ from tests.pipeline_workers import tiny_model
 LR, DECAY = 1e-2, 0.1
 
 
-def mixed_pipelined(rank: int, world: int, port: int, name: str, steps: int, micro: int,
-                    rows: int, seq: int, clip: float | None, out: str) -> None:
+def mixed_pipelined(rank: int, world: int, port: int, runs: list, steps: int, micro: int,
+                    rows: int, seq: int, out: str) -> None:
+    """Each (name, clip) of `runs` in one gloo group of `world` ranks (one spawn for the
+    models of tests/test_pipeline_precision.py): run i's stages save to `out`.i.r."""
+    context = join(rank, world, port)
+    for index, (name, clip) in enumerate(runs):
+        _mixed_run(context, rank, world, name, steps, micro, rows, seq, clip,
+                   f"{out}.{index}")
+    context.close()
+
+
+def _mixed_run(context, rank: int, world: int, name: str, steps: int, micro: int,
+               rows: int, seq: int, clip: float | None, out: str) -> None:
     """`steps` steps of `name` on `world` mixed-precision stages; rank r saves its losses,
     its stage's state (fp32 masters) and its compute copies to `out`.r."""
     from runtime.train.optim import AdamW
     from runtime.train.pipeline import PipelineTrainer
 
-    context = join(rank, world, port)
     trainer = PipelineTrainer(tiny_model(name), rows, seq,
                               AdamW(lr=LR, weight_decay=DECAY, clip_grad=clip), context,
                               world, micro, mixed=True)
@@ -35,7 +45,6 @@ def mixed_pipelined(rank: int, world: int, port: int, name: str, steps: int, mic
                 "held": held_bytes(trainer), "planned": planned_bytes(trainer),
                 "whole": trainer.state()}, f"{out}.{rank}")
     torch.save(reloaded(trainer, first), f"{out}.{rank}.reloaded")
-    context.close()
 
 
 def reloaded(trainer, state: dict) -> dict:

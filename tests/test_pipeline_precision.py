@@ -22,12 +22,20 @@ SIZES = dict(steps=2, micro=2, rows=1, seq=8)
 RUNS = [("llama", None), ("mixtral", 0.05), ("llama_tied", None)]
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=["llama", "mixtral-clipped", "tied"])
-def runs(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """The two stages' files of every run of RUNS, from one spawn (starting the processes
+    was most of a run's time): run i's stage r in `out`.i.r."""
     out = tmp_path_factory.mktemp("pipeline_precision") / "stage"
-    name, clip = request.param
     mp.spawn(workers.mixed_pipelined, nprocs=2,
-             args=(2, free_port(), name, *SIZES.values(), clip, str(out)))
+             args=(2, free_port(), RUNS, *SIZES.values(), str(out)))
+    return out
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=["llama", "mixtral-clipped", "tied"])
+def runs(request, spawned):
+    name, clip = request.param
+    out = f"{spawned}.{RUNS.index(request.param)}"
     stages = [torch.load(f"{out}.{r}") | {"reloaded": torch.load(f"{out}.{r}.reloaded")}
               for r in (0, 1)]
     # bit for bit where both sum in the same order: clipping's norm sums the stages'
