@@ -38,6 +38,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(Path(str(item.path)).name, len(FIRST)))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: no error where it is missing
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, with the files of FOUR_RANKS one unit (their session fixture)."""
     if config.getvalue("dist") != "loadfile":
