@@ -15,7 +15,8 @@
 #   FA4_WHEELS=.fa4c bash benchmarks/gpu/fa4_check.sh                 # all stages
 #   STAGES="tests attention" FA4_WHEELS=.fa4c bash benchmarks/gpu/fa4_check.sh
 #   GPUS=1 STAGES=step ...     # the one-GPU step only (`dist` needs two GPUs)
-# Stages: tests (the fa4 / flash_attention cuda tests), attention (bench_attention.py at
+# Stages: tests (the fa4 / flash_attention cuda tests), multi (TP, pipeline and DP cuda
+# tests with FA4 importable; not in the default list), attention (bench_attention.py at
 # head dims 64 and 128), step (train_step.py: the default order against cuDNN both ways
 # and FA4 both ways, one GPU), dist (dist_run.sh: one GPU and ZeRO-2 with and without
 # FA4's backward beside FSDP2 + compile; REPEAT=N runs it N times and gives the ratios).
@@ -47,6 +48,14 @@ build_extension
 stage_tests() {
   timeout 300 python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_cuda_train.py \
     -k "fa4 or flash_attention_matches" 2>&1 | tail -4 | tee "$OUT/fa4_tests.txt"
+}
+
+# the multi-GPU cuda tests with flash-attn-4 importable: TP (heads split per rank), the
+# captured pipeline stages and data parallel run FA4's backward at head dim 64 there
+stage_multi() {
+  timeout 420 python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider -n 2 --dist loadfile \
+    tests/test_cuda_dist.py tests/test_cuda_tp_eval.py tests/test_cuda_pipeline.py 2>&1 \
+    | tail -6 | tee "$OUT/fa4_multi.txt"
 }
 
 stage_attention() {
