@@ -202,7 +202,7 @@ class FA4Backward(FA4):
     the scaled scores, fp32)."""
 
     name = "fa4_bwd"
-    forward_name = "cudnn"
+    forward_name, backward_name = "cudnn", "fa4"  # what runs each way (the trainer's note)
 
     def covers(self, q, k, v, attrs) -> bool:
         return q.shape[-1] == 64 and attrs.get("window_size") is None and \
@@ -310,7 +310,7 @@ class FlashAttention:
         backend = self._backend(q, k, v, alibi, attrs)
         if backend is None:
             return self._uncovered("backward", inputs, attrs)
-        self._ran("backward", backend.name.removesuffix("_bwd"), q)
+        self._ran("backward", getattr(backend, "backward_name", backend.name), q)
         return backend.backward(d_out, q, k, v, out, lse, attrs)
 
 

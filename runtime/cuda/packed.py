@@ -181,12 +181,13 @@ def check_packed(step) -> None:
 
 
 def _pinned_dense(node) -> str | None:
-    """The dense attention kernel (cuDNN's, FA4's) a node's `@kernel(..., fallback=false)`
-    pins it to, or None."""
-    from runtime.kernel_choice import requested
+    """The kernel a node's `@kernel(..., fallback=false)` pins it to where that kernel
+    cannot take packed documents (every attention backend but FlashAttention-2, whose
+    varlen entry a packed step runs), or None."""
+    from runtime.kernel_choice import REFERENCE, requested
 
     choice = requested(node)
-    if choice is None or choice[1] or not choice[0].startswith(("cudnn", "fa4")):
+    if choice is None or choice[1] or choice[0] in ("flash", REFERENCE):
         return None
     return choice[0]
 
