@@ -561,13 +561,22 @@ const float* scalar_ptr(const std::optional<Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// An AdamW step's optional `norm_sq`: a one-element fp64 device tensor the gradient's
+// squares are added to (csrc/kernels/adamw.cu), or null.
+double* norm_sq_ptr(const Tensor& master, const std::optional<Tensor>& norm_sq) {
+  if (!norm_sq.has_value()) return nullptr;
+  check(*norm_sq, "norm_sq", at::kDouble, master);
+  TORCH_CHECK(norm_sq->numel() == 1, "norm_sq must have one element");
+  return norm_sq->data_ptr<double>();
+}
+
 // One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
 // gradient; writes the bf16 compute copy when given.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const std::optional<Tensor>& compute,
                 const Tensor& step, double lr, double beta1, double beta2, double eps,
                 double weight_decay, const std::optional<Tensor>& lr_now,
-                const std::optional<Tensor>& grad_scale) {
+                const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& norm_sq) {
   check(param, "param", at::kFloat, param);
   check_adamw_inputs(param, grad, exp_avg, exp_avg_sq, step);
   check_adamw_scalars(param, lr_now, grad_scale);
@@ -583,7 +592,8 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                                      static_cast<float>(lr), static_cast<float>(beta1),
                                      static_cast<float>(beta2), static_cast<float>(eps),
                                      static_cast<float>(weight_decay), scalar_ptr(lr_now),
-                                     scalar_ptr(grad_scale), stream()),
+                                     scalar_ptr(grad_scale), stream(),
+                                     norm_sq_ptr(param, norm_sq)),
                "adamw");
 }
 
@@ -593,7 +603,8 @@ void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
                       const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& step,
                       double lr, double beta1, double beta2, double eps, double weight_decay,
                       const std::optional<Tensor>& lr_now,
-                      const std::optional<Tensor>& grad_scale) {
+                      const std::optional<Tensor>& grad_scale,
+                      const std::optional<Tensor>& norm_sq) {
   check(hi, "hi", at::kBFloat16, hi);
   check(lo, "lo", at::kShort, hi);
   TORCH_CHECK(lo.numel() == hi.numel(), "hi and lo differ in size");
@@ -606,7 +617,8 @@ void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
                    step.data_ptr<float>(), hi.numel(), static_cast<float>(lr),
                    static_cast<float>(beta1), static_cast<float>(beta2),
                    static_cast<float>(eps), static_cast<float>(weight_decay),
-                   scalar_ptr(lr_now), scalar_ptr(grad_scale), stream()),
+                   scalar_ptr(lr_now), scalar_ptr(grad_scale), stream(),
+                   norm_sq_ptr(hi, norm_sq)),
                "adamw split");
 }
 
@@ -749,20 +761,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d_weights fp32]");
   m.def("adamw_step", &adamw_step,
         "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
-        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None): lr_now, a fp32 "
-        "device scalar the lr multiplies; grad_scale, one the gradient is multiplied by",
+        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None, norm_sq=None): "
+        "lr_now, a fp32 device scalar the lr multiplies; grad_scale, one the gradient is "
+        "multiplied by; norm_sq, a fp64 device scalar the gradient's squares are added to",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("compute"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none());
+        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none(),
+        py::arg("norm_sq") = py::none());
   m.def("adamw_split_step", &adamw_split_step,
         "(hi bf16 compute copy, lo int16, grad bf16/fp32, exp_avg, exp_avg_sq, step, lr, "
-        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None): the master is "
-        "bits(hi) * 2^16 + lo",
+        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None, norm_sq=None): the "
+        "master is bits(hi) * 2^16 + lo; norm_sq as adamw_step's",
         py::arg("hi"), py::arg("lo"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none());
+        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none(),
+        py::arg("norm_sq") = py::none());
   m.def("cross_entropy_", &cross_entropy_,
         "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
         "scale fp32 [], ignore_index) -> losses fp32 [rows]");

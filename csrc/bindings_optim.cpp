@@ -20,7 +20,8 @@ void adamw_split_list(const std::vector<Tensor>& hi, const std::vector<Tensor>& 
                       const std::vector<double>& lr, const std::vector<double>& weight_decay,
                       double beta1, double beta2, double eps,
                       const std::optional<Tensor>& lr_now,
-                      const std::optional<Tensor>& grad_scale) {
+                      const std::optional<Tensor>& grad_scale,
+                      const std::optional<Tensor>& norm_sq) {
   const size_t count = hi.size();
   TORCH_CHECK(lo.size() == count && grad.size() == count && exp_avg.size() == count &&
                   exp_avg_sq.size() == count && lr.size() == count &&
@@ -50,6 +51,12 @@ void adamw_split_list(const std::vector<Tensor>& hi, const std::vector<Tensor>& 
   const c10::cuda::CUDAGuard guard(like.device());
   const float* lr_now_ptr = lr_now ? lr_now->data_ptr<float>() : nullptr;
   const float* scale_ptr = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
+  double* norm_sq_ptr = nullptr;  // the gradients' squares added to it (adamw.cu)
+  if (norm_sq.has_value()) {
+    check(*norm_sq, "norm_sq", at::kDouble, like);
+    TORCH_CHECK(norm_sq->numel() == 1, "norm_sq must have one element");
+    norm_sq_ptr = norm_sq->data_ptr<double>();
+  }
   for (size_t start = 0; start < count; start += kAdamWListMax) {
     AdamWSplitList list{};
     list.count = static_cast<int>(std::min<size_t>(kAdamWListMax, count - start));
@@ -67,7 +74,7 @@ void adamw_split_list(const std::vector<Tensor>& hi, const std::vector<Tensor>& 
     check_launch(launch_adamw_split_list(grad_dt, list, step.data_ptr<float>(),
                                          static_cast<float>(beta1), static_cast<float>(beta2),
                                          static_cast<float>(eps), lr_now_ptr, scale_ptr,
-                                         stream()),
+                                         stream(), norm_sq_ptr),
                  "adamw split list");
   }
 }
@@ -77,14 +84,15 @@ void adamw_split_list(const std::vector<Tensor>& hi, const std::vector<Tensor>& 
 void register_optim(pybind11::module_& m) {
   m.def("adamw_split_list", &adamw_split_list,
         "(hi [bf16], lo [int16], grad [bf16/fp32], exp_avg [fp32], exp_avg_sq [fp32], step, "
-        "lr [float], weight_decay [float], beta1, beta2, eps, lr_now=None, grad_scale=None): "
-        "adamw_split_step of each tensor k (its rate factor lr[k], its weight decay), up to "
-        "16 tensors a launch",
+        "lr [float], weight_decay [float], beta1, beta2, eps, lr_now=None, grad_scale=None, "
+        "norm_sq=None): adamw_split_step of each tensor k (its rate factor lr[k], its weight "
+        "decay), up to 16 tensors a launch; norm_sq (fp64 [1]) gets every gradient's squares",
         pybind11::arg("hi"), pybind11::arg("lo"), pybind11::arg("grad"),
         pybind11::arg("exp_avg"), pybind11::arg("exp_avg_sq"), pybind11::arg("step"),
         pybind11::arg("lr"), pybind11::arg("weight_decay"), pybind11::arg("beta1"),
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("lr_now") = pybind11::none(),
-        pybind11::arg("grad_scale") = pybind11::none());
+        pybind11::arg("grad_scale") = pybind11::none(),
+        pybind11::arg("norm_sq") = pybind11::none());
 }
 
 }  // namespace bind

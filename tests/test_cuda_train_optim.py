@@ -87,6 +87,70 @@ def test_adamw_split_list_is_the_one_tensor_update_of_each(grad_dtype):
             assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_adamw_kernels_add_the_gradients_squares_to_norm_sq(grad_dtype):
+    """norm_sq (a fp64 device scalar): each form of the AdamW kernel adds its gradients'
+    squares (before grad_scale) to it and updates bit for bit as without it; sizes with
+    a scalar tail, one element, a large tensor (many blocks), and views off the 4-element
+    alignment (unvectorized). The sum matches fp64's within fp32 partial sums' rounding."""
+    from runtime.cuda.kernels import _extension
+
+    ext, g = _extension(), torch.Generator(device="cuda").manual_seed(2)
+    sizes = [4099, 1, 7, 3 * 1024 * 1024 + 5, 300]
+    scale, step = torch.tensor([0.37], device="cuda"), torch.tensor([3.0], device="cuda")
+    for offset in (0, 1):
+        masters = [torch.randn(n, device="cuda", generator=g) for n in sizes]
+        grads = [torch.randn(n + offset, device="cuda", generator=g).to(grad_dtype)[offset:]
+                 for n in sizes]
+        want = sum(float(gr.double().square().sum()) for gr in grads)
+        for form in ("split", "list", "whole"):
+            results = []
+            for norm in (torch.zeros(1, dtype=torch.float64, device="cuda"), None):
+                states = [(*_split(p), torch.full_like(p, 0.01), torch.full_like(p, 0.02),
+                           p.clone()) for p in masters]
+                if form == "list":
+                    his, los, ms, vs, _ = (list(column) for column in zip(*states))
+                    ext.adamw_split_list(his, los, grads, ms, vs, step, [1e-3] * len(sizes),
+                                         [0.1] * len(sizes), 0.9, 0.95, 1e-8, None, scale,
+                                         norm)
+                for (h, lo, m, v, p), gr in zip(states, grads):
+                    if form == "split":
+                        ext.adamw_split_step(h, lo, gr, m, v, step, 1e-3, 0.9, 0.95, 1e-8,
+                                             0.1, None, scale, norm)
+                    elif form == "whole":
+                        ext.adamw_step(p, gr, m, v, None, step, 1e-3, 0.9, 0.95, 1e-8, 0.1,
+                                       None, scale, norm)
+                results.append((states, norm))
+            (got, norm), (plain, _) = results
+            assert float(norm) == pytest.approx(want, rel=1e-5), (form, offset)
+            for a, b in zip(got, plain):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (form, offset)
+
+
+@pytest.mark.parametrize("update_in_backward", [True, False])
+def test_the_steps_gradient_norm_comes_from_the_update_kernels(tmp_path, update_in_backward):
+    """Without clipping the fused step's grad_norm is summed by its AdamW kernels
+    (norm_sq); it is the torch-optimizer step's norm of the same gradients, eagerly and
+    in replays of the captured step (the sum zeroed at each step's start)."""
+    _hf_checkpoint(tmp_path)
+    tokens = _tokens().cuda()
+    fused, ref = _pair(tmp_path, None, update_in_backward=update_in_backward)
+    assert float(fused(tokens)) == float(ref(tokens))
+    norm = float(ref.grad_norm)
+    assert norm > 0 and float(fused.grad_norm) == pytest.approx(norm, rel=1e-5)
+    fused.set_batch(tokens)
+    fused.capture(warmup=1)  # step 2 (the warmup); the capture runs none
+    replayed, eager = [], []
+    for _ in range(2):  # steps 3 and 4
+        fused(tokens)
+        replayed.append(float(fused.grad_norm))
+    for step in (2, 3, 4):
+        ref(tokens)
+        if step > 2:
+            eager.append(float(ref.grad_norm))
+    assert replayed == pytest.approx(eager, rel=2e-2)  # later steps: bf16 copies differ
+
+
 def _split(master):
     from runtime.cuda.state import split_master
 

@@ -207,48 +207,33 @@ def test_add_kernel_gives_the_references_bits_without_the_fp32_round_trip():
         assert tuple(got[1].shape) == b_shape
 
 
-def test_small_gradients_norms_are_summed_in_batches():
-    from runtime.cuda.step_optim import NormSquares
-
-    g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(shape, generator=g).to(BF16)
-             for shape in [(48, 4), (4, 32)] * 40 + [(1100, 1000)]]
-    norms = NormSquares(torch.zeros(1))
-    for grad in grads:
-        norms.add(grad)
-    assert len(norms.pending) == 80 - NormSquares.BATCH  # the large one added at once
-    want = sum(float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2 for t in grads)
-    assert float(norms.flushed()) == pytest.approx(want, rel=1e-5)
-    assert norms.pending == []
-
-
-def test_a_gradient_in_the_arena_adds_its_norm_at_once(monkeypatch):
-    """TrainStep._update: a gradient in the activations' bytes (the LM head's, handed in
-    the transient region, which the backward then reuses) adds its squared norm at once,
-    not in a batch read after those bytes were written again; others wait for the batch."""
+def test_each_update_hands_its_kernel_the_norms_sum(monkeypatch):
+    """TrainStep._update (no global clipping): the update's AdamW kernel gets the step's
+    fp64 squares sum (`norm`), the LM head's gradient in the activations' bytes as any
+    other (the kernel reads it at once, before the backward reuses those bytes): the
+    norm costs no pass of its own over the gradients (csrc/kernels/adamw.cu)."""
     import types
 
     import runtime.train.param_groups as groups
     from runtime.cuda.step import AdamWConfig, TrainStep
     from runtime.cuda.step_optim import NormSquares
 
-    region = torch.zeros(64, dtype=BF16)
-
-    class Arena:
-        def _in_arena(self, tensor):
-            return tensor.untyped_storage().data_ptr() == region.untyped_storage().data_ptr()
-
     monkeypatch.setattr(groups, "hyperparameters", lambda program, path, a: (1.0, 0.0, None))
     applied = []
-    step = types.SimpleNamespace(zero=None, program=None, adamw=AdamWConfig(),
-                                 _norms=NormSquares(torch.zeros(1)), activations=Arena(),
-                                 _apply=lambda path, grad, scale: applied.append(path))
-    region[:16] = 3.0
-    TrainStep._update(step, "head", region[:16])
-    TrainStep._update(step, "w", torch.full((4,), 2.0, dtype=BF16))
-    region.zero_()  # the backward writes the transient bytes
-    assert len(step._norms.pending) == 1 and applied == ["head", "w"]
-    assert float(step._norms.flushed()) == 16 * 9.0 + 4 * 4.0
+    norms = NormSquares("cpu")
+    step = types.SimpleNamespace(
+        zero=None, program=None, adamw=AdamWConfig(), _norms=norms,
+        _apply=lambda path, grad, scale, norm=None: applied.append((path, scale, norm)))
+    TrainStep._update(step, "head", torch.full((16,), 3.0, dtype=BF16))
+    TrainStep._update(step, "w", torch.full((25,), 1.0, dtype=BF16))
+    assert [(p, s) for p, s, _ in applied] == [("head", None), ("w", None)]
+    assert all(norm is norms.fused for _, _, norm in applied)
+    norms.fused.fill_(16 * 9.0 + 25 * 1.0)  # what the two kernels would have added
+    out = torch.zeros(1)
+    norms.norm_into(out)
+    assert float(out) == 13.0 and out.dtype == torch.float32
+    norms.zero()
+    assert float(norms.fused) == 0.0
 
 
 def test_random_params_make_adapters_as_peft_does():
@@ -325,7 +310,8 @@ def test_lora_dx_is_not_redirected_into_bytes_a_later_node_still_reads(monkeypat
 
 def test_small_adamw_updates_are_run_sixteen_a_launch(monkeypatch):
     """step_optim.AdamWBatch (the extension faked: its calls recorded): lists of up to 16
-    of one gradient dtype and scale, each tensor with its own rate factor and decay; a
+    of one gradient dtype, scale and norms' sum, each tensor with its own rate factor and
+    decay; a
     gradient in the activation arena (the LM head's, before the backward) flushes at once;
     `flush` runs what is left."""
     import types
@@ -363,9 +349,12 @@ def test_small_adamw_updates_are_run_sixteen_a_launch(monkeypatch):
     batch.add(step, paths[25], arena_bytes[:4], scale)  # in the arena: run at once
     batch.add(step, paths[26], grads[paths[26]], scale)
     assert [len(c[2]) for c in calls] == [16, 4, 1, 5]
+    norm = torch.zeros(1, dtype=torch.float64)
+    batch.add(step, paths[27], grads[paths[27]], scale, norm)  # the norms' sum: a new list
     batch.flush(step)
     batch.flush(step)  # nothing left: no call
-    assert [len(c[2]) for c in calls] == [16, 4, 1, 5, 1]
+    assert [len(c[2]) for c in calls] == [16, 4, 1, 5, 1, 1]
+    assert all(c[13] is None for c in calls[:5]) and calls[5][13] is norm
     first = calls[0]
     assert [float(g[0]) for g in first[2]] == list(range(16))
     assert first[6][3] == 2.0 and first[6][0] == 1.0  # rate factors: lr_scale
@@ -384,9 +373,8 @@ def test_a_step_that_fails_midway_leaves_no_queued_update():
     from runtime.cuda.step import TrainStep
     from runtime.cuda.step_optim import AdamWBatch, NormSquares
 
-    batch, norms = AdamWBatch(), NormSquares(torch.zeros(1))
+    batch, norms = AdamWBatch(), NormSquares("cpu")
     batch.pending, batch.held = [("queued",)], 4
-    norms.pending = [torch.ones(4)]
 
     def fails(*args):
         raise RuntimeError("out of memory in the backward")
@@ -397,7 +385,7 @@ def test_a_step_that_fails_midway_leaves_no_queued_update():
         loss_and_gradients=fails, _adamw_batch=batch)
     with pytest.raises(RuntimeError, match="out of memory"):
         TrainStep._fused_step(step)
-    assert batch.pending == [] and batch.held == 0 and norms.pending == []
+    assert batch.pending == [] and batch.held == 0
 
 
 def test_frozen_norm_weights_gradient_is_not_asked_for():

@@ -185,11 +185,13 @@ cudaError_t launch_qk_norm_rope_backward(DType dt, const QkRopeTensor& q, const 
 // after this update, so that a captured graph replays with the right bias corrections.
 // lr_now (device float or null): the learning rate is lr * *lr_now (a schedule's rate,
 // updated between graph replays); grad_scale (device float or null): every gradient
-// element is multiplied by it first (global gradient-norm clipping).
+// element is multiplied by it first (global gradient-norm clipping); norm_sq (device
+// double or null): the sum of the gradient's squares (before grad_scale) is added to it.
 cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* exp_avg,
                          float* exp_avg_sq, void* compute_bf16, const float* step, int64_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                         const float* lr_now, const float* grad_scale, cudaStream_t stream);
+                         const float* lr_now, const float* grad_scale, cudaStream_t stream,
+                         double* norm_sq = nullptr);
 
 // The same update on a master held as two 16-bit halves (adamw.cu, SplitMaster): hi, the
 // bf16 compute copy (the value rounded half away from zero), and lo (int16), the bits
@@ -199,7 +201,8 @@ cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const 
                                float* exp_avg, float* exp_avg_sq, const float* step, int64_t n,
                                float lr, float beta1, float beta2, float eps,
                                float weight_decay, const float* lr_now,
-                               const float* grad_scale, cudaStream_t stream);
+                               const float* grad_scale, cudaStream_t stream,
+                               double* norm_sq = nullptr);
 
 // The split update of up to kAdamWListMax tensors in one launch (adamw.cu): tensor k is
 // hi[k] / lo[k] (its split master), grad[k] (all of grad_dt), its moments and n[k]
@@ -220,7 +223,7 @@ struct AdamWSplitList {
 cudaError_t launch_adamw_split_list(DType grad_dt, const AdamWSplitList& list,
                                     const float* step, float beta1, float beta2, float eps,
                                     const float* lr_now, const float* grad_scale,
-                                    cudaStream_t stream);
+                                    cudaStream_t stream, double* norm_sq = nullptr);
 
 // ---- cross_entropy.cu: cross-entropy loss and its gradient, in place on logits [rows, V]
 // (row-contiguous; bf16, fp16 or fp32). Per row, lse = log(sum_j exp(x_j)) in fp32;

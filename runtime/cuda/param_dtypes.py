@@ -60,12 +60,14 @@ def refuse(step, own: dict) -> None:
                   "declared"])
 
 
-def whole_update(step, path: str, grad: torch.Tensor, scale, lr: float, decay: float) -> None:
+def whole_update(step, path: str, grad: torch.Tensor, scale, lr: float, decay: float,
+                 norm=None) -> None:
     """One AdamW step of an fp32-stored parameter in place (its compute copy is the
-    master): the fused kernel's unsplit form, with the same device lr and scale."""
+    master): the fused kernel's unsplit form, with the same device lr and scale (and the
+    gradient's squares added to `norm` when given)."""
     from runtime.cuda.kernels import _extension
 
     a = step.adamw
     _extension().adamw_step(step.compute[path], grad.contiguous(), step.exp_avg[path],
                             step.exp_avg_sq[path], None, step.step_count, lr, a.betas[0],
-                            a.betas[1], a.eps, decay, step.lr_now, scale)
+                            a.betas[1], a.eps, decay, step.lr_now, scale, norm)

@@ -76,7 +76,7 @@ from runtime.cuda.param_dtypes import own_dtypes, whole_update
 from runtime.cuda.state import random_params  # noqa: F401 (TrainStep.init_random; callers)
 from runtime.cuda.step_memory import (budget_programs, frozen_paths,  # noqa: F401 (callers)
                                       planner_budget, runtime_fixed_bytes)
-from runtime.cuda.step_optim import AdamWBatch, NormSquares, in_activations
+from runtime.cuda.step_optim import AdamWBatch, NormSquares
 from runtime.cuda.train_kernels import allocating_ops, train_kernels
 from runtime.cuda.step_interpreter import _StepInterpreter
 from runtime.cuda.swaps import GpuSwaps
@@ -231,7 +231,7 @@ class TrainStep:
         self.grad_norm = torch.zeros(1, dtype=torch.float32, device="cuda")
         # dropout's device counter (runtime/cuda/dropout.py): one more at each step's start
         self.rng_step = torch.zeros((), dtype=torch.int64, device="cuda")
-        self._norms = NormSquares(torch.zeros(1, dtype=torch.float32, device="cuda"))
+        self._norms = NormSquares("cuda")
         self._adamw_batch = AdamWBatch()  # small split-master updates, 16 a launch
         self.held: dict[str, Tensor] = {}  # with clipping: the step's gradients
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
@@ -433,15 +433,16 @@ class TrainStep:
                 self.shapes(), self.names, (torch.float32,))
 
     def _shard_update(self, hi: Tensor, lo: Tensor, grad: Tensor, m: Tensor, v: Tensor,
-                      decay: float, scale: Tensor | None):
+                      decay: float, scale: Tensor | None, norm: Tensor | None = None):
         """ZeroRun's update of a shard's run of parameters with one weight-decay factor
-        (`decay`), the gradient multiplied by `scale` (clipping's, or None)."""
+        (`decay`), the gradient multiplied by `scale` (clipping's, or None); `norm` (fp64
+        device scalar or None) gets the gradient's squares."""
         from runtime.cuda.kernels import _extension
 
         a = self.adamw
         _extension().adamw_split_step(hi, lo, grad, m, v, self.step_count, 1.0,
                                       a.betas[0], a.betas[1], a.eps, a.weight_decay * decay,
-                                      self.lr_now, scale)
+                                      self.lr_now, scale, norm)
 
     def _decay_of(self, path: str) -> float:
         from runtime.train.param_groups import decay_scale
@@ -599,7 +600,7 @@ class TrainStep:
         global clipping (`adamw.clip_grad`, one process) the gradients are held until
         the backward ends (the norm needs them all): the update leaves the backward."""
         self.step_count.add_(1)  # before the backward: updates may run inside it
-        self._norms.total.zero_()
+        self._norms.zero()
         if self.zero is not None:
             self.zero.step_begin()
         in_backward = self.update_in_backward and not (self._holds() and
@@ -616,7 +617,6 @@ class TrainStep:
             # a step that failed midway (a notebook may go on with this step) leaves no
             # queued update or norm term for the next step to run on stale gradients
             self._adamw_batch.discard()
-            self._norms.discard()
             raise
         if self.zero is not None:
             self.zero.step_end()
@@ -624,7 +624,8 @@ class TrainStep:
         elif self._holds():
             self._clip_and_update()
         else:
-            torch.sqrt(self._norms.flushed(), out=self.grad_norm)
+            self._adamw_batch.flush(self)  # its kernels add their squares too
+            self._norms.norm_into(self.grad_norm)
         self._adamw_batch.flush(self)  # the queued small updates (AdamWBatch)
         self.loss.copy_(torch.stack(losses).mean())
 
@@ -676,29 +677,29 @@ class TrainStep:
         from runtime.train.param_groups import clip_gradient, hyperparameters
 
         grad = clip_gradient(grad, hyperparameters(self.program, path, self.adamw)[2])
-        # its squared norm into the step's gradient norm (at once: the head's in the arena)
-        self._norms.add(grad, transient=in_activations(self, grad))
-        self._apply(path, grad, None)
+        # its squares into the step's gradient norm, summed by the AdamW kernel itself
+        self._apply(path, grad, None, norm=self._norms.fused)
 
-    def _apply(self, path: str, grad: Tensor, scale: Tensor | None) -> None:
+    def _apply(self, path: str, grad: Tensor, scale: Tensor | None, norm=None) -> None:
         """The fused AdamW kernel on `path`: the rate is lr_now times its lr_scale, the
-        weight decay its own (param_groups), the gradient times `scale` (or 1)."""
+        weight decay its own (param_groups), the gradient times `scale` (or 1); `norm` (a
+        fp64 device scalar or None) gets the gradient's squares (before `scale`)."""
         from runtime.cuda.kernels import _extension
         from runtime.train.param_groups import decay_scale, lr_scale
 
         a = self.adamw
         if path not in self.lows:  # stored in fp32: its compute copy is its master
             return whole_update(self, path, grad, scale, lr_scale(self.program, path),
-                                a.weight_decay * decay_scale(self.program, path, a))
+                                a.weight_decay * decay_scale(self.program, path, a), norm)
         if grad.numel() <= AdamWBatch.SMALL:  # LoRA's adapters: 16 a launch
-            return self._adamw_batch.add(self, path, grad.contiguous(), scale)
+            return self._adamw_batch.add(self, path, grad.contiguous(), scale, norm)
         _extension().adamw_split_step(self.compute[path], self.lows[path],
                                       grad.contiguous(), self.exp_avg[path],
                                       self.exp_avg_sq[path], self.step_count,
                                       lr_scale(self.program, path), a.betas[0], a.betas[1],
                                       a.eps, a.weight_decay * decay_scale(self.program, path,
                                                                           a),
-                                      self.lr_now, scale)
+                                      self.lr_now, scale, norm)
 
     def use_hooks(self):
         """The step's hook registry (made on first use, checked against the model's hook

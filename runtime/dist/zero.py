@@ -126,6 +126,10 @@ class ZeroRun:
         self.sliced_sq = self.squares[1:2] if sharded else None
         self.tp_group = tp_group
         self.grad_norm = torch.zeros(1, dtype=precision.master, device=device)
+        # on the GPU (split masters), without TP slices or clipping, the AdamW kernel adds
+        # the squares of the part it updates to a fp64 sum: no pass of its own (adamw.cu)
+        self.fused_sq = torch.zeros(1, dtype=torch.float64, device=device) \
+            if precision.split and not sharded and clip is None else None
         self.deferred: list[tuple] = []
         self.dp, self.zero = section["mesh"]["dp"], section["zero"]
         self.streams, self.group = streams, group
@@ -313,6 +317,8 @@ class ZeroRun:
         self.deferred.clear()
         self.slot_user.clear()  # the last step's reductions are done (step_end waited)
         self.squares.zero_()  # on the compute stream, before the step's start event
+        if self.fused_sq is not None:
+            self.fused_sq.zero_()
         for bucket in self.buckets:
             self._run("step_begin", bucket, 0)
 
@@ -326,6 +332,8 @@ class ZeroRun:
     def _norm_and_deferred(self) -> None:
         """The global gradient norm from every rank's squares (one all_reduce); with
         clipping, the deferred updates (scaled) and gathers."""
+        if self.fused_sq is not None:
+            self.norm_sq.add_(self.fused_sq)
         if self.zero >= 1 and self.dp > 1:
             all_reduce_(self.squares, self.group)  # under TP both sums, one collective
         if self.sliced_sq is None:
@@ -467,7 +475,8 @@ class ZeroRun:
         """This rank's part of the reduced gradient: its squares added to the norm, then
         the update (with clipping: the part kept and the update deferred to step_end)."""
         grad = bucket.grad_slots[i % len(bucket.grad_slots)][self.own(bucket)]
-        self._add_squares(bucket, i, grad)
+        if self.fused_sq is None:  # else the update's kernel adds them
+            self._add_squares(bucket, i, grad)
         if self.clip is not None:
             bucket.held[i].copy_(grad)
             self.deferred.append((op, bucket, i))
@@ -507,11 +516,12 @@ class ZeroRun:
         """AdamW on instance i's part, a call per run of one weight-decay factor; `scale`
         (a device scalar or None) multiplies the gradient inside the update."""
         lo = bucket.lo[i]
+        norm = {} if self.fused_sq is None else {"norm": self.fused_sq}
         for start, stop, decay in bucket.segments:
             part = slice(start, stop)
             self.precision.update(bucket.hi[i][part], None if lo is None else lo[part],
                                   grad[part], bucket.exp_avg[i][part],
-                                  bucket.exp_avg_sq[i][part], decay, scale)
+                                  bucket.exp_avg_sq[i][part], decay, scale, **norm)
 
     def _all_gather(self, op: dict, bucket: Bucket, i: int, deferred: bool = False) -> None:
         """The updated shards into the whole weights (in place), or (ZeRO-3) into the slot
