@@ -604,9 +604,8 @@ void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
                       double lr, double beta1, double beta2, double eps, double weight_decay,
                       const std::optional<Tensor>& lr_now,
                       const std::optional<Tensor>& grad_scale,
-                      const std::optional<Tensor>& norm_sq, int64_t max_blocks) {
+                      const std::optional<Tensor>& norm_sq) {
   check(hi, "hi", at::kBFloat16, hi);
-  TORCH_CHECK(max_blocks >= 0 && max_blocks <= (1 << 20), "max_blocks out of range");
   check(lo, "lo", at::kShort, hi);
   TORCH_CHECK(lo.numel() == hi.numel(), "hi and lo differ in size");
   check_adamw_inputs(hi, grad, exp_avg, exp_avg_sq, step);
@@ -619,7 +618,7 @@ void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
                    static_cast<float>(beta1), static_cast<float>(beta2),
                    static_cast<float>(eps), static_cast<float>(weight_decay),
                    scalar_ptr(lr_now), scalar_ptr(grad_scale), stream(),
-                   norm_sq_ptr(hi, norm_sq), static_cast<int>(max_blocks)),
+                   norm_sq_ptr(hi, norm_sq)),
                "adamw split");
 }
 
@@ -773,13 +772,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_split_step", &adamw_split_step,
         "(hi bf16 compute copy, lo int16, grad bf16/fp32, exp_avg, exp_avg_sq, step, lr, "
         "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None, norm_sq=None): the "
-        "master is bits(hi) * 2^16 + lo; norm_sq as adamw_step's; max_blocks > 0 caps the "
-        "grid (0: 8 a multiprocessor)",
+        "master is bits(hi) * 2^16 + lo; norm_sq as adamw_step's",
         py::arg("hi"), py::arg("lo"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none(),
-        py::arg("norm_sq") = py::none(), py::arg("max_blocks") = 0);
+        py::arg("norm_sq") = py::none());
   m.def("cross_entropy_", &cross_entropy_,
         "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
         "scale fp32 [], ignore_index) -> losses fp32 [rows]");

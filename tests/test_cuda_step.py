@@ -454,19 +454,3 @@ def test_split_masters_join_one_path_at_a_time():
     assert sorted(masters) == ["a", "b"] and len(masters) == 2
     assert all(torch.equal(masters[p], v) for p, v in values.items())
     assert all(torch.equal(masters.on("cpu")[p], v) for p, v in values.items())
-
-
-def test_zero_update_blocks_reads_its_knob(monkeypatch):
-    """MODULEC_ZERO_UPDATE_BLOCKS (the grid cap of ZeRO's shard updates on the comm
-    stream): unset is 0 (the kernel's own grid), a count is taken, anything else is a
-    user error naming the variable."""
-    from runtime.cuda.step import zero_update_blocks
-    from runtime.errors import RuntimeUserError
-
-    monkeypatch.delenv("MODULEC_ZERO_UPDATE_BLOCKS", raising=False)
-    assert zero_update_blocks() == 0
-    monkeypatch.setenv("MODULEC_ZERO_UPDATE_BLOCKS", "32")
-    assert zero_update_blocks() == 32
-    monkeypatch.setenv("MODULEC_ZERO_UPDATE_BLOCKS", "-4")
-    with pytest.raises(RuntimeUserError, match="MODULEC_ZERO_UPDATE_BLOCKS"):
-        zero_update_blocks()

@@ -44,7 +44,6 @@ struct AdamW {
   const float* lr_now;      // null: lr as given
   const float* grad_scale;  // null: 1
   double* norm_sq;          // null: no squares summed
-  int max_blocks;           // 0: 8 a multiprocessor (a cap leaves SMs to other streams)
 };
 
 struct FloatMaster {
@@ -193,8 +192,7 @@ template <typename Master, typename G>
 cudaError_t adamw_typed(const Master& master, const void* g, float* m, float* v,
                         const float* step, int64_t n, const AdamW& h, cudaStream_t s) {
   const G* gp = static_cast<const G*>(g);
-  const int64_t max_blocks = h.max_blocks > 0 ? h.max_blocks
-                                              : static_cast<int64_t>(sm_count()) * 8;
+  const int64_t max_blocks = static_cast<int64_t>(sm_count()) * 8;
   auto blocks = [&](int vec) {
     const int64_t work = std::max<int64_t>(n / vec, n % vec);
     return static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, max_blocks));
@@ -252,7 +250,7 @@ cudaError_t launch_adamw_split_list(DType grad_dt, const AdamWSplitList& list,
                                     const float* step, float beta1, float beta2, float eps,
                                     const float* lr_now, const float* grad_scale,
                                     cudaStream_t stream, double* norm_sq) {
-  const AdamW h{0.f, beta1, beta2, eps, 0.f, lr_now, grad_scale, norm_sq, 0};  // lr, wd: per tensor
+  const AdamW h{0.f, beta1, beta2, eps, 0.f, lr_now, grad_scale, norm_sq};  // lr, wd: per tensor
   if (grad_dt == DType::BF16)
     return adamw_split_list_typed<__nv_bfloat16>(list, step, h, stream);
   return adamw_split_list_typed<float>(list, step, h, stream);
@@ -265,7 +263,7 @@ cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* e
                          double* norm_sq) {
   const FloatMaster master{param, static_cast<__nv_bfloat16*>(compute_bf16)};
   return adamw_dispatch(grad_dt, master, grad, exp_avg, exp_avg_sq, step, n,
-                        AdamW{lr, beta1, beta2, eps, weight_decay, lr_now, grad_scale, norm_sq, 0},
+                        AdamW{lr, beta1, beta2, eps, weight_decay, lr_now, grad_scale, norm_sq},
                         stream);
 }
 
@@ -274,11 +272,10 @@ cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const 
                                float lr, float beta1, float beta2, float eps,
                                float weight_decay, const float* lr_now,
                                const float* grad_scale, cudaStream_t stream,
-                               double* norm_sq, int max_blocks) {
+                               double* norm_sq) {
   const SplitMaster master{static_cast<uint16_t*>(hi_bf16), lo};
   return adamw_dispatch(grad_dt, master, grad, exp_avg, exp_avg_sq, step, n,
-                        AdamW{lr, beta1, beta2, eps, weight_decay, lr_now, grad_scale, norm_sq,
-                              max_blocks},
+                        AdamW{lr, beta1, beta2, eps, weight_decay, lr_now, grad_scale, norm_sq},
                         stream);
 }
 

@@ -196,14 +196,13 @@ cudaError_t launch_adamw(DType grad_dt, float* param, const void* grad, float* e
 // The same update on a master held as two 16-bit halves (adamw.cu, SplitMaster): hi, the
 // bf16 compute copy (the value rounded half away from zero), and lo (int16), the bits
 // rounding took off: bits(master) = bits(hi) * 2^16 + lo. 4 bytes a parameter for master
-// and compute copy together. max_blocks > 0 caps the grid (an update on a communication
-// stream beside the backward's GEMMs then leaves them most multiprocessors).
+// and compute copy together.
 cudaError_t launch_adamw_split(DType grad_dt, void* hi_bf16, int16_t* lo, const void* grad,
                                float* exp_avg, float* exp_avg_sq, const float* step, int64_t n,
                                float lr, float beta1, float beta2, float eps,
                                float weight_decay, const float* lr_now,
                                const float* grad_scale, cudaStream_t stream,
-                               double* norm_sq = nullptr, int max_blocks = 0);
+                               double* norm_sq = nullptr);
 
 // The split update of up to kAdamWListMax tensors in one launch (adamw.cu): tensor k is
 // hi[k] / lo[k] (its split master), grad[k] (all of grad_dt), its moments and n[k]

@@ -442,7 +442,7 @@ class TrainStep:
         a = self.adamw
         _extension().adamw_split_step(hi, lo, grad, m, v, self.step_count, 1.0,
                                       a.betas[0], a.betas[1], a.eps, a.weight_decay * decay,
-                                      self.lr_now, scale, norm, zero_update_blocks())
+                                      self.lr_now, scale, norm)
 
     def _decay_of(self, path: str) -> float:
         from runtime.train.param_groups import decay_scale
@@ -760,16 +760,3 @@ def next_token_labels(token_ids: Tensor, ignore_index: int = -100) -> Tensor:
     labels = torch.full(token_ids.shape, ignore_index, dtype=torch.int64, device=token_ids.device)
     labels[:, :-1] = token_ids[:, 1:]
     return labels
-
-
-def zero_update_blocks() -> int:
-    """The grid cap of ZeRO's shard updates, which run on the communication stream beside
-    the backward's GEMMs (0: the kernel's own, 8 blocks a multiprocessor). An experiment's
-    knob, `MODULEC_ZERO_UPDATE_BLOCKS=N` (docs/distributed-measured.md)."""
-    import os
-
-    value = os.environ.get("MODULEC_ZERO_UPDATE_BLOCKS", "0")
-    if not value.isdigit():
-        raise RuntimeUserError(f"MODULEC_ZERO_UPDATE_BLOCKS={value!r} is not a block count",
-                               help=["a whole number; 0 (or unset) lets the kernel choose"])
-    return int(value)
