@@ -165,15 +165,40 @@ class StreamCheckpoint:
             file.abort()
 
 
-def atomic_text(path: Path, text: str) -> None:
-    """`text` into `path` through a temp file in its folder, fsynced, renamed."""
+def atomic_write(path: Path, write) -> None:
+    """`write(temp_path)` fills a temp file in `path`'s folder, which then gets the umask's
+    permissions (mkstemp makes it private), is fsynced and renamed onto `path`: a reader
+    sees the old file or the whole new one, never part of it. Whatever fails, the temp file
+    is removed. The one atomic writer of the runtime (runtime.train's checkpoints too)."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        fsync_path(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def atomic_text(path: Path, text: str) -> None:
+    """`text`, UTF-8, into `path` through atomic_write."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def fsync_path(path) -> None:
+    """fsync a file or folder by its path (after whoever wrote it closed it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set straight back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

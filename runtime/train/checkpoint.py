@@ -36,7 +36,8 @@ import torch
 
 from runtime.errors import RuntimeUserError
 from runtime.hf_weights.export import write_config
-from runtime.hf_weights.stream import MAX_SHARD_SIZE, StreamFile
+from runtime.hf_weights.stream import (MAX_SHARD_SIZE, StreamFile, atomic_text,
+                                        current_umask, fsync_path)
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -83,10 +84,10 @@ def save_checkpoint(root, source, trainer: dict, *, schema: list, layout: dict,
             save_lora(adapters, temp, adapter_masters)
         files = {f.name: f.stat().st_size for f in sorted(temp.iterdir())}
         text = json.dumps(trainer | {"format": FORMAT, "files": files}, indent=2) + "\n"
-        atomic_write(temp / STATE, lambda tmp: Path(tmp).write_text(text, "utf-8"))
+        atomic_text(temp / STATE, text)
         _publish(temp)
         _replace_folder(temp, final)
-        atomic_write(root / LATEST, lambda tmp: Path(tmp).write_text(final.name + "\n"))
+        atomic_text(root / LATEST, final.name + "\n")
         if shards is not None:
             shards.published()
     finally:
@@ -153,20 +154,6 @@ def read_optimizer(folder: Path) -> dict:
     return state
 
 
-def atomic_write(path: Path, write) -> None:
-    """`write(temp_path)` into a temp file in the same folder, fsync, os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        _fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def recover(root: Path) -> None:
     """Undo what killed saves left in `root`: a `.checkpoint-<step>.old` whose
     `checkpoint-<step>` is missing (killed between the renames of a re-save) is put back,
@@ -201,7 +188,7 @@ def _replace_folder(temp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(temp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -215,29 +202,15 @@ def _step_name(aside: Path) -> str:
     return aside.name.removeprefix(".").removesuffix(".old")
 
 
-def _fsync(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(folder: Path) -> None:
     """Flush every file to disk and give the folder and files the umask's permissions
     (temp files and folders are made private)."""
-    umask = _umask()
+    umask = current_umask()
     for file in folder.iterdir():
         os.chmod(file, 0o666 & ~umask)
-        _fsync(file)
+        fsync_path(file)
     os.chmod(folder, 0o777 & ~umask)
-    _fsync(folder)
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+    fsync_path(folder)
 
 
 def _step_of(folder: Path) -> int:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.train.checkpoint import atomic_write
+from runtime.hf_weights.stream import atomic_text, atomic_write
 
 FORMAT = "modulec-shard/1"
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
@@ -199,7 +199,7 @@ def write_shard(folder: Path, trainer, shape: dict, data: dict) -> None:
         index["sharded"] = {p: trainer.sharded[p] for p in trainer.names
                             if p in trainer.sharded}
     text = json.dumps(index, indent=2) + "\n"
-    atomic_write(folder / f"{name}.json", lambda tmp: Path(tmp).write_text(text, "utf-8"))
+    atomic_text(folder / f"{name}.json", text)
 
 
 class ShardSave:
