@@ -106,6 +106,9 @@ def test_the_attention_entry_records_what_ran_for_the_trainers_note():
     gpu_like = {("forward", "cudnn", 64), ("backward", "cudnn", 64)}
     hint = 'pip install "modulec[fa4]"'
     assert (hint in ran_note(gpu_like)) == (not FA4.interface())
+    if not FA4.interface():  # what installing it changes (no measured figure: it goes stale)
+        assert ran_note(gpu_like).endswith("backward then runs FlashAttention-4's kernel "
+                                           "instead of cuDNN's on SM90 / SM100 cards)")
     assert ran_note({("forward", "cudnn", 64), ("backward", "fa4", 64)}).startswith(
         "attention: forward cuDNN; backward FlashAttention-4")
     assert ran_note(set()) is None
