@@ -201,9 +201,10 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up, const Outputs& out,
 
 // (d_gate, d_up): the two halves of one [*, 2C] buffer (so the concat that usually
 // follows is a view: runtime/cuda/train_kernels.py), or out[0] and out[1] when both are
-// given (the arena's planned bytes)
+// given (the arena's planned bytes); with_y: then y = act(gate) * up too, the forward's
+// output, into out[2] when given (the backward's recompute of y, in the same pass)
 std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const Tensor& up,
-                                    const Outputs& out, int64_t activation) {
+                                    const Outputs& out, int64_t activation, bool with_y) {
   check_rows(gate, "gate", gate.scalar_type(), gate);
   check_rows(up, "up", gate.scalar_type(), gate);
   check_rows(d_y, "d_y", gate.scalar_type(), gate);
@@ -224,14 +225,24 @@ std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const
     d_gate = both.narrow(-1, 0, C);
     d_up = both.narrow(-1, C, C);
   }
-  const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up});
-  check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), a.ld[0],
-                                               gate.data_ptr(), a.ld[1], up.data_ptr(), a.ld[2],
-                                               d_gate.data_ptr(), a.ld[3], d_up.data_ptr(),
-                                               a.ld[4], a.rows, a.C, static_cast<int>(activation),
-                                               stream()),
+  if (!with_y) {
+    const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up});
+    check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), a.ld[0],
+                                                 gate.data_ptr(), a.ld[1], up.data_ptr(), a.ld[2],
+                                                 d_gate.data_ptr(), a.ld[3], d_up.data_ptr(),
+                                                 a.ld[4], a.rows, a.C,
+                                                 static_cast<int>(activation), stream()),
+                 "swiglu backward");
+    return {d_gate, d_up};
+  }
+  Tensor y = output_rows(out, 2, gate.sizes(), gate.options());
+  const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up, &y});
+  check_launch(modulec::launch_swiglu_backward_y(
+                   dtype_of(gate), d_y.data_ptr(), a.ld[0], gate.data_ptr(), a.ld[1],
+                   up.data_ptr(), a.ld[2], d_gate.data_ptr(), a.ld[3], d_up.data_ptr(), a.ld[4],
+                   y.data_ptr(), a.ld[5], a.rows, a.C, static_cast<int>(activation), stream()),
                "swiglu backward");
-  return {d_gate, d_up};
+  return {d_gate, d_up, y};
 }
 
 // strides of a [B, H, T, D] tensor over b, h, t (the last dim must be contiguous)
@@ -726,10 +737,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(gate, up, out=[], activation=0) -> y  (row-strided inputs)", py::arg("gate"),
         py::arg("up"), py::arg("out") = Outputs(), py::arg("activation") = 0);
   m.def("swiglu_backward", &swiglu_backward,
-        "(d_y, gate, up, out=[], activation=0) -> [d_gate, d_up]  (the halves of one [*, 2C] "
-        "buffer, or out[0] and out[1])",
+        "(d_y, gate, up, out=[], activation=0, with_y=False) -> [d_gate, d_up] (the halves of "
+        "one [*, 2C] buffer, or out[0] and out[1]), then y = act(gate) * up with with_y (into "
+        "out[2] when given)",
         py::arg("d_y"), py::arg("gate"), py::arg("up"), py::arg("out") = Outputs(),
-        py::arg("activation") = 0);
+        py::arg("activation") = 0, py::arg("with_y") = false);
   m.def("rope", &rope,
         "(x [B, H, T, D] strided, position_ids or None, inv_freq fp32 [n], scale, interleaved, "
         "inverse, out=[]) -> rotated x (2n channels), laid out [B, T, H, D], or into out[0] "

@@ -371,12 +371,41 @@ def test_swiglu_on_the_halves_of_a_fused_projection(shape, dtype):
     got = CUDA_KERNELS["swiglu"].backward([d_y, gate, up], {})
     want = KERNELS["swiglu"].backward([d_y, gate, up], {})
     assert_close(got, want, TOL[dtype], f"swiglu backward strided {dtype}")
-    d_gate, d_up = got
+    d_gate, d_up, _ = got  # (and y)
     assert d_gate.data_ptr() + C * d_gate.element_size() == d_up.data_ptr()
     from runtime.cuda.train_kernels import join
     both = join([d_gate, d_up], -1)
     assert both is not None and both.is_contiguous()
-    assert_close([both], [torch.cat(want, dim=-1)], TOL[dtype], "joined d_gate_up")
+    assert_close([both], [torch.cat(want[:2], dim=-1)], TOL[dtype], "joined d_gate_up")
+
+
+GATED = [("swiglu", {}), ("geglu", {"approximate": True}), ("geglu", {"approximate": False})]
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 64), (5, 37), (4, 7, 1024)])
+@pytest.mark.parametrize("name, attrs", GATED, ids=["swiglu", "geglu-tanh", "geglu-erf"])
+def test_gated_backward_writes_y_in_its_pass(name, attrs, shape, dtype):
+    """The backward's y (the MLP's recompute of hidden, fused into it): the reference's
+    within the dtype's tolerance and the forward kernel's bit for bit, contiguous and on
+    the halves of a fused projection, into given bytes too; d_gate / d_up as without y."""
+    torch.manual_seed(9)
+    C, kernel = shape[-1], CUDA_KERNELS[name]
+    gate, up = rand(*shape[:-1], 2 * C, dtype=dtype, scale=3.0).split([C, C], dim=-1)
+    for g, u in ((gate, up), (gate.contiguous(), up.contiguous())):
+        d_y = rand(*shape, dtype=dtype)
+        got = kernel.backward([d_y, g, u], dict(attrs))
+        want = KERNELS[name].backward([d_y, g, u], dict(attrs))
+        assert len(got) == 3 and got[2].shape == g.shape
+        assert_close(got, want, TOL[dtype], f"{name} backward with y {dtype}")
+        assert torch.equal(got[2], kernel.forward([g, u], dict(attrs))[0])
+        plain = kernel.backward([d_y, g, u], dict(attrs, wanted_outputs=(True, True, False)))
+        assert plain[2] is None
+        assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1])
+        raw = torch.empty(got[2].nbytes + 64, dtype=torch.uint8, device="cuda")
+        into = kernel.backward([d_y, g, u], dict(attrs, out=[None, None, raw]))
+        assert into[2].data_ptr() == raw.data_ptr() and torch.equal(into[2], got[2])
 
 
 @needs_gpus(1)

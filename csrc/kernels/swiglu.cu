@@ -7,7 +7,10 @@
 // d_gate / d_up into the two halves of one [.., 2 * d_ff] buffer: no copy, no concat.
 // A contiguous call passes rows = 1, C = n. One thread per VEC elements of a row; the
 // 16-byte path needs aligned bases and row strides that are multiples of VEC; the last
-// C % VEC elements of a row are done one by one by the thread that owns them. The forward's
+// C % VEC elements of a row are done one by one by the thread that owns them. The backward
+// may also write y (a non-null y: the recompute of y a backward that did not save it needs,
+// fused into the pass that reads gate and up anyway; the same arithmetic as the forward's,
+// so the same bits). The forward's
 // FP8 kernel (bf16) also writes y's fp8 copy, y and y^T, under delayed scaling and takes
 // y's amax (fp8.cuh DelayedSink; runtime/cuda/fp8_producers.py): 64 x 64 tiles of y.
 #include "activations.cuh"
@@ -87,12 +90,15 @@ __global__ void swiglu_forward_fp8_kernel(const __nv_bfloat16* __restrict__ gate
   store_transposed(tile, static_cast<__nv_fp8_storage_t*>(d.out_t), t, rows, C);
 }
 
-template <typename T, int VEC, int ACT>
+// WITH_Y: also y = act(gate) * up into y (a template flag: the plain backward keeps its
+// registers and its one branch)
+template <typename T, int VEC, int ACT, bool WITH_Y>
 __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
                                        const T* __restrict__ gate, int64_t ld_g,
                                        const T* __restrict__ up, int64_t ld_u,
                                        T* __restrict__ d_gate, int64_t ld_dg,
-                                       T* __restrict__ d_up, int64_t ld_du, Rows s) {
+                                       T* __restrict__ d_up, int64_t ld_du,
+                                       T* __restrict__ y, int64_t ld_y, Rows s) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= s.rows * s.cv) return;
   const int64_t r = idx / s.cv, c = (idx - r * s.cv) * VEC;
@@ -101,6 +107,7 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
   const T* u = up + r * ld_u + c;
   T* dgp = d_gate + r * ld_dg + c;
   T* dup = d_up + r * ld_du + c;
+  T* yp = WITH_Y ? y + r * ld_y + c : nullptr;
   if (c + VEC <= s.C) {
     float dy[VEC], gv[VEC], uv[VEC], dg[VEC], du[VEC];
     load_vec<T, VEC>(dyp, 0, dy);
@@ -110,12 +117,20 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
     for (int j = 0; j < VEC; ++j) swiglu_grad<ACT>(dy[j], gv[j], uv[j], dg[j], du[j]);
     store_vec<T, VEC>(dgp, 0, dg);
     store_vec<T, VEC>(dup, 0, du);
+    if constexpr (WITH_Y) {
+      float yv[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) yv[j] = swiglu_y<ACT>(gv[j], uv[j]);
+      store_vec<T, VEC>(yp, 0, yv);
+    }
   } else {
     for (int64_t j = 0; c + j < s.C; ++j) {
       float dg, du;
-      swiglu_grad<ACT>(to_float(dyp[j]), to_float(g[j]), to_float(u[j]), dg, du);
+      const float gj = to_float(g[j]), uj = to_float(u[j]);
+      swiglu_grad<ACT>(to_float(dyp[j]), gj, uj, dg, du);
       dgp[j] = from_float<T>(dg);
       dup[j] = from_float<T>(du);
+      if constexpr (WITH_Y) yp[j] = from_float<T>(swiglu_y<ACT>(gj, uj));
     }
   }
 }
@@ -155,23 +170,31 @@ cudaError_t forward_typed(const void* gate, int64_t ld_g, const void* up, int64_
   return cudaGetLastError();
 }
 
+// y (ld_y) may be null: the plain backward
 template <typename T, int ACT>
 cudaError_t backward_typed(const void* d_y, int64_t ld_dy, const void* gate, int64_t ld_g,
                            const void* up, int64_t ld_u, void* d_gate, int64_t ld_dg,
-                           void* d_up, int64_t ld_du, int64_t rows, int64_t C,
-                           cudaStream_t st) {
+                           void* d_up, int64_t ld_du, void* y, int64_t ld_y, int64_t rows,
+                           int64_t C, cudaStream_t st) {
   constexpr int wide = 16 / sizeof(T);
   auto args = [&](auto kernel, int vec) {
     const Rows s = rows_of(rows, C, vec);
     kernel<<<blocks_for(s), kThreads, 0, st>>>(
         static_cast<const T*>(d_y), ld_dy, static_cast<const T*>(gate), ld_g,
         static_cast<const T*>(up), ld_u, static_cast<T*>(d_gate), ld_dg, static_cast<T*>(d_up),
-        ld_du, s);
+        ld_du, static_cast<T*>(y), ld_y, s);
   };
-  if (wide_ok<T>({d_y, gate, up, d_gate, d_up}, {ld_dy, ld_g, ld_u, ld_dg, ld_du}, rows))
-    args(swiglu_backward_kernel<T, wide, ACT>, wide);
+  // a null y is aligned (pick_vec's test); its ld is then only checked, never used
+  const bool wide_path = wide_ok<T>({d_y, gate, up, d_gate, d_up, y},
+                                    {ld_dy, ld_g, ld_u, ld_dg, ld_du, y ? ld_y : 0}, rows);
+  if (y && wide_path)
+    args(swiglu_backward_kernel<T, wide, ACT, true>, wide);
+  else if (y)
+    args(swiglu_backward_kernel<T, 1, ACT, true>, 1);
+  else if (wide_path)
+    args(swiglu_backward_kernel<T, wide, ACT, false>, wide);
   else
-    args(swiglu_backward_kernel<T, 1, ACT>, 1);
+    args(swiglu_backward_kernel<T, 1, ACT, false>, 1);
   return cudaGetLastError();
 }
 
@@ -187,13 +210,13 @@ cudaError_t forward_act(DType dt, const void* gate, int64_t ld_gate, const void*
 template <int ACT>
 cudaError_t backward_act(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
                          int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
-                         int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows, int64_t C,
-                         cudaStream_t stream) {
+                         int64_t ld_dgate, void* d_up, int64_t ld_dup, void* y, int64_t ld_y,
+                         int64_t rows, int64_t C, cudaStream_t stream) {
   if (dt == DType::BF16)
     return backward_typed<__nv_bfloat16, ACT>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate,
-                                              ld_dgate, d_up, ld_dup, rows, C, stream);
+                                              ld_dgate, d_up, ld_dup, y, ld_y, rows, C, stream);
   return backward_typed<float, ACT>(d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate, d_up,
-                                    ld_dup, rows, C, stream);
+                                    ld_dup, y, ld_y, rows, C, stream);
 }
 
 }  // namespace
@@ -214,24 +237,33 @@ cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, c
   }
 }
 
-cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
-                                   int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
-                                   int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
-                                   int64_t C, int activation, cudaStream_t stream) {
+cudaError_t launch_swiglu_backward_y(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
+                                     int64_t ld_gate, const void* up, int64_t ld_up,
+                                     void* d_gate, int64_t ld_dgate, void* d_up, int64_t ld_dup,
+                                     void* y, int64_t ld_y, int64_t rows, int64_t C,
+                                     int activation, cudaStream_t stream) {
   if (rows * C == 0) return cudaSuccess;
   switch (activation) {
     case kSilu:
       return backward_act<kSilu>(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate, d_up,
-                                 ld_dup, rows, C, stream);
+                                 ld_dup, y, ld_y, rows, C, stream);
     case kGeluTanh:
       return backward_act<kGeluTanh>(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
-                                     d_up, ld_dup, rows, C, stream);
+                                     d_up, ld_dup, y, ld_y, rows, C, stream);
     case kGeluErf:
       return backward_act<kGeluErf>(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
-                                    d_up, ld_dup, rows, C, stream);
+                                    d_up, ld_dup, y, ld_y, rows, C, stream);
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
+                                   int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
+                                   int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
+                                   int64_t C, int activation, cudaStream_t stream) {
+  return launch_swiglu_backward_y(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
+                                  d_up, ld_dup, nullptr, 0, rows, C, activation, stream);
 }
 
 cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const void* up,

@@ -227,11 +227,23 @@ def _gated(activation):
 
     @writes_rows
     def backward(ext, inputs, attrs, out=None):
+        """(d_gate, d_up, y): y, the forward's output, in the same pass where it is wanted
+        (a written backward that reads it; `wanted_outputs`, the GPU step's, says not for a
+        derived one's empty output), else None."""
         d_y, gate, up = inputs
-        return ext.swiglu_backward(d_y, gate, up, [typed(out, i, gate.shape, gate.dtype)
-                                                   for i in range(2)],
-                                   activation=activation(attrs))
+        with_y = _wanted(attrs, 2)
+        made = ext.swiglu_backward(d_y, gate, up, [typed(out, i, gate.shape, gate.dtype)
+                                                   for i in range(3 if with_y else 2)],
+                                   activation=activation(attrs), with_y=with_y)
+        return made if with_y else made + [None]
     return forward, backward
+
+
+def _wanted(attrs, index: int) -> bool:
+    """Whether output `index` is wanted: all are unless `wanted_outputs` (the GPU step's
+    interpreter, for a node with an empty output) says otherwise."""
+    wanted = attrs.get("wanted_outputs")
+    return wanted is None or bool(wanted[index])
 
 
 _swiglu_fwd, _swiglu_bwd = _gated(lambda attrs: 0)

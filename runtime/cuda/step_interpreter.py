@@ -412,10 +412,12 @@ class _StepInterpreter(Interpreter):
 
     def _attrs(self, node):
         """A matmul backward with an unwanted gradient (a frozen weight's d_B) is told so
-        (`train_kernels.Matmul` then computes only the wanted one); so is an RMSNorm
-        backward whose d_weight is unwanted (its kernel skips the weight's sums)."""
+        (`train_kernels.Matmul` then computes only the wanted one); so is a gated
+        activation's backward whose y is unwanted (a derived one's: its kernel then writes
+        the gradients only) and an RMSNorm backward whose d_weight is unwanted (its kernel
+        skips the weight's sums)."""
         attrs = super()._attrs(node)
-        if node.target in MATMUL_BACKWARDS and not all(node.outputs):
+        if node.target in PARTIAL_BACKWARDS and not all(node.outputs):
             attrs["wanted_outputs"] = tuple(bool(o) for o in node.outputs)
         if node.target in NORM_BACKWARDS and not node.outputs[-1]:
             attrs["weight_grad"] = False  # a frozen norm weight (kernels.py `_weight_grad`)
@@ -435,6 +437,8 @@ class _StepInterpreter(Interpreter):
 
 
 MATMUL_BACKWARDS = ("matmul_backward", "batched_matmul_backward")
+# backwards whose kernels compute only the outputs `wanted_outputs` asks for
+PARTIAL_BACKWARDS = MATMUL_BACKWARDS + ("swiglu_backward", "geglu_backward")
 NORM_BACKWARDS = ("rmsnorm_backward", "fused_residual_rmsnorm_backward")  # d_weight last
 FP8_TARGETS = ("matmul", "matmul_backward")
 

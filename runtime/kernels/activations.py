@@ -28,11 +28,14 @@ def gelu_grad(x: Tensor, approximate: bool) -> Tensor:
 
 
 # --------------------------------------------------------------------------- swiglu
+# The gated backwards also return y (= the forward's, the same ops in the same order), the
+# recompute a backward that did not save y needs (std/primitives/swiglu.module)
 def _swiglu_backward(d_y, gate, up, **_):
-    return [d_y * up * silu_grad(gate), d_y * silu(gate)]
+    act = silu(gate)
+    return [d_y * up * silu_grad(gate), d_y * act, act * up]
 
 
-@register("swiglu", ("gate", "up"), ("y",), ("d_y", "gate", "up"), ("d_gate", "d_up"),
+@register("swiglu", ("gate", "up"), ("y",), ("d_y", "gate", "up"), ("d_gate", "d_up", "y"),
           backward=_swiglu_backward)
 def _swiglu_forward(gate, up, **_):
     return [silu(gate) * up]
@@ -40,10 +43,11 @@ def _swiglu_forward(gate, up, **_):
 
 # ---------------------------------------------------------------------------- geglu
 def _geglu_backward(d_y, gate, up, *, approximate=True, **_):
-    return [d_y * up * gelu_grad(gate, approximate), d_y * gelu(gate, approximate)]
+    act = gelu(gate, approximate)
+    return [d_y * up * gelu_grad(gate, approximate), d_y * act, act * up]
 
 
-@register("geglu", ("gate", "up"), ("y",), ("d_y", "gate", "up"), ("d_gate", "d_up"),
+@register("geglu", ("gate", "up"), ("y",), ("d_y", "gate", "up"), ("d_gate", "d_up", "y"),
           backward=_geglu_backward)
 def _geglu_forward(gate, up, *, approximate=True, **_):
     return [gelu(gate, approximate) * up]
