@@ -55,10 +55,10 @@ def _swiglu():
 
 def test_swiglu_mutants_by_kind():
     kinds = Counter(m.kind for m in _swiglu())
-    # outputs: swiglu_backward's pair; inputs: 9 pairs over the tuples; 4 matmuls x 2
-    # letters; scale: 4 alphas, a step before hidden and before d_gate_up, and
-    # swiglu_backward's d_hidden (the backward recomputes the activation only)
-    assert kinds == {"swap-outputs": 1, "swap-inputs": 9, "flip-transpose": 8, "scale": 7}
+    # outputs: 3 pairs of swiglu_backward's (d_gate, d_up, hidden); inputs: 8 pairs over
+    # the tuples; 4 matmuls x 2 letters; scale: 4 alphas, a step before d_gate_up, and
+    # swiglu_backward's d_hidden (hidden comes back from swiglu_backward: no recompute flow)
+    assert kinds == {"swap-outputs": 3, "swap-inputs": 8, "flip-transpose": 8, "scale": 6}
     assert {m.file for m in _swiglu()} == {"std/modules/mlp.module"}
     assert all(m.settings == {} for m in _swiglu())
 
@@ -67,7 +67,7 @@ def test_one_step_edits():
     mutants = {m.description: m for m in _swiglu()}
     original = MLP.read_text(encoding="utf-8")
     swapped = mutants["-> (d_gate <-> d_up)"].text
-    assert "swiglu_backward() -> (d_up, d_gate)" in swapped
+    assert "swiglu_backward() -> (d_up, d_gate, hidden)" in swapped
     flipped = mutants["matmul: transpose=TN -> TT"].text
     assert len(flipped) == len(original) and flipped.count("transpose=TT") == 1
     scaled = {m.text for m in _swiglu() if m.description == "matmul: alpha x 0.5"}

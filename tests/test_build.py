@@ -387,14 +387,16 @@ TYPE_EDITS = [
 
 
 def _overlapping(document):
-    """The MLP backward's d_hidden (node 1's output) moved onto the recomputed hidden (node
-    0's), both transient: hidden is still read after d_hidden is written (node 2, the down
-    weight's gradient), and d_hidden by node 3 (the activation's backward). Since the MLP
-    saves gate/up (6a3f3aa) its forward has one transient value only, the activation
+    """The MLP backward's hidden (node 1's third output: the activation's backward returns
+    it, the down weight's gradient reads it at node 2) moved onto d_gate's bytes (node 1's
+    first output, read by the concat at node 3): both are live from node 1 on. Since the
+    MLP saves gate/up (6a3f3aa) its forward has one transient value only, the activation
     output, and the up projection it was moved onto before is a saved value (another
     region), so the forward no longer holds two values that could overlap."""
     backward = f"{MLP}.backward"
-    _set_buffer(backward, 1, 2, _offset_of(backward, 0)(document))(document)
+    op = document["schedule"]["functions"][backward][1]
+    assert [b[0] for b in op["buffers"]] == ["%b2", "%b3", "%b4"]  # d_gate, d_up, hidden
+    op["buffers"][2][2] = op["buffers"][0][2]
 
 
 def _swapped(document):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from modulec.diagnostics import Diagnostic, error, warning
 from modulec.ir.graph import Graph, function_runs
+from modulec.ops.registry import op_table
 from modulec.syntax import ast as A
 
 FP8 = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # the formats and their largest finite values
@@ -261,12 +262,26 @@ def _roles(node, function) -> dict:
 
 
 def _gradient_values(function) -> set[str]:
-    """Values of a written backward function that depend on its gradient inputs (`d_*`)."""
+    """Values of a written backward function that depend on its gradient inputs (`d_*`).
+    A primitive backward's outputs that are no gradient do not: swiglu_backward's `y` is
+    the forward's output, made from gate and up alone (a forward operand)."""
     tainted = {i.id for i in function.inputs if (i.name or i.id).startswith("d_")}
     for node in function.nodes:
         if any(v in tainted for v in node.inputs):
-            tainted |= {o for o in node.outputs if o}
+            tainted |= {o for o, gradient in zip(node.outputs, _gradient_outputs(node))
+                        if o and gradient}
     return tainted
+
+
+def _gradient_outputs(node) -> list[bool]:
+    """Per output of `node`, whether it can carry a gradient: all of them, but for a
+    primitive's backward op, the outputs its signature names `d_*`."""
+    if node.kind == "op" and node.target.endswith("_backward"):
+        rule = op_table().get(node.target[:-len("_backward")])
+        phase = rule.definition.backward if rule is not None else None
+        if phase is not None and len(phase.outputs) == len(node.outputs):
+            return [sig.name.startswith("d_") for sig in phase.outputs]
+    return [True] * len(node.outputs)
 
 
 # ====================================================================== ir verify
