@@ -3,13 +3,12 @@ run forward (and backward), write the outputs. Every user mistake is a RuntimeUs
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from modulec.files import atomic_write
 from runtime.errors import RuntimeUserError
 from runtime.model import Model
 
@@ -127,16 +126,10 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, tensors: dict) -> None:
-    """Atomically: a temp file in the same folder, then rename."""
+    """Atomically (modulec.files): a temp file in the same folder, then rename."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(handle)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, temp)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    atomic_write(path, lambda temp: save_file(cpu, temp))

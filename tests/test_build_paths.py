@@ -64,11 +64,11 @@ def test_a_write_that_fails_is_the_users_error_and_leaves_nothing(tmp_path):
     import click
     import pytest
 
-    from modulec.cli.build_cmd import _write_atomically
+    from modulec.cli.build_cmd import write_output
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(click.FileError) as failure:
-        _write_atomically(blocker / "x.ir", "{}")
+        write_output(blocker / "x.ir", "{}")
     assert "x.ir" in failure.value.format_message()
     assert [p.name for p in tmp_path.iterdir()] == ["file"]  # no temporary file left

@@ -131,45 +131,6 @@ def test_an_unfinished_or_wrong_write_leaves_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("failing", ["write", "chmod", "fsync", "replace"])
-def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path, monkeypatch, failing):
-    """The runtime's one atomic writer (config.json, the index, trainer_state.json,
-    `latest`, ZeRO shards): while the new bytes are written the old file is still whole
-    under its name; done, the new file is there with the umask's permissions; a failure at
-    any step (the write, or os.chmod / os.fsync / os.replace) leaves the old file and no
-    temp file."""
-    import os
-
-    from runtime.hf_weights import stream
-
-    target = tmp_path / "config.json"
-
-    def writer(fail: bool):
-        def write(tmp):
-            assert Path(tmp).parent == tmp_path and target.read_text() == "old"
-            Path(tmp).write_text("new half")
-            if fail:
-                raise OSError("write failed")
-            Path(tmp).write_text("new")
-        return write
-
-    target.write_text("old")
-    stream.atomic_write(target, writer(fail=False))
-    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == [target.name]
-    assert target.stat().st_mode & 0o777 == 0o666 & ~stream.current_umask()
-
-    def broken(*args, **kwargs):
-        raise OSError(f"{failing} failed")
-
-    target.write_text("old")
-    if failing != "write":
-        monkeypatch.setattr(os, failing, broken)
-    with pytest.raises(OSError, match=f"{failing} failed"):
-        stream.atomic_write(target, writer(fail=failing == "write"))
-    monkeypatch.undo()
-    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == [target.name]
-
-
 def test_shards_split_as_huggingface_hub_splits():
     from huggingface_hub import split_torch_state_dict_into_shards
 

@@ -359,7 +359,8 @@ def test_data_errors(tokenizer, tmp_path):
     assert broken.exit_code == 1 and f"{bad}:2: not a JSON line" in broken.output
     field = run("data", bad, "-o", out, "--tokenizer", tokenizer, "--field", "body")
     assert field.exit_code == 1 and f'{bad}:1: no field "body"' in field.output
-    assert not out.exists()  # nothing half-written
+    # nothing half-written, no temp file left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.txt"]
 
 
 def test_data_refuses_a_vocabulary_larger_than_the_dtype(tmp_path):

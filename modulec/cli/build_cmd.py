@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import click
@@ -11,6 +9,7 @@ import click
 from modulec.check.given import MAX_SIZE  # a size no real model comes near
 from modulec.cli.fp8_options import fp8_options, fp8_overrides
 from modulec.cli.parallel import parallel_options, parallel_request, tensor_parallel_request
+from modulec.files import atomic_text
 
 
 def pairs(values, what: str, integer: bool) -> dict:
@@ -186,7 +185,7 @@ def build_command(output_options, guarded):
         if output is not None:  # paths rooted: the same bytes from any working directory
             from modulec.lower.source_paths import normalize_paths
 
-            _write_atomically(output, dumps(normalize_paths(result.document, file)))
+            write_output(output, dumps(normalize_paths(result.document, file)))
         return 0
     return build
 
@@ -244,21 +243,11 @@ def verify_document(path: Path) -> list[str]:
     return load_document(path)[1]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`; a
-    folder that cannot be written (permissions, a full disk) is the user's error, with
-    nothing left behind."""
-    path = Path(path)
-    temporary = None
+def write_output(path: Path, text: str) -> None:
+    """`text` into `path` through modulec.files' atomic writer (`modulec build -o`, `fmt`,
+    `lock`); a folder that cannot be written (permissions, a full disk) is the user's
+    error, with nothing left behind."""
     try:
-        handle, temporary = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it private; an IR file is not
-        os.replace(temporary, path)
+        atomic_text(path, text)
     except OSError as exc:
-        if temporary is not None and os.path.exists(temporary):
-            os.unlink(temporary)
         raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc

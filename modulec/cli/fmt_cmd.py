@@ -46,6 +46,6 @@ def fmt_command(output_options, guarded):
 
 
 def _write(path: Path, text: str) -> None:
-    from modulec.cli.build_cmd import _write_atomically
+    from modulec.cli.build_cmd import write_output
 
-    _write_atomically(path, text)
+    write_output(path, text)

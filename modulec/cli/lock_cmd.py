@@ -38,7 +38,8 @@ def lock_command(output_options):
 def write_lock(file: Path, search_path: tuple[Path, ...], out: Output) -> int:
     from modulec.diagnostics import summary_line
     from modulec.resolve import Resolver
-    from modulec.resolve.lockfile import LOCK_NAME, lock_text, write_atomically
+    from modulec.cli.build_cmd import write_output
+    from modulec.resolve.lockfile import LOCK_NAME, lock_text
 
     resolver = Resolver(list(search_path))
     entry = resolver.load(file)
@@ -52,7 +53,7 @@ def write_lock(file: Path, search_path: tuple[Path, ...], out: Output) -> int:
         out.summary(results, "lock", "locked")
         return EXIT_ERRORS
     target = file.parent / LOCK_NAME
-    write_atomically(target, text)
+    write_output(target, text)
     if not out.json:
         counts = summary_line(d for r in results for d in r.diagnostics)
         modules = sum(line.startswith("  ") for line in text.splitlines())

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+from modulec.files import atomic_write
 from modulec.pictures import PictureError
 
 SUFFIXES = {".dot": "dot", ".gv": "dot", ".svg": "svg", ".png": "png"}
@@ -40,16 +39,5 @@ def render(dot_text: str, fmt: str) -> bytes:
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write atomically: a reader never sees half a picture."""
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write atomically (modulec.files): a reader never sees half a picture."""
+    atomic_write(path, lambda temporary: Path(temporary).write_bytes(data))

@@ -14,8 +14,6 @@ file below the locked file's folder, its path from there; else its path in its s
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 from modulec.diagnostics import Diagnostic, error
@@ -86,24 +84,3 @@ def _disambiguate(key: str, group: list[ModuleFile], problems: list[Diagnostic])
                               None, help=["rename one of the files, or import it from "
                                           "another search root"]))
     return keyed
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename it over `path`."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+# the one atomic writer (torch-free, so the compiler shares it); callers import it from here
+from modulec.files import atomic_text, atomic_write, current_umask, fsync_path  # noqa: F401
+
 # torch dtype -> (safetensors name, its place in safetensors' Dtype enum: the data order)
 DTYPES = {torch.bool: ("BOOL", 0), torch.uint8: ("U8", 4), torch.int8: ("I8", 5),
           torch.float8_e5m2: ("F8_E5M2", 6), torch.float8_e4m3fn: ("F8_E4M3", 7),
@@ -163,42 +166,3 @@ class StreamCheckpoint:
     def abort(self) -> None:
         for file in self.files:
             file.abort()
-
-
-def atomic_write(path: Path, write) -> None:
-    """`write(temp_path)` fills a temp file in `path`'s folder, which then gets the umask's
-    permissions (mkstemp makes it private), is fsynced and renamed onto `path`: a reader
-    sees the old file or the whole new one, never part of it. Whatever fails, the temp file
-    is removed. The one atomic writer of the runtime (runtime.train's checkpoints too)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        fsync_path(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_text(path: Path, text: str) -> None:
-    """`text`, UTF-8, into `path` through atomic_write."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def fsync_path(path) -> None:
-    """fsync a file or folder by its path (after whoever wrote it closed it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def current_umask() -> int:
-    """The process's umask (reading it means setting it: set straight back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
+
+from modulec.files import atomic_text
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -113,6 +114,4 @@ def _keep_until(path: Path, start: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if r["step"] <= start] if start else []
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(temp, path)
+    atomic_text(path, "".join(json.dumps(r) + "\n" for r in kept))

@@ -19,14 +19,13 @@ folder (no network).
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from modulec.files import atomic_write  # runtime.hf_weights.stream's, without importing torch
 from runtime.errors import RuntimeUserError
 
 LIMITS = {"uint16": 65536, "uint32": 2 ** 32}
@@ -221,19 +220,16 @@ def prepare(*, inputs, output, tokenizer, text_field="text", doc_sep="eos",
         raise RuntimeUserError(f"-o {output}: folder {output.parent} does not exist")
     bar = progress if progress is not None else _progress(inputs)
     summary = Summary()
-    fd, temp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle, bar:
+
+    def tokenize_into(temp) -> None:
+        with open(temp, "wb") as handle, bar:
             for path in inputs:
                 _one_input(path, input_kind(path, fmt), text_field, loaded, sep, dtype,
                            handle, bar, summary)
         if summary.tokens == 0:
             raise RuntimeUserError("the inputs hold no tokens: nothing to write")
-        os.chmod(temp, 0o666 & ~_umask())
-        os.replace(temp, output)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+
+    atomic_write(output, tokenize_into)
     sep_text = "no separator" if sep is None else f"separator id {sep}"
     return (f"wrote {summary.tokens:,} tokens ({summary.documents:,} documents, "
             f"{sep_text}) to {output} as {dtype}; vocabulary {loaded.vocab_size:,}")
@@ -313,8 +309,3 @@ class _Bar(_Quiet):
 def _progress(inputs: list[Path]):
     return _Bar(inputs) if sys.stderr.isatty() else _Quiet()
 
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
