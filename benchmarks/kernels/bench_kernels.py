@@ -100,7 +100,12 @@ def swiglu_cases(tokens, d):
     label = f"{tokens}x{d}"
     eager = lambda g, u: F.silu(g) * u  # noqa: E731
     yield ("swiglu", "forward", label, [g, u], {}, nbytes(g, u, g), lambda: eager(g, u))
-    yield ("swiglu", "backward", label, [dy, g, u], {}, nbytes(dy, g, u, g, u), grad_fn(eager, [g, u]))
+    # the gradients alone (a derived backward's), then with y (the std MLPs' written
+    # backward: the recompute of hidden in the same pass, one more write)
+    gradients_only = {"wanted_outputs": (True, True, False)}
+    yield ("swiglu", "backward", label, [dy, g, u], gradients_only, nbytes(dy, g, u, g, u),
+           grad_fn(eager, [g, u]))
+    yield ("swiglu", "backward", f"{label} +y", [dy, g, u], {}, nbytes(dy, g, u, g, u, g), None)
 
 
 def hf_rope(q, k, T, D, theta=10000.0):
