@@ -283,7 +283,12 @@ def test_two_processes_clip_as_one(ckpt, tmp_path):
     a, b = (load_file(str(tmp_path / run / "checkpoint-3" / "model.safetensors"))
             for run in ("one", "two"))
     assert a.keys() == b.keys()
-    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    # fp32 sums in another order (two processes' all_reduce): near-zero elements differ by
+    # rounding on the tensor's scale (1.6e-6 of lm_head's 0.088 seen), not by their own
+    for k in a:
+        scale = float(a[k].abs().max())
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * scale), \
+            (k, float((a[k] - b[k]).abs().max()), scale)
 
 
 def test_every_zero_stage_defers_its_updates_for_clipping():
