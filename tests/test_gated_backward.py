@@ -142,3 +142,67 @@ def test_the_gpu_step_tells_a_derived_gated_backward_its_y_is_unwanted(lora):
     (node,) = [n for f in graph.functions for n in f.nodes if n.target == "swiglu_backward"]
     asked = run._attrs(node).get("wanted_outputs")
     assert asked == ((True, True, False) if lora else None)
+
+
+# ====================================================================== written backwards
+SPEC_FORM = '''
+module GatedMLP(d_model: int, d_ff: int):
+  params:
+    up_weight: [2 * d_ff, d_model]
+    down_weight: [d_model, d_ff]
+
+  forward:
+    in: x: [B, T, d_model]
+    out: [B, T, d_model]
+    graph:
+      x -> matmul(up_weight, transpose=NT) -> gate_up
+      gate_up -> split([d_ff, d_ff], dim=-1) -> (gate, up)
+      (gate, up) -> swiglu() -> hidden
+      hidden -> matmul(down_weight, transpose=NT) -> out
+    save: [x, gate, up]
+    recompute: [hidden]
+
+  backward:
+    graph:
+      recompute:
+        (saved.gate, saved.up) -> swiglu() -> hidden
+      (d_out, down_weight) -> matmul(transpose=NN) -> d_hidden
+      (d_out, hidden) -> matmul(transpose=TN) -> d_down_weight
+      (d_hidden, saved.gate, saved.up) -> swiglu_backward() -> (d_gate, d_up)
+      (d_gate, d_up) -> concat(dim=-1) -> d_gate_up
+      (d_gate_up, up_weight) -> matmul(transpose=NN) -> d_x
+      (d_gate_up, saved.x) -> matmul(transpose=TN) -> d_up_weight
+
+model M(d_model: int = 32, d_ff: int = 48):
+  params:
+    mlp: GatedMLP(d_model, d_ff)
+  forward:
+    in: x: [B, T, d_model]
+    out: [B, T, d_model]
+    graph:
+      x -> mlp -> out
+'''
+
+
+def test_a_written_backward_may_name_only_the_gradients(tmp_path):
+    """Spec §6.3.1's form, `swiglu_backward() -> (d_gate, d_up)`: the backward's trailing
+    non-gradient output (y) may go unnamed, so user backwards written that way still
+    check, build and verify against the derived backward; naming too few gradients is
+    still E003."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "spec_form.module"
+    path.write_text(SPEC_FORM)
+    done = subprocess.run([sys.executable, "-m", "modulec", "check", str(path),
+                           "--verify-backward"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all gradients match" in done.stdout + done.stderr
+    built = subprocess.run([sys.executable, "-m", "modulec", "build", str(path), "-o",
+                            str(tmp_path / "m.ir")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    path.write_text(SPEC_FORM.replace("swiglu_backward() -> (d_gate, d_up)",
+                                      "swiglu_backward() -> d_gate"))
+    short = subprocess.run([sys.executable, "-m", "modulec", "check", str(path)],
+                           capture_output=True, text=True)
+    assert short.returncode == 1 and "E003" in short.stdout + short.stderr

@@ -134,6 +134,7 @@ class GraphChecker:
         if result is None:
             return None
         self._accumulate = result.accumulate
+        self._optional_tail = optional_tail(result)
         if result.rule is not None:
             if self._last_use is not None:
                 rule, inputs, span = self._last_use
@@ -166,6 +167,8 @@ class GraphChecker:
         return [Tensor("", expected.with_dtype(dtype), annotation.span, value=values[0].value)]
 
     def destination(self, flow: A.Flow, step: A.Step, values) -> None:
+        # outputs the flow's last step lets go unnamed (read here, for this flow only)
+        optional, self._optional_tail = getattr(self, "_optional_tail", 0), 0
         targets = self.targets(step.expr, step.annotations)
         if targets is None:
             self.world.error("E003", "a flow must end in the name of its result", step.span,
@@ -180,7 +183,7 @@ class GraphChecker:
         if len(values) == 1 and len(targets) == 1 and len(flow.steps) == 2:
             self._alias(targets[0], values[0])
             return
-        if len(values) != len(targets):
+        if not len(values) - optional <= len(targets) <= len(values):
             self._arity(step, values, targets)
             return
         for (name, span, notes), value in zip(targets, values):
@@ -337,3 +340,19 @@ def declared_type(instance: Instance, sig, span) -> TensorType:
 
 def secondary(span, text: str) -> list[Label]:
     return [Label(span, text)]
+
+
+def optional_tail(result) -> int:
+    """How many trailing outputs of a step a flow may leave unnamed: a primitive's backward
+    (`swiglu_backward`) may return, after its gradients, values that are not gradients
+    (the forward's output it computes on the way, `y`): a written backward that names
+    only the gradients, `-> (d_gate, d_up)` as spec §6.3.1 writes it, still checks."""
+    if not result.backward or result.callee is None:
+        return 0
+    outputs = result.callee.definition.backward.outputs
+    count = 0
+    for sig in reversed(outputs):
+        if sig.name.startswith("d_"):
+            break
+        count += 1
+    return count
