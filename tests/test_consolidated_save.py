@@ -99,7 +99,8 @@ def test_the_sharded_form_loads_in_transformers_and_resumes(ckpt, saved, tmp_pat
 
 
 def test_a_streamed_file_is_save_files_bytes_in_any_write_order(tmp_path):
-    """Every dtype the writer knows, empty and 0-d tensors, written in reverse order."""
+    """Every dtype the writer knows, empty and 0-d tensors, written in reverse order; the
+    file gets the umask's permissions."""
     from safetensors.torch import save
 
     from runtime.hf_weights.stream import DTYPES, Spec, StreamFile
@@ -116,6 +117,11 @@ def test_a_streamed_file_is_save_files_bytes_in_any_write_order(tmp_path):
     file.close()
     assert (tmp_path / "x.safetensors").read_bytes() == save(tensors, metadata={"format": "pt"})
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temp file left
+    # the umask's permissions, as every other file the trainer writes (not mkstemp's 0600)
+    from modulec.files import current_umask
+
+    mode = (tmp_path / "x.safetensors").stat().st_mode & 0o777
+    assert mode == 0o666 & ~current_umask()
 
 
 def test_an_unfinished_or_wrong_write_leaves_no_file(tmp_path):

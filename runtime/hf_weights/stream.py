@@ -102,6 +102,8 @@ class StreamFile:
             self.abort()
             raise ValueError(f"{self.path.name}: never written: {sorted(self.left)[:5]}")
         self.file.flush()
+        # mkstemp made it private (0600): the umask's permissions, as atomic_write gives
+        os.fchmod(self.file.fileno(), 0o666 & ~current_umask())
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
