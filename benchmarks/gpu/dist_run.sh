@@ -8,7 +8,9 @@
 #   SHAPE=llama3-8b BUDGET=70 bash benchmarks/gpu/dist_run.sh      # B=1, FSDP2 + AC peer
 # Other knobs: BATCH (per data-parallel rank), SEQ, LAYERS, GPUS (2), WARMUP,
 # PROFILE_STEPS, TIMEOUT (s per variant), DEADLINE (s for the whole benchmark: each
-# variant's timeout is cut to what is left; a variant left < 20 s is not started), TAG.
+# variant's timeout is cut to what is left; a variant left < 20 s is not started), TAG,
+# NO_PACK (set it where a caller reads $OUT afterwards: else more than 8 files there are
+# packed into $OUT/logs.tgz at the end, stages.sh `pack_out`).
 #
 # Issue 20 on 4 GPUs: the three runs in ONE device call (kind nvidia-h100-x4 or
 # nvidia-h200-x4, timeout_s 600); the DEADLINEs add up to 510 s, the rest is three
@@ -48,3 +50,5 @@ python3 benchmarks/train_step_dist.py --shape "$SHAPE" ${VARIANTS:+--variants "$
   ${DEADLINE:+--deadline "$DEADLINE"} \
   --json "$OUT/train_step_dist-$TAG.json" 2> "$OUT/dist-$TAG.err" | tee "$OUT/dist-$TAG.log"
 tail -5 "$OUT/dist-$TAG.err"
+[ -z "${NO_PACK:-}" ] && pack_out
+exit 0

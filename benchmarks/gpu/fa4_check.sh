@@ -83,7 +83,7 @@ stage_dist() {
     [ "$k" -gt 1 ] && variants=${REPEAT_VARIANTS:-modulec_zero2,hf_fsdp2_compile}
     OUT=$OUT GPUS=${GPUS:-2} TAG=fa4-r$k STEPS=${STEPS:-8} WARMUP=2 PROFILE_STEPS=0 BATCH=4 \
       SEQ=2048 VARIANTS=$variants TIMEOUT=${TIMEOUT:-130} DEADLINE=${DEADLINE:-300} \
-      bash "$(dirname "$0")/dist_run.sh"
+      NO_PACK=1 bash "$(dirname "$0")/dist_run.sh"
   done
   python3 benchmarks/dist_ratio.py "$OUT"/train_step_dist-fa4-r*.json | tee "$OUT/dist_ratio.txt"
 }
