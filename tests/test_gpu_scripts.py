@@ -54,3 +54,15 @@ def test_an_unknown_stage_stops_before_any_runs(tmp_path):
     done = _bash('stage_a() { touch "$OUT/ran"; }; run_stages a nope', tmp_path)
     assert done.returncode == 2 and "unknown stage 'nope'" in done.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_no_device_script_passes_pytest_a_second_quiet_flag():
+    """pyproject's addopts already says `-q`; a second one (-qq) drops pytest's closing
+    "N passed, M skipped" line, the count a device call's note reports."""
+    import re
+
+    scripts = sorted(STAGES.parent.glob("*.sh"))
+    assert scripts
+    quiet = [f"{s.name}: {line.strip()}" for s in scripts for line in s.read_text().splitlines()
+             if re.search(r"pytest\b.*\s-q\b", line)]
+    assert not quiet, quiet

@@ -10,7 +10,7 @@ source "$(dirname "$0")/stages.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
 stage_build() { build_extension 3; }
 stage_tests() {
-  python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
+  python3 -m pytest -m cuda -x -p no:cacheprovider -W ignore::FutureWarning \
     ${TESTS:-tests/test_cuda_dist.py} 2>&1 | tee "$OUT/tests.log" | tail -15
 }
 stage_probe() {

@@ -46,14 +46,14 @@ print('flash-attn-4:', 'imports' if FA4.interface() else FA4.unavailable)" | tee
 build_extension
 
 stage_tests() {
-  timeout 300 python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests/test_cuda_train.py \
+  timeout 300 python3 -m pytest -m cuda -rs -p no:cacheprovider tests/test_cuda_train.py \
     -k "fa4 or flash_attention_matches" 2>&1 | tail -4 | tee "$OUT/fa4_tests.txt"
 }
 
 # the multi-GPU cuda tests with flash-attn-4 importable: TP (heads split per rank), the
 # captured pipeline stages and data parallel run FA4's backward at head dim 64 there
 stage_multi() {
-  timeout 420 python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider -n 2 --dist loadfile \
+  timeout 420 python3 -m pytest -m cuda -rfEs -p no:cacheprovider -n 2 --dist loadfile \
     tests/test_cuda_dist.py tests/test_cuda_tp_eval.py tests/test_cuda_pipeline.py 2>&1 \
     | tail -6 | tee "$OUT/fa4_multi.txt"
 }

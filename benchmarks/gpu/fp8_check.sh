@@ -22,7 +22,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
   | tee -a "$OUT/device.txt"
 stage_build() { build_extension 3; }
 stage_tests() {
-  python3 -m pytest -m cuda -q -x -p no:cacheprovider -W ignore::FutureWarning \
+  python3 -m pytest -m cuda -x -p no:cacheprovider -W ignore::FutureWarning \
     ${TESTS:-tests/test_fp8_gemm.py tests/test_fp8_producers.py tests/test_fp8.py} 2>&1 | tee "$OUT/fp8-tests.log" | tail -15
 }
 stage_gemm() {

@@ -20,7 +20,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
   | tee -a "$OUT/device.txt"
 stage_build() { build_extension; }
 stage_tests() {  # test_cuda_kernels: the kernels whose files changed (norms.cu, swiglu.cu)
-  python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+  python3 -m pytest -m cuda -p no:cacheprovider -rfs --durations=8 \
     ${TESTS:-tests/test_cuda_fusions.py tests/test_cuda_std_models.py \
     tests/test_cuda_std_neox_phi.py tests/test_cuda_kernels.py \
     -k "not test_cuda_kernels or rmsnorm or fused_residual or norms or swiglu or geglu or qk_norm or write"} \

@@ -24,7 +24,7 @@ if [ "$DEVICE" = cuda ]; then
   build_extension
 fi
 if [ "${CHECK:-0}" = 1 ]; then  # the tiny shape on the GPU first (tests/test_lora_peers.py)
-  python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_lora_peers.py 2>&1 \
+  python3 -m pytest -m cuda -x -p no:cacheprovider tests/test_lora_peers.py 2>&1 \
     | tail -5 | tee "$OUT/check.log"
 fi
 if [ "${BENCH:-1}" = 1 ]; then

@@ -21,7 +21,7 @@ u.find_spec("mamba_ssm") is not None, "causal_conv1d", u.find_spec("causal_conv1
   | tee -a "$OUT/device.txt"
 stage_build() { build_extension; }
 stage_tests() {
-  timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=5 \
+  timeout 120 python3 -m pytest -m cuda -p no:cacheprovider -rfs --durations=5 \
     ${TESTS:-tests/test_cuda_mamba.py tests/test_cuda_std_mamba.py \
     "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[example_mamba]" \
     "tests/test_cuda_models.py::test_fp32_step_matches_the_cpu_reference[mamba]"} \

@@ -25,7 +25,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
   | tee -a "$OUT/device.txt"
 stage_build() { build_extension; }
 stage_tests() {
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -q -p no:cacheprovider -rfs --durations=8 \
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m cuda -p no:cacheprovider -rfs --durations=8 \
     ${TESTS:-tests/test_cuda_grouped_gemm.py tests/test_cuda_std_moe.py \
     "tests/test_cuda_kernels.py::test_moe_permute_and_unpermute_match_the_reference"} 2>&1 | tee "$OUT/tests.log" | tail -30
 }

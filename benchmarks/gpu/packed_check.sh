@@ -18,13 +18,13 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/device.txt"
 stage_build() { build_extension 3; }
 stage_tests() {
-  python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
+  python3 -m pytest -m cuda -p no:cacheprovider -W ignore::FutureWarning \
     tests/test_cuda_packed.py tests/test_cuda_varlen.py 2>&1 | tee "$OUT/tests.log" | tail -25
-  python3 -m pytest -m "not cuda" -q -p no:cacheprovider tests/test_train_packing.py \
+  python3 -m pytest -m "not cuda" -p no:cacheprovider tests/test_train_packing.py \
     tests/test_cuda_packed.py 2>&1 | tee "$OUT/tests-cpu.log" | tail -5
 }
 stage_regress() {
-  python3 -m pytest -m cuda -q -p no:cacheprovider -W ignore::FutureWarning \
+  python3 -m pytest -m cuda -p no:cacheprovider -W ignore::FutureWarning \
     tests/test_cuda_train.py tests/test_cuda_models.py tests/test_train_cuda.py \
     tests/test_cuda_rope_variants.py tests/test_cuda_lm_head.py 2>&1 \
     | tee "$OUT/regress.log" | tail -15

@@ -22,7 +22,7 @@ train_step() {
 }
 stage_build() { build_extension; }
 stage_tests() {
-  python3 -m pytest -m cuda -q -x -p no:cacheprovider ${TESTS:-tests/test_cuda_kernels.py \
+  python3 -m pytest -m cuda -x -p no:cacheprovider ${TESTS:-tests/test_cuda_kernels.py \
     tests/test_cuda_train.py} 2>&1 | tee "$OUT/tests.log" | tail -25
 }
 stage_profile() { python3 benchmarks/gpu/profile_step.py 2>&1 | tee "$OUT/profile.log" | tail -45; }

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 /usr/bin/time -f "extension build %e s" python3 -c 'from runtime.cuda.build import load; load()' 2>&1 | tail -2
 STAGES=${STAGES:-"tests main"}
 if [[ " $STAGES " == *" tests "* ]]; then
-  python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_train_cuda.py 2>&1 | tail -5
+  python3 -m pytest -m cuda -x -p no:cacheprovider tests/test_train_cuda.py 2>&1 | tail -5
 fi
 python3 - "$WORK" <<'PY'
 import sys, time, numpy as np, torch
