@@ -225,23 +225,16 @@ std::vector<Tensor> swiglu_backward(const Tensor& d_y, const Tensor& gate, const
     d_gate = both.narrow(-1, 0, C);
     d_up = both.narrow(-1, C, C);
   }
-  if (!with_y) {
-    const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up});
-    check_launch(modulec::launch_swiglu_backward(dtype_of(gate), d_y.data_ptr(), a.ld[0],
-                                                 gate.data_ptr(), a.ld[1], up.data_ptr(), a.ld[2],
-                                                 d_gate.data_ptr(), a.ld[3], d_up.data_ptr(),
-                                                 a.ld[4], a.rows, a.C,
-                                                 static_cast<int>(activation), stream()),
-                 "swiglu backward");
-    return {d_gate, d_up};
-  }
-  Tensor y = output_rows(out, 2, gate.sizes(), gate.options());
-  const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up, &y});
-  check_launch(modulec::launch_swiglu_backward_y(
+  const Tensor y = with_y ? output_rows(out, 2, gate.sizes(), gate.options()) : Tensor();
+  // without y, gate stands in for it in the strides (already among them: nothing changes)
+  const RowArgs a = row_args({&d_y, &gate, &up, &d_gate, &d_up, with_y ? &y : &gate});
+  check_launch(modulec::launch_swiglu_backward(
                    dtype_of(gate), d_y.data_ptr(), a.ld[0], gate.data_ptr(), a.ld[1],
                    up.data_ptr(), a.ld[2], d_gate.data_ptr(), a.ld[3], d_up.data_ptr(), a.ld[4],
-                   y.data_ptr(), a.ld[5], a.rows, a.C, static_cast<int>(activation), stream()),
+                   with_y ? y.data_ptr() : nullptr, a.ld[5], a.rows, a.C,
+                   static_cast<int>(activation), stream()),
                "swiglu backward");
+  if (!with_y) return {d_gate, d_up};
   return {d_gate, d_up, y};
 }
 
@@ -541,98 +534,6 @@ std::vector<Tensor> moe_combine_backward(const Tensor& d_out, const Tensor& rows
   return {d_rows, d_weights};
 }
 
-// What an AdamW step reads beside its master, checked against `master` (the fp32 master,
-// or the split master's top half): the gradient (bf16 or fp32), both fp32 moments and the
-// step count (a fp32 [] or [1] device tensor), each of the master's size.
-void check_adamw_inputs(const Tensor& master, const Tensor& grad, const Tensor& exp_avg,
-                        const Tensor& exp_avg_sq, const Tensor& step) {
-  check(exp_avg, "exp_avg", at::kFloat, master);
-  check(exp_avg_sq, "exp_avg_sq", at::kFloat, master);
-  check(grad, "grad", grad.scalar_type(), master);
-  check(step, "step", at::kFloat, master);
-  TORCH_CHECK(step.numel() == 1, "step must have one element");
-  const int64_t n = master.numel();
-  TORCH_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
-              "the master, grad and moments differ in size");
-}
-
-// The optional device scalars of an AdamW step (fp32, one element, on the master's
-// device): lr_now, the learning rate the `lr` argument multiplies, and grad_scale, the
-// factor every gradient element is multiplied by first.
-void check_adamw_scalars(const Tensor& master, const std::optional<Tensor>& lr_now,
-                         const std::optional<Tensor>& grad_scale) {
-  for (const auto* t : {&lr_now, &grad_scale}) {
-    if (!t->has_value()) continue;
-    check(**t, t == &lr_now ? "lr_now" : "grad_scale", at::kFloat, master);
-    TORCH_CHECK((*t)->numel() == 1, "lr_now and grad_scale must have one element");
-  }
-}
-
-const float* scalar_ptr(const std::optional<Tensor>& t) {
-  return t.has_value() ? t->data_ptr<float>() : nullptr;
-}
-
-// An AdamW step's optional `norm_sq`: a one-element fp64 device tensor the gradient's
-// squares are added to (csrc/kernels/adamw.cu), or null.
-double* norm_sq_ptr(const Tensor& master, const std::optional<Tensor>& norm_sq) {
-  if (!norm_sq.has_value()) return nullptr;
-  check(*norm_sq, "norm_sq", at::kDouble, master);
-  TORCH_CHECK(norm_sq->numel() == 1, "norm_sq must have one element");
-  return norm_sq->data_ptr<double>();
-}
-
-// One AdamW step of a fp32 master (in place, with its fp32 moments) from a bf16 or fp32
-// gradient; writes the bf16 compute copy when given.
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
-                const Tensor& exp_avg_sq, const std::optional<Tensor>& compute,
-                const Tensor& step, double lr, double beta1, double beta2, double eps,
-                double weight_decay, const std::optional<Tensor>& lr_now,
-                const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& norm_sq) {
-  check(param, "param", at::kFloat, param);
-  check_adamw_inputs(param, grad, exp_avg, exp_avg_sq, step);
-  check_adamw_scalars(param, lr_now, grad_scale);
-  if (compute) {
-    check(*compute, "compute", at::kBFloat16, param);
-    TORCH_CHECK(compute->numel() == param.numel(), "compute differs in size");
-  }
-  const c10::cuda::CUDAGuard guard(param.device());
-  check_launch(modulec::launch_adamw(dtype_of(grad), param.data_ptr<float>(), grad.data_ptr(),
-                                     exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                                     compute ? compute->data_ptr() : nullptr,
-                                     step.data_ptr<float>(), param.numel(),
-                                     static_cast<float>(lr), static_cast<float>(beta1),
-                                     static_cast<float>(beta2), static_cast<float>(eps),
-                                     static_cast<float>(weight_decay), scalar_ptr(lr_now),
-                                     scalar_ptr(grad_scale), stream(),
-                                     norm_sq_ptr(param, norm_sq)),
-               "adamw");
-}
-
-// The same step on a master split in halves: hi (bf16, the compute copy) and lo (int16),
-// bits(master) = bits(hi) * 2^16 + lo (csrc/kernels/adamw.cu), both updated in place.
-void adamw_split_step(const Tensor& hi, const Tensor& lo, const Tensor& grad,
-                      const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& step,
-                      double lr, double beta1, double beta2, double eps, double weight_decay,
-                      const std::optional<Tensor>& lr_now,
-                      const std::optional<Tensor>& grad_scale,
-                      const std::optional<Tensor>& norm_sq) {
-  check(hi, "hi", at::kBFloat16, hi);
-  check(lo, "lo", at::kShort, hi);
-  TORCH_CHECK(lo.numel() == hi.numel(), "hi and lo differ in size");
-  check_adamw_inputs(hi, grad, exp_avg, exp_avg_sq, step);
-  check_adamw_scalars(hi, lr_now, grad_scale);
-  const c10::cuda::CUDAGuard guard(hi.device());
-  check_launch(modulec::launch_adamw_split(
-                   dtype_of(grad), hi.data_ptr(), lo.data_ptr<int16_t>(), grad.data_ptr(),
-                   exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                   step.data_ptr<float>(), hi.numel(), static_cast<float>(lr),
-                   static_cast<float>(beta1), static_cast<float>(beta2),
-                   static_cast<float>(eps), static_cast<float>(weight_decay),
-                   scalar_ptr(lr_now), scalar_ptr(grad_scale), stream(),
-                   norm_sq_ptr(hi, norm_sq)),
-               "adamw split");
-}
-
 // Cross-entropy in place: logits [rows, V] (bf16, fp16 or fp32) become d_logits =
 // (softmax - onehot(label)) * scale, 0 on rows whose label is ignore_index; returns the
 // per-row losses (fp32 [rows]: lse - logit[label], 0 where ignored). scale: a fp32 device
@@ -713,7 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_mamba(m);
   modulec::bind::register_fusions(m);  // layernorm, gelu, softmax (bindings_fusions.cpp)
   modulec::bind::register_fp8(m);  // fp8_amax_scale (bindings_fp8.cpp)
-  modulec::bind::register_optim(m);  // adamw_split_list (bindings_optim.cpp)
+  modulec::bind::register_optim(m);  // the AdamW steps (bindings_optim.cpp)
   // offset: the norm's scale is offset + weight (fp32; 1 for Gemma's `1 + w`)
   m.def("rmsnorm_forward", &rmsnorm_forward,
         "(x, weight, eps, out=[], offset=0) -> [y, rstd]", py::arg("x"), py::arg("weight"),
@@ -771,25 +672,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_combine_backward", &moe_combine_backward,
         "(d_combined [N, C], rows, weights fp32, scatter_indices int32, top_k) -> [d_rows, "
         "d_weights fp32]");
-  m.def("adamw_step", &adamw_step,
-        "(param fp32, grad bf16/fp32, exp_avg, exp_avg_sq, compute bf16 or None, step, lr, "
-        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None, norm_sq=None): "
-        "lr_now, a fp32 device scalar the lr multiplies; grad_scale, one the gradient is "
-        "multiplied by; norm_sq, a fp64 device scalar the gradient's squares are added to",
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("compute"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none(),
-        py::arg("norm_sq") = py::none());
-  m.def("adamw_split_step", &adamw_split_step,
-        "(hi bf16 compute copy, lo int16, grad bf16/fp32, exp_avg, exp_avg_sq, step, lr, "
-        "beta1, beta2, eps, weight_decay, lr_now=None, grad_scale=None, norm_sq=None): the "
-        "master is bits(hi) * 2^16 + lo; norm_sq as adamw_step's",
-        py::arg("hi"), py::arg("lo"), py::arg("grad"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("lr_now") = py::none(), py::arg("grad_scale") = py::none(),
-        py::arg("norm_sq") = py::none());
   m.def("cross_entropy_", &cross_entropy_,
         "(logits [rows, V] bf16/fp16/fp32, overwritten with d_logits, labels int64 [rows], "
         "scale fp32 [], ignore_index) -> losses fp32 [rows]");

@@ -116,17 +116,13 @@ cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, c
 cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const void* up,
                                       int64_t ld_up, void* y, int64_t rows, int64_t C,
                                       int activation, const Fp8Delayed& d, cudaStream_t stream);
+// The backward: d_gate, d_up, and where y is not null also y = act(gate) * up (row stride
+// ld_y): the forward's values, bit for bit, in the pass that reads gate and up anyway.
 cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
-                                   int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
-                                   int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
-                                   int64_t C, int activation, cudaStream_t stream);
-// The same, also writing y = act(gate) * up (row stride ld_y) where y is not null: the
-// forward's values, bit for bit, in the pass that reads gate and up for the gradients.
-cudaError_t launch_swiglu_backward_y(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
-                                     int64_t ld_gate, const void* up, int64_t ld_up,
-                                     void* d_gate, int64_t ld_dgate, void* d_up, int64_t ld_dup,
-                                     void* y, int64_t ld_y, int64_t rows, int64_t C,
-                                     int activation, cudaStream_t stream);
+                                   int64_t ld_gate, const void* up, int64_t ld_up,
+                                   void* d_gate, int64_t ld_dgate, void* d_up, int64_t ld_dup,
+                                   void* y, int64_t ld_y, int64_t rows, int64_t C,
+                                   int activation, cudaStream_t stream);
 
 // ---- rope.cu: RoPE of x [B, H, T, D] into out (may alias x); x_strides and out_strides:
 // 3 strides (elements) over b, h, t each, the last dim contiguous. position_ids: int32

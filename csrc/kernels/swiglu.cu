@@ -237,11 +237,11 @@ cudaError_t launch_swiglu_forward(DType dt, const void* gate, int64_t ld_gate, c
   }
 }
 
-cudaError_t launch_swiglu_backward_y(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
-                                     int64_t ld_gate, const void* up, int64_t ld_up,
-                                     void* d_gate, int64_t ld_dgate, void* d_up, int64_t ld_dup,
-                                     void* y, int64_t ld_y, int64_t rows, int64_t C,
-                                     int activation, cudaStream_t stream) {
+cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
+                                   int64_t ld_gate, const void* up, int64_t ld_up,
+                                   void* d_gate, int64_t ld_dgate, void* d_up, int64_t ld_dup,
+                                   void* y, int64_t ld_y, int64_t rows, int64_t C,
+                                   int activation, cudaStream_t stream) {
   if (rows * C == 0) return cudaSuccess;
   switch (activation) {
     case kSilu:
@@ -256,14 +256,6 @@ cudaError_t launch_swiglu_backward_y(DType dt, const void* d_y, int64_t ld_dy, c
     default:
       return cudaErrorInvalidValue;
   }
-}
-
-cudaError_t launch_swiglu_backward(DType dt, const void* d_y, int64_t ld_dy, const void* gate,
-                                   int64_t ld_gate, const void* up, int64_t ld_up, void* d_gate,
-                                   int64_t ld_dgate, void* d_up, int64_t ld_dup, int64_t rows,
-                                   int64_t C, int activation, cudaStream_t stream) {
-  return launch_swiglu_backward_y(dt, d_y, ld_dy, gate, ld_gate, up, ld_up, d_gate, ld_dgate,
-                                  d_up, ld_dup, nullptr, 0, rows, C, activation, stream);
 }
 
 cudaError_t launch_swiglu_forward_fp8(const void* gate, int64_t ld_gate, const void* up,

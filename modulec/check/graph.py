@@ -20,6 +20,7 @@ from modulec.check.scope import GraphScope, Tensor
 from modulec.check.world import did_you_mean
 from modulec.diagnostics import Label
 from modulec.lower.value_marks import cast_of, mark
+from modulec.ops.registry import backward_gradients
 from modulec.syntax import ast as A
 from modulec.types.dims import Dim
 from modulec.types.tensor import TensorType
@@ -343,16 +344,13 @@ def secondary(span, text: str) -> list[Label]:
 
 
 def optional_tail(result) -> int:
-    """How many trailing outputs of a step a flow may leave unnamed: a primitive's backward
-    (`swiglu_backward`) may return, after its gradients, values that are not gradients
-    (the forward's output it computes on the way, `y`): a written backward that names
-    only the gradients, `-> (d_gate, d_up)` as spec §6.3.1 writes it, still checks."""
+    """How many trailing outputs of a step a flow may leave unnamed: a primitive backward's
+    by-products after its gradients (`swiglu_backward`'s `y`), so a written backward that
+    names only the gradients, `-> (d_gate, d_up)` as spec §6.3.1 writes it, still checks."""
     if not result.backward or result.callee is None:
         return 0
-    outputs = result.callee.definition.backward.outputs
-    count = 0
-    for sig in reversed(outputs):
-        if sig.name.startswith("d_"):
-            break
-        count += 1
-    return count
+    flags = backward_gradients(result.callee)
+    tail = 0
+    while tail < len(flags) and not flags[-1 - tail]:
+        tail += 1
+    return tail

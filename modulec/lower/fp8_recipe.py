@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from modulec.diagnostics import Diagnostic, error, warning
 from modulec.ir.graph import Graph, function_runs
-from modulec.ops.registry import op_table
+from modulec.ops.registry import backward_gradients, op_table
 from modulec.syntax import ast as A
 
 FP8 = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # the formats and their largest finite values
@@ -275,12 +275,12 @@ def _gradient_values(function) -> set[str]:
 
 def _gradient_outputs(node) -> list[bool]:
     """Per output of `node`, whether it can carry a gradient: all of them, but for a
-    primitive's backward op, the outputs its signature names `d_*`."""
+    primitive's backward op, the outputs its signature names `d_*` (backward_gradients)."""
     if node.kind == "op" and node.target.endswith("_backward"):
         rule = op_table().get(node.target[:-len("_backward")])
-        phase = rule.definition.backward if rule is not None else None
-        if phase is not None and len(phase.outputs) == len(node.outputs):
-            return [sig.name.startswith("d_") for sig in phase.outputs]
+        flags = backward_gradients(rule) if rule is not None else ()
+        if len(flags) == len(node.outputs):
+            return list(flags)
     return [True] * len(node.outputs)
 
 

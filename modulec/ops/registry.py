@@ -136,6 +136,14 @@ def is_collective(target: str) -> bool:
     return rule is not None and ("backward" if backward else "forward") in rule.collective
 
 
+def backward_gradients(rule: OpRule) -> tuple[bool, ...]:
+    """Per output of `rule`'s backward, whether it is a gradient (`d_<input>`); the others
+    are by-products a flow may leave unnamed at its end and no gradient flows through
+    (swiglu's `y`: decisions.md, "Gated activations: the backward returns y")."""
+    phase = rule.definition.backward
+    return tuple(sig.name.startswith("d_") for sig in phase.outputs) if phase else ()
+
+
 def collective_ops() -> frozenset[str]:
     """The IR op names whose kernel is a collective alone, from the table's `collective:`
     sections: `name` for a forward, `name_backward` for a backward (what may run on the

@@ -623,10 +623,9 @@ class TrainStep:
             self.grad_norm.copy_(self.zero.grad_norm)
         elif self._holds():
             self._clip_and_update()
-        else:
-            self._adamw_batch.flush(self)  # its kernels add their squares too
-            self._norms.norm_into(self.grad_norm)
         self._adamw_batch.flush(self)  # the queued small updates (AdamWBatch)
+        if self.zero is None and not self._holds():  # the update kernels summed the squares
+            self._norms.norm_into(self.grad_norm)
         self.loss.copy_(torch.stack(losses).mean())
 
     def _holds(self) -> bool:
