@@ -68,6 +68,8 @@ void register_fusions(pybind11::module_& m);
 void register_fp8(pybind11::module_& m);
 // adamw_split_list (bindings_optim.cpp)
 void register_optim(pybind11::module_& m);
+// block_diag forward and backward (bindings_tensor.cpp)
+void register_tensor(pybind11::module_& m);
 
 }  // namespace bind
 }  // namespace modulec

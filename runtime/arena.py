@@ -234,6 +234,8 @@ class Arena:
         if placement is None or not isinstance(tensor, Tensor) or \
                 (node is not None and node.kind == "op" and node.target in ALIASES):
             return tensor
+        if _joined_parameters(node, tensor) and not self._in_arena(tensor):
+            return tensor
         target = self._in_place_target(frame, node, value)
         if target is None:
             target = self._view(frame, placement, tensor, value)
@@ -441,3 +443,13 @@ class ParameterRegions:
 
     def bytes_of(self) -> dict[str, int]:
         return {WEIGHTS: self.weights.numel(), GRADIENTS: self.gradients.numel()}
+
+
+def _joined_parameters(node, tensor: Tensor) -> bool:
+    """A concat of parameters that came out as a view of them (they lie side by side:
+    LoRA's stacked A, runtime/cuda/state.py `stacked_order`): it stays that view, where a
+    copy into its planned bytes would be the very copy the layout saves. Parameters do
+    not change within a step's forward and backward, so the view reads what a copy would
+    hold."""
+    return node is not None and node.kind == "op" and node.target == "concat" \
+        and tensor._base is not None and all(v.startswith("param:") for v in node.inputs)

@@ -626,3 +626,30 @@ def test_rope_backward_writes_the_head_slots_of_a_planned_d_qkv():
     for g, w, slot in zip(got, want, slots):
         assert g.data_ptr() == slot.data_ptr() and torch.equal(g, w)
     assert qkv[:, :, Hq + Hk:].isnan().all()  # d_v's slots: left for it
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_rows", [[], [3, 0, 5, 2]])
+def test_block_diag_matches_the_reference_bit_for_bit(dtype, zero_rows):
+    """One launch each way (csrc/kernels/block_diag.cu): the forward into given bytes (the
+    arena's) or a new tensor, every other element zero even where the bytes held NaN; the
+    backward each block in a contiguous tensor of its own; both the reference's bits."""
+    from runtime.cuda.kernels import BlockDiag
+
+    torch.manual_seed(7)
+    kernel, reference = CUDA_KERNELS["block_diag"], KERNELS["block_diag"]
+    assert isinstance(kernel, BlockDiag) and kernel.takes_out
+    xs = [rand(rows, cols, dtype=dtype) for rows, cols in ((64, 16), (17, 16), (9, 5))]
+    attrs = {"zero_rows": zero_rows} if zero_rows else {}
+    want = reference.forward_fn(xs, **attrs)[0]
+    raw = torch.full((want.numel() * want.element_size() + 64,), 255, dtype=torch.uint8,
+                     device="cuda")  # NaN bits in bf16 and fp32
+    got = kernel.forward([xs], {**attrs, "out": [raw]})[0]
+    assert got.data_ptr() == raw.data_ptr() and torch.equal(got, want)
+    assert torch.equal(kernel.forward([xs], dict(attrs))[0], want)
+    d_y = rand(*want.shape, dtype=dtype)
+    shapes = {"input_shapes": {"xs": [tuple(x.shape) for x in xs]}}
+    grads = kernel.backward([d_y], {**attrs, **shapes})[0]
+    for got_grad, want_grad in zip(grads, reference.backward_fn(d_y, **attrs, **shapes)[0]):
+        assert got_grad.is_contiguous() and torch.equal(got_grad, want_grad)

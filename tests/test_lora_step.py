@@ -1,5 +1,5 @@
 """The GPU step's LoRA paths that run anywhere (CPU, bf16 on the arena): nothing copied into
-the arena for the adapted projections' adds or the zero blocks, the same bits as the
+the arena for the adapted projections' adds or the block-diagonal B, the same bits as the
 step's kernels without those paths; the add kernel's bits; the batched gradient norm; the
 first weights (`random_params`: adapters as PEFT makes them). decisions.md, "LoRA step
 copies"; the GPU runs: tests/test_cuda_annotations.py, benchmarks/gpu/profile_step.py."""
@@ -36,7 +36,7 @@ def _lora_model() -> Model:
     return model
 
 
-def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu"):
+def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu", params=None):
     """One forward + backward of the step's interpreter on the arena (CPU, bf16): outputs,
     gradients, the interpreter, and the (function, value, op) of each copy into the arena.
     `planned=False`: the kernels and LoRA pairs as they were before (the reference add,
@@ -46,7 +46,7 @@ def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu"):
     kernels = train_kernels(device)
     if not planned:
         kernels["add"] = KERNELS["add"]
-        for name in ("zeros", "concat"):
+        for name in ("zeros", "concat", "block_diag"):
             kernels[name].takes_out = False
         found = step_module.lora_addmm_pairs
 
@@ -67,7 +67,8 @@ def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu"):
         return placed
     monkeypatch.setattr(arena_module.Arena, "place", counted)
     arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], device)
-    params = {p: t.to(device) for p, t in model.params.items()}
+    if params is None:
+        params = {p: t.to(device) for p, t in model.params.items()}
     run = step_module._StepInterpreter(program.graph, params, BF16, check_finite=False,
                                        kernels=kernels, keep_only_saved=True, decisions=None,
                                        arena=arena)
@@ -79,7 +80,7 @@ def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu"):
 
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=needs_gpus(1))])
-def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(
+def test_lora_step_on_the_arena_writes_the_adds_and_block_diagonal_B_where_planned(
         monkeypatch, device):
     """On the GPU too (its custom kernels, cuBLAS): the old path's values to bf16 rounding
     (the delta is now written first and base's GEMM adds into it; the backward's d_x
@@ -103,24 +104,55 @@ def test_lora_step_on_the_arena_writes_the_adds_and_zero_blocks_where_planned(
     assert (run.lora_fused, run.lora_into_planned, run.lora_dx_fused) == (8, 8, 8)
     assert (ref_run.lora_fused, ref_run.lora_into_planned, ref_run.lora_dx_fused) == (8, 0, 0)
     by_op = lambda counts, op: sum(n for (_, _, o), n in counts.items() if o == op)  # noqa
-    assert by_op(ref_copies, "add") > 0 and by_op(ref_copies, "zeros") > 0
-    assert by_op(copies, "add") == by_op(copies, "zeros") == 0, copies
+    assert by_op(ref_copies, "add") > 0
+    assert by_op(copies, "add") == by_op(copies, "block_diag") == 0, copies
     # concat_backward's parts are views of the stacked gradient (the planner aliases them,
     # as split's); the stacked d_A is in bytes of its own (its row blocks, the A
-    # gradients, are handed as they are): copied are only the B gradients, column blocks
-    # of the arena's stacked d_B, cloned out of it (5 a layer: q, k, v, gate, up)
+    # gradients, are handed as they are); block_diag's backward writes each B gradient
+    # in a tensor of its own (one kernel): no gradient is copied
     graph = model.source.program_for(token_inputs(model)).graph
-    param_grads = {(f.name, g) for f in graph.functions for _, g in f.param_grads}
-    copied = [(f, v) for f, v, op in copies if op == "concat_backward"]
-    assert len(copied) == 5 and all(
-        (f, v) in param_grads and "lora_B" in _param_of(graph, f, v) for f, v in copied)
+    made = collections.Counter(n.target for f in graph.functions for n in f.nodes)
+    assert made["block_diag"] == made["block_diag_backward"] == 2
+    assert not [v for _, v, op in copies if op in ("concat_backward", "block_diag_backward")]
     assert run.lora_dx_fused == 8
     assert sum(copies.values()) < sum(ref_copies.values())
 
 
-def _param_of(graph, function: str, grad: str) -> str:
-    """The parameter whose gradient value `grad` is in `function`."""
-    return next(p for p, g in graph.function(function).param_grads if g == grad)
+def test_the_stacked_A_is_a_view_of_the_parts_laid_side_by_side(monkeypatch):
+    """The GPU step lays the parameters a dim-0 concat stacks side by side, in its order
+    (runtime/cuda/state.py `stacked_order`: LoRA's q, k, v and gate, up A of each layer):
+    the stacked A is then a view of them, neither concatenated nor copied into the arena,
+    and the step's values are those of separate parameters, bit for bit."""
+    from runtime.cuda.state import region_of, stacked_order
+
+    model = _lora_model()
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
+    assert sorted(order) == sorted(shapes)
+    for layer in ("0", "1"):
+        at = [order.index(p) for p in order if p.startswith(f"blocks[{layer}].")
+              and "qkv_weight" in p and p.endswith("lora_A")]
+        names = [order[i].split(".")[-2] for i in at]
+        assert names == ["q", "k", "v"] and at == list(range(at[0], at[0] + 3)), names
+    _, (views,) = region_of(shapes, [(BF16, order)], device="cpu")
+    for path, view in views.items():
+        view.copy_(model.params[path])
+    import runtime.cuda.train_kernels as train_module
+
+    stacked, cat_into = [], train_module._cat_into
+    monkeypatch.setattr(train_module, "_cat_into",
+                        lambda parts, dim, out: stacked.append(dim % 2 == 0) or cat_into(
+                            parts, dim, out))
+    outputs, grads, run, copies = _arena_step(model, monkeypatch, True, params=views)
+    laid_out = stacked.count(True)
+    monkeypatch.setattr(train_module, "_cat_into",
+                        lambda parts, dim, out: stacked.append(dim % 2 == 0) or cat_into(
+                            parts, dim, out))
+    want_outputs, want, _, _ = _arena_step(model, monkeypatch, True)
+    assert laid_out == 0 and stacked.count(True) == 4  # 2 layers x (qkv, gate_up)
+    assert not [v for _, v, op in copies if op == "concat"], copies
+    assert all(torch.equal(a, b) for a, b in zip(outputs, want_outputs))
+    assert set(grads) == set(want) and all(torch.equal(grads[p], want[p]) for p in want)
 
 
 def _error(a: torch.Tensor, b: torch.Tensor) -> float:

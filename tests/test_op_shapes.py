@@ -275,6 +275,12 @@ CASES: list[Case] = [
     Case("concat", "a: [2, 3, 8]", "a -> concat(dim=-1) -> y", "y: [2, 3, 8]"),
     Case("concat", "a: [2, 3, 8], b: [2, 3, 4]", "(a, b) -> concat(dim=-1) -> y", "y: [2, 3, 12]",
          (B("b: [2, 3, 4]", "b: [2, 5, 4]", "E004", "does not match [2, 3, 8] in the other"),)),
+    Case("block_diag", "a: [4, 2], b: [3, 1]", "(a, b) -> block_diag() -> y", "y: [7, 3]",
+         (B("b: [3, 1]", "b: [3, 1, 1]", "E004", "lays matrices along a diagonal; input 1"),
+          B("block_diag()", "block_diag(zero_rows=[1, 2])", "E004",
+            "has 2 entries: one before, between and after the 2 matrices makes 3"))),
+    Case("block_diag", "a: [4, 2], b: [3, 1]", "(a, b) -> block_diag(zero_rows=[0, 5, 1]) -> y",
+         "y: [13, 3]"),
     # ------------------------------------------------------------------ reductions
     Case("reduce_sum", "x: [2, 3, 8]", "x -> reduce_sum(dims=[-1]) -> y", "y: [2, 3]",
          (B("dims=[-1]", "dims=[3]", "E004", "`dims=3` is out of range for a tensor of rank 3"),)),

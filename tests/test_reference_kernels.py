@@ -43,6 +43,15 @@ class Case:
     attrs: dict = field(default_factory=dict)
 
 
+def _oracle_block_diag(xs, *, zero_rows=(), **_):
+    """torch.block_diag, with each zero band a [rows, 0] block (no columns)."""
+    gaps = list(zero_rows) or [0] * (len(xs) + 1)
+    blocks = [xs[0].new_zeros(gaps[0], 0)]
+    for x, gap in zip(xs, gaps[1:]):
+        blocks += [x, x.new_zeros(gap, 0)]
+    return [torch.block_diag(*blocks)]
+
+
 # ======================================================================== the cases
 def _matmul_cases():
     shapes = {"NN": ((5, 4), (4, 3)), "NT": ((5, 4), (3, 4)), "TN": ((4, 5), (4, 3)),
@@ -195,6 +204,9 @@ CASES: dict[str, list[Case]] = {
               Case("dim0", lambda g: [randn(g, 6, 4)], {"sizes": [2, 4], "dim": 0})],
     "concat": [Case("last", lambda g: [[randn(g, 2, 3), randn(g, 2, 5), randn(g, 2, 1)]]),
                Case("dim0", lambda g: [[randn(g, 2, 4), randn(g, 3, 4)]], {"dim": 0})],
+    "block_diag": [Case("three", lambda g: [[randn(g, 4, 2), randn(g, 3, 2), randn(g, 2, 1)]]),
+                   Case("zero_rows", lambda g: [[randn(g, 3, 2), randn(g, 2, 2)]],
+                        {"zero_rows": [1, 2, 0]})],
     "contiguous": [Case("strided", lambda g: [randn(g, 3, 4).T]),
                    Case("contiguous", lambda g: [randn(g, 3, 4)])],
     "copy": _unary((3, 4)),
@@ -479,6 +491,7 @@ ORACLES: dict[str, Callable] = {
     "permute": lambda x, *, dims, **_: [torch.permute(x, dims)],
     "split": lambda x, *, sizes, dim, **_: [list(torch.split(x, sizes, dim))],
     "concat": lambda xs, *, dim, **_: [torch.cat(xs, dim)],
+    "block_diag": _oracle_block_diag,
     "contiguous": lambda x, **_: [x],
     "copy": lambda x, **_: [x],
     "cast": lambda x, *, dtype, **_: [x.to({"fp32": torch.float32, "fp64": F64}[dtype])],

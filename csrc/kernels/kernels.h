@@ -290,4 +290,20 @@ struct Fp8Delayed {
 cudaError_t launch_fp8_delayed_finish(const void* x, const Fp8Delayed& d, bool transpose_plain,
                                       int64_t rows, int64_t cols, cudaStream_t stream);
 
+// ---- block_diag.cu: n <= kMaxBlocks row-major matrices ptr[b] [rows[b], cols[b]] placed at
+// (row[b], col[b]) of y [rows, cols] (row-major), zeros elsewhere; itemsize 2 or 4 (bits
+// copied). The backward copies each block of d_y [.., cols] into ptr[b] (contiguous);
+// start[b] = the elements of blocks 0..b-1 (start[n]: all of them).
+constexpr int kMaxBlocks = 8;
+struct Blocks {
+  int n;
+  void* ptr[kMaxBlocks];
+  int64_t row[kMaxBlocks], col[kMaxBlocks], rows[kMaxBlocks], cols[kMaxBlocks];
+  int64_t start[kMaxBlocks + 1];
+};
+cudaError_t launch_block_diag_forward(int itemsize, const Blocks& blocks, void* y,
+                                      int64_t rows, int64_t cols, cudaStream_t stream);
+cudaError_t launch_block_diag_backward(int itemsize, const Blocks& blocks, const void* d_y,
+                                       int64_t cols, cudaStream_t stream);
+
 }  // namespace modulec

@@ -14,13 +14,13 @@ tensor, named after its HF tensor (`q_proj` -> `q`) or the annotation's `targets
 the split that follows it; each selected part gets its own A and B (`qkv_weight.q.lora_A`),
 so the adapters are PEFT's per-module ones. The delta of a fused weight is taken for its
 whole output at once (`fused_delta`: the selected parts' A stacked, their B laid
-block-diagonally with zero blocks, one add into y0); where a part's size is not a number,
+block-diagonally by one `block_diag`, one add into y0); where a part's size is not a number,
 y0 is split, the selected parts get their delta, the parts are concatenated again. With
 `dropout=p` the deltas read x through one `dropout` (seeded per step by the runtime; none
 at inference). `@adapter(ia3)` on a value y makes it y * l, l a trained vector (ones at
-first; `_with_ia3`). Only existing primitives (matmul with alpha, zeros, split, add,
-concat, dropout, mul), so the derived backward differentiates it; every base parameter is
-frozen (`no_gradient`) and the backward functions written in the source are dropped (the
+first; `_with_ia3`). Only existing primitives (matmul with alpha, split, add, concat,
+block_diag, dropout, mul), so the derived backward differentiates it; every base
+parameter is frozen (`no_gradient`) and the backward functions written in the source are dropped (the
 forward changed; all backward is derived). rank/alpha/targets come from the annotation;
 the build option overrides them. Under tensor parallel (`--tp M`) the pass adapts one
 rank's program: each adapter splits as its weight does, the other matrix read through a
@@ -36,7 +36,6 @@ from modulec.ir.graph import Function, Graph, Node, ValueInfo
 from modulec.lower.backward import without_written_backward
 from modulec.lower.lora_tp import adapter_shards, replicated, whole_rows
 from modulec.lower.pass_result import PassResult
-from modulec.types.tensor import DTYPES
 
 DEFAULT_RANK = 16  # spec §7.3.2
 DEFAULT_ALPHA = 32.0
@@ -244,7 +243,7 @@ def _rewrite(function: Function, sites: list[Site], report: LoraReport) -> tuple
     nodes = tuple(replace(n, id=f"f{i}") for i, n in enumerate(builder.nodes))
     return replace(function, params=function.params + tuple(builder.params),
                    values=function.values + tuple(builder.values), nodes=nodes,
-                   no_gradient=frozen + tuple(builder.frozen)), builder.shards
+                   no_gradient=frozen), builder.shards
 
 
 def _with_ia3(function: Function, context) -> Function:
@@ -293,7 +292,6 @@ class _Rewriter:
     params: list = field(default_factory=list)
     values: list = field(default_factory=list)
     counter: int = 0
-    frozen: list = field(default_factory=list)  # zero blocks (no gradient wanted)
     shards: dict = field(default_factory=dict)  # --tp: the split adapters' Shards
 
     def value(self, like: ValueInfo, last: str) -> str:
@@ -339,48 +337,37 @@ class _Rewriter:
     def fused_delta(self, node, site: Site, x: str, y: ValueInfo, report) -> str:
         """The delta of a fused weight's whole output in one pass: the selected parts' A
         stacked ([k*rank, in], k selected parts), B block-diagonal ([out, k*rank]: part i's
-        rows hold its B in columns [i*rank, (i+1)*rank), zeros elsewhere), so
+        rows hold its B in columns [i*rank, (i+1)*rank), zeros elsewhere: `block_diag`,
+        one op, with a band of zero rows for each run of unselected parts), so
         delta = (alpha / rank) * (x @ A_cat^T) @ B_blk^T equals the per-part deltas laid out
         side by side (the zero blocks add exact zeros). The parameters stay PEFT's per-part
         A and B; A_cat and B_blk are built from them each step (tiny), and each part's
         gradient is its block of the stacked ones."""
         weight = self.function.value(site.weight)
-        # the zero blocks in the activations' dtype (bf16): the runtime's concat promotes
-        # them to the parameters' dtype (a parameter's IR dtype, `float`, names none; nor
-        # does an untyped input's activation: bf16 then, promoted alike)
-        zdtype = y.dtype if y.dtype in DTYPES else "bf16"
         rank, selected = site.rank, [p for p in site.parts if p in site.selected]
         width = str(rank * len(selected))
-        a_parts, b_rows = [], []
+        a_parts, b_parts, zero_rows = [], [], [0]
         for part in site.parts:
-            if part in site.selected:
-                stem = f"{site.weight}.{part.name}"
-                a, b = f"{stem}.lora_A", f"{stem}.lora_B"
-                self.params += [ValueInfo(a, (str(rank), weight.shape[1]), weight.dtype, a[6:]),
-                                ValueInfo(b, (str(part.rows), str(rank)), weight.dtype, b[6:])]
-                report.adapters.append(_entry(site, part, a[6:], b[6:]))
-                self.shards.update(adapter_shards(site, part, a, b))
-                a_parts.append(a)
-                index = selected.index(part)
-                blocks = [self.zeros(node, part.rows, rank * index, zdtype), b,
-                          self.zeros(node, part.rows, rank * (len(selected) - index - 1),
-                                     zdtype)]
-            else:
-                blocks = [self.zeros(node, part.rows, rank * len(selected), zdtype)]
-            blocks = [blk for blk in blocks if blk]
-            if len(blocks) == 1:
-                b_rows.append(blocks[0])
+            if part not in site.selected:
+                zero_rows[-1] += part.rows
                 continue
-            row = self.matrix(part.rows, width, weight.dtype)
-            self.op(node, "concat", blocks, (row,), (("dim", -1),))
-            b_rows.append(row)
+            stem = f"{site.weight}.{part.name}"
+            a, b = f"{stem}.lora_A", f"{stem}.lora_B"
+            self.params += [ValueInfo(a, (str(rank), weight.shape[1]), weight.dtype, a[6:]),
+                            ValueInfo(b, (str(part.rows), str(rank)), weight.dtype, b[6:])]
+            report.adapters.append(_entry(site, part, a[6:], b[6:]))
+            self.shards.update(adapter_shards(site, part, a, b))
+            a_parts.append(a)
+            b_parts.append(b)
+            zero_rows.append(0)
         a_cat = self.matrix(width, weight.shape[1], weight.dtype)
         b_blk = self.matrix(weight.shape[0], width, weight.dtype)
         if len(a_parts) == 1:
             a_cat = a_parts[0]
         else:
             self.op(node, "concat", a_parts, (a_cat,), (("dim", 0),))
-        self.op(node, "concat", b_rows, (b_blk,), (("dim", 0),))
+        gaps = (("zero_rows", zero_rows),) if any(zero_rows) else ()
+        self.op(node, "block_diag", b_parts, (b_blk,), gaps)
         low = self.value(y, width)
         delta = self.value(y, y.shape[-1])
         attrs = dict(node.attrs)
@@ -415,15 +402,6 @@ class _Rewriter:
         self.counter += 1
         value_id = f"%lora{self.counter}"
         self.values.append(ValueInfo(value_id, (str(rows), str(cols)), dtype))
-        return value_id
-
-    def zeros(self, origin: Node, rows: int, cols: int, dtype: str) -> str:
-        """A [rows, cols] block of zeros ("" when empty); frozen (no gradient)."""
-        if cols == 0:
-            return ""
-        value_id = self.matrix(rows, cols, dtype)
-        self.op(origin, "zeros", (), (value_id,), (("shape", [rows, cols]), ("dtype", dtype)))
-        self.frozen.append(value_id)
         return value_id
 
     def delta(self, node, site: Site, part: Part, x: str, y: ValueInfo, report) -> str:

@@ -120,6 +120,40 @@ def concat_shape(call: OpCall) -> list[TensorType]:
     return [first.with_dims(first.dims[:axis] + (total,) + first.dims[axis + 1:])]
 
 
+@shape_rule("block_diag")
+def block_diag_shape(call: OpCall) -> list[TensorType]:
+    """Matrices laid along the diagonal, with `zero_rows` bands between them: y is
+    [sum(rows) + sum(zero_rows), sum(cols)] in the matrices' one dtype."""
+    parts = [t for t in call.inputs if t is not None]
+    if not parts or not all(_known(t) for t in parts):
+        return _unknown_like(parts[0] if parts else None)
+    for index, t in enumerate(parts):
+        if len(t.dims) != 2:
+            raise ShapeError(f"`block_diag` lays matrices along a diagonal; input {index} is "
+                             f"{t}", argument=index, label=f"rank {len(t.dims)}")
+        if t.dtype != parts[0].dtype:
+            raise ShapeError(f"`block_diag` takes matrices of one dtype: input {index} is "
+                             f"{t.dtype}, input 0 {parts[0].dtype}", argument=index,
+                             help=("cast them to one dtype first",))
+    gaps = _zero_rows(call, len(parts))
+    rows = sum((t.dims[0] for t in parts), Dim.const(sum(gaps)))
+    cols = sum((t.dims[1] for t in parts), Dim.const(0))
+    return [parts[0].with_dims((rows, cols))]
+
+
+def _zero_rows(call: OpCall, n: int) -> list[int]:
+    """`zero_rows` as integers: n + 1 of them, or none (all zero)."""
+    value = call.param("zero_rows")
+    gaps = list(value) if isinstance(value, (list, tuple)) else []
+    if not all(isinstance(g, Dim) and g.is_const and g.value >= 0 for g in gaps):
+        raise ShapeError("`zero_rows` of `block_diag` must be known integers, none negative")
+    if gaps and len(gaps) != n + 1:
+        raise ShapeError(f"`zero_rows` of `block_diag` has {len(gaps)} entries: one before, "
+                         f"between and after the {n} matrices makes {n + 1}",
+                         help=("or leave it out: no zero rows",))
+    return [g.value for g in gaps] or [0] * (n + 1)
+
+
 def _same_except(call: OpCall, first: TensorType, other: TensorType, axis: int, index: int):
     if len(other.dims) != len(first.dims) or any(
             i != axis and call.assumptions.same(a, b) is False

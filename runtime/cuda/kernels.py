@@ -407,6 +407,50 @@ def _embedding_bwd(ext, inputs, attrs):
     return [zero_padding_row(d_weight, attrs.get("padding_idx"))]
 
 
+class BlockDiag:
+    """block_diag (LoRA's block-diagonal B, modulec/lower/lora.py): one launch each way
+    (csrc/kernels/block_diag.cu) where the matrices are contiguous CUDA tensors of one 2-
+    or 4-byte dtype, at most `MAX_BLOCKS` of them; else the reference's torch ops, into
+    the planned bytes where there are some. No dtype cast: the blocks are copied as they
+    are. The forward writes y's planned bytes (`takes_out`); the backward gives each
+    block's gradient a tensor of its own (a parameter's gradient: it has no planned bytes
+    to go to)."""
+
+    MAX_BLOCKS = 8  # csrc/kernels/kernels.h kMaxBlocks
+    takes_out = True
+
+    def __init__(self, reference: ReferenceKernel):
+        self.reference = reference
+
+    def __getattr__(self, attr):
+        return getattr(self.reference, attr)
+
+    def covers(self, tensors: list) -> bool:
+        return 0 < len(tensors) <= self.MAX_BLOCKS and all(
+            isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and t.dim() == 2
+            and t.dtype == tensors[0].dtype and t.element_size() in (2, 4) for t in tensors)
+
+    def forward(self, inputs: list, attrs: dict) -> list:
+        out, xs = attrs.pop("out", None), list(inputs[0])
+        zero_rows = [int(r) for r in attrs.get("zero_rows") or ()]
+        if self.covers(xs):
+            shape = (sum(x.shape[0] for x in xs) + sum(zero_rows), sum(x.shape[1] for x in xs))
+            y = typed(out, 0, shape, xs[0].dtype)
+            return [_extension().block_diag_forward(xs, zero_rows, out=y)]
+        y = self.reference.forward_fn(xs, zero_rows=zero_rows)[0]
+        into = typed(out, 0, y.shape, y.dtype)
+        return [into.copy_(y) if into is not None and into.is_contiguous() else y]
+
+    def backward(self, inputs: list, attrs: dict) -> list:
+        attrs.pop("out", None)
+        d_y = inputs[0]
+        shapes = [[int(d) for d in s] for s in attrs["input_shapes"]["xs"]]
+        zero_rows = [int(r) for r in attrs.get("zero_rows") or ()]
+        if self.covers([d_y]) and len(shapes) <= self.MAX_BLOCKS:
+            return [_extension().block_diag_backward(d_y, shapes, zero_rows)]
+        return list(self.reference.backward_fn(d_y, **attrs))
+
+
 CUSTOM = {
     "rmsnorm": (_rmsnorm_fwd, _rmsnorm_bwd),
     "fused_residual_rmsnorm": (_fused_fwd, _fused_bwd),
@@ -429,8 +473,8 @@ LAYOUTS = {"swiglu": rows_layout, "geglu": rows_layout, "rope": heads_layout,
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref
     for name, ref in KERNELS.items()
-} | MOE_KERNELS | MAMBA_KERNELS  # these wrap the reference themselves (runtime/cuda/moe.py,
-# runtime/cuda/mamba.py)
+} | MOE_KERNELS | MAMBA_KERNELS | {"block_diag": BlockDiag(KERNELS["block_diag"])}
+# these wrap the reference themselves (runtime/cuda/moe.py, runtime/cuda/mamba.py, above)
 
 
 def _rms_apply(x, stats, weight, offset: float = 0.0):

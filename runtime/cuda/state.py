@@ -13,7 +13,10 @@ every tensor a view at its offset (issue 6 item 1, for the fixed regions).
 - `gradient_sums` (with gradient accumulation): an fp32 sum per trained parameter.
 
 Parameters are placed in path order, each at a 256-byte boundary, as the reference
-runtime's arena places them (runtime/arena.py ParameterRegions). The per-layer gradients
+runtime's arena places them (runtime/arena.py ParameterRegions), except that the
+parameters a `concat` along dim 0 stacks (LoRA's per-part A of a fused projection) lie
+side by side in the concat's order (`stacked_order`): the concat is then a view of them,
+no copy a step. The per-layer gradients
 of the step have no region: each lives from its layer's backward to that layer's update.
 `random_params` draws a step's first weights (TrainStep.init_random).
 """
@@ -25,6 +28,33 @@ from collections.abc import Mapping
 import torch
 
 ALIGNMENT = 256
+
+
+def stacked_order(graph, paths: list) -> list:
+    """`paths` with the parameters each dim-0 `concat` of parameters stacks (in any
+    function of `graph`, once per layer that calls it) moved together, in the concat's
+    order, to where the first of them was; the others stay in their order."""
+    stacks = [tuple(v[len("param:"):] for v in n.inputs)
+              for f in graph.functions for n in f.nodes
+              if n.kind == "op" and n.target == "concat" and n.attr("dim") == 0
+              and len(n.inputs) > 1 and all(v.startswith("param:") for v in n.inputs)]
+    present, group = set(paths), {}
+    for stack in stacks:
+        for path in paths:
+            if path != stack[0] and not path.endswith("." + stack[0]):
+                continue
+            prefix = path[:len(path) - len(stack[0])]
+            members = [prefix + name for name in stack]
+            if all(m in present and m not in group for m in members):
+                group.update({m: members for m in members})
+    ordered, placed = [], set()
+    for path in paths:
+        if path in placed:
+            continue
+        members = group.get(path, [path])
+        ordered += members
+        placed.update(members)
+    return ordered
 
 
 def region(shapes: dict, paths: list, dtypes: tuple, device: str = "cuda"

@@ -372,10 +372,12 @@ class TrainStep:
         copy and its low half, then the moments, in `optimizer_state`; with accumulation,
         fp32 gradient sums in `gradient_sums`. A parameter stored in fp32 (`own_dtypes`)
         has an fp32 compute copy in `weights`, which is its master (no low half)."""
-        from runtime.cuda.state import SplitMasters, region, region_of, split_master
+        from runtime.cuda.state import (SplitMasters, region, region_of, split_master,
+                                        stacked_order)
 
         shapes, own = self.shapes(), own_dtypes(self)
-        owned = sorted(p for p in shapes if p not in self.ties())
+        owned = stacked_order(self.program.graph,
+                              sorted(p for p in shapes if p not in self.ties()))
         weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
                                             (torch.float32, [p for p in owned if p in own])])
         self.compute = {**views[0], **views[1]}

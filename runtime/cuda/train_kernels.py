@@ -50,7 +50,7 @@ import torch
 
 from runtime.cuda.attention import BACKENDS, FlashAttention
 from runtime.cuda.dropout import DeviceDropout
-from runtime.cuda.kernels import CUDA_KERNELS, typed
+from runtime.cuda.kernels import CUDA_KERNELS, BlockDiag, typed
 from runtime.kernels import KERNELS
 from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
@@ -519,6 +519,7 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
     kernels["add"] = Add(KERNELS["add"])
     kernels["concat"] = Concat(KERNELS["concat"])
+    kernels["block_diag"] = BlockDiag(KERNELS["block_diag"])  # its own: tests set takes_out
     kernels["split"] = Split(KERNELS["split"])
     kernels["rope"] = Rope(CUDA_KERNELS["rope"])
     kernels["qk_norm_rope"] = QkNormRope(CUDA_KERNELS["qk_norm_rope"])

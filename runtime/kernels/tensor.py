@@ -1,4 +1,5 @@
-"""view, transpose, permute, split, concat, contiguous, copy (spec §6.5, §6.11.4);
+"""view, transpose, permute, split, concat, block_diag, contiguous, copy (spec §6.5,
+§6.11.4);
 stop_gradient and scale_gradient (`@gradient`, §7.8.3); select and slice (subscripts).
 
 Views return torch views where torch can (the reference does not model buffers; layout
@@ -74,6 +75,34 @@ def _concat_backward(d_y, *, dim=-1, **attrs):
 @register("concat", ("xs",), ("y",), ("d_y",), ("d_xs",), backward=_concat_backward)
 def _concat_forward(xs, *, dim=-1, **_):
     return [torch.cat(list(xs), dim=dim)]
+
+
+# -------------------------------------------------------------------------- block_diag
+def block_places(shapes, zero_rows=()) -> list[tuple[int, int]]:
+    """Where each matrix of `shapes` starts in block_diag's y: (row, column)."""
+    gaps = list(zero_rows) or [0] * (len(shapes) + 1)
+    places, row, col = [], gaps[0], 0
+    for (rows, cols), gap in zip(shapes, gaps[1:]):
+        places.append((row, col))
+        row, col = row + rows + gap, col + cols
+    return places
+
+
+def _block_diag_backward(d_y, *, zero_rows=(), **attrs):
+    shapes = [tuple(s) for s in input_shape(attrs, "block_diag", "xs")]
+    return [[d_y[r:r + rows, c:c + cols].contiguous()
+             for (r, c), (rows, cols) in zip(block_places(shapes, zero_rows), shapes)]]
+
+
+@register("block_diag", ("xs",), ("y",), ("d_y",), ("d_xs",), backward=_block_diag_backward)
+def _block_diag_forward(xs, *, zero_rows=(), **_):
+    xs = list(xs)
+    gaps = list(zero_rows) or [0] * (len(xs) + 1)
+    y = xs[0].new_zeros((sum(x.shape[0] for x in xs) + sum(gaps),
+                         sum(x.shape[1] for x in xs)))
+    for (r, c), x in zip(block_places([tuple(x.shape) for x in xs], gaps), xs):
+        y[r:r + x.shape[0], c:c + x.shape[1]] = x
+    return [y]
 
 
 # ------------------------------------------------------------------ contiguous, copy
