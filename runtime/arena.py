@@ -69,6 +69,10 @@ class Arena:
     # the kernel's bytes, and records hold no bytes for it (`own_saved`)
     own_bytes: frozenset = frozenset()
     own: dict = field(default_factory=dict)  # forward function -> its values of own bytes
+    # a concat of parameters that came out as a view of them stays that view
+    # (`_joined_parameters`): for a caller whose parameters stay put through a step's
+    # forward and backward (the GPU step's weights region; not ZeRO's gathered copies)
+    parameter_views: bool = False
 
     def __post_init__(self):
         plan = plan_step(self.graph)
@@ -234,7 +238,8 @@ class Arena:
         if placement is None or not isinstance(tensor, Tensor) or \
                 (node is not None and node.kind == "op" and node.target in ALIASES):
             return tensor
-        if _joined_parameters(node, tensor) and not self._in_arena(tensor):
+        if self.parameter_views and _joined_parameters(node, tensor) \
+                and not self._in_arena(tensor):
             return tensor
         target = self._in_place_target(frame, node, value)
         if target is None:
@@ -448,8 +453,8 @@ class ParameterRegions:
 def _joined_parameters(node, tensor: Tensor) -> bool:
     """A concat of parameters that came out as a view of them (they lie side by side:
     LoRA's stacked A, runtime/cuda/state.py `stacked_order`): it stays that view, where a
-    copy into its planned bytes would be the very copy the layout saves. Parameters do
-    not change within a step's forward and backward, so the view reads what a copy would
-    hold."""
+    copy into its planned bytes would be the very copy the layout saves. Where the arena
+    is made with `parameter_views`, the parameters stay put through a step's forward and
+    backward, so the view reads what a copy would hold."""
     return node is not None and node.kind == "op" and node.target == "concat" \
         and tensor._base is not None and all(v.startswith("param:") for v in node.inputs)

@@ -66,7 +66,8 @@ def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu", params=N
             copies[(frame.function.name, value, node.target if node else None)] += 1
         return placed
     monkeypatch.setattr(arena_module.Arena, "place", counted)
-    arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], device)
+    arena = arena_module.Arena(program.graph, program.document["schedule"]["layout"], device,
+                               parameter_views=True)
     if params is None:
         params = {p: t.to(device) for p, t in model.params.items()}
     run = step_module._StepInterpreter(program.graph, params, BF16, check_finite=False,

@@ -260,7 +260,9 @@ class TrainStep:
         layout = self.program.document.get("schedule", {}).get("layout", {})
         # no NaN over released and transient bytes (the CPU tests' check): a memset a step
         return Arena(self.graph, layout, "cuda", poison=False,
-                     own_bytes=allocating_ops(self.kernels))  # their saved values: own bytes
+                     own_bytes=allocating_ops(self.kernels),  # their saved values: own bytes
+                     # the weights region's parameters stay put (not ZeRO's gathered ones)
+                     parameter_views=self.zero is None)
 
     # ------------------------------------------------------------------ weights
     def shapes(self) -> dict[str, tuple[int, ...]]:
