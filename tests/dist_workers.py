@@ -80,6 +80,15 @@ def train_sharded(rank: int, world: int, port: int, name: str, zero: int, steps:
     context.close()
 
 
+def train_sharded_runs(rank: int, world: int, ports: list, runs: list, steps: int, rows: int,
+                       seq: int, out_folder: str) -> None:
+    """train_sharded for each (name, zero) of `runs` in turn, each in a group of its own
+    (its port of `ports`), from one spawn: a process start costs more than a tiny run."""
+    for port, (name, zero) in zip(ports, runs):
+        train_sharded(rank, world, port, name, zero, steps, rows, seq,
+                      str(Path(out_folder) / f"{name}-{zero}.pt"))
+
+
 # ------------------------------------------------- packed steps and evaluation (gloo)
 SEP = 1  # the end-of-document id of the packed runs
 

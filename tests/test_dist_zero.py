@@ -15,21 +15,27 @@ from tests.dist_testing import free_port  # noqa: E402
 STEPS, ROWS, SEQ = 2, 4, 8
 
 
-def sharded(name: str, zero: int, tmp_path) -> dict:
-    out = tmp_path / f"{name}-{zero}.pt"
-    mp.spawn(dist_workers.train_sharded, nprocs=2,
-             args=(2, free_port(), name, zero, STEPS, ROWS, SEQ, str(out)))
-    return torch.load(out)
+# every (model, stage) the tests below compare, trained by one spawn of two processes
+RUNS = [("llama", 0), ("llama", 1), ("llama", 2), ("llama", 3), ("qwen3", 3), ("mixtral", 3),
+        ("llama_tied", 3)]
+
+
+def sharded(runs: list, folder) -> dict:
+    ports = [free_port() for _ in runs]
+    mp.spawn(dist_workers.train_sharded_runs, nprocs=2,
+             args=(2, ports, runs, STEPS, ROWS, SEQ, str(folder)))
+    return {(name, zero): torch.load(folder / f"{name}-{zero}.pt") for name, zero in runs}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two processes' training of a tiny model at a ZeRO stage, each run once."""
+    """Two processes' training of a tiny model at a ZeRO stage: all of RUNS, trained once
+    when a test first asks for one."""
     cache = {}
 
     def get(name: str, zero: int) -> dict:
-        if (name, zero) not in cache:
-            cache[name, zero] = sharded(name, zero, tmp_path_factory.mktemp("zero"))
+        if not cache:
+            cache.update(sharded(RUNS, tmp_path_factory.mktemp("zero")))
         return cache[name, zero]
     return get
 
