@@ -189,20 +189,16 @@ def test_a_written_backward_may_name_only_the_gradients(tmp_path):
     non-gradient output (y) may go unnamed, so user backwards written that way still
     check, build and verify against the derived backward; naming too few gradients is
     still E003."""
-    import subprocess
-    import sys
+    from tests.test_cli import run  # the CLI in-process: a Python start costs more
 
     path = tmp_path / "spec_form.module"
     path.write_text(SPEC_FORM)
-    done = subprocess.run([sys.executable, "-m", "modulec", "check", str(path),
-                           "--verify-backward"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "all gradients match" in done.stdout + done.stderr
-    built = subprocess.run([sys.executable, "-m", "modulec", "build", str(path), "-o",
-                            str(tmp_path / "m.ir")], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
+    done = run("check", path, "--verify-backward")
+    assert done.exit_code == 0, done.output
+    assert "all gradients match" in done.output
+    built = run("build", path, "-o", tmp_path / "m.ir")
+    assert built.exit_code == 0, built.output
     path.write_text(SPEC_FORM.replace("swiglu_backward() -> (d_gate, d_up)",
                                       "swiglu_backward() -> d_gate"))
-    short = subprocess.run([sys.executable, "-m", "modulec", "check", str(path)],
-                           capture_output=True, text=True)
-    assert short.returncode == 1 and "E003" in short.stdout + short.stderr
+    short = run("check", path)
+    assert short.exit_code == 1 and "E003" in short.output
