@@ -14,22 +14,24 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The files that hold the longest tests, the longest file first (the sum of its tests'
-# `--durations` under `make test`'s options on the 2-core machine; docs/decisions.md, "CI
-# time budget") run before the others. `make test` hands whole files to its two workers in
+# `--durations` under `make test`'s options on the 2-core machine, over two runs: the
+# shared machine's load moves a file by 2x between runs; docs/decisions.md, "CI time
+# budget") run before the others. `make test` hands whole files to its two workers in
 # collection order (--dist loadfile --no-loadscope-reorder): a minute-long file handed out
 # last leaves the other core idle for that minute, handed out first the short files of both
 # workers fill in around it. A file is one unit, so its module fixtures are built once; the
 # three files of the session fixture `four_ranks` (four gloo processes) are one unit
 # (pytest_xdist_make_scheduler below), handed out where the first of them stands.
-FIRST = ("test_soundness.py", "test_check_properties.py", "test_train_dist.py",
-         "test_fuzz.py", "test_pipeline_packed_eval.py", "test_pipeline_tp.py",
-         "test_tp_clip.py", "test_dist_bench.py", "test_cuda_kernels.py",
-         "test_pipeline_run.py", "test_dist_zero.py", "test_tutorial.py",
-         "test_syntax_properties.py", "test_pipeline_precision.py",
-         "test_dist_packed_eval.py", "test_tp_eval.py", "test_tp_ir.py", "test_tp_packed.py",
-         "test_tp_lora.py", "test_tensor_parallel.py", "test_pipeline_shared.py",
-         "test_sequence_parallel.py", "test_consolidated_save.py", "test_pipeline_aux.py",
-         "test_train_optim.py", "test_train.py")
+FIRST = ("test_soundness.py", "test_fuzz.py", "test_check_properties.py",
+         "test_train_dist.py", "test_pipeline_packed_eval.py", "test_pipeline_tp.py",
+         "test_tp_clip.py", "test_dist_bench.py", "test_pipeline_run.py",
+         "test_cuda_kernels.py", "test_syntax_properties.py", "test_tutorial.py",
+         "test_dist_zero.py", "test_pipeline_precision.py", "test_tensor_parallel.py",
+         "test_dist_packed_eval.py", "test_runtime_arena.py", "test_tp_eval.py",
+         "test_tp_ir.py", "test_tp_lora.py", "test_sequence_parallel.py", "test_train.py",
+         "test_cuda_step.py", "test_train_optim.py", "test_runtime_decisions.py",
+         "test_pipeline_shared.py", "test_build.py", "test_consolidated_save.py",
+         "test_pipeline_aux.py", "test_tp_packed.py")
 FOUR_RANKS = ("test_pipeline_packed_eval.py", "test_pipeline_tp.py", "test_tp_clip.py")
 
 
