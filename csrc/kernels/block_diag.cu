@@ -55,23 +55,30 @@ int grid_for(int64_t n) {
   return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxGrid ? kMaxGrid : blocks));
 }
 
+// launch(Bits{}) with the unsigned type of `itemsize` bytes (2 or 4); else invalid
+template <typename Launch>
+cudaError_t by_itemsize(int itemsize, Launch launch) {
+  if (itemsize == 2) {
+    launch(uint16_t{});
+  } else if (itemsize == 4) {
+    launch(uint32_t{});
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_block_diag_forward(int itemsize, const Blocks& blocks, void* y,
                                       int64_t rows, int64_t cols, cudaStream_t stream) {
   if (blocks.n < 1 || blocks.n > kMaxBlocks) return cudaErrorInvalidValue;
   if (rows * cols == 0) return cudaSuccess;
-  const int grid = grid_for(rows * cols);
-  if (itemsize == 2) {
-    block_diag_forward_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
-        blocks, static_cast<uint16_t*>(y), rows, cols);
-  } else if (itemsize == 4) {
-    block_diag_forward_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
-        blocks, static_cast<uint32_t*>(y), rows, cols);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return by_itemsize(itemsize, [&](auto zero) {
+    using Bits = decltype(zero);
+    block_diag_forward_kernel<Bits><<<grid_for(rows * cols), kThreads, 0, stream>>>(
+        blocks, static_cast<Bits*>(y), rows, cols);
+  });
 }
 
 cudaError_t launch_block_diag_backward(int itemsize, const Blocks& blocks, const void* d_y,
@@ -79,17 +86,11 @@ cudaError_t launch_block_diag_backward(int itemsize, const Blocks& blocks, const
   if (blocks.n < 1 || blocks.n > kMaxBlocks) return cudaErrorInvalidValue;
   const int64_t total = blocks.start[blocks.n];
   if (total == 0) return cudaSuccess;
-  const int grid = grid_for(total);
-  if (itemsize == 2) {
-    block_diag_backward_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
-        blocks, static_cast<const uint16_t*>(d_y), cols);
-  } else if (itemsize == 4) {
-    block_diag_backward_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
-        blocks, static_cast<const uint32_t*>(d_y), cols);
-  } else {
-    return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return by_itemsize(itemsize, [&](auto zero) {
+    using Bits = decltype(zero);
+    block_diag_backward_kernel<Bits><<<grid_for(total), kThreads, 0, stream>>>(
+        blocks, static_cast<const Bits*>(d_y), cols);
+  });
 }
 
 }  // namespace modulec

@@ -29,6 +29,7 @@ from runtime.cuda.moe import MOE_KERNELS
 from runtime.kernels import KERNELS
 from runtime.kernels.base import ReferenceKernel
 from runtime.kernels.rope_freq import device_frequencies
+from runtime.kernels.tensor import block_layout
 
 CUSTOM_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -434,7 +435,7 @@ class BlockDiag:
         out, xs = attrs.pop("out", None), list(inputs[0])
         zero_rows = [int(r) for r in attrs.get("zero_rows") or ()]
         if self.covers(xs):
-            shape = (sum(x.shape[0] for x in xs) + sum(zero_rows), sum(x.shape[1] for x in xs))
+            shape = block_layout([tuple(x.shape) for x in xs], zero_rows)[1]
             y = typed(out, 0, shape, xs[0].dtype)
             return [_extension().block_diag_forward(xs, zero_rows, out=y)]
         y = self.reference.forward_fn(xs, zero_rows=zero_rows)[0]

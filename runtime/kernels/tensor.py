@@ -78,29 +78,29 @@ def _concat_forward(xs, *, dim=-1, **_):
 
 
 # -------------------------------------------------------------------------- block_diag
-def block_places(shapes, zero_rows=()) -> list[tuple[int, int]]:
-    """Where each matrix of `shapes` starts in block_diag's y: (row, column)."""
+def block_layout(shapes, zero_rows=()) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Where each matrix of `shapes` starts in block_diag's y, (row, column), and y's
+    shape (zero_rows: n + 1 bands of zero rows, or none)."""
     gaps = list(zero_rows) or [0] * (len(shapes) + 1)
     places, row, col = [], gaps[0], 0
     for (rows, cols), gap in zip(shapes, gaps[1:]):
         places.append((row, col))
         row, col = row + rows + gap, col + cols
-    return places
+    return places, (row, col)
 
 
 def _block_diag_backward(d_y, *, zero_rows=(), **attrs):
     shapes = [tuple(s) for s in input_shape(attrs, "block_diag", "xs")]
     return [[d_y[r:r + rows, c:c + cols].contiguous()
-             for (r, c), (rows, cols) in zip(block_places(shapes, zero_rows), shapes)]]
+             for (r, c), (rows, cols) in zip(block_layout(shapes, zero_rows)[0], shapes)]]
 
 
 @register("block_diag", ("xs",), ("y",), ("d_y",), ("d_xs",), backward=_block_diag_backward)
 def _block_diag_forward(xs, *, zero_rows=(), **_):
     xs = list(xs)
-    gaps = list(zero_rows) or [0] * (len(xs) + 1)
-    y = xs[0].new_zeros((sum(x.shape[0] for x in xs) + sum(gaps),
-                         sum(x.shape[1] for x in xs)))
-    for (r, c), x in zip(block_places([tuple(x.shape) for x in xs], gaps), xs):
+    places, shape = block_layout([tuple(x.shape) for x in xs], zero_rows)
+    y = xs[0].new_zeros(shape)
+    for (r, c), x in zip(places, xs):
         y[r:r + x.shape[0], c:c + x.shape[1]] = x
     return [y]
 
