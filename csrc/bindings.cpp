@@ -616,6 +616,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   modulec::bind::register_fp8(m);  // fp8_amax_scale (bindings_fp8.cpp)
   modulec::bind::register_optim(m);  // the AdamW steps (bindings_optim.cpp)
   modulec::bind::register_tensor(m);  // block_diag (bindings_tensor.cpp)
+  modulec::bind::register_gemm(m);  // cuBLASLt with a chosen algorithm (bindings_gemm.cpp)
   // offset: the norm's scale is offset + weight (fp32; 1 for Gemma's `1 + w`)
   m.def("rmsnorm_forward", &rmsnorm_forward,
         "(x, weight, eps, out=[], offset=0) -> [y, rstd]", py::arg("x"), py::arg("weight"),

@@ -70,6 +70,8 @@ void register_fp8(pybind11::module_& m);
 void register_optim(pybind11::module_& m);
 // block_diag forward and backward (bindings_tensor.cpp)
 void register_tensor(pybind11::module_& m);
+// gemm_candidates and gemm_run: cuBLASLt with a chosen algorithm (bindings_gemm.cpp)
+void register_gemm(pybind11::module_& m);
 
 }  // namespace bind
 }  // namespace modulec

@@ -50,6 +50,7 @@ def load(verbose: bool = False):
         extra_include_paths=[str(CSRC)],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=["-O3", "-std=c++17"],
+        extra_ldflags=["-lcublasLt"],  # bindings_gemm.cpp (torch has loaded the library)
         build_directory=str(build_dir()),
         verbose=verbose,
     )

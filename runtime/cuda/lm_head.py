@@ -33,6 +33,7 @@ from torch import Tensor
 
 from modulec.ir.graph import Function, Graph, ValueInfo
 from modulec.plan.memory.model import round_up
+from runtime.cuda.gemm import mm_into
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,10 @@ def lm_head_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, chunk_rows:
     for start in range(0, rows.shape[0], chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])
         part = slice(start, stop)
-        grad = _logits_grad(torch.mm(rows[part], weight.t(), out=logits[:stop - start])
+        grad = _logits_grad(mm_into(rows[part], weight.t(), logits[:stop - start])
                             if logits is not None else rows[part] @ weight.t(),
                             flat_labels[part], keep[part], inv_n, loss, ignore_index)
-        torch.mm(grad, weight, out=d_rows[part])
+        mm_into(grad, weight, d_rows[part])
         if head_grad:
             _add_head_grad(d_weight, grad, rows[part])
         del grad  # else the next chunk's logits are allocated while this chunk is still held

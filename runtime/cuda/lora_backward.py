@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.cuda.gemm import mm_into
 from runtime.cuda.train_kernels import overlaps
 
 
@@ -162,7 +163,7 @@ def add_into(run, pair: DxPair, frame, forward) -> torch.Tensor | None:
         if raw is None or raw.data_ptr() != d_x1.data_ptr():
             return None
     alpha = float(base.attr("alpha") or 1.0)
-    d_x1.view(-1, w.shape[1]).addmm_(d_y.reshape(-1, w.shape[0]), w, alpha=alpha)
+    mm_into(d_y.reshape(-1, w.shape[0]), w, d_x1.view(-1, w.shape[1]), alpha, beta=1.0)
     return d_x1
 
 

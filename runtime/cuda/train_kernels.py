@@ -52,6 +52,7 @@ from runtime.cuda.attention import BACKENDS, FlashAttention
 from runtime.cuda.dropout import DeviceDropout
 from runtime.cuda.kernels import CUDA_KERNELS, BlockDiag, typed
 from runtime.kernels import KERNELS
+from runtime.cuda.gemm import mm_into
 from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
 
@@ -431,11 +432,8 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
     C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype)
     if C is None or not C.is_contiguous():
         return None
-    if alpha == 1.0:
-        torch.mm(a, b, out=C)
-    else:  # alpha in the GEMM (beta = 0: C's old bytes are not read), not a second pass
-        C.addmm_(a, b, beta=0.0, alpha=alpha)
-    return C
+    # alpha in the GEMM (beta = 0: C's old bytes are not read), not a second pass
+    return mm_into(a, b, C, alpha)
 
 
 def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
@@ -470,7 +468,7 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
     C = product_into(t2, B, "NT", alpha, raw)
     if C is None:
         return None
-    C.addmm_(a, b, alpha=base_alpha)
+    mm_into(a, b, C, base_alpha, beta=1.0)
     keep = mode[0] == "N" and x.dim() > 2
     return C.view(*x.shape[:-1], C.shape[-1]) if keep else C
 
@@ -504,7 +502,7 @@ def lora_addmm(base: torch.Tensor, t: torch.Tensor, B: torch.Tensor, alpha: floa
         return None
     t2 = t.reshape(-1, t.shape[-1])
     if inplace and base.is_contiguous():
-        base.view(-1, base.shape[-1]).addmm_(t2, B.t(), alpha=alpha)
+        mm_into(t2, B.t(), base.view(-1, base.shape[-1]), alpha, beta=1.0)
         return base
     out = torch.addmm(base.reshape(-1, base.shape[-1]), t2, B.t(), alpha=alpha)
     return out.view(base.shape)

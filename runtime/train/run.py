@@ -576,11 +576,17 @@ class Run:
                           "decisions (no swaps on the GPU)")
 
     def _attention_note(self, progress: Progress) -> None:
-        """After the first step on the GPU: the attention kernels it ran."""
+        """After the first step on the GPU: the attention kernels it ran, the GEMM
+        algorithms it chose."""
         note = getattr(self.trainer, "attention_note", None)
         line = note() if note is not None and self.request.device == "cuda" else None
         if line:
             progress.note(line)
+        if self.request.device == "cuda":
+            from runtime.cuda.gemm import summary
+
+            if summary():  # the GEMM algorithms the first step timed (runtime/cuda/gemm.py)
+                progress.note(summary())
 
     def _observer(self):
         """Evaluation and the metrics log (runtime/train/observe.py)."""

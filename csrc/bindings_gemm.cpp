@@ -1,0 +1,196 @@
+// cuBLASLt GEMMs run with an algorithm the caller picks from cuBLASLt's candidates
+// (registered by bindings.cpp's module, `register_gemm`). runtime/cuda/gemm.py times the
+// candidates of each GEMM the step runs once, in an eager step, and keeps the fastest
+// (or torch's own call); the CUDA graph then captures that choice.
+//
+// The workspace is torch's own for cuBLASLt (one per handle and stream, made by torch,
+// valid in a captured graph as torch's own GEMMs use it).
+//
+// out[M, N] = alpha * a[M, K] @ b[K, N] + beta * out, operands 2-D with one unit stride
+// each (a transpose is a view), out row-major; bf16 or fp16, fp32 accumulation. In
+// cuBLASLt's column-major terms that is out^T = b^T a^T. gemm.py checks every operand
+// before calling, so a failing check here is a caller's bug.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+
+#include "bindings_common.h"
+
+namespace modulec {
+namespace bind {
+namespace {
+
+using at::Tensor;
+
+void lt_check(cublasStatus_t status, const char* what) {
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "cuBLASLt ", what, " failed (status ",
+              static_cast<int>(status), ")");
+}
+
+struct Operand {
+  cublasOperation_t op;
+  uint64_t rows, cols;
+  int64_t ld;
+};
+
+// A torch 2-D view t as the column-major matrix cuBLASLt reads for t^T.
+Operand transposed(const Tensor& t) {
+  if (t.stride(1) == 1 && t.size(1) > 0)
+    return {CUBLAS_OP_N, static_cast<uint64_t>(t.size(1)), static_cast<uint64_t>(t.size(0)),
+            std::max<int64_t>(t.stride(0), t.size(1))};
+  TORCH_CHECK(t.stride(0) == 1, "gemm operand needs a unit stride");
+  return {CUBLAS_OP_T, static_cast<uint64_t>(t.size(0)), static_cast<uint64_t>(t.size(1)),
+          std::max<int64_t>(t.stride(1), t.size(0))};
+}
+
+// The largest power of two up to 256 dividing the address (the alignment the
+// candidates may assume: cuBLASLt's default assumes 256).
+uint32_t alignment(const Tensor& t) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+  uint32_t align = 256;
+  while (align > 1 && address % align) align /= 2;
+  return align;
+}
+
+struct Problem {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates;
+  ~Problem() {
+    if (first) cublasLtMatrixLayoutDestroy(first);
+    if (second) cublasLtMatrixLayoutDestroy(second);
+    if (out) cublasLtMatrixLayoutDestroy(out);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+cudaDataType_t data_type(const Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+              "gemm takes bf16 or fp16");
+  return t.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+void set_alignment(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
+                   uint32_t bytes) {
+  lt_check(cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes)),
+           "alignment preference");
+}
+
+std::unique_ptr<Problem> describe(const Tensor& a, const Tensor& b, const Tensor& out,
+                                  int64_t workspace, int64_t count) {
+  auto p = std::make_unique<Problem>();
+  const Operand first = transposed(b), second = transposed(a);
+  const cudaDataType_t type = data_type(out);
+  lt_check(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  lt_check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &first.op,
+                                          sizeof(first.op)), "transa");
+  lt_check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &second.op,
+                                          sizeof(second.op)), "transb");
+  lt_check(cublasLtMatrixLayoutCreate(&p->first, type, first.rows, first.cols, first.ld), "A");
+  lt_check(cublasLtMatrixLayoutCreate(&p->second, type, second.rows, second.cols, second.ld),
+           "B");
+  lt_check(cublasLtMatrixLayoutCreate(&p->out, type, out.size(1), out.size(0),
+                                      std::max<int64_t>(out.stride(0), out.size(1))), "C");
+  cublasLtMatmulPreference_t pref;
+  lt_check(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  uint64_t bytes = static_cast<uint64_t>(workspace);
+  lt_check(cublasLtMatmulPreferenceSetAttribute(
+               pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)),
+           "workspace preference");
+  set_alignment(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(b));
+  set_alignment(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(a));
+  set_alignment(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(out));
+  set_alignment(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(out));
+  p->candidates.resize(static_cast<size_t>(count));
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      at::cuda::getCurrentCUDABlasLtHandle(), p->op, p->first, p->second, p->out, p->out, pref,
+      static_cast<int>(count), p->candidates.data(), &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  p->candidates.resize(status == CUBLAS_STATUS_SUCCESS ? found : 0);
+  return p;
+}
+
+// Problems by everything a candidate depends on: sizes, strides, dtype, alignments, the
+// workspace and the count asked for; beta's value is a call argument, but a GEMM that
+// reads out (beta != 0) is timed apart from one that does not.
+std::string key_of(const Tensor& a, const Tensor& b, const Tensor& out, bool reads_out,
+                   int64_t workspace, int64_t count) {
+  std::string key = std::to_string(static_cast<int>(out.scalar_type()));
+  for (const Tensor* t : {&a, &b, &out})
+    key += ";" + std::to_string(t->size(0)) + "," + std::to_string(t->size(1)) + "," +
+           std::to_string(t->stride(0)) + "," + std::to_string(t->stride(1)) + "," +
+           std::to_string(alignment(*t));
+  return key + ";" + std::to_string(reads_out) + ";" + std::to_string(workspace) + ";" +
+         std::to_string(count);
+}
+
+std::map<std::string, std::unique_ptr<Problem>>& problems() {
+  static std::map<std::string, std::unique_ptr<Problem>> known;  // kept for the process
+  return known;
+}
+
+Problem& problem_for(const Tensor& a, const Tensor& b, const Tensor& out, bool reads_out,
+                     int64_t workspace, int64_t count) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2, "gemm takes 2-D tensors");
+  TORCH_CHECK(a.size(1) == b.size(0) && out.size(0) == a.size(0) && out.size(1) == b.size(1),
+              "gemm shapes do not chain");
+  TORCH_CHECK(a.scalar_type() == out.scalar_type() && b.scalar_type() == out.scalar_type(),
+              "gemm operands differ in dtype");
+  TORCH_CHECK(out.stride(1) == 1, "gemm writes row-major out");
+  auto& known = problems();
+  const std::string key = key_of(a, b, out, reads_out, workspace, count);
+  auto it = known.find(key);
+  if (it == known.end())
+    it = known.emplace(key, describe(a, b, out, workspace, count)).first;
+  return *it->second;
+}
+
+int64_t workspace_bytes() {
+  return static_cast<int64_t>(at::cuda::getCUDABlasLtWorkspaceSize());
+}
+
+// How many candidates cuBLASLt offers for this GEMM (up to `count`).
+int64_t gemm_candidates(const Tensor& a, const Tensor& b, const Tensor& out, bool reads_out,
+                        int64_t count) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  return static_cast<int64_t>(
+      problem_for(a, b, out, reads_out, workspace_bytes(), count).candidates.size());
+}
+
+// out = alpha a b + beta out with candidate `index` of gemm_candidates' list.
+void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha, double beta,
+              int64_t count, int64_t index) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t workspace = workspace_bytes();
+  Problem& p = problem_for(a, b, out, beta != 0.0, workspace, count);
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(p.candidates.size()),
+              "gemm candidate ", index, " of ", p.candidates.size());
+  const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
+  lt_check(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.op, &al, b.data_ptr(),
+                          p.first, a.data_ptr(), p.second, &be, out.data_ptr(), p.out,
+                          out.data_ptr(), p.out, &p.candidates[index].algo,
+                          at::cuda::getCUDABlasLtWorkspace(), static_cast<size_t>(workspace),
+                          at::cuda::getCurrentCUDAStream()),
+           "matmul");
+}
+
+}  // namespace
+
+void register_gemm(pybind11::module_& m) {
+  m.def("gemm_candidates", &gemm_candidates, "cuBLASLt's candidate count for a GEMM",
+        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"),
+        pybind11::arg("reads_out"), pybind11::arg("count"));
+  m.def("gemm_run", &gemm_run, "out = alpha a b + beta out with one cuBLASLt candidate",
+        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"), pybind11::arg("alpha"),
+        pybind11::arg("beta"), pybind11::arg("count"), pybind11::arg("index"));
+}
+
+}  // namespace bind
+}  // namespace modulec
