@@ -1,5 +1,8 @@
-// cuBLASLt GEMMs run with an algorithm the caller picks from cuBLASLt's candidates
-// (registered by bindings.cpp's module, `register_gemm`). runtime/cuda/gemm.py times the
+// GEMM bindings (registered by bindings.cpp's module, `register_gemm`): cuBLASLt with a
+// chosen algorithm, and the skinny NT matmul's backward (kernels/skinny_grads.cu).
+//
+// cuBLASLt GEMMs run with an algorithm the caller picks from cuBLASLt's candidates:
+// runtime/cuda/gemm.py times the
 // candidates of each GEMM the step runs once, in an eager step, and keeps the fastest
 // (or torch's own call); the CUDA graph then captures that choice.
 //
@@ -181,9 +184,50 @@ void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha,
            "matmul");
 }
 
+// d_A = alpha d_C B and d_B = alpha d_C^T A of C = alpha A B^T, A [T, R] (R <= 64), in
+// one pass over d_C (kernels/skinny_grads.cu); da32 / db32: fp32 sums, zero on entry and
+// left zero; out: planned bytes for (d_A, d_B) or none.
+std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const Tensor& b,
+                                       double alpha, const Tensor& da32, const Tensor& db32,
+                                       const Outputs& out) {
+  check(a, "A", at::kBFloat16, d_c);
+  check(b, "B", at::kBFloat16, d_c);
+  TORCH_CHECK(d_c.is_cuda() && d_c.scalar_type() == at::kBFloat16 && d_c.dim() == 2 &&
+                  a.dim() == 2 && b.dim() == 2,
+              "skinny_nt_backward takes 2-D bf16 CUDA tensors");
+  const int64_t rows = d_c.size(0), cols = d_c.size(1), rank = a.size(1);
+  TORCH_CHECK(a.size(0) == rows && b.size(0) == cols && b.size(1) == rank,
+              "skinny_nt_backward: d_C ", d_c.sizes(), ", A ", a.sizes(), ", B ", b.sizes());
+  TORCH_CHECK(d_c.stride(1) == 1 && d_c.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(d_c.data_ptr()) % 16 == 0,
+              "d_C rows must be 16-byte aligned");
+  TORCH_CHECK(rows % skinny_rows_multiple() == 0 && cols % skinny_cols_multiple() == 0 &&
+                  (rank == 16 || rank == 32 || rank == 48 || rank == 64),
+              "skinny_nt_backward: shape not covered");
+  const c10::cuda::CUDAGuard guard(d_c.device());
+  check(da32, "da32", at::kFloat, d_c);
+  check(db32, "db32", at::kFloat, d_c);
+  TORCH_CHECK(da32.numel() == rows * rank && db32.numel() == cols * rank,
+              "skinny_nt_backward: the fp32 sums must hold d_A and d_B");
+  Tensor d_a = output(out, 0, {rows, rank}, a.options());
+  Tensor d_b = output(out, 1, {cols, rank}, b.options());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  check_launch(launch_skinny_nt_backward(d_c.data_ptr(), d_c.stride(0), a.data_ptr(),
+                                         b.data_ptr(), da32.data_ptr<float>(),
+                                         db32.data_ptr<float>(), d_a.data_ptr(), d_b.data_ptr(),
+                                         rows, cols, static_cast<int>(rank),
+                                         static_cast<float>(alpha), sms, stream()),
+               "skinny_nt_backward");
+  return {d_a, d_b};
+}
+
 }  // namespace
 
 void register_gemm(pybind11::module_& m) {
+  m.def("skinny_nt_backward", &skinny_nt_backward,
+        "d_A, d_B of C = alpha A B^T (A [T, R], R <= 64) in one pass over d_C",
+        pybind11::arg("d_c"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"),
+        pybind11::arg("da32"), pybind11::arg("db32"), pybind11::arg("out") = Outputs{});
   m.def("gemm_candidates", &gemm_candidates, "cuBLASLt's candidate count for a GEMM",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"),
         pybind11::arg("reads_out"), pybind11::arg("count"));

@@ -306,4 +306,15 @@ cudaError_t launch_block_diag_forward(int itemsize, const Blocks& blocks, void* 
 cudaError_t launch_block_diag_backward(int itemsize, const Blocks& blocks, const void* d_y,
                                        int64_t cols, cudaStream_t stream);
 
+// skinny_grads.cu: d_a = alpha d_c b [rows, rank] and d_b = alpha d_c^T a [cols, rank] (bf16)
+// in one pass over d_c [rows, cols] (row stride ld), fp32 sums in da32 / db32 (zero on
+// entry, zeroed again on exit). rows % skinny_rows_multiple() == 0,
+// cols % skinny_cols_multiple() == 0, rank in {16, 32, 48, 64}.
+int skinny_rows_multiple();
+int skinny_cols_multiple();
+cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
+                                      const void* b, float* da32, float* db32, void* d_a,
+                                      void* d_b, int64_t rows, int64_t cols, int rank,
+                                      float alpha, int sm_count, cudaStream_t stream);
+
 }  // namespace modulec

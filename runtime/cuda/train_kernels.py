@@ -406,6 +406,10 @@ def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0,
     from runtime.kernels.base import sum_to_shape
 
     operands = (d_C, A, B) if batched else (_fold(d_C), _fold(A), _fold(B))
+    if not batched and transpose == "NT" and all(wanted):
+        both = _skinny_grads(*operands, alpha, out, A, B)
+        if both is not None:
+            return both
     grads = []
     for want, (x, y, mode), like, raw in zip(wanted, GRADIENT_PRODUCTS[transpose], (A, B),
                                               out or (None, None)):
@@ -419,6 +423,22 @@ def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0,
         grad = product_into(x, y, mode, alpha, raw) if raw is not None else None
         grads.append((grad if grad is not None else _mm(x, y, mode, alpha)).reshape(like.shape))
     return grads
+
+
+def _skinny_grads(d_C, a, b, alpha, out, A, B) -> list | None:
+    """Both gradients of a rank-wide NT product (LoRA's delta) from one pass over d_C
+    (runtime/cuda/skinny_grads.py), into their planned bytes where given; None where the
+    kernel does not cover the call."""
+    from runtime.cuda.skinny_grads import skinny_nt_backward
+
+    if not isinstance(a, torch.Tensor) or a.dim() != 2:
+        return None
+    targets = [typed(out, i, like.shape, like.dtype) if out else None
+               for i, like in enumerate((a, b))]
+    grads = skinny_nt_backward(d_C, a, b, alpha, targets)
+    if grads is None:
+        return None
+    return [grads[0].reshape(A.shape), grads[1].reshape(B.shape)]
 
 
 def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,

@@ -1,0 +1,65 @@
+"""Both gradients of a skinny NT matmul in one pass over d_C (csrc/kernels/skinny_grads.cu).
+
+C = alpha A B^T with A [T, R] and R at most 64 is LoRA's delta (h, the rank-wide
+x A^T, against the block-diagonal B) and other rank-wide products. Its backward is two
+thin GEMMs, d_A = alpha d_C B and d_B = alpha d_C^T A, each reading all of d_C, the
+largest operand by far, and each too thin for cuBLAS to reach the card's bandwidth (one
+H100, LoRA 8B's gate/up at T=2048: 54 + 51 us for 117 MB read twice;
+benchmarks/kernels/bench_skinny_grads.py). The kernel reads d_C once.
+
+`skinny_nt_backward` returns [d_A, d_B] where the kernel covers the call, else None (the
+caller runs its two GEMMs): bf16 CUDA tensors, T a multiple of 256, N of 128, R one of
+16, 32, 48, 64, d_C's rows 16-byte aligned, A and B contiguous, not under torch's
+deterministic mode (the kernel's sums meet through atomics: their order varies), and
+MODULEC_SKINNY_GRADS not 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+RANKS = (16, 32, 48, 64)
+ROWS, COLS = 256, 128  # the multiples of T and N the kernel needs (skinny_grads.cu)
+
+
+def covers(d_C, A, B) -> bool:
+    if os.environ.get("MODULEC_SKINNY_GRADS", "1") == "0" \
+            or torch.are_deterministic_algorithms_enabled():
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16
+               and t.dim() == 2 for t in (d_C, A, B)):
+        return False
+    rows, cols = d_C.shape
+    return A.shape[1] in RANKS and tuple(A.shape) == (rows, A.shape[1]) \
+        and tuple(B.shape) == (cols, A.shape[1]) and rows % ROWS == 0 and cols % COLS == 0 \
+        and A.is_contiguous() and B.is_contiguous() and d_C.stride(1) == 1 \
+        and d_C.stride(0) % 8 == 0 and d_C.data_ptr() % 16 == 0 \
+        and A.data_ptr() % 16 == 0 and B.data_ptr() % 16 == 0 \
+        and A.device == B.device == d_C.device
+
+
+def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None) -> list | None:
+    """[d_A, d_B] of C = alpha A B^T (2-D), or None where the kernel does not cover them;
+    `out`: typed contiguous tensors for (d_A, d_B) to write into, or None each."""
+    if not covers(d_C, A, B):
+        return None
+    from runtime.cuda.build import load
+
+    targets = [t if t is not None and t.is_contiguous() else None for t in (out or (None, None))]
+    da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
+    return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets))
+
+
+_sums_kept: dict[tuple, tuple] = {}  # (device, stream, T, N, R) -> the fp32 sums
+
+
+def _sums(device, rows: int, cols: int, rank: int) -> tuple:
+    """The problem's fp32 sums, zero (the kernel leaves them zero after each call): one
+    pair per stream, kept for the process (small: (T + N) x R floats)."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream, rows, cols, rank)
+    if key not in _sums_kept:
+        _sums_kept[key] = (torch.zeros(rows, rank, device=device, dtype=torch.float32),
+                           torch.zeros(cols, rank, device=device, dtype=torch.float32))
+    return _sums_kept[key]

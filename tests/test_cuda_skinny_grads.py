@@ -1,0 +1,85 @@
+"""runtime/cuda/skinny_grads.py + csrc/kernels/skinny_grads.cu: both gradients of a
+rank-wide NT matmul (LoRA's delta) from one pass over d_C.
+
+On a GPU (`-m cuda`): for each rank the kernel covers (16 to 64) and a strided d_C,
+d_A = alpha d_C B and d_B = alpha d_C^T A match an fp32 reference within bf16 rounding,
+written into given targets; uncovered shapes, dtypes and torch's
+deterministic mode fall back (None); the matmul's GPU backward (train_kernels.matmul_grads)
+takes the kernel and agrees with the two-GEMM path it replaces. Without a GPU: the CPU
+backward never reaches the kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime.cuda.skinny_grads import covers, skinny_nt_backward  # noqa: E402
+from runtime.cuda.train_kernels import matmul_grads  # noqa: E402
+from tests.dist_testing import needs_gpus  # noqa: E402
+
+
+def test_cpu_backward_does_not_take_the_kernel():
+    g = torch.Generator().manual_seed(0)
+    d_C, A, B = (torch.randn(*s, generator=g) for s in ((256, 128), (256, 16), (128, 16)))
+    assert not covers(d_C, A, B)
+    d_A, d_B = matmul_grads(d_C, A, B, wanted=(True, True), transpose="NT", alpha=2.0)
+    torch.testing.assert_close(d_A, 2.0 * d_C @ B)
+    torch.testing.assert_close(d_B, 2.0 * d_C.t() @ A)
+
+
+def _operands(T, N, R, pad=0, seed=0):
+    torch.manual_seed(seed)
+    d_C = torch.randn(T, N + pad, device="cuda", dtype=torch.bfloat16)[:, :N]
+    A = torch.randn(T, R, device="cuda", dtype=torch.bfloat16)
+    B = torch.randn(N, R, device="cuda", dtype=torch.bfloat16) * 0.1
+    return d_C, A, B
+
+
+def _check(got, expect):
+    err = (got.float() - expect).abs().max() / expect.abs().max()
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("R", [16, 32, 48, 64])
+@pytest.mark.parametrize("T,N,pad", [(256, 128, 0), (512, 1152, 8), (2048, 6144, 0)])
+def test_kernel_matches_reference(R, T, N, pad):
+    d_C, A, B = _operands(T, N, R, pad, seed=R)
+    alpha = 2.0
+    targets = [torch.full((T, R), float("nan"), device="cuda", dtype=torch.bfloat16),
+               torch.full((N, R), float("nan"), device="cuda", dtype=torch.bfloat16)]
+    d_A, d_B = skinny_nt_backward(d_C, A, B, alpha, targets)
+    assert d_A.data_ptr() == targets[0].data_ptr() and d_B.data_ptr() == targets[1].data_ptr()
+    _check(d_A, alpha * d_C.float() @ B.float())
+    _check(d_B, alpha * d_C.float().t() @ A.float())
+
+
+@needs_gpus(1)
+def test_uncovered_calls_fall_back(monkeypatch):
+    d_C, A, B = _operands(256, 128, 16)
+    assert covers(d_C, A, B)
+    assert skinny_nt_backward(d_C[:200], A[:200], B) is None  # T not a multiple of 256
+    assert skinny_nt_backward(d_C[:, :96], A, B[:96]) is None  # N not a multiple of 128
+    assert skinny_nt_backward(d_C, A[:, :8].contiguous(), B[:, :8].contiguous()) is None
+    assert skinny_nt_backward(d_C.float(), A.float(), B.float()) is None
+    monkeypatch.setenv("MODULEC_SKINNY_GRADS", "0")
+    assert skinny_nt_backward(d_C, A, B) is None
+    monkeypatch.delenv("MODULEC_SKINNY_GRADS")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert skinny_nt_backward(d_C, A, B) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@needs_gpus(1)
+def test_matmul_backward_takes_the_kernel_and_agrees(monkeypatch):
+    d_C, A, B = _operands(1024, 4096, 48, seed=3)
+    d_C3, A3 = d_C.view(2, 512, 4096), A.view(2, 512, 48)  # folded leading dims
+    fused = matmul_grads(d_C3, A3, B, wanted=(True, True), transpose="NT", alpha=2.0)
+    monkeypatch.setenv("MODULEC_SKINNY_GRADS", "0")
+    plain = matmul_grads(d_C3, A3, B, wanted=(True, True), transpose="NT", alpha=2.0)
+    assert fused[0].shape == A3.shape and fused[1].shape == B.shape
+    for f, p in zip(fused, plain):
+        _check(f, p.float())
