@@ -1,7 +1,7 @@
 """runtime/cuda/gemm.py: the step's GEMMs with a measured cuBLASLt algorithm.
 
 Without a GPU: `mm_into` is torch's mm / addmm (alpha, beta) on CPU tensors and times
-nothing. On a GPU (`-m cuda`): every candidate cuBLASLt offers for the step's kinds of
+nothing; the tuning's choice (cuBLASLt faked) is the fastest candidate that runs. On a GPU (`-m cuda`): every candidate cuBLASLt offers for the step's kinds of
 GEMM (the three transpose modes, beta 0 and 1, alpha, strided operands and outputs, bf16
 and fp16) computes the product torch does; `mm_into` keeps a choice per problem and
 leaves out's old values where beta reads them; a problem first met during a CUDA graph's
@@ -27,6 +27,37 @@ def test_cpu_mm_into_is_torch_alpha_beta():
     torch.testing.assert_close(out, expect)
     torch.testing.assert_close(gemm.mm_into(a, b, torch.full((5, 4), float("nan"))), a @ b)
     assert gemm.choices() == before  # CPU tensors: nothing timed
+
+
+def test_tuning_keeps_the_fastest_candidate_that_runs(monkeypatch):
+    """The choice logic on the CPU: cuBLASLt offers 3 candidates, #1 fails to run and
+    would be fastest, #2 is faster than torch's call: #2 is kept; with beta the old
+    output is put back after the timing runs."""
+    import runtime.cuda.build as build
+
+    class Offers:
+        def gemm_candidates(self, a, b, out, reads_out, count):
+            return 3
+
+    ran = []
+
+    def lt(a, b, out, alpha, beta, index):
+        if index == 1:
+            raise RuntimeError("cuBLASLt matmul failed")
+        ran.append(index)
+        out.add_(1.0)  # the timing runs' sums, to be undone
+
+    monkeypatch.setattr(build, "load", lambda: Offers())
+    monkeypatch.setattr(gemm, "_lt", lt)
+    monkeypatch.setattr(gemm, "_median_times", lambda runs: [(run(), ms)[1] for run, ms
+                                                             in zip(runs, [2.0, 3.0, 1.0])])
+    a, b, out = torch.ones(4, 3), torch.ones(3, 5), torch.zeros(4, 5)
+    key = ("test", 4, 3, 5)
+    assert gemm._tune(key, a, b, out, beta=1.0) == 2
+    assert gemm.choices()[key] == 2 and gemm._timings[key] == [2.0, 3.0, 1.0]
+    assert 1 not in ran
+    torch.testing.assert_close(out, torch.zeros(4, 5))
+    del gemm._choices[key], gemm._timings[key]
 
 
 def _operand(rows: int, cols: int, transposed: bool, dtype, pad: int = 0):

@@ -116,14 +116,27 @@ def _tune(key, a, b, out, beta: float) -> int:
     except (RuntimeError, ImportError, OSError):  # no room for the copy, no extension
         _choices[key] = TORCH
         return TORCH
-    runs = [lambda: _torch_mm(a, b, out, 1.0, beta)]
-    runs += [lambda i=i: _lt(a, b, out, 1.0, beta, i) for i in range(found)]
-    times = _median_times(runs)
+    runs = {TORCH: lambda: _torch_mm(a, b, out, 1.0, beta)}
+    runs.update({i: (lambda i=i: _lt(a, b, out, 1.0, beta, i)) for i in _running(a, b, out,
+                                                                                beta, found)})
+    times = dict(zip(runs, _median_times(list(runs.values()))))
     if saved is not None:
         out.copy_(saved)
-    best = min(range(len(times)), key=times.__getitem__)
-    _choices[key], _timings[key] = best - 1, times
-    return best - 1
+    best = min(times, key=times.get)
+    _choices[key], _timings[key] = best, list(times.values())  # torch's first
+    return best
+
+
+def _running(a, b, out, beta: float, found: int) -> list[int]:
+    """The candidates that run on these operands (cuBLASLt may refuse one it offered)."""
+    ok = []
+    for i in range(found):
+        try:
+            _lt(a, b, out, 1.0, beta, i)
+            ok.append(i)
+        except RuntimeError:
+            continue
+    return ok
 
 
 def _median_times(runs: list) -> list[float]:
