@@ -16,6 +16,8 @@ import json
 
 import torch
 
+from bench_kernels import in_rounds  # the script's folder is on sys.path
+
 CPP = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -137,18 +139,6 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(stop) / iters
 
 
-def in_rounds(fns: list, iters: int, rounds: int) -> list[float]:
-    """Median ms of each fn over `rounds` rounds, each round running every fn in turn (the
-    card's clock falls as it heats under a power cap: rounds share that drift out)."""
-    for fn in fns:
-        fn()
-    samples = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            samples[i].append(timed(fn, iters))
-    return [sorted(s)[len(s) // 2] for s in samples]
-
-
 def measure(ext, problem, count, iters, rounds, workspace):
     name, M, N, K, mode, beta = problem
     a, b = operands(M, N, K, mode)
@@ -166,7 +156,9 @@ def measure(ext, problem, count, iters, rounds, workspace):
     fns = [lambda: torch.addmm(out, a, b, beta=beta, out=out) if beta else
            torch.mm(a, b, out=out)]
     fns += [lambda i=i: ext.run(a, b, out, 1.0, beta, workspace, count, i) for i in usable]
-    times = in_rounds(fns, iters, rounds)
+    for fn in fns:
+        fn()
+    times = list(in_rounds(dict(enumerate(fns)), lambda fn: timed(fn, iters), rounds).values())
     torch_ms, lt = times[0], dict(zip(usable, times[1:]))
     best = min(lt, key=lt.get)
     flop = 2.0 * M * N * K

@@ -27,6 +27,8 @@ CPP = ALGOS_CPP.replace(
     "  LT_CHECK(cublasLtMatrixLayoutCreate(&p.a,").replace(
     "key += std::to_string(count);",
     "key += std::to_string(count) + \";\" + std::to_string(sm_target);")
+assert "set_sm_target" in CPP and "SM_COUNT_TARGET" in CPP and "sm_target);" in CPP, \
+    "bench_gemm_algos.CPP changed: the SM target edits above no longer apply"
 UPDATE_ELEMENTS = 280_000_000
 
 

@@ -58,6 +58,16 @@ def time_ms(fn, iters: int, warmup: int = 3, setup=lambda: None) -> float:
     return statistics.median(times)
 
 
+def in_rounds(fns: dict, measure, rounds: int) -> dict:
+    """{name: median of measure(fn)} over `rounds` rounds, each round measuring every fn in
+    turn (a card under a power cap slows as it heats: the rounds share that drift out)."""
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(measure(fn))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -5,8 +5,8 @@ fused projections' block-diagonal B is rank-wide: qkv 48, gate/up 32), times
 d_A = s d_C B plus d_B = s d_C^T A as the step's two GEMMs (runtime/cuda/gemm.py: alpha in
 the GEMM, the timed algorithm) and as
 runtime/cuda/skinny_grads.py's kernel, each after a write that evicts the L2 (d_C comes
-from HBM, as in the step), in rounds (median), and checks the kernel against an fp32
-reference.
+from HBM; bench_kernels.time_ms), in rounds (median), and checks the kernel against an
+fp32 reference.
 
     python3 benchmarks/kernels/bench_skinny_grads.py [--tokens 2048] [--json F]
 """
@@ -20,30 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runtime/ from any folder
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).parent)]
+
+from bench_kernels import in_rounds, time_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 48), "o": (4096, 16), "gate_up": (28672, 32), "down": (4096, 16)}
-
-
-def timed_us(fn, iters: int = 10) -> float:
-    torch.cuda._sleep(2_000_000)  # the host queues the group before the GPU starts it
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters * 1000
-
-
-def medians(fns: dict, rounds: int = 7) -> dict:
-    for fn in fns.values():
-        fn()
-    samples = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            samples[k].append(timed_us(fn))
-    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
 def main():
@@ -55,7 +36,6 @@ def main():
     from runtime.cuda.skinny_grads import skinny_nt_backward
 
     T, alpha = args.tokens, 2.0
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     print(f"{torch.cuda.get_device_name()}, T={T}; us per call, d_C read from HBM")
     print(f"{'projection':10s} {'d_C MB':>7s} {'two GEMMs':>10s} {'one pass':>9s} {'speedup':>8s} "
@@ -74,12 +54,12 @@ def main():
         def one_pass():
             skinny_nt_backward(d_C, A, B, alpha, [d_A, d_B])
 
-        times = medians({"flush": flush.zero_, "two": lambda: (flush.zero_(), two_gemms()),
-                         "one": lambda: (flush.zero_(), one_pass())})
-        one_pass()
+        times = in_rounds({"two": two_gemms, "one": one_pass},  # L2 flushed before each call
+                          lambda fn: 1000 * time_ms(fn, iters=5), rounds=7)
+        one_pass()  # the gradients checked below are the kernel's
         err_a = _err(d_A, alpha * d_C.float() @ B.float())
         err_b = _err(d_B, alpha * d_C.float().t() @ A.float())
-        two, one = times["two"] - times["flush"], times["one"] - times["flush"]
+        two, one = times["two"], times["one"]
         mb = T * N * 2 / 1e6
         rows.append({"projection": name, "N": N, "R": R, "d_C_MB": mb, "two_gemms_us": two,
                      "one_pass_us": one, "err_d_A": err_a, "err_d_B": err_b})

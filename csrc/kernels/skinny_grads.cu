@@ -16,7 +16,8 @@
 //
 // Shapes the caller guarantees (runtime/cuda/skinny_grads.py): T % kRows == 0,
 // N % kCols == 0, R in {16, 32, 48, 64}; d_C rows 16-byte aligned (ld % 8 == 0); A, B
-// contiguous; all bf16.
+// contiguous; all bf16; compute capability 8.0 or newer (bf16 mma.sync: on an older card
+// the extension still builds, the kernel body compiled out).
 #include <algorithm>
 #include <cstdint>
 
@@ -168,6 +169,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                               float* __restrict__ db, int64_t n_cols, int chunks_per_cta) {
   static_assert(kCols == kWarps * 16, "one warp per 16 columns of a chunk for d_B");
   static_assert(kRows == kWarps * 32, "two m-tiles of rows per warp for d_A");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // bf16 mma.sync needs sm_80; skinny_grads.py covers() launches none below
+#else
   extern __shared__ __align__(128) unsigned char raw[];
   Tiles<R>& s = *reinterpret_cast<Tiles<R>*>(raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -205,6 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int m = 0; m < 2; ++m)
     for (int n = 0; n < R / 8; ++n)
       add_tile<R>(da, t0 + warp * 32 + m * 16, n * 8, acc_a[m][n], lane);
+#endif
 }
 
 // d_a = alpha da32, d_b = alpha db32 in bf16, and both sums zeroed for the next call (one

@@ -9,9 +9,9 @@ benchmarks/kernels/bench_skinny_grads.py). The kernel reads d_C once.
 
 `skinny_nt_backward` returns [d_A, d_B] where the kernel covers the call, else None (the
 caller runs its two GEMMs): bf16 CUDA tensors, T a multiple of 256, N of 128, R one of
-16, 32, 48, 64, d_C's rows 16-byte aligned, A and B contiguous, not under torch's
-deterministic mode (the kernel's sums meet through atomics: their order varies), and
-MODULEC_SKINNY_GRADS not 0.
+16, 32, 48, 64, d_C's rows 16-byte aligned, A and B contiguous, a card of compute
+capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic mode (the
+kernel's sums meet through atomics: their order varies), and MODULEC_SKINNY_GRADS not 0.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def covers(d_C, A, B) -> bool:
         and A.is_contiguous() and B.is_contiguous() and d_C.stride(1) == 1 \
         and d_C.stride(0) % 8 == 0 and d_C.data_ptr() % 16 == 0 \
         and A.data_ptr() % 16 == 0 and B.data_ptr() % 16 == 0 \
-        and A.device == B.device == d_C.device
+        and A.device == B.device == d_C.device \
+        and torch.cuda.get_device_capability(d_C.device)[0] >= 8  # bf16 mma.sync
 
 
 def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None) -> list | None:

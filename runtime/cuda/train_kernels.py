@@ -383,7 +383,10 @@ class Matmul(NoCast):
     def backward(self, inputs: list, attrs: dict) -> list:
         out = attrs.pop("out", None)
         wanted = attrs.pop("wanted_outputs", None)
-        if (wanted is None or all(wanted)) and not (out and any(o is not None for o in out)):
+        # an NT matmul's both gradients may take one pass (`_skinny_grads`), planned or not
+        skinny = self.name == "matmul" and attrs.get("transpose") == "NT"
+        if (wanted is None or all(wanted)) and not skinny \
+                and not (out and any(o is not None for o in out)):
             return list(self.reference.backward_fn(*inputs, **attrs))
         return matmul_grads(*inputs, wanted=wanted or (True, True), out=out,
                             batched=self.name == "batched_matmul", **attrs)
