@@ -56,6 +56,32 @@ def test_kernel_matches_reference(R, T, N, pad):
 
 
 @needs_gpus(1)
+def test_the_finishing_launch_leaves_the_sums_zero_for_the_next_call():
+    """The finishing launch zeroes the kept fp32 sums as it casts them: calls one after
+    another and a captured graph's replays give the first call's gradients again, and
+    the kept sums are zero after each call."""
+    from runtime.cuda.skinny_grads import _sums
+
+    d_C, A, B = _operands(2048, 28672, 32, seed=5)
+    first = [t.clone() for t in skinny_nt_backward(d_C, A, B, 2.0)]
+    sums = _sums(d_C.device, 2048, 28672, 32)
+    again = skinny_nt_backward(d_C, A, B, 2.0)
+    assert all(int(torch.count_nonzero(t)) == 0 for t in sums)
+    for got, want in zip(again, first):  # atomics' order: the last bits may differ
+        _check(got, want.float())
+    targets = [torch.empty_like(t) for t in first]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_nt_backward(d_C, A, B, 2.0, targets)
+    for _ in range(3):
+        targets[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(targets, first):
+            _check(got, want.float())
+
+
+@needs_gpus(1)
 def test_uncovered_calls_fall_back(monkeypatch):
     d_C, A, B = _operands(256, 128, 16)
     assert covers(d_C, A, B)

@@ -136,6 +136,9 @@ def run_modulec(args, shape) -> dict:
     step.capture(warmup=max(args.warmup - 1, 1))
     setup_s = time.perf_counter() - started
     result = timed(lambda: step(tokens), 0, args.steps)
+    from runtime.cuda.gemm import summary
+
+    print(summary(), file=sys.stderr)  # what the GEMM timing chose (runtime/cuda/gemm.py)
     result.update(modulec_prediction(step.program), loss_first=loss_first,
                   loss_last=float(step.loss), setup_s=setup_s)
     if step.decisions is not None:
