@@ -436,3 +436,47 @@ def test_frozen_norm_weights_gradient_is_not_asked_for():
         assert len(norms) == 3  # two in the (repeated) block, the final one
         asked = [run._attrs(n).get("weight_grad", True) for n in norms]
         assert asked == [lora is None] * len(norms)
+
+
+def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch):
+    """Where the step lays a frozen weight at least twice as wide out as in with k r spare
+    columns a row (runtime/cuda/lora_kcat.py; here each layer's gate/up: 2 x 4 ranks), its
+    adapted projection is one GEMM over [x | h] and [W | s B]: s B lands in the side
+    slot, and the step's values stay as close to float32 as the two-GEMM path's."""
+    import runtime.cuda.lora_kcat as kcat
+    import runtime.cuda.train_kernels as train_module
+    from runtime.cuda.state import region_of, stacked_order
+    from modulec.lower.lora import is_adapter
+
+    model = _lora_model()
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    frozen = {p for p in shapes if not is_adapter(p)}
+    sides = kcat.side_columns(shapes, frozen)
+    assert sorted(sides) == ["blocks[0].mlp.up_weight", "blocks[1].mlp.up_weight"]
+    assert set(sides.values()) == {8}
+    order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
+    _, (views,) = region_of(shapes, [(BF16, order)], device="cpu", sides=sides)
+    for path, view in views.items():
+        view.copy_(model.params[path])
+    slots = kcat.lay_sides(views, sides)
+    taken, kcat_into = [], train_module.kcat_into
+
+    def counted(*args):
+        out = kcat_into(*args)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(train_module, "kcat_into", counted)
+    outputs, grads, run, _ = _arena_step(model, monkeypatch, True, params=views)
+    assert taken.count(True) == 2 and len(taken) == run.lora_into_planned == 8
+    B = model.params["blocks[1].mlp.up_weight.up.lora_B"]  # the up part's block, s = 2
+    torch.testing.assert_close(slots["blocks[1].mlp.up_weight"][B.shape[0]:, 4:], 2.0 * B)
+    two_outputs, two_grads, _, _ = _arena_step(model, monkeypatch, True)
+    exact_outputs, exact, _ = _reference_step(model)
+    triples = [*zip(outputs, two_outputs, exact_outputs),
+               *((grads[p], two_grads[p], exact[p]) for p in exact)]
+    new = [_error(got, want) for got, _, want in triples]
+    was = [_error(old, want) for _, old, want in triples]
+    assert max(new) < 0.1 and sum(new) <= 1.1 * sum(was), (new, was)
+    monkeypatch.setenv("MODULEC_LORA_KCAT", "0")
+    assert kcat.side_columns(shapes, frozen) == {}
+    assert kcat.side_of(views["blocks[0].mlp.up_weight"], 8) is None

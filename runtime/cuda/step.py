@@ -365,6 +365,7 @@ class TrainStep:
         both (28.7 GiB against 19.5 at the TinyLlama shape). Views of them that `params`
         still holds keep their storage until the copy is done."""
         self.regions, self.compute, self.masters, self.lows = {}, {}, {}, {}
+        self.sides = {}
         self.exp_avg, self.exp_avg_sq, self.grad_sum = {}, {}, {}
         self.torch_optimizer, self.cuda_graph, self.zero = None, None, None
 
@@ -374,15 +375,20 @@ class TrainStep:
         copy and its low half, then the moments, in `optimizer_state`; with accumulation,
         fp32 gradient sums in `gradient_sums`. A parameter stored in fp32 (`own_dtypes`)
         has an fp32 compute copy in `weights`, which is its master (no low half)."""
+        from runtime.cuda.lora_kcat import lay_sides, side_columns
         from runtime.cuda.state import (SplitMasters, region, region_of, split_master,
                                         stacked_order)
 
         shapes, own = self.shapes(), own_dtypes(self)
         owned = stacked_order(self.program.graph,
                               sorted(p for p in shapes if p not in self.ties()))
+        sides = {p: n for p, n in side_columns(shapes, frozen).items()
+                 if p not in own and self.dist is None}  # single-process steps only
         weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
-                                            (torch.float32, [p for p in owned if p in own])])
+                                            (torch.float32, [p for p in owned if p in own])],
+                                   sides=sides)
         self.compute = {**views[0], **views[1]}
+        self.sides = lay_sides(self.compute, sides)  # LoRA's one-GEMM wide projections
         state, (self.lows, self.exp_avg, self.exp_avg_sq) = region_of(
             shapes, [(torch.int16, [p for p in self.names if p not in own]),
                      (torch.float32, self.names), (torch.float32, self.names)])

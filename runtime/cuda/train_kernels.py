@@ -53,6 +53,7 @@ from runtime.cuda.dropout import DeviceDropout
 from runtime.cuda.kernels import CUDA_KERNELS, BlockDiag, typed
 from runtime.kernels import KERNELS
 from runtime.cuda.gemm import mm_into
+from runtime.cuda.lora_kcat import kcat_into
 from runtime.kernels.linalg import _fold, _mm, _op
 from runtime.kernels.base import ReferenceKernel
 
@@ -478,7 +479,9 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
     delta first (a GEMM of K = rank that only writes C), then the base product added in
     cuBLAS's epilogue (addmm_, beta = 1): C is written once and read once by the big,
     compute-bound GEMM, where base first and the delta added after (a memory-bound GEMM
-    of K = rank with beta = 1) read and wrote all of C again."""
+    of K = rank with beta = 1) read and wrote all of C again. Where W was laid with a
+    side slot (a wide projection: runtime/cuda/lora_kcat.py), one GEMM over [x | t] and
+    [W | alpha B] writes C and nothing is read back."""
     mode, base_alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
     if not all(isinstance(v, torch.Tensor) for v in (x, w, t, B)) or B.dim() != 2 \
             or w.dim() != 2 or x.dim() < 2 or t.dim() < 2:
@@ -488,10 +491,18 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
             or B.shape[0] != b.shape[1] or not (a.dtype == b.dtype == t2.dtype == B.dtype) \
             or a.numel() == 0:
         return None
-    C = product_into(t2, B, "NT", alpha, raw)
-    if C is None:
+    C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype) if raw.device == a.device else None
+    if C is None or not C.is_contiguous():
         return None
+    if mode == "NT" and base_alpha == 1.0 and kcat_into(a, w, t2, B, alpha, C) is not None:
+        return _kept(C, x, mode)  # one GEMM over [x | t] and [W | s B] (lora_kcat.py)
+    mm_into(t2, B.t(), C, alpha)  # the delta first: its GEMM only writes C
     mm_into(a, b, C, base_alpha, beta=1.0)
+    return _kept(C, x, mode)
+
+
+def _kept(C: torch.Tensor, x: torch.Tensor, mode: str) -> torch.Tensor:
+    """The matmul's C with x's leading dims kept (NN / NT mode)."""
     keep = mode[0] == "N" and x.dim() > 2
     return C.view(*x.shape[:-1], C.shape[-1]) if keep else C
 

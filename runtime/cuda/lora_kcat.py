@@ -1,0 +1,108 @@
+"""LoRA's delta inside the base GEMM for the wide projections: one GEMM over K = in + k r.
+
+The step writes an adapted projection's y = x W^T + s h B^T (h = x A^T, k r wide) into y's
+planned bytes as two GEMMs: the delta s h B^T first (a K = k r GEMM that only writes y),
+then base's GEMM adding into it (beta = 1). For a projection whose output is much wider
+than its input (Llama's gate/up: 28,672 against 4,096) writing the delta and reading it
+back costs more than the input does: on one H100 at T=2048 the gate/up delta GEMM takes
+47 us a layer in the step (117 MB written; benchmarks/gpu/results-h100-profile-lora8b-s12.txt,
+the `bz ... NNT` GEMMs), and base's epilogue reads the 117 MB again. Here y = [x | h] [W | s B]^T is one GEMM,
+K = in + k r, beta = 0:
+
+- W (frozen) is laid with k r spare columns beside each row (`side_columns`, the weights
+  region: runtime/cuda/state.py `region_of`), into which s B is written each step (B
+  changes with every update: [out, k r], 1.8 MB for gate/up);
+- x and h are copied side by side into a scratch [T, in + k r] (x: 17 MB read and written,
+  ~11 us, against the delta's 117 MB written and read);
+- the GEMM is the timed `mm_into` (runtime/cuda/gemm.py) over those two views.
+
+The sums are taken in one fp32 accumulation and rounded once (the two-GEMM path rounds
+the delta to bf16 first). `MODULEC_LORA_KCAT=0` keeps the two-GEMM path (A/B runs).
+Only the single-process step lays side slots (no ZeRO, no tensor parallel); the scratch
+is one buffer per (device, shape), outside the memory plan (17 MB at LoRA 8B, B=1,
+T=2048)."""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+WIDE = 2.0  # a projection takes the path where out >= WIDE * in (gate/up: 7x; qkv: 1.5x)
+# a weight view's key -> a weak reference to its side slot [out, k r]: the step that laid
+# the weights holds the slots (TrainStep.sides), so they go with its weights
+_sides: dict[tuple, weakref.ref] = {}
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("MODULEC_LORA_KCAT", "1") != "0"
+
+
+def side_columns(shapes: dict, frozen) -> dict[str, int]:
+    """{frozen 2-D weight path: k r} for each LoRA-adapted weight at least WIDE times as
+    wide out as in: k r the sum of its adapters' ranks (the block-diagonal B's width),
+    a multiple of 8 (16-byte rows)."""
+    if not enabled():
+        return {}
+    wide = float(os.environ.get("MODULEC_LORA_KCAT_MIN", WIDE))  # A/B of the threshold
+    sides = {}
+    for path in frozen:
+        shape = shapes.get(path)
+        if shape is None or len(shape) != 2 or shape[0] < wide * shape[1]:
+            continue
+        ranks = [shapes[p][1] for p in shapes
+                 if p.startswith(path + ".") and p.endswith(".lora_B")]
+        if ranks and sum(ranks) % 8 == 0 and shape[1] % 8 == 0:
+            sides[path] = sum(ranks)
+    return sides
+
+
+def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:
+    """{path: side slot} for the weights `views` laid with `sides[path]` spare columns a
+    row (state.region_of), each registered for the one-GEMM path; the caller holds them."""
+    slots = {}
+    for path, width in sides.items():
+        weight = views[path]
+        slots[path] = weight.as_strided((weight.shape[0], width), weight.stride(),
+                                        weight.storage_offset() + weight.shape[1])
+        _sides[_key(weight)] = weakref.ref(slots[path])
+    return slots
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def side_of(weight: torch.Tensor, width: int) -> torch.Tensor | None:
+    ref = _sides.get(_key(weight)) if enabled() else None
+    side = ref() if ref is not None else None
+    return side if side is not None and side.shape[1] == width else None
+
+
+def kcat_into(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor,
+              alpha: float, C: torch.Tensor) -> torch.Tensor | None:
+    """C = x w^T + alpha t B^T (2-D: x [T, in], w [out, in] with a side slot, t [T, k r],
+    B [out, k r]) as one GEMM over [x | t] and [w | alpha B]; None where w has no side
+    slot of B's width (the caller takes the two-GEMM path)."""
+    from runtime.cuda.gemm import mm_into
+
+    side = side_of(w, B.shape[1])
+    if side is None or x.shape[1] != w.shape[1] or t.shape[1] != B.shape[1]:
+        return None
+    torch.mul(B, alpha, out=side)
+    inner = w.shape[1]
+    wide = _wide(x.shape[0], inner + B.shape[1], x.dtype, x.device)
+    wide[:, :inner].copy_(x)
+    wide[:, inner:].copy_(t)
+    joined = w.as_strided((w.shape[0], inner + B.shape[1]), w.stride(), w.storage_offset())
+    return mm_into(wide, joined.t(), C)
+
+
+def _wide(rows: int, cols: int, dtype, device) -> torch.Tensor:
+    """The step's scratch for [x | t]: one per shape, kept (a captured graph reads it)."""
+    key = (device, rows, cols, dtype)
+    if key not in _scratch:
+        _scratch[key] = torch.empty(rows, cols, dtype=dtype, device=device)
+    return _scratch[key]
