@@ -382,8 +382,10 @@ class TrainStep:
         shapes, own = self.shapes(), own_dtypes(self)
         owned = stacked_order(self.program.graph,
                               sorted(p for p in shapes if p not in self.ties()))
+        # single-process bf16 steps only (an FP8 recipe casts W from contiguous rows)
+        one_gemm = self.dist is None and self.fp8 is None
         sides = {p: n for p, n in side_columns(shapes, frozen).items()
-                 if p not in own and self.dist is None}  # single-process steps only
+                 if p not in own and one_gemm}
         weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
                                             (torch.float32, [p for p in owned if p in own])],
                                    sides=sides)
