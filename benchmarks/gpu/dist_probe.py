@@ -7,6 +7,7 @@ weights and tokens, the whole step captured in one CUDA graph; median step time 
 fixed state this rank holds (weights, masters, moments, communication buffers).
 
     torchrun --nproc-per-node 2 benchmarks/gpu/dist_probe.py --zero 2 [--layers 22]
+    torchrun --nproc-per-node 2 benchmarks/gpu/dist_probe.py --zero 2 --ab MODULEC_GEMM_TUNE
     python3 benchmarks/gpu/dist_probe.py --zero 0       # one GPU, no process group
 """
 
@@ -45,15 +46,14 @@ def main() -> None:
     run = ctx.data_parallel(args.zero, tp=args.tp) if ctx.distributed else None
     budget = int(args.budget * 2 ** 30) if args.budget else None
     build = dict(batch=args.batch, seq=args.seq, derive_written=True, memory_budget=budget)
+    if args.ab:
+        return _ab(ctx, args, shape, build, run)
     step = TrainStep.from_module(LLAMA, shape, dist=run, **build)
     params, whole = _weights(step, shape, build, args, run)
     step.load(params)
     torch.cuda.empty_cache()
     # one batch per data-parallel rank (a TP slice's ranks read the same rows)
-    generator = torch.Generator(device="cuda").manual_seed(
-        100 + (run.dp_rank if run is not None else 0))
-    tokens = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), device="cuda",
-                           generator=generator, dtype=torch.int32)
+    tokens = _tokens(args, shape, run)
     losses, times = _train(ctx, step, tokens, args.steps)
     _report(ctx, args, shape, step, times, losses)
     _sync(ctx)
@@ -72,6 +72,49 @@ def main() -> None:
 
 
 LLAMA = "std/models/llama.module"
+
+
+def _tokens(args, shape, run):
+    generator = torch.Generator(device="cuda").manual_seed(
+        100 + (run.dp_rank if run is not None else 0))
+    return torch.randint(0, shape["vocab_size"], (args.batch, args.seq), device="cuda",
+                         generator=generator, dtype=torch.int32)
+
+
+def _ab(ctx, args, shape, build, run) -> None:
+    """`--ab NAME`: the step built, loaded with the same weights and captured twice, the
+    environment switch NAME at 0 and at 1 (read while the step runs eagerly and is
+    captured), then the two graphs replayed alternately, `--steps` each, every replay
+    timed between syncs of all ranks; rank 0 prints each side's median, min, max and
+    last loss (both sides take the same batches: their losses should agree)."""
+    from runtime.cuda.step import TrainStep
+
+    tokens, steps = _tokens(args, shape, run), {}
+    for value in ("0", "1"):
+        os.environ[args.ab] = value
+        step = TrainStep.from_module(LLAMA, shape, dist=run, **build)
+        step.load(_weights(step, shape, build, args, run)[0])
+        step(tokens)
+        step.capture(warmup=1)
+        steps[value] = step
+    times = {value: [] for value in steps}
+    for _ in range(args.steps):
+        for value, step in steps.items():
+            _sync(ctx)
+            began = time.perf_counter()
+            step.cuda_graph.replay()
+            _sync(ctx)
+            times[value].append((time.perf_counter() - began) * 1e3)
+    row = {"ab": args.ab, "gpus": ctx.world, "zero": args.zero, "layers": shape["n_layers"],
+           "device": torch.cuda.get_device_name()}
+    for value, t in times.items():
+        row[value] = {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
+                      "loss": float(steps[value].loss)}
+    if ctx.is_main:
+        print(json.dumps(row), flush=True)
+    _sync(ctx)
+    ctx.close()
+    ctx.exit_now()
 
 
 def _weights(step, shape, build, args, run) -> tuple[dict, dict | None]:
@@ -143,6 +186,9 @@ def _args():
     parser.add_argument("--shape", choices=["tinyllama", "llama3-8b"], default="tinyllama")
     parser.add_argument("--budget", type=float, help="GiB per GPU for the whole step")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--ab", metavar="NAME",
+                        help="an environment switch: the step at NAME=0 and NAME=1 in one "
+                             "process, replayed alternately")
     parser.add_argument("--check", action="store_true",
                         help="with --tp: rank 0 then runs the same weights and batch on one "
                              "GPU and prints both runs' losses")
