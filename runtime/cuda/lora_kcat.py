@@ -5,19 +5,20 @@ planned bytes as two GEMMs: the delta s h B^T first (a K = k r GEMM that only wr
 then base's GEMM adding into it (beta = 1). For a projection whose output is much wider
 than its input (Llama's gate/up: 28,672 against 4,096) writing the delta and reading it
 back costs more than the input does: on one H100 at T=2048 the gate/up delta GEMM takes
-47 us a layer in the step (117 MB written; benchmarks/gpu/results-h100-profile-lora8b-s12.txt,
-the `bz ... NNT` GEMMs), and base's epilogue reads the 117 MB again. Here y = [x | h] [W | s B]^T is one GEMM,
-K = in + k r, beta = 0:
+47 us a layer in the step (117 MB written; the `bz ... NNT` GEMMs of
+benchmarks/gpu/results-h100-profile-lora8b-s12.txt), and base's epilogue reads the
+117 MB again. Here y = [x | h] [W | s B]^T is one GEMM, K = in + k r, beta = 0:
 
 - W (frozen) is laid with k r spare columns beside each row (`side_columns`, the weights
   region: runtime/cuda/state.py `region_of`), into which s B is written each step (B
   changes with every update: [out, k r], 1.8 MB for gate/up);
-- x and h are copied side by side into a scratch [T, in + k r] (x: 17 MB read and written,
-  ~11 us, against the delta's 117 MB written and read);
+- x and h are copied side by side into a scratch [T, in + k r] (x: 17 MB read and
+  written, against the delta's 117 MB written and read back);
 - the GEMM is the timed `mm_into` (runtime/cuda/gemm.py) over those two views.
 
 The sums are taken in one fp32 accumulation and rounded once (the two-GEMM path rounds
-the delta to bf16 first). `MODULEC_LORA_KCAT=0` keeps the two-GEMM path (A/B runs).
+the delta to bf16 first). `MODULEC_LORA_KCAT=0` keeps the two-GEMM path and
+`MODULEC_LORA_KCAT_MIN` sets WIDE (A/B runs).
 Only the single-process bf16 step lays side slots (no ZeRO, no tensor parallel, no FP8
 recipe: its casts read W's rows contiguous); the scratch is one buffer per (device,
 shape), outside the memory plan (17 MB at LoRA 8B, B=1, T=2048), as are the side
