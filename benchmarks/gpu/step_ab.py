@@ -10,7 +10,9 @@ median, min and max of `--steps` replays (CUDA events around each). The two step
 their memory at once (LoRA 8B at B=1, T=2048: ~26 GiB each).
 
     python3 benchmarks/gpu/step_ab.py --switch MODULEC_LORA_KCAT [--values 0,1]
-        [--shape llama3-8b] [--lora] [--batch 1] [--seq 2048] [--steps 40] [--json F]
+        [--shape llama3-8b|tinyllama] [--lora] [--batch 1] [--seq 2048] [--steps 40]
+        [--json F]
+    python3 benchmarks/gpu/step_ab.py --switch MODULEC_GEMM_TUNE --shape tinyllama --batch 4
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "gpu")]
 
+from benchmarks.train_step import tiny_llama  # noqa: E402
 from lora_peers import SHAPES, TARGETS  # noqa: E402
+
+# the LoRA peers' shapes and the full fine-tuning benchmarks' TinyLlama (22 layers)
+STEP_SHAPES = {**SHAPES, "tinyllama": tiny_llama(22)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--switch", required=True)
     parser.add_argument("--values", default="0,1")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--shape", choices=sorted(STEP_SHAPES), default="llama3-8b")
     parser.add_argument("--lora", action="store_true", help="rank 16 / alpha 32, 7 targets")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
@@ -43,7 +49,7 @@ def main():
 
     from benchmarks.harness import random_tokens
 
-    shape = SHAPES[args.shape]
+    shape = STEP_SHAPES[args.shape]
     tokens = random_tokens(args.batch, args.seq, shape["vocab_size"]).to(torch.int32)
     values = args.values.split(",")
     steps = {value: captured(args, shape, tokens, value) for value in values}
