@@ -438,11 +438,14 @@ def test_frozen_norm_weights_gradient_is_not_asked_for():
         assert asked == [lora is None] * len(norms)
 
 
-def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=needs_gpus(1))])
+def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch, device):
     """Where the step lays a frozen weight at least twice as wide out as in with k r spare
     columns a row (runtime/cuda/lora_kcat.py; here each layer's gate/up: 2 x 4 ranks), its
     adapted projection is one GEMM over [x | h] and [W | s B]: s B lands in the side
-    slot, and the step's values stay as close to float32 as the two-GEMM path's."""
+    slot, and the step's values stay as close to float32 as the two-GEMM path's (on the
+    GPU too: cuBLAS over the strided W and the scratch)."""
     import runtime.cuda.lora_kcat as kcat
     import runtime.cuda.train_kernels as train_module
     from runtime.cuda.state import region_of, stacked_order
@@ -455,7 +458,7 @@ def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch):
     assert sorted(sides) == ["blocks[0].mlp.up_weight", "blocks[1].mlp.up_weight"]
     assert set(sides.values()) == {8}
     order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
-    _, (views,) = region_of(shapes, [(BF16, order)], device="cpu", sides=sides)
+    _, (views,) = region_of(shapes, [(BF16, order)], device=device, sides=sides)
     for path, view in views.items():
         view.copy_(model.params[path])
     slots = kcat.lay_sides(views, sides)
@@ -466,11 +469,12 @@ def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch):
         taken.append(out is not None)
         return out
     monkeypatch.setattr(train_module, "kcat_into", counted)
-    outputs, grads, run, _ = _arena_step(model, monkeypatch, True, params=views)
+    outputs, grads, run, _ = _arena_step(model, monkeypatch, True, device, params=views)
     assert taken.count(True) == 2 and len(taken) == run.lora_into_planned == 8
     B = model.params["blocks[1].mlp.up_weight.up.lora_B"]  # the up part's block, s = 2
-    torch.testing.assert_close(slots["blocks[1].mlp.up_weight"][B.shape[0]:, 4:], 2.0 * B)
-    two_outputs, two_grads, _, _ = _arena_step(model, monkeypatch, True)
+    torch.testing.assert_close(slots["blocks[1].mlp.up_weight"][B.shape[0]:, 4:].cpu(),
+                               2.0 * B)
+    two_outputs, two_grads, _, _ = _arena_step(model, monkeypatch, True, device)
     exact_outputs, exact, _ = _reference_step(model)
     triples = [*zip(outputs, two_outputs, exact_outputs),
                *((grads[p], two_grads[p], exact[p]) for p in exact)]
