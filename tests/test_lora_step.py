@@ -484,3 +484,29 @@ def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch, d
     monkeypatch.setenv("MODULEC_LORA_KCAT", "0")
     assert kcat.side_columns(shapes, frozen) == {}
     assert kcat.side_of(views["blocks[0].mlp.up_weight"], 8) is None
+
+
+def test_only_single_process_bf16_programs_lay_side_columns():
+    """`one_gemm_sides` reads the program: a data-, tensor- or pipeline-parallel schedule
+    or an FP8 recipe lays none (the step and its fixed bytes agree on it)."""
+    from modulec.lower.lora import is_adapter
+    from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes
+
+    model = _lora_model()
+    program = model.source.program_for(token_inputs(model))
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    frozen = {p for p in shapes if not is_adapter(p)}
+    sides = one_gemm_sides(program, shapes, frozen)
+    assert set(sides) == {"blocks[0].mlp.up_weight", "blocks[1].mlp.up_weight"}
+    assert side_bytes(shapes, sides) == 2 * 8 * 2 * shapes["blocks[0].mlp.up_weight"][0]
+
+    class Variant:  # the program with one more schedule section or metadata entry
+        def __init__(self, schedule=None, metadata=None):
+            self.document = {"schedule": {**program.document["schedule"], **(schedule or {})}}
+            self.metadata = {**program.metadata, **(metadata or {})}
+    for section in ("distributed", "tensor_parallel", "pipeline"):
+        assert one_gemm_sides(Variant(schedule={section: {}}), shapes, frozen) == {}
+    fp8 = {"precision": {"matmuls": {"f": ["n1"]}}}
+    assert one_gemm_sides(Variant(metadata=fp8), shapes, frozen) == {}
+    assert one_gemm_sides(Variant(metadata={"precision": {"matmuls": {}}}), shapes,
+                          frozen) == sides

@@ -19,10 +19,10 @@ benchmarks/gpu/results-h100-profile-lora8b-s12.txt), and base's epilogue reads t
 The sums are taken in one fp32 accumulation and rounded once (the two-GEMM path rounds
 the delta to bf16 first). `MODULEC_LORA_KCAT=0` keeps the two-GEMM path and
 `MODULEC_LORA_KCAT_MIN` sets WIDE (A/B runs).
-Only the single-process bf16 step lays side slots (no ZeRO, no tensor parallel, no FP8
-recipe: its casts read W's rows contiguous); the scratch is one buffer per (device,
-shape), outside the memory plan (17 MB at LoRA 8B, B=1, T=2048), as are the side
-columns (59 MB there). Measured: one H100, LoRA 8B, 1.0 ms a step in both orders of an
+Only the single-process bf16 step lays side slots (`one_gemm_sides`: no data, tensor or
+pipeline parallel, no FP8 recipe, whose casts read W's rows contiguous); the step's
+fixed bytes count the side columns (59 MB at LoRA 8B); the scratch is one buffer per
+(device, shape), outside the memory plan (17 MB at LoRA 8B, B=1, T=2048). Measured: one H100, LoRA 8B, 1.0 ms a step in both orders of an
 in-process A/B (benchmarks/gpu/results-h100-lora-s12-ab.txt)."""
 
 from __future__ import annotations
@@ -60,6 +60,24 @@ def side_columns(shapes: dict, frozen) -> dict[str, int]:
         if ranks and sum(ranks) % 8 == 0 and shape[1] % 8 == 0:
             sides[path] = sum(ranks)
     return sides
+
+
+def one_gemm_sides(program, shapes: dict, frozen) -> dict[str, int]:
+    """`side_columns` for a step the program runs on one process in bf16: none where its
+    schedule runs data, tensor or pipeline parallel (their sections) or its metadata an
+    FP8 recipe (whose casts read W's rows contiguous). The step lays these (TrainStep)
+    and its fixed bytes count them (step_memory.runtime_fixed_bytes)."""
+    schedule = program.document.get("schedule", {})
+    recipe = program.metadata.get("precision") or {}
+    if any(k in schedule for k in ("distributed", "tensor_parallel", "pipeline")) \
+            or recipe.get("matmuls"):
+        return {}
+    return side_columns(shapes, frozen)
+
+
+def side_bytes(shapes: dict, sides: dict, itemsize: int = 2) -> int:
+    """What the side columns add to the weights region (rows x k r each)."""
+    return sum(shapes[p][0] * n * itemsize for p, n in sides.items())
 
 
 def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:

@@ -375,17 +375,15 @@ class TrainStep:
         copy and its low half, then the moments, in `optimizer_state`; with accumulation,
         fp32 gradient sums in `gradient_sums`. A parameter stored in fp32 (`own_dtypes`)
         has an fp32 compute copy in `weights`, which is its master (no low half)."""
-        from runtime.cuda.lora_kcat import lay_sides, side_columns
+        from runtime.cuda.lora_kcat import lay_sides, one_gemm_sides
         from runtime.cuda.state import (SplitMasters, region, region_of, split_master,
                                         stacked_order)
 
         shapes, own = self.shapes(), own_dtypes(self)
         owned = stacked_order(self.program.graph,
                               sorted(p for p in shapes if p not in self.ties()))
-        # single-process bf16 steps only (an FP8 recipe casts W from contiguous rows)
-        one_gemm = self.dist is None and self.fp8 is None
-        sides = {p: n for p, n in side_columns(shapes, frozen).items()
-                 if p not in own and one_gemm}
+        sides = {p: n for p, n in one_gemm_sides(self.program, shapes, frozen).items()
+                 if p not in own}
         weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
                                             (torch.float32, [p for p in owned if p in own])],
                                    sides=sides)

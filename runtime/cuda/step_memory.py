@@ -34,7 +34,9 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     its budget leaves room for them as the planner's does). `clipped` (global
     gradient-norm clipping, one micro-batch a step): the fused step holds every bf16
     gradient to the backward's end (2 bytes a trained parameter), and under ZeRO each
-    rank its reduced part of every bucket instance (step_optim.clipped_held_bytes)."""
+    rank its reduced part of every bucket instance (step_optim.clipped_held_bytes).
+    With LoRA on one process, the spare columns the one-GEMM path lays beside wide
+    frozen weights (runtime/cuda/lora_kcat.py)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
     stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)`: 4 bytes, frozen too
@@ -50,7 +52,18 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
             fixed * 2 + held
     trained = sum(math.prod(s) for p, s in shapes.items() if p not in frozen)
     held = 2 * trained if clipped and optimizer != "torch" else 0
-    return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held
+    return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held + \
+        (0 if optimizer == "torch" else _side_bytes(program, shapes, frozen, stored))
+
+
+def _side_bytes(program: Program, shapes: dict, frozen: set, stored: dict) -> int:
+    """LoRA's one-GEMM path: the spare columns beside wide frozen weights' rows in the
+    weights region (runtime/cuda/lora_kcat.py; bf16 ones: the step lays no others)."""
+    from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes
+
+    sides = one_gemm_sides(program, shapes, frozen)
+    return side_bytes(shapes, {p: n for p, n in sides.items()
+                               if stored[p] == torch.bfloat16})
 
 
 def planner_fixed_bytes(program: Program) -> int:
