@@ -10,7 +10,8 @@ benchmarks/gpu/moe_step.py, mamba_step.py, fusions_step.py, lora_peers.py, lora_
     in the child    timed: warmup steps, then the timed ones (CUDA events between
                     back-to-back steps on the GPU: median, min, max); variant_row (the
                     peak memory added, out of memory made an error row); random_tokens,
-                    hf_step, gemm_ceiling
+                    hf_step, gemm_ceiling; alternated / ms_summary: an A/B's sides timed
+                    in turn within one process (gpu/step_ab.py, gpu/dist_probe.py --ab)
     the table       Column, header, table_rows, versus_best: fixed-width rows, a failed
                     variant's last error line in its row, a variant not run its reason
 
@@ -58,6 +59,25 @@ def timed(step: Callable[[], object], warmup: int, steps: int, device: str = "cu
     sync(device)
     times = sorted(_event_times(step, steps) if device == "cuda" else _wall_times(step, steps))
     return {"step_s": times[len(times) // 2], "step_s_min": times[0], "step_s_max": times[-1]}
+
+
+def alternated(runs: dict, rounds: int, time_one) -> dict[str, list[float]]:
+    """`rounds` rounds, each timing every run once in turn (A B A B ...), so that all
+    sides meet the same clock and temperature drift: {name: [ms, ...]}; `time_one(run)`
+    times one call."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(time_one(run))
+    return times
+
+
+def ms_summary(times: dict) -> dict:
+    """{name: {median_ms, min_ms, max_ms}} of `alternated`'s times."""
+    import statistics
+
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t)}
+            for name, t in times.items()}
 
 
 def _event_times(step, steps: int) -> list[float]:

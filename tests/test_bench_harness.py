@@ -186,3 +186,19 @@ def test_timed_peak_and_gemm_ceiling_on_the_gpu():
     assert 0 < row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
     assert row["peak_bytes"] >= 2 * a.numel() * 4
     assert gemm_ceiling(1024) > 1e12
+
+
+def test_alternated_times_every_side_each_round_and_summarizes_each_side():
+    """An A/B's timing loop (benchmarks/harness.py `alternated`, used by gpu/step_ab.py and
+    gpu/dist_probe.py --ab; the timed runs faked): each round times every side once, in
+    order, so both sides meet the same drift; per side the median, min and max of its
+    own times."""
+    from benchmarks.harness import alternated, ms_summary
+
+    order, clock = [], iter([5.0, 1.0, 7.0, 2.0, 6.0, 3.0])
+    runs = {"0": lambda: order.append("0"), "1": lambda: order.append("1")}
+    times = alternated(runs, 3, lambda run: (run(), next(clock))[1])
+    assert order == ["0", "1"] * 3
+    assert times == {"0": [5.0, 7.0, 6.0], "1": [1.0, 2.0, 3.0]}
+    assert ms_summary(times) == {"0": {"median_ms": 6.0, "min_ms": 5.0, "max_ms": 7.0},
+                                 "1": {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0}}

@@ -94,21 +94,3 @@ def test_tiny_on_gpu(tmp_path):
         assert 5.5 < row["loss_first"] < 7.5 and 5.5 < row["loss_last"] < 7.5
     assert rows["modulec"]["trained_params"] == rows["hf_peft"]["trained_params"]
 
-
-def test_step_ab_alternates_the_sides_and_takes_each_sides_median():
-    """benchmarks/gpu/step_ab.py's timing loop (the GPU steps faked): each round times
-    every side once, in order, so both sides meet the same drift; per side the median,
-    min and max of its own times."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
-    from step_ab import alternate, summary
-
-    order, clock = [], iter([5.0, 1.0, 7.0, 2.0, 6.0, 3.0])
-    runs = {"0": lambda: order.append("0"), "1": lambda: order.append("1")}
-    times = alternate(runs, 3, lambda run: (run(), next(clock))[1])
-    assert order == ["0", "1"] * 3
-    assert times == {"0": [5.0, 7.0, 6.0], "1": [1.0, 2.0, 3.0]}
-    assert summary(times) == {"0": {"median_ms": 6.0, "min_ms": 5.0, "max_ms": 7.0},
-                              "1": {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0}}

@@ -28,6 +28,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.harness import alternated, ms_summary  # noqa: E402
 from benchmarks.train_step import flops_per_token, tiny_llama  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, num_heads=32, num_kv_heads=8,
@@ -97,19 +98,19 @@ def _ab(ctx, args, shape, build, run) -> None:
         step(tokens)
         step.capture(warmup=1)
         steps[value] = step
-    times = {value: [] for value in steps}
-    for _ in range(args.steps):
-        for value, step in steps.items():
-            _sync(ctx)
-            began = time.perf_counter()
-            step.cuda_graph.replay()
-            _sync(ctx)
-            times[value].append((time.perf_counter() - began) * 1e3)
+    def all_ranks_ms(replay) -> float:
+        _sync(ctx)
+        began = time.perf_counter()
+        replay()
+        _sync(ctx)
+        return (time.perf_counter() - began) * 1e3
+
+    times = alternated({v: s.cuda_graph.replay for v, s in steps.items()}, args.steps,
+                       all_ranks_ms)
     row = {"ab": args.ab, "gpus": ctx.world, "zero": args.zero, "layers": shape["n_layers"],
            "device": torch.cuda.get_device_name()}
-    for value, t in times.items():
-        row[value] = {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
-                      "loss": float(steps[value].loss)}
+    for value, summary in ms_summary(times).items():
+        row[value] = dict(summary, loss=float(steps[value].loss))
     if ctx.is_main:
         print(json.dumps(row), flush=True)
     _sync(ctx)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -47,14 +46,14 @@ def main():
     args = parser.parse_args()
     import torch
 
-    from benchmarks.harness import random_tokens
+    from benchmarks.harness import alternated, ms_summary, random_tokens
 
     shape = STEP_SHAPES[args.shape]
     tokens = random_tokens(args.batch, args.seq, shape["vocab_size"]).to(torch.int32)
     values = args.values.split(",")
     steps = {value: captured(args, shape, tokens, value) for value in values}
-    rows = summary(alternate({v: (lambda s=s: s(tokens)) for v, s in steps.items()},
-                             args.steps, gpu_ms))
+    rows = ms_summary(alternated({v: (lambda s=s: s(tokens)) for v, s in steps.items()},
+                                 args.steps, gpu_ms))
     print(f"{torch.cuda.get_device_name()}: {args.shape}{' LoRA' if args.lora else ''} "
           f"B={args.batch} T={args.seq}, {args.steps} replays a side, alternating")
     for value, row in rows.items():
@@ -64,21 +63,6 @@ def main():
         Path(args.json).write_text(json.dumps({"switch": args.switch, "shape": args.shape,
                                                "lora": args.lora, "batch": args.batch,
                                                "seq": args.seq, "rows": rows}, indent=1))
-
-
-def alternate(runs: dict, rounds: int, time_one) -> dict[str, list[float]]:
-    """`rounds` rounds, each timing every run once in turn (A B A B ...):
-    {name: [ms, ...]}; `time_one(run)` times one call."""
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(time_one(run))
-    return times
-
-
-def summary(times: dict) -> dict:
-    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t)}
-            for name, t in times.items()}
 
 
 def gpu_ms(run) -> float:

@@ -18,12 +18,13 @@ benchmarks/gpu/results-h100-profile-lora8b-s12.txt), and base's epilogue reads t
 
 The sums are taken in one fp32 accumulation and rounded once (the two-GEMM path rounds
 the delta to bf16 first). `MODULEC_LORA_KCAT=0` keeps the two-GEMM path and
-`MODULEC_LORA_KCAT_MIN` sets WIDE (A/B runs).
+`MODULEC_LORA_KCAT_MIN` sets WIDE (A/B runs), both read when a step lays its weights.
 Only the single-process bf16 step lays side slots (`one_gemm_sides`: no data, tensor or
 pipeline parallel, no FP8 recipe, whose casts read W's rows contiguous); the step's
 fixed bytes count the side columns (59 MB at LoRA 8B); the scratch is one buffer per
-(device, shape), outside the memory plan (17 MB at LoRA 8B, B=1, T=2048). Measured: one H100, LoRA 8B, 1.0 ms a step in both orders of an
-in-process A/B (benchmarks/gpu/results-h100-lora-s12-ab.txt)."""
+(device, shape), outside the memory plan (17 MB at LoRA 8B, B=1, T=2048). Measured: one
+H100, LoRA 8B, 1.0 ms a step in both orders of an in-process A/B
+(benchmarks/gpu/results-h100-lora-s12-ab.txt)."""
 
 from __future__ import annotations
 
@@ -63,16 +64,21 @@ def side_columns(shapes: dict, frozen) -> dict[str, int]:
 
 
 def one_gemm_sides(program, shapes: dict, frozen) -> dict[str, int]:
-    """`side_columns` for a step the program runs on one process in bf16: none where its
-    schedule runs data, tensor or pipeline parallel (their sections) or its metadata an
-    FP8 recipe (whose casts read W's rows contiguous). The step lays these (TrainStep)
-    and its fixed bytes count them (step_memory.runtime_fixed_bytes)."""
+    """`side_columns` of the weights a bf16 step of the program stores in bf16, where it
+    runs on one process: none where its schedule runs data, tensor or pipeline parallel
+    (their sections) or its metadata an FP8 recipe (whose casts read W's rows
+    contiguous). The step lays these (TrainStep) and its fixed bytes count them
+    (step_memory.runtime_fixed_bytes): one rule for both."""
+    from runtime.cuda.param_dtypes import stored_dtypes
+
     schedule = program.document.get("schedule", {})
     recipe = program.metadata.get("precision") or {}
     if any(k in schedule for k in ("distributed", "tensor_parallel", "pipeline")) \
             or recipe.get("matmuls"):
         return {}
-    return side_columns(shapes, frozen)
+    stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)` ones: no side columns
+    return {p: n for p, n in side_columns(shapes, frozen).items()
+            if stored[p] == torch.bfloat16}
 
 
 def side_bytes(shapes: dict, sides: dict, itemsize: int = 2) -> int:
@@ -97,7 +103,8 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def side_of(weight: torch.Tensor, width: int) -> torch.Tensor | None:
-    ref = _sides.get(_key(weight)) if enabled() else None
+    """The side slot laid beside `weight` (the switch acted when the step laid it)."""
+    ref = _sides.get(_key(weight))
     side = ref() if ref is not None else None
     return side if side is not None and side.shape[1] == width else None
 

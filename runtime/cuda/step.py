@@ -382,8 +382,7 @@ class TrainStep:
         shapes, own = self.shapes(), own_dtypes(self)
         owned = stacked_order(self.program.graph,
                               sorted(p for p in shapes if p not in self.ties()))
-        sides = {p: n for p, n in one_gemm_sides(self.program, shapes, frozen).items()
-                 if p not in own}
+        sides = one_gemm_sides(self.program, shapes, frozen)
         weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
                                             (torch.float32, [p for p in owned if p in own])],
                                    sides=sides)

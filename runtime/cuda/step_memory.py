@@ -52,18 +52,12 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
             fixed * 2 + held
     trained = sum(math.prod(s) for p, s in shapes.items() if p not in frozen)
     held = 2 * trained if clipped and optimizer != "torch" else 0
-    return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held + \
-        (0 if optimizer == "torch" else _side_bytes(program, shapes, frozen, stored))
+    sides = 0
+    if optimizer != "torch":  # the regions' layout: LoRA's one-GEMM side columns
+        from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes
 
-
-def _side_bytes(program: Program, shapes: dict, frozen: set, stored: dict) -> int:
-    """LoRA's one-GEMM path: the spare columns beside wide frozen weights' rows in the
-    weights region (runtime/cuda/lora_kcat.py; bf16 ones: the step lays no others)."""
-    from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes
-
-    sides = one_gemm_sides(program, shapes, frozen)
-    return side_bytes(shapes, {p: n for p, n in sides.items()
-                               if stored[p] == torch.bfloat16})
+        sides = side_bytes(shapes, one_gemm_sides(program, shapes, frozen))
+    return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held + sides
 
 
 def planner_fixed_bytes(program: Program) -> int:
