@@ -202,3 +202,25 @@ def test_alternated_times_every_side_each_round_and_summarizes_each_side():
     assert times == {"0": [5.0, 7.0, 6.0], "1": [1.0, 2.0, 3.0]}
     assert ms_summary(times) == {"0": {"median_ms": 6.0, "min_ms": 5.0, "max_ms": 7.0},
                                  "1": {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0}}
+
+
+def test_graph_gaps_counts_idle_time_where_no_stream_runs():
+    """benchmarks/gpu/graph_gaps.py: nodes overlapping on two streams are busy once; a gap
+    is time where none runs; the last replay starts after the last long idle stretch."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from graph_gaps import last_replay, summarize
+
+    def node(name, ts, dur, cat="kernel"):
+        return dict(name=name, ts=ts, dur=dur, cat=cat)
+    replay = [node("gemm", 1000, 10), node("nccl", 1005, 20), node("norm", 27, 3),
+              node("memset", 40, 1, "gpu_memset")]
+    replay[2]["ts"], replay[3]["ts"] = 1027, 1040
+    nodes = [node("earlier", 0, 5), *replay]
+    assert last_replay(nodes) == replay
+    summary = summarize(replay, top=2)
+    assert (summary["span_ms"], summary["busy_ms"], summary["gaps_ms"]) == \
+        pytest.approx((0.041, 0.029, 0.012))  # busy: 1000-1025, 1027-1030, 1040-1041
+    assert summary["gaps"] == 2 and summary["nodes"] == 4
+    assert summary["by_category"] == {"kernel": 3, "gpu_memset": 1}
+    assert [g["gap_us"] for g in summary["largest"]] == [10.0, 2.0]
+    assert summary["largest"][0]["after"] == "norm" and summary["top_names"][0]["name"] == "nccl"
