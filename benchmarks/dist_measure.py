@@ -98,7 +98,11 @@ def peak_bytes(ranks: Ranks) -> float | None:
 
     if ranks.kind != "cuda":
         return None
-    return ranks.reduce([float(torch.cuda.max_memory_allocated())], "max")[0]
+    from runtime.dist.ce_gather import window_bytes
+
+    # plus NCCL's windows for ZeRO's gathers, where torch's statistics miss them
+    return ranks.reduce([float(torch.cuda.max_memory_allocated() + window_bytes())],
+                        "max")[0]
 
 
 def device_name(ranks: Ranks) -> str:

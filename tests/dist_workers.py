@@ -269,6 +269,7 @@ def gpu_sharded(rank: int, world: int, port: int, zero: int, steps: int, rows: i
 
         section = step.program.document["schedule"]["distributed"]
         torch.save({"losses": losses, "masters": masters,
+                    "gather_transport": step.zero.gather_transport,
                     "fixed_bytes": step.zero.fixed_bytes(),
                     "predicted_bytes": rank_fixed_bytes(section)["total"],
                     "buffer_numel_after": step.zero.buffer_numel(),

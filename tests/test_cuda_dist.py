@@ -53,6 +53,21 @@ def test_each_zero_stage_trains_as_one_gpu(zero, reference, initial, tmp_path):
     assert got["peak_buffer_numel"] == (got["predicted_buffer_numel"] if zero == 3 else 0)
 
 
+def test_zero2_gathers_on_copy_engines_as_on_sms(initial, tmp_path, monkeypatch):
+    """The weights' all-gathers on the copy engines (NCCL's zero-CTA policy, the weights
+    in a symmetric window: runtime/dist/ce_gather.py) train as the SM all-gathers do:
+    a gather copies, so the same losses and masters up to the backward's own run-to-run
+    rounding."""
+    on = sharded(2, tmp_path)
+    monkeypatch.setenv("MODULEC_ZERO_CE_GATHER", "0")
+    (tmp_path / "sm").mkdir()
+    off = sharded(2, tmp_path / "sm")
+    assert (on["gather_transport"], off["gather_transport"]) == \
+        ("copy engines", "SMs: MODULEC_ZERO_CE_GATHER=0")
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-3)
+    assert_moved_alike(on["masters"], off["masters"], initial, least=0.999)
+
+
 def test_tensor_parallel_trains_as_one_gpu(reference, tmp_path):
     """TP 2 from the same whole weights (sliced per rank) and the same batches as the
     one-GPU reference: the losses within bf16 rounding."""

@@ -57,6 +57,8 @@ def main() -> None:
     tokens = _tokens(args, shape, run)
     losses, times = _train(ctx, step, tokens, args.steps)
     _report(ctx, args, shape, step, times, losses)
+    if args.gaps:
+        _gaps(ctx, step, args.gaps)
     _sync(ctx)
     if args.tp > 1 and args.check and ctx.is_main:  # the same model on this one GPU
         del step
@@ -91,7 +93,7 @@ def _ab(ctx, args, shape, build, run) -> None:
     from runtime.cuda.step import TrainStep
 
     tokens, steps = _tokens(args, shape, run), {}
-    for value in ("0", "1"):
+    for value in args.ab_values.split(","):
         os.environ[args.ab] = value
         step = TrainStep.from_module(LLAMA, shape, dist=run, **build)
         step.load(_weights(step, shape, build, args, run)[0])
@@ -150,6 +152,20 @@ def _train(ctx, step, tokens, steps: int) -> tuple[list, list]:
     return losses, times
 
 
+def _gaps(ctx, step, path: str) -> None:
+    """`--gaps FILE`: one replay under the profiler on every rank; rank 0 writes its
+    graph nodes (benchmarks/gpu/graph_gaps.py) and prints the summary."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from graph_gaps import profiled_nodes, render, summarize, write_nodes
+
+    _sync(ctx)
+    nodes = profiled_nodes(step.cuda_graph.replay, 1)
+    if ctx.is_main:
+        write_nodes(nodes, path)
+        print(render(summarize(nodes, 12)), flush=True)
+    _sync(ctx)
+
+
 def _sync(ctx) -> None:
     torch.cuda.synchronize()
     if ctx is not None and ctx.distributed:
@@ -159,7 +175,9 @@ def _sync(ctx) -> None:
 def _report(ctx, args, shape, step, times, losses) -> None:
     seconds = statistics.median(times)
     tokens = args.batch * args.seq * ctx.world // args.tp
-    peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda")
+    from runtime.dist.ce_gather import window_bytes
+
+    peak = torch.tensor([torch.cuda.max_memory_allocated() + window_bytes()], device="cuda")
     if ctx.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     fixed = step.zero.fixed_bytes() if step.zero is not None else None
@@ -172,9 +190,18 @@ def _report(ctx, args, shape, step, times, losses) -> None:
            "fixed_gib_per_gpu": fixed / 2 ** 30 if fixed is not None else None,
            "mfu_989": tokens / seconds / ctx.world * flops_per_token(shape, args.seq) / 989e12,
            "loss_first": losses[0], "loss_last": losses[-1],
-           "device": torch.cuda.get_device_name(), "budget_gib": args.budget}
+           "device": torch.cuda.get_device_name(), "budget_gib": args.budget,
+           "gather": step.zero.gather_transport if step.zero is not None else None,
+           "window_gib": window_bytes() / 2 ** 30, "device_used_gib": _device_used_gib()}
     if ctx.is_main:
         print(json.dumps(row), flush=True)
+
+
+def _device_used_gib() -> float:
+    """What the device has in use (torch's allocator and everything else: NCCL's windows,
+    the CUDA context)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2 ** 30
 
 
 def _args():
@@ -190,6 +217,9 @@ def _args():
     parser.add_argument("--ab", metavar="NAME",
                         help="an environment switch: the step at NAME=0 and NAME=1 in one "
                              "process, replayed alternately")
+    parser.add_argument("--ab-values", default="0,1", help="--ab's values, in build order")
+    parser.add_argument("--gaps", metavar="FILE",
+                        help="rank 0 writes a profiled replay's graph nodes (graph_gaps.py)")
     parser.add_argument("--check", action="store_true",
                         help="with --tp: rank 0 then runs the same weights and batch on one "
                              "GPU and prints both runs' losses")

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from modulec.ir.graph import COMM_STREAM as COMM  # the communication stream
+from runtime.dist.ce_gather import copy_engine_gather
 from runtime.dist.collectives import all_gather_into, all_reduce_, reduce_scatter_into
 from runtime.errors import RuntimeUserError
 
@@ -133,6 +134,8 @@ class ZeroRun:
         self.deferred: list[tuple] = []
         self.dp, self.zero = section["mesh"]["dp"], section["zero"]
         self.streams, self.group = streams, group
+        # where the updated weights' all-gathers run (runtime/dist/ce_gather.py)
+        self.ce, self.gather_transport = copy_engine_gather(device, group, self.zero)
         self.buckets = [Bucket(b, self.zero == 3, self.zero == 3 and "{i}" in b["path"])
                         for b in section["buckets"]]
         # entry buckets sharing a gradient slot: its flat tensor by name (the largest
@@ -281,7 +284,7 @@ class ZeroRun:
         if bucket.sharded:  # only the shard stays
             flat = flat[part].clone()
             part = slice(0, bucket.spec["shard"])
-        hi, lo = self._held(flat)
+        hi, lo = self._held(flat, windowed=not bucket.sharded)
         bucket.weights.append(None if bucket.sharded else hi)
         bucket.hi.append(hi[part])
         bucket.lo.append(None if lo is None else lo[part].clone())
@@ -289,13 +292,16 @@ class ZeroRun:
         bucket.exp_avg.append(torch.zeros(size, dtype=self.precision.master, **kw))
         bucket.exp_avg_sq.append(torch.zeros(size, dtype=self.precision.master, **kw))
 
-    def _held(self, flat: Tensor) -> tuple[Tensor, Tensor | None]:
-        """fp32 `flat` as this rank holds it: (compute copy, low half or None)."""
+    def _held(self, flat: Tensor, windowed: bool = False) -> tuple[Tensor, Tensor | None]:
+        """fp32 `flat` as this rank holds it: (compute copy, low half or None); `windowed`:
+        the compute copy in the copy-engine gather's window, where that runs."""
         if not self.precision.split:
             return flat, None
         from runtime.cuda.state import split_master
 
-        hi = torch.empty(flat.shape, dtype=self.precision.compute, device=self.device)
+        hi = self.ce.empty(flat.numel(), self.precision.compute, self.device) \
+            if windowed and self.ce is not None else \
+            torch.empty(flat.shape, dtype=self.precision.compute, device=self.device)
         lo = torch.empty(flat.shape, dtype=torch.int16, device=self.device)
         split_master(flat, hi, lo)
         return hi, lo
@@ -533,7 +539,8 @@ class ZeroRun:
         into = op.get("into")
         target = bucket.slots[i % 2] if into == "slot" else \
             bucket.buffer if into == "buffer" else bucket.weights[i]
-        all_gather_into(target, bucket.hi[i], self.group)
+        on_copy_engines = self.ce is not None and into is None and not bucket.sharded
+        all_gather_into(target, bucket.hi[i], self.ce.group if on_copy_engines else self.group)
 
     def _allocate(self, op: dict, bucket: Bucket, i: int) -> None:
         """ZeRO-3: an entry bucket's whole buffer, made on the compute stream and bound

@@ -306,8 +306,11 @@ class CUDATrainer:
         self.steps_run = 0
 
     def memory(self) -> dict:
+        from runtime.dist.ce_gather import window_bytes
+
         arena = self.step.arena  # its regions are torch allocations too
-        return {"peak_bytes": torch.cuda.max_memory_allocated(),
+        # NCCL's windows for ZeRO's gathers, where torch's statistics miss them
+        return {"peak_bytes": torch.cuda.max_memory_allocated() + window_bytes(),
                 "now_bytes": torch.cuda.memory_allocated(),
                 "what": "GPU (activations in the plan's arena)" if arena else
                 "GPU (torch allocator)"}

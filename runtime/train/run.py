@@ -577,7 +577,7 @@ class Run:
 
     def _attention_note(self, progress: Progress) -> None:
         """After the first step on the GPU: the attention kernels it ran, the GEMM
-        algorithms it chose."""
+        algorithms it chose, where ZeRO's weight all-gathers ran."""
         note = getattr(self.trainer, "attention_note", None)
         line = note() if note is not None and self.request.device == "cuda" else None
         if line:
@@ -587,6 +587,9 @@ class Run:
 
             if summary():  # the GEMM algorithms the first step timed (runtime/cuda/gemm.py)
                 progress.note(summary())
+            zero = getattr(getattr(self.trainer, "step", None), "zero", None)
+            if zero is not None and zero.zero in (1, 2):  # runtime/dist/ce_gather.py
+                progress.note(f"ZeRO's weight all-gathers run on {zero.gather_transport}")
 
     def _observer(self):
         """Evaluation and the metrics log (runtime/train/observe.py)."""
