@@ -17,6 +17,7 @@ def nccl_world(monkeypatch):
     """An initialized NCCL world of two ranks with NCCL 2.28.9 and the CTA option, faked:
     the decision reads only these."""
     monkeypatch.delenv("MODULEC_ZERO_CE_GATHER", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is None else
@@ -44,6 +45,8 @@ def test_zero_1_and_2_over_the_world_gather_on_copy_engines(nccl_world):
      "not NCCL on CUDA"),
     (lambda m: m.delattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO"), 2,
      "this torch has no NCCL CTA policy option"),
+    (lambda m: m.setenv("LOCAL_WORLD_SIZE", "1"), 2,
+     "ranks on several nodes (copy-engine gathers need one NVLink domain)"),
 ])
 def test_what_keeps_the_gathers_on_sms_is_said(nccl_world, change, zero, why):
     change(nccl_world)

@@ -14,9 +14,11 @@ H100s, TinyLlama ZeRO-2 (docs/distributed-measured.md): ~4 ms a step.
 
 Where it cannot run, the gathers stay on SMs and `refusal` says why (ZeroRun's
 `gather_transport`): `MODULEC_ZERO_CE_GATHER=0`, not CUDA / NCCL, NCCL older than 2.28 or
-a torch without the option, ZeRO-0 / ZeRO-3 (gathers into slots), or a data-parallel
+a torch without the option, ZeRO-0 / ZeRO-3 (gathers into slots), a data-parallel
 group narrower than the world (beside tensor or pipeline parallel: `new_group` is
-collective over the world, and each rank would need every DP group's twin).
+collective over the world, and each rank would need every DP group's twin), or ranks on
+several nodes (torchrun's LOCAL_WORLD_SIZE below the world: the copy engines reach
+NVLink peers only).
 
 Where NCCL allocates the windows outside torch's caching allocator,
 `torch.cuda.max_memory_allocated` does not see them: `window_bytes()` is what it misses
@@ -46,6 +48,9 @@ def refusal(device, group, zero: int) -> str | None:
         return f"ZeRO-{zero} gathers into slots" if zero == 3 else f"ZeRO-{zero} gathers nothing"
     if group is not None and dist.get_world_size(group) != dist.get_world_size():
         return "the data-parallel group is narrower than the world"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if local != dist.get_world_size():  # torchrun's count of this node's ranks
+        return "ranks on several nodes (copy-engine gathers need one NVLink domain)"
     version = tuple(torch.cuda.nccl.version()[:2])
     if version < MIN_NCCL:
         return f"NCCL {'.'.join(map(str, version))} (copy-engine collectives need 2.28)"
