@@ -6,11 +6,8 @@ profiler's communication figures."""
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import time
-from pathlib import Path
 
 from benchmarks import harness
 
@@ -163,18 +160,8 @@ def exposed_comm(step, ranks: Ranks, steps: int) -> dict:
     """Profile `steps` steps on every rank; NCCL time and its exposed part per step."""
     if ranks.kind != "cuda" or steps <= 0:
         return {}
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     ranks.sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
+    events = harness.profiled_events(lambda: [step() for _ in range(steps)])
     total, exposed, seen = comm_times(events)
     table = kernel_table(events, steps)
     total, exposed, seen = ranks.reduce([total / steps, exposed / steps, seen], "max")

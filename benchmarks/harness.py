@@ -101,6 +101,23 @@ def _wall_times(step, steps: int) -> list[float]:
     return out
 
 
+def profiled_events(run: Callable[[], object]) -> list[dict]:
+    """The chrome-trace events of torch's profiler (CUDA activity) around `run()` and a
+    sync: each kernel, memset and copy, a CUDA graph's nodes included."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text()).get("traceEvents", [])
+
+
 def random_tokens(batch: int, seq: int, vocab: int, device: str = "cuda", dtype=None,
                   seed: int = 1):
     """The benchmarks' batch: [batch, seq] ids (int32 unless `dtype`) drawn from a

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -72,16 +71,14 @@ def write_nodes(nodes: list[dict], path: str) -> None:
 def profiled_nodes(replay, replays: int) -> list[dict]:
     """Every graph node CUPTI saw over `replays` replays, as chrome-trace events by start."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    from benchmarks.harness import profiled_events
+
+    def replayed():
         for _ in range(replays):
             replay()
             torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
+    events = profiled_events(replayed)
     nodes = [e for e in events if e.get("cat") in NODE_CATEGORIES and "dur" in e]
     return sorted(nodes, key=lambda e: float(e["ts"]))
 
