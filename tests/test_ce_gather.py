@@ -63,3 +63,37 @@ def test_the_cpu_run_says_so_without_asking_torch_distributed():
     gather, transport = ce_gather.copy_engine_gather("cpu", None, 2)
     assert gather is None and transport == "SMs: not NCCL on CUDA"
     assert ce_gather.window_bytes() == 0
+
+
+def test_windows_outside_torchs_statistics_are_counted_while_they_live(monkeypatch):
+    """`window_bytes` is what torch's allocator statistics miss: a window whose
+    allocation did not move `torch.cuda.memory_allocated` counts until it is freed."""
+    import types
+
+    gather = object.__new__(ce_gather.CopyEngineGather)
+    gather.group = types.SimpleNamespace(group_name="twin")
+    gather.symm_mem = types.SimpleNamespace(
+        empty=lambda numel, dtype, device: torch.empty(numel, dtype=dtype),
+        rendezvous=lambda tensor, group: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    window = gather.empty(1024, torch.bfloat16, "cuda")
+    assert ce_gather.window_bytes() == 2048
+    del window
+    assert ce_gather.window_bytes() == 0
+
+
+def test_the_trainer_says_where_the_gathers_ran(monkeypatch):
+    """After the first GPU step `modulec train` prints the gathers' transport (ZeRO 1-2)."""
+    import types
+
+    from runtime.train.run import Run
+
+    notes = []
+    zero = types.SimpleNamespace(zero=2, gather_transport="SMs: NCCL 2.27 (copy-engine "
+                                 "collectives need 2.28)")
+    fake = types.SimpleNamespace(
+        trainer=types.SimpleNamespace(step=types.SimpleNamespace(zero=zero)),
+        request=types.SimpleNamespace(device="cuda"))
+    Run._attention_note(fake, types.SimpleNamespace(note=notes.append))
+    assert notes[-1] == "ZeRO's weight all-gathers run on SMs: NCCL 2.27 (copy-engine " \
+        "collectives need 2.28)"
