@@ -97,3 +97,16 @@ def test_the_trainer_says_where_the_gathers_ran(monkeypatch):
     Run._attention_note(fake, types.SimpleNamespace(note=notes.append))
     assert notes[-1] == "ZeRO's weight all-gathers run on SMs: NCCL 2.27 (copy-engine " \
         "collectives need 2.28)"
+
+
+def test_nccl_is_chosen_for_symmetric_memory_once_a_process(monkeypatch):
+    """Two steps in one process (an A/B) make two twin communicators; symmetric memory's
+    backend is set once, before the first window."""
+    import types
+
+    chosen = []
+    fake = types.SimpleNamespace(set_backend=chosen.append)
+    monkeypatch.setattr(ce_gather, "_backend_set", False)
+    ce_gather._nccl_windows(fake)
+    ce_gather._nccl_windows(fake)
+    assert chosen == ["NCCL"]

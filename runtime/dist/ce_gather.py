@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 MIN_NCCL = (2, 28)
 _live: dict[int, int] = {}  # id of a live window tensor -> its bytes
+_backend_set = False  # symm_mem's backend set to NCCL in this process
 
 
 def refusal(device, group, zero: int) -> str | None:
@@ -76,7 +77,7 @@ class CopyEngineGather:
         options.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
         self.group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD),
                                     pg_options=options)
-        symm_mem.set_backend("NCCL")
+        _nccl_windows(symm_mem)
         # the communicator is made by its first collective; a window needs it
         dist.all_reduce(torch.ones(1, device="cuda"), group=self.group)
 
@@ -90,6 +91,15 @@ class CopyEngineGather:
             _live[id(tensor)] = size
             weakref.finalize(tensor, _live.pop, id(tensor), None)
         return tensor
+
+
+def _nccl_windows(symm_mem) -> None:
+    """Symmetric memory from NCCL, chosen once a process (a second step, as an A/B builds
+    two, finds it chosen and windows already made under it)."""
+    global _backend_set
+    if not _backend_set:
+        symm_mem.set_backend("NCCL")
+        _backend_set = True
 
 
 def window_bytes() -> int:
