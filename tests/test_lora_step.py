@@ -24,10 +24,10 @@ ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 BF16 = torch.bfloat16
 
 
-def _lora_model() -> Model:
+def _lora_model(rank: int = 4) -> Model:
     path, settings = TINY["llama"]
     model = Model.from_module(path, settings=settings, dtype=BF16,
-                              lora=dict(rank=4, alpha=8, targets=ALL_TARGETS))
+                              lora=dict(rank=rank, alpha=2 * rank, targets=ALL_TARGETS))
     model.init_random(1, std=0.3)
     g = torch.Generator().manual_seed(2)
     for p, t in model.params.items():  # B != 0: the deltas mean something
@@ -510,6 +510,48 @@ def test_the_one_gemm_projection_rounds_once(device):
     exact = x.double() @ W.double().t() + s * (t.double() @ B.double().t())
     near = [float((y.double() - exact).abs().mean()) for y in (one, two)]
     assert near[0] <= near[1], near
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=needs_gpus(1))])
+def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
+    """With MODULEC_LORA_KCAT_DX=1 a frozen weight at least WIDE times as wide in as out
+    (here each layer's down_weight, 48 against 32, WIDE lowered to 1.4) is laid with its
+    adapter's r rows after it (runtime/cuda/lora_kcat.py `tail_rows`); the backward's d_x
+    = d_y W + d_t A is one GEMM over [d_y | d_t] and [W ; A]: A lands in the tail slot,
+    the adapter path's node computes d_A alone, and the step computes what the two-GEMM
+    path does, within bf16."""
+    import runtime.cuda.lora_kcat as kcat
+    from runtime.cuda.state import region_of, stacked_order
+    from modulec.lower.lora import is_adapter
+
+    monkeypatch.setenv("MODULEC_LORA_KCAT_DX", "1")
+    monkeypatch.setenv("MODULEC_LORA_KCAT_MIN", "1.4")
+    model = _lora_model(rank=8)
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    frozen = {p for p in shapes if not is_adapter(p)}
+    tails = kcat.tail_rows(shapes, frozen)
+    assert tails == {"blocks[0].mlp.down_weight": 8, "blocks[1].mlp.down_weight": 8}
+    assert kcat.side_bytes(shapes, {}, tails=tails) == 2 * 8 * 48 * 2  # the fixed bytes'
+    sides = kcat.side_columns(shapes, frozen)
+    order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
+    _, (views,) = region_of(shapes, [(BF16, order)], device=device, sides=sides, tails=tails)
+    for path, view in views.items():
+        view.copy_(model.params[path])
+    kcat.lay_sides(views, sides)
+    slots = kcat.lay_tails(views, tails)
+    outputs, grads, run, _ = _arena_step(model, monkeypatch, True, device, params=views)
+    assert run.lora_dx_one_gemm == 2
+    torch.testing.assert_close(slots["blocks[1].mlp.down_weight"].cpu(),
+                               model.params["blocks[1].mlp.down_weight.lora_A"])
+    two_outputs, two_grads, two_run, _ = _arena_step(model, monkeypatch, True, device)
+    assert two_run.lora_dx_one_gemm == 0 and two_run.lora_dx_fused == run.lora_dx_fused
+    exact_outputs, exact, _ = _reference_step(model)
+    triples = [*zip(outputs, two_outputs, exact_outputs),
+               *((grads[p], two_grads[p], exact[p]) for p in exact)]
+    new = [_error(got, want) for got, _, want in triples]
+    was = [_error(old, want) for _, old, want in triples]
+    assert max(new) < 0.1 and max(was) < 0.1, (new, was)
 
 
 def test_only_single_process_bf16_programs_lay_side_columns():

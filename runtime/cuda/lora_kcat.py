@@ -38,6 +38,8 @@ WIDE = 2.0  # a projection takes the path where out >= WIDE * in (gate/up: 7x; q
 # the weights holds the slots (TrainStep.sides), so they go with its weights
 _sides: dict[tuple, weakref.ref] = {}
 _scratch: dict[tuple, torch.Tensor] = {}
+# a weight view's key -> a weak reference to its tail slot [r, in] (`lay_tails`)
+_tails: dict[tuple, weakref.ref] = {}
 
 
 def enabled() -> bool:
@@ -63,27 +65,57 @@ def side_columns(shapes: dict, frozen) -> dict[str, int]:
     return sides
 
 
+def tail_rows(shapes: dict, frozen) -> dict[str, int]:
+    """{frozen 2-D weight path: r} for each weight with one adapter (A [r, in]) at least
+    WIDE times as wide in as out (Llama's down_proj: 14,336 against 4,096), out + r and
+    in multiples of 8: laid with r spare rows after its own, into which A is copied for
+    the backward's d_x = [d_y | d_t] [W ; A] (`dx_into`). Off unless
+    MODULEC_LORA_KCAT_DX=1 (not yet measured on a GPU)."""
+    if not enabled() or os.environ.get("MODULEC_LORA_KCAT_DX", "0") != "1":
+        return {}
+    wide = float(os.environ.get("MODULEC_LORA_KCAT_MIN", WIDE))
+    tails = {}
+    for path in frozen:
+        shape, a = shapes.get(path), shapes.get(path + ".lora_A")
+        if shape is None or a is None or len(shape) != 2 or shape[1] < wide * shape[0]:
+            continue
+        if a[1] == shape[1] and (shape[0] + a[0]) % 8 == 0 and shape[1] % 8 == 0:
+            tails[path] = a[0]
+    return tails
+
+
 def one_gemm_sides(program, shapes: dict, frozen) -> dict[str, int]:
     """`side_columns` of the weights a bf16 step of the program stores in bf16, where it
     runs on one process: none where its schedule runs data, tensor or pipeline parallel
     (their sections) or its metadata an FP8 recipe (whose casts read W's rows
     contiguous). The step lays these (TrainStep) and its fixed bytes count them
     (step_memory.runtime_fixed_bytes): one rule for both."""
+    return _single_process_bf16(program, side_columns(shapes, frozen))
+
+
+def one_gemm_tails(program, shapes: dict, frozen) -> dict[str, int]:
+    """`tail_rows` under `one_gemm_sides`'s rule."""
+    return _single_process_bf16(program, tail_rows(shapes, frozen))
+
+
+def _single_process_bf16(program, laid: dict[str, int]) -> dict[str, int]:
     from runtime.cuda.param_dtypes import stored_dtypes
 
     schedule = program.document.get("schedule", {})
     recipe = program.metadata.get("precision") or {}
-    if any(k in schedule for k in ("distributed", "tensor_parallel", "pipeline")) \
+    if not laid or any(k in schedule for k in ("distributed", "tensor_parallel", "pipeline")) \
             or recipe.get("matmuls"):
         return {}
-    stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)` ones: no side columns
-    return {p: n for p, n in side_columns(shapes, frozen).items()
-            if stored[p] == torch.bfloat16}
+    stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)` ones: none
+    return {p: n for p, n in laid.items() if stored[p] == torch.bfloat16}
 
 
-def side_bytes(shapes: dict, sides: dict, itemsize: int = 2) -> int:
-    """What the side columns add to the weights region (rows x k r each)."""
-    return sum(shapes[p][0] * n * itemsize for p, n in sides.items())
+def side_bytes(shapes: dict, sides: dict, itemsize: int = 2, tails: dict | None = None
+               ) -> int:
+    """What the side columns (rows x k r each) and tail rows (r x in each) add to the
+    weights region."""
+    return sum(shapes[p][0] * n * itemsize for p, n in sides.items()) + \
+        sum(shapes[p][1] * n * itemsize for p, n in (tails or {}).items())
 
 
 def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:
@@ -95,6 +127,18 @@ def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:
         slots[path] = weight.as_strided((weight.shape[0], width), weight.stride(),
                                         weight.storage_offset() + weight.shape[1])
         _sides[_key(weight)] = weakref.ref(slots[path])
+    return slots
+
+
+def lay_tails(views: dict, tails: dict) -> dict[str, torch.Tensor]:
+    """{path: tail slot [r, in]} for the weights `views` laid with `tails[path]` spare rows
+    after their own (state.region_of), each registered for `dx_into`."""
+    slots = {}
+    for path, rows in tails.items():
+        weight = views[path]
+        slots[path] = weight.as_strided((rows, weight.shape[1]), weight.stride(),
+                                        weight.storage_offset() + weight.numel())
+        _tails[_key(weight)] = weakref.ref(slots[path])
     return slots
 
 
@@ -141,9 +185,46 @@ def _copy_rows(into: torch.Tensor, rows: torch.Tensor) -> None:
     into.copy_(rows)
 
 
-def _wide(rows: int, cols: int, dtype, device) -> torch.Tensor:
-    """The step's scratch for [x | t]: one per shape, kept (a captured graph reads it)."""
-    key = (device, rows, cols, dtype)
+def stage_dt(d_t: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> bool:
+    """The backward's first half of `dx_into`, while d_t [.., r] is alive (the adapter
+    path's matmul_backward): d_t copied into the right columns of the [d_y | d_t] scratch.
+    False (nothing done) where w has no tail slot of a's shape or the shapes do not fit."""
+    tail = _tail_of(w, a)
+    if tail is None or d_t.shape[-1] != a.shape[0] or d_t.dtype != w.dtype:
+        return False
+    rows = d_t.numel() // d_t.shape[-1]
+    _copy_rows(_wide(rows, w.shape[0] + a.shape[0], w.dtype, w.device, "dx")[:, w.shape[0]:],
+               d_t.reshape(rows, -1))
+    return True
+
+
+def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor
+            ) -> torch.Tensor:
+    """d_x = d_y w + d_t a (d_t staged by `stage_dt`) as one GEMM over [d_y | d_t] and
+    [w ; a]: a copied into w's tail slot, d_y into the scratch's left columns."""
+    from runtime.cuda.gemm import mm_into
+
+    tail, (out_rows, inner) = _tail_of(w, a), w.shape
+    tail.copy_(a)
+    rows = d_y.numel() // d_y.shape[-1]
+    wide = _wide(rows, out_rows + a.shape[0], w.dtype, w.device, "dx")
+    _copy_rows(wide[:, :out_rows], d_y.reshape(rows, -1))
+    stacked = w.as_strided((out_rows + a.shape[0], inner), w.stride(), w.storage_offset())
+    return mm_into(wide, stacked, out.view(rows, inner))
+
+
+def _tail_of(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+    ref = _tails.get(_key(w))
+    tail = ref() if ref is not None else None
+    if tail is None or tuple(tail.shape) != tuple(a.shape) or w.stride() != (w.shape[1], 1):
+        return None
+    return tail
+
+
+def _wide(rows: int, cols: int, dtype, device, use: str = "x") -> torch.Tensor:
+    """The step's scratch for [x | t] (or [d_y | d_t]: `use`): one per shape, kept (a
+    captured graph reads it)."""
+    key = (device, rows, cols, dtype, use)
     if key not in _scratch:
         _scratch[key] = torch.empty(rows, cols, dtype=dtype, device=device)
     return _scratch[key]

@@ -64,37 +64,39 @@ def region(shapes: dict, paths: list, dtypes: tuple, device: str = "cuda"
     return region_of(shapes, [(dtype, paths) for dtype in dtypes], device)
 
 
-def region_of(shapes: dict, blocks: list, device: str = "cuda", sides: dict | None = None
-              ) -> tuple[torch.Tensor, list[dict]]:
+def region_of(shapes: dict, blocks: list, device: str = "cuda", sides: dict | None = None,
+              tails: dict | None = None) -> tuple[torch.Tensor, list[dict]]:
     """One zeroed allocation holding a block per (dtype, paths) of `blocks`; returns it
     and, per block, {path: view}. `sides`: {path of a 2-D parameter: n}: its rows laid n
     elements apart more than its width (n spare columns beside each row: LoRA's s B for
-    the one-GEMM path, runtime/cuda/lora_kcat.py); its view is then strided."""
-    sides = sides or {}
+    the one-GEMM path, runtime/cuda/lora_kcat.py); its view is then strided. `tails`:
+    {path of a 2-D parameter: n}: n spare rows laid right after its own (LoRA's A for the
+    backward's one-GEMM d_x); its view stays contiguous."""
+    sides, tails = sides or {}, tails or {}
     placed, end = [], 0
     for dtype, paths in blocks:
         size, offsets = torch.empty((), dtype=dtype).element_size(), {}
         for path in paths:
             offsets[path] = end
-            end += -(-_numel(_laid(shapes[path], sides.get(path, 0))) * size
-                     // ALIGNMENT) * ALIGNMENT
+            laid = _laid(shapes[path], sides.get(path, 0), tails.get(path, 0))
+            end += -(-_numel(laid) * size // ALIGNMENT) * ALIGNMENT
         placed.append((dtype, offsets))
     buffer = torch.zeros(end, dtype=torch.uint8, device=device)
-    views = [{p: _view(buffer, start, shapes[p], dtype, sides.get(p, 0))
+    views = [{p: _view(buffer, start, shapes[p], dtype, sides.get(p, 0), tails.get(p, 0))
               for p, start in offsets.items()} for dtype, offsets in placed]
     return buffer, views
 
 
-def _laid(shape, side: int) -> tuple:
-    return (shape[0], shape[1] + side) if side else tuple(shape)
+def _laid(shape, side: int, tail: int = 0) -> tuple:
+    return (shape[0] + tail, shape[1] + side) if side or tail else tuple(shape)
 
 
-def _view(buffer: torch.Tensor, start: int, shape, dtype: torch.dtype, side: int = 0
-          ) -> torch.Tensor:
-    laid = _laid(shape, side)
+def _view(buffer: torch.Tensor, start: int, shape, dtype: torch.dtype, side: int = 0,
+          tail: int = 0) -> torch.Tensor:
+    laid = _laid(shape, side, tail)
     nbytes = _numel(laid) * torch.empty((), dtype=dtype).element_size()
     view = buffer[start:start + nbytes].view(dtype).view(laid)
-    return view[:, :shape[1]] if side else view
+    return view[:shape[0], :shape[1]] if side or tail else view
 
 
 def _numel(shape) -> int:

@@ -375,7 +375,7 @@ class TrainStep:
         copy and its low half, then the moments, in `optimizer_state`; with accumulation,
         fp32 gradient sums in `gradient_sums`. A parameter stored in fp32 (`own_dtypes`)
         has an fp32 compute copy in `weights`, which is its master (no low half)."""
-        from runtime.cuda.lora_kcat import lay_sides, one_gemm_sides
+        from runtime.cuda.lora_kcat import lay_sides, lay_tails, one_gemm_sides, one_gemm_tails
         from runtime.cuda.state import (SplitMasters, region, region_of, split_master,
                                         stacked_order)
 
@@ -383,11 +383,13 @@ class TrainStep:
         owned = stacked_order(self.program.graph,
                               sorted(p for p in shapes if p not in self.ties()))
         sides = one_gemm_sides(self.program, shapes, frozen)
+        tails = one_gemm_tails(self.program, shapes, frozen)
         weights, views = region_of(shapes, [(self.dtype, [p for p in owned if p not in own]),
                                             (torch.float32, [p for p in owned if p in own])],
-                                   sides=sides)
+                                   sides=sides, tails=tails)
         self.compute = {**views[0], **views[1]}
-        self.sides = lay_sides(self.compute, sides)  # LoRA's one-GEMM wide projections
+        # LoRA's one-GEMM wide projections, and the backward's one-GEMM d_x
+        self.sides = {**lay_sides(self.compute, sides), **lay_tails(self.compute, tails)}
         state, (self.lows, self.exp_avg, self.exp_avg_sq) = region_of(
             shapes, [(torch.int16, [p for p in self.names if p not in own]),
                      (torch.float32, self.names), (torch.float32, self.names)])

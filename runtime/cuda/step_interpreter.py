@@ -7,7 +7,7 @@ IR marks `stream=comm` run on the communication stream (runtime/cuda/async_comm.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,6 +15,7 @@ from modulec.ir.graph import STREAM
 from runtime.cuda.lora_backward import (DxPairs, add_into, lora_dx_pairs,
                                         stacked_param_grads, target_bytes)
 from runtime.cuda.swaps import Stored
+from runtime.cuda.kernels import typed
 from runtime.cuda.train_kernels import lora_addmm, lora_matmul_into, overlaps
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
@@ -48,6 +49,8 @@ class _StepInterpreter(Interpreter):
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
         self.lora_dx_fused = 0  # backward d_x sums run as an addmm (lora_backward.py)
+        self.lora_dx_one_gemm = 0  # of them, one GEMM over [d_y | d_t] (lora_kcat.dx_into)
+        self._dx_staged: dict = {}  # (id(frame), add id) -> True: d_t staged for dx_into
         self._dx_pairs: dict = {}  # function name -> lora_backward.DxPairs
         self._redirects: dict = {}  # (id(frame), node id) -> the add's bytes for its d_x
         self._own: dict = {}  # function name -> values kept out of the arena (_own_bytes)
@@ -262,6 +265,8 @@ class _StepInterpreter(Interpreter):
         if node.id in pairs.deferred:
             return True  # run by its add
         pair = pairs.firsts.get(node.id)
+        if pair is not None and self._stage_one_gemm_dx(pair, frame, forward):
+            return True
         if pair is not None:
             key = (id(frame), node.id)
             raw = target_bytes(self, pair, frame, forward)
@@ -275,6 +280,8 @@ class _StepInterpreter(Interpreter):
         pair = pairs.adds.get(node.id)
         if pair is None:
             return False
+        if self._dx_staged.pop((id(frame), node.id), False):
+            return self._one_gemm_dx(pair, frame, forward)
         y = add_into(self, pair, frame, forward)
         if y is None:  # as written
             super()._op(pair.base, frame, forward)
@@ -283,6 +290,48 @@ class _StepInterpreter(Interpreter):
         self.lora_dx_fused += 1
         frame.env[pair.base.outputs[0]] = self._stand_in(y)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+        return True
+
+    def _stage_one_gemm_dx(self, pair, frame, forward) -> bool:
+        """Where the frozen weight was laid with its adapter's A rows after it
+        (lora_kcat.tail_rows: down_proj), the d_x sum is one GEMM at the add (`_one_gemm_dx`):
+        here the adapter path's d_t is staged beside where d_y will go and its node runs
+        for d_A alone. False (nothing done) where that does not apply."""
+        from runtime.cuda.lora_kcat import stage_dt
+
+        first, base = pair.first, pair.base
+        if float(first.attr("alpha") or 1.0) != 1.0 or float(base.attr("alpha") or 1.0) != 1.0 \
+                or first.attr("transpose") != "NT" or len(first.inputs) != 3:
+            return False
+        d_t, a, w = (self._read(v, frame, forward)
+                     for v in (first.inputs[0], first.inputs[2], base.inputs[2]))
+        if not all(isinstance(t, torch.Tensor) for t in (d_t, a, w)) or w.dim() != 2 \
+                or not stage_dt(d_t, w, a):
+            return False
+        super()._op(replace(first, outputs=("", *first.outputs[1:])), frame, forward)
+        self._dx_staged[(id(frame), pair.add.id)] = True
+        return True
+
+    def _one_gemm_dx(self, pair, frame, forward) -> bool:
+        """d_x = [d_y | d_t] [W ; A] (lora_kcat.dx_into) into the add's planned bytes (a
+        tensor of its own off the arena or where they hold an operand)."""
+        from runtime.cuda.lora_kcat import dx_into
+
+        base, add = pair.base, pair.add
+        d_y, w, a = (self._read(v, frame, forward)
+                     for v in (base.inputs[0], base.inputs[2], pair.first.inputs[2]))
+        shape = (*d_y.shape[:-1], w.shape[1])
+        raw = self.arena.out_bytes(frame, add, add.outputs[0]) if self.arena else None
+        out = None if raw is None or any(overlaps(t, raw) for t in (d_y, w, a)) else \
+            typed([raw], 0, shape, w.dtype)
+        if out is None or not out.is_contiguous():
+            out = torch.empty(shape, dtype=w.dtype, device=w.device)
+        y = dx_into(d_y, w, a, out)
+        self.lora_dx_fused += 1
+        self.lora_dx_one_gemm += 1
+        for value in (base.outputs[0], pair.first.outputs[0]):
+            frame.env[value] = self._stand_in(y)
+        frame.env[add.outputs[0]] = self._after(add, frame, add.outputs[0], y.view(shape))
         return True
 
     def _dx_pairs_of(self, function) -> DxPairs:

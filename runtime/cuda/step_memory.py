@@ -54,9 +54,10 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     held = 2 * trained if clipped and optimizer != "torch" else 0
     sides = 0
     if optimizer != "torch":  # the regions' layout: LoRA's one-GEMM side columns
-        from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes
+        from runtime.cuda.lora_kcat import one_gemm_sides, one_gemm_tails, side_bytes
 
-        sides = side_bytes(shapes, one_gemm_sides(program, shapes, frozen))
+        sides = side_bytes(shapes, one_gemm_sides(program, shapes, frozen),
+                           tails=one_gemm_tails(program, shapes, frozen))
     return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held + sides
 
 
