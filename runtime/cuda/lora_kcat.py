@@ -24,7 +24,12 @@ pipeline parallel, no FP8 recipe, whose casts read W's rows contiguous); the ste
 fixed bytes count the side columns (59 MB at LoRA 8B); the scratch is one buffer per
 (device, shape), outside the memory plan (17 MB at LoRA 8B, B=1, T=2048). Measured: one
 H100, LoRA 8B, 1.0 ms a step in both orders of an in-process A/B
-(benchmarks/gpu/results-h100-lora-s12-ab.txt)."""
+(benchmarks/gpu/results-h100-lora-s12-ab.txt).
+
+The backward's counterpart for a projection whose input is the wide side (down_proj):
+d_x = [d_y | d_t] [W ; A] as one GEMM, W laid with A's rows after it (`tail_rows`,
+`stage_dt`, `dx_into`; the step interpreter's `_stage_one_gemm_dx`); off unless
+MODULEC_LORA_KCAT_DX=1 until measured on a GPU."""
 
 from __future__ import annotations
 
