@@ -190,6 +190,11 @@ def _copy_rows(into: torch.Tensor, rows: torch.Tensor) -> None:
     into.copy_(rows)
 
 
+def laid_tails() -> bool:
+    """Whether any weight was laid with tail rows (the default step: none)."""
+    return any(ref() is not None for ref in _tails.values())
+
+
 def stage_dt(d_t: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> bool:
     """The backward's first half of `dx_into`, while d_t [.., r] is alive (the adapter
     path's matmul_backward): d_t copied into the right columns of the [d_y | d_t] scratch.

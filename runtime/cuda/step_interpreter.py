@@ -297,10 +297,10 @@ class _StepInterpreter(Interpreter):
         (lora_kcat.tail_rows: down_proj), the d_x sum is one GEMM at the add (`_one_gemm_dx`):
         here the adapter path's d_t is staged beside where d_y will go and its node runs
         for d_A alone. False (nothing done) where that does not apply."""
-        from runtime.cuda.lora_kcat import stage_dt
+        from runtime.cuda.lora_kcat import laid_tails, stage_dt
 
         first, base = pair.first, pair.base
-        if float(first.attr("alpha") or 1.0) != 1.0 or float(base.attr("alpha") or 1.0) != 1.0 \
+        if not laid_tails() or float(first.attr("alpha") or 1.0) != 1.0 or float(base.attr("alpha") or 1.0) != 1.0 \
                 or first.attr("transpose") != "NT" or len(first.inputs) != 3:
             return False
         d_t, a, w = (self._read(v, frame, forward)
