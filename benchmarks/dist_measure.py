@@ -95,11 +95,9 @@ def peak_bytes(ranks: Ranks) -> float | None:
 
     if ranks.kind != "cuda":
         return None
-    from runtime.dist.ce_gather import window_bytes
+    from runtime.dist.ce_gather import peak_allocated
 
-    # plus NCCL's windows for ZeRO's gathers, where torch's statistics miss them
-    return ranks.reduce([float(torch.cuda.max_memory_allocated() + window_bytes())],
-                        "max")[0]
+    return ranks.reduce([float(peak_allocated())], "max")[0]
 
 
 def device_name(ranks: Ranks) -> str:

@@ -175,9 +175,9 @@ def _sync(ctx) -> None:
 def _report(ctx, args, shape, step, times, losses) -> None:
     seconds = statistics.median(times)
     tokens = args.batch * args.seq * ctx.world // args.tp
-    from runtime.dist.ce_gather import window_bytes
+    from runtime.dist.ce_gather import peak_allocated, window_bytes
 
-    peak = torch.tensor([torch.cuda.max_memory_allocated() + window_bytes()], device="cuda")
+    peak = torch.tensor([peak_allocated()], device="cuda")
     if ctx.distributed:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     fixed = step.zero.fixed_bytes() if step.zero is not None else None

@@ -57,7 +57,7 @@ def side_columns(shapes: dict, frozen) -> dict[str, int]:
     a multiple of 8 (16-byte rows)."""
     if not enabled():
         return {}
-    wide = float(os.environ.get("MODULEC_LORA_KCAT_MIN", WIDE))  # A/B of the threshold
+    wide = _threshold()
     sides = {}
     for path in frozen:
         shape = shapes.get(path)
@@ -70,6 +70,11 @@ def side_columns(shapes: dict, frozen) -> dict[str, int]:
     return sides
 
 
+def _threshold() -> float:
+    """WIDE, or MODULEC_LORA_KCAT_MIN's value (A/B runs of the threshold)."""
+    return float(os.environ.get("MODULEC_LORA_KCAT_MIN", WIDE))
+
+
 def tail_rows(shapes: dict, frozen) -> dict[str, int]:
     """{frozen 2-D weight path: r} for each weight with one adapter (A [r, in]) at least
     WIDE times as wide in as out (Llama's down_proj: 14,336 against 4,096), out + r and
@@ -78,8 +83,7 @@ def tail_rows(shapes: dict, frozen) -> dict[str, int]:
     MODULEC_LORA_KCAT_DX=1 (not yet measured on a GPU)."""
     if not enabled() or os.environ.get("MODULEC_LORA_KCAT_DX", "0") != "1":
         return {}
-    wide = float(os.environ.get("MODULEC_LORA_KCAT_MIN", WIDE))
-    tails = {}
+    wide, tails = _threshold(), {}
     for path in frozen:
         shape, a = shapes.get(path), shapes.get(path + ".lora_A")
         if shape is None or a is None or len(shape) != 2 or shape[1] < wide * shape[0]:

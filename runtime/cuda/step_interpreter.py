@@ -15,8 +15,8 @@ from modulec.ir.graph import STREAM
 from runtime.cuda.lora_backward import (DxPairs, add_into, lora_dx_pairs,
                                         stacked_param_grads, target_bytes)
 from runtime.cuda.swaps import Stored
-from runtime.cuda.kernels import typed
-from runtime.cuda.train_kernels import lora_addmm, lora_matmul_into, overlaps
+from runtime.cuda.train_kernels import (lora_addmm, lora_matmul_into, overlaps,
+                                       planned_product)
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
 from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
 from runtime.kernels.documents import current
@@ -300,8 +300,9 @@ class _StepInterpreter(Interpreter):
         from runtime.cuda.lora_kcat import laid_tails, stage_dt
 
         first, base = pair.first, pair.base
-        if not laid_tails() or float(first.attr("alpha") or 1.0) != 1.0 or float(base.attr("alpha") or 1.0) != 1.0 \
-                or first.attr("transpose") != "NT" or len(first.inputs) != 3:
+        if not laid_tails() or first.attr("transpose") != "NT" or len(first.inputs) != 3 \
+                or float(first.attr("alpha") or 1.0) != 1.0 \
+                or float(base.attr("alpha") or 1.0) != 1.0:
             return False
         d_t, a, w = (self._read(v, frame, forward)
                      for v in (first.inputs[0], first.inputs[2], base.inputs[2]))
@@ -323,8 +324,8 @@ class _StepInterpreter(Interpreter):
         shape = (*d_y.shape[:-1], w.shape[1])
         raw = self.arena.out_bytes(frame, add, add.outputs[0]) if self.arena else None
         out = None if raw is None or any(overlaps(t, raw) for t in (d_y, w, a)) else \
-            typed([raw], 0, shape, w.dtype)
-        if out is None or not out.is_contiguous():
+            planned_product(raw, d_y.reshape(-1, w.shape[0]), w)
+        if out is None:
             out = torch.empty(shape, dtype=w.dtype, device=w.device)
         y = dx_into(d_y, w, a, out)
         self.lora_dx_fused += 1

@@ -452,12 +452,12 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
     a, b = _op(x, mode[0]), _op(y, mode[1])
     if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or not a.is_floating_point():
         return None
-    C = _planned_product(raw, a, b)
+    C = planned_product(raw, a, b)
     # alpha in the GEMM (beta = 0: C's old bytes are not read), not a second pass
     return None if C is None else mm_into(a, b, C, alpha)
 
 
-def _planned_product(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+def planned_product(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                      ) -> torch.Tensor | None:
     """The bytes `raw` as a @ b's contiguous C, or None where they do not fit."""
     if raw.device != a.device:
@@ -497,7 +497,7 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
             or B.shape[0] != b.shape[1] or not (a.dtype == b.dtype == t2.dtype == B.dtype) \
             or a.numel() == 0:
         return None
-    C = _planned_product(raw, a, b)
+    C = planned_product(raw, a, b)
     if C is None:
         return None
     if mode == "NT" and base_alpha == 1.0 and kcat_into(a, w, t2, B, alpha, C) is not None:

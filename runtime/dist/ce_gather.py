@@ -22,7 +22,7 @@ NVLink peers only).
 
 Where NCCL allocates the windows outside torch's caching allocator,
 `torch.cuda.max_memory_allocated` does not see them: `window_bytes()` is what it misses
-(measured at each allocation), and the reported peaks add it (runtime/train/backends.py,
+(measured at each allocation), and `peak_allocated` adds it (runtime/train/backends.py,
 benchmarks/dist_measure.py, benchmarks/gpu/dist_probe.py)."""
 
 from __future__ import annotations
@@ -105,3 +105,9 @@ def _nccl_windows(symm_mem) -> None:
 def window_bytes() -> int:
     """The bytes of live windows that torch's allocator statistics do not count."""
     return sum(_live.values())
+
+
+def peak_allocated() -> int:
+    """torch.cuda.max_memory_allocated with the windows it misses: every reported GPU
+    peak (the trainer's, the benchmarks')."""
+    return torch.cuda.max_memory_allocated() + window_bytes()

@@ -284,7 +284,7 @@ class ZeroRun:
         if bucket.sharded:  # only the shard stays
             flat = flat[part].clone()
             part = slice(0, bucket.spec["shard"])
-        hi, lo = self._held(flat, windowed=not bucket.sharded)
+        hi, lo = self._held(flat)
         bucket.weights.append(None if bucket.sharded else hi)
         bucket.hi.append(hi[part])
         bucket.lo.append(None if lo is None else lo[part].clone())
@@ -292,15 +292,15 @@ class ZeroRun:
         bucket.exp_avg.append(torch.zeros(size, dtype=self.precision.master, **kw))
         bucket.exp_avg_sq.append(torch.zeros(size, dtype=self.precision.master, **kw))
 
-    def _held(self, flat: Tensor, windowed: bool = False) -> tuple[Tensor, Tensor | None]:
-        """fp32 `flat` as this rank holds it: (compute copy, low half or None); `windowed`:
-        the compute copy in the copy-engine gather's window, where that runs."""
+    def _held(self, flat: Tensor) -> tuple[Tensor, Tensor | None]:
+        """fp32 `flat` as this rank holds it: (compute copy, low half or None); the compute
+        copy in the copy-engine gather's window where that runs (ZeRO-1/2: whole weights)."""
         if not self.precision.split:
             return flat, None
         from runtime.cuda.state import split_master
 
         hi = self.ce.empty(flat.numel(), self.precision.compute, self.device) \
-            if windowed and self.ce is not None else \
+            if self.ce is not None else \
             torch.empty(flat.shape, dtype=self.precision.compute, device=self.device)
         lo = torch.empty(flat.shape, dtype=torch.int16, device=self.device)
         split_master(flat, hi, lo)
@@ -539,8 +539,8 @@ class ZeroRun:
         into = op.get("into")
         target = bucket.slots[i % 2] if into == "slot" else \
             bucket.buffer if into == "buffer" else bucket.weights[i]
-        on_copy_engines = self.ce is not None and into is None and not bucket.sharded
-        all_gather_into(target, bucket.hi[i], self.ce.group if on_copy_engines else self.group)
+        # ZeRO-1/2 (the copy-engine gather's stages) gather into the windowed weights
+        all_gather_into(target, bucket.hi[i], self.group if self.ce is None else self.ce.group)
 
     def _allocate(self, op: dict, bucket: Bucket, i: int) -> None:
         """ZeRO-3: an entry bucket's whole buffer, made on the compute stream and bound

@@ -306,12 +306,12 @@ class CUDATrainer:
         self.steps_run = 0
 
     def memory(self) -> dict:
-        from runtime.dist.ce_gather import window_bytes
+        from runtime.dist.ce_gather import peak_allocated, window_bytes
 
         arena = self.step.arena  # its regions are torch allocations too
-        # NCCL's windows for ZeRO's gathers, where torch's statistics miss them
-        return {"peak_bytes": torch.cuda.max_memory_allocated() + window_bytes(),
-                "now_bytes": torch.cuda.memory_allocated(),
+        # with NCCL's windows for ZeRO's gathers, where torch's statistics miss them
+        return {"peak_bytes": peak_allocated(),
+                "now_bytes": torch.cuda.memory_allocated() + window_bytes(),
                 "what": "GPU (activations in the plan's arena)" if arena else
                 "GPU (torch allocator)"}
 
