@@ -515,21 +515,23 @@ def test_the_one_gemm_projection_rounds_once(device):
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=needs_gpus(1))])
 def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
-    """With MODULEC_LORA_KCAT_DX=1 a frozen weight at least WIDE times as wide in as out
+    """By default a frozen weight at least WIDE times as wide in as out
     (here each layer's down_weight, 48 against 32, WIDE lowered to 1.4) is laid with its
     adapter's r rows after it (runtime/cuda/lora_kcat.py `tail_rows`); the backward's d_x
     = d_y W + d_t A is one GEMM over [d_y | d_t] and [W ; A]: A lands in the tail slot,
     the adapter path's node computes d_A alone, and the step computes what the two-GEMM
-    path does, within bf16."""
+    path does, within bf16; MODULEC_LORA_KCAT_DX=0 lays no tail rows."""
     import runtime.cuda.lora_kcat as kcat
     from runtime.cuda.state import region_of, stacked_order
     from modulec.lower.lora import is_adapter
 
-    monkeypatch.setenv("MODULEC_LORA_KCAT_DX", "1")
     monkeypatch.setenv("MODULEC_LORA_KCAT_MIN", "1.4")
     model = _lora_model(rank=8)
     shapes = {p: tuple(t.shape) for p, t in model.params.items()}
     frozen = {p for p in shapes if not is_adapter(p)}
+    monkeypatch.setenv("MODULEC_LORA_KCAT_DX", "0")
+    assert kcat.tail_rows(shapes, frozen) == {}
+    monkeypatch.delenv("MODULEC_LORA_KCAT_DX")
     tails = kcat.tail_rows(shapes, frozen)
     assert tails == {"blocks[0].mlp.down_weight": 8, "blocks[1].mlp.down_weight": 8}
     assert kcat.side_bytes(shapes, {}, tails=tails) == 2 * 8 * 48 * 2  # the fixed bytes'
@@ -579,3 +581,63 @@ def test_only_single_process_bf16_programs_lay_side_columns():
     assert one_gemm_sides(Variant(metadata=fp8), shapes, frozen) == {}
     assert one_gemm_sides(Variant(metadata={"precision": {"matmuls": {}}}), shapes,
                           frozen) == sides
+
+
+def test_a_frozen_lm_head_is_cut_off_and_its_loss_fused():
+    """A LoRA model's head is frozen: the backward's first node (the head's matmul
+    backward) has no weight gradient (""), and an empty input elsewhere (the final norm's
+    absent residual gradient) is not that gradient: the head is split off all the same,
+    so the GPU step takes the fused head's loss (no [rows, vocab] copies). Float32: the
+    split graph with the fused loss gives the whole graph's loss and gradients."""
+    from runtime.cuda.lm_head import lm_head_cross_entropy, logits_cross_entropy, split_head
+    from runtime.cuda.step import next_token_labels
+    from runtime.interpreter import Interpreter
+
+    model = _lora_model()
+    inputs = token_inputs(model)
+    program = model.source.program_for(inputs)
+    split = split_head(program.graph)
+    assert split is not None
+    params = {p: t.float() for p, t in model.params.items()}
+    ids = model._input(inputs["token_ids"])
+    labels = next_token_labels(ids)
+    whole = Interpreter(program.graph, params, torch.float32, check_finite=False)
+    (logits, *_), frame = whole.forward([ids])
+    loss, d_logits = logits_cross_entropy(logits, labels)
+    _, want = whole.backward(frame, [d_logits])
+    cut = Interpreter(split.graph, params, torch.float32, check_finite=False)
+    (x_f, *_), frame = cut.forward([ids])
+    fused, d_x, d_head = lm_head_cross_entropy(x_f, params[split.head_param], labels,
+                                               chunk_rows=5, head_grad=False)
+    _, got = cut.backward(frame, [d_x])
+    assert d_head is None and split.head_param not in got
+    assert float(fused) == pytest.approx(float(loss), rel=1e-5)
+    assert set(got) == set(want) and got
+    for path in want:
+        torch.testing.assert_close(got[path], want[path], rtol=1e-4, atol=1e-6)
+
+
+def test_the_heads_scratch_leaves_out_the_forwards_output():
+    """Under a frozen head the forward's output xF is transient (no backward reads it):
+    the logits chunk goes to the larger side of the transient region around it, on a
+    256-byte boundary, never over it; a trained head's scratch needs `on_gradient`."""
+    import types
+
+    from modulec.plan.memory import TRANSIENT
+    from runtime.cuda.step import TrainStep
+
+    region = torch.zeros(4096, dtype=torch.uint8)
+    arena = types.SimpleNamespace(regions={TRANSIENT: region})
+    arena.in_transient = lambda t: region.data_ptr() <= t.data_ptr() < \
+        region.data_ptr() + region.numel()
+    step = types.SimpleNamespace(activations=arena, _head_tied=lambda: False)
+    out = region[1000:1000 + 600].view(torch.bfloat16)  # bytes 1000..1600
+    scratch = TrainStep._head_scratch(step, None, False, out)
+    assert scratch.data_ptr() - region.data_ptr() == 1792 and scratch.numel() == 4096 - 1792
+    out = region[3000:3400].view(torch.bfloat16)
+    scratch = TrainStep._head_scratch(step, None, False, out)
+    assert scratch.data_ptr() == region.data_ptr() and scratch.numel() == 2816
+    elsewhere = torch.zeros(8, dtype=torch.bfloat16)
+    assert TrainStep._head_scratch(step, None, False, elsewhere) is region
+    assert TrainStep._head_scratch(step, None, True, out) is None
+    assert TrainStep._head_scratch(step, print, True, elsewhere) is region

@@ -57,7 +57,8 @@ def split_head(graph: Graph) -> HeadSplit | None:
     first = backward.nodes[0] if backward.nodes else None
     if first is None or first.target != "matmul_backward" or first.attr("forward_node") != head.id:
         return None
-    if any(first.outputs[1] in node.inputs for node in backward.nodes[1:]):
+    d_w = first.outputs[1]  # "" for a frozen head (LoRA): no gradient, nothing to feed
+    if d_w and any(d_w in node.inputs for node in backward.nodes[1:]):
         return None  # the head's gradient feeds another node (a tied head's sum)
     new_entry = replace(entry, nodes=entry.nodes[:-1], outputs=(head.inputs[0],))
     new_backward = _backward_from(backward, entry, head.inputs[0], first)

@@ -533,7 +533,8 @@ class TrainStep:
             trained = head not in self.frozen()
             loss, seed, d_head = lm_head_cross_entropy(
                 out, self.compute[head], labels, self.chunk_rows, self.ignore_index,
-                head_grad=trained, scratch=self._head_scratch(on_gradient), **loss_options)
+                head_grad=trained, scratch=self._head_scratch(on_gradient, trained, out),
+                **loss_options)
             if d_head is not None and on_gradient is not None and not self._head_tied():
                 on_gradient(head, d_head)
                 d_head = None
@@ -554,15 +555,24 @@ class TrainStep:
                 grads[target] = grads[target] + grad if target in grads else grad
         return loss, grads
 
-    def _head_scratch(self, on_gradient) -> Tensor | None:
-        """On the arena, the transient region: free between the forward and the backward,
-        it holds the LM head's logits chunk and gradient, which `on_gradient` takes before
-        the backward starts (an untied head only)."""
-        if self.activations is None or on_gradient is None or self._head_tied():
+    def _head_scratch(self, on_gradient, trained: bool, out: Tensor) -> Tensor | None:
+        """On the arena, the transient region's bytes, free between the forward and the
+        backward but for the forward's output `out` (xF: transient where no backward reads
+        it, as under a frozen head): they hold the LM head's logits chunk and, for a trained
+        head, its gradient, which `on_gradient` takes before the backward starts (an untied
+        head only). The larger free side of `out` where it lies in the region."""
+        if self.activations is None or trained and (on_gradient is None or self._head_tied()):
             return None
         from modulec.plan.memory import TRANSIENT
+        from modulec.plan.memory.model import round_up
 
-        return self.activations.regions[TRANSIENT]
+        region = self.activations.regions[TRANSIENT]
+        if not self.activations.in_transient(out):
+            return region
+        reach = 1 + sum((size - 1) * stride for size, stride in zip(out.shape, out.stride()))
+        start = out.data_ptr() - region.data_ptr()
+        end = round_up(start + reach * out.element_size(), 256)
+        return max(region[:start // 256 * 256], region[end:], key=lambda part: part.numel())
 
     def _head_tied(self) -> bool:
         """The LM head's parameter gets gradient in the backward too (tied embeddings), or
