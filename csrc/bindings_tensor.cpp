@@ -1,4 +1,5 @@
-// Torch bindings of block_diag.cu (registered by bindings.cpp's module, `register_tensor`):
+// Torch bindings of block_diag.cu and graph_fills.cu (registered by bindings.cpp's module,
+// `register_tensor`). block_diag.cu:
 // block_diag's forward into y (the arena's planned bytes, or a new tensor) and its
 // backward into one new contiguous tensor per block. runtime/cuda/train_kernels.py
 // `BlockDiag` calls them with contiguous CUDA matrices of one 2- or 4-byte dtype; other
@@ -85,10 +86,23 @@ std::vector<Tensor> block_diag_backward(const Tensor& d_y,
   return grads;
 }
 
+// A captured graph's memset nodes as fill kernel nodes (kernels/graph_fills.cu): `graph`
+// the cudaGraph_t torch's CUDAGraph(keep_graph=True).raw_cuda_graph() gives, before it is
+// instantiated. Returns how many were replaced.
+int64_t graph_memsets_to_kernels(int64_t graph) {
+  int replaced = 0;
+  check_launch(modulec::graph_memsets_to_kernels(reinterpret_cast<cudaGraph_t>(graph), &replaced),
+               "graph_memsets_to_kernels");
+  return replaced;
+}
+
 }  // namespace
 
 void register_tensor(pybind11::module_& m) {
   namespace py = pybind11;
+  m.def("graph_memsets_to_kernels", &graph_memsets_to_kernels,
+        "(cudaGraph_t as an int) -> how many memset nodes became fill kernel nodes",
+        py::arg("graph"));
   m.def("block_diag_forward", &block_diag_forward,
         "(xs [2-D, one dtype], zero_rows [n + 1 ints or none], out=None): the matrices along "
         "y's diagonal, zero_rows[i] rows of zeros before matrix i (the last after them all)",

@@ -317,4 +317,8 @@ cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a
                                       void* d_b, int64_t rows, int64_t cols, int rank,
                                       float alpha, int sm_count, cudaStream_t stream);
 
+// graph_fills.cu: each memset node of `graph` replaced by a fill kernel node with the same
+// dependencies (*replaced: how many)
+cudaError_t graph_memsets_to_kernels(cudaGraph_t graph, int* replaced);
+
 }  // namespace modulec

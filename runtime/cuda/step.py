@@ -70,6 +70,7 @@ from torch import Tensor
 
 from runtime.cuda.async_comm import InFlight, step_streams
 from runtime.cuda.attention import DEFAULT_ORDER
+from runtime.cuda.graph_nodes import finish as finish_graph, new_graph
 from runtime.cuda.lm_head import lm_head_cross_entropy, split_head
 from runtime.cuda.packed import packed_buffers, set_documents
 from runtime.cuda.param_dtypes import own_dtypes, whole_update
@@ -235,6 +236,7 @@ class TrainStep:
         self._adamw_batch = AdamWBatch()  # small split-master updates, 16 a launch
         self.held: dict[str, Tensor] = {}  # with clipping: the step's gradients
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
+        self.graph_fills = 0  # memset nodes of the captured graph made kernel nodes
         # fp32 masters by path: a dict (optimizer="torch") or SplitMasters (fused)
         self.masters: dict[str, Tensor] = {}
         self.lows: dict[str, Tensor] = {}  # the split masters' low halves (fused)
@@ -756,9 +758,10 @@ class TrainStep:
             for _ in range(warmup):
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
-        self.cuda_graph = torch.cuda.CUDAGraph()
+        self.cuda_graph = new_graph()
         with torch.cuda.graph(self.cuda_graph):
             self._step()
+        self.graph_fills = finish_graph(self.cuda_graph)  # memset nodes as kernel nodes
 
     def _sync_lr(self) -> None:
         """`adamw.lr` assigned directly (tests, notebooks) reaches the device scalar."""

@@ -1,0 +1,47 @@
+"""A captured step's CUDA graph with its memset nodes made kernel nodes.
+
+cuBLAS and cuDNN zero small workspaces and flags before many of their kernels; captured,
+each zeroing is a memset node, and in a replay the kernel after a memset node starts 4-5 us
+after it, where a kernel after a kernel starts within ~1 us (LoRA 8B on one H100: 193
+memset nodes a step, ~1 ms of such gaps; benchmarks/gpu/graph_gaps.py). So the step is
+captured keeping its cudaGraph_t (torch's CUDAGraph(keep_graph=True)), each memset node is
+replaced by a fill kernel node writing the same bytes with the same dependencies
+(csrc/kernels/graph_fills.cu), and the graph is instantiated then. MODULEC_GRAPH_FILLS=0,
+or a torch without keep_graph, keeps the memset nodes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def enabled() -> bool:
+    return os.environ.get("MODULEC_GRAPH_FILLS", "1") != "0"
+
+
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A CUDAGraph for `torch.cuda.graph(...)` that keeps its cudaGraph_t for `finish`
+    where the switch is on and this torch can, else a plain one."""
+    if enabled() and all(hasattr(torch.cuda.CUDAGraph, name)
+                         for name in ("raw_cuda_graph", "instantiate")):
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # a torch before keep_graph
+            return torch.cuda.CUDAGraph()
+        graph._modulec_kept = True
+        return graph
+    return torch.cuda.CUDAGraph()
+
+
+def finish(graph: torch.cuda.CUDAGraph) -> int:
+    """After the capture: the kept graph's memset nodes replaced, then instantiated (a plain
+    graph is instantiated already). Returns how many memset nodes were replaced."""
+    if not getattr(graph, "_modulec_kept", False):
+        return 0
+    from runtime.cuda.build import load
+
+    replaced = load().graph_memsets_to_kernels(graph.raw_cuda_graph())
+    graph.instantiate()
+    return replaced
