@@ -758,7 +758,9 @@ class TrainStep:
             for _ in range(warmup):
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
-        self.cuda_graph = new_graph()
+        # fill kernels for memsets where measured to pay: one-process steps with a frozen
+        # base (LoRA); full fine-tuning measured none (graph_nodes.py)
+        self.cuda_graph = new_graph(fills=self.dist is None and bool(self.frozen()))
         with torch.cuda.graph(self.cuda_graph):
             self._step()
         self.graph_fills = finish_graph(self.cuda_graph)  # memset nodes as kernel nodes
