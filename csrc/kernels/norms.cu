@@ -126,6 +126,21 @@ __device__ __forceinline__ float dot_gn(const float (&dy)[VEC], const float (&x)
   return s;
 }
 
+// dot += the row's g * n over the vectors from `first` on, a group's width apart (those no
+// thread keeps in registers), in the order the kernels have always summed them
+template <typename T, int VEC>
+__device__ __forceinline__ void add_uncached_dot(const T* x, const T* d_y, const T* weight,
+                                                 float offset, float r, int64_t first,
+                                                 int64_t nvec, int group, float& dot) {
+  for (int64_t i = first; i < nvec; i += group) {
+    float a[VEC], g[VEC], w[VEC];
+    load_vec<T, VEC>(x, i, a);
+    load_vec<T, VEC>(d_y, i, g);
+    load_scale<T, VEC>(weight, i, offset, w);
+    dot += dot_gn(g, a, w, r);
+  }
+}
+
 // d_x of one vector (plus d_residual_out when fused); adds d_y * n into dw.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x)[VEC],
@@ -168,13 +183,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
       dot += dot_gn(gs[k], xs[k], w, r);
     }
   }
-  for (int64_t i = lane + first_uncached; i < nvec; i += group) {
-    float a[VEC], g[VEC], w[VEC];
-    load_vec<T, VEC>(x, i, a);
-    load_vec<T, VEC>(d_y, i, g);
-    load_scale<T, VEC>(weight, i, offset, w);
-    dot += dot_gn(g, a, w, r);
-  }
+  add_uncached_dot<T, VEC>(x, d_y, weight, offset, r, lane + first_uncached, nvec, group, dot);
   const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
@@ -273,13 +282,8 @@ rms_backward_dx_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
     }
   }
   const int64_t first_uncached = kBwdCache * static_cast<int64_t>(group);
-  for (int64_t i = lane + first_uncached; i < n; i += group) {
-    float a[VEC], g[VEC], w[VEC];
-    load_vec<T, VEC>(x_row, i, a);
-    load_vec<T, VEC>(dy_row, i, g);
-    load_scale<T, VEC>(weight, i, offset, w);
-    dot += dot_gn(g, a, w, r);
-  }
+  add_uncached_dot<T, VEC>(x_row, dy_row, weight, offset, r, lane + first_uncached, n, group,
+                           dot);
   const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
