@@ -29,11 +29,10 @@ def new_graph(fills: bool = True) -> torch.cuda.CUDAGraph:
     """A CUDAGraph for `torch.cuda.graph(...)` that keeps its cudaGraph_t for `finish`
     where `fills` (the caller's choice: where it was measured to pay), the switch is on and
     this torch can, else a plain one."""
-    if fills and enabled() and all(hasattr(torch.cuda.CUDAGraph, name)
-                         for name in ("raw_cuda_graph", "instantiate")):
+    if fills and enabled():
         try:
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-        except TypeError:  # a torch before keep_graph
+        except TypeError:  # a torch before keep_graph (and raw_cuda_graph, instantiate)
             return torch.cuda.CUDAGraph()
         graph._modulec_kept = True
         return graph

@@ -567,14 +567,14 @@ class TrainStep:
             return None
         from modulec.plan.memory import TRANSIENT
         from modulec.plan.memory.model import round_up
+        from runtime.cuda.train_kernels import byte_span
 
         region = self.activations.regions[TRANSIENT]
         if not self.activations.in_transient(out):
             return region
-        reach = 1 + sum((size - 1) * stride for size, stride in zip(out.shape, out.stride()))
-        start = out.data_ptr() - region.data_ptr()
-        end = round_up(start + reach * out.element_size(), 256)
-        return max(region[:start // 256 * 256], region[end:], key=lambda part: part.numel())
+        start, end = (at - region.data_ptr() for at in byte_span(out))
+        return max(region[:start // 256 * 256], region[round_up(end, 256):],
+                   key=lambda part: part.numel())
 
     def _head_tied(self) -> bool:
         """The LM head's parameter gets gradient in the backward too (tied embeddings), or

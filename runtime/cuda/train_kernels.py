@@ -519,11 +519,11 @@ def overlaps(a, b) -> bool:
             or a.numel() == 0 or b.numel() == 0 \
             or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
     return a0 < b1 and b0 < a1
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """The byte range [start, end) a tensor's elements lie in."""
     extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
