@@ -106,10 +106,11 @@ def _ext():
 @pytest.mark.parametrize("magnitude", [1.0, 30.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-@pytest.mark.parametrize("V", [7, 1000, 32001, 50257])
+@pytest.mark.parametrize("V", [7, 1000, 32001, 50257, 128257])
 def test_cross_entropy_kernel_matches_the_torch_path(V, rows, dtype, magnitude):
     """V=7: a row of head/tail logits only; 1000: whole vectors; 32001: every other row
-    off a 16-byte boundary; 50257 (and 32001 in fp32): rows past the register cache."""
+    off a 16-byte boundary; 50257 and 128257 (and 32001 in fp32): rows past the register
+    cache, streamed a few loads at a time (128257: past the last batch's end too)."""
     x, labels = _logits(rows, V, dtype, magnitude, seed=V + rows)
     per_row, want, total, inv_n = _reference(x, labels)
     d = x.clone()
