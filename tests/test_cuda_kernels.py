@@ -144,15 +144,10 @@ def test_fused_residual_rmsnorm(shape, dtype):
 
 
 @needs_gpus(1)
-@pytest.mark.parametrize("dx_kernel", ["0", "1"])
-@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4097), (16, 8192), (300, 7), (2048, 4096),
-                                   (4, 20000)])
-def test_rms_backward_without_the_weights_gradient(shape, dx_kernel, monkeypatch):
+@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4097), (16, 8192), (300, 7), (2048, 4096)])
+def test_rms_backward_without_the_weights_gradient(shape):
     """weight_grad=False (a frozen norm weight, the GPU step's `weight_grad` attr): d_x bit
-    for bit as with it (the partial sums only feed d_weight), d_weight None; both norms;
-    with MODULEC_RMS_DX_KERNEL=1 from norms.cu's d_x-only kernel (rows longer than its
-    registers hold included: 20000)."""
-    monkeypatch.setenv("MODULEC_RMS_DX_KERNEL", dx_kernel)
+    for bit as with it (the partial sums only feed d_weight), d_weight None; both norms."""
     torch.manual_seed(2)
     bf16 = lambda *size: rand(*size, dtype=torch.bfloat16)  # noqa: E731
     res, inp, w = bf16(*shape), bf16(*shape), bf16(shape[-1])

@@ -9,8 +9,6 @@
 // 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter). The
 // forward's FP8 instance (bf16, 8 a vector) also writes y's fp8 copy under delayed scaling
 // and takes y's amax (fp8.cuh DelayedSink; runtime/cuda/fp8_producers.py).
-#include <cstdlib>
-
 #include "fp8.cuh"
 #include "rows.cuh"
 
@@ -126,21 +124,6 @@ __device__ __forceinline__ float dot_gn(const float (&dy)[VEC], const float (&x)
   return s;
 }
 
-// dot += the row's g * n over the vectors from `first` on, a group's width apart (those no
-// thread keeps in registers), in the order the kernels have always summed them
-template <typename T, int VEC>
-__device__ __forceinline__ void add_uncached_dot(const T* x, const T* d_y, const T* weight,
-                                                 float offset, float r, int64_t first,
-                                                 int64_t nvec, int group, float& dot) {
-  for (int64_t i = first; i < nvec; i += group) {
-    float a[VEC], g[VEC], w[VEC];
-    load_vec<T, VEC>(x, i, a);
-    load_vec<T, VEC>(d_y, i, g);
-    load_scale<T, VEC>(weight, i, offset, w);
-    dot += dot_gn(g, a, w, r);
-  }
-}
-
 // d_x of one vector (plus d_residual_out when fused); adds d_y * n into dw.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x)[VEC],
@@ -183,7 +166,13 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
       dot += dot_gn(gs[k], xs[k], w, r);
     }
   }
-  add_uncached_dot<T, VEC>(x, d_y, weight, offset, r, lane + first_uncached, nvec, group, dot);
+  for (int64_t i = lane + first_uncached; i < nvec; i += group) {
+    float a[VEC], g[VEC], w[VEC];
+    load_vec<T, VEC>(x, i, a);
+    load_vec<T, VEC>(d_y, i, g);
+    load_scale<T, VEC>(weight, i, offset, w);
+    dot += dot_gn(g, a, w, r);
+  }
   const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
@@ -237,74 +226,6 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
     const int64_t i = lane + static_cast<int64_t>(k) * group;
     if (i < nvec)
       for (int j = 0; j < VEC; ++j) part[i * VEC + j] = dw[k][j];
-  }
-}
-
-// d_x alone, where no d_weight is wanted (a frozen norm: LoRA): no partial sums, so no dw
-// registers and no persistent grid (a group a row, as many as the rows), and d_res read with
-// x and d_y before the row's reduction instead of after it. The persistent kernel above
-// holds 127 registers a thread at bf16 (two 256-thread blocks an SM) and reads d_res one
-// round trip after the reduction. The same fp32 arithmetic in the same order as
-// rms_backward_row + store_dx: the same bits. MODULEC_RMS_DX_KERNEL=1 picks it (off until
-// measured against the persistent kernel on a GPU).
-template <typename T, int VEC>
-__device__ __forceinline__ float at(const Vec<T, VEC>& v, int j) { return to_float(v.v[j]); }
-
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kRowMaxThreads, 2)  // <= 64 registers: 4 blocks of 256
-rms_backward_dx_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
-                       const T* __restrict__ weight, float offset, const float* __restrict__ rstd,
-                       const T* __restrict__ d_res, T* __restrict__ d_x, int64_t rows, int64_t C,
-                       int group) {
-  using V = Vec<T, VEC>;  // kept as loaded (bf16: 4 registers a vector), widened at use
-  const int64_t nvec = C / VEC;
-  const int lane = threadIdx.x % group;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  const bool valid = row < rows;  // every group still reaches the reduction
-  const int64_t n = valid ? nvec : 0, off = valid ? row * C : 0;
-  const float r = valid ? rstd[row] : 0.f;
-  const T *dy_row = d_y + off, *x_row = x + off, *res_row = d_res ? d_res + off : nullptr;
-  T* dx_row = d_x + off;
-  V xs[kBwdCache], gs[kBwdCache], rs[kBwdCache];
-  float dot = 0.f;
-#pragma unroll
-  for (int k = 0; k < kBwdCache; ++k) {
-    const int64_t i = lane + static_cast<int64_t>(k) * group;
-    if (i < n) {
-      xs[k] = reinterpret_cast<const V*>(x_row)[i];
-      gs[k] = reinterpret_cast<const V*>(dy_row)[i];
-      if (res_row) rs[k] = reinterpret_cast<const V*>(res_row)[i];
-      float w[VEC], a[VEC], g[VEC];
-      load_scale<T, VEC>(weight, i, offset, w);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) a[j] = at(xs[k], j), g[j] = at(gs[k], j);
-      dot += dot_gn(g, a, w, r);
-    }
-  }
-  const int64_t first_uncached = kBwdCache * static_cast<int64_t>(group);
-  add_uncached_dot<T, VEC>(x_row, dy_row, weight, offset, r, lane + first_uncached, n, group,
-                           dot);
-  const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
-#pragma unroll
-  for (int k = 0; k < kBwdCache; ++k) {
-    const int64_t i = lane + static_cast<int64_t>(k) * group;
-    if (i < n) {
-      float w[VEC], o[VEC];
-      load_scale<T, VEC>(weight, i, offset, w);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float nj = at(xs[k], j) * r;
-        o[j] = r * (at(gs[k], j) * w[j] - nj * mean_gn);
-        if (res_row) o[j] += at(rs[k], j);
-      }
-      store_vec<T, VEC>(dx_row, i, o);
-    }
-  }
-  for (int64_t i = lane + first_uncached; i < n; i += group) {
-    float a[VEC], g[VEC], unused[VEC] = {};
-    load_vec<T, VEC>(x_row, i, a);
-    load_vec<T, VEC>(dy_row, i, g);
-    store_dx<T, VEC>(g, a, weight, offset, res_row, dx_row, i, r, mean_gn, unused);
   }
 }
 
@@ -377,13 +298,6 @@ cudaError_t forward_typed(const void* x, const void* input, const void* weight,
                            stream);
 }
 
-// MODULEC_RMS_DX_KERNEL=1: rms_backward_dx_kernel where no d_weight is wanted (read at each
-// launch, so a captured graph keeps the choice it was captured with: A/B runs)
-inline bool dx_kernel_chosen() {
-  const char* v = std::getenv("MODULEC_RMS_DX_KERNEL");
-  return v != nullptr && v[0] == '1';
-}
-
 // The backward's launch shape (rows.cuh row_backward_plan; partials: d_weight's)
 template <typename T>
 RowBackwardPlan backward_plan(int64_t rows, int64_t C) {
@@ -397,15 +311,6 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
                          const float* rstd, const void* d_res, void* d_x, void* d_weight,
                          float* workspace, int64_t rows, int64_t C, const RowBackwardPlan& plan,
                          cudaStream_t stream) {
-  if (!d_weight && dx_kernel_chosen()) {  // d_x alone: one group a row, no partials
-    const int64_t blocks = (rows + plan.cfg.rows_per_block() - 1) / plan.cfg.rows_per_block();
-    rms_backward_dx_kernel<T, VEC><<<static_cast<unsigned>(blocks), plan.cfg.threads, 0,
-                                     stream>>>(
-        static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight),
-        offset, rstd, static_cast<const T*>(d_res), static_cast<T*>(d_x), rows, C,
-        plan.cfg.group);
-    return cudaGetLastError();
-  }
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
       static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), offset,
       rstd,
