@@ -1,7 +1,7 @@
 // The cross-entropy kernel's time on LoRA 8B's logits (2048 x 128256 bf16) and TinyLlama's
 // (x 32000), for two versions of csrc/kernels/cross_entropy.cu built alike (an A/B of a
 // kernel change in one device call; the first loss printed must agree):
-//   git show HEAD~1:csrc/kernels/cross_entropy.cu > /tmp/ce_old.cu   # (before the device call)
+//   git show REV:csrc/kernels/cross_entropy.cu > /tmp/ce_old.cu   # the version to compare against
 //   for f in /tmp/ce_old.cu $PWD/csrc/kernels/cross_entropy.cu; do
 //     nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //       -DCE_FILE="\"$f\"" benchmarks/kernels/cross_entropy_ab.cu -o /tmp/ce_$(basename $f .cu)
