@@ -30,6 +30,7 @@ from runtime.fp8 import operands as fp8_operands
 from runtime.kernel_choice import select as select_kernel
 from runtime.kernels import KERNELS
 from runtime.probes import describe
+from runtime.prune import prunable, pruned
 
 # attrs the compiler adds for itself, not params of the primitive
 IR_ATTRS = frozenset(("forward_node", STREAM) + FUSION_ATTRS)
@@ -52,6 +53,8 @@ class Frame:
     forgotten: dict = field(default_factory=dict)  # argument -> (caller run, its value)
     instance: int = 0  # which run of its function this is, in the forward (runtime.arena)
     destinations: dict = field(default_factory=dict)  # result -> caller's bytes (runtime.arena)
+    # call node id -> indices of its outputs nobody reads (runtime.prune; `prune_dead`)
+    dead_calls: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +87,11 @@ class Interpreter:
     # draws from its own seed, derived from this one (a trainer sets one per step)
     rng_seed: int | None = None
     fp8: object = None  # runtime.fp8.Fp8State: the program's FP8 recipe, emulated
+    # leave out backward work nobody reads (runtime/prune.py): the first layer's input
+    # gradient under a frozen embedding. Not under hooks or `@profile` (they may read any
+    # value), nor where the graph has collectives (runtime.prune.prunable)
+    prune_dead: bool = False
+    _pruned_memo: dict = field(default_factory=dict)  # (name, dead) -> pruned(...), and graph
 
     # ------------------------------------------------------------------ entry points
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
@@ -109,10 +117,12 @@ class Interpreter:
         self._backward_started = True
         if self.param_regions is not None:
             self.param_regions.start_backward()
-        backward = self.graph.function(self.graph.backward)
+        backward, dead_calls = self.graph.function(self.graph.backward), {}
+        if self._prunes():  # every output is handed back: only what nobody reads goes
+            backward, dead_calls = self._pruned(backward, frozenset())
         seeds = [d if d is not None else torch.zeros_like(frame.env[o])
                  for d, o in zip(d_outputs, frame.function.outputs)]
-        own = Frame(backward, frame.path, frame.indices)
+        own = Frame(backward, frame.path, frame.indices, dead_calls=dead_calls)
         if self.arena is not None:
             self.arena.enter(own)
         if self.hooks is not None:
@@ -172,11 +182,16 @@ class Interpreter:
         count = int(node.repeat)
         if callee.gradient_of:
             origin = node.attr("forward_node")
+            dead = frame.dead_calls.get(node.id)
             for layer in reversed(range(count)):
                 child = forward.children[(origin, layer)]
                 if self.keep_only_saved:  # its backward is the last reader
                     del forward.children[(origin, layer)]
-                own = Frame(callee, child.path, child.indices)
+                # the last repetition's results are the call's: where some are unread,
+                # what only they need is left out (earlier ones feed the next layer)
+                function, dead_calls = self._pruned(callee, dead) if dead and layer == 0 \
+                    else (callee, {})
+                own = Frame(function, child.path, child.indices, dead_calls=dead_calls)
                 self._enter(own, frame, node, layer)
                 values = self._zeros_for_absent(values, child)
                 values = self._hand_over(frame, node, own, self._run(own, values, child), layer)
@@ -196,6 +211,21 @@ class Interpreter:
             placed = [self.hooks.apply(node, frame, o, v) if o else v
                       for o, v in zip(node.outputs, placed)]
         frame.env.update({o: v for o, v in zip(node.outputs, placed) if o})
+
+    def _prunes(self) -> bool:
+        """Whether this run leaves out backward work nobody reads (`prune_dead`)."""
+        if not self.prune_dead or self.hooks is not None or self.profiler is not None:
+            return False
+        if "graph" not in self._pruned_memo:
+            self._pruned_memo["graph"] = prunable(self.graph)
+        return self._pruned_memo["graph"]
+
+    def _pruned(self, function: Function, dead: frozenset) -> tuple[Function, dict]:
+        """runtime.prune.pruned, made once per function and `dead` in this interpreter."""
+        key = (function.name, dead)
+        if key not in self._pruned_memo:
+            self._pruned_memo[key] = pruned(function, dead)
+        return self._pruned_memo[key]
 
     def _hand_over(self, frame: Frame, node: Node, child: Frame, values: list,
                    remaining: int) -> list:

@@ -62,6 +62,7 @@ backward, AdamW), captured in one CUDA graph and replayed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -470,6 +471,9 @@ class TrainStep:
                                hooks=self.hooks, arena=self._activations(),
                                frame_events=self.zero)
         run.step, run.fp8_run = self, self.fp8
+        # the backward work nobody reads left out (runtime/prune.py: the first layer's d_x
+        # under a frozen embedding); MODULEC_PRUNE_DEAD=0 runs every node (A/B runs)
+        run.prune_dead = os.environ.get("MODULEC_PRUNE_DEAD", "1") != "0"
         if self.tp_streams is not None:  # compute: the stream current now (warm-up's,
             self.tp_streams.begin_step()  # capture's)
             run.in_flight = InFlight(self.tp_streams)
