@@ -91,7 +91,8 @@ class Interpreter:
     # gradient under a frozen embedding. Not under hooks or `@profile` (they may read any
     # value), nor where the graph has collectives (runtime.prune.prunable)
     prune_dead: bool = False
-    _pruned_memo: dict = field(default_factory=dict)  # (name, dead) -> pruned(...), and graph
+    _prunable: bool | None = None  # runtime.prune.prunable(graph), once
+    _pruned_memo: dict = field(default_factory=dict)  # (function name, dead) -> pruned(...)
 
     # ------------------------------------------------------------------ entry points
     def forward(self, inputs: list[Tensor]) -> tuple[list[Tensor], Frame]:
@@ -216,9 +217,9 @@ class Interpreter:
         """Whether this run leaves out backward work nobody reads (`prune_dead`)."""
         if not self.prune_dead or self.hooks is not None or self.profiler is not None:
             return False
-        if "graph" not in self._pruned_memo:
-            self._pruned_memo["graph"] = prunable(self.graph)
-        return self._pruned_memo["graph"]
+        if self._prunable is None:
+            self._prunable = prunable(self.graph)
+        return self._prunable
 
     def _pruned(self, function: Function, dead: frozenset) -> tuple[Function, dict]:
         """runtime.prune.pruned, made once per function and `dead` in this interpreter."""

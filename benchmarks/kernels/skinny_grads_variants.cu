@@ -219,7 +219,7 @@ struct Problem {
     printf("%-8s R=%-2d %-34s %8.1f us %6.2f TB/s\n", name, R, what, us, mb() / us);
   }
   template <int KR, int KC, int S, int PER_SM = 1>
-  void variant(const char* label) {
+  void variant() {
     // correctness of the full variant against the shipped kernel
     zero();
     modulec::launch<R>(g, N, a, b, da, db, T, N, sms, 0);
@@ -243,12 +243,12 @@ struct Problem {
     mode<256, 128, 2, 4>("KR256 KC128 S2 compute, no atomics");
     mode<256, 128, 2, 5>("KR256 KC128 S2 compute + da atomics");
     mode<256, 128, 2, 6>("KR256 KC128 S2 compute + db atomics");
-    variant<256, 128, 2>("");
-    variant<256, 64, 4>("");
-    variant<256, 64, 3>("");
-    variant<128, 128, 3>("");
-    variant<128, 128, 4>("");
-    variant<128, 64, 4>("");
+    variant<256, 128, 2>();
+    variant<256, 64, 4>();
+    variant<256, 64, 3>();
+    variant<128, 128, 3>();
+    variant<128, 128, 4>();
+    variant<128, 64, 4>();
     mode<128, 128, 4, 0>("KR128 KC128 S4 loads only");
     mode<128, 128, 4, 4>("KR128 KC128 S4 compute, no atomics");
     mode<128, 128, 4, 6>("KR128 KC128 S4 compute + db atomics");
