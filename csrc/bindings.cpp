@@ -20,6 +20,10 @@ using modulec::DType;
 namespace py = pybind11;
 using namespace modulec::bind;
 
+bool as_rows(const Tensor& t, int64_t& rows, int64_t& ld);
+Tensor output_rows(const Outputs& out, size_t i, at::IntArrayRef sizes,
+                   const at::TensorOptions& options);
+
 std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& input,
                                  const Tensor& weight, double eps, const Outputs& out,
                                  double offset) {
@@ -36,14 +40,17 @@ std::vector<Tensor> norm_forward(const Tensor& x, const std::optional<Tensor>& i
   // outputs in the primitive's order: (residual_out,) y, rstd
   const size_t first = input ? 1 : 0;
   Tensor residual_out = input ? output(out, 0, x.sizes(), x.options()) : Tensor();
-  Tensor y = output(out, first, x.sizes(), x.options());
+  // y may be rows with one stride (a buffer the memory plan lays wide: modulec/plan/pads.py)
+  Tensor y = output_rows(out, first, x.sizes(), x.options());
   Tensor rstd = output(out, first + 1, leading(x), x.options().dtype(at::kFloat));
   const int64_t rows = C ? x.numel() / C : 0;
+  int64_t y_rows = 0, ld_y = C;
+  if (!y.is_contiguous()) as_rows(y, y_rows, ld_y);
   check_launch(modulec::launch_rmsnorm_forward(
                    dtype_of(x), x.data_ptr(), input ? input->data_ptr() : nullptr,
                    weight.data_ptr(), input ? residual_out.data_ptr() : nullptr, y.data_ptr(),
                    rstd.data_ptr<float>(), rows, C, static_cast<float>(eps),
-                   static_cast<float>(offset), stream()),
+                   static_cast<float>(offset), stream(), ld_y),
                "rmsnorm forward");
   if (input) return {residual_out, y, rstd};
   return {y, rstd};

@@ -23,6 +23,10 @@ bytes (an in-place decision shares the input's bytes, which is dead by then); a 
 already. A plan that lets two live values share bytes therefore changes the results,
 which is what the arena tests look for.
 
+A buffer the plan lays with spare columns after each row (modulec.plan.pads: a LoRA'd
+projection's input) is a strided view of its bytes, as kernels get it to write into
+(`out_bytes`) and as the value is placed; `pad_of` tells a runtime the spare columns.
+
 Sizes are the plan's, computed from the IR dtypes (bf16 activations, fp32 statistics): an
 arena run uses those dtypes (`dtype=torch.bfloat16`); a value that does not fit its
 planned bytes is an error, never a silent overrun.
@@ -57,6 +61,7 @@ class Arena:
     handed: dict = field(default_factory=dict)  # function -> {result: position}
     twins: dict = field(default_factory=dict)  # function -> {position: its source's}
     joins: dict = field(default_factory=dict)  # function -> {part: modulec.plan.joins.Part}
+    pads: dict = field(default_factory=dict)  # function -> {value: modulec.plan.pads.Pad}
     # NaN over the transient bytes after the forward and over released values (tests)
     poison: bool = True
     ends: dict = field(default_factory=dict)  # forward function -> end of its last record
@@ -80,6 +85,7 @@ class Arena:
         self.handed = plan.handed
         self.twins = plan.twins
         self.joins = plan.joins
+        self.pads = plan.pads
         self.regions = {TRANSIENT: torch.empty(plan.regions[TRANSIENT].arena,
                                                dtype=torch.uint8, device=self.device)}
         self.own = own_saved(self.graph, self.placements, self.handed, self.own_bytes)
@@ -183,6 +189,25 @@ class Arena:
             view = view.transpose(dim0, dim1)
         return view
 
+    def pad_of(self, frame, value: str) -> int:
+        """The spare elements after each row of `value` the plan lays (0: none); a
+        caller still checks the tensor's strides (a kernel or a replay may have handed a
+        dense copy)."""
+        pad = self.pads.get(frame.function.name, {}).get(value)
+        return pad.pad if pad is not None else 0
+
+    def _wide(self, frame, value: str, placement, shape, dtype) -> Tensor | None:
+        """`value`'s bytes as its strided view where the plan lays its rows wide, else
+        None."""
+        pad = self.pads.get(frame.function.name, {}).get(value)
+        if pad is None or placement.block != value:
+            return None
+        start = self._start(frame, placement)
+        if start is None:
+            return None
+        raw = self.regions[placement.region][start:start + placement.size_bytes]
+        return padded_view(raw, dtype, tuple(shape), pad.row, pad.pad)
+
     def _into(self, where: Tensor, tensor: Tensor) -> Tensor:
         """`tensor` in bytes `where` (copied unless it is there already)."""
         if tensor.nbytes > where.numel():
@@ -260,6 +285,11 @@ class Arena:
         if placement is None or placement.block != value or node.target in ALIASES or \
                 self._in_place_target(frame, node, value) is not None:
             return None
+        info = frame.function.value(value)
+        dtype = IR_DTYPES.get(info.dtype) if info is not None else None
+        wide = self._wide(frame, value, placement, info.shape, dtype) if dtype else None
+        if wide is not None:  # typed, strided: a kernel writes rows there or allocates
+            return wide
         start = self._start(frame, placement)
         if start is None:  # a saved value this run does not keep: spare bytes
             return self.replay_bytes(frame, value)
@@ -290,6 +320,9 @@ class Arena:
         return None
 
     def _view(self, frame, placement, tensor: Tensor, value: str) -> Tensor:
+        wide = self._wide(frame, value, placement, tensor.shape, tensor.dtype)
+        if wide is not None:
+            return wide
         if tensor.nbytes > placement.size_bytes:
             raise RuntimeUserError(
                 f"`{value}` of `{frame.function.name}` needs {tensor.nbytes} bytes, the plan "
@@ -375,6 +408,21 @@ def _moved(target: Tensor, tensor: Tensor) -> Tensor:
     if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
         target.copy_(tensor)
     return target
+
+
+def padded_view(raw: Tensor, dtype, shape: tuple, row: int, pad: int) -> Tensor:
+    """Bytes `raw` (uint8) as a `shape` tensor of `dtype` whose rows of `row` elements
+    (its trailing dims) lie `row + pad` apart (modulec.plan.pads)."""
+    dims = [int(d) for d in shape]
+    strides, step, k = [0] * len(dims), 1, len(dims)
+    while k > 0 and step * dims[k - 1] <= row:  # the row: contiguous
+        k -= 1
+        strides[k], step = step, step * dims[k]
+    step = row + pad
+    for i in range(k - 1, -1, -1):  # rows, wide apart
+        strides[i], step = step, step * dims[i]
+    typed = raw.view(dtype)
+    return typed.as_strided(dims, strides, typed.storage_offset())
 
 
 def _typed(raw: Tensor, tensor: Tensor) -> Tensor:

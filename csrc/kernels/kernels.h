@@ -18,7 +18,8 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };  // F16: cross_entropy on
 // fused_residual_rmsnorm: x = residual + input (fp32), written to residual_out.
 cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
                                    void* residual_out, void* y, float* rstd, int64_t rows,
-                                   int64_t C, float eps, float offset, cudaStream_t stream);
+                                   int64_t C, float eps, float offset, cudaStream_t stream,
+                                   int64_t ld_y = 0);
 // The same (bf16; rows and C multiples of 8, x / input / weight / residual_out / y 16-byte
 // aligned) also writing y's fp8 copy under delayed scaling (Fp8Delayed, declared with the
 // fp8 launchers below): y row-major in the same pass, y^T from it (launch_fp8_delayed_finish).

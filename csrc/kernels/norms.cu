@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kRowMaxThreads)
 rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
                    const T* __restrict__ weight, T* __restrict__ residual_out,
                    T* __restrict__ y, float* __restrict__ rstd, int64_t rows, int64_t C,
-                   float eps, float offset, int group, Fp8Delayed d) {
+                   float eps, float offset, int group, Fp8Delayed d, int64_t ld_y) {
   const int lane = threadIdx.x % group;
   const int64_t row =
       static_cast<int64_t>(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
@@ -70,7 +70,7 @@ rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
   const int64_t nvec = row < rows ? C / VEC : 0;
   const int64_t off = row < rows ? row * C : 0;
   x += off;
-  y += off;
+  y += row < rows ? row * ld_y : 0;  // y's rows may lie wider apart (a planned wide buffer)
   if constexpr (FUSED) {
     input += off;
     residual_out += off;
@@ -270,14 +270,15 @@ cudaError_t apply_typed(const void* x, const float* rstd, const void* weight, fl
 template <typename T, int VEC, bool FP8 = false>
 cudaError_t forward_vec(const void* x, const void* input, const void* weight,
                         void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
-                        float eps, float offset, cudaStream_t stream, const Fp8Delayed& d = {}) {
+                        float eps, float offset, cudaStream_t stream, const Fp8Delayed& d = {},
+                        int64_t ld_y = 0) {
   const RowConfig cfg = row_config(C / VEC, kFwdCache);
   const int64_t blocks = (rows + cfg.rows_per_block() - 1) / cfg.rows_per_block();
   auto args = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(blocks), cfg.threads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(input), static_cast<const T*>(weight),
         static_cast<T*>(residual_out), static_cast<T*>(y), rstd, rows, C, eps, offset,
-        cfg.group, d);
+        cfg.group, d, ld_y > 0 ? ld_y : C);
   };
   if (input)
     args(rms_forward_kernel<T, VEC, true, FP8>);
@@ -289,13 +290,13 @@ cudaError_t forward_vec(const void* x, const void* input, const void* weight,
 template <typename T>
 cudaError_t forward_typed(const void* x, const void* input, const void* weight,
                           void* residual_out, void* y, float* rstd, int64_t rows, int64_t C,
-                          float eps, float offset, cudaStream_t stream) {
+                          float eps, float offset, cudaStream_t stream, int64_t ld_y) {
   constexpr int wide = 16 / sizeof(T);
-  if (pick_vec<T>(C, {x, input, weight, residual_out, y}) == wide)
+  if (pick_vec<T>(C, {x, input, weight, residual_out, y}) == wide && ld_y % wide == 0)
     return forward_vec<T, wide>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
-                                stream);
+                                stream, {}, ld_y);
   return forward_vec<T, 1>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
-                           stream);
+                           stream, {}, ld_y);
 }
 
 // The backward's launch shape (rows.cuh row_backward_plan; partials: d_weight's)
@@ -338,13 +339,16 @@ cudaError_t backward_typed(const void* d_y, const void* x, const void* weight, f
 
 cudaError_t launch_rmsnorm_forward(DType dt, const void* x, const void* input, const void* weight,
                                    void* residual_out, void* y, float* rstd, int64_t rows,
-                                   int64_t C, float eps, float offset, cudaStream_t stream) {
+                                   int64_t C, float eps, float offset, cudaStream_t stream,
+                                   int64_t ld_y) {
   if (rows == 0 || C == 0) return cudaSuccess;
+  if (ld_y <= 0) ld_y = C;
+  if (ld_y < C) return cudaErrorInvalidValue;
   if (dt == DType::BF16)
     return forward_typed<__nv_bfloat16>(x, input, weight, residual_out, y, rstd, rows, C, eps,
-                                        offset, stream);
+                                        offset, stream, ld_y);
   return forward_typed<float>(x, input, weight, residual_out, y, rstd, rows, C, eps, offset,
-                              stream);
+                              stream, ld_y);
 }
 
 cudaError_t launch_rmsnorm_forward_fp8(const void* x, const void* input, const void* weight,

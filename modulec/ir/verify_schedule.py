@@ -333,9 +333,13 @@ def _in_range(name: str, ops: list, function, records: dict) -> list[str]:
     infos = {v.id: v for v in function.values + function.inputs}
     for index, op in enumerate(ops):
         owner = op.get("function", name) if op.get("kind") is not None else name
+        rows = op.get("rows") if isinstance(op.get("rows"), dict) else {}
         for value, region, offset, size, *_ in op.get("buffers", ()):
             where = f"schedule @{name}, op {index}: the buffer of `{value}`"
             needed = _value_bytes(infos.get(value)) if owner == name else None
+            if needed is not None and value in rows:
+                needed, problem = _laid_wide(needed, rows[value])
+                problems += [f"{where}: {problem}"] if problem else []
             if region not in BUFFER_REGIONS:
                 problems.append(f"{where} is in region `{region}`; regions: "
                                 f"{', '.join(BUFFER_REGIONS)}")
@@ -363,6 +367,15 @@ def _region_limit(region: str, record) -> int | None:
     if record is None:
         return None
     return {SAVED: record[0], HOST: record[1]}.get(region)
+
+
+def _laid_wide(needed: int, rows) -> tuple[int | None, str]:
+    """The bytes of a value laid as rows of `elements` `stride` apart (an op's `rows`:
+    modulec.plan.pads), and what is wrong with the entry ("" when nothing)."""
+    if not (isinstance(rows, list) and len(rows) == 2 and all(isinstance(n, int) for n in rows)
+            and 0 < rows[0] <= rows[1]):
+        return None, f"`rows` {rows!r} is not [elements, stride] with 0 < elements <= stride"
+    return needed * rows[1] // rows[0], ""
 
 
 def _value_bytes(info) -> int | None:

@@ -7,7 +7,8 @@ saved arena); the region holds one record per instance, functions one after anot
 graph order, so instance i of F's value v is at `base + i * stride + offset`, for every
 function, however deeply its calls repeat (instance i: the i-th time F runs in the
 forward; modulec.lower.decided). The region's size is the plan's saved-activation total.
-A view (`view_of`) shares its source's bytes. `decisions` gives, per run of instances,
+A view (`view_of`) shares its source's bytes; a value laid with spare columns after each
+row (modulec.plan.pads) says so (`rows`: its row's elements and their stride). `decisions` gives, per run of instances,
 keep / recompute / swap as the planner decided (keep without a planner). Swapped values
 also get a slot in a host record (`host_offset`; the host region is laid out the same
 way, with only the values swapped in some instance): swap_out / swap_in copy between the
@@ -35,7 +36,8 @@ def activation_layout(graph, plan, decided=None) -> dict:
         if function.gradient_of or not placed:
             continue
         count = plan.invocations.get(function.name, 0)
-        entry = _function_layout(function, placed, count, decided)
+        entry = _function_layout(function, placed, count, decided,
+                                 getattr(plan, "pads", {}).get(function.name, {}))
         entry["saved"]["stride"] = _saved_arena(plan, function.name)
         entry["saved"]["base"], entry["host"]["base"] = base, host_base
         base += entry["saved"]["stride"] * count
@@ -49,7 +51,7 @@ def _saved_arena(plan, name: str) -> int:
     return next((r["arena_bytes"] for r in regions if r["region"] == SAVED), 0)
 
 
-def _function_layout(function, placed: dict, count: int, decided) -> dict:
+def _function_layout(function, placed: dict, count: int, decided, pads: dict) -> dict:
     values, host = [], 0
     for value_id, placement in sorted(placed.items(), key=lambda i: (i[1].offset, i[0])):
         info = function.value(value_id)
@@ -57,6 +59,9 @@ def _function_layout(function, placed: dict, count: int, decided) -> dict:
         row = {"value": value_id, "name": info.name if info else "",
                "shape": list(info.shape) if info else [], "dtype": info.dtype if info else "",
                "offset": placement.offset, "bytes": placement.size_bytes, "decisions": runs}
+        if value_id in pads and placement.block == value_id:
+            row["rows"] = {"elements": pads[value_id].row,
+                           "stride": pads[value_id].row + pads[value_id].pad}
         if placement.block != value_id:
             row["view_of"] = placement.block
         elif any(kind == SWAP for kind, _, _ in runs):

@@ -21,11 +21,13 @@ def schedule_data(graph: Graph, plan=None, decided=None) -> dict:
 
     placements = plan.placements if plan is not None else {}
     handed = plan.handed if plan is not None else {}
+    pads = getattr(plan, "pads", None) or {}
     layout = activation_layout(graph, plan, decided) if plan is not None else None
     extra = inserted_ops(decided, placements, host_offsets(layout)) \
         if decided is not None and layout is not None else {}
     data = {"functions": {f.name: _ops(f, placements.get(f.name, {}) | _results(
-                              f, handed.get(f.name, {})), extra) for f in graph.functions},
+                              f, handed.get(f.name, {})), extra, pads.get(f.name, {}))
+                          for f in graph.functions},
             "order": [graph.entry] + ([graph.backward] if graph.backward else [])}
     return data | ({"layout": layout} if layout is not None else {})
 
@@ -46,22 +48,27 @@ def _results(function, handed: dict) -> dict:
     return {value: _Result(k, _bytes(function.value(value))) for value, k in handed.items()}
 
 
-def _ops(function, placed: dict, extra: dict) -> list[dict]:
+def _ops(function, placed: dict, extra: dict, pads: dict) -> list[dict]:
     ops = []
     for node in function.nodes:
         ops += extra.get((function.name, node.id, "before"), [])
-        ops.append(_op(node, placed))
+        ops.append(_op(node, placed, pads))
         ops += extra.get((function.name, node.id, "after"), [])
     return ops
 
 
-def _op(node: Node, placed: dict) -> dict:
+def _op(node: Node, placed: dict, pads: dict) -> dict:
+    """`rows`: {output: [elements, stride]} of the outputs the plan lays with spare
+    columns after each row (modulec.plan.pads)."""
     op = {"node": node.id, "kernel": kernel_of(node), "repeat": node.repeat,
           "phase": node.phase, "stream": COMM_STREAM if is_async(node) else COMPUTE_STREAM}
     buffers = [_buffer_ref(value, placed[value]) for value in node.outputs if value in placed]
+    rows = {value: [pads[value].row, pads[value].row + pads[value].pad]
+            for value in node.outputs if value in pads and value in placed
+            and getattr(placed[value], "block", value) == value}
     group = node.attr("fusion_group")  # one kernel launch for the group (modulec.lower.fusion)
-    return op | ({"buffers": buffers} if buffers else {}) | ({"fusion_group": group}
-                                                             if group else {})
+    return op | ({"buffers": buffers} if buffers else {}) | ({"rows": rows} if rows else {}) \
+        | ({"fusion_group": group} if group else {})
 
 
 def _buffer_ref(value: str, placement) -> list:

@@ -13,7 +13,8 @@ are written straight into its caller's bytes for the call's outputs (`handed`): 
 no bytes of its frame and need no copy; a repeated call's caller holds a second buffer
 per such result, the repetitions writing the two in turn (the last one: the call's
 output), since each reads the previous one's result. A concat's parts are planned in its
-output (modulec.plan.joins). Parameters, their gradients and the optimizer state (fp32
+output (modulec.plan.joins); a LoRA-adapted projection's input is laid with spare
+columns after each row (modulec.plan.pads). Parameters, their gradients and the optimizer state (fp32
 master + two AdamW moments) are counted per invocation.
 """
 
@@ -29,7 +30,8 @@ from modulec.plan.memory import (
 from modulec.plan.memory.model import round_up
 from modulec.plan.in_place import IN_PLACE_OUTPUTS, in_place_nodes
 from modulec.plan.joins import joined_parts
-from modulec.plan.layouts import free_contiguous
+from modulec.plan.layouts import OUTPUT_ORDER, free_contiguous
+from modulec.plan.pads import laid_pads, padded_bytes, requested_pads
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int32": 4,
          "int8": 1, "float": 2}  # "float": the compute dtype, bf16
@@ -73,6 +75,9 @@ class StepPlan:
     # function -> {position: position}: a handed result that is another one (one tensor
     # for two results, ONE_TENSOR): a call naming both holds one buffer for the two
     twins: dict[str, dict] = field(default_factory=dict)
+    # function -> {value: pads.Pad}: buffers laid with spare columns after each row, and
+    # the values on the way to them (views, a callee's inputs: modulec.plan.pads)
+    pads: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> dict:
         regions = [{"region": name, "arena_bytes": r.arena, "lower_bound_bytes": r.lower_bound,
@@ -91,6 +96,7 @@ class StepPlan:
 def plan_step(graph: Graph) -> StepPlan:
     step = StepPlan()
     step.invocations = _invocations(graph)
+    step.pads = laid_pads(requested_pads(graph))
     arenas: dict[str, tuple[int, ...]] = {}
     for function in _callees_first(graph):
         arenas[function.name] = _plan_function(graph, function, arenas, step)
@@ -113,7 +119,8 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
     the same metric (naive: the callee's naive bytes, once per repetition)."""
     results = []
     for metric in METRICS:
-        plan = _planned(graph, function, arenas, metric, step.handed, step.joins, step.twins)
+        plan = _planned(graph, function, arenas, metric, step.handed, step.joins, step.twins,
+                        step.pads)
         region = plan.regions.get(TRANSIENT) if plan is not None else None
         results.append(_metric(region, metric))
         if metric == "arena" and plan is not None:
@@ -125,11 +132,12 @@ def _plan_function(graph: Graph, function: Function, arenas, step: StepPlan):
 
 
 def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | None = None,
-             twins: dict | None = None):
+             twins: dict | None = None, pads: dict | None = None):
     """`handed` (function -> its results written into the caller's bytes) and `twins`
     (function -> its handed results that are another one) have every callee's already;
     `function`'s own are added, and its concats planned in place to `joins` (function ->
-    part -> modulec.plan.joins.Part)."""
+    part -> modulec.plan.joins.Part). `pads` (function -> value -> Pad): a requested
+    buffer that cannot be laid wide (`_lay_wide`) is dropped from it."""
     twins = {} if twins is None else twins
     saved = saved_values(graph, function)
     own = {v.id: v for v in function.values}
@@ -162,6 +170,7 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
                 _destinations(graph, node, handed, buffers, twins)
         ops.append(Op(index, node.id, tuple(inputs), tuple(outputs),
                       "view" if node.id in free else _kind(node), node.target in IN_PLACE))
+    _lay_wide(function, buffers, made, over, (pads or {}).get(function.name))
     _save_view_sources(buffers, saved, made, len(function.nodes))
     _keep_outputs(function, buffers, len(function.nodes), ops)
     _join_concats(function, buffers, made, joins)
@@ -169,6 +178,28 @@ def _planned(graph, function, arenas, metric: str, handed: dict, joins: dict | N
     ops = _without(ops, handed[function.name])
     buffers = [b for b in buffers.values() if b.id not in handed[function.name]]
     return plan_memory(ops, buffers) if ops else None
+
+
+def _lay_wide(function: Function, buffers: dict, made: dict, over: dict,
+              pads: dict | None) -> None:
+    """The buffers `pads` asks for (modulec.plan.pads) laid with spare columns after each
+    row, where they are buffers of their own an op made in row order: not a view, not
+    written over an input, not a function's result (its caller's bytes), not an op's
+    output in another memory order (layouts.OUTPUT_ORDER). Others are dropped from
+    `pads`; the views and inputs recorded there stay (a runtime checks the strides)."""
+    if not pads:
+        return
+    for value in sorted(pads):
+        if value not in made or function.nodes[made[value]].target in ALIASES:
+            continue
+        node, buffer = function.nodes[made[value]], buffers[value]
+        if node.kind != "op" or value in over or buffer.alias_of is not None \
+                or value in function.outputs or node.target in OUTPUT_ORDER:
+            del pads[value]
+            continue
+        info = function.value(value)
+        buffers[value] = replace(buffer, size_bytes=padded_bytes(
+            _elements(info), _dtype_bytes(info.dtype), pads[value]))
 
 
 def _join_concats(function: Function, buffers: dict, made: dict, joins: dict | None) -> None:

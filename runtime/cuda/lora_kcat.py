@@ -12,13 +12,18 @@ benchmarks/gpu/results-h100-profile-lora8b-s12.txt), and base's epilogue reads t
 - W (frozen) is laid with k r spare columns beside each row (`side_columns`, the weights
   region: runtime/cuda/state.py `region_of`), into which s B is written each step (B
   changes with every update: [out, k r], 1.8 MB for gate/up);
-- x and h are copied side by side into a scratch [T, in + k r] (x: 17 MB read and
-  written, against the delta's 117 MB written and read back);
+- x and h side by side: where the memory plan laid x's rows with k r spare columns
+  (modulec/plan/pads.py: every adapted projection's input made by an op in row order,
+  Llama's norm outputs and SwiGLU's output), h is written into those columns and x's own
+  bytes are the wide matrix, for any projection (`pad`); elsewhere x and h are copied
+  into a scratch [T, in + k r] (x: 17 MB read and written, against the delta's 117 MB
+  written and read back), for the WIDE projections only;
 - the GEMM is the timed `mm_into` (runtime/cuda/gemm.py) over those two views.
 
 The sums are taken in one fp32 accumulation and rounded once (the two-GEMM path rounds
 the delta to bf16 first). `MODULEC_LORA_KCAT=0` keeps the two-GEMM path and
-`MODULEC_LORA_KCAT_MIN` sets WIDE (A/B runs), both read when a step lays its weights.
+`MODULEC_LORA_KCAT_MIN` sets WIDE (A/B runs), both read when a step lays its weights;
+`MODULEC_LORA_KCAT_PADDED=0` leaves the planned spare columns unused (A/B runs).
 Only the single-process bf16 step lays side slots (`one_gemm_sides`: no data, tensor or
 pipeline parallel, no FP8 recipe, whose casts read W's rows contiguous); the step's
 fixed bytes count the side columns (59 MB at LoRA 8B); the scratch is one buffer per
@@ -39,7 +44,7 @@ import weakref
 
 import torch
 
-WIDE = 2.0  # a projection takes the path where out >= WIDE * in (gate/up: 7x; qkv: 1.5x)
+WIDE = 2.0  # copying x pays where out >= WIDE * in (gate/up: 7x; qkv: 1.5x)
 # a weight view's key -> a weak reference to its side slot [out, k r]: the step that laid
 # the weights holds the slots (TrainStep.sides), so they go with its weights
 _sides: dict[tuple, weakref.ref] = {}
@@ -53,16 +58,15 @@ def enabled() -> bool:
 
 
 def side_columns(shapes: dict, frozen) -> dict[str, int]:
-    """{frozen 2-D weight path: k r} for each LoRA-adapted weight at least WIDE times as
-    wide out as in: k r the sum of its adapters' ranks (the block-diagonal B's width),
-    a multiple of 8 (16-byte rows)."""
+    """{frozen 2-D weight path: k r} for each LoRA-adapted weight: k r the sum of its
+    adapters' ranks (the block-diagonal B's width), a multiple of 8 (16-byte rows). All
+    of them: whether a call copies x (WIDE) or finds it planned wide is the call's."""
     if not enabled():
         return {}
-    wide = _threshold()
     sides = {}
     for path in frozen:
         shape = shapes.get(path)
-        if shape is None or len(shape) != 2 or shape[0] < wide * shape[1]:
+        if shape is None or len(shape) != 2:
             continue
         ranks = [shapes[p][1] for p in shapes
                  if p.startswith(path + ".") and p.endswith(".lora_B")]
@@ -146,9 +150,15 @@ def lay_tails(views: dict, tails: dict) -> dict[str, torch.Tensor]:
     for path, rows in tails.items():
         weight = views[path]
         slots[path] = weight.as_strided((rows, weight.shape[1]), weight.stride(),
-                                        weight.storage_offset() + weight.numel())
+                                        weight.storage_offset() + _rows_end(weight))
         _tails[_key(weight)] = weakref.ref(slots[path])
     return slots
+
+
+def _rows_end(weight: torch.Tensor) -> int:
+    """Elements from a 2-D weight's first to just past its last row, as laid (with side
+    columns: rows of its stride)."""
+    return weight.shape[0] * weight.stride(0)
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -163,22 +173,37 @@ def side_of(weight: torch.Tensor, width: int) -> torch.Tensor | None:
 
 
 def kcat_into(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor,
-              alpha: float, C: torch.Tensor) -> torch.Tensor | None:
+              alpha: float, C: torch.Tensor, pad: int = 0) -> torch.Tensor | None:
     """C = x w^T + alpha t B^T (2-D: x [T, in], w [out, in] with a side slot, t [T, k r],
     B [out, k r]) as one GEMM over [x | t] and [w | alpha B]; None where w has no side
-    slot of B's width (the caller takes the two-GEMM path)."""
+    slot of B's width or x is neither laid wide (`pad`: the plan's spare columns after
+    its rows) nor of a WIDE projection (the caller takes the two-GEMM path)."""
     from runtime.cuda.gemm import mm_into
 
     side = side_of(w, B.shape[1])
     if side is None or x.shape[1] != w.shape[1] or t.shape[1] != B.shape[1]:
         return None
-    torch.mul(B, alpha, out=side)
     inner = w.shape[1]
-    wide = _wide(x.shape[0], inner + B.shape[1], x.dtype, x.device)
-    _copy_rows(wide[:, :inner], x)
+    wide = laid_wide(x, B.shape[1]) if pad == B.shape[1] else None
+    if wide is None:
+        if w.shape[0] < _threshold() * inner:
+            return None  # copying x costs what the one GEMM saves
+        wide = _wide(x.shape[0], inner + B.shape[1], x.dtype, x.device)
+        _copy_rows(wide[:, :inner], x)
+    torch.mul(B, alpha, out=side)
     _copy_rows(wide[:, inner:], t)
     joined = w.as_strided((w.shape[0], inner + B.shape[1]), w.stride(), w.storage_offset())
     return mm_into(wide, joined.t(), C)
+
+
+def laid_wide(x: torch.Tensor, width: int) -> torch.Tensor | None:
+    """[x | its spare columns] where the plan laid x's rows `width` elements wider (the
+    caller knows they are x's: the arena's `pad_of`) and x is that view, else None (a
+    dense copy of x). MODULEC_LORA_KCAT_PADDED=0: None (A/B runs)."""
+    if os.environ.get("MODULEC_LORA_KCAT_PADDED", "1") == "0" or x.dim() != 2 \
+            or x.stride() != (x.shape[1] + width, 1):
+        return None
+    return x.as_strided((x.shape[0], x.shape[1] + width), x.stride(), x.storage_offset())
 
 
 def _copy_rows(into: torch.Tensor, rows: torch.Tensor) -> None:
@@ -230,7 +255,8 @@ def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tens
 def _tail_of(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
     ref = _tails.get(_key(w))
     tail = ref() if ref is not None else None
-    if tail is None or tuple(tail.shape) != tuple(a.shape) or w.stride() != (w.shape[1], 1):
+    if tail is None or tuple(tail.shape) != tuple(a.shape) or w.stride(1) != 1 \
+            or tail.stride() != w.stride():
         return None
     return tail
 

@@ -248,7 +248,8 @@ class _StepInterpreter(Interpreter):
             return False
         x, w, t, b = operands
         y = lora_matmul_into(x, w, self._attrs(source), t, b,
-                             float(matmul.attr("alpha") or 1.0), raw)
+                             float(matmul.attr("alpha") or 1.0), raw,
+                             self.arena.pad_of(frame, source.inputs[0]))
         if y is None:
             return False  # the caller runs both as written
         self.lora_fused += 1

@@ -479,15 +479,17 @@ def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
 
 
 def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Tensor,
-                     B: torch.Tensor, alpha: float, raw: torch.Tensor) -> torch.Tensor | None:
+                     B: torch.Tensor, alpha: float, raw: torch.Tensor, pad: int = 0
+                     ) -> torch.Tensor | None:
     """matmul(x, w) (attrs: transpose, alpha) + alpha * t @ B^T written into the bytes
     `raw`, shaped as the matmul's C; None where it does not fit (nothing written). The
     delta first (a GEMM of K = rank that only writes C), then the base product added in
     cuBLAS's epilogue (addmm_, beta = 1): C is written once and read once by the big,
     compute-bound GEMM, where base first and the delta added after (a memory-bound GEMM
     of K = rank with beta = 1) read and wrote all of C again. Where W was laid with a
-    side slot (a wide projection: runtime/cuda/lora_kcat.py), one GEMM over [x | t] and
-    [W | alpha B] writes C and nothing is read back."""
+    side slot (runtime/cuda/lora_kcat.py), one GEMM over [x | t] and [W | alpha B] writes
+    C and nothing is read back: in x's own bytes where the plan laid its rows `pad`
+    elements wider, else (a wide projection) in a copy."""
     mode, base_alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
     if not all(isinstance(v, torch.Tensor) for v in (x, w, t, B)) or B.dim() != 2 \
             or w.dim() != 2 or x.dim() < 2 or t.dim() < 2:
@@ -500,7 +502,7 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
     C = planned_product(raw, a, b)
     if C is None:
         return None
-    if mode == "NT" and base_alpha == 1.0 and kcat_into(a, w, t2, B, alpha, C) is not None:
+    if mode == "NT" and base_alpha == 1.0 and kcat_into(a, w, t2, B, alpha, C, pad) is not None:
         return _kept(C, x, mode)  # one GEMM over [x | t] and [W | s B] (lora_kcat.py)
     mm_into(t2, B.t(), C, alpha)  # the delta first: its GEMM only writes C
     mm_into(a, b, C, base_alpha, beta=1.0)
