@@ -166,3 +166,19 @@ def test_the_schedule_ir_says_which_outputs_are_laid_wide_and_the_verifier_check
     del op["rows"]
     path.write_text(json.dumps(document))
     assert any(f"buffer of `{value}` holds" in p for p in verify_document(path))
+
+
+def test_a_tensor_parallel_ranks_program_lays_nothing_wide():
+    """`--tp 2`: the rank's program has collectives (dense buffers) and its step runs no
+    one-GEMM path: no value is laid wide, as the same build without --tp does."""
+    from modulec.lower.build import BuildRequest, build
+    from modulec.lower.lora import LoraOptions
+    from tests.test_lora import DENSE, LLAMA, SHAPES
+
+    def pads(**more):
+        built = build(BuildRequest(LLAMA, settings={k: str(v) for k, v in DENSE.items()},
+                                   shapes=SHAPES, lora=LoraOptions(8, 16.0, ("q", "k", "v")),
+                                   **more))
+        ops = built.document["schedule"]["functions"]
+        return {v for listed in ops.values() for op in listed for v in op.get("rows", {})}
+    assert pads() and not pads(tensor_parallel=2)

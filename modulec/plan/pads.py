@@ -19,7 +19,9 @@ the tensor's strides, since a kernel that cannot write strided rows, or a replay
 hand it a dense copy.
 
 Only LoRA's pattern asks for spare columns (its A is a `lora_A` parameter or a concat of
-them), and only where both row and pad are whole 16-byte runs, so rows stay aligned."""
+them), only where both row and pad are whole 16-byte runs, so rows stay aligned, and not
+in a tensor-parallel rank's program (its collectives want dense buffers, and the one-GEMM
+path runs in single-process steps only)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from modulec.ir.graph import Function, Graph
 ALIGN_BYTES = 16
 ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float": 2}
 ROW_VIEWS = ("view",)  # aliases a padded row passes through (the row's elements kept)
+COLLECTIVES = ("tp_", "sp_", "vocab_parallel_")  # a tensor-parallel rank's program's ops
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ def requested_pads(graph: Graph) -> dict[str, dict[str, Pad]]:
     """{function: {value: Pad}}: each adapted projection's input and the values it is
     made from (views, the caller's arguments) down to the buffer the plan may lay wide."""
     requests: dict[str, dict[str, Pad]] = {}
+    if any(n.kind == "op" and n.target.startswith(COLLECTIVES)
+           for f in graph.functions for n in f.nodes):
+        return requests
     for function in graph.functions:
         if function.gradient_of:
             continue
