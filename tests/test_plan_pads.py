@@ -93,15 +93,18 @@ def test_the_step_writes_x_a_beside_x_and_runs_one_gemm_without_a_copy(monkeypat
         monkeypatch.setenv("MODULEC_LORA_KCAT_PADDED", padded)
         monkeypatch.setattr(train_module, "kcat_into", counted)
         monkeypatch.setattr(kcat, "_wide", lambda *a, **k: scratch.append(a) or wide(*a, **k))
-        outputs, grads, step, _ = _arena_step(model, monkeypatch, True, device, params=views)
-        return outputs, grads, taken, scratch
+        outputs, grads, step, copies = _arena_step(model, monkeypatch, True, device,
+                                                   params=views)
+        return outputs, grads, taken, scratch, copies
 
-    outputs, grads, taken, scratch = run("1")
+    outputs, grads, taken, scratch, copies = run("1")
+    if device == "cuda":  # the norms write their rows wide themselves: nothing copied in
+        assert not [key for key in copies if key[2] == "fused_residual_rmsnorm"], copies
     # per layer: q/k/v (pad 24), o (recorded, but its bytes not laid wide), gate/up (16),
     # down (8)
     assert taken == [(True, 24), (False, 8), (True, 16), (True, 8)] * 2
     assert scratch == []
-    _, _, taken_off, scratch_off = run("0")
+    _, _, taken_off, scratch_off, _ = run("0")
     # the WIDE ones through a copy of x: q/k/v (64 out, 32 in here) and gate/up
     assert [t for t, _ in taken_off] == [True, False, True, False] * 2
     assert len(scratch_off) == 4

@@ -174,7 +174,7 @@ def _offset(attrs) -> float:
     return float(attrs.get("offset") or 0.0)
 
 
-@writes_out
+@writes_rows  # y: rows with one stride (a LoRA'd projection's input laid wide)
 def _rmsnorm_fwd(ext, inputs, attrs, out=None):
     x, weight = inputs
     return ext.rmsnorm_forward(x, weight, _eps(attrs), _norm_outs(out, x, 0),
@@ -195,12 +195,16 @@ def _weight_grad(attrs) -> bool:
 
 
 def _norm_outs(out, x, first: int) -> list:
-    """(residual_out,) y like x, then rstd fp32 over x's leading dims."""
+    """(residual_out,) y like x, then rstd fp32 over x's leading dims. y may be rows with
+    one stride (the kernel writes them: a buffer the plan lays wide, modulec/plan/pads.py);
+    the others only contiguous (else the kernel allocates and the arena copies in)."""
     like = [typed(out, i, x.shape, x.dtype) for i in range(first + 1)]
-    return like + [typed(out, first + 1, x.shape[:-1], torch.float32)]
+    stats = typed(out, first + 1, x.shape[:-1], torch.float32)
+    dense = lambda t: t if t is None or t.is_contiguous() else None  # noqa: E731
+    return [dense(t) for t in like[:first]] + [like[first], dense(stats)]
 
 
-@writes_out
+@writes_rows  # y as _rmsnorm_fwd's
 def _fused_fwd(ext, inputs, attrs, out=None):
     residual, input, weight = inputs
     return ext.fused_residual_rmsnorm_forward(residual, input, weight, _eps(attrs),
