@@ -81,17 +81,28 @@ def parse_source(source: SourceFile, cache: bool = False) -> ParseResult:
     """Parse one file: its syntax tree, or the E001 diagnostics that explain why not.
 
     With `cache`, the result is kept in this process only (std is read by several passes);
-    never on disk, so no file another user can write is ever loaded as a tree.
+    never on disk, so no file another user can write is ever loaded as a tree. Without it,
+    the last RECENT results are kept, by name and text: `build` after `check` in one
+    process (the LSP, the tests' in-process CLI) reads the same file again, and the
+    result is a function of the two (the trees and diagnostics are immutable).
     """
-    if not cache:
-        return _parse_source(source)
     key = (source.name, source.text)
-    if key not in _MEMO:
-        _MEMO[key] = _parse_source(source)
-    return _MEMO[key]
+    if cache:
+        if key not in _MEMO:
+            _MEMO[key] = _parse_source(source)
+        return _MEMO[key]
+    result = _RECENT.pop(key, None)
+    if result is None:
+        result = _parse_source(source)
+        if len(_RECENT) >= RECENT:
+            del _RECENT[next(iter(_RECENT))]  # the least recently used
+    _RECENT[key] = result
+    return result
 
 
 _MEMO: dict[tuple[str, str], ParseResult] = {}  # this process's parsed std files
+RECENT = 8
+_RECENT: dict[tuple[str, str], ParseResult] = {}  # the last files parsed, oldest first
 
 
 def _parse_source(source: SourceFile) -> ParseResult:
