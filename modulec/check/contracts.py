@@ -13,6 +13,7 @@ from modulec.check.instance import Instance, Submodule, TensorParamValue
 from modulec.check.scope import GraphScope, Tensor
 from modulec.diagnostics import Label
 from modulec.syntax import ast as A
+from modulec.syntax.walk import tree_nodes
 
 
 def check_backward(instance: Instance, forward_scope: GraphScope, saved: set[str] | None):
@@ -161,16 +162,7 @@ def _covered_submodules(items) -> set[str]:
 
 
 def _walk(node):
-    if isinstance(node, (list, tuple)):
-        for child in node:
-            yield from _walk(child)
-        return
-    if not hasattr(node, "__dataclass_fields__"):
-        return
-    yield node
-    for name in node.__dataclass_fields__:
-        if name != "span":
-            yield from _walk(getattr(node, name))
+    return tree_nodes(node)
 
 
 def _first_arg(annotation: A.Annotation) -> str | None:

@@ -313,10 +313,12 @@ def _assume(instance: Instance, condition: A.Expr) -> None:
         if isinstance(value, Dim):
             symbols |= value.symbols()
     values = dict(instance.values)
+    dims = [(k, v) for k, v in values.items() if isinstance(v, Dim)]
 
     def fact(sample) -> bool:
-        concrete = {k: Dim.const(v.evaluate(sample)) if isinstance(v, Dim) else v
-                    for k, v in values.items()}
+        concrete = dict(values)  # every size evaluated (one that cannot be: no sample)
+        for k, v in dims:
+            concrete[k] = Dim.const(v.evaluate(sample))
         try:
             return truth(evaluate(condition, ConstEnv(concrete))) is True
         except NotConst:  # undefined at these sizes (`d % (h - 4)` at h = 4): not a sample

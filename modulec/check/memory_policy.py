@@ -22,13 +22,14 @@ it decides only those it preserves.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from modulec.check.annotation_table import PIPELINE, argument_values
 from modulec.diagnostics import Diagnostic, Label, error
 from modulec.source import Span
 from modulec.syntax import ast as A
+from modulec.syntax.walk import tree_nodes
 from modulec.syntax.printer import expr as expr_text
 
 POLICIES = ("save", "recompute", "temporary", "pin", "offload", "stream")
@@ -296,14 +297,7 @@ def saved_references(decl: A.Decl) -> set[str]:
 
 
 def _walk(node) -> Iterator:
-    if isinstance(node, tuple):
-        for item in node:
-            yield from _walk(item)
-    elif is_dataclass(node):
-        yield node
-        for f in fields(node):
-            if f.name != "span":
-                yield from _walk(getattr(node, f.name))
+    return tree_nodes(node, sequences=(tuple,))
 
 
 def name_span(note: A.Annotation) -> Span:

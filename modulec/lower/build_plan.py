@@ -10,9 +10,10 @@ intent keeps everything and costs no planning (the flattened step is never built
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 
 from modulec.syntax import ast as A
+from modulec.syntax.walk import field_names
 
 MEMORY_ANNOTATIONS = ("memory", "checkpoint")
 
@@ -103,12 +104,20 @@ def _memory_intent(graph, decls: dict) -> bool:
 
 
 def _has_annotation(node) -> bool:
-    if isinstance(node, A.Annotation):
-        return node.name in MEMORY_ANNOTATIONS
-    if isinstance(node, (tuple, list)):
-        return any(_has_annotation(item) for item in node)
-    if is_dataclass(node):
-        return any(_has_annotation(getattr(node, f.name)) for f in fields(node))
+    """Whether the tree under `node` holds a `@memory` or `@checkpoint` (not looking
+    inside annotations)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, A.Annotation):
+            if node.name in MEMORY_ANNOTATIONS:
+                return True
+        elif isinstance(node, (tuple, list)):
+            stack.extend(node)
+        else:
+            names = field_names(node)
+            if names is not None:
+                stack.extend(getattr(node, name) for name in names if name != "span")
     return False
 
 

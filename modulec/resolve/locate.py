@@ -87,6 +87,8 @@ class Listing:
 
     modules: dict[str, dict[int | None, Path]] = field(default_factory=dict)
     folders: set[str] = field(default_factory=set)
+    # module files that are no symlink, resolved: the folder resolved once plus the name
+    resolved: dict[Path, Path] = field(default_factory=dict)
 
     def latest(self, base: str) -> tuple[Path, int | None]:
         """The highest `vN` file, or the plain file when there is no versioned one."""
@@ -145,7 +147,7 @@ class Locator:
         if isinstance(chosen, Miss):
             return chosen
         path, version = chosen
-        module = _module(root, path, segments[:index + 1], version)
+        module = _module(root, path, segments[:index + 1], version, listing)
         if not module.inside_root:
             return Miss(index, escape=path)
         return self.declaration_in_file(module, rest, len(segments) - len(rest))
@@ -199,7 +201,7 @@ class Locator:
         modules = []
         for base in sorted(listing.modules):
             path, version = listing.latest(base)
-            modules.append(_module(root, path, segments + (base,), version))
+            modules.append(_module(root, path, segments + (base,), version, listing))
         return modules
 
     def listing(self, folder: Path) -> Listing:
@@ -222,13 +224,18 @@ def _read_listing(folder: Path) -> Listing:
         entries = list(os.scandir(folder))
     except OSError:
         return listing
+    real_folder = None
     for entry in entries:
         if entry.name.startswith("."):
             continue
         match = _FILE_NAME.match(entry.name)
         if match and entry.is_file():
             version = int(match.group(2)) if match.group(2) else None
-            listing.modules.setdefault(match.group(1), {})[version] = Path(entry.path)
+            path = Path(entry.path)
+            listing.modules.setdefault(match.group(1), {})[version] = path
+            if not entry.is_symlink():
+                real_folder = real_folder or Path(folder).resolve()
+                listing.resolved[path] = real_folder / entry.name
         elif entry.is_dir():
             listing.folders.add(entry.name)
     return listing
@@ -245,9 +252,10 @@ def _exact_version(listing: Listing, base: str, number: int,
                 notes=(f"available versions of `{base}`: {shown}",))
 
 
-def _module(root: Root, path: Path, segments: tuple[str, ...],
-            version: int | None) -> ModuleFile:
-    return ModuleFile(path.resolve(), _dotted(root, segments), version, root, path)
+def _module(root: Root, path: Path, segments: tuple[str, ...], version: int | None,
+            listing: Listing | None = None) -> ModuleFile:
+    resolved = listing.resolved.get(path) if listing is not None else None
+    return ModuleFile(resolved or path.resolve(), _dotted(root, segments), version, root, path)
 
 
 def _inside(path: Path, root: Root) -> bool:

@@ -58,7 +58,8 @@ class Dim:
     # ------------------------------------------------------------ construction
     @staticmethod
     def const(value: int) -> "Dim":
-        return Dim({(): value})
+        # what Dim({(): value}) makes, without its sort: the checker builds ~10^5 a second
+        return _normal((((), value),) if value else ())
 
     @staticmethod
     def sym(name: str) -> "Dim":
@@ -71,7 +72,9 @@ class Dim:
     # ------------------------------------------------------------ queries
     @property
     def is_const(self) -> bool:
-        return all(not m for m, _ in self.terms)
+        # the monomials are distinct, so a constant has at most one term, the empty one
+        terms = self.terms
+        return not terms or (len(terms) == 1 and not terms[0][0])
 
     @property
     def value(self) -> int:
@@ -107,7 +110,7 @@ class Dim:
     __radd__ = __add__
 
     def __neg__(self) -> "Dim":
-        return Dim({m: -c for m, c in self.terms})
+        return _normal(tuple((m, -c) for m, c in self.terms))  # same order, none zero
 
     def __sub__(self, other: "Dim | int") -> "Dim":
         return self + (-as_dim(other))
@@ -175,6 +178,14 @@ class Dim:
 
     def __repr__(self) -> str:
         return f"Dim({self})"
+
+
+def _normal(terms: tuple) -> Dim:
+    """A Dim of `terms` already in normal form (sorted, no zero coefficient)."""
+    dim = object.__new__(Dim)
+    object.__setattr__(dim, "terms", terms)
+    object.__setattr__(dim, "_hash", hash(terms))
+    return dim
 
 
 def as_dim(value: "Dim | int") -> Dim:
