@@ -284,6 +284,35 @@ void rope_into(const Tensor& x, const Tensor& out, const std::optional<Tensor>& 
                "rope");
 }
 
+modulec::RopeTensor rope_tensor(const Tensor& x, const Tensor& out) {
+  modulec::RopeTensor r;
+  const auto xs = bht_strides(x, "x"), os = bht_strides(out, "out");
+  r.x = x.data_ptr();
+  r.out = out.data_ptr();
+  for (int i = 0; i < 3; ++i) r.x_strides[i] = xs[i], r.out_strides[i] = os[i];
+  r.H = x.size(1);
+  return r;
+}
+
+// rope_into of q into q_out and k into k_out in one launch (q, k: one B, T, D)
+void rope_pair_into(const Tensor& q, const Tensor& q_out, const Tensor& k, const Tensor& k_out,
+                    const std::optional<Tensor>& position_ids, const Tensor& inv_freq,
+                    double scale, bool interleaved, bool inverse) {
+  const int64_t B = q.size(0), T = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == T && k.size(3) == D,
+              "rope: q and k differ in B, T or D");
+  TORCH_CHECK(q_out.sizes() == q.sizes() && k_out.sizes() == k.sizes(),
+              "rope: an output differs from its input in shape");
+  check_inv_freq(inv_freq, q, D);
+  const int64_t pos_stride = positions(position_ids, q);
+  check_launch(modulec::launch_rope_pair(
+                   dtype_of(q), rope_tensor(q, q_out), rope_tensor(k, k_out),
+                   position_ids ? position_ids->data_ptr<int32_t>() : nullptr, pos_stride, B,
+                   T, D, inv_freq.data_ptr<float>(), inv_freq.size(0),
+                   static_cast<float>(scale), interleaved, inverse, stream()),
+               "rope (q and k)");
+}
+
 void check_x(const Tensor& x, const char* name, const Tensor& like) {
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(x.device() == like.device(), name, " is on ", x.device(), ", not ", like.device());
@@ -322,6 +351,25 @@ void rope_inplace(const Tensor& x, const std::optional<Tensor>& position_ids,
   rope_into(x, x, position_ids, inv_freq, scale, interleaved, inverse);
 }
 
+// q and k rotated (in place where an output is its input: outs empty) in one launch into
+// outs (q's, k's: the arena's planned bytes, any strides over b, h, t)
+std::vector<Tensor> rope_pair(const Tensor& q, const Tensor& k,
+                              const std::optional<Tensor>& position_ids, const Tensor& inv_freq,
+                              double scale, bool interleaved, bool inverse, const Outputs& out) {
+  check_x(q, "q", q);
+  check_x(k, "k", q);
+  const bool given = out.size() == 2 && out[0] && out[1];
+  TORCH_CHECK(out.empty() || given, "rope_pair: out is [] (in place) or [q's, k's]");
+  const Tensor q_out = given ? *out[0] : q, k_out = given ? *out[1] : k;
+  if (given) {
+    check_x(q_out, "out[0]", q);
+    check_x(k_out, "out[1]", q);
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  rope_pair_into(q, q_out, k, k_out, position_ids, inv_freq, scale, interleaved, inverse);
+  return {q_out, k_out};
+}
+
 // The rope backward of q [B, Hq, T, D] and k [B, Hk, T, D] written into the head slots of
 // one [B, T, Hq + Hk + extra_heads, D] buffer (q heads, then k heads, then extra_heads
 // left unwritten): the fused QKV gradient, whose v slots the caller fills.
@@ -350,8 +398,7 @@ std::vector<Tensor> rope_qk_into_heads(const Tensor& q, const Tensor& k,
   check_qk(q, k);
   const c10::cuda::CUDAGuard guard(q.device());
   auto slots = qkv_gradient_slots(q, k.size(1), extra_heads);
-  rope_into(q, slots[1], position_ids, inv_freq, scale, interleaved, inverse);
-  rope_into(k, slots[2], position_ids, inv_freq, scale, interleaved, inverse);
+  rope_pair_into(q, slots[1], k, slots[2], position_ids, inv_freq, scale, interleaved, inverse);
   return slots;
 }
 
@@ -661,6 +708,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace,
         "(x [B, H, T, D] strided, position_ids or None, inv_freq, scale, interleaved, inverse): "
         "x rotated in place");
+  m.def("rope_pair", &rope_pair,
+        "(q, k [B, H, T, D] strided, position_ids or None, inv_freq, scale, interleaved, "
+        "inverse, out=[]) -> [q', k'] in one launch: in place, or into out[0], out[1]",
+        py::arg("q"), py::arg("k"), py::arg("position_ids"), py::arg("inv_freq"),
+        py::arg("scale"), py::arg("interleaved"), py::arg("inverse"),
+        py::arg("out") = Outputs());
   m.def("rope_qk_into_heads", &rope_qk_into_heads,
         "(q, k, position_ids or None, inv_freq, scale, interleaved, inverse, extra_heads) -> "
         "[buffer [B, T, Hq + Hk + extra, D], q', k']");

@@ -283,3 +283,36 @@ def test_bf16_step_with_scaled_rope_matches_transformers(name, tmp_path):
     assert ours.keys() == hf_grads.keys()
     worst = min((cosine(ours[n], hf_grads[n]), n) for n in ours)
     assert worst[0] >= 0.999, worst
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 4, 2, 16, 64, "default", 1.0, False),
+                                  (1, 32, 8, 64, 128, "llama3", 1.0, False),
+                                  (2, 6, 2, 8, 64, "yarn", 0.5, True),
+                                  (1, 5, 1, 8, 36, "default", 0.5, False)])
+def test_q_and_k_in_one_launch_as_each_alone(case, dtype):
+    """`rope_pair` (q and k in one launch: the grid's head groups, q's then k's) writes what
+    two `rope` calls write, bit for bit: in place over the strided heads of a fused QKV
+    projection, and into given outputs (the pass-through channels copied); head counts
+    not a multiple of the kernel's 4 heads a thread, and an unaligned head dim (36)."""
+    from runtime.cuda.kernels import _extension, rope_args
+
+    torch.manual_seed(14)
+    B, Hq, Hk, T, D, name, partial, interleaved = case
+    attrs = attrs_of(name, D, partial, interleaved)
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    q, k, _ = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
+    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    ext, args = _extension(), rope_args(attrs, q, pos)
+    for inverse in (False, True):
+        want = [ext.rope(x, pos, *args, inverse) for x in (q, k)]
+        outs = [torch.full_like(w, 7.0) for w in want]
+        got = ext.rope_pair(q, k, pos, *args, inverse, outs)
+        assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got, outs))
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), (case, inverse)
+    before = qkv.clone()
+    want = [ext.rope(x, pos, *args, False) for x in (q, k)]
+    ext.rope_pair(q, k, pos, *args, False)
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+    assert torch.equal(qkv[:, :, Hq + Hk:], before[:, :, Hq + Hk:])  # v untouched

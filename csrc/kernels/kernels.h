@@ -136,6 +136,19 @@ cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void*
                         int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
                         const float* inv_freq, int64_t n, float scale, bool interleaved,
                         bool inverse, cudaStream_t stream);
+// The same over q and k in one launch (the attention's two rotated tensors: one shape but
+// their head counts, strides of their own).
+struct RopeTensor {
+  const void* x = nullptr;
+  int64_t x_strides[3] = {};
+  void* out = nullptr;
+  int64_t out_strides[3] = {};
+  int64_t H = 0;
+};
+cudaError_t launch_rope_pair(DType dt, const RopeTensor& q, const RopeTensor& k,
+                             const int32_t* position_ids, int64_t pos_batch_stride, int64_t B,
+                             int64_t T, int64_t D, const float* inv_freq, int64_t n,
+                             float scale, bool interleaved, bool inverse, cudaStream_t stream);
 
 // ---- qk_norm_rope.cu: qk_norm then rope (std/primitives/qk_norm_rope.module) over q [B, Hq,
 // T, D] and k [B, Hk, T, D] in one launch each way. A QkRopeTensor is one of q, k: strides

@@ -5,19 +5,23 @@
 // attention scaling of yarn / longrope); the backward rotates by -angle (sin negated).
 // inv_freq (fp32 [n]) comes from the caller, computed as the reference computes it
 // (runtime/kernels/rope_freq.py, float64 then fp32): every scaled RoPE variant is a table.
-// cos and sin depend on (b, t, i) only, so a thread computes them once and applies them to
-// kHeads heads: the transcendentals would otherwise rival the memory time.
+// cos and sin depend on (b, t, i) only; a thread may apply them to kHeads heads, but one
+// head a thread measured fastest (more threads in flight beat the saved sincosf: one H100,
+// benchmarks/kernels/bench_rope_pair.py, q and k in one launch, Llama-3-8B 23.8 / 21.7 /
+// 21.8 us at 4 / 2 / 1 heads a thread, TinyLlama B=4 59.2 / 52.5 / 37.0 us).
 // x and out have strides of their own over (b, h, t) (the last dim contiguous), so the
 // kernel reads the attention's q/k as the transposed views of the fused QKV projection
 // they are, and writes where the caller wants: [B, T, H, D] for FlashAttention, or the
-// head slots of the fused QKV gradient in the backward.
+// head slots of the fused QKV gradient in the backward. `launch_rope_pair` rotates q and k
+// in one launch (the grid's y covers q's head groups, then k's): k alone is a small launch
+// whose tail the pair hides.
 #include "common.cuh"
 
 namespace modulec {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kHeads = 4;  // heads per thread (blockIdx.y picks the group)
+constexpr int kHeads = 1;  // heads per thread (blockIdx.y picks the group): see above
 
 struct RopeShape {
   int64_t B, H, T, D;
@@ -86,13 +90,12 @@ __device__ __forceinline__ void join_pairs(const float (&lo)[VEC], const float (
   }
 }
 
-// The pass-through channels [R, D) of one (b, t): a VEC copy in kHeads heads.
+// The pass-through channels [R, D) of one (b, t): a VEC copy in kHeads heads from head0.
 template <typename T, int VEC>
 __device__ __forceinline__ void copy_pass(const T* __restrict__ x, T* __restrict__ out,
                                           const RopeShape& s, int64_t b, int64_t t,
-                                          int64_t unit) {
+                                          int64_t unit, int64_t head0) {
   const int64_t c = 2 * s.n + unit * VEC;
-  const int64_t head0 = static_cast<int64_t>(blockIdx.y) * kHeads;
 #pragma unroll
   for (int k = 0; k < kHeads; ++k) {
     if (head0 + k >= s.H) continue;
@@ -102,17 +105,18 @@ __device__ __forceinline__ void copy_pass(const T* __restrict__ x, T* __restrict
   }
 }
 
-// One thread: VEC pairs of one (b, t) in kHeads heads of x [B, H, T, D] (or, for units
-// past the pairs, a pass-through copy).
+// One thread: VEC pairs of one (b, t) in kHeads heads of x [B, H, T, D] from head0 (or,
+// for units past the pairs, a pass-through copy).
 template <typename T, int VEC, bool INTER>
-__global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out,
-                            const int32_t* __restrict__ position_ids, RopeShape s) {
+__device__ __forceinline__ void rope_heads(const T* __restrict__ x, T* __restrict__ out,
+                                           const int32_t* __restrict__ position_ids,
+                                           const RopeShape& s, int64_t head0) {
   const int64_t hv = s.n / VEC, units = hv + s.pass_units;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= s.B * s.T * units) return;
   const int64_t bt = idx / units, unit = idx - bt * units;
   const int64_t b = bt / s.T, t = bt - b * s.T;
-  if (unit >= hv) return copy_pass<T, VEC>(x, out, s, b, t, unit - hv);
+  if (unit >= hv) return copy_pass<T, VEC>(x, out, s, b, t, unit - hv, head0);
   const int64_t i0 = unit * VEC;
   const float pos = position_ids ? static_cast<float>(position_ids[b * s.pos_batch_stride + t])
                                  : static_cast<float>(t);
@@ -120,7 +124,6 @@ __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out,
   rope_angles<VEC>(s, pos, i0, cs, sn);
   int64_t o0, o1;
   pair_offsets<VEC, INTER>(i0, s.n, o0, o1);
-  const int64_t head0 = static_cast<int64_t>(blockIdx.y) * kHeads;
   float v0[kHeads][VEC], v1[kHeads][VEC];
 #pragma unroll
   for (int k = 0; k < kHeads; ++k) {  // all loads first: 2 * kHeads vectors in flight
@@ -147,39 +150,92 @@ __global__ void rope_kernel(const T* __restrict__ x, T* __restrict__ out,
   }
 }
 
+// Up to two tensors (q and k) of one shape but their heads: blockIdx.y below `split` is
+// the first's head group, the rest the second's.
+template <typename T>
+struct RopeTargets {
+  const T* x[2];
+  T* out[2];
+  RopeShape s[2];
+  int split;
+};
+
 template <typename T, int VEC, bool INTER>
-void launch_vec(const void* x, void* out, const int32_t* pos, RopeShape s,
-                cudaStream_t stream) {
-  if (s.pass_units) s.pass_units = (s.D - 2 * s.n) / VEC;
-  const int64_t items = s.B * s.T * (s.n / VEC + s.pass_units);
+__global__ void rope_kernel(RopeTargets<T> p, const int32_t* __restrict__ position_ids) {
+  const int which = static_cast<int>(blockIdx.y) >= p.split;
+  const int64_t group = static_cast<int64_t>(blockIdx.y) - (which ? p.split : 0);
+  rope_heads<T, VEC, INTER>(p.x[which], p.out[which], position_ids, p.s[which],
+                            group * kHeads);
+}
+
+int head_groups(int64_t H) { return static_cast<int>((H + kHeads - 1) / kHeads); }
+
+template <typename T, int VEC, bool INTER>
+void launch_vec(const void* const* x, void* const* out, const int32_t* pos, const RopeShape* s,
+                int count, cudaStream_t stream) {
+  RopeTargets<T> p{};
+  for (int i = 0; i < count; ++i) {
+    p.x[i] = static_cast<const T*>(x[i]);
+    p.out[i] = static_cast<T*>(out[i]);
+    p.s[i] = s[i];
+    if (p.s[i].pass_units) p.s[i].pass_units = (s[i].D - 2 * s[i].n) / VEC;
+  }
+  p.split = head_groups(s[0].H);
+  const int groups = p.split + (count > 1 ? head_groups(s[1].H) : 0);
+  int64_t items = 0;  // threads of the longer one (a tensor rotated in place copies nothing)
+  for (int i = 0; i < count; ++i)
+    items = std::max<int64_t>(items, s[i].B * s[i].T * (s[i].n / VEC + p.s[i].pass_units));
   const dim3 grid(static_cast<unsigned>((items + kThreads - 1) / kThreads),
-                  static_cast<unsigned>((s.H + kHeads - 1) / kHeads));
-  rope_kernel<T, VEC, INTER><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x),
-                                                            static_cast<T*>(out), pos, s);
+                  static_cast<unsigned>(groups));
+  rope_kernel<T, VEC, INTER><<<grid, kThreads, 0, stream>>>(p, pos);
 }
 
 template <typename T, int VEC>
-void launch_layout(bool interleaved, const void* x, void* out, const int32_t* pos,
-                   const RopeShape& s, cudaStream_t stream) {
+void launch_layout(bool interleaved, const void* const* x, void* const* out,
+                   const int32_t* pos, const RopeShape* s, int count, cudaStream_t stream) {
   if (interleaved)
-    launch_vec<T, VEC, true>(x, out, pos, s, stream);
+    launch_vec<T, VEC, true>(x, out, pos, s, count, stream);
   else
-    launch_vec<T, VEC, false>(x, out, pos, s, stream);
+    launch_vec<T, VEC, false>(x, out, pos, s, count, stream);
+}
+
+// whole vectors of pairs (n), and of the pass-through channels, keep every vector of
+// every row 16-byte aligned, and so do strides that are whole vectors
+template <typename T>
+bool vectors(const void* x, const void* out, const RopeShape& s) {
+  constexpr int wide = 16 / sizeof(T);
+  bool vec = pick_vec<T>(s.n, {x, out}) == wide && (s.D - 2 * s.n) % wide == 0;
+  for (int64_t st : {s.xb, s.xh, s.xt, s.ob, s.oh, s.ot}) vec = vec && st % wide == 0;
+  return vec;
 }
 
 template <typename T>
-cudaError_t rope_typed(const void* x, void* out, const int32_t* pos, const RopeShape& s,
-                       bool interleaved, cudaStream_t stream) {
+cudaError_t rope_typed(const void* const* x, void* const* out, const int32_t* pos,
+                       const RopeShape* s, int count, bool interleaved, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
-  // whole vectors of pairs (n), and of the pass-through channels, keep every vector of
-  // every row 16-byte aligned, and so do strides that are whole vectors
-  bool vec = pick_vec<T>(s.n, {x, out}) == wide && (s.D - 2 * s.n) % wide == 0;
-  for (int64_t st : {s.xb, s.xh, s.xt, s.ob, s.oh, s.ot}) vec = vec && st % wide == 0;
+  bool vec = true;
+  for (int i = 0; i < count; ++i) vec = vec && vectors<T>(x[i], out[i], s[i]);
   if (vec)
-    launch_layout<T, wide>(interleaved, x, out, pos, s, stream);
+    launch_layout<T, wide>(interleaved, x, out, pos, s, count, stream);
   else
-    launch_layout<T, 1>(interleaved, x, out, pos, s, stream);
+    launch_layout<T, 1>(interleaved, x, out, pos, s, count, stream);
   return cudaGetLastError();
+}
+
+RopeShape rope_shape(const void* x, const int64_t* xs, const void* out, const int64_t* os,
+                     int64_t pos_batch_stride, int64_t B, int64_t H, int64_t T, int64_t D,
+                     const float* inv_freq, int64_t n, float scale, bool inverse) {
+  // the pass-through channels are copied unless out is x (in place: already there)
+  const bool copy = x != out && 2 * n < D;
+  return RopeShape{B, H, T, D, xs[0], xs[1], xs[2], os[0], os[1], os[2],
+                   pos_batch_stride, inv_freq, n, copy ? 1 : 0, scale, inverse ? -1.f : 1.f};
+}
+
+cudaError_t rope_dispatch(DType dt, const void* const* x, void* const* out, const int32_t* pos,
+                          const RopeShape* s, int count, bool interleaved, cudaStream_t stream) {
+  if (dt == DType::BF16)
+    return rope_typed<__nv_bfloat16>(x, out, pos, s, count, interleaved, stream);
+  return rope_typed<float>(x, out, pos, s, count, interleaved, stream);
 }
 
 }  // namespace
@@ -191,15 +247,26 @@ cudaError_t launch_rope(DType dt, const void* x, const int64_t* x_strides, void*
                         bool inverse, cudaStream_t stream) {
   if (n < 1 || 2 * n > D) return cudaErrorInvalidValue;
   if (B * H * T * D == 0) return cudaSuccess;
-  // the pass-through channels are copied unless out is x (in place: already there)
-  const bool copy = x != out && 2 * n < D;
-  const RopeShape s{B, H, T, D,
-                    x_strides[0], x_strides[1], x_strides[2],
-                    out_strides[0], out_strides[1], out_strides[2],
-                    pos_batch_stride, inv_freq, n, copy ? 1 : 0,
-                    scale, inverse ? -1.f : 1.f};
-  if (dt == DType::BF16) return rope_typed<__nv_bfloat16>(x, out, position_ids, s, interleaved, stream);
-  return rope_typed<float>(x, out, position_ids, s, interleaved, stream);
+  const RopeShape s = rope_shape(x, x_strides, out, out_strides, pos_batch_stride, B, H, T, D,
+                                 inv_freq, n, scale, inverse);
+  return rope_dispatch(dt, &x, &out, position_ids, &s, 1, interleaved, stream);
+}
+
+cudaError_t launch_rope_pair(DType dt, const RopeTensor& q, const RopeTensor& k,
+                             const int32_t* position_ids, int64_t pos_batch_stride, int64_t B,
+                             int64_t T, int64_t D, const float* inv_freq, int64_t n,
+                             float scale, bool interleaved, bool inverse,
+                             cudaStream_t stream) {
+  if (n < 1 || 2 * n > D || q.H < 1 || k.H < 1) return cudaErrorInvalidValue;
+  if (B * T * D == 0) return cudaSuccess;
+  const RopeShape s[2] = {
+      rope_shape(q.x, q.x_strides, q.out, q.out_strides, pos_batch_stride, B, q.H, T, D,
+                 inv_freq, n, scale, inverse),
+      rope_shape(k.x, k.x_strides, k.out, k.out_strides, pos_batch_stride, B, k.H, T, D,
+                 inv_freq, n, scale, inverse)};
+  const void* x[2] = {q.x, k.x};
+  void* out[2] = {q.out, k.out};
+  return rope_dispatch(dt, x, out, position_ids, s, 2, interleaved, stream);
 }
 
 }  // namespace modulec

@@ -348,10 +348,14 @@ def rope_args(attrs: dict, x: torch.Tensor, position_ids) -> tuple:
 
 
 def _rope(inverse: bool):
+    """q and k rotated in one launch (`rope_pair`) into new tensors laid [B, T, H, D] (the
+    attention's layout), returned as their [B, H, T, D] transposes."""
     def run(ext, inputs, attrs):
         q, k, position_ids = inputs
         args = rope_args(attrs, q, position_ids)
-        return [ext.rope(x, position_ids, *args, inverse) for x in (q, k)]
+        outs = [torch.empty(x.size(0), x.size(2), x.size(1), x.size(3), dtype=x.dtype,
+                            device=x.device).transpose(1, 2) for x in (q, k)]
+        return list(ext.rope_pair(q, k, position_ids, *args, inverse, outs))
     return run
 
 

@@ -446,8 +446,8 @@ class _StepInterpreter(Interpreter):
                    and t.dtype == q.dtype for t in (q, k)):
             return False
         args = rope_args(self._attrs(node), q, position_ids)
+        _extension().rope_pair(q, k, position_ids, *args, False)  # one launch, in place
         for x, out in zip((q, k), node.outputs):
-            _extension().rope_inplace(x, position_ids, *args, False)
             frame.env[out] = self._after(node, frame, out, x)
         self.in_place_runs += 1
         return True

@@ -329,8 +329,7 @@ class Rope:
         d_q, d_k, position_ids = inputs
         args = rope_args(attrs, d_q, position_ids)
         if _typed_targets(out, (d_q, d_k)):  # the head slots of the planned d_qkv
-            return [_extension().rope(d, position_ids, *args, True, [o])
-                    for d, o in zip((d_q, d_k), out)]
+            return list(_extension().rope_pair(d_q, d_k, position_ids, *args, True, list(out)))
         Hq, Hk, D = d_q.shape[1], d_k.shape[1], d_q.shape[3]
         _, g_q, g_k = _extension().rope_qk_into_heads(d_q, d_k, position_ids, *args, True, Hk)
         reserve_slack(g_q, (Hq + Hk) * D)
