@@ -23,7 +23,7 @@ from modulec.source import Span
 from modulec.syntax import ast as A
 from modulec.syntax.printer import expr as show
 from modulec.types.dims import MESSAGE_DIGITS, Dim, int_text
-from modulec.types.sampling import Assumptions
+from modulec.types.sampling import Assumptions, typed
 from modulec.types.tensor import DTYPES, FLOAT, MAX_RANK, TensorType
 
 
@@ -324,6 +324,7 @@ def _assume(instance: Instance, condition: A.Expr) -> None:
         except NotConst:  # undefined at these sizes (`d % (h - 4)` at h = 4): not a sample
             return False
 
+    fact.key = (condition, tuple((k, typed(v)) for k, v in values.items()))  # all it reads
     instance.assumptions.add_fact(symbols, fact)
 
 

@@ -70,7 +70,39 @@ class Assumptions:
         """Samples where no two symbols share a value first: a coincidence (`B` and
         `tied_to` both drawn 56) made two free dims "maybe equal", so whether `[A, d] +
         [B, d]` was refused (E004) depended on the names' spelling. Samples with a shared
-        value fill in only where the facts leave too few without (`a == b`)."""
+        value fill in only where the facts leave too few without (`a == b`).
+
+        The draw is a function of the symbols, the divisions and the facts: when every
+        fact says what it is a function of (its `key`), the samples are kept for the
+        process (the same module checked again, by `build` after `check` or in the next
+        program, draws nothing)."""
+        key = self._draw_key(symbols, divisions)
+        if key is not None and key in _DRAWN:
+            _DRAWN[key] = samples = _DRAWN.pop(key)  # the most recently used
+            return samples
+        samples = self._drawn(symbols, divisions)
+        if key is not None:
+            if len(_DRAWN) >= DRAWN:
+                del _DRAWN[next(iter(_DRAWN))]  # the least recently used
+            _DRAWN[key] = samples
+        return samples
+
+    def _draw_key(self, symbols: list[str], divisions: tuple):
+        """What `_draw` is a function of, or None where a fact has no `key`."""
+        facts = []
+        for fact_symbols, fact in self.facts:
+            fact_key = getattr(fact, "key", None)
+            if fact_key is None:
+                return None
+            facts.append((fact_symbols, fact_key))
+        key = (type(self), tuple(facts), tuple(symbols), divisions)
+        try:
+            hash(key)
+        except TypeError:  # a value no dict can hold
+            return None
+        return key
+
+    def _drawn(self, symbols: list[str], divisions: tuple) -> list[dict[str, int]]:
         rng = random.Random(" ".join(symbols))
         found: list[dict[str, int]] = []
         coincident: list[dict[str, int]] = []
@@ -94,6 +126,18 @@ class Assumptions:
                 except (ZeroDivisionError, KeyError, ValueError, TypeError):
                     return False
         return True
+
+
+DRAWN = 512
+_DRAWN: dict[tuple, list[dict[str, int]]] = {}  # _draw_key -> samples, oldest first
+
+
+def typed(value):
+    """`value` for a key that tells `True` from `1` and `1.0` (equal, and of one hash, in
+    Python): its type beside it, through tuples."""
+    if isinstance(value, tuple):
+        return tuple, tuple(typed(item) for item in value)
+    return type(value), value
 
 
 def _divisions(dim: Dim) -> set[Opaque]:
