@@ -124,11 +124,13 @@ __device__ __forceinline__ float dot_gn(const float (&dy)[VEC], const float (&x)
   return s;
 }
 
-// d_x of one vector (plus d_residual_out when fused); adds d_y * n into dw.
+// d_x of one vector (plus d_residual_out when fused: `d`, loaded by the caller, or read
+// here when null); adds d_y * n into dw.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x)[VEC],
                                          const T* weight, float offset, const T* d_res, T* d_x,
-                                         int64_t i, float r, float mean_gn, float (&dw)[VEC]) {
+                                         int64_t i, float r, float mean_gn, float (&dw)[VEC],
+                                         const float* d = nullptr) {
   float w[VEC], o[VEC];
   load_scale<T, VEC>(weight, i, offset, w);
 #pragma unroll
@@ -138,8 +140,11 @@ __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x
     dw[j] += dy[j] * n;
   }
   if (d_res) {
-    float d[VEC];
-    load_vec<T, VEC>(d_res, i, d);
+    float loaded[VEC];
+    if (!d) {
+      load_vec<T, VEC>(d_res, i, loaded);
+      d = loaded;
+    }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) o[j] += d[j];
   }
@@ -153,7 +158,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
                                                  int64_t nvec, int64_t C, int group, int lane,
                                                  float (&dw)[kBwdCache][VEC]) {
   const int64_t first_uncached = kBwdCache * static_cast<int64_t>(group);
-  float xs[kBwdCache][VEC], gs[kBwdCache][VEC];
+  float xs[kBwdCache][VEC], gs[kBwdCache][VEC], ds[kBwdCache][VEC];
   float dot = 0.f;
 #pragma unroll
   for (int k = 0; k < kBwdCache; ++k) {
@@ -162,6 +167,9 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
       float w[VEC];
       load_vec<T, VEC>(x, i, xs[k]);
       load_vec<T, VEC>(d_y, i, gs[k]);
+      // d_residual_out's cached vectors are read now: in flight beside the others, not
+      // after the row's reduction
+      if (d_res) load_vec<T, VEC>(d_res, i, ds[k]);
       load_scale<T, VEC>(weight, i, offset, w);
       dot += dot_gn(gs[k], xs[k], w, r);
     }
@@ -178,7 +186,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
   for (int k = 0; k < kBwdCache; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
     if (i < nvec)
-      store_dx<T, VEC>(gs[k], xs[k], weight, offset, d_res, d_x, i, r, mean_gn, dw[k]);
+      store_dx<T, VEC>(gs[k], xs[k], weight, offset, d_res, d_x, i, r, mean_gn, dw[k], ds[k]);
   }
   // uncached columns accumulate d_weight straight into this block's partial row
   for (int64_t i = lane + first_uncached; i < nvec; i += group) {
@@ -195,8 +203,9 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
 
 // Persistent grid: group g handles rows g, g + groups, ...; each thread owns the same
 // columns in every row, so its d_weight partials (one row of `partial` per group) need
-// neither atomics nor barriers.
-template <typename T, int VEC>
+// neither atomics nor barriers. PARTS false (no d_weight wanted: a frozen weight's): the
+// partials' registers and code go, and the grid is a group a row (backward_vec).
+template <typename T, int VEC, bool PARTS = true>
 __global__ void __launch_bounds__(kRowMaxThreads)
 rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
                     const T* __restrict__ weight, float offset, const float* __restrict__ rstd,
@@ -206,7 +215,7 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   const int lane = threadIdx.x % group;
   const int64_t per_block = blockDim.x / group;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / group;
-  float* part = partial ? partial + first * C : nullptr;  // null: no d_weight wanted
+  float* part = PARTS && partial ? partial + first * C : nullptr;  // null: no d_weight
   float dw[kBwdCache][VEC] = {};
   if (part)
     for (int64_t i = lane + kBwdCache * static_cast<int64_t>(group); i < nvec; i += group)
@@ -312,12 +321,21 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
                          const float* rstd, const void* d_res, void* d_x, void* d_weight,
                          float* workspace, int64_t rows, int64_t C, const RowBackwardPlan& plan,
                          cudaStream_t stream) {
+  if (!d_weight) {
+    // d_x alone (a frozen weight's): no partials, so no persistent grid either, a group
+    // a row as the forward's, and no column sums
+    const int64_t per_block = plan.cfg.rows_per_block();
+    rms_backward_kernel<T, VEC, false>
+        <<<static_cast<unsigned>((rows + per_block - 1) / per_block), plan.cfg.threads, 0,
+           stream>>>(static_cast<const T*>(d_y), static_cast<const T*>(x),
+                     static_cast<const T*>(weight), offset, rstd, static_cast<const T*>(d_res),
+                     static_cast<T*>(d_x), nullptr, rows, C, plan.cfg.group);
+    return cudaGetLastError();
+  }
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
       static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), offset,
       rstd,
-      static_cast<const T*>(d_res), static_cast<T*>(d_x), d_weight ? workspace : nullptr, rows,
-      C, plan.cfg.group);
-  if (!d_weight) return cudaGetLastError();  // d_x alone: no partials, no column sums
+      static_cast<const T*>(d_res), static_cast<T*>(d_x), workspace, rows, C, plan.cfg.group);
   launch_column_sum<T>(workspace, 0, plan.parts(), C, d_weight, stream);
   return cudaGetLastError();
 }
