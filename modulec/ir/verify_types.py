@@ -104,10 +104,12 @@ class IRAssumptions(Assumptions):
         self.constrained = constrained
 
     def same(self, a: Dim, b: Dim) -> bool | None:
+        if a == b:
+            return True
         difference = a - b
         if not difference.is_const and difference.symbols() & self.constrained:
             return None
-        return super().same(a, b)
+        return self.same_difference(difference)
 
 
 def graph_assumptions(graph) -> IRAssumptions:

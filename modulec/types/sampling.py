@@ -38,7 +38,10 @@ class Assumptions:
     def same(self, a: Dim, b: Dim) -> bool | None:
         if a == b:
             return True
-        difference = a - b
+        return self.same_difference(a - b)
+
+    def same_difference(self, difference: Dim) -> bool | None:
+        """`same(a, b)` given `a - b`, for `a` and `b` not equal."""
         if difference.is_const:
             return False
         # Whoever writes `d_model // num_heads` means an exact division: sample sizes
