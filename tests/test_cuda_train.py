@@ -449,6 +449,7 @@ def test_lora_step_matches_the_cpu_reference_and_keeps_the_base_frozen(tmp_path)
     adapters = set(adapter_params(model))
     frozen = set(model.params) - adapters
     assert set(step.masters) == set(step.exp_avg) == set(step.names) == adapters
+    _assert_one_gemm_slots_held(step)
     assert set(step.compute) == set(model.params)
     tokens = _tokens()
     step.set_batch(tokens.cuda())
@@ -469,6 +470,19 @@ def test_lora_step_matches_the_cpu_reference_and_keeps_the_base_frozen(tmp_path)
     assert losses[-1] < 0.95 * losses[0], losses  # H200: 6.29 -> 5.83 (rank 8, lr 1e-3)
     assert all(torch.equal(step.compute[p], base[p]) for p in frozen)  # bit-identical
     assert int(step.step_count.item()) == 10
+
+
+def _assert_one_gemm_slots_held(step):
+    """Every side slot and tail slot the step laid is still registered (held by the step:
+    lora_kcat keeps weak references), a weight with both too (down_proj here, d_ff 2 d)."""
+    import runtime.cuda.lora_kcat as kcat
+
+    sides, tails = step.sides["sides"], step.sides["tails"]
+    assert sides and tails and set(sides) & set(tails)
+    for path, slot in sides.items():
+        assert kcat.side_of(step.compute[path], slot.shape[1]) is slot
+    for path, slot in tails.items():
+        assert kcat._tails[kcat._key(step.compute[path])]() is slot
 
 
 def test_lora_step_holds_less_than_full_training(tmp_path):

@@ -368,7 +368,7 @@ class TrainStep:
         both (28.7 GiB against 19.5 at the TinyLlama shape). Views of them that `params`
         still holds keep their storage until the copy is done."""
         self.regions, self.compute, self.masters, self.lows = {}, {}, {}, {}
-        self.sides = {}
+        self.sides = {}  # {"sides": {path: slot}, "tails": {path: slot}} (_load_regions)
         self.exp_avg, self.exp_avg_sq, self.grad_sum = {}, {}, {}
         self.torch_optimizer, self.cuda_graph, self.zero = None, None, None
 
@@ -391,8 +391,10 @@ class TrainStep:
                                             (torch.float32, [p for p in owned if p in own])],
                                    sides=sides, tails=tails)
         self.compute = {**views[0], **views[1]}
-        # LoRA's one-GEMM wide projections, and the backward's one-GEMM d_x
-        self.sides = {**lay_sides(self.compute, sides), **lay_tails(self.compute, tails)}
+        # LoRA's one-GEMM projections' side slots and the backward's one-GEMM d_x's tail
+        # slots, held here (lora_kcat registers them weakly); a weight may have both
+        self.sides = {"sides": lay_sides(self.compute, sides),
+                      "tails": lay_tails(self.compute, tails)}
         state, (self.lows, self.exp_avg, self.exp_avg_sq) = region_of(
             shapes, [(torch.int16, [p for p in self.names if p not in own]),
                      (torch.float32, self.names), (torch.float32, self.names)])
