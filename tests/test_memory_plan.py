@@ -20,6 +20,7 @@ from modulec.plan.memory import (
     pinned_edges, plan_memory, reorder, storage, verify,
 )
 from modulec.plan.memory.offsets import arena_bytes, exact_size_reuse
+from modulec.plan.memory.plan import _plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 1024                                         # a size that is a multiple of 256
@@ -44,6 +45,22 @@ def test_chain_reuses_two_slots():
     assert plan.offset("a") == plan.offset("c") != plan.offset("b")
     spans = [(p.first_use, p.last_use) for p in plan.placements.values()]
     assert spans == [(0, 1), (1, 2), (2, 3), (3, 3)]
+
+
+def test_an_equal_input_gets_an_equal_plan_of_its_own():
+    """plan_memory keeps its recent plans (RECENT): the same input again, in new objects,
+    gets an equal plan whose dicts are its own; a list for a tuple is planned, not kept."""
+    def made():
+        bufs = [Buffer(x, K) for x in "abcd"]
+        return [op(0, "p", (), "a"), op(1, "f", "a", "b"), op(2, "g", "ab", "c"),
+                op(3, "h", "c", "d")], bufs
+    first = plan_memory(*made())
+    first.placements.clear()
+    first.regions[TRANSIENT].block_offsets.clear()
+    again = plan_memory(*made())
+    assert again == _plan_memory(*made()) and again.placements and again is not first
+    unhashable = [Op(0, "p", (), ["a"])]
+    assert plan_memory(unhashable, [Buffer("a", K)]).placements["a"].offset == 0
 
 
 def test_diamond_keeps_both_branches_live():

@@ -76,3 +76,22 @@ def test_the_indexed_placer_places_as_the_plain_one(kind):
             assert O.STRATEGIES[name](blocks) == expected, (kind, n, name)
         assert O.greedy_by_breadth(blocks) == _reference_place(
             _reference_breadth_order(blocks), "best"), (kind, n)
+
+
+@pytest.mark.parametrize("kind", ["all live at once", "short", "mixed", "two alignments"])
+def test_the_plain_placer_places_as_the_arrays(kind):
+    """A few blocks (at most O.PLAIN) are placed in plain Python, more with the arrays:
+    both give the same offsets and greedy_by_breadth the same order, zero-size blocks
+    and a stack's blocks out of order included."""
+    rng = random.Random(f"plain {kind}")
+    for n in (1, 3, 12, O.PLAIN):
+        for _ in range(8):
+            blocks = _blocks(rng, n, kind)
+            blocks += [Block(f"z{i}", n + i, "r", 0, 256, b.start, b.end)
+                       for i, b in enumerate(rng.sample(blocks, min(2, n)))]
+            rng.shuffle(blocks)
+            for fit in ("first", "best"):
+                placer = O._Placer(len(blocks))
+                assert O._place_plainly(blocks, fit) == \
+                    {b.id: placer.place(b, fit) for b in blocks}, (kind, n, fit)
+            assert O._breadth_order_plainly(blocks) == _reference_breadth_order(blocks)

@@ -119,11 +119,49 @@ def _choose_gap(offsets: np.ndarray, tops: np.ndarray, block: Block, fit: str) -
     return round_up(int(reached[-1]), block.alignment)
 
 
+PLAIN = 64  # at most this many blocks: placed by plain Python, not numpy arrays
+
+
 def place_in_order(blocks: Sequence[Block], order: Sequence[Block], fit: str) -> Offsets:
     if _stacked(blocks):
         return _stack(order)
+    if len(blocks) <= PLAIN:
+        return _place_plainly(order, fit)
     placer = _Placer(len(blocks))
     return {b.id: placer.place(b, fit) for b in order}
+
+
+def _place_plainly(order: Sequence[Block], fit: str) -> Offsets:
+    """`_Placer` and `_choose_gap` for a few blocks (most functions' regions), in plain
+    Python: each block against every one placed before it, the live ones by offset
+    (a stable sort, as the arrays' argsort), the gap below each from the highest top under
+    it. The same offsets; numpy's cost per call outweighs a short scan."""
+    offsets: Offsets = {}
+    placed: list[tuple[int, int, int, int]] = []  # (offset, top, start, end), in order placed
+    first = fit == "first"
+    for b in order:
+        start, end, size, alignment = b.start, b.end, b.size, b.alignment
+        live = sorted([(o, t) for o, t, s, e in placed if s <= end and e >= start and t > o],
+                      key=_offset)
+        reached, chosen, best = 0, -1, 0
+        for o, t in live:
+            candidate = -(-reached // alignment) * alignment
+            gap = o - candidate
+            if gap >= size and (chosen < 0 or gap < best):
+                chosen, best = candidate, gap
+                if first:
+                    break
+            if t > reached:
+                reached = t
+        if chosen < 0:
+            chosen = round_up(reached, alignment)
+        placed.append((chosen, chosen + size, start, end))
+        offsets[b.id] = chosen
+    return offsets
+
+
+def _offset(entry: tuple[int, int]) -> int:
+    return entry[0]
 
 
 def _stacked(blocks: Sequence[Block]) -> bool:
@@ -180,6 +218,8 @@ def greedy_by_breadth(blocks: Sequence[Block]) -> Offsets:
     comes from one sort rather than a scan of every block at every op."""
     if not blocks:
         return {}
+    if len(blocks) <= PLAIN:
+        return place_in_order(blocks, _breadth_order_plainly(blocks), "best")
     starts = np.array([b.start for b in blocks], dtype=np.int64)
     ends = np.array([b.end for b in blocks], dtype=np.int64)
     sizes = np.array([b.size for b in blocks], dtype=np.int64)
@@ -196,6 +236,17 @@ def greedy_by_breadth(blocks: Sequence[Block]) -> Offsets:
     order = sorted(range(len(blocks)), key=lambda i: (chosen[i], -blocks[i].size,
                                                       blocks[i].key))
     return place_in_order(blocks, [blocks[i] for i in order], "best")
+
+
+def _breadth_order_plainly(blocks: Sequence[Block]) -> list[Block]:
+    """greedy_by_breadth's order for a few blocks, without arrays: the same sort keys."""
+    times = sorted({b.start for b in blocks})
+    breadth = {t: sum(b.size for b in blocks if b.start <= t <= b.end) for t in times}
+    rank = {t: r for r, t in enumerate(sorted(times, key=lambda t: (-breadth[t], t)))}
+    chosen = [min(rank[t] for t in times if b.start <= t <= b.end) for b in blocks]
+    order = sorted(range(len(blocks)), key=lambda i: (chosen[i], -blocks[i].size,
+                                                      blocks[i].key))
+    return [blocks[i] for i in order]
 
 
 def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[int]:

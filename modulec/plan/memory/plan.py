@@ -8,12 +8,16 @@ lower bound is the sum of the regions' bounds; `single_arena_lower_bound_bytes` 
 peak of everything together, for a planner that would share one arena across regions.
 
 Deterministic: the same input gives the same plan, byte for byte (ties are broken by
-position in the buffer list, never by hashing).
+position in the buffer list, never by hashing). So `plan_memory` keeps the last plans it
+made (`RECENT`, by ops and buffers) and hands out a copy: a step's function is planned
+once per metric (from_graph.METRICS) and mostly with the same input, and the same module
+built again plans the same functions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from modulec.plan.memory import offsets as O
@@ -87,8 +91,37 @@ class MemoryPlan:
                 "single_arena_lower_bound_bytes": self.single_arena_lower_bound_bytes}
 
 
+RECENT: OrderedDict[tuple, MemoryPlan] = OrderedDict()  # (ops, buffers) -> plan, newest last
+RECENT_SIZE = 32
+
+
 def plan_memory(ops: Sequence[Op], buffers: Sequence[Buffer]) -> MemoryPlan:
-    ops, buffers = list(ops), list(buffers)
+    """The plan of `ops` and `buffers`; a copy of the one made before for an equal input
+    (its dicts are the caller's to change)."""
+    key = (tuple(ops), tuple(buffers))
+    try:
+        plan = RECENT.get(key)
+    except TypeError:  # an unhashable id or a list for a tuple: planned, not kept
+        return _plan_memory(list(ops), list(buffers))
+    if plan is None:
+        plan = _plan_memory(list(ops), list(buffers))
+        RECENT[key] = plan
+        if len(RECENT) > RECENT_SIZE:
+            RECENT.popitem(last=False)
+    else:
+        RECENT.move_to_end(key)
+    return _copy(plan)
+
+
+def _copy(plan: MemoryPlan) -> MemoryPlan:
+    regions = {name: replace(r, strategies=dict(r.strategies), baselines=dict(r.baselines),
+                             block_offsets=dict(r.block_offsets))
+               for name, r in plan.regions.items()}
+    return MemoryPlan(regions, dict(plan.placements), dict(plan.inplace),
+                      plan.single_arena_lower_bound_bytes)
+
+
+def _plan_memory(ops: list[Op], buffers: list[Buffer]) -> MemoryPlan:
     shared = storage(ops, buffers)
     by_region: dict[str, list[Block]] = {}
     for b in shared.blocks:
