@@ -163,10 +163,16 @@ class Arena:
         placement = self.placements.get(parent.function.name, {}).get(key)
         if placement is None or placement.block != key:
             return None
-        start = self._start(parent, placement)
+        raw = self._planned_bytes(parent, placement)
+        return None if raw is None else (placement.region, raw)
+
+    def _planned_bytes(self, frame, placement) -> Tensor | None:
+        """The placement's bytes (uint8) in this run, or None where its saved record does
+        not keep them."""
+        start = self._start(frame, placement)
         if start is None:
             return None
-        return placement.region, self.regions[placement.region][start:start + placement.size_bytes]
+        return self.regions[placement.region][start:start + placement.size_bytes]
 
     def _part(self, frame, value: str) -> Tensor | None:
         """A part of a concat planned in place (modulec.plan.joins): its slice of the
@@ -180,10 +186,9 @@ class Arena:
         if dtype is None or placement.block != part.concat:
             return None
         shape = tuple(int(d) for d in info.shape)
-        start = self._start(frame, placement)
-        if start is None:
+        whole = self._planned_bytes(frame, placement)
+        if whole is None:
             return None
-        whole = self.regions[placement.region][start:start + placement.size_bytes]
         view = whole.view(dtype).view(shape).narrow(part.dim, part.start, part.length)
         for dim0, dim1 in part.swaps:
             view = view.transpose(dim0, dim1)
@@ -200,13 +205,9 @@ class Arena:
         """`value`'s bytes as its strided view where the plan lays its rows wide, else
         None."""
         pad = self.pads.get(frame.function.name, {}).get(value)
-        if pad is None or placement.block != value:
-            return None
-        start = self._start(frame, placement)
-        if start is None:
-            return None
-        raw = self.regions[placement.region][start:start + placement.size_bytes]
-        return padded_view(raw, dtype, tuple(shape), pad.row, pad.pad)
+        raw = self._planned_bytes(frame, placement) \
+            if pad is not None and placement.block == value else None
+        return None if raw is None else padded_view(raw, dtype, tuple(shape), pad.row, pad.pad)
 
     def _into(self, where: Tensor, tensor: Tensor) -> Tensor:
         """`tensor` in bytes `where` (copied unless it is there already)."""
@@ -290,10 +291,9 @@ class Arena:
         wide = self._wide(frame, value, placement, info.shape, dtype) if dtype else None
         if wide is not None:  # typed, strided: a kernel writes rows there or allocates
             return wide
-        start = self._start(frame, placement)
-        if start is None:  # a saved value this run does not keep: spare bytes
-            return self.replay_bytes(frame, value)
-        return self.regions[placement.region][start:start + placement.size_bytes]
+        raw = self._planned_bytes(frame, placement)
+        # None: a saved value this run does not keep: spare bytes
+        return raw if raw is not None else self.replay_bytes(frame, value)
 
     def _in_arena(self, tensor) -> bool:
         """A view of the activation regions' bytes (a kernel that returns a view of its
@@ -328,10 +328,8 @@ class Arena:
                 f"`{value}` of `{frame.function.name}` needs {tensor.nbytes} bytes, the plan "
                 f"gives it {placement.size_bytes}", help=["run on the plan in the IR's "
                                                           "dtypes (dtype=torch.bfloat16)"])
-        start = self._start(frame, placement)
-        if start is None:
-            return None
-        return _typed(self.regions[placement.region][start:start + tensor.nbytes], tensor)
+        raw = self._planned_bytes(frame, placement)
+        return None if raw is None else _typed(raw[:tensor.nbytes], tensor)
 
     def _start(self, frame, placement) -> int | None:
         """Where the placement's bytes start in its region; None for a saved value this

@@ -45,6 +45,16 @@ def rand(*shape, dtype):
     return torch.randn(*shape, device="cuda").to(dtype)
 
 
+def fused_qkv_case(case, dtype):
+    """(attrs, qkv [B, T, Hq + 2 Hk, D], q and k as its transposed head views, position
+    ids) for a (B, Hq, Hkv, T, D, variant, partial, interleaved) case."""
+    B, Hq, Hk, T, D, name, partial, interleaved = case
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
+    q, k, _ = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
+    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    return attrs_of(name, D, partial, interleaved), qkv, q, k, pos
+
+
 # (B, Hq, Hkv, T, D, variant, partial, interleaved). D=128/64 with whole vectors take the
 # vector path; D=72 at 0.5 (n = 18: bf16's 8 does not divide it) and D=20 the scalar path;
 # partial 0.25 of 64 leaves 48 pass-through channels to copy; interleaved with both.
@@ -93,10 +103,7 @@ def test_rope_variants_on_the_heads_of_a_fused_qkv_and_in_place(case, dtype):
 
     torch.manual_seed(12)
     B, Hq, Hk, T, D, name, partial, interleaved = case
-    attrs = attrs_of(name, D, partial, interleaved)
-    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
-    q, k, _ = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
-    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    attrs, qkv, q, k, pos = fused_qkv_case(case, dtype)
     want = KERNELS["rope"].forward([q, k, pos], dict(attrs))
     got = CUDA_KERNELS["rope"].forward([q, k, pos], dict(attrs))
     assert_close(got, want, TOL[dtype], f"strided rope {case}")
@@ -294,16 +301,14 @@ def test_bf16_step_with_scaled_rope_matches_transformers(name, tmp_path):
 def test_q_and_k_in_one_launch_as_each_alone(case, dtype):
     """`rope_pair` (q and k in one launch: the grid's head groups, q's then k's) writes what
     two `rope` calls write, bit for bit: in place over the strided heads of a fused QKV
-    projection, and into given outputs (the pass-through channels copied); head counts
-    not a multiple of the kernel's 4 heads a thread, and an unaligned head dim (36)."""
+    projection, and into given outputs (the pass-through channels copied); odd head
+    counts (5 and 1: the grid's split between q's and k's head groups), and an unaligned
+    head dim (36, the scalar path)."""
     from runtime.cuda.kernels import _extension, rope_args
 
     torch.manual_seed(14)
     B, Hq, Hk, T, D, name, partial, interleaved = case
-    attrs = attrs_of(name, D, partial, interleaved)
-    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=dtype)
-    q, k, _ = (x.transpose(1, 2) for x in qkv.split([Hq, Hk, Hk], dim=2))
-    pos = torch.randint(0, 40, (B, T), device="cuda", dtype=torch.int32)
+    attrs, qkv, q, k, pos = fused_qkv_case(case, dtype)
     ext, args = _extension(), rope_args(attrs, q, pos)
     for inverse in (False, True):
         want = [ext.rope(x, pos, *args, inverse) for x in (q, k)]

@@ -163,6 +163,19 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / scale if scale else float(a.abs().max())
 
 
+def _errors_beside_two_gemms(model, monkeypatch, device, outputs, grads):
+    """(new, was, the two-GEMM run): each output's and gradient's error against float32
+    (`_error`) for the run given and for the step on weights laid without side slots or
+    tail rows (the two-GEMM paths)."""
+    two_outputs, two_grads, two_run, _ = _arena_step(model, monkeypatch, True, device)
+    exact_outputs, exact, _ = _reference_step(model)
+    triples = [*zip(outputs, two_outputs, exact_outputs),
+               *((grads[p], two_grads[p], exact[p]) for p in exact)]
+    new = [_error(got, want) for got, _, want in triples]
+    was = [_error(old, want) for _, old, want in triples]
+    return new, was, two_run
+
+
 def _reference_step(model, fused_dx: bool = False):
     """The forward + backward in float32 through the reference interpreter and kernels
     (`fused_dx`: the GPU step's interpreter off the arena, train kernels, its LoRA paths)."""
@@ -476,12 +489,7 @@ def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch, d
     B = model.params["blocks[1].mlp.up_weight.up.lora_B"]  # the up part's block, s = 2
     torch.testing.assert_close(slots["blocks[1].mlp.up_weight"][B.shape[0]:, 4:].cpu(),
                                2.0 * B)
-    two_outputs, two_grads, _, _ = _arena_step(model, monkeypatch, True, device)
-    exact_outputs, exact, _ = _reference_step(model)
-    triples = [*zip(outputs, two_outputs, exact_outputs),
-               *((grads[p], two_grads[p], exact[p]) for p in exact)]
-    new = [_error(got, want) for got, _, want in triples]
-    was = [_error(old, want) for _, old, want in triples]
+    new, was, _ = _errors_beside_two_gemms(model, monkeypatch, device, outputs, grads)
     assert max(new) < 0.1 and max(was) < 0.1, (new, was)
     monkeypatch.setenv("MODULEC_LORA_KCAT", "0")  # read when a step lays its weights
     assert kcat.side_columns(shapes, frozen) == {}
@@ -546,13 +554,8 @@ def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
     assert run.lora_dx_one_gemm == 2
     torch.testing.assert_close(slots["blocks[1].mlp.down_weight"].cpu(),
                                model.params["blocks[1].mlp.down_weight.lora_A"])
-    two_outputs, two_grads, two_run, _ = _arena_step(model, monkeypatch, True, device)
+    new, was, two_run = _errors_beside_two_gemms(model, monkeypatch, device, outputs, grads)
     assert two_run.lora_dx_one_gemm == 0 and two_run.lora_dx_fused == run.lora_dx_fused
-    exact_outputs, exact, _ = _reference_step(model)
-    triples = [*zip(outputs, two_outputs, exact_outputs),
-               *((grads[p], two_grads[p], exact[p]) for p in exact)]
-    new = [_error(got, want) for got, _, want in triples]
-    was = [_error(old, want) for _, old, want in triples]
     assert max(new) < 0.1 and max(was) < 0.1, (new, was)
 
 

@@ -14,7 +14,8 @@ from modulec.plan.pads import Pad  # noqa: E402
 from runtime.model import Model  # noqa: E402
 from runtime_models import TINY, token_inputs  # noqa: E402
 from tests.dist_testing import needs_gpus  # noqa: E402
-from tests.test_lora_step import BF16, _arena_step, _error, _lora_model, _reference_step  # noqa: E402
+from tests.test_lora_step import (  # noqa: E402
+    BF16, _arena_step, _errors_beside_two_gemms, _lora_model)
 
 BLOCK, ATTENTION, MLP = "DenseTransformerBlock#1", "CausalSelfAttention#1", "SwiGLU_MLP#1"
 
@@ -108,12 +109,7 @@ def test_the_step_writes_x_a_beside_x_and_runs_one_gemm_without_a_copy(monkeypat
     # the WIDE ones through a copy of x: q/k/v (64 out, 32 in here) and gate/up
     assert [t for t, _ in taken_off] == [True, False, True, False] * 2
     assert len(scratch_off) == 4
-    two_outputs, two_grads, _, _ = _arena_step(model, monkeypatch, True, device)
-    exact_outputs, exact, _ = _reference_step(model)
-    triples = [*zip(outputs, two_outputs, exact_outputs),
-               *((grads[p], two_grads[p], exact[p]) for p in exact)]
-    new = [_error(got, want) for got, _, want in triples]
-    was = [_error(old, want) for _, old, want in triples]
+    new, was, _ = _errors_beside_two_gemms(model, monkeypatch, device, outputs, grads)
     assert max(new) < 0.1 and max(was) < 0.1, (new, was)
     assert sum(new) < 1.5 * sum(was), (sum(new), sum(was))
 

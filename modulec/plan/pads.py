@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from math import prod
 
 from modulec.ir.graph import Function, Graph
+from modulec.types.tensor import BITS, FLOAT
 
 ALIGN_BYTES = 16
-ITEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "float": 2}
 ROW_VIEWS = ("view",)  # aliases a padded row passes through (the row's elements kept)
 COLLECTIVES = ("tp_", "sp_", "vocab_parallel_")  # a tensor-parallel rank's program's ops
 
@@ -90,8 +90,9 @@ def _adapter_pad(function, producers, base: str, delta: str):
         row, pad = int(x.shape[-1]), int(t.shape[-1])
     except ValueError:
         return None
-    item = ITEM_BYTES.get(x.dtype)
-    if item is None or (row * item) % ALIGN_BYTES or (pad * item) % ALIGN_BYTES:
+    bits = BITS.get("bf16" if x.dtype == FLOAT else x.dtype)  # "float": bf16 on the GPU
+    if bits is None or bits % 8 or (row * bits // 8) % ALIGN_BYTES \
+            or (pad * bits // 8) % ALIGN_BYTES:
         return None
     return x.id, Pad(row, pad)
 
