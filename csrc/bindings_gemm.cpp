@@ -189,7 +189,7 @@ void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha,
 // left zero; out: planned bytes for (d_A, d_B) or none.
 std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const Tensor& b,
                                        double alpha, const Tensor& da32, const Tensor& db32,
-                                       const Outputs& out) {
+                                       const Outputs& out, const std::vector<int64_t>& blocks) {
   check(a, "A", at::kBFloat16, d_c);
   check(b, "B", at::kBFloat16, d_c);
   TORCH_CHECK(d_c.is_cuda() && d_c.scalar_type() == at::kBFloat16 && d_c.dim() == 2 &&
@@ -211,12 +211,25 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
               "skinny_nt_backward: the fp32 sums must hold d_A and d_B");
   Tensor d_a = output(out, 0, {rows, rank}, a.options());
   Tensor d_b = output(out, 1, {cols, rank}, b.options());
+  // blocks: the row ends of a block-diagonal b's 16-wide blocks (skinny_grads.py), or none
+  SkinnyBlocks parts{};
+  TORCH_CHECK(blocks.empty() || (static_cast<int64_t>(blocks.size()) * 16 == rank &&
+                                 blocks.size() <= kSkinnyMaxBlocks && blocks.back() == cols),
+              "skinny_nt_backward: ", blocks.size(), " blocks of 16 for rank ", rank,
+              " ending at ", blocks.empty() ? 0 : blocks.back(), " of ", cols, " rows");
+  parts.n = static_cast<int>(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    TORCH_CHECK(blocks[i] % skinny_cols_multiple() == 0 && (i == 0 || blocks[i] > blocks[i - 1]),
+                "skinny_nt_backward: block ends must rise in multiples of ",
+                skinny_cols_multiple());
+    parts.end[i] = blocks[i];
+  }
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   check_launch(launch_skinny_nt_backward(d_c.data_ptr(), d_c.stride(0), a.data_ptr(),
                                          b.data_ptr(), da32.data_ptr<float>(),
                                          db32.data_ptr<float>(), d_a.data_ptr(), d_b.data_ptr(),
                                          rows, cols, static_cast<int>(rank),
-                                         static_cast<float>(alpha), sms, stream()),
+                                         static_cast<float>(alpha), parts, sms, stream()),
                "skinny_nt_backward");
   return {d_a, d_b};
 }
@@ -227,7 +240,8 @@ void register_gemm(pybind11::module_& m) {
   m.def("skinny_nt_backward", &skinny_nt_backward,
         "d_A, d_B of C = alpha A B^T (A [T, R], R <= 64) in one pass over d_C",
         pybind11::arg("d_c"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"),
-        pybind11::arg("da32"), pybind11::arg("db32"), pybind11::arg("out") = Outputs{});
+        pybind11::arg("da32"), pybind11::arg("db32"), pybind11::arg("out") = Outputs{},
+        pybind11::arg("blocks") = std::vector<int64_t>{});
   m.def("gemm_candidates", &gemm_candidates, "cuBLASLt's candidate count for a GEMM",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"),
         pybind11::arg("reads_out"), pybind11::arg("count"));

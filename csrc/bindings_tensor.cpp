@@ -96,10 +96,26 @@ int64_t graph_memsets_to_kernels(int64_t graph) {
   return replaced;
 }
 
+// scaled_copies.cu: the copies of `table` (uint8, `count` ScaledCopy rows, on the device
+// the copies' tensors are on; the caller checked their shapes, strides and alignment)
+void scaled_copies(const Tensor& table, int64_t count, int64_t most_pieces) {
+  TORCH_CHECK(table.is_cuda() && table.scalar_type() == at::kByte && table.is_contiguous() &&
+                  table.numel() == count * static_cast<int64_t>(sizeof(ScaledCopy)),
+              "scaled_copies: the table must be ", count, " rows of ", sizeof(ScaledCopy),
+              " bytes on the GPU");
+  const c10::cuda::CUDAGuard guard(table.device());
+  check_launch(launch_scaled_copies(reinterpret_cast<const ScaledCopy*>(table.data_ptr()),
+                                    static_cast<int>(count), most_pieces, stream()),
+               "scaled_copies");
+}
+
 }  // namespace
 
 void register_tensor(pybind11::module_& m) {
   namespace py = pybind11;
+  m.def("scaled_copies", &scaled_copies,
+        "(table [count x 56 bytes on the GPU], count, most_pieces): dst = alpha src each",
+        py::arg("table"), py::arg("count"), py::arg("most_pieces"));
   m.def("graph_memsets_to_kernels", &graph_memsets_to_kernels,
         "(cudaGraph_t as an int) -> how many memset nodes became fill kernel nodes",
         py::arg("graph"));

@@ -404,8 +404,26 @@ def _moved(target: Tensor, tensor: Tensor) -> Tensor:
                                help=["run on the plan in the IR's dtypes "
                                      "(dtype=torch.bfloat16)"])
     if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
-        target.copy_(tensor)
+        copy_in_16_bytes(target, tensor)
     return target
+
+
+def copy_in_16_bytes(into: Tensor, source: Tensor) -> None:
+    """into.copy_(source), on the GPU in 16-byte elements where both lay their last dim
+    contiguous and every other stride, the last dim's size and the offset in multiples of
+    16 bytes: torch copies a strided view one element a thread, 2 bytes for bf16 (a
+    concat's part planned in place, d_v's [B, Hkv, T, D] into d_qkv's head slots: 6.2 us
+    a layer in the LoRA 8B replay, for 4 MB). The same bits either way."""
+    wide = 16 // source.element_size() if source.element_size() in (2, 4, 8) else 0
+    if wide and into.is_cuda and into.dtype == source.dtype and into.shape == source.shape \
+            and all(_in_pieces(t, wide) for t in (into, source)):
+        into, source = into.view(torch.complex128), source.view(torch.complex128)
+    into.copy_(source)
+
+
+def _in_pieces(t: Tensor, wide: int) -> bool:
+    return t.dim() > 0 and t.stride(-1) == 1 and t.shape[-1] % wide == 0 \
+        and t.storage_offset() % wide == 0 and all(s % wide == 0 for s in t.stride()[:-1])
 
 
 def padded_view(raw: Tensor, dtype, shape: tuple, row: int, pad: int) -> Tensor:

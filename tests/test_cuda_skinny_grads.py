@@ -109,3 +109,76 @@ def test_matmul_backward_takes_the_kernel_and_agrees(monkeypatch):
     assert fused[0].shape == A3.shape and fused[1].shape == B.shape
     for f, p in zip(fused, plain):
         _check(f, p.float())
+
+
+def _block_diagonal(rows, seed=0):
+    """A block-diagonal B of 16-wide blocks with `rows` rows each, as block_diag lays it."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [(torch.randn(r, 16, generator=g) * 0.1).to(torch.bfloat16) for r in rows]
+    return torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("rows,expect", [
+    ([256, 128, 128], [256, 384, 512]),  # q/k/v's
+    ([128, 128], [128, 256]),
+    ([256], []),  # one block: dense
+    ([256, 100, 156], []),  # an end off the 128-column chunks
+    ([128] * 5, []),  # more blocks than the kernel takes
+])
+def test_block_ends_are_given_where_the_kernel_takes_them(rows, expect):
+    from runtime.cuda.skinny_grads import block_ends
+
+    assert block_ends(rows, _block_diagonal(rows)) == expect
+
+
+def test_block_ends_switch_off(monkeypatch):
+    from runtime.cuda.skinny_grads import block_ends
+
+    monkeypatch.setenv("MODULEC_SKINNY_BLOCKS", "0")
+    assert block_ends([128, 128], _block_diagonal([128, 128])) == []
+
+
+def test_the_step_tells_the_fused_projections_gradients_their_blocks(monkeypatch):
+    """In a LoRA step (rank 16: 16-wide blocks) the backward of each fused projection's
+    delta (q/k/v: three blocks, gate/up: two) gets B's block rows (`b_blocks`, from the
+    block_diag that made B); the other projections' get none."""
+    import runtime.cuda.train_kernels as train_module
+    from tests.test_lora_step import _arena_step, _lora_model
+
+    seen, grads = [], train_module.matmul_grads
+
+    def recorded(d_C, A, B, **attrs):
+        if attrs.get("transpose") == "NT" and A.shape[-1] % 16 == 0:
+            seen.append((tuple(B.shape), attrs.get("b_blocks")))
+        return grads(d_C, A, B, **attrs)
+    monkeypatch.setattr(train_module, "matmul_grads", recorded)
+    model = _lora_model(rank=16)
+    _arena_step(model, monkeypatch, True)
+    q, k, v = (model.params[f"blocks[0].attention.qkv_weight.{p}.lora_B"].shape[0]
+               for p in ("q", "k", "v"))
+    up = model.params["blocks[0].mlp.up_weight.up.lora_B"].shape[0]
+    blocked = {(shape, tuple(b)) for shape, b in seen if b}
+    assert blocked == {((q + k + v, 48), (q, k, v)), ((2 * up, 32), (up, up))}
+    assert any(b is None for _, b in seen)  # o and down: one adapter, B dense
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("rows", [[256, 128, 128], [1024, 1024], [128, 256, 128, 512]])
+def test_block_diagonal_B_sums_each_block_alone(rows):
+    """With B's blocks given, d_A = alpha d_C B matches the fp32 reference (each chunk of
+    d_C against its own block) and d_B's diagonal blocks match alpha d_C^T A there; the
+    rest of d_B (discarded by block_diag's backward) stays zero."""
+    T, N, R = 512, sum(rows), 16 * len(rows)
+    d_C, A, _ = _operands(T, N, R, seed=len(rows))
+    B = _block_diagonal(rows, seed=1).cuda()
+    d_A, d_B = skinny_nt_backward(d_C, A, B, 2.0, blocks=rows)
+    _check(d_A, 2.0 * d_C.float() @ B.float())
+    full = 2.0 * d_C.float().t() @ A.float()
+    start = 0
+    for i, r in enumerate(rows):
+        cols = slice(16 * i, 16 * i + 16)
+        _check(d_B[start:start + r, cols], full[start:start + r, cols])
+        off = d_B[start:start + r].clone()
+        off[:, cols] = 0
+        assert not off.any()
+        start += r

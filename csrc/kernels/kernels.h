@@ -320,16 +320,40 @@ cudaError_t launch_block_diag_forward(int itemsize, const Blocks& blocks, void* 
 cudaError_t launch_block_diag_backward(int itemsize, const Blocks& blocks, const void* d_y,
                                        int64_t cols, cudaStream_t stream);
 
+// scaled_copies.cu: dst = alpha * src for each of `count` bf16 copies of rows x cols
+// (cols a multiple of 8, row strides in elements multiples of 8, both 16-byte aligned) in
+// one launch; `table` in device memory, `most_pieces` the largest rows * cols / 8. The
+// layout is fixed: runtime/cuda/lora_kcat.py packs it (`COPY_ROW`).
+struct ScaledCopy {
+  const void* src;
+  void* dst;
+  int64_t rows, cols, src_ld, dst_ld;
+  float alpha, unused;
+};
+static_assert(sizeof(ScaledCopy) == 56, "lora_kcat.py packs 56-byte rows");
+cudaError_t launch_scaled_copies(const ScaledCopy* table, int count, int64_t most_pieces,
+                                 cudaStream_t stream);
+
 // skinny_grads.cu: d_a = alpha d_c b [rows, rank] and d_b = alpha d_c^T a [cols, rank] (bf16)
 // in one pass over d_c [rows, cols] (row stride ld), fp32 sums in da32 / db32 (zero on
 // entry, zeroed again on exit). rows % skinny_rows_multiple() == 0,
 // cols % skinny_cols_multiple() == 0, rank in {16, 32, 48, 64}.
+// `blocks`: where b is block-diagonal (LoRA's B of a fused projection: n blocks of 16
+// columns, block i's rows ending at end[i], each end a multiple of
+// skinny_cols_multiple()), n = rank / 16 of them, and only the blocks are summed (d_b's
+// other entries stay zero); n = 0: b dense.
+constexpr int kSkinnyMaxBlocks = 4;
+struct SkinnyBlocks {
+  int n;
+  int64_t end[kSkinnyMaxBlocks];
+};
 int skinny_rows_multiple();
 int skinny_cols_multiple();
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
                                       const void* b, float* da32, float* db32, void* d_a,
                                       void* d_b, int64_t rows, int64_t cols, int rank,
-                                      float alpha, int sm_count, cudaStream_t stream);
+                                      float alpha, const SkinnyBlocks& blocks, int sm_count,
+                                      cudaStream_t stream);
 
 // graph_fills.cu: each memset node of `graph` replaced by a fill kernel node with the same
 // dependencies (*replaced: how many)

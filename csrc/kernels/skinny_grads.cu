@@ -125,15 +125,19 @@ __device__ __forceinline__ void load_chunk(Tiles<R>& s, int stage, const __nv_bf
   }
 }
 
-// d_A's rows of this warp (2 m-tiles of 16) += tile . B_chunk, over the chunk's columns
-template <int R>
+// d_A's rows of this warp (2 m-tiles of 16) += tile . B_chunk, over the chunk's columns;
+// BLOCKED: the chunk's B rows are block `blk` of a block-diagonal B (columns 16 blk ..
+// 16 blk + 15, zero elsewhere), so only that block's two n-tiles are summed
+template <int R, bool BLOCKED>
 __device__ __forceinline__ void accumulate_da(const Tiles<R>& s, int stage, int warp, int lane,
-                                              float (&acc)[2][R / 8][4]) {
+                                              float (&acc)[2][R / 8][4], int blk) {
   for (int k = 0; k < kCols; k += 16) {
     uint32_t a[2][4];
     for (int m = 0; m < 2; ++m)
       ldmatrix_x4(a[m], &s.g[stage][warp * 32 + m * 16 + lane % 16][k + (lane / 16) * 8]);
+#pragma unroll
     for (int n = 0; n < R / 8; n += 2) {
+      if (BLOCKED && n / 2 != blk) continue;  // uniform across the CTA: registers stay static
       uint32_t b[4];  // n-tiles n and n + 1
       ldmatrix_x4_trans(b, &s.b[stage][k + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
       for (int m = 0; m < 2; ++m) {
@@ -144,29 +148,48 @@ __device__ __forceinline__ void accumulate_da(const Tiles<R>& s, int stage, int 
   }
 }
 
-// this warp's 16 columns of the chunk: d_B rows += tile^T . A, over the CTA's rows
-template <int R>
+// the d_B columns a chunk sums: all R, or (BLOCKED) its block's 16
+template <int R, bool BLOCKED>
+constexpr int kDbTiles = BLOCKED ? 2 : R / 8;
+
+// this warp's 16 columns of the chunk: d_B rows += tile^T . A, over the CTA's rows, for A's
+// columns first .. first + 8 kDbTiles - 1 (BLOCKED: the chunk's block; the others' d_B is
+// zero in a block-diagonal B's gradient and is left so)
+template <int R, bool BLOCKED>
 __device__ __forceinline__ void accumulate_db(const Tiles<R>& s, int stage, int warp, int lane,
-                                              float (&acc)[R / 8][4]) {
+                                              float (&acc)[kDbTiles<R, BLOCKED>][4],
+                                              int first) {
   const int col = warp * 16;
   for (int k = 0; k < kRows; k += 16) {
     uint32_t a[4];  // the tile transposed: rows are d_C's columns
     ldmatrix_x4_trans(a, &s.g[stage][k + lane % 8 + (lane / 16) * 8][col + ((lane / 8) % 2) * 8]);
-    for (int n = 0; n < R / 8; n += 2) {
+#pragma unroll
+    for (int n = 0; n < kDbTiles<R, BLOCKED>; n += 2) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, &s.a[k + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
+      ldmatrix_x4_trans(
+          b, &s.a[k + lane % 8 + ((lane / 8) % 2) * 8][first + n * 8 + (lane / 16) * 8]);
       mma(acc[n], a, b[0], b[1]);
       mma(acc[n + 1], a, b[2], b[3]);
     }
   }
 }
 
-template <int R>
+// which block of `blocks` column n of d_C (row n of B) lies in
+__device__ __forceinline__ int block_of(const SkinnyBlocks& blocks, int64_t n) {
+  int b = 0;
+#pragma unroll
+  for (int i = 0; i < kSkinnyMaxBlocks - 1; ++i)
+    if (i < blocks.n - 1 && n >= blocks.end[i]) ++b;
+  return b;
+}
+
+template <int R, bool BLOCKED>
 __global__ void __launch_bounds__(kThreads, 1)
     skinny_nt_backward_kernel(const __nv_bfloat16* __restrict__ g, int64_t ldg,
                               const __nv_bfloat16* __restrict__ a_in,
                               const __nv_bfloat16* __restrict__ b_in, float* __restrict__ da,
-                              float* __restrict__ db, int64_t n_cols, int chunks_per_cta) {
+                              float* __restrict__ db, int64_t n_cols, int chunks_per_cta,
+                              SkinnyBlocks blocks) {
   static_assert(kCols == kWarps * 16, "one warp per 16 columns of a chunk for d_B");
   static_assert(kRows == kWarps * 32, "two m-tiles of rows per warp for d_A");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -199,11 +222,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       wait_groups<0>();
     }
     __syncthreads();
-    accumulate_da(s, stage, warp, lane, acc_a);
-    float acc_b[R / 8][4] = {};
-    accumulate_db(s, stage, warp, lane, acc_b);
-    const int64_t n0 = static_cast<int64_t>(first + c) * kCols + warp * 16;
-    for (int n = 0; n < R / 8; ++n) add_tile<R>(db, n0, n * 8, acc_b[n], lane);
+    const int64_t chunk0 = static_cast<int64_t>(first + c) * kCols;
+    const int blk = BLOCKED ? block_of(blocks, chunk0) : 0;
+    accumulate_da<R, BLOCKED>(s, stage, warp, lane, acc_a, blk);
+    float acc_b[kDbTiles<R, BLOCKED>][4] = {};
+    accumulate_db<R, BLOCKED>(s, stage, warp, lane, acc_b, blk * 16);
+    const int64_t n0 = chunk0 + warp * 16;
+#pragma unroll
+    for (int n = 0; n < kDbTiles<R, BLOCKED>; ++n)
+      add_tile<R>(db, n0, blk * 16 + n * 8, acc_b[n], lane);
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   for (int m = 0; m < 2; ++m)
@@ -231,23 +258,36 @@ __global__ void finish_kernel(float* __restrict__ da32, float* __restrict__ db32
   }
 }
 
-template <int R>
+template <int R, bool BLOCKED>
 cudaError_t launch(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
-                   float* db32, int64_t rows, int64_t cols, int sm_count, cudaStream_t stream) {
+                   float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
+                   int sm_count, cudaStream_t stream) {
   const int row_blocks = static_cast<int>(rows / kRows);
   const int chunks = static_cast<int>(cols / kCols);
   const int splits = std::max(1, std::min(chunks, (sm_count + row_blocks - 1) / row_blocks));
   const int per_cta = (chunks + splits - 1) / splits;
   const int grid_y = (chunks + per_cta - 1) / per_cta;
   const size_t smem = sizeof(Tiles<R>);
-  cudaError_t err = cudaFuncSetAttribute(skinny_nt_backward_kernel<R>,
+  cudaError_t err = cudaFuncSetAttribute(skinny_nt_backward_kernel<R, BLOCKED>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  skinny_nt_backward_kernel<R><<<dim3(row_blocks, grid_y), kThreads, smem, stream>>>(
+  skinny_nt_backward_kernel<R, BLOCKED><<<dim3(row_blocks, grid_y), kThreads, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(g), ldg, static_cast<const __nv_bfloat16*>(a),
-      static_cast<const __nv_bfloat16*>(b), da32, db32, cols, per_cta);
+      static_cast<const __nv_bfloat16*>(b), da32, db32, cols, per_cta, blocks);
   return cudaGetLastError();
+}
+
+// R's kernel, BLOCKED where `blocks` names R / 16 blocks (each 16 wide), dense otherwise
+template <int R>
+cudaError_t launch_rank(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
+                        float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
+                        int sm_count, cudaStream_t stream) {
+  if constexpr (R > 16) {
+    if (blocks.n == R / 16)
+      return launch<R, true>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+  }
+  return launch<R, false>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
 }
 
 }  // namespace
@@ -258,13 +298,18 @@ int skinny_cols_multiple() { return kCols; }
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
                                       const void* b, float* da32, float* db32, void* d_a,
                                       void* d_b, int64_t rows, int64_t cols, int rank,
-                                      float alpha, int sm_count, cudaStream_t stream) {
+                                      float alpha, const SkinnyBlocks& blocks, int sm_count,
+                                      cudaStream_t stream) {
+  if (blocks.n < 0 || blocks.n > kSkinnyMaxBlocks) return cudaErrorInvalidValue;
+  for (int i = 0; i + 1 < blocks.n; ++i)
+    if (blocks.end[i] % kCols != 0) return cudaErrorInvalidValue;
   cudaError_t err;
+  const SkinnyBlocks& k = blocks;
   switch (rank) {
-    case 16: err = launch<16>(d_c, ld, a, b, da32, db32, rows, cols, sm_count, stream); break;
-    case 32: err = launch<32>(d_c, ld, a, b, da32, db32, rows, cols, sm_count, stream); break;
-    case 48: err = launch<48>(d_c, ld, a, b, da32, db32, rows, cols, sm_count, stream); break;
-    case 64: err = launch<64>(d_c, ld, a, b, da32, db32, rows, cols, sm_count, stream); break;
+    case 16: err = launch_rank<16>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
+    case 32: err = launch_rank<32>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
+    case 48: err = launch_rank<48>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
+    case 64: err = launch_rank<64>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess) return err;

@@ -44,6 +44,9 @@ import weakref
 
 import torch
 
+from runtime.arena import copy_in_16_bytes
+from runtime.cuda import slot_refresh
+
 WIDE = 2.0  # copying x pays where out >= WIDE * in (gate/up: 7x; qkv: 1.5x)
 # a weight view's key -> a weak reference to its side slot [out, k r]: the step that laid
 # the weights holds the slots (TrainStep.sides), so they go with its weights
@@ -173,11 +176,15 @@ def side_of(weight: torch.Tensor, width: int) -> torch.Tensor | None:
 
 
 def kcat_into(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor,
-              alpha: float, C: torch.Tensor, pad: int = 0) -> torch.Tensor | None:
+              alpha: float, C: torch.Tensor, pad: int = 0, pieces=None
+              ) -> torch.Tensor | None:
     """C = x w^T + alpha t B^T (2-D: x [T, in], w [out, in] with a side slot, t [T, k r],
     B [out, k r]) as one GEMM over [x | t] and [w | alpha B]; None where w has no side
     slot of B's width or x is neither laid wide (`pad`: the plan's spare columns after
-    its rows) nor of a WIDE projection (the caller takes the two-GEMM path)."""
+    its rows) nor of a WIDE projection (the caller takes the two-GEMM path). `pieces`:
+    the parameters B is made of, (tensor, row, column) each (B itself, or a block-diagonal
+    B's blocks), where the caller knows them: the slot is then filled at the step's start
+    (runtime/cuda/slot_refresh.py) instead of here."""
     from runtime.cuda.gemm import mm_into
 
     side = side_of(w, B.shape[1])
@@ -190,10 +197,20 @@ def kcat_into(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor
             return None  # copying x costs what the one GEMM saves
         wide = _wide(x.shape[0], inner + B.shape[1], x.dtype, x.device)
         _copy_rows(wide[:, :inner], x)
-    torch.mul(B, alpha, out=side)
+    _fill(side, pieces, alpha, lambda: torch.mul(B, alpha, out=side))
     _copy_rows(wide[:, inner:], t)
     joined = w.as_strided((w.shape[0], inner + B.shape[1]), w.stride(), w.storage_offset())
     return mm_into(wide, joined.t(), C)
+
+
+def _fill(slot: torch.Tensor, pieces, alpha: float, fill) -> None:
+    """`fill()` the slot, unless this step's start already did (slot_refresh.take); where
+    its pieces are known, note them for the next steps' starts."""
+    if pieces is not None and slot_refresh.take(slot, pieces, alpha):
+        return
+    fill()
+    if pieces is not None:
+        slot_refresh.note(slot, pieces, alpha)
 
 
 def laid_wide(x: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -208,15 +225,11 @@ def laid_wide(x: torch.Tensor, width: int) -> torch.Tensor | None:
 
 def _copy_rows(into: torch.Tensor, rows: torch.Tensor) -> None:
     """into.copy_(rows) for a strided `into` (the scratch's columns), in 16-byte elements
-    where both lay their rows so: torch's copy into a strided view moves one element a
-    thread, 2 bytes for bf16 (x of gate/up: ~1.1 TB/s on an H100, in a step's profile).
-    LoRA 8B on one H100, in-process A/B: 125.80 -> 124.16 and 125.17 -> 124.72 ms
-    (benchmarks/gpu/results-h100-lora-s13-ab.txt)."""
-    wide = 16 // rows.element_size()
-    if all(t.stride(-1) == 1 and t.shape[-1] % wide == 0 and t.stride(0) % wide == 0
-                and t.storage_offset() % wide == 0 for t in (into, rows)):
-        into, rows = into.view(torch.complex128), rows.view(torch.complex128)
-    into.copy_(rows)
+    where both lay their rows so (runtime.arena.copy_in_16_bytes): torch's copy into a
+    strided view moves one element a thread, 2 bytes for bf16 (x of gate/up: ~1.1 TB/s
+    on an H100, in a step's profile). LoRA 8B on one H100, in-process A/B: 125.80 ->
+    124.16 and 125.17 -> 124.72 ms (benchmarks/gpu/results-h100-lora-s13-ab.txt)."""
+    copy_in_16_bytes(into, rows)
 
 
 def laid_tails() -> bool:
@@ -237,14 +250,15 @@ def stage_dt(d_t: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> bool:
     return True
 
 
-def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor
-            ) -> torch.Tensor:
+def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
+            a_is_parameter: bool = False) -> torch.Tensor:
     """d_x = d_y w + d_t a (d_t staged by `stage_dt`) as one GEMM over [d_y | d_t] and
-    [w ; a]: a copied into w's tail slot, d_y into the scratch's left columns."""
+    [w ; a]: a copied into w's tail slot (at the step's start where a is a parameter:
+    slot_refresh.py), d_y into the scratch's left columns."""
     from runtime.cuda.gemm import mm_into
 
     tail, (out_rows, inner) = _tail_of(w, a), w.shape
-    tail.copy_(a)
+    _fill(tail, [(a, 0, 0)] if a_is_parameter else None, 1.0, lambda: tail.copy_(a))
     rows = d_y.numel() // d_y.shape[-1]
     wide = _wide(rows, out_rows + a.shape[0], w.dtype, w.device, "dx")
     _copy_rows(wide[:, :out_rows], d_y.reshape(rows, -1))

@@ -41,16 +41,34 @@ def covers(d_C, A, B) -> bool:
         and torch.cuda.get_device_capability(d_C.device)[0] >= 8  # bf16 mma.sync
 
 
-def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None) -> list | None:
+def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> list | None:
     """[d_A, d_B] of C = alpha A B^T (2-D), or None where the kernel does not cover them;
-    `out`: typed contiguous tensors for (d_A, d_B) to write into, or None each."""
+    `out`: typed contiguous tensors for (d_A, d_B) to write into, or None each. `blocks`:
+    where B is block-diagonal with blocks 16 wide (LoRA's B of a fused projection, made by
+    block_diag), each block's last row + 1; the kernel then sums each chunk of d_C against
+    its own block alone (`block_ends`)."""
     if not covers(d_C, A, B):
         return None
     from runtime.cuda.build import load
 
     targets = [t if t is not None and t.is_contiguous() else None for t in (out or (None, None))]
     da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
-    return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets))
+    return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets,
+                                          block_ends(blocks, B)))
+
+
+def block_ends(blocks, B) -> list[int]:
+    """The kernel's blocks for a block-diagonal B whose blocks have `blocks` rows each (all
+    16 wide, B = block_diag of them: no zero rows): their row ends, where there are two to
+    four of them and each ends on a multiple of COLS, else [] (B summed as dense, its zero
+    blocks included: the same gradients, more work). MODULEC_SKINNY_BLOCKS=0: [] (A/B)."""
+    if not blocks or os.environ.get("MODULEC_SKINNY_BLOCKS", "1") == "0":
+        return []
+    ends = [sum(blocks[:i + 1]) for i in range(len(blocks))]
+    if not 2 <= len(blocks) <= 4 or B.shape[1] != 16 * len(blocks) or ends[-1] != B.shape[0] \
+            or any(end % COLS for end in ends):
+        return []
+    return ends
 
 
 _sums_kept: dict[tuple, tuple] = {}  # (device, stream, T, N, R) -> the fp32 sums

@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from runtime.cuda import slot_refresh
 from runtime.cuda.async_comm import InFlight, step_streams
 from runtime.cuda.attention import DEFAULT_ORDER
 from runtime.cuda.graph_nodes import finish as finish_graph, new_graph
@@ -593,7 +594,12 @@ class TrainStep:
         self.rng_step.add_(1)  # new dropout masks (captured: each replay)
         if self.fp8 is not None:  # the step's delayed scales; its amaxes recorded
             self.fp8.begin_step()
-        self._fused_step() if self.optimizer == "fused" else self._torch_step()
+        # the LoRA slots' s B and A from the parameters, in one launch (slot_refresh.py)
+        slot_refresh.refresh([s for slots in self.sides.values() for s in slots.values()])
+        try:
+            self._fused_step() if self.optimizer == "fused" else self._torch_step()
+        finally:
+            slot_refresh.finish()
         if self.fp8 is not None:  # pushed into the amax histories (in the graph)
             self.fp8.end_step()
 

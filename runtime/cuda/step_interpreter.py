@@ -18,8 +18,10 @@ from runtime.cuda.swaps import Stored
 from runtime.cuda.train_kernels import (lora_addmm, lora_matmul_into, overlaps,
                                        planned_product)
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
-from runtime.interpreter import Interpreter, _join, _keep_only_saved, _saved_by_backward
+from runtime.interpreter import (Interpreter, _join, _keep_only_saved, _saved_by_backward,
+                                 _shape)
 from runtime.kernels.documents import current
+from runtime.kernels.tensor import block_layout
 
 # where rope's and qk_norm_rope's nodes take position_ids (their reference kernels'
 # forward_inputs / backward_inputs): a packed batch fills the slot when it is empty
@@ -45,6 +47,7 @@ class _StepInterpreter(Interpreter):
         self.handed: set[str] = set()
         self.step = None
         self._pairs: dict = {}  # function name -> LoraPairs
+        self._producers: dict = {}  # function name -> {value: the node making it}
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
@@ -249,7 +252,8 @@ class _StepInterpreter(Interpreter):
         x, w, t, b = operands
         y = lora_matmul_into(x, w, self._attrs(source), t, b,
                              float(matmul.attr("alpha") or 1.0), raw,
-                             self.arena.pad_of(frame, source.inputs[0]))
+                             self.arena.pad_of(frame, source.inputs[0]),
+                             self._parameter_pieces(matmul.inputs[1], frame, forward))
         if y is None:
             return False  # the caller runs both as written
         self.lora_fused += 1
@@ -257,6 +261,47 @@ class _StepInterpreter(Interpreter):
         frame.env[source.outputs[0]] = frame.env[matmul.outputs[0]] = self._stand_in(y)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
         return True
+
+    def _parameter_pieces(self, value: str, frame, forward) -> list | None:
+        """B's parameters and where each lies in it, (tensor, row, column): B itself where
+        it is a parameter, each block of a block_diag of parameters (the `lora` pass's B of
+        a fused projection); None for anything else (runtime/cuda/slot_refresh.py fills
+        from parameters alone)."""
+        if value.startswith("param:"):
+            return [(self._read(value, frame, forward), 0, 0)]
+        node = self._producers_of(frame.function).get(value)
+        if node is None or node.target != "block_diag" or not node.inputs \
+                or not all(v.startswith("param:") for v in node.inputs):
+            return None
+        blocks = [self._read(v, frame, forward) for v in node.inputs]
+        zero_rows = [int(r) for r in node.attr("zero_rows") or ()]
+        places = block_layout([tuple(b.shape) for b in blocks], zero_rows)[0]
+        return [(b, row, col) for b, (row, col) in zip(blocks, places)]
+
+    def _backward_context(self, kernel, node, inputs, attrs, forward, frame_function):
+        """The base's, plus for an NT matmul whose B is a block_diag of 16-wide blocks (the
+        `lora` pass's B of a fused projection) the blocks' rows (`b_blocks`: the one-pass
+        gradients then sum each block alone, runtime/cuda/skinny_grads.py)."""
+        inputs, attrs = super()._backward_context(kernel, node, inputs, attrs, forward,
+                                                  frame_function)
+        origin = node.attr("forward_node")
+        if node.target != "matmul_backward" or attrs.get("transpose") != "NT" \
+                or forward is None or origin is None:
+            return inputs, attrs
+        op = next((n for n in forward.function.nodes if n.id == origin), None)
+        made = op is not None and len(op.inputs) > 1 and \
+            self._producers_of(forward.function).get(op.inputs[1])
+        if made and made.target == "block_diag" and not any(made.attr("zero_rows") or ()):
+            shapes = [_shape(v, forward, self) for v in made.inputs]
+            if all(s is not None and len(s) == 2 and s[1] == 16 for s in shapes):
+                attrs["b_blocks"] = [s[0] for s in shapes]
+        return inputs, attrs
+
+    def _producers_of(self, function) -> dict:
+        if function.name not in self._producers:
+            self._producers[function.name] = {o: n for n in function.nodes
+                                              for o in n.outputs if o}
+        return self._producers[function.name]
 
     def _lora_dx(self, node, frame, forward) -> bool:
         """LoRA's d_x sums without an add (runtime/cuda/lora_backward.py): the adapter
@@ -328,7 +373,7 @@ class _StepInterpreter(Interpreter):
             planned_product(raw, d_y.reshape(-1, w.shape[0]), w)
         if out is None:
             out = torch.empty(shape, dtype=w.dtype, device=w.device)
-        y = dx_into(d_y, w, a, out)
+        y = dx_into(d_y, w, a, out, pair.first.inputs[2].startswith("param:"))
         self.lora_dx_fused += 1
         self.lora_dx_one_gemm += 1
         for value in (base.outputs[0], pair.first.outputs[0]):

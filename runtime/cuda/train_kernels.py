@@ -383,13 +383,14 @@ class Matmul(NoCast):
     def backward(self, inputs: list, attrs: dict) -> list:
         out = attrs.pop("out", None)
         wanted = attrs.pop("wanted_outputs", None)
+        b_blocks = attrs.pop("b_blocks", None)  # B block-diagonal (the step's interpreter)
         # an NT matmul's both gradients may take one pass (`_skinny_grads`), planned or not
         skinny = self.name == "matmul" and attrs.get("transpose") == "NT"
         if (wanted is None or all(wanted)) and not skinny \
                 and not (out and any(o is not None for o in out)):
             return list(self.reference.backward_fn(*inputs, **attrs))
         return matmul_grads(*inputs, wanted=wanted or (True, True), out=out,
-                            batched=self.name == "batched_matmul", **attrs)
+                            batched=self.name == "batched_matmul", b_blocks=b_blocks, **attrs)
 
 
 # the operands of (d_A, d_B) by mode: (x, y, mode) with d = alpha * op(x) @ op(y), over
@@ -403,14 +404,15 @@ GRADIENT_PRODUCTS = {
 
 
 def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0, out=None,
-                 **_):
+                 b_blocks=None, **_):
     """The wanted ones of (d_A, d_B) of C = alpha * op(A) @ op(B), None for the others;
-    `out`: planned bytes per gradient (or None), written in place where the product is 2-D."""
+    `out`: planned bytes per gradient (or None), written in place where the product is 2-D;
+    `b_blocks`: B's block rows where it is block-diagonal (skinny_grads.py)."""
     from runtime.kernels.base import sum_to_shape
 
     operands = (d_C, A, B) if batched else (_fold(d_C), _fold(A), _fold(B))
     if not batched and transpose == "NT" and all(wanted):
-        both = _skinny_grads(*operands, alpha, out, A, B)
+        both = _skinny_grads(*operands, alpha, out, A, B, b_blocks)
         if both is not None:
             return both
     grads = []
@@ -428,7 +430,7 @@ def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0,
     return grads
 
 
-def _skinny_grads(d_C, a, b, alpha, out, A, B) -> list | None:
+def _skinny_grads(d_C, a, b, alpha, out, A, B, blocks=None) -> list | None:
     """Both gradients of a rank-wide NT product (LoRA's delta) from one pass over d_C
     (runtime/cuda/skinny_grads.py), into their planned bytes where given; None where the
     kernel does not cover the call."""
@@ -438,7 +440,7 @@ def _skinny_grads(d_C, a, b, alpha, out, A, B) -> list | None:
         return None
     targets = [typed(out, i, like.shape, like.dtype) if out else None
                for i, like in enumerate((a, b))]
-    grads = skinny_nt_backward(d_C, a, b, alpha, targets)
+    grads = skinny_nt_backward(d_C, a, b, alpha, targets, blocks)
     if grads is None:
         return None
     return [grads[0].reshape(A.shape), grads[1].reshape(B.shape)]
@@ -478,8 +480,8 @@ def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
 
 
 def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Tensor,
-                     B: torch.Tensor, alpha: float, raw: torch.Tensor, pad: int = 0
-                     ) -> torch.Tensor | None:
+                     B: torch.Tensor, alpha: float, raw: torch.Tensor, pad: int = 0,
+                     pieces=None) -> torch.Tensor | None:
     """matmul(x, w) (attrs: transpose, alpha) + alpha * t @ B^T written into the bytes
     `raw`, shaped as the matmul's C; None where it does not fit (nothing written). The
     delta first (a GEMM of K = rank that only writes C), then the base product added in
@@ -488,7 +490,8 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
     of K = rank with beta = 1) read and wrote all of C again. Where W was laid with a
     side slot (runtime/cuda/lora_kcat.py), one GEMM over [x | t] and [W | alpha B] writes
     C and nothing is read back: in x's own bytes where the plan laid its rows `pad`
-    elements wider, else (a wide projection) in a copy."""
+    elements wider, else (a wide projection) in a copy (`pieces`: B's parameters, for
+    kcat_into)."""
     mode, base_alpha = attrs.get("transpose", "NN"), float(attrs.get("alpha", 1.0))
     if not all(isinstance(v, torch.Tensor) for v in (x, w, t, B)) or B.dim() != 2 \
             or w.dim() != 2 or x.dim() < 2 or t.dim() < 2:
@@ -501,7 +504,8 @@ def lora_matmul_into(x: torch.Tensor, w: torch.Tensor, attrs: dict, t: torch.Ten
     C = planned_product(raw, a, b)
     if C is None:
         return None
-    if mode == "NT" and base_alpha == 1.0 and kcat_into(a, w, t2, B, alpha, C, pad) is not None:
+    if mode == "NT" and base_alpha == 1.0 \
+            and kcat_into(a, w, t2, B, alpha, C, pad, pieces) is not None:
         return _kept(C, x, mode)  # one GEMM over [x | t] and [W | s B] (lora_kcat.py)
     mm_into(t2, B.t(), C, alpha)  # the delta first: its GEMM only writes C
     mm_into(a, b, C, base_alpha, beta=1.0)
