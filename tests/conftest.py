@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,14 @@ import pytest
 # two cores torch's second thread only spins waiting for the first (tests/test_train.py
 # under -n 2: 33 -> 23 CPU-s). Set it yourself to run with others.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Bytecode written and read (here, in the workers and in every process the tests start):
+# under PYTHONDONTWRITEBYTECODE (set on the dev machine) each gloo rank, torchrun rank and
+# CLI subprocess compiled modulec's and runtime's modules from source again, ~0.5 s of
+# CPU a process (benchmarks/build_speed.py drops it for the same reason). __pycache__ is
+# git-ignored, and a stale file is never read (Python compares the source's mtime and size).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # The files that hold the longest tests, the longest file first (the sum of its tests'
 # `--durations` under `make test`'s options on the 2-core machine, over two runs: the

@@ -1,6 +1,7 @@
 """Shared by the distributed tests (CPU gloo and GPU NCCL): a free TCP port on this host for
-a process group's rendezvous (`tcp://127.0.0.1:<port>`, `--master-port`); and by every GPU
-test, one GPU or several: `needs_gpus(n)`, the `cuda` mark and the skip without n GPUs."""
+a process group's rendezvous (`tcp://127.0.0.1:<port>`, `--master-port`); the CPU tests'
+`spawn` of their ranks (forked from one server per test process); and by every GPU test,
+one GPU or several: `needs_gpus(n)`, the `cuda` mark and the skip without n GPUs."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def train_records(processes: int, *args: str) -> list[dict]:
                           env=dict(os.environ, NCCL_NVLS_ENABLE="0"), timeout=600)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+# What the fork server imports once, so that each process forked from it starts with it:
+# torch, the runtime, the compiler, its parser and std parsed (a fresh interpreter spent
+# ~3 s of CPU on them, more than a tiny model's steps take on a rank).
+PRELOAD = ["tests.rank_preload"]
+
+
+def spawn(fn, nprocs: int, args: tuple = ()) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs), the processes forked from a server
+    (multiprocessing's forkserver) that imported PRELOAD once, instead of each started as a
+    fresh interpreter that imports them again. The server is started by a test process's
+    first call and serves its later ones; each rank is a fork of that server (single-
+    threaded, no process group, no test's state), never of the test process, and sets its
+    own rendezvous environment as before. Each rank is still a process of its own with its
+    own gloo group: what the tests check of the processes is unchanged."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")

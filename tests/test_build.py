@@ -246,46 +246,58 @@ def test_hf_config_that_is_not_an_object_is_an_error(tmp_path, text, kind):
 
 
 # ====================================================================== hostile IR
-def broken_documents():
-    good = built("llama", n_layers=2).document
-    entry = good["graph"]["functions"][-1]
-
-    def edit(change):
-        document = copy.deepcopy(good)
-        change(document)
-        return document
-
-    def first_function(document):
-        return next(f for f in document["graph"]["functions"] if f["nodes"])
-
-    yield "missing key", edit(lambda d: d.pop("schedule")), "missing top-level keys"
-    yield "version", edit(lambda d: d.update(ir_version=99)), "ir_version"
-    yield "dangling input", edit(lambda d: first_function(d)["nodes"][0]["inputs"].__setitem__(0, "%999")), "used before it is defined"
-    yield "unknown op", edit(lambda d: first_function(d)["nodes"][0].update(target="warp")), "not a primitive"
-    yield "arity", edit(lambda d: first_function(d)["nodes"][0]["outputs"].append("%998")), "returns"
-    yield "defined twice", edit(lambda d: first_function(d)["nodes"][1]["outputs"].__setitem__(0, first_function(d)["nodes"][0]["outputs"][0])), "defined twice"
-    yield "repeat", edit(lambda d: [n.update(repeat=0) for f in d["graph"]["functions"] for n in f["nodes"] if n["kind"] == "call"]), "positive integer"
-    yield "callee", edit(lambda d: [n.update(target="Nope#1") for f in d["graph"]["functions"] for n in f["nodes"] if n["kind"] == "call"]), "not a function of this graph"
-    yield "malformed", edit(lambda d: d["graph"]["functions"][0].pop("nodes")), "malformed graph"
-    yield "entry", edit(lambda d: d["graph"].update(entry="Gone#1")), "does not exist"
-    assert entry  # the document is not empty
+def _first_function(document):
+    return next(f for f in document["graph"]["functions"] if f["nodes"])
 
 
-@pytest.mark.parametrize("case, document, message", list(broken_documents()),
-                         ids=[c[0] for c in broken_documents()])
-def test_verify_rejects_broken_ir(tmp_path, case, document, message):
+def _calls(document) -> list[dict]:
+    return [n for f in document["graph"]["functions"] for n in f["nodes"] if n["kind"] == "call"]
+
+
+# (case, its edit of a good document, what the refusal says). The good document is built
+# once per run, by the fixture below: built here, at collection, it cost every pytest
+# worker four builds of llama (the ids and the cases of two parametrizations).
+BROKEN = [
+    ("missing key", lambda d: d.pop("schedule"), "missing top-level keys"),
+    ("version", lambda d: d.update(ir_version=99), "ir_version"),
+    ("dangling input", lambda d: _first_function(d)["nodes"][0]["inputs"].__setitem__(0, "%999"), "used before it is defined"),
+    ("unknown op", lambda d: _first_function(d)["nodes"][0].update(target="warp"), "not a primitive"),
+    ("arity", lambda d: _first_function(d)["nodes"][0]["outputs"].append("%998"), "returns"),
+    ("defined twice", lambda d: _first_function(d)["nodes"][1]["outputs"].__setitem__(0, _first_function(d)["nodes"][0]["outputs"][0]), "defined twice"),
+    ("repeat", lambda d: [n.update(repeat=0) for n in _calls(d)], "positive integer"),
+    ("callee", lambda d: [n.update(target="Nope#1") for n in _calls(d)], "not a function of this graph"),
+    ("malformed", lambda d: d["graph"]["functions"][0].pop("nodes"), "malformed graph"),
+    ("entry", lambda d: d["graph"].update(entry="Gone#1"), "does not exist"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_document() -> dict:
+    document = built("llama", n_layers=2).document
+    assert document["graph"]["functions"][-1]  # the document is not empty
+    return document
+
+
+def _broken(good: dict, change) -> dict:
+    document = copy.deepcopy(good)
+    change(document)
+    return document
+
+
+@pytest.mark.parametrize("case, change, message", BROKEN, ids=[c[0] for c in BROKEN])
+def test_verify_rejects_broken_ir(tmp_path, good_document, case, change, message):
     path = tmp_path / "broken.ir"
-    path.write_text(json.dumps(document))
+    path.write_text(json.dumps(_broken(good_document, change)))
     problems = verify_document(path)
     assert problems and any(message in p for p in problems), problems
 
 
-@pytest.mark.parametrize("case, document, message", list(broken_documents()),
-                         ids=[c[0] for c in broken_documents()])
-def test_run_loader_refuses_what_verify_refuses(case, document, message):
+@pytest.mark.parametrize("case, change, message", BROKEN, ids=[c[0] for c in BROKEN])
+def test_run_loader_refuses_what_verify_refuses(good_document, case, change, message):
     from runtime.errors import RuntimeUserError
     from runtime.program import program_from_document
 
+    document = _broken(good_document, change)
     with pytest.raises(RuntimeUserError) as refused:  # before any tensor is made
         program_from_document(document)
     assert message in str(refused.value) or message in " ".join(refused.value.help)

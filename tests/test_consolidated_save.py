@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 transformers = pytest.importorskip("transformers")
 
 from tests import consolidated_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.test_train import LLAMA, ckpt, losses, train  # noqa: E402,F401
 
 RUNS = {"zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
@@ -31,7 +31,7 @@ def saved(ckpt, tmp_path_factory):
     common = dict(file=Path(LLAMA), data=ckpt / "tokens.bin", seq=16, batch=1, steps=1,
                   device="cpu", lr=1e-2, fmt="json", hf_weights=ckpt / "hf")
     runs = [common | dict(save=root / name) | more for name, more in RUNS.items()]
-    mp.spawn(consolidated_workers.save_runs, nprocs=2,
+    spawn(consolidated_workers.save_runs, nprocs=2,
              args=(2, [free_port() for _ in runs], runs, str(root / "probe")))
     counts = [json.loads((root / f"probe.{i}.json").read_text()) for i in range(len(runs))]
     return root, dict(zip(RUNS, counts))

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.test_dist_zero import assert_same_state  # noqa: E402
 
 STEPS, ROWS, SEQ, ACCUMULATION, WORLD = 2, 2, 8, 2, 2
@@ -38,7 +38,7 @@ def test_packed_steps_and_evaluation_under_zero2_and_3_equal_one_process(eval_fi
     and holding no entry buffer after it: the next step's state is still one
     process's). One spawn of two processes runs both stages."""
     out = tmp_path / "packed"
-    mp.spawn(dist_workers.packed_sharded, nprocs=WORLD,
+    spawn(dist_workers.packed_sharded, nprocs=WORLD,
              args=(WORLD, free_port(), "llama", (2, 3), STEPS, ROWS, SEQ, ACCUMULATION,
                    str(eval_file), str(out)))
     ranks = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]

@@ -10,11 +10,11 @@ import json
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 pytest.importorskip("transformers")
 
 from tests import shard_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.test_train import LLAMA, ckpt, losses, train  # noqa: E402,F401
 
 
@@ -40,7 +40,7 @@ def test_a_resume_on_the_same_layout_reads_the_shards_bit_for_bit(ckpt, tmp_path
     runs = [common | dict(hf_weights=ckpt / "hf", save=tmp_path / "a", save_every=2),
             common | dict(resume=saved, save=tmp_path / "b")]
     out = tmp_path / "rank"
-    mp.spawn(shard_workers.train_runs, nprocs=2,
+    spawn(shard_workers.train_runs, nprocs=2,
              args=(2, [free_port(), free_port()], runs, str(out)))
     whole, resumed = _rows(tmp_path / "rank.0.0"), _rows(tmp_path / "rank.1.0")
     index = json.loads((saved / "shard-rank00001.json").read_text())

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import dist_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 
 STEPS, ROWS, SEQ = 2, 4, 8
 
@@ -22,7 +22,7 @@ RUNS = [("llama", 0), ("llama", 1), ("llama", 2), ("llama", 3), ("qwen3", 3), ("
 
 def sharded(runs: list, folder) -> dict:
     ports = [free_port() for _ in runs]
-    mp.spawn(dist_workers.train_sharded_runs, nprocs=2,
+    spawn(dist_workers.train_sharded_runs, nprocs=2,
              args=(2, ports, runs, STEPS, ROWS, SEQ, str(folder)))
     return {(name, zero): torch.load(folder / f"{name}-{zero}.pt") for name, zero in runs}
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_aux_workers as workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 
 RUNS = [("mixtral", 2, 2, 1, 8), ("qwen3_moe", 2, 2, 1, 8), ("aux_early", 2, 2, 1, 8)]
 
@@ -31,7 +31,7 @@ def write_eval_file(folder):
 def spawned(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pipeline_aux")
     eval_path = str(write_eval_file(folder))
-    mp.spawn(workers.train_pipelined, nprocs=2,
+    spawn(workers.train_pipelined, nprocs=2,
              args=(2, free_port(), RUNS, eval_path, str(folder / "stage")))
     return [torch.load(folder / f"stage.{r}") for r in (0, 1)], eval_path
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_precision_workers as workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 
 SIZES = dict(steps=2, micro=2, rows=1, seq=8)
 
@@ -27,7 +27,7 @@ def spawned(tmp_path_factory):
     """The two stages' files of every run of RUNS, from one spawn (starting the processes
     was most of a run's time): run i's stage r in `out`.i.r."""
     out = tmp_path_factory.mktemp("pipeline_precision") / "stage"
-    mp.spawn(workers.mixed_pipelined, nprocs=2,
+    spawn(workers.mixed_pipelined, nprocs=2,
              args=(2, free_port(), RUNS, *SIZES.values(), str(out)))
     return out
 
@@ -117,7 +117,7 @@ def test_zero1_pipelines_broadcast_the_masters_and_train_as_zero0(tmp_path):
     buckets and the others receive the owner's fp32 masters (their bf16 copies remade):
     every rank ends where ZeRO-0's ends, bit for bit."""
     out = tmp_path / "zero1"
-    mp.spawn(workers.mixed_zero1, nprocs=4, args=(4, free_port(), str(out)))
+    spawn(workers.mixed_zero1, nprocs=4, args=(4, free_port(), str(out)))
     ranks = [torch.load(f"{out}.{r}") for r in range(4)]
     for rank in ranks:
         zero0, zero1 = rank[0], rank[1]

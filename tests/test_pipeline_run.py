@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.pipeline_workers import MODELS  # noqa: E402
 from tests.test_train import LLAMA, ckpt  # noqa: E402,F401
 
@@ -69,7 +69,7 @@ def spawned(ckpt, tmp_path_factory):
     cli = [_lora_cli(ckpt, save=folder / "pp", save_every=1),
            _lora_cli(ckpt, save=folder / "again", hf_weights=None,
                      resume=folder / "pp" / "checkpoint-1")]
-    mp.spawn(pipeline_workers.train_pipelined, nprocs=2,
+    spawn(pipeline_workers.train_pipelined, nprocs=2,
              args=(2, free_port(), runs, str(folder / "stage"),
                    ([free_port() for _ in cli], cli)))
     return folder
@@ -232,7 +232,7 @@ def test_two_pipelines_of_two_stages_train_as_one_process_accumulating(tmp_path)
     lora = _built_ir(tmp_path, {}, micro, rows, seq, dp=2, lora=("--lora", LORA_TEXT))
     tied = _built_ir(tmp_path, settings | {"tie_word_embeddings": "true"}, micro, rows, seq,
                      dp=2, zero=1, name="tied")
-    mp.spawn(pipeline_workers.train_data_parallel, nprocs=4,
+    spawn(pipeline_workers.train_data_parallel, nprocs=4,
              args=(4, free_port(), [(d, steps, micro, rows, seq)
                                     for d in documents + [lora, tied]], str(out)))
     ranks = [torch.load(f"{out}.{r}") for r in range(4)]

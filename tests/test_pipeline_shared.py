@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_shared_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.dist_workers import windows  # noqa: E402
 from tests.pipeline_shared_workers import tied_model  # noqa: E402
 
@@ -78,7 +78,7 @@ def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shared")
     np.random.default_rng(0).integers(0, 64, 400).astype("<u2").tofile(folder / "tokens.bin")
     cli = [_cli(folder, pp=2, microbatches=2, save=folder / "pp", save_every=1)]
-    mp.spawn(pipeline_shared_workers.train_shared, nprocs=2,
+    spawn(pipeline_shared_workers.train_shared, nprocs=2,
              args=(2, free_port(), RUNS, str(folder / "stage"), ([free_port()], cli)))
     return folder
 

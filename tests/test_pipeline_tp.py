@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import pipeline_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.test_pipeline_run import _check_shard_resume  # noqa: E402
 from tests.test_train import ckpt  # noqa: E402,F401
 
@@ -45,7 +45,7 @@ def spawn_four(tmp_path_factory) -> dict:
     extra = {"document": str(document), "clip": 1e-3, "dp_tp": DP_TP_RUNS,
              "packed_eval": (PACKED_EVAL_RUNS, str(write_eval_file(folder))),
              "lora": (str(lora), whole_params(), STEPS, MICRO, 1, SEQ)}
-    mp.spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
+    spawn(pipeline_workers.train_tp_pipelined, nprocs=4,
              args=(4, free_port(), RUNS, str(out), extra))
     results = {kind: [torch.load(f"{out}.{kind}{r}") for r in range(4)]
                for kind in ("", "ir.", "dptp.", "pe.", "lora.")}

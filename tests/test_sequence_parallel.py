@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from modulec.ir.verify import verify_graph  # noqa: E402
 from modulec.lower.build import BuildRequest, build  # noqa: E402
 from runtime.tensor_parallel import unshard_params, vocab_outputs  # noqa: E402
 from tests import tp_workers  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ RUNS = [(name, True) for name in MODELS] + [("llama", False)]  # and tensor para
 def two_ranks(tmp_path_factory) -> list:
     """Both ranks' steps of every run: one spawn."""
     out = str(tmp_path_factory.mktemp("sp") / "rank")
-    mp.spawn(tp_workers.run_rank_sp, nprocs=2, args=(2, free_port(), RUNS, out))
+    spawn(tp_workers.run_rank_sp, nprocs=2, args=(2, free_port(), RUNS, out))
     return [torch.load(f"{out}.{r}") for r in range(2)]
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from modulec.lower.build import BuildRequest, build  # noqa: E402
 from runtime.tensor_parallel import (shard_tensor, unshard_params, unshard_tensors,  # noqa: E402
                                      vocab_outputs)
 from tests import tp_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def two_ranks(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tp") / "rank")
     cases = [("step", name, own) for name, own in STEPS] + \
         [("train", name) for name in TRAINED] + [("vocab",)]
-    mp.spawn(tp_workers.run_cases, nprocs=2, args=(2, free_port(), cases, out))
+    spawn(tp_workers.run_cases, nprocs=2, args=(2, free_port(), cases, out))
     return [torch.load(f"{out}.{r}") for r in range(2)]
 
 

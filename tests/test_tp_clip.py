@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import tp_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.test_pipeline_tp import DP_TP_RUNS  # noqa: E402
 
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
@@ -58,7 +58,7 @@ def test_tp2_clips_as_one_process(tmp_path):
     the norm sums the slices over the pair and the replicated parameters once."""
     runs = [(zero, CLIP, STEPS, ROWS, SEQ) for zero in (None, 0, 1)]
     out = tmp_path / "tp"
-    mp.spawn(tp_workers.train_clipped, nprocs=2, args=(2, free_port(), runs, str(out)))
+    spawn(tp_workers.train_clipped, nprocs=2, args=(2, free_port(), runs, str(out)))
     _check([torch.load(f"{out}.{r}") for r in range(2)], runs)
 
 

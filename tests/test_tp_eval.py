@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from tests import tp_eval_workers, tp_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 
 STEPS, ROWS, SEQ, EVAL_BATCHES = 2, 2, 8, 3
 PARTS = ("masters", "exp_avg", "exp_avg_sq")
@@ -66,7 +66,7 @@ def _check(ranks: list, want: dict, zero) -> None:
 
 
 def _spawn(world: int, whole: dict, zero, eval_file, out, again: bool) -> list:
-    mp.spawn(tp_eval_workers.eval_rank, nprocs=world,
+    spawn(tp_eval_workers.eval_rank, nprocs=world,
              args=(world, free_port(), whole, zero, STEPS, ROWS, SEQ, str(eval_file),
                    EVAL_BATCHES, str(out), again))
     return [torch.load(f"{out}.{rank}") for rank in range(world)]

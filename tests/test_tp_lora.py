@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from modulec.lower.lora import is_adapter  # noqa: E402
 from runtime.tensor_parallel import shard_params, unshard_params  # noqa: E402
 from tests import tp_lora_workers as workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 from tests.runtime_models import TINY  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def spawned(whole, ckpt, tmp_path_factory) -> Path:
     cli = [_cli(ckpt, tp=2, save=folder / "tp", save_every=1),
            _cli(ckpt, tp=2, save=folder / "again", hf_weights=None,
                 resume=folder / "tp" / "checkpoint-1")]  # the same layout: its shards
-    mp.spawn(workers.lora_rank, nprocs=2,
+    spawn(workers.lora_rank, nprocs=2,
              args=(2, [free_port() for _ in range(3)], whole, RUNS, (STEPS, ROWS, SEQ), cli,
                    str(folder / "rank")))
     return folder

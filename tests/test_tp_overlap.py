@@ -284,12 +284,12 @@ def test_the_step_interpreter_issues_every_async_collective_on_two_ranks(tmp_pat
     interpreter's logits, loss and gradients, and joins every op it issued: the
     backward issues one per column matmul run (2 a layer, 2 layers, and the LM head's)."""
     torch = pytest.importorskip("torch")
-    mp = pytest.importorskip("torch.multiprocessing")
+    pytest.importorskip("torch.multiprocessing")
     from tests import tp_workers
-    from tests.dist_testing import free_port
+    from tests.dist_testing import free_port, spawn
 
     out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.step_interpreter_rank, nprocs=2, args=(2, free_port(), out))
+    spawn(tp_workers.step_interpreter_rank, nprocs=2, args=(2, free_port(), out))
     for rank in range(2):
         got = torch.load(f"{out}.{rank}")
         assert got["waits"] == 3  # the attention's, the MLP's, the entry's

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
 from runtime.tensor_parallel import unshard_params  # noqa: E402
 from tests import tp_workers  # noqa: E402
-from tests.dist_testing import free_port  # noqa: E402
+from tests.dist_testing import free_port, spawn  # noqa: E402
 
 STEPS, ROWS, SEQ, ACCUMULATION = 2, 2, 8, 1
 RUNS = [("llama", False, True), ("qwen3", False, False), ("llama", True, False)]
@@ -33,7 +33,7 @@ def _close(got: dict, want: dict, what: str) -> None:
 
 def test_packed_tensor_parallel_steps_equal_one_process(tmp_path):
     out = str(tmp_path / "rank")
-    mp.spawn(tp_workers.packed_rank, nprocs=2,
+    spawn(tp_workers.packed_rank, nprocs=2,
              args=(2, free_port(), RUNS, (STEPS, ROWS, SEQ, ACCUMULATION), out))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     wanted = {}

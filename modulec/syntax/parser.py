@@ -10,9 +10,11 @@ and the declaration re-parsed, so that one mistake does not hide the next.
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import lark.lexer
 from lark import Lark
 from lark.exceptions import UnexpectedInput, VisitError
 
@@ -52,8 +54,9 @@ class Parser:
         text = grammar_file().read_text(encoding="utf-8")
         self.indenter = Indenter()
         self.builder = Builder()
-        self.lark = Lark(text, postlex=self.indenter, transformer=self.builder,
-                         **lark_options())
+        with _no_collision_check():
+            self.lark = Lark(text, postlex=self.indenter, transformer=self.builder,
+                             **lark_options())
 
     def parse_raw(self, text: str, file: str) -> A.Program:
         """Parse or raise (UnexpectedInput, DedentError); positions refer to `text`."""
@@ -68,6 +71,22 @@ class Parser:
         finally:
             if collecting:
                 gc.enable()
+
+
+@contextmanager
+def _no_collision_check():
+    """Build the lexers without lark's regex-collision check. Where interegular is
+    installed, lark compares every pair of terminals of every contextual lexer; outside
+    strict mode a collision is only logged, never an error, so the tables are the same
+    with or without it, and the check was ~0.3 s of every process's ~0.5 s parser build
+    (each CLI call, each gloo rank). tests/test_grammar.py builds the grammar in strict
+    mode, where a collision is an error."""
+    checked = lark.lexer.has_interegular
+    lark.lexer.has_interegular = False
+    try:
+        yield
+    finally:
+        lark.lexer.has_interegular = checked
 
 
 def parser() -> Parser:
