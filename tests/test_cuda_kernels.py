@@ -631,16 +631,19 @@ def test_rope_backward_writes_the_head_slots_of_a_planned_d_qkv():
 @needs_gpus(1)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_rows", [[], [3, 0, 5, 2]])
-def test_block_diag_matches_the_reference_bit_for_bit(dtype, zero_rows):
+@pytest.mark.parametrize("shapes", [((64, 16), (17, 16), (9, 5)),  # an element a thread
+                                    ((64, 16), (17, 16), (9, 16))])  # 16-byte pieces
+def test_block_diag_matches_the_reference_bit_for_bit(dtype, zero_rows, shapes):
     """One launch each way (csrc/kernels/block_diag.cu): the forward into given bytes (the
     arena's) or a new tensor, every other element zero even where the bytes held NaN; the
-    backward each block in a contiguous tensor of its own; both the reference's bits."""
+    backward each block in a contiguous tensor of its own; both the reference's bits, an
+    element a thread or (rows of whole 16-byte pieces: LoRA's 16-wide blocks) a piece."""
     from runtime.cuda.kernels import BlockDiag
 
     torch.manual_seed(7)
     kernel, reference = CUDA_KERNELS["block_diag"], KERNELS["block_diag"]
     assert isinstance(kernel, BlockDiag) and kernel.takes_out
-    xs = [rand(rows, cols, dtype=dtype) for rows, cols in ((64, 16), (17, 16), (9, 5))]
+    xs = [rand(rows, cols, dtype=dtype) for rows, cols in shapes]
     attrs = {"zero_rows": zero_rows} if zero_rows else {}
     want = reference.forward_fn(xs, **attrs)[0]
     raw = torch.full((want.numel() * want.element_size() + 64,), 255, dtype=torch.uint8,

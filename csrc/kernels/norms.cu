@@ -17,6 +17,7 @@ namespace {
 
 constexpr int kFwdCache = 4;       // row vectors a thread keeps in registers (forward)
 constexpr int kBwdCache = 2;       // likewise for x and d_y in the backward (twice the data)
+constexpr int kFrozenCache = 2;    // the d_x-alone backward's (a frozen weight: no partials)
 
 template <int VEC>
 __device__ __forceinline__ float sum_squares(const float (&a)[VEC]) {
@@ -151,17 +152,17 @@ __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x
   store_vec<T, VEC>(d_x, i, o);
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, int CACHE>
 __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const T* weight,
                                                  float offset, float r, const T* d_res, T* d_x,
                                                  float* part,
                                                  int64_t nvec, int64_t C, int group, int lane,
-                                                 float (&dw)[kBwdCache][VEC]) {
-  const int64_t first_uncached = kBwdCache * static_cast<int64_t>(group);
-  float xs[kBwdCache][VEC], gs[kBwdCache][VEC], ds[kBwdCache][VEC];
+                                                 float (&dw)[CACHE][VEC]) {
+  const int64_t first_uncached = CACHE * static_cast<int64_t>(group);
+  float xs[CACHE][VEC], gs[CACHE][VEC], ds[CACHE][VEC];
   float dot = 0.f;
 #pragma unroll
-  for (int k = 0; k < kBwdCache; ++k) {
+  for (int k = 0; k < CACHE; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
     if (i < nvec) {
       float w[VEC];
@@ -183,7 +184,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
   }
   const float mean_gn = group_sum(dot, group) / static_cast<float>(C);
 #pragma unroll
-  for (int k = 0; k < kBwdCache; ++k) {
+  for (int k = 0; k < CACHE; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
     if (i < nvec)
       store_dx<T, VEC>(gs[k], xs[k], weight, offset, d_res, d_x, i, r, mean_gn, dw[k], ds[k]);
@@ -205,7 +206,7 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
 // columns in every row, so its d_weight partials (one row of `partial` per group) need
 // neither atomics nor barriers. PARTS false (no d_weight wanted: a frozen weight's): the
 // partials' registers and code go, and the grid is a group a row (backward_vec).
-template <typename T, int VEC, bool PARTS = true>
+template <typename T, int VEC, bool PARTS = true, int CACHE = kBwdCache>
 __global__ void __launch_bounds__(kRowMaxThreads)
 rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
                     const T* __restrict__ weight, float offset, const float* __restrict__ rstd,
@@ -216,22 +217,22 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   const int64_t per_block = blockDim.x / group;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x / group;
   float* part = PARTS && partial ? partial + first * C : nullptr;  // null: no d_weight
-  float dw[kBwdCache][VEC] = {};
+  float dw[CACHE][VEC] = {};
   if (part)
-    for (int64_t i = lane + kBwdCache * static_cast<int64_t>(group); i < nvec; i += group)
+    for (int64_t i = lane + CACHE * static_cast<int64_t>(group); i < nvec; i += group)
       for (int j = 0; j < VEC; ++j) part[i * VEC + j] = 0.f;
   // the loop bound is uniform across the block: every group reaches every reduction
   for (int64_t base = first - threadIdx.x / group; base < rows; base += gridDim.x * per_block) {
     const int64_t row = base + threadIdx.x / group;
     const bool valid = row < rows;
     const int64_t off = valid ? row * C : 0;
-    rms_backward_row<T, VEC>(d_y + off, x + off, weight, offset, valid ? rstd[row] : 0.f,
+    rms_backward_row<T, VEC, CACHE>(d_y + off, x + off, weight, offset, valid ? rstd[row] : 0.f,
                              d_res ? d_res + off : nullptr, d_x + off, part, valid ? nvec : 0,
                              C, group, lane, dw);
   }
   if (!part) return;
 #pragma unroll
-  for (int k = 0; k < kBwdCache; ++k) {
+  for (int k = 0; k < CACHE; ++k) {
     const int64_t i = lane + static_cast<int64_t>(k) * group;
     if (i < nvec)
       for (int j = 0; j < VEC; ++j) part[i * VEC + j] = dw[k][j];
@@ -324,12 +325,13 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
   if (!d_weight) {
     // d_x alone (a frozen weight's): no partials, so no persistent grid either, a group
     // a row as the forward's, and no column sums
-    const int64_t per_block = plan.cfg.rows_per_block();
-    rms_backward_kernel<T, VEC, false>
-        <<<static_cast<unsigned>((rows + per_block - 1) / per_block), plan.cfg.threads, 0,
+    const RowConfig cfg = row_config(C / VEC, kFrozenCache);
+    const int64_t per_block = cfg.rows_per_block();
+    rms_backward_kernel<T, VEC, false, kFrozenCache>
+        <<<static_cast<unsigned>((rows + per_block - 1) / per_block), cfg.threads, 0,
            stream>>>(static_cast<const T*>(d_y), static_cast<const T*>(x),
                      static_cast<const T*>(weight), offset, rstd, static_cast<const T*>(d_res),
-                     static_cast<T*>(d_x), nullptr, rows, C, plan.cfg.group);
+                     static_cast<T*>(d_x), nullptr, rows, C, cfg.group);
     return cudaGetLastError();
   }
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
