@@ -34,6 +34,7 @@ planned bytes is an error, never a silent overrun.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -174,9 +175,39 @@ class Arena:
             return None
         return self.regions[placement.region][start:start + placement.size_bytes]
 
+    def widen(self, frame, concat: str, raw: Tensor, row: int, pad: int) -> Tensor | None:
+        """For this run, concat `concat` planned in place and its parts live in `raw`
+        (uint8, the caller's), each `row` elements of it (its trailing dims) `pad`
+        elements apart (a kernel writes the spare columns: the LoRA step's one-GEMM d_x,
+        runtime/cuda/lora_kcat.py); its typed view, or None (nothing changed) where it is
+        not such a concat, its rows are not `row` wide or `raw` is too small."""
+        info = frame.function.value(concat)
+        dtype = IR_DTYPES.get(info.dtype) if info is not None else None
+        if dtype is None or concat not in {p.concat for p in self.joins.get(
+                frame.function.name, {}).values()}:
+            return None
+        shape = tuple(int(d) for d in info.shape)
+        tail = [i for i in range(len(shape)) if math.prod(shape[i:]) == row]
+        if not tail or raw.numel() < math.prod(shape) // row * (row + pad) * dtype.itemsize:
+            return None
+        frame.widened[concat] = (raw, row, pad)  # this run's alone: it goes with the frame
+        return self._widened_view(frame, concat)
+
+    def is_widened(self, frame, concat: str) -> bool:
+        return concat in frame.widened
+
+    def _widened_view(self, frame, concat: str) -> Tensor | None:
+        kept = getattr(frame, "widened", {}).get(concat)
+        if kept is None:
+            return None
+        info = frame.function.value(concat)
+        shape = tuple(int(d) for d in info.shape)
+        return padded_view(kept[0], IR_DTYPES[info.dtype], shape, kept[1], kept[2])
+
     def _part(self, frame, value: str) -> Tensor | None:
         """A part of a concat planned in place (modulec.plan.joins): its slice of the
-        concat's planned bytes, typed (strided on an inner dim), or None."""
+        concat's planned bytes (or of its widened rows: `widen`), typed (strided on an
+        inner dim), or None."""
         part = self.joins.get(frame.function.name, {}).get(value)
         if part is None:
             return None
@@ -186,10 +217,12 @@ class Arena:
         if dtype is None or placement.block != part.concat:
             return None
         shape = tuple(int(d) for d in info.shape)
-        whole = self._planned_bytes(frame, placement)
+        wide = self._widened_view(frame, part.concat)
+        whole = wide if wide is not None else self._planned_bytes(frame, placement)
         if whole is None:
             return None
-        view = whole.view(dtype).view(shape).narrow(part.dim, part.start, part.length)
+        typed = wide if wide is not None else whole.view(dtype).view(shape)
+        view = typed.narrow(part.dim, part.start, part.length)
         for dim0, dim1 in part.swaps:
             view = view.transpose(dim0, dim1)
         return view
@@ -258,6 +291,9 @@ class Arena:
         part = self._part(frame, value)
         if part is not None and isinstance(tensor, Tensor):
             return _moved(part, tensor)
+        wide = self._widened_view(frame, value)
+        if wide is not None and isinstance(tensor, Tensor):
+            return _moved(wide, tensor)
         placement = self.placements.get(frame.function.name, {}).get(value)
         if placement is None and self._in_arena(tensor):
             return tensor.clone()  # no planned bytes (a parameter's gradient): its own
@@ -279,6 +315,9 @@ class Arena:
         placement, or bytes that are another value's (a view, an in-place output)."""
         if value in frame.destinations:
             return frame.destinations[value][1]
+        wide = self._widened_view(frame, value)
+        if wide is not None:
+            return wide
         part = self._part(frame, value)
         if part is not None:
             return part

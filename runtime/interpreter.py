@@ -53,6 +53,7 @@ class Frame:
     forgotten: dict = field(default_factory=dict)  # argument -> (caller run, its value)
     instance: int = 0  # which run of its function this is, in the forward (runtime.arena)
     destinations: dict = field(default_factory=dict)  # result -> caller's bytes (runtime.arena)
+    widened: dict = field(default_factory=dict)  # concat -> its rows elsewhere (Arena.widen)
     # call node id -> indices of its outputs nobody reads (runtime.prune; `prune_dead`)
     dead_calls: dict = field(default_factory=dict)
 

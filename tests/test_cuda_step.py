@@ -362,8 +362,9 @@ def test_lora_fixed_state_counts_frozen_weights_at_their_compute_copy():
     adapters = set(shapes) - frozen
     assert adapters and all(p.endswith(("lora_A", "lora_B")) for p in adapters)
     # + the spare columns the one-GEMM path lays beside each layer's gate/up rows (2 x 4
-    # ranks: runtime/cuda/lora_kcat.py)
-    sides = 2 * sum(shapes[f"blocks[{i}].mlp.up_weight"][0] * 8 for i in (0, 1))
+    # ranks: runtime/cuda/lora_kcat.py) and the 8 spare rows after them (its d_x's)
+    up = [shapes[f"blocks[{i}].mlp.up_weight"] for i in (0, 1)]
+    sides = 2 * sum(rows * 8 + 8 * cols for rows, cols in up)
     assert runtime_fixed_bytes(program) == 12 * count(adapters) + 2 * count(frozen) + sides
     plain = _model("llama").source.program_for(token_inputs(model))
     assert frozen_paths(plain) == set()

@@ -523,12 +523,15 @@ def test_the_one_gemm_projection_rounds_once(device):
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=needs_gpus(1))])
 def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
-    """By default a frozen weight at least WIDE times as wide in as out
-    (here each layer's down_weight, 48 against 32, WIDE lowered to 1.4) is laid with its
-    adapter's r rows after it (runtime/cuda/lora_kcat.py `tail_rows`); the backward's d_x
-    = d_y W + d_t A is one GEMM over [d_y | d_t] and [W ; A]: A lands in the tail slot,
-    the adapter path's node computes d_A alone, and the step computes what the two-GEMM
-    path does, within bf16; MODULEC_LORA_KCAT_DX=0 lays no tail rows."""
+    """By default a frozen weight at least WIDE times as wide in as out (here each
+    layer's down_weight, 48 against 32, WIDE lowered to 1.4) and a fused projection's
+    (q/k/v, gate/up) are laid with their adapters' rows after them
+    (runtime/cuda/lora_kcat.py `tail_rows`); the backward's d_x = d_y W + d_t A is one
+    GEMM over [d_y | d_t] and [W ; A]: A lands in the tail slot, the adapter path's node
+    computes d_A alone, down's d_y is copied beside d_t while the fused projections'
+    d_y (a concat planned in place) is written there by its producers (swiglu's and
+    attention's backward: runtime/arena.py `widen`), and the step computes what the
+    two-GEMM path does, within bf16; MODULEC_LORA_KCAT_DX=0 lays no tail rows."""
     import runtime.cuda.lora_kcat as kcat
     from runtime.cuda.state import region_of, stacked_order
     from modulec.lower.lora import is_adapter
@@ -541,8 +544,10 @@ def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
     assert kcat.tail_rows(shapes, frozen) == {}
     monkeypatch.delenv("MODULEC_LORA_KCAT_DX")
     tails = kcat.tail_rows(shapes, frozen)
-    assert tails == {"blocks[0].mlp.down_weight": 8, "blocks[1].mlp.down_weight": 8}
-    assert kcat.side_bytes(shapes, {}, tails=tails) == 2 * 8 * 48 * 2  # the fixed bytes'
+    assert tails == {f"blocks[{i}].{path}": rank for i in (0, 1) for path, rank in (
+        ("mlp.down_weight", 8), ("attention.qkv_weight", 24), ("mlp.up_weight", 16))}
+    assert kcat.side_bytes(shapes, {}, tails={p: r for p, r in tails.items() if "down" in p}
+                           ) == 2 * 8 * 48 * 2  # the fixed bytes'
     sides = kcat.side_columns(shapes, frozen)
     order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
     _, (views,) = region_of(shapes, [(BF16, order)], device=device, sides=sides, tails=tails)
@@ -550,8 +555,14 @@ def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
         view.copy_(model.params[path])
     kcat.lay_sides(views, sides)
     slots = kcat.lay_tails(views, tails)
+    copied, copy_rows = [], kcat._copy_rows
+    monkeypatch.setattr(kcat, "_copy_rows", lambda into, rows: copied.append(
+        tuple(into.shape)) or copy_rows(into, rows))
     outputs, grads, run, _ = _arena_step(model, monkeypatch, True, device, params=views)
-    assert run.lora_dx_one_gemm == 2
+    assert run.lora_dx_one_gemm == 6  # each layer's down, q/k/v and gate/up
+    # d_y copied beside d_t for down alone (and each d_t staged): the fused projections'
+    # backward wrote theirs into the scratch
+    assert sorted(set(copied)) == [(16, 8), (16, 16), (16, 24), (16, 32)], copied
     torch.testing.assert_close(slots["blocks[1].mlp.down_weight"].cpu(),
                                model.params["blocks[1].mlp.down_weight.lora_A"])
     new, was, two_run = _errors_beside_two_gemms(model, monkeypatch, device, outputs, grads)

@@ -190,3 +190,25 @@ def stacked_param_grads(function) -> frozenset:
                     and all(not o or o in grads for o in u.outputs) for u in users):
                 found.add(value)
     return frozenset(found)
+
+
+def widened_parts(function, pairs: DxPairs, joins: dict) -> dict:
+    """{value: (DxPair, concat)} for each pair whose d_y (its base's input 0) is a concat
+    planned in place, or a view of one (`joins`: {part: modulec.plan.joins.Part}; the
+    fused projections' d_gate | d_up, and d_q | d_k | d_v viewed as [B, T, N]): d_y, the
+    concat and each of its parts, the values whose writing first moves the concat into
+    the one-GEMM d_x's scratch (runtime/arena.py `widen`)."""
+    from modulec.plan.from_graph import ALIASES
+
+    producer = {o: n for n in function.nodes for o in n.outputs if o}
+    concats = {where.concat for where in joins.values()}
+    found = {}
+    for pair in pairs.adds.values():
+        d_y = source = pair.base.inputs[0]
+        while source not in concats and source in producer \
+                and producer[source].target in ALIASES and producer[source].inputs:
+            source = producer[source].inputs[0]
+        if source in concats:
+            parts = [part for part, where in joins.items() if where.concat == source]
+            found.update({value: (pair, source) for value in (d_y, source, *parts)})
+    return found

@@ -31,11 +31,15 @@ fixed bytes count the side columns (59 MB at LoRA 8B); the scratch is one buffer
 H100, LoRA 8B, 1.0 ms a step in both orders of an in-process A/B
 (benchmarks/gpu/results-h100-lora-s12-ab.txt).
 
-The backward's counterpart for a projection whose input is the wide side (down_proj):
-d_x = [d_y | d_t] [W ; A] as one GEMM, W laid with A's rows after it (`tail_rows`,
-`stage_dt`, `dx_into`; the step interpreter's `_stage_one_gemm_dx`); MODULEC_LORA_KCAT_DX=0
-keeps the two GEMMs. Measured: one H100, LoRA 8B, 126.31 -> 125.43 and 126.94 -> 126.31 ms
-in both orders of an in-process A/B (benchmarks/gpu/results-h100-lora-s14-ab.txt)."""
+The backward's counterpart: d_x = [d_y | d_t] [W ; A] as one GEMM, W laid with A's rows
+after it (`tail_rows`, `stage_dt`, `dx_into`; the step interpreter's `_stage_one_gemm_dx`),
+for a projection whose input is the wide side (down_proj: d_y copied beside d_t) and for
+a fused one (q/k/v, gate/up), whose d_y is a concat planned in place: the interpreter
+moves that concat into the scratch before its producers run (`_widen_dx`,
+runtime/arena.py `widen`), so swiglu's and attention's backward write d_y beside d_t and
+nothing is copied; MODULEC_LORA_KCAT_DX=0 keeps the two GEMMs. Measured: one H100, LoRA
+8B, down_proj 126.31 -> 125.43 and 126.94 -> 126.31 ms in both orders of an in-process A/B
+(benchmarks/gpu/results-h100-lora-s14-ab.txt)."""
 
 from __future__ import annotations
 
@@ -84,20 +88,47 @@ def _threshold() -> float:
 
 
 def tail_rows(shapes: dict, frozen) -> dict[str, int]:
-    """{frozen 2-D weight path: r} for each weight with one adapter (A [r, in]) at least
-    WIDE times as wide in as out (Llama's down_proj: 14,336 against 4,096), out + r and
-    in multiples of 8: laid with r spare rows after its own, into which A is copied for
-    the backward's d_x = [d_y | d_t] [W ; A] (`dx_into`); MODULEC_LORA_KCAT_DX=0: none."""
+    """{frozen 2-D weight path: k r} for the weights whose backward's d_x = [d_y | d_t]
+    [W ; A] runs as one GEMM (`dx_into`), laid with k r spare rows after their own (A's
+    rows copied there: `tail_slot`), out + k r and in multiples of 8: one adapter at least
+    WIDE times as wide in as out (Llama's down_proj: 14,336 against 4,096; d_y copied
+    beside d_t pays), or several (a fused projection, q/k/v and gate/up: its d_y is a
+    concat the backward writes straight into the rows beside d_t, `widened_dx`).
+    MODULEC_LORA_KCAT_DX=0: none; MODULEC_LORA_KCAT_DX_FUSED=0: not the fused ones (A/B)."""
     if not enabled() or os.environ.get("MODULEC_LORA_KCAT_DX", "1") == "0":
         return {}
     wide, tails = _threshold(), {}
     for path in frozen:
-        shape, a = shapes.get(path), shapes.get(path + ".lora_A")
-        if shape is None or a is None or len(shape) != 2 or shape[1] < wide * shape[0]:
+        shape = shapes.get(path)
+        adapters = [shapes[p] for p in shapes if p.endswith(".lora_A") and (
+            p == path + ".lora_A" or p.startswith(path + "."))]
+        if shape is None or len(shape) != 2 or not adapters \
+                or any(a[1] != shape[1] for a in adapters):
             continue
-        if a[1] == shape[1] and (shape[0] + a[0]) % 8 == 0 and shape[1] % 8 == 0:
-            tails[path] = a[0]
+        rank = sum(a[0] for a in adapters)
+        if (shape[0] + rank) % 8 or shape[1] % 8:
+            continue
+        fused = len(adapters) > 1 and os.environ.get("MODULEC_LORA_KCAT_DX_FUSED", "1") != "0"
+        if fused or shape[1] >= wide * shape[0]:
+            tails[path] = rank
     return tails
+
+
+def copy_pays(w: torch.Tensor) -> bool:
+    """Copying d_y beside d_t for the one-GEMM d_x pays (a WIDE projection)."""
+    return w.shape[1] >= _threshold() * w.shape[0]
+
+
+def widened_dx(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, int] | None:
+    """(the [d_y | d_t] scratch's bytes (uint8), k r) for a weight laid with a tail slot of
+    k r rows, where the backward can write d_y (rows x w's out) straight into the scratch's
+    left columns (runtime/arena.py `widen`), else None."""
+    ref = _tails.get(_key(w))
+    tail = ref() if ref is not None else None
+    if tail is None or w.stride(1) != 1:
+        return None
+    wide = _wide(rows, w.shape[0] + tail.shape[0], w.dtype, w.device, "dx")
+    return wide.view(-1).view(torch.uint8), tail.shape[0]
 
 
 def one_gemm_sides(program, shapes: dict, frozen) -> dict[str, int]:
@@ -251,17 +282,20 @@ def stage_dt(d_t: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> bool:
 
 
 def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
-            a_is_parameter: bool = False) -> torch.Tensor:
+            pieces=None) -> torch.Tensor:
     """d_x = d_y w + d_t a (d_t staged by `stage_dt`) as one GEMM over [d_y | d_t] and
-    [w ; a]: a copied into w's tail slot (at the step's start where a is a parameter:
-    slot_refresh.py), d_y into the scratch's left columns."""
+    [w ; a]: a copied into w's tail slot (at the step's start where its parameters are
+    known, `pieces`: slot_refresh.py), d_y into the scratch's left columns unless it was
+    written there (`widened_dx`)."""
     from runtime.cuda.gemm import mm_into
 
     tail, (out_rows, inner) = _tail_of(w, a), w.shape
-    _fill(tail, [(a, 0, 0)] if a_is_parameter else None, 1.0, lambda: tail.copy_(a))
+    _fill(tail, pieces, 1.0, lambda: tail.copy_(a))
     rows = d_y.numel() // d_y.shape[-1]
     wide = _wide(rows, out_rows + a.shape[0], w.dtype, w.device, "dx")
-    _copy_rows(wide[:, :out_rows], d_y.reshape(rows, -1))
+    left, d_y = wide[:, :out_rows], d_y.reshape(rows, -1)
+    if (left.data_ptr(), left.stride()) != (d_y.data_ptr(), d_y.stride()):
+        _copy_rows(left, d_y)
     stacked = w.as_strided((out_rows + a.shape[0], inner), w.stride(), w.storage_offset())
     return mm_into(wide, stacked, out.view(rows, inner))
 

@@ -7,13 +7,14 @@ IR marks `stream=comm` run on the communication stream (runtime/cuda/async_comm.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from modulec.ir.graph import STREAM
 from runtime.cuda.lora_backward import (DxPairs, add_into, lora_dx_pairs,
-                                        stacked_param_grads, target_bytes)
+                                        stacked_param_grads, target_bytes, widened_parts)
 from runtime.cuda.swaps import Stored
 from runtime.cuda.train_kernels import (lora_addmm, lora_matmul_into, overlaps,
                                        planned_product)
@@ -48,6 +49,7 @@ class _StepInterpreter(Interpreter):
         self.step = None
         self._pairs: dict = {}  # function name -> LoraPairs
         self._producers: dict = {}  # function name -> {value: the node making it}
+        self._widened_parts: dict = {}  # function name -> lora_backward.widened_parts
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
@@ -297,6 +299,22 @@ class _StepInterpreter(Interpreter):
                 attrs["b_blocks"] = [s[0] for s in shapes]
         return inputs, attrs
 
+    def _stacked_pieces(self, value: str, frame, forward) -> list | None:
+        """A's parameters and the row each starts at, (tensor, row, 0): A itself where it is
+        a parameter, each part of a dim-0 concat of parameters (a fused projection's
+        stacked A, made in the forward); None for anything else (slot_refresh.py)."""
+        if value.startswith("param:"):
+            return [(self._read(value, frame, forward), 0, 0)]
+        node = self._producers_of(forward.function).get(value) if forward else None
+        if node is None or node.target != "concat" or int(node.attr("dim") or 0) != 0 \
+                or not node.inputs or not all(v.startswith("param:") for v in node.inputs):
+            return None
+        pieces, row = [], 0
+        for part in (self._read(v, forward, None) for v in node.inputs):
+            pieces.append((part, row, 0))
+            row += part.shape[0]
+        return pieces
+
     def _producers_of(self, function) -> dict:
         if function.name not in self._producers:
             self._producers[function.name] = {o: n for n in function.nodes
@@ -308,6 +326,7 @@ class _StepInterpreter(Interpreter):
         path's d_x written into the sum's bytes, the frozen weight's d_x GEMM deferred to
         the add and added there. True where `node` was run (or deferred) here."""
         pairs = self._dx_pairs_of(frame.function)
+        self._widen_dx(node, frame, forward)
         if node.id in pairs.deferred:
             return True  # run by its add
         pair = pairs.firsts.get(node.id)
@@ -338,12 +357,46 @@ class _StepInterpreter(Interpreter):
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
         return True
 
+    def _widen_dx(self, node, frame, forward) -> None:
+        """Before `node` writes a fused projection's d_y (a concat planned in place, or a
+        part of it) whose weight was laid with tail rows (lora_kcat.tail_rows: q/k/v,
+        gate/up), the concat and its parts move into the one-GEMM d_x's scratch for this
+        run (runtime/arena.py `widen`): its producers write d_y beside where d_t goes, so
+        `dx_into` copies nothing in."""
+        from runtime.cuda.lora_kcat import widened_dx
+
+        if self.arena is None:
+            return
+        name = frame.function.name
+        if name not in self._widened_parts:
+            self._widened_parts[name] = widened_parts(
+                frame.function, self._dx_pairs_of(frame.function),
+                self.arena.joins.get(name, {}))
+        for value in node.outputs:
+            pair, concat = self._widened_parts[name].get(value, (None, None))
+            if pair is None or self.arena.is_widened(frame, concat):
+                continue
+            w = self._read(pair.base.inputs[2], frame, forward)
+            info = frame.function.value(concat)
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or info is None \
+                    or not all(str(d).isdigit() for d in info.shape):
+                continue
+            found = widened_dx(w, math.prod(int(d) for d in info.shape) // w.shape[0])
+            if found is not None:
+                self.arena.widen(frame, concat, found[0], w.shape[0], found[1])
+
+    def _dy_widened(self, pair, frame) -> bool:
+        """`_widen_dx` moved the pair's d_y (or the concat it views) into the scratch."""
+        found = self._widened_parts.get(frame.function.name, {}).get(pair.base.inputs[0])
+        return found is not None and self.arena.is_widened(frame, found[1])
+
     def _stage_one_gemm_dx(self, pair, frame, forward) -> bool:
-        """Where the frozen weight was laid with its adapter's A rows after it
-        (lora_kcat.tail_rows: down_proj), the d_x sum is one GEMM at the add (`_one_gemm_dx`):
-        here the adapter path's d_t is staged beside where d_y will go and its node runs
-        for d_A alone. False (nothing done) where that does not apply."""
-        from runtime.cuda.lora_kcat import laid_tails, stage_dt
+        """Where the frozen weight was laid with its adapters' A rows after it
+        (lora_kcat.tail_rows), the d_x sum is one GEMM at the add (`_one_gemm_dx`): here
+        the adapter path's d_t is staged beside where d_y goes and its node runs for d_A
+        alone. Where d_y was written into the scratch (`_widen_dx`: q/k/v, gate/up) or
+        copying it there pays (down_proj); False (nothing done) elsewhere."""
+        from runtime.cuda.lora_kcat import copy_pays, laid_tails, stage_dt
 
         first, base = pair.first, pair.base
         if not laid_tails() or first.attr("transpose") != "NT" or len(first.inputs) != 3 \
@@ -352,8 +405,10 @@ class _StepInterpreter(Interpreter):
             return False
         d_t, a, w = (self._read(v, frame, forward)
                      for v in (first.inputs[0], first.inputs[2], base.inputs[2]))
-        if not all(isinstance(t, torch.Tensor) for t in (d_t, a, w)) or w.dim() != 2 \
-                or not stage_dt(d_t, w, a):
+        if not all(isinstance(t, torch.Tensor) for t in (d_t, a, w)) or w.dim() != 2:
+            return False
+        widened = self.arena is not None and self._dy_widened(pair, frame)
+        if not (widened or copy_pays(w)) or not stage_dt(d_t, w, a):
             return False
         super()._op(replace(first, outputs=("", *first.outputs[1:])), frame, forward)
         self._dx_staged[(id(frame), pair.add.id)] = True
@@ -373,7 +428,7 @@ class _StepInterpreter(Interpreter):
             planned_product(raw, d_y.reshape(-1, w.shape[0]), w)
         if out is None:
             out = torch.empty(shape, dtype=w.dtype, device=w.device)
-        y = dx_into(d_y, w, a, out, pair.first.inputs[2].startswith("param:"))
+        y = dx_into(d_y, w, a, out, self._stacked_pieces(pair.first.inputs[2], frame, forward))
         self.lora_dx_fused += 1
         self.lora_dx_one_gemm += 1
         for value in (base.outputs[0], pair.first.outputs[0]):
