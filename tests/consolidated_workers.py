@@ -1,4 +1,4 @@
-"""Work run in each process of the streamed-save test (torch.multiprocessing spawns them):
+"""Work run in each process of the streamed-save test (torch.multiprocessing starts them):
 `modulec train`'s own entry (runtime.train.run.train_model) once per run, as under
 torchrun, with rank 0's streamed files written through `Probe` (the injectable writer):
 it counts the bytes of the tensors handed to the writer that are still alive, by their

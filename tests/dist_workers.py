@@ -1,4 +1,4 @@
-"""Work run in each process of the multi-process tests (torch.multiprocessing spawns them:
+"""Work run in each process of the multi-process tests (torch.multiprocessing starts them:
 the functions must be importable). Each process joins a gloo group on a free localhost
 port given by the test."""
 

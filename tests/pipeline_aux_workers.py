@@ -1,4 +1,4 @@
-"""Work run in each process of tests/test_pipeline_aux.py (torch.multiprocessing spawns
+"""Work run in each process of tests/test_pipeline_aux.py (torch.multiprocessing starts
 them): MoE models with an auxiliary load-balancing loss trained on two pipeline stages,
 and their one-process references (float64)."""
 

@@ -1,4 +1,4 @@
-"""Work run in each process of tests/test_pipeline_shared.py (torch.multiprocessing spawns
+"""Work run in each process of tests/test_pipeline_shared.py (torch.multiprocessing starts
 them): pipelines whose stages share a parameter (a tied LM head)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Work run in each process of the pipeline tests (torch.multiprocessing spawns them)."""
+"""Work run in each process of the pipeline tests (torch.multiprocessing starts them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Work run in each process of the shard-checkpoint test (torch.multiprocessing spawns
+"""Work run in each process of the shard-checkpoint test (torch.multiprocessing starts
 them): `modulec train`'s own entry (runtime.train.run.train_model) called once per run, in
 the environment torchrun would set, rank r's stdout (its JSON lines) to `out`.<run>.<r>."""
 

@@ -1,5 +1,5 @@
 """Work run in each process of the evaluation tests under tensor parallel
-(tests/test_tp_eval.py, tests/test_cuda_tp_eval.py; torch.multiprocessing spawns them:
+(tests/test_tp_eval.py, tests/test_cuda_tp_eval.py; torch.multiprocessing starts them:
 the functions must be importable)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Work run in each process of the LoRA-under-tensor-parallel tests (tests/test_tp_lora.py,
-tests/test_cuda_tp_lora.py; torch.multiprocessing spawns them: the functions must be
+tests/test_cuda_tp_lora.py; torch.multiprocessing starts them: the functions must be
 importable)."""
 
 from __future__ import annotations

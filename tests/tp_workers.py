@@ -1,4 +1,4 @@
-"""Work run in each process of the tensor-parallel tests (torch.multiprocessing spawns
+"""Work run in each process of the tensor-parallel tests (torch.multiprocessing starts
 them: the functions must be importable). Each process joins a gloo group of `world`
 ranks on a free localhost port given by the test and runs its rank's program."""
 
