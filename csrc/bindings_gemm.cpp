@@ -209,7 +209,13 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
   check(db32, "db32", at::kFloat, d_c);
   TORCH_CHECK(da32.numel() == rows * rank && db32.numel() == cols * rank,
               "skinny_nt_backward: the fp32 sums must hold d_A and d_B");
-  Tensor d_a = output(out, 0, {rows, rank}, a.options());
+  // d_a may be a view with rows apart (d_t written beside d_y: runtime/cuda/lora_kcat.py)
+  const bool strided_a = out.size() > 0 && out[0] && !out[0]->is_contiguous();
+  Tensor d_a = strided_a ? *out[0] : output(out, 0, {rows, rank}, a.options());
+  TORCH_CHECK(!strided_a || (d_a.dim() == 2 && d_a.size(0) == rows && d_a.size(1) == rank &&
+                             d_a.stride(1) == 1 && d_a.stride(0) >= rank &&
+                             d_a.scalar_type() == at::kBFloat16 && d_a.device() == d_c.device()),
+              "skinny_nt_backward: out[0] must be [", rows, ", ", rank, "] bf16, rows apart");
   Tensor d_b = output(out, 1, {cols, rank}, b.options());
   // blocks: the row ends of a block-diagonal b's 16-wide blocks (skinny_grads.py), or none
   SkinnyBlocks parts{};
@@ -227,8 +233,8 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   check_launch(launch_skinny_nt_backward(d_c.data_ptr(), d_c.stride(0), a.data_ptr(),
                                          b.data_ptr(), da32.data_ptr<float>(),
-                                         db32.data_ptr<float>(), d_a.data_ptr(), d_b.data_ptr(),
-                                         rows, cols, static_cast<int>(rank),
+                                         db32.data_ptr<float>(), d_a.data_ptr(), d_a.stride(0),
+                                         d_b.data_ptr(), rows, cols, static_cast<int>(rank),
                                          static_cast<float>(alpha), parts, sms, stream()),
                "skinny_nt_backward");
   return {d_a, d_b};

@@ -166,19 +166,78 @@ def test_the_step_tells_the_fused_projections_gradients_their_blocks(monkeypatch
 @pytest.mark.parametrize("rows", [[256, 128, 128], [1024, 1024], [128, 256, 128, 512]])
 def test_block_diagonal_B_sums_each_block_alone(rows):
     """With B's blocks given, d_A = alpha d_C B matches the fp32 reference (each chunk of
-    d_C against its own block) and d_B's diagonal blocks match alpha d_C^T A there; the
-    rest of d_B (discarded by block_diag's backward) stays zero."""
+    d_C against its own block), written into a view whose rows lie apart (d_t beside d_y
+    in the one-GEMM d_x's scratch), and d_B's diagonal blocks match alpha d_C^T A there;
+    the rest of d_B (discarded by block_diag's backward) is not written; the sums are
+    left zero (a second call gives the same)."""
     T, N, R = 512, sum(rows), 16 * len(rows)
     d_C, A, _ = _operands(T, N, R, seed=len(rows))
     B = _block_diagonal(rows, seed=1).cuda()
-    d_A, d_B = skinny_nt_backward(d_C, A, B, 2.0, blocks=rows)
-    _check(d_A, 2.0 * d_C.float() @ B.float())
+    nan = dict(device="cuda", dtype=torch.bfloat16)
+    wide = torch.full((T, 40 + R), float("nan"), **nan)
+    d_B = torch.full((N, R), float("nan"), **nan)
     full = 2.0 * d_C.float().t() @ A.float()
-    start = 0
-    for i, r in enumerate(rows):
-        cols = slice(16 * i, 16 * i + 16)
-        _check(d_B[start:start + r, cols], full[start:start + r, cols])
-        off = d_B[start:start + r].clone()
-        off[:, cols] = 0
-        assert not off.any()
-        start += r
+    for _ in range(2):
+        d_A, got_B = skinny_nt_backward(d_C, A, B, 2.0, [wide[:, 40:], d_B], blocks=rows)
+        assert d_A.data_ptr() == wide[:, 40:].data_ptr() and got_B.data_ptr() == d_B.data_ptr()
+        _check(d_A, 2.0 * d_C.float() @ B.float())
+        assert wide[:, :40].isnan().all()
+        start = 0
+        for i, r in enumerate(rows):
+            cols = slice(16 * i, 16 * i + 16)
+            _check(d_B[start:start + r, cols], full[start:start + r, cols])
+            off = d_B[start:start + r].clone()
+            off[:, cols] = float("nan")
+            assert off.isnan().all()
+            start += r
+
+
+@needs_gpus(1)
+def test_the_one_gemm_d_x_takes_d_t_where_the_kernel_wrote_it(monkeypatch):
+    """A LoRA step at a shape the one-pass kernel covers (T = 256, N multiples of 128; rank
+    16, weights laid with side columns and tail rows): each one-GEMM pair's d_t is written
+    by the kernel's finishing launch straight into the [d_y | d_t] scratch, so nothing is
+    copied there (down's d_y aside), and the step computes what the two-GEMM step does."""
+    import runtime.cuda.lora_kcat as kcat
+    from modulec.lower.lora import is_adapter
+    from runtime.cuda.state import region_of, stacked_order
+    from runtime.model import Model
+    from runtime_models import DENSE, TINY
+    from tests.test_lora_step import _arena_step, _error
+
+    settings = DENSE | dict(d_model=128, d_ff=256, num_heads=4, num_kv_heads=2, max_seq=256)
+    model = Model.from_module(TINY["llama"][0], settings=settings, dtype=torch.bfloat16,
+                              lora=dict(rank=16, alpha=32, targets=["q", "k", "v", "o",
+                                                                      "gate", "up", "down"]))
+    model.init_random(1, std=0.05)
+    for p, t in model.params.items():  # B != 0: the deltas mean something
+        if p.endswith("lora_B"):
+            t.copy_(0.05 * torch.randn(t.shape))
+    inputs = {"token_ids": torch.randint(0, 64, (1, 256), dtype=torch.int32)}
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    frozen = {p for p in shapes if not is_adapter(p)}
+    sides, tails = kcat.side_columns(shapes, frozen), kcat.tail_rows(shapes, frozen)
+    order = stacked_order(model.source.program_for(inputs).graph, sorted(shapes))
+    _, (views,) = region_of(shapes, [(torch.bfloat16, order)], device="cuda", sides=sides,
+                            tails=tails)
+    for path, view in views.items():
+        view.copy_(model.params[path])
+    held = (kcat.lay_sides(views, sides), kcat.lay_tails(views, tails))  # noqa: F841
+    into_scratch, copy_rows = [], kcat._copy_rows
+
+    def counted(into, rows):
+        scratches = [t for key, t in kcat._scratch.items() if key[-1] == "dx"]
+        if any(into.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+               for t in scratches):
+            into_scratch.append(tuple(into.shape))
+        copy_rows(into, rows)
+    monkeypatch.setattr(kcat, "_copy_rows", counted)
+    outputs, grads, run, _ = _arena_step(model, monkeypatch, True, "cuda", params=views,
+                                         inputs=inputs)
+    assert run.lora_dx_one_gemm == 6
+    assert into_scratch == [(256, 128)] * 2  # each layer's down d_y, no d_t
+    two_outputs, two_grads, _, _ = _arena_step(model, monkeypatch, True, "cuda",
+                                               inputs=inputs)
+    errors = [_error(a, b) for a, b in zip(outputs, two_outputs)] + \
+        [_error(grads[p], two_grads[p]) for p in two_grads]
+    assert max(errors) < 0.05, errors

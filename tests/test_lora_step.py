@@ -36,12 +36,13 @@ def _lora_model(rank: int = 4) -> Model:
     return model
 
 
-def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu", params=None):
+def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu", params=None,
+                inputs=None):
     """One forward + backward of the step's interpreter on the arena (CPU, bf16): outputs,
     gradients, the interpreter, and the (function, value, op) of each copy into the arena.
     `planned=False`: the kernels and LoRA pairs as they were before (the reference add,
     zeros and concat made elsewhere and copied in, base's matmul not deferred)."""
-    inputs = token_inputs(model)
+    inputs = inputs or token_inputs(model)
     program = model.source.program_for(inputs)
     kernels = train_kernels(device)
     if not planned:

@@ -238,7 +238,7 @@ struct Problem {
     report("read d_C (float4 loop)", time_us([&] { exp_::read_all<<<sms * 8, 512>>>((const float4*)g, T * N * 2 / 16, da2); }));
     report("shipped kernel alone", time_us([&] { modulec::launch<R, false>(g, N, a, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0); }));
     report("shipped kernel + finish", time_us([&] {
-      modulec::launch_skinny_nt_backward(g, N, a, b, da, db, da2, db2, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
+      modulec::launch_skinny_nt_backward(g, N, a, b, da, db, da2, R, db2, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
     mode<256, 128, 2, 0>("KR256 KC128 S2 loads only");
     mode<256, 128, 2, 4>("KR256 KC128 S2 compute, no atomics");
     mode<256, 128, 2, 5>("KR256 KC128 S2 compute + da atomics");

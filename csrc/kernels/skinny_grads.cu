@@ -242,19 +242,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 // d_a = alpha da32, d_b = alpha db32 in bf16, and both sums zeroed for the next call (one
 // launch for both: the sums are small, a launch is not). Launched with a thread an element
 // (`finish_blocks`): with one block an SM each thread walked ~30 elements of gate/up's
-// 983K one dependent load at a time (14.8 us a call in the LoRA 8B replay).
+// 983K one dependent load at a time (14.8 us a call in the LoRA 8B replay). d_a's rows lie
+// `ld_a` apart (the LoRA step writes d_t straight beside d_y: lora_kcat.py); with `blocks`
+// only d_b's diagonal blocks are summed, so only they are cast and zeroed (n_b: d_b's
+// elements or, blocked, rows x 16).
 __global__ void finish_kernel(float* __restrict__ da32, float* __restrict__ db32,
                               __nv_bfloat16* __restrict__ d_a, __nv_bfloat16* __restrict__ d_b,
-                              int64_t n_a, int64_t n_b, float alpha) {
+                              int64_t n_a, int64_t n_b, int rank, int64_t ld_a, float alpha,
+                              SkinnyBlocks blocks) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_a + n_b;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (i < n_a) {
-      d_a[i] = __float2bfloat16(alpha * da32[i]);
+      d_a[(i / rank) * ld_a + i % rank] = __float2bfloat16(alpha * da32[i]);
       da32[i] = 0.0f;
-    } else {
-      d_b[i - n_a] = __float2bfloat16(alpha * db32[i - n_a]);
-      db32[i - n_a] = 0.0f;
+      continue;
     }
+    int64_t j = i - n_a;
+    if (blocks.n > 0) {  // row j / 16 of d_b, column 16 (its block) + j % 16
+      const int64_t row = j / 16;
+      j = row * rank + 16 * block_of(blocks, row) + j % 16;
+    }
+    d_b[j] = __float2bfloat16(alpha * db32[j]);
+    db32[j] = 0.0f;
   }
 }
 
@@ -297,9 +306,9 @@ int skinny_cols_multiple() { return kCols; }
 
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
                                       const void* b, float* da32, float* db32, void* d_a,
-                                      void* d_b, int64_t rows, int64_t cols, int rank,
-                                      float alpha, const SkinnyBlocks& blocks, int sm_count,
-                                      cudaStream_t stream) {
+                                      int64_t ld_a, void* d_b, int64_t rows, int64_t cols,
+                                      int rank, float alpha, const SkinnyBlocks& blocks,
+                                      int sm_count, cudaStream_t stream) {
   if (blocks.n < 0 || blocks.n > kSkinnyMaxBlocks) return cudaErrorInvalidValue;
   for (int i = 0; i + 1 < blocks.n; ++i)
     if (blocks.end[i] % kCols != 0) return cudaErrorInvalidValue;
@@ -313,13 +322,14 @@ cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess) return err;
-  const int64_t n = (rows + cols) * rank;
+  const bool blocked = rank > 16 && blocks.n == rank / 16;
+  const SkinnyBlocks finish_blocks_of = blocked ? blocks : SkinnyBlocks{};
+  const int64_t n_a = rows * rank, n_b = cols * (blocked ? 16 : rank);
   const unsigned finish_blocks = static_cast<unsigned>(std::max<int64_t>(
-      1, std::min<int64_t>((n + 255) / 256, 1 << 20)));
-  finish_kernel<<<finish_blocks, 256, 0, stream>>>(da32, db32,
-                                                   static_cast<__nv_bfloat16*>(d_a),
-                                                   static_cast<__nv_bfloat16*>(d_b), rows * rank,
-                                                   cols * rank, alpha);
+      1, std::min<int64_t>((n_a + n_b + 255) / 256, 1 << 20)));
+  finish_kernel<<<finish_blocks, 256, 0, stream>>>(
+      da32, db32, static_cast<__nv_bfloat16*>(d_a), static_cast<__nv_bfloat16*>(d_b), n_a, n_b,
+      rank, ld_a, alpha, finish_blocks_of);
   return cudaGetLastError();
 }
 

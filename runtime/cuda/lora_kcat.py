@@ -270,15 +270,29 @@ def laid_tails() -> bool:
 
 def stage_dt(d_t: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> bool:
     """The backward's first half of `dx_into`, while d_t [.., r] is alive (the adapter
-    path's matmul_backward): d_t copied into the right columns of the [d_y | d_t] scratch.
-    False (nothing done) where w has no tail slot of a's shape or the shapes do not fit."""
+    path's matmul_backward): d_t copied into the right columns of the [d_y | d_t] scratch
+    (unless its maker wrote it there: `dt_beside`). False (nothing done) where w has no
+    tail slot of a's shape or the shapes do not fit."""
     tail = _tail_of(w, a)
     if tail is None or d_t.shape[-1] != a.shape[0] or d_t.dtype != w.dtype:
         return False
     rows = d_t.numel() // d_t.shape[-1]
-    _copy_rows(_wide(rows, w.shape[0] + a.shape[0], w.dtype, w.device, "dx")[:, w.shape[0]:],
-               d_t.reshape(rows, -1))
+    right, d_t = _wide(rows, w.shape[0] + a.shape[0], w.dtype, w.device,
+                       "dx")[:, w.shape[0]:], d_t.reshape(rows, -1)
+    if (right.data_ptr(), right.stride()) != (d_t.data_ptr(), d_t.stride()):
+        _copy_rows(right, d_t)
     return True
+
+
+def dt_beside(w: torch.Tensor, rows: int, width: int) -> torch.Tensor | None:
+    """The [d_y | d_t] scratch's d_t columns (rows x width, rows apart) for a weight laid
+    with a tail slot `width` rows deep, where d_t's maker may write it (the one-pass
+    gradients' finishing launch), else None."""
+    ref = _tails.get(_key(w))
+    tail = ref() if ref is not None else None
+    if tail is None or tail.shape[0] != width or w.stride(1) != 1:
+        return None
+    return _wide(rows, w.shape[0] + width, w.dtype, w.device, "dx")[:, w.shape[0]:]
 
 
 def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor,

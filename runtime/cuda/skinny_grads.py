@@ -43,18 +43,26 @@ def covers(d_C, A, B) -> bool:
 
 def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> list | None:
     """[d_A, d_B] of C = alpha A B^T (2-D), or None where the kernel does not cover them;
-    `out`: typed contiguous tensors for (d_A, d_B) to write into, or None each. `blocks`:
-    where B is block-diagonal with blocks 16 wide (LoRA's B of a fused projection, made by
-    block_diag), each block's last row + 1; the kernel then sums each chunk of d_C against
-    its own block alone (`block_ends`)."""
+    `out`: typed tensors for (d_A, d_B) to write into, or None each: contiguous, or for
+    d_A rows apart (d_t written beside d_y in the one-GEMM d_x's scratch,
+    runtime/cuda/lora_kcat.py). `blocks`: where B is block-diagonal with blocks 16 wide
+    (LoRA's B of a fused projection, made by block_diag), each block's last row + 1; the
+    kernel then sums each chunk of d_C against its own block alone (`block_ends`) and
+    writes d_B's diagonal blocks only (block_diag's backward reads no other)."""
     if not covers(d_C, A, B):
         return None
     from runtime.cuda.build import load
 
-    targets = [t if t is not None and t.is_contiguous() else None for t in (out or (None, None))]
+    d_a, d_b = out or (None, None)
+    targets = [d_a if d_a is not None and (d_a.is_contiguous() or _rows_apart(d_a)) else None,
+               d_b if d_b is not None and d_b.is_contiguous() else None]
     da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
     return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets,
                                           block_ends(blocks, B)))
+
+
+def _rows_apart(t) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
 
 
 def block_ends(blocks, B) -> list[int]:

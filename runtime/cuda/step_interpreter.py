@@ -50,6 +50,7 @@ class _StepInterpreter(Interpreter):
         self._pairs: dict = {}  # function name -> LoraPairs
         self._producers: dict = {}  # function name -> {value: the node making it}
         self._widened_parts: dict = {}  # function name -> lora_backward.widened_parts
+        self._dt_makers: dict = {}  # function name -> {d_t value: its one-GEMM DxPair}
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
@@ -327,6 +328,8 @@ class _StepInterpreter(Interpreter):
         the add and added there. True where `node` was run (or deferred) here."""
         pairs = self._dx_pairs_of(frame.function)
         self._widen_dx(node, frame, forward)
+        if self._dt_beside_dy(node, pairs, frame, forward):
+            return True
         if node.id in pairs.deferred:
             return True  # run by its add
         pair = pairs.firsts.get(node.id)
@@ -390,25 +393,66 @@ class _StepInterpreter(Interpreter):
         found = self._widened_parts.get(frame.function.name, {}).get(pair.base.inputs[0])
         return found is not None and self.arena.is_widened(frame, found[1])
 
-    def _stage_one_gemm_dx(self, pair, frame, forward) -> bool:
-        """Where the frozen weight was laid with its adapters' A rows after it
-        (lora_kcat.tail_rows), the d_x sum is one GEMM at the add (`_one_gemm_dx`): here
-        the adapter path's d_t is staged beside where d_y goes and its node runs for d_A
-        alone. Where d_y was written into the scratch (`_widen_dx`: q/k/v, gate/up) or
-        copying it there pays (down_proj); False (nothing done) elsewhere."""
-        from runtime.cuda.lora_kcat import copy_pays, laid_tails, stage_dt
+    def _dt_beside_dy(self, node, pairs, frame, forward) -> bool:
+        """The node making a one-GEMM pair's d_t (the delta's matmul backward) writes it
+        straight into the scratch's columns beside d_y (`_redirects`; the one-pass
+        gradients' finishing launch writes rows apart), so staging it copies nothing.
+        True where `node` was run here."""
+        from runtime.cuda.lora_kcat import dt_beside
+
+        if node.target != "matmul_backward" or not node.outputs or not node.outputs[0]:
+            return False
+        name = frame.function.name
+        if name not in self._dt_makers:
+            self._dt_makers[name] = {p.first.inputs[0]: p for p in pairs.adds.values()}
+        pair = self._dt_makers[name].get(node.outputs[0])
+        w = self._one_gemm_weight(pair, frame, forward) if pair is not None else None
+        info = frame.function.value(node.outputs[0])
+        if w is None or info is None or not all(str(d).isdigit() for d in info.shape):
+            return False
+        shape = tuple(int(d) for d in info.shape)
+        target = dt_beside(w, math.prod(shape) // shape[-1], shape[-1])
+        if target is None:
+            return False
+        key = (id(frame), node.id)
+        self._redirects[key] = target
+        try:
+            super()._op(node, frame, forward)
+        finally:
+            self._redirects.pop(key, None)
+        return True
+
+    def _one_gemm_weight(self, pair, frame, forward):
+        """The frozen weight of a pair whose d_x sum may be one GEMM (`_stage_one_gemm_dx`:
+        tail rows laid, d_y written into the scratch or a copy of it paying), else None."""
+        from runtime.cuda.lora_kcat import copy_pays, laid_tails
 
         first, base = pair.first, pair.base
         if not laid_tails() or first.attr("transpose") != "NT" or len(first.inputs) != 3 \
                 or float(first.attr("alpha") or 1.0) != 1.0 \
                 or float(base.attr("alpha") or 1.0) != 1.0:
-            return False
-        d_t, a, w = (self._read(v, frame, forward)
-                     for v in (first.inputs[0], first.inputs[2], base.inputs[2]))
-        if not all(isinstance(t, torch.Tensor) for t in (d_t, a, w)) or w.dim() != 2:
-            return False
+            return None
+        w = self._read(base.inputs[2], frame, forward)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            return None
         widened = self.arena is not None and self._dy_widened(pair, frame)
-        if not (widened or copy_pays(w)) or not stage_dt(d_t, w, a):
+        return w if widened or copy_pays(w) else None
+
+    def _stage_one_gemm_dx(self, pair, frame, forward) -> bool:
+        """Where the frozen weight was laid with its adapters' A rows after it
+        (lora_kcat.tail_rows), the d_x sum is one GEMM at the add (`_one_gemm_dx`): here
+        the adapter path's d_t is staged beside where d_y goes (already there where its
+        maker wrote it so: `_dt_beside_dy`) and its node runs for d_A alone. Where d_y was
+        written into the scratch (`_widen_dx`: q/k/v, gate/up) or copying it there pays
+        (down_proj); False (nothing done) elsewhere."""
+        from runtime.cuda.lora_kcat import stage_dt
+
+        first = pair.first
+        w = self._one_gemm_weight(pair, frame, forward)
+        if w is None:
+            return False
+        d_t, a = (self._read(v, frame, forward) for v in (first.inputs[0], first.inputs[2]))
+        if not all(isinstance(t, torch.Tensor) for t in (d_t, a)) or not stage_dt(d_t, w, a):
             return False
         super()._op(replace(first, outputs=("", *first.outputs[1:])), frame, forward)
         self._dx_staged[(id(frame), pair.add.id)] = True
