@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,7 @@ def _pick(data, items, label: str):
     return items[data.draw(st.integers(0, len(items) - 1), label=label)]
 
 
+@lru_cache(maxsize=256)  # the corpus's texts come back for every mutant drawn from them
 def masks(text: str) -> tuple[str, str]:
     """(code, uncommented): the text with comments blanked, and with strings blanked too,
     offsets unchanged (so the edits look for names, numbers and brackets in code only)."""

@@ -33,8 +33,19 @@ def torchrun(ckpt, *args, weights=True, file=LLAMA, processes=2):
     return [r["loss"] for r in rows if r["event"] == "step"]
 
 
-def test_two_processes_train_as_one_and_resume_on_either(ckpt, tmp_path):
-    one = losses(train(ckpt, "--steps", "4", "--save", tmp_path / "one"))
+@pytest.fixture(scope="module")
+def one_process(ckpt, tmp_path_factory):
+    """One process's four steps' losses, saved in `one` (what the launches below are held
+    to), and its first two steps saved apart in `first` (what two processes resume); the
+    tests only read both folders."""
+    folder = tmp_path_factory.mktemp("one_process")
+    steps = losses(train(ckpt, "--steps", "4", "--save", folder / "one"))
+    losses(train(ckpt, "--steps", "2", "--save", folder / "first"))
+    return steps, folder
+
+
+def test_two_processes_train_as_one_and_resume_on_either(ckpt, one_process, tmp_path):
+    one, reference = one_process
     two = torchrun(ckpt, "--steps", "2", "--zero", "3", "--save", tmp_path / "two")
     assert len(two) == 2 and two == pytest.approx(one[:2], rel=1e-5)
     # under ZeRO the ranks' shards hold the optimizer state: no consolidated copy of it
@@ -45,12 +56,11 @@ def test_two_processes_train_as_one_and_resume_on_either(ckpt, tmp_path):
     rest = losses(train(ckpt, "--steps", "4", "--resume", tmp_path / "two", "--save",
                         tmp_path / "two", weights=False))
     assert rest == pytest.approx(one[2:], rel=1e-4)
-    a, b = _tensors(tmp_path / "one" / "checkpoint-4"), _tensors(tmp_path / "two" / "checkpoint-4")
+    a, b = _tensors(reference / "one" / "checkpoint-4"), _tensors(tmp_path / "two" / "checkpoint-4")
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
     # 1 -> 2: two processes continue the one-process checkpoint of step 2
-    losses(train(ckpt, "--steps", "2", "--save", tmp_path / "first"))
-    more = torchrun(ckpt, "--steps", "4", "--zero", "2", "--resume", tmp_path / "first",
+    more = torchrun(ckpt, "--steps", "4", "--zero", "2", "--resume", reference / "first",
                     weights=False)
     assert more == pytest.approx(one[2:], rel=1e-4)
 
@@ -183,19 +193,18 @@ def test_a_rank_that_dies_ends_the_run_and_the_last_checkpoint_resumes(ckpt, tmp
     assert len(resumed) == 1  # the run saved step 2; step 3 runs
 
 
-def test_tensor_parallel_trains_as_one_process_and_saves_whole(ckpt, tmp_path):
+def test_tensor_parallel_trains_as_one_process_and_saves_whole(ckpt, one_process, tmp_path):
     """--tp 2: the two ranks hold halves of each layer and read the same rows; the losses
     are one process's, the checkpoint holds whole tensors (one process resumes it) and two
     ranks resume a one-process checkpoint."""
-    one = losses(train(ckpt, "--steps", "4", "--save", tmp_path / "one"))
+    one, reference = one_process
     two = torchrun(ckpt, "--steps", "2", "--tp", "2", "--batch", "2", "--save",
                    tmp_path / "tp")
     assert two == pytest.approx(one[:2], rel=1e-5)
     rest = losses(train(ckpt, "--steps", "4", "--resume", tmp_path / "tp", weights=False))
     assert rest == pytest.approx(one[2:], rel=1e-4)
-    losses(train(ckpt, "--steps", "2", "--save", tmp_path / "first"))
     more = torchrun(ckpt, "--steps", "4", "--tp", "2", "--batch", "2", "--resume",
-                    tmp_path / "first", weights=False)
+                    reference / "first", weights=False)
     assert more == pytest.approx(one[2:], rel=1e-4)
 
 
