@@ -71,7 +71,7 @@ def test_speedup_against_the_fastest_peer():
     assert rows["modulec"]["speedup_vs_best_hf"] == pytest.approx(1.6)
     assert rows["modulec"]["peak_vs_best_hf"] == pytest.approx(20 / 32)
     text = table(rows, args, shape)
-    assert "failed: RuntimeError: boom" in text and "1.60x tokens/s at 0.62x" in text
+    assert "failed: RuntimeError: boom" in text and "1.600x tokens/s at 0.62x" in text
 
 
 @needs_gpus(1)

@@ -331,7 +331,8 @@ def table(rows: dict, args, shape: dict) -> str:
         lines.append(f"modulec predicted peak {_size(ours['predicted_peak_bytes'])} "
                      f"(fixed state {_size(ours['fixed_bytes'])})")
     if "speedup_vs_best_hf" in ours:
-        lines.append(f"modulec vs the fastest HF variant: {ours['speedup_vs_best_hf']:.2f}x "
+        # three decimals: a target such as 1.3x is not met by a 1.2998 printed as 1.30
+        lines.append(f"modulec vs the fastest HF variant: {ours['speedup_vs_best_hf']:.3f}x "
                      f"tokens/s at {ours['peak_vs_best_hf']:.2f}x its peak memory")
     return "\n".join(lines)
 
