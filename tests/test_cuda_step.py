@@ -4,6 +4,8 @@ no-cast kernel registry. Their GPU runs are in tests/test_cuda_train.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -362,9 +364,11 @@ def test_lora_fixed_state_counts_frozen_weights_at_their_compute_copy():
     adapters = set(shapes) - frozen
     assert adapters and all(p.endswith(("lora_A", "lora_B")) for p in adapters)
     # + the spare columns the one-GEMM path lays beside each layer's gate/up rows (2 x 4
-    # ranks: runtime/cuda/lora_kcat.py) and the 8 spare rows after them (its d_x's)
+    # ranks: runtime/cuda/lora_kcat.py), the 8 spare rows after them (its d_x's) and that
+    # d_x's scratch, [tokens, out + 8] (one for both layers)
     up = [shapes[f"blocks[{i}].mlp.up_weight"] for i in (0, 1)]
-    sides = 2 * sum(rows * 8 + 8 * cols for rows, cols in up)
+    tokens = math.prod(token_inputs(model)["token_ids"].shape)
+    sides = 2 * sum(rows * 8 + 8 * cols for rows, cols in up) + 2 * tokens * (up[0][0] + 8)
     assert runtime_fixed_bytes(program) == 12 * count(adapters) + 2 * count(frozen) + sides
     plain = _model("llama").source.program_for(token_inputs(model))
     assert frozen_paths(plain) == set()

@@ -43,6 +43,7 @@ nothing is copied; MODULEC_LORA_KCAT_DX=0 keeps the two GEMMs. Measured: one H10
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 
@@ -163,6 +164,18 @@ def side_bytes(shapes: dict, sides: dict, itemsize: int = 2, tails: dict | None 
     weights region."""
     return sum(shapes[p][0] * n * itemsize for p, n in sides.items()) + \
         sum(shapes[p][1] * n * itemsize for p, n in (tails or {}).items())
+
+
+def dx_scratch_bytes(program, shapes: dict, tails: dict, itemsize: int = 2) -> int:
+    """The one-GEMM d_x's scratches the step makes outside the memory plan: one
+    [rows, out + k r] for each such shape among the weights laid with tail rows (`_wide`),
+    rows the tokens of a micro-batch (the program's first 2-D input, its token ids)."""
+    entry = program.graph.function(program.graph.entry)
+    dims = next((v.shape for v in entry.inputs if len(v.shape) == 2), None)
+    if not tails or dims is None or not all(str(d).isdigit() for d in dims):
+        return 0
+    rows = math.prod(int(d) for d in dims)
+    return sum(rows * width * itemsize for width in {shapes[p][0] + n for p, n in tails.items()})
 
 
 def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:

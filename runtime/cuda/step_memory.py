@@ -35,8 +35,8 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     gradient-norm clipping, one micro-batch a step): the fused step holds every bf16
     gradient to the backward's end (2 bytes a trained parameter), and under ZeRO each
     rank its reduced part of every bucket instance (step_optim.clipped_held_bytes).
-    With LoRA on one process, the spare columns the one-GEMM path lays beside wide
-    frozen weights (runtime/cuda/lora_kcat.py)."""
+    With LoRA on one process, the spare columns and rows the one-GEMM paths lay beside
+    and after frozen weights, and their d_x's scratches (runtime/cuda/lora_kcat.py)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
     stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)`: 4 bytes, frozen too
@@ -54,10 +54,12 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     held = 2 * trained if clipped and optimizer != "torch" else 0
     sides = 0
     if optimizer != "torch":  # the regions' layout: LoRA's one-GEMM side columns
-        from runtime.cuda.lora_kcat import one_gemm_sides, one_gemm_tails, side_bytes
+        from runtime.cuda.lora_kcat import (dx_scratch_bytes, one_gemm_sides,
+                                            one_gemm_tails, side_bytes)
 
-        sides = side_bytes(shapes, one_gemm_sides(program, shapes, frozen),
-                           tails=one_gemm_tails(program, shapes, frozen))
+        tails = one_gemm_tails(program, shapes, frozen)
+        sides = side_bytes(shapes, one_gemm_sides(program, shapes, frozen), tails=tails) + \
+            dx_scratch_bytes(program, shapes, tails)
     return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held + sides
 
 
