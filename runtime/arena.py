@@ -187,8 +187,8 @@ class Arena:
                 frame.function.name, {}).values()}:
             return None
         shape = tuple(int(d) for d in info.shape)
-        tail = [i for i in range(len(shape)) if math.prod(shape[i:]) == row]
-        if not tail or raw.numel() < math.prod(shape) // row * (row + pad) * dtype.itemsize:
+        rows_end = any(math.prod(shape[i:]) == row for i in range(len(shape)))
+        if not rows_end or raw.numel() < math.prod(shape) // row * (row + pad) * dtype.itemsize:
             return None
         frame.widened[concat] = (raw, row, pad)  # this run's alone: it goes with the frame
         return self._widened_view(frame, concat)
@@ -197,7 +197,7 @@ class Arena:
         return concat in frame.widened
 
     def _widened_view(self, frame, concat: str) -> Tensor | None:
-        kept = getattr(frame, "widened", {}).get(concat)
+        kept = frame.widened.get(concat)
         if kept is None:
             return None
         info = frame.function.value(concat)
@@ -442,8 +442,7 @@ def _moved(target: Tensor, tensor: Tensor) -> Tensor:
                                f"bytes of {list(target.shape)} {target.dtype}",
                                help=["run on the plan in the IR's dtypes "
                                      "(dtype=torch.bfloat16)"])
-    if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
-        copy_in_16_bytes(target, tensor)
+    copy_in_16_bytes(target, tensor)
     return target
 
 
@@ -452,7 +451,10 @@ def copy_in_16_bytes(into: Tensor, source: Tensor) -> None:
     contiguous and every other stride, the last dim's size and the offset in multiples of
     16 bytes: torch copies a strided view one element a thread, 2 bytes for bf16 (a
     concat's part planned in place, d_v's [B, Hkv, T, D] into d_qkv's head slots: 6.2 us
-    a layer in the LoRA 8B replay, for 4 MB). The same bits either way."""
+    a layer in the LoRA 8B replay, for 4 MB). The same bits either way. Nothing is moved
+    where `source` is `into` already (a kernel wrote it there)."""
+    if into.data_ptr() == source.data_ptr() and into.stride() == source.stride():
+        return
     wide = 16 // source.element_size() if source.element_size() in (2, 4, 8) else 0
     if wide and into.is_cuda and into.dtype == source.dtype and into.shape == source.shape \
             and all(_in_pieces(t, wide) for t in (into, source)):

@@ -482,7 +482,7 @@ def _assert_one_gemm_slots_held(step):
     for path, slot in sides.items():
         assert kcat.side_of(step.compute[path], slot.shape[1]) is slot
     for path, slot in tails.items():
-        assert kcat._tails[kcat._key(step.compute[path])]() is slot
+        assert kcat._tails[kcat.view_key(step.compute[path])]() is slot
 
 
 def test_lora_step_holds_less_than_full_training(tmp_path):

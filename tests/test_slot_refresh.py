@@ -81,7 +81,7 @@ def test_a_slot_whose_parameter_is_gone_is_forgotten():
     slot_refresh.note(slot, [(b0, 0, 0)], 1.0)
     del b0
     assert slot_refresh.refresh([slot]) == 0
-    assert slot_refresh._key(slot) not in slot_refresh._noted
+    assert slot_refresh.view_key(slot) not in slot_refresh._noted
 
 
 def test_the_switch_turns_it_off(monkeypatch):
@@ -117,7 +117,7 @@ def test_the_second_step_takes_every_slot_the_first_filled(monkeypatch, device):
         view.copy_(model.params[path])
     slots = [*kcat.lay_sides(views, sides).values(), *kcat.lay_tails(views, tails).values()]
     first = _arena_step(model, monkeypatch, True, device, params=views)
-    noted = [(s, s.clone()) for s in slots if slot_refresh._key(s) in slot_refresh._noted]
+    noted = [(s, s.clone()) for s in slots if slot_refresh.view_key(s) in slot_refresh._noted]
     assert len(noted) >= 6  # each layer's q/k/v and gate/up sides and down's tail at least
     for slot in slots:
         slot.zero_()

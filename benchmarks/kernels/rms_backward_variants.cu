@@ -8,13 +8,12 @@
 //     benchmarks/kernels/rms_backward_variants.cu csrc/kernels/fp8_amax.cu -o /tmp/rms_variants && \
 //     /tmp/rms_variants
 #include "../../csrc/kernels/norms.cu"
+#include "variants_harness.cuh"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <vector>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 
 using bf16 = __nv_bfloat16;
 
@@ -29,34 +28,9 @@ __global__ void stream3(const uint4* a, const uint4* b, const uint4* c, uint4* o
 }
 }  // namespace exp_
 
-static char* flush_buf;
-static void flush() { cudaMemsetAsync(flush_buf, 0, 256 << 20); }
-
+// the figures in docs/decisions.md were taken with 25 runs after 3
 template <class F>
-static float time_us(F f, int iters = 25) {
-  std::vector<float> t;
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0); cudaEventCreate(&e1);
-  for (int i = 0; i < iters + 3; ++i) {
-    flush();
-    cudaEventRecord(e0);
-    f();
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1);
-    if (i >= 3) t.push_back(ms * 1000.f);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaGetLastError());
-  return t[t.size() / 2];
-}
-
-static void fill(std::vector<bf16>& v, unsigned seed) {
-  for (size_t i = 0; i < v.size(); ++i) {
-    seed = seed * 1664525u + 1013904223u;
-    v[i] = __float2bfloat16(((seed >> 9) & 0xffff) / 65536.f - 0.5f);
-  }
-}
+static float timed(F f) { return time_us(f, 25, 3); }
 
 static bf16* upload(size_t n, unsigned seed) {
   std::vector<bf16> h(n);
@@ -89,7 +63,7 @@ static void launch(const bf16* dy, const bf16* x, const bf16* w, const float* rs
 
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  CK(cudaMalloc(&flush_buf, 256 << 20));
+  init_flush();
   cudaDeviceProp p; cudaGetDeviceProperties(&p, 0);
   printf("%s, %d SMs\n", p.name, sms);
   for (int64_t rows : {2048, 8192}) {
@@ -104,21 +78,21 @@ int main() {
     auto report = [&](const char* what, float us) {
       printf("rows %-5ld %-34s %7.1f us %5.2f TB/s\n", (long)rows, what, us, mb / us);
     };
-    report("forward (fused residual)", time_us([&] {
+    report("forward (fused residual)", timed([&] {
       modulec::launch_rmsnorm_forward(modulec::DType::BF16, x, dres, w, res, y, rstd, rows, C,
                                       1e-5f, 0.f, 0, C); }));
-    report("stream: 3 read, 1 written", time_us([&] {
+    report("stream: 3 read, 1 written", timed([&] {
       exp_::stream3<<<sms * 8, 512>>>((const uint4*)dy, (const uint4*)x, (const uint4*)dres,
                                       (uint4*)dx2, n / 8); }));
     launch<2>(dy, x, w, rstd, dres, dx, rows, C);
-    report("backward cache 2 (shipped)", time_us([&] { launch<2>(dy, x, w, rstd, dres, dx, rows, C); }));
+    report("backward cache 2 (shipped)", timed([&] { launch<2>(dy, x, w, rstd, dres, dx, rows, C); }));
     char buf[96];
     launch<1>(dy, x, w, rstd, dres, dx2, rows, C);
     snprintf(buf, sizeof buf, "backward cache 1 (diff %.1e)", max_diff(dx, dx2, n));
-    report(buf, time_us([&] { launch<1>(dy, x, w, rstd, dres, dx2, rows, C); }));
+    report(buf, timed([&] { launch<1>(dy, x, w, rstd, dres, dx2, rows, C); }));
     launch<4>(dy, x, w, rstd, dres, dx2, rows, C);
     snprintf(buf, sizeof buf, "backward cache 4 (diff %.1e)", max_diff(dx, dx2, n));
-    report(buf, time_us([&] { launch<4>(dy, x, w, rstd, dres, dx2, rows, C); }));
+    report(buf, timed([&] { launch<4>(dy, x, w, rstd, dres, dx2, rows, C); }));
     cudaFree(dy); cudaFree(x); cudaFree(dres); cudaFree(w); cudaFree(dx); cudaFree(dx2);
     cudaFree(y); cudaFree(res); cudaFree(rstd);
   }

@@ -7,6 +7,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //     benchmarks/kernels/skinny_grads_variants.cu -o /tmp/skinny_variants && /tmp/skinny_variants
 #include "../../csrc/kernels/skinny_grads.cu"
+#include "variants_harness.cuh"
 
 #include <cstdio>
 #include <vector>
@@ -158,37 +159,6 @@ __global__ void read_all(const float4* p, int64_t n, float* out) {
 }
 }  // namespace exp_
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
-
-static char* flush_buf;
-static void flush() { cudaMemsetAsync(flush_buf, 0, 256 << 20); }
-
-template <class F>
-static float time_us(F f, int iters = 15) {
-  std::vector<float> t;
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0); cudaEventCreate(&e1);
-  for (int i = 0; i < iters + 2; ++i) {
-    flush();
-    cudaEventRecord(e0);
-    f();
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1);
-    if (i >= 2) t.push_back(ms * 1000.f);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaGetLastError());
-  return t[t.size() / 2];
-}
-
-static void fill(std::vector<__nv_bfloat16>& v, unsigned seed) {
-  for (size_t i = 0; i < v.size(); ++i) {
-    seed = seed * 1664525u + 1013904223u;
-    v[i] = __float2bfloat16(((seed >> 9) & 0xffff) / 65536.f - 0.5f);
-  }
-}
-
 static double max_rel(const float* ref_d, const float* got_d, size_t n) {
   std::vector<float> r(n), g(n);
   cudaMemcpy(r.data(), ref_d, n * 4, cudaMemcpyDeviceToHost);
@@ -257,7 +227,7 @@ struct Problem {
 
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  CK(cudaMalloc(&flush_buf, 256 << 20));
+  init_flush();
   cudaDeviceProp p; cudaGetDeviceProperties(&p, 0);
   printf("%s, %d SMs\n", p.name, sms);
   { Problem<32> q("gate_up", 2048, 28672, sms); q.run_all(); }

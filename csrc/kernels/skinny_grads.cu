@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // d_a = alpha da32, d_b = alpha db32 in bf16, and both sums zeroed for the next call (one
 // launch for both: the sums are small, a launch is not). Launched with a thread an element
-// (`finish_blocks`): with one block an SM each thread walked ~30 elements of gate/up's
+// (its grid): with one block an SM each thread walked ~30 elements of gate/up's
 // 983K one dependent load at a time (14.8 us a call in the LoRA 8B replay). d_a's rows lie
 // `ld_a` apart (the LoRA step writes d_t straight beside d_y: lora_kcat.py); with `blocks`
 // only d_b's diagonal blocks are summed, so only they are cast and zeroed (n_b: d_b's
@@ -287,16 +287,33 @@ cudaError_t launch(const void* g, int64_t ldg, const void* a, const void* b, flo
   return cudaGetLastError();
 }
 
+// the blocked kernel and finishing pass apply: `blocks` names rank / 16 blocks of 16
+bool sums_blocks(int rank, const SkinnyBlocks& blocks) {
+  return rank > 16 && blocks.n == rank / 16;
+}
+
 // R's kernel, BLOCKED where `blocks` names R / 16 blocks (each 16 wide), dense otherwise
 template <int R>
 cudaError_t launch_rank(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
                         float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
                         int sm_count, cudaStream_t stream) {
   if constexpr (R > 16) {
-    if (blocks.n == R / 16)
+    if (sums_blocks(R, blocks))
       return launch<R, true>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
   }
   return launch<R, false>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+}
+
+cudaError_t launch_sums(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
+                        float* db32, int64_t rows, int64_t cols, int rank,
+                        const SkinnyBlocks& blocks, int sm_count, cudaStream_t stream) {
+  switch (rank) {
+    case 16: return launch_rank<16>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 32: return launch_rank<32>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 48: return launch_rank<48>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 64: return launch_rank<64>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -312,24 +329,16 @@ cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a
   if (blocks.n < 0 || blocks.n > kSkinnyMaxBlocks) return cudaErrorInvalidValue;
   for (int i = 0; i + 1 < blocks.n; ++i)
     if (blocks.end[i] % kCols != 0) return cudaErrorInvalidValue;
-  cudaError_t err;
-  const SkinnyBlocks& k = blocks;
-  switch (rank) {
-    case 16: err = launch_rank<16>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
-    case 32: err = launch_rank<32>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
-    case 48: err = launch_rank<48>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
-    case 64: err = launch_rank<64>(d_c, ld, a, b, da32, db32, rows, cols, k, sm_count, stream); break;
-    default: return cudaErrorInvalidValue;
-  }
+  const cudaError_t err = launch_sums(d_c, ld, a, b, da32, db32, rows, cols, rank, blocks,
+                                      sm_count, stream);
   if (err != cudaSuccess) return err;
-  const bool blocked = rank > 16 && blocks.n == rank / 16;
-  const SkinnyBlocks finish_blocks_of = blocked ? blocks : SkinnyBlocks{};
+  const bool blocked = sums_blocks(rank, blocks);
   const int64_t n_a = rows * rank, n_b = cols * (blocked ? 16 : rank);
-  const unsigned finish_blocks = static_cast<unsigned>(std::max<int64_t>(
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(
       1, std::min<int64_t>((n_a + n_b + 255) / 256, 1 << 20)));
-  finish_kernel<<<finish_blocks, 256, 0, stream>>>(
+  finish_kernel<<<grid, 256, 0, stream>>>(
       da32, db32, static_cast<__nv_bfloat16*>(d_a), static_cast<__nv_bfloat16*>(d_b), n_a, n_b,
-      rank, ld_a, alpha, finish_blocks_of);
+      rank, ld_a, alpha, blocked ? blocks : SkinnyBlocks{});
   return cudaGetLastError();
 }
 

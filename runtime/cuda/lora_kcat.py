@@ -51,6 +51,7 @@ import torch
 
 from runtime.arena import copy_in_16_bytes
 from runtime.cuda import slot_refresh
+from runtime.cuda.slot_refresh import view_key
 
 WIDE = 2.0  # copying x pays where out >= WIDE * in (gate/up: 7x; qkv: 1.5x)
 # a weight view's key -> a weak reference to its side slot [out, k r]: the step that laid
@@ -124,12 +125,8 @@ def widened_dx(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, int] | None:
     """(the [d_y | d_t] scratch's bytes (uint8), k r) for a weight laid with a tail slot of
     k r rows, where the backward can write d_y (rows x w's out) straight into the scratch's
     left columns (runtime/arena.py `widen`), else None."""
-    ref = _tails.get(_key(w))
-    tail = ref() if ref is not None else None
-    if tail is None or w.stride(1) != 1:
-        return None
-    wide = _wide(rows, w.shape[0] + tail.shape[0], w.dtype, w.device, "dx")
-    return wide.view(-1).view(torch.uint8), tail.shape[0]
+    found = _dx_scratch(w, rows)
+    return None if found is None else (found[0].view(-1).view(torch.uint8), found[1])
 
 
 def one_gemm_sides(program, shapes: dict, frozen) -> dict[str, int]:
@@ -186,7 +183,7 @@ def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:
         weight = views[path]
         slots[path] = weight.as_strided((weight.shape[0], width), weight.stride(),
                                         weight.storage_offset() + weight.shape[1])
-        _sides[_key(weight)] = weakref.ref(slots[path])
+        _sides[view_key(weight)] = weakref.ref(slots[path])
     return slots
 
 
@@ -198,7 +195,7 @@ def lay_tails(views: dict, tails: dict) -> dict[str, torch.Tensor]:
         weight = views[path]
         slots[path] = weight.as_strided((rows, weight.shape[1]), weight.stride(),
                                         weight.storage_offset() + _rows_end(weight))
-        _tails[_key(weight)] = weakref.ref(slots[path])
+        _tails[view_key(weight)] = weakref.ref(slots[path])
     return slots
 
 
@@ -208,14 +205,10 @@ def _rows_end(weight: torch.Tensor) -> int:
     return weight.shape[0] * weight.stride(0)
 
 
-def _key(t: torch.Tensor) -> tuple:
-    return (t.device, t.data_ptr(), tuple(t.shape), t.stride())
-
 
 def side_of(weight: torch.Tensor, width: int) -> torch.Tensor | None:
     """The side slot laid beside `weight` (the switch acted when the step laid it)."""
-    ref = _sides.get(_key(weight))
-    side = ref() if ref is not None else None
+    side = _laid(_sides, weight)
     return side if side is not None and side.shape[1] == width else None
 
 
@@ -272,7 +265,8 @@ def _copy_rows(into: torch.Tensor, rows: torch.Tensor) -> None:
     where both lay their rows so (runtime.arena.copy_in_16_bytes): torch's copy into a
     strided view moves one element a thread, 2 bytes for bf16 (x of gate/up: ~1.1 TB/s
     on an H100, in a step's profile). LoRA 8B on one H100, in-process A/B: 125.80 ->
-    124.16 and 125.17 -> 124.72 ms (benchmarks/gpu/results-h100-lora-s13-ab.txt)."""
+    124.16 and 125.17 -> 124.72 ms (benchmarks/gpu/results-h100-lora-s13-ab.txt). Nothing
+    moves where the rows were written there already (`widened_dx`, `dt_beside`)."""
     copy_in_16_bytes(into, rows)
 
 
@@ -290,10 +284,7 @@ def stage_dt(d_t: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> bool:
     if tail is None or d_t.shape[-1] != a.shape[0] or d_t.dtype != w.dtype:
         return False
     rows = d_t.numel() // d_t.shape[-1]
-    right, d_t = _wide(rows, w.shape[0] + a.shape[0], w.dtype, w.device,
-                       "dx")[:, w.shape[0]:], d_t.reshape(rows, -1)
-    if (right.data_ptr(), right.stride()) != (d_t.data_ptr(), d_t.stride()):
-        _copy_rows(right, d_t)
+    _copy_rows(_dx_scratch(w, rows)[0][:, w.shape[0]:], d_t.reshape(rows, -1))
     return True
 
 
@@ -301,39 +292,48 @@ def dt_beside(w: torch.Tensor, rows: int, width: int) -> torch.Tensor | None:
     """The [d_y | d_t] scratch's d_t columns (rows x width, rows apart) for a weight laid
     with a tail slot `width` rows deep, where d_t's maker may write it (the one-pass
     gradients' finishing launch), else None."""
-    ref = _tails.get(_key(w))
-    tail = ref() if ref is not None else None
-    if tail is None or tail.shape[0] != width or w.stride(1) != 1:
-        return None
-    return _wide(rows, w.shape[0] + width, w.dtype, w.device, "dx")[:, w.shape[0]:]
+    found = _dx_scratch(w, rows)
+    return None if found is None or found[1] != width else found[0][:, w.shape[0]:]
 
 
 def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
             pieces=None) -> torch.Tensor:
     """d_x = d_y w + d_t a (d_t staged by `stage_dt`) as one GEMM over [d_y | d_t] and
     [w ; a]: a copied into w's tail slot (at the step's start where its parameters are
-    known, `pieces`: slot_refresh.py), d_y into the scratch's left columns unless it was
-    written there (`widened_dx`)."""
+    known, `pieces`: slot_refresh.py), d_y into the scratch's left columns (where it was
+    not written there: `widened_dx`)."""
     from runtime.cuda.gemm import mm_into
 
     tail, (out_rows, inner) = _tail_of(w, a), w.shape
     _fill(tail, pieces, 1.0, lambda: tail.copy_(a))
     rows = d_y.numel() // d_y.shape[-1]
-    wide = _wide(rows, out_rows + a.shape[0], w.dtype, w.device, "dx")
-    left, d_y = wide[:, :out_rows], d_y.reshape(rows, -1)
-    if (left.data_ptr(), left.stride()) != (d_y.data_ptr(), d_y.stride()):
-        _copy_rows(left, d_y)
+    wide = _dx_scratch(w, rows)[0]
+    _copy_rows(wide[:, :out_rows], d_y.reshape(rows, -1))
     stacked = w.as_strided((out_rows + a.shape[0], inner), w.stride(), w.storage_offset())
     return mm_into(wide, stacked, out.view(rows, inner))
 
 
 def _tail_of(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
-    ref = _tails.get(_key(w))
-    tail = ref() if ref is not None else None
+    tail = _laid(_tails, w)
     if tail is None or tuple(tail.shape) != tuple(a.shape) or w.stride(1) != 1 \
             or tail.stride() != w.stride():
         return None
     return tail
+
+
+def _laid(registry: dict, w: torch.Tensor) -> torch.Tensor | None:
+    """The slot `registry` (_sides, _tails) holds for weight view `w`, or None."""
+    ref = registry.get(view_key(w))
+    return ref() if ref is not None else None
+
+
+def _dx_scratch(w: torch.Tensor, rows: int) -> tuple[torch.Tensor, int] | None:
+    """The [d_y | d_t] scratch [rows, out + k r] of a weight laid with a tail slot k r rows
+    deep, and k r; None where it has none."""
+    tail = _laid(_tails, w)
+    if tail is None or w.stride(1) != 1:
+        return None
+    return _wide(rows, w.shape[0] + tail.shape[0], w.dtype, w.device, "dx"), tail.shape[0]
 
 
 def _wide(rows: int, cols: int, dtype, device, use: str = "x") -> torch.Tensor:

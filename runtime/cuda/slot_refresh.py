@@ -43,7 +43,7 @@ class Piece:
     alpha: float
 
 
-_noted: dict[tuple, tuple] = {}  # slot key -> (weakref to the slot, tuple of Pieces)
+_noted: dict[tuple, tuple] = {}  # the slot's view_key -> its Pieces
 _fresh: set = set()  # slot keys written by this step's `refresh`, not yet taken
 _tables: dict = {}  # the copies' signature -> (table tensor, count, most pieces)
 
@@ -53,32 +53,33 @@ def enabled() -> bool:
     return os.environ.get("MODULEC_SLOT_REFRESH", "1") != "0"
 
 
-def _key(t: torch.Tensor) -> tuple:
+def view_key(t: torch.Tensor) -> tuple:
+    """A tensor view's identity: its device, first element, shape and strides."""
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride())
 
 
 def note(slot: torch.Tensor, pieces, alpha: float) -> None:
     """From the next step on, `refresh` fills `slot` with each (tensor, row, col) of
     `pieces` scaled by alpha."""
-    _noted[_key(slot)] = (weakref.ref(slot), tuple(
-        Piece(weakref.ref(t), int(r), int(c), float(alpha)) for t, r, c in pieces))
+    _noted[view_key(slot)] = tuple(Piece(weakref.ref(t), int(r), int(c), float(alpha))
+                                   for t, r, c in pieces)
 
 
 def take(slot: torch.Tensor, pieces, alpha: float) -> bool:
     """Whether this step's `refresh` already filled `slot` with exactly these pieces (then
     the caller skips its own fill): once per refresh."""
-    key = _key(slot)
+    key = view_key(slot)
     if key not in _fresh:
         return False
     _fresh.discard(key)
     noted = _noted.get(key)
-    return noted is not None and len(noted[1]) == len(pieces) and all(
+    return noted is not None and len(noted) == len(pieces) and all(
         _same(p.source(), t) and (p.row, p.col, p.alpha) == (r, c, float(alpha))
-        for p, (t, r, c) in zip(noted[1], pieces))
+        for p, (t, r, c) in zip(noted, pieces))
 
 
 def _same(kept, given: torch.Tensor) -> bool:
-    return kept is not None and _key(kept) == _key(given)
+    return kept is not None and view_key(kept) == view_key(given)
 
 
 def finish() -> None:
@@ -95,16 +96,16 @@ def refresh(slots) -> int:
         return 0
     copies, keys = [], []
     for slot in slots:
-        key = _key(slot)
+        key = view_key(slot)
         noted = _noted.get(key)
         if noted is None:
             continue
-        sources = [p.source() for p in noted[1]]
-        if noted[0]() is None or any(s is None for s in sources):
+        sources = [p.source() for p in noted]
+        if any(s is None for s in sources):  # a parameter gone: the slot's step with it
             del _noted[key]
             continue
         keys.append(key)
-        copies += [(s, _target(slot, s, p), p.alpha) for s, p in zip(sources, noted[1])]
+        copies += [(s, _target(slot, s, p), p.alpha) for s, p in zip(sources, noted)]
     if not copies:
         return 0
     for source, target, alpha in copies:

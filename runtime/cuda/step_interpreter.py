@@ -256,7 +256,7 @@ class _StepInterpreter(Interpreter):
         y = lora_matmul_into(x, w, self._attrs(source), t, b,
                              float(matmul.attr("alpha") or 1.0), raw,
                              self.arena.pad_of(frame, source.inputs[0]),
-                             self._parameter_pieces(matmul.inputs[1], frame, forward))
+                             self._parameter_pieces(matmul.inputs[1], frame))
         if y is None:
             return False  # the caller runs both as written
         self.lora_fused += 1
@@ -265,21 +265,27 @@ class _StepInterpreter(Interpreter):
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
         return True
 
-    def _parameter_pieces(self, value: str, frame, forward) -> list | None:
-        """B's parameters and where each lies in it, (tensor, row, column): B itself where
-        it is a parameter, each block of a block_diag of parameters (the `lora` pass's B of
-        a fused projection); None for anything else (runtime/cuda/slot_refresh.py fills
-        from parameters alone)."""
+    def _parameter_pieces(self, value: str, run) -> list | None:
+        """The parameters adapter matrix `value` of function run `run` is made of and where
+        each lies in it, (tensor, row, column): the matrix itself where it is a parameter;
+        each block of a block_diag of parameters (the `lora` pass's B of a fused
+        projection) or each part of a dim-0 concat of them (its stacked A); None for
+        anything else (runtime/cuda/slot_refresh.py fills from parameters alone)."""
         if value.startswith("param:"):
-            return [(self._read(value, frame, forward), 0, 0)]
-        node = self._producers_of(frame.function).get(value)
-        if node is None or node.target != "block_diag" or not node.inputs \
+            return [(self._read(value, run, None), 0, 0)]
+        node = self._producers_of(run.function).get(value)
+        stacked = node is not None and node.target == "concat" \
+            and int(node.attr("dim") or 0) == 0
+        if node is None or not (stacked or node.target == "block_diag") or not node.inputs \
                 or not all(v.startswith("param:") for v in node.inputs):
             return None
-        blocks = [self._read(v, frame, forward) for v in node.inputs]
-        zero_rows = [int(r) for r in node.attr("zero_rows") or ()]
-        places = block_layout([tuple(b.shape) for b in blocks], zero_rows)[0]
-        return [(b, row, col) for b, (row, col) in zip(blocks, places)]
+        parts = [self._read(v, run, None) for v in node.inputs]
+        shapes = [tuple(p.shape) for p in parts]
+        if stacked:
+            places = [(sum(rows for rows, _ in shapes[:i]), 0) for i in range(len(shapes))]
+        else:
+            places = block_layout(shapes, [int(r) for r in node.attr("zero_rows") or ()])[0]
+        return [(part, row, col) for part, (row, col) in zip(parts, places)]
 
     def _backward_context(self, kernel, node, inputs, attrs, forward, frame_function):
         """The base's, plus for an NT matmul whose B is a block_diag of 16-wide blocks (the
@@ -299,22 +305,6 @@ class _StepInterpreter(Interpreter):
             if all(s is not None and len(s) == 2 and s[1] == 16 for s in shapes):
                 attrs["b_blocks"] = [s[0] for s in shapes]
         return inputs, attrs
-
-    def _stacked_pieces(self, value: str, frame, forward) -> list | None:
-        """A's parameters and the row each starts at, (tensor, row, 0): A itself where it is
-        a parameter, each part of a dim-0 concat of parameters (a fused projection's
-        stacked A, made in the forward); None for anything else (slot_refresh.py)."""
-        if value.startswith("param:"):
-            return [(self._read(value, frame, forward), 0, 0)]
-        node = self._producers_of(forward.function).get(value) if forward else None
-        if node is None or node.target != "concat" or int(node.attr("dim") or 0) != 0 \
-                or not node.inputs or not all(v.startswith("param:") for v in node.inputs):
-            return None
-        pieces, row = [], 0
-        for part in (self._read(v, forward, None) for v in node.inputs):
-            pieces.append((part, row, 0))
-            row += part.shape[0]
-        return pieces
 
     def _producers_of(self, function) -> dict:
         if function.name not in self._producers:
@@ -336,14 +326,7 @@ class _StepInterpreter(Interpreter):
         if pair is not None and self._stage_one_gemm_dx(pair, frame, forward):
             return True
         if pair is not None:
-            key = (id(frame), node.id)
-            raw = target_bytes(self, pair, frame, forward)
-            if raw is not None:
-                self._redirects[key] = raw
-            try:
-                super()._op(node, frame, forward)
-            finally:
-                self._redirects.pop(key, None)
+            self._run_redirected(node, frame, forward, target_bytes(self, pair, frame, forward))
             return True
         pair = pairs.adds.get(node.id)
         if pair is None:
@@ -380,11 +363,10 @@ class _StepInterpreter(Interpreter):
             if pair is None or self.arena.is_widened(frame, concat):
                 continue
             w = self._read(pair.base.inputs[2], frame, forward)
-            info = frame.function.value(concat)
-            if not isinstance(w, torch.Tensor) or w.dim() != 2 or info is None \
-                    or not all(str(d).isdigit() for d in info.shape):
+            shape = _static_shape(frame.function, concat)
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or shape is None:
                 continue
-            found = widened_dx(w, math.prod(int(d) for d in info.shape) // w.shape[0])
+            found = widened_dx(w, math.prod(shape) // w.shape[0])
             if found is not None:
                 self.arena.widen(frame, concat, found[0], w.shape[0], found[1])
 
@@ -407,20 +389,24 @@ class _StepInterpreter(Interpreter):
             self._dt_makers[name] = {p.first.inputs[0]: p for p in pairs.adds.values()}
         pair = self._dt_makers[name].get(node.outputs[0])
         w = self._one_gemm_weight(pair, frame, forward) if pair is not None else None
-        info = frame.function.value(node.outputs[0])
-        if w is None or info is None or not all(str(d).isdigit() for d in info.shape):
-            return False
-        shape = tuple(int(d) for d in info.shape)
-        target = dt_beside(w, math.prod(shape) // shape[-1], shape[-1])
+        shape = _static_shape(frame.function, node.outputs[0])
+        target = None if w is None or shape is None else \
+            dt_beside(w, math.prod(shape) // shape[-1], shape[-1])
         if target is None:
             return False
+        self._run_redirected(node, frame, forward, target)
+        return True
+
+    def _run_redirected(self, node, frame, forward, target) -> None:
+        """Run `node` with its first output written into `target` (`_out_bytes`, `_after`)
+        where given, else as planned."""
         key = (id(frame), node.id)
-        self._redirects[key] = target
+        if target is not None:
+            self._redirects[key] = target
         try:
             super()._op(node, frame, forward)
         finally:
             self._redirects.pop(key, None)
-        return True
 
     def _one_gemm_weight(self, pair, frame, forward):
         """The frozen weight of a pair whose d_x sum may be one GEMM (`_stage_one_gemm_dx`:
@@ -472,7 +458,8 @@ class _StepInterpreter(Interpreter):
             planned_product(raw, d_y.reshape(-1, w.shape[0]), w)
         if out is None:
             out = torch.empty(shape, dtype=w.dtype, device=w.device)
-        y = dx_into(d_y, w, a, out, self._stacked_pieces(pair.first.inputs[2], frame, forward))
+        a_pieces = self._parameter_pieces(pair.first.inputs[2], forward) if forward else None
+        y = dx_into(d_y, w, a, out, a_pieces)
         self.lora_dx_fused += 1
         self.lora_dx_one_gemm += 1
         for value in (base.outputs[0], pair.first.outputs[0]):
@@ -689,3 +676,11 @@ def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraP
             pairs.bases[node.id] = source
             pairs.deferred.add(source.id)
     return pairs
+
+
+def _static_shape(function, value: str) -> tuple[int, ...] | None:
+    """`value`'s shape as the IR sizes it, where every dim is a number."""
+    info = function.value(value)
+    if info is None or not all(str(d).isdigit() for d in info.shape):
+        return None
+    return tuple(int(d) for d in info.shape)

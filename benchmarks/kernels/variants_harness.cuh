@@ -1,0 +1,47 @@
+// What the standalone kernel-variant harnesses (skinny_grads_variants.cu,
+// rms_backward_variants.cu) share: a checked CUDA call, the L2 flushed before each timed
+// run (a 256 MB memset: the operands come from HBM, as in a step), the median of timed
+// runs after warm-up ones, and reproducible bf16 inputs. Call init_flush() first.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
+
+static char* flush_buf;
+static void init_flush() { CK(cudaMalloc(&flush_buf, 256 << 20)); }
+static void flush() { cudaMemsetAsync(flush_buf, 0, 256 << 20); }
+
+// median microseconds of `iters` runs of f(), each after an L2 flush, `warmup` runs first
+template <class F>
+static float time_us(F f, int iters = 15, int warmup = 2) {
+  std::vector<float> t;
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0); cudaEventCreate(&e1);
+  for (int i = 0; i < iters + warmup; ++i) {
+    flush();
+    cudaEventRecord(e0);
+    f();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms; cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= warmup) t.push_back(ms * 1000.f);
+  }
+  std::sort(t.begin(), t.end());
+  CK(cudaGetLastError());
+  return t[t.size() / 2];
+}
+
+// values in [-0.5, 0.5) from a linear congruential sequence: the same on every run
+static void fill(std::vector<__nv_bfloat16>& v, unsigned seed) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    seed = seed * 1664525u + 1013904223u;
+    v[i] = __float2bfloat16(((seed >> 9) & 0xffff) / 65536.f - 0.5f);
+  }
+}
