@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -99,6 +101,67 @@ def _wall_times(step, steps: int) -> list[float]:
         step()
         out.append(time.perf_counter() - began)
     return out
+
+
+@contextmanager
+def card_power(device: str = "cuda", period_ms: int = 100):
+    """What the card draws while the block runs, sampled by nvidia-smi every `period_ms`:
+    yields a dict that gets `power_w` and `sm_mhz` (the samples' means) and `power_samples`
+    on exit; nothing where the device is not a GPU or nvidia-smi is missing. A step at the
+    card's power cap takes the time its energy allows: `power_w` x the step's seconds is
+    that energy (`joules_per_step`)."""
+    found: dict = {}
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        yield found
+        return
+    proc = subprocess.Popen(["nvidia-smi", "-i", _physical_gpu(), "-lms", str(period_ms),
+                             "--query-gpu=power.draw,clocks.sm",
+                             "--format=csv,noheader,nounits"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield found
+    finally:
+        proc.terminate()
+        try:
+            output = proc.communicate(timeout=5)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+        found.update(_power_means(output))
+
+
+def _physical_gpu() -> str:
+    """nvidia-smi's index of the GPU this process uses: CUDA_VISIBLE_DEVICES' first, or
+    torch's current device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible:
+        return visible
+    import torch
+
+    return str(torch.cuda.current_device())
+
+
+def _power_means(output: str) -> dict:
+    """{power_w, sm_mhz, power_samples} of nvidia-smi's "watts, MHz" lines ({} if none)."""
+    samples = []
+    for line in output.splitlines():
+        try:
+            watts, mhz = (float(x) for x in line.split(","))
+        except ValueError:
+            continue
+        samples.append((watts, mhz))
+    if not samples:
+        return {}
+    return {"power_w": sum(w for w, _ in samples) / len(samples),
+            "sm_mhz": sum(m for _, m in samples) / len(samples), "power_samples": len(samples)}
+
+
+def with_energy(result: dict, power: dict) -> dict:
+    """`result` (a timed run: step_s) with the card's power while it ran and the energy of
+    a step at that power (joules_per_step), where sampled."""
+    if power.get("power_w") and result.get("step_s"):
+        result.update(power, joules_per_step=power["power_w"] * result["step_s"])
+    return result
 
 
 def profiled_events(run: Callable[[], object]) -> list[dict]:

@@ -1,10 +1,11 @@
 """benchmarks/harness.py, what the step benchmarks share: a fake variant run in a child
 process (its JSON row, a crash, a timeout that kills the child's whole session and a
 worker in a session of its own, as torchrun starts them), the timing loop on the CPU, the
-error rows, the deadline, the command lines and the fixed-width table."""
+error rows, the deadline, the command lines, the fixed-width table and the power sampler."""
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import time
@@ -224,3 +225,24 @@ def test_graph_gaps_counts_idle_time_where_no_stream_runs():
     assert summary["by_category"] == {"kernel": 3, "gpu_memset": 1}
     assert [g["gap_us"] for g in summary["largest"]] == [10.0, 2.0]
     assert summary["largest"][0]["after"] == "norm" and summary["top_names"][0]["name"] == "nccl"
+
+
+def test_card_power_averages_what_nvidia_smi_samples(tmp_path, monkeypatch):
+    """card_power runs nvidia-smi beside the block and keeps the mean watts and SM clock of
+    its lines (a fake nvidia-smi here, which prints two samples and waits to be stopped);
+    with_energy makes a step's joules of them. Off the GPU nothing is sampled."""
+    from benchmarks.harness import card_power, with_energy
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '690.0, 1500'\necho '[N/A], 1980'\necho '700.0, 1600'\n"
+                    "exec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with card_power("cuda", period_ms=100) as power:
+        time.sleep(0.5)
+    assert power == {"power_w": 695.0, "sm_mhz": 1550.0, "power_samples": 2}
+    assert with_energy({"step_s": 0.12}, power)["joules_per_step"] == pytest.approx(83.4)
+    with card_power("cpu") as none:
+        pass
+    assert none == {} and with_energy({"step_s": 0.12}, none) == {"step_s": 0.12}

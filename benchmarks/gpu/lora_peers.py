@@ -22,7 +22,10 @@ Each variant runs in its own process (clean peak-memory counters; a variant that
 reported with its error, the others still run). Per variant: warmup steps, then the median
 step time of --steps, tokens/s, peak GiB (torch.cuda.max_memory_allocated: reset after the
 warmup for HF, whose every step allocates; before the capture for modulec, whose replays
-allocate nothing), the first step's loss (random init: about ln(vocab) for all) and the last.
+allocate nothing), the first step's loss (random init: about ln(vocab) for all) and the last,
+and on a GPU the card's mean power through the timed steps (nvidia-smi every 100 ms:
+harness.card_power) and a step's energy at it (W x the median step's seconds; the card
+runs these steps at its power cap, so the energy a step needs is what its time follows).
 
     python3 benchmarks/gpu/lora_peers.py [--batch 1 --seq 2048 --steps 10]
         [--variants modulec,hf_peft,...] [--json out.json]
@@ -45,9 +48,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (PEAK, Column, add_rates, best_peer, forward_args,  # noqa: E402
-                                header, hf_step, launch, progress, random_tokens, reset_peak,
-                                sync, table_rows, timed, variant_row, write_json)
+from benchmarks.harness import (PEAK, Column, add_rates, best_peer, card_power,  # noqa: E402
+                                forward_args, header, hf_step, launch, progress, random_tokens,
+                                reset_peak, sync, table_rows, timed, variant_row, with_energy,
+                                write_json)
 
 # torch.compile last: its compile time is the longest, the others' rows come first
 VARIANTS = ("modulec", "hf_peft", "hf_peft_liger", "hf_peft_compile")
@@ -135,7 +139,8 @@ def run_modulec(args, shape) -> dict:
     reset_peak("cuda")
     step.capture(warmup=max(args.warmup - 1, 1))
     setup_s = time.perf_counter() - started
-    result = timed(lambda: step(tokens), 0, args.steps)
+    with card_power(args.device) as power:
+        result = with_energy(timed(lambda: step(tokens), 0, args.steps), power)
     from runtime.cuda.gemm import summary
 
     print(summary(), file=sys.stderr)  # what the GEMM timing chose (runtime/cuda/gemm.py)
@@ -236,7 +241,8 @@ def run_hf(args, shape, variant: str) -> dict:
     sync(args.device)
     setup_s = time.perf_counter() - started
     reset_peak(args.device)
-    result = timed(step, 0, args.steps, args.device)
+    with card_power(args.device) as power:
+        result = with_energy(timed(step, 0, args.steps, args.device), power)
     result.update(loss_first=loss_first, loss_last=float(box["loss"]), setup_s=setup_s,
                   trained_params=sum(p.numel() for p in trained),
                   adapter_dtype=str(trained[0].dtype).replace("torch.", ""),
@@ -307,7 +313,8 @@ COLUMNS = [Column("tokens/s", 10, "tokens_per_s", ".0f"),
            Column("peak GiB", 10, "peak_bytes", ".2f", 2**-30),
            Column("MFU989", 8, "mfu_989", ".1%"), Column("loss0", 8, "loss_first", ".3f"),
            Column("lossN", 8, "loss_last", ".3f"), Column("trained", 11, "trained_params", ",d"),
-           Column("setup s", 9, "setup_s", ".0f")]
+           Column("setup s", 9, "setup_s", ".0f"), Column("W", 6, "power_w", ".0f"),
+           Column("J/step", 8, "joules_per_step", ".1f")]
 
 
 def notes(name: str, r: dict) -> list[str]:
