@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -104,63 +103,60 @@ def _wall_times(step, steps: int) -> list[float]:
 
 
 @contextmanager
-def card_power(device: str = "cuda", period_ms: int = 100):
-    """What the card draws while the block runs, sampled by nvidia-smi every `period_ms`:
-    yields a dict that gets `power_w` and `sm_mhz` (the samples' means) and `power_samples`
-    on exit; nothing where the device is not a GPU or nvidia-smi is missing. A step at the
-    card's power cap takes the time its energy allows: `power_w` x the step's seconds is
-    that energy (`joules_per_step`)."""
+def card_power(device: str = "cuda"):
+    """The energy the card used while the block ran, from NVML's energy counter (mJ since
+    the driver loaded; read before and after): yields a dict that gets `joules` and
+    `power_w` (joules over the block's wall time) on exit; nothing where the device is not
+    a GPU or NVML is missing. A step at the card's power cap takes the time its energy
+    allows, so the energy of a step is what its time follows."""
     found: dict = {}
-    if device != "cuda" or shutil.which("nvidia-smi") is None:
+    read = _energy_counter() if device == "cuda" else None
+    if read is None:
         yield found
         return
-    proc = subprocess.Popen(["nvidia-smi", "-i", _physical_gpu(), "-lms", str(period_ms),
-                             "--query-gpu=power.draw,clocks.sm",
-                             "--format=csv,noheader,nounits"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    before, started = read(), time.perf_counter()
     try:
         yield found
     finally:
-        proc.terminate()
-        try:
-            output = proc.communicate(timeout=5)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
-        found.update(_power_means(output))
+        joules, seconds = (read() - before) / 1e3, time.perf_counter() - started
+        if joules > 0 and seconds > 0:
+            found.update(joules=joules, power_w=joules / seconds)
 
 
-def _physical_gpu() -> str:
-    """nvidia-smi's index of the GPU this process uses: CUDA_VISIBLE_DEVICES' first, or
-    torch's current device."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    if visible:
-        return visible
+def _energy_counter():
+    """A function reading the current GPU's NVML energy counter (mJ), or None (no NVML, an
+    older card, or the GPU not found). The GPU is found by its PCI address, which NVML and
+    CUDA agree on (their indices may not)."""
+    import ctypes
+
     import torch
 
-    return str(torch.cuda.current_device())
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+        handle = ctypes.c_void_p()
+        if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    millijoules = ctypes.c_ulonglong()
+
+    def read() -> int:
+        if nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(millijoules)) != 0:
+            return 0
+        return millijoules.value
+    return read if read() > 0 else None
 
 
-def _power_means(output: str) -> dict:
-    """{power_w, sm_mhz, power_samples} of nvidia-smi's "watts, MHz" lines ({} if none)."""
-    samples = []
-    for line in output.splitlines():
-        try:
-            watts, mhz = (float(x) for x in line.split(","))
-        except ValueError:
-            continue
-        samples.append((watts, mhz))
-    if not samples:
-        return {}
-    return {"power_w": sum(w for w, _ in samples) / len(samples),
-            "sm_mhz": sum(m for _, m in samples) / len(samples), "power_samples": len(samples)}
-
-
-def with_energy(result: dict, power: dict) -> dict:
-    """`result` (a timed run: step_s) with the card's power while it ran and the energy of
-    a step at that power (joules_per_step), where sampled."""
-    if power.get("power_w") and result.get("step_s"):
-        result.update(power, joules_per_step=power["power_w"] * result["step_s"])
+def with_energy(result: dict, power: dict, steps: int) -> dict:
+    """`result` (a timed run of `steps` steps) with the card's mean power through it and
+    the energy of a step (joules_per_step: the run's joules over its steps), where
+    measured (card_power)."""
+    if power.get("joules") and steps:
+        result.update(power_w=power["power_w"], joules_per_step=power["joules"] / steps)
     return result
 
 

@@ -1,11 +1,10 @@
 """benchmarks/harness.py, what the step benchmarks share: a fake variant run in a child
 process (its JSON row, a crash, a timeout that kills the child's whole session and a
 worker in a session of its own, as torchrun starts them), the timing loop on the CPU, the
-error rows, the deadline, the command lines, the fixed-width table and the power sampler."""
+error rows, the deadline, the command lines, the fixed-width table and the energy reading."""
 
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 import time
@@ -227,22 +226,20 @@ def test_graph_gaps_counts_idle_time_where_no_stream_runs():
     assert summary["largest"][0]["after"] == "norm" and summary["top_names"][0]["name"] == "nccl"
 
 
-def test_card_power_averages_what_nvidia_smi_samples(tmp_path, monkeypatch):
-    """card_power runs nvidia-smi beside the block and keeps the mean watts and SM clock of
-    its lines (a fake nvidia-smi here, which prints two samples and waits to be stopped);
-    with_energy makes a step's joules of them. Off the GPU nothing is sampled."""
-    from benchmarks.harness import card_power, with_energy
+def test_card_power_reads_the_energy_counter_around_the_block(monkeypatch):
+    """card_power reads the card's energy counter (mJ) before and after the block: the
+    joules between and the mean power over the block's wall time; with_energy makes a
+    step's joules of them. Off the GPU (or without NVML) nothing is measured."""
+    import benchmarks.harness as harness
 
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho '690.0, 1500'\necho '[N/A], 1980'\necho '700.0, 1600'\n"
-                    "exec sleep 30\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with card_power("cuda", period_ms=100) as power:
-        time.sleep(0.5)
-    assert power == {"power_w": 695.0, "sm_mhz": 1550.0, "power_samples": 2}
-    assert with_energy({"step_s": 0.12}, power)["joules_per_step"] == pytest.approx(83.4)
-    with card_power("cpu") as none:
+    counter = iter([1_000_000, 1_084_000])  # 84 J
+    monkeypatch.setattr(harness, "_energy_counter", lambda: lambda: next(counter))
+    with harness.card_power("cuda") as power:
+        time.sleep(0.05)
+    assert power["joules"] == pytest.approx(84.0)
+    assert 0 < power["power_w"] <= 84.0 / 0.05
+    row = harness.with_energy({"step_s": 0.12}, power, steps=2)
+    assert row["joules_per_step"] == pytest.approx(42.0) and row["power_w"] == power["power_w"]
+    with harness.card_power("cpu") as none:
         pass
-    assert none == {} and with_energy({"step_s": 0.12}, none) == {"step_s": 0.12}
+    assert none == {} and harness.with_energy({"step_s": 0.12}, none, 2) == {"step_s": 0.12}

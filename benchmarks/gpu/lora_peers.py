@@ -23,9 +23,9 @@ reported with its error, the others still run). Per variant: warmup steps, then 
 step time of --steps, tokens/s, peak GiB (torch.cuda.max_memory_allocated: reset after the
 warmup for HF, whose every step allocates; before the capture for modulec, whose replays
 allocate nothing), the first step's loss (random init: about ln(vocab) for all) and the last,
-and on a GPU the card's mean power through the timed steps (nvidia-smi every 100 ms:
-harness.card_power) and a step's energy at it (W x the median step's seconds; the card
-runs these steps at its power cap, so the energy a step needs is what its time follows).
+and on a GPU the card's mean power through the timed steps and a step's energy (NVML's
+energy counter before and after them: harness.card_power; the card runs these steps at
+its power cap, so the energy a step needs is what its time follows).
 
     python3 benchmarks/gpu/lora_peers.py [--batch 1 --seq 2048 --steps 10]
         [--variants modulec,hf_peft,...] [--json out.json]
@@ -140,7 +140,8 @@ def run_modulec(args, shape) -> dict:
     step.capture(warmup=max(args.warmup - 1, 1))
     setup_s = time.perf_counter() - started
     with card_power(args.device) as power:
-        result = with_energy(timed(lambda: step(tokens), 0, args.steps), power)
+        result = timed(lambda: step(tokens), 0, args.steps)
+    with_energy(result, power, args.steps)
     from runtime.cuda.gemm import summary
 
     print(summary(), file=sys.stderr)  # what the GEMM timing chose (runtime/cuda/gemm.py)
@@ -242,7 +243,8 @@ def run_hf(args, shape, variant: str) -> dict:
     setup_s = time.perf_counter() - started
     reset_peak(args.device)
     with card_power(args.device) as power:
-        result = with_energy(timed(step, 0, args.steps, args.device), power)
+        result = timed(step, 0, args.steps, args.device)
+    with_energy(result, power, args.steps)
     result.update(loss_first=loss_first, loss_last=float(box["loss"]), setup_s=setup_s,
                   trained_params=sum(p.numel() for p in trained),
                   adapter_dtype=str(trained[0].dtype).replace("torch.", ""),
