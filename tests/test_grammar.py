@@ -69,3 +69,45 @@ def test_imports():
                         "import std.primitives.matmul.v1\nfrom a.b import C, D as E\n")
     assert program.items[0].names[1].alias == "MLP"
     assert program.items[1].path[-1] == "v1"
+
+
+def test_the_folded_parse_loop_is_larks():
+    """modulec.syntax.lalr's loop gives Lark.parse's tree for every std/ and examples/ file
+    and raises Lark.parse's error (kind, token, place, expected terminals) on broken
+    variants of them (the fuzz run's token edits)."""
+    from lark.exceptions import UnexpectedInput
+
+    from modulec.syntax import lalr
+    from modulec.syntax.depth import beyond_limits
+    from modulec.syntax.indenter import DedentError
+    from modulec.syntax.parser import parser
+    from tests.fuzz.mutate import mutant, sources
+
+    p = parser()
+
+    def outcome(parse, text):
+        p.indenter.start(text)
+        p.builder.file = "t.module"
+        try:
+            tree = parse(text)
+            # a tree past the depth limit is compared by its shape only: == on 2,000 nested
+            # brackets recurses past Python's limit (the parser reports it, E001)
+            return (tree if beyond_limits(tree) is None else "too deep"), p.indenter.problems
+        except UnexpectedInput as error:
+            return (type(error), getattr(error, "token", None), error.pos_in_stream,
+                    error.line, error.column, sorted(getattr(error, "expected", ()) or ()),
+                    sorted(getattr(error, "allowed", ()) or ()), getattr(error, "char", None),
+                    list(error.interactive_parser.parser_state.state_stack),
+                    p.indenter.problems, list(p.indenter.open_brackets),
+                    list(p.indenter.recent))
+        except DedentError as error:
+            return DedentError, error.problem
+        except Exception as error:  # noqa: BLE001 - a builder's (a TooDeep chain), as lark's
+            return type(error), str(error)
+
+    broken = (mutant(i, 0).text for i in range(150))  # less the 20,000-token repeats
+    texts = [text for _, text in sources()] + [t for t in broken if len(t) < 20_000]
+    for text in texts:
+        text = text if text.endswith("\n") else text + "\n"
+        assert outcome(lambda t: lalr.parse(p.lark, t), text) == \
+            outcome(p.lark.parse, text), text[:200]

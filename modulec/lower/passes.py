@@ -117,12 +117,19 @@ def run_pipeline(graph: Graph, dump_after: str | None = None,
                  dump: Callable[[str, Graph], None] | None = None,
                  context: PassContext | None = None) -> Graph:
     context = context if context is not None else PassContext()
+    verified = None
     for step in PIPELINE:
         graph = _merged(step.run(graph, context), context)
-        problems = verify_graph(graph)
-        if problems:
-            raise AssertionError(f"pass `{step.name}` produced invalid Graph IR:\n"
-                                 + "\n".join(problems))
+        # A pass with nothing to do (tensor_parallel, sequence_parallel and lora without
+        # their flags, tp_overlap without --tp) returns the graph it was given, which the
+        # previous pass's check verified: the IR is frozen, so the verifier's answer is the
+        # same: four of a plain build's seven verifications.
+        if graph is not verified:
+            problems = verify_graph(graph)
+            if problems:
+                raise AssertionError(f"pass `{step.name}` produced invalid Graph IR:\n"
+                                     + "\n".join(problems))
+            verified = graph
         if dump is not None and step.name == dump_after:
             dump(step.name, graph)
     return graph

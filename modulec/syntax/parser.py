@@ -22,6 +22,7 @@ from modulec.diagnostics import Diagnostic
 from modulec.paths import grammar_file
 from modulec.source import SourceFile
 from modulec.syntax import ast as A
+from modulec.syntax import lalr
 from modulec.syntax.builder import Builder
 from modulec.syntax.depth import beyond_limits, too_deep_at
 from modulec.syntax.precedence import TooDeep
@@ -57,6 +58,12 @@ class Parser:
         with _no_collision_check():
             self.lark = Lark(text, postlex=self.indenter, transformer=self.builder,
                              **lark_options())
+        # Each reduce looks its goto up by the rule's name, which the grammar loader left a
+        # lark Token (a str subclass with its own __eq__): every lookup called Token.__eq__
+        # against the table's plain-str keys (a million calls in the fuzz run). The same
+        # text as a plain str finds the same entries.
+        for rule in self.lark.rules:
+            rule.origin.name = str(rule.origin.name)
 
     def parse_raw(self, text: str, file: str) -> A.Program:
         """Parse or raise (UnexpectedInput, DedentError); positions refer to `text`."""
@@ -65,7 +72,7 @@ class Parser:
         collecting = gc.isenabled()
         gc.disable()  # the tree is acyclic: collections during a parse only cost time
         try:
-            return self.lark.parse(text)
+            return lalr.parse(self.lark, text)  # Lark.parse, the per-token calls folded in
         except VisitError as error:  # a builder callback failed: report the original
             raise error.orig_exc from None
         finally:
@@ -136,8 +143,8 @@ def _parse_checked(source: SourceFile) -> ParseResult:
     p = parser()
     try:
         program = p.parse_raw(text, source.name)
-    except (UnexpectedInput, DedentError):
-        program, diagnostics = parse_with_recovery(p, source, text)
+    except (UnexpectedInput, DedentError) as failure:
+        program, diagnostics = parse_with_recovery(p, source, text, failure)
         deep = beyond_limits(program)  # what recovery kept is walked recursively too
         if deep is not None:
             return ParseResult(None, tuple(diagnostics) + (deep,))

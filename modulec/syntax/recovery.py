@@ -25,11 +25,20 @@ MAX_ERRORS_PER_CHUNK = 8
 _TOP_LEVEL_START = re.compile(r"[A-Za-z_\"@]")
 
 
-def parse_with_recovery(parser, source: SourceFile, text: str):
-    """(program with what could be parsed, diagnostics) for a file that has errors."""
+def parse_with_recovery(parser, source: SourceFile, text: str,
+                        failure: Exception | None = None):
+    """(program with what could be parsed, diagnostics) for a file that has errors.
+
+    `failure`: what parsing all of `text` just raised (the parser's indenter still holds
+    that parse's state). A file of one chunk (no imports, one declaration: 265 of the
+    first 600 fuzz programs' 367 broken files) starts with exactly that parse of exactly
+    that text, so its first attempt takes the error as it is: a second parse up to the
+    same token was 7% of the fuzz run's parsing, and 0.4 s for a line of 20,000 repeated
+    tokens."""
     items, problems = [], []
     for start, end in top_level_chunks(text):
-        chunk_items, chunk_problems = _parse_chunk(parser, source, text, start, end)
+        whole = failure if start == 0 and end == len(text) else None
+        chunk_items, chunk_problems = _parse_chunk(parser, source, text, start, end, whole)
         items.extend(chunk_items)
         problems.extend(chunk_problems)
     diagnostics = _unique([p.diagnostic for p in problems])
@@ -50,7 +59,7 @@ def top_level_chunks(text: str) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(text)]))
 
 
-def _parse_chunk(parser, source, text, start, end):
+def _parse_chunk(parser, source, text, start, end, failure=None):
     prefix = re.sub(r"[^\n]", " ", text[:start])
     chunk = text[start:end]
     problems: list[SyntaxProblem] = []
@@ -59,6 +68,9 @@ def _parse_chunk(parser, source, text, start, end):
         attempt = prefix + chunk
         seen = SourceFile(source.name, attempt)
         try:
+            if failure is not None:  # `attempt` is the text whose parse raised it
+                failure, raised = None, failure
+                raise raised
             program = parser.parse_raw(attempt, source.name)
         except DedentError as exc:
             problem = layout_problem(exc.problem, seen)
