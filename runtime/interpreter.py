@@ -565,10 +565,18 @@ def _shapes_from_gradients(kernel, node: Node, function: Function) -> dict:
     sizes it; a backward op written in the source has no forward op to read it from."""
     shapes = {}
     for name, value in zip(kernel.backward_outputs, node.outputs):
-        info = function.value(value) if value else None
-        if name.startswith("d_") and info is not None and all(d.isdigit() for d in info.shape):
-            shapes[name[2:]] = tuple(int(d) for d in info.shape)
+        shape = static_shape(function, value) if value else None
+        if name.startswith("d_") and shape is not None:
+            shapes[name[2:]] = shape
     return shapes
+
+
+def static_shape(function: Function, value: str) -> tuple[int, ...] | None:
+    """`value`'s shape as the IR sizes it, where every dim is a number, else None."""
+    info = function.value(value)
+    if info is None or not all(str(d).isdigit() for d in info.shape):
+        return None
+    return tuple(int(d) for d in info.shape)
 
 
 def _shape(value: str, forward: Frame, interpreter: Interpreter):
@@ -576,8 +584,8 @@ def _shape(value: str, forward: Frame, interpreter: Interpreter):
         return tuple(forward.env[value].shape)
     if value.startswith("param:"):
         return tuple(interpreter._param(value[len("param:"):], forward).shape)
-    info = forward.function.value(value)  # released (runtime.decisions): the IR's shape
-    if info is not None and all(d.isdigit() for d in info.shape):
-        return tuple(int(d) for d in info.shape)
+    shape = static_shape(forward.function, value)  # released (runtime.decisions): the IR's
+    if shape is not None:
+        return shape
     return tuple(interpreter.read_forward(forward, value).shape)
 

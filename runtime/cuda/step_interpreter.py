@@ -20,7 +20,7 @@ from runtime.cuda.train_kernels import (lora_addmm, lora_matmul_into, overlaps,
                                        planned_product)
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP, _forget
 from runtime.interpreter import (Interpreter, _join, _keep_only_saved, _saved_by_backward,
-                                 _shape)
+                                 _shape, static_shape)
 from runtime.kernels.documents import current
 from runtime.kernels.tensor import block_layout
 
@@ -363,7 +363,7 @@ class _StepInterpreter(Interpreter):
             if pair is None or self.arena.is_widened(frame, concat):
                 continue
             w = self._read(pair.base.inputs[2], frame, forward)
-            shape = _static_shape(frame.function, concat)
+            shape = static_shape(frame.function, concat)
             if not isinstance(w, torch.Tensor) or w.dim() != 2 or shape is None:
                 continue
             found = widened_dx(w, math.prod(shape) // w.shape[0])
@@ -389,7 +389,7 @@ class _StepInterpreter(Interpreter):
             self._dt_makers[name] = {p.first.inputs[0]: p for p in pairs.adds.values()}
         pair = self._dt_makers[name].get(node.outputs[0])
         w = self._one_gemm_weight(pair, frame, forward) if pair is not None else None
-        shape = _static_shape(frame.function, node.outputs[0])
+        shape = static_shape(frame.function, node.outputs[0])
         target = None if w is None or shape is None else \
             dt_beside(w, math.prod(shape) // shape[-1], shape[-1])
         if target is None:
@@ -677,10 +677,3 @@ def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraP
             pairs.deferred.add(source.id)
     return pairs
 
-
-def _static_shape(function, value: str) -> tuple[int, ...] | None:
-    """`value`'s shape as the IR sizes it, where every dim is a number."""
-    info = function.value(value)
-    if info is None or not all(str(d).isdigit() for d in info.shape):
-        return None
-    return tuple(int(d) for d in info.shape)
