@@ -190,7 +190,12 @@ void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha,
 std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const Tensor& b,
                                        double alpha, const Tensor& da32, const Tensor& db32,
                                        const Outputs& out, const std::vector<int64_t>& blocks) {
-  check(a, "A", at::kBFloat16, d_c);
+  // A's rows may lie apart (t in x's spare columns: runtime/cuda/lora_kcat.py), 16-byte
+  // aligned
+  TORCH_CHECK(a.is_cuda() && a.device() == d_c.device() && a.scalar_type() == at::kBFloat16 &&
+                  a.dim() == 2 && a.stride(1) == 1 && a.stride(0) >= a.size(1) &&
+                  a.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
+              "skinny_nt_backward: A must be bf16 on d_C's device, rows 16-byte aligned");
   check(b, "B", at::kBFloat16, d_c);
   TORCH_CHECK(d_c.is_cuda() && d_c.scalar_type() == at::kBFloat16 && d_c.dim() == 2 &&
                   a.dim() == 2 && b.dim() == 2,
@@ -232,7 +237,7 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
   }
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   check_launch(launch_skinny_nt_backward(d_c.data_ptr(), d_c.stride(0), a.data_ptr(),
-                                         b.data_ptr(), da32.data_ptr<float>(),
+                                         a.stride(0), b.data_ptr(), da32.data_ptr<float>(),
                                          db32.data_ptr<float>(), d_a.data_ptr(), d_a.stride(0),
                                          d_b.data_ptr(), rows, cols, static_cast<int>(rank),
                                          static_cast<float>(alpha), parts, sms, stream()),

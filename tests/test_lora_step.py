@@ -534,7 +534,6 @@ def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
     attention's backward: runtime/arena.py `widen`), and the step computes what the
     two-GEMM path does, within bf16; MODULEC_LORA_KCAT_DX=0 lays no tail rows."""
     import runtime.cuda.lora_kcat as kcat
-    from runtime.cuda.state import region_of, stacked_order
     from modulec.lower.lora import is_adapter
 
     monkeypatch.setenv("MODULEC_LORA_KCAT_MIN", "1.4")
@@ -549,30 +548,83 @@ def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
         ("mlp.down_weight", 8), ("attention.qkv_weight", 24), ("mlp.up_weight", 16))}
     assert kcat.side_bytes(shapes, {}, tails={p: r for p, r in tails.items() if "down" in p}
                            ) == 2 * 8 * 48 * 2  # the fixed bytes'
-    sides = kcat.side_columns(shapes, frozen)
-    order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
-    _, (views,) = region_of(shapes, [(BF16, order)], device=device, sides=sides, tails=tails)
-    for path, view in views.items():
-        view.copy_(model.params[path])
-    kcat.lay_sides(views, sides)
-    slots = kcat.lay_tails(views, tails)
-    copied, copy_rows = [], kcat._copy_rows
-
-    def counted(into, rows):  # the rows that move (not those written in place already)
-        if (into.data_ptr(), into.stride()) != (rows.data_ptr(), rows.stride()):
-            copied.append(tuple(into.shape))
-        copy_rows(into, rows)
-    monkeypatch.setattr(kcat, "_copy_rows", counted)
+    views, (sides, slots) = _laid_views(model, device, kcat.side_columns(shapes, frozen),
+                                        tails)
+    copied = _counting_copies(monkeypatch)
     outputs, grads, run, _ = _arena_step(model, monkeypatch, True, device, params=views)
     assert run.lora_dx_one_gemm == 6  # each layer's down, q/k/v and gate/up
-    # d_y copied beside d_t for down alone (and each d_t staged): the fused projections'
-    # backward wrote theirs into the scratch
-    assert sorted(set(copied)) == [(16, 8), (16, 16), (16, 24), (16, 32)], copied
+    # d_y copied beside d_t for down alone: the fused projections' backward wrote theirs
+    # into the scratch, d_t's maker wrote it beside d_y, and t's (forward) beside x
+    assert sorted(set(copied)) == [(16, 32)], copied
     torch.testing.assert_close(slots["blocks[1].mlp.down_weight"].cpu(),
                                model.params["blocks[1].mlp.down_weight.lora_A"])
     new, was, two_run = _errors_beside_two_gemms(model, monkeypatch, device, outputs, grads)
     assert two_run.lora_dx_one_gemm == 0 and two_run.lora_dx_fused == run.lora_dx_fused
     assert max(new) < 0.1 and max(was) < 0.1, (new, was)
+
+
+def _laid_views(model, device, sides, tails):
+    """The model's weights laid as the GPU step lays them: with side columns (`sides`) and
+    tail rows (`tails`) beside the frozen weights (runtime/cuda/lora_kcat.py); the views
+    and the slots, ({path: side slot}, {path: tail slot}) (held by the caller: lora_kcat
+    keeps weak references to them, the step holds them in `TrainStep.sides`)."""
+    import runtime.cuda.lora_kcat as kcat
+    from runtime.cuda.state import region_of, stacked_order
+
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    order = stacked_order(model.source.program_for(token_inputs(model)).graph, sorted(shapes))
+    _, (views,) = region_of(shapes, [(BF16, order)], device=device, sides=sides, tails=tails)
+    for path, view in views.items():
+        view.copy_(model.params[path])
+    return views, (kcat.lay_sides(views, sides), kcat.lay_tails(views, tails))
+
+
+def _counting_copies(monkeypatch) -> list:
+    """The shapes lora_kcat's `_copy_rows` moves from here on (not rows already in place)."""
+    import runtime.cuda.lora_kcat as kcat
+
+    copied, copy_rows = [], kcat._copy_rows
+
+    def counted(into, rows):
+        if (into.data_ptr(), into.stride()) != (rows.data_ptr(), rows.stride()):
+            copied.append(tuple(into.shape))
+        copy_rows(into, rows)
+    monkeypatch.setattr(kcat, "_copy_rows", counted)
+    return copied
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=needs_gpus(1))])
+def test_t_is_written_beside_x_where_the_one_gemm_reads_it(monkeypatch, device):
+    """Where the plan laid an adapted projection's input x wider (its k r spare columns)
+    and the weight has a side slot, t = x A^T is written straight into x's spare columns
+    (the step interpreter's `_t_beside_x`): the one GEMM over [x | t] reads it there and
+    nothing is copied; the backward reads t where it lies. The same outputs and gradients,
+    bit for bit, as with t copied there (MODULEC_LORA_T_BESIDE_X=0)."""
+    import runtime.cuda.lora_kcat as kcat
+    from modulec.lower.lora import is_adapter
+
+    model = _lora_model(rank=8)
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    frozen = {p for p in shapes if not is_adapter(p)}
+    runs = {}
+    for beside in ("1", "0"):
+        views, slots = _laid_views(model, device, kcat.side_columns(shapes, frozen), {})
+        monkeypatch.setenv("MODULEC_LORA_T_BESIDE_X", beside)
+        copied = _counting_copies(monkeypatch)
+        runs[beside] = (*_arena_step(model, monkeypatch, True, device, params=views)[:3],
+                        copied)
+        assert slots  # held through the run
+    outputs, grads, run, copied = runs["1"]
+    was_outputs, was_grads, was_run, was_copied = runs["0"]
+    assert run.lora_into_planned == was_run.lora_into_planned == 8  # q/k/v, o, gate/up, down
+    assert run.lora_t_beside_x == 6 and was_run.lora_t_beside_x == 0  # o: its x not wide
+    assert copied == [] and sorted(set(was_copied)) == [(16, 8), (16, 16), (16, 24)]
+    for got, want in zip(outputs, was_outputs):
+        assert torch.equal(got, want)
+    assert grads.keys() == was_grads.keys()
+    for path in grads:
+        assert torch.equal(grads[path], was_grads[path]), path
 
 
 def test_only_single_process_bf16_programs_lay_side_columns():

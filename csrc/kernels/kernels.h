@@ -341,8 +341,8 @@ cudaError_t launch_scaled_copies(const ScaledCopy* table, int count, int64_t mos
 // `blocks`: where b is block-diagonal (LoRA's B of a fused projection: n blocks of 16
 // columns, block i's rows ending at end[i], each end a multiple of
 // skinny_cols_multiple()), n = rank / 16 of them, and only the blocks are summed and
-// written (d_b's other entries are left as they were); n = 0: b dense. d_a's rows lie
-// ld_a elements apart (>= rank).
+// written (d_b's other entries are left as they were); n = 0: b dense. a's rows lie lda
+// elements apart (>= rank, a multiple of 8, a 16-byte aligned), d_a's ld_a (>= rank).
 constexpr int kSkinnyMaxBlocks = 4;
 struct SkinnyBlocks {
   int n;
@@ -351,8 +351,9 @@ struct SkinnyBlocks {
 int skinny_rows_multiple();
 int skinny_cols_multiple();
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
-                                      const void* b, float* da32, float* db32, void* d_a,
-                                      int64_t ld_a, void* d_b, int64_t rows, int64_t cols,
+                                      int64_t lda, const void* b, float* da32, float* db32,
+                                      void* d_a, int64_t ld_a, void* d_b, int64_t rows,
+                                      int64_t cols,
                                       int rank, float alpha, const SkinnyBlocks& blocks,
                                       int sm_count, cudaStream_t stream);
 

@@ -15,8 +15,9 @@
 // deterministic mode is on).
 //
 // Shapes the caller guarantees (runtime/cuda/skinny_grads.py): T % kRows == 0,
-// N % kCols == 0, R in {16, 32, 48, 64}; d_C rows 16-byte aligned (ld % 8 == 0); A, B
-// contiguous; all bf16; compute capability 8.0 or newer (bf16 mma.sync: on an older card
+// N % kCols == 0, R in {16, 32, 48, 64}; d_C's and A's rows 16-byte aligned (ld, lda
+// multiples of 8: the LoRA step's A, its t = x A^T, may lie in x's spare columns,
+// runtime/cuda/lora_kcat.py); B contiguous; all bf16; compute capability 8.0 or newer (bf16 mma.sync: on an older card
 // the extension still builds, the kernel body compiled out).
 #include <algorithm>
 #include <cstdint>
@@ -186,7 +187,7 @@ __device__ __forceinline__ int block_of(const SkinnyBlocks& blocks, int64_t n) {
 template <int R, bool BLOCKED>
 __global__ void __launch_bounds__(kThreads, 1)
     skinny_nt_backward_kernel(const __nv_bfloat16* __restrict__ g, int64_t ldg,
-                              const __nv_bfloat16* __restrict__ a_in,
+                              const __nv_bfloat16* __restrict__ a_in, int64_t lda,
                               const __nv_bfloat16* __restrict__ b_in, float* __restrict__ da,
                               float* __restrict__ db, int64_t n_cols, int chunks_per_cta,
                               SkinnyBlocks blocks) {
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kAPieces = R / 8;
   for (int i = threadIdx.x; i < kRows * kAPieces; i += kThreads) {
     const int r = i / kAPieces, p = i % kAPieces;
-    copy16(&s.a[r][p * 8], a_in + (t0 + r) * R + p * 8);
+    copy16(&s.a[r][p * 8], a_in + (t0 + r) * lda + p * 8);
   }
   load_chunk(s, 0, g, ldg, b_in, t0, static_cast<int64_t>(first) * kCols);
   commit();
@@ -240,36 +241,47 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // d_a = alpha da32, d_b = alpha db32 in bf16, and both sums zeroed for the next call (one
-// launch for both: the sums are small, a launch is not). Launched with a thread an element
-// (its grid): with one block an SM each thread walked ~30 elements of gate/up's
-// 983K one dependent load at a time (14.8 us a call in the LoRA 8B replay). d_a's rows lie
-// `ld_a` apart (the LoRA step writes d_t straight beside d_y: lora_kcat.py); with `blocks`
-// only d_b's diagonal blocks are summed, so only they are cast and zeroed (n_b: d_b's
-// elements or, blocked, rows x 16).
+// launch for both: the sums are small, a launch is not). A thread takes 4 consecutive
+// elements (a float4 of the sums: every rank and block width is a multiple of 4), its
+// grid one thread a float4: with one block an SM each thread walked ~30 elements of
+// gate/up's 983K one dependent load at a time (14.8 us a call in the LoRA 8B replay).
+// d_a's rows lie `ld_a` apart (the LoRA step writes d_t straight beside d_y:
+// lora_kcat.py); with `blocks` only d_b's diagonal blocks are summed, so only they are
+// cast and zeroed (n_b: d_b's elements or, blocked, rows x 16).
+__device__ __forceinline__ void finish_quad(float* sum, __nv_bfloat16* out, float alpha) {
+  float4* at = reinterpret_cast<float4*>(sum);
+  const float4 v = *at;
+  *at = make_float4(0.f, 0.f, 0.f, 0.f);
+  out[0] = __float2bfloat16(alpha * v.x);
+  out[1] = __float2bfloat16(alpha * v.y);
+  out[2] = __float2bfloat16(alpha * v.z);
+  out[3] = __float2bfloat16(alpha * v.w);
+}
+
 __global__ void finish_kernel(float* __restrict__ da32, float* __restrict__ db32,
                               __nv_bfloat16* __restrict__ d_a, __nv_bfloat16* __restrict__ d_b,
                               int64_t n_a, int64_t n_b, int rank, int64_t ld_a, float alpha,
                               SkinnyBlocks blocks) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_a + n_b;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (i < n_a) {
-      d_a[(i / rank) * ld_a + i % rank] = __float2bfloat16(alpha * da32[i]);
-      da32[i] = 0.0f;
+  const int64_t quads_a = n_a / 4, quads = (n_a + n_b) / 4;
+  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < quads;
+       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (q < quads_a) {
+      const int64_t i = 4 * q;
+      finish_quad(da32 + i, d_a + (i / rank) * ld_a + i % rank, alpha);
       continue;
     }
-    int64_t j = i - n_a;
-    if (blocks.n > 0) {  // row j / 16 of d_b, column 16 (its block) + j % 16
+    int64_t j = 4 * (q - quads_a);
+    if (blocks.n > 0) {  // row j / 16 of d_b, columns 16 (its block) + j % 16 ..
       const int64_t row = j / 16;
       j = row * rank + 16 * block_of(blocks, row) + j % 16;
     }
-    d_b[j] = __float2bfloat16(alpha * db32[j]);
-    db32[j] = 0.0f;
+    finish_quad(db32 + j, d_b + j, alpha);
   }
 }
 
 template <int R, bool BLOCKED>
-cudaError_t launch(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
-                   float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
+cudaError_t launch(const void* g, int64_t ldg, const void* a, int64_t lda, const void* b,
+                   float* da32, float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
                    int sm_count, cudaStream_t stream) {
   const int row_blocks = static_cast<int>(rows / kRows);
   const int chunks = static_cast<int>(cols / kCols);
@@ -282,7 +294,7 @@ cudaError_t launch(const void* g, int64_t ldg, const void* a, const void* b, flo
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   skinny_nt_backward_kernel<R, BLOCKED><<<dim3(row_blocks, grid_y), kThreads, smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(g), ldg, static_cast<const __nv_bfloat16*>(a),
+      static_cast<const __nv_bfloat16*>(g), ldg, static_cast<const __nv_bfloat16*>(a), lda,
       static_cast<const __nv_bfloat16*>(b), da32, db32, cols, per_cta, blocks);
   return cudaGetLastError();
 }
@@ -294,24 +306,26 @@ bool sums_blocks(int rank, const SkinnyBlocks& blocks) {
 
 // R's kernel, BLOCKED where `blocks` names R / 16 blocks (each 16 wide), dense otherwise
 template <int R>
-cudaError_t launch_rank(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
+cudaError_t launch_rank(const void* g, int64_t ldg, const void* a, int64_t lda, const void* b,
+                   float* da32,
                         float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
                         int sm_count, cudaStream_t stream) {
   if constexpr (R > 16) {
     if (sums_blocks(R, blocks))
-      return launch<R, true>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+      return launch<R, true>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
   }
-  return launch<R, false>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+  return launch<R, false>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
 }
 
-cudaError_t launch_sums(const void* g, int64_t ldg, const void* a, const void* b, float* da32,
+cudaError_t launch_sums(const void* g, int64_t ldg, const void* a, int64_t lda, const void* b,
+                   float* da32,
                         float* db32, int64_t rows, int64_t cols, int rank,
                         const SkinnyBlocks& blocks, int sm_count, cudaStream_t stream) {
   switch (rank) {
-    case 16: return launch_rank<16>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
-    case 32: return launch_rank<32>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
-    case 48: return launch_rank<48>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
-    case 64: return launch_rank<64>(g, ldg, a, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 16: return launch_rank<16>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 32: return launch_rank<32>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 48: return launch_rank<48>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 64: return launch_rank<64>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -322,20 +336,20 @@ int skinny_rows_multiple() { return kRows; }
 int skinny_cols_multiple() { return kCols; }
 
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
-                                      const void* b, float* da32, float* db32, void* d_a,
-                                      int64_t ld_a, void* d_b, int64_t rows, int64_t cols,
+                                      int64_t lda, const void* b, float* da32, float* db32,
+                                      void* d_a, int64_t ld_a, void* d_b, int64_t rows, int64_t cols,
                                       int rank, float alpha, const SkinnyBlocks& blocks,
                                       int sm_count, cudaStream_t stream) {
   if (blocks.n < 0 || blocks.n > kSkinnyMaxBlocks) return cudaErrorInvalidValue;
   for (int i = 0; i + 1 < blocks.n; ++i)
     if (blocks.end[i] % kCols != 0) return cudaErrorInvalidValue;
-  const cudaError_t err = launch_sums(d_c, ld, a, b, da32, db32, rows, cols, rank, blocks,
+  const cudaError_t err = launch_sums(d_c, ld, a, lda, b, da32, db32, rows, cols, rank, blocks,
                                       sm_count, stream);
   if (err != cudaSuccess) return err;
   const bool blocked = sums_blocks(rank, blocks);
   const int64_t n_a = rows * rank, n_b = cols * (blocked ? 16 : rank);
   const unsigned grid = static_cast<unsigned>(std::max<int64_t>(
-      1, std::min<int64_t>((n_a + n_b + 255) / 256, 1 << 20)));
+      1, std::min<int64_t>((n_a + n_b + 1023) / 1024, 1 << 20)));  // a thread a float4
   finish_kernel<<<grid, 256, 0, stream>>>(
       da32, db32, static_cast<__nv_bfloat16*>(d_a), static_cast<__nv_bfloat16*>(d_b), n_a, n_b,
       rank, ld_a, alpha, blocked ? blocks : SkinnyBlocks{});

@@ -260,6 +260,24 @@ def laid_wide(x: torch.Tensor, width: int) -> torch.Tensor | None:
     return x.as_strided((x.shape[0], x.shape[1] + width), x.stride(), x.storage_offset())
 
 
+def t_beside_x(x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tensor | None:
+    """x's spare columns ([rows, width], rows apart), where `kcat_into` reads t beside x,
+    for t's maker to write t there (the step interpreter's `_t_beside_x`): where the plan
+    laid x `width` wider and w has a side slot that wide, else None. Saves t's copy into
+    the columns (a launch a projection, ~2.5 us with its gap at LoRA 8B).
+    MODULEC_LORA_T_BESIDE_X=0: None (A/B runs)."""
+    if os.environ.get("MODULEC_LORA_T_BESIDE_X", "1") == "0" or not isinstance(x, torch.Tensor) \
+            or not isinstance(w, torch.Tensor) or w.dim() != 2 or x.dim() < 2 \
+            or x.shape[-1] != w.shape[1] or side_of(w, width) is None:
+        return None
+    try:
+        rows = x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+    wide = laid_wide(rows, width)
+    return None if wide is None else wide[:, rows.shape[1]:]
+
+
 def _copy_rows(into: torch.Tensor, rows: torch.Tensor) -> None:
     """into.copy_(rows) for a strided `into` (the scratch's columns), in 16-byte elements
     where both lay their rows so (runtime.arena.copy_in_16_bytes): torch's copy into a

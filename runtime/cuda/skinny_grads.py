@@ -9,7 +9,7 @@ benchmarks/kernels/bench_skinny_grads.py). The kernel reads d_C once.
 
 `skinny_nt_backward` returns [d_A, d_B] where the kernel covers the call, else None (the
 caller runs its two GEMMs): bf16 CUDA tensors, T a multiple of 256, N of 128, R one of
-16, 32, 48, 64, d_C's rows 16-byte aligned, A and B contiguous, a card of compute
+16, 32, 48, 64, d_C's and A's rows 16-byte aligned (A's may lie apart), B contiguous, a card of compute
 capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic mode (the
 kernel's sums meet through atomics: their order varies), and MODULEC_SKINNY_GRADS not 0.
 """
@@ -34,7 +34,7 @@ def covers(d_C, A, B) -> bool:
     rows, cols = d_C.shape
     return A.shape[1] in RANKS and tuple(A.shape) == (rows, A.shape[1]) \
         and tuple(B.shape) == (cols, A.shape[1]) and rows % ROWS == 0 and cols % COLS == 0 \
-        and A.is_contiguous() and B.is_contiguous() and d_C.stride(1) == 1 \
+        and _rows_aligned(A) and B.is_contiguous() and d_C.stride(1) == 1 \
         and d_C.stride(0) % 8 == 0 and d_C.data_ptr() % 16 == 0 \
         and A.data_ptr() % 16 == 0 and B.data_ptr() % 16 == 0 \
         and A.device == B.device == d_C.device \
@@ -59,6 +59,12 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> 
     da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
     return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets,
                                           block_ends(blocks, B)))
+
+
+def _rows_aligned(t) -> bool:
+    """Rows 16-byte aligned, contiguous or lying apart: A may be t = x A^T written into x's
+    spare columns (runtime/cuda/lora_kcat.py `t_beside_x`)."""
+    return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) % 8 == 0
 
 
 def _rows_apart(t) -> bool:

@@ -54,6 +54,7 @@ class _StepInterpreter(Interpreter):
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
+        self.lora_t_beside_x = 0  # LoRA t written into x's spare columns (_t_beside_x)
         self.lora_dx_fused = 0  # backward d_x sums run as an addmm (lora_backward.py)
         self.lora_dx_one_gemm = 0  # of them, one GEMM over [d_y | d_t] (lora_kcat.dx_into)
         self._dx_staged: dict = {}  # (id(frame), add id) -> True: d_t staged for dx_into
@@ -208,6 +209,9 @@ class _StepInterpreter(Interpreter):
         pairs = self._lora_pairs(function)
         if node.id in pairs.deferred:
             return  # run by its add
+        source = pairs.t_makers.get(node.id)
+        if source is not None and self._t_beside_x(node, source, frame, forward):
+            return
         pair = pairs.adds.get(node.id)
         if pair is None:
             return super()._op(node, frame, forward)
@@ -241,6 +245,29 @@ class _StepInterpreter(Interpreter):
         self.lora_fused += 1
         frame.env[matmul.outputs[0]] = self._stand_in(y)
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
+
+    def _t_beside_x(self, node, source, frame, forward) -> bool:
+        """LoRA's t = x A^T written straight into x's spare columns, where the one GEMM
+        over [x | t] reads it (runtime/cuda/lora_kcat.py `t_beside_x`): nothing is copied
+        there, and the backward reads t where it lies (rows apart). Only where the plan laid
+        x `r` wider and t stays put (not recomputed or swapped). True where `node` was run."""
+        from runtime.cuda.lora_kcat import t_beside_x
+
+        t = node.outputs[0] if node.outputs else ""
+        shape = static_shape(frame.function, t) if t else None
+        if self.arena is None or shape is None \
+                or self.arena.pad_of(frame, source.inputs[0]) != shape[-1]:
+            return False
+        if self.decisions is not None and self.decisions.of(
+                frame.function.name, t, frame.instance) in (RECOMPUTE, SWAP):
+            return False
+        x, w = (self._read(v, frame, forward) for v in source.inputs[:2])
+        target = t_beside_x(x, w, shape[-1])
+        if target is None:
+            return False
+        self._run_redirected(node, frame, forward, target)
+        self.lora_t_beside_x += 1
+        return True
 
     def _lora_into_planned(self, node, source, matmul, frame, forward) -> bool:
         """y = x W^T (`source`, base's matmul) + s t B^T in y's planned bytes: the delta
@@ -631,6 +658,9 @@ class LoraPairs:
     deferred: set = field(default_factory=set)  # the matmuls the adds run (delta's, base's)
     # add node id -> base's matmul, deferred to the add: run into y's planned bytes
     bases: dict = field(default_factory=dict)
+    # the node making t (x A^T) of a deferred base's pair -> that base's matmul (x W^T),
+    # where no other pair's base reads x: t may be written into x's spare columns
+    t_makers: dict = field(default_factory=dict)
 
 
 def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraPairs:
@@ -675,5 +705,18 @@ def lora_addmm_pairs(function, saved=frozenset(), replayed=frozenset()) -> LoraP
                 and source.inputs[0] in pinned and source.inputs[1].startswith("param:"):
             pairs.bases[node.id] = source
             pairs.deferred.add(source.id)
+    _find_t_makers(pairs, producer, replayed)
     return pairs
+
+
+def _find_t_makers(pairs: LoraPairs, producer: dict, replayed) -> None:
+    """`pairs.t_makers`: each deferred base's t = matmul(x', A, NT) (x' is x, or dropout's
+    output: only x's bytes matter), where x is no other base's input."""
+    inputs = [source.inputs[0] for source in pairs.bases.values()]
+    for add_id, source in pairs.bases.items():
+        maker = producer.get(pairs.adds[add_id][0].inputs[0])
+        if maker is not None and maker.kind == "op" and maker.target == "matmul" \
+                and maker.attr("transpose") == "NT" and maker.id not in replayed \
+                and inputs.count(source.inputs[0]) == 1:
+            pairs.t_makers[maker.id] = source
 

@@ -460,11 +460,15 @@ def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
 
 def planned_product(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                      ) -> torch.Tensor | None:
-    """The bytes `raw` as a @ b's contiguous C, or None where they do not fit."""
+    """The bytes `raw` as a @ b's C: contiguous, or a typed `raw` whose rows lie apart (t
+    written into x's spare columns, the step interpreter's `_t_beside_x`); None where
+    they do not fit."""
     if raw.device != a.device:
         return None
     C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype)
-    return C if C is not None and C.is_contiguous() else None
+    rows_apart = C is not None and raw.dtype != torch.uint8 and C.dim() == 2 \
+        and C.stride(1) == 1 and C.stride(0) >= C.shape[1]
+    return C if C is not None and (C.is_contiguous() or rows_apart) else None
 
 
 def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
