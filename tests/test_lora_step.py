@@ -37,7 +37,7 @@ def _lora_model(rank: int = 4) -> Model:
 
 
 def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu", params=None,
-                inputs=None):
+                inputs=None, decisions=None):
     """One forward + backward of the step's interpreter on the arena (CPU, bf16): outputs,
     gradients, the interpreter, and the (function, value, op) of each copy into the arena.
     `planned=False`: the kernels and LoRA pairs as they were before (the reference add,
@@ -72,8 +72,8 @@ def _arena_step(model, monkeypatch, planned: bool, device: str = "cpu", params=N
     if params is None:
         params = {p: t.to(device) for p, t in model.params.items()}
     run = step_module._StepInterpreter(program.graph, params, BF16, check_finite=False,
-                                       kernels=kernels, keep_only_saved=True, decisions=None,
-                                       arena=arena)
+                                       kernels=kernels, keep_only_saved=True,
+                                       decisions=decisions, arena=arena)
     outputs, frame = run.forward([model._input(inputs["token_ids"]).to(device)])
     _, grads = run.backward(frame, [torch.full_like(o, 0.01) for o in outputs])
     monkeypatch.undo()
@@ -625,6 +625,32 @@ def test_t_is_written_beside_x_where_the_one_gemm_reads_it(monkeypatch, device):
     assert grads.keys() == was_grads.keys()
     for path in grads:
         assert torch.equal(grads[path], was_grads[path]), path
+
+
+def test_under_the_planners_decisions_t_goes_beside_x_made_in_its_own_function(
+        monkeypatch):
+    """With the planner's decisions (a memory budget), x's bytes may be dropped, swapped or
+    re-applied after the forward, and t would go with them: t is written beside x only
+    where x is made in the function itself (down_proj's, SwiGLU's output), not where it
+    is the function's input (q/k/v's and gate/up's: the caller's norm output), and the
+    step computes the same."""
+    import runtime.cuda.lora_kcat as kcat
+    from modulec.lower.lora import is_adapter
+    from runtime.decisions import Decisions
+
+    model = _lora_model(rank=8)
+    shapes = {p: tuple(t.shape) for p, t in model.params.items()}
+    frozen = {p for p in shapes if not is_adapter(p)}
+    runs = []
+    for decisions in (None, Decisions()):  # no decision made: every value kept
+        views, slots = _laid_views(model, "cpu", kcat.side_columns(shapes, frozen), {})
+        runs.append(_arena_step(model, monkeypatch, True, params=views,
+                                decisions=decisions)[:3])
+        assert slots  # held through the run
+    (outputs, grads, free), (kept_outputs, kept_grads, decided) = runs
+    assert free.lora_t_beside_x == 6 and decided.lora_t_beside_x == 2  # down's, each layer
+    assert all(torch.equal(a, b) for a, b in zip(outputs, kept_outputs))
+    assert all(torch.equal(grads[p], kept_grads[p]) for p in grads)
 
 
 def test_only_single_process_bf16_programs_lay_side_columns():

@@ -342,7 +342,7 @@ cudaError_t launch_scaled_copies(const ScaledCopy* table, int count, int64_t mos
 // columns, block i's rows ending at end[i], each end a multiple of
 // skinny_cols_multiple()), n = rank / 16 of them, and only the blocks are summed and
 // written (d_b's other entries are left as they were); n = 0: b dense. a's rows lie lda
-// elements apart (>= rank, a multiple of 8, a 16-byte aligned), d_a's ld_a (>= rank).
+// elements apart (>= rank, a multiple of 8; a 16-byte aligned), d_a's ld_a (>= rank).
 constexpr int kSkinnyMaxBlocks = 4;
 struct SkinnyBlocks {
   int n;
@@ -353,8 +353,8 @@ int skinny_cols_multiple();
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
                                       int64_t lda, const void* b, float* da32, float* db32,
                                       void* d_a, int64_t ld_a, void* d_b, int64_t rows,
-                                      int64_t cols,
-                                      int rank, float alpha, const SkinnyBlocks& blocks,
+                                      int64_t cols, int rank, float alpha,
+                                      const SkinnyBlocks& blocks,
                                       int sm_count, cudaStream_t stream);
 
 // graph_fills.cu: each memset node of `graph` replaced by a fill kernel node with the same

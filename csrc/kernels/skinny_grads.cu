@@ -17,8 +17,9 @@
 // Shapes the caller guarantees (runtime/cuda/skinny_grads.py): T % kRows == 0,
 // N % kCols == 0, R in {16, 32, 48, 64}; d_C's and A's rows 16-byte aligned (ld, lda
 // multiples of 8: the LoRA step's A, its t = x A^T, may lie in x's spare columns,
-// runtime/cuda/lora_kcat.py); B contiguous; all bf16; compute capability 8.0 or newer (bf16 mma.sync: on an older card
-// the extension still builds, the kernel body compiled out).
+// runtime/cuda/lora_kcat.py); B contiguous; all bf16; compute capability 8.0 or newer
+// (bf16 mma.sync: on an older card the extension still builds, the kernel body compiled
+// out).
 #include <algorithm>
 #include <cstdint>
 
@@ -281,8 +282,8 @@ __global__ void finish_kernel(float* __restrict__ da32, float* __restrict__ db32
 
 template <int R, bool BLOCKED>
 cudaError_t launch(const void* g, int64_t ldg, const void* a, int64_t lda, const void* b,
-                   float* da32, float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
-                   int sm_count, cudaStream_t stream) {
+                   float* da32, float* db32, int64_t rows, int64_t cols,
+                   const SkinnyBlocks& blocks, int sm_count, cudaStream_t stream) {
   const int row_blocks = static_cast<int>(rows / kRows);
   const int chunks = static_cast<int>(cols / kCols);
   const int splits = std::max(1, std::min(chunks, (sm_count + row_blocks - 1) / row_blocks));
@@ -307,25 +308,27 @@ bool sums_blocks(int rank, const SkinnyBlocks& blocks) {
 // R's kernel, BLOCKED where `blocks` names R / 16 blocks (each 16 wide), dense otherwise
 template <int R>
 cudaError_t launch_rank(const void* g, int64_t ldg, const void* a, int64_t lda, const void* b,
-                   float* da32,
-                        float* db32, int64_t rows, int64_t cols, const SkinnyBlocks& blocks,
-                        int sm_count, cudaStream_t stream) {
+                        float* da32, float* db32, int64_t rows, int64_t cols,
+                        const SkinnyBlocks& blocks, int sm_count, cudaStream_t stream) {
   if constexpr (R > 16) {
     if (sums_blocks(R, blocks))
-      return launch<R, true>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
+      return launch<R, true>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count,
+                             stream);
   }
   return launch<R, false>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
 }
 
 cudaError_t launch_sums(const void* g, int64_t ldg, const void* a, int64_t lda, const void* b,
-                   float* da32,
-                        float* db32, int64_t rows, int64_t cols, int rank,
+                        float* da32, float* db32, int64_t rows, int64_t cols, int rank,
                         const SkinnyBlocks& blocks, int sm_count, cudaStream_t stream) {
+  const auto run = [&](auto rank_kernel) {
+    return rank_kernel(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
+  };
   switch (rank) {
-    case 16: return launch_rank<16>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
-    case 32: return launch_rank<32>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
-    case 48: return launch_rank<48>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
-    case 64: return launch_rank<64>(g, ldg, a, lda, b, da32, db32, rows, cols, blocks, sm_count, stream);
+    case 16: return run(launch_rank<16>);
+    case 32: return run(launch_rank<32>);
+    case 48: return run(launch_rank<48>);
+    case 64: return run(launch_rank<64>);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -337,8 +340,9 @@ int skinny_cols_multiple() { return kCols; }
 
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
                                       int64_t lda, const void* b, float* da32, float* db32,
-                                      void* d_a, int64_t ld_a, void* d_b, int64_t rows, int64_t cols,
-                                      int rank, float alpha, const SkinnyBlocks& blocks,
+                                      void* d_a, int64_t ld_a, void* d_b, int64_t rows,
+                                      int64_t cols, int rank, float alpha,
+                                      const SkinnyBlocks& blocks,
                                       int sm_count, cudaStream_t stream) {
   if (blocks.n < 0 || blocks.n > kSkinnyMaxBlocks) return cudaErrorInvalidValue;
   for (int i = 0; i + 1 < blocks.n; ++i)

@@ -9,8 +9,8 @@ benchmarks/kernels/bench_skinny_grads.py). The kernel reads d_C once.
 
 `skinny_nt_backward` returns [d_A, d_B] where the kernel covers the call, else None (the
 caller runs its two GEMMs): bf16 CUDA tensors, T a multiple of 256, N of 128, R one of
-16, 32, 48, 64, d_C's and A's rows 16-byte aligned (A's may lie apart), B contiguous, a card of compute
-capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic mode (the
+16, 32, 48, 64, d_C's and A's rows 16-byte aligned (A's may lie apart), B contiguous, a
+card of compute capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic mode (the
 kernel's sums meet through atomics: their order varies), and MODULEC_SKINNY_GRADS not 0.
 """
 
@@ -62,9 +62,9 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> 
 
 
 def _rows_aligned(t) -> bool:
-    """Rows 16-byte aligned, contiguous or lying apart: A may be t = x A^T written into x's
-    spare columns (runtime/cuda/lora_kcat.py `t_beside_x`)."""
-    return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) % 8 == 0
+    """Rows a multiple of 16 bytes apart, contiguous or not: A may be t = x A^T written
+    into x's spare columns (runtime/cuda/lora_kcat.py `t_beside_x`)."""
+    return _rows_apart(t) and t.stride(0) % 8 == 0
 
 
 def _rows_apart(t) -> bool:

@@ -250,18 +250,22 @@ class _StepInterpreter(Interpreter):
         """LoRA's t = x A^T written straight into x's spare columns, where the one GEMM
         over [x | t] reads it (runtime/cuda/lora_kcat.py `t_beside_x`): nothing is copied
         there, and the backward reads t where it lies (rows apart). Only where the plan laid
-        x `r` wider and t stays put (not recomputed or swapped). True where `node` was run."""
+        x `r` wider and x's bytes hold to the backward (which reads x after t: d_A needs
+        d_t): under the planner's decisions, x made in this function and neither it nor t
+        dropped, swapped or re-applied (t would go with x's bytes). True where `node` ran."""
         from runtime.cuda.lora_kcat import t_beside_x
 
-        t = node.outputs[0] if node.outputs else ""
+        t, x_value = (node.outputs[0] if node.outputs else ""), source.inputs[0]
         shape = static_shape(frame.function, t) if t else None
         if self.arena is None or shape is None \
-                or self.arena.pad_of(frame, source.inputs[0]) != shape[-1]:
+                or self.arena.pad_of(frame, x_value) != shape[-1]:
             return False
-        if self.decisions is not None and self.decisions.of(
-                frame.function.name, t, frame.instance) in (RECOMPUTE, SWAP):
+        if self.decisions is not None and (
+                x_value not in self._producers_of(frame.function)
+                or any(self.decisions.of(frame.function.name, v, frame.instance)
+                       in (RECOMPUTE, SWAP, APPLY_SAVED) for v in (t, x_value))):
             return False
-        x, w = (self._read(v, frame, forward) for v in source.inputs[:2])
+        x, w = (self._read(v, frame, forward) for v in (x_value, source.inputs[1]))
         target = t_beside_x(x, w, shape[-1])
         if target is None:
             return False
