@@ -192,7 +192,7 @@ struct Problem {
   void variant() {
     // correctness of the full variant against the shipped kernel
     zero();
-    modulec::launch<R, false>(g, N, a, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
+    modulec::launch<R, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
     exp_::launch<R, KR, KC, S, 7>(g, a, b, da2, db2, T, N, sms, PER_SM);
     CK(cudaDeviceSynchronize());
     const double ea = max_rel(da, da2, T * R), eb = max_rel(db, db2, N * R);
@@ -206,9 +206,9 @@ struct Problem {
   }
   void run_all() {
     report("read d_C (float4 loop)", time_us([&] { exp_::read_all<<<sms * 8, 512>>>((const float4*)g, T * N * 2 / 16, da2); }));
-    report("shipped kernel alone", time_us([&] { modulec::launch<R, false>(g, N, a, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0); }));
+    report("shipped kernel alone", time_us([&] { modulec::launch<R, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0); }));
     report("shipped kernel + finish", time_us([&] {
-      modulec::launch_skinny_nt_backward(g, N, a, b, da, db, da2, R, db2, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
+      modulec::launch_skinny_nt_backward(g, N, a, R, b, da, db, da2, R, db2, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
     mode<256, 128, 2, 0>("KR256 KC128 S2 loads only");
     mode<256, 128, 2, 4>("KR256 KC128 S2 compute, no atomics");
     mode<256, 128, 2, 5>("KR256 KC128 S2 compute + da atomics");
