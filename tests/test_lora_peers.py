@@ -74,6 +74,43 @@ def test_speedup_against_the_fastest_peer():
     assert "failed: RuntimeError: boom" in text and "1.600x tokens/s at 0.62x" in text
 
 
+def test_rounds_keep_each_variants_median_round_and_each_rounds_ratio():
+    """--rounds: a variant's row is its round of median step time (a failed round left
+    out), each round's step time beside it, and modulec gets each round's ratio to that
+    round's fastest HF variant."""
+    from benchmarks.gpu.lora_peers import combine_rounds
+
+    rounds = [{"modulec": {"step_s": 0.12, "peak_bytes": 1},
+               "hf_peft_compile": {"step_s": 0.156}, "hf_peft": {"step_s": 0.22}},
+              {"hf_peft": {"step_s": 0.21}, "hf_peft_compile": {"step_s": 0.150},
+               "modulec": {"step_s": 0.125, "peak_bytes": 2}},
+              {"modulec": {"step_s": 0.121, "peak_bytes": 3},
+               "hf_peft_compile": {"error": "boom"}, "hf_peft": {"step_s": 0.20}}]
+    rows = combine_rounds(rounds)
+    assert rows["modulec"]["step_s"] == 0.121 and rows["modulec"]["peak_bytes"] == 3
+    assert rows["modulec"]["step_s_rounds"] == [0.12, 0.125, 0.121]
+    assert rows["hf_peft_compile"]["step_s"] == 0.150  # of the two that ran, the lower middle
+    assert rows["hf_peft_compile"]["step_s_rounds"] == [0.156, 0.150, None]
+    assert rows["modulec"]["speedup_rounds"] == pytest.approx([1.3, 1.2, 0.20 / 0.121])
+
+
+def test_rounds_on_the_cpu(tmp_path):
+    """Two rounds at the tiny shape (the second in reverse order): each variant's log per
+    round, the rounds' ratios in the JSON (modulec only predicts on the CPU: none)."""
+    out = tmp_path / "lora.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/lora_peers.py"), "--device", "cpu",
+           "--shape", "tiny", "--variants", "modulec,hf_peft_liger", "--steps", "1",
+           "--warmup", "1", "--seq", "16", "--timeout", "120", "--rounds", "2",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["rounds"] == 2 and "error" in summary["variants"]["hf_peft_liger"]
+    assert "speedup_rounds" not in summary["variants"]["modulec"]
+    for i in (1, 2):
+        assert (tmp_path / f"lora.json.hf_peft_liger.round{i}.log").exists()
+
+
 @needs_gpus(1)
 def test_tiny_on_gpu(tmp_path):
     """The GPU code paths at the tiny shape: modulec's captured LoRA step and HF + PEFT

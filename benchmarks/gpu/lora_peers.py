@@ -27,8 +27,11 @@ and on a GPU the card's mean power through the timed steps and a step's energy (
 energy counter before and after them: harness.card_power; the card runs these steps at
 its power cap, so the energy a step needs is what its time follows).
 
-    python3 benchmarks/gpu/lora_peers.py [--batch 1 --seq 2048 --steps 10]
+    python3 benchmarks/gpu/lora_peers.py [--batch 1 --seq 2048 --steps 10 --rounds 1]
         [--variants modulec,hf_peft,...] [--json out.json]
+
+--rounds N runs the variant list N times (every other round reversed): the card's state
+moves a variant's median by ~1-2% between runs, so each round's ratio is printed too.
     python3 benchmarks/gpu/lora_peers.py --shape tiny --device cpu --variants hf_peft,modulec
         # the CPU check: HF variants run, modulec builds its program and predicts its peak
 
@@ -267,9 +270,10 @@ def child(args) -> None:
 
 
 # ------------------------------------------------------------------ the run (parent)
-def run_variant(args, variant: str, out: Path) -> dict:
+def run_variant(args, variant: str, out: Path, round_tag: str = "") -> dict:
     """The variant in its own process (a session of its own: past --timeout the whole
-    group is killed, so nothing keeps the GPU's memory)."""
+    group is killed, so nothing keeps the GPU's memory); its output in
+    `{--json}.{variant}{round_tag}.log`."""
     cmd = [sys.executable, __file__, "--only", variant, "--result", str(out),
            *forward_args(args, "shape", "batch", "seq", "steps", "warmup", "rank", "alpha",
                          "lr", "device")]
@@ -277,26 +281,61 @@ def run_variant(args, variant: str, out: Path) -> dict:
     cmd += ["--budget", str(args.budget)] if args.budget else []
     started = time.perf_counter()
     # each process's own output beside the JSON, for the failures
-    log = Path(f"{args.json}.{variant}.log") if args.json else None
+    log = Path(f"{args.json}.{variant}{round_tag}.log") if args.json else None
     result = launch(cmd, out, args.timeout, log)
     result["wall_s"] = time.perf_counter() - started
     return result
 
 
 def run_all(args, tmp: Path) -> dict:
-    """Every variant; an HF one out of memory again with gradient checkpointing (its row
-    then says so)."""
-    rows = {}
-    for variant in args.variants.split(","):
-        rows[variant] = run_variant(args, variant, tmp / f"{variant}.json")
+    """Every variant, `--rounds` times (every other round in reverse order, so that no
+    variant always runs on the card as the one before left it); a variant's row is its
+    round of median step time, with each round's step time beside it (`step_s_rounds`).
+    An HF variant out of memory runs again with gradient checkpointing (its row says so)."""
+    rounds = []
+    for i in range(args.rounds):
+        names = args.variants.split(",")
+        rounds.append(run_round(args, tmp, names[::-1] if i % 2 else names, i))
+    return combine_rounds(rounds) if len(rounds) > 1 else rounds[0]
+
+
+def run_round(args, tmp: Path, names: list[str], index: int) -> dict:
+    rows, tag = {}, f".round{index + 1}" if args.rounds > 1 else ""
+    for variant in names:
+        rows[variant] = run_variant(args, variant, tmp / f"{variant}.{index}.json", tag)
         progress(variant, rows[variant], json.dumps)
         if rows[variant].get("oom") and variant.startswith("hf_") and \
                 not variant.endswith("_ckpt") and args.ckpt_retry:
             retry = f"{variant}_ckpt"
-            rows[retry] = run_variant(args, retry, tmp / f"{retry}.json")
+            rows[retry] = run_variant(args, retry, tmp / f"{retry}.{index}.json", tag)
             rows[retry]["note"] = f"gradient checkpointing: {variant} ran out of memory"
             progress(retry, rows[retry], json.dumps)
     return rows
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """{variant: its round of median step time (a failed round counts where none ran),
+    with `step_s_rounds` and, for modulec, `speedup_rounds`: each round's ratio to that
+    round's fastest HF variant}."""
+    rows = {}
+    for name in dict.fromkeys(n for r in rounds for n in r):
+        ran = sorted((r[name] for r in rounds if "step_s" in r.get(name, {})),
+                     key=lambda row: row["step_s"])
+        failed = [r[name] for r in rounds if name in r and "step_s" not in r[name]]
+        rows[name] = dict(ran[(len(ran) - 1) // 2]) if ran else failed[0]
+        if ran:
+            rows[name]["step_s_rounds"] = [r[name].get("step_s") for r in rounds if name in r]
+    ratios = [_round_ratio(r) for r in rounds]
+    if "modulec" in rows and any(x is not None for x in ratios):
+        rows["modulec"]["speedup_rounds"] = ratios
+    return rows
+
+
+def _round_ratio(rows: dict) -> float | None:
+    """modulec's tokens/s over the fastest HF variant's in one round (step times: one B x T)."""
+    hf = [r["step_s"] for n, r in rows.items() if n.startswith("hf_") and "step_s" in r]
+    ours = rows.get("modulec", {}).get("step_s")
+    return min(hf) / ours if hf and ours else None
 
 
 def derive(rows: dict, args, flops: float) -> None:
@@ -330,7 +369,9 @@ def _size(n: int) -> str:
 def table(rows: dict, args, shape: dict) -> str:
     lines = [f"LoRA r={args.rank} alpha={args.alpha} on {','.join(TARGETS)}; {args.shape} shape "
              f"({shape['n_layers']} layers, d {shape['d_model']}, vocab {shape['vocab_size']}), "
-             f"B={args.batch} T={args.seq}, bf16 frozen base; median of {args.steps} steps",
+             f"B={args.batch} T={args.seq}, bf16 frozen base; median of {args.steps} steps"
+             + (f"; of {args.rounds} rounds, the round of median step time" if
+                getattr(args, "rounds", 1) > 1 else ""),
              header(COLUMNS, 28), *table_rows(rows, COLUMNS, 28, error_width=110, below=notes)]
     devices = sorted({r["device"] for r in rows.values() if r.get("device")})
     lines.append(f"device: {', '.join(devices) or args.device}; " + ", ".join(
@@ -343,6 +384,9 @@ def table(rows: dict, args, shape: dict) -> str:
         # three decimals: a target such as 1.3x is not met by a 1.2998 printed as 1.30
         lines.append(f"modulec vs the fastest HF variant: {ours['speedup_vs_best_hf']:.3f}x "
                      f"tokens/s at {ours['peak_vs_best_hf']:.2f}x its peak memory")
+    if ours.get("speedup_rounds"):
+        lines.append("modulec vs the fastest HF variant, each round: " + ", ".join(
+            "failed" if x is None else f"{x:.3f}x" for x in ours["speedup_rounds"]))
     return "\n".join(lines)
 
 
@@ -360,6 +404,7 @@ def parent(args) -> None:
     summary = {"shape": args.shape, "model": shape, "batch": args.batch, "seq": args.seq,
                "rank": args.rank, "alpha": args.alpha, "targets": list(TARGETS),
                "lr": args.lr, "steps": args.steps, "warmup": args.warmup,
+               "rounds": args.rounds,
                "flops_per_token": flops, "peak_flops": PEAK, "versions": _versions(),
                "variants": rows}
     if args.json:
@@ -391,6 +436,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, help="default 2048 (tiny: 64)")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variants this many times, every other round in "
+                             "reverse order; each row is its round of median step time")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32)
@@ -408,8 +456,8 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.seq = args.seq or (64 if args.shape == "tiny" else 2048)
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be at least 1")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--warmup, --steps and --rounds must be at least 1")
     try:
         for name in args.variants.split(","):
             check_variant(name)

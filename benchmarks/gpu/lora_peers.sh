@@ -9,8 +9,8 @@
 #   BENCH=0 TRAIN=1 bash benchmarks/gpu/lora_peers.sh    # only `modulec train --lora`
 #   CHECK=1 ...                  # first the cuda test at the tiny shape (about a minute)
 #   SHAPE=tiny DEVICE=cpu bash benchmarks/gpu/lora_peers.sh    # the CPU check of the script
-# Other knobs: SEQ, LAYERS, STEPS, WARMUP, BUDGET (modulec GiB), TIMEOUT (s per variant),
-# TRAIN_STEPS.
+# Other knobs: SEQ, LAYERS, STEPS, WARMUP, ROUNDS (the variants run that many times, every
+# other round reversed), BUDGET (modulec GiB), TIMEOUT (s per variant), TRAIN_STEPS.
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -32,6 +32,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/gpu/lora_peers.py --shape "$SHAPE" --device "$DEVICE" \
     ${VARIANTS:+--variants "$VARIANTS"} ${BATCH:+--batch "$BATCH"} ${SEQ:+--seq "$SEQ"} \
     ${LAYERS:+--layers "$LAYERS"} ${BUDGET:+--budget "$BUDGET"} --steps "${STEPS:-10}" \
+    ${ROUNDS:+--rounds "$ROUNDS"} \
     --warmup "${WARMUP:-3}" --timeout "${TIMEOUT:-300}" --json "$OUT/lora_peers-$SHAPE.json" \
     2> "$OUT/lora_peers-$SHAPE.err" | tee "$OUT/lora_peers-$SHAPE.txt"
   tail -3 "$OUT/lora_peers-$SHAPE.err"
