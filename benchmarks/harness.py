@@ -81,6 +81,24 @@ def ms_summary(times: dict) -> dict:
             for name, t in times.items()}
 
 
+def paired_change(times: dict, before: str, after: str, resamples: int = 2000,
+                  seed: int = 0) -> dict:
+    """`after` against `before` from `alternated`'s times, round by round: each round's
+    difference (after - before, ms) is taken between replays run back to back, so the
+    card's slow drift (heat, clocks at the power cap) cancels; the median difference and
+    a 95% bootstrap interval of it (`resamples` draws of the rounds, with replacement;
+    a fixed seed: the same report for the same times)."""
+    import random
+    import statistics
+
+    diffs = [b - a for a, b in zip(times[before], times[after])]
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(diffs, k=len(diffs)))
+                     for _ in range(resamples))
+    return {"median_diff_ms": statistics.median(diffs),
+            "ci95_ms": (medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1])}
+
+
 def _event_times(step, steps: int) -> list[float]:
     import torch
 

@@ -204,6 +204,25 @@ def test_alternated_times_every_side_each_round_and_summarizes_each_side():
                                  "1": {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0}}
 
 
+def test_paired_change_takes_each_rounds_difference_and_brackets_its_median():
+    """An A/B's change replay by replay (benchmarks/harness.py `paired_change`): a drift
+    common to both sides (here 10 ms over the rounds, far more than the change) cancels
+    in each round's difference; the interval holds the median difference, is as narrow as
+    the differences' spread, and is the same for the same times (a fixed seed)."""
+    from benchmarks.harness import paired_change
+
+    drift = [0.5 * i for i in range(21)]
+    noise = [0.1 * ((7 * i) % 5 - 2) for i in range(21)]  # -0.2 .. +0.2 ms
+    times = {"0": [120 + d for d in drift], "1": [119.4 + d + e for d, e in zip(drift, noise)]}
+    change = paired_change(times, "0", "1")
+    low, high = change["ci95_ms"]
+    assert change["median_diff_ms"] == pytest.approx(-0.6)
+    assert -0.8 <= low <= -0.6 <= high <= -0.4
+    assert paired_change(times, "0", "1") == change
+    same = paired_change({"0": times["0"], "1": times["0"]}, "0", "1")
+    assert same == {"median_diff_ms": 0.0, "ci95_ms": (0.0, 0.0)}
+
+
 def test_graph_gaps_counts_idle_time_where_no_stream_runs():
     """benchmarks/gpu/graph_gaps.py: nodes overlapping on two streams are busy once; a gap
     is time where none runs; the last replay starts after the last long idle stretch."""

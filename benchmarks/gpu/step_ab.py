@@ -6,7 +6,9 @@ being measured. Here the step is built and captured twice in one process, the sw
 (`--switch NAME`, an environment variable the step reads when it loads and captures)
 set to each of `--values` in turn, and the captured graphs are replayed alternately,
 A B A B ..., so that both sides share the card's temperature and clock drift; per side the
-median, min and max of `--steps` replays (CUDA events around each). The two steps hold
+median, min and max of `--steps` replays (CUDA events around each), and the last value
+against the first replay by replay (the median of the rounds' differences and its 95%
+bootstrap interval: harness.paired_change). The two steps hold
 their memory at once (LoRA 8B at B=1, T=2048: ~26 GiB each).
 
     python3 benchmarks/gpu/step_ab.py --switch MODULEC_LORA_KCAT [--values 0,1]
@@ -46,23 +48,30 @@ def main():
     args = parser.parse_args()
     import torch
 
-    from benchmarks.harness import alternated, ms_summary, random_tokens
+    from benchmarks.harness import alternated, ms_summary, paired_change, random_tokens
 
     shape = STEP_SHAPES[args.shape]
     tokens = random_tokens(args.batch, args.seq, shape["vocab_size"]).to(torch.int32)
     values = args.values.split(",")
     steps = {value: captured(args, shape, tokens, value) for value in values}
-    rows = ms_summary(alternated({v: (lambda s=s: s(tokens)) for v, s in steps.items()},
-                                 args.steps, gpu_ms))
+    times = alternated({v: (lambda s=s: s(tokens)) for v, s in steps.items()}, args.steps,
+                       gpu_ms)
+    rows = ms_summary(times)
+    change = paired_change(times, values[0], values[-1]) if len(values) > 1 else None
     print(f"{torch.cuda.get_device_name()}: {args.shape}{' LoRA' if args.lora else ''} "
           f"B={args.batch} T={args.seq}, {args.steps} replays a side, alternating")
     for value, row in rows.items():
         print(f"{args.switch}={value}: median {row['median_ms']:.2f} ms (min "
               f"{row['min_ms']:.2f}, max {row['max_ms']:.2f})")
+    if change:
+        low, high = change["ci95_ms"]
+        print(f"{values[-1]} - {values[0]}, replay by replay: median "
+              f"{change['median_diff_ms']:+.2f} ms (95% interval {low:+.2f} .. {high:+.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"switch": args.switch, "shape": args.shape,
                                                "lora": args.lora, "batch": args.batch,
-                                               "seq": args.seq, "rows": rows}, indent=1))
+                                               "seq": args.seq, "rows": rows,
+                                               "change": change}, indent=1))
 
 
 def gpu_ms(run) -> float:
