@@ -47,6 +47,27 @@ def test_kernels_compile(tmp_path):
             assert done.returncode == 0, f"{name}:\n{done.stderr}"
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_kernel_harnesses_compile(tmp_path):
+    """The standalone kernel harnesses (benchmarks/kernels/*.cu: each includes a kernel
+    file and calls its launchers, so a launcher's new argument breaks it) compile for
+    Hopper, as their headers say to build them (cross_entropy_ab.cu: against the current
+    csrc/kernels/cross_entropy.cu)."""
+    harnesses = sorted((ROOT / "benchmarks" / "kernels").glob("*.cu"))
+    assert harnesses, "no benchmarks/kernels/*.cu"
+    ce_file = ROOT / "csrc" / "kernels" / "cross_entropy.cu"
+
+    def compile_one(cu: Path):
+        cmd = ["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+               f"-I{ROOT / 'csrc' / 'kernels'}", f'-DCE_FILE="{ce_file}"', "-c", str(cu),
+               "-o", str(tmp_path / f"{cu.stem}.o")]
+        return cu.name, subprocess.run(cmd, capture_output=True, text=True)
+
+    with ThreadPoolExecutor() as pool:
+        for name, done in pool.map(compile_one, harnesses):
+            assert done.returncode == 0, f"{name}:\n{done.stderr}"
+
+
 def test_every_primitive_has_a_gpu_kernel():
     assert set(CUDA_KERNELS) == set(KERNELS)
     assert set(CUSTOM) <= set(KERNELS)
