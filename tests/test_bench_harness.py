@@ -245,6 +245,33 @@ def test_graph_gaps_counts_idle_time_where_no_stream_runs():
     assert summary["largest"][0]["after"] == "norm" and summary["top_names"][0]["name"] == "nccl"
 
 
+def test_graph_gaps_sums_the_nodes_time_by_kind():
+    """graph_gaps.py's `by_kind`: each node counted once, under the first kind its name
+    names (cuBLAS's split-K reduce with the GEMMs, cuDNN's attention kernels together,
+    LoRA's own kernels, fills and memsets), the largest kind first; unknown names: other."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from graph_gaps import by_kind, kind_of
+
+    names = {"nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN": "gemm",
+             "void cublasLt::splitKreduce_kernel<32, 16>": "gemm",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": "attention",
+             "void cudnn::fusion::fmha_reduce_head<true>": "attention",
+             "void modulec::skinny_nt_backward_kernel<32, true>": "lora",
+             "modulec::(anonymous namespace)::finish_kernel(float*)": "lora",
+             "void modulec::rms_backward_kernel<bf16, 8>": "norm",
+             "void modulec::swiglu_forward_kernel<bf16>": "activation",
+             "modulec::fill_kernel(char*)": "fill", "Memset (Device)": "fill",
+             "Memcpy DtoD (Device -> Device)": "copy", "void at::native::reduce_kernel": "other"}
+    assert {n: kind_of(n) for n in names} == names
+    nodes = [dict(name=n, dur=d) for n, d in (
+        ("nvjet_a", 600.0), ("nvjet_b", 300.0), ("cudnn_x_sdpa", 250.0),
+        ("void modulec::swiglu_backward_kernel", 98.0), ("something", 2.0))]
+    assert by_kind(nodes) == {"gemm": {"ms": 0.9, "count": 2},
+                              "attention": {"ms": 0.25, "count": 1},
+                              "activation": {"ms": 0.098, "count": 1},
+                              "other": {"ms": 0.002, "count": 1}}
+
+
 def test_card_power_reads_the_energy_counter_around_the_block(monkeypatch):
     """card_power reads the card's energy counter (mJ) before and after the block: the
     joules between and the mean power over the block's wall time; with_energy makes a

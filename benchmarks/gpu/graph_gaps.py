@@ -5,7 +5,8 @@ CUDA graph also pays the time between one node's end and the next one's start. T
 replays the captured step under torch's profiler (CUPTI records each kernel, memset and
 copy node of a graph) and prints, for the last profiled replay: its span, the sum of its
 nodes' durations, the sum of the gaps between them, how many nodes ran, the gaps by size,
-and the largest gaps with the nodes on either side.
+the nodes' time by kind (GEMM, attention, LoRA's own kernels, norms, ...: `KINDS`), and
+the largest gaps with the nodes on either side.
 
     python3 benchmarks/gpu/graph_gaps.py --shape llama3-8b --lora [--batch 1] [--replays 3]
     python3 benchmarks/gpu/graph_gaps.py --shape tinyllama --batch 4
@@ -122,11 +123,41 @@ def summarize(nodes: list[dict], top: int) -> dict:
         "gaps": len(gaps),
         "gap_bins_us": {f"<{b:g}": [bins[b], round(sum(g for g, _ in gaps if _bin(g) == b), 1)]
                         for b in GAP_BINS_US},
+        "by_kind": by_kind(nodes),
         "top_names": [{"name": name[:90], "count": count[name], "ms": round(ms / 1e3, 3)}
                       for name, ms in time_by_name.most_common(top * 2)],
         "largest": [{"gap_us": round(g, 2), "after": nodes[i - 1]["name"][:90],
                      "before": nodes[i]["name"][:90]} for g, i in largest],
     }
+
+
+# what a node's name says it is, first match wins: where a step's kernel time goes by kind
+KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "cublas", "splitKreduce")),
+         ("attention", ("sdpa", "fmha", "flash", "cudnn")),
+         ("lora", ("skinny", "finish_kernel", "block_diag", "scaled_copies")),
+         ("norm", ("rms_", "layernorm", "layer_norm")),
+         ("activation", ("swiglu", "geglu", "gelu", "silu")),
+         ("rope", ("rope",)),
+         ("optimizer", ("adamw",)),
+         ("loss", ("cross_entropy",)),
+         ("fill", ("fill", "memset")),
+         ("copy", ("copy", "memcpy")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KINDS if any(m in low for m in marks)), "other")
+
+
+def by_kind(nodes: list[dict]) -> dict[str, dict]:
+    """{kind: {ms, count}} of the nodes' own durations (`KINDS`), the largest first."""
+    time_of, count = Counter(), Counter()
+    for node in nodes:
+        kind = kind_of(node["name"])
+        time_of[kind] += float(node["dur"])
+        count[kind] += 1
+    return {kind: {"ms": round(us / 1e3, 3), "count": count[kind]}
+            for kind, us in time_of.most_common()}
 
 
 def _bin(gap: float) -> float:
@@ -139,6 +170,8 @@ def render(summary: dict) -> str:
              f"{summary['nodes']} nodes {summary['by_category']}",
              "gaps by size (count, total us): " + ", ".join(
                  f"{k}: {v[0]} / {v[1]}" for k, v in summary["gap_bins_us"].items())]
+    lines.append("by kind (ms, nodes): " + ", ".join(
+        f"{kind} {v['ms']:.2f} / {v['count']}" for kind, v in summary["by_kind"].items()))
     for row in summary["top_names"]:
         lines.append(f"  {row['ms']:8.3f} ms {row['count']:5d} x  {row['name']}")
     lines.append("largest gaps:")
