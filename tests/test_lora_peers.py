@@ -59,7 +59,7 @@ def test_variant_names():
 
 def test_speedup_against_the_fastest_peer():
     args = type("A", (), {"batch": 1, "seq": 2048, "rank": 16, "alpha": 32.0, "steps": 10,
-                          "shape": "llama3-8b", "device": "cuda"})()
+                          "rounds": 1, "shape": "llama3-8b", "device": "cuda"})()
     gib = 2**30
     rows = {"modulec": {"step_s": 0.1, "peak_bytes": 20 * gib},
             "hf_peft": {"step_s": 0.2, "peak_bytes": 40 * gib},

@@ -607,14 +607,14 @@ def test_t_is_written_beside_x_where_the_one_gemm_reads_it(monkeypatch, device):
     model = _lora_model(rank=8)
     shapes = {p: tuple(t.shape) for p, t in model.params.items()}
     frozen = {p for p in shapes if not is_adapter(p)}
-    runs = {}
+    runs, held = {}, []  # the side slots: lora_kcat keeps weak references to them
     for beside in ("1", "0"):
         views, slots = _laid_views(model, device, kcat.side_columns(shapes, frozen), {})
+        held.append(slots)
         monkeypatch.setenv("MODULEC_LORA_T_BESIDE_X", beside)
         copied = _counting_copies(monkeypatch)
         runs[beside] = (*_arena_step(model, monkeypatch, True, device, params=views)[:3],
                         copied)
-        assert slots  # held through the run
     outputs, grads, run, copied = runs["1"]
     was_outputs, was_grads, was_run, was_copied = runs["0"]
     assert run.lora_into_planned == was_run.lora_into_planned == 8  # q/k/v, o, gate/up, down
@@ -641,12 +641,12 @@ def test_under_the_planners_decisions_t_goes_beside_x_made_in_its_own_function(
     model = _lora_model(rank=8)
     shapes = {p: tuple(t.shape) for p, t in model.params.items()}
     frozen = {p for p in shapes if not is_adapter(p)}
-    runs = []
+    runs, held = [], []  # the side slots: lora_kcat keeps weak references to them
     for decisions in (None, Decisions()):  # no decision made: every value kept
         views, slots = _laid_views(model, "cpu", kcat.side_columns(shapes, frozen), {})
+        held.append(slots)
         runs.append(_arena_step(model, monkeypatch, True, params=views,
                                 decisions=decisions)[:3])
-        assert slots  # held through the run
     (outputs, grads, free), (kept_outputs, kept_grads, decided) = runs
     assert free.lora_t_beside_x == 6 and decided.lora_t_beside_x == 2  # down's, each layer
     assert all(torch.equal(a, b) for a, b in zip(outputs, kept_outputs))

@@ -371,7 +371,7 @@ def table(rows: dict, args, shape: dict) -> str:
              f"({shape['n_layers']} layers, d {shape['d_model']}, vocab {shape['vocab_size']}), "
              f"B={args.batch} T={args.seq}, bf16 frozen base; median of {args.steps} steps"
              + (f"; of {args.rounds} rounds, the round of median step time" if
-                getattr(args, "rounds", 1) > 1 else ""),
+                args.rounds > 1 else ""),
              header(COLUMNS, 28), *table_rows(rows, COLUMNS, 28, error_width=110, below=notes)]
     devices = sorted({r["device"] for r in rows.values() if r.get("device")})
     lines.append(f"device: {', '.join(devices) or args.device}; " + ", ".join(

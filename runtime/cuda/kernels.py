@@ -156,6 +156,12 @@ def typed(out: list | None, i: int, shape, dtype: torch.dtype) -> torch.Tensor |
     return raw[:n].view(dtype).view(tuple(shape)) if raw.numel() >= n else None
 
 
+def rows_apart(t: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows are contiguous and lie at least a row apart: a part of a
+    wider matrix (t in x's spare columns, d_t beside d_y: runtime/cuda/lora_kcat.py)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
+
+
 def _as_shape(t: torch.Tensor, shape) -> torch.Tensor | None:
     """`t` as `shape`: itself, or a view of it when it is contiguous with as many elements."""
     shape = tuple(int(d) for d in shape)

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from runtime.cuda.kernels import rows_apart
+
 RANKS = (16, 32, 48, 64)
 ROWS, COLS = 256, 128  # the multiples of T and N the kernel needs (skinny_grads.cu)
 
@@ -54,7 +56,7 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> 
     from runtime.cuda.build import load
 
     d_a, d_b = out or (None, None)
-    targets = [d_a if d_a is not None and (d_a.is_contiguous() or _rows_apart(d_a)) else None,
+    targets = [d_a if d_a is not None and (d_a.is_contiguous() or rows_apart(d_a)) else None,
                d_b if d_b is not None and d_b.is_contiguous() else None]
     da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
     return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets,
@@ -64,11 +66,7 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> 
 def _rows_aligned(t) -> bool:
     """Rows a multiple of 16 bytes apart, contiguous or not: A may be t = x A^T written
     into x's spare columns (runtime/cuda/lora_kcat.py `t_beside_x`)."""
-    return _rows_apart(t) and t.stride(0) % 8 == 0
-
-
-def _rows_apart(t) -> bool:
-    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
+    return rows_apart(t) and t.stride(0) % 8 == 0
 
 
 def block_ends(blocks, B) -> list[int]:

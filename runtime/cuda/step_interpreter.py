@@ -723,4 +723,3 @@ def _find_t_makers(pairs: LoraPairs, producer: dict, replayed) -> None:
                 and maker.attr("transpose") == "NT" and maker.id not in replayed \
                 and inputs.count(source.inputs[0]) == 1:
             pairs.t_makers[maker.id] = source
-

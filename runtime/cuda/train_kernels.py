@@ -50,7 +50,7 @@ import torch
 
 from runtime.cuda.attention import BACKENDS, FlashAttention
 from runtime.cuda.dropout import DeviceDropout
-from runtime.cuda.kernels import CUDA_KERNELS, BlockDiag, typed
+from runtime.cuda.kernels import CUDA_KERNELS, BlockDiag, rows_apart, typed
 from runtime.kernels import KERNELS
 from runtime.cuda.gemm import mm_into
 from runtime.cuda.lora_kcat import kcat_into
@@ -466,9 +466,9 @@ def planned_product(raw: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     if raw.device != a.device:
         return None
     C = typed([raw], 0, (a.shape[0], b.shape[1]), a.dtype)
-    rows_apart = C is not None and raw.dtype != torch.uint8 and C.dim() == 2 \
-        and C.stride(1) == 1 and C.stride(0) >= C.shape[1]
-    return C if C is not None and (C.is_contiguous() or rows_apart) else None
+    if C is None:
+        return None
+    return C if C.is_contiguous() or (raw.dtype != torch.uint8 and rows_apart(C)) else None
 
 
 def matmul_into(A: torch.Tensor, B: torch.Tensor, attrs: dict,
