@@ -163,15 +163,6 @@ __global__ void read_all(const float4* p, int64_t n, float* out) {
 }
 }  // namespace exp_
 
-static double max_rel(const float* ref_d, const float* got_d, size_t n) {
-  std::vector<float> r(n), g(n);
-  cudaMemcpy(r.data(), ref_d, n * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(g.data(), got_d, n * 4, cudaMemcpyDeviceToHost);
-  double scale = 0, err = 0;
-  for (size_t i = 0; i < n; ++i) { scale = std::max(scale, (double)std::fabs(r[i])); err = std::max(err, (double)std::fabs(r[i] - g[i])); }
-  return err / (scale + 1e-30);
-}
-
 template <int R>
 struct Problem {
   const char* name; int64_t T, N;

@@ -1,10 +1,12 @@
 // What the standalone kernel-variant harnesses (skinny_grads_variants.cu,
-// rms_backward_variants.cu) share: a checked CUDA call, the L2 flushed before each timed
-// run (a 256 MB memset: the operands come from HBM, as in a step), the median of timed
-// runs after warm-up ones, and reproducible bf16 inputs. Call init_flush() first.
+// rms_backward_variants.cu, swiglu_lora_variants.cu) share: a checked CUDA call, the L2
+// flushed before each timed run (a 256 MB memset: the operands come from HBM, as in a
+// step), the median of timed runs after warm-up ones, reproducible bf16 inputs, and the
+// largest error of fp32 results against a reference's. Call init_flush() first.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -44,4 +46,17 @@ static void fill(std::vector<__nv_bfloat16>& v, unsigned seed) {
     seed = seed * 1664525u + 1013904223u;
     v[i] = __float2bfloat16(((seed >> 9) & 0xffff) / 65536.f - 0.5f);
   }
+}
+
+// max |got - ref| over max |ref| of n fp32 values on the device
+static double max_rel(const float* ref_d, const float* got_d, size_t n) {
+  std::vector<float> r(n), g(n);
+  CK(cudaMemcpy(r.data(), ref_d, n * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(g.data(), got_d, n * 4, cudaMemcpyDeviceToHost));
+  double scale = 0, err = 0;
+  for (size_t i = 0; i < n; ++i) {
+    scale = std::max(scale, static_cast<double>(std::fabs(r[i])));
+    err = std::max(err, static_cast<double>(std::fabs(r[i] - g[i])));
+  }
+  return err / (scale + 1e-30);
 }

@@ -10,8 +10,9 @@ benchmarks/kernels/bench_skinny_grads.py). The kernel reads d_C once.
 `skinny_nt_backward` returns [d_A, d_B] where the kernel covers the call, else None (the
 caller runs its two GEMMs): bf16 CUDA tensors, T a multiple of 256, N of 128, R one of
 16, 32, 48, 64, d_C's and A's rows 16-byte aligned (A's may lie apart), B contiguous, a
-card of compute capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic mode (the
-kernel's sums meet through atomics: their order varies), and MODULEC_SKINNY_GRADS not 0.
+card of compute capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic
+mode (the kernel's sums meet through atomics: their order varies), and
+MODULEC_SKINNY_GRADS not 0.
 """
 
 from __future__ import annotations
