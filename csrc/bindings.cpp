@@ -21,6 +21,7 @@ namespace py = pybind11;
 using namespace modulec::bind;
 
 bool as_rows(const Tensor& t, int64_t& rows, int64_t& ld);
+void check_rows(const Tensor& t, const char* name, at::ScalarType dtype, const Tensor& like);
 Tensor output_rows(const Outputs& out, size_t i, at::IntArrayRef sizes,
                    const at::TensorOptions& options);
 
@@ -89,7 +90,9 @@ Tensor rmsnorm_apply(const Tensor& x, const Tensor& rstd, const Tensor& weight, 
 }
 
 // (d_x, d_weight); with d_residual_out, d_x is the fused backward's g = d_residual_out + d_x;
-// weight_grad false: d_weight is not computed (None; a frozen weight's)
+// weight_grad false: d_weight is not computed (None; a frozen weight's). d_residual_out and
+// d_x may be rows with one stride (the residual gradient in the one-GEMM d_x's scratch,
+// runtime/cuda/residual_rows.py), and one buffer (d_x written over d_residual_out).
 std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& weight,
                                      const Tensor& rstd,
                                      const std::optional<Tensor>& d_residual_out,
@@ -103,13 +106,16 @@ std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const T
   TORCH_CHECK(d_y.sizes() == x.sizes(), "d_y and x differ in shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == C, "weight must be [", C, "]");
   TORCH_CHECK(rstd.sizes() == at::IntArrayRef(leading(x)), "rstd must have x's leading dims");
+  int64_t res_rows = 0, ld_res = C, dx_rows = 0, ld_dx = C;
   if (d_residual_out) {
-    check(*d_residual_out, "d_residual_out", dt, x);
+    check_rows(*d_residual_out, "d_residual_out", dt, x);
     TORCH_CHECK(d_residual_out->sizes() == x.sizes(), "d_residual_out and x differ in shape");
+    if (!d_residual_out->is_contiguous()) as_rows(*d_residual_out, res_rows, ld_res);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = C ? x.numel() / C : 0;
-  Tensor d_x = output(out, 0, x.sizes(), x.options());
+  Tensor d_x = output_rows(out, 0, x.sizes(), x.options());
+  if (!d_x.is_contiguous()) as_rows(d_x, dx_rows, ld_dx);
   Tensor d_weight, work;
   if (weight_grad) {
     d_weight = at::empty_like(weight);
@@ -121,7 +127,8 @@ std::vector<Tensor> rmsnorm_backward(const Tensor& d_y, const Tensor& x, const T
                    static_cast<float>(offset), rstd.data_ptr<float>(),
                    d_residual_out ? d_residual_out->data_ptr() : nullptr, d_x.data_ptr(),
                    weight_grad ? d_weight.data_ptr() : nullptr,
-                   weight_grad ? work.data_ptr<float>() : nullptr, rows, C, stream()),
+                   weight_grad ? work.data_ptr<float>() : nullptr, rows, C, stream(), ld_res,
+                   ld_dx),
                "rmsnorm backward");
   return {d_x, d_weight};
 }

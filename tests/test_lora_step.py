@@ -532,11 +532,14 @@ def test_down_projections_d_x_as_one_gemm_over_d_y_and_d_t(monkeypatch, device):
     computes d_A alone, down's d_y is copied beside d_t while the fused projections'
     d_y (a concat planned in place) is written there by its producers (swiglu's and
     attention's backward: runtime/arena.py `widen`), and the step computes what the
-    two-GEMM path does, within bf16; MODULEC_LORA_KCAT_DX=0 lays no tail rows."""
+    two-GEMM path does, within bf16; MODULEC_LORA_KCAT_DX=0 lays no tail rows. (Here
+    the norms' backward keeps the residual gradient in its planned bytes:
+    MODULEC_LORA_RESIDUAL_ROWS=0; test_residual_rows.py has it written into the scratch.)"""
     import runtime.cuda.lora_kcat as kcat
     from modulec.lower.lora import is_adapter
 
     monkeypatch.setenv("MODULEC_LORA_KCAT_MIN", "1.4")
+    monkeypatch.setenv("MODULEC_LORA_RESIDUAL_ROWS", "0")
     model = _lora_model(rank=8)
     shapes = {p: tuple(t.shape) for p, t in model.params.items()}
     frozen = {p for p in shapes if not is_adapter(p)}

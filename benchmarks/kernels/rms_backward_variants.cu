@@ -58,7 +58,7 @@ static void launch(const bf16* dy, const bf16* x, const bf16* w, const float* rs
   const int64_t per_block = cfg.rows_per_block();
   modulec::rms_backward_kernel<bf16, 8, false, CACHE>
       <<<(unsigned)((rows + per_block - 1) / per_block), cfg.threads>>>(
-          dy, x, w, 0.f, rstd, dres, dx, nullptr, rows, C, cfg.group);
+          dy, x, w, 0.f, rstd, dres, dx, nullptr, rows, C, cfg.group, C, C);
 }
 
 int main() {

@@ -42,10 +42,13 @@ int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C);
 // g = d_y * (offset + weight), n = x * rstd; d_weight = sum over rows of d_y * n, reduced
 // in two passes through `workspace` (per-block fp32 partials, then a column sum); with
 // d_weight null, d_x alone (no partials, no column sum; workspace may be null).
+// d_residual_out and d_x are rows ld_res / ld_dx elements apart (0: C, dense) and may be
+// the same buffer (d_x written over d_residual_out).
 cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
                                     float offset, const float* rstd, const void* d_residual_out,
                                     void* d_x, void* d_weight, float* workspace, int64_t rows,
-                                    int64_t C, cudaStream_t stream);
+                                    int64_t C, cudaStream_t stream, int64_t ld_res = 0,
+                                    int64_t ld_dx = 0);
 
 // ---- layernorm.cu: layernorm and fused_residual_layernorm over the last dim (rows x C)
 // y = (x - mean) * rstd * weight + bias (bias null: none), mean and rstd fp32 per row,

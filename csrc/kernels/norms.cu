@@ -202,6 +202,10 @@ __device__ __forceinline__ void rms_backward_row(const T* d_y, const T* x, const
   }
 }
 
+// d_res and d_x are rows ld_res and ld_dx elements apart (C: dense; wider: the residual
+// gradient laid in the one-GEMM d_x's scratch, runtime/cuda/residual_rows.py), and may be
+// one buffer (in place: each thread reads its elements of d_res before it writes them, so
+// neither pointer is __restrict__).
 // Persistent grid: group g handles rows g, g + groups, ...; each thread owns the same
 // columns in every row, so its d_weight partials (one row of `partial` per group) need
 // neither atomics nor barriers. PARTS false (no d_weight wanted: a frozen weight's): the
@@ -210,8 +214,8 @@ template <typename T, int VEC, bool PARTS = true, int CACHE = kBwdCache>
 __global__ void __launch_bounds__(kRowMaxThreads)
 rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
                     const T* __restrict__ weight, float offset, const float* __restrict__ rstd,
-                    const T* __restrict__ d_res, T* __restrict__ d_x,
-                    float* __restrict__ partial, int64_t rows, int64_t C, int group) {
+                    const T* d_res, T* d_x, float* __restrict__ partial, int64_t rows,
+                    int64_t C, int group, int64_t ld_res, int64_t ld_dx) {
   const int64_t nvec = C / VEC;
   const int lane = threadIdx.x % group;
   const int64_t per_block = blockDim.x / group;
@@ -225,10 +229,10 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   for (int64_t base = first - threadIdx.x / group; base < rows; base += gridDim.x * per_block) {
     const int64_t row = base + threadIdx.x / group;
     const bool valid = row < rows;
-    const int64_t off = valid ? row * C : 0;
+    const int64_t off = valid ? row * C : 0, at = valid ? row : 0;
     rms_backward_row<T, VEC, CACHE>(d_y + off, x + off, weight, offset, valid ? rstd[row] : 0.f,
-                             d_res ? d_res + off : nullptr, d_x + off, part, valid ? nvec : 0,
-                             C, group, lane, dw);
+                             d_res ? d_res + at * ld_res : nullptr, d_x + at * ld_dx, part,
+                             valid ? nvec : 0, C, group, lane, dw);
   }
   if (!part) return;
 #pragma unroll
@@ -321,7 +325,7 @@ template <typename T, int VEC>
 cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, float offset,
                          const float* rstd, const void* d_res, void* d_x, void* d_weight,
                          float* workspace, int64_t rows, int64_t C, const RowBackwardPlan& plan,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, int64_t ld_res, int64_t ld_dx) {
   if (!d_weight) {
     // d_x alone (a frozen weight's): no partials, so no persistent grid either, a group
     // a row as the forward's, and no column sums
@@ -331,13 +335,14 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
         <<<static_cast<unsigned>((rows + per_block - 1) / per_block), cfg.threads, 0,
            stream>>>(static_cast<const T*>(d_y), static_cast<const T*>(x),
                      static_cast<const T*>(weight), offset, rstd, static_cast<const T*>(d_res),
-                     static_cast<T*>(d_x), nullptr, rows, C, cfg.group);
+                     static_cast<T*>(d_x), nullptr, rows, C, cfg.group, ld_res, ld_dx);
     return cudaGetLastError();
   }
   rms_backward_kernel<T, VEC><<<plan.grid, plan.cfg.threads, 0, stream>>>(
       static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight), offset,
       rstd,
-      static_cast<const T*>(d_res), static_cast<T*>(d_x), workspace, rows, C, plan.cfg.group);
+      static_cast<const T*>(d_res), static_cast<T*>(d_x), workspace, rows, C, plan.cfg.group,
+      ld_res, ld_dx);
   launch_column_sum<T>(workspace, 0, plan.parts(), C, d_weight, stream);
   return cudaGetLastError();
 }
@@ -345,14 +350,16 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
 template <typename T>
 cudaError_t backward_typed(const void* d_y, const void* x, const void* weight, float offset,
                            const float* rstd, const void* d_res, void* d_x, void* d_weight,
-                           float* workspace, int64_t rows, int64_t C, cudaStream_t stream) {
+                           float* workspace, int64_t rows, int64_t C, cudaStream_t stream,
+                           int64_t ld_res, int64_t ld_dx) {
   constexpr int wide = 16 / sizeof(T);
   const RowBackwardPlan plan = backward_plan<T>(rows, C);
-  if (pick_vec<T>(C, {d_y, x, weight, d_res, d_x}) == wide)
+  if (pick_vec<T>(C, {d_y, x, weight, d_res, d_x}) == wide && ld_res % wide == 0 &&
+      ld_dx % wide == 0)
     return backward_vec<T, wide>(d_y, x, weight, offset, rstd, d_res, d_x, d_weight, workspace,
-                                 rows, C, plan, stream);
+                                 rows, C, plan, stream, ld_res, ld_dx);
   return backward_vec<T, 1>(d_y, x, weight, offset, rstd, d_res, d_x, d_weight, workspace, rows,
-                            C, plan, stream);
+                            C, plan, stream, ld_res, ld_dx);
 }
 
 }  // namespace
@@ -399,16 +406,19 @@ int64_t rmsnorm_backward_workspace(DType dt, int64_t rows, int64_t C) {
 cudaError_t launch_rmsnorm_backward(DType dt, const void* d_y, const void* x, const void* weight,
                                     float offset, const float* rstd, const void* d_residual_out,
                                     void* d_x, void* d_weight, float* workspace, int64_t rows,
-                                    int64_t C, cudaStream_t stream) {
+                                    int64_t C, cudaStream_t stream, int64_t ld_res,
+                                    int64_t ld_dx) {
   if (C == 0) return cudaSuccess;
+  ld_res = ld_res > 0 ? ld_res : C;
+  ld_dx = ld_dx > 0 ? ld_dx : C;
   if (rows == 0)  // no rows: d_weight is a sum over nothing
     return d_weight ? cudaMemsetAsync(d_weight, 0, C * (dt == DType::BF16 ? 2 : 4), stream)
                     : cudaSuccess;
   if (dt == DType::BF16)
     return backward_typed<__nv_bfloat16>(d_y, x, weight, offset, rstd, d_residual_out, d_x,
-                                         d_weight, workspace, rows, C, stream);
+                                         d_weight, workspace, rows, C, stream, ld_res, ld_dx);
   return backward_typed<float>(d_y, x, weight, offset, rstd, d_residual_out, d_x, d_weight,
-                               workspace, rows, C, stream);
+                               workspace, rows, C, stream, ld_res, ld_dx);
 }
 
 cudaError_t launch_rmsnorm_apply(DType dt, const void* x, const float* rstd, const void* weight,

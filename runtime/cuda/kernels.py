@@ -58,7 +58,8 @@ def heads_layout(x: torch.Tensor) -> bool:
 
 def covered(inputs: list, names, stats, layout=None) -> bool:
     """Whether the custom kernels take these inputs: CUDA and contiguous (or, with
-    `layout`, in the strided layout the kernel reads), the floating
+    `layout`, in the strided layout the kernel reads; a dict: by input name, the others
+    contiguous), the floating
     tensors other than the statistics all of one dtype in CUSTOM_DTYPES, statistics fp32,
     integer tensors (position_ids) int32; None (an absent optional input) passes."""
     io = set()
@@ -67,7 +68,8 @@ def covered(inputs: list, names, stats, layout=None) -> bool:
             continue
         if not isinstance(x, torch.Tensor) or not x.is_cuda:
             return False
-        if not (layout(x) if layout else x.is_contiguous()):
+        reads = layout.get(name) if isinstance(layout, dict) else layout
+        if not (reads(x) if reads else x.is_contiguous()):
             return False
         if name in stats:
             ok = x.dtype == torch.float32
@@ -88,7 +90,7 @@ class CudaKernel:
     the arena (runtime/arena.py out_bytes)."""
 
     def __init__(self, reference: ReferenceKernel, forward_fn: Callable, backward_fn: Callable,
-                 layout: Callable | None = None):
+                 layout: Callable | dict | None = None):
         self.reference = reference
         self.forward_fn = forward_fn
         self.backward_fn = backward_fn
@@ -218,7 +220,7 @@ def _fused_fwd(ext, inputs, attrs, out=None):
                                               offset=_offset(attrs))
 
 
-@writes_out
+@writes_rows  # d_x (and d_residual_out) rows with one stride: runtime/cuda/residual_rows.py
 def _fused_bwd(ext, inputs, attrs, out=None):
     d_residual_out, d_y, residual_out, weight, rstd = inputs
     g, d_weight = ext.rmsnorm_backward(d_y, residual_out, weight, rstd, d_residual_out,
@@ -481,9 +483,11 @@ CUSTOM = {
     "softmax": (_softmax_fwd, _softmax_bwd),
 }
 
-# the custom kernels that read strided inputs (default: contiguous only)
+# the custom kernels that read strided inputs (default: contiguous only); the fused
+# residual norm its backward's d_residual_out alone (runtime/cuda/residual_rows.py)
 LAYOUTS = {"swiglu": rows_layout, "geglu": rows_layout, "rope": heads_layout,
-           "qk_norm_rope": qk_rope_layout}
+           "qk_norm_rope": qk_rope_layout,
+           "fused_residual_rmsnorm": {"d_residual_out": rows_layout}}
 
 CUDA_KERNELS: dict[str, CudaKernel | ReferenceKernel] = {
     name: CudaKernel(ref, *CUSTOM[name], LAYOUTS.get(name)) if name in CUSTOM else ref

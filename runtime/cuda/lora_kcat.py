@@ -60,6 +60,8 @@ _sides: dict[tuple, weakref.ref] = {}
 _scratch: dict[tuple, torch.Tensor] = {}
 # a weight view's key -> a weak reference to its tail slot [r, in] (`lay_tails`)
 _tails: dict[tuple, weakref.ref] = {}
+# (device, dtype, a laid weight's out) -> weak references to those weights' tail slots
+_tails_by_out: dict[tuple, list] = {}
 
 
 def enabled() -> bool:
@@ -89,13 +91,16 @@ def _threshold() -> float:
     return float(os.environ.get("MODULEC_LORA_KCAT_MIN", WIDE))
 
 
-def tail_rows(shapes: dict, frozen) -> dict[str, int]:
+def tail_rows(shapes: dict, frozen, residual_widths=frozenset()) -> dict[str, int]:
     """{frozen 2-D weight path: k r} for the weights whose backward's d_x = [d_y | d_t]
     [W ; A] runs as one GEMM (`dx_into`), laid with k r spare rows after their own (A's
     rows copied there: `tail_slot`), out + k r and in multiples of 8: one adapter at least
     WIDE times as wide in as out (Llama's down_proj: 14,336 against 4,096; d_y copied
     beside d_t pays), or several (a fused projection, q/k/v and gate/up: its d_y is a
-    concat the backward writes straight into the rows beside d_t, `widened_dx`).
+    concat the backward writes straight into the rows beside d_t, `widened_dx`), or one
+    writing the residual stream (out in `residual_widths`, the fused residual norms'
+    widths: Llama's o_proj; its d_y, the residual gradient, is laid in the scratch by the
+    norms' backward, runtime/cuda/residual_rows.py).
     MODULEC_LORA_KCAT_DX=0: none; MODULEC_LORA_KCAT_DX_FUSED=0: not the fused ones (A/B)."""
     if not enabled() or os.environ.get("MODULEC_LORA_KCAT_DX", "1") == "0":
         return {}
@@ -111,7 +116,7 @@ def tail_rows(shapes: dict, frozen) -> dict[str, int]:
         if (shape[0] + rank) % 8 or shape[1] % 8:
             continue
         fused = len(adapters) > 1 and os.environ.get("MODULEC_LORA_KCAT_DX_FUSED", "1") != "0"
-        if fused or shape[1] >= wide * shape[0]:
+        if fused or shape[1] >= wide * shape[0] or shape[0] in residual_widths:
             tails[path] = rank
     return tails
 
@@ -139,8 +144,11 @@ def one_gemm_sides(program, shapes: dict, frozen) -> dict[str, int]:
 
 
 def one_gemm_tails(program, shapes: dict, frozen) -> dict[str, int]:
-    """`tail_rows` under `one_gemm_sides`'s rule."""
-    return _single_process_bf16(program, tail_rows(shapes, frozen))
+    """`tail_rows` under `one_gemm_sides`'s rule, the residual widths the program's."""
+    from runtime.cuda.residual_rows import residual_widths
+
+    return _single_process_bf16(program, tail_rows(shapes, frozen,
+                                                   residual_widths(program.graph, shapes)))
 
 
 def _single_process_bf16(program, laid: dict[str, int]) -> dict[str, int]:
@@ -189,14 +197,44 @@ def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:
 
 def lay_tails(views: dict, tails: dict) -> dict[str, torch.Tensor]:
     """{path: tail slot [r, in]} for the weights `views` laid with `tails[path]` spare rows
-    after their own (state.region_of), each registered for `dx_into`."""
+    after their own (state.region_of), each registered for `dx_into` (and by its out
+    width for `residual_rows`)."""
     slots = {}
     for path, rows in tails.items():
         weight = views[path]
         slots[path] = weight.as_strided((rows, weight.shape[1]), weight.stride(),
                                         weight.storage_offset() + _rows_end(weight))
         _tails[view_key(weight)] = weakref.ref(slots[path])
+        key = (weight.device, weight.dtype, weight.shape[0])
+        _tails_by_out[key] = [r for r in _tails_by_out.get(key, ()) if r() is not None] + [
+            weakref.ref(slots[path])]
     return slots
+
+
+def residual_rows(rows: int, width: int, dtype, device) -> torch.Tensor | None:
+    """The left columns ([rows, width], rows apart) of the one-GEMM d_x scratch of the
+    weights laid with tail rows whose output is `width` wide (the widest tail among
+    them), where a residual stream's gradient may lie so that those weights' backward
+    finds d_y beside its d_t (runtime/cuda/residual_rows.py); None where no such weight is
+    laid."""
+    slots = [ref() for ref in _tails_by_out.get((device, dtype, width), ())]
+    depth = max((s.shape[0] for s in slots if s is not None), default=0)
+    return _wide(rows, width + depth, dtype, device, "dx")[:, :width] if depth else None
+
+
+def dy_in_scratch(d_y: torch.Tensor, w: torch.Tensor) -> bool:
+    """d_y lies in the left columns of w's one-GEMM d_x scratch already (written there by
+    its producer: `residual_rows`), so `dx_into` reads it where it is."""
+    if not isinstance(d_y, torch.Tensor) or d_y.dim() < 2 or d_y.shape[-1] != w.shape[0]:
+        return False
+    found = _dx_scratch(w, d_y.numel() // d_y.shape[-1])
+    if found is None:
+        return False
+    try:
+        view = d_y.view(-1, d_y.shape[-1])
+    except RuntimeError:
+        return False
+    return view.data_ptr() == found[0].data_ptr() and view.stride() == found[0].stride()
 
 
 def _rows_end(weight: torch.Tensor) -> int:

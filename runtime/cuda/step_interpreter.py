@@ -51,6 +51,8 @@ class _StepInterpreter(Interpreter):
         self._producers: dict = {}  # function name -> {value: the node making it}
         self._widened_parts: dict = {}  # function name -> lora_backward.widened_parts
         self._dt_makers: dict = {}  # function name -> {d_t value: its one-GEMM DxPair}
+        self._residual_decided: dict = {}  # (function, node) -> residual_rows.takes_rows
+        self._residual_at: set[int] = set()  # where _residual_rows wrote (data_ptr)
         self._scalars: dict = {}
         self.lora_fused = 0  # (matmul, add) pairs run as one addmm
         self.lora_into_planned = 0  # of those, written with base into y's planned bytes
@@ -198,7 +200,8 @@ class _StepInterpreter(Interpreter):
                 and self.fp8_run.covers(function.name, node.id):
             return self._fp8_op(node, frame, forward)
         plain = not self._replaying and self.hooks is None and self.profiler is None
-        if function.gradient_of and plain and self._lora_dx(node, frame, forward):
+        if function.gradient_of and plain and (self._residual_rows(node, frame, forward)
+                                               or self._lora_dx(node, frame, forward)):
             return
         if plain and not function.gradient_of and self._fp8_produced(node, frame):
             return
@@ -374,6 +377,34 @@ class _StepInterpreter(Interpreter):
         frame.env[node.outputs[0]] = self._after(node, frame, node.outputs[0], y)
         return True
 
+    def _residual_rows(self, node, frame, forward) -> bool:
+        """A fused residual norm's backward writes the residual gradient into the one-GEMM
+        d_x scratch's left columns (runtime/cuda/residual_rows.py), where o_proj's and
+        down_proj's backward read it beside their d_t. True where `node` was run here."""
+        from runtime.cuda.residual_rows import residual_target, settle
+
+        if self.arena is None or node.target != "fused_residual_rmsnorm_backward":
+            return False
+        target = residual_target(self, node, frame, forward, self._residual_decided)
+        if target is None:
+            return False
+        self._run_redirected(node, frame, forward, target)
+        settle(frame, node, target)
+        self._residual_at.add(target.data_ptr())
+        return True
+
+    def _hand_over(self, frame, node, child, values: list, remaining: int) -> list:
+        """The interpreter's, but a residual gradient in the one-GEMM scratch
+        (`_residual_rows`) is handed on where it is, not copied into the caller's bytes."""
+        kept = {k: v for k, v in enumerate(values)
+                if isinstance(v, torch.Tensor) and v.data_ptr() in self._residual_at}
+        if not kept:
+            return super()._hand_over(frame, node, child, values, remaining)
+        rest = [None if k in kept else v for k, v in enumerate(values)]
+        handed = super()._hand_over(frame, node, child, rest, remaining)
+        self._placed = [kept.get(k, v) for k, v in enumerate(handed)]
+        return self._placed
+
     def _widen_dx(self, node, frame, forward) -> None:
         """Before `node` writes a fused projection's d_y (a concat planned in place, or a
         part of it) whose weight was laid with tail rows (lora_kcat.tail_rows: q/k/v,
@@ -442,7 +473,7 @@ class _StepInterpreter(Interpreter):
     def _one_gemm_weight(self, pair, frame, forward):
         """The frozen weight of a pair whose d_x sum may be one GEMM (`_stage_one_gemm_dx`:
         tail rows laid, d_y written into the scratch or a copy of it paying), else None."""
-        from runtime.cuda.lora_kcat import copy_pays, laid_tails
+        from runtime.cuda.lora_kcat import copy_pays, dy_in_scratch, laid_tails
 
         first, base = pair.first, pair.base
         if not laid_tails() or first.attr("transpose") != "NT" or len(first.inputs) != 3 \
@@ -452,7 +483,8 @@ class _StepInterpreter(Interpreter):
         w = self._read(base.inputs[2], frame, forward)
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
             return None
-        widened = self.arena is not None and self._dy_widened(pair, frame)
+        widened = self.arena is not None and (self._dy_widened(pair, frame) or dy_in_scratch(
+            self._read(base.inputs[0], frame, forward), w))
         return w if widened or copy_pays(w) else None
 
     def _stage_one_gemm_dx(self, pair, frame, forward) -> bool:
@@ -517,10 +549,11 @@ class _StepInterpreter(Interpreter):
             attrs["out"] = [None if v in own else b for v, b in zip(node.outputs, attrs["out"])]
 
     def _after(self, node, frame, value, tensor):
-        """A redirected d_x (`_lora_dx`) stays in the add's bytes: its add takes it there;
+        """A redirected result stays where it was written (`_lora_dx`'s d_x in the add's
+        bytes: its add takes it there; `_residual_rows`' in the one-GEMM scratch);
         a stacked parameter gradient (`_own_bytes`) stays in its own."""
         raw = self._redirects.get((id(frame), node.id))
-        if raw is not None and value == node.outputs[0] and isinstance(tensor, torch.Tensor) \
+        if raw is not None and value in node.outputs and isinstance(tensor, torch.Tensor) \
                 and tensor.data_ptr() == raw.data_ptr():
             self._finite(node, frame, value, tensor, "")
             return tensor

@@ -62,6 +62,9 @@ NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batc
            "sp_all_gather", "sp_reduce_scatter", "sp_scatter", "sp_gather")  # and --sp's
 CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm", "layernorm",
               "fused_residual_layernorm", "gelu", "softmax")
+# backward inputs a CONTIGUOUS kernel takes as rows with one stride (left as they are):
+# the fused residual norm's d_residual_out (runtime/cuda/residual_rows.py)
+ROWS_BACKWARD = {"fused_residual_rmsnorm": (0,)}
 CREATED = ("zeros", "ones", "fill")
 
 
@@ -82,10 +85,12 @@ class NoCast:
 
 
 class Contiguous:
-    """A kernel whose tensor inputs are made contiguous first (a copy only where needed)."""
+    """A kernel whose tensor inputs are made contiguous first (a copy only where needed),
+    but the backward's inputs at `rows_backward`, which it reads as rows with one stride."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, rows_backward=()):
         self.kernel = kernel
+        self.rows_backward = frozenset(rows_backward)
 
     def __getattr__(self, attr):
         return getattr(self.kernel, attr)
@@ -94,11 +99,12 @@ class Contiguous:
         return self.kernel.forward(_contiguous(inputs), attrs)
 
     def backward(self, inputs: list, attrs: dict) -> list:
-        return self.kernel.backward(_contiguous(inputs), attrs)
+        return self.kernel.backward(_contiguous(inputs, self.rows_backward), attrs)
 
 
-def _contiguous(inputs: list) -> list:
-    return [x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
+def _contiguous(inputs: list, keep=frozenset()) -> list:
+    return [x.contiguous() if isinstance(x, torch.Tensor) and i not in keep else x
+            for i, x in enumerate(inputs)]
 
 
 class Add(NoCast):
@@ -563,7 +569,8 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels = dict(CUDA_KERNELS)
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
     kernels.update({name: Matmul(KERNELS[name]) for name in ("matmul", "batched_matmul")})
-    kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
+    kernels.update({name: Contiguous(CUDA_KERNELS[name], ROWS_BACKWARD.get(name, ()))
+                    for name in CONTIGUOUS})
     kernels["add"] = Add(KERNELS["add"])
     kernels["concat"] = Concat(KERNELS["concat"])
     kernels["block_diag"] = BlockDiag(KERNELS["block_diag"])  # its own: tests set takes_out
