@@ -33,11 +33,14 @@ H100, LoRA 8B, 1.0 ms a step in both orders of an in-process A/B
 
 The backward's counterpart: d_x = [d_y | d_t] [W ; A] as one GEMM, W laid with A's rows
 after it (`tail_rows`, `stage_dt`, `dx_into`; the step interpreter's `_stage_one_gemm_dx`),
-for a projection whose input is the wide side (down_proj: d_y copied beside d_t) and for
+for a projection whose input is the wide side (down_proj: d_y copied beside d_t), for
 a fused one (q/k/v, gate/up), whose d_y is a concat planned in place: the interpreter
 moves that concat into the scratch before its producers run (`_widen_dx`,
 runtime/arena.py `widen`), so swiglu's and attention's backward write d_y beside d_t and
-nothing is copied; MODULEC_LORA_KCAT_DX=0 keeps the two GEMMs. Measured: one H100, LoRA
+nothing is copied; and for one writing the residual stream (o_proj, down_proj), whose
+d_y the fused residual norms' backward writes into the scratch
+(runtime/cuda/residual_rows.py: `residual_rows`, `dy_in_scratch`), no copy either;
+MODULEC_LORA_KCAT_DX=0 keeps the two GEMMs. Measured: one H100, LoRA
 8B, down_proj 126.31 -> 125.43 and 126.94 -> 126.31 ms in both orders of an in-process A/B
 (benchmarks/gpu/results-h100-lora-s14-ab.txt)."""
 
@@ -148,7 +151,7 @@ def one_gemm_tails(program, shapes: dict, frozen) -> dict[str, int]:
     from runtime.cuda.residual_rows import residual_widths
 
     return _single_process_bf16(program, tail_rows(shapes, frozen,
-                                                   residual_widths(program.graph, shapes)))
+                                                   residual_widths(program.graph)))
 
 
 def _single_process_bf16(program, laid: dict[str, int]) -> dict[str, int]:

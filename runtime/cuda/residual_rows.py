@@ -38,7 +38,7 @@ def enabled() -> bool:
     return os.environ.get("MODULEC_LORA_RESIDUAL_ROWS", "1") != "0"
 
 
-def residual_widths(graph, shapes: dict | None = None) -> frozenset[int]:
+def residual_widths(graph) -> frozenset[int]:
     """The widths of the program's residual streams (its fused residual norms' last dim),
     whose gradient may be laid in a one-GEMM d_x scratch; none when switched off."""
     if not enabled():
@@ -91,27 +91,25 @@ def _result_taken(graph, function, k: int, seen: set) -> bool:
     return len(inputs) != len(function.outputs) or takes_rows(graph, function, inputs[k], seen)
 
 
-def residual_target(run, node, frame, forward, decided: dict):
-    """Where `node` (a fused residual norm's backward) writes its result: the residual
-    rows of the one-GEMM d_x scratch, shaped as the value (a strided view), or None (its
-    planned bytes). `decided` caches the graph walk per (function, node)."""
+def residual_target(graph, function, node, d_y, decided: dict):
+    """Where `node` (a fused residual norm's backward in `function`, its d_y input `d_y`)
+    writes its result: the residual rows of the one-GEMM d_x scratch, shaped as the value
+    (a strided view), or None (its planned bytes). `decided` caches the graph walk per
+    (function, node)."""
     from runtime.cuda.lora_kcat import residual_rows
 
     if node.target not in NORM_BACKWARDS or len(node.outputs) < 2 \
-            or (len(node.outputs) > 2 and node.outputs[2]) or not enabled():
+            or (len(node.outputs) > 2 and node.outputs[2]) or not enabled() \
+            or not hasattr(d_y, "dtype"):
         return None
-    key = (frame.function.name, node.id)
+    key = (function.name, node.id)
     if key not in decided:
-        decided[key] = all(takes_rows(run.graph, frame.function, v)
-                           for v in node.outputs[:2])
-    if not decided[key]:
+        decided[key] = all(takes_rows(graph, function, v) for v in node.outputs[:2])
+    info = function.value(node.outputs[0] or node.outputs[1])
+    if not decided[key] or info is None or not info.shape \
+            or not all(str(d).isdigit() for d in info.shape):
         return None
-    info = frame.function.value(node.outputs[0] or node.outputs[1])
-    d_y = run._read(node.inputs[1], frame, forward)
-    shape = [int(d) for d in info.shape] if info is not None and all(
-        str(d).isdigit() for d in info.shape) else None
-    if shape is None or not shape or not hasattr(d_y, "dtype"):
-        return None
+    shape = [int(d) for d in info.shape]
     rows = residual_rows(math.prod(shape[:-1]), shape[-1], d_y.dtype, d_y.device)
     return None if rows is None else rows.view(shape)
 

@@ -385,7 +385,9 @@ class _StepInterpreter(Interpreter):
 
         if self.arena is None or node.target != "fused_residual_rmsnorm_backward":
             return False
-        target = residual_target(self, node, frame, forward, self._residual_decided)
+        target = residual_target(self.graph, frame.function, node,
+                                 self._read(node.inputs[1], frame, forward),
+                                 self._residual_decided)
         if target is None:
             return False
         self._run_redirected(node, frame, forward, target)
