@@ -65,6 +65,26 @@ def test_o_proj_gets_tail_rows_where_a_residual_stream_is_that_wide(monkeypatch)
     assert residual_rows.residual_widths(graph) == frozenset()
 
 
+def test_the_train_kernels_leave_only_the_norm_backwards_d_residual_out_strided():
+    """train_kernels' Contiguous wrapper keeps as they are the backward inputs the CUDA
+    kernel's layout names (runtime/cuda/kernels.py LAYOUTS): the fused residual norm's
+    d_residual_out (position 0), nothing of the other contiguous-only kernels; a strided
+    d_residual_out reaches the kernel as it is, the other inputs contiguous."""
+    from runtime.cuda.train_kernels import CONTIGUOUS, train_kernels
+
+    kernels = train_kernels("cpu")
+    kept = {name: kernels[name].rows_backward for name in CONTIGUOUS}
+    assert kept == {name: frozenset({0}) if name == "fused_residual_rmsnorm" else frozenset()
+                    for name in CONTIGUOUS}
+    seen = []
+    norm = kernels["fused_residual_rmsnorm"]
+    norm.kernel = type("Spy", (), {"backward": lambda self, inputs, attrs: seen.extend(
+        inputs)})()
+    wide = torch.zeros(4, 40)
+    norm.backward([wide[:, :32], wide[:, :32], None, torch.ones(32), torch.ones(4)], {})
+    assert not seen[0].is_contiguous() and seen[1].is_contiguous()
+
+
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=needs_gpus(1))])
 def test_the_norms_write_the_residual_gradient_where_o_and_down_read_it(monkeypatch,
@@ -84,7 +104,8 @@ def test_the_norms_write_the_residual_gradient_where_o_and_down_read_it(monkeypa
     shapes = {p: tuple(t.shape) for p, t in model.params.items()}
     frozen = {p for p in shapes if not is_adapter(p)}
     tails = kcat.tail_rows(shapes, frozen, residual_rows.residual_widths(graph))
-    views, slots = _laid_views(model, device, kcat.side_columns(shapes, frozen), tails)
+    # `held` keeps the slots alive to the end: lora_kcat holds weak references to them
+    views, held = _laid_views(model, device, kcat.side_columns(shapes, frozen), tails)
     copied = _counting_copies(monkeypatch)
     outputs, grads, run, _ = _arena_step(model, monkeypatch, True, device, params=views)
     assert run.lora_dx_one_gemm == 8  # o, down, q/k/v and gate/up in each of 2 layers
@@ -103,7 +124,6 @@ def test_the_norms_write_the_residual_gradient_where_o_and_down_read_it(monkeypa
     for got, off, want in [*zip(outputs, off_outputs, exact_outputs),
                            *((grads[p], off_grads[p], exact[p]) for p in exact)]:
         assert _error(got, want) < 0.1 and _error(off, want) < 0.1
-    del slots
 
 
 @needs_gpus(1)

@@ -63,8 +63,6 @@ _sides: dict[tuple, weakref.ref] = {}
 _scratch: dict[tuple, torch.Tensor] = {}
 # a weight view's key -> a weak reference to its tail slot [r, in] (`lay_tails`)
 _tails: dict[tuple, weakref.ref] = {}
-# (device, dtype, a laid weight's out) -> weak references to those weights' tail slots
-_tails_by_out: dict[tuple, list] = {}
 
 
 def enabled() -> bool:
@@ -200,17 +198,14 @@ def lay_sides(views: dict, sides: dict) -> dict[str, torch.Tensor]:
 
 def lay_tails(views: dict, tails: dict) -> dict[str, torch.Tensor]:
     """{path: tail slot [r, in]} for the weights `views` laid with `tails[path]` spare rows
-    after their own (state.region_of), each registered for `dx_into` (and by its out
-    width for `residual_rows`)."""
+    after their own (state.region_of), each registered for `dx_into` and
+    `residual_rows`."""
     slots = {}
     for path, rows in tails.items():
         weight = views[path]
         slots[path] = weight.as_strided((rows, weight.shape[1]), weight.stride(),
                                         weight.storage_offset() + _rows_end(weight))
         _tails[view_key(weight)] = weakref.ref(slots[path])
-        key = (weight.device, weight.dtype, weight.shape[0])
-        _tails_by_out[key] = [r for r in _tails_by_out.get(key, ()) if r() is not None] + [
-            weakref.ref(slots[path])]
     return slots
 
 
@@ -220,8 +215,9 @@ def residual_rows(rows: int, width: int, dtype, device) -> torch.Tensor | None:
     them), where a residual stream's gradient may lie so that those weights' backward
     finds d_y beside its d_t (runtime/cuda/residual_rows.py); None where no such weight is
     laid."""
-    slots = [ref() for ref in _tails_by_out.get((device, dtype, width), ())]
-    depth = max((s.shape[0] for s in slots if s is not None), default=0)
+    # _tails' keys are the weights' view keys: (device, first element, shape, strides)
+    slots = [ref() for key, ref in _tails.items() if key[0] == device and key[2][0] == width]
+    depth = max((s.shape[0] for s in slots if s is not None and s.dtype == dtype), default=0)
     return _wide(rows, width + depth, dtype, device, "dx")[:, :width] if depth else None
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 import os
 
-NORM_BACKWARDS = ("fused_residual_rmsnorm_backward",)
-NORM_FORWARDS = ("fused_residual_rmsnorm",)
+RESIDUAL_NORM_BACKWARDS = ("fused_residual_rmsnorm_backward",)
+RESIDUAL_NORMS = ("fused_residual_rmsnorm",)
 # op -> the input positions at which it reads rows with one stride
 ROW_READERS = {"matmul_backward": {0}, "fused_residual_rmsnorm_backward": {0}}
 
@@ -46,7 +46,7 @@ def residual_widths(graph) -> frozenset[int]:
     widths = set()
     for function in graph.functions:
         for node in function.nodes:
-            if node.kind == "op" and node.target in NORM_FORWARDS and node.outputs:
+            if node.kind == "op" and node.target in RESIDUAL_NORMS and node.outputs:
                 info = function.value(node.outputs[0])
                 last = str(info.shape[-1]) if info is not None and info.shape else ""
                 if last.isdigit():
@@ -92,15 +92,14 @@ def _result_taken(graph, function, k: int, seen: set) -> bool:
 
 
 def residual_target(graph, function, node, d_y, decided: dict):
-    """Where `node` (a fused residual norm's backward in `function`, its d_y input `d_y`)
-    writes its result: the residual rows of the one-GEMM d_x scratch, shaped as the value
-    (a strided view), or None (its planned bytes). `decided` caches the graph walk per
-    (function, node)."""
+    """Where `node` (one of RESIDUAL_NORM_BACKWARDS in `function`, its d_y input `d_y`)
+    writes its result: the residual rows of the one-GEMM d_x scratch, shaped as the value (a strided
+    view), or None (its planned bytes: a d_weight wanted, or a reader that takes dense
+    tensors). `decided` caches the graph walk per (function, node)."""
     from runtime.cuda.lora_kcat import residual_rows
 
-    if node.target not in NORM_BACKWARDS or len(node.outputs) < 2 \
-            or (len(node.outputs) > 2 and node.outputs[2]) or not enabled() \
-            or not hasattr(d_y, "dtype"):
+    if len(node.outputs) < 2 or (len(node.outputs) > 2 and node.outputs[2]) \
+            or not enabled() or not hasattr(d_y, "dtype"):
         return None
     key = (function.name, node.id)
     if key not in decided:
@@ -115,13 +114,11 @@ def residual_target(graph, function, node, d_y, decided: dict):
 
 
 def settle(frame, node, target) -> None:
-    """The norm's results in `target`: where its kernel wrote elsewhere (a reference
-    kernel, off the GPU), copied there, and both results bound to it."""
+    """The norm's results (one tensor, bound to both) in `target`: where its kernel wrote
+    elsewhere (a reference kernel, off the GPU), copied there."""
     from runtime.arena import copy_in_16_bytes
 
-    for value in node.outputs[:2]:
-        if value and frame.env.get(value) is not None:
-            made = frame.env[value]
-            if made.data_ptr() != target.data_ptr():
-                copy_in_16_bytes(target, made.view(target.shape))
-            frame.env[value] = target
+    made = frame.env[node.outputs[0] or node.outputs[1]]
+    if made.data_ptr() != target.data_ptr():
+        copy_in_16_bytes(target, made.view(target.shape))
+    frame.env.update({value: target for value in node.outputs[:2] if value})

@@ -381,9 +381,9 @@ class _StepInterpreter(Interpreter):
         """A fused residual norm's backward writes the residual gradient into the one-GEMM
         d_x scratch's left columns (runtime/cuda/residual_rows.py), where o_proj's and
         down_proj's backward read it beside their d_t. True where `node` was run here."""
-        from runtime.cuda.residual_rows import residual_target, settle
+        from runtime.cuda.residual_rows import RESIDUAL_NORM_BACKWARDS, residual_target, settle
 
-        if self.arena is None or node.target != "fused_residual_rmsnorm_backward":
+        if self.arena is None or node.target not in RESIDUAL_NORM_BACKWARDS:
             return False
         target = residual_target(self.graph, frame.function, node,
                                  self._read(node.inputs[1], frame, forward),

@@ -62,9 +62,6 @@ NO_CAST = ("view", "transpose", "split", "concat", "contiguous", "matmul", "batc
            "sp_all_gather", "sp_reduce_scatter", "sp_scatter", "sp_gather")  # and --sp's
 CONTIGUOUS = ("rmsnorm", "fused_residual_rmsnorm", "qk_norm", "layernorm",
               "fused_residual_layernorm", "gelu", "softmax")
-# backward inputs a CONTIGUOUS kernel takes as rows with one stride (left as they are):
-# the fused residual norm's d_residual_out (runtime/cuda/residual_rows.py)
-ROWS_BACKWARD = {"fused_residual_rmsnorm": (0,)}
 CREATED = ("zeros", "ones", "fill")
 
 
@@ -86,11 +83,14 @@ class NoCast:
 
 class Contiguous:
     """A kernel whose tensor inputs are made contiguous first (a copy only where needed),
-    but the backward's inputs at `rows_backward`, which it reads as rows with one stride."""
+    but the backward inputs its layout names (runtime/cuda/kernels.py LAYOUTS: the fused
+    residual norm's d_residual_out, read as rows with one stride), left as they are."""
 
-    def __init__(self, kernel, rows_backward=()):
+    def __init__(self, kernel):
         self.kernel = kernel
-        self.rows_backward = frozenset(rows_backward)
+        layout = getattr(kernel, "layout", None)
+        names = getattr(kernel, "backward_inputs", ()) if isinstance(layout, dict) else ()
+        self.rows_backward = frozenset(i for i, name in enumerate(names) if name in layout)
 
     def __getattr__(self, attr):
         return getattr(self.kernel, attr)
@@ -569,8 +569,7 @@ def train_kernels(device: str = "cuda", attention=("flash",)) -> dict:
     kernels = dict(CUDA_KERNELS)
     kernels.update({name: NoCast(KERNELS[name]) for name in NO_CAST})
     kernels.update({name: Matmul(KERNELS[name]) for name in ("matmul", "batched_matmul")})
-    kernels.update({name: Contiguous(CUDA_KERNELS[name], ROWS_BACKWARD.get(name, ()))
-                    for name in CONTIGUOUS})
+    kernels.update({name: Contiguous(CUDA_KERNELS[name]) for name in CONTIGUOUS})
     kernels["add"] = Add(KERNELS["add"])
     kernels["concat"] = Concat(KERNELS["concat"])
     kernels["block_diag"] = BlockDiag(KERNELS["block_diag"])  # its own: tests set takes_out
