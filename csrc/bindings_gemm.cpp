@@ -189,7 +189,8 @@ void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha,
 // left zero; out: planned bytes for (d_A, d_B) or none.
 std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const Tensor& b,
                                        double alpha, const Tensor& da32, const Tensor& db32,
-                                       const Outputs& out, const std::vector<int64_t>& blocks) {
+                                       const Outputs& out, const std::vector<int64_t>& blocks,
+                                       bool compact_b) {
   // A's rows may lie apart (t in x's spare columns: runtime/cuda/lora_kcat.py), 16-byte
   // aligned
   TORCH_CHECK(a.is_cuda() && a.device() == d_c.device() && a.scalar_type() == at::kBFloat16 &&
@@ -221,7 +222,11 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
                              d_a.stride(1) == 1 && d_a.stride(0) >= rank &&
                              d_a.scalar_type() == at::kBFloat16 && d_a.device() == d_c.device()),
               "skinny_nt_backward: out[0] must be [", rows, ", ", rank, "] bf16, rows apart");
-  Tensor d_b = output(out, 1, {cols, rank}, b.options());
+  // compact_b (blocks only): d_b [cols, 16], each row its own block's columns (the
+  // blocks' gradients stacked, skinny_grads.py); out[1] is then not used
+  TORCH_CHECK(!compact_b || !blocks.empty(), "skinny_nt_backward: compact_b needs blocks");
+  Tensor d_b = compact_b ? at::empty({cols, 16}, b.options())
+                         : output(out, 1, {cols, rank}, b.options());
   // blocks: the row ends of a block-diagonal b's 16-wide blocks (skinny_grads.py), or none
   SkinnyBlocks parts{};
   TORCH_CHECK(blocks.empty() || (static_cast<int64_t>(blocks.size()) * 16 == rank &&
@@ -229,6 +234,7 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
               "skinny_nt_backward: ", blocks.size(), " blocks of 16 for rank ", rank,
               " ending at ", blocks.empty() ? 0 : blocks.back(), " of ", cols, " rows");
   parts.n = static_cast<int>(blocks.size());
+  parts.compact = compact_b;
   for (size_t i = 0; i < blocks.size(); ++i) {
     TORCH_CHECK(blocks[i] % skinny_cols_multiple() == 0 && (i == 0 || blocks[i] > blocks[i - 1]),
                 "skinny_nt_backward: block ends must rise in multiples of ",
@@ -252,7 +258,7 @@ void register_gemm(pybind11::module_& m) {
         "d_A, d_B of C = alpha A B^T (A [T, R], R <= 64) in one pass over d_C",
         pybind11::arg("d_c"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"),
         pybind11::arg("da32"), pybind11::arg("db32"), pybind11::arg("out") = Outputs{},
-        pybind11::arg("blocks") = std::vector<int64_t>{});
+        pybind11::arg("blocks") = std::vector<int64_t>{}, pybind11::arg("compact_b") = false);
   m.def("gemm_candidates", &gemm_candidates, "cuBLASLt's candidate count for a GEMM",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"),
         pybind11::arg("reads_out"), pybind11::arg("count"));

@@ -192,18 +192,15 @@ def test_block_diagonal_B_sums_each_block_alone(rows):
             start += r
 
 
-@needs_gpus(1)
-def test_the_one_gemm_d_x_takes_d_t_where_the_kernel_wrote_it(monkeypatch):
-    """A LoRA step at a shape the one-pass kernel covers (T = 256, N multiples of 128; rank
-    16, weights laid with side columns and tail rows): each one-GEMM pair's d_t is written
-    by the kernel's finishing launch straight into the [d_y | d_t] scratch, so nothing is
-    copied there, and the step computes what the two-GEMM step does."""
+def _covered_lora_step():
+    """A LoRA model at a shape the one-pass kernel covers (T = 256, N multiples of 128;
+    rank 16) with its weights laid on the GPU with side columns and tail rows: (model,
+    the weight views, inputs, the slots to hold while it runs)."""
     import runtime.cuda.lora_kcat as kcat
     from modulec.lower.lora import is_adapter
     from runtime.cuda.state import region_of, stacked_order
     from runtime.model import Model
     from runtime_models import DENSE, TINY
-    from tests.test_lora_step import _arena_step, _error
 
     settings = DENSE | dict(d_model=128, d_ff=256, num_heads=4, num_kv_heads=2, max_seq=256)
     model = Model.from_module(TINY["llama"][0], settings=settings, dtype=torch.bfloat16,
@@ -222,7 +219,20 @@ def test_the_one_gemm_d_x_takes_d_t_where_the_kernel_wrote_it(monkeypatch):
                             tails=tails)
     for path, view in views.items():
         view.copy_(model.params[path])
-    held = (kcat.lay_sides(views, sides), kcat.lay_tails(views, tails))  # noqa: F841
+    held = (kcat.lay_sides(views, sides), kcat.lay_tails(views, tails))
+    return model, views, inputs, held
+
+
+@needs_gpus(1)
+def test_the_one_gemm_d_x_takes_d_t_where_the_kernel_wrote_it(monkeypatch):
+    """A LoRA step at a shape the one-pass kernel covers (weights laid with side columns
+    and tail rows): each one-GEMM pair's d_t is written by the kernel's finishing launch
+    straight into the [d_y | d_t] scratch, so nothing is copied there, and the step
+    computes what the two-GEMM step does."""
+    import runtime.cuda.lora_kcat as kcat
+    from tests.test_lora_step import _arena_step, _error
+
+    model, views, inputs, held = _covered_lora_step()  # noqa: F841 (held: the slots)
     into_scratch, copy_rows = [], kcat._copy_rows
 
     def counted(into, rows):  # the rows that move into a d_x scratch
@@ -244,3 +254,75 @@ def test_the_one_gemm_d_x_takes_d_t_where_the_kernel_wrote_it(monkeypatch):
     errors = [_error(a, b) for a, b in zip(outputs, two_outputs)] + \
         [_error(grads[p], two_grads[p]) for p in two_grads]
     assert max(errors) < 0.05, errors
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("rows", [[256, 128, 128], [1024, 1024]])
+def test_the_blocks_gradients_come_back_stacked(rows):
+    """`compact`: d_B comes back [N, 16], each row its own block's columns (the blocks'
+    gradients stacked, runtime/cuda/stacked_blocks.py), matching the diagonal blocks the
+    dense d_B holds; a planned target for d_B is left unwritten."""
+    T, N, R = 512, sum(rows), 16 * len(rows)
+    d_C, A, _ = _operands(T, N, R, seed=len(rows))
+    B = _block_diagonal(rows, seed=1).cuda()
+    planned = torch.full((N, R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d_A, stacked = skinny_nt_backward(d_C, A, B, 2.0, [None, planned], blocks=rows,
+                                      compact=True)
+    assert tuple(stacked.shape) == (N, 16) and planned.isnan().all()
+    full = 2.0 * d_C.float().t() @ A.float()
+    _check(d_A, 2.0 * d_C.float() @ B.float())
+    start = 0
+    for i, r in enumerate(rows):
+        _check(stacked[start:start + r], full[start:start + r, 16 * i:16 * i + 16])
+        start += r
+    _, dense = skinny_nt_backward(d_C, A, B, 2.0, blocks=rows, compact=False)
+    assert tuple(dense.shape) == (N, R)
+
+
+def test_the_fused_projections_d_B_goes_to_block_diags_backward_alone(monkeypatch):
+    """In a LoRA program each block_diag backward (q/k/v's B, gate/up's) reads the d_B of
+    its delta's matmul backward alone and makes parameter gradients only, so that d_B may
+    come back stacked (`stacked_blocks.reader`); MODULEC_STACKED_BLOCK_GRADS=0 asks none."""
+    from runtime.cuda import stacked_blocks
+    from tests.test_lora_step import _lora_model
+
+    model = _lora_model(rank=16)
+    inputs = {"token_ids": torch.randint(0, 64, (1, 16), dtype=torch.int32)}
+    graph = model.source.program_for(inputs).graph
+
+    def found():
+        return {(f.name, stacked_blocks.reader(f, n).id) for f in graph.functions
+                if f.gradient_of for n in f.nodes
+                if n.kind == "op" and n.target == "matmul_backward"
+                and stacked_blocks.reader(f, n) is not None}
+    block_grads = {(f.name, n.id) for f in graph.functions if f.gradient_of
+                   for n in f.nodes if n.kind == "op" and n.target == "block_diag_backward"}
+    assert len(block_grads) == 2 and found() == block_grads
+    monkeypatch.setenv("MODULEC_STACKED_BLOCK_GRADS", "0")
+    assert found() == set()
+    views = stacked_blocks.parts(torch.arange(12.0).reshape(6, 2), [4, 2])
+    assert [v.tolist() for v in views] == [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11]]]
+
+
+@needs_gpus(1)
+def test_the_step_hands_the_blocks_their_stacked_gradients(monkeypatch):
+    """The LoRA step at a covered shape: a fused projection's d_B whose blocks the kernel
+    sums alone comes back stacked and block_diag's backward is given its rows (no
+    launch); the step computes what it does with block_diag's backward run
+    (MODULEC_STACKED_BLOCK_GRADS=0)."""
+    from tests.test_lora_step import _arena_step, _error
+
+    model, views, inputs, held = _covered_lora_step()  # noqa: F841 (held: the slots)
+    outputs, grads, run, _ = _arena_step(model, monkeypatch, True, "cuda", params=views,
+                                         inputs=inputs)
+    layers = {p.split(".")[0] for p in model.params if p.startswith("blocks[")}
+    # gate/up's each layer ([256, 256]); q/k/v's blocks (128, 64, 64 rows) do not end on
+    # the kernel's 128-column chunks, so its B is summed dense and block_diag's backward runs
+    assert run.stacked_block_grads == len(layers)
+    monkeypatch.setenv("MODULEC_STACKED_BLOCK_GRADS", "0")
+    off_outputs, off_grads, off_run, _ = _arena_step(model, monkeypatch, True, "cuda",
+                                                     params=views, inputs=inputs)
+    assert off_run.stacked_block_grads == 0
+    errors = [_error(a, b) for a, b in zip(outputs, off_outputs)] + \
+        [_error(grads[p], off_grads[p]) for p in off_grads]
+    assert max(errors) < 0.02, errors

@@ -472,6 +472,38 @@ def test_lora_step_matches_the_cpu_reference_and_keeps_the_base_frozen(tmp_path)
     assert int(step.step_count.item()) == 10
 
 
+def test_lora_step_takes_block_diagonal_B_from_its_slot(tmp_path, monkeypatch):
+    """The fused projections' block-diagonal B (q/k/v's, gate/up's) is kept in a slot the
+    step holds, written at the step's start with the other slots (runtime/cuda/
+    stacked_blocks.py `block_slot`): each layer's two are there after the first step, a
+    refresh writes block_diag of the parameters into them bit for bit, and the eager and
+    captured steps' losses are those of steps that run block_diag
+    (MODULEC_BLOCK_SLOTS=0)."""
+    from runtime.cuda import slot_refresh
+
+    tokens, losses = _tokens().cuda(), {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("MODULEC_BLOCK_SLOTS", on)
+        step, _ = _lora_step(tmp_path)
+        step.adamw.lr = 1e-3
+        losses[on] = [float(step(tokens)) for _ in range(2)]
+        step.capture(warmup=1)
+        losses[on] += [float(step(tokens)) for _ in range(3)]
+        blocks = step.sides.get("blocks", {})
+        if on == "0":
+            assert not blocks
+            continue
+        assert len(blocks) == 2 * SMALL["n_layers"]
+        parts = [step.compute[f"blocks[0].attention.qkv_weight.{p}.lora_B"] for p in "qkv"]
+        slot = next(s for key, s in blocks.items() if parts[0].data_ptr() in key)
+        slot.zero_()  # a refresh writes the blocks alone: the zeros are made once
+        slot_refresh.refresh([slot])
+        slot_refresh.finish()
+        assert torch.equal(slot, torch.block_diag(*parts))
+    for a, b in zip(losses["1"], losses["0"]):
+        assert abs(a - b) / abs(a) < 2e-3, losses
+
+
 def _assert_one_gemm_slots_held(step):
     """Every side slot and tail slot the step laid is still registered (held by the step:
     lora_kcat keeps weak references), a weight with both too (down_proj here, d_ff 2 d)."""

@@ -15,6 +15,8 @@ their memory at once (LoRA 8B at B=1, T=2048: ~26 GiB each).
         [--shape llama3-8b|tinyllama] [--lora] [--batch 1] [--seq 2048] [--steps 40]
         [--json F]
     python3 benchmarks/gpu/step_ab.py --switch MODULEC_GEMM_TUNE --shape tinyllama --batch 4
+
+`--switch A,B`: both variables set to each value together (changes measured as one).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def captured(args, shape, tokens, value):
 
     from runtime.cuda.step import TrainStep
 
-    os.environ[args.switch] = value
+    for name in args.switch.split(","):  # several switches: each set to the value
+        os.environ[name] = value
     lora = dict(rank=16, alpha=32, targets=list(TARGETS)) if args.lora else None
     step = TrainStep.from_module(ROOT / "std/models/llama.module", shape, batch=args.batch,
                                  seq=args.seq, lora=lora)

@@ -346,10 +346,14 @@ cudaError_t launch_scaled_copies(const ScaledCopy* table, int count, int64_t mos
 // skinny_cols_multiple()), n = rank / 16 of them, and only the blocks are summed and
 // written (d_b's other entries are left as they were); n = 0: b dense. a's rows lie lda
 // elements apart (>= rank, a multiple of 8; a 16-byte aligned), d_a's ld_a (>= rank).
+// `compact` (with blocks): d_b is [cols, 16], each row its own block's 16 columns alone
+// (the blocks' gradients stacked: the parts of LoRA's B as row views, no block_diag
+// backward).
 constexpr int kSkinnyMaxBlocks = 4;
 struct SkinnyBlocks {
   int n;
   int64_t end[kSkinnyMaxBlocks];
+  bool compact;
 };
 int skinny_rows_multiple();
 int skinny_cols_multiple();

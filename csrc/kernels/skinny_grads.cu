@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // gate/up's 983K one dependent load at a time (14.8 us a call in the LoRA 8B replay).
 // d_a's rows lie `ld_a` apart (the LoRA step writes d_t straight beside d_y:
 // lora_kcat.py); with `blocks` only d_b's diagonal blocks are summed, so only they are
-// cast and zeroed (n_b: d_b's elements or, blocked, rows x 16).
+// cast and zeroed (n_b: d_b's elements or, blocked, rows x 16), into d_b's diagonal blocks
+// or, `compact`, into d_b [cols, 16] (each row's own block).
 __device__ __forceinline__ void finish_quad(float* sum, __nv_bfloat16* out, float alpha) {
   float4* at = reinterpret_cast<float4*>(sum);
   const float4 v = *at;
@@ -271,12 +272,13 @@ __global__ void finish_kernel(float* __restrict__ da32, float* __restrict__ db32
       finish_quad(da32 + i, d_a + (i / rank) * ld_a + i % rank, alpha);
       continue;
     }
-    int64_t j = 4 * (q - quads_a);
-    if (blocks.n > 0) {  // row j / 16 of d_b, columns 16 (its block) + j % 16 ..
-      const int64_t row = j / 16;
-      j = row * rank + 16 * block_of(blocks, row) + j % 16;
+    const int64_t k = 4 * (q - quads_a);
+    int64_t j = k;
+    if (blocks.n > 0) {  // row k / 16 of d_b, columns 16 (its block) + k % 16 ..
+      const int64_t row = k / 16;
+      j = row * rank + 16 * block_of(blocks, row) + k % 16;
     }
-    finish_quad(db32 + j, d_b + j, alpha);
+    finish_quad(db32 + j, d_b + (blocks.compact ? k : j), alpha);  // compact: [cols, 16]
   }
 }
 
@@ -356,7 +358,7 @@ cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a
       1, std::min<int64_t>((n_a + n_b + 1023) / 1024, 1 << 20)));  // a thread a float4
   finish_kernel<<<grid, 256, 0, stream>>>(
       da32, db32, static_cast<__nv_bfloat16*>(d_a), static_cast<__nv_bfloat16*>(d_b), n_a, n_b,
-      rank, ld_a, alpha, blocked ? blocks : SkinnyBlocks{});
+      rank, ld_a, alpha, blocked ? blocks : SkinnyBlocks{});  // compact only with blocks
   return cudaGetLastError();
 }
 

@@ -44,14 +44,18 @@ def covers(d_C, A, B) -> bool:
         and torch.cuda.get_device_capability(d_C.device)[0] >= 8  # bf16 mma.sync
 
 
-def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> list | None:
+def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None,
+                       compact: bool = False) -> list | None:
     """[d_A, d_B] of C = alpha A B^T (2-D), or None where the kernel does not cover them;
     `out`: typed tensors for (d_A, d_B) to write into, or None each: contiguous, or for
     d_A rows apart (d_t written beside d_y in the one-GEMM d_x's scratch,
     runtime/cuda/lora_kcat.py). `blocks`: where B is block-diagonal with blocks 16 wide
     (LoRA's B of a fused projection, made by block_diag), each block's last row + 1; the
     kernel then sums each chunk of d_C against its own block alone (`block_ends`) and
-    writes d_B's diagonal blocks only (block_diag's backward reads no other)."""
+    writes d_B's diagonal blocks only (block_diag's backward reads no other). `compact`:
+    where the kernel sums blocks, d_B comes back [N, 16], each row its own block's columns
+    (the blocks' gradients stacked: the step's interpreter hands its row ranges to the
+    parts as their gradients, no block_diag backward); else d_B as B is."""
     if not covers(d_C, A, B):
         return None
     from runtime.cuda.build import load
@@ -60,8 +64,12 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None) -> 
     targets = [d_a if d_a is not None and (d_a.is_contiguous() or rows_apart(d_a)) else None,
                d_b if d_b is not None and d_b.is_contiguous() else None]
     da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
+    ends = block_ends(blocks, B)
+    compact = compact and bool(ends)
+    if compact:
+        targets[1] = None
     return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets,
-                                          block_ends(blocks, B)))
+                                          ends, compact))
 
 
 def _rows_aligned(t) -> bool:

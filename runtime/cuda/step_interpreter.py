@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from modulec.ir.graph import STREAM
+from runtime.cuda import stacked_blocks
 from runtime.cuda.lora_backward import (DxPairs, add_into, lora_dx_pairs,
                                         stacked_param_grads, target_bytes, widened_parts)
 from runtime.cuda.swaps import Stored
@@ -59,6 +60,9 @@ class _StepInterpreter(Interpreter):
         self.lora_t_beside_x = 0  # LoRA t written into x's spare columns (_t_beside_x)
         self.lora_dx_fused = 0  # backward d_x sums run as an addmm (lora_backward.py)
         self.lora_dx_one_gemm = 0  # of them, one GEMM over [d_y | d_t] (lora_kcat.dx_into)
+        self.stacked_block_grads = 0  # block_diag backwards given views (stacked_blocks.py)
+        self._stacked_rows: dict = {}  # (function, matmul backward id) -> the blocks' rows
+        self._stacked: dict = {}  # (id(frame), d_B value) -> (stacked d_B, the blocks' rows)
         self._dx_staged: dict = {}  # (id(frame), add id) -> True: d_t staged for dx_into
         self._dx_pairs: dict = {}  # function name -> lora_backward.DxPairs
         self._redirects: dict = {}  # (id(frame), node id) -> the add's bytes for its d_x
@@ -201,13 +205,16 @@ class _StepInterpreter(Interpreter):
             return self._fp8_op(node, frame, forward)
         plain = not self._replaying and self.hooks is None and self.profiler is None
         if function.gradient_of and plain and (self._residual_rows(node, frame, forward)
-                                               or self._lora_dx(node, frame, forward)):
+                                               or self._lora_dx(node, frame, forward)
+                                               or self._stacked_parts(node, frame)):
             return
         if plain and not function.gradient_of and self._fp8_produced(node, frame):
             return
         if function.gradient_of or not plain:
             return super()._op(node, frame, forward)
         if node.id in self._in_place_of(function) and self._rope_in_place(node, frame, forward):
+            return
+        if node.target == "block_diag" and self._block_slot(node, frame):
             return
         pairs = self._lora_pairs(function)
         if node.id in pairs.deferred:
@@ -338,6 +345,10 @@ class _StepInterpreter(Interpreter):
             shapes = [_shape(v, forward, self) for v in made.inputs]
             if all(s is not None and len(s) == 2 and s[1] == 16 for s in shapes):
                 attrs["b_blocks"] = [s[0] for s in shapes]
+                plain = not self._replaying and self.hooks is None and self.profiler is None
+                if plain and stacked_blocks.reader(frame_function, node) is not None:
+                    attrs["b_compact"] = True  # d_B's blocks stacked, for `_stacked_parts`
+                    self._stacked_rows[(frame_function.name, node.id)] = attrs["b_blocks"]
         return inputs, attrs
 
     def _producers_of(self, function) -> dict:
@@ -553,7 +564,13 @@ class _StepInterpreter(Interpreter):
     def _after(self, node, frame, value, tensor):
         """A redirected result stays where it was written (`_lora_dx`'s d_x in the add's
         bytes: its add takes it there; `_residual_rows`' in the one-GEMM scratch);
-        a stacked parameter gradient (`_own_bytes`) stays in its own."""
+        a stacked parameter gradient (`_own_bytes`) stays in its own; a d_B whose blocks'
+        gradients came back stacked is kept for `_stacked_parts` (a stand-in in its place)."""
+        rows = self._stacked_rows.get((frame.function.name, node.id))
+        if rows is not None and value == node.outputs[1] and stacked_blocks.stacked(
+                tensor, static_shape(frame.function, value)):
+            self._stacked[(id(frame), value)] = (tensor, rows)
+            return self._stand_in(tensor, static_shape(frame.function, value))
         raw = self._redirects.get((id(frame), node.id))
         if raw is not None and value in node.outputs and isinstance(tensor, torch.Tensor) \
                 and tensor.data_ptr() == raw.data_ptr():
@@ -576,12 +593,35 @@ class _StepInterpreter(Interpreter):
                 if self.arena is not None else frozenset()
         return self._own[function.name]
 
-    def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
-        """A shape-only stand-in for a value never materialized (one scalar, expanded)."""
+    def _stand_in(self, like: torch.Tensor, shape=None) -> torch.Tensor:
+        """A shape-only stand-in for a value never materialized (one scalar, expanded to
+        `shape`, or like's)."""
         key = (like.dtype, like.device)
         if key not in self._scalars:
             self._scalars[key] = torch.empty((), dtype=like.dtype, device=like.device)
-        return self._scalars[key].expand(like.shape)
+        return self._scalars[key].expand(like.shape if shape is None else tuple(shape))
+
+    def _block_slot(self, node, frame) -> bool:
+        """LoRA's block-diagonal B taken from the step's slot for it, refreshed at the
+        step's start (runtime/cuda/stacked_blocks.py `block_slot`); True where it was."""
+        slot = stacked_blocks.block_slot(self, node, frame)
+        if slot is not None:
+            frame.env[node.outputs[0]] = slot
+        return slot is not None
+
+    def _stacked_parts(self, node, frame) -> bool:
+        """block_diag's backward over a d_B whose blocks' gradients came back stacked
+        (runtime/cuda/stacked_blocks.py): each block's gradient is its rows of them, no
+        launch. True where `node` was run here."""
+        found = self._stacked.pop((id(frame), node.inputs[0]), None) \
+            if node.target == "block_diag_backward" and node.inputs else None
+        if found is None:
+            return False
+        for value, part in zip(node.outputs, stacked_blocks.parts(*found)):
+            if value:
+                frame.env[value] = self._after(node, frame, value, part)
+        self.stacked_block_grads += 1
+        return True
 
     def _fp8_produced(self, node, frame) -> bool:
         """Forward `node` run with its output's fp8 copy written in its pass, where it is

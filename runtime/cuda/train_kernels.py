@@ -390,13 +390,15 @@ class Matmul(NoCast):
         out = attrs.pop("out", None)
         wanted = attrs.pop("wanted_outputs", None)
         b_blocks = attrs.pop("b_blocks", None)  # B block-diagonal (the step's interpreter)
+        b_compact = attrs.pop("b_compact", False)  # and its blocks' gradients stacked
         # an NT matmul's both gradients may take one pass (`_skinny_grads`), planned or not
         skinny = self.name == "matmul" and attrs.get("transpose") == "NT"
         if (wanted is None or all(wanted)) and not skinny \
                 and not (out and any(o is not None for o in out)):
             return list(self.reference.backward_fn(*inputs, **attrs))
         return matmul_grads(*inputs, wanted=wanted or (True, True), out=out,
-                            batched=self.name == "batched_matmul", b_blocks=b_blocks, **attrs)
+                            batched=self.name == "batched_matmul", b_blocks=b_blocks,
+                            b_compact=b_compact, **attrs)
 
 
 # the operands of (d_A, d_B) by mode: (x, y, mode) with d = alpha * op(x) @ op(y), over
@@ -410,15 +412,17 @@ GRADIENT_PRODUCTS = {
 
 
 def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0, out=None,
-                 b_blocks=None, **_):
+                 b_blocks=None, b_compact=False, **_):
     """The wanted ones of (d_A, d_B) of C = alpha * op(A) @ op(B), None for the others;
     `out`: planned bytes per gradient (or None), written in place where the product is 2-D;
-    `b_blocks`: B's block rows where it is block-diagonal (skinny_grads.py)."""
+    `b_blocks`: B's block rows where it is block-diagonal (skinny_grads.py); `b_compact`:
+    then d_B may come back as its blocks' gradients stacked, [N, 16] (the one-pass kernel's
+    `compact`: the caller checks d_B's shape)."""
     from runtime.kernels.base import sum_to_shape
 
     operands = (d_C, A, B) if batched else (_fold(d_C), _fold(A), _fold(B))
     if not batched and transpose == "NT" and all(wanted):
-        both = _skinny_grads(*operands, alpha, out, A, B, b_blocks)
+        both = _skinny_grads(*operands, alpha, out, A, B, b_blocks, b_compact)
         if both is not None:
             return both
     grads = []
@@ -436,7 +440,7 @@ def matmul_grads(d_C, A, B, *, wanted, batched=False, transpose="NN", alpha=1.0,
     return grads
 
 
-def _skinny_grads(d_C, a, b, alpha, out, A, B, blocks=None) -> list | None:
+def _skinny_grads(d_C, a, b, alpha, out, A, B, blocks=None, compact=False) -> list | None:
     """Both gradients of a rank-wide NT product (LoRA's delta) from one pass over d_C
     (runtime/cuda/skinny_grads.py), into their planned bytes where given; None where the
     kernel does not cover the call."""
@@ -446,10 +450,11 @@ def _skinny_grads(d_C, a, b, alpha, out, A, B, blocks=None) -> list | None:
         return None
     targets = [typed(out, i, like.shape, like.dtype) if out else None
                for i, like in enumerate((a, b))]
-    grads = skinny_nt_backward(d_C, a, b, alpha, targets, blocks)
+    grads = skinny_nt_backward(d_C, a, b, alpha, targets, blocks, compact)
     if grads is None:
         return None
-    return [grads[0].reshape(A.shape), grads[1].reshape(B.shape)]
+    stacked = grads[1].shape != b.shape  # the blocks' gradients stacked ([N, 16])
+    return [grads[0].reshape(A.shape), grads[1] if stacked else grads[1].reshape(B.shape)]
 
 
 def product_into(x: torch.Tensor, y: torch.Tensor, mode: str, alpha: float,
