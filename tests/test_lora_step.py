@@ -658,9 +658,10 @@ def test_under_the_planners_decisions_t_goes_beside_x_made_in_its_own_function(
 
 def test_only_single_process_bf16_programs_lay_side_columns():
     """`one_gemm_sides` reads the program: a data-, tensor- or pipeline-parallel schedule
-    or an FP8 recipe lays none (the step and its fixed bytes agree on it)."""
+    or an FP8 recipe lays none (the step and its fixed bytes agree on it); the
+    block-diagonal B's slots (stacked_blocks.block_slot) follow the same rule."""
     from modulec.lower.lora import is_adapter
-    from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes
+    from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes, single_process_bf16
 
     model = _lora_model()
     program = model.source.program_for(token_inputs(model))
@@ -675,10 +676,13 @@ def test_only_single_process_bf16_programs_lay_side_columns():
             self.document = {"schedule": {**program.document["schedule"], **(schedule or {})}}
             self.metadata = {**program.metadata, **(metadata or {})}
             self.graph = program.graph
+    assert single_process_bf16(program)
     for section in ("distributed", "tensor_parallel", "pipeline"):
         assert one_gemm_sides(Variant(schedule={section: {}}), shapes, frozen) == {}
+        assert not single_process_bf16(Variant(schedule={section: {}}))
     fp8 = {"precision": {"matmuls": {"f": ["n1"]}}}
     assert one_gemm_sides(Variant(metadata=fp8), shapes, frozen) == {}
+    assert not single_process_bf16(Variant(metadata=fp8))
     assert one_gemm_sides(Variant(metadata={"precision": {"matmuls": {}}}), shapes,
                           frozen) == sides
 

@@ -152,13 +152,20 @@ def one_gemm_tails(program, shapes: dict, frozen) -> dict[str, int]:
                                                    residual_widths(program.graph)))
 
 
+def single_process_bf16(program) -> bool:
+    """A step in one process (no data, tensor or pipeline parallel) without an FP8 recipe:
+    where the one-GEMM paths lay their slots, each parameter a compute copy that stays in
+    place from step to step (so a slot filled from it at the step's start holds it)."""
+    schedule = program.document.get("schedule", {})
+    recipe = program.metadata.get("precision") or {}
+    return not any(k in schedule for k in ("distributed", "tensor_parallel", "pipeline")) \
+        and not recipe.get("matmuls")
+
+
 def _single_process_bf16(program, laid: dict[str, int]) -> dict[str, int]:
     from runtime.cuda.param_dtypes import stored_dtypes
 
-    schedule = program.document.get("schedule", {})
-    recipe = program.metadata.get("precision") or {}
-    if not laid or any(k in schedule for k in ("distributed", "tensor_parallel", "pipeline")) \
-            or recipe.get("matmuls"):
+    if not laid or not single_process_bf16(program):
         return {}
     stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)` ones: none
     return {p: n for p, n in laid.items() if stored[p] == torch.bfloat16}

@@ -41,11 +41,16 @@ def enabled() -> bool:
 def block_slot(run, node, frame) -> torch.Tensor | None:
     """block_diag `node`'s B in the step's slot for it, filled at the step's start (taken)
     or here (then noted for the next steps' starts); None where the forward runs it as
-    written: off the step's arena, its blocks not all bf16 CUDA parameters, B dropped,
+    written: off the step's arena, other than a single-process bf16 step (the slot
+    refresh reads the parameters' compute copies at the step's start: a data-parallel
+    rank's may be gathered later), its blocks not all bf16 CUDA parameters, B dropped,
     swapped or re-applied under the planner's decisions, or a slot to be made while a
     graph is being captured."""
+    from runtime.cuda.lora_kcat import single_process_bf16
+
     if os.environ.get("MODULEC_BLOCK_SLOTS", "1") == "0" or run.step is None \
-            or run.arena is None or not node.outputs or not node.outputs[0]:
+            or run.arena is None or not node.outputs or not node.outputs[0] \
+            or not single_process_bf16(run.step.program):
         return None
     value, function = node.outputs[0], frame.function
     if run.decisions is not None and run.decisions.of(
