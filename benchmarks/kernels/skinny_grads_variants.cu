@@ -1,8 +1,10 @@
 // What limits skinny_nt_backward (csrc/kernels/skinny_grads.cu) at LoRA 8B's shapes: the
 // shipped kernel against a plain read of d_C and variants of it with the tile shape, the
 // pipeline depth and which atomics run as template knobs (MODE bits: 1 d_A's atomics, 2
-// d_B's, 4 the mma), each timed alone with L2 flushed before each run; a full variant's
-// sums are checked against the shipped kernel's (err). Results: docs/decisions.md "LoRA
+// d_B's, 4 the mma, 8 d_B's partials stored: each row block's own [N, R] slice, plain
+// float4 stores, no atomics and nothing to zero, summed by `finish_partials`), each timed
+// alone with L2 flushed before each run; a full variant's sums are checked against the
+// shipped kernel's (err). Results: docs/decisions.md "LoRA
 // step: the adapter gradients in one pass over d_y". On a GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //     benchmarks/kernels/skinny_grads_variants.cu -o /tmp/skinny_variants && /tmp/skinny_variants
@@ -22,7 +24,39 @@ using modulec::ldmatrix_x4_trans;
 using modulec::mma;
 using modulec::add_tile;
 
-// MODE bits: 1 = da atomics, 2 = db atomics, 4 = compute (mma); 7 = the real thing
+// MODE bits: 1 = da atomics, 2 = db atomics, 4 = compute (mma); 7 = the real thing;
+// 8 = db partials stored (with 1 and 4: 13, the real thing without db's atomics)
+
+// A warp's 16 x 8 accumulator tile stored into `part` [*, R] as add_tile adds it (the same
+// lane-pair swap: each lane stores four consecutive floats)
+template <int R>
+__device__ __forceinline__ void store_tile(float* part, int64_t row0, int col0,
+                                           const float (&c)[4], int lane) {
+  const float p0 = __shfl_xor_sync(0xffffffffu, c[0], 1);
+  const float p1 = __shfl_xor_sync(0xffffffffu, c[1], 1);
+  const float p2 = __shfl_xor_sync(0xffffffffu, c[2], 1);
+  const float p3 = __shfl_xor_sync(0xffffffffu, c[3], 1);
+  const int col = col0 + 2 * (lane % 4);
+  const int64_t row = row0 + lane / 4;
+  if (lane % 2 == 0)
+    *reinterpret_cast<float4*>(part + row * R + col) = make_float4(c[0], c[1], p0, p1);
+  else
+    *reinterpret_cast<float4*>(part + (row + 8) * R + col - 2) = make_float4(p2, p3, c[2], c[3]);
+}
+
+// d_B = the row blocks' partials summed (`parts` slices of n floats each), into db: a
+// float4 a thread, the partials in order (the same sum every run)
+__global__ void finish_partials(const float* __restrict__ part, int parts, int64_t n,
+                                float* __restrict__ db) {
+  const int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (4 * q >= n) return;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int p = 0; p < parts; ++p) {
+    const float4 v = reinterpret_cast<const float4*>(part + p * n)[q];
+    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+  }
+  reinterpret_cast<float4*>(db)[q] = sum;
+}
 template <int R, int KR, int KC, int S>
 struct Tiles {
   __nv_bfloat16 g[S][KR][KC + 8];
@@ -119,6 +153,10 @@ __global__ void __launch_bounds__(256, 1)
         if (MODE & 2) {
           const int64_t n0 = static_cast<int64_t>(first + c) * KC + col;
           for (int n = 0; n < R / 8; ++n) add_tile<R>(db, n0, n * 8, acc_b[n], lane);
+        } else if (MODE & 8) {  // this row block's (and row part's) slice of the partials
+          const int64_t n0 = static_cast<int64_t>(first + c) * KC + col;
+          float* part = db + (static_cast<int64_t>(blockIdx.x) * RP + rp) * n_cols * R;
+          for (int n = 0; n < R / 8; ++n) store_tile<R>(part, n0, n * 8, acc_b[n], lane);
         } else if (acc_b[0][0] == 12345.f) {
           db[0] = acc_b[1][1];  // keep the work
         }
@@ -195,6 +233,31 @@ struct Problem {
     snprintf(buf, sizeof buf, "KR%d KC%d S%d x%d (err %.1e %.1e)", KR, KC, S, PER_SM, ea, eb);
     report(buf, time_us([&] { exp_::launch<R, KR, KC, S, 7>(g, a, b, da2, db2, T, N, sms, PER_SM); }));
   }
+  // d_B's partials stored by each row block (MODE 13) and summed by a second launch,
+  // checked against the shipped kernel's sums; the partials take T / KR x RP slices of
+  // N x R floats (gate/up at KR 256: 8 x 3.7 MB)
+  template <int KR, int KC, int S>
+  void partials() {
+    constexpr int CG = KC / 16, RP = CG >= 8 ? 1 : 8 / CG;
+    const int parts = static_cast<int>(T / KR) * RP;
+    float* part;
+    CK(cudaMalloc(&part, parts * N * R * 4));
+    zero();
+    modulec::launch<R, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
+    exp_::launch<R, KR, KC, S, 13>(g, a, b, da2, part, T, N, sms, 1);
+    exp_::finish_partials<<<(N * R / 4 + 255) / 256, 256>>>(part, parts, N * R, db2);
+    CK(cudaDeviceSynchronize());
+    const double ea = max_rel(da, da2, T * R), eb = max_rel(db, db2, N * R);
+    char buf[128];
+    snprintf(buf, sizeof buf, "KR%d KC%d S%d db partials (err %.1e %.1e)", KR, KC, S, ea, eb);
+    report(buf, time_us([&] { exp_::launch<R, KR, KC, S, 13>(g, a, b, da2, part, T, N, sms, 1); }));
+    snprintf(buf, sizeof buf, "  + their sum (%d partials)", parts);
+    report(buf, time_us([&] {
+      exp_::launch<R, KR, KC, S, 13>(g, a, b, da2, part, T, N, sms, 1);
+      exp_::finish_partials<<<(N * R / 4 + 255) / 256, 256>>>(part, parts, N * R, db2);
+    }));
+    CK(cudaFree(part));
+  }
   template <int KR, int KC, int S, int MODE>
   void mode(const char* label) {
     report(label, time_us([&] { exp_::launch<R, KR, KC, S, MODE>(g, a, b, da2, db2, T, N, sms, 1); }));
@@ -209,6 +272,10 @@ struct Problem {
     mode<256, 128, 2, 5>("KR256 KC128 S2 compute + da atomics");
     mode<256, 128, 2, 6>("KR256 KC128 S2 compute + db atomics");
     variant<256, 128, 2>();
+    // d_B's partials with plain stores, then their sum: no d_B atomics and no sums to zero
+    // (the finishing launch's zeroing is ~2.2 of its 6.9 us at gate/up:
+    // results_skinny_finish_h100.txt); written in session 22, not yet run on a GPU
+    partials<256, 128, 2>();
     variant<256, 64, 4>();
     variant<256, 64, 3>();
     variant<128, 128, 3>();
