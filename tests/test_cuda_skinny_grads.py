@@ -326,3 +326,38 @@ def test_the_step_hands_the_blocks_their_stacked_gradients(monkeypatch):
     errors = [_error(a, b) for a, b in zip(outputs, off_outputs)] + \
         [_error(grads[p], off_grads[p]) for p in off_grads]
     assert max(errors) < 0.02, errors
+
+
+def _emulated_skinny(d_C, A, B, alpha=1.0, out=None, blocks=None, compact=False):
+    """skinny_nt_backward's results on the CPU (torch products): d_B stacked [N, 16] where
+    `compact` and B's blocks are given, as the kernel's finishing launch writes it."""
+    d_a, d_b = alpha * d_C @ B, alpha * d_C.t() @ A
+    if not (compact and blocks):
+        return [d_a, d_b]
+    rows = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+    return [d_a, torch.cat([d_b[rows[i]:rows[i + 1], 16 * i:16 * i + 16]
+                            for i in range(len(blocks))])]
+
+
+def test_the_cpu_step_hands_the_blocks_their_stacked_gradients(monkeypatch):
+    """The interpreter's side of the stacked block gradients, on the CPU arena step with
+    the one-pass kernel's results emulated (`_emulated_skinny`): each fused projection's
+    matmul backward asks for d_B stacked, block_diag's backward hands out its rows (q/k/v's
+    and gate/up's each layer), and every output and gradient is the bits of the step that
+    runs block_diag's backward (MODULEC_STACKED_BLOCK_GRADS=0)."""
+    import runtime.cuda.skinny_grads as skinny
+    from tests.test_lora_step import _arena_step, _lora_model
+
+    model = _lora_model(rank=16)
+    runs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("MODULEC_STACKED_BLOCK_GRADS", on)
+        monkeypatch.setattr(skinny, "skinny_nt_backward", _emulated_skinny)
+        runs[on] = _arena_step(model, monkeypatch, True)  # undoes the patches
+    layers = {p.split(".")[0] for p in model.params if p.startswith("blocks[")}
+    assert runs["1"][2].stacked_block_grads == 2 * len(layers)
+    assert runs["0"][2].stacked_block_grads == 0
+    for one, two in zip(runs["1"][0], runs["0"][0]):
+        assert torch.equal(one, two)
+    grads, off = runs["1"][1], runs["0"][1]
+    assert set(grads) == set(off) and all(torch.equal(grads[p], off[p]) for p in off)
