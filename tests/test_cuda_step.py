@@ -369,7 +369,13 @@ def test_lora_fixed_state_counts_frozen_weights_at_their_compute_copy():
     up = [shapes[f"blocks[{i}].mlp.up_weight"] for i in (0, 1)]
     tokens = math.prod(token_inputs(model)["token_ids"].shape)
     sides = 2 * sum(rows * 8 + 8 * cols for rows, cols in up) + 2 * tokens * (up[0][0] + 8)
-    assert runtime_fixed_bytes(program) == 12 * count(adapters) + 2 * count(frozen) + sides
+    # + each layer's q/k/v and gate/up block-diagonal B in its slot, outside the plan
+    # (runtime/cuda/stacked_blocks.py: [q + k + v rows, 3 x 4] and [gate + up rows, 2 x 4])
+    b_rows = lambda i, parts: sum(shapes[f"blocks[{i}].{p}.lora_B"][0] for p in parts)  # noqa: E731
+    blocks = 2 * sum(12 * b_rows(i, ["attention.qkv_weight." + p for p in "qkv"]) +
+                     8 * b_rows(i, ["mlp.up_weight.gate", "mlp.up_weight.up"]) for i in (0, 1))
+    assert runtime_fixed_bytes(program) == \
+        12 * count(adapters) + 2 * count(frozen) + sides + blocks
     plain = _model("llama").source.program_for(token_inputs(model))
     assert frozen_paths(plain) == set()
 

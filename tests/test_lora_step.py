@@ -662,6 +662,7 @@ def test_only_single_process_bf16_programs_lay_side_columns():
     block-diagonal B's slots (stacked_blocks.block_slot) follow the same rule."""
     from modulec.lower.lora import is_adapter
     from runtime.cuda.lora_kcat import one_gemm_sides, side_bytes, single_process_bf16
+    from runtime.cuda.stacked_blocks import block_slot_bytes
 
     model = _lora_model()
     program = model.source.program_for(token_inputs(model))
@@ -676,10 +677,11 @@ def test_only_single_process_bf16_programs_lay_side_columns():
             self.document = {"schedule": {**program.document["schedule"], **(schedule or {})}}
             self.metadata = {**program.metadata, **(metadata or {})}
             self.graph = program.graph
-    assert single_process_bf16(program)
+    assert single_process_bf16(program) and block_slot_bytes(program, shapes) > 0
     for section in ("distributed", "tensor_parallel", "pipeline"):
         assert one_gemm_sides(Variant(schedule={section: {}}), shapes, frozen) == {}
         assert not single_process_bf16(Variant(schedule={section: {}}))
+        assert block_slot_bytes(Variant(schedule={section: {}}), shapes) == 0
     fp8 = {"precision": {"matmuls": {"f": ["n1"]}}}
     assert one_gemm_sides(Variant(metadata=fp8), shapes, frozen) == {}
     assert not single_process_bf16(Variant(metadata=fp8))

@@ -77,6 +77,32 @@ def block_slot(run, node, frame) -> torch.Tensor | None:
     return slot
 
 
+def block_slot_bytes(program, shapes: dict, itemsize: int = 2) -> int:
+    """What `block_slot`'s slots add outside the memory plan (B's planned bytes stay in it):
+    each block_diag of bf16 parameters (a fused projection's B), once per layer that runs
+    it, as large as the matrix it makes; none where the step lays none (the switch off, or
+    not a single-process bf16 step)."""
+    from runtime.cuda.lora_kcat import single_process_bf16
+    from runtime.cuda.param_dtypes import stored_dtypes
+    from runtime.kernels.tensor import block_layout
+
+    if os.environ.get("MODULEC_BLOCK_SLOTS", "1") == "0" or not single_process_bf16(program):
+        return 0
+    stored, total = stored_dtypes(program, torch.bfloat16), 0
+    for node in (n for f in program.graph.functions for n in f.nodes
+                 if n.kind == "op" and n.target == "block_diag" and n.inputs
+                 and all(v.startswith("param:") for v in n.inputs)):
+        names = [v[len("param:"):] for v in node.inputs]
+        zero_rows = [int(r) for r in node.attr("zero_rows") or ()]
+        for path in (p for p in shapes if p == names[0] or p.endswith("." + names[0])):
+            parts = [path[:len(path) - len(names[0])] + name for name in names]
+            if all(p in shapes and len(shapes[p]) == 2 and stored[p] == torch.bfloat16
+                   for p in parts):
+                rows, cols = block_layout([tuple(shapes[p]) for p in parts], zero_rows)[1]
+                total += rows * cols * itemsize
+    return total
+
+
 def reader(function, node):
     """The block_diag backward of backward `function` that alone reads matmul backward
     `node`'s d_B (its second output), where all of its outputs are parameter gradients;

@@ -36,7 +36,8 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
     gradient to the backward's end (2 bytes a trained parameter), and under ZeRO each
     rank its reduced part of every bucket instance (step_optim.clipped_held_bytes).
     With LoRA on one process, the spare columns and rows the one-GEMM paths lay beside
-    and after frozen weights, and their d_x's scratches (runtime/cuda/lora_kcat.py)."""
+    and after frozen weights, their d_x's scratches (runtime/cuda/lora_kcat.py) and the
+    fused projections' block-diagonal B slots (runtime/cuda/stacked_blocks.py)."""
     frozen = frozen_paths(program)
     shapes = parameter_shapes(program.graph)
     stored = stored_dtypes(program, torch.bfloat16)  # `@dtype(fp32)`: 4 bytes, frozen too
@@ -57,9 +58,11 @@ def runtime_fixed_bytes(program: Program, optimizer: str = "auto",
         from runtime.cuda.lora_kcat import (dx_scratch_bytes, one_gemm_sides,
                                             one_gemm_tails, side_bytes)
 
+        from runtime.cuda.stacked_blocks import block_slot_bytes
+
         tails = one_gemm_tails(program, shapes, frozen)
         sides = side_bytes(shapes, one_gemm_sides(program, shapes, frozen), tails=tails) + \
-            dx_scratch_bytes(program, shapes, tails)
+            dx_scratch_bytes(program, shapes, tails) + block_slot_bytes(program, shapes)
     return trained * (18 if optimizer == "torch" else 12) + fixed * 2 + held + sides
 
 
