@@ -27,21 +27,14 @@ using modulec::add_tile;
 // MODE bits: 1 = da atomics, 2 = db atomics, 4 = compute (mma); 7 = the real thing;
 // 8 = db partials stored (with 1 and 4: 13, the real thing without db's atomics)
 
-// A warp's 16 x 8 accumulator tile stored into `part` [*, R] as add_tile adds it (the same
-// lane-pair swap: each lane stores four consecutive floats)
+// A warp's 16 x 8 accumulator tile stored into `part` [*, R]: plain stores need no lane-pair
+// swap (add_tile's, which halves the atomics), each lane its two pairs of floats
 template <int R>
 __device__ __forceinline__ void store_tile(float* part, int64_t row0, int col0,
                                            const float (&c)[4], int lane) {
-  const float p0 = __shfl_xor_sync(0xffffffffu, c[0], 1);
-  const float p1 = __shfl_xor_sync(0xffffffffu, c[1], 1);
-  const float p2 = __shfl_xor_sync(0xffffffffu, c[2], 1);
-  const float p3 = __shfl_xor_sync(0xffffffffu, c[3], 1);
-  const int col = col0 + 2 * (lane % 4);
-  const int64_t row = row0 + lane / 4;
-  if (lane % 2 == 0)
-    *reinterpret_cast<float4*>(part + row * R + col) = make_float4(c[0], c[1], p0, p1);
-  else
-    *reinterpret_cast<float4*>(part + (row + 8) * R + col - 2) = make_float4(p2, p3, c[2], c[3]);
+  float* at = part + (row0 + lane / 4) * R + col0 + 2 * (lane % 4);
+  *reinterpret_cast<float2*>(at) = make_float2(c[0], c[1]);
+  *reinterpret_cast<float2*>(at + 8 * R) = make_float2(c[2], c[3]);
 }
 
 // d_B = the row blocks' partials summed (`parts` slices of n floats each), into db: a

@@ -35,28 +35,33 @@ from runtime.interpreter import static_shape
 
 
 def enabled() -> bool:
+    """MODULEC_STACKED_BLOCK_GRADS=0: block_diag's backward runs (A/B runs)."""
     return os.environ.get("MODULEC_STACKED_BLOCK_GRADS", "1") != "0"
 
 
-def block_slot(run, node, frame) -> torch.Tensor | None:
+def slots_enabled() -> bool:
+    """MODULEC_BLOCK_SLOTS=0: the forward runs block_diag (A/B runs)."""
+    return os.environ.get("MODULEC_BLOCK_SLOTS", "1") != "0"
+
+
+def block_slot(run, node, frame, pieces) -> torch.Tensor | None:
     """block_diag `node`'s B in the step's slot for it, filled at the step's start (taken)
-    or here (then noted for the next steps' starts); None where the forward runs it as
-    written: off the step's arena, other than a single-process bf16 step (the slot
-    refresh reads the parameters' compute copies at the step's start: a data-parallel
+    or here (then noted for the next steps' starts); `pieces`: its blocks, (parameter, row,
+    column) each (the interpreter's `_parameter_pieces`), or None. None where the forward
+    runs it as written: off the step's arena, other than a single-process bf16 step (the
+    slot refresh reads the parameters' compute copies at the step's start: a data-parallel
     rank's may be gathered later), its blocks not all bf16 CUDA parameters, B dropped,
     swapped or re-applied under the planner's decisions, or a slot to be made while a
     graph is being captured."""
     from runtime.cuda.lora_kcat import single_process_bf16
 
-    if os.environ.get("MODULEC_BLOCK_SLOTS", "1") == "0" or run.step is None \
-            or run.arena is None or not node.outputs or not node.outputs[0] \
-            or not single_process_bf16(run.step.program):
+    if not slots_enabled() or run.step is None or run.arena is None or not node.outputs \
+            or not node.outputs[0] or not single_process_bf16(run.step.program):
         return None
     value, function = node.outputs[0], frame.function
     if run.decisions is not None and run.decisions.of(
             function.name, value, frame.instance) in (RECOMPUTE, SWAP, APPLY_SAVED):
         return None
-    pieces = run._parameter_pieces(value, frame)
     shape = static_shape(function, value)
     if not pieces or shape is None or not all(
             t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t, _, _ in pieces):
@@ -84,22 +89,18 @@ def block_slot_bytes(program, shapes: dict, itemsize: int = 2) -> int:
     not a single-process bf16 step)."""
     from runtime.cuda.lora_kcat import single_process_bf16
     from runtime.cuda.param_dtypes import stored_dtypes
+    from runtime.cuda.state import parameter_groups
     from runtime.kernels.tensor import block_layout
 
-    if os.environ.get("MODULEC_BLOCK_SLOTS", "1") == "0" or not single_process_bf16(program):
+    if not slots_enabled() or not single_process_bf16(program):
         return 0
     stored, total = stored_dtypes(program, torch.bfloat16), 0
-    for node in (n for f in program.graph.functions for n in f.nodes
-                 if n.kind == "op" and n.target == "block_diag" and n.inputs
-                 and all(v.startswith("param:") for v in n.inputs)):
-        names = [v[len("param:"):] for v in node.inputs]
-        zero_rows = [int(r) for r in node.attr("zero_rows") or ()]
-        for path in (p for p in shapes if p == names[0] or p.endswith("." + names[0])):
-            parts = [path[:len(path) - len(names[0])] + name for name in names]
-            if all(p in shapes and len(shapes[p]) == 2 and stored[p] == torch.bfloat16
-                   for p in parts):
-                rows, cols = block_layout([tuple(shapes[p]) for p in parts], zero_rows)[1]
-                total += rows * cols * itemsize
+    for node, members in parameter_groups(program.graph, shapes,
+                                          lambda n: n.target == "block_diag"):
+        if all(len(shapes[p]) == 2 and stored[p] == torch.bfloat16 for p in members):
+            zero_rows = [int(r) for r in node.attr("zero_rows") or ()]
+            rows, cols = block_layout([tuple(shapes[p]) for p in members], zero_rows)[1]
+            total += rows * cols * itemsize
     return total
 
 

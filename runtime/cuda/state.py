@@ -30,23 +30,34 @@ import torch
 ALIGNMENT = 256
 
 
+def parameter_groups(graph, paths, takes) -> list[tuple]:
+    """(node, member paths) for each op of `graph` whose inputs are all parameters and that
+    `takes(node)` accepts, once per layer that runs it: the members are its inputs' full
+    paths among `paths` (the layer's prefix before each input's name)."""
+    present, groups = set(paths), []
+    for node in (n for f in graph.functions for n in f.nodes
+                 if n.kind == "op" and n.inputs and takes(n)
+                 and all(v.startswith("param:") for v in n.inputs)):
+        names = [v[len("param:"):] for v in node.inputs]
+        for path in paths:
+            if path != names[0] and not path.endswith("." + names[0]):
+                continue
+            members = [path[:len(path) - len(names[0])] + name for name in names]
+            if all(m in present for m in members):
+                groups.append((node, members))
+    return groups
+
+
 def stacked_order(graph, paths: list) -> list:
     """`paths` with the parameters each dim-0 `concat` of parameters stacks (in any
     function of `graph`, once per layer that calls it) moved together, in the concat's
     order, to where the first of them was; the others stay in their order."""
-    stacks = [tuple(v[len("param:"):] for v in n.inputs)
-              for f in graph.functions for n in f.nodes
-              if n.kind == "op" and n.target == "concat" and n.attr("dim") == 0
-              and len(n.inputs) > 1 and all(v.startswith("param:") for v in n.inputs)]
-    present, group = set(paths), {}
-    for stack in stacks:
-        for path in paths:
-            if path != stack[0] and not path.endswith("." + stack[0]):
-                continue
-            prefix = path[:len(path) - len(stack[0])]
-            members = [prefix + name for name in stack]
-            if all(m in present and m not in group for m in members):
-                group.update({m: members for m in members})
+    group = {}
+    for _, members in parameter_groups(
+            graph, paths, lambda n: n.target == "concat" and n.attr("dim") == 0
+            and len(n.inputs) > 1):
+        if not any(m in group for m in members):
+            group.update({m: members for m in members})
     ordered, placed = [], set()
     for path in paths:
         if path in placed:

@@ -203,7 +203,7 @@ class _StepInterpreter(Interpreter):
         if self.fp8_run is not None and node.target in FP8_TARGETS and any(node.outputs) \
                 and self.fp8_run.covers(function.name, node.id):
             return self._fp8_op(node, frame, forward)
-        plain = not self._replaying and self.hooks is None and self.profiler is None
+        plain = self._plain()
         if function.gradient_of and plain and (self._residual_rows(node, frame, forward)
                                                or self._lora_dx(node, frame, forward)
                                                or self._stacked_parts(node, frame)):
@@ -231,6 +231,10 @@ class _StepInterpreter(Interpreter):
                 return
             super()._op(source, frame, forward)  # base as written, then the addmm
         self._lora_add(node, pair, frame, forward)
+
+    def _plain(self) -> bool:
+        """Nothing watches this run's values (no replay, hooks or profiler)."""
+        return not self._replaying and self.hooks is None and self.profiler is None
 
     def _wait(self, node, frame) -> None:
         """The compute stream joins the async op `node.target` (runtime/cuda/async_comm.py)."""
@@ -345,8 +349,7 @@ class _StepInterpreter(Interpreter):
             shapes = [_shape(v, forward, self) for v in made.inputs]
             if all(s is not None and len(s) == 2 and s[1] == 16 for s in shapes):
                 attrs["b_blocks"] = [s[0] for s in shapes]
-                plain = not self._replaying and self.hooks is None and self.profiler is None
-                if plain and stacked_blocks.reader(frame_function, node) is not None:
+                if self._plain() and stacked_blocks.reader(frame_function, node) is not None:
                     attrs["b_compact"] = True  # d_B's blocks stacked, for `_stacked_parts`
                     self._stacked_rows[(frame_function.name, node.id)] = attrs["b_blocks"]
         return inputs, attrs
@@ -567,10 +570,10 @@ class _StepInterpreter(Interpreter):
         a stacked parameter gradient (`_own_bytes`) stays in its own; a d_B whose blocks'
         gradients came back stacked is kept for `_stacked_parts` (a stand-in in its place)."""
         rows = self._stacked_rows.get((frame.function.name, node.id))
-        if rows is not None and value == node.outputs[1] and stacked_blocks.stacked(
-                tensor, static_shape(frame.function, value)):
+        shape = static_shape(frame.function, value) if rows is not None else None
+        if rows is not None and value == node.outputs[1] and stacked_blocks.stacked(tensor, shape):
             self._stacked[(id(frame), value)] = (tensor, rows)
-            return self._stand_in(tensor, static_shape(frame.function, value))
+            return self._stand_in(tensor, shape)
         raw = self._redirects.get((id(frame), node.id))
         if raw is not None and value in node.outputs and isinstance(tensor, torch.Tensor) \
                 and tensor.data_ptr() == raw.data_ptr():
@@ -602,9 +605,9 @@ class _StepInterpreter(Interpreter):
         return self._scalars[key].expand(like.shape if shape is None else tuple(shape))
 
     def _block_slot(self, node, frame) -> bool:
-        """LoRA's block-diagonal B taken from the step's slot for it, refreshed at the
-        step's start (runtime/cuda/stacked_blocks.py `block_slot`); True where it was."""
-        slot = stacked_blocks.block_slot(self, node, frame)
+        """LoRA's block-diagonal B from its slot (stacked_blocks.block_slot); True if so."""
+        pieces = self._parameter_pieces(node.outputs[0], frame) if node.outputs else None
+        slot = stacked_blocks.block_slot(self, node, frame, pieces)
         if slot is not None:
             frame.env[node.outputs[0]] = slot
         return slot is not None
