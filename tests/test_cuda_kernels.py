@@ -164,22 +164,35 @@ def test_fused_residual_rmsnorm(shape, dtype):
     check("fused_residual_rmsnorm", "backward", [d_res_out, d_y, res_out, w, rstd], {}, dtype)
 
 
+# (2048, 4096) and (301, 4096) bf16, (300, 2048) fp32: rows of 512 16-byte vectors, which
+# take the frozen d_x's pipelined kernel (norms.cu rms_backward_pipelined_kernel: a grid
+# of 2 blocks a multiprocessor; 2048 rows give each block several, both register sets in
+# turn, ~300 some blocks one row and some two)
 @needs_gpus(1)
-@pytest.mark.parametrize("shape", [(3, 5, 1000), (7, 4097), (16, 8192), (300, 7), (2048, 4096)])
-def test_rms_backward_without_the_weights_gradient(shape):
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("shape,dtype", [((3, 5, 1000), torch.bfloat16),
+                                         ((7, 4097), torch.bfloat16),
+                                         ((16, 8192), torch.bfloat16),
+                                         ((300, 7), torch.bfloat16),
+                                         ((2048, 4096), torch.bfloat16),
+                                         ((301, 4096), torch.bfloat16),
+                                         ((300, 2048), torch.float32)])
+def test_rms_backward_without_the_weights_gradient(shape, dtype, offset):
     """weight_grad=False (a frozen norm weight, the GPU step's `weight_grad` attr): d_x bit
-    for bit as with it (the partial sums only feed d_weight), d_weight None; both norms."""
+    for bit as with it (the partial sums only feed d_weight), d_weight None; both norms,
+    with Gemma's offset too."""
     torch.manual_seed(2)
-    bf16 = lambda *size: rand(*size, dtype=torch.bfloat16)  # noqa: E731
-    res, inp, w = bf16(*shape), bf16(*shape), bf16(shape[-1])
+    make = lambda *size: rand(*size, dtype=dtype)  # noqa: E731
+    res, inp, w = make(*shape), make(*shape), make(shape[-1])
+    attrs = {"eps": 1e-5, "offset": offset}
     for name, fwd in (("rmsnorm", [inp, w]), ("fused_residual_rmsnorm", [res, inp, w])):
         kernel = CUDA_KERNELS[name]
-        outs = kernel.forward(fwd, {"eps": 1e-5})
-        d_y = bf16(*shape)
+        outs = kernel.forward(fwd, attrs)
+        d_y = make(*shape)
         bwd = [d_y, inp, w, outs[1]] if name == "rmsnorm" else \
-            [bf16(*shape), d_y, outs[0], w, outs[2]]
-        full = kernel.backward(bwd, {})
-        alone = kernel.backward(bwd, {"weight_grad": False})
+            [make(*shape), d_y, outs[0], w, outs[2]]
+        full = kernel.backward(bwd, {"offset": offset})
+        alone = kernel.backward(bwd, {"offset": offset, "weight_grad": False})
         assert alone[-1] is None and full[-1] is not None
         assert all(torch.equal(a, b) for a, b in zip(alone[:-1], full[:-1]))
 

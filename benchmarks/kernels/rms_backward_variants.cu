@@ -1,12 +1,12 @@
 // What limits the frozen-weight RMSNorm backward (csrc/kernels/norms.cu, d_x alone, fused
-// d_residual: LoRA's norms) at LoRA 8B's shape (2048 x 4096 bf16): the shipped kernel's
-// row cache (vectors a thread keeps, so threads a row) against other depths, beside the
-// forward (as many bytes) and a plain stream of the same bytes (3 read, 1 written); each
-// timed alone with L2 flushed, the variants' d_x compared with the shipped one's; then
-// the row cache kept packed (bf16 as loaded) with registers bounded for more blocks a
-// multiprocessor, the rows pipelined (a persistent grid whose blocks load their next row
-// before the current row's sum), and the shipped kernel in place (d_x over
-// d_residual_out). Figures:
+// d_residual: LoRA's norms) at LoRA 8B's shape (2048 x 4096 bf16): the one-row-a-block
+// kernel's row cache (vectors a thread keeps, so threads a row) at several depths, beside
+// the forward (as many bytes) and a plain stream of the same bytes (3 read, 1 written);
+// each timed alone with L2 flushed, d_x compared with the cache-2 kernel's; then the row
+// cache kept packed (bf16 as loaded) with registers bounded for more blocks a
+// multiprocessor, and the shipped dispatch, which at 4096 columns runs the rows pipelined
+// (a persistent grid whose blocks load their next row before the current row's sum),
+// apart and in place (d_x over d_residual_out). Figures:
 // results_rms_backward_h100.txt, docs/decisions.md "RMSNorm backward of a frozen weight".
 // On a GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
@@ -119,78 +119,6 @@ rms_backward_packed(const bf16* __restrict__ d_y, const bf16* __restrict__ x,
     out[i] = dx8(xs[i], gs[i], ds[i], weight, i, r, mean_gn);
 }
 
-// One row's cached vectors, as loaded (CACHE a thread for each of x, d_y and d_res)
-template <int CACHE>
-struct RowRegs {
-  uint4 x[CACHE], g[CACHE], d[CACHE];
-};
-
-template <int CACHE>
-__device__ __forceinline__ void load_row(RowRegs<CACHE>& regs, const bf16* d_y, const bf16* x,
-                                         const bf16* d_res, int64_t row, int64_t rows,
-                                         int64_t C) {
-  if (row >= rows) return;
-  const uint4* xs = reinterpret_cast<const uint4*>(x + row * C);
-  const uint4* gs = reinterpret_cast<const uint4*>(d_y + row * C);
-  const uint4* ds = reinterpret_cast<const uint4*>(d_res + row * C);
-#pragma unroll
-  for (int k = 0; k < CACHE; ++k) {
-    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    regs.x[k] = xs[i];
-    regs.g[k] = gs[i];
-    regs.d[k] = ds[i];
-  }
-}
-
-template <int CACHE>
-__device__ __forceinline__ void finish_row(const RowRegs<CACHE>& regs, const bf16* weight,
-                                           const float* rstd, bf16* d_x, int64_t row,
-                                           int64_t C) {
-  const float r = rstd[row];
-  float dot = 0.f;
-#pragma unroll
-  for (int k = 0; k < CACHE; ++k) {
-    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    float a[8], g[8], w[8];
-    unpack8(regs.x[k], a);
-    unpack8(regs.g[k], g);
-    modulec::load_scale<bf16, 8>(weight, i, 0.f, w);
-    dot += modulec::dot_gn<8>(g, a, w, r);
-  }
-  const float mean_gn = modulec::block_sum(dot) / static_cast<float>(C);
-  uint4* out = reinterpret_cast<uint4*>(d_x + row * C);
-#pragma unroll
-  for (int k = 0; k < CACHE; ++k) {
-    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    out[i] = dx8(regs.x[k], regs.g[k], regs.d[k], weight, i, r, mean_gn);
-  }
-}
-
-// The rows pipelined: a persistent grid, a block a row at a time (C / 8 == CACHE x
-// blockDim.x), rows blockIdx.x, + gridDim.x, ...; the next row's vectors are loaded before
-// the current row's sum and stores, so loads stay in flight through the reduction (the
-// shipped kernel's block loads, sums, stores, then exits). Two register sets, used in
-// turn (static indices: they stay registers). d_res and d_x may be one buffer: a row's
-// d_res is loaded before its d_x is stored, and rows do not overlap.
-template <int CACHE, int MIN_BLOCKS>
-__global__ void __launch_bounds__(256, MIN_BLOCKS)
-rms_backward_pipelined(const bf16* __restrict__ d_y, const bf16* __restrict__ x,
-                       const bf16* __restrict__ weight, const float* __restrict__ rstd,
-                       const bf16* d_res, bf16* d_x, int64_t rows, int64_t C) {
-  RowRegs<CACHE> a, b;
-  int64_t row = blockIdx.x;
-  const int64_t step = gridDim.x;
-  load_row(a, d_y, x, d_res, row, rows, C);
-  while (row < rows) {  // uniform across the block: every thread reaches each block_sum
-    load_row(b, d_y, x, d_res, row + step, rows, C);
-    finish_row(a, weight, rstd, d_x, row, C);
-    row += step;
-    if (row >= rows) break;
-    load_row(a, d_y, x, d_res, row + step, rows, C);
-    finish_row(b, weight, rstd, d_x, row, C);
-    row += step;
-  }
-}
 }  // namespace exp_
 
 // the figures in docs/decisions.md were taken with 25 runs after 3
@@ -271,7 +199,7 @@ int main() {
       exp_::stream3<<<sms * 8, 512>>>((const uint4*)dy, (const uint4*)x, (const uint4*)dres,
                                       (uint4*)dx2, n / 8); }));
     launch<2>(dy, x, w, rstd, dres, dx, rows, C);
-    report("backward cache 2 (shipped)", timed([&] { launch<2>(dy, x, w, rstd, dres, dx, rows, C); }));
+    report("one row a block, cache 2", timed([&] { launch<2>(dy, x, w, rstd, dres, dx, rows, C); }));
     char buf[96];
     launch<1>(dy, x, w, rstd, dres, dx2, rows, C);
     snprintf(buf, sizeof buf, "backward cache 1 (diff %.1e)", max_diff(dx, dx2, n));
@@ -293,28 +221,26 @@ int main() {
       launch_packed<2, 4>(dy, x, w, rstd, dres, dx2, rows, C); });
     packed("packed cache 4, 2 blocks", [&] {
       launch_packed<4, 2>(dy, x, w, rstd, dres, dx2, rows, C); });
-    // the rows pipelined (session 22; not yet run on a GPU): a persistent grid of
-    // MIN_BLOCKS blocks of 256 a multiprocessor, each loading its next row before the
-    // current row's sum
-    packed("rows pipelined, 2 blocks", [&] {
-      exp_::rms_backward_pipelined<2, 2><<<(unsigned)std::min<int64_t>(rows, 2 * sms), 256>>>(
-          dy, x, w, rstd, dres, dx2, rows, C); });
-    packed("rows pipelined, 3 blocks", [&] {
-      exp_::rms_backward_pipelined<2, 3><<<(unsigned)std::min<int64_t>(rows, 3 * sms), 256>>>(
-          dy, x, w, rstd, dres, dx2, rows, C); });
-    // in place, as the step runs it (d_x written over d_residual_out): the shipped kernel
+    // the shipped dispatch: at 4096 columns a frozen weight's d_x runs the rows pipelined
+    // (norms.cu rms_backward_pipelined_kernel: a persistent grid of 2 blocks of 256 a
+    // multiprocessor, each loading its next row before the current row's sum)
+    packed("shipped: rows pipelined", [&] {
+      modulec::launch_rmsnorm_backward(modulec::DType::BF16, dy, x, w, 0.f, rstd, dres, dx2,
+                                       nullptr, nullptr, rows, C, 0, C, C); });
+    // in place, as the step runs it (d_x written over d_residual_out): the shipped dispatch
     CK(cudaMemcpy(dx2, dres, n * 2, cudaMemcpyDeviceToDevice));
-    launch<2>(dy, x, w, rstd, dx2, dx2, rows, C);
+    modulec::launch_rmsnorm_backward(modulec::DType::BF16, dy, x, w, 0.f, rstd, dx2, dx2,
+                                     nullptr, nullptr, rows, C, 0, C, C);
     snprintf(buf, sizeof buf, "shipped, in place: diff %.1e", max_diff(dx, dx2, n));
     printf("rows %-5ld %s\n", (long)rows, buf);
     if (rows == 2048) {
-      occupancy("shipped cache 2", modulec::rms_backward_kernel<bf16, 8, false, 2>, 256);
+      occupancy("one row a block, cache 2", modulec::rms_backward_kernel<bf16, 8, false, 2>, 256);
       occupancy("packed cache 2", exp_::rms_backward_packed<2>, 256);
       occupancy("packed cache 2, 3 blocks", exp_::rms_backward_packed<2, 3>, 256);
       occupancy("packed cache 2, 4 blocks", exp_::rms_backward_packed<2, 4>, 256);
       occupancy("packed cache 4, 2 blocks", exp_::rms_backward_packed<4, 2>, 256);
-      occupancy("rows pipelined, 2 blocks", exp_::rms_backward_pipelined<2, 2>, 256);
-      occupancy("rows pipelined, 3 blocks", exp_::rms_backward_pipelined<2, 3>, 256);
+      occupancy("shipped: rows pipelined",
+                modulec::rms_backward_pipelined_kernel<bf16, 8, true>, 256);
     }
     cudaFree(dy); cudaFree(x); cudaFree(dres); cudaFree(w); cudaFree(dx); cudaFree(dx2);
     cudaFree(y); cudaFree(res); cudaFree(rstd);

@@ -9,6 +9,8 @@
 // 0 for Llama's norms, 1 for Gemma's `(1 + w)` (the primitives' `offset` parameter). The
 // forward's FP8 instance (bf16, 8 a vector) also writes y's fp8 copy under delayed scaling
 // and takes y's amax (fp8.cuh DelayedSink; runtime/cuda/fp8_producers.py).
+#include <limits>
+
 #include "fp8.cuh"
 #include "rows.cuh"
 
@@ -115,14 +117,30 @@ rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
   if constexpr (FP8) sink_finish<kRowMaxThreads>(sink, d);  // every thread: no return above
 }
 
+// The backward's arithmetic is written rounding by rounding (__fmul_rn and friends: no
+// contraction into fma), so that every backward kernel, whatever the compiler fuses in
+// its context, gives the same bits: the frozen kernels' d_x is the trained kernel's.
+
 // sum over the row of g * n, g = d_y * weight, n = x * r (one vector's share)
 template <int VEC>
 __device__ __forceinline__ float dot_gn(const float (&dy)[VEC], const float (&x)[VEC],
                                         const float (&w)[VEC], float r) {
   float s = 0.f;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) s += (dy[j] * w[j]) * (x[j] * r);
+  for (int j = 0; j < VEC; ++j)
+    s = __fadd_rn(s, __fmul_rn(__fmul_rn(dy[j], w[j]), __fmul_rn(x[j], r)));
   return s;
+}
+
+// d_x's values of one vector before d_residual_out: r (d_y w - n mean_gn), n = x r
+template <int VEC>
+__device__ __forceinline__ void dx_values(const float (&dy)[VEC], const float (&x)[VEC],
+                                          const float (&w)[VEC], float r, float mean_gn,
+                                          float (&o)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j)
+    o[j] = __fmul_rn(r, __fsub_rn(__fmul_rn(dy[j], w[j]),
+                                  __fmul_rn(__fmul_rn(x[j], r), mean_gn)));
 }
 
 // d_x of one vector (plus d_residual_out when fused: `d`, loaded by the caller, or read
@@ -134,12 +152,9 @@ __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x
                                          const float* d = nullptr) {
   float w[VEC], o[VEC];
   load_scale<T, VEC>(weight, i, offset, w);
+  dx_values(dy, x, w, r, mean_gn, o);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const float n = x[j] * r;
-    o[j] = r * (dy[j] * w[j] - n * mean_gn);
-    dw[j] += dy[j] * n;
-  }
+  for (int j = 0; j < VEC; ++j) dw[j] += dy[j] * (x[j] * r);
   if (d_res) {
     float loaded[VEC];
     if (!d) {
@@ -147,7 +162,7 @@ __device__ __forceinline__ void store_dx(const float (&dy)[VEC], const float (&x
       d = loaded;
     }
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) o[j] += d[j];
+    for (int j = 0; j < VEC; ++j) o[j] = __fadd_rn(o[j], d[j]);
   }
   store_vec<T, VEC>(d_x, i, o);
 }
@@ -243,6 +258,121 @@ rms_backward_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
   }
 }
 
+// ---- the frozen backward with its rows pipelined (d_x alone, rows of kPipeThreads x
+// kPipeCache vectors: LoRA 8B's 4096 bf16 columns). A persistent grid, a block a row at a
+// time (rows blockIdx.x, + gridDim.x, ...): the next row's vectors are loaded before the
+// current row's sum and stores, so loads stay in flight through the reduction, where the
+// one-row-a-block kernel loads, sums, stores and exits. The vectors are kept as loaded (a
+// 16-byte Vec, not VEC floats) and the weight's read again where used: two rows' worth
+// then fit 2 blocks of 256 a multiprocessor without spills (122-128 registers; spilled,
+// the kernel ran no faster than the one-row kernel). dot_gn and dx_values as the other
+// kernels: their bits.
+// docs/decisions.md "RMSNorm backward of a frozen weight".
+constexpr int kPipeThreads = 256, kPipeCache = 2, kPipeBlocks = 2;
+
+template <typename T, int VEC>
+struct PipeRow {
+  Vec<T, VEC> x[kPipeCache], g[kPipeCache], d[kPipeCache];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack_vec(const Vec<T, VEC>& r, float (&out)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = to_float(r.v[j]);
+}
+
+template <typename T, int VEC, bool RES>
+__device__ __forceinline__ void pipe_load(PipeRow<T, VEC>& v, const T* d_y, const T* x,
+                                          const T* d_res, int row, int rows, int C,
+                                          int ld_res) {
+  if (row >= rows) return;
+  const auto* xs = reinterpret_cast<const Vec<T, VEC>*>(x + static_cast<int64_t>(row) * C);
+  const auto* gs = reinterpret_cast<const Vec<T, VEC>*>(d_y + static_cast<int64_t>(row) * C);
+  const auto* ds = reinterpret_cast<const Vec<T, VEC>*>(
+      RES ? d_res + static_cast<int64_t>(row) * ld_res : x);
+#pragma unroll
+  for (int k = 0; k < kPipeCache; ++k) {
+    const int i = threadIdx.x + k * kPipeThreads;
+    v.x[k] = xs[i];
+    v.g[k] = gs[i];
+    if constexpr (RES) v.d[k] = ds[i];
+  }
+}
+
+// offset + weight, as load_scale computes it; the weight's vector read again at each use
+// (a volatile load: kept, the compiler would hold its VEC floats through the loop)
+template <typename T, int VEC>
+__device__ __forceinline__ void scale_of(const T* weight, int i, float offset, float (&w)[VEC]) {
+  static_assert(sizeof(Vec<T, VEC>) == 16, "16-byte vectors");
+  uint4 u;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(reinterpret_cast<const uint4*>(weight) + i));
+  unpack_vec(*reinterpret_cast<const Vec<T, VEC>*>(&u), w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) w[j] += offset;
+}
+
+template <typename T, int VEC, bool RES>
+__device__ __forceinline__ void pipe_finish(const PipeRow<T, VEC>& v,
+                                            const T* weight, float offset,
+                                            float r, T* d_x, int C) {
+  float dot = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPipeCache; ++k) {
+    float a[VEC], g[VEC], w[VEC];
+    unpack_vec(v.x[k], a);
+    unpack_vec(v.g[k], g);
+    scale_of(weight, threadIdx.x + k * kPipeThreads, offset, w);
+    dot += dot_gn(g, a, w, r);
+  }
+  const float mean_gn = block_sum(dot) / static_cast<float>(C);
+  auto* out = reinterpret_cast<Vec<T, VEC>*>(d_x);
+#pragma unroll
+  for (int k = 0; k < kPipeCache; ++k) {
+    float a[VEC], g[VEC], w[VEC], o[VEC];
+    unpack_vec(v.x[k], a);
+    unpack_vec(v.g[k], g);
+    scale_of(weight, threadIdx.x + k * kPipeThreads, offset, w);
+    dx_values(g, a, w, r, mean_gn, o);
+    if constexpr (RES) {
+      float d[VEC];
+      unpack_vec(v.d[k], d);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = __fadd_rn(o[j], d[j]);
+    }
+    Vec<T, VEC> packed;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) packed.v[j] = from_float<T>(o[j]);
+    out[threadIdx.x + k * kPipeThreads] = packed;
+  }
+}
+
+// Two register sets used in turn (static indices: they stay registers). d_res and d_x may
+// be one buffer: a row's d_res is loaded before its d_x is stored, and rows do not overlap.
+// Rows, lengths and strides in 32 bits (the launch checks they fit): registers, which
+// the two rows in flight use up.
+template <typename T, int VEC, bool RES>
+__global__ void __launch_bounds__(kPipeThreads, kPipeBlocks)
+rms_backward_pipelined_kernel(const T* __restrict__ d_y, const T* __restrict__ x,
+                              const T* __restrict__ weight, float offset,
+                              const float* __restrict__ rstd, const T* d_res, T* d_x, int rows,
+                              int C, int ld_res, int ld_dx) {
+  PipeRow<T, VEC> a, b;
+  const int step = gridDim.x;
+  int row = blockIdx.x;
+  pipe_load<T, VEC, RES>(a, d_y, x, d_res, row, rows, C, ld_res);
+  while (row < rows) {  // uniform across the block: every thread reaches each block_sum
+    pipe_load<T, VEC, RES>(b, d_y, x, d_res, row + step, rows, C, ld_res);
+    pipe_finish<T, VEC, RES>(a, weight, offset, rstd[row], d_x + static_cast<int64_t>(row) * ld_dx, C);
+    row += step;
+    if (row >= rows) break;
+    pipe_load<T, VEC, RES>(a, d_y, x, d_res, row + step, rows, C, ld_res);
+    pipe_finish<T, VEC, RES>(b, weight, offset, rstd[row], d_x + static_cast<int64_t>(row) * ld_dx, C);
+    row += step;
+  }
+}
+
 // y = x * rstd[row] * weight: a norm's output from its saved input and statistics (the
 // planner's `apply_saved` replay). The same fp32 products in the same order as store_y, so
 // from the same x it gives the forward's y bit for bit. One thread: VEC elements.
@@ -326,9 +456,31 @@ cudaError_t backward_vec(const void* d_y, const void* x, const void* weight, flo
                          const float* rstd, const void* d_res, void* d_x, void* d_weight,
                          float* workspace, int64_t rows, int64_t C, const RowBackwardPlan& plan,
                          cudaStream_t stream, int64_t ld_res, int64_t ld_dx) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    constexpr int64_t kInt = std::numeric_limits<int>::max();
+    if (!d_weight && C == static_cast<int64_t>(VEC) * kPipeCache * kPipeThreads &&
+        rows <= kInt && ld_res <= kInt && ld_dx <= kInt) {
+      // d_x alone at the pipelined kernel's row length: a persistent grid of the blocks
+      // that fit at once (more would only queue)
+      const int64_t grid =
+          std::min<int64_t>(rows, static_cast<int64_t>(sm_count()) * kPipeBlocks);
+      auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(grid), kPipeThreads, 0, stream>>>(
+            static_cast<const T*>(d_y), static_cast<const T*>(x), static_cast<const T*>(weight),
+            offset, rstd, static_cast<const T*>(d_res), static_cast<T*>(d_x),
+            static_cast<int>(rows), static_cast<int>(C), static_cast<int>(ld_res),
+            static_cast<int>(ld_dx));
+      };
+      if (d_res)
+        launch(rms_backward_pipelined_kernel<T, VEC, true>);
+      else
+        launch(rms_backward_pipelined_kernel<T, VEC, false>);
+      return cudaGetLastError();
+    }
+  }
   if (!d_weight) {
-    // d_x alone (a frozen weight's): no partials, so no persistent grid either, a group
-    // a row as the forward's, and no column sums
+    // d_x alone (a frozen weight's) at other row lengths: no partials, so no persistent
+    // grid either, a group a row as the forward's, and no column sums
     const RowConfig cfg = row_config(C / VEC, kFrozenCache);
     const int64_t per_block = cfg.rows_per_block();
     rms_backward_kernel<T, VEC, false, kFrozenCache>
