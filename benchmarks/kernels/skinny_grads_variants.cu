@@ -4,8 +4,8 @@
 // d_B's, 4 the mma, 8 d_B's partials stored: each row block's own [N, R] slice, plain
 // float4 stores, no atomics and nothing to zero, summed by `finish_partials`), each timed
 // alone with L2 flushed before each run; a full variant's sums are checked against the
-// shipped kernel's (err). Results: docs/decisions.md "LoRA
-// step: the adapter gradients in one pass over d_y". On a GPU machine:
+// shipped kernel's (err). Results: results_skinny_variants_h100.txt, docs/decisions.md
+// "LoRA step: the adapter gradients in one pass over d_y". On a GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //     benchmarks/kernels/skinny_grads_variants.cu -o /tmp/skinny_variants && /tmp/skinny_variants
 #include "../../csrc/kernels/skinny_grads.cu"
@@ -267,7 +267,7 @@ struct Problem {
     variant<256, 128, 2>();
     // d_B's partials with plain stores, then their sum: no d_B atomics and no sums to zero
     // (the finishing launch's zeroing is ~2.2 of its 6.9 us at gate/up:
-    // results_skinny_finish_h100.txt); written in session 22, not yet run on a GPU
+    // results_skinny_finish_h100.txt); session 23, one H100: results_skinny_variants_h100.txt
     partials<256, 128, 2>();
     variant<256, 64, 4>();
     variant<256, 64, 3>();
