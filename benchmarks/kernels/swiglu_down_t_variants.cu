@@ -1,0 +1,245 @@
+// swiglu's forward with LoRA's down adapter input t = h A^T in the same pass (docs/gpu.md
+// "LoRA", the leads): at LoRA 8B (T=2048, d_ff 14336, rank 16) the step writes
+// h = silu(gate) up (58.7 MB) and a split-K GEMM then reads all of h back for t [T, 16]
+// (25.2 + 1.6 us in the step's replay). Here the kernel that makes h also sums t on the
+// tensor cores from the h it holds in registers:
+//   a CTA owns 16 rows, its 16 warps a 896-column run each; per 16-column step a lane
+//   loads its m16n8k16 fragment's 8 gate and 8 up values (bf16 pairs), makes their 8 h
+//   (swiglu.cu's arithmetic, so its bits), stores them, and feeds them as the A operand
+//   with A_down's 16 x 16 slice as B (bf16 pairs read from A [16, d_ff]); the warps'
+//   fp32 partials meet in shared memory and are summed in warp order (deterministic),
+//   t written in bf16.
+// A second form splits a row block's columns over more, smaller CTAs (more warps a
+// multiprocessor), each writing its t partial in fp32, summed in order by a second launch.
+// (Staging gate and up through shared memory by cp.async, 16 rows x 512 columns, three
+// chunks in flight, ran slower: 112.8 us, session 23.) Checked here: h against the
+// shipped swiglu forward's bits, t against a float64 host sum of the same bf16 h, the
+// split form's t against the first's. Timed alone, L2 flushed: the shipped forward, the fused kernel, and
+// a plain read of h (the least the split-K GEMM it replaces costs). On a GPU machine:
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
+//     benchmarks/kernels/swiglu_down_t_variants.cu csrc/kernels/swiglu.cu csrc/kernels/fp8_amax.cu \
+//     -o /tmp/swiglu_t && /tmp/swiglu_t
+#include "../../csrc/kernels/skinny_grads.cu"
+#include "activations.cuh"
+#include "variants_harness.cuh"
+
+#include <cstdio>
+#include <vector>
+
+using bf16 = __nv_bfloat16;
+
+namespace exp_ {
+using modulec::act;
+using modulec::kSilu;
+using modulec::mma;
+
+constexpr int kRank = 16, kRowsCta = 16, kWarps = 16;
+
+__device__ __forceinline__ uint32_t load_pair(const bf16* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// h of a bf16 pair of gate and up: act(g) u in fp32, rounded as swiglu.cu's store_vec does
+__device__ __forceinline__ uint32_t h_pair(uint32_t g2, uint32_t u2) {
+  const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g2));
+  const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u2));
+  const __nv_bfloat162 h = __halves2bfloat162(__float2bfloat16_rn(act<kSilu>(g.x) * u.x),
+                                              __float2bfloat16_rn(act<kSilu>(g.y) * u.y));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+struct Args {
+  const bf16* gate; int64_t ld_g;
+  const bf16* up; int64_t ld_u;
+  const bf16* a;  // A_down [16, C]
+  bf16* h; int64_t ld_h;
+  bf16* t; int64_t ld_t;
+  int64_t C;
+};
+
+// W warps a CTA; SPLIT CTAs share a row block's columns, each writing its t partial (fp32,
+// [SPLIT, T, 16]) for `finish_t` to sum in order; SPLIT 1 writes t itself
+template <int UNROLL, int W = kWarps, int SPLIT = 1, int MIN_BLOCKS = 1>
+__global__ void __launch_bounds__(W * 32, MIN_BLOCKS) swiglu_down_t(Args p, float* t_parts) {
+  __shared__ float part[W][kRowsCta][kRank + 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsCta + lane / 4, r1 = r0 + 8;
+  const int64_t span = p.C / (W * SPLIT), first = (blockIdx.y * W + warp) * span;
+  const int q = 2 * (lane % 4);
+  float acc[2][4] = {};
+  for (int64_t k = first; k < first + span; k += 16 * UNROLL) {
+    uint32_t g[UNROLL][4], u[UNROLL][4], b[UNROLL][4];
+#pragma unroll
+    for (int s = 0; s < UNROLL; ++s) {  // every load of the run first: in flight together
+      const int64_t c0 = k + 16 * s + q, c1 = c0 + 8;
+      g[s][0] = load_pair(p.gate + r0 * p.ld_g + c0);
+      g[s][1] = load_pair(p.gate + r1 * p.ld_g + c0);
+      g[s][2] = load_pair(p.gate + r0 * p.ld_g + c1);
+      g[s][3] = load_pair(p.gate + r1 * p.ld_g + c1);
+      u[s][0] = load_pair(p.up + r0 * p.ld_u + c0);
+      u[s][1] = load_pair(p.up + r1 * p.ld_u + c0);
+      u[s][2] = load_pair(p.up + r0 * p.ld_u + c1);
+      u[s][3] = load_pair(p.up + r1 * p.ld_u + c1);
+      // B = A^T: B[k][n] = A[n][k], n = lane / 4 (+ 8 for the second n-tile)
+      b[s][0] = load_pair(p.a + (lane / 4) * p.C + c0);
+      b[s][1] = load_pair(p.a + (lane / 4) * p.C + c1);
+      b[s][2] = load_pair(p.a + (lane / 4 + 8) * p.C + c0);
+      b[s][3] = load_pair(p.a + (lane / 4 + 8) * p.C + c1);
+    }
+#pragma unroll
+    for (int s = 0; s < UNROLL; ++s) {
+      const int64_t c0 = k + 16 * s + q, c1 = c0 + 8;
+      uint32_t h[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] = h_pair(g[s][i], u[s][i]);
+      *reinterpret_cast<uint32_t*>(p.h + r0 * p.ld_h + c0) = h[0];
+      *reinterpret_cast<uint32_t*>(p.h + r1 * p.ld_h + c0) = h[1];
+      *reinterpret_cast<uint32_t*>(p.h + r0 * p.ld_h + c1) = h[2];
+      *reinterpret_cast<uint32_t*>(p.h + r1 * p.ld_h + c1) = h[3];
+      mma(acc[0], h, b[s][0], b[s][1]);
+      mma(acc[1], h, b[s][2], b[s][3]);
+    }
+  }
+  // the accumulators: rows lane / 4 (+ 8), ranks 8 n + 2 (lane % 4) (+ 1)
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    part[warp][lane / 4][8 * n + q] = acc[n][0];
+    part[warp][lane / 4][8 * n + q + 1] = acc[n][1];
+    part[warp][lane / 4 + 8][8 * n + q] = acc[n][2];
+    part[warp][lane / 4 + 8][8 * n + q + 1] = acc[n][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kRowsCta * kRank; i += W * 32) {
+    const int row = i / kRank, r = i % kRank;
+    float sum = 0.f;
+    for (int w = 0; w < W; ++w) sum += part[w][row][r];
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * kRowsCta + row;
+    if (SPLIT == 1)
+      p.t[at * p.ld_t + r] = __float2bfloat16_rn(sum);
+    else
+      t_parts[(static_cast<int64_t>(blockIdx.y) * gridDim.x * kRowsCta + at) * kRank + r] = sum;
+  }
+}
+
+// t = the SPLIT partials summed in order, in bf16
+__global__ void finish_t(const float* __restrict__ parts, int split, int64_t rows,
+                         bf16* __restrict__ t, int64_t ld_t) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * kRank) return;
+  float sum = 0.f;
+  for (int s = 0; s < split; ++s) sum += parts[s * rows * kRank + i];
+  t[(i / kRank) * ld_t + i % kRank] = __float2bfloat16_rn(sum);
+}
+
+// h read once, 16 bytes a thread (what the split-K GEMM must at least read)
+__global__ void read_all(const uint4* x, int64_t n, float* sink) {
+  uint32_t acc = 0;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const uint4 v = x[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) sink[0] = 1.f;
+}
+}  // namespace exp_
+
+static bf16* upload(size_t n, unsigned seed, float scale = 1.f) {
+  std::vector<bf16> h(n);
+  fill(h, seed);
+  if (scale != 1.f)
+    for (auto& v : h) v = __float2bfloat16(__bfloat162float(v) * scale);
+  bf16* d;
+  CK(cudaMalloc(&d, n * 2));
+  CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+static std::vector<bf16> download(const bf16* d, size_t n) {
+  std::vector<bf16> h(n);
+  CK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+int main() {
+  init_flush();
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaDeviceProp prop; cudaGetDeviceProperties(&prop, 0);
+  const int64_t T = 2048, C = 14336, ld_gu = 2 * C, ld_h = C + 16;  // t beside h, as the step
+  bf16* gu = upload(T * ld_gu, 1, 8.f);  // gate | up, values in [-4, 4)
+  bf16* a = upload(exp_::kRank * C, 2, 0.05f);
+  bf16 *h_ref, *h_got;
+  float* sink;
+  CK(cudaMalloc(&h_ref, T * ld_h * 2)); CK(cudaMalloc(&h_got, T * ld_h * 2));
+  CK(cudaMalloc(&sink, 4));
+  CK(cudaMemset(h_ref, 0, T * ld_h * 2)); CK(cudaMemset(h_got, 0, T * ld_h * 2));
+  const exp_::Args args{gu, ld_gu, gu + C, ld_gu, a, h_got, ld_h, h_got + C, ld_h, C};
+  printf("%s, %d SMs: swiglu forward at LoRA 8B (T=%ld, d_ff=%ld), t = h A^T (rank 16)\n",
+         prop.name, sms, (long)T, (long)C);
+  const double mb = 3.0 * T * C * 2 / 1e6;
+  auto report = [&](const char* what, float us, double bytes_mb) {
+    printf("  %-46s %7.1f us %5.2f TB/s\n", what, us, bytes_mb / us);
+  };
+  report("shipped swiglu forward", time_us([&] {
+    CK(modulec::launch_swiglu_forward(modulec::DType::BF16, gu, ld_gu, gu + C, ld_gu, h_ref,
+                                      ld_h, T, C, modulec::kSilu, 0)); }), mb);
+  report("  h read once (the split-K GEMM's least)", time_us([&] {
+    exp_::read_all<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(h_ref), T * ld_h / 8, sink);
+  }), T * C * 2 / 1e6);
+  float* t_parts;
+  CK(cudaMalloc(&t_parts, 8 * T * exp_::kRank * 4));
+  auto fused = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(T / exp_::kRowsCta), exp_::kWarps * 32>>>(args, nullptr);
+  };
+  // W warps a CTA, SPLIT CTAs a row block, then the partials' sum
+  auto split = [&](auto kernel, int warps, int parts) {
+    kernel<<<dim3(static_cast<unsigned>(T / exp_::kRowsCta), parts), warps * 32>>>(args, t_parts);
+    exp_::finish_t<<<static_cast<unsigned>((T * exp_::kRank + 255) / 256), 256>>>(
+        t_parts, parts, T, h_got + C, ld_h);
+  };
+  // checks: h's bits, t against float64 sums of the bf16 h
+  fused(exp_::swiglu_down_t<2>);
+  CK(cudaDeviceSynchronize());
+  const auto hr = download(h_ref, T * ld_h), hg = download(h_got, T * ld_h);
+  const auto ah = download(a, exp_::kRank * C);
+  int64_t h_diff = 0;
+  double t_err = 0, t_max = 0;
+  for (int64_t r = 0; r < T; ++r) {
+    for (int64_t c = 0; c < C; ++c)
+      h_diff += __bfloat162float(hr[r * ld_h + c]) != __bfloat162float(hg[r * ld_h + c]);
+    for (int k = 0; k < exp_::kRank; ++k) {
+      double want = 0;
+      for (int64_t c = 0; c < C; ++c)
+        want += (double)__bfloat162float(hr[r * ld_h + c]) * __bfloat162float(ah[k * C + c]);
+      t_max = std::max(t_max, std::fabs(want));
+      t_err = std::max(t_err, std::fabs(want - (double)__bfloat162float(hg[r * ld_h + C + k])));
+    }
+  }
+  printf("  check: h elements differing from the shipped forward's %ld; t max error %.2e of max "
+         "|t| %.2e (rel %.1e)\n", (long)h_diff, t_err, t_max, t_err / t_max);
+  report("fused, 2 steps in flight", time_us([&] { fused(exp_::swiglu_down_t<2>); }), mb);
+  report("fused, 4 steps in flight", time_us([&] { fused(exp_::swiglu_down_t<4>); }), mb);
+  // the column runs split over more CTAs (more warps a multiprocessor), t's partials summed
+  CK(cudaMemset(h_got, 0, T * ld_h * 2));
+  split(exp_::swiglu_down_t<2, 8, 8, 3>, 8, 8);
+  CK(cudaDeviceSynchronize());
+  const auto hs = download(h_got, T * ld_h);
+  int64_t differ = 0;
+  double s_err = 0;
+  for (int64_t r = 0; r < T; ++r) {
+    for (int64_t c = 0; c < C; ++c)
+      differ += __bfloat162float(hs[r * ld_h + c]) != __bfloat162float(hr[r * ld_h + c]);
+    for (int k = 0; k < exp_::kRank; ++k)  // the first form's t: the same sums, in another
+      s_err = std::max(s_err, std::fabs((double)__bfloat162float(hs[r * ld_h + C + k]) -
+                                        __bfloat162float(hg[r * ld_h + C + k])));  // order
+  }
+  printf("  check: split h elements differing from the shipped forward's %ld; t within %.2e "
+         "of the first form's\n", (long)differ, s_err);
+  report("split: 8 warps a CTA, 8 CTAs a row block, + sum",
+         time_us([&] { split(exp_::swiglu_down_t<2, 8, 8, 3>, 8, 8); }), mb);
+  report("split: 8 warps a CTA, 4 CTAs a row block, + sum",
+         time_us([&] { split(exp_::swiglu_down_t<2, 8, 4, 3>, 8, 4); }), mb);
+  report("split: 4 warps a CTA, 8 CTAs a row block, + sum",
+         time_us([&] { split(exp_::swiglu_down_t<2, 4, 8, 6>, 4, 8); }), mb);
+  cudaFree(gu); cudaFree(a); cudaFree(h_ref); cudaFree(h_got); cudaFree(sink); cudaFree(t_parts);
+  return 0;
+}
