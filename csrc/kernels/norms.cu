@@ -117,9 +117,9 @@ rms_forward_kernel(const T* __restrict__ x, const T* __restrict__ input,
   if constexpr (FP8) sink_finish<kRowMaxThreads>(sink, d);  // every thread: no return above
 }
 
-// The backward's arithmetic is written rounding by rounding (__fmul_rn and friends: no
-// contraction into fma), so that every backward kernel, whatever the compiler fuses in
-// its context, gives the same bits: the frozen kernels' d_x is the trained kernel's.
+// d_x's arithmetic is written rounding by rounding (__fmul_rn and friends: no contraction
+// into fma), so that every backward kernel, whatever the compiler fuses in its context,
+// gives the same d_x bits: the frozen kernels' d_x is the trained kernel's.
 
 // sum over the row of g * n, g = d_y * weight, n = x * r (one vector's share)
 template <int VEC>
@@ -281,15 +281,19 @@ __device__ __forceinline__ void unpack_vec(const Vec<T, VEC>& r, float (&out)[VE
   for (int j = 0; j < VEC; ++j) out[j] = to_float(r.v[j]);
 }
 
+template <typename T>
+__device__ __forceinline__ T* row_of(T* base, int row, int ld) {
+  return base + static_cast<int64_t>(row) * ld;
+}
+
 template <typename T, int VEC, bool RES>
 __device__ __forceinline__ void pipe_load(PipeRow<T, VEC>& v, const T* d_y, const T* x,
                                           const T* d_res, int row, int rows, int C,
                                           int ld_res) {
   if (row >= rows) return;
-  const auto* xs = reinterpret_cast<const Vec<T, VEC>*>(x + static_cast<int64_t>(row) * C);
-  const auto* gs = reinterpret_cast<const Vec<T, VEC>*>(d_y + static_cast<int64_t>(row) * C);
-  const auto* ds = reinterpret_cast<const Vec<T, VEC>*>(
-      RES ? d_res + static_cast<int64_t>(row) * ld_res : x);
+  const auto* xs = reinterpret_cast<const Vec<T, VEC>*>(row_of(x, row, C));
+  const auto* gs = reinterpret_cast<const Vec<T, VEC>*>(row_of(d_y, row, C));
+  const auto* ds = reinterpret_cast<const Vec<T, VEC>*>(RES ? row_of(d_res, row, ld_res) : x);
 #pragma unroll
   for (int k = 0; k < kPipeCache; ++k) {
     const int i = threadIdx.x + k * kPipeThreads;
@@ -302,7 +306,8 @@ __device__ __forceinline__ void pipe_load(PipeRow<T, VEC>& v, const T* d_y, cons
 // offset + weight, as load_scale computes it; the weight's vector read again at each use
 // (a volatile load: kept, the compiler would hold its VEC floats through the loop)
 template <typename T, int VEC>
-__device__ __forceinline__ void scale_of(const T* weight, int i, float offset, float (&w)[VEC]) {
+__device__ __forceinline__ void scale_of(const T* weight, int i, float offset,
+                                         float (&w)[VEC]) {
   static_assert(sizeof(Vec<T, VEC>) == 16, "16-byte vectors");
   uint4 u;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -364,11 +369,11 @@ rms_backward_pipelined_kernel(const T* __restrict__ d_y, const T* __restrict__ x
   pipe_load<T, VEC, RES>(a, d_y, x, d_res, row, rows, C, ld_res);
   while (row < rows) {  // uniform across the block: every thread reaches each block_sum
     pipe_load<T, VEC, RES>(b, d_y, x, d_res, row + step, rows, C, ld_res);
-    pipe_finish<T, VEC, RES>(a, weight, offset, rstd[row], d_x + static_cast<int64_t>(row) * ld_dx, C);
+    pipe_finish<T, VEC, RES>(a, weight, offset, rstd[row], row_of(d_x, row, ld_dx), C);
     row += step;
     if (row >= rows) break;
     pipe_load<T, VEC, RES>(a, d_y, x, d_res, row + step, rows, C, ld_res);
-    pipe_finish<T, VEC, RES>(b, weight, offset, rstd[row], d_x + static_cast<int64_t>(row) * ld_dx, C);
+    pipe_finish<T, VEC, RES>(b, weight, offset, rstd[row], row_of(d_x, row, ld_dx), C);
     row += step;
   }
 }
