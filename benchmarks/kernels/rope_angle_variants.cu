@@ -138,7 +138,9 @@ int main() {
   std::vector<bf16> host(elems);
   fill(host, 7);
   bf16 *orig, *ref, *got;
-  CK(cudaMalloc(&orig, elems * 2)); CK(cudaMalloc(&ref, elems * 2)); CK(cudaMalloc(&got, elems * 2));
+  CK(cudaMalloc(&orig, elems * 2));
+  CK(cudaMalloc(&ref, elems * 2));
+  CK(cudaMalloc(&got, elems * 2));
   CK(cudaMemcpy(orig, host.data(), elems * 2, cudaMemcpyHostToDevice));
   std::vector<float> freq(n);
   for (int i = 0; i < n; ++i) freq[i] = static_cast<float>(std::pow(500000.0, -2.0 * i / D));
@@ -207,8 +209,8 @@ int main() {
   reset(got);
   exp_::rope_shared<true><<<static_cast<unsigned>(T), row_threads>>>(p);
   snprintf(buf, sizeof buf, "shared, a block a row (diff %.1e)", max_diff(ref, got, elems));
-  report(buf, time_us([&] { exp_::rope_shared<true><<<static_cast<unsigned>(T), row_threads>>>(p); },
-                      25, 3));
+  report(buf, time_us([&] {
+    exp_::rope_shared<true><<<static_cast<unsigned>(T), row_threads>>>(p); }, 25, 3));
   cudaFree(orig); cudaFree(ref); cudaFree(got); cudaFree(inv_freq); cudaFree(table);
   return 0;
 }

@@ -10,15 +10,17 @@
 //   fp32 partials meet in shared memory and are summed in warp order (deterministic),
 //   t written in bf16.
 // A second form splits a row block's columns over more, smaller CTAs (more warps a
-// multiprocessor), each writing its t partial in fp32, summed in order by a second launch.
-// (Staging gate and up through shared memory by cp.async, 16 rows x 512 columns, three
-// chunks in flight, ran slower: 112.8 us, session 23.) Checked here: h against the
-// shipped swiglu forward's bits, t against a float64 host sum of the same bf16 h, the
-// split form's t against the first's. Timed alone, L2 flushed: the shipped forward, the fused kernel, and
-// a plain read of h (the least the split-K GEMM it replaces costs). On a GPU machine:
+// multiprocessor), each writing its t partial in fp32, summed in order by a second launch;
+// a third keeps swiglu's 16-byte accesses and hands h to the mma through a shared tile
+// (the best so far). (Staging gate and up through shared memory by cp.async, 16 rows x
+// 512 columns, three chunks in flight, ran slower: 112.8 us, session 23.) Checked here: h
+// against the shipped swiglu forward's bits, t against a float64 host sum of the same
+// bf16 h, the other forms' t against the first's. Timed alone, L2 flushed: the shipped
+// forward, the fused forms, and a plain read of h (the least the split-K GEMM it replaces
+// costs). Results: results_swiglu_down_t_h100.txt. On a GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
-//     benchmarks/kernels/swiglu_down_t_variants.cu csrc/kernels/swiglu.cu csrc/kernels/fp8_amax.cu \
-//     -o /tmp/swiglu_t && /tmp/swiglu_t
+//     benchmarks/kernels/swiglu_down_t_variants.cu csrc/kernels/swiglu.cu \
+//     csrc/kernels/fp8_amax.cu -o /tmp/swiglu_t && /tmp/swiglu_t
 #include "../../csrc/kernels/skinny_grads.cu"
 #include "activations.cuh"
 #include "variants_harness.cuh"
@@ -56,6 +58,34 @@ struct Args {
   bf16* t; int64_t ld_t;
   int64_t C;
 };
+
+// The warps' accumulators (rows lane / 4 (+ 8), ranks 8 n + 2 (lane % 4) (+ 1)) into
+// shared memory, then summed in warp order: t in bf16, or (SPLIT > 1) this CTA's fp32
+// partial of t for finish_t
+template <int W, int SPLIT>
+__device__ __forceinline__ void write_t(float (&part)[W][kRowsCta][kRank + 1],
+                                        const float (&acc)[2][4], const Args& p,
+                                        float* t_parts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = 2 * (lane % 4);
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    part[warp][lane / 4][8 * n + q] = acc[n][0];
+    part[warp][lane / 4][8 * n + q + 1] = acc[n][1];
+    part[warp][lane / 4 + 8][8 * n + q] = acc[n][2];
+    part[warp][lane / 4 + 8][8 * n + q + 1] = acc[n][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kRowsCta * kRank; i += W * 32) {
+    const int row = i / kRank, r = i % kRank;
+    float sum = 0.f;
+    for (int w = 0; w < W; ++w) sum += part[w][row][r];
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * kRowsCta + row;
+    if (SPLIT == 1)
+      p.t[at * p.ld_t + r] = __float2bfloat16_rn(sum);
+    else
+      t_parts[(static_cast<int64_t>(blockIdx.y) * gridDim.x * kRowsCta + at) * kRank + r] = sum;
+  }
+}
 
 // W warps a CTA; SPLIT CTAs share a row block's columns, each writing its t partial (fp32,
 // [SPLIT, T, 16]) for `finish_t` to sum in order; SPLIT 1 writes t itself
@@ -100,25 +130,7 @@ __global__ void __launch_bounds__(W * 32, MIN_BLOCKS) swiglu_down_t(Args p, floa
       mma(acc[1], h, b[s][2], b[s][3]);
     }
   }
-  // the accumulators: rows lane / 4 (+ 8), ranks 8 n + 2 (lane % 4) (+ 1)
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    part[warp][lane / 4][8 * n + q] = acc[n][0];
-    part[warp][lane / 4][8 * n + q + 1] = acc[n][1];
-    part[warp][lane / 4 + 8][8 * n + q] = acc[n][2];
-    part[warp][lane / 4 + 8][8 * n + q + 1] = acc[n][3];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kRowsCta * kRank; i += W * 32) {
-    const int row = i / kRank, r = i % kRank;
-    float sum = 0.f;
-    for (int w = 0; w < W; ++w) sum += part[w][row][r];
-    const int64_t at = static_cast<int64_t>(blockIdx.x) * kRowsCta + row;
-    if (SPLIT == 1)
-      p.t[at * p.ld_t + r] = __float2bfloat16_rn(sum);
-    else
-      t_parts[(static_cast<int64_t>(blockIdx.y) * gridDim.x * kRowsCta + at) * kRank + r] = sum;
-  }
+  write_t<W, SPLIT>(part, acc, p, t_parts);
 }
 
 // t = the SPLIT partials summed in order, in bf16
@@ -129,6 +141,66 @@ __global__ void finish_t(const float* __restrict__ parts, int split, int64_t row
   float sum = 0.f;
   for (int s = 0; s < split; ++s) sum += parts[s * rows * kRank + i];
   t[(i / kRank) * ld_t + i % kRank] = __float2bfloat16_rn(sum);
+}
+
+// Vectors: gate and up read as swiglu.cu reads them (16 bytes a thread, consecutive
+// threads along a row), h made and stored the same way and also put in a shared tile
+// (16 rows x kSpan columns), from which each warp's 16 x 16 steps reach the mma by
+// ldmatrix; the next tile's gate and up are loaded into registers before this one's mma.
+constexpr int kSpan = 1024, kTilePad = kSpan + 8, kVecs = kRowsCta * kSpan / 8 / (kWarps * 32);
+
+__device__ __forceinline__ void load_vectors(uint4 (&g)[kVecs], uint4 (&u)[kVecs],
+                                             const Args& p, int64_t row0, int64_t col0) {
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int i = threadIdx.x + v * kWarps * 32, r = i / (kSpan / 8), c = (i % (kSpan / 8)) * 8;
+    g[v] = *reinterpret_cast<const uint4*>(p.gate + (row0 + r) * p.ld_g + col0 + c);
+    u[v] = *reinterpret_cast<const uint4*>(p.up + (row0 + r) * p.ld_u + col0 + c);
+  }
+}
+
+__global__ void __launch_bounds__(kWarps * 32, 1) swiglu_down_t_vectors(Args p) {
+  __shared__ __align__(16) bf16 tile[kRowsCta][kTilePad];
+  static_assert(sizeof(tile) >= sizeof(float) * kWarps * kRowsCta * (kRank + 1), "part fits");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = 2 * (lane % 4);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsCta;
+  const int spans = static_cast<int>(p.C / kSpan);
+  uint4 g[kVecs], u[kVecs];
+  load_vectors(g, u, p, row0, 0);
+  float acc[2][4] = {};
+  for (int sp = 0; sp < spans; ++sp) {
+    const int64_t col0 = static_cast<int64_t>(sp) * kSpan;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {  // h: into global and into the tile
+      const int i = threadIdx.x + v * kWarps * 32, r = i / (kSpan / 8), c = (i % (kSpan / 8)) * 8;
+      uint4 h;
+      h.x = h_pair(g[v].x, u[v].x);
+      h.y = h_pair(g[v].y, u[v].y);
+      h.z = h_pair(g[v].z, u[v].z);
+      h.w = h_pair(g[v].w, u[v].w);
+      *reinterpret_cast<uint4*>(p.h + (row0 + r) * p.ld_h + col0 + c) = h;
+      *reinterpret_cast<uint4*>(&tile[r][c]) = h;
+    }
+    if (sp + 1 < spans) load_vectors(g, u, p, row0, col0 + kSpan);  // in flight through the mma
+    __syncthreads();
+#pragma unroll
+    for (int step = 0; step < kSpan / 16 / kWarps; ++step) {
+      const int k = (warp * (kSpan / 16 / kWarps) + step) * 16;
+      uint32_t a[4];
+      modulec::ldmatrix_x4(a, &tile[lane % 16][k + (lane / 16) * 8]);
+      const int64_t c0 = col0 + k + q, c1 = c0 + 8;
+      const uint32_t b0 = load_pair(p.a + (lane / 4) * p.C + c0);
+      const uint32_t b1 = load_pair(p.a + (lane / 4) * p.C + c1);
+      const uint32_t b2 = load_pair(p.a + (lane / 4 + 8) * p.C + c0);
+      const uint32_t b3 = load_pair(p.a + (lane / 4 + 8) * p.C + c1);
+      mma(acc[0], a, b0, b1);
+      mma(acc[1], a, b2, b3);
+    }
+    __syncthreads();  // the tile is rewritten next
+  }
+  // the tile is done with: the warps' partials of t go where it was
+  using Part = float[kWarps][kRowsCta][kRank + 1];
+  write_t<kWarps, 1>(*reinterpret_cast<Part*>(&tile[0][0]), acc, p, nullptr);
 }
 
 // h read once, 16 bytes a thread (what the split-K GEMM must at least read)
@@ -217,23 +289,35 @@ int main() {
   printf("  check: h elements differing from the shipped forward's %ld; t max error %.2e of max "
          "|t| %.2e (rel %.1e)\n", (long)h_diff, t_err, t_max, t_err / t_max);
   report("fused, 2 steps in flight", time_us([&] { fused(exp_::swiglu_down_t<2>); }), mb);
+  // another form's h against the shipped forward's bits, its t against the first form's
+  // (the same sums in another order)
+  auto compare = [&](const char* name, auto run) {
+    CK(cudaMemset(h_got, 0, T * ld_h * 2));
+    run();
+    CK(cudaDeviceSynchronize());
+    const auto hs = download(h_got, T * ld_h);
+    int64_t differ = 0;
+    double s_err = 0;
+    for (int64_t r = 0; r < T; ++r) {
+      for (int64_t c = 0; c < C; ++c)
+        differ += __bfloat162float(hs[r * ld_h + c]) != __bfloat162float(hr[r * ld_h + c]);
+      for (int k = 0; k < exp_::kRank; ++k)
+        s_err = std::max(s_err, std::fabs((double)__bfloat162float(hs[r * ld_h + C + k]) -
+                                          __bfloat162float(hg[r * ld_h + C + k])));
+    }
+    printf("  check: %s h elements differing from the shipped forward's %ld; t within %.2e "
+           "of the first form's\n", name, (long)differ, s_err);
+  };
   report("fused, 4 steps in flight", time_us([&] { fused(exp_::swiglu_down_t<4>); }), mb);
+  // the vectors form: swiglu's own accesses, h to the mma through a shared tile
+  auto vectors = [&] {
+    exp_::swiglu_down_t_vectors<<<static_cast<unsigned>(T / exp_::kRowsCta),
+                                  exp_::kWarps * 32>>>(args);
+  };
+  compare("vectors", vectors);
+  report("vectors: 16-byte accesses, h through a shared tile", time_us(vectors), mb);
   // the column runs split over more CTAs (more warps a multiprocessor), t's partials summed
-  CK(cudaMemset(h_got, 0, T * ld_h * 2));
-  split(exp_::swiglu_down_t<2, 8, 8, 3>, 8, 8);
-  CK(cudaDeviceSynchronize());
-  const auto hs = download(h_got, T * ld_h);
-  int64_t differ = 0;
-  double s_err = 0;
-  for (int64_t r = 0; r < T; ++r) {
-    for (int64_t c = 0; c < C; ++c)
-      differ += __bfloat162float(hs[r * ld_h + c]) != __bfloat162float(hr[r * ld_h + c]);
-    for (int k = 0; k < exp_::kRank; ++k)  // the first form's t: the same sums, in another
-      s_err = std::max(s_err, std::fabs((double)__bfloat162float(hs[r * ld_h + C + k]) -
-                                        __bfloat162float(hg[r * ld_h + C + k])));  // order
-  }
-  printf("  check: split h elements differing from the shipped forward's %ld; t within %.2e "
-         "of the first form's\n", (long)differ, s_err);
+  compare("split", [&] { split(exp_::swiglu_down_t<2, 8, 8, 3>, 8, 8); });
   report("split: 8 warps a CTA, 8 CTAs a row block, + sum",
          time_us([&] { split(exp_::swiglu_down_t<2, 8, 8, 3>, 8, 8); }), mb);
   report("split: 8 warps a CTA, 4 CTAs a row block, + sum",
