@@ -12,7 +12,9 @@
 // A second form splits a row block's columns over more, smaller CTAs (more warps a
 // multiprocessor), each writing its t partial in fp32, summed in order by a second launch;
 // a third keeps swiglu's 16-byte accesses and hands h to the mma through a shared tile
-// (the best so far). (Staging gate and up through shared memory by cp.async, 16 rows x
+// (the best so far, one CTA of 16 warps a multiprocessor; its forms with 2 CTAs a
+// multiprocessor, registers bounded at 64, were written at the end of session 23 and not
+// yet run on a GPU). (Staging gate and up through shared memory by cp.async, 16 rows x
 // 512 columns, three chunks in flight, ran slower: 112.8 us, session 23.) Checked here: h
 // against the shipped swiglu forward's bits, t against a float64 host sum of the same
 // bf16 h, the other forms' t against the first's. Timed alone, L2 flushed: the shipped
@@ -147,32 +149,43 @@ __global__ void finish_t(const float* __restrict__ parts, int split, int64_t row
 // threads along a row), h made and stored the same way and also put in a shared tile
 // (16 rows x kSpan columns), from which each warp's 16 x 16 steps reach the mma by
 // ldmatrix; the next tile's gate and up are loaded into registers before this one's mma.
-constexpr int kSpan = 1024, kTilePad = kSpan + 8, kVecs = kRowsCta * kSpan / 8 / (kWarps * 32);
+// SPAN columns a tile; MIN_BLOCKS CTAs a multiprocessor (2: registers bounded at 64)
+template <int SPAN>
+constexpr int kVecs = kRowsCta * SPAN / 8 / (kWarps * 32);
 
-__device__ __forceinline__ void load_vectors(uint4 (&g)[kVecs], uint4 (&u)[kVecs],
+template <int SPAN>
+__device__ __forceinline__ void load_vectors(uint4 (&g)[kVecs<SPAN>], uint4 (&u)[kVecs<SPAN>],
                                              const Args& p, int64_t row0, int64_t col0) {
+  constexpr int kSpan = SPAN;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int i = threadIdx.x + v * kWarps * 32, r = i / (kSpan / 8), c = (i % (kSpan / 8)) * 8;
+  for (int v = 0; v < kVecs<SPAN>; ++v) {
+    const int i = threadIdx.x + v * kWarps * 32;
+    const int r = i / (kSpan / 8), c = (i % (kSpan / 8)) * 8;
     g[v] = *reinterpret_cast<const uint4*>(p.gate + (row0 + r) * p.ld_g + col0 + c);
     u[v] = *reinterpret_cast<const uint4*>(p.up + (row0 + r) * p.ld_u + col0 + c);
   }
 }
 
-__global__ void __launch_bounds__(kWarps * 32, 1) swiglu_down_t_vectors(Args p) {
-  __shared__ __align__(16) bf16 tile[kRowsCta][kTilePad];
-  static_assert(sizeof(tile) >= sizeof(float) * kWarps * kRowsCta * (kRank + 1), "part fits");
+template <int SPAN, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kWarps * 32, MIN_BLOCKS) swiglu_down_t_vectors(Args p) {
+  constexpr int kSpan = SPAN, kVec = kVecs<SPAN>;
+  using Tile = bf16[kRowsCta][kSpan + 8];
+  using Part = float[kWarps][kRowsCta][kRank + 1];  // the warps' partials of t, at the end
+  __shared__ __align__(16) unsigned char raw[sizeof(Tile) > sizeof(Part) ? sizeof(Tile)
+                                                                          : sizeof(Part)];
+  Tile& tile = *reinterpret_cast<Tile*>(raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = 2 * (lane % 4);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsCta;
   const int spans = static_cast<int>(p.C / kSpan);
-  uint4 g[kVecs], u[kVecs];
-  load_vectors(g, u, p, row0, 0);
+  uint4 g[kVec], u[kVec];
+  load_vectors<SPAN>(g, u, p, row0, 0);
   float acc[2][4] = {};
   for (int sp = 0; sp < spans; ++sp) {
     const int64_t col0 = static_cast<int64_t>(sp) * kSpan;
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {  // h: into global and into the tile
-      const int i = threadIdx.x + v * kWarps * 32, r = i / (kSpan / 8), c = (i % (kSpan / 8)) * 8;
+    for (int v = 0; v < kVec; ++v) {  // h: into global and into the tile
+      const int i = threadIdx.x + v * kWarps * 32;
+      const int r = i / (kSpan / 8), c = (i % (kSpan / 8)) * 8;
       uint4 h;
       h.x = h_pair(g[v].x, u[v].x);
       h.y = h_pair(g[v].y, u[v].y);
@@ -181,7 +194,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) swiglu_down_t_vectors(Args p) 
       *reinterpret_cast<uint4*>(p.h + (row0 + r) * p.ld_h + col0 + c) = h;
       *reinterpret_cast<uint4*>(&tile[r][c]) = h;
     }
-    if (sp + 1 < spans) load_vectors(g, u, p, row0, col0 + kSpan);  // in flight through the mma
+    // the next tile's gate and up: in flight through this one's mma
+    if (sp + 1 < spans) load_vectors<SPAN>(g, u, p, row0, col0 + kSpan);
     __syncthreads();
 #pragma unroll
     for (int step = 0; step < kSpan / 16 / kWarps; ++step) {
@@ -199,8 +213,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) swiglu_down_t_vectors(Args p) 
     __syncthreads();  // the tile is rewritten next
   }
   // the tile is done with: the warps' partials of t go where it was
-  using Part = float[kWarps][kRowsCta][kRank + 1];
-  write_t<kWarps, 1>(*reinterpret_cast<Part*>(&tile[0][0]), acc, p, nullptr);
+  write_t<kWarps, 1>(*reinterpret_cast<Part*>(raw), acc, p, nullptr);
 }
 
 // h read once, 16 bytes a thread (what the split-K GEMM must at least read)
@@ -310,12 +323,16 @@ int main() {
   };
   report("fused, 4 steps in flight", time_us([&] { fused(exp_::swiglu_down_t<4>); }), mb);
   // the vectors form: swiglu's own accesses, h to the mma through a shared tile
-  auto vectors = [&] {
-    exp_::swiglu_down_t_vectors<<<static_cast<unsigned>(T / exp_::kRowsCta),
-                                  exp_::kWarps * 32>>>(args);
+  auto vectors = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(T / exp_::kRowsCta), exp_::kWarps * 32>>>(args);
   };
-  compare("vectors", vectors);
-  report("vectors: 16-byte accesses, h through a shared tile", time_us(vectors), mb);
+  compare("vectors", [&] { vectors(exp_::swiglu_down_t_vectors<1024, 1>); });
+  report("vectors: 16-byte accesses, h through a shared tile",
+         time_us([&] { vectors(exp_::swiglu_down_t_vectors<1024, 1>); }), mb);
+  report("vectors, 512-column tiles, 2 CTAs a multiprocessor",
+         time_us([&] { vectors(exp_::swiglu_down_t_vectors<512, 2>); }), mb);
+  report("vectors, 1024-column tiles, 2 CTAs a multiprocessor",
+         time_us([&] { vectors(exp_::swiglu_down_t_vectors<1024, 2>); }), mb);
   // the column runs split over more CTAs (more warps a multiprocessor), t's partials summed
   compare("split", [&] { split(exp_::swiglu_down_t<2, 8, 8, 3>, 8, 8); });
   report("split: 8 warps a CTA, 8 CTAs a row block, + sum",
