@@ -125,25 +125,6 @@ rms_backward_packed(const bf16* __restrict__ d_y, const bf16* __restrict__ x,
 template <class F>
 static float timed(F f) { return time_us(f, 25, 3); }
 
-static bf16* upload(size_t n, unsigned seed) {
-  std::vector<bf16> h(n);
-  fill(h, seed);
-  bf16* d;
-  CK(cudaMalloc(&d, n * 2));
-  cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice);
-  return d;
-}
-
-static double max_diff(const bf16* a, const bf16* b, size_t n) {
-  std::vector<bf16> ha(n), hb(n);
-  cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
-  double m = 0;
-  for (size_t i = 0; i < n; ++i)
-    m = std::max(m, (double)std::fabs(__bfloat162float(ha[i]) - __bfloat162float(hb[i])));
-  return m;
-}
-
 template <int CACHE>
 static void launch(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
                    const bf16* dres, bf16* dx, int64_t rows, int64_t C) {

@@ -120,28 +120,14 @@ __global__ void touch_rows(uint4* x, int64_t row_vecs, int64_t ld_vecs) {
 }
 }  // namespace exp_
 
-static double max_diff(const bf16* a, const bf16* b, size_t n) {
-  std::vector<bf16> ha(n), hb(n);
-  cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost);
-  double m = 0;
-  for (size_t i = 0; i < n; ++i)
-    m = std::max(m, (double)std::fabs(__bfloat162float(ha[i]) - __bfloat162float(hb[i])));
-  return m;
-}
-
 int main() {
   init_flush();
   cudaDeviceProp prop; cudaGetDeviceProperties(&prop, 0);
   const int64_t T = 2048, D = 128, n = 64, Hq = 32, Hk = 8, width = (Hq + 2 * Hk) * D;
   const size_t elems = T * width;
-  std::vector<bf16> host(elems);
-  fill(host, 7);
-  bf16 *orig, *ref, *got;
-  CK(cudaMalloc(&orig, elems * 2));
+  bf16 *orig = upload(elems, 7), *ref, *got;
   CK(cudaMalloc(&ref, elems * 2));
   CK(cudaMalloc(&got, elems * 2));
-  CK(cudaMemcpy(orig, host.data(), elems * 2, cudaMemcpyHostToDevice));
   std::vector<float> freq(n);
   for (int i = 0; i < n; ++i) freq[i] = static_cast<float>(std::pow(500000.0, -2.0 * i / D));
   float* inv_freq;

@@ -228,23 +228,6 @@ __global__ void read_all(const uint4* x, int64_t n, float* sink) {
 }
 }  // namespace exp_
 
-static bf16* upload(size_t n, unsigned seed, float scale = 1.f) {
-  std::vector<bf16> h(n);
-  fill(h, seed);
-  if (scale != 1.f)
-    for (auto& v : h) v = __float2bfloat16(__bfloat162float(v) * scale);
-  bf16* d;
-  CK(cudaMalloc(&d, n * 2));
-  CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
-static std::vector<bf16> download(const bf16* d, size_t n) {
-  std::vector<bf16> h(n);
-  CK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
-  return h;
-}
-
 int main() {
   init_flush();
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);

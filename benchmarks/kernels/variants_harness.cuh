@@ -1,8 +1,9 @@
 // What the standalone kernel-variant harnesses (skinny_grads_variants.cu,
 // rms_backward_variants.cu, swiglu_lora_variants.cu) share: a checked CUDA call, the L2
 // flushed before each timed run (a 256 MB memset: the operands come from HBM, as in a
-// step), the median of timed runs after warm-up ones, reproducible bf16 inputs, and the
-// largest error of fp32 results against a reference's. Call init_flush() first.
+// step), the median of timed runs after warm-up ones, reproducible bf16 inputs (on the host
+// or uploaded), bf16 results brought back, the largest difference of two bf16 results,
+// and the largest error of fp32 results against a reference's. Call init_flush() first.
 #pragma once
 
 #include <algorithm>
@@ -59,4 +60,31 @@ static double max_rel(const float* ref_d, const float* got_d, size_t n) {
     err = std::max(err, static_cast<double>(std::fabs(r[i] - g[i])));
   }
   return err / (scale + 1e-30);
+}
+
+// n reproducible bf16 values (fill's, times `scale`) in a new device buffer
+static __nv_bfloat16* upload(size_t n, unsigned seed, float scale = 1.f) {
+  std::vector<__nv_bfloat16> h(n);
+  fill(h, seed);
+  if (scale != 1.f)
+    for (auto& v : h) v = __float2bfloat16(__bfloat162float(v) * scale);
+  __nv_bfloat16* d;
+  CK(cudaMalloc(&d, n * 2));
+  CK(cudaMemcpy(d, h.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+static std::vector<__nv_bfloat16> download(const __nv_bfloat16* d, size_t n) {
+  std::vector<__nv_bfloat16> h(n);
+  CK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// max |a - b| of n bf16 values on the device (0: the same values)
+static double max_diff(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t n) {
+  const auto ha = download(a, n), hb = download(b, n);
+  double m = 0;
+  for (size_t i = 0; i < n; ++i)
+    m = std::max(m, (double)std::fabs(__bfloat162float(ha[i]) - __bfloat162float(hb[i])));
+  return m;
 }

@@ -29,7 +29,7 @@ transpose cast to fp32 and back is two copies where none is needed. So:
   weight's (LoRA's base) d_B is neither computed nor allocated, only d_A;
 - LoRA's `d = matmul(t, B, NT, alpha=s)` + `y = add(base, d)` run as one
   `addmm(base, t, B^T, alpha=s)` (`lora_addmm`; the step's interpreter finds the pairs,
-  runtime/cuda/step_interpreter.py `lora_addmm_pairs`), into `base` itself where nothing else reads
+  runtime/cuda/lora_pairs.py `lora_addmm_pairs`), into `base` itself where nothing else reads
   it: d is never materialized. On the arena, y's planned bytes get the delta first and
   base's GEMM adds into them (`lora_matmul_into`); in the backward, the adapter path's d_x
   is written into the d_x sum's bytes and the frozen weight's d_x GEMM adds into it
