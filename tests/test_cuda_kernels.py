@@ -474,6 +474,38 @@ def test_rope_on_the_heads_of_a_fused_qkv(case, dtype):
     assert_close([fused], [ref], TOL[dtype], "fused qkv gradient")
 
 
+@needs_gpus(1)
+@pytest.mark.parametrize("case", [(1, 32, 8, 33, 128), (2, 32, 4, 17, 64), (1, 5, 1, 9, 128)])
+def test_rope_a_block_a_position_gives_the_head_a_thread_bits(case, monkeypatch):
+    """bf16 rotate-half with a head's pairs in 4 or 8 vectors runs rope_rows_kernel (the
+    heads of a warp share a position's angles); its results, forward in place on the
+    fused QKV's head views and backward into them, are the general kernel's bit for bit
+    (MODULEC_ROPE_ROWS=0). Hkv 4 at D=64 and Hq 5 leave a warp's last heads empty."""
+    from runtime.cuda.train_kernels import TRAIN_KERNELS
+
+    torch.manual_seed(9)
+    B, Hq, Hk, T, D = case
+    qkv = rand(B, T, Hq + 2 * Hk, D, dtype=torch.bfloat16)
+    pos = torch.randint(0, 64, (B, T), device="cuda", dtype=torch.int32)
+    attrs = {"theta": 500000.0}
+    d_out = rand(B, T, Hq + 2 * Hk, D, dtype=torch.bfloat16)
+
+    def run():
+        q, k, _ = (x.transpose(1, 2) for x in qkv.clone().split([Hq, Hk, Hk], dim=2))
+        d_q, d_k, _ = (x.transpose(1, 2) for x in d_out.split([Hq, Hk, Hk], dim=2))
+        forward = [t.clone() for t in CUDA_KERNELS["rope"].forward([q, k, pos], attrs)]
+        return forward + list(TRAIN_KERNELS["rope"].backward([d_q, d_k, pos], attrs))
+
+    rows = run()
+    monkeypatch.setenv("MODULEC_ROPE_ROWS", "0")
+    heads = run()
+    for got, want in zip(rows, heads):
+        assert torch.equal(got, want)
+    want = KERNELS["rope"].backward([x.transpose(1, 2) for x in
+                                     d_out.split([Hq, Hk, Hk], dim=2)[:2]] + [pos], attrs)
+    assert_close(rows[2:], want, TOL[torch.bfloat16], "rope backward, a block a position")
+
+
 # (B, Hq, Hkv, T, D, positions) as ROPE_CASES. D=128 and 64 take the vector path; D=72
 # (bf16: 36 is not whole vectors), 4, 6 and 20 the scalar path with 2 to 8 elements a lane
 # (fp32 D=72: the vector path, 9 vectors a half); Hq=5 and Hkv=1 partial head groups;

@@ -15,6 +15,8 @@
 // head slots of the fused QKV gradient in the backward. `launch_rope_pair` rotates q and k
 // in one launch (the grid's y covers q's head groups, then k's): k alone is a small launch
 // whose tail the pair hides.
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace modulec {
@@ -90,6 +92,18 @@ __device__ __forceinline__ void join_pairs(const float (&lo)[VEC], const float (
   }
 }
 
+// pairs (lo, hi) turned by angles (cs, sn): both kernels' one arithmetic
+template <int VEC>
+__device__ __forceinline__ void turn(const float (&lo)[VEC], const float (&hi)[VEC],
+                                     const float (&cs)[VEC], const float (&sn)[VEC],
+                                     float (&a)[VEC], float (&c)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    a[j] = lo[j] * cs[j] - hi[j] * sn[j];
+    c[j] = hi[j] * cs[j] + lo[j] * sn[j];
+  }
+}
+
 // The pass-through channels [R, D) of one (b, t): a VEC copy in kHeads heads from head0.
 template <typename T, int VEC>
 __device__ __forceinline__ void copy_pass(const T* __restrict__ x, T* __restrict__ out,
@@ -139,11 +153,7 @@ __device__ __forceinline__ void rope_heads(const T* __restrict__ x, T* __restric
     const int64_t base = b * s.ob + (head0 + k) * s.oh + t * s.ot;
     float lo[VEC], hi[VEC], a[VEC], c[VEC];
     split_pairs<VEC, INTER>(v0[k], v1[k], lo, hi);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      a[j] = lo[j] * cs[j] - hi[j] * sn[j];
-      c[j] = hi[j] * cs[j] + lo[j] * sn[j];
-    }
+    turn<VEC>(lo, hi, cs, sn, a, c);
     join_pairs<VEC, INTER>(a, c, v0[k], v1[k]);
     store_vec<T, VEC>(out + base + o0, 0, v0[k]);
     store_vec<T, VEC>(out + base + o1, 0, v1[k]);
@@ -166,6 +176,51 @@ __global__ void rope_kernel(RopeTargets<T> p, const int32_t* __restrict__ positi
   const int64_t group = static_cast<int64_t>(blockIdx.y) - (which ? p.split : 0);
   rope_heads<T, VEC, INTER>(p.x[which], p.out[which], position_ids, p.s[which],
                             group * kHeads);
+}
+
+// A position's angles shared by the heads of a warp (rotate-half, 16-byte vectors, a
+// head's pairs UNITS vectors, nothing to copy through): a block one (b, t), its warps q's
+// head groups then k's, a lane one head's vector `unit` (lane = UNITS h + unit, 32 / UNITS
+// heads a warp). A unit's VEC angles are computed by its 32 / UNITS lanes, VEC UNITS / 32
+// each, with rope_angles' arithmetic, and passed round by shuffles: a warp makes a
+// position's angles once, not once a head (the same bits; one H200, LoRA 8B's q and k
+// alone: 18.1 -> 15.2 us, benchmarks/kernels/rope_angle_variants.cu).
+template <typename T, int VEC, int UNITS>
+__global__ void rope_rows_kernel(RopeTargets<T> p, const int32_t* __restrict__ position_ids) {
+  constexpr int kPerWarp = 32 / UNITS, kPerLane = VEC / kPerWarp;
+  const int group = static_cast<int>(threadIdx.x / 32);
+  const int which = group >= p.split;
+  const RopeShape& s = p.s[which];
+  const int lane = static_cast<int>(threadIdx.x % 32), unit = lane % UNITS, h = lane / UNITS;
+  const int64_t head = static_cast<int64_t>(group - (which ? p.split : 0)) * kPerWarp + h;
+  const int64_t b = blockIdx.x / s.T, t = blockIdx.x - b * s.T;
+  const float pos = position_ids ? static_cast<float>(position_ids[b * s.pos_batch_stride + t])
+                                 : static_cast<float>(t);
+  const int64_t i0 = static_cast<int64_t>(unit) * VEC;
+  float c_own[kPerLane], s_own[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {  // rope_angles' arithmetic for frequency i0 + f
+    const float angle = pos * s.inv_freq[i0 + h * kPerLane + j];
+    sincosf(angle, &s_own[j], &c_own[j]);
+    c_own[j] *= s.scale;
+    s_own[j] *= s.sign * s.scale;
+  }
+  float cs[VEC], sn[VEC];
+#pragma unroll
+  for (int f = 0; f < VEC; ++f) {
+    const int from = (f / kPerLane) * UNITS + unit;
+    cs[f] = __shfl_sync(0xffffffffu, c_own[f % kPerLane], from);
+    sn[f] = __shfl_sync(0xffffffffu, s_own[f % kPerLane], from);
+  }
+  if (head >= s.H) return;
+  const T* x = p.x[which] + b * s.xb + head * s.xh + t * s.xt + i0;
+  T* out = p.out[which] + b * s.ob + head * s.oh + t * s.ot + i0;
+  float lo[VEC], hi[VEC], a[VEC], c[VEC];
+  load_vec<T, VEC>(x, 0, lo);
+  load_vec<T, VEC>(x + s.n, 0, hi);
+  turn<VEC>(lo, hi, cs, sn, a, c);
+  store_vec<T, VEC>(out, 0, a);
+  store_vec<T, VEC>(out + s.n, 0, c);
 }
 
 int head_groups(int64_t H) { return static_cast<int>((H + kHeads - 1) / kHeads); }
@@ -209,12 +264,46 @@ bool vectors(const void* x, const void* out, const RopeShape& s) {
   return vec;
 }
 
+// rope_rows_kernel's launch where it covers the call (a head's pairs 4 or 8 vectors,
+// rotate-half, nothing copied through, a block's warps at most 32); false where it does
+// not. MODULEC_ROPE_ROWS=0 turns it off (the tests compare the two kernels' bits).
+template <typename T, int VEC>
+bool launch_rows(const void* const* x, void* const* out, const int32_t* pos,
+                 const RopeShape* s, int count, bool interleaved, cudaStream_t stream) {
+  const char* env = std::getenv("MODULEC_ROPE_ROWS");
+  if (interleaved || (env && env[0] == '0') || s[0].n % VEC) return false;
+  const int64_t units = s[0].n / VEC;
+  if (units != 4 && units != 8) return false;
+  const int64_t per_warp = 32 / units;
+  int64_t warps = 0;
+  RopeTargets<T> p{};
+  for (int i = 0; i < count; ++i) {
+    if (s[i].pass_units) return false;
+    p.x[i] = static_cast<const T*>(x[i]);
+    p.out[i] = static_cast<T*>(out[i]);
+    p.s[i] = s[i];
+    warps += (s[i].H + per_warp - 1) / per_warp;
+  }
+  if (warps > 32) return false;
+  p.split = static_cast<int>((s[0].H + per_warp - 1) / per_warp);
+  const unsigned blocks = static_cast<unsigned>(s[0].B * s[0].T);
+  const unsigned threads = static_cast<unsigned>(warps * 32);
+  if (units == 8)
+    rope_rows_kernel<T, VEC, 8><<<blocks, threads, 0, stream>>>(p, pos);
+  else
+    rope_rows_kernel<T, VEC, 4><<<blocks, threads, 0, stream>>>(p, pos);
+  return true;
+}
+
 template <typename T>
 cudaError_t rope_typed(const void* const* x, void* const* out, const int32_t* pos,
                        const RopeShape* s, int count, bool interleaved, cudaStream_t stream) {
   constexpr int wide = 16 / sizeof(T);
   bool vec = true;
   for (int i = 0; i < count; ++i) vec = vec && vectors<T>(x[i], out[i], s[i]);
+  if constexpr (wide == 8)  // bf16
+    if (vec && launch_rows<T, wide>(x, out, pos, s, count, interleaved, stream))
+      return cudaGetLastError();
   if (vec)
     launch_layout<T, wide>(interleaved, x, out, pos, s, count, stream);
   else

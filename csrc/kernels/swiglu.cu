@@ -91,8 +91,11 @@ __global__ void swiglu_forward_fp8_kernel(const __nv_bfloat16* __restrict__ gate
 }
 
 // WITH_Y: also y = act(gate) * up into y (a template flag: the plain backward keeps its
-// registers and its one branch)
-template <typename T, int VEC, int ACT, bool WITH_Y>
+// registers and its one branch). TAIL: rows may end in a partial vector, done one element
+// at a time; without it (C a multiple of VEC) that loop's registers are not reserved: 40
+// a thread instead of 48 for bf16 silu, 6 blocks a multiprocessor instead of 5 (LoRA 8B,
+// alone on one H200: 82.8 -> 78 us)
+template <typename T, int VEC, int ACT, bool WITH_Y, bool TAIL>
 __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
                                        const T* __restrict__ gate, int64_t ld_g,
                                        const T* __restrict__ up, int64_t ld_u,
@@ -102,28 +105,29 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ d_y, int64_t ld_dy,
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= s.rows * s.cv) return;
   const int64_t r = idx / s.cv, c = (idx - r * s.cv) * VEC;
-  const T* dyp = d_y + r * ld_dy + c;
-  const T* g = gate + r * ld_g + c;
-  const T* u = up + r * ld_u + c;
-  T* dgp = d_gate + r * ld_dg + c;
-  T* dup = d_up + r * ld_du + c;
-  T* yp = WITH_Y ? y + r * ld_y + c : nullptr;
-  if (c + VEC <= s.C) {
+  if (!TAIL || c + VEC <= s.C) {
+    // every load issued before any arithmetic, each address formed where it is used
     float dy[VEC], gv[VEC], uv[VEC], dg[VEC], du[VEC];
-    load_vec<T, VEC>(dyp, 0, dy);
-    load_vec<T, VEC>(g, 0, gv);
-    load_vec<T, VEC>(u, 0, uv);
+    load_vec<T, VEC>(d_y + r * ld_dy + c, 0, dy);
+    load_vec<T, VEC>(gate + r * ld_g + c, 0, gv);
+    load_vec<T, VEC>(up + r * ld_u + c, 0, uv);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) swiglu_grad<ACT>(dy[j], gv[j], uv[j], dg[j], du[j]);
-    store_vec<T, VEC>(dgp, 0, dg);
-    store_vec<T, VEC>(dup, 0, du);
+    store_vec<T, VEC>(d_gate + r * ld_dg + c, 0, dg);
+    store_vec<T, VEC>(d_up + r * ld_du + c, 0, du);
     if constexpr (WITH_Y) {
       float yv[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) yv[j] = swiglu_y<ACT>(gv[j], uv[j]);
-      store_vec<T, VEC>(yp, 0, yv);
+      store_vec<T, VEC>(y + r * ld_y + c, 0, yv);
     }
-  } else {
+  } else if constexpr (TAIL) {
+    const T* dyp = d_y + r * ld_dy + c;
+    const T* g = gate + r * ld_g + c;
+    const T* u = up + r * ld_u + c;
+    T* dgp = d_gate + r * ld_dg + c;
+    T* dup = d_up + r * ld_du + c;
+    T* yp = WITH_Y ? y + r * ld_y + c : nullptr;
     for (int64_t j = 0; c + j < s.C; ++j) {
       float dg, du;
       const float gj = to_float(g[j]), uj = to_float(u[j]);
@@ -187,14 +191,17 @@ cudaError_t backward_typed(const void* d_y, int64_t ld_dy, const void* gate, int
   // a null y is aligned (pick_vec's test); its ld is then only checked, never used
   const bool wide_path = wide_ok<T>({d_y, gate, up, d_gate, d_up, y},
                                     {ld_dy, ld_g, ld_u, ld_dg, ld_du, y ? ld_y : 0}, rows);
+  const bool tail = C % wide != 0;
   if (y && wide_path)
-    args(swiglu_backward_kernel<T, wide, ACT, true>, wide);
+    tail ? args(swiglu_backward_kernel<T, wide, ACT, true, true>, wide)
+         : args(swiglu_backward_kernel<T, wide, ACT, true, false>, wide);
   else if (y)
-    args(swiglu_backward_kernel<T, 1, ACT, true>, 1);
+    args(swiglu_backward_kernel<T, 1, ACT, true, false>, 1);
   else if (wide_path)
-    args(swiglu_backward_kernel<T, wide, ACT, false>, wide);
+    tail ? args(swiglu_backward_kernel<T, wide, ACT, false, true>, wide)
+         : args(swiglu_backward_kernel<T, wide, ACT, false, false>, wide);
   else
-    args(swiglu_backward_kernel<T, 1, ACT, false>, 1);
+    args(swiglu_backward_kernel<T, 1, ACT, false, false>, 1);
   return cudaGetLastError();
 }
 
