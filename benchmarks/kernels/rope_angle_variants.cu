@@ -1,8 +1,10 @@
 // What RoPE's angles cost at LoRA 8B's shape (csrc/kernels/rope.cu, q and k rotated in
 // place inside the fused QKV projection's output [T, 6144]: B=1, T=2048, D=128, 32 / 8
-// heads). The shipped kernel gives a thread one head's 8 pairs and computes their 8
-// sincosf, so the 40 heads of a position compute the same angles 40 times. Against it,
-// each timed alone with L2 flushed, d_x compared with the shipped kernel's:
+// heads). rope.cu's general kernel gives a thread one head's 8 pairs and computes their 8
+// sincosf, so the 40 heads of a position compute the same angles 40 times; the shipped
+// launch now takes rope_rows_kernel (the `shared, a block a row` form below, session 24).
+// Against the general kernel (MODULEC_ROPE_ROWS=0), each timed alone with L2 flushed,
+// d_x compared with its bits:
 //   table   the angles read from a (cos, sin) table per (position, frequency), made once
 //           by the same rope_angles code (a step would make it once for its 64 calls);
 //           its making timed apart

@@ -13,13 +13,14 @@
 // multiprocessor), each writing its t partial in fp32, summed in order by a second launch;
 // a third keeps swiglu's 16-byte accesses and hands h to the mma through a shared tile
 // (the best so far, one CTA of 16 warps a multiprocessor; its forms with 2 CTAs a
-// multiprocessor, registers bounded at 64, were written at the end of session 23 and not
-// yet run on a GPU). (Staging gate and up through shared memory by cp.async, 16 rows x
+// multiprocessor, registers bounded at 64, ran slower: 96.4 and 103.9 against 87.9 us on
+// one H200, session 24, where the two kernels apart take 49.4 + 23.6). (Staging gate and up through shared memory by cp.async, 16 rows x
 // 512 columns, three chunks in flight, ran slower: 112.8 us, session 23.) Checked here: h
 // against the shipped swiglu forward's bits, t against a float64 host sum of the same
 // bf16 h, the other forms' t against the first's. Timed alone, L2 flushed: the shipped
 // forward, the fused forms, and a plain read of h (the least the split-K GEMM it replaces
-// costs). Results: results_swiglu_down_t_h100.txt. On a GPU machine:
+// costs). Results: results_swiglu_down_t_h100.txt, results_swiglu_down_t_h200.txt. On a
+// GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //     benchmarks/kernels/swiglu_down_t_variants.cu csrc/kernels/swiglu.cu \
 //     csrc/kernels/fp8_amax.cu -o /tmp/swiglu_t && /tmp/swiglu_t

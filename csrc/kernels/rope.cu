@@ -8,7 +8,9 @@
 // cos and sin depend on (b, t, i) only; a thread may apply them to kHeads heads, but one
 // head a thread measured fastest (more threads in flight beat the saved sincosf: one H100,
 // benchmarks/kernels/bench_rope_pair.py, q and k in one launch, Llama-3-8B 23.8 / 21.7 /
-// 21.8 us at 4 / 2 / 1 heads a thread, TinyLlama B=4 59.2 / 52.5 / 37.0 us).
+// 21.8 us at 4 / 2 / 1 heads a thread, TinyLlama B=4 59.2 / 52.5 / 37.0 us). Where a
+// call fits it (bf16 rotate-half, whole rotated heads of 4 or 8 vectors), rope_rows_kernel
+// shares the angles among a warp's heads through shuffles instead, a block a position.
 // x and out have strides of their own over (b, h, t) (the last dim contiguous), so the
 // kernel reads the attention's q/k as the transposed views of the fused QKV projection
 // they are, and writes where the caller wants: [B, T, H, D] for FlashAttention, or the
