@@ -176,9 +176,8 @@ __global__ void adamw_kernel(Master master, const G* __restrict__ g, float* __re
 
 // The list form: the grid's blocks dealt to the tensors of `list` in order, first[k] ..
 // first[k + 1] - 1 to tensor k (as many as its own launch would have), each tensor with its
-// own rate factor and weight decay. (A grid whose y was the tensor and x the largest
-// tensor's blocks left most of a LoRA layer's blocks with nothing to do: one H200, a
-// layer's 14 adapters and the next's first 2, 18.5 us a launch in the step.)
+// own rate factor and weight decay. (A grid of the largest tensor's blocks for every
+// tensor would leave most of a LoRA layer's blocks with nothing to do.)
 struct ListGrid {
   AdamWSplitList list;
   int first[kAdamWListMax + 1];
