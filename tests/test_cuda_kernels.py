@@ -481,6 +481,7 @@ def test_rope_a_block_a_position_gives_the_head_a_thread_bits(case, monkeypatch)
     heads of a warp share a position's angles); its results, forward in place on the
     fused QKV's head views and backward into them, are the general kernel's bit for bit
     (MODULEC_ROPE_ROWS=0). Hkv 4 at D=64 and Hq 5 leave a warp's last heads empty."""
+    from benchmarks.harness import profiled_events
     from runtime.cuda.train_kernels import TRAIN_KERNELS
 
     torch.manual_seed(9)
@@ -491,14 +492,21 @@ def test_rope_a_block_a_position_gives_the_head_a_thread_bits(case, monkeypatch)
     d_out = rand(B, T, Hq + 2 * Hk, D, dtype=torch.bfloat16)
 
     def run():
+        """The forward's and backward's results, and the names of the kernels they ran."""
         q, k, _ = (x.transpose(1, 2) for x in qkv.clone().split([Hq, Hk, Hk], dim=2))
         d_q, d_k, _ = (x.transpose(1, 2) for x in d_out.split([Hq, Hk, Hk], dim=2))
-        forward = [t.clone() for t in CUDA_KERNELS["rope"].forward([q, k, pos], attrs)]
-        return forward + list(TRAIN_KERNELS["rope"].backward([d_q, d_k, pos], attrs))
+        results = []
 
-    rows = run()
+        def both():
+            results.extend(t.clone() for t in CUDA_KERNELS["rope"].forward([q, k, pos], attrs))
+            results.extend(TRAIN_KERNELS["rope"].backward([d_q, d_k, pos], attrs))
+        names = " ".join(e.get("name", "") for e in profiled_events(both))
+        return results, names
+
+    rows, rows_kernels = run()
     monkeypatch.setenv("MODULEC_ROPE_ROWS", "0")
-    heads = run()
+    heads, heads_kernels = run()
+    assert "rope_rows_kernel" in rows_kernels and "rope_rows_kernel" not in heads_kernels
     for got, want in zip(rows, heads):
         assert torch.equal(got, want)
     want = KERNELS["rope"].backward([x.transpose(1, 2) for x in
@@ -553,6 +561,7 @@ def test_qk_norm_rope_on_the_heads_of_a_fused_qkv(case, dtype):
     out [B, T, H, D]; the training registry's backward reads d_q_rot / d_k_rot as
     transposed views too and writes the fused QKV gradient, and the concat over heads
     copies only d_v. fp32 D=72 takes the vector path on these strides, bf16 the scalar."""
+    from benchmarks.harness import profiled_events
     from runtime.cuda.train_kernels import TRAIN_KERNELS
 
     torch.manual_seed(9)

@@ -2,7 +2,7 @@
 // place inside the fused QKV projection's output [T, 6144]: B=1, T=2048, D=128, 32 / 8
 // heads). rope.cu's general kernel gives a thread one head's 8 pairs and computes their 8
 // sincosf, so the 40 heads of a position compute the same angles 40 times; the shipped
-// launch now takes rope_rows_kernel (the `shared, a block a row` form below, session 24).
+// launch now takes rope_rows_kernel (the shared angles below, a block a position).
 // Against the general kernel (MODULEC_ROPE_ROWS=0), each timed alone with L2 flushed,
 // d_x compared with its bits:
 //   table   the angles read from a (cos, sin) table per (position, frequency), made once
@@ -10,8 +10,8 @@
 //           its making timed apart
 //   shared  4 heads a warp share their angles: the lanes of one position's 8-pair unit
 //           each compute 2 of its 8 sincosf and pass them round with shuffles (the same
-//           sincosf calls, so the same angles; no table, nothing to plan); then a block a
-//           row (one position's q and k heads, side by side in the QKV output)
+//           sincosf calls, so the same angles; no table, nothing to plan); the shipped
+//           launch does this with a block a row (one position's q and k heads)
 // docs/gpu.md "LoRA" (the leads). On a GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //     benchmarks/kernels/rope_angle_variants.cu -o /tmp/rope_angles && /tmp/rope_angles
@@ -80,35 +80,19 @@ __global__ void rope_from_table(RopeTargets<bf16> p, const float2* __restrict__ 
 }
 
 // 4 heads a warp: lane = 8 head_in_group + unit (n == 8 VEC: 8 units a head); blockIdx.y
-// the group of 4 heads; each warp one (b, t). A lane computes frequencies 2 h, 2 h + 1 of
-// its unit's 8 (h: its head in the group), then gathers the 8 with shuffles.
-// ROW: a block one (b, t), its warps the groups of 4 heads, q's then k's (one row's q and
-// k lie side by side in the QKV output: a block reads and writes one span of it)
-template <bool ROW>
+// the group of 4 heads; each warp one (b, t); the angles from rope.cu's warp_angles (the
+// shipped rope_rows_kernel's, which gives a block one (b, t) instead)
 __global__ void rope_shared(RopeTargets<bf16> p) {
-  const int group = ROW ? static_cast<int>(threadIdx.x / 32) : static_cast<int>(blockIdx.y);
+  const int group = static_cast<int>(blockIdx.y);
   const int which = group >= p.split;
   const RopeShape& s = p.s[which];
   const int lane = threadIdx.x % 32, unit = lane % 8, h = lane / 8;
   const int64_t head = (static_cast<int64_t>(group) - (which ? p.split : 0)) * 4 + h;
-  const int64_t bt = ROW ? static_cast<int64_t>(blockIdx.x)
-                         : static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t bt = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (bt >= s.B * s.T) return;  // uniform across the warp
   const int64_t b = bt / s.T, t = bt - b * s.T;
-  float c2[2], s2[2];
-  for (int j = 0; j < 2; ++j) {
-    const float angle = static_cast<float>(t) * s.inv_freq[unit * VEC + 2 * h + j];
-    sincosf(angle, &s2[j], &c2[j]);
-    c2[j] *= s.scale;
-    s2[j] *= s.sign * s.scale;
-  }
   float cs[VEC], sn[VEC];
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    const int src = (j / 2) * 8 + unit;
-    cs[j] = __shfl_sync(0xffffffffu, c2[j % 2], src);
-    sn[j] = __shfl_sync(0xffffffffu, s2[j % 2], src);
-  }
+  modulec::warp_angles<VEC, 8>(s, static_cast<float>(t), unit, h, cs, sn);
   if (head < s.H) rotate(const_cast<bf16*>(p.x[which]), s, b, t, head, unit * VEC, cs, sn);
 }
 // the bytes alone: each row's q and k read and written back in place (a block a row)
@@ -196,15 +180,9 @@ int main() {
   p.split = static_cast<int>(Hq / 4);
   const dim3 grid_s(static_cast<unsigned>((T + 7) / 8), static_cast<unsigned>((Hq + Hk) / 4));
   reset(got);
-  exp_::rope_shared<false><<<grid_s, 256>>>(p);
+  exp_::rope_shared<<<grid_s, 256>>>(p);
   snprintf(buf, sizeof buf, "shared, 4 heads a warp (diff %.1e)", max_diff(ref, got, elems));
-  report(buf, time_us([&] { exp_::rope_shared<false><<<grid_s, 256>>>(p); }, 25, 3));
-  const unsigned row_threads = static_cast<unsigned>((Hq + Hk) / 4 * 32);
-  reset(got);
-  exp_::rope_shared<true><<<static_cast<unsigned>(T), row_threads>>>(p);
-  snprintf(buf, sizeof buf, "shared, a block a row (diff %.1e)", max_diff(ref, got, elems));
-  report(buf, time_us([&] {
-    exp_::rope_shared<true><<<static_cast<unsigned>(T), row_threads>>>(p); }, 25, 3));
+  report(buf, time_us([&] { exp_::rope_shared<<<grid_s, 256>>>(p); }, 25, 3));
   cudaFree(orig); cudaFree(ref); cudaFree(got); cudaFree(inv_freq); cudaFree(table);
   return 0;
 }

@@ -3,7 +3,8 @@
 // flushed before each timed run (a 256 MB memset: the operands come from HBM, as in a
 // step), the median of timed runs after warm-up ones, reproducible bf16 inputs (on the host
 // or uploaded), bf16 results brought back, the largest difference of two bf16 results,
-// and the largest error of fp32 results against a reference's. Call init_flush() first.
+// the largest error of fp32 results against a reference's, and a kernel that only reads
+// (the least a kernel reading those bytes costs). Call init_flush() first.
 #pragma once
 
 #include <algorithm>
@@ -87,4 +88,22 @@ static double max_diff(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t n)
   for (size_t i = 0; i < n; ++i)
     m = std::max(m, (double)std::fabs(__bfloat162float(ha[i]) - __bfloat162float(hb[i])));
   return m;
+}
+
+// Reads rows x vecs_row 16-byte pieces of bf16 rows `ld` elements apart, a thread a piece a
+// step, from the first row or (REVERSE) from the last; an xor of everything read keeps the
+// loads alive. A contiguous buffer of n pieces: rows 1, vecs_row n.
+template <bool REVERSE>
+__global__ void read_rows(const __nv_bfloat16* p, int64_t rows, int64_t vecs_row, int64_t ld,
+                          float* sink) {
+  const int64_t total = rows * vecs_row;
+  uint32_t acc = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = REVERSE ? total - 1 - i : i;
+    const int64_t r = j / vecs_row, c = (j - r * vecs_row) * 8;
+    const uint4 v = *reinterpret_cast<const uint4*>(p + r * ld + c);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) sink[0] = 1.f;
 }

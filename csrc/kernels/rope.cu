@@ -187,9 +187,32 @@ __global__ void rope_kernel(RopeTargets<T> p, const int32_t* __restrict__ positi
 // each, with rope_angles' arithmetic, and passed round by shuffles: a warp makes a
 // position's angles once, not once a head (the same bits; one H200, LoRA 8B's q and k
 // alone: 18.1 -> 15.2 us, benchmarks/kernels/rope_angle_variants.cu).
+// One unit's VEC (cos, sin) at position pos, made by the warp's 32 / UNITS lanes of that
+// unit (lane = UNITS h + unit), VEC UNITS / 32 each with rope_angles' arithmetic, and
+// passed round by shuffles. Every lane of the warp calls it.
+template <int VEC, int UNITS>
+__device__ __forceinline__ void warp_angles(const RopeShape& s, float pos, int unit, int h,
+                                            float (&cs)[VEC], float (&sn)[VEC]) {
+  constexpr int kPerLane = VEC * UNITS / 32;
+  float c_own[kPerLane], s_own[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float angle = pos * s.inv_freq[static_cast<int64_t>(unit) * VEC + h * kPerLane + j];
+    sincosf(angle, &s_own[j], &c_own[j]);
+    c_own[j] *= s.scale;
+    s_own[j] *= s.sign * s.scale;
+  }
+#pragma unroll
+  for (int f = 0; f < VEC; ++f) {
+    const int from = (f / kPerLane) * UNITS + unit;
+    cs[f] = __shfl_sync(0xffffffffu, c_own[f % kPerLane], from);
+    sn[f] = __shfl_sync(0xffffffffu, s_own[f % kPerLane], from);
+  }
+}
+
 template <typename T, int VEC, int UNITS>
 __global__ void rope_rows_kernel(RopeTargets<T> p, const int32_t* __restrict__ position_ids) {
-  constexpr int kPerWarp = 32 / UNITS, kPerLane = VEC / kPerWarp;
+  constexpr int kPerWarp = 32 / UNITS;
   const int group = static_cast<int>(threadIdx.x / 32);
   const int which = group >= p.split;
   const RopeShape& s = p.s[which];
@@ -199,21 +222,8 @@ __global__ void rope_rows_kernel(RopeTargets<T> p, const int32_t* __restrict__ p
   const float pos = position_ids ? static_cast<float>(position_ids[b * s.pos_batch_stride + t])
                                  : static_cast<float>(t);
   const int64_t i0 = static_cast<int64_t>(unit) * VEC;
-  float c_own[kPerLane], s_own[kPerLane];
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {  // rope_angles' arithmetic for frequency i0 + f
-    const float angle = pos * s.inv_freq[i0 + h * kPerLane + j];
-    sincosf(angle, &s_own[j], &c_own[j]);
-    c_own[j] *= s.scale;
-    s_own[j] *= s.sign * s.scale;
-  }
   float cs[VEC], sn[VEC];
-#pragma unroll
-  for (int f = 0; f < VEC; ++f) {
-    const int from = (f / kPerLane) * UNITS + unit;
-    cs[f] = __shfl_sync(0xffffffffu, c_own[f % kPerLane], from);
-    sn[f] = __shfl_sync(0xffffffffu, s_own[f % kPerLane], from);
-  }
+  warp_angles<VEC, UNITS>(s, pos, unit, h, cs, sn);
   if (head >= s.H) return;
   const T* x = p.x[which] + b * s.xb + head * s.xh + t * s.xt + i0;
   T* out = p.out[which] + b * s.ob + head * s.oh + t * s.ot + i0;
