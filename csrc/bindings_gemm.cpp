@@ -185,10 +185,12 @@ void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha,
 }
 
 // d_A = alpha d_C B and d_B = alpha d_C^T A of C = alpha A B^T, A [T, R] (R <= 64), in
-// one pass over d_C (kernels/skinny_grads.cu); da32 / db32: fp32 sums, zero on entry and
-// left zero; out: planned bytes for (d_A, d_B) or none.
+// one pass over d_C (kernels/skinny_grads.cu); work: fp32, where the CTAs' parts meet:
+// `partials` true, skinny_partial_floats of them, else d_A's and d_B's sums one after the
+// other ((T + N) x R), zero on entry and left zero; out: planned bytes for (d_A, d_B) or
+// none.
 std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const Tensor& b,
-                                       double alpha, const Tensor& da32, const Tensor& db32,
+                                       double alpha, const Tensor& work, bool partials,
                                        const Outputs& out, const std::vector<int64_t>& blocks,
                                        bool compact_b) {
   // A's rows may lie apart (t in x's spare columns: runtime/cuda/lora_kcat.py), 16-byte
@@ -211,10 +213,14 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
                   (rank == 16 || rank == 32 || rank == 48 || rank == 64),
               "skinny_nt_backward: shape not covered");
   const c10::cuda::CUDAGuard guard(d_c.device());
-  check(da32, "da32", at::kFloat, d_c);
-  check(db32, "db32", at::kFloat, d_c);
-  TORCH_CHECK(da32.numel() == rows * rank && db32.numel() == cols * rank,
-              "skinny_nt_backward: the fp32 sums must hold d_A and d_B");
+  check(work, "work", at::kFloat, d_c);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const bool blocked = rank > 16 && static_cast<int64_t>(blocks.size()) * 16 == rank;
+  const int64_t floats = partials ? modulec::skinny_partial_floats(rows, cols, rank, blocked,
+                                                                   sms)
+                                  : (rows + cols) * rank;
+  TORCH_CHECK(work.is_contiguous() && work.numel() == floats, "skinny_nt_backward: work must ",
+              "hold ", floats, partials ? " partials" : " sums", ", not ", work.numel());
   // d_a may be a view with rows apart (d_t written beside d_y: runtime/cuda/lora_kcat.py)
   const bool strided_a = out.size() > 0 && out[0] && !out[0]->is_contiguous();
   Tensor d_a = strided_a ? *out[0] : output(out, 0, {rows, rank}, a.options());
@@ -241,14 +247,21 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
                 skinny_cols_multiple());
     parts.end[i] = blocks[i];
   }
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  float* base = work.data_ptr<float>();
+  const SkinnySums sums = partials ? SkinnySums{base, nullptr, nullptr}
+                                   : SkinnySums{nullptr, base, base + rows * rank};
   check_launch(launch_skinny_nt_backward(d_c.data_ptr(), d_c.stride(0), a.data_ptr(),
-                                         a.stride(0), b.data_ptr(), da32.data_ptr<float>(),
-                                         db32.data_ptr<float>(), d_a.data_ptr(), d_a.stride(0),
-                                         d_b.data_ptr(), rows, cols, static_cast<int>(rank),
+                                         a.stride(0), b.data_ptr(), sums, d_a.data_ptr(),
+                                         d_a.stride(0), d_b.data_ptr(), rows, cols,
+                                         static_cast<int>(rank),
                                          static_cast<float>(alpha), parts, sms, stream()),
                "skinny_nt_backward");
   return {d_a, d_b};
+}
+
+int64_t skinny_partial_floats(int64_t rows, int64_t cols, int64_t rank, bool blocked) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return modulec::skinny_partial_floats(rows, cols, static_cast<int>(rank), blocked, sms);
 }
 
 }  // namespace
@@ -257,8 +270,12 @@ void register_gemm(pybind11::module_& m) {
   m.def("skinny_nt_backward", &skinny_nt_backward,
         "d_A, d_B of C = alpha A B^T (A [T, R], R <= 64) in one pass over d_C",
         pybind11::arg("d_c"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"),
-        pybind11::arg("da32"), pybind11::arg("db32"), pybind11::arg("out") = Outputs{},
+        pybind11::arg("work"), pybind11::arg("partials"), pybind11::arg("out") = Outputs{},
         pybind11::arg("blocks") = std::vector<int64_t>{}, pybind11::arg("compact_b") = false);
+  m.def("skinny_partial_floats", &skinny_partial_floats,
+        "the fp32 workspace skinny_nt_backward's partials take on the current device",
+        pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("rank"),
+        pybind11::arg("blocked"));
   m.def("gemm_candidates", &gemm_candidates, "cuBLASLt's candidate count for a GEMM",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"),
         pybind11::arg("reads_out"), pybind11::arg("count"));

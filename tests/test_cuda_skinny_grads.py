@@ -3,8 +3,9 @@ rank-wide NT matmul (LoRA's delta) from one pass over d_C.
 
 On a GPU (`-m cuda`): for each rank the kernel covers (16 to 64) and a strided d_C,
 d_A = alpha d_C B and d_B = alpha d_C^T A match an fp32 reference within bf16 rounding,
-written into given targets; uncovered shapes, dtypes and torch's
-deterministic mode fall back (None); the matmul's GPU backward (train_kernels.matmul_grads)
+written into given targets, the same bits every call where the CTAs store their parts
+(else through atomics into sums left zero); uncovered shapes and dtypes fall back (None),
+and the atomics' path under torch's deterministic mode; the matmul's GPU backward (train_kernels.matmul_grads)
 takes the kernel and agrees with the two-GEMM path it replaces. Without a GPU: the CPU
 backward never reaches the kernel."""
 
@@ -55,30 +56,97 @@ def test_kernel_matches_reference(R, T, N, pad):
     _check(d_B, alpha * d_C.float().t() @ A.float())
 
 
-@needs_gpus(1)
-def test_the_finishing_launch_leaves_the_sums_zero_for_the_next_call():
-    """The finishing launch zeroes the kept fp32 sums as it casts them: calls one after
-    another and a captured graph's replays give the first call's gradients again, and
-    the kept sums are zero after each call."""
-    from runtime.cuda.skinny_grads import _sums
+def _calls_and_replays(d_C, A, B, blocks=None):
+    """The gradients of a first call, of a second, and of three replays of a captured call
+    (the kept workspace reused each time); with `blocks`, d_B stacked ([N, 16]: every
+    element written)."""
+    def call(out=None):
+        return skinny_nt_backward(d_C, A, B, 2.0, out, blocks=blocks, compact=bool(blocks))
 
-    d_C, A, B = _operands(2048, 28672, 32, seed=5)
-    first = [t.clone() for t in skinny_nt_backward(d_C, A, B, 2.0)]
-    sums = _sums(d_C.device, 2048, 28672, 32)
-    again = skinny_nt_backward(d_C, A, B, 2.0)
-    assert all(int(torch.count_nonzero(t)) == 0 for t in sums)
-    for got, want in zip(again, first):  # atomics' order: the last bits may differ
-        _check(got, want.float())
-    targets = [torch.empty_like(t) for t in first]
-    graph = torch.cuda.CUDAGraph()
+    first = [t.clone() for t in call()]
+    again = [t.clone() for t in call()]
+    graph, targets = torch.cuda.CUDAGraph(), [torch.empty_like(first[0]), None]
     with torch.cuda.graph(graph):
-        skinny_nt_backward(d_C, A, B, 2.0, targets)
+        targets[1] = call(targets)[1]
+    replays = []
     for _ in range(3):
-        targets[0].fill_(float("nan"))
+        for t in targets:
+            t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for got, want in zip(targets, first):
-            _check(got, want.float())
+        replays.append([t.clone() for t in targets])
+    return first, again, replays
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("blocks", [None, [14336, 14336]])
+def test_the_partials_give_the_same_bits_every_call(blocks):
+    """Where the CTAs store their parts (no atomics): a second call and a captured graph's
+    replays give the first call's bits, dense B or block-diagonal (d_B stacked), and they
+    match the fp32 reference."""
+    from runtime.cuda.skinny_grads import _work
+
+    d_C, A, B = _operands(2048, 28672, 32, seed=5)
+    if blocks:
+        B = _block_diagonal(blocks, seed=2).cuda()
+    assert _work(d_C.device, 2048, 28672, 32, bool(blocks))[1]  # partials at this size
+    first, again, replays = _calls_and_replays(d_C, A, B, blocks)
+    for got in [again] + replays:
+        assert all(torch.equal(g, f) for g, f in zip(got, first))
+    _check(first[0], 2.0 * d_C.float() @ B.float())
+    d_B = 2.0 * d_C.float().t() @ A.float()
+    if blocks:  # stacked: the first block's rows, its own 16 columns
+        d_B = d_B[:14336, :16]
+    _check(first[1][:d_B.shape[0]], d_B)
+
+
+@needs_gpus(1)
+def test_the_sums_are_left_zero_for_the_next_call(monkeypatch):
+    """MODULEC_SKINNY_PARTIALS=0 (as where the partials would take too much memory): the
+    CTAs add into fp32 sums through atomics and the finishing launch zeroes them as it
+    casts them: calls one after another and a captured graph's replays give the first
+    call's gradients again (to the atomics' order), the sums zero after each call; the
+    partials' gradients agree with them."""
+    from runtime.cuda.skinny_grads import _work
+
+    d_C, A, B = _operands(2048, 28672, 32, seed=5)
+    parted = skinny_nt_backward(d_C, A, B, 2.0)
+    monkeypatch.setenv("MODULEC_SKINNY_PARTIALS", "0")
+    work, partials = _work(d_C.device, 2048, 28672, 32, False)
+    assert not partials and work.numel() == (2048 + 28672) * 32
+    first, again, replays = _calls_and_replays(d_C, A, B)
+    assert int(torch.count_nonzero(work)) == 0
+    for got in [again, parted] + replays:
+        for g, want in zip(got, first):
+            _check(g, want.float())
+
+
+def test_the_partials_give_way_to_the_sums_where_they_would_take_too_much(monkeypatch):
+    """The partials' workspace grows with T; above PARTIALS_MAX_BYTES a problem keeps the
+    sums instead (and then is not taken under torch's deterministic mode)."""
+    import runtime.cuda.skinny_grads as skinny
+
+    class Extension:
+        @staticmethod
+        def skinny_partial_floats(rows, cols, rank, blocked):
+            return (rows // 256) * cols * rank + rows * rank
+
+    monkeypatch.setattr("runtime.cuda.build.load", lambda: Extension)
+    monkeypatch.setattr(skinny, "_work_kept", {})
+    monkeypatch.setattr(skinny.torch, "zeros", lambda size, **kw: torch.empty(size))
+    monkeypatch.setattr(skinny.torch.cuda, "current_stream",
+                        lambda device: type("S", (), {"cuda_stream": 0}))
+    device = torch.device("cpu")
+    work, partials = skinny._work(device, 2048, 28672, 32, False)
+    assert partials and work.numel() == Extension.skinny_partial_floats(2048, 28672, 32, False)
+    work, partials = skinny._work(device, 32768, 28672, 32, False)  # 470 MB of partials
+    assert not partials and work.numel() == (32768 + 28672) * 32
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert skinny._work(device, 32768, 28672, 32, False) == (None, False)
+        assert skinny._work(device, 2048, 28672, 32, False)[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @needs_gpus(1)
@@ -94,7 +162,9 @@ def test_uncovered_calls_fall_back(monkeypatch):
     monkeypatch.delenv("MODULEC_SKINNY_GRADS")
     torch.use_deterministic_algorithms(True)
     try:
-        assert skinny_nt_backward(d_C, A, B) is None
+        assert skinny_nt_backward(d_C, A, B) is not None  # the partials: the same bits
+        monkeypatch.setenv("MODULEC_SKINNY_PARTIALS", "0")
+        assert skinny_nt_backward(d_C, A, B) is None  # the sums' atomics: not
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -99,7 +99,7 @@ int main() {
   // the packed stores give the shipped kernel's bits (the sums written alike before each)
   std::vector<__nv_bfloat16> shipped(N * 16), packed(N * 16);
   touch<<<(N * R / 4 + 255) / 256, 256>>>(db32, N * R);
-  modulec::finish_kernel<<<grid, 256>>>(da32, db32, d_a, d_b, n_a, n_b, R, R, 2.f, blocks);
+  modulec::finish_kernel<<<grid, 256>>>(da32, db32, 0, 0, d_a, d_b, n_a, n_b, R, R, 2.f, blocks);
   CK(cudaMemcpy(shipped.data(), d_b, N * 16 * 2, cudaMemcpyDeviceToHost));
   touch<<<(N * R / 4 + 255) / 256, 256>>>(db32, N * R);
   finish_packed<<<grid, 256>>>(da32, db32, d_a, d_b, n_a, n_b, R, R, 2.f, blocks, true);
@@ -107,7 +107,7 @@ int main() {
   const bool same = memcmp(shipped.data(), packed.data(), N * 16 * 2) == 0;
   printf("packed stores give the shipped bits: %s\n", same ? "yes" : "NO");
   printf("shipped                     %6.2f us\n", touched([&] {
-           modulec::finish_kernel<<<grid, 256>>>(da32, db32, d_a, d_b, n_a, n_b, R, R, 2.f, blocks);
+           modulec::finish_kernel<<<grid, 256>>>(da32, db32, 0, 0, d_a, d_b, n_a, n_b, R, R, 2.f, blocks);
          }));
   printf("packed stores               %6.2f us\n", touched([&] {
            finish_packed<<<grid, 256>>>(da32, db32, d_a, d_b, n_a, n_b, R, R, 2.f, blocks, true);
@@ -116,7 +116,7 @@ int main() {
            finish_packed<<<grid, 256>>>(da32, db32, d_a, d_b, n_a, n_b, R, R, 2.f, blocks, false);
          }));
   printf("shipped, from HBM (flushed) %6.2f us\n", time_us([&] {
-           modulec::finish_kernel<<<grid, 256>>>(da32, db32, d_a, d_b, n_a, n_b, R, R, 2.f, blocks);
+           modulec::finish_kernel<<<grid, 256>>>(da32, db32, 0, 0, d_a, d_b, n_a, n_b, R, R, 2.f, blocks);
          }));
   return same ? 0 : 1;
 }

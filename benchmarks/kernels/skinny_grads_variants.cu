@@ -1,11 +1,14 @@
-// What limits skinny_nt_backward (csrc/kernels/skinny_grads.cu) at LoRA 8B's shapes: the
-// shipped kernel against a plain read of d_C and variants of it with the tile shape, the
-// pipeline depth and which atomics run as template knobs (MODE bits: 1 d_A's atomics, 2
-// d_B's, 4 the mma, 8 d_B's partials stored: each row block's own [N, R] slice, plain
-// float4 stores, no atomics and nothing to zero, summed by `finish_partials`), each timed
-// alone with L2 flushed before each run; a full variant's sums are checked against the
-// shipped kernel's (err). Results: results_skinny_variants_h100.txt, docs/decisions.md
-// "LoRA step: the adapter gradients in one pass over d_y". On a GPU machine:
+// What limits skinny_nt_backward (csrc/kernels/skinny_grads.cu) at LoRA 8B's shapes: plain
+// reads of d_C (one or several loads in flight a thread; the kernel's tiles read into
+// registers by one CTA or four a multiprocessor), the shipped kernel both ways (its parts
+// met in sums through atomics, or stored as partials and summed by the finishing launch;
+// dense and block-diagonal B) and variants of it with the tile shape, the pipeline depth
+// and which atomics run as template knobs (MODE bits: 1 d_A's atomics, 2 d_B's, 4 the
+// mma, 8 d_B's partials stored, summed by `finish_partials`), each timed alone with L2
+// flushed before each run; a full variant's sums are checked against the shipped kernel's
+// (err). Results: results_skinny_variants_h100.txt, results_skinny_variants_h200.txt,
+// docs/decisions.md "LoRA step: the adapter gradients in one pass over d_y". On a GPU
+// machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
 //     benchmarks/kernels/skinny_grads_variants.cu -o /tmp/skinny_variants && /tmp/skinny_variants
 #include "../../csrc/kernels/skinny_grads.cu"
@@ -23,19 +26,10 @@ using modulec::ldmatrix_x4;
 using modulec::ldmatrix_x4_trans;
 using modulec::mma;
 using modulec::add_tile;
+using modulec::store_tile;
 
 // MODE bits: 1 = da atomics, 2 = db atomics, 4 = compute (mma); 7 = the real thing;
 // 8 = db partials stored (with 1 and 4: 13, the real thing without db's atomics)
-
-// A warp's 16 x 8 accumulator tile stored into `part` [*, R]: plain stores need no lane-pair
-// swap (add_tile's, which halves the atomics), each lane its two pairs of floats
-template <int R>
-__device__ __forceinline__ void store_tile(float* part, int64_t row0, int col0,
-                                           const float (&c)[4], int lane) {
-  float* at = part + (row0 + lane / 4) * R + col0 + 2 * (lane % 4);
-  *reinterpret_cast<float2*>(at) = make_float2(c[0], c[1]);
-  *reinterpret_cast<float2*>(at + 8 * R) = make_float2(c[2], c[3]);
-}
 
 // d_B = the row blocks' partials summed (`parts` slices of n floats each), into db: a
 // float4 a thread, the partials in order (the same sum every run)
@@ -192,6 +186,60 @@ __global__ void read_all(const float4* p, int64_t n, float* out) {
   }
   if (acc.x == 12345.f) out[0] = acc.y;
 }
+
+// A plain read with UNROLL independent 16-byte loads in flight a thread (the read_all loop
+// keeps one): what the card gives a kernel that only streams d_C.
+template <int UNROLL>
+__global__ void read_unrolled(const uint4* p, int64_t n, float* out) {
+  uint32_t acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += UNROLL * stride) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (i + u * stride < n) v[u] = p[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (i + u * stride < n) acc ^= v[u].x ^ v[u].w;
+  }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
+// The one-pass kernel's access pattern without shared memory: a CTA of 256 threads walks
+// its KR rows x KC columns chunk after chunk (as the kernel's grid), each thread holding
+// its KR * KC / 8 / 256 pieces of a chunk in registers (all loads in flight together).
+template <int KR, int KC>
+__global__ void __launch_bounds__(256) read_tiles(const __nv_bfloat16* g, int64_t ldg,
+                                                  int64_t n_cols, int chunks_per_cta,
+                                                  float* out) {
+  constexpr int kRowPieces = KC / 8, kPer = KR * kRowPieces / 256;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * KR;
+  const int first = blockIdx.y * chunks_per_cta;
+  const int chunks = min(chunks_per_cta, static_cast<int>(n_cols / KC) - first);
+  uint32_t acc = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t n0 = static_cast<int64_t>(first + c) * KC;
+    uint4 v[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = threadIdx.x + j * 256, r = i / kRowPieces, q = i % kRowPieces;
+      v[j] = *reinterpret_cast<const uint4*>(g + (t0 + r) * ldg + n0 + q * 8);
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) acc ^= v[j].x ^ v[j].w;
+  }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
+template <int KR, int KC>
+void launch_read_tiles(const __nv_bfloat16* g, int64_t rows, int64_t cols, int ctas,
+                       float* out) {
+  const int row_blocks = static_cast<int>(rows / KR), chunks = static_cast<int>(cols / KC);
+  const int splits = std::max(1, std::min(chunks, ctas / row_blocks));
+  const int per_cta = (chunks + splits - 1) / splits;
+  read_tiles<KR, KC><<<dim3(row_blocks, (chunks + per_cta - 1) / per_cta), 256>>>(
+      g, cols, cols, per_cta, out);
+}
 }  // namespace exp_
 
 template <int R>
@@ -218,7 +266,7 @@ struct Problem {
   void variant() {
     // correctness of the full variant against the shipped kernel
     zero();
-    modulec::launch<R, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
+    modulec::launch<R, false, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
     exp_::launch<R, KR, KC, S, 7>(g, a, b, da2, db2, T, N, sms, PER_SM);
     CK(cudaDeviceSynchronize());
     const double ea = max_rel(da, da2, T * R), eb = max_rel(db, db2, N * R);
@@ -236,7 +284,7 @@ struct Problem {
     float* part;
     CK(cudaMalloc(&part, parts * N * R * 4));
     zero();
-    modulec::launch<R, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
+    modulec::launch<R, false, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0);
     exp_::launch<R, KR, KC, S, 13>(g, a, b, da2, part, T, N, sms, 1);
     exp_::finish_partials<<<(N * R / 4 + 255) / 256, 256>>>(part, parts, N * R, db2);
     CK(cudaDeviceSynchronize());
@@ -251,15 +299,65 @@ struct Problem {
     }));
     CK(cudaFree(part));
   }
+  // as the step runs q/k/v and gate/up: B block-diagonal (R / 16 equal blocks of rows),
+  // d_B stacked [N, 16]; sums (atomics) against partials, kernel + finish
+  void blocked() {
+    modulec::SkinnyBlocks blocks{};
+    blocks.n = R / 16;
+    blocks.compact = true;
+    for (int i = 0; i < blocks.n; ++i) blocks.end[i] = N / blocks.n * (i + 1);
+    __nv_bfloat16 *out_a, *out_b, *out_a2, *out_b2;
+    float* work;
+    const int64_t floats = modulec::skinny_partial_floats(T, N, R, true, sms);
+    CK(cudaMalloc(&out_a, T * R * 2)); CK(cudaMalloc(&out_b, N * 16 * 2));
+    CK(cudaMalloc(&out_a2, T * R * 2)); CK(cudaMalloc(&out_b2, N * 16 * 2));
+    CK(cudaMalloc(&work, floats * 4));
+    const modulec::SkinnySums sums{nullptr, da, db}, parts{work, nullptr, nullptr};
+    zero();
+    report("blocked: kernel + finish (sums)", time_us([&] {
+      modulec::launch_skinny_nt_backward(g, N, a, R, b, sums, out_a, R, out_b, T, N, R, 1.f, blocks, sms, 0); }));
+    report("blocked: partials + finish", time_us([&] {
+      modulec::launch_skinny_nt_backward(g, N, a, R, b, parts, out_a2, R, out_b2, T, N, R, 1.f, blocks, sms, 0); }));
+    CK(cudaDeviceSynchronize());
+    printf("%-8s R=%-2d blocked partials against sums: d_A max diff %.1e, d_B %.1e (bf16)\n",
+           name, R, max_diff(out_a, out_a2, T * R), max_diff(out_b, out_b2, N * 16));
+    CK(cudaFree(out_a)); CK(cudaFree(out_b)); CK(cudaFree(out_a2)); CK(cudaFree(out_b2));
+    CK(cudaFree(work));
+  }
   template <int KR, int KC, int S, int MODE>
   void mode(const char* label) {
     report(label, time_us([&] { exp_::launch<R, KR, KC, S, MODE>(g, a, b, da2, db2, T, N, sms, 1); }));
   }
   void run_all() {
     report("read d_C (float4 loop)", time_us([&] { exp_::read_all<<<sms * 8, 512>>>((const float4*)g, T * N * 2 / 16, da2); }));
-    report("shipped kernel alone", time_us([&] { modulec::launch<R, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0); }));
-    report("shipped kernel + finish", time_us([&] {
-      modulec::launch_skinny_nt_backward(g, N, a, R, b, da, db, da2, R, db2, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
+    const int64_t pieces = T * N * 2 / 16;
+    report("read d_C, 4 loads in flight", time_us([&] { exp_::read_unrolled<4><<<sms * 4, 512>>>((const uint4*)g, pieces, da2); }));
+    report("read d_C, 8 loads in flight", time_us([&] { exp_::read_unrolled<8><<<sms * 4, 512>>>((const uint4*)g, pieces, da2); }));
+    report("read tiles 256x128, 1 CTA an SM", time_us([&] { exp_::launch_read_tiles<256, 128>(g, T, N, sms, da2); }));
+    report("read tiles 256x128, 4 CTAs an SM", time_us([&] { exp_::launch_read_tiles<256, 128>(g, T, N, 4 * sms, da2); }));
+    report("read tiles 256x256, 4 CTAs an SM", time_us([&] { exp_::launch_read_tiles<256, 256>(g, T, N, 4 * sms, da2); }));
+    report("read tiles 64x512, 4 CTAs an SM", time_us([&] { exp_::launch_read_tiles<64, 512>(g, T, N, 4 * sms, da2); }));
+    report("shipped kernel alone", time_us([&] { modulec::launch<R, false, false>(g, N, a, R, b, da, db, T, N, modulec::SkinnyBlocks{}, sms, 0); }));
+    // d_A / d_B in bf16 from the sums (atomics) and from the partials (shipped both ways)
+    __nv_bfloat16 *out_a, *out_b, *out_a2, *out_b2;
+    float* work;
+    const int64_t floats = modulec::skinny_partial_floats(T, N, R, false, sms);
+    CK(cudaMalloc(&out_a, T * R * 2)); CK(cudaMalloc(&out_b, N * R * 2));
+    CK(cudaMalloc(&out_a2, T * R * 2)); CK(cudaMalloc(&out_b2, N * R * 2));
+    CK(cudaMalloc(&work, floats * 4));
+    const modulec::SkinnySums sums{nullptr, da, db}, parts{work, nullptr, nullptr};
+    zero();
+    report("shipped kernel + finish (sums)", time_us([&] {
+      modulec::launch_skinny_nt_backward(g, N, a, R, b, sums, out_a, R, out_b, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
+    report("shipped partials alone", time_us([&] { modulec::launch<R, false, true>(g, N, a, R, b, work, work + (floats - T / 256 * N * R), T, N, modulec::SkinnyBlocks{}, sms, 0); }));
+    report("shipped partials + finish", time_us([&] {
+      modulec::launch_skinny_nt_backward(g, N, a, R, b, parts, out_a2, R, out_b2, T, N, R, 1.f, modulec::SkinnyBlocks{}, sms, 0); }));
+    CK(cudaDeviceSynchronize());
+    printf("%-8s R=%-2d partials against sums: d_A max diff %.1e, d_B %.1e (bf16)\n", name, R,
+           max_diff(out_a, out_a2, T * R), max_diff(out_b, out_b2, N * R));
+    CK(cudaFree(out_a)); CK(cudaFree(out_b)); CK(cudaFree(out_a2)); CK(cudaFree(out_b2));
+    CK(cudaFree(work));
+    if (R > 16) blocked();
     mode<256, 128, 2, 0>("KR256 KC128 S2 loads only");
     mode<256, 128, 2, 4>("KR256 KC128 S2 compute, no atomics");
     mode<256, 128, 2, 5>("KR256 KC128 S2 compute + da atomics");

@@ -338,8 +338,8 @@ cudaError_t launch_scaled_copies(const ScaledCopy* table, int count, int64_t mos
                                  cudaStream_t stream);
 
 // skinny_grads.cu: d_a = alpha d_c b [rows, rank] and d_b = alpha d_c^T a [cols, rank] (bf16)
-// in one pass over d_c [rows, cols] (row stride ld), fp32 sums in da32 / db32 (zero on
-// entry, zeroed again on exit). rows % skinny_rows_multiple() == 0,
+// in one pass over d_c [rows, cols] (row stride ld), its CTAs' parts met in `sums` (one of
+// the two: SkinnySums). rows % skinny_rows_multiple() == 0,
 // cols % skinny_cols_multiple() == 0, rank in {16, 32, 48, 64}.
 // `blocks`: where b is block-diagonal (LoRA's B of a fused projection: n blocks of 16
 // columns, block i's rows ending at end[i], each end a multiple of
@@ -355,10 +355,21 @@ struct SkinnyBlocks {
   int64_t end[kSkinnyMaxBlocks];
   bool compact;
 };
+// Where the CTAs' parts meet: `partials` (skinny_partial_floats(rows, cols, rank,
+// blocked, sm_count) floats, nothing to zero, the same bits every run; blocked: b
+// block-diagonal as `blocks` says) or, where partials is null, the sums da [rows, rank]
+// and db [cols, rank], zero on entry and left zero (atomics: the last bits vary).
+struct SkinnySums {
+  float* partials;
+  float* da;
+  float* db;
+};
 int skinny_rows_multiple();
 int skinny_cols_multiple();
+int64_t skinny_partial_floats(int64_t rows, int64_t cols, int rank, bool blocked,
+                              int sm_count);
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
-                                      int64_t lda, const void* b, float* da32, float* db32,
+                                      int64_t lda, const void* b, const SkinnySums& sums,
                                       void* d_a, int64_t ld_a, void* d_b, int64_t rows,
                                       int64_t cols, int rank, float alpha,
                                       const SkinnyBlocks& blocks,

@@ -10,9 +10,13 @@ benchmarks/kernels/bench_skinny_grads.py). The kernel reads d_C once.
 `skinny_nt_backward` returns [d_A, d_B] where the kernel covers the call, else None (the
 caller runs its two GEMMs): bf16 CUDA tensors, T a multiple of 256, N of 128, R one of
 16, 32, 48, 64, d_C's and A's rows 16-byte aligned (A's may lie apart), B contiguous, a
-card of compute capability 8.0 or newer (bf16 mma.sync), not under torch's deterministic
-mode (the kernel's sums meet through atomics: their order varies), and
-MODULEC_SKINNY_GRADS not 0.
+card of compute capability 8.0 or newer (bf16 mma.sync), and MODULEC_SKINNY_GRADS not 0.
+
+Where the kernel's CTAs meet (`_work`): each stores its own part of the sums in a
+workspace kept per problem (`partials`: no atomics, the same bits every run), up to
+PARTIALS_MAX_BYTES of it (it grows with T: 19 MB at LoRA 8B's gate/up, T=2048); above
+that, or with MODULEC_SKINNY_PARTIALS=0, fp32 sums added into through atomics, whose
+order varies: those calls are not taken under torch's deterministic mode.
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ from runtime.cuda.kernels import rows_apart
 
 RANKS = (16, 32, 48, 64)
 ROWS, COLS = 256, 128  # the multiples of T and N the kernel needs (skinny_grads.cu)
+PARTIALS_MAX_BYTES = 64 << 20  # the most a problem's partials may keep (else the sums)
 
 
 def covers(d_C, A, B) -> bool:
-    if os.environ.get("MODULEC_SKINNY_GRADS", "1") == "0" \
-            or torch.are_deterministic_algorithms_enabled():
+    if os.environ.get("MODULEC_SKINNY_GRADS", "1") == "0":
         return False
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16
                and t.dim() == 2 for t in (d_C, A, B)):
@@ -63,12 +67,14 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None,
     d_a, d_b = out or (None, None)
     targets = [d_a if d_a is not None and (d_a.is_contiguous() or rows_apart(d_a)) else None,
                d_b if d_b is not None and d_b.is_contiguous() else None]
-    da32, db32 = _sums(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1])
     ends = block_ends(blocks, B)
+    work, partials = _work(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1], bool(ends))
+    if work is None:
+        return None
     compact = compact and bool(ends)
     if compact:
         targets[1] = None
-    return list(load().skinny_nt_backward(d_C, A, B, float(alpha), da32, db32, targets,
+    return list(load().skinny_nt_backward(d_C, A, B, float(alpha), work, partials, targets,
                                           ends, compact))
 
 
@@ -92,14 +98,26 @@ def block_ends(blocks, B) -> list[int]:
     return ends
 
 
-_sums_kept: dict[tuple, tuple] = {}  # (device, stream, T, N, R) -> the fp32 sums
+# (device, stream, T, N, R, blocked, partials wanted) -> (work, partials)
+_work_kept: dict[tuple, tuple] = {}
 
 
-def _sums(device, rows: int, cols: int, rank: int) -> tuple:
-    """The problem's fp32 sums, zero (the kernel leaves them zero after each call): one
-    pair per stream, kept for the process (small: (T + N) x R floats)."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream, rows, cols, rank)
-    if key not in _sums_kept:
-        _sums_kept[key] = (torch.zeros(rows, rank, device=device, dtype=torch.float32),
-                           torch.zeros(cols, rank, device=device, dtype=torch.float32))
-    return _sums_kept[key]
+def _work(device, rows: int, cols: int, rank: int, blocked: bool) -> tuple:
+    """The problem's fp32 workspace and whether it holds the CTAs' partials (else the sums,
+    zero: the kernel leaves them zero after each call), one per stream, kept for the
+    process; (None, False) where only the sums would do and torch's deterministic mode is
+    on (their atomics' order varies)."""
+    from runtime.cuda.build import load
+
+    wanted = os.environ.get("MODULEC_SKINNY_PARTIALS", "1") != "0"
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream, rows, cols, rank,
+           blocked, wanted)
+    if key not in _work_kept:
+        floats = load().skinny_partial_floats(rows, cols, rank, blocked)
+        partials = wanted and floats * 4 <= PARTIALS_MAX_BYTES
+        size = floats if partials else (rows + cols) * rank
+        _work_kept[key] = (torch.zeros(size, device=device, dtype=torch.float32), partials)
+    work, partials = _work_kept[key]
+    if not partials and torch.are_deterministic_algorithms_enabled():
+        return None, False
+    return work, partials
