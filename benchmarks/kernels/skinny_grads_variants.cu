@@ -324,9 +324,9 @@ struct Problem {
     CK(cudaFree(out_a)); CK(cudaFree(out_b)); CK(cudaFree(out_a2)); CK(cudaFree(out_b2));
     CK(cudaFree(work));
   }
-  template <int KR, int KC, int S, int MODE>
+  template <int KR, int KC, int S, int MODE, int PER_SM = 1>
   void mode(const char* label) {
-    report(label, time_us([&] { exp_::launch<R, KR, KC, S, MODE>(g, a, b, da2, db2, T, N, sms, 1); }));
+    report(label, time_us([&] { exp_::launch<R, KR, KC, S, MODE>(g, a, b, da2, db2, T, N, sms, PER_SM); }));
   }
   void run_all() {
     report("read d_C (float4 loop)", time_us([&] { exp_::read_all<<<sms * 8, 512>>>((const float4*)g, T * N * 2 / 16, da2); }));
@@ -378,6 +378,12 @@ struct Problem {
     // 512-byte row runs (KC 256): a CTA's tile reads fewer, longer pieces of each row
     // (copies in 16-row blocks of 256 columns ran at 2.7 TB/s against 1.4 in 64-column
     // strips: docs/decisions.md "LoRA step at the power cap"); not yet run on a GPU
+    // two CTAs a multiprocessor (128-row tiles, two stages: 100 KB of shared memory each):
+    // twice the tiles in flight of one CTA's
+    mode<128, 128, 2, 0>("KR128 KC128 S2 loads only");
+    mode<128, 128, 2, 0, 2>("KR128 KC128 S2 loads only, 2 an SM");
+    mode<128, 128, 2, 4, 2>("KR128 KC128 S2 compute, 2 an SM");
+    variant<128, 128, 2, 2>();
     variant<128, 256, 2>();
     mode<128, 256, 2, 0>("KR128 KC256 S2 loads only");
     mode<128, 256, 2, 6>("KR128 KC256 S2 compute + db atomics");
