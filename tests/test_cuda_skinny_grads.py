@@ -11,6 +11,8 @@ backward never reaches the kernel."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -136,6 +138,7 @@ def test_the_partials_give_way_to_the_sums_where_they_would_take_too_much(monkey
     monkeypatch.setattr(skinny.torch, "zeros", lambda size, **kw: torch.empty(size))
     monkeypatch.setattr(skinny.torch.cuda, "current_stream",
                         lambda device: type("S", (), {"cuda_stream": 0}))
+    monkeypatch.setattr(skinny.torch.cuda, "device", lambda device: contextlib.nullcontext())
     device = torch.device("cpu")
     work, partials = skinny._work(device, 2048, 28672, 32, False)
     assert partials and work.numel() == Extension.skinny_partial_floats(2048, 28672, 32, False)

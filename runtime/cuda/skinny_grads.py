@@ -113,7 +113,8 @@ def _work(device, rows: int, cols: int, rank: int, blocked: bool) -> tuple:
     key = (device.index, torch.cuda.current_stream(device).cuda_stream, rows, cols, rank,
            blocked, wanted)
     if key not in _work_kept:
-        floats = load().skinny_partial_floats(rows, cols, rank, blocked)
+        with torch.cuda.device(device):  # the kernel's grid: this device's multiprocessors
+            floats = load().skinny_partial_floats(rows, cols, rank, blocked)
         partials = wanted and floats * 4 <= PARTIALS_MAX_BYTES
         size = floats if partials else (rows + cols) * rank
         _work_kept[key] = (torch.zeros(size, device=device, dtype=torch.float32), partials)
