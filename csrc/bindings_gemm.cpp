@@ -184,6 +184,27 @@ void gemm_run(const Tensor& a, const Tensor& b, const Tensor& out, double alpha,
            "matmul");
 }
 
+// blocks: the row ends of a block-diagonal b's 16-wide blocks (skinny_grads.py), or none;
+// compact (blocks only): d_b comes back [cols, 16]
+SkinnyBlocks skinny_blocks(const std::vector<int64_t>& blocks, int64_t rank, int64_t cols,
+                           bool compact) {
+  TORCH_CHECK(!compact || !blocks.empty(), "skinny_nt_backward: compact_b needs blocks");
+  TORCH_CHECK(blocks.empty() || (static_cast<int64_t>(blocks.size()) * 16 == rank &&
+                                 blocks.size() <= kSkinnyMaxBlocks && blocks.back() == cols),
+              "skinny_nt_backward: ", blocks.size(), " blocks of 16 for rank ", rank,
+              " ending at ", blocks.empty() ? 0 : blocks.back(), " of ", cols, " rows");
+  SkinnyBlocks parts{};
+  parts.n = static_cast<int>(blocks.size());
+  parts.compact = compact;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    TORCH_CHECK(blocks[i] % skinny_cols_multiple() == 0 && (i == 0 || blocks[i] > blocks[i - 1]),
+                "skinny_nt_backward: block ends must rise in multiples of ",
+                skinny_cols_multiple());
+    parts.end[i] = blocks[i];
+  }
+  return parts;
+}
+
 // d_A = alpha d_C B and d_B = alpha d_C^T A of C = alpha A B^T, A [T, R] (R <= 64), in
 // one pass over d_C (kernels/skinny_grads.cu); work: fp32, where the CTAs' parts meet:
 // `partials` true, skinny_partial_floats of them, else d_A's and d_B's sums one after the
@@ -213,11 +234,10 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
                   (rank == 16 || rank == 32 || rank == 48 || rank == 64),
               "skinny_nt_backward: shape not covered");
   const c10::cuda::CUDAGuard guard(d_c.device());
+  const SkinnyBlocks parts = skinny_blocks(blocks, rank, cols, compact_b);
   check(work, "work", at::kFloat, d_c);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const bool blocked = rank > 16 && static_cast<int64_t>(blocks.size()) * 16 == rank;
-  const int64_t floats = partials ? modulec::skinny_partial_floats(rows, cols, rank, blocked,
-                                                                   sms)
+  const int64_t floats = partials ? skinny_partial_floats(rows, cols, rank, parts, sms)
                                   : (rows + cols) * rank;
   TORCH_CHECK(work.is_contiguous() && work.numel() == floats, "skinny_nt_backward: work must ",
               "hold ", floats, partials ? " partials" : " sums", ", not ", work.numel());
@@ -230,23 +250,8 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
               "skinny_nt_backward: out[0] must be [", rows, ", ", rank, "] bf16, rows apart");
   // compact_b (blocks only): d_b [cols, 16], each row its own block's columns (the
   // blocks' gradients stacked, skinny_grads.py); out[1] is then not used
-  TORCH_CHECK(!compact_b || !blocks.empty(), "skinny_nt_backward: compact_b needs blocks");
   Tensor d_b = compact_b ? at::empty({cols, 16}, b.options())
                          : output(out, 1, {cols, rank}, b.options());
-  // blocks: the row ends of a block-diagonal b's 16-wide blocks (skinny_grads.py), or none
-  SkinnyBlocks parts{};
-  TORCH_CHECK(blocks.empty() || (static_cast<int64_t>(blocks.size()) * 16 == rank &&
-                                 blocks.size() <= kSkinnyMaxBlocks && blocks.back() == cols),
-              "skinny_nt_backward: ", blocks.size(), " blocks of 16 for rank ", rank,
-              " ending at ", blocks.empty() ? 0 : blocks.back(), " of ", cols, " rows");
-  parts.n = static_cast<int>(blocks.size());
-  parts.compact = compact_b;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    TORCH_CHECK(blocks[i] % skinny_cols_multiple() == 0 && (i == 0 || blocks[i] > blocks[i - 1]),
-                "skinny_nt_backward: block ends must rise in multiples of ",
-                skinny_cols_multiple());
-    parts.end[i] = blocks[i];
-  }
   float* base = work.data_ptr<float>();
   const SkinnySums sums = partials ? SkinnySums{base, nullptr, nullptr}
                                    : SkinnySums{nullptr, base, base + rows * rank};
@@ -259,9 +264,11 @@ std::vector<Tensor> skinny_nt_backward(const Tensor& d_c, const Tensor& a, const
   return {d_a, d_b};
 }
 
-int64_t skinny_partial_floats(int64_t rows, int64_t cols, int64_t rank, bool blocked) {
+int64_t partial_floats(int64_t rows, int64_t cols, int64_t rank,
+                       const std::vector<int64_t>& blocks) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return modulec::skinny_partial_floats(rows, cols, static_cast<int>(rank), blocked, sms);
+  return skinny_partial_floats(rows, cols, static_cast<int>(rank),
+                               skinny_blocks(blocks, rank, cols, false), sms);
 }
 
 }  // namespace
@@ -272,10 +279,10 @@ void register_gemm(pybind11::module_& m) {
         pybind11::arg("d_c"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("alpha"),
         pybind11::arg("work"), pybind11::arg("partials"), pybind11::arg("out") = Outputs{},
         pybind11::arg("blocks") = std::vector<int64_t>{}, pybind11::arg("compact_b") = false);
-  m.def("skinny_partial_floats", &skinny_partial_floats,
+  m.def("skinny_partial_floats", &partial_floats,
         "the fp32 workspace skinny_nt_backward's partials take on the current device",
         pybind11::arg("rows"), pybind11::arg("cols"), pybind11::arg("rank"),
-        pybind11::arg("blocked"));
+        pybind11::arg("blocks"));
   m.def("gemm_candidates", &gemm_candidates, "cuBLASLt's candidate count for a GEMM",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("out"),
         pybind11::arg("reads_out"), pybind11::arg("count"));

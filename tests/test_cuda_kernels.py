@@ -561,7 +561,6 @@ def test_qk_norm_rope_on_the_heads_of_a_fused_qkv(case, dtype):
     out [B, T, H, D]; the training registry's backward reads d_q_rot / d_k_rot as
     transposed views too and writes the fused QKV gradient, and the concat over heads
     copies only d_v. fp32 D=72 takes the vector path on these strides, bf16 the scalar."""
-    from benchmarks.harness import profiled_events
     from runtime.cuda.train_kernels import TRAIN_KERNELS
 
     torch.manual_seed(9)

@@ -5,9 +5,10 @@ On a GPU (`-m cuda`): for each rank the kernel covers (16 to 64) and a strided d
 d_A = alpha d_C B and d_B = alpha d_C^T A match an fp32 reference within bf16 rounding,
 written into given targets, the same bits every call where the CTAs store their parts
 (else through atomics into sums left zero); uncovered shapes and dtypes fall back (None),
-and the atomics' path under torch's deterministic mode; the matmul's GPU backward (train_kernels.matmul_grads)
-takes the kernel and agrees with the two-GEMM path it replaces. Without a GPU: the CPU
-backward never reaches the kernel."""
+and so does the atomics' path under torch's deterministic mode; the matmul's GPU backward
+(train_kernels.matmul_grads) takes the kernel and agrees with the two-GEMM path it
+replaces. Without a GPU: the CPU backward never reaches the kernel, and the partials give
+way to the sums where they would take too much memory."""
 
 from __future__ import annotations
 
@@ -86,12 +87,12 @@ def test_the_partials_give_the_same_bits_every_call(blocks):
     """Where the CTAs store their parts (no atomics): a second call and a captured graph's
     replays give the first call's bits, dense B or block-diagonal (d_B stacked), and they
     match the fp32 reference."""
-    from runtime.cuda.skinny_grads import _work
+    from runtime.cuda.skinny_grads import _work, block_ends
 
     d_C, A, B = _operands(2048, 28672, 32, seed=5)
     if blocks:
         B = _block_diagonal(blocks, seed=2).cuda()
-    assert _work(d_C.device, 2048, 28672, 32, bool(blocks))[1]  # partials at this size
+    assert _work(d_C.device, 2048, 28672, 32, block_ends(blocks, B))[1]  # partials here
     first, again, replays = _calls_and_replays(d_C, A, B, blocks)
     for got in [again] + replays:
         assert all(torch.equal(g, f) for g, f in zip(got, first))
@@ -114,7 +115,7 @@ def test_the_sums_are_left_zero_for_the_next_call(monkeypatch):
     d_C, A, B = _operands(2048, 28672, 32, seed=5)
     parted = skinny_nt_backward(d_C, A, B, 2.0)
     monkeypatch.setenv("MODULEC_SKINNY_PARTIALS", "0")
-    work, partials = _work(d_C.device, 2048, 28672, 32, False)
+    work, partials = _work(d_C.device, 2048, 28672, 32, [])
     assert not partials and work.numel() == (2048 + 28672) * 32
     first, again, replays = _calls_and_replays(d_C, A, B)
     assert int(torch.count_nonzero(work)) == 0
@@ -130,8 +131,8 @@ def test_the_partials_give_way_to_the_sums_where_they_would_take_too_much(monkey
 
     class Extension:
         @staticmethod
-        def skinny_partial_floats(rows, cols, rank, blocked):
-            return (rows // 256) * cols * rank + rows * rank
+        def skinny_partial_floats(rows, cols, rank, blocks):
+            return (rows // 256) * cols * (16 if blocks else rank) + rows * rank
 
     monkeypatch.setattr("runtime.cuda.build.load", lambda: Extension)
     monkeypatch.setattr(skinny, "_work_kept", {})
@@ -140,14 +141,14 @@ def test_the_partials_give_way_to_the_sums_where_they_would_take_too_much(monkey
                         lambda device: type("S", (), {"cuda_stream": 0}))
     monkeypatch.setattr(skinny.torch.cuda, "device", lambda device: contextlib.nullcontext())
     device = torch.device("cpu")
-    work, partials = skinny._work(device, 2048, 28672, 32, False)
-    assert partials and work.numel() == Extension.skinny_partial_floats(2048, 28672, 32, False)
-    work, partials = skinny._work(device, 32768, 28672, 32, False)  # 470 MB of partials
+    work, partials = skinny._work(device, 2048, 28672, 32, [])
+    assert partials and work.numel() == Extension.skinny_partial_floats(2048, 28672, 32, [])
+    work, partials = skinny._work(device, 32768, 28672, 32, [])  # 470 MB of partials
     assert not partials and work.numel() == (32768 + 28672) * 32
     torch.use_deterministic_algorithms(True)
     try:
-        assert skinny._work(device, 32768, 28672, 32, False) == (None, False)
-        assert skinny._work(device, 2048, 28672, 32, False)[1]
+        assert skinny._work(device, 32768, 28672, 32, []) == (None, False)
+        assert skinny._work(device, 2048, 28672, 32, [])[1]
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -308,7 +308,7 @@ struct Problem {
     for (int i = 0; i < blocks.n; ++i) blocks.end[i] = N / blocks.n * (i + 1);
     __nv_bfloat16 *out_a, *out_b, *out_a2, *out_b2;
     float* work;
-    const int64_t floats = modulec::skinny_partial_floats(T, N, R, true, sms);
+    const int64_t floats = modulec::skinny_partial_floats(T, N, R, blocks, sms);
     CK(cudaMalloc(&out_a, T * R * 2)); CK(cudaMalloc(&out_b, N * 16 * 2));
     CK(cudaMalloc(&out_a2, T * R * 2)); CK(cudaMalloc(&out_b2, N * 16 * 2));
     CK(cudaMalloc(&work, floats * 4));
@@ -341,7 +341,7 @@ struct Problem {
     // d_A / d_B in bf16 from the sums (atomics) and from the partials (shipped both ways)
     __nv_bfloat16 *out_a, *out_b, *out_a2, *out_b2;
     float* work;
-    const int64_t floats = modulec::skinny_partial_floats(T, N, R, false, sms);
+    const int64_t floats = modulec::skinny_partial_floats(T, N, R, modulec::SkinnyBlocks{}, sms);
     CK(cudaMalloc(&out_a, T * R * 2)); CK(cudaMalloc(&out_b, N * R * 2));
     CK(cudaMalloc(&out_a2, T * R * 2)); CK(cudaMalloc(&out_b2, N * R * 2));
     CK(cudaMalloc(&work, floats * 4));

@@ -15,11 +15,9 @@
 // or from the last (the last rows written are the ones still in the L2).
 // On a GPU machine:
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc/kernels \
-//     benchmarks/kernels/swiglu_backward_variants.cu csrc/kernels/swiglu.cu \
-//     csrc/kernels/fp8_amax.cu -o /tmp/swiglu_bwd && /tmp/swiglu_bwd
-#include "activations.cuh"
-#include "common.cuh"
-#include "kernels.h"
+//     benchmarks/kernels/swiglu_backward_variants.cu csrc/kernels/fp8_amax.cu \
+//     -o /tmp/swiglu_bwd && /tmp/swiglu_bwd
+#include "../../csrc/kernels/swiglu.cu"
 #include "variants_harness.cuh"
 
 #include <cstdio>
@@ -28,9 +26,9 @@ using bf16 = __nv_bfloat16;
 
 
 namespace exp_ {
-using modulec::act;
-using modulec::act_grad;
 using modulec::kSilu;
+using modulec::store_vec;
+using modulec::swiglu_grad;
 
 struct Args {
   const bf16* dy; int64_t ld_dy;
@@ -51,14 +49,6 @@ __device__ __forceinline__ void unpack(uint4 v, float (&f)[8]) {
   const bf16* h = reinterpret_cast<const bf16*>(&v);
 #pragma unroll
   for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(h[j]);
-}
-
-__device__ __forceinline__ uint4 pack(const float (&f)[8]) {
-  uint4 v;
-  bf16* h = reinterpret_cast<bf16*>(&v);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) h[j] = __float2bfloat16_rn(f[j]);
-  return v;
 }
 
 // U vectors a thread, block b owning vectors [b U 256, (b + 1) U 256) of the rows x cv grid
@@ -84,12 +74,9 @@ __global__ void __launch_bounds__(256) swiglu_backward_unrolled(Args a) {
     float dyf[8], gf[8], uf[8], dgf[8], duf[8];
     unpack(dy[k], dyf); unpack(g[k], gf); unpack(u[k], uf);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {  // swiglu.cu's swiglu_grad
-      dgf[j] = dyf[j] * uf[j] * act_grad<kSilu>(gf[j]);
-      duf[j] = dyf[j] * act<kSilu>(gf[j]);
-    }
-    *reinterpret_cast<uint4*>(a.dg + at_r[k] * a.ld_dg + at_c[k]) = pack(dgf);
-    *reinterpret_cast<uint4*>(a.du + at_r[k] * a.ld_du + at_c[k]) = pack(duf);
+    for (int j = 0; j < 8; ++j) swiglu_grad<kSilu>(dyf[j], gf[j], uf[j], dgf[j], duf[j]);
+    store_vec<bf16, 8>(a.dg + at_r[k] * a.ld_dg + at_c[k], 0, dgf);
+    store_vec<bf16, 8>(a.du + at_r[k] * a.ld_du + at_c[k], 0, duf);
   }
 }
 

@@ -355,10 +355,10 @@ struct SkinnyBlocks {
   int64_t end[kSkinnyMaxBlocks];
   bool compact;
 };
-// Where the CTAs' parts meet: `partials` (skinny_partial_floats(rows, cols, rank,
-// blocked, sm_count) floats, nothing to zero, the same bits every run; blocked: b
-// block-diagonal as `blocks` says) or, where partials is null, the sums da [rows, rank]
-// and db [cols, rank], zero on entry and left zero (atomics: the last bits vary).
+// Where the CTAs' parts meet: `partials` (skinny_partial_floats(rows, cols, rank, blocks,
+// sm_count) floats, nothing to zero, the same bits every run) or, where partials is null,
+// the sums da [rows, rank] and db [cols, rank], zero on entry and left zero (atomics: the
+// last bits vary).
 struct SkinnySums {
   float* partials;
   float* da;
@@ -366,8 +366,8 @@ struct SkinnySums {
 };
 int skinny_rows_multiple();
 int skinny_cols_multiple();
-int64_t skinny_partial_floats(int64_t rows, int64_t cols, int rank, bool blocked,
-                              int sm_count);
+int64_t skinny_partial_floats(int64_t rows, int64_t cols, int rank,
+                              const SkinnyBlocks& blocks, int sm_count);
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,
                                       int64_t lda, const void* b, const SkinnySums& sums,
                                       void* d_a, int64_t ld_a, void* d_b, int64_t rows,

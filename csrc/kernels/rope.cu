@@ -180,13 +180,6 @@ __global__ void rope_kernel(RopeTargets<T> p, const int32_t* __restrict__ positi
                             group * kHeads);
 }
 
-// A position's angles shared by the heads of a warp (rotate-half, 16-byte vectors, a
-// head's pairs UNITS vectors, nothing to copy through): a block one (b, t), its warps q's
-// head groups then k's, a lane one head's vector `unit` (lane = UNITS h + unit, 32 / UNITS
-// heads a warp). A unit's VEC angles are computed by its 32 / UNITS lanes, VEC UNITS / 32
-// each, with rope_angles' arithmetic, and passed round by shuffles: a warp makes a
-// position's angles once, not once a head (the same bits; one H200, LoRA 8B's q and k
-// alone: 18.1 -> 15.2 us, benchmarks/kernels/rope_angle_variants.cu).
 // One unit's VEC (cos, sin) at position pos, made by the warp's 32 / UNITS lanes of that
 // unit (lane = UNITS h + unit), VEC UNITS / 32 each with rope_angles' arithmetic, and
 // passed round by shuffles. Every lane of the warp calls it.
@@ -210,6 +203,12 @@ __device__ __forceinline__ void warp_angles(const RopeShape& s, float pos, int u
   }
 }
 
+// A position's angles shared by the heads of a warp (rotate-half, 16-byte vectors, a
+// head's pairs UNITS vectors, nothing to copy through): a block one (b, t), its warps q's
+// head groups then k's, a lane one head's vector `unit` (lane = UNITS h + unit, 32 / UNITS
+// heads a warp). The warp makes a position's angles once (warp_angles), not once a head
+// (the same bits; one H200, LoRA 8B's q and k alone: 18.1 -> 15.2 us,
+// benchmarks/kernels/rope_angle_variants.cu). Every target shares B, T and the pairs' n.
 template <typename T, int VEC, int UNITS>
 __global__ void rope_rows_kernel(RopeTargets<T> p, const int32_t* __restrict__ position_ids) {
   constexpr int kPerWarp = 32 / UNITS;
@@ -289,8 +288,9 @@ bool launch_rows(const void* const* x, void* const* out, const int32_t* pos,
   const int64_t per_warp = 32 / units;
   int64_t warps = 0;
   RopeTargets<T> p{};
-  for (int i = 0; i < count; ++i) {
-    if (s[i].pass_units) return false;
+  for (int i = 0; i < count; ++i) {  // a block is one (b, t) of every target: alike
+    if (s[i].pass_units || s[i].n != s[0].n || s[i].B != s[0].B || s[i].T != s[0].T)
+      return false;
     p.x[i] = static_cast<const T*>(x[i]);
     p.out[i] = static_cast<T*>(out[i]);
     p.s[i] = s[i];

@@ -426,10 +426,10 @@ int64_t d_b_parts(int64_t cols, int rank, const SkinnyBlocks& blocks) {
 int skinny_rows_multiple() { return kRows; }
 int skinny_cols_multiple() { return kCols; }
 
-int64_t skinny_partial_floats(int64_t rows, int64_t cols, int rank, bool blocked,
-                              int sm_count) {
+int64_t skinny_partial_floats(int64_t rows, int64_t cols, int rank,
+                              const SkinnyBlocks& blocks, int sm_count) {
   const Grid grid = grid_of(rows, cols, sm_count);
-  return grid.columns * rows * rank + grid.row_blocks * cols * (blocked ? 16 : rank);
+  return grid.columns * rows * rank + grid.row_blocks * d_b_parts(cols, rank, blocks);
 }
 
 cudaError_t launch_skinny_nt_backward(const void* d_c, int64_t ld, const void* a,

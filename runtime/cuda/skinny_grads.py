@@ -68,7 +68,7 @@ def skinny_nt_backward(d_C, A, B, alpha: float = 1.0, out=None, blocks=None,
     targets = [d_a if d_a is not None and (d_a.is_contiguous() or rows_apart(d_a)) else None,
                d_b if d_b is not None and d_b.is_contiguous() else None]
     ends = block_ends(blocks, B)
-    work, partials = _work(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1], bool(ends))
+    work, partials = _work(d_C.device, d_C.shape[0], d_C.shape[1], A.shape[1], ends)
     if work is None:
         return None
     compact = compact and bool(ends)
@@ -98,23 +98,23 @@ def block_ends(blocks, B) -> list[int]:
     return ends
 
 
-# (device, stream, T, N, R, blocked, partials wanted) -> (work, partials)
+# (device, stream, T, N, R, B blocked, partials wanted) -> (work, partials)
 _work_kept: dict[tuple, tuple] = {}
 
 
-def _work(device, rows: int, cols: int, rank: int, blocked: bool) -> tuple:
+def _work(device, rows: int, cols: int, rank: int, ends: list[int]) -> tuple:
     """The problem's fp32 workspace and whether it holds the CTAs' partials (else the sums,
     zero: the kernel leaves them zero after each call), one per stream, kept for the
     process; (None, False) where only the sums would do and torch's deterministic mode is
-    on (their atomics' order varies)."""
+    on (their atomics' order varies). `ends`: B's blocks (`block_ends`), or []."""
     from runtime.cuda.build import load
 
     wanted = os.environ.get("MODULEC_SKINNY_PARTIALS", "1") != "0"
     key = (device.index, torch.cuda.current_stream(device).cuda_stream, rows, cols, rank,
-           blocked, wanted)
+           bool(ends), wanted)  # the partials' size: blocked or not, whichever the blocks
     if key not in _work_kept:
         with torch.cuda.device(device):  # the kernel's grid: this device's multiprocessors
-            floats = load().skinny_partial_floats(rows, cols, rank, blocked)
+            floats = load().skinny_partial_floats(rows, cols, rank, ends)
         partials = wanted and floats * 4 <= PARTIALS_MAX_BYTES
         size = floats if partials else (rows + cols) * rank
         _work_kept[key] = (torch.zeros(size, device=device, dtype=torch.float32), partials)
