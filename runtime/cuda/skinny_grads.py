@@ -116,8 +116,11 @@ def _work(device, rows: int, cols: int, rank: int, ends: list[int]) -> tuple:
         with torch.cuda.device(device):  # the kernel's grid: this device's multiprocessors
             floats = load().skinny_partial_floats(rows, cols, rank, ends)
         partials = wanted and floats * 4 <= PARTIALS_MAX_BYTES
+        # the partials are written before they are read: no zeros, whose fill a capture
+        # would record and every replay would run (the sums start at zero and stay so)
+        make = torch.empty if partials else torch.zeros
         size = floats if partials else (rows + cols) * rank
-        _work_kept[key] = (torch.zeros(size, device=device, dtype=torch.float32), partials)
+        _work_kept[key] = (make(size, device=device, dtype=torch.float32), partials)
     work, partials = _work_kept[key]
     if not partials and torch.are_deterministic_algorithms_enabled():
         return None, False
