@@ -198,10 +198,9 @@ STATUS: dict[str, Status] = {
                           "runtime.interpreter:Interpreter._kernel",
                           "modulec.ops.kernel_names:kernel_names",
                           note="names: modulec/ops/kernel_names.py (every op's `reference`; "
-                               "the GPU training step's `cudnn`, `cudnn_expand`, `cudnn_fe`, "
-                               "`flash`, `fa4`, `fa4_bwd` for flash_attention); a kernel "
-                               "the backend lacks falls back to its default, or is an error "
-                               "with `fallback=false`"),
+                               "the GPU training step's `cudnn`, `cudnn_expand`, `flash`, `fa4`, `fa4_bwd` for "
+                               "flash_attention); a kernel the backend lacks falls back to "
+                               "its default, or is an error with `fallback=false`"),
                      (given("autotune", nowhere("no kernel is autotuned")),
                       given("workspace", nowhere("kernels size their own workspace")))),
     # §7.6 sharding

@@ -13,7 +13,7 @@ BACKEND_NAMES = {"cpu": "CPU reference", "gpu": "GPU"}
 
 # the GPU training step's alternatives (runtime/cuda/attention.py BACKENDS)
 GPU_VARIANTS: dict[str, tuple[str, ...]] = {
-    "flash_attention": ("cudnn", "cudnn_expand", "cudnn_fe", "flash", "fa4", "fa4_bwd"),
+    "flash_attention": ("cudnn", "cudnn_expand", "flash", "fa4", "fa4_bwd"),
 }
 
 

@@ -6,17 +6,14 @@
   at the TinyLlama shape it runs 1.5x FlashAttention-2's speed (forward 0.185 ms against
   0.278, backward 0.575 against 0.880: benchmarks/kernels/bench_attention.py).
 - `cudnn_expand`: the same with K/V heads repeated (for a cuDNN without native GQA).
-- `cudnn_fe`: the same cuDNN kernels through the frontend's graph API where the optional
-  `nvidia-cudnn-frontend` package is installed (runtime/cuda/cudnn_frontend.py): the same
-  bits without the work torch's entry launches around them.
 - `flash`: FlashAttention-2 (`aten::_flash_attention_forward` / `_backward`), below.
 - `fa4`: FlashAttention-4's CuTe kernels (`flash_attn.cute`, the `flash-attn-4` package,
   an optional dependency) on Hopper and Blackwell: causal or not, sliding windows, native
   GQA, head dims 64 and 128. It covers a call only where the package imports on an SM90 /
   SM100 card; elsewhere the next backend of the order runs.
 - `fa4_bwd`: cuDNN's forward with FA4's backward, at head dim 64 (the faster pair on an
-  H100, below). The GPU step's default order is `DEFAULT_ORDER`: `fa4_bwd`, `cudnn_fe`,
-  `cudnn`, `flash`: without the optional packages the step runs torch's cuDNN entry.
+  H100, below). The GPU step's default order is `DEFAULT_ORDER`: `fa4_bwd`, `cudnn`,
+  `flash`, so without flash-attn-4 installed the step runs cuDNN as before.
 
 Layouts: our primitive takes q [B, Hq, T, D], k, v [B, Hkv, T, D] and returns out
 [B, Hq, T, D] and lse [B, Hq, T] (fp32, natural log). The aten ops take [B, T, H, D] with
@@ -42,7 +39,6 @@ import math
 
 import torch
 
-from runtime.cuda.cudnn_frontend import CudnnFrontend
 from runtime.kernels import KERNELS
 from runtime.kernels.documents import active
 
@@ -216,12 +212,10 @@ class FA4Backward(FA4):
         return BACKENDS["cudnn"].forward(q, k, v, attrs)
 
 
-BACKENDS = {b.name: b for b in (Cudnn(), Cudnn(expand_kv=True), CudnnFrontend(), Flash(),
-                                FA4(), FA4Backward())}
-# the GPU step's order: FA4's backward where it is installed and faster, else cuDNN (through
-# its frontend's graphs where that package is installed, else torch's entry),
+BACKENDS = {b.name: b for b in (Cudnn(), Cudnn(expand_kv=True), Flash(), FA4(), FA4Backward())}
+# the GPU step's order: FA4's backward where it is installed and faster, else cuDNN,
 # FlashAttention-2 for what cuDNN does not cover (sliding windows)
-DEFAULT_ORDER = ("fa4_bwd", "cudnn_fe", "cudnn", "flash")
+DEFAULT_ORDER = ("fa4_bwd", "cudnn", "flash")
 
 
 class FlashAttention:
@@ -321,7 +315,6 @@ class FlashAttention:
 
 
 KERNEL_WORDS = {"cudnn": "cuDNN", "cudnn_expand": "cuDNN (K/V heads repeated)",
-                "cudnn_fe": "cuDNN (frontend graphs)",
                 "flash": "FlashAttention-2", "varlen": "FlashAttention-2's varlen kernel",
                 "fa4": "FlashAttention-4", "reference": "the reference kernel"}
 
@@ -344,8 +337,7 @@ def ran_note(ran: set) -> str | None:
             line += f" (flash-attn-4 {version('flash-attn-4')})"
         except PackageNotFoundError:
             pass
-    elif any(d == "backward" and k in ("cudnn", "cudnn_fe") and dim == 64
-             for d, k, dim in ran) and \
+    elif any(d == "backward" and k == "cudnn" and dim == 64 for d, k, dim in ran) and \
             not FA4.interface():
         line += " (pip install \"modulec[fa4]\": the head dim 64 backward then runs " \
                 "FlashAttention-4's kernel instead of cuDNN's on SM90 / SM100 cards)"
