@@ -56,6 +56,38 @@ def test_flash_attention_matches_the_reference(hq, hkv, t, d, window, order):
         assert _rel(got, want) < 2e-2
 
 
+def test_cudnns_backward_takes_out_d_out_and_lse_laid_any_way():
+    """out, d_out and lse laid otherwise than the first call at these shapes (rows apart in
+    a wider buffer, heads outermost) give that call's bits: torch's cuDNN entry keeps its
+    graph without their strides (decisions.md "GPU attention"), so the backend hands it
+    them laid one way."""
+    from runtime.cuda.attention import BACKENDS
+
+    cudnn = BACKENDS["cudnn"]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(1, 256, 8 + 2 * 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([8, 2, 2], dim=2))
+    attrs = {"causal": True, "softmax_scale": None, "window_size": None}
+    out, lse = cudnn.forward(q, k, v, attrs)
+    d_out = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    want = cudnn.backward(d_out.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out,
+                          lse, attrs)
+
+    def apart(t):  # [B, H, T, D] in a [B, T, H * D + 16] buffer's left columns
+        wide = torch.zeros(1, 256, 8 * 128 + 16, device="cuda", dtype=t.dtype)
+        view = wide[..., :8 * 128].view(1, 256, 8, 128).transpose(1, 2)
+        view.copy_(t)
+        return view
+
+    lse_apart = torch.zeros(1, 8, 256 + 8, device="cuda")[..., :256]
+    lse_apart.copy_(lse)
+    d_heads_outer = d_out.contiguous()
+    for o, d, stats in ((apart(out), d_out, lse), (out, apart(d_out), lse),
+                        (apart(out), apart(d_out), lse_apart), (out, d_heads_outer, lse_apart)):
+        for got, expected in zip(cudnn.backward(d, q, k, v, o, stats, attrs), want):
+            assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("first", ["fa4", "fa4_bwd"])
 @pytest.mark.parametrize("hq,hkv,t,d,window", [(8, 2, 128, 64, None), (8, 1, 200, 128, None),
                                                (4, 2, 96, 64, 16), (4, 4, 77, 32, None)])

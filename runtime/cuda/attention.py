@@ -71,6 +71,12 @@ def _scale(q, attrs) -> float:
     return 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
+def _dense_bthd(t: torch.Tensor) -> torch.Tensor:
+    """`t` [B, H, T, D] laid dense as [B, T, H, D] (a copy only where it is not)."""
+    bthd = t.transpose(1, 2)
+    return t if bthd.is_contiguous() else bthd.contiguous().transpose(1, 2)
+
+
 def _bthd(t: torch.Tensor) -> torch.Tensor:
     t = t.transpose(1, 2)
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -138,9 +144,14 @@ class Cudnn:
     def backward(self, d_out, q, k, v, out, lse, attrs):
         T, S = q.shape[2], k.shape[2]
         empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        # torch's entry keeps its cuDNN graph per shapes and q / k / v strides, not per
+        # out's, d_out's or lse's: every call hands those laid one way (decisions.md "GPU
+        # attention"), else a call laid otherwise than the first runs the first's layout
+        out, d_out = _dense_bthd(out), _dense_bthd(d_out.to(q.dtype))
+        lse = lse.reshape(*q.shape[:3], 1).contiguous()
         d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            d_out.to(q.dtype), q, self._kv(q, k), self._kv(q, v), out,
-            lse.reshape(*q.shape[:3], 1), empty, empty, None, None, None, T, S, 0.0,
+            d_out, q, self._kv(q, k), self._kv(q, v), out, lse,
+            empty, empty, None, None, None, T, S, 0.0,
             bool(attrs.get("causal", True)), scale=_scale(q, attrs))
         return [d_q, self._fold(d_k, k), self._fold(d_v, v)]
 
