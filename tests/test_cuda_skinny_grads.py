@@ -86,13 +86,16 @@ def _calls_and_replays(d_C, A, B, blocks=None):
 def test_the_partials_give_the_same_bits_every_call(blocks):
     """Where the CTAs store their parts (no atomics): a second call and a captured graph's
     replays give the first call's bits, dense B or block-diagonal (d_B stacked), and they
-    match the fp32 reference."""
+    match the fp32 reference. The workspace starts as NaN: every part is written before
+    the finishing launch reads it (so it is made with torch.empty, no fill captured)."""
     from runtime.cuda.skinny_grads import _work, block_ends
 
     d_C, A, B = _operands(2048, 28672, 32, seed=5)
     if blocks:
         B = _block_diagonal(blocks, seed=2).cuda()
-    assert _work(d_C.device, 2048, 28672, 32, block_ends(blocks, B))[1]  # partials here
+    work, partials = _work(d_C.device, 2048, 28672, 32, block_ends(blocks, B))
+    assert partials
+    work.fill_(float("nan"))
     first, again, replays = _calls_and_replays(d_C, A, B, blocks)
     for got in [again] + replays:
         assert all(torch.equal(g, f) for g, f in zip(got, first))

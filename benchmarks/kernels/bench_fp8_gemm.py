@@ -38,7 +38,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).parent)]
 
-from bench_kernels import time_ms  # noqa: E402
+from bench_kernels import graphed, time_ms  # noqa: E402
 from runtime import fp8_gemm  # noqa: E402
 
 # (model, layer, K, N) of y = x W^T, W [N, K]
@@ -87,20 +87,6 @@ def cast_row(x, scale, iters: int) -> dict:
         ms = time_ms(fn, iters)
         row[name] = {"ms": ms, "GBs": 4 * x.numel() / ms / 1e6}
     return row
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph (after a warm-up on a side stream: the scale state's
-    rows, cuBLAS's workspaces): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def run_shape(m: int, k: int, n: int, iters: int) -> dict:

@@ -68,6 +68,21 @@ def in_rounds(fns: dict, measure, rounds: int) -> dict:
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def graphed(fn, calls: int = 1):
+    """`calls` calls of fn captured in one CUDA graph (after a warm-up call on a side stream:
+    workspaces and lazily made state exist before the capture): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -73,8 +73,7 @@ def _scale(q, attrs) -> float:
 
 def _dense_bthd(t: torch.Tensor) -> torch.Tensor:
     """`t` [B, H, T, D] laid dense as [B, T, H, D] (a copy only where it is not)."""
-    bthd = t.transpose(1, 2)
-    return t if bthd.is_contiguous() else bthd.contiguous().transpose(1, 2)
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _bthd(t: torch.Tensor) -> torch.Tensor:
