@@ -37,14 +37,18 @@ def test_the_checks_references_are_swiglu_and_its_gradient_as_autograd_takes_the
     h = torch.nn.functional.silu(gate) * up
     d_gate, d_up = torch.autograd.grad(h, (gate, up), d_h.float())
     d_gu = torch.cat([d_gate, d_up], 1)
+    h_wide = torch.zeros(tokens, ffn + 4)  # h rows apart, as the step lays down's input
+    h_wide[:, :ffn] = h.detach()
+    d_gu_apart = bench.interleaved(d_gu, 1)
+    d_gu_apart[0, 0] += 1  # one element off: the bits check must see it
     buf = {"gu": gu, "d_h": d_h, "h": h.detach(), "d_gu": d_gu,
            "q_gu": bench.interleaved(gu, 1), "q_h": h.detach(),
-           "q_d_gu": bench.interleaved(d_gu, 1), "q_h_apart": h.detach(),
-           "q_d_gu_apart": bench.interleaved(d_gu, 1),
+           "q_d_gu": bench.interleaved(d_gu, 1), "q_h_apart": h_wide[:, :ffn],
+           "q_d_gu_apart": d_gu_apart,
            "d_x": d_gu @ w_dx.float(), "q_d_x": d_gu @ w_dx.float()}
     checks = bench.errors(buf, ffn, w_dx)
     assert checks["gu_bits_equal"] and checks["h_rows_apart_bits_equal"]
-    assert checks["d_gu_rows_apart_bits_equal"]
+    assert not checks["d_gu_rows_apart_bits_equal"]
     for key in ("h_ours", "h_quack", "d_gu_ours", "d_gu_quack", "d_x_ours", "d_x_quack"):
         assert checks[key] < 1e-5, key
     buf["q_d_gu"] = bench.interleaved(torch.cat([d_up, d_gate], 1), 1)  # halves swapped

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.bench_kernels import graphed, time_ms  # noqa: E402
+from benchmarks.kernels.bench_kernels import graphed, replay_us, time_ms  # noqa: E402
 from runtime.cuda import attention  # noqa: E402
 from runtime.kernels import KERNELS  # noqa: E402
 
@@ -71,15 +71,7 @@ def replayed_us(fn, calls: int = 16, replays: int = 15) -> float:
     """Median us a call of `fn` over replays of a CUDA graph holding `calls` of them."""
     replay = graphed(fn, calls)
     replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    return sorted(replay_us(replay, calls) for _ in range(replays))[replays // 2]
 
 
 def replayed_backend(backend, q, k, v, d_out, attrs):

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.bench_kernels import graphed  # noqa: E402
+from benchmarks.kernels.bench_kernels import graphed, replay_us  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -179,18 +179,6 @@ def errors(buf, ffn, w_dx) -> dict:
 def deinterleaved(t: torch.Tensor) -> torch.Tensor:
     """(first_0, second_0, first_1, ...) along the last dim back to [first | second]."""
     return t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-2, -1).flatten(-2)
-
-
-def replay_us(replay, calls: int, rest: float) -> float:
-    if rest:
-        torch.cuda.synchronize()
-        time.sleep(rest)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / calls
 
 
 def timed(fns: dict, calls: int, rounds: int) -> dict:

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -81,6 +82,20 @@ def graphed(fn, calls: int = 1):
         for _ in range(calls):
             fn()
     return graph.replay
+
+
+def replay_us(replay, calls: int = 1, rest: float = 0.0) -> float:
+    """us a call of one replay of a graph holding `calls` calls (`graphed`), timed by CUDA
+    events; `rest` s of sleep first, the card idle (at its full clock) when it starts."""
+    if rest:
+        torch.cuda.synchronize()
+        time.sleep(rest)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / calls
 
 
 def nbytes(*tensors) -> int:
