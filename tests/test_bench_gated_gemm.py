@@ -1,6 +1,7 @@
 """benchmarks/kernels/bench_gated_gemm.py's parts that run anywhere: the interleaved layout
 quack's gated GEMMs write, the fp32 references its checks compare against (SwiGLU's
-gradient as autograd takes it), and the shim that keys quack's epilogues."""
+gradient as autograd takes it), and the shim that keys quack's epilogues
+(runtime/cuda/gated_gemm.py, which the bench imports)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels import bench_gated_gemm as bench  # noqa: E402
+from runtime.cuda import gated_gemm  # noqa: E402
 
 
 def test_interleaved_takes_the_halves_in_turn_and_deinterleaved_undoes_it():
@@ -61,6 +63,9 @@ def test_the_shim_keys_what_quacks_key_refuses_by_its_type():
             return ("int", value)
         raise TypeError("no fail-closed semantic key")
     identity = types.SimpleNamespace(semantic_value_key=refusing)
-    bench._key_opaque_globals(identity)
+    gated_gemm._key_opaque_globals(identity)
     assert identity.semantic_value_key(3, set()) == ("int", 3)
     assert identity.semantic_value_key(object(), set()) == ("opaque", "builtins", "object")
+    shimmed = identity.semantic_value_key
+    gated_gemm._key_opaque_globals(identity)  # once: a second call keeps the shim
+    assert identity.semantic_value_key is shimmed

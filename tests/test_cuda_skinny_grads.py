@@ -390,6 +390,10 @@ def test_the_step_hands_the_blocks_their_stacked_gradients(monkeypatch):
     from tests.test_lora_step import _arena_step, _error
 
     model, views, inputs, held = _covered_lora_step()  # noqa: F841 (held: the slots)
+    # gate/up's d_B from the usual path: where quack imports, the gated GEMMs would take
+    # it, interleaved and summed dense (runtime/cuda/gated_mlp.py); `_arena_step` undoes
+    # the monkeypatch, so each run sets it
+    monkeypatch.setenv("MODULEC_GATED_GEMM", "0")
     outputs, grads, run, _ = _arena_step(model, monkeypatch, True, "cuda", params=views,
                                          inputs=inputs)
     layers = {p.split(".")[0] for p in model.params if p.startswith("blocks[")}
@@ -397,6 +401,7 @@ def test_the_step_hands_the_blocks_their_stacked_gradients(monkeypatch):
     # the kernel's 128-column chunks, so its B is summed dense and block_diag's backward runs
     assert run.stacked_block_grads == len(layers)
     monkeypatch.setenv("MODULEC_STACKED_BLOCK_GRADS", "0")
+    monkeypatch.setenv("MODULEC_GATED_GEMM", "0")
     off_outputs, off_grads, off_run, _ = _arena_step(model, monkeypatch, True, "cuda",
                                                      params=views, inputs=inputs)
     assert off_run.stacked_block_grads == 0

@@ -485,6 +485,9 @@ def test_wide_projections_take_one_gemm_over_x_and_h_side_by_side(monkeypatch, d
         taken.append(out is not None)
         return out
     monkeypatch.setattr(train_module, "kcat_into", counted)
+    # gate/up through kcat_into + swiglu, not the gated GEMM that takes it where quack
+    # imports (tests/test_gated_mlp.py, test_cuda_gated_mlp.py)
+    monkeypatch.setenv("MODULEC_GATED_GEMM", "0")
     outputs, grads, run, _ = _arena_step(model, monkeypatch, True, device, params=views)
     assert taken.count(True) == 2 and len(taken) == run.lora_into_planned == 8
     B = model.params["blocks[1].mlp.up_weight.up.lora_B"]  # the up part's block, s = 2

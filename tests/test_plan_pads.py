@@ -92,6 +92,9 @@ def test_the_step_writes_x_a_beside_x_and_runs_one_gemm_without_a_copy(monkeypat
             taken.append((out is not None, args[6]))  # pad
             return out
         monkeypatch.setenv("MODULEC_LORA_KCAT_PADDED", padded)
+        # gate/up as cuBLAS's one GEMM + swiglu, not the gated GEMM that takes it where
+        # quack imports (tests/test_gated_mlp.py, test_cuda_gated_mlp.py)
+        monkeypatch.setenv("MODULEC_GATED_GEMM", "0")
         monkeypatch.setattr(train_module, "kcat_into", counted)
         monkeypatch.setattr(kcat, "_wide", lambda *a, **k: scratch.append(a) or wide(*a, **k))
         outputs, grads, step, copies = _arena_step(model, monkeypatch, True, device,

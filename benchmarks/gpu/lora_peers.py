@@ -145,11 +145,13 @@ def run_modulec(args, shape) -> dict:
     with card_power(args.device) as power:
         result = timed(lambda: step(tokens), 0, args.steps)
     with_energy(result, power, args.steps)
+    from runtime.cuda import gated_gemm
     from runtime.cuda.gemm import summary
 
     print(summary(), file=sys.stderr)  # what the GEMM timing chose (runtime/cuda/gemm.py)
     result.update(modulec_prediction(step.program), loss_first=loss_first,
-                  loss_last=float(step.loss), setup_s=setup_s)
+                  loss_last=float(step.loss), setup_s=setup_s,
+                  gated_gemm=gated_gemm.summary())  # SwiGLU's GEMMs (gated_gemm.py)
     if step.decisions is not None:
         result["budget_bytes"] = step.memory_budget
         result["predicted_peak_bytes"] = step.predicted_peak()

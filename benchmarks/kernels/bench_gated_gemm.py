@@ -44,34 +44,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels.bench_kernels import graphed, replay_us  # noqa: E402
+from runtime.cuda.gated_gemm import quack_gated  # noqa: E402
 
 BF16 = torch.bfloat16
-
-
-def quack_gated():
-    """quack's (gemm_act, gemm_dact, gemm), or the reason they do not import."""
-    try:
-        from quack.gemm_interface import gemm, gemm_act, gemm_dact
-        from quack.gemm_runtime import identity
-    except Exception as error:  # an optional package: any import failure is a reason
-        return f"{type(error).__name__}: {error}"
-    _key_opaque_globals(identity)
-    return gemm_act, gemm_dact, gemm
-
-
-def _key_opaque_globals(identity):
-    """quack 0.6.5 keys its compiled epilogues by the globals the epilogue's Python reaches,
-    and refuses a value it has no key for; with nvidia-cutlass-dsl 4.8.1 that is a
-    ContextVar of cutlass's op helpers, which does not change the traced math. Such values
-    get their type as the key (a shim for this pair of versions, benchmark only)."""
-    original = identity.semantic_value_key
-
-    def key(value, seen):
-        try:
-            return original(value, seen)
-        except TypeError:
-            return ("opaque", type(value).__module__, type(value).__qualname__)
-    identity.semantic_value_key = key
 
 
 def interleaved(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -260,14 +260,24 @@ def kcat_into(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor
               alpha: float, C: torch.Tensor, pad: int = 0, pieces=None
               ) -> torch.Tensor | None:
     """C = x w^T + alpha t B^T (2-D: x [T, in], w [out, in] with a side slot, t [T, k r],
-    B [out, k r]) as one GEMM over [x | t] and [w | alpha B]; None where w has no side
-    slot of B's width or x is neither laid wide (`pad`: the plan's spare columns after
-    its rows) nor of a WIDE projection (the caller takes the two-GEMM path). `pieces`:
-    the parameters B is made of, (tensor, row, column) each (B itself, or a block-diagonal
-    B's blocks), where the caller knows them: the slot is then filled at the step's start
-    (runtime/cuda/slot_refresh.py) instead of here."""
+    B [out, k r]) as one GEMM over [x | t] and [w | alpha B] (`kcat_operands`); None where
+    those are not laid (the caller takes the two-GEMM path)."""
     from runtime.cuda.gemm import mm_into
 
+    operands = kcat_operands(x, w, t, B, alpha, pad, pieces)
+    return None if operands is None else mm_into(operands[0], operands[1].t(), C)
+
+
+def kcat_operands(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor,
+                  alpha: float, pad: int = 0, pieces=None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """([x | t], [w | alpha B]) for `kcat_into` (or the gated GEMM, runtime/cuda/gated_mlp.py),
+    alpha B written into w's side slot and t beside x; None where w has no side slot of
+    B's width or x is neither laid wide (`pad`: the plan's spare columns after its rows)
+    nor of a WIDE projection. `pieces`: the parameters B is made of, (tensor, row,
+    column) each (B itself, or a block-diagonal B's blocks), where the caller knows them:
+    the slot is then filled at the step's start (runtime/cuda/slot_refresh.py) instead
+    of here."""
     side = side_of(w, B.shape[1])
     if side is None or x.shape[1] != w.shape[1] or t.shape[1] != B.shape[1]:
         return None
@@ -281,7 +291,7 @@ def kcat_into(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, B: torch.Tensor
     _fill(side, pieces, alpha, lambda: torch.mul(B, alpha, out=side))
     _copy_rows(wide[:, inner:], t)
     joined = w.as_strided((w.shape[0], inner + B.shape[1]), w.stride(), w.storage_offset())
-    return mm_into(wide, joined.t(), C)
+    return wide, joined
 
 
 def _fill(slot: torch.Tensor, pieces, alpha: float, fill) -> None:
@@ -361,18 +371,26 @@ def dt_beside(w: torch.Tensor, rows: int, width: int) -> torch.Tensor | None:
 def dx_into(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor,
             pieces=None) -> torch.Tensor:
     """d_x = d_y w + d_t a (d_t staged by `stage_dt`) as one GEMM over [d_y | d_t] and
-    [w ; a]: a copied into w's tail slot (at the step's start where its parameters are
-    known, `pieces`: slot_refresh.py), d_y into the scratch's left columns (where it was
-    not written there: `widened_dx`)."""
+    [w ; a] (`dx_operands`)."""
     from runtime.cuda.gemm import mm_into
 
+    wide, stacked = dx_operands(d_y, w, a, pieces)
+    return mm_into(wide, stacked, out.view(wide.shape[0], w.shape[1]))
+
+
+def dx_operands(d_y: torch.Tensor, w: torch.Tensor, a: torch.Tensor, pieces=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([d_y | d_t], [w ; a]) for `dx_into` (or the gated GEMM, runtime/cuda/gated_mlp.py):
+    a copied into w's tail slot (at the step's start where its parameters are known,
+    `pieces`: slot_refresh.py), d_y into the scratch's left columns (where it was not
+    written there: `widened_dx`)."""
     tail, (out_rows, inner) = _tail_of(w, a), w.shape
     _fill(tail, pieces, 1.0, lambda: tail.copy_(a))
     rows = d_y.numel() // d_y.shape[-1]
     wide = _dx_scratch(w, rows)[0]
     _copy_rows(wide[:, :out_rows], d_y.reshape(rows, -1))
     stacked = w.as_strided((out_rows + a.shape[0], inner), w.stride(), w.storage_offset())
-    return mm_into(wide, stacked, out.view(rows, inner))
+    return wide, stacked
 
 
 def _tail_of(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:

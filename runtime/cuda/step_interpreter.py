@@ -69,6 +69,14 @@ class _StepInterpreter(Interpreter):
         self._redirects: dict = {}  # (id(frame), node id) -> the add's bytes for its d_x
         self._own: dict = {}  # function name -> values kept out of the arena (_own_bytes)
         self._in_place: dict = {}  # function name -> node ids run in place
+        # SwiGLU in the GEMMs' epilogues (runtime/cuda/gated_mlp.py): function name -> its
+        # sites; the (id(frame), node id) the gated GEMMs ran for; the (id(frame), value)
+        # holding an interleaved d_gu
+        self._gated_sites: dict = {}
+        self._gated_skip: set = set()
+        self._interleaved: set = set()
+        self.gated_forward = 0  # gate/up + swiglu run as one gated GEMM
+        self.gated_backward = 0  # down's d_x + swiglu's backward as one gated GEMM
         self.swaps = None  # runtime.cuda.swaps.GpuSwaps: the step's, when it executes swaps
         self._released_at: dict = {}  # id(forward run) -> its release number (swaps)
         from runtime.cuda.kernels import APPLY_SAVED_KERNELS
@@ -114,6 +122,7 @@ class _StepInterpreter(Interpreter):
             if self.swaps is not None and id(forward) in self._released_at:
                 self.swaps.prefetch_for(self._released_at[id(forward)])
             outputs = super()._run(frame, args, forward)
+            self._gated_done(frame)
             if self.keep_only_saved and forward is not None:
                 forward.env.clear()
                 forward.children.clear()
@@ -205,6 +214,9 @@ class _StepInterpreter(Interpreter):
                 and self.fp8_run.covers(function.name, node.id):
             return self._fp8_op(node, frame, forward)
         plain = self._plain()
+        if plain and (id(frame), node.id) in self._gated_skip:
+            self._gated_skip.discard((id(frame), node.id))
+            return  # run by a gated GEMM (runtime/cuda/gated_mlp.py)
         if function.gradient_of and plain and (self._residual_rows(node, frame, forward)
                                                or self._lora_dx(node, frame, forward)
                                                or self._stacked_parts(node, frame)):
@@ -228,7 +240,8 @@ class _StepInterpreter(Interpreter):
             return super()._op(node, frame, forward)
         source = pairs.bases.get(node.id)
         if source is not None:
-            if self._lora_into_planned(node, source, pair[0], frame, forward):
+            if self._gated_forward(node, source, pair[0], frame, forward) \
+                    or self._lora_into_planned(node, source, pair[0], frame, forward):
                 return
             super()._op(source, frame, forward)  # base as written, then the addmm
         self._lora_add(node, pair, frame, forward)
@@ -287,6 +300,36 @@ class _StepInterpreter(Interpreter):
         self._run_redirected(node, frame, forward, target)
         self.lora_t_beside_x += 1
         return True
+
+    def _gated_forward(self, node, source, matmul, frame, forward) -> bool:
+        """gate_up's add and the split + swiglu after it as one gated GEMM
+        (runtime/cuda/gated_mlp.py `run_forward`). True where it ran."""
+        from runtime.cuda import gated_mlp
+
+        function = frame.function
+        key = ("forward", function.name)
+        if key not in self._gated_sites:
+            self._gated_sites[key] = gated_mlp.sites(self.graph, function,
+                                                     self._lora_pairs(function))
+        site = self._gated_sites[key].get(node.id)
+        return site is not None and gated_mlp.run_forward(self, site, source, matmul, frame,
+                                                          forward)
+
+    def _gated_done(self, frame) -> None:
+        """Forget what the gated GEMMs noted for `frame` (its id may be a later frame's)."""
+        if self._interleaved or self._gated_skip:
+            self._interleaved = {k for k in self._interleaved if k[0] != id(frame)}
+            self._gated_skip = {k for k in self._gated_skip if k[0] != id(frame)}
+
+    def _gated_backward_site(self, node, frame):
+        """The gated MLP backward site `node` belongs to (gated_mlp.backward_sites)."""
+        from runtime.cuda import gated_mlp
+
+        key = ("backward", frame.function.name)
+        if key not in self._gated_sites:
+            self._gated_sites[key] = gated_mlp.backward_sites(
+                frame.function, self._dx_pairs_of(frame.function))
+        return self._gated_sites[key].get(node.id)
 
     def _lora_into_planned(self, node, source, matmul, frame, forward) -> bool:
         """y = x W^T (`source`, base's matmul) + s t B^T in y's planned bytes: the delta
@@ -365,8 +408,13 @@ class _StepInterpreter(Interpreter):
         """LoRA's d_x sums without an add (runtime/cuda/lora_backward.py): the adapter
         path's d_x written into the sum's bytes, the frozen weight's d_x GEMM deferred to
         the add and added there. True where `node` was run (or deferred) here."""
+        from runtime.cuda.gated_mlp import run_delta_grads
+
         pairs = self._dx_pairs_of(frame.function)
         self._widen_dx(node, frame, forward)
+        if node.id not in pairs.deferred and node.inputs \
+                and (id(frame), node.inputs[0]) in self._interleaved:
+            return run_delta_grads(self, node, pairs, frame, forward)
         if self._dt_beside_dy(node, pairs, frame, forward):
             return True
         if node.id in pairs.deferred:
@@ -382,6 +430,9 @@ class _StepInterpreter(Interpreter):
             return False
         if self._dx_staged.pop((id(frame), node.id), False):
             return self._one_gemm_dx(pair, frame, forward)
+        if (id(frame), pair.base.inputs[0]) in self._interleaved:  # gated_mlp.run_down_dx's
+            raise RuntimeError(f"internal: {node.id}'s d_y is interleaved but its d_x sum "
+                               f"is not one GEMM (in `{frame.function.name}`)")
         y = add_into(self, pair, frame, forward)
         if y is None:  # as written
             super()._op(pair.base, frame, forward)
@@ -529,7 +580,14 @@ class _StepInterpreter(Interpreter):
         tensor of its own off the arena or where they hold an operand)."""
         from runtime.cuda.lora_kcat import dx_into
 
+        from runtime.cuda.gated_mlp import run_down_dx, run_gate_up_dx
+
         base, add = pair.base, pair.add
+        a_pieces = self._parameter_pieces(pair.first.inputs[2], forward) if forward else None
+        site = self._gated_backward_site(add, frame)
+        if site is not None and add is site.down.add \
+                and run_down_dx(self, site, a_pieces, frame, forward):
+            return True
         d_y, w, a = (self._read(v, frame, forward)
                      for v in (base.inputs[0], base.inputs[2], pair.first.inputs[2]))
         shape = (*d_y.shape[:-1], w.shape[1])
@@ -538,8 +596,9 @@ class _StepInterpreter(Interpreter):
             planned_product(raw, d_y.reshape(-1, w.shape[0]), w)
         if out is None:
             out = torch.empty(shape, dtype=w.dtype, device=w.device)
-        a_pieces = self._parameter_pieces(pair.first.inputs[2], forward) if forward else None
-        y = dx_into(d_y, w, a, out, a_pieces)
+        y = run_gate_up_dx(self, pair, a_pieces, out, frame, forward)
+        if y is None:
+            y = dx_into(d_y, w, a, out, a_pieces)
         self.lora_dx_fused += 1
         self.lora_dx_one_gemm += 1
         for value in (base.outputs[0], pair.first.outputs[0]):

@@ -587,6 +587,10 @@ class Run:
 
             if summary():  # the GEMM algorithms the first step timed (runtime/cuda/gemm.py)
                 progress.note(summary())
+            from runtime.cuda.gated_gemm import summary as gated
+
+            if gated():  # SwiGLU in the GEMMs' epilogues, or why not (gated_gemm.py)
+                progress.note(gated())
             zero = getattr(getattr(self.trainer, "step", None), "zero", None)
             if zero is not None and zero.zero in (1, 2):  # runtime/dist/ce_gather.py
                 progress.note(f"ZeRO's weight all-gathers run on {zero.gather_transport}")
