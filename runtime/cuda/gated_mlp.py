@@ -130,7 +130,7 @@ def backward_sites(function, dx_pairs) -> dict[str, BackwardSite]:
         maker = next((n for n in users if gate_up is not None and n is not gate_up.base), None)
         hidden = down.base.inputs[1]
         if gate_up is None or maker is None or len(users) != 2 \
-                or maker.target != "matmul_backward" \
+                or maker.target != "matmul_backward" or maker.attr("transpose") != "NT" \
                 or maker.outputs[0] != gate_up.first.inputs[0] \
                 or any(index[n.id] > index[add.id] for n in readers.get(hidden, [])
                        if n is not down.base):
