@@ -93,7 +93,7 @@ def test_the_pattern_is_each_layers_lora_swiglu_mlp():
     assert gated_mlp.sites(graph, attention, lora_addmm_pairs(attention)) == {}
 
 
-def _laid_step(model, monkeypatch, switch: str, held: list):
+def _laid_step(model, monkeypatch, switch: str, held: list, decisions=None):
     """One step on weights laid with side columns and tail rows, MODULEC_GATED_GEMM at
     `switch` (the slots are held in `held`: lora_kcat keeps weak references); `_arena_step`
 undoes the monkeypatch when it returns."""
@@ -107,7 +107,8 @@ undoes the monkeypatch when it returns."""
     views, slots = _laid_views(model, "cpu", kcat.side_columns(shapes, frozen),
                                kcat.tail_rows(shapes, frozen))
     held.append(slots)
-    return _arena_step(model, monkeypatch, True, "cpu", params=views)[:3]
+    return _arena_step(model, monkeypatch, True, "cpu", params=views,
+                       decisions=decisions)[:3]
 
 
 def test_the_gated_step_computes_what_the_usual_step_does(monkeypatch):
@@ -167,3 +168,20 @@ def test_a_provider_that_raises_hands_back_to_the_usual_path(monkeypatch, capfd)
         torch.testing.assert_close(got.float(), old.float(), rtol=0.05, atol=0.05)
     for path, old in usual_grads.items():
         assert _error(grads[path], old) < 0.1, path
+
+
+def test_under_the_planners_decisions_the_gated_path_runs_where_nothing_is_dropped(
+        monkeypatch):
+    """With the planner's decisions present (none made: every value kept), the gated
+    path still runs in both layers, bit for bit as without decisions."""
+    from runtime.decisions import Decisions
+
+    model = _lora_model(rank=8)
+    held = []
+    runs = [_laid_step(model, monkeypatch, "torch", held, decisions)
+            for decisions in (None, Decisions())]
+    (outputs, grads, free), (kept_outputs, kept_grads, decided) = runs
+    assert (free.gated_forward, free.gated_backward) == (2, 2)
+    assert (decided.gated_forward, decided.gated_backward) == (2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, kept_outputs))
+    assert all(torch.equal(grads[p], kept_grads[p]) for p in grads)
