@@ -578,9 +578,8 @@ class _StepInterpreter(Interpreter):
     def _one_gemm_dx(self, pair, frame, forward) -> bool:
         """d_x = [d_y | d_t] [W ; A] (lora_kcat.dx_into) into the add's planned bytes (a
         tensor of its own off the arena or where they hold an operand)."""
-        from runtime.cuda.lora_kcat import dx_into
-
         from runtime.cuda.gated_mlp import run_down_dx, run_gate_up_dx
+        from runtime.cuda.lora_kcat import dx_into
 
         base, add = pair.base, pair.add
         a_pieces = self._parameter_pieces(pair.first.inputs[2], forward) if forward else None
