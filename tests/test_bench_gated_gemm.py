@@ -1,7 +1,7 @@
-"""benchmarks/kernels/bench_gated_gemm.py's parts that run anywhere: the interleaved layout
-quack's gated GEMMs write, the fp32 references its checks compare against (SwiGLU's
-gradient as autograd takes it), and the shim that keys quack's epilogues
-(runtime/cuda/gated_gemm.py, which the bench imports)."""
+"""benchmarks/kernels/bench_gated_gemm.py's parts that run anywhere: the fp32 references its
+checks compare against (SwiGLU's gradient as autograd takes it), and the shim that keys
+quack's epilogues (runtime/cuda/gated_gemm.py, which the bench imports; its interleave
+helpers are tested in tests/test_gated_mlp.py)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels import bench_gated_gemm as bench  # noqa: E402
 from runtime.cuda import gated_gemm  # noqa: E402
-
-
-def test_interleaved_takes_the_halves_in_turn_and_deinterleaved_undoes_it():
-    t = torch.arange(12.).reshape(2, 6)  # [first | second], 3 columns each
-    assert bench.interleaved(t, 1)[0].tolist() == [0., 3., 1., 4., 2., 5.]
-    assert torch.equal(bench.deinterleaved(bench.interleaved(t, 1)), t)
-    w = torch.arange(8.).reshape(4, 2)  # [gate; up] rows
-    assert bench.interleaved(w, 0)[:, 0].tolist() == [0., 4., 2., 6.]
 
 
 def test_the_checks_references_are_swiglu_and_its_gradient_as_autograd_takes_them():

@@ -33,7 +33,7 @@ def test_torch_provider_computes_swiglu_over_interleaved_columns():
     prov.act(a, w, gu, h)
     plain = a.float() @ w.float().t()  # [gate | up]
     g, u = plain[:, :ffn], plain[:, ffn:]
-    torch.testing.assert_close(gu, gated_gemm.interleaved_rows(plain.t()).t().to(BF16))
+    torch.testing.assert_close(gu, gated_gemm.interleaved(plain, 1).to(BF16))
     torch.testing.assert_close(h.float(), torch.nn.functional.silu(g) * u, rtol=1e-2,
                                atol=1e-2)
     d_y, b = _draw(rows, 6, gen=gen), _draw(6, ffn, gen=gen, scale=0.3)
@@ -52,11 +52,14 @@ def test_torch_provider_computes_swiglu_over_interleaved_columns():
     torch.testing.assert_close(out.float(), blocked, rtol=1e-2, atol=1e-2)
 
 
-def test_rows_interleave_and_back():
-    t = torch.arange(12).view(6, 2)
-    il = gated_gemm.interleaved_rows(t)
-    assert il[:, 0].tolist() == [0, 6, 2, 8, 4, 10]
-    assert torch.equal(gated_gemm.deinterleaved_rows(il), t)
+def test_interleaved_takes_the_halves_in_turn_and_deinterleaved_undoes_it():
+    """Along either dim (the runtime's and bench_gated_gemm.py's one pair of helpers)."""
+    t = torch.arange(12.).view(6, 2)
+    assert gated_gemm.interleaved(t)[:, 0].tolist() == [0, 6, 2, 8, 4, 10]
+    assert torch.equal(gated_gemm.deinterleaved(gated_gemm.interleaved(t)), t)
+    t = torch.arange(6.).view(1, 6)
+    assert gated_gemm.interleaved(t, 1)[0].tolist() == [0., 3., 1., 4., 2., 5.]
+    assert torch.equal(gated_gemm.deinterleaved(gated_gemm.interleaved(t, 1), 1), t)
 
 
 def test_interleaved_source_tells_gu_views_from_split_halves():
@@ -137,13 +140,17 @@ def test_the_gated_step_computes_what_the_usual_step_does(monkeypatch):
 
 
 def test_no_provider_no_gated_path(monkeypatch):
-    """MODULEC_GATED_GEMM=0, or quack absent on a CPU: the usual path, and why."""
+    """MODULEC_GATED_GEMM=0, or a CPU: the usual path, and `summary` says why."""
+    monkeypatch.setattr(gated_gemm, "_used", gated_gemm.collections.Counter())
+    monkeypatch.setattr(gated_gemm, "_why", {})
+    monkeypatch.setattr(gated_gemm, "_chosen", {})
+    assert gated_gemm.summary() is None  # no step asked
     monkeypatch.setenv("MODULEC_GATED_GEMM", "0")
     assert gated_gemm.provider(torch.device("cpu")) is None
-    assert gated_gemm.why_not(torch.device("cpu")) == "MODULEC_GATED_GEMM=0"
+    assert gated_gemm.summary() == "SwiGLU's gated GEMMs not run: MODULEC_GATED_GEMM=0"
     monkeypatch.setenv("MODULEC_GATED_GEMM", "1")
     assert gated_gemm.provider(torch.device("cpu")) is None
-    assert "SM90" in gated_gemm.why_not(torch.device("cpu"))
+    assert "SM90" in gated_gemm.summary()
 
 
 def test_a_provider_that_raises_hands_back_to_the_usual_path(monkeypatch, capfd):

@@ -44,15 +44,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.kernels.bench_kernels import graphed, replay_us  # noqa: E402
-from runtime.cuda.gated_gemm import quack_gated  # noqa: E402
+from runtime.cuda.gated_gemm import deinterleaved, interleaved, quack_gated  # noqa: E402
 
 BF16 = torch.bfloat16
-
-
-def interleaved(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """[first; second] halves along `dim` as (first_0, second_0, first_1, ...)."""
-    halves = t.unflatten(dim, (2, t.shape[dim] // 2))
-    return halves.transpose(dim, dim + 1).flatten(dim, dim + 1).contiguous()
 
 
 def operands(tokens, dim, ffn, rank):
@@ -148,12 +142,7 @@ def errors(buf, ffn, w_dx) -> dict:
             "h_rows_apart_bits_equal": bool(torch.equal(buf["q_h_apart"], buf["q_h"])),
             "d_gu_rows_apart_bits_equal": bool(torch.equal(buf["q_d_gu_apart"], buf["q_d_gu"])),
             "d_x_ours": rel(buf["d_x"], buf["d_gu"].float() @ w_dx.float()),
-            "d_x_quack": rel(buf["q_d_x"], deinterleaved(buf["q_d_gu"]).float() @ w_dx.float())}
-
-
-def deinterleaved(t: torch.Tensor) -> torch.Tensor:
-    """(first_0, second_0, first_1, ...) along the last dim back to [first | second]."""
-    return t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-2, -1).flatten(-2)
+            "d_x_quack": rel(buf["q_d_x"], deinterleaved(buf["q_d_gu"], 1).float() @ w_dx.float())}
 
 
 def timed(fns: dict, calls: int, rounds: int) -> dict:

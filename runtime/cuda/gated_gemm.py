@@ -28,16 +28,16 @@ import os
 import torch
 
 
-def interleaved_rows(t: torch.Tensor) -> torch.Tensor:
-    """[first; second] halves of t's rows as (first_0, second_0, first_1, ...), a copy."""
-    halves = t.unflatten(0, (2, t.shape[0] // 2))
-    return halves.transpose(0, 1).flatten(0, 1).contiguous()
+def interleaved(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """[first; second] halves along `dim` as (first_0, second_0, first_1, ...), a copy."""
+    halves = t.unflatten(dim, (2, t.shape[dim] // 2))
+    return halves.transpose(dim, dim + 1).flatten(dim, dim + 1).contiguous()
 
 
-def deinterleaved_rows(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of `interleaved_rows`, a copy."""
-    pairs = t.unflatten(0, (t.shape[0] // 2, 2))
-    return pairs.transpose(0, 1).flatten(0, 1).contiguous()
+def deinterleaved(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The inverse of `interleaved`, a copy."""
+    pairs = t.unflatten(dim, (t.shape[dim] // 2, 2))
+    return pairs.transpose(dim, dim + 1).flatten(dim, dim + 1).contiguous()
 
 
 class TorchGated:
@@ -47,7 +47,7 @@ class TorchGated:
 
     def act(self, a, w, gu, h) -> None:
         _used[self.name] += 1
-        acc = a.float() @ interleaved_rows(w).float().t()
+        acc = a.float() @ interleaved(w).float().t()
         gu.copy_(acc)
         g, u = acc[:, 0::2], acc[:, 1::2]
         h.copy_(torch.nn.functional.silu(g) * u)
@@ -61,7 +61,7 @@ class TorchGated:
         h.copy_(g * sig * u)
 
     def mm_rows_interleaved(self, d_gu, w, out) -> None:
-        out.copy_(d_gu.float() @ interleaved_rows(w).float())
+        out.copy_(d_gu.float() @ interleaved(w).float())
 
 
 class QuackGated:
@@ -89,7 +89,7 @@ class QuackGated:
 
 _used: collections.Counter = collections.Counter()  # provider name -> forward calls
 _chosen: dict = {}  # (switch, device type, capability) -> provider or None
-_why: dict = {}  # the same key -> why quack is not used (a user may ask: `why_not`)
+_why: dict = {}  # the same key -> why quack is not used (`summary`)
 
 
 def provider(device: torch.device):
@@ -101,15 +101,9 @@ def provider(device: torch.device):
     return _chosen[key]
 
 
-def why_not(device: torch.device) -> str | None:
-    """Why `provider(device)` is None (None where it is not)."""
-    provider(device)
-    return _why.get(_key(device))
-
-
 def refuse(device: torch.device, error: Exception) -> None:
     """The provider raised on a call (a layout it does not take): the step's usual path
-    from here on for `device`, said once on stderr and kept for `why_not`."""
+    from here on for `device`, said once on stderr and kept for `summary`."""
     import sys
 
     key = _key(device)

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.cuda.gated_gemm import deinterleaved_rows, interleaved_rows, provider
+from modulec.plan.in_place import readers_of
+from runtime.cuda.gated_gemm import deinterleaved, interleaved, provider
+from runtime.cuda.kernels import typed
 from runtime.decisions import APPLY_SAVED, RECOMPUTE, SWAP
 from runtime.interpreter import static_shape
 
@@ -56,12 +58,11 @@ class BackwardSite:
 
 
 def _readers(functions) -> dict[str, list]:
+    """value -> the ids of the nodes of `functions` reading it (modulec.plan.in_place)."""
     found: dict = {}
     for function in functions:
-        for node in function.nodes:
-            for value in node.inputs:
-                if value:
-                    found.setdefault(value, []).append(node)
+        for value, ids in readers_of(function).items():
+            found.setdefault(value, []).extend(ids)
     return found
 
 
@@ -77,8 +78,10 @@ def sites(graph, function, pairs) -> dict[str, ForwardSite]:
     """{gate_up's add id: site} in forward `function`: a one-GEMM LoRA add whose output is
     read by a split alone, halves read by a swiglu alone, and in the backward by
     swiglu_backward alone (gate_up itself not at all)."""
-    readers = _readers([function])
-    later = _readers([f for f in graph.functions if f.gradient_of == function.name])
+    backward = [f for f in graph.functions if f.gradient_of == function.name]
+    readers, later = _readers([function]), _readers(backward)
+    by_id = {n.id: n for n in function.nodes}
+    later_nodes = {n.id: n for f in backward for n in f.nodes}
     producers = {o: n for n in function.nodes for o in n.outputs if o}
     found = {}
     for split in function.nodes:
@@ -87,12 +90,12 @@ def sites(graph, function, pairs) -> dict[str, ForwardSite]:
         gu, (gate, up) = split.inputs[0], split.outputs
         add = producers.get(gu)
         users = readers.get(gate, []) + readers.get(up, [])
-        if add is None or add.id not in pairs.bases or readers.get(gu) != [split] \
-                or len(users) != 2 or users[0] is not users[1] or later.get(gu) \
+        if add is None or add.id not in pairs.bases or readers.get(gu) != [split.id] \
+                or len(users) != 2 or users[0] != users[1] or later.get(gu) \
                 or any(v in function.outputs for v in (gu, gate, up)):
             continue
-        swiglu = users[0]
-        saved_by = later.get(gate, []) + later.get(up, [])
+        swiglu = by_id[users[0]]
+        saved_by = [later_nodes[i] for i in later.get(gate, []) + later.get(up, [])]
         if swiglu.target != "swiglu" or tuple(swiglu.inputs) != (gate, up) \
                 or not _halves(function, split) or any(
                     n.target != "swiglu_backward" or tuple(n.inputs[1:3]) != (gate, up)
@@ -108,8 +111,9 @@ def backward_sites(function, dx_pairs) -> dict[str, BackwardSite]:
     swiglu_backward alone (its y unwanted), its two gradients by a split_backward alone,
     whose d_gate_up is read by gate/up's pair (a one-GEMM candidate) alone; and hidden
     read after down's add by nothing but down's deferred d_x GEMM."""
-    readers = _readers([function])
+    readers = readers_of(function)
     producers = {o: n for n in function.nodes for o in n.outputs if o}
+    by_id = {n.id: n for n in function.nodes}
     index = {n.id: i for i, n in enumerate(function.nodes)}
     found = {}
     for sb in function.nodes:
@@ -119,21 +123,22 @@ def backward_sites(function, dx_pairs) -> dict[str, BackwardSite]:
         add = producers.get(sb.inputs[0])
         down = dx_pairs.adds.get(add.id) if add is not None else None
         d_gate, d_up = sb.outputs[:2]
-        join = readers.get(d_gate, [None])[0]
-        if down is None or readers.get(sb.inputs[0]) != [sb] or join is None \
+        join = by_id.get(readers.get(d_gate, [""])[0])
+        if down is None or readers.get(sb.inputs[0]) != [sb.id] or join is None \
                 or join.target != "split_backward" or tuple(join.inputs) != (d_gate, d_up) \
-                or readers.get(d_gate) != [join] or readers.get(d_up) != [join]:
+                or readers.get(d_gate) != [join.id] or readers.get(d_up) != [join.id]:
             continue
         d_gu = join.outputs[0]
         gate_up = next((p for p in dx_pairs.adds.values() if p.base.inputs[0] == d_gu), None)
         users = readers.get(d_gu, [])
-        maker = next((n for n in users if gate_up is not None and n is not gate_up.base), None)
+        maker = next((by_id[i] for i in users if gate_up is not None
+                      and i != gate_up.base.id), None)
         hidden = down.base.inputs[1]
         if gate_up is None or maker is None or len(users) != 2 \
                 or maker.target != "matmul_backward" or maker.attr("transpose") != "NT" \
                 or maker.outputs[0] != gate_up.first.inputs[0] \
-                or any(index[n.id] > index[add.id] for n in readers.get(hidden, [])
-                       if n is not down.base):
+                or any(index[i] > index[add.id] for i in readers.get(hidden, [])
+                       if i != down.base.id):
             continue
         site = BackwardSite(down, sb, join, gate_up, maker)
         for node in (add, sb, join, maker, gate_up.add):
@@ -150,21 +155,13 @@ def _usable(run, frame, values) -> bool:
         run.decisions.of(frame.function.name, v, frame.instance) in DROPPED for v in values)
 
 
-def _rows(raw, rows: int, cols: int, dtype) -> torch.Tensor | None:
-    """Planned bytes as [rows, cols]: typed ones as they are laid (rows apart where the
-    plan laid them wide), raw ones (uint8) as a contiguous matrix."""
-    if raw is None:
-        return None
-    if raw.dtype == torch.uint8:
-        if raw.numel() < rows * cols * dtype.itemsize:
-            return None
-        return raw[:rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
-    if raw.dtype != dtype or raw.numel() != rows * cols:
-        return None
-    try:
-        return raw.view(rows, cols)
-    except RuntimeError:
-        return None
+def _planned(run, frame, node, value: str, cols: int, dtype) -> torch.Tensor | None:
+    """`value`'s planned bytes as [rows, cols] (kernels.typed: rows apart where the plan
+    laid them wide), or None where it has none."""
+    shape = static_shape(frame.function, value)
+    raw = run.arena.out_bytes(frame, node, value) if shape is not None else None
+    tensor = typed([raw], 0, shape, dtype) if raw is not None else None
+    return None if tensor is None or tensor.shape[-1] != cols else tensor.view(-1, cols)
 
 
 def run_forward(run, site: ForwardSite, source, matmul, frame, forward) -> bool:
@@ -188,9 +185,9 @@ def run_forward(run, site: ForwardSite, source, matmul, frame, forward) -> bool:
     if prov is None or shape is None:
         return False
     rows, ffn = x.numel() // x.shape[-1], w.shape[0] // 2
-    gu = _rows(run.arena.out_bytes(frame, node, gu_value), rows, 2 * ffn, w.dtype)
-    h = _rows(run.arena.out_bytes(frame, site.swiglu, hidden), rows, ffn, w.dtype)
-    if gu is None or h is None or overlaps(gu, h) \
+    gu = _planned(run, frame, node, gu_value, 2 * ffn, w.dtype)
+    h = _planned(run, frame, site.swiglu, hidden, ffn, w.dtype)
+    if gu is None or h is None or gu.shape[0] != rows or overlaps(gu, h) \
             or any(overlaps(v, o) for v in (x, w, t, b) for o in (gu, h)):
         return False
     operands = kcat_operands(x.reshape(rows, -1), w, t.reshape(rows, -1), b,
@@ -250,9 +247,10 @@ def run_down_dx(run, site: BackwardSite, pieces, frame, forward) -> bool:
     d_y, w, a, hidden = (run._read(v, frame, forward) for v in (
         down.base.inputs[0], down.base.inputs[2], down.first.inputs[2], down.base.inputs[1]))
     rows = gu.shape[0]
-    d_gu = _rows(run.arena.out_bytes(frame, join, d_gu_value), rows, gu.shape[1], gu.dtype)
+    d_gu = _planned(run, frame, join, d_gu_value, gu.shape[1], gu.dtype)
     h = hidden.reshape(rows, -1) if isinstance(hidden, torch.Tensor) else None
-    if prov is None or d_gu is None or h is None or h.shape[1] != w.shape[1]:
+    if prov is None or d_gu is None or d_gu.shape[0] != rows or h is None \
+            or h.shape[1] != w.shape[1]:
         return False
     if not _ran(prov.dact, w.device, *dx_operands(d_y, w, a, pieces), gu, d_gu, h):
         return False
@@ -277,8 +275,7 @@ def run_delta_grads(run, node, dx_pairs, frame, forward) -> bool:
     from runtime.cuda.lora_kcat import dt_beside
     from runtime.cuda.train_kernels import matmul_grads
 
-    pair = next((p for p in dx_pairs.adds.values()
-                 if node.outputs and p.first.inputs[0] == node.outputs[0]), None)
+    pair = run._dt_pair(node, dx_pairs, frame)
     if pair is None or node.target != "matmul_backward" or node.attr("transpose") != "NT":
         raise RuntimeError(f"internal: {node.id} ({node.target}) reads the interleaved "
                            f"{node.inputs[0]} (in `{frame.function.name}`)")
@@ -286,7 +283,7 @@ def run_delta_grads(run, node, dx_pairs, frame, forward) -> bool:
     rows = d_gu.numel() // d_gu.shape[-1]
     w = run._one_gemm_weight(pair, frame, forward)
     target = dt_beside(w, rows, b.shape[1]) if w is not None else None
-    d_t, d_b = matmul_grads(d_gu.reshape(rows, -1), t.reshape(rows, -1), interleaved_rows(b),
+    d_t, d_b = matmul_grads(d_gu.reshape(rows, -1), t.reshape(rows, -1), interleaved(b),
                             wanted=(True, True), transpose="NT",
                             alpha=float(node.attr("alpha") or 1.0), out=[target, None])
     key = (id(frame), node.id)
@@ -305,10 +302,9 @@ def run_delta_grads(run, node, dx_pairs, frame, forward) -> bool:
 def _rows_in_order(run, frame, node, d_b: torch.Tensor) -> torch.Tensor:
     """d_B with its interleaved rows put back in order, written straight into its planned
     bytes where it has some (one copy, not a copy and then a move)."""
-    planned = run.arena.out_bytes(frame, node, node.outputs[1])
-    into = _rows(planned, d_b.shape[0], d_b.shape[1], d_b.dtype)
-    if into is None or not into.is_contiguous():
-        return deinterleaved_rows(d_b)
+    into = _planned(run, frame, node, node.outputs[1], d_b.shape[1], d_b.dtype)
+    if into is None or into.shape[0] != d_b.shape[0] or not into.is_contiguous():
+        return deinterleaved(d_b)
     halves = d_b.view(d_b.shape[0] // 2, 2, d_b.shape[1]).transpose(0, 1)
     into.view(2, d_b.shape[0] // 2, d_b.shape[1]).copy_(halves)
     return into
@@ -328,8 +324,7 @@ def run_gate_up_dx(run, pair, pieces, out, frame, forward) -> torch.Tensor | Non
     out2, d_gu = out.view(wide.shape[0], w.shape[1]), wide[:, :w.shape[0]]
     prov = provider(w.device)
     if prov is None or not _ran(prov.mm_rows_interleaved, w.device, d_gu, w, out2):
-        pairs = d_gu.view(d_gu.shape[0], -1, 2)  # d_gu back to [d_gate | d_up]: the usual
-        d_gu.copy_(pairs.transpose(1, 2).reshape(d_gu.shape))  # one GEMM (the caller's)
+        d_gu.copy_(deinterleaved(d_gu, 1))  # [d_gate | d_up] for the usual one GEMM
         return None
     out2.addmm_(wide[:, w.shape[0]:], stacked[w.shape[0]:])
     return out2

@@ -514,10 +514,7 @@ class _StepInterpreter(Interpreter):
 
         if node.target != "matmul_backward" or not node.outputs or not node.outputs[0]:
             return False
-        name = frame.function.name
-        if name not in self._dt_makers:
-            self._dt_makers[name] = {p.first.inputs[0]: p for p in pairs.adds.values()}
-        pair = self._dt_makers[name].get(node.outputs[0])
+        pair = self._dt_pair(node, pairs, frame)
         w = self._one_gemm_weight(pair, frame, forward) if pair is not None else None
         shape = static_shape(frame.function, node.outputs[0])
         target = None if w is None or shape is None else \
@@ -526,6 +523,13 @@ class _StepInterpreter(Interpreter):
             return False
         self._run_redirected(node, frame, forward, target)
         return True
+
+    def _dt_pair(self, node, pairs, frame):
+        """The one-GEMM pair whose d_t `node` makes (its output 0), or None."""
+        name = frame.function.name
+        if name not in self._dt_makers:
+            self._dt_makers[name] = {p.first.inputs[0]: p for p in pairs.adds.values()}
+        return self._dt_makers[name].get(node.outputs[0]) if node.outputs else None
 
     def _run_redirected(self, node, frame, forward, target) -> None:
         """Run `node` with its first output written into `target` (`_out_bytes`, `_after`)
