@@ -29,10 +29,19 @@ def call_runtime(command: str, target: str, request: dict) -> int:
         click.echo(f"error: {exc.message}", err=True)
         for line in exc.help:
             click.echo(f"  = help: {line}", err=True)
-        return 1
+        return _ended(1)
     if summary:  # a data-parallel rank other than 0 reports nothing
         click.echo(summary)
-    return 0
+    return _ended(0)
+
+
+def _ended(code: int) -> int:
+    """`code`; a torchrun rank's process ends here instead (runtime.dist.context
+    .end_joined_process: torch's teardown at the interpreter's exit can abort)."""
+    from runtime.dist.context import end_joined_process
+
+    end_joined_process(code)
+    return code
 
 
 def model_choice_options() -> list:

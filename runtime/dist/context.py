@@ -23,6 +23,9 @@ import torch.distributed as dist
 from runtime.errors import RuntimeUserError
 
 DEFAULT_TIMEOUT_S = 600
+# True once from_env joined a process group for this process (a torchrun rank): the
+# command line then ends the process with end_joined_process, not the interpreter's exit
+_joined = False
 # NVLink multicast (NVLS) can take the host's shared GPUs down: never on
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -56,6 +59,8 @@ class DistContext:
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
+            global _joined
+            _joined = True
         return cls(rank, world, local, device, backend)
 
     @property
@@ -130,6 +135,33 @@ class DistContext:
         sys.stderr.flush()
         if self.backend == "nccl":
             os._exit(code)
+
+
+# How long a failed rank waits before it ends: torchrun names as the root cause the rank
+# it saw fail first, to the second, ties to the lowest rank; so a rank ending at once
+# because a collective broke (another rank died) would be named in the dead rank's place.
+# torchrun polls every 0.1 s (--monitor-interval) and ends the waiting rank itself.
+LAUNCHER_GRACE_S = 2.0
+
+
+def end_joined_process(code: int) -> None:
+    """End a torchrun rank's process once its command has reported (outputs flushed),
+    skipping the interpreter's shutdown, where a process that joined a group from_env
+    made can abort after the run finished: torch 2.13's teardown with gloo ended ~1 in 50
+    finished two-rank runs on two loaded cores with "terminate called without an active
+    exception" (SIGABRT, no Python frame left, the group already destroyed), so torchrun
+    reported a failed run. A failed rank first waits LAUNCHER_GRACE_S (torchrun usually
+    ends it meanwhile). A process that joined no group returns."""
+    import sys
+    import time
+
+    if not _joined:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != 0:
+        time.sleep(LAUNCHER_GRACE_S)
+    os._exit(code)
 
 
 @contextmanager

@@ -101,10 +101,10 @@ def train_model(**kwargs) -> str:
     try:
         summary = _train(request, context)
         if context.backend == "gloo":  # every rank past its last collective before any
-            context.barrier()  # leaves: else a rank could abort at exit ("terminate called
-            # without an active exception", seen after the evaluation's all_reduce)
+            context.barrier()  # leaves the group
     finally:
-        context.close()  # gloo: leave the group before exit (its teardown at exit aborts)
+        context.close()  # gloo: leave the group; the command line then ends a torchrun
+        # rank's process at once (end_joined_process: torch's teardown at exit can abort)
     if context.backend == "nccl":  # its shutdown can hang after captured collectives
         print(summary if context.is_main else "", flush=True)
         context.exit_now()
