@@ -5,7 +5,7 @@ q,k,v,o,gate,up,down (issue 6 item 4). On the GPU, from the repository root:
     python3 benchmarks/gpu/lora_step.py lora
 
 Each prints one JSON line: tokens/s (median of 10 CUDA-graph replays), peak memory, fixed
-state. Figures measured with it are in docs/gpu.md ("LoRA")."""
+state. Figures measured with it are in docs/gpu-lora.md ("The TinyLlama shape")."""
 import json
 import sys
 from pathlib import Path

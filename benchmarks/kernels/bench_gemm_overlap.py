@@ -3,7 +3,7 @@
 A loop of 40 TinyLlama-sized GEMMs (8192 x 5632 x 2048, bf16, cuBLASLt's first candidate
 with `CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET` = SMs - k) beside an AdamW-sized elementwise
 update (280M fp32 elements, a ZeRO-2 shard's moments) on another stream: each alone, one
-after the other, and at once. The probe behind docs/gpu.md's "leaving multiprocessors
+after the other, and at once. The probe behind docs/gpu-lora.md's "leaving multiprocessors
 free does not pay" (one H100, session 11: `results_gemm_overlap_h100.txt`).
 
     python3 benchmarks/kernels/bench_gemm_overlap.py
