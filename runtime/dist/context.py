@@ -13,6 +13,8 @@ other ranks and names the one that failed.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -129,12 +131,9 @@ class DistContext:
     def exit_now(self, code: int = 0) -> None:
         """End this process at once (outputs flushed): under NCCL after a captured step,
         the interpreter's own shutdown can hang in the process group's destructor."""
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
         if self.backend == "nccl":
-            os._exit(code)
+            _exit_flushed(code)
+        _flush()
 
 
 # How long a failed rank waits before it ends: torchrun names as the root cause the rank
@@ -152,15 +151,22 @@ def end_joined_process(code: int) -> None:
     exception" (SIGABRT, no Python frame left, the group already destroyed), so torchrun
     reported a failed run. A failed rank first waits LAUNCHER_GRACE_S (torchrun usually
     ends it meanwhile). A process that joined no group returns."""
-    import sys
-    import time
-
     if not _joined:
         return
+    if code != 0:
+        _flush()
+        time.sleep(LAUNCHER_GRACE_S)
+    _exit_flushed(code)
+
+
+def _flush() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    if code != 0:
-        time.sleep(LAUNCHER_GRACE_S)
+
+
+def _exit_flushed(code: int) -> None:
+    """End the process now, without the interpreter's shutdown, its outputs written."""
+    _flush()
     os._exit(code)
 
 
