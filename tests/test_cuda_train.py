@@ -370,15 +370,16 @@ def _load_all(steps, tmp_path, tokens) -> None:
         s.set_batch(tokens)
 
 
-def _budget_between(derive_written: bool, share: float, plan_device="h200-noswap") -> int:
-    """A GPU budget for SMALL: `share` of the way from the planner's lowest peak to its
-    keep-all peak (both in this step's terms)."""
+def _budget_between(derive_written: bool, share: float, plan_device="h200-noswap",
+                    lora=None) -> int:
+    """A GPU budget for SMALL (with `lora`, its LoRA step): `share` of the way from the
+    planner's lowest peak to its keep-all peak (both in this step's terms)."""
     from modulec.plan.budget import make_problem, no_recompute, plan_budget
     from modulec.plan.devices import device
     from runtime.cuda.step import TrainStep, planner_budget
 
     program = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T,
-                                    derive_written=derive_written).program
+                                    derive_written=derive_written, lora=lora).program
     problem = make_problem(program.graph, None, "full", device(plan_device))
     lowest, peak = plan_budget(problem, 0).minimum_peak, no_recompute(problem).peak_bytes
     return int(lowest + share * (peak - lowest)) - planner_budget(program, 0)
@@ -534,6 +535,41 @@ def test_lora_step_takes_block_diagonal_B_from_its_slot(tmp_path, monkeypatch):
         assert torch.equal(slot, torch.block_diag(*parts))
     for a, b in zip(losses["1"], losses["0"]):
         assert abs(a - b) / abs(a) < 2e-3, losses
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_budgeted_lora_step_matches_the_unbudgeted_lora_step(tmp_path, arena):
+    """`--memory-budget` with `--lora`: the LoRA step built with a budget (the planner's
+    recompute decisions over the adapted projections, the one-GEMM paths beside them)
+    gives the unbudgeted LoRA step's loss and adapter gradients within bf16 noise, eagerly
+    and as CUDA-graph replays, and its predicted peak is within the budget."""
+    from runtime.cuda.step import TrainStep
+
+    plain, model = _lora_step(tmp_path)
+    budget = _budget_between(False, 0.2, lora=LORA)
+    budgeted = TrainStep.from_module(LLAMA, SMALL, batch=B, seq=T, lora=LORA,
+                                     memory_budget=budget, arena=arena).load(model.params)
+    assert plain.decisions is None and budgeted.decisions is not None
+    tokens = _tokens().cuda()
+    steps = (plain, budgeted)
+    for s in steps:
+        s.adamw.lr = 1e-3
+        s.set_batch(tokens)
+    (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
+    counts = budgeted.decisions.counts  # what the run did (counted as it runs)
+    assert counts["dropped"] > 0 and counts["recomputed"] > 0, counts
+    assert abs(float(loss_a) - float(loss_b)) / float(loss_a) < 1e-3
+    assert grads_a.keys() == grads_b.keys() and all("lora_" in p for p in grads_a)
+    worst = min((_cos(grads_b[p], grads_a[p]), p) for p in grads_a)
+    assert worst[0] >= 0.999, worst
+    predicted = budgeted.predicted_peak()
+    assert predicted is not None and predicted <= budget
+    for s in steps:
+        s.capture(warmup=1)
+    losses = [[float(s(tokens)) for _ in range(4)] for s in steps]
+    for a, b in zip(*losses):
+        assert abs(a - b) / abs(a) < 5e-3, losses
+    assert losses[1][-1] < losses[1][0], losses
 
 
 def _assert_one_gemm_slots_held(step):

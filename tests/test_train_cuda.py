@@ -82,6 +82,28 @@ def test_lora_trains_on_the_gpu_saves_adapters_and_resumes(ckpt, tmp_path):
     assert any(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)
 
 
+def test_lora_under_a_memory_budget_trains_as_without_one(ckpt):
+    """`--lora` with `--memory-budget` on the GPU: the plan recomputes activations (the run
+    says how many) and the losses are the unbudgeted run's, within bf16 noise."""
+    from tests.test_cuda_train import _budget_between
+
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    args = ("--lora", f"rank=4,alpha=8,targets=[{','.join(targets)}]",
+            "--hf-weights", ckpt / "hf", "--steps", "6")
+    plain = train(ckpt, *args)
+    budget = _budget_between(False, 0.2, lora=dict(rank=4, alpha=8, targets=targets))
+    result = run("train", LLAMA, "--data", ckpt / "tokens.bin", "--seq", T, "--batch", B,
+                 "--lr", "1e-3", "--format", "json", "--repeat-batch", *args,
+                 "--memory-budget", str(budget))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    notes = [r["text"] for r in rows if r["event"] == "note" and "--memory-budget" in r["text"]]
+    assert len(notes) == 1 and "recomputes 0 " not in notes[0], notes
+    budgeted = [r["loss"] for r in rows if r["event"] == "step"]
+    assert budgeted == pytest.approx(plain, rel=5e-3)
+    assert budgeted[-1] < budgeted[0]
+
+
 def test_gpt2_trains_on_the_gpu_with_its_head_tied(ckpt, tmp_path):
     """std/models/gpt2.module: position ids fed, the LM head tied to wte (one master, the two
     gradients summed); the checkpoint loads in transformers with the loss we reached."""
