@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.harness import random_tokens, timed  # noqa: E402
+from runtime.cuda import gated_gemm  # noqa: E402
 from runtime.cuda.step import TrainStep, runtime_fixed_bytes  # noqa: E402
 
 variant = sys.argv[1]
@@ -37,4 +38,5 @@ print(json.dumps({"variant": variant, "step_s": step_s, "tokens_per_s": B * T / 
                   "state_after_load_gib": after_load / 2**30,
                   "fixed_state_gib": runtime_fixed_bytes(step.program) / 2**30,
                   "trained_params": trained, "loss": float(step.loss),
+                  "gated_gemm": gated_gemm.summary(),  # SwiGLU in the GEMMs' epilogues?
                   "device": torch.cuda.get_device_name()}))
