@@ -403,21 +403,31 @@ def test_budgeted_step_matches_the_unbudgeted_step(tmp_path, derive_written, are
     plain, budgeted = steps
     assert plain.decisions is None and budgeted.decisions is not None
     _load_all(steps, tmp_path, tokens)
+    grads_a, grads_b, _ = _budgeted_matches_plain(steps, tokens, budget, warmup=2)
+    assert budgeted.swaps_kept == 0
+    assert max(_rel(grads_b[p], grads_a[p]) for p in grads_a) < 3e-2
+
+
+def _budgeted_matches_plain(steps, tokens, budget: int, warmup: int):
+    """(plain step, budgeted step) with their batch set: the budgeted run drops and
+    recomputes (its counters count as it runs), loss within 1e-3, every gradient cosine
+    >= 0.999, the predicted peak within `budget`, and after capture four replays' losses
+    within 5e-3. (plain grads, budgeted grads, each step's replay losses)."""
     (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
-    assert budgeted.decisions.counts["dropped"] > 0
-    assert budgeted.decisions.counts["recomputed"] > 0 and budgeted.swaps_kept == 0
+    counts = steps[1].decisions.counts
+    assert counts["dropped"] > 0 and counts["recomputed"] > 0, counts
     assert abs(float(loss_a) - float(loss_b)) / float(loss_a) < 1e-3
     assert grads_a.keys() == grads_b.keys()
     worst = min((_cos(grads_b[p], grads_a[p]), p) for p in grads_a)
     assert worst[0] >= 0.999, worst
-    assert max(_rel(grads_b[p], grads_a[p]) for p in grads_a) < 3e-2
-    predicted = budgeted.predicted_peak()
+    predicted = steps[1].predicted_peak()
     assert predicted is not None and predicted <= budget
     for s in steps:
-        s.capture(warmup=2)
+        s.capture(warmup=warmup)
     losses = [[float(s(tokens)) for _ in range(4)] for s in steps]
     for a, b in zip(*losses):
         assert abs(a - b) / abs(a) < 5e-3, losses
+    return grads_a, grads_b, losses
 
 
 @pytest.mark.parametrize("share,arena", [(0.2, False), (0.9, False), (0.2, True)])
@@ -555,20 +565,8 @@ def test_budgeted_lora_step_matches_the_unbudgeted_lora_step(tmp_path, arena):
     for s in steps:
         s.adamw.lr = 1e-3
         s.set_batch(tokens)
-    (loss_a, grads_a), (loss_b, grads_b) = (s.loss_and_gradients() for s in steps)
-    counts = budgeted.decisions.counts  # what the run did (counted as it runs)
-    assert counts["dropped"] > 0 and counts["recomputed"] > 0, counts
-    assert abs(float(loss_a) - float(loss_b)) / float(loss_a) < 1e-3
-    assert grads_a.keys() == grads_b.keys() and all("lora_" in p for p in grads_a)
-    worst = min((_cos(grads_b[p], grads_a[p]), p) for p in grads_a)
-    assert worst[0] >= 0.999, worst
-    predicted = budgeted.predicted_peak()
-    assert predicted is not None and predicted <= budget
-    for s in steps:
-        s.capture(warmup=1)
-    losses = [[float(s(tokens)) for _ in range(4)] for s in steps]
-    for a, b in zip(*losses):
-        assert abs(a - b) / abs(a) < 5e-3, losses
+    grads, _, losses = _budgeted_matches_plain(steps, tokens, budget, warmup=1)
+    assert all("lora_" in p for p in grads)
     assert losses[1][-1] < losses[1][0], losses
 
 
